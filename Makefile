@@ -1,0 +1,40 @@
+# Two commands on a fresh machine with Python 3.11+ and make: `make demo`, `make test`.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+# Reinstall whenever the project's dependencies change.
+INSTALLED := $(VENV)/.installed
+
+.PHONY: demo test lint typecheck unit proto models clean
+
+$(INSTALLED): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	touch $@
+
+demo: $(INSTALLED)
+	$(BIN)/stratus models verify models
+
+test: $(INSTALLED) lint typecheck
+	$(BIN)/python -m pytest -q
+
+lint: $(INSTALLED)
+	$(BIN)/ruff check .
+
+typecheck: $(INSTALLED)
+	$(BIN)/mypy
+
+unit: $(INSTALLED)
+	$(BIN)/python -m pytest -q tests/unit
+
+# Regenerate the committed gRPC stubs in stratus/wire from proto/ (pinned grpcio-tools).
+proto: $(INSTALLED)
+	$(BIN)/python scripts/generate_stubs.py
+
+# Rebuild every committed model file from scikit-learn's bundled digits data.
+models: $(INSTALLED)
+	$(BIN)/python models/build.py
+
+clean:
+	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis

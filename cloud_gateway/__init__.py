@@ -1,0 +1,1 @@
+"""The Stratus cloud gateway (escalation API)."""

@@ -1,0 +1,1 @@
+"""The Stratus edge agent and on-device SDK."""

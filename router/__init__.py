@@ -1,0 +1,1 @@
+"""The Stratus router (edge gateway)."""

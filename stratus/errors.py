@@ -1,0 +1,76 @@
+"""The one exception tree of Stratus.
+
+Every error a caller can act on derives from :class:`StratusError` and names the gRPC
+status it becomes; the mapping to a wire status happens once, in
+:mod:`stratus.status`, so servicers raise domain errors and never build statuses.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+
+class StratusError(Exception):
+    """Root of every error Stratus raises on purpose."""
+
+    status_name: ClassVar[str] = "INTERNAL"
+
+
+class InvalidInput(StratusError):
+    """The request itself is wrong: a tensor's shape, type, size, or a parameter."""
+
+    status_name = "INVALID_ARGUMENT"
+
+
+class NotFound(StratusError):
+    """A model family, variant or agent that nothing here knows."""
+
+    status_name = "NOT_FOUND"
+
+
+class ConfigError(StratusError):
+    """A configuration file or setting is malformed; the message names file, key and problem."""
+
+    status_name = "FAILED_PRECONDITION"
+
+
+class RuntimeUnavailable(StratusError):
+    """An inference runtime cannot run here (library missing, no GPU); the message says why."""
+
+    status_name = "FAILED_PRECONDITION"
+
+
+class ModelLoadError(StratusError):
+    """A model file exists but its runtime refused to load or run it."""
+
+    status_name = "INTERNAL"
+
+
+class Unavailable(StratusError):
+    """Nothing that could serve the request is reachable right now."""
+
+    status_name = "UNAVAILABLE"
+
+
+class Overloaded(StratusError):
+    """A bounded queue is full; the message names which one."""
+
+    status_name = "RESOURCE_EXHAUSTED"
+
+
+class DeadlineExceeded(StratusError):
+    """The request's budget or deadline ran out before an answer."""
+
+    status_name = "DEADLINE_EXCEEDED"
+
+
+class Unauthenticated(StratusError):
+    """Missing or wrong credentials."""
+
+    status_name = "UNAUTHENTICATED"
+
+
+class PermissionDenied(StratusError):
+    """Credentials are valid but do not allow this call."""
+
+    status_name = "PERMISSION_DENIED"

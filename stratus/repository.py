@@ -1,0 +1,345 @@
+"""The model repository: one folder per family, each with a ``family.toml``.
+
+A request names a *family* (``digits``) or one of its *variants* (``digits-large``). The
+config says what goes in and out, how outputs become a confidence, each tier's escalation
+threshold, and which files each variant ships in which format. A malformed config is
+refused with a message naming the file, the key and the problem: a fleet that loads a
+half-understood config would route on numbers nobody meant.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Final
+
+from stratus import codec
+from stratus.codec import Array
+from stratus.confidence import ConfidenceMethod
+from stratus.errors import ConfigError, InvalidInput, NotFound
+from stratus.tiers import Tier
+
+CONFIG_NAME: Final = "family.toml"
+FORMATS: Final = ("tflite", "onnx", "openvino")
+PRECISIONS: Final = ("FP32", "FP16", "INT8")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TensorSpec:
+    """A tensor a family takes or gives; ``-1`` in ``shape`` is the batch dimension."""
+
+    name: str
+    datatype: str
+    shape: tuple[int, ...]
+
+    def check(self, array: Array) -> None:
+        """Refuse an input whose datatype or shape does not fit this spec."""
+        datatype = codec.datatype_of(array)
+        if datatype != self.datatype:
+            raise InvalidInput(
+                f"input '{self.name}': datatype is {datatype}, the model takes {self.datatype}"
+            )
+        fits = len(array.shape) == len(self.shape) and all(
+            want in (-1, got) for want, got in zip(self.shape, array.shape, strict=True)
+        )
+        if not fits:
+            raise InvalidInput(
+                f"input '{self.name}': shape {list(array.shape)} does not fit the model's {list(self.shape)}"
+            )
+
+
+@dataclass(frozen=True, kw_only=True)
+class ConfidenceSpec:
+    output: str
+    method: ConfidenceMethod
+    apply_softmax: bool
+
+
+@dataclass(frozen=True, kw_only=True)
+class VariantSpec:
+    """One servable model: a family member for one tier, in one or more file formats."""
+
+    name: str
+    family: str
+    tier: Tier
+    precision: str
+    files: Mapping[str, Path]
+
+
+@dataclass(frozen=True, kw_only=True)
+class FamilySpec:
+    name: str
+    description: str
+    inputs: tuple[TensorSpec, ...]
+    outputs: tuple[TensorSpec, ...]
+    confidence: ConfidenceSpec
+    thresholds: Mapping[Tier, float]
+    variants: tuple[VariantSpec, ...]
+    source: Path
+
+    def variant(self, name: str) -> VariantSpec:
+        for variant in self.variants:
+            if variant.name == name:
+                return variant
+        raise NotFound(f"family '{self.name}' has no variant '{name}'")
+
+    def variants_for(self, tier: Tier) -> tuple[VariantSpec, ...]:
+        return tuple(v for v in self.variants if v.tier is tier)
+
+    def check_inputs(self, inputs: Mapping[str, Array]) -> None:
+        """Refuse missing, unexpected, mistyped or misshapen inputs, naming the first found."""
+        expected = {spec.name: spec for spec in self.inputs}
+        for name in inputs:
+            if name not in expected:
+                raise InvalidInput(f"model '{self.name}' has no input '{name}'; it takes {sorted(expected)}")
+        for name, spec in expected.items():
+            if name not in inputs:
+                raise InvalidInput(f"model '{self.name}' needs input '{name}'")
+            spec.check(inputs[name])
+        batches = {array.shape[0] for array in inputs.values() if array.ndim}
+        if len(batches) > 1:
+            raise InvalidInput(f"inputs disagree on the batch size: {sorted(batches)}")
+
+
+@dataclass(frozen=True)
+class ModelRepository:
+    """Every family found under one folder."""
+
+    root: Path
+    families: Mapping[str, FamilySpec] = field(default_factory=dict)
+
+    @classmethod
+    def load(cls, root: Path | str) -> ModelRepository:
+        root = Path(root)
+        if not root.is_dir():
+            raise ConfigError(f"{root}: model repository folder does not exist")
+        families = {}
+        for path in sorted(root.glob(f"*/{CONFIG_NAME}")):
+            family = load_family(path)
+            if family.name in families:
+                raise ConfigError(f"{path}: family '{family.name}' is also defined elsewhere in {root}")
+            families[family.name] = family
+        if not families:
+            raise ConfigError(f"{root}: no */{CONFIG_NAME} found")
+        repository = cls(root, families)
+        repository._check_unique_variants()
+        return repository
+
+    def _check_unique_variants(self) -> None:
+        seen: dict[str, str] = {}
+        for family in self.families.values():
+            for variant in family.variants:
+                if variant.name in seen or variant.name in self.families:
+                    raise ConfigError(f"{family.source}: variant name '{variant.name}' is not unique")
+                seen[variant.name] = family.name
+
+    def family(self, name: str) -> FamilySpec:
+        try:
+            return self.families[name]
+        except KeyError:
+            raise NotFound(f"unknown model '{name}'; known families: {sorted(self.families)}") from None
+
+    def variant(self, name: str) -> VariantSpec:
+        for family in self.families.values():
+            for variant in family.variants:
+                if variant.name == name:
+                    return variant
+        raise NotFound(f"unknown variant '{name}'")
+
+    def resolve(self, model_name: str) -> tuple[FamilySpec, VariantSpec | None]:
+        """A request's model name as (family, pinned variant or None)."""
+        if model_name in self.families:
+            return self.families[model_name], None
+        variant = self.variant(model_name) if self._has_variant(model_name) else None
+        if variant is None:
+            known = sorted([*self.families, *(v.name for f in self.families.values() for v in f.variants)])
+            raise NotFound(f"unknown model '{model_name}'; known models: {known}")
+        return self.families[variant.family], variant
+
+    def _has_variant(self, name: str) -> bool:
+        return any(v.name == name for f in self.families.values() for v in f.variants)
+
+    def all_variants(self) -> tuple[VariantSpec, ...]:
+        return tuple(v for f in self.families.values() for v in f.variants)
+
+
+class _Reader:
+    """Typed access to a parsed TOML table, with errors that name file and key."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def fail(self, key: str, problem: str) -> ConfigError:
+        return ConfigError(f"{self.path}: key '{key}': {problem}")
+
+    def get(self, table: Mapping[str, Any], key: str, kind: type, where: str, default: Any = ...) -> Any:
+        full = f"{where}.{key}" if where else key
+        if key not in table:
+            if default is ...:
+                raise self.fail(full, "is missing")
+            return default
+        value = table[key]
+        if kind is float and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)
+        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+            raise self.fail(full, f"must be a {kind.__name__}, not {type(value).__name__}")
+        return value
+
+    def choice(self, table: Mapping[str, Any], key: str, choices: tuple[str, ...], where: str) -> str:
+        value: str = self.get(table, key, str, where)
+        if value not in choices:
+            raise self.fail(
+                f"{where}.{key}" if where else key, f"'{value}' is not one of {', '.join(choices)}"
+            )
+        return value
+
+    def unknown_keys(self, table: Mapping[str, Any], allowed: set[str], where: str) -> None:
+        for key in table:
+            if key not in allowed:
+                raise self.fail(f"{where}.{key}" if where else key, "is not a known setting")
+
+
+def load_family(path: Path) -> FamilySpec:
+    """Parse and validate one ``family.toml``."""
+    reader = _Reader(path)
+    try:
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: not valid TOML: {exc}") from None
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read: {exc.strerror}") from None
+    reader.unknown_keys(data, {"family", "inputs", "outputs", "confidence", "thresholds", "variants"}, "")
+    head = reader.get(data, "family", dict, "")
+    name = reader.get(head, "name", str, "family")
+    outputs = _tensors(reader, data, "outputs")
+    confidence = _confidence(reader, data, outputs)
+    return FamilySpec(
+        name=name,
+        description=reader.get(head, "description", str, "family", ""),
+        inputs=_tensors(reader, data, "inputs"),
+        outputs=outputs,
+        confidence=confidence,
+        thresholds=_thresholds(reader, data),
+        variants=_variants(reader, data, name, path.parent),
+        source=path,
+    )
+
+
+def _tensors(reader: _Reader, data: Mapping[str, Any], key: str) -> tuple[TensorSpec, ...]:
+    items = reader.get(data, key, list, "")
+    if not items:
+        raise reader.fail(key, "must list at least one tensor")
+    specs = []
+    for index, item in enumerate(items):
+        where = f"{key}[{index}]"
+        if not isinstance(item, dict):
+            raise reader.fail(where, "must be a table")
+        shape = reader.get(item, "shape", list, where)
+        if not all(isinstance(d, int) and (d > 0 or d == -1) for d in shape):
+            raise reader.fail(f"{where}.shape", f"{shape}: dimensions must be positive, or -1 for the batch")
+        specs.append(
+            TensorSpec(
+                name=reader.get(item, "name", str, where),
+                datatype=reader.choice(item, "datatype", codec.DATATYPES, where),
+                shape=tuple(shape),
+            )
+        )
+    return tuple(specs)
+
+
+def _confidence(reader: _Reader, data: Mapping[str, Any], outputs: tuple[TensorSpec, ...]) -> ConfidenceSpec:
+    table = reader.get(data, "confidence", dict, "")
+    output = reader.get(table, "output", str, "confidence")
+    if output not in {o.name for o in outputs}:
+        raise reader.fail("confidence.output", f"'{output}' is not one of the family's outputs")
+    method = reader.choice(table, "method", tuple(m.value for m in ConfidenceMethod), "confidence")
+    return ConfidenceSpec(
+        output=output,
+        method=ConfidenceMethod(method),
+        apply_softmax=reader.get(table, "apply_softmax", bool, "confidence", False),
+    )
+
+
+def _thresholds(reader: _Reader, data: Mapping[str, Any]) -> dict[Tier, float]:
+    table = reader.get(data, "thresholds", dict, "", {})
+    thresholds = {}
+    for key in table:
+        tier = _tier(reader, key, f"thresholds.{key}")
+        value = reader.get(table, key, float, "thresholds")
+        if not (0.0 <= value <= 1.0) or math.isnan(value):
+            raise reader.fail(f"thresholds.{key}", f"{value} must lie between 0 and 1")
+        thresholds[tier] = value
+    return thresholds
+
+
+def _tier(reader: _Reader, text: str, key: str) -> Tier:
+    try:
+        return Tier.parse(text)
+    except InvalidInput:
+        raise reader.fail(key, f"'{text}' is not one of device, edge, cloud") from None
+
+
+def _variants(reader: _Reader, data: Mapping[str, Any], family: str, folder: Path) -> tuple[VariantSpec, ...]:
+    items = reader.get(data, "variants", list, "")
+    if not items:
+        raise reader.fail("variants", "must list at least one variant")
+    variants = [_variant(reader, item, f"variants[{i}]", family, folder) for i, item in enumerate(items)]
+    names = [v.name for v in variants]
+    for name in names:
+        if names.count(name) > 1:
+            raise reader.fail("variants", f"variant '{name}' is listed more than once")
+    return tuple(variants)
+
+
+def _variant(reader: _Reader, item: Any, where: str, family: str, folder: Path) -> VariantSpec:
+    if not isinstance(item, dict):
+        raise reader.fail(where, "must be a table")
+    reader.unknown_keys(item, {"name", "tier", "precision", "files"}, where)
+    name = reader.get(item, "name", str, where)
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", name):
+        raise reader.fail(f"{where}.name", f"'{name}' may hold only letters, digits, '.', '_' and '-'")
+    files_table = reader.get(item, "files", dict, where)
+    files = {}
+    for fmt in files_table:
+        if fmt not in FORMATS:
+            raise reader.fail(f"{where}.files.{fmt}", f"unknown format; expected one of {', '.join(FORMATS)}")
+        path = folder / reader.get(files_table, fmt, str, f"{where}.files")
+        if not path.is_file():
+            raise reader.fail(f"{where}.files.{fmt}", f"file {path} does not exist")
+        files[fmt] = path
+    if not files:
+        raise reader.fail(f"{where}.files", "must name at least one file")
+    return VariantSpec(
+        name=name,
+        family=family,
+        tier=_tier(reader, reader.get(item, "tier", str, where), f"{where}.tier"),
+        precision=reader.choice(item, "precision", PRECISIONS, where) if "precision" in item else "FP32",
+        files=files,
+    )
+
+
+def write_thresholds(path: Path, thresholds: Mapping[Tier, float]) -> None:
+    """Replace the ``[thresholds]`` table of a family config, keeping the rest of the file."""
+    text = path.read_text(encoding="utf-8")
+    body = "".join(f"{tier.label} = {value:.4f}\n" for tier, value in sorted(thresholds.items()))
+    section = re.compile(r"^\[thresholds\]\n(?:(?!\[).*\n?)*", re.MULTILINE)
+    if section.search(text):
+        text = section.sub(lambda _: "[thresholds]\n" + body + "\n", text, count=1)
+    else:
+        text = text.rstrip("\n") + "\n\n[thresholds]\n" + body
+    load_family_text_check(path, text)
+    path.write_text(text, encoding="utf-8")
+
+
+def load_family_text_check(path: Path, text: str) -> None:
+    """Parse ``text`` as ``path`` would be parsed, so a rewrite never leaves a broken file."""
+    scratch = path.with_name(f".{path.name}.check")
+    scratch.write_text(text, encoding="utf-8")
+    try:
+        load_family(scratch)
+    finally:
+        scratch.unlink()

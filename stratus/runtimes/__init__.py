@@ -1,0 +1,149 @@
+"""Inference runtimes behind one contract, and the order in which they are chosen.
+
+Choosing a runtime for a variant follows a fixed, documented preference per hardware and
+tier, over the formats the variant ships; an agent may override it with its own order
+(``--runtimes``). A runtime that cannot run here is skipped with its reason kept, so an
+agent that ends up with nothing can say exactly why.
+
+==========================  ============================================================
+where                       preference (runtime/format)
+==========================  ============================================================
+a CUDA GPU is visible       tensorrt/onnx, onnxruntime/onnx, openvino/openvino,
+                            openvino/onnx, litert/tflite
+device tier, CPU only       litert/tflite, openvino/openvino, onnxruntime/onnx,
+                            openvino/onnx
+edge or cloud tier, CPU     openvino/openvino, onnxruntime/onnx, openvino/onnx,
+                            litert/tflite
+==========================  ============================================================
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from stratus.errors import ModelLoadError, NotFound, RuntimeUnavailable, StratusError
+from stratus.repository import FamilySpec, VariantSpec
+from stratus.runtimes.base import Availability, LoadOptions, ModelRunner, RuntimeDescription
+from stratus.runtimes.litert import LiteRtRunner
+from stratus.runtimes.openvino_rt import OpenVinoRunner
+from stratus.runtimes.ort import OnnxRuntimeRunner
+from stratus.runtimes.tensorrt_rt import TensorRtRunner
+from stratus.tiers import Tier
+
+RUNNERS: dict[str, type[ModelRunner]] = {
+    cls.runtime: cls for cls in (LiteRtRunner, OpenVinoRunner, OnnxRuntimeRunner, TensorRtRunner)
+}
+
+_GPU_ORDER = (
+    ("tensorrt", "onnx"),
+    ("onnxruntime", "onnx"),
+    ("openvino", "openvino"),
+    ("openvino", "onnx"),
+    ("litert", "tflite"),
+)
+_DEVICE_ORDER = (
+    ("litert", "tflite"),
+    ("openvino", "openvino"),
+    ("onnxruntime", "onnx"),
+    ("openvino", "onnx"),
+)
+_SERVER_ORDER = (
+    ("openvino", "openvino"),
+    ("onnxruntime", "onnx"),
+    ("openvino", "onnx"),
+    ("litert", "tflite"),
+)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Choice:
+    runtime: str
+    format: str
+    path: Path
+
+
+def preference(*, tier: Tier, gpu: bool) -> tuple[tuple[str, str], ...]:
+    """The default (runtime, format) order for a tier on this kind of hardware."""
+    if gpu:
+        return _GPU_ORDER
+    return _DEVICE_ORDER if tier is Tier.DEVICE else _SERVER_ORDER
+
+
+def available_runtimes() -> dict[str, Availability]:
+    return {name: cls.availability() for name, cls in RUNNERS.items()}
+
+
+def candidates(
+    variant: VariantSpec, *, tier: Tier, gpu: bool, runtimes: Sequence[str] | None = None
+) -> list[Choice]:
+    """Every (runtime, file) that could serve the variant, best first.
+
+    ``runtimes`` overrides the order: only those runtimes, in that order.
+    """
+    order = preference(tier=tier, gpu=gpu)
+    if runtimes is not None:
+        unknown = [r for r in runtimes if r not in RUNNERS]
+        if unknown:
+            raise NotFound(f"unknown runtime(s) {unknown}; known: {sorted(RUNNERS)}")
+        order = tuple((r, f) for r in runtimes for f in RUNNERS[r].formats)
+    return [Choice(runtime=r, format=f, path=variant.files[f]) for r, f in order if f in variant.files]
+
+
+def load_runner(
+    family: FamilySpec,
+    variant: VariantSpec,
+    options: LoadOptions,
+    *,
+    runtimes: Sequence[str] | None = None,
+    availability: dict[str, Availability] | None = None,
+) -> ModelRunner:
+    """Load a variant in the best runtime that works here, warmed up and ready."""
+    availability = availability if availability is not None else available_runtimes()
+    gpu = availability.get("tensorrt", Availability(available=False)).available
+    reasons = []
+    for choice in candidates(variant, tier=options.tier, gpu=gpu, runtimes=runtimes):
+        status = availability.get(choice.runtime)
+        if status is None or not status.available:
+            reasons.append(f"{choice.runtime}: {status.reason if status else 'unknown'}")
+            continue
+        runner = open_runner(family, variant, choice, options)
+        runner.warmup()
+        return runner
+    raise RuntimeUnavailable(
+        f"no runtime can serve variant '{variant.name}' here: {'; '.join(reasons) or 'no file in a usable format'}"
+    )
+
+
+def open_runner(
+    family: FamilySpec, variant: VariantSpec, choice: Choice, options: LoadOptions
+) -> ModelRunner:
+    """Load one specific (runtime, file) without warming up.
+
+    Runtimes raise their own exception types for a bad file; they become ModelLoadError
+    naming the runtime and the file, so callers handle one error whatever the runtime.
+    """
+    try:
+        return RUNNERS[choice.runtime](
+            variant=variant, path=choice.path, inputs=family.inputs, outputs=family.outputs, options=options
+        )
+    except StratusError:
+        raise
+    except Exception as exc:
+        raise ModelLoadError(f"{choice.runtime} cannot load {choice.path}: {exc}") from exc
+
+
+__all__ = [
+    "RUNNERS",
+    "Availability",
+    "Choice",
+    "LoadOptions",
+    "ModelRunner",
+    "RuntimeDescription",
+    "available_runtimes",
+    "candidates",
+    "load_runner",
+    "open_runner",
+    "preference",
+]

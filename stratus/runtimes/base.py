@@ -1,0 +1,103 @@
+"""The one contract every inference runtime fills.
+
+A :class:`ModelRunner` is a variant loaded into one runtime: built (and loaded) by its
+constructor, warmed up once before it serves, then ``infer`` on whole batches from a
+bounded executor's threads. Runners guard their own thread safety (a pool of interpreters
+or infer requests), never share or mutate the caller's arrays, and describe themselves so
+agents can tell the router what they run.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import ClassVar
+
+import numpy as np
+
+from stratus.codec import Array
+from stratus.repository import TensorSpec, VariantSpec
+from stratus.tiers import Tier
+
+
+@dataclass(frozen=True, kw_only=True)
+class RuntimeDescription:
+    """What an agent reports about a loaded variant."""
+
+    runtime: str
+    device: str
+    precisions: tuple[str, ...]
+    dynamic_batch: bool
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoadOptions:
+    """How to load: for which tier (it picks latency or throughput modes), where to cache,
+    and how many threads may run inference at once (the executor's width)."""
+
+    tier: Tier
+    cache_dir: Path
+    concurrency: int = 1
+    threads_per_inference: int = 1
+
+    def __post_init__(self) -> None:
+        if self.concurrency < 1 or self.threads_per_inference < 1:
+            raise ValueError("concurrency and threads_per_inference must be at least 1")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Availability:
+    available: bool
+    reason: str = ""
+
+
+class ModelRunner(abc.ABC):
+    """A variant loaded into one runtime."""
+
+    runtime: ClassVar[str]
+    formats: ClassVar[tuple[str, ...]]
+
+    def __init__(
+        self,
+        *,
+        variant: VariantSpec,
+        path: Path,
+        inputs: tuple[TensorSpec, ...],
+        outputs: tuple[TensorSpec, ...],
+        options: LoadOptions,
+    ) -> None:
+        self.variant = variant
+        self.path = path
+        self.inputs = inputs
+        self.outputs = outputs
+        self.options = options
+
+    @classmethod
+    @abc.abstractmethod
+    def availability(cls) -> Availability:
+        """Whether this runtime can run on this machine, and if not, why."""
+
+    @abc.abstractmethod
+    def infer(self, batch: Mapping[str, Array]) -> dict[str, Array]:
+        """Run one batch; blocking, thread-safe, returns arrays the caller owns."""
+
+    @abc.abstractmethod
+    def describe(self) -> RuntimeDescription: ...
+
+    def warmup(self, batch_sizes: tuple[int, ...] = (1, 8)) -> None:
+        """Run zero batches of typical sizes so the first real request pays no setup cost."""
+        for size in batch_sizes:
+            self.infer({spec.name: zeros_for(spec, size) for spec in self.inputs})
+
+    def close(self) -> None:  # noqa: B027 - optional hook, most runtimes need nothing
+        """Release what the runtime holds (device memory, sessions)."""
+
+
+def zeros_for(spec: TensorSpec, batch: int) -> Array:
+    """A zero input of the spec's shape, with ``batch`` for the -1 dimension."""
+    from stratus.codec import numpy_dtype
+
+    shape = tuple(batch if d == -1 else d for d in spec.shape)
+    return np.zeros(shape, dtype=numpy_dtype(spec.datatype, tensor=spec.name))

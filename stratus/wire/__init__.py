@@ -1,0 +1,1 @@
+"""Generated gRPC stubs (``make proto``); nothing else lives here and nothing here is edited."""

@@ -1,0 +1,61 @@
+"""Cascade simulation and threshold choice on small hand-checked cases."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from stratus.calibrate import TierScores, cascade, for_max_escalation, for_target_accuracy
+from stratus.confidence import ConfidenceMethod, confidence, margin, max_probability, softmax
+from stratus.errors import ConfigError
+from stratus.tiers import Tier
+
+
+def scores() -> list[TierScores]:
+    # Four requests. The device is right on 0 and 1 (confident) and wrong on 2 (confident!) and 3 (unsure).
+    device = TierScores(
+        Tier.DEVICE, "s", np.array([0.95, 0.9, 0.8, 0.4]), np.array([True, True, False, False])
+    )
+    edge = TierScores(Tier.EDGE, "m", np.array([0.9, 0.9, 0.7, 0.6]), np.array([True, True, True, False]))
+    cloud = TierScores(Tier.CLOUD, "l", np.array([1.0, 1.0, 1.0, 1.0]), np.array([True, True, True, True]))
+    return [device, edge, cloud]
+
+
+def test_cascade_answers_on_the_lowest_confident_tier() -> None:
+    outcome = cascade(scores(), (0.85, 0.65))
+    # device answers 0 and 1; edge answers 2 (0.7 >= 0.65); cloud answers 3.
+    assert outcome.reached == (1.0, 0.5, 0.25)
+    assert outcome.accuracy == 1.0
+    low = cascade(scores(), (0.5, 0.5))  # device answers 0, 1, 2 (wrong); edge answers 3 (wrong)
+    assert low.reached == (1.0, 0.25, 0.0)
+    assert low.accuracy == 0.5
+
+
+def test_target_accuracy_picks_the_cheapest_thresholds_that_reach_it() -> None:
+    chosen = for_target_accuracy(scores(), 1.0)
+    outcome = cascade(scores(), chosen)
+    assert outcome.accuracy == 1.0
+    assert outcome.reached[-1] == 0.25  # only the request nobody below can answer goes to the top
+    with pytest.raises(ConfigError, match="no thresholds reach accuracy"):
+        bad = scores()
+        bad[2] = TierScores(Tier.CLOUD, "l", bad[2].confidence, np.array([False] * 4))
+        for_target_accuracy(bad, 1.0)
+
+
+def test_max_escalation_bounds_each_tiers_share() -> None:
+    thresholds = for_max_escalation(scores(), 0.25)
+    outcome = cascade(scores(), thresholds)
+    assert outcome.reached[1] <= 0.25
+    assert for_max_escalation(scores(), 0.0)[0] <= 0.4  # nothing may leave the device
+    assert cascade(scores(), for_max_escalation(scores(), 1.0)).reached[2] == 1.0
+
+
+def test_confidence_functions() -> None:
+    probabilities = np.array([[0.7, 0.2, 0.1], [0.4, 0.35, 0.25]])
+    np.testing.assert_allclose(max_probability(probabilities), [0.7, 0.4])
+    np.testing.assert_allclose(margin(probabilities), [0.5, 0.05])
+    logits = np.log(probabilities)
+    np.testing.assert_allclose(softmax(logits), probabilities)
+    np.testing.assert_allclose(
+        confidence(logits, method=ConfidenceMethod.MARGIN, apply_softmax=True), [0.5, 0.05]
+    )

@@ -1,0 +1,109 @@
+"""The model repository reader: the shipped family loads, malformed configs are refused precisely."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from stratus.errors import ConfigError, InvalidInput, NotFound
+from stratus.repository import ModelRepository, load_family, write_thresholds
+from stratus.tiers import Tier
+
+
+def test_shipped_digits_family(repository: ModelRepository) -> None:
+    family = repository.family("digits")
+    assert [v.name for v in family.variants] == ["digits-small", "digits-medium", "digits-large"]
+    assert [v.tier for v in family.variants] == [Tier.DEVICE, Tier.EDGE, Tier.CLOUD]
+    assert set(family.variant("digits-small").files) == {"tflite", "onnx", "openvino"}
+    assert family.inputs[0].shape == (-1, 64) and family.outputs[0].shape == (-1, 10)
+    assert repository.resolve("digits-large") == (family, family.variant("digits-large"))
+    assert repository.resolve("digits") == (family, None)
+
+
+def test_unknown_models_are_not_found(repository: ModelRepository) -> None:
+    with pytest.raises(NotFound, match="unknown model 'letters'"):
+        repository.resolve("letters")
+    with pytest.raises(NotFound, match="no variant 'digits-huge'"):
+        repository.family("digits").variant("digits-huge")
+
+
+def test_inputs_are_checked_against_the_family(repository: ModelRepository) -> None:
+    family = repository.family("digits")
+    family.check_inputs({"input": np.zeros((3, 64), np.float32)})
+    with pytest.raises(InvalidInput, match=r"shape \[3, 63\] does not fit the model's \[-1, 64\]"):
+        family.check_inputs({"input": np.zeros((3, 63), np.float32)})
+    with pytest.raises(InvalidInput, match="datatype is FP64, the model takes FP32"):
+        family.check_inputs({"input": np.zeros((3, 64), np.float64)})
+    with pytest.raises(InvalidInput, match="has no input 'image'"):
+        family.check_inputs({"image": np.zeros((3, 64), np.float32)})
+    with pytest.raises(InvalidInput, match="needs input 'input'"):
+        family.check_inputs({})
+
+
+@pytest.fixture
+def family_copy(tmp_path: Path, models_dir: Path) -> Path:
+    target = tmp_path / "digits"
+    shutil.copytree(models_dir / "digits", target)
+    return target / "family.toml"
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "key", "problem"),
+    [
+        ('tier = "edge"', 'tier = "fog"', "variants[1].tier", "'fog' is not one of device, edge, cloud"),
+        (
+            'datatype = "FP32"\nshape = [-1, 64]',
+            'datatype = "FP31"\nshape = [-1, 64]',
+            "inputs[0].datatype",
+            "'FP31' is not one of",
+        ),
+        ("shape = [-1, 64]", "shape = [-1, 0]", "inputs[0].shape", "dimensions must be positive"),
+        ('method = "max_softmax"', 'method = "vibes"', "confidence.method", "'vibes' is not one of"),
+        (
+            'output = "probabilities"',
+            'output = "logits"',
+            "confidence.output",
+            "is not one of the family's outputs",
+        ),
+        ("device = 0.9", "device = 1.5", "thresholds.device", "must lie between 0 and 1"),
+        ("device = 0.9", 'device = "high"', "thresholds.device", "must be a float, not str"),
+        ('onnx = "digits-large.onnx"', 'onnx = "missing.onnx"', "variants[2].files.onnx", "does not exist"),
+        ('onnx = "digits-large.onnx"', 'pt = "digits-large.onnx"', "variants[2].files.pt", "unknown format"),
+        ('name = "digits"', 'nmae = "digits"', "family.name", "is missing"),
+        ('name = "digits-medium"', 'name = "digits-small"', "variants", "listed more than once"),
+    ],
+)
+def test_malformed_config_names_file_key_and_problem(
+    family_copy: Path, old: str, new: str, key: str, problem: str
+) -> None:
+    text = family_copy.read_text()
+    assert old in text
+    family_copy.write_text(text.replace(old, new, 1))
+    with pytest.raises(ConfigError) as error:
+        load_family(family_copy)
+    message = str(error.value)
+    assert str(family_copy) in message and f"key '{key}'" in message and problem in message
+
+
+def test_invalid_toml_is_refused_with_the_file_name(family_copy: Path) -> None:
+    family_copy.write_text("[family\nname = ")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_family(family_copy)
+
+
+def test_write_thresholds_replaces_only_the_table(family_copy: Path) -> None:
+    before = family_copy.read_text()
+    write_thresholds(family_copy, {Tier.DEVICE: 0.91234, Tier.EDGE: 0.5})
+    family = load_family(family_copy)
+    assert family.thresholds == {Tier.DEVICE: 0.9123, Tier.EDGE: 0.5}
+    after = family_copy.read_text()
+    assert after.split("[thresholds]")[0] == before.split("[thresholds]")[0]
+    assert after.split("[[variants]]", 1)[1] == before.split("[[variants]]", 1)[1]
+
+
+def test_empty_repository_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"no \*/family\.toml"):
+        ModelRepository.load(tmp_path)

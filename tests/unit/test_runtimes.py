@@ -1,0 +1,178 @@
+"""Every CPU runtime serves the shipped variants, agrees with the others, and keeps its contract."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from stratus.errors import NotFound, Overloaded, RuntimeUnavailable
+from stratus.executor import BoundedExecutor
+from stratus.repository import ModelRepository
+from stratus.runtimes import (
+    RUNNERS,
+    Availability,
+    LoadOptions,
+    candidates,
+    load_runner,
+    open_runner,
+    preference,
+)
+from stratus.tiers import Tier
+
+CPU_CHOICES = [("litert", "tflite"), ("openvino", "openvino"), ("openvino", "onnx"), ("onnxruntime", "onnx")]
+
+
+@pytest.fixture(scope="module")
+def small_outputs(repository: ModelRepository, digits, tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+    family = repository.family("digits")
+    variant = family.variant("digits-small")
+    cache = tmp_path_factory.mktemp("cache")
+    results = {}
+    for choice in candidates(variant, tier=Tier.DEVICE, gpu=False):
+        runner = open_runner(
+            family, variant, choice, LoadOptions(tier=Tier.DEVICE, cache_dir=cache, concurrency=2)
+        )
+        results[(choice.runtime, choice.format)] = runner.infer({"input": digits.held_out.x})["probabilities"]
+    return results
+
+
+def test_all_cpu_runtimes_serve_digits_small(small_outputs, digits) -> None:  # type: ignore[no-untyped-def]
+    assert sorted(small_outputs) == sorted(CPU_CHOICES)
+    for output in small_outputs.values():
+        assert output.shape == (len(digits.held_out), 10) and output.dtype == np.float32
+        np.testing.assert_allclose(output.sum(axis=1), 1.0, atol=1e-5)
+        assert (output.argmax(axis=1) == digits.held_out.y).mean() > 0.9
+
+
+def test_runtimes_agree_within_tolerance(small_outputs) -> None:  # type: ignore[no-untyped-def]
+    reference = small_outputs[("onnxruntime", "onnx")]
+    for output in small_outputs.values():
+        assert np.abs(output - reference).max() < 1e-4
+
+
+@pytest.mark.parametrize(("runtime", "fmt"), CPU_CHOICES)
+def test_dynamic_batch_and_caller_arrays_untouched(
+    repository: ModelRepository, tmp_path: Path, runtime: str, fmt: str
+) -> None:
+    family = repository.family("digits")
+    variant = family.variant("digits-small")
+    choice = next(
+        c for c in candidates(variant, tier=Tier.DEVICE, gpu=False) if (c.runtime, c.format) == (runtime, fmt)
+    )
+    runner = open_runner(family, variant, choice, LoadOptions(tier=Tier.DEVICE, cache_dir=tmp_path))
+    rows = np.random.default_rng(1).random((17, 64), dtype=np.float32)
+    pristine = rows.copy()
+    previous = None
+    for size in (1, 3, 17, 2):
+        out = runner.infer({"input": rows[:size]})["probabilities"]
+        assert out.shape == (size, 10)
+        if previous is not None:  # the same rows give the same answers whatever the batch
+            common = min(size, len(previous))
+            np.testing.assert_allclose(out[:common], previous[:common], atol=1e-5)
+        previous = out
+    np.testing.assert_array_equal(rows, pristine)
+    first = runner.infer({"input": rows[:1]})["probabilities"]
+    runner.infer({"input": rows[1:2]})
+    np.testing.assert_array_equal(first, runner.infer({"input": rows[:1]})["probabilities"])
+
+
+def test_concurrent_inference_from_threads_is_safe(
+    repository: ModelRepository, tmp_path: Path, digits
+) -> None:  # type: ignore[no-untyped-def]
+    family = repository.family("digits")
+    variant = family.variant("digits-small")
+    for choice in candidates(variant, tier=Tier.DEVICE, gpu=False):
+        runner = open_runner(
+            family, variant, choice, LoadOptions(tier=Tier.DEVICE, cache_dir=tmp_path, concurrency=4)
+        )
+        expected = runner.infer({"input": digits.held_out.x[:40]})["probabilities"]
+        results: dict[int, np.ndarray] = {}
+
+        def work(index: int, runner=runner, results=results) -> None:  # type: ignore[no-untyped-def]
+            results[index] = runner.infer({"input": digits.held_out.x[index * 10 : index * 10 + 10]})[
+                "probabilities"
+            ]
+
+        threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        np.testing.assert_allclose(np.concatenate([results[i] for i in range(4)]), expected, atol=1e-6)
+
+
+def test_preference_order_and_override(repository: ModelRepository) -> None:
+    small = repository.family("digits").variant("digits-small")
+    assert [c.runtime for c in candidates(small, tier=Tier.DEVICE, gpu=False)][:2] == ["litert", "openvino"]
+    assert candidates(small, tier=Tier.EDGE, gpu=False)[0].runtime == "openvino"
+    assert candidates(small, tier=Tier.EDGE, gpu=True)[0].runtime == "tensorrt"
+    assert [
+        (c.runtime, c.format)
+        for c in candidates(small, tier=Tier.DEVICE, gpu=False, runtimes=["onnxruntime"])
+    ] == [("onnxruntime", "onnx")]
+    with pytest.raises(NotFound, match="unknown runtime"):
+        candidates(small, tier=Tier.DEVICE, gpu=False, runtimes=["tvm"])
+    assert preference(tier=Tier.CLOUD, gpu=False)[0] == ("openvino", "openvino")
+
+
+def test_load_runner_skips_unavailable_runtimes_and_says_why(
+    repository: ModelRepository, tmp_path: Path
+) -> None:
+    family = repository.family("digits")
+    small = family.variant("digits-small")
+    availability = {name: Availability(available=True) for name in RUNNERS}
+    availability["litert"] = Availability(available=False, reason="no interpreter here")
+    availability["tensorrt"] = Availability(available=False, reason="no GPU")
+    runner = load_runner(
+        family, small, LoadOptions(tier=Tier.DEVICE, cache_dir=tmp_path), availability=availability
+    )
+    assert runner.describe().runtime == "openvino"
+    nothing = {name: Availability(available=False, reason=f"{name} missing") for name in RUNNERS}
+    with pytest.raises(RuntimeUnavailable, match="litert: litert missing"):
+        load_runner(family, small, LoadOptions(tier=Tier.DEVICE, cache_dir=tmp_path), availability=nothing)
+
+
+def test_tensorrt_reports_itself_unavailable_with_a_reason() -> None:
+    status = RUNNERS["tensorrt"].availability()
+    if status.available:
+        pytest.skip("TensorRT is present on this machine")
+    assert "tensorrt" in status.reason
+
+
+def test_onnxruntime_caches_the_optimized_graph(repository: ModelRepository, tmp_path: Path) -> None:
+    family = repository.family("digits")
+    variant = family.variant("digits-medium")
+    choice = candidates(variant, tier=Tier.EDGE, gpu=False, runtimes=["onnxruntime"])[0]
+    first = open_runner(family, variant, choice, LoadOptions(tier=Tier.EDGE, cache_dir=tmp_path))
+    cached = list((tmp_path / "onnxruntime").glob("digits-medium-*.onnx"))
+    assert len(cached) == 1
+    second = open_runner(family, variant, choice, LoadOptions(tier=Tier.EDGE, cache_dir=tmp_path))
+    x = np.random.default_rng(0).random((4, 64), dtype=np.float32)
+    np.testing.assert_allclose(
+        first.infer({"input": x})["probabilities"], second.infer({"input": x})["probabilities"], atol=1e-6
+    )
+
+
+def test_bounded_executor_refuses_past_its_queue(no_leaked_threads: None) -> None:
+    gate = threading.Event()
+    executor = BoundedExecutor(name="test-infer", workers=1, queue_limit=1)
+
+    async def scenario() -> None:
+        running = asyncio.ensure_future(executor.run(gate.wait, 5))
+        waiting = asyncio.ensure_future(executor.run(lambda: "second"))
+        await asyncio.sleep(0.05)
+        assert executor.in_flight == 2 and executor.queued == 1
+        with pytest.raises(Overloaded, match="test-infer queue is full"):
+            await executor.run(lambda: "third")
+        gate.set()
+        assert await running is True
+        assert await waiting == "second"
+        assert executor.in_flight == 0
+
+    asyncio.run(scenario())
+    executor.shutdown()
+    assert all(not t.name.startswith("test-infer") for t in threading.enumerate())
