@@ -15,6 +15,7 @@ $(INSTALLED): pyproject.toml
 
 demo: $(INSTALLED)
 	$(BIN)/stratus models verify models
+	$(BIN)/stratus demo
 
 test: $(INSTALLED) lint typecheck
 	$(BIN)/python -m pytest -q

@@ -79,11 +79,156 @@ def _add_models(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -
     calibrate.set_defaults(handler=_models_calibrate)
 
 
+def _token(value: str | None) -> str:
+    import os
+
+    return value if value is not None else os.environ.get("STRATUS_TOKEN", "")
+
+
+def _router(args: argparse.Namespace) -> int:
+    from router.app import RouterSettings, serve
+    from stratus.process import configure_logging, run
+
+    configure_logging(args.log_level)
+    settings = RouterSettings(
+        listen=args.listen, cloud=args.cloud, advertise=not args.no_advertise, token=_token(args.token)
+    )
+    run(serve(settings))
+    return 0
+
+
+def _cloud(args: argparse.Namespace) -> int:
+    from cloud_gateway.app import CloudSettings, serve
+    from stratus.process import configure_logging, run
+
+    configure_logging(args.log_level)
+    settings = CloudSettings(
+        listen=args.listen,
+        models=args.models,
+        variants=_names(args.variants),
+        concurrency=args.concurrency,
+        cache_dir=args.cache_dir,
+    )
+    run(serve(settings))
+    return 0
+
+
+def _agent(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from edge_agent.agent import AgentSettings, default_name, load_models, run_agent
+    from stratus.process import configure_logging, run, stop_on_signals
+    from stratus.tiers import Tier
+
+    configure_logging(args.log_level)
+    tier = Tier.parse(args.tier)
+    settings = AgentSettings(
+        tier=tier,
+        router=args.router,
+        name=args.name or default_name(),
+        capacity=args.concurrency,
+        serve=args.serve,
+        token=_token(args.token),
+    )
+    models = load_models(
+        args.models,
+        tier=tier,
+        variants=_names(args.variants),
+        concurrency=args.concurrency,
+        queue_limit=args.queue_limit,
+        runtimes=_names(args.runtimes),
+        cache_dir=args.cache_dir,
+    )
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        stop_on_signals(stop)
+        await run_agent(settings, models, stop)
+
+    run(main())
+    return 0
+
+
+def _names(text: str | None) -> list[str] | None:
+    return [n.strip() for n in text.split(",") if n.strip()] if text else None
+
+
+def _fleet_status(args: argparse.Namespace) -> int:
+    from stratus.fleetctl import show_status
+
+    return show_status(args.router, as_json=args.json, watch=args.watch)
+
+
+def _fleet_drain(args: argparse.Namespace) -> int:
+    from stratus.fleetctl import drain
+
+    return drain(args.router, args.agent_id, token=_token(args.token))
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from edge_agent.sdk import Client
+    from stratus.demo import run_demo
+
+    def sdk(router: str) -> Client:
+        return Client(args.models, router=router, cache_dir=args.cache_dir)
+
+    return run_demo(models=args.models, as_json=args.json, sdk_factory=sdk)
+
+
+def _add_servers(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    router = commands.add_parser("router", help="run the router (edge gateway)")
+    router.add_argument("--listen", default="127.0.0.1:8001")
+    router.add_argument("--cloud", default=None, help="HOST:PORT of the cloud gateway")
+    router.add_argument("--no-advertise", action="store_true", help="do not advertise over zeroconf")
+    router.add_argument("--token", default=None, help="fleet token (default: $STRATUS_TOKEN)")
+    router.set_defaults(handler=_router)
+    cloud = commands.add_parser("cloud", help="run the cloud gateway")
+    cloud.add_argument("--listen", default="127.0.0.1:8002")
+    cloud.add_argument("--models", type=Path, default=Path("models"))
+    cloud.add_argument("--variants", default=None)
+    cloud.add_argument("--concurrency", type=int, default=2)
+    cloud.add_argument("--cache-dir", type=Path, default=_default_cache())
+    cloud.set_defaults(handler=_cloud)
+    agent = commands.add_parser("agent", help="run an edge agent")
+    agent.add_argument("--tier", choices=["device", "edge"], required=True)
+    agent.add_argument("--models", type=Path, default=Path("models"))
+    agent.add_argument("--variants", default=None, help="comma-separated (default: the tier's variants)")
+    agent.add_argument("--router", default="auto", help="HOST:PORT, or auto (zeroconf)")
+    agent.add_argument("--name", default=None)
+    agent.add_argument("--concurrency", type=int, default=2)
+    agent.add_argument("--queue-limit", type=int, default=64)
+    agent.add_argument("--serve", default=None, help="also serve the inference API on HOST:PORT")
+    agent.add_argument("--runtimes", default=None, help="runtime order override, e.g. onnxruntime,openvino")
+    agent.add_argument("--token", default=None, help="fleet token (default: $STRATUS_TOKEN)")
+    agent.add_argument("--cache-dir", type=Path, default=_default_cache())
+    agent.set_defaults(handler=_agent)
+    for parser in (router, cloud, agent):
+        parser.add_argument("--log-level", default="INFO")
+    fleet = commands.add_parser("fleet", help="see and steer the fleet")
+    sub = fleet.add_subparsers(dest="fleet_command", required=True)
+    status = sub.add_parser("status", help="agents, tiers and the cloud link")
+    status.add_argument("--router", required=True)
+    status.add_argument("--json", action="store_true")
+    status.add_argument("--watch", action="store_true")
+    status.set_defaults(handler=_fleet_status)
+    drain = sub.add_parser("drain", help="stop sending new work to an agent")
+    drain.add_argument("agent_id")
+    drain.add_argument("--router", required=True)
+    drain.add_argument("--token", default=None)
+    drain.set_defaults(handler=_fleet_drain)
+    demo = commands.add_parser("demo", help="a whole local fleet on loopback, end to end")
+    demo.add_argument("--models", type=Path, default=Path("models"))
+    demo.add_argument("--json", action="store_true")
+    demo.add_argument("--cache-dir", type=Path, default=_default_cache())
+    demo.set_defaults(handler=_demo)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="stratus", description="Edge-cloud tiered inference router.")
     parser.add_argument("--version", action="version", version=f"stratus {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
     _add_models(commands)
+    _add_servers(commands)
     return parser
 
 

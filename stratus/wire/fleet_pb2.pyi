@@ -96,6 +96,63 @@ class VariantInfo(_message.Message):
 Global___VariantInfo: _TypeAlias = VariantInfo  # noqa: Y015
 
 @_typing.final
+class FamilyInfo(_message.Message):
+    """What the router needs to route a family without reading model files: its tensors
+    (for metadata and input checks) and each tier's escalation threshold.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class ThresholdsEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.float
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.float = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    NAME_FIELD_NUMBER: _builtins.int
+    INPUTS_FIELD_NUMBER: _builtins.int
+    OUTPUTS_FIELD_NUMBER: _builtins.int
+    THRESHOLDS_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    @_builtins.property
+    def inputs(self) -> _containers.RepeatedCompositeFieldContainer[_inference_pb2.ModelMetadataResponse.TensorMetadata]: ...
+    @_builtins.property
+    def outputs(self) -> _containers.RepeatedCompositeFieldContainer[_inference_pb2.ModelMetadataResponse.TensorMetadata]: ...
+    @_builtins.property
+    def thresholds(self) -> _containers.ScalarMap[_builtins.str, _builtins.float]:
+        """Keyed by tier name: "device", "edge", "cloud"."""
+
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        inputs: _abc.Iterable[_inference_pb2.ModelMetadataResponse.TensorMetadata] | None = ...,
+        outputs: _abc.Iterable[_inference_pb2.ModelMetadataResponse.TensorMetadata] | None = ...,
+        thresholds: _abc.Mapping[_builtins.str, _builtins.float] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["inputs", b"inputs", "name", b"name", "outputs", b"outputs", "thresholds", b"thresholds"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___FamilyInfo: _TypeAlias = FamilyInfo  # noqa: Y015
+
+@_typing.final
 class Hello(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -108,6 +165,7 @@ class Hello(_message.Message):
     CAPACITY_FIELD_NUMBER: _builtins.int
     TOKEN_FIELD_NUMBER: _builtins.int
     VERSION_FIELD_NUMBER: _builtins.int
+    FAMILIES_FIELD_NUMBER: _builtins.int
     agent_id: _builtins.str
     tier: Global___Tier.ValueType
     host: _builtins.str
@@ -121,6 +179,8 @@ class Hello(_message.Message):
     def runtimes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
     @_builtins.property
     def variants(self) -> _containers.RepeatedCompositeFieldContainer[Global___VariantInfo]: ...
+    @_builtins.property
+    def families(self) -> _containers.RepeatedCompositeFieldContainer[Global___FamilyInfo]: ...
     def __init__(
         self,
         *,
@@ -133,10 +193,11 @@ class Hello(_message.Message):
         capacity: _builtins.int = ...,
         token: _builtins.str = ...,
         version: _builtins.str = ...,
+        families: _abc.Iterable[Global___FamilyInfo] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_id", b"agent_id", "capacity", b"capacity", "hardware", b"hardware", "host", b"host", "runtimes", b"runtimes", "tier", b"tier", "token", b"token", "variants", b"variants", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_id", b"agent_id", "capacity", b"capacity", "families", b"families", "hardware", b"hardware", "host", b"host", "runtimes", b"runtimes", "tier", b"tier", "token", b"token", "variants", b"variants", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -228,12 +289,15 @@ class Result(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     REQUEST_ID_FIELD_NUMBER: _builtins.int
+    VARIANT_FIELD_NUMBER: _builtins.int
     RESPONSE_FIELD_NUMBER: _builtins.int
     ERROR_FIELD_NUMBER: _builtins.int
     CONFIDENCE_FIELD_NUMBER: _builtins.int
     SERVICE_MS_FIELD_NUMBER: _builtins.int
     QUEUE_MS_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
+    variant: _builtins.str
+    """The variant that ran."""
     confidence: _builtins.float
     service_ms: _builtins.float
     """Time the agent spent running the model, and waiting before it could."""
@@ -246,6 +310,7 @@ class Result(_message.Message):
         self,
         *,
         request_id: _builtins.str = ...,
+        variant: _builtins.str = ...,
         response: _inference_pb2.ModelInferResponse | None = ...,
         error: Global___Error | None = ...,
         confidence: _builtins.float = ...,
@@ -254,7 +319,7 @@ class Result(_message.Message):
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "outcome", b"outcome", "response", b"response"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["confidence", b"confidence", "error", b"error", "outcome", b"outcome", "queue_ms", b"queue_ms", "request_id", b"request_id", "response", b"response", "service_ms", b"service_ms"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["confidence", b"confidence", "error", b"error", "outcome", b"outcome", "queue_ms", b"queue_ms", "request_id", b"request_id", "response", b"response", "service_ms", b"service_ms", "variant", b"variant"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType_outcome: _TypeAlias = _typing.Literal["response", "error"]  # noqa: Y015
     _WhichOneofArgType_outcome: _TypeAlias = _typing.Literal["outcome", b"outcome"]  # noqa: Y015

@@ -1,0 +1,67 @@
+"""The cloud gateway: the escalation API for the largest models.
+
+It serves the Open Inference Protocol for the cloud variants (ONNX Runtime on a CPU
+machine, TensorRT where present). The router holds one long-lived ModelStreamInfer
+stream to it and multiplexes escalations over that stream; any standard client may call
+it directly too. Each answer carries ``stratus.confidence`` so the router can judge it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from stratus.local import LocalDataPlane, LocalModels, LocalSettings
+from stratus.process import announce, stop_on_signals
+from stratus.repository import ModelRepository
+from stratus.serving import InferenceServicer, bind, create_server
+from stratus.tiers import Tier
+from stratus.wire import inference_pb2_grpc as pb_grpc
+
+log = logging.getLogger("stratus.cloud")
+
+
+@dataclass(frozen=True, kw_only=True)
+class CloudSettings:
+    listen: str
+    models: Path
+    variants: Sequence[str] | None = None
+    concurrency: int = 2
+    queue_limit: int = 256
+    cache_dir: Path = Path.home() / ".cache" / "stratus"
+    runtimes: Sequence[str] | None = None
+    name: str = ""
+
+
+async def serve(settings: CloudSettings, stop: asyncio.Event | None = None) -> None:
+    stop = stop or asyncio.Event()
+    stop_on_signals(stop)
+    models = LocalModels(
+        ModelRepository.load(settings.models),
+        LocalSettings(
+            tier=None if settings.variants else Tier.CLOUD,
+            variants=settings.variants,
+            cache_dir=settings.cache_dir,
+            concurrency=settings.concurrency,
+            queue_limit=settings.queue_limit,
+            runtimes=settings.runtimes,
+            executor_name="stratus-cloud-infer",
+        ),
+    )
+    name = settings.name or f"cloud-{socket.gethostname()}"
+    server = create_server()
+    pb_grpc.add_GRPCInferenceServiceServicer_to_server(
+        InferenceServicer(LocalDataPlane(models, tier=Tier.CLOUD, name=name)), server
+    )
+    port = bind(server, settings.listen)
+    await server.start()
+    host = settings.listen.rsplit(":", 1)[0]
+    log.info("cloud gateway %s serving %s on %s:%d", name, sorted(models.variants), host, port)
+    announce("cloud", f"{host}:{port}")
+    await stop.wait()
+    await server.stop(grace=5.0)
+    models.close()

@@ -1,0 +1,341 @@
+"""The edge agent: loads its variants, dials out to the router and serves Work.
+
+The agent owns one long-lived ``AgentLink.Connect`` stream. It says Hello only after its
+models are loaded and warmed up (the first request never pays load cost), heartbeats
+its load and latency, and answers Work concurrently up to its capacity. When the router
+goes away it reconnects with exponential backoff and jitter; on SIGTERM it tells the
+router it is draining, finishes what it holds, and exits 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import platform
+import random
+import socket
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+
+from stratus import __version__
+from stratus.discovery import discover
+from stratus.errors import DeadlineExceeded, Overloaded, StratusError
+from stratus.local import LocalDataPlane, LocalModels
+from stratus.process import announce
+from stratus.serving import InferenceServicer, bind, create_server, insecure_channel
+from stratus.status import status_code
+from stratus.tiers import Tier
+from stratus.wire import fleet_pb2 as fpb
+from stratus.wire import fleet_pb2_grpc as fpb_grpc
+from stratus.wire import inference_pb2_grpc as pb_grpc
+
+log = logging.getLogger("stratus.agent")
+
+_TIERS = {Tier.DEVICE: fpb.TIER_DEVICE, Tier.EDGE: fpb.TIER_EDGE, Tier.CLOUD: fpb.TIER_CLOUD}
+
+
+@dataclass(frozen=True, kw_only=True)
+class AgentSettings:
+    tier: Tier
+    router: str  # host:port, or "auto" to find it with zeroconf
+    name: str
+    capacity: int = 4
+    queue_limit: int = 64
+    heartbeat_s: float = 1.0
+    serve: str | None = None
+    token: str = ""
+    backoff_initial_s: float = 0.2
+    backoff_max_s: float = 5.0
+    drain_timeout_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if self.capacity < 1 or self.heartbeat_s <= 0 or self.backoff_initial_s <= 0:
+            raise ValueError("capacity, heartbeat_s and backoff_initial_s must be positive")
+
+
+def default_name() -> str:
+    """Host name plus a short random suffix, so two agents on one host differ."""
+    return f"{socket.gethostname()}-{random.randbytes(2).hex()}"
+
+
+class Backoff:
+    """Exponential backoff with full jitter; ``reset`` after a healthy session."""
+
+    def __init__(self, *, initial_s: float, max_s: float, rng: random.Random) -> None:
+        self._initial, self._max, self._rng = initial_s, max_s, rng
+        self._attempt = 0
+
+    def next_delay(self) -> float:
+        ceiling = min(self._max, self._initial * (2**self._attempt))
+        self._attempt += 1
+        return self._rng.uniform(ceiling / 2, ceiling)
+
+    def reset(self) -> None:
+        self._attempt = 0
+
+
+class Agent:
+    def __init__(
+        self,
+        settings: AgentSettings,
+        models: LocalModels,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        rng: random.Random | None = None,
+    ) -> None:
+        self.settings = settings
+        self.models = models
+        self._clock = clock
+        self._rng = rng or random.Random()
+        self._backoff = Backoff(
+            initial_s=settings.backoff_initial_s, max_s=settings.backoff_max_s, rng=self._rng
+        )
+        self._work: dict[str, asyncio.Task[None]] = {}
+        self._slots = asyncio.Semaphore(settings.capacity)
+        self._waiting = 0
+        self.draining = False
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._work)
+
+    def hello(self) -> fpb.AgentMessage:
+        return fpb.AgentMessage(
+            hello=fpb.Hello(
+                agent_id=self.settings.name,
+                tier=_TIERS[self.settings.tier],
+                host=socket.gethostname(),
+                hardware=f"{platform.machine()} {platform.processor() or ''}".strip(),
+                runtimes=sorted({info.runtime for info in self.models.variants_info()}),
+                variants=self.models.variants_info(),
+                capacity=self.settings.capacity,
+                token=self.settings.token,
+                version=__version__,
+                families=self.models.families_info(),
+            )
+        )
+
+    def heartbeat(self) -> fpb.AgentMessage:
+        latency = [
+            fpb.LatencyEstimate(
+                variant=name, mean_ms=s.mean_ms, p50_ms=s.p50_ms, p99_ms=s.p99_ms, count=s.count
+            )
+            for name, s in ((n, w.summary()) for n, w in self.models.latency.items())
+        ]
+        return fpb.AgentMessage(
+            heartbeat=fpb.Heartbeat(in_flight=self.in_flight, queue_length=self._waiting, latency=latency)
+        )
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Stay linked to the router until ``stop``; then drain and return."""
+        while not stop.is_set():
+            try:
+                await self._session(stop)
+            except (grpc.aio.AioRpcError, StratusError, ConnectionError) as exc:
+                log.warning("link to router lost: %s", _describe(exc))
+            except Exception:  # an agent must outlive any one link, whatever broke it
+                log.exception("link to router failed unexpectedly")
+            if stop.is_set():
+                break
+            delay = self._backoff.next_delay()
+            log.info("reconnecting in %.2f s", delay)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), timeout=delay)
+        await self._finish_work()
+
+    async def _router_address(self) -> str:
+        if self.settings.router == "auto":
+            return await discover(timeout_s=3.0)
+        return self.settings.router
+
+    async def _session(self, stop: asyncio.Event) -> None:
+        address = await self._router_address()
+        outbox: asyncio.Queue[fpb.AgentMessage | None] = asyncio.Queue()
+        outbox.put_nowait(self.hello())
+        async with insecure_channel(address) as channel:
+            call = fpb_grpc.AgentLinkStub(channel).Connect(_drain_queue(outbox))
+            welcome = await call.read()
+            if not isinstance(welcome, fpb.RouterMessage) or not welcome.HasField("welcome"):
+                raise ConnectionError("router closed the link without a Welcome")
+            log.info("linked to router %s as %s", address, welcome.welcome.agent_id)
+            self._backoff.reset()
+            interval = welcome.welcome.heartbeat_interval_s or self.settings.heartbeat_s
+            tasks = [
+                asyncio.create_task(self._heartbeats(outbox, interval), name="stratus-agent-heartbeat"),
+                asyncio.create_task(self._receive(call, outbox), name="stratus-agent-receive"),
+                asyncio.create_task(stop.wait(), name="stratus-agent-stop"),
+            ]
+            try:
+                done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+                if stop.is_set():
+                    await self._say_goodbye(outbox)
+                    call.cancel()
+                else:
+                    for task in done:
+                        task.result()  # re-raise why the link ended
+            finally:
+                for task in tasks:
+                    task.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+                outbox.put_nowait(None)
+
+    async def _say_goodbye(self, outbox: asyncio.Queue[fpb.AgentMessage | None]) -> None:
+        """Draining: tell the router, then let in-flight work finish and report."""
+        self.draining = True
+        outbox.put_nowait(fpb.AgentMessage(draining=fpb.Draining(reason="agent stopping")))
+        await self._finish_work()
+        await asyncio.sleep(0.05)  # let the last Results leave before the stream closes
+
+    async def _finish_work(self) -> None:
+        if self._work:
+            await asyncio.wait(list(self._work.values()), timeout=self.settings.drain_timeout_s)
+
+    async def _heartbeats(self, outbox: asyncio.Queue[fpb.AgentMessage | None], interval: float) -> None:
+        while True:
+            outbox.put_nowait(self.heartbeat())
+            await asyncio.sleep(interval)
+
+    async def _receive(
+        self,
+        call: grpc.aio.StreamStreamCall[fpb.AgentMessage, fpb.RouterMessage],
+        outbox: asyncio.Queue[fpb.AgentMessage | None],
+    ) -> None:
+        while (message := await call.read()) is not grpc.aio.EOF:
+            assert isinstance(message, fpb.RouterMessage)
+            kind = message.WhichOneof("kind")
+            if kind == "work":
+                self._accept(message.work, outbox)
+            elif kind == "cancel":
+                task = self._work.get(message.cancel.request_id)
+                if task is not None:
+                    task.cancel()
+            elif kind == "drain":
+                self.draining = True
+                outbox.put_nowait(
+                    fpb.AgentMessage(draining=fpb.Draining(reason=message.drain.reason or "drained"))
+                )
+        raise ConnectionError("router ended the link")
+
+    def _accept(self, work: fpb.Work, outbox: asyncio.Queue[fpb.AgentMessage | None]) -> None:
+        if work.request_id in self._work:
+            log.warning("duplicate work id %s ignored", work.request_id)
+            return
+        task = asyncio.create_task(
+            self._serve(work, outbox, self._clock()), name=f"stratus-work-{work.request_id}"
+        )
+        self._work[work.request_id] = task
+        task.add_done_callback(lambda _: self._work.pop(work.request_id, None))
+
+    async def _serve(
+        self, work: fpb.Work, outbox: asyncio.Queue[fpb.AgentMessage | None], received: float
+    ) -> None:
+        result = fpb.Result(request_id=work.request_id)
+        try:
+            await self._run(work, received, result)
+        except asyncio.CancelledError:
+            result.error.CopyFrom(
+                fpb.Error(code=grpc.StatusCode.CANCELLED.value[0], message="cancelled by the router")
+            )
+        except StratusError as exc:
+            result.error.CopyFrom(fpb.Error(code=status_code(exc).value[0], message=str(exc)))
+        except Exception as exc:
+            log.exception("work %s failed", work.request_id)
+            result.error.CopyFrom(
+                fpb.Error(code=grpc.StatusCode.INTERNAL.value[0], message=f"{type(exc).__name__}: {exc}")
+            )
+        outbox.put_nowait(fpb.AgentMessage(result=result))
+
+    async def _run(self, work: fpb.Work, received: float, result: fpb.Result) -> None:
+        if self._waiting >= self.settings.queue_limit:
+            raise Overloaded(
+                f"agent {self.settings.name} work queue is full ({self.settings.queue_limit} waiting)"
+            )
+        budget_s = work.budget_ms / 1000.0 if work.budget_ms > 0 else None
+        self._waiting += 1
+        started = False
+        try:
+            async with asyncio.timeout(budget_s), self._slots:
+                self._waiting -= 1
+                started = True
+                answer = await self.models.answer(work.request)
+        except TimeoutError:
+            raise DeadlineExceeded(
+                f"agent {self.settings.name}: budget of {work.budget_ms:.1f} ms ran out"
+            ) from None
+        finally:
+            if not started:
+                self._waiting -= 1
+        result.variant = answer.variant.name
+        result.response.CopyFrom(answer.response)
+        result.confidence = answer.confidence
+        result.service_ms = answer.service_ms
+        result.queue_ms = (self._clock() - received) * 1000.0 - answer.service_ms
+
+
+async def _drain_queue(outbox: asyncio.Queue[fpb.AgentMessage | None]) -> AsyncIterator[fpb.AgentMessage]:
+    while (message := await outbox.get()) is not None:
+        yield message
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, grpc.aio.AioRpcError):
+        return f"{exc.code().name}: {exc.details()}"
+    return f"{type(exc).__name__}: {exc}"
+
+
+async def serve_locally(models: LocalModels, settings: AgentSettings) -> tuple[grpc.aio.Server, str]:
+    """The agent's ``--serve`` endpoint: the inference service, straight to the local models."""
+    assert settings.serve is not None
+    server = create_server()
+    plane = LocalDataPlane(models, tier=settings.tier, name=settings.name)
+    pb_grpc.add_GRPCInferenceServiceServicer_to_server(InferenceServicer(plane), server)
+    port = bind(server, settings.serve)
+    await server.start()
+    return server, f"{settings.serve.rsplit(':', 1)[0]}:{port}"
+
+
+async def run_agent(settings: AgentSettings, models: LocalModels, stop: asyncio.Event) -> None:
+    local: grpc.aio.Server | None = None
+    if settings.serve:
+        local, address = await serve_locally(models, settings)
+        announce("agent", address)
+    else:
+        announce("agent", settings.name)
+    try:
+        await Agent(settings, models).run(stop)
+    finally:
+        if local is not None:
+            await local.stop(grace=2.0)
+        models.close()
+
+
+def load_models(
+    models_dir: Path,
+    *,
+    tier: Tier,
+    variants: list[str] | None,
+    concurrency: int,
+    queue_limit: int,
+    runtimes: list[str] | None,
+    cache_dir: Path,
+) -> LocalModels:
+    from stratus.local import LocalSettings
+    from stratus.repository import ModelRepository
+
+    return LocalModels(
+        ModelRepository.load(models_dir),
+        LocalSettings(
+            tier=None if variants else tier,
+            variants=variants,
+            cache_dir=cache_dir,
+            concurrency=concurrency,
+            queue_limit=queue_limit,
+            runtimes=runtimes,
+            executor_name="stratus-agent-infer",
+        ),
+    )

@@ -1,0 +1,252 @@
+"""The on-device SDK: answer in-process, escalate through the router only when needed.
+
+``Client.infer("digits", x)`` runs the device variant in this process (no network hop);
+when its confidence is below the device threshold (or ``min_confidence``), the request
+goes to the router with ``stratus.min_tier=edge``, so the fleet continues the climb
+above the device instead of repeating it. With the router unreachable the local answer
+comes back marked ``degraded``. ``await client.ainfer(...)`` does the same on the
+caller's event loop, with the model run on the bounded executor.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+
+from stratus import codec
+from stratus.codec import Array
+from stratus.confidence import confidence
+from stratus.discovery import discover
+from stratus.errors import StratusError, Unavailable
+from stratus.local import LocalModels, LocalSettings
+from stratus.protocol import RequestOptions, Served
+from stratus.repository import FamilySpec, ModelRepository, VariantSpec
+from stratus.serving import grpc_options
+from stratus.tiers import Tier
+from stratus.wire import inference_pb2 as pb
+from stratus.wire import inference_pb2_grpc as pb_grpc
+
+# After a failed attempt to reach the router, answer locally for this long before retrying.
+RETRY_ROUTER_AFTER_S = 5.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class InferResult:
+    outputs: dict[str, Array]
+    confidence: float
+    tier: Tier
+    path: tuple[Tier, ...]
+    timings_ms: dict[Tier, float] = field(default_factory=dict)
+    degraded: bool = False
+    variant: str = ""
+    agent: str = ""
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Local:
+    family: FamilySpec
+    variant: VariantSpec
+    inputs: dict[str, Array]
+    outputs: dict[str, Array]
+    confidence: float
+    ms: float
+
+
+class Client:
+    def __init__(
+        self,
+        models: Path | str,
+        router: str | None = "auto",
+        *,
+        variants: list[str] | None = None,
+        concurrency: int = 1,
+        cache_dir: Path | None = None,
+        discover_timeout_s: float = 2.0,
+        name: str = "sdk",
+    ) -> None:
+        settings = LocalSettings(
+            tier=None if variants else Tier.DEVICE,
+            variants=variants,
+            concurrency=concurrency,
+            executor_name="stratus-sdk-infer",
+            cache_dir=cache_dir or LocalSettings().cache_dir,
+        )
+        self._models = LocalModels(ModelRepository.load(models), settings)
+        self._router = router
+        self._discover_timeout_s = discover_timeout_s
+        self._address: str | None = None if router in (None, "auto") else router
+        self._unreachable_until = 0.0
+        self._channel: grpc.Channel | None = None
+        self._achannel: grpc.aio.Channel | None = None
+        self.name = name
+
+    # -- synchronous ------------------------------------------------------------------
+    def infer(
+        self,
+        model: str,
+        x: Array | Mapping[str, Array],
+        *,
+        budget_ms: float | None = None,
+        min_confidence: float | None = None,
+    ) -> InferResult:
+        started = time.perf_counter()
+        local = self._run_locally(model, x)
+        if self._confident(local, min_confidence) or self._router is None:
+            return self._local_result(local, degraded=False)
+        address = self._sync_address()
+        if address is None:
+            return self._local_result(local, degraded=True)
+        if self._channel is None:
+            self._channel = grpc.insecure_channel(address, options=grpc_options())
+        stub = pb_grpc.GRPCInferenceServiceStub(self._channel)
+        request = _escalation(model, local, budget_ms, min_confidence, started)
+        try:
+            response = stub.ModelInfer(request, timeout=_timeout(budget_ms, started))
+        except grpc.RpcError:
+            self._unreachable_until = time.monotonic() + RETRY_ROUTER_AFTER_S
+            return self._local_result(local, degraded=True)
+        return _merge(local, response)
+
+    def _sync_address(self) -> str | None:
+        if self._address is not None:
+            return self._address
+        if time.monotonic() < self._unreachable_until:
+            return None
+        try:
+            self._address = asyncio.run(discover(timeout_s=self._discover_timeout_s))
+        except StratusError:
+            self._unreachable_until = time.monotonic() + RETRY_ROUTER_AFTER_S
+        return self._address
+
+    # -- asynchronous -----------------------------------------------------------------
+    async def ainfer(
+        self,
+        model: str,
+        x: Array | Mapping[str, Array],
+        *,
+        budget_ms: float | None = None,
+        min_confidence: float | None = None,
+    ) -> InferResult:
+        started = time.perf_counter()
+        local = await self._models.executor.run(self._run_locally, model, x)
+        if self._confident(local, min_confidence) or self._router is None:
+            return self._local_result(local, degraded=False)
+        address = await self._async_address()
+        if address is None:
+            return self._local_result(local, degraded=True)
+        if self._achannel is None:
+            self._achannel = grpc.aio.insecure_channel(address, options=grpc_options())
+        stub = pb_grpc.GRPCInferenceServiceStub(self._achannel)
+        request = _escalation(model, local, budget_ms, min_confidence, started)
+        try:
+            response = await stub.ModelInfer(request, timeout=_timeout(budget_ms, started))
+        except grpc.aio.AioRpcError:
+            self._unreachable_until = time.monotonic() + RETRY_ROUTER_AFTER_S
+            return self._local_result(local, degraded=True)
+        return _merge(local, response)
+
+    async def _async_address(self) -> str | None:
+        if self._address is not None:
+            return self._address
+        if time.monotonic() < self._unreachable_until:
+            return None
+        try:
+            self._address = await discover(timeout_s=self._discover_timeout_s)
+        except Unavailable:
+            self._unreachable_until = time.monotonic() + RETRY_ROUTER_AFTER_S
+        return self._address
+
+    # -- shared -------------------------------------------------------------------------
+    def _run_locally(self, model: str, x: Array | Mapping[str, Array]) -> _Local:
+        family, variant = self._models.variant_for(model)
+        inputs = dict(x) if isinstance(x, Mapping) else {family.inputs[0].name: x}
+        family.check_inputs(inputs)
+        started = time.perf_counter()
+        outputs = self._models.runners[variant.name].infer(inputs)
+        ms = (time.perf_counter() - started) * 1000.0
+        spec = family.confidence
+        scores = confidence(outputs[spec.output], method=spec.method, apply_softmax=spec.apply_softmax)
+        return _Local(
+            family=family,
+            variant=variant,
+            inputs=inputs,
+            outputs=outputs,
+            confidence=float(scores.min()) if scores.size else 1.0,
+            ms=ms,
+        )
+
+    @staticmethod
+    def _confident(local: _Local, min_confidence: float | None) -> bool:
+        threshold = (
+            min_confidence if min_confidence is not None else local.family.thresholds.get(local.variant.tier)
+        )
+        return threshold is None or local.confidence >= threshold
+
+    def _local_result(self, local: _Local, *, degraded: bool) -> InferResult:
+        tier = local.variant.tier
+        return InferResult(
+            outputs=local.outputs,
+            confidence=local.confidence,
+            tier=tier,
+            path=(tier,),
+            timings_ms={tier: local.ms},
+            degraded=degraded,
+            variant=local.variant.name,
+            agent=self.name,
+        )
+
+    def close(self) -> None:
+        if self._channel is not None:
+            self._channel.close()
+        self._models.close()
+
+    async def aclose(self) -> None:
+        if self._achannel is not None:
+            await self._achannel.close()
+        self.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _escalation(
+    model: str, local: _Local, budget_ms: float | None, min_confidence: float | None, started: float
+) -> pb.ModelInferRequest:
+    request = pb.ModelInferRequest(model_name=model)
+    codec.encode_request_inputs(request, local.inputs)
+    remaining = None if budget_ms is None else max(0.1, budget_ms - (time.perf_counter() - started) * 1000.0)
+    RequestOptions(
+        budget_ms=remaining,
+        min_confidence=min_confidence,
+        min_tier=Tier(min(local.variant.tier + 1, Tier.CLOUD)),
+    ).write(request.parameters)
+    return request
+
+
+def _timeout(budget_ms: float | None, started: float) -> float:
+    if budget_ms is None:
+        return 30.0
+    return max(0.001, budget_ms / 1000.0 - (time.perf_counter() - started))
+
+
+def _merge(local: _Local, response: pb.ModelInferResponse) -> InferResult:
+    served = Served.read(response.parameters)
+    timings = {local.variant.tier: local.ms, **(served.timings_ms or {})}
+    return InferResult(
+        outputs=codec.decode_response_outputs(response),
+        confidence=served.confidence,
+        tier=served.tier,
+        path=(local.variant.tier, *served.path),
+        timings_ms=timings,
+        degraded=served.degraded,
+        variant=served.variant,
+        agent=served.agent,
+    )

@@ -1,0 +1,74 @@
+"""The router process: one port serves the inference API, AgentLink and Fleet."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import socket
+from dataclasses import dataclass
+
+from router.cloud import CloudLink
+from router.dataplane import RouterDataPlane
+from router.fleet_service import FleetServicer
+from router.link import AgentLinkServicer
+from router.registry import FleetRegistry
+from stratus.discovery import Advertisement
+from stratus.process import announce, stop_on_signals
+from stratus.serving import InferenceServicer, bind, create_server
+from stratus.wire import fleet_pb2_grpc as fpb_grpc
+from stratus.wire import inference_pb2_grpc as pb_grpc
+
+log = logging.getLogger("stratus.router")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RouterSettings:
+    listen: str
+    cloud: str | None = None
+    advertise: bool = True
+    heartbeat_s: float = 1.0
+    token: str = ""
+    name: str = ""
+
+
+async def _watch_heartbeats(registry: FleetRegistry) -> None:
+    while True:
+        await asyncio.sleep(registry.heartbeat_s / 2)
+        registry.check_heartbeats()
+
+
+async def serve(settings: RouterSettings, stop: asyncio.Event | None = None) -> None:
+    stop = stop or asyncio.Event()
+    stop_on_signals(stop)
+    registry = FleetRegistry(heartbeat_s=settings.heartbeat_s)
+    cloud = CloudLink(settings.cloud) if settings.cloud else None
+    if cloud is not None:
+        cloud.start()
+    plane = RouterDataPlane(registry, cloud, rng=random.Random())
+    server = create_server()
+    pb_grpc.add_GRPCInferenceServiceServicer_to_server(InferenceServicer(plane), server)
+    fpb_grpc.add_AgentLinkServicer_to_server(AgentLinkServicer(registry), server)
+    fpb_grpc.add_FleetServicer_to_server(FleetServicer(registry, cloud, token=settings.token), server)
+    port = bind(server, settings.listen)
+    await server.start()
+    host = settings.listen.rsplit(":", 1)[0]
+    advertisement = None
+    if settings.advertise:
+        name = settings.name or f"router-{socket.gethostname()}-{port}"
+        advertisement = Advertisement(name=name, host=host, port=port)
+        await advertisement.start()
+    watchdog = asyncio.create_task(_watch_heartbeats(registry), name="stratus-heartbeat-watchdog")
+    log.info("router listening on %s:%d (cloud: %s)", host, port, settings.cloud or "none")
+    announce("router", f"{host}:{port}")
+    await stop.wait()
+    watchdog.cancel()
+    if advertisement is not None:
+        with contextlib.suppress(Exception):
+            await advertisement.close()
+    for handle in list(registry.agents.values()):
+        handle.outbox.put_nowait(None)
+    await server.stop(grace=3.0)
+    if cloud is not None:
+        await cloud.close()

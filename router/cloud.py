@@ -1,0 +1,150 @@
+"""The router's link to the cloud gateway: one long-lived ModelStreamInfer stream.
+
+Escalations are multiplexed over the stream by request id; a stream that breaks fails
+every escalation on it (the data plane then answers with the best lower-tier result,
+marked degraded) and is re-opened with backoff. Which models the cloud serves is learnt
+with ModelReady and remembered.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import random
+from collections.abc import AsyncIterator
+
+import grpc
+
+from stratus.errors import DeadlineExceeded, Unavailable
+from stratus.serving import insecure_channel
+from stratus.stats import LatencyWindow
+from stratus.status import error_from_status
+from stratus.wire import inference_pb2 as pb
+from stratus.wire import inference_pb2_grpc as pb_grpc
+
+log = logging.getLogger("stratus.cloud-link")
+
+
+class CloudLink:
+    def __init__(self, address: str, *, rng: random.Random | None = None) -> None:
+        self.address = address
+        self.state = "connecting"
+        self.latency = LatencyWindow()
+        self._rng = rng or random.Random()
+        self._ids = itertools.count(1)
+        self._pending: dict[str, asyncio.Future[pb.ModelStreamInferResponse]] = {}
+        self._outbox: asyncio.Queue[pb.ModelInferRequest | None] = asyncio.Queue()
+        self._ready = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._channel: grpc.aio.Channel | None = None
+        self.models: dict[str, bool] = {}
+
+    @property
+    def available(self) -> bool:
+        return self.state == "connected"
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._maintain(), name="stratus-cloud-link")
+
+    async def close(self) -> None:
+        if self._task:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        if self._channel is not None:
+            await self._channel.close()
+
+    async def _maintain(self) -> None:
+        delay = 0.2
+        while True:
+            try:
+                await self._connect_and_pump()
+                delay = 0.2
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                log.warning("cloud link to %s: %s", self.address, exc)
+            self.state = "down"
+            self._ready.clear()
+            self._fail_pending("the cloud stream broke")
+            await asyncio.sleep(self._rng.uniform(delay / 2, delay))
+            delay = min(delay * 2, 5.0)
+
+    async def _connect_and_pump(self) -> None:
+        if self._channel is not None:
+            await self._channel.close()
+        self._channel = insecure_channel(self.address)
+        stub = pb_grpc.GRPCInferenceServiceStub(self._channel)
+        await stub.ServerLive(pb.ServerLiveRequest(), timeout=2.0)
+        await self._learn_models(stub)
+        self._outbox = asyncio.Queue()
+        call = stub.ModelStreamInfer(self._outgoing(self._outbox))
+        self.state = "connected"
+        self._ready.set()
+        log.info("cloud link to %s connected", self.address)
+        try:
+            async for message in call:
+                future = self._pending.pop(message.infer_response.id, None)
+                if future is not None and not future.done():
+                    future.set_result(message)
+        finally:
+            self._outbox.put_nowait(None)
+        raise Unavailable("the cloud gateway ended the stream")
+
+    async def _learn_models(self, stub: pb_grpc.GRPCInferenceServiceAsyncStub) -> None:
+        for name in list(self.models):
+            response = await stub.ModelReady(pb.ModelReadyRequest(name=name), timeout=2.0)
+            self.models[name] = response.ready
+
+    async def serves(self, name: str) -> bool:
+        """Whether the cloud serves ``name``, asked once and remembered."""
+        if name not in self.models and self._channel is not None and self.available:
+            stub = pb_grpc.GRPCInferenceServiceStub(self._channel)
+            with contextlib.suppress(grpc.aio.AioRpcError):
+                self.models[name] = (
+                    await stub.ModelReady(pb.ModelReadyRequest(name=name), timeout=2.0)
+                ).ready
+        return self.models.get(name, False)
+
+    @staticmethod
+    async def _outgoing(
+        outbox: asyncio.Queue[pb.ModelInferRequest | None],
+    ) -> AsyncIterator[pb.ModelInferRequest]:
+        while (request := await outbox.get()) is not None:
+            yield request
+
+    def _fail_pending(self, reason: str) -> None:
+        for future in self._pending.values():
+            if not future.done():
+                future.set_exception(Unavailable(f"cloud {self.address}: {reason}"))
+        self._pending.clear()
+
+    async def infer(self, request: pb.ModelInferRequest, *, timeout_s: float | None) -> pb.ModelInferResponse:
+        if not self.available:
+            raise Unavailable(f"cloud {self.address} is {self.state}")
+        wire_id = f"c{next(self._ids)}"
+        original_id = request.id
+        forwarded = pb.ModelInferRequest()
+        forwarded.CopyFrom(request)
+        forwarded.id = wire_id
+        future: asyncio.Future[pb.ModelStreamInferResponse] = asyncio.get_running_loop().create_future()
+        self._pending[wire_id] = future
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        self._outbox.put_nowait(forwarded)
+        try:
+            async with asyncio.timeout(timeout_s):
+                message = await future
+        except TimeoutError:
+            raise DeadlineExceeded(f"cloud did not answer within {(timeout_s or 0) * 1000:.1f} ms") from None
+        finally:
+            self._pending.pop(wire_id, None)
+        self.latency.add((loop.time() - started) * 1000.0)
+        if message.error_message:
+            code_name, _, text = message.error_message.partition(": ")
+            code = getattr(grpc.StatusCode, code_name, grpc.StatusCode.UNKNOWN)
+            raise error_from_status(code, f"cloud: {text or message.error_message}")
+        response = message.infer_response
+        response.id = original_id
+        return response

@@ -1,0 +1,81 @@
+"""The Fleet service: status for operators, a stream of changes, and Drain."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from typing import Any
+
+from router.cloud import CloudLink
+from router.registry import AgentHandle, FleetRegistry, State
+from stratus import __version__
+from stratus.errors import Unauthenticated
+from stratus.wire import fleet_pb2 as fpb
+from stratus.wire import fleet_pb2_grpc as fpb_grpc
+
+_STATES = {
+    State.READY: fpb.AGENT_STATE_READY,
+    State.DRAINING: fpb.AGENT_STATE_DRAINING,
+    State.LOST: fpb.AGENT_STATE_LOST,
+}
+_TIERS = {1: fpb.TIER_DEVICE, 2: fpb.TIER_EDGE, 3: fpb.TIER_CLOUD}
+
+
+def agent_status(handle: AgentHandle, now: float) -> fpb.AgentStatus:
+    estimates = list(handle.latency.values())
+    p50 = max((e.p50_ms for e in estimates), default=0.0)
+    p99 = max((e.p99_ms for e in estimates), default=0.0)
+    return fpb.AgentStatus(
+        id=handle.id,
+        tier=_TIERS[int(handle.tier)],
+        host=handle.host,
+        runtimes=handle.runtimes,
+        variants=sorted(handle.variants),
+        state=_STATES[handle.state],
+        in_flight=len(handle.pending),
+        queue_length=handle.reported_queue,
+        p50_ms=p50,
+        p99_ms=p99,
+        requests_per_s=handle.requests_per_s(now),
+        last_heartbeat_s=max(0.0, now - handle.last_heartbeat),
+        capacity=handle.capacity,
+    )
+
+
+def fleet_status(registry: FleetRegistry, cloud: CloudLink | None) -> fpb.FleetStatus:
+    now = registry.now()
+    return fpb.FleetStatus(
+        agents=[agent_status(h, now) for h in sorted(registry.agents.values(), key=lambda h: (h.tier, h.id))],
+        cloud=fpb.CloudStatus(address=cloud.address, state=cloud.state)
+        if cloud
+        else fpb.CloudStatus(state="none"),
+        router_version=__version__,
+    )
+
+
+class FleetServicer(fpb_grpc.FleetServicer):
+    def __init__(self, registry: FleetRegistry, cloud: CloudLink | None, *, token: str = "") -> None:
+        self._registry = registry
+        self._cloud = cloud
+        self._token = token
+
+    async def Status(self, request: fpb.FleetStatusRequest, context: Any) -> fpb.FleetStatus:
+        return fleet_status(self._registry, self._cloud)
+
+    async def Watch(self, request: fpb.FleetWatchRequest, context: Any) -> AsyncIterator[fpb.FleetEvent]:
+        """A snapshot now, then one on every change, and at least every heartbeat interval."""
+        changes = self._registry.watch()
+        try:
+            while True:
+                yield fpb.FleetEvent(status=fleet_status(self._registry, self._cloud))
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(changes.get(), timeout=self._registry.heartbeat_s)
+        finally:
+            self._registry.unwatch(changes)
+
+    async def Drain(self, request: fpb.DrainRequest, context: Any) -> fpb.DrainResponse:
+        if self._token and request.token != self._token:
+            raise Unauthenticated("Drain needs the fleet token")
+        handle = self._registry.drain(request.agent_id)
+        return fpb.DrainResponse(accepted=True, message=f"agent {handle.id} is draining")

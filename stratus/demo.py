@@ -1,0 +1,263 @@
+"""``stratus demo``: a whole fleet on loopback, end to end.
+
+Starts a cloud gateway, a router, two device agents and an edge agent as real processes
+on ports chosen at run time; sends the digits held-out split through the router (the
+gateway path, as any gRPC client would), through the on-device SDK, and pinned to
+``digits-large`` for comparison; prints per path the share answered on each tier,
+accuracy and p50/p99 latency, then the fleet status; and shuts everything down.
+
+The SDK is handed in by ``stratus.cli`` (it lives in ``edge_agent``, which ``stratus``
+does not import).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import grpc
+import numpy as np
+
+from stratus import codec
+from stratus.datasets import Split, digits_splits
+from stratus.errors import Unavailable
+from stratus.fleetctl import status_json, status_table
+from stratus.launcher import Launched, launch
+from stratus.protocol import Served
+from stratus.serving import grpc_options
+from stratus.tiers import Tier
+from stratus.wire import fleet_pb2 as fpb
+from stratus.wire import fleet_pb2_grpc as fpb_grpc
+from stratus.wire import inference_pb2 as pb
+from stratus.wire import inference_pb2_grpc as pb_grpc
+
+
+class SdkResult(Protocol):
+    outputs: dict[str, Any]
+    tier: Tier
+
+
+class SdkClient(Protocol):
+    def infer(self, model: str, x: Any) -> Any: ...
+
+    def close(self) -> None: ...
+
+
+@dataclass(frozen=True, kw_only=True)
+class PathReport:
+    name: str
+    requests: int
+    tiers: dict[str, float]
+    accuracy: float
+    p50_ms: float
+    p99_ms: float
+    degraded: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "requests": self.requests,
+            "tiers": self.tiers,
+            "accuracy": round(self.accuracy, 4),
+            "latency_ms": {"p50": round(self.p50_ms, 3), "p99": round(self.p99_ms, 3)},
+            "degraded": self.degraded,
+        }
+
+
+def summarize(
+    name: str, tiers: Sequence[Tier], correct: Sequence[bool], latency_ms: Sequence[float], degraded: int = 0
+) -> PathReport:
+    counts = Counter(t.label for t in tiers)
+    return PathReport(
+        name=name,
+        requests=len(tiers),
+        tiers={t.label: counts.get(t.label, 0) / max(1, len(tiers)) for t in Tier},
+        accuracy=float(np.mean(correct)) if correct else 0.0,
+        p50_ms=float(np.percentile(latency_ms, 50)) if latency_ms else 0.0,
+        p99_ms=float(np.percentile(latency_ms, 99)) if latency_ms else 0.0,
+        degraded=degraded,
+    )
+
+
+@dataclass
+class Fleet:
+    """The demo's processes; ``stop`` ends them in reverse order and returns exit codes."""
+
+    cloud: Launched
+    router: Launched
+    agents: list[Launched]
+
+    def stop(self) -> dict[str, int]:
+        codes = {a.role: a.stop() for a in self.agents}
+        codes[self.router.role] = self.router.stop()
+        codes[self.cloud.role] = self.cloud.stop()
+        return codes
+
+
+def start_fleet(models: Path, log_dir: Path, *, devices: int = 2, edges: int = 1) -> Fleet:
+    common = ["--log-level", "WARNING"]
+    cloud = launch(
+        ["cloud", "--listen", "127.0.0.1:0", "--models", str(models), *common], role="cloud", log_dir=log_dir
+    )
+    router = launch(
+        ["router", "--listen", "127.0.0.1:0", "--cloud", cloud.address, "--no-advertise", *common],
+        role="router",
+        log_dir=log_dir,
+    )
+    agents = []
+    for tier, count in (("device", devices), ("edge", edges)):
+        for index in range(1, count + 1):
+            name = f"{tier}-{index}"
+            agents.append(
+                launch(
+                    [
+                        "agent",
+                        "--tier",
+                        tier,
+                        "--models",
+                        str(models),
+                        "--router",
+                        router.address,
+                        "--name",
+                        name,
+                        "--serve",
+                        "127.0.0.1:0",
+                        *common,
+                    ],
+                    role=name,
+                    log_dir=log_dir,
+                )
+            )
+    fleet = Fleet(cloud=cloud, router=router, agents=agents)
+    wait_for_agents(router.address, devices + edges)
+    return fleet
+
+
+def wait_for_agents(router: str, count: int, timeout_s: float = 30.0) -> fpb.FleetStatus:
+    deadline = time.monotonic() + timeout_s
+    with grpc.insecure_channel(router, options=grpc_options()) as channel:
+        stub = fpb_grpc.FleetStub(channel)
+        while time.monotonic() < deadline:
+            status = stub.Status(fpb.FleetStatusRequest(), timeout=5.0)
+            ready = [a for a in status.agents if a.state == fpb.AGENT_STATE_READY]
+            if len(ready) >= count and status.cloud.state == "connected":
+                return status
+            time.sleep(0.1)
+    raise Unavailable(f"the fleet at {router} did not reach {count} ready agents in {timeout_s:g} s")
+
+
+async def through_gateway(
+    router: str,
+    data: Split,
+    *,
+    model: str = "digits",
+    concurrency: int = 8,
+    parameters: dict[str, Any] | None = None,
+) -> PathReport:
+    """Each held-out image as its own request, ``concurrency`` in flight, as a client would."""
+    tiers: list[Tier] = [Tier.DEVICE] * len(data)
+    correct = [False] * len(data)
+    latency = [0.0] * len(data)
+    degraded = 0
+    slots = asyncio.Semaphore(concurrency)
+    async with grpc.aio.insecure_channel(router, options=grpc_options()) as channel:
+        stub = pb_grpc.GRPCInferenceServiceStub(channel)
+
+        async def one(index: int) -> None:
+            nonlocal degraded
+            request = pb.ModelInferRequest(model_name=model, id=str(index))
+            codec.encode_request_inputs(request, {"input": data.x[index : index + 1]})
+            for key, value in (parameters or {}).items():
+                _set(request, key, value)
+            async with slots:
+                started = time.perf_counter()
+                response = await stub.ModelInfer(request, timeout=30.0)
+                latency[index] = (time.perf_counter() - started) * 1000.0
+            served = Served.read(response.parameters)
+            tiers[index] = served.tier
+            degraded += served.degraded
+            correct[index] = (
+                int(codec.decode_response_outputs(response)["probabilities"].argmax()) == data.y[index]
+            )
+
+        await asyncio.gather(*(one(i) for i in range(len(data))))
+    return summarize(
+        "gateway" if model == "digits" else f"gateway ({model})", tiers, correct, latency, degraded
+    )
+
+
+def _set(request: pb.ModelInferRequest, key: str, value: Any) -> None:
+    from stratus.protocol import set_parameter
+
+    set_parameter(request.parameters, key, value)
+
+
+def through_sdk(client: SdkClient, data: Split) -> PathReport:
+    tiers, correct, latency, degraded = [], [], [], 0
+    for index in range(len(data)):
+        started = time.perf_counter()
+        result = client.infer("digits", data.x[index : index + 1])
+        latency.append((time.perf_counter() - started) * 1000.0)
+        tiers.append(result.tier)
+        degraded += bool(result.degraded)
+        correct.append(int(result.outputs["probabilities"].argmax()) == data.y[index])
+    return summarize("sdk", tiers, correct, latency, degraded)
+
+
+def format_reports(reports: Sequence[PathReport]) -> str:
+    header = f"{'path':<24}{'requests':>9}{'device':>9}{'edge':>9}{'cloud':>9}{'accuracy':>10}{'p50 ms':>9}{'p99 ms':>9}{'degraded':>10}"
+    lines = [header, "-" * len(header)]
+    for r in reports:
+        lines.append(
+            f"{r.name:<24}{r.requests:>9}{r.tiers['device']:>9.1%}{r.tiers['edge']:>9.1%}{r.tiers['cloud']:>9.1%}"
+            f"{r.accuracy:>10.4f}{r.p50_ms:>9.2f}{r.p99_ms:>9.2f}{r.degraded:>10}"
+        )
+    return "\n".join(lines)
+
+
+def run_demo(*, models: Path, as_json: bool, sdk_factory: Callable[[str], SdkClient]) -> int:
+    data = digits_splits().held_out
+    with tempfile.TemporaryDirectory(prefix="stratus-demo-") as scratch:
+        log_dir = Path(scratch)
+        if not as_json:
+            print(
+                "starting a cloud gateway, a router, two device agents and an edge agent on loopback ...",
+                flush=True,
+            )
+        fleet = start_fleet(models, log_dir)
+        try:
+            reports = [asyncio.run(through_gateway(fleet.router.address, data))]
+            client = sdk_factory(fleet.router.address)
+            try:
+                reports.append(through_sdk(client, data))
+            finally:
+                client.close()
+            reports.append(asyncio.run(through_gateway(fleet.router.address, data, model="digits-large")))
+            with grpc.insecure_channel(fleet.router.address, options=grpc_options()) as channel:
+                status = fpb_grpc.FleetStub(channel).Status(fpb.FleetStatusRequest(), timeout=5.0)
+        finally:
+            codes = fleet.stop()
+    if as_json:
+        print(
+            json.dumps(
+                {
+                    "paths": {r.name: r.to_json() for r in reports},
+                    "fleet": status_json(status),
+                    "exit_codes": codes,
+                },
+                indent=2,
+            )
+        )
+    else:
+        print(f"\nheld-out split: {len(data)} requests per path\n")
+        print(format_reports(reports))
+        print("\nfleet status\n")
+        print(status_table(status))
+        print(f"\nshut down cleanly: {all(code == 0 for code in codes.values())} (exit codes {codes})")
+    return 0 if all(code == 0 for code in codes.values()) else 1

@@ -1,0 +1,84 @@
+"""Finding the router on the local network with zeroconf (mDNS/DNS-SD).
+
+The router advertises ``_stratus._tcp.local.``; agents and the SDK started with
+``--router auto`` browse for it. Both sides run on the caller's event loop through
+zeroconf's asyncio API, with no thread of their own beyond what zeroconf starts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import socket
+from collections.abc import Sequence
+
+from zeroconf import IPVersion, ServiceStateChange, Zeroconf
+from zeroconf.asyncio import AsyncServiceBrowser, AsyncServiceInfo, AsyncZeroconf
+
+from stratus import __version__
+from stratus.errors import Unavailable
+
+SERVICE_TYPE = "_stratus._tcp.local."
+
+
+def _interfaces(host: str) -> Sequence[str] | None:
+    """Loopback stays on loopback; any other host advertises on every interface."""
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        return None
+    return [host] if address.is_loopback else None
+
+
+class Advertisement:
+    """The router's zeroconf record, registered until ``close``."""
+
+    def __init__(self, *, name: str, host: str, port: int) -> None:
+        self._zeroconf = AsyncZeroconf(interfaces=_interfaces(host) or "all", ip_version=IPVersion.V4Only)
+        advertised = (
+            host if host not in ("0.0.0.0", "", "[::]") else socket.gethostbyname(socket.gethostname())
+        )
+        self.info = AsyncServiceInfo(
+            SERVICE_TYPE,
+            f"{name}.{SERVICE_TYPE}",
+            addresses=[socket.inet_aton(advertised)],
+            port=port,
+            properties={"version": __version__},
+        )
+
+    async def start(self) -> None:
+        await self._zeroconf.async_register_service(self.info)
+
+    async def close(self) -> None:
+        await self._zeroconf.async_unregister_service(self.info)
+        await self._zeroconf.async_close()
+
+
+async def discover(*, timeout_s: float = 5.0, interface: str | None = "127.0.0.1") -> str:
+    """The first router found, as ``host:port``; Unavailable when none answers in time.
+
+    ``interface`` limits the browse to one address (loopback by default, for a router on
+    this machine); pass None to browse on every interface.
+    """
+    zeroconf = AsyncZeroconf(interfaces=[interface] if interface else "all", ip_version=IPVersion.V4Only)
+    found: asyncio.Queue[str] = asyncio.Queue()
+
+    def on_change(zeroconf: Zeroconf, service_type: str, name: str, state_change: ServiceStateChange) -> None:
+        if state_change is ServiceStateChange.Added:
+            found.put_nowait(name)
+
+    browser = AsyncServiceBrowser(zeroconf.zeroconf, [SERVICE_TYPE], handlers=[on_change])
+    try:
+        async with asyncio.timeout(timeout_s):
+            while True:
+                name = await found.get()
+                info = AsyncServiceInfo(SERVICE_TYPE, name)
+                if await info.async_request(zeroconf.zeroconf, 1000):
+                    addresses = info.parsed_addresses(IPVersion.V4Only)
+                    if addresses and info.port:
+                        return f"{addresses[0]}:{info.port}"
+    except TimeoutError:
+        raise Unavailable(f"no Stratus router answered on {SERVICE_TYPE} within {timeout_s:g} s") from None
+    finally:
+        await browser.async_cancel()
+        await zeroconf.async_close()

@@ -1,0 +1,88 @@
+"""``stratus fleet``: the operator's view of a router's fleet, as a table or JSON."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import grpc
+
+from stratus.serving import grpc_options
+from stratus.wire import fleet_pb2 as fpb
+from stratus.wire import fleet_pb2_grpc as fpb_grpc
+
+_TIER = {fpb.TIER_DEVICE: "device", fpb.TIER_EDGE: "edge", fpb.TIER_CLOUD: "cloud"}
+_STATE = {fpb.AGENT_STATE_READY: "ready", fpb.AGENT_STATE_DRAINING: "draining", fpb.AGENT_STATE_LOST: "lost"}
+
+
+def status_json(status: fpb.FleetStatus) -> dict[str, Any]:
+    return {
+        "agents": [
+            {
+                "id": a.id,
+                "tier": _TIER.get(a.tier, "unknown"),
+                "host": a.host,
+                "runtimes": list(a.runtimes),
+                "state": _STATE.get(a.state, "unknown"),
+                "variants": list(a.variants),
+                "in_flight": a.in_flight,
+                "latency_ms": {"p50": round(a.p50_ms, 3), "p99": round(a.p99_ms, 3)},
+                "requests_per_s": round(a.requests_per_s, 2),
+                "last_heartbeat_s": round(a.last_heartbeat_s, 2),
+            }
+            for a in status.agents
+        ],
+        "cloud": {"address": status.cloud.address, "state": status.cloud.state},
+    }
+
+
+def status_table(status: fpb.FleetStatus) -> str:
+    data = status_json(status)
+    header = (
+        f"{'id':<22}{'tier':<8}{'host':<14}{'runtimes':<22}{'variants':<28}{'state':<10}"
+        f"{'inflight':>9}{'p50 ms':>8}{'p99 ms':>8}{'req/s':>8}{'hb s':>6}"
+    )
+    lines = [header, "-" * len(header)]
+    for a in data["agents"]:
+        lines.append(
+            f"{a['id'][:21]:<22}{a['tier']:<8}{a['host'][:13]:<14}{','.join(a['runtimes'])[:21]:<22}"
+            f"{','.join(a['variants'])[:27]:<28}{a['state']:<10}{a['in_flight']:>9}{a['latency_ms']['p50']:>8.2f}"
+            f"{a['latency_ms']['p99']:>8.2f}{a['requests_per_s']:>8.1f}{a['last_heartbeat_s']:>6.1f}"
+        )
+    lines.append("")
+    for tier in ("device", "edge"):
+        members = [a for a in data["agents"] if a["tier"] == tier]
+        ready = sum(1 for a in members if a["state"] == "ready")
+        rate = sum(a["requests_per_s"] for a in members)
+        lines.append(f"tier {tier:<7} {len(members)} agents, {ready} ready, {rate:.1f} req/s")
+    cloud = data["cloud"]
+    lines.append(f"cloud link   {cloud['address'] or '-'} ({cloud['state']})")
+    return "\n".join(lines)
+
+
+def _stub(router: str) -> tuple[grpc.Channel, fpb_grpc.FleetStub]:
+    channel = grpc.insecure_channel(router, options=grpc_options())
+    return channel, fpb_grpc.FleetStub(channel)
+
+
+def show_status(router: str, *, as_json: bool, watch: bool) -> int:
+    channel, stub = _stub(router)
+    with channel:
+        if not watch:
+            status = stub.Status(fpb.FleetStatusRequest(), timeout=5.0)
+            print(json.dumps(status_json(status), indent=2) if as_json else status_table(status))
+            return 0
+        for event in stub.Watch(fpb.FleetWatchRequest()):
+            if as_json:
+                print(json.dumps(status_json(event.status)), flush=True)
+            else:
+                print("\033[2J\033[H" + status_table(event.status), flush=True)
+    return 0
+
+
+def drain(router: str, agent_id: str, *, token: str) -> int:
+    channel, stub = _stub(router)
+    with channel:
+        response = stub.Drain(fpb.DrainRequest(agent_id=agent_id, token=token), timeout=5.0)
+    print(response.message)
+    return 0 if response.accepted else 1

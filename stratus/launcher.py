@@ -1,0 +1,101 @@
+"""Starting Stratus processes and learning their addresses: the demo, tests and benchmarks.
+
+Each child is a real ``stratus`` process on loopback with port 0, which prints its bound
+address once ready (see :mod:`stratus.process`). Its log goes to a file beside the others,
+so a failing start can be explained.
+"""
+
+from __future__ import annotations
+
+import os
+import selectors
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from stratus.errors import Unavailable
+from stratus.process import READY_PREFIX
+
+
+@dataclass
+class Launched:
+    role: str
+    args: list[str]
+    process: subprocess.Popen[str]
+    log_path: Path
+    address: str = ""
+    extra_env: dict[str, str] = field(default_factory=dict)
+
+    def stop(self, *, timeout: float = 20.0) -> int:
+        """SIGTERM, wait, then SIGKILL: the exit code it ended with."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        if self.process.stdout:
+            self.process.stdout.close()
+        return self.process.returncode
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+        if self.process.stdout:
+            self.process.stdout.close()
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+
+def launch(
+    args: Sequence[str],
+    *,
+    role: str,
+    log_dir: Path,
+    env: dict[str, str] | None = None,
+    timeout: float = 120.0,
+) -> Launched:
+    """Start ``stratus ARGS`` and wait for its READY line (or its death, with its log)."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    log_path = log_dir / f"{role}.log"
+    child_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    with log_path.open("a") as log_file:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "stratus.cli", *args],
+            stdout=subprocess.PIPE,
+            stderr=log_file,
+            text=True,
+            env=child_env,
+        )
+    launched = Launched(role=role, args=list(args), process=process, log_path=log_path, extra_env=env or {})
+    launched.address = _await_ready(launched, timeout)
+    return launched
+
+
+def _await_ready(launched: Launched, timeout: float) -> str:
+    assert launched.process.stdout is not None
+    selector = selectors.DefaultSelector()
+    selector.register(launched.process.stdout, selectors.EVENT_READ)
+    deadline = time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline:
+            if not selector.select(timeout=0.2):
+                if launched.process.poll() is not None:
+                    break
+                continue
+            line = launched.process.stdout.readline()
+            if not line:
+                break
+            if line.startswith(READY_PREFIX):
+                return line.split()[-1]
+    finally:
+        selector.close()
+    launched.kill()
+    raise Unavailable(f"{launched.role} did not become ready; its log:\n{launched.log()[-4000:]}")

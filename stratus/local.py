@@ -1,0 +1,262 @@
+"""Models loaded on this machine, and the data plane that serves them.
+
+Used by the edge agent (for Work from the router and for its local ``--serve``
+endpoint), the cloud gateway and the on-device SDK: decode and check the request, run
+the variant on the bounded executor, compute the confidence as the family config says,
+encode the answer. A batch's confidence is its least confident item: one unsure item is
+reason enough to ask a bigger model about the batch.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from stratus import codec
+from stratus.codec import Array
+from stratus.confidence import confidence
+from stratus.errors import InvalidInput, NotFound
+from stratus.executor import BoundedExecutor
+from stratus.protocol import Served
+from stratus.repository import FamilySpec, ModelRepository, VariantSpec
+from stratus.runtimes import LoadOptions, ModelRunner, load_runner
+from stratus.serving import DataPlane, tensor_metadata
+from stratus.stats import LatencyWindow
+from stratus.tiers import Tier
+from stratus.wire import fleet_pb2
+from stratus.wire import inference_pb2 as pb
+
+
+@dataclass(frozen=True, kw_only=True)
+class LocalAnswer:
+    response: pb.ModelInferResponse
+    variant: VariantSpec
+    confidence: float
+    service_ms: float
+    queue_ms: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class LocalSettings:
+    """Which variants to load, and how wide and deep the inference executor is."""
+
+    tier: Tier | None = None
+    variants: Sequence[str] | None = None
+    cache_dir: Path = Path.home() / ".cache" / "stratus"
+    concurrency: int = 2
+    queue_limit: int = 64
+    runtimes: Sequence[str] | None = None
+    executor_name: str = "stratus-infer"
+
+    def __post_init__(self) -> None:
+        if self.concurrency < 1 or self.queue_limit < 0:
+            raise ValueError("concurrency must be >= 1 and queue_limit >= 0")
+
+
+class LocalModels:
+    """Variants loaded into their best runtimes here, warmed up before first use."""
+
+    def __init__(self, repository: ModelRepository, settings: LocalSettings) -> None:
+        self.settings = settings
+        self.repository = repository
+        chosen = _select(repository, settings)
+        if not chosen:
+            raise NotFound(f"no variants to load (tier={settings.tier}, variants={settings.variants})")
+        self.runners: dict[str, ModelRunner] = {}
+        self.latency: dict[str, LatencyWindow] = {}
+        for family, variant in chosen:
+            options = LoadOptions(
+                tier=variant.tier, cache_dir=settings.cache_dir, concurrency=settings.concurrency
+            )
+            self.runners[variant.name] = load_runner(family, variant, options, runtimes=settings.runtimes)
+            self.latency[variant.name] = LatencyWindow()
+        self.variants = {v.name: v for _, v in chosen}
+        self.families = {f.name: f for f, _ in chosen}
+        self.executor = BoundedExecutor(
+            name=settings.executor_name, workers=settings.concurrency, queue_limit=settings.queue_limit
+        )
+
+    def variant_for(self, model_name: str) -> tuple[FamilySpec, VariantSpec]:
+        """A family resolves to its highest-tier variant loaded here; a variant to itself."""
+        if model_name in self.variants:
+            variant = self.variants[model_name]
+            return self.families[variant.family], variant
+        if model_name in self.families:
+            family = self.families[model_name]
+            local = [v for v in family.variants if v.name in self.variants]
+            return family, max(local, key=lambda v: v.tier)
+        raise NotFound(
+            f"model '{model_name}' is not served here; serving {sorted([*self.families, *self.variants])}"
+        )
+
+    async def answer(self, request: pb.ModelInferRequest) -> LocalAnswer:
+        family, variant = self.variant_for(request.model_name)
+        inputs = codec.decode_request_inputs(request)
+        family.check_inputs(inputs)
+        wanted = _requested_outputs(request, family)
+        started = time.perf_counter()
+        outputs, service_ms = await self.executor.run(self._timed_infer, variant.name, inputs)
+        queue_ms = max(0.0, (time.perf_counter() - started) * 1000.0 - service_ms)
+        self.latency[variant.name].add(service_ms)
+        scores = outputs[family.confidence.output]
+        conf = confidence(
+            scores, method=family.confidence.method, apply_softmax=family.confidence.apply_softmax
+        )
+        response = pb.ModelInferResponse(model_name=request.model_name, id=request.id)
+        selected = {name: outputs[name] for name in wanted}
+        codec.encode_response_outputs(response, selected, raw=_answer_raw(request, selected))
+        return LocalAnswer(
+            response=response,
+            variant=variant,
+            confidence=float(conf.min()) if conf.size else 1.0,
+            service_ms=service_ms,
+            queue_ms=queue_ms,
+        )
+
+    def _timed_infer(self, variant: str, inputs: Mapping[str, Array]) -> tuple[dict[str, Array], float]:
+        started = time.perf_counter()
+        batch = next(iter(inputs.values())).shape[0]
+        if batch == 0:
+            family = self.families[self.variants[variant].family]
+            outputs = {
+                s.name: np.zeros((0, *s.shape[1:]), codec.numpy_dtype(s.datatype)) for s in family.outputs
+            }
+        else:
+            outputs = self.runners[variant].infer(inputs)
+        return outputs, (time.perf_counter() - started) * 1000.0
+
+    def families_info(self) -> list[fleet_pb2.FamilyInfo]:
+        return [
+            fleet_pb2.FamilyInfo(
+                name=f.name,
+                inputs=tensor_metadata(f.inputs),
+                outputs=tensor_metadata(f.outputs),
+                thresholds={t.label: v for t, v in f.thresholds.items()},
+            )
+            for f in self.families.values()
+        ]
+
+    def variants_info(self) -> list[fleet_pb2.VariantInfo]:
+        infos = []
+        for name, runner in self.runners.items():
+            described = runner.describe()
+            infos.append(
+                fleet_pb2.VariantInfo(
+                    name=name,
+                    family=self.variants[name].family,
+                    runtime=described.runtime,
+                    device=described.device,
+                    precision=self.variants[name].precision,
+                    dynamic_batch=described.dynamic_batch,
+                )
+            )
+        return infos
+
+    def close(self) -> None:
+        self.executor.shutdown(wait=True)
+        for runner in self.runners.values():
+            runner.close()
+
+
+def _select(repository: ModelRepository, settings: LocalSettings) -> list[tuple[FamilySpec, VariantSpec]]:
+    if settings.variants:
+        return [
+            (repository.family(repository.variant(n).family), repository.variant(n))
+            for n in settings.variants
+        ]
+    return [
+        (family, variant)
+        for family in repository.families.values()
+        for variant in family.variants
+        if settings.tier is None or variant.tier is settings.tier
+    ]
+
+
+def _requested_outputs(request: pb.ModelInferRequest, family: FamilySpec) -> list[str]:
+    known = [s.name for s in family.outputs]
+    wanted = [o.name for o in request.outputs] or known
+    for name in wanted:
+        if name not in known:
+            raise InvalidInput(f"model '{family.name}' has no output '{name}'; it gives {known}")
+    return wanted
+
+
+def _answer_raw(request: pb.ModelInferRequest, outputs: Mapping[str, Array]) -> bool:
+    """Answer as asked: typed contents for a typed request where every output allows it."""
+    if request.raw_input_contents or not request.inputs:
+        return True
+    return any(codec.datatype_of(a) == "FP16" for a in outputs.values())
+
+
+class LocalDataPlane(DataPlane):
+    """Serves the variants loaded here: the cloud gateway, and an agent's ``--serve``."""
+
+    def __init__(self, models: LocalModels, *, tier: Tier, name: str) -> None:
+        self.models = models
+        self.tier = tier
+        self.name = name
+
+    def ready(self) -> bool:
+        return bool(self.models.runners)
+
+    def model_ready(self, name: str) -> bool:
+        return name in self.models.variants or name in self.models.families
+
+    def model_metadata(self, name: str) -> pb.ModelMetadataResponse:
+        family, variant = self.models.variant_for(name)
+        return pb.ModelMetadataResponse(
+            name=name,
+            versions=[variant.name],
+            platform=self.models.runners[variant.name].describe().runtime,
+            inputs=tensor_metadata(family.inputs),
+            outputs=tensor_metadata(family.outputs),
+        )
+
+    def model_config(self, name: str) -> pb.ModelConfig:
+        return model_config(
+            self.models.variant_for(name)[0],
+            name,
+            self.models.runners[self.models.variant_for(name)[1].name].describe().runtime,
+        )
+
+    async def infer(self, request: pb.ModelInferRequest, *, timeout_s: float | None) -> pb.ModelInferResponse:
+        answer = await self.models.answer(request)
+        served = Served(
+            tier=self.tier,
+            agent=self.name,
+            variant=answer.variant.name,
+            confidence=answer.confidence,
+            path=(self.tier,),
+            timings_ms={self.tier: answer.service_ms},
+        )
+        served.write(answer.response.parameters)
+        return answer.response
+
+
+_TYPE_NAMES = {"BOOL": "TYPE_BOOL", "BYTES": "TYPE_STRING"}
+
+
+def model_config(family: FamilySpec, name: str, backend: str) -> pb.ModelConfig:
+    """Triton's ModelConfig for a family: dims without the batch dimension."""
+
+    def data_type(datatype: str) -> pb.DataType.ValueType:
+        return pb.DataType.Value(_TYPE_NAMES.get(datatype, f"TYPE_{datatype}"))
+
+    return pb.ModelConfig(
+        name=name,
+        platform=backend,
+        backend=backend,
+        max_batch_size=64,
+        input=[
+            pb.ModelInput(name=s.name, data_type=data_type(s.datatype), dims=s.shape[1:])
+            for s in family.inputs
+        ],
+        output=[
+            pb.ModelOutput(name=s.name, data_type=data_type(s.datatype), dims=s.shape[1:])
+            for s in family.outputs
+        ],
+    )

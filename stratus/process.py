@@ -1,0 +1,56 @@
+"""What every Stratus process shares: logging, signals, and saying where it listens.
+
+A process started by a launcher (the demo, tests, benchmarks) prints exactly one line
+``STRATUS READY <role> <host:port>`` on stdout once it serves, so the parent learns the
+port that was chosen at run time without racing for one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import sys
+
+READY_PREFIX = "STRATUS READY"
+
+
+def configure_logging(level: str = "INFO") -> None:
+    logging.basicConfig(
+        level=getattr(logging, level.upper(), logging.INFO),
+        stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+
+
+def announce(role: str, address: str) -> None:
+    print(f"{READY_PREFIX} {role} {address}", flush=True)
+
+
+def stop_on_signals(stop: asyncio.Event) -> None:
+    """SIGTERM and SIGINT set ``stop``; the component then shuts down in its own order."""
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        with contextlib.suppress(NotImplementedError):
+            loop.add_signal_handler(sig, stop.set)
+
+
+def new_event_loop() -> asyncio.AbstractEventLoop:
+    """uvloop where installed (10-20% less per-hop overhead), else asyncio's default."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.new_event_loop()
+    loop: asyncio.AbstractEventLoop = uvloop.new_event_loop()
+    return loop
+
+
+def run(main: asyncio.Future[None] | object) -> None:
+    """Run a component's main coroutine on a fresh loop that this process owns."""
+    loop = new_event_loop()
+    try:
+        loop.run_until_complete(main)  # type: ignore[arg-type]
+    finally:
+        loop.run_until_complete(loop.shutdown_asyncgens())
+        loop.close()

@@ -1,0 +1,174 @@
+"""Stratus's own request and response fields, carried in the protocol's ``parameters`` maps.
+
+Requests may carry ``stratus.budget_ms`` (double), ``stratus.min_confidence`` (double),
+``stratus.max_tier`` and ``stratus.min_tier`` (string: device, edge or cloud). Responses
+carry ``stratus.tier``, ``stratus.agent``, ``stratus.variant``, ``stratus.confidence``,
+``stratus.path`` (tiers visited, ``device>edge>cloud``), ``stratus.degraded`` and
+``stratus.timings_ms`` (per tier, ``device=0.41,edge=0.83``). Parameters of the wrong type
+are refused by name, since a budget silently ignored is a promise silently broken.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from stratus.errors import InvalidInput
+from stratus.tiers import Tier
+from stratus.wire import inference_pb2 as pb
+
+PREFIX = "stratus."
+BUDGET_MS = "stratus.budget_ms"
+MIN_CONFIDENCE = "stratus.min_confidence"
+MAX_TIER = "stratus.max_tier"
+MIN_TIER = "stratus.min_tier"
+KNOWN_REQUEST = (BUDGET_MS, MIN_CONFIDENCE, MAX_TIER, MIN_TIER)
+
+TIER = "stratus.tier"
+AGENT = "stratus.agent"
+VARIANT = "stratus.variant"
+CONFIDENCE = "stratus.confidence"
+PATH = "stratus.path"
+DEGRADED = "stratus.degraded"
+TIMINGS = "stratus.timings_ms"
+
+ParameterValue = bool | int | float | str
+
+
+def parameter_value(parameter: pb.InferParameter) -> ParameterValue | None:
+    choice = parameter.WhichOneof("parameter_choice")
+    if choice is None:
+        return None
+    value: ParameterValue = getattr(parameter, choice)
+    return value
+
+
+def set_parameter(parameters: Mapping[str, pb.InferParameter], key: str, value: ParameterValue) -> None:
+    """Write one typed parameter into a protobuf parameters map."""
+    target = parameters[key]  # protobuf map: creates the entry
+    if isinstance(value, bool):
+        target.bool_param = value
+    elif isinstance(value, int):
+        target.int64_param = value
+    elif isinstance(value, float):
+        target.double_param = value
+    else:
+        target.string_param = value
+
+
+@dataclass(frozen=True, kw_only=True)
+class RequestOptions:
+    """What a client asked of the router, parsed and checked."""
+
+    budget_ms: float | None = None
+    min_confidence: float | None = None
+    max_tier: Tier = Tier.CLOUD
+    min_tier: Tier = Tier.DEVICE
+
+    @classmethod
+    def from_parameters(cls, parameters: Mapping[str, pb.InferParameter]) -> RequestOptions:
+        unknown = [k for k in parameters if k.startswith(PREFIX) and k not in KNOWN_REQUEST]
+        if unknown:
+            raise InvalidInput(
+                f"unknown request parameter(s) {sorted(unknown)}; known: {list(KNOWN_REQUEST)}"
+            )
+        budget = _number(parameters, BUDGET_MS)
+        if budget is not None and budget <= 0:
+            raise InvalidInput(f"parameter '{BUDGET_MS}' must be > 0, got {budget}")
+        confidence = _number(parameters, MIN_CONFIDENCE)
+        if confidence is not None and not 0.0 <= confidence <= 1.0:
+            raise InvalidInput(f"parameter '{MIN_CONFIDENCE}' must lie between 0 and 1, got {confidence}")
+        options = cls(
+            budget_ms=budget,
+            min_confidence=confidence,
+            max_tier=_tier(parameters, MAX_TIER, Tier.CLOUD),
+            min_tier=_tier(parameters, MIN_TIER, Tier.DEVICE),
+        )
+        if options.min_tier > options.max_tier:
+            raise InvalidInput(
+                f"'{MIN_TIER}' ({options.min_tier.label}) is above '{MAX_TIER}' ({options.max_tier.label})"
+            )
+        return options
+
+    def write(self, parameters: Mapping[str, pb.InferParameter]) -> None:
+        """The inverse of ``from_parameters``, for clients (the SDK, benchmarks)."""
+        if self.budget_ms is not None:
+            set_parameter(parameters, BUDGET_MS, float(self.budget_ms))
+        if self.min_confidence is not None:
+            set_parameter(parameters, MIN_CONFIDENCE, float(self.min_confidence))
+        if self.max_tier is not Tier.CLOUD:
+            set_parameter(parameters, MAX_TIER, self.max_tier.label)
+        if self.min_tier is not Tier.DEVICE:
+            set_parameter(parameters, MIN_TIER, self.min_tier.label)
+
+
+def _number(parameters: Mapping[str, pb.InferParameter], key: str) -> float | None:
+    if key not in parameters:
+        return None
+    value = parameter_value(parameters[key])
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise InvalidInput(f"parameter '{key}' must be a double, got {type(value).__name__}")
+    if not math.isfinite(value):
+        raise InvalidInput(f"parameter '{key}' must be finite, got {value}")
+    return float(value)
+
+
+def _tier(parameters: Mapping[str, pb.InferParameter], key: str, default: Tier) -> Tier:
+    if key not in parameters:
+        return default
+    value = parameter_value(parameters[key])
+    if not isinstance(value, str):
+        raise InvalidInput(f"parameter '{key}' must be a string, got {type(value).__name__}")
+    try:
+        return Tier.parse(value)
+    except InvalidInput as exc:
+        raise InvalidInput(f"parameter '{key}': {exc}") from None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Served:
+    """How a request was answered: written into the response's parameters."""
+
+    tier: Tier
+    agent: str
+    variant: str
+    confidence: float
+    path: Sequence[Tier]
+    degraded: bool = False
+    timings_ms: Mapping[Tier, float] | None = None
+
+    def write(self, parameters: Mapping[str, pb.InferParameter]) -> None:
+        set_parameter(parameters, TIER, self.tier.label)
+        set_parameter(parameters, AGENT, self.agent)
+        set_parameter(parameters, VARIANT, self.variant)
+        set_parameter(parameters, CONFIDENCE, float(self.confidence))
+        set_parameter(parameters, PATH, ">".join(t.label for t in self.path))
+        set_parameter(parameters, DEGRADED, self.degraded)
+        if self.timings_ms:
+            set_parameter(
+                parameters, TIMINGS, ",".join(f"{t.label}={ms:.3f}" for t, ms in self.timings_ms.items())
+            )
+
+    @classmethod
+    def read(cls, parameters: Mapping[str, pb.InferParameter]) -> Served:
+        """Parse a response's Stratus parameters (clients, tests)."""
+
+        def get(key: str) -> ParameterValue | None:
+            return parameter_value(parameters[key]) if key in parameters else None
+
+        path = str(get(PATH) or "")
+        timings = {}
+        for item in str(get(TIMINGS) or "").split(","):
+            if "=" in item:
+                tier, ms = item.split("=", 1)
+                timings[Tier.parse(tier)] = float(ms)
+        return cls(
+            tier=Tier.parse(str(get(TIER) or "cloud")),
+            agent=str(get(AGENT) or ""),
+            variant=str(get(VARIANT) or ""),
+            confidence=float(get(CONFIDENCE) or 0.0),
+            path=tuple(Tier.parse(p) for p in path.split(">") if p),
+            degraded=bool(get(DEGRADED)),
+            timings_ms=timings,
+        )

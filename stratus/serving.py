@@ -1,0 +1,184 @@
+"""The one inference servicer, and how every Stratus gRPC server and channel is built.
+
+``InferenceServicer`` speaks the Open Inference Protocol and does nothing but convert and
+delegate to a :class:`DataPlane`: the router's (which routes across the fleet), the cloud
+gateway's and an agent's local endpoint (which run models here). Errors are raised as
+:mod:`stratus.errors` and mapped to statuses once, by :class:`~stratus.status.ErrorInterceptor`.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Sequence
+from typing import Any, Final
+
+import grpc
+
+from stratus import __version__
+from stratus.errors import ConfigError, StratusError
+from stratus.status import ErrorInterceptor, status_code
+from stratus.wire import inference_pb2 as pb
+from stratus.wire import inference_pb2_grpc as pb_grpc
+
+log = logging.getLogger("stratus.serving")
+
+# Every server and channel refuses messages past this size (a digits batch of 64 is 16 KiB).
+MAX_MESSAGE_BYTES: Final = 16 * 1024 * 1024
+# Requests one ModelStreamInfer stream may have in flight before its reader waits.
+STREAM_WINDOW: Final = 256
+EXTENSIONS: Final = ("model_configuration", "stratus_tiers")
+
+
+def grpc_options(max_message_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str, Any]]:
+    return [
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.keepalive_time_ms", 10_000),
+        ("grpc.keepalive_timeout_ms", 5_000),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_pings_without_data", 0),
+        ("grpc.so_reuseport", 0),
+    ]
+
+
+def create_server() -> grpc.aio.Server:
+    return grpc.aio.server(interceptors=[ErrorInterceptor()], options=grpc_options())
+
+
+def bind(server: grpc.aio.Server, address: str) -> int:
+    """Bind ``host:port`` (port 0 picks a free one) and return the port actually bound."""
+    port = server.add_insecure_port(address)
+    if port == 0:
+        raise ConfigError(f"cannot listen on {address}")
+    return port
+
+
+def insecure_channel(address: str) -> grpc.aio.Channel:
+    return grpc.aio.insecure_channel(address, options=grpc_options())
+
+
+class DataPlane(abc.ABC):
+    """What a server that answers inference requests must provide."""
+
+    @abc.abstractmethod
+    def ready(self) -> bool: ...
+
+    @abc.abstractmethod
+    def model_ready(self, name: str) -> bool: ...
+
+    @abc.abstractmethod
+    def model_metadata(self, name: str) -> pb.ModelMetadataResponse:
+        """Raise NotFound for a model nothing here knows."""
+
+    @abc.abstractmethod
+    def model_config(self, name: str) -> pb.ModelConfig: ...
+
+    @abc.abstractmethod
+    async def infer(self, request: pb.ModelInferRequest, *, timeout_s: float | None) -> pb.ModelInferResponse:
+        """Answer one request or raise a StratusError; ``timeout_s`` is the caller's deadline."""
+
+
+class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
+    def __init__(self, plane: DataPlane) -> None:
+        self._plane = plane
+
+    async def ServerLive(self, request: pb.ServerLiveRequest, context: Any) -> pb.ServerLiveResponse:
+        return pb.ServerLiveResponse(live=True)
+
+    async def ServerReady(self, request: pb.ServerReadyRequest, context: Any) -> pb.ServerReadyResponse:
+        return pb.ServerReadyResponse(ready=self._plane.ready())
+
+    async def ModelReady(self, request: pb.ModelReadyRequest, context: Any) -> pb.ModelReadyResponse:
+        return pb.ModelReadyResponse(ready=self._plane.model_ready(request.name))
+
+    async def ServerMetadata(
+        self, request: pb.ServerMetadataRequest, context: Any
+    ) -> pb.ServerMetadataResponse:
+        return pb.ServerMetadataResponse(name="stratus", version=__version__, extensions=EXTENSIONS)
+
+    async def ModelMetadata(self, request: pb.ModelMetadataRequest, context: Any) -> pb.ModelMetadataResponse:
+        return self._plane.model_metadata(request.name)
+
+    async def ModelConfig(self, request: pb.ModelConfigRequest, context: Any) -> pb.ModelConfigResponse:
+        return pb.ModelConfigResponse(config=self._plane.model_config(request.name))
+
+    async def ModelInfer(self, request: pb.ModelInferRequest, context: Any) -> pb.ModelInferResponse:
+        return await self._plane.infer(request, timeout_s=context.time_remaining())
+
+    async def ModelStreamInfer(
+        self, request_iterator: AsyncIterator[pb.ModelInferRequest], context: Any
+    ) -> AsyncIterator[pb.ModelStreamInferResponse]:
+        """Requests on one stream run concurrently; each answer carries its request's id."""
+        async with _StreamSession(self._plane, request_iterator) as session:
+            async for response in session.responses():
+                yield response
+
+
+class _StreamSession:
+    """One ModelStreamInfer stream: a reader task, one task per request, an ordered outbox."""
+
+    _DONE: Final = None
+
+    def __init__(self, plane: DataPlane, requests: AsyncIterator[pb.ModelInferRequest]) -> None:
+        self._plane = plane
+        self._requests = requests
+        self._outbox: asyncio.Queue[pb.ModelStreamInferResponse | None] = asyncio.Queue()
+        self._window = asyncio.Semaphore(STREAM_WINDOW)
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._reader: asyncio.Task[None] | None = None
+
+    async def __aenter__(self) -> _StreamSession:
+        self._reader = asyncio.create_task(self._read(), name="stratus-stream-reader")
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        for task in [*self._tasks, *([self._reader] if self._reader else [])]:
+            task.cancel()
+        await asyncio.gather(*self._tasks, *([self._reader] if self._reader else []), return_exceptions=True)
+
+    async def responses(self) -> AsyncIterator[pb.ModelStreamInferResponse]:
+        while (item := await self._outbox.get()) is not self._DONE:
+            assert item is not None
+            yield item
+        if self._reader is not None:
+            await self._reader  # re-raise a broken request stream
+
+    async def _read(self) -> None:
+        try:
+            async for request in self._requests:
+                await self._window.acquire()
+                task = asyncio.create_task(self._answer(request))
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+        finally:
+            self._outbox.put_nowait(self._DONE)
+
+    async def _answer(self, request: pb.ModelInferRequest) -> None:
+        try:
+            response = await self._plane.infer(request, timeout_s=None)
+            self._outbox.put_nowait(pb.ModelStreamInferResponse(infer_response=response))
+        except StratusError as exc:
+            self._outbox.put_nowait(stream_error(request, f"{status_code(exc).name}: {exc}"))
+        except Exception as exc:  # one bad request must not end the stream for the others
+            log.exception("unexpected error in a streamed request")
+            self._outbox.put_nowait(stream_error(request, f"INTERNAL: {type(exc).__name__}: {exc}"))
+        finally:
+            self._window.release()
+
+
+def stream_error(request: pb.ModelInferRequest, message: str) -> pb.ModelStreamInferResponse:
+    """A streamed error keeps the request's id and model, so a multiplexing peer can match it."""
+    return pb.ModelStreamInferResponse(
+        error_message=message,
+        infer_response=pb.ModelInferResponse(id=request.id, model_name=request.model_name),
+    )
+
+
+def tensor_metadata(specs: Sequence[Any]) -> list[pb.ModelMetadataResponse.TensorMetadata]:
+    return [
+        pb.ModelMetadataResponse.TensorMetadata(name=s.name, datatype=s.datatype, shape=s.shape)
+        for s in specs
+    ]

@@ -1,0 +1,97 @@
+"""Where Stratus errors become gRPC statuses: one interceptor for every server.
+
+Servicers raise :mod:`stratus.errors`; this interceptor turns each into the status it
+names, with its message. Anything else is a bug: it is logged with its traceback and the
+peer gets INTERNAL naming the exception, and the server keeps serving everyone else.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import grpc
+
+from stratus.errors import StratusError
+
+log = logging.getLogger("stratus.status")
+
+
+def status_code(error: StratusError) -> grpc.StatusCode:
+    code: grpc.StatusCode = getattr(grpc.StatusCode, error.status_name)
+    return code
+
+
+def error_from_status(code: grpc.StatusCode, message: str) -> StratusError:
+    """The inverse mapping, for errors that crossed a hop (agent -> router -> client)."""
+    from stratus import errors
+
+    for kind in (
+        errors.InvalidInput,
+        errors.NotFound,
+        errors.Unavailable,
+        errors.Overloaded,
+        errors.DeadlineExceeded,
+        errors.Unauthenticated,
+        errors.PermissionDenied,
+        errors.ConfigError,
+    ):
+        if kind.status_name == code.name:
+            return kind(message)
+    return StratusError(message)
+
+
+async def _abort(context: grpc.aio.ServicerContext[Any, Any], exc: Exception) -> None:
+    if isinstance(exc, StratusError):
+        await context.abort(status_code(exc), str(exc))
+    log.exception("unexpected error serving a call")
+    await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}")
+
+
+def _wrap_unary(inner: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
+    async def unary(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
+        try:
+            return await inner(request, context)
+        except (grpc.aio.AbortError, grpc.aio.UsageError):
+            raise
+        except Exception as exc:
+            await _abort(context, exc)
+
+    return unary
+
+
+def _wrap_stream(inner: Callable[..., AsyncIterator[Any]]) -> Callable[..., AsyncIterator[Any]]:
+    async def stream(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> AsyncIterator[Any]:
+        try:
+            async for item in inner(request, context):
+                yield item
+        except (grpc.aio.AbortError, grpc.aio.UsageError):
+            raise
+        except Exception as exc:
+            await _abort(context, exc)
+
+    return stream
+
+
+class ErrorInterceptor(grpc.aio.ServerInterceptor):
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler[Any, Any] | None]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler[Any, Any] | None:
+        found = await continuation(handler_call_details)
+        if found is None:
+            return None
+        handler: Any = found
+        codec = {
+            "request_deserializer": handler.request_deserializer,
+            "response_serializer": handler.response_serializer,
+        }
+        if handler.unary_unary:
+            return grpc.unary_unary_rpc_method_handler(_wrap_unary(handler.unary_unary), **codec)
+        if handler.stream_unary:
+            return grpc.stream_unary_rpc_method_handler(_wrap_unary(handler.stream_unary), **codec)
+        if handler.unary_stream:
+            return grpc.unary_stream_rpc_method_handler(_wrap_stream(handler.unary_stream), **codec)
+        return grpc.stream_stream_rpc_method_handler(_wrap_stream(handler.stream_stream), **codec)
