@@ -7,8 +7,10 @@ held-out split, which is only reported for information.
 
 * ``--target-accuracy A``: the thresholds that send the fewest requests to the top tier
   (then the fewest beyond the bottom tier) while the cascade's accuracy stays >= A.
-* ``--max-escalation R``: per tier, the highest threshold that sends at most a share R
-  of the requests reaching that tier further up.
+* ``--max-escalation R``: at most a share R of all requests may reach the top tier (the
+  expensive one); within that, the most accurate cascade, and among equally accurate
+  ones the most conservative (highest) thresholds, since a calibration split of a few
+  hundred examples flatters thresholds chosen at the edge of what it allows.
 """
 
 from __future__ import annotations
@@ -89,22 +91,19 @@ def for_target_accuracy(scores: Sequence[TierScores], target: float) -> tuple[fl
 
 
 def for_max_escalation(scores: Sequence[TierScores], share: float) -> tuple[float, ...]:
-    """Per tier, the highest threshold that escalates at most ``share`` of what reaches it."""
-    thresholds: list[float] = []
-    pending = np.ones(len(scores[0].correct), dtype=bool)
-    for tier in scores[:-1]:
-        values = tier.confidence[pending]
-        if not len(values):  # nothing reaches this tier: any threshold will do
-            thresholds.append(0.0)
+    """Most accurate (then highest) thresholds with at most ``share`` reaching the top tier."""
+    grids = [candidate_thresholds(s.confidence) for s in scores[:-1]]
+    best: tuple[tuple[float, ...], tuple[float, ...]] | None = None
+    for combo in itertools.product(*grids):
+        outcome = cascade(scores, combo)
+        if outcome.reached[-1] > share + 1e-12:
             continue
-        allowed = int(np.floor(share * len(values)))
-        ordered = np.sort(values)
-        threshold = (
-            float(ordered[allowed]) if allowed < len(ordered) else float(np.nextafter(ordered[-1], 2.0))
-        )
-        thresholds.append(threshold)
-        pending &= tier.confidence < threshold
-    return tuple(thresholds)
+        rank = (outcome.accuracy, sum(combo), *combo)
+        if best is None or rank > best[0]:
+            best = (rank, combo)
+    if best is None:  # unreachable: thresholds of 0 send nothing up
+        raise ConfigError(f"no thresholds keep the top tier's share under {share:.1%}")
+    return best[1]
 
 
 def tier_scores(family: FamilySpec, split: Split, cache: Path) -> list[TierScores]:

@@ -42,11 +42,14 @@ def test_target_accuracy_picks_the_cheapest_thresholds_that_reach_it() -> None:
         for_target_accuracy(bad, 1.0)
 
 
-def test_max_escalation_bounds_each_tiers_share() -> None:
-    thresholds = for_max_escalation(scores(), 0.25)
-    outcome = cascade(scores(), thresholds)
-    assert outcome.reached[1] <= 0.25
-    assert for_max_escalation(scores(), 0.0)[0] <= 0.4  # nothing may leave the device
+def test_max_escalation_caps_the_top_tier_and_prefers_accuracy_then_caution() -> None:
+    capped = cascade(scores(), for_max_escalation(scores(), 0.25))
+    assert capped.reached[2] <= 0.25
+    assert capped.accuracy == 1.0  # device takes 0 and 1, edge takes 2, the cloud only 3
+    nothing_up = cascade(scores(), for_max_escalation(scores(), 0.0))
+    assert nothing_up.reached[2] == 0.0
+    assert nothing_up.accuracy == 0.75  # the edge must answer 3 itself, and gets it wrong
+    # With no cap, every threshold goes as high as it can: all requests reach the top.
     assert cascade(scores(), for_max_escalation(scores(), 1.0)).reached[2] == 1.0
 
 
