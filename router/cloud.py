@@ -2,14 +2,13 @@
 
 Escalations are multiplexed over the stream by request id; a stream that breaks fails
 every escalation on it (the data plane then answers with the best lower-tier result,
-marked degraded) and is re-opened with backoff. Which models the cloud serves is learnt
-with ModelReady and remembered.
+marked degraded) and is re-opened with backoff. Which models the cloud serves is read
+with RepositoryIndex each time the stream opens.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import logging
 import random
@@ -93,19 +92,8 @@ class CloudLink:
         raise Unavailable("the cloud gateway ended the stream")
 
     async def _learn_models(self, stub: pb_grpc.GRPCInferenceServiceAsyncStub) -> None:
-        for name in list(self.models):
-            response = await stub.ModelReady(pb.ModelReadyRequest(name=name), timeout=2.0)
-            self.models[name] = response.ready
-
-    async def serves(self, name: str) -> bool:
-        """Whether the cloud serves ``name``, asked once and remembered."""
-        if name not in self.models and self._channel is not None and self.available:
-            stub = pb_grpc.GRPCInferenceServiceStub(self._channel)
-            with contextlib.suppress(grpc.aio.AioRpcError):
-                self.models[name] = (
-                    await stub.ModelReady(pb.ModelReadyRequest(name=name), timeout=2.0)
-                ).ready
-        return self.models.get(name, False)
+        index = await stub.RepositoryIndex(pb.RepositoryIndexRequest(ready=True), timeout=2.0)
+        self.models = {model.name: model.state == "READY" for model in index.models}
 
     @staticmethod
     async def _outgoing(

@@ -71,6 +71,12 @@ class RouterDataPlane(DataPlane):
             self.cloud is not None and self.cloud.available and self.cloud.models.get(name, False)
         )
 
+    def model_names(self) -> list[str]:
+        names = {*self.registry.families, *(v for h in self.registry.agents.values() for v in h.variants)}
+        if self.cloud is not None:
+            names |= {name for name, ok in self.cloud.models.items() if ok}
+        return sorted(names)
+
     def _family_of(self, name: str) -> tuple[str, str | None]:
         """(family, pinned variant or None); NotFound when no agent nor the cloud knows it."""
         if name in self.registry.families:
@@ -114,8 +120,6 @@ class RouterDataPlane(DataPlane):
     async def infer(self, request: pb.ModelInferRequest, *, timeout_s: float | None) -> pb.ModelInferResponse:
         started = self._clock()
         options = RequestOptions.from_parameters(request.parameters)
-        if self.cloud is not None:
-            await self.cloud.serves(request.model_name)
         family, pinned = self._family_of(request.model_name)
         self._check_inputs(request, family)
         budget_ms = _budget(options.budget_ms, timeout_s)

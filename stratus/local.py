@@ -206,6 +206,9 @@ class LocalDataPlane(DataPlane):
     def model_ready(self, name: str) -> bool:
         return name in self.models.variants or name in self.models.families
 
+    def model_names(self) -> list[str]:
+        return sorted([*self.models.families, *self.models.variants])
+
     def model_metadata(self, name: str) -> pb.ModelMetadataResponse:
         family, variant = self.models.variant_for(name)
         return pb.ModelMetadataResponse(

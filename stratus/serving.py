@@ -76,6 +76,10 @@ class DataPlane(abc.ABC):
     def model_config(self, name: str) -> pb.ModelConfig: ...
 
     @abc.abstractmethod
+    def model_names(self) -> list[str]:
+        """Every family and variant served, for RepositoryIndex."""
+
+    @abc.abstractmethod
     async def infer(self, request: pb.ModelInferRequest, *, timeout_s: float | None) -> pb.ModelInferResponse:
         """Answer one request or raise a StratusError; ``timeout_s`` is the caller's deadline."""
 
@@ -103,6 +107,16 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
 
     async def ModelConfig(self, request: pb.ModelConfigRequest, context: Any) -> pb.ModelConfigResponse:
         return pb.ModelConfigResponse(config=self._plane.model_config(request.name))
+
+    async def RepositoryIndex(
+        self, request: pb.RepositoryIndexRequest, context: Any
+    ) -> pb.RepositoryIndexResponse:
+        index = pb.RepositoryIndexResponse()
+        for name in self._plane.model_names():
+            ready = self._plane.model_ready(name)
+            if ready or not request.ready:
+                index.models.add(name=name, version="1", state="READY" if ready else "UNAVAILABLE")
+        return index
 
     async def ModelInfer(self, request: pb.ModelInferRequest, context: Any) -> pb.ModelInferResponse:
         return await self._plane.infer(request, timeout_s=context.time_remaining())

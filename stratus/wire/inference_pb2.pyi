@@ -718,6 +718,74 @@ class ModelConfigResponse(_message.Message):
 Global___ModelConfigResponse: _TypeAlias = ModelConfigResponse  # noqa: Y015
 
 @_typing.final
+class RepositoryIndexRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REPOSITORY_NAME_FIELD_NUMBER: _builtins.int
+    READY_FIELD_NUMBER: _builtins.int
+    repository_name: _builtins.str
+    ready: _builtins.bool
+    def __init__(
+        self,
+        *,
+        repository_name: _builtins.str = ...,
+        ready: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["ready", b"ready", "repository_name", b"repository_name"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RepositoryIndexRequest: _TypeAlias = RepositoryIndexRequest  # noqa: Y015
+
+@_typing.final
+class RepositoryIndexResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class ModelIndex(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        NAME_FIELD_NUMBER: _builtins.int
+        VERSION_FIELD_NUMBER: _builtins.int
+        STATE_FIELD_NUMBER: _builtins.int
+        REASON_FIELD_NUMBER: _builtins.int
+        name: _builtins.str
+        version: _builtins.str
+        state: _builtins.str
+        reason: _builtins.str
+        def __init__(
+            self,
+            *,
+            name: _builtins.str = ...,
+            version: _builtins.str = ...,
+            state: _builtins.str = ...,
+            reason: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["name", b"name", "reason", b"reason", "state", b"state", "version", b"version"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    MODELS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def models(self) -> _containers.RepeatedCompositeFieldContainer[Global___RepositoryIndexResponse.ModelIndex]: ...
+    def __init__(
+        self,
+        *,
+        models: _abc.Iterable[Global___RepositoryIndexResponse.ModelIndex] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["models", b"models"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RepositoryIndexResponse: _TypeAlias = RepositoryIndexResponse  # noqa: Y015
+
+@_typing.final
 class ModelInput(_message.Message):
     """A minimal subset of Triton's ModelConfig with its field numbers kept."""
 

@@ -75,6 +75,11 @@ class GRPCInferenceServiceStub:
                 request_serializer=stratus_dot_v1_dot_inference__pb2.ModelConfigRequest.SerializeToString,
                 response_deserializer=stratus_dot_v1_dot_inference__pb2.ModelConfigResponse.FromString,
                 _registered_method=True)
+        self.RepositoryIndex = channel.unary_unary(
+                '/inference.GRPCInferenceService/RepositoryIndex',
+                request_serializer=stratus_dot_v1_dot_inference__pb2.RepositoryIndexRequest.SerializeToString,
+                response_deserializer=stratus_dot_v1_dot_inference__pb2.RepositoryIndexResponse.FromString,
+                _registered_method=True)
 
 
 class GRPCInferenceServiceServicer:
@@ -133,6 +138,13 @@ class GRPCInferenceServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RepositoryIndex(self, request, context):
+        """Triton's model repository extension, read-only: which models are served here.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GRPCInferenceServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -175,6 +187,11 @@ def add_GRPCInferenceServiceServicer_to_server(servicer, server):
                     servicer.ModelConfig,
                     request_deserializer=stratus_dot_v1_dot_inference__pb2.ModelConfigRequest.FromString,
                     response_serializer=stratus_dot_v1_dot_inference__pb2.ModelConfigResponse.SerializeToString,
+            ),
+            'RepositoryIndex': grpc.unary_unary_rpc_method_handler(
+                    servicer.RepositoryIndex,
+                    request_deserializer=stratus_dot_v1_dot_inference__pb2.RepositoryIndexRequest.FromString,
+                    response_serializer=stratus_dot_v1_dot_inference__pb2.RepositoryIndexResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -393,6 +410,33 @@ class GRPCInferenceService:
             '/inference.GRPCInferenceService/ModelConfig',
             stratus_dot_v1_dot_inference__pb2.ModelConfigRequest.SerializeToString,
             stratus_dot_v1_dot_inference__pb2.ModelConfigResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RepositoryIndex(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/inference.GRPCInferenceService/RepositoryIndex',
+            stratus_dot_v1_dot_inference__pb2.RepositoryIndexRequest.SerializeToString,
+            stratus_dot_v1_dot_inference__pb2.RepositoryIndexResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -54,6 +54,8 @@ class GRPCInferenceServiceStub:
     """Triton's widely used bidirectional streaming extension."""
     ModelConfig: _grpc.UnaryUnaryMultiCallable[_inference_pb2.ModelConfigRequest, _inference_pb2.ModelConfigResponse]
     """Triton's model configuration extension, reduced to the fields Stratus can fill."""
+    RepositoryIndex: _grpc.UnaryUnaryMultiCallable[_inference_pb2.RepositoryIndexRequest, _inference_pb2.RepositoryIndexResponse]
+    """Triton's model repository extension, read-only: which models are served here."""
 
 @_typing.type_check_only
 class GRPCInferenceServiceAsyncStub(GRPCInferenceServiceStub):
@@ -71,6 +73,8 @@ class GRPCInferenceServiceAsyncStub(GRPCInferenceServiceStub):
     """Triton's widely used bidirectional streaming extension."""
     ModelConfig: _aio.UnaryUnaryMultiCallable[_inference_pb2.ModelConfigRequest, _inference_pb2.ModelConfigResponse]  # type: ignore[assignment]
     """Triton's model configuration extension, reduced to the fields Stratus can fill."""
+    RepositoryIndex: _aio.UnaryUnaryMultiCallable[_inference_pb2.RepositoryIndexRequest, _inference_pb2.RepositoryIndexResponse]  # type: ignore[assignment]
+    """Triton's model repository extension, read-only: which models are served here."""
 
 class GRPCInferenceServiceServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -133,5 +137,13 @@ class GRPCInferenceServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_inference_pb2.ModelConfigResponse, _abc.Awaitable[_inference_pb2.ModelConfigResponse]]:
         """Triton's model configuration extension, reduced to the fields Stratus can fill."""
+
+    @_abc_1.abstractmethod
+    def RepositoryIndex(
+        self,
+        request: _inference_pb2.RepositoryIndexRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_inference_pb2.RepositoryIndexResponse, _abc.Awaitable[_inference_pb2.RepositoryIndexResponse]]:
+        """Triton's model repository extension, read-only: which models are served here."""
 
 def add_GRPCInferenceServiceServicer_to_server(servicer: GRPCInferenceServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

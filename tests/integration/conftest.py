@@ -1,0 +1,29 @@
+"""A real fleet on loopback: cloud gateway, router, two device agents, one edge agent.
+
+Every process is a real ``stratus`` command on a port chosen at run time; the fleet is
+shared by the module's tests and must shut down cleanly (exit code 0) at the end.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from stratus.demo import Fleet, start_fleet
+
+MODELS = Path(__file__).resolve().parents[2] / "models"
+
+
+@pytest.fixture(scope="session")
+def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+    fleet = start_fleet(MODELS, tmp_path_factory.mktemp("fleet-logs"))
+    yield fleet
+    codes = fleet.stop()
+    assert all(code == 0 for code in codes.values()), f"unclean shutdown: {codes}"
+
+
+@pytest.fixture(scope="session")
+def router(fleet: Fleet) -> str:
+    return fleet.router.address
