@@ -60,6 +60,7 @@ class RouterDataPlane(DataPlane):
         self.cloud = cloud
         self._rng = rng or random.Random()
         self._clock = clock
+        self._specs: dict[str, tuple[fpb.FamilyInfo, FamilySpec]] = {}
 
     # -- health and metadata ---------------------------------------------------------
     def ready(self) -> bool:
@@ -92,10 +93,15 @@ class RouterDataPlane(DataPlane):
         raise NotFound(f"unknown model '{name}'; the fleet serves {known}")
 
     def _spec(self, family: str) -> FamilySpec | None:
+        """The family as agents described it; rebuilt only when an agent's Hello changes it."""
         info = self.registry.family(family)
         if info is None:
             return None
-        return family_spec(info)
+        cached = self._specs.get(family)
+        if cached is None or cached[0] is not info:
+            cached = (info, family_spec(info))
+            self._specs[family] = cached
+        return cached[1]
 
     def model_metadata(self, name: str) -> pb.ModelMetadataResponse:
         family, _ = self._family_of(name)
@@ -219,6 +225,7 @@ class _Cascade:
         self.exclude: set[str] = set()
         self.above: Tier | None = None
         self.problem: StratusError | None = None
+        self.asked_for = request.model_name
 
     def remaining_ms(self) -> float | None:
         if self.budget_ms is None:
@@ -227,6 +234,7 @@ class _Cascade:
 
     async def run(self) -> pb.ModelInferResponse:
         model = self.pinned or self.family
+        self.request.model_name = model  # what agents and the cloud are asked to run
         thresholds = self.plane.registry.thresholds(self.family)
         while (remaining := self.remaining_ms()) is None or remaining > 0:
             snapshot = self.plane.snapshot(model)
@@ -267,11 +275,8 @@ class _Cascade:
         raise self.problem
 
     async def _try(self, target: Target, remaining: float | None) -> Answer | None:
-        forward = pb.ModelInferRequest()
-        forward.CopyFrom(self.request)
-        forward.model_name = self.pinned or self.family
         try:
-            return await self.plane.dispatch(target, forward, remaining)
+            return await self.plane.dispatch(target, self.request, remaining)
         except _RETRYABLE as exc:
             log.info(
                 "%s failed for %s: %s; trying elsewhere", target.agent_id or "cloud", self.request.id, exc
@@ -288,7 +293,7 @@ class _Cascade:
         response = answer.response
         for key in [k for k in response.parameters if k.startswith(PREFIX)]:
             del response.parameters[key]
-        response.model_name = self.request.model_name
+        response.model_name = self.asked_for
         response.id = self.request.id
         Served(
             tier=answer.tier,

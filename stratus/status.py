@@ -75,14 +75,27 @@ def _wrap_stream(inner: Callable[..., AsyncIterator[Any]]) -> Callable[..., Asyn
 
 
 class ErrorInterceptor(grpc.aio.ServerInterceptor):
+    """Wraps each method's handler once and reuses the wrapper for every later call."""
+
+    def __init__(self) -> None:
+        self._wrapped: dict[str, grpc.RpcMethodHandler[Any, Any]] = {}
+
     async def intercept_service(
         self,
         continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler[Any, Any] | None]],
         handler_call_details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler[Any, Any] | None:
+        method = handler_call_details.method
+        if method in self._wrapped:
+            return self._wrapped[method]
         found = await continuation(handler_call_details)
         if found is None:
             return None
+        self._wrapped[method] = self._wrap(found)
+        return self._wrapped[method]
+
+    @staticmethod
+    def _wrap(found: grpc.RpcMethodHandler[Any, Any]) -> grpc.RpcMethodHandler[Any, Any]:
         handler: Any = found
         codec = {
             "request_deserializer": handler.request_deserializer,

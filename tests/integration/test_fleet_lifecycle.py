@@ -1,0 +1,136 @@
+"""Joining, draining and leaving: zeroconf discovery, `stratus fleet drain`, SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+
+from stratus import codec
+from stratus.demo import wait_for_agents
+from stratus.discovery import discover
+from stratus.launcher import Launched, launch
+from stratus.protocol import Served
+from stratus.serving import grpc_options
+from stratus.wire import fleet_pb2 as fpb
+from stratus.wire import fleet_pb2_grpc as fpb_grpc
+from stratus.wire import inference_pb2 as pb
+from stratus.wire import inference_pb2_grpc as pb_grpc
+
+from .conftest import MODELS
+
+
+@pytest.fixture
+def processes() -> Iterator[list[Launched]]:
+    started: list[Launched] = []
+    yield started
+    for process in reversed(started):
+        process.stop()
+
+
+def status(router: str) -> dict[str, fpb.AgentStatus]:
+    with grpc.insecure_channel(router, options=grpc_options()) as channel:
+        fleet = fpb_grpc.FleetStub(channel).Status(fpb.FleetStatusRequest(), timeout=5)
+    return {a.id: a for a in fleet.agents}
+
+
+def agent(router: str, name: str, log_dir: Path) -> Launched:
+    return launch(
+        ["agent", "--tier", "device", "--models", str(MODELS), "--router", router, "--name", name],
+        role=name,
+        log_dir=log_dir,
+    )
+
+
+def infer_agent(router: str, x: np.ndarray) -> str:
+    request = pb.ModelInferRequest(model_name="digits")
+    codec.encode_request_inputs(request, {"input": x})
+    with grpc.insecure_channel(router, options=grpc_options()) as channel:
+        response = pb_grpc.GRPCInferenceServiceStub(channel).ModelInfer(request, timeout=10)
+    return Served.read(response.parameters).agent
+
+
+def test_agent_and_sdk_find_an_advertised_router_with_zeroconf(
+    processes: list[Launched], tmp_path: Path
+) -> None:
+    router = launch(["router", "--listen", "127.0.0.1:0"], role="router", log_dir=tmp_path)
+    processes.append(router)
+    assert asyncio.run(discover(timeout_s=10.0)) == router.address
+    processes.append(agent("auto", "found-by-zeroconf", tmp_path))
+    wait_for_agents(router.address, 1)
+    assert status(router.address)["found-by-zeroconf"].state == fpb.AGENT_STATE_READY
+
+
+def test_drain_moves_work_off_an_agent_and_sigterm_exits_cleanly(
+    processes: list[Launched],
+    tmp_path: Path,
+    digits,  # type: ignore[no-untyped-def]
+) -> None:
+    router = launch(["router", "--listen", "127.0.0.1:0", "--no-advertise"], role="router", log_dir=tmp_path)
+    processes.append(router)
+    first, second = agent(router.address, "dev-a", tmp_path), agent(router.address, "dev-b", tmp_path)
+    processes += [first, second]
+    wait_for_agents(router.address, 2)
+    drained = subprocess.run(
+        [sys.executable, "-m", "stratus.cli", "fleet", "drain", "dev-a", "--router", router.address],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert drained.returncode == 0 and "dev-a is draining" in drained.stdout
+    assert status(router.address)["dev-a"].state == fpb.AGENT_STATE_DRAINING
+    served_by = {infer_agent(router.address, digits.held_out.x[i : i + 1]) for i in range(30)}
+    assert served_by == {"dev-b"}
+    second.process.send_signal(signal.SIGTERM)
+    assert second.process.wait(timeout=30) == 0
+    deadline = time.monotonic() + 10
+    while status(router.address)["dev-b"].state != fpb.AGENT_STATE_LOST and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert status(router.address)["dev-b"].state == fpb.AGENT_STATE_LOST
+    with pytest.raises(grpc.RpcError) as error:  # dev-a drains, dev-b left: no device agent remains
+        infer_agent(router.address, digits.held_out.x[:1])
+    assert error.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def test_unknown_agent_cannot_be_drained(processes: list[Launched], tmp_path: Path) -> None:
+    router = launch(["router", "--listen", "127.0.0.1:0", "--no-advertise"], role="router", log_dir=tmp_path)
+    processes.append(router)
+    result = subprocess.run(
+        [sys.executable, "-m", "stratus.cli", "fleet", "drain", "nobody", "--router", router.address],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode != 0 and "no linked agent 'nobody'" in result.stderr
+    assert (
+        json.loads(
+            subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "stratus.cli",
+                    "fleet",
+                    "status",
+                    "--router",
+                    router.address,
+                    "--json",
+                ],
+                check=True,
+                capture_output=True,
+                text=True,
+                timeout=60,
+            ).stdout
+        )["cloud"]["state"]
+        == "none"
+    )
