@@ -18,7 +18,7 @@ from pathlib import Path
 from stratus.local import LocalDataPlane, LocalModels, LocalSettings
 from stratus.process import announce, stop_on_signals
 from stratus.repository import ModelRepository
-from stratus.serving import InferenceServicer, bind, create_server
+from stratus.serving import NO_TLS, InferenceServicer, TlsSettings, bind, create_server
 from stratus.tiers import Tier
 from stratus.wire import inference_pb2_grpc as pb_grpc
 
@@ -35,6 +35,7 @@ class CloudSettings:
     cache_dir: Path = Path.home() / ".cache" / "stratus"
     runtimes: Sequence[str] | None = None
     name: str = ""
+    tls: TlsSettings = NO_TLS
 
 
 async def serve(settings: CloudSettings, stop: asyncio.Event | None = None) -> None:
@@ -57,7 +58,7 @@ async def serve(settings: CloudSettings, stop: asyncio.Event | None = None) -> N
     pb_grpc.add_GRPCInferenceServiceServicer_to_server(
         InferenceServicer(LocalDataPlane(models, tier=Tier.CLOUD, name=name)), server
     )
-    port = bind(server, settings.listen)
+    port = bind(server, settings.listen, settings.tls)
     await server.start()
     host = settings.listen.rsplit(":", 1)[0]
     log.info("cloud gateway %s serving %s on %s:%d", name, sorted(models.variants), host, port)

@@ -27,7 +27,7 @@ from stratus.discovery import discover
 from stratus.errors import DeadlineExceeded, Overloaded, StratusError
 from stratus.local import LocalDataPlane, LocalModels
 from stratus.process import announce
-from stratus.serving import InferenceServicer, bind, create_server, insecure_channel
+from stratus.serving import NO_TLS, InferenceServicer, TlsSettings, bind, create_server, open_channel
 from stratus.status import status_code
 from stratus.tiers import Tier
 from stratus.wire import fleet_pb2 as fpb
@@ -50,8 +50,10 @@ class AgentSettings:
     serve: str | None = None
     token: str = ""
     backoff_initial_s: float = 0.2
-    backoff_max_s: float = 5.0
+    # Capped so that a returning router has its whole fleet back within a few seconds.
+    backoff_max_s: float = 2.0
     drain_timeout_s: float = 30.0
+    tls: TlsSettings = NO_TLS
 
     def __post_init__(self) -> None:
         if self.capacity < 1 or self.heartbeat_s <= 0 or self.backoff_initial_s <= 0:
@@ -117,6 +119,7 @@ class Agent:
                 token=self.settings.token,
                 version=__version__,
                 families=self.models.families_info(),
+                queue_limit=self.settings.queue_limit,
             )
         )
 
@@ -157,7 +160,7 @@ class Agent:
         address = await self._router_address()
         outbox: asyncio.Queue[fpb.AgentMessage | None] = asyncio.Queue()
         outbox.put_nowait(self.hello())
-        async with insecure_channel(address) as channel:
+        async with open_channel(address, self.settings.tls) as channel:
             call = fpb_grpc.AgentLinkStub(channel).Connect(_drain_queue(outbox))
             welcome = await call.read()
             if not isinstance(welcome, fpb.RouterMessage) or not welcome.HasField("welcome"):
@@ -294,7 +297,7 @@ async def serve_locally(models: LocalModels, settings: AgentSettings) -> tuple[g
     server = create_server()
     plane = LocalDataPlane(models, tier=settings.tier, name=settings.name)
     pb_grpc.add_GRPCInferenceServiceServicer_to_server(InferenceServicer(plane), server)
-    port = bind(server, settings.serve)
+    port = bind(server, settings.serve, settings.tls)
     await server.start()
     return server, f"{settings.serve.rsplit(':', 1)[0]}:{port}"
 

@@ -26,7 +26,7 @@ from stratus.errors import StratusError, Unavailable
 from stratus.local import LocalModels, LocalSettings
 from stratus.protocol import RequestOptions, Served
 from stratus.repository import FamilySpec, ModelRepository, VariantSpec
-from stratus.serving import grpc_options
+from stratus.serving import NO_TLS, TlsSettings, open_channel, open_sync_channel
 from stratus.tiers import Tier
 from stratus.wire import inference_pb2 as pb
 from stratus.wire import inference_pb2_grpc as pb_grpc
@@ -68,7 +68,9 @@ class Client:
         cache_dir: Path | None = None,
         discover_timeout_s: float = 2.0,
         name: str = "sdk",
+        tls: TlsSettings = NO_TLS,
     ) -> None:
+        self._tls = tls
         settings = LocalSettings(
             tier=None if variants else Tier.DEVICE,
             variants=variants,
@@ -102,7 +104,7 @@ class Client:
         if address is None:
             return self._local_result(local, degraded=True)
         if self._channel is None:
-            self._channel = grpc.insecure_channel(address, options=grpc_options())
+            self._channel = open_sync_channel(address, self._tls)
         stub = pb_grpc.GRPCInferenceServiceStub(self._channel)
         request = _escalation(model, local, budget_ms, min_confidence, started)
         try:
@@ -140,7 +142,7 @@ class Client:
         if address is None:
             return self._local_result(local, degraded=True)
         if self._achannel is None:
-            self._achannel = grpc.aio.insecure_channel(address, options=grpc_options())
+            self._achannel = open_channel(address, self._tls)
         stub = pb_grpc.GRPCInferenceServiceStub(self._achannel)
         request = _escalation(model, local, budget_ms, min_confidence, started)
         try:

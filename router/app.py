@@ -16,7 +16,7 @@ from router.link import AgentLinkServicer
 from router.registry import FleetRegistry
 from stratus.discovery import Advertisement
 from stratus.process import announce, stop_on_signals
-from stratus.serving import InferenceServicer, bind, create_server
+from stratus.serving import NO_TLS, InferenceServicer, TlsSettings, bind, create_server
 from stratus.wire import fleet_pb2_grpc as fpb_grpc
 from stratus.wire import inference_pb2_grpc as pb_grpc
 
@@ -31,6 +31,9 @@ class RouterSettings:
     heartbeat_s: float = 1.0
     token: str = ""
     name: str = ""
+    tls: TlsSettings = NO_TLS
+    on_cloud_failure: str = "degrade"  # or "fail": UNAVAILABLE instead of a degraded answer
+    max_requests: int = 4096
 
 
 async def _watch_heartbeats(registry: FleetRegistry) -> None:
@@ -43,15 +46,21 @@ async def serve(settings: RouterSettings, stop: asyncio.Event | None = None) -> 
     stop = stop or asyncio.Event()
     stop_on_signals(stop)
     registry = FleetRegistry(heartbeat_s=settings.heartbeat_s)
-    cloud = CloudLink(settings.cloud) if settings.cloud else None
+    cloud = CloudLink(settings.cloud, tls=settings.tls) if settings.cloud else None
     if cloud is not None:
         cloud.start()
-    plane = RouterDataPlane(registry, cloud, rng=random.Random())
+    plane = RouterDataPlane(
+        registry,
+        cloud,
+        rng=random.Random(),
+        fail_without_cloud=settings.on_cloud_failure == "fail",
+        max_requests=settings.max_requests,
+    )
     server = create_server()
     pb_grpc.add_GRPCInferenceServiceServicer_to_server(InferenceServicer(plane), server)
-    fpb_grpc.add_AgentLinkServicer_to_server(AgentLinkServicer(registry), server)
+    fpb_grpc.add_AgentLinkServicer_to_server(AgentLinkServicer(registry, token=settings.token), server)
     fpb_grpc.add_FleetServicer_to_server(FleetServicer(registry, cloud, token=settings.token), server)
-    port = bind(server, settings.listen)
+    port = bind(server, settings.listen, settings.tls)
     await server.start()
     host = settings.listen.rsplit(":", 1)[0]
     advertisement = None

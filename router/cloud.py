@@ -12,12 +12,13 @@ import asyncio
 import itertools
 import logging
 import random
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Callable
 
 import grpc
 
-from stratus.errors import DeadlineExceeded, Unavailable
-from stratus.serving import insecure_channel
+from stratus.errors import DeadlineExceeded, Overloaded, StratusError, Unavailable
+from stratus.serving import NO_TLS, TlsSettings, open_channel
 from stratus.stats import LatencyWindow
 from stratus.status import error_from_status
 from stratus.wire import inference_pb2 as pb
@@ -26,9 +27,77 @@ from stratus.wire import inference_pb2_grpc as pb_grpc
 log = logging.getLogger("stratus.cloud-link")
 
 
+class CircuitBreaker:
+    """Fail fast while the cloud keeps failing; probe it now and then to see it recover.
+
+    Closed: calls flow. After ``threshold`` consecutive failures (errors or timeouts) it
+    opens: calls are refused at once, so escalations answer degraded instead of piling up
+    behind a cloud that is away. After a cooldown (doubling, capped) it is half-open: one
+    probe call may pass; its success closes the breaker, its failure opens it again.
+    """
+
+    def __init__(
+        self,
+        *,
+        threshold: int = 5,
+        cooldown_s: float = 1.0,
+        max_cooldown_s: float = 30.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.threshold = threshold
+        self._base_cooldown = cooldown_s
+        self._max_cooldown = max_cooldown_s
+        self._cooldown = cooldown_s
+        self._clock = clock
+        self.failures = 0
+        self.opened_at: float | None = None
+        self.probing = False
+
+    @property
+    def state(self) -> str:
+        if self.opened_at is None:
+            return "closed"
+        if self._clock() - self.opened_at < self._cooldown:
+            return "open"
+        return "half-open"
+
+    def allows(self) -> bool:
+        state = self.state
+        return state == "closed" or (state == "half-open" and not self.probing)
+
+    def before_call(self) -> None:
+        if self.state == "half-open":
+            self.probing = True
+
+    def success(self) -> None:
+        self.failures = 0
+        self.opened_at = None
+        self.probing = False
+        self._cooldown = self._base_cooldown
+
+    def failure(self) -> None:
+        self.failures += 1
+        if self.state == "half-open" or self.failures >= self.threshold:
+            if self.opened_at is not None:
+                self._cooldown = min(self._cooldown * 2, self._max_cooldown)
+            self.opened_at = self._clock()
+            self.probing = False
+
+
 class CloudLink:
-    def __init__(self, address: str, *, rng: random.Random | None = None) -> None:
+    def __init__(
+        self,
+        address: str,
+        *,
+        tls: TlsSettings = NO_TLS,
+        rng: random.Random | None = None,
+        max_pending: int = 512,
+        breaker: CircuitBreaker | None = None,
+    ) -> None:
         self.address = address
+        self._tls = tls
+        self.max_pending = max_pending
+        self.breaker = breaker or CircuitBreaker()
         self.state = "connecting"
         self.latency = LatencyWindow()
         self._rng = rng or random.Random()
@@ -42,7 +111,14 @@ class CloudLink:
 
     @property
     def available(self) -> bool:
-        return self.state == "connected"
+        return self.state == "connected" and self.breaker.allows() and len(self._pending) < self.max_pending
+
+    @property
+    def status(self) -> str:
+        """What `stratus fleet status` shows: the stream's state, or the breaker's when open."""
+        if self.state == "connected" and self.breaker.state != "closed":
+            return f"circuit {self.breaker.state}"
+        return self.state
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._maintain(), name="stratus-cloud-link")
@@ -73,7 +149,7 @@ class CloudLink:
     async def _connect_and_pump(self) -> None:
         if self._channel is not None:
             await self._channel.close()
-        self._channel = insecure_channel(self.address)
+        self._channel = open_channel(self.address, self._tls)
         stub = pb_grpc.GRPCInferenceServiceStub(self._channel)
         await stub.ServerLive(pb.ServerLiveRequest(), timeout=2.0)
         await self._learn_models(stub)
@@ -109,8 +185,25 @@ class CloudLink:
         self._pending.clear()
 
     async def infer(self, request: pb.ModelInferRequest, *, timeout_s: float | None) -> pb.ModelInferResponse:
-        if not self.available:
-            raise Unavailable(f"cloud {self.address} is {self.state}")
+        if self.state != "connected" or not self.breaker.allows():
+            raise Unavailable(f"cloud {self.address} is {self.status}")
+        if len(self._pending) >= self.max_pending:
+            raise Overloaded(f"cloud link queue is full ({self.max_pending} escalations in flight)")
+        self.breaker.before_call()
+        try:
+            response = await self._exchange(request, timeout_s)
+        except (Unavailable, DeadlineExceeded):
+            self.breaker.failure()
+            raise
+        except StratusError:
+            self.breaker.success()  # the cloud answered; the request itself was bad
+            raise
+        self.breaker.success()
+        return response
+
+    async def _exchange(
+        self, request: pb.ModelInferRequest, timeout_s: float | None
+    ) -> pb.ModelInferResponse:
         wire_id = f"c{next(self._ids)}"
         original_id = request.id
         forwarded = pb.ModelInferRequest()

@@ -55,9 +55,14 @@ class RouterDataPlane(DataPlane):
         *,
         rng: random.Random | None = None,
         clock: Callable[[], float] = time.monotonic,
+        fail_without_cloud: bool = False,
+        max_requests: int = 4096,
     ) -> None:
+        self.max_requests = max_requests
+        self.active = 0
         self.registry = registry
         self.cloud = cloud
+        self.fail_without_cloud = fail_without_cloud
         self._rng = rng or random.Random()
         self._clock = clock
         self._specs: dict[str, tuple[fpb.FamilyInfo, FamilySpec]] = {}
@@ -124,6 +129,16 @@ class RouterDataPlane(DataPlane):
 
     # -- inference ----------------------------------------------------------------------
     async def infer(self, request: pb.ModelInferRequest, *, timeout_s: float | None) -> pb.ModelInferResponse:
+        """Admit (or refuse, past ``max_requests``), check, then climb the tiers."""
+        if self.active >= self.max_requests:
+            raise Overloaded(f"router request queue is full: {self.max_requests} requests in flight")
+        self.active += 1
+        try:
+            return await self._infer(request, timeout_s)
+        finally:
+            self.active -= 1
+
+    async def _infer(self, request: pb.ModelInferRequest, timeout_s: float | None) -> pb.ModelInferResponse:
         started = self._clock()
         options = RequestOptions.from_parameters(request.parameters)
         family, pinned = self._family_of(request.model_name)
@@ -248,7 +263,9 @@ class _Cascade:
             )
             target = choose(attempt, snapshot, self.plane._rng)
             if isinstance(target, NoTarget):
-                self.problem = (DeadlineExceeded if target.too_slow else Unavailable)(target.reason)
+                kind = Overloaded if target.full else DeadlineExceeded if target.too_slow else Unavailable
+                if self.problem is None or not isinstance(self.problem, Overloaded):
+                    self.problem = kind(target.reason)
                 break
             answer = await self._try(target, remaining)
             if answer is None:
@@ -267,12 +284,23 @@ class _Cascade:
                 return self._respond(answer, degraded=False)
             self.above = answer.tier
         if self.best is not None:
+            if self.plane.fail_without_cloud and self.plane.cloud is not None and self._needed_cloud():
+                raise Unavailable(
+                    f"the cloud is unavailable ({self.plane.cloud.status}) and the router runs with "
+                    f"--on-cloud-failure fail; best lower-tier confidence was {self.best.confidence:.3f}"
+                )
             return self._respond(self.best, degraded=True)
         if self.problem is None:
             self.problem = DeadlineExceeded(
                 f"budget of {self.budget_ms:.1f} ms ran out before any tier answered"
             )
         raise self.problem
+
+    def _needed_cloud(self) -> bool:
+        """The climb stopped below a cloud that serves the model and was not refused by max_tier."""
+        assert self.plane.cloud is not None
+        cloud_serves = self.plane.cloud.models.get(self.pinned or self.family, False)
+        return cloud_serves and self.options.max_tier >= Tier.CLOUD and Tier.CLOUD not in self.path
 
     async def _try(self, target: Target, remaining: float | None) -> Answer | None:
         try:

@@ -47,7 +47,7 @@ def fleet_status(registry: FleetRegistry, cloud: CloudLink | None) -> fpb.FleetS
     now = registry.now()
     return fpb.FleetStatus(
         agents=[agent_status(h, now) for h in sorted(registry.agents.values(), key=lambda h: (h.tier, h.id))],
-        cloud=fpb.CloudStatus(address=cloud.address, state=cloud.state)
+        cloud=fpb.CloudStatus(address=cloud.address, state=cloud.status)
         if cloud
         else fpb.CloudStatus(state="none"),
         router_version=__version__,

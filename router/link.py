@@ -9,13 +9,14 @@ message), the agent is marked lost at once and its pending requests fail over.
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
 from router.registry import AgentHandle, FleetRegistry
 from stratus import __version__
-from stratus.errors import InvalidInput
+from stratus.errors import InvalidInput, Unauthenticated
 from stratus.wire import fleet_pb2 as fpb
 from stratus.wire import fleet_pb2_grpc as fpb_grpc
 
@@ -23,8 +24,9 @@ log = logging.getLogger("stratus.link")
 
 
 class AgentLinkServicer(fpb_grpc.AgentLinkServicer):
-    def __init__(self, registry: FleetRegistry) -> None:
+    def __init__(self, registry: FleetRegistry, *, token: str = "") -> None:
         self._registry = registry
+        self._token = token
 
     async def Connect(
         self, request_iterator: AsyncIterator[fpb.AgentMessage], context: Any
@@ -33,6 +35,11 @@ class AgentLinkServicer(fpb_grpc.AgentLinkServicer):
         if first is None or first.WhichOneof("kind") != "hello":
             raise InvalidInput("the first message on an AgentLink must be a Hello")
         _check_hello(first.hello)
+        if self._token and not hmac.compare_digest(first.hello.token.encode(), self._token.encode()):
+            log.warning(
+                "refused agent %r from %s: missing or wrong token", first.hello.agent_id, context.peer()
+            )
+            raise Unauthenticated("the fleet token is missing or wrong")
         handle = self._registry.register(first.hello, peer=context.peer())
         reader = asyncio.create_task(self._read(handle, request_iterator), name=f"stratus-link-{handle.id}")
         try:

@@ -32,8 +32,12 @@ class AgentView:
     ready: bool
     in_flight: int
     capacity: int
+    limit: int = 0  # most Work it may hold at once (capacity + queue); 0: no limit
     service_ms: Mapping[str, float] = field(default_factory=dict)  # moving mean per family/variant
     rtt_ms: float = 0.5
+
+    def full(self) -> bool:
+        return self.limit > 0 and self.in_flight >= self.limit
 
     def load(self) -> float:
         return self.in_flight / max(1, self.capacity)
@@ -90,6 +94,7 @@ class NoTarget:
 
     reason: str
     too_slow: bool = False
+    full: bool = False
 
 
 def _tier_allowed(tier: Tier, attempt: Attempt) -> bool:
@@ -114,7 +119,8 @@ def candidates(attempt: Attempt, snapshot: FleetSnapshot) -> list[AgentView]:
 
 def choose(attempt: Attempt, snapshot: FleetSnapshot, rng: random.Random) -> Target | NoTarget:
     eligible = candidates(attempt, snapshot)
-    fitting = [a for a in eligible if _fits(a.predicted_ms(attempt.model), attempt)]
+    open_agents = [a for a in eligible if not a.full()]
+    fitting = [a for a in open_agents if _fits(a.predicted_ms(attempt.model), attempt)]
     for tier in sorted({a.tier for a in fitting}):
         pick = two_choices([a for a in fitting if a.tier is tier], attempt.model, rng)
         return Target(tier=tier, agent_id=pick.id, predicted_ms=pick.predicted_ms(attempt.model))
@@ -128,7 +134,12 @@ def choose(attempt: Attempt, snapshot: FleetSnapshot, rng: random.Random) -> Tar
     )
     if cloud is not None and cloud_eligible and _fits(cloud.predicted_ms, attempt):
         return Target(tier=Tier.CLOUD, agent_id=None, predicted_ms=cloud.predicted_ms)
-    if eligible or cloud_eligible:
+    if eligible and not open_agents and not cloud_eligible:
+        tiers = "/".join(sorted({a.tier.label for a in eligible}))
+        return NoTarget(
+            reason=f"every {tiers} agent serving '{attempt.model}' has a full work queue", full=True
+        )
+    if open_agents or cloud_eligible:
         return NoTarget(
             reason=f"no tier can answer '{attempt.model}' within {attempt.remaining_ms:.1f} ms", too_slow=True
         )
@@ -144,9 +155,13 @@ def two_choices(agents: list[AgentView], model: str, rng: random.Random) -> Agen
 
 
 def top_tier(model: str, snapshot: FleetSnapshot, max_tier: Tier) -> Tier | None:
-    """The highest tier that could serve ``model`` now: its answer is accepted as final."""
-    tiers = {a.tier for a in snapshot.agents if a.ready and a.serves(model) and a.tier <= max_tier}
-    if snapshot.cloud is not None and snapshot.cloud.available and snapshot.cloud.serves(model):
+    """The highest tier the fleet has for ``model``, reachable now or not.
+
+    An answer from it is final. Below it, an unsure answer climbs; if nothing above is
+    reachable (agents lost or draining, the cloud away) the answer comes back degraded.
+    """
+    tiers = {a.tier for a in snapshot.agents if a.serves(model) and a.tier <= max_tier}
+    if snapshot.cloud is not None and snapshot.cloud.serves(model):
         tiers.add(Tier.CLOUD)
     eligible = [t for t in tiers if t <= max_tier]
     return max(eligible) if eligible else None

@@ -27,6 +27,10 @@ from stratus.wire import inference_pb2 as pb
 log = logging.getLogger("stratus.registry")
 
 MISSED_HEARTBEATS = 3
+# A lost agent stays listed (state lost) this long, then is forgotten.
+FORGET_LOST_S = 600.0
+# Messages that may wait for an agent's stream before the agent counts as not reading.
+MAX_OUTBOX = 4096
 _TIERS: dict[int, Tier] = {fpb.TIER_DEVICE: Tier.DEVICE, fpb.TIER_EDGE: Tier.EDGE, fpb.TIER_CLOUD: Tier.CLOUD}
 
 
@@ -54,6 +58,7 @@ class AgentHandle:
     variants: dict[str, fpb.VariantInfo]
     families: frozenset[str]
     capacity: int
+    queue_limit: int
     connected_at: float
     outbox: asyncio.Queue[fpb.RouterMessage | None] = field(default_factory=asyncio.Queue)
     state: str = State.READY
@@ -82,6 +87,7 @@ class AgentHandle:
             ready=self.state == State.READY,
             in_flight=len(self.pending),
             capacity=self.capacity,
+            limit=self.capacity + self.queue_limit,
             service_ms=service,
             rtt_ms=overhead,
         )
@@ -129,6 +135,7 @@ class FleetRegistry:
             variants=variants,
             families=frozenset(v.family for v in hello.variants),
             capacity=max(1, hello.capacity),
+            queue_limit=hello.queue_limit,
             connected_at=self.now(),
             last_heartbeat=self.now(),
         )
@@ -177,10 +184,15 @@ class FleetRegistry:
         self.changed()
 
     def check_heartbeats(self) -> None:
+        """Mark silent agents lost; forget agents lost for longer than FORGET_LOST_S."""
         limit = MISSED_HEARTBEATS * self.heartbeat_s
         for handle in list(self.agents.values()):
-            if handle.state != State.LOST and self.now() - handle.last_heartbeat > limit:
+            silent = self.now() - handle.last_heartbeat
+            if handle.state != State.LOST and silent > limit:
                 self.lose(handle, f"missed {MISSED_HEARTBEATS} heartbeats")
+            elif handle.state == State.LOST and silent > FORGET_LOST_S:
+                del self.agents[handle.id]
+                self.changed()
 
     def drain(self, agent_id: str) -> AgentHandle:
         handle = self.agents.get(agent_id)
@@ -194,6 +206,9 @@ class FleetRegistry:
         self, handle: AgentHandle, request: pb.ModelInferRequest, *, variant: str, budget_ms: float | None
     ) -> fpb.Result:
         """Send Work and wait for its Result, the agent's loss, or the budget's end."""
+        if handle.outbox.qsize() >= MAX_OUTBOX:
+            self.lose(handle, f"not reading its link ({MAX_OUTBOX} messages waiting)")
+            raise Unavailable(f"agent {handle.id} is not reading its link")
         request_id = f"r{next(self._ids)}"
         future: asyncio.Future[fpb.Result] = asyncio.get_running_loop().create_future()
         handle.pending[request_id] = future
@@ -215,7 +230,8 @@ class FleetRegistry:
         return result
 
     def views(self) -> tuple[AgentView, ...]:
-        return tuple(h.view() for h in self.agents.values() if h.state != State.LOST)
+        """Every known agent; lost and draining ones are not ready, but their tier still exists."""
+        return tuple(h.view() for h in self.agents.values())
 
     def family(self, name: str) -> fpb.FamilyInfo | None:
         return self.families.get(name)

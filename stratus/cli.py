@@ -11,6 +11,7 @@ from pathlib import Path
 
 from stratus import __version__
 from stratus.errors import StratusError
+from stratus.serving import TlsSettings
 
 Handler = Callable[[argparse.Namespace], int]
 
@@ -85,13 +86,33 @@ def _token(value: str | None) -> str:
     return value if value is not None else os.environ.get("STRATUS_TOKEN", "")
 
 
+def _tls(args: argparse.Namespace) -> TlsSettings:
+    return TlsSettings(cert=args.tls_cert, key=args.tls_key, ca=args.tls_ca)
+
+
+def _add_tls(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--tls-cert", type=Path, default=None, help="this process's certificate (PEM)")
+    parser.add_argument("--tls-key", type=Path, default=None, help="its private key (PEM)")
+    parser.add_argument(
+        "--tls-ca",
+        type=Path,
+        default=None,
+        help="CA that peers' certificates must chain to; on a server this turns on mutual TLS",
+    )
+
+
 def _router(args: argparse.Namespace) -> int:
     from router.app import RouterSettings, serve
     from stratus.process import configure_logging, run
 
     configure_logging(args.log_level)
     settings = RouterSettings(
-        listen=args.listen, cloud=args.cloud, advertise=not args.no_advertise, token=_token(args.token)
+        listen=args.listen,
+        cloud=args.cloud,
+        advertise=not args.no_advertise,
+        token=_token(args.token),
+        tls=_tls(args),
+        on_cloud_failure=args.on_cloud_failure,
     )
     run(serve(settings))
     return 0
@@ -108,6 +129,7 @@ def _cloud(args: argparse.Namespace) -> int:
         variants=_names(args.variants),
         concurrency=args.concurrency,
         cache_dir=args.cache_dir,
+        tls=_tls(args),
     )
     run(serve(settings))
     return 0
@@ -129,6 +151,7 @@ def _agent(args: argparse.Namespace) -> int:
         capacity=args.concurrency,
         serve=args.serve,
         token=_token(args.token),
+        tls=_tls(args),
     )
     models = load_models(
         args.models,
@@ -156,13 +179,13 @@ def _names(text: str | None) -> list[str] | None:
 def _fleet_status(args: argparse.Namespace) -> int:
     from stratus.fleetctl import show_status
 
-    return show_status(args.router, as_json=args.json, watch=args.watch)
+    return show_status(args.router, as_json=args.json, watch=args.watch, tls=_tls(args))
 
 
 def _fleet_drain(args: argparse.Namespace) -> int:
     from stratus.fleetctl import drain
 
-    return drain(args.router, args.agent_id, token=_token(args.token))
+    return drain(args.router, args.agent_id, token=_token(args.token), tls=_tls(args))
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -181,6 +204,12 @@ def _add_servers(commands: argparse._SubParsersAction[argparse.ArgumentParser]) 
     router.add_argument("--cloud", default=None, help="HOST:PORT of the cloud gateway")
     router.add_argument("--no-advertise", action="store_true", help="do not advertise over zeroconf")
     router.add_argument("--token", default=None, help="fleet token (default: $STRATUS_TOKEN)")
+    router.add_argument(
+        "--on-cloud-failure",
+        choices=["degrade", "fail"],
+        default="degrade",
+        help="when an escalation needs the cloud and it is away: degraded answer, or UNAVAILABLE",
+    )
     router.set_defaults(handler=_router)
     cloud = commands.add_parser("cloud", help="run the cloud gateway")
     cloud.add_argument("--listen", default="127.0.0.1:8002")
@@ -204,6 +233,7 @@ def _add_servers(commands: argparse._SubParsersAction[argparse.ArgumentParser]) 
     agent.set_defaults(handler=_agent)
     for parser in (router, cloud, agent):
         parser.add_argument("--log-level", default="INFO")
+        _add_tls(parser)
     fleet = commands.add_parser("fleet", help="see and steer the fleet")
     sub = fleet.add_subparsers(dest="fleet_command", required=True)
     status = sub.add_parser("status", help="agents, tiers and the cloud link")
@@ -216,6 +246,8 @@ def _add_servers(commands: argparse._SubParsersAction[argparse.ArgumentParser]) 
     drain.add_argument("--router", required=True)
     drain.add_argument("--token", default=None)
     drain.set_defaults(handler=_fleet_drain)
+    for parser in (status, drain):
+        _add_tls(parser)
     demo = commands.add_parser("demo", help="a whole local fleet on loopback, end to end")
     demo.add_argument("--models", type=Path, default=Path("models"))
     demo.add_argument("--json", action="store_true")

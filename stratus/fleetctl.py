@@ -7,7 +7,7 @@ from typing import Any
 
 import grpc
 
-from stratus.serving import grpc_options
+from stratus.serving import NO_TLS, TlsSettings, open_sync_channel
 from stratus.wire import fleet_pb2 as fpb
 from stratus.wire import fleet_pb2_grpc as fpb_grpc
 
@@ -60,13 +60,13 @@ def status_table(status: fpb.FleetStatus) -> str:
     return "\n".join(lines)
 
 
-def _stub(router: str) -> tuple[grpc.Channel, fpb_grpc.FleetStub]:
-    channel = grpc.insecure_channel(router, options=grpc_options())
+def _stub(router: str, tls: TlsSettings) -> tuple[grpc.Channel, fpb_grpc.FleetStub]:
+    channel = open_sync_channel(router, tls)
     return channel, fpb_grpc.FleetStub(channel)
 
 
-def show_status(router: str, *, as_json: bool, watch: bool) -> int:
-    channel, stub = _stub(router)
+def show_status(router: str, *, as_json: bool, watch: bool, tls: TlsSettings = NO_TLS) -> int:
+    channel, stub = _stub(router, tls)
     with channel:
         if not watch:
             status = stub.Status(fpb.FleetStatusRequest(), timeout=5.0)
@@ -80,8 +80,8 @@ def show_status(router: str, *, as_json: bool, watch: bool) -> int:
     return 0
 
 
-def drain(router: str, agent_id: str, *, token: str) -> int:
-    channel, stub = _stub(router)
+def drain(router: str, agent_id: str, *, token: str, tls: TlsSettings = NO_TLS) -> int:
+    channel, stub = _stub(router, tls)
     with channel:
         response = stub.Drain(fpb.DrainRequest(agent_id=agent_id, token=token), timeout=5.0)
     print(response.message)

@@ -12,6 +12,8 @@ import abc
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Final
 
 import grpc
@@ -43,20 +45,81 @@ def grpc_options(max_message_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str, 
     ]
 
 
+@dataclass(frozen=True, kw_only=True)
+class TlsSettings:
+    """TLS for every link a process has, as server and as client.
+
+    ``cert`` and ``key`` are this process's identity (served to peers, and presented to
+    servers that ask for a client certificate); ``ca`` verifies peers. On a server, a
+    ``ca`` means mutual TLS: a client without a certificate from that CA is refused.
+    """
+
+    cert: Path | None = None
+    key: Path | None = None
+    ca: Path | None = None
+
+    def __post_init__(self) -> None:
+        if (self.cert is None) != (self.key is None):
+            raise ConfigError("--tls-cert and --tls-key go together")
+        for path in (self.cert, self.key, self.ca):
+            if path is not None and not path.is_file():
+                raise ConfigError(f"TLS file {path} does not exist")
+
+    @property
+    def enabled(self) -> bool:
+        return self.cert is not None or self.ca is not None
+
+    def server_credentials(self) -> grpc.ServerCredentials:
+        if self.cert is None or self.key is None:
+            raise ConfigError("serving TLS needs --tls-cert and --tls-key")
+        return grpc.ssl_server_credentials(
+            [(self.key.read_bytes(), self.cert.read_bytes())],
+            root_certificates=self.ca.read_bytes() if self.ca else None,
+            require_client_auth=self.ca is not None,
+        )
+
+    def channel_credentials(self) -> grpc.ChannelCredentials:
+        return grpc.ssl_channel_credentials(
+            root_certificates=self.ca.read_bytes() if self.ca else None,
+            private_key=self.key.read_bytes() if self.key else None,
+            certificate_chain=self.cert.read_bytes() if self.cert else None,
+        )
+
+
+NO_TLS: Final = TlsSettings()
+
+
 def create_server() -> grpc.aio.Server:
     return grpc.aio.server(interceptors=[ErrorInterceptor()], options=grpc_options())
 
 
-def bind(server: grpc.aio.Server, address: str) -> int:
+def bind(server: grpc.aio.Server, address: str, tls: TlsSettings = NO_TLS) -> int:
     """Bind ``host:port`` (port 0 picks a free one) and return the port actually bound."""
-    port = server.add_insecure_port(address)
+    if tls.enabled:
+        port = server.add_secure_port(address, tls.server_credentials())
+    else:
+        port = server.add_insecure_port(address)
     if port == 0:
         raise ConfigError(f"cannot listen on {address}")
     return port
 
 
-def insecure_channel(address: str) -> grpc.aio.Channel:
+def open_channel(address: str, tls: TlsSettings = NO_TLS) -> grpc.aio.Channel:
+    """An asyncio channel to a Stratus server, over TLS when the settings say so."""
+    if tls.enabled:
+        return grpc.aio.secure_channel(address, tls.channel_credentials(), options=grpc_options())
     return grpc.aio.insecure_channel(address, options=grpc_options())
+
+
+def open_sync_channel(address: str, tls: TlsSettings = NO_TLS) -> grpc.Channel:
+    """A blocking channel (CLI, SDK's synchronous path)."""
+    if tls.enabled:
+        return grpc.secure_channel(address, tls.channel_credentials(), options=grpc_options())
+    return grpc.insecure_channel(address, options=grpc_options())
+
+
+def insecure_channel(address: str) -> grpc.aio.Channel:
+    return open_channel(address)
 
 
 class DataPlane(abc.ABC):

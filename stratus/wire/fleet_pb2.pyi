@@ -166,6 +166,7 @@ class Hello(_message.Message):
     TOKEN_FIELD_NUMBER: _builtins.int
     VERSION_FIELD_NUMBER: _builtins.int
     FAMILIES_FIELD_NUMBER: _builtins.int
+    QUEUE_LIMIT_FIELD_NUMBER: _builtins.int
     agent_id: _builtins.str
     tier: Global___Tier.ValueType
     host: _builtins.str
@@ -175,6 +176,10 @@ class Hello(_message.Message):
     token: _builtins.str
     """Shared fleet token; empty when the router runs without one."""
     version: _builtins.str
+    queue_limit: _builtins.int
+    """How many Work items may wait beyond `capacity`; the router sends no more than
+    capacity + queue_limit at once.
+    """
     @_builtins.property
     def runtimes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
     @_builtins.property
@@ -194,10 +199,11 @@ class Hello(_message.Message):
         token: _builtins.str = ...,
         version: _builtins.str = ...,
         families: _abc.Iterable[Global___FamilyInfo] | None = ...,
+        queue_limit: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_id", b"agent_id", "capacity", b"capacity", "families", b"families", "hardware", b"hardware", "host", b"host", "runtimes", b"runtimes", "tier", b"tier", "token", b"token", "variants", b"variants", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_id", b"agent_id", "capacity", b"capacity", "families", b"families", "hardware", b"hardware", "host", b"host", "queue_limit", b"queue_limit", "runtimes", b"runtimes", "tier", b"tier", "token", b"token", "variants", b"variants", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
