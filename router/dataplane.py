@@ -335,10 +335,15 @@ class _Cascade:
         return response
 
 
-def _budget(budget_ms: float | None, timeout_s: float | None) -> float | None:
+# A request with neither a budget nor a deadline still ends: nothing waits forever on a
+# peer that stopped answering without dropping its link.
+DEFAULT_BUDGET_MS = 30_000.0
+
+
+def _budget(budget_ms: float | None, timeout_s: float | None) -> float:
     """The tighter of the client's ``stratus.budget_ms`` and its gRPC deadline."""
     limits = [b for b in (budget_ms, timeout_s * 1000.0 if timeout_s is not None else None) if b is not None]
-    return min(limits) if limits else None
+    return min(limits) if limits else DEFAULT_BUDGET_MS
 
 
 def _status(code: int) -> grpc.StatusCode:

@@ -61,14 +61,16 @@ def launch(
     log_dir: Path,
     env: dict[str, str] | None = None,
     timeout: float = 120.0,
+    module: str = "stratus.cli",
 ) -> Launched:
-    """Start ``stratus ARGS`` and wait for its READY line (or its death, with its log)."""
+    """Start ``python -m MODULE ARGS`` (``stratus ARGS`` by default) and wait for its READY
+    line, or its death, with its log."""
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"{role}.log"
     child_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     with log_path.open("a") as log_file:
         process = subprocess.Popen(
-            [sys.executable, "-m", "stratus.cli", *args],
+            [sys.executable, "-m", module, *args],
             stdout=subprocess.PIPE,
             stderr=log_file,
             text=True,

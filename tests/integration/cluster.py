@@ -1,0 +1,114 @@
+"""Small, purpose-built fleets for fault tests: start processes, always stop them."""
+
+from __future__ import annotations
+
+import socket
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import numpy as np
+
+from stratus import codec
+from stratus.launcher import Launched, launch
+from stratus.protocol import Served, set_parameter
+from stratus.serving import NO_TLS, TlsSettings, open_sync_channel
+from stratus.wire import fleet_pb2 as fpb
+from stratus.wire import fleet_pb2_grpc as fpb_grpc
+from stratus.wire import inference_pb2 as pb
+from stratus.wire import inference_pb2_grpc as pb_grpc
+
+MODELS = Path(__file__).resolve().parents[2] / "models"
+QUIET = ["--log-level", "INFO"]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@dataclass
+class Cluster:
+    log_dir: Path
+    processes: dict[str, Launched] = field(default_factory=dict)
+
+    def start(
+        self, role: str, args: list[str], *, module: str = "stratus.cli", env: dict[str, str] | None = None
+    ) -> Launched:
+        launched = launch(args, role=role, log_dir=self.log_dir, module=module, env=env)
+        self.processes[role] = launched
+        return launched
+
+    def cloud(self, role: str = "cloud") -> Launched:
+        return self.start(role, ["cloud", "--listen", "127.0.0.1:0", "--models", str(MODELS), *QUIET])
+
+    def router(self, *extra: str, role: str = "router", listen: str = "127.0.0.1:0") -> Launched:
+        return self.start(role, ["router", "--listen", listen, "--no-advertise", *QUIET, *extra])
+
+    def agent(self, name: str, router: str, *extra: str, tier: str = "device") -> Launched:
+        return self.start(
+            name,
+            [
+                "agent",
+                "--tier",
+                tier,
+                "--models",
+                str(MODELS),
+                "--router",
+                router,
+                "--name",
+                name,
+                *QUIET,
+                *extra,
+            ],
+        )
+
+    def stop_all(self) -> None:
+        for launched in reversed(list(self.processes.values())):
+            launched.stop(timeout=10)
+
+
+def fleet_status(router: str, tls: TlsSettings = NO_TLS) -> fpb.FleetStatus:
+    with open_sync_channel(router, tls) as channel:
+        return fpb_grpc.FleetStub(channel).Status(fpb.FleetStatusRequest(), timeout=5)
+
+
+def states(router: str) -> dict[str, int]:
+    return {a.id: a.state for a in fleet_status(router).agents}
+
+
+def wait_until(predicate, timeout_s: float = 15.0, interval_s: float = 0.05) -> float:  # type: ignore[no-untyped-def]
+    """Seconds it took for ``predicate()`` to hold; AssertionError after ``timeout_s``."""
+    started = time.monotonic()
+    while time.monotonic() - started < timeout_s:
+        if predicate():
+            return time.monotonic() - started
+        time.sleep(interval_s)
+    raise AssertionError(f"condition not met within {timeout_s} s")
+
+
+def ready_count(router: str) -> int:
+    try:
+        return sum(1 for state in states(router).values() if state == fpb.AGENT_STATE_READY)
+    except grpc.RpcError:
+        return 0
+
+
+def request(x: np.ndarray, model: str = "digits", **parameters: object) -> pb.ModelInferRequest:
+    message = pb.ModelInferRequest(model_name=model)
+    codec.encode_request_inputs(message, {"input": x})
+    for key, value in parameters.items():
+        set_parameter(message.parameters, f"stratus.{key}", value)  # type: ignore[arg-type]
+    return message
+
+
+def infer(
+    router: str, x: np.ndarray, *, timeout: float = 10.0, tls: TlsSettings = NO_TLS, **parameters: object
+) -> tuple[pb.ModelInferResponse, Served]:
+    with open_sync_channel(router, tls) as channel:
+        response = pb_grpc.GRPCInferenceServiceStub(channel).ModelInfer(
+            request(x, **parameters), timeout=timeout
+        )
+    return response, Served.read(response.parameters)

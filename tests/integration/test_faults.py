@@ -1,0 +1,193 @@
+"""Faults: agents killed or silent, a router restart, a cloud that is down or slow.
+
+A request the router accepts is answered or gets a clear error; none is lost.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+
+from edge_agent.sdk import Client
+from stratus.serving import grpc_options
+from stratus.tiers import Tier
+from stratus.wire import fleet_pb2 as fpb
+from stratus.wire import inference_pb2_grpc as pb_grpc
+
+from .cluster import MODELS, Cluster, fleet_status, free_port, infer, ready_count, request, states, wait_until
+
+
+@pytest.fixture
+def cluster(tmp_path: Path) -> Iterator[Cluster]:
+    built = Cluster(tmp_path)
+    try:
+        yield built
+    finally:
+        built.stop_all()
+
+
+async def blast(
+    router: str, x: np.ndarray, *, count: int, concurrency: int, on_progress=None, **parameters: object
+):  # type: ignore[no-untyped-def]
+    """Send ``count`` requests; return (answers, errors) where each error is (code, details)."""
+    answers, errors = 0, []
+    slots = asyncio.Semaphore(concurrency)
+    done = 0
+    async with grpc.aio.insecure_channel(router, options=grpc_options()) as channel:
+        stub = pb_grpc.GRPCInferenceServiceStub(channel)
+
+        async def one(index: int) -> None:
+            nonlocal answers, done
+            async with slots:
+                try:
+                    await stub.ModelInfer(request(x[index % len(x)][None, :], **parameters), timeout=30)
+                    answers += 1
+                except grpc.aio.AioRpcError as error:
+                    errors.append((error.code(), error.details()))
+                done += 1
+                if on_progress is not None:
+                    on_progress(done)
+
+        await asyncio.gather(*(one(i) for i in range(count)))
+    return answers, errors
+
+
+def test_agent_killed_with_requests_in_flight_loses_nothing_and_rejoins(cluster: Cluster, digits) -> None:  # type: ignore[no-untyped-def]
+    router = cluster.router().address
+    victim = cluster.agent("dev-1", router)
+    cluster.agent("dev-2", router)
+    wait_until(lambda: ready_count(router) == 2)
+    killed = []
+
+    def kill_midway(done: int) -> None:
+        if done == 60 and not killed:
+            victim.process.send_signal(signal.SIGKILL)
+            killed.append(time.monotonic())
+
+    answers, errors = asyncio.run(
+        blast(
+            router, digits.held_out.x, count=400, concurrency=32, on_progress=kill_midway, max_tier="device"
+        )
+    )
+    assert killed, "the agent was never killed"
+    assert errors == [] and answers == 400
+    assert states(router)["dev-1"] == fpb.AGENT_STATE_LOST
+    cluster.agent("dev-1", router)  # same name, a new process: it rejoins
+    wait_until(lambda: states(router).get("dev-1") == fpb.AGENT_STATE_READY)
+
+
+def test_a_silent_agent_is_lost_after_three_heartbeats_and_comes_back(cluster: Cluster, digits) -> None:  # type: ignore[no-untyped-def]
+    router = cluster.router().address
+    silent = cluster.agent("dev-1", router)
+    cluster.agent("dev-2", router)
+    wait_until(lambda: ready_count(router) == 2)
+    silent.process.send_signal(signal.SIGSTOP)
+    try:
+        took = wait_until(lambda: states(router)["dev-1"] == fpb.AGENT_STATE_LOST, timeout_s=10)
+        assert took < 5.0
+        served = {infer(router, digits.held_out.x[i : i + 1], max_tier="device")[1].agent for i in range(20)}
+        assert served == {"dev-2"}
+    finally:
+        silent.process.send_signal(signal.SIGCONT)
+    wait_until(lambda: states(router)["dev-1"] == fpb.AGENT_STATE_READY, timeout_s=15)
+
+
+def test_router_restart_sdk_degrades_then_the_fleet_is_whole_within_5_s(
+    cluster: Cluster, digits, tmp_path: Path
+) -> None:  # type: ignore[no-untyped-def]
+    listen = f"127.0.0.1:{free_port()}"
+    router = cluster.router(listen=listen)
+    for name in ("dev-1", "dev-2"):
+        cluster.agent(name, listen)
+    cluster.agent("edge-1", listen, tier="edge")
+    wait_until(lambda: ready_count(listen) == 3)
+    with Client(MODELS, router=listen, cache_dir=tmp_path) as client:
+        assert client.infer("digits", digits.held_out.x[:1], min_confidence=1.0).path[-1] is Tier.EDGE
+        assert router.stop() == 0
+        away = client.infer("digits", digits.held_out.x[:1], min_confidence=1.0)
+        assert away.degraded and away.path == (Tier.DEVICE,)
+        cluster.router(listen=listen)
+        started = time.monotonic()
+        wait_until(lambda: ready_count(listen) == 3, timeout_s=10)
+        assert time.monotonic() - started < 5.0
+    _response, served = infer(listen, digits.held_out.x[:1], min_confidence=1.0)
+    assert served.path == (Tier.DEVICE, Tier.EDGE)
+
+
+def test_cloud_down_gives_degraded_answers_and_the_link_recovers(cluster: Cluster, digits) -> None:  # type: ignore[no-untyped-def]
+    cloud = cluster.cloud()
+    router = cluster.router("--cloud", cloud.address).address
+    cluster.agent("dev-1", router)
+    cluster.agent("edge-1", router, tier="edge")
+    wait_until(lambda: ready_count(router) == 2 and fleet_status(router).cloud.state == "connected")
+    assert infer(router, digits.held_out.x[:1], min_confidence=1.0)[1].tier is Tier.CLOUD
+    cloud.process.send_signal(signal.SIGKILL)
+    cloud.process.wait()
+    wait_until(lambda: fleet_status(router).cloud.state != "connected")
+    for index in range(10):
+        response, served = infer(router, digits.held_out.x[index : index + 1], min_confidence=1.0)
+        assert served.degraded and served.path == (Tier.DEVICE, Tier.EDGE)
+        assert response.outputs[0].name == "probabilities"
+    _confident, served = infer(router, digits.held_out.x[:1], min_confidence=0.0)
+    assert not served.degraded  # nothing needed the cloud
+    cluster.processes["cloud"] = cluster.start(
+        "cloud", ["cloud", "--listen", cloud.address, "--models", str(MODELS)]
+    )
+    wait_until(lambda: fleet_status(router).cloud.state == "connected", timeout_s=15)
+    assert infer(router, digits.held_out.x[:1], min_confidence=1.0)[1].tier is Tier.CLOUD
+
+
+def test_on_cloud_failure_fail_answers_unavailable(cluster: Cluster, digits) -> None:  # type: ignore[no-untyped-def]
+    cloud = cluster.cloud()
+    router = cluster.router("--cloud", cloud.address, "--on-cloud-failure", "fail").address
+    cluster.agent("dev-1", router)
+    wait_until(lambda: ready_count(router) == 1 and fleet_status(router).cloud.state == "connected")
+    cloud.process.send_signal(signal.SIGKILL)
+    cloud.process.wait()
+    wait_until(lambda: fleet_status(router).cloud.state != "connected")
+    with pytest.raises(grpc.RpcError) as error:
+        infer(router, digits.held_out.x[:1], min_confidence=1.0)
+    assert error.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert "--on-cloud-failure fail" in error.value.details()
+    _, served = infer(router, digits.held_out.x[:1], min_confidence=0.0)  # needs no cloud: answered
+    assert served.tier is Tier.DEVICE and not served.degraded
+
+
+def test_slow_cloud_answers_inside_the_budget_and_the_breaker_opens(cluster: Cluster, digits) -> None:  # type: ignore[no-untyped-def]
+    cloud = cluster.cloud()
+    slow = cluster.start("netem", ["--target", cloud.address, "--delay-ms", "400"], module="stratus.netem")
+    router = cluster.router("--cloud", slow.address).address
+    cluster.agent("dev-1", router)
+    wait_until(
+        lambda: ready_count(router) == 1 and fleet_status(router).cloud.state == "connected", timeout_s=20
+    )
+    latencies = []
+    for index in range(8):
+        started = time.monotonic()
+        _, served = infer(router, digits.held_out.x[index : index + 1], min_confidence=1.0, budget_ms=150.0)
+        latencies.append(time.monotonic() - started)
+        assert served.degraded and served.tier is Tier.DEVICE
+    assert max(latencies) < 0.5  # 150 ms budget plus local overhead, never the 800 ms round trip
+    wait_until(lambda: fleet_status(router).cloud.state.startswith("circuit"), timeout_s=5)
+
+
+def test_cloud_cut_while_escalations_are_in_flight(cluster: Cluster, digits) -> None:  # type: ignore[no-untyped-def]
+    cloud = cluster.cloud()
+    link = cluster.start("netem", ["--target", cloud.address], module="stratus.netem")
+    router = cluster.router("--cloud", link.address).address
+    cluster.agent("dev-1", router)
+    wait_until(
+        lambda: ready_count(router) == 1 and fleet_status(router).cloud.state == "connected", timeout_s=20
+    )
+    link.process.send_signal(signal.SIGUSR1)  # the cable is pulled: silence, no reset
+    answers, errors = asyncio.run(
+        blast(router, digits.held_out.x, count=30, concurrency=10, min_confidence=1.0, budget_ms=300.0)
+    )
+    assert answers == 30 and errors == []  # each comes back degraded within its budget
