@@ -326,6 +326,7 @@ def load_models(
     queue_limit: int,
     runtimes: list[str] | None,
     cache_dir: Path,
+    emulated_extra_ms: float = 0.0,
 ) -> LocalModels:
     from stratus.local import LocalSettings
     from stratus.repository import ModelRepository
@@ -340,5 +341,6 @@ def load_models(
             queue_limit=queue_limit,
             runtimes=runtimes,
             executor_name="stratus-agent-infer",
+            emulated_extra_ms=emulated_extra_ms,
         ),
     )

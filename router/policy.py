@@ -51,6 +51,10 @@ class AgentView:
         waves = self.in_flight // max(1, self.capacity)
         return self.rtt_ms + waves * service + service
 
+    def idle_ms(self, model: str) -> float:
+        """What a request here would take with no queue in front of it."""
+        return self.rtt_ms + self.service_ms.get(model, 1.0)
+
 
 @dataclass(frozen=True, kw_only=True)
 class CloudView:
@@ -138,6 +142,15 @@ def choose(attempt: Attempt, snapshot: FleetSnapshot, rng: random.Random) -> Tar
         tiers = "/".join(sorted({a.tier.label for a in eligible}))
         return NoTarget(
             reason=f"every {tiers} agent serving '{attempt.model}' has a full work queue", full=True
+        )
+    queued_out = [a for a in open_agents if _fits(a.idle_ms(attempt.model), attempt)]
+    if queued_out and not cloud_eligible:
+        best = min(a.predicted_ms(attempt.model) for a in queued_out)
+        tiers = "/".join(sorted({a.tier.label for a in queued_out}))
+        return NoTarget(
+            reason=f"{tiers} agents' work queues are too long to answer '{attempt.model}' within "
+            f"{attempt.remaining_ms:.1f} ms (shortest predicted wait and run: {best:.1f} ms)",
+            full=True,
         )
     if open_agents or cloud_eligible:
         return NoTarget(

@@ -161,6 +161,7 @@ def _agent(args: argparse.Namespace) -> int:
         queue_limit=args.queue_limit,
         runtimes=_names(args.runtimes),
         cache_dir=args.cache_dir,
+        emulated_extra_ms=args.emulate_slow_ms,
     )
 
     async def main() -> None:
@@ -230,6 +231,12 @@ def _add_servers(commands: argparse._SubParsersAction[argparse.ArgumentParser]) 
     agent.add_argument("--runtimes", default=None, help="runtime order override, e.g. onnxruntime,openvino")
     agent.add_argument("--token", default=None, help="fleet token (default: $STRATUS_TOKEN)")
     agent.add_argument("--cache-dir", type=Path, default=_default_cache())
+    agent.add_argument(
+        "--emulate-slow-ms",
+        type=float,
+        default=0.0,
+        help="benchmarks: add this much to each inference, as a slower device would",
+    )
     agent.set_defaults(handler=_agent)
     for parser in (router, cloud, agent):
         parser.add_argument("--log-level", default="INFO")

@@ -51,6 +51,8 @@ class LocalSettings:
     queue_limit: int = 64
     runtimes: Sequence[str] | None = None
     executor_name: str = "stratus-infer"
+    # Benchmarks only: hold each inference this much longer, to emulate a slower device.
+    emulated_extra_ms: float = 0.0
 
     def __post_init__(self) -> None:
         if self.concurrency < 1 or self.queue_limit < 0:
@@ -127,6 +129,8 @@ class LocalModels:
             }
         else:
             outputs = self.runners[variant].infer(inputs)
+        if self.settings.emulated_extra_ms:
+            time.sleep(self.settings.emulated_extra_ms / 1000.0)  # on an executor thread, like real compute
         return outputs, (time.perf_counter() - started) * 1000.0
 
     def families_info(self) -> list[fleet_pb2.FamilyInfo]:

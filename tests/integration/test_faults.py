@@ -191,3 +191,20 @@ def test_cloud_cut_while_escalations_are_in_flight(cluster: Cluster, digits) -> 
         blast(router, digits.held_out.x, count=30, concurrency=10, min_confidence=1.0, budget_ms=300.0)
     )
     assert answers == 30 and errors == []  # each comes back degraded within its budget
+
+
+def test_overload_gets_resource_exhausted_naming_the_queue_and_loses_nothing(
+    cluster: Cluster, digits
+) -> None:  # type: ignore[no-untyped-def]
+    router = cluster.router().address
+    cluster.agent("dev-1", router, "--concurrency", "1", "--queue-limit", "2", "--emulate-slow-ms", "20")
+    wait_until(lambda: ready_count(router) == 1)
+    answers, errors = asyncio.run(
+        blast(router, digits.held_out.x, count=300, concurrency=300, max_tier="device", budget_ms=2000.0)
+    )
+    assert answers + len(errors) == 300
+    assert answers > 0 and errors
+    for code, details in errors:
+        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED, (code, details)
+        assert "full work queue" in details or "work queues are too long" in details
+    assert infer(router, digits.held_out.x[:1], max_tier="device")[1].agent == "dev-1"  # and it recovers

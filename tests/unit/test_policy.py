@@ -114,3 +114,13 @@ def test_top_tier_and_acceptance() -> None:
     assert not accepts(0.85, Tier.DEVICE, thresholds=thresholds, min_confidence=None)
     assert not accepts(0.95, Tier.DEVICE, thresholds=thresholds, min_confidence=0.99)
     assert accepts(0.1, Tier.EDGE, thresholds=thresholds, min_confidence=None)  # no threshold: accept
+
+
+def test_queues_too_long_for_the_budget_are_overload_not_a_missed_deadline() -> None:
+    busy = FleetSnapshot(agents=(agent("d1", Tier.DEVICE, in_flight=8, service=5.0, capacity=1),))
+    # Idle, d1 would answer in 5.5 ms; behind 8 queued requests it needs 45.5 ms.
+    queued = pick(Attempt(model="digits", remaining_ms=20.0), busy)
+    assert isinstance(queued, NoTarget) and queued.full and not queued.too_slow
+    assert "work queues are too long" in queued.reason
+    hopeless = pick(Attempt(model="digits", remaining_ms=2.0), busy)
+    assert isinstance(hopeless, NoTarget) and hopeless.too_slow and not hopeless.full

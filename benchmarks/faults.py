@@ -1,0 +1,173 @@
+"""The demo fleet under steady load while things break: nothing may be lost.
+
+Starts a cloud gateway, a router, two device agents and an edge agent on loopback and
+sends the digits held-out split through the router at a steady rate (open loop, each
+request with a 1 s budget and a 5 s client deadline). Phase by phase it SIGKILLs a
+device agent, restarts it, restarts the router once, takes the cloud gateway away and
+brings it back, and prints per phase: requests sent, answered, answered degraded, failed
+with a clear error, lost (no answer at all; must be 0), and p99 latency of the answers.
+
+    python benchmarks/faults.py [--rate 150] [--phase-seconds 6]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+import sys
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from loadgen import OpenLoop, Tally, make_requests  # noqa: E402
+
+from stratus.datasets import digits_splits  # noqa: E402
+from stratus.demo import wait_for_agents  # noqa: E402
+from stratus.launcher import Launched, launch  # noqa: E402
+
+MODELS = ROOT / "models"
+QUIET = ["--log-level", "WARNING"]
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class Fleet:
+    def __init__(self, log_dir: Path) -> None:
+        self.log_dir = log_dir
+        self.cloud_address = f"127.0.0.1:{free_port()}"
+        self.router_address = f"127.0.0.1:{free_port()}"
+        self.cloud = self._cloud()
+        self.router = self._router()
+        self.agents = {
+            name: self._agent(name, tier)
+            for name, tier in (("device-1", "device"), ("device-2", "device"), ("edge-1", "edge"))
+        }
+        wait_for_agents(self.router_address, 3)
+
+    def _cloud(self) -> Launched:
+        return launch(
+            ["cloud", "--listen", self.cloud_address, "--models", str(MODELS), *QUIET],
+            role="cloud",
+            log_dir=self.log_dir,
+        )
+
+    def _router(self) -> Launched:
+        return launch(
+            [
+                "router",
+                "--listen",
+                self.router_address,
+                "--cloud",
+                self.cloud_address,
+                "--no-advertise",
+                *QUIET,
+            ],
+            role="router",
+            log_dir=self.log_dir,
+        )
+
+    def _agent(self, name: str, tier: str) -> Launched:
+        return launch(
+            [
+                "agent",
+                "--tier",
+                tier,
+                "--models",
+                str(MODELS),
+                "--router",
+                self.router_address,
+                "--name",
+                name,
+                *QUIET,
+            ],
+            role=name,
+            log_dir=self.log_dir,
+        )
+
+    def kill_agent(self) -> None:
+        self.agents["device-1"].process.send_signal(signal.SIGKILL)
+        self.agents["device-1"].process.wait()
+
+    def restart_agent(self) -> None:
+        self.agents["device-1"] = self._agent("device-1", "device")
+
+    def restart_router(self) -> None:
+        self.router.stop()
+        self.router = self._router()
+
+    def cloud_away(self) -> None:
+        self.cloud.process.send_signal(signal.SIGKILL)
+        self.cloud.process.wait()
+
+    def cloud_back(self) -> None:
+        self.cloud = self._cloud()
+
+    def stop(self) -> None:
+        for process in [*self.agents.values(), self.router, self.cloud]:
+            process.stop()
+
+
+async def run_phases(
+    fleet: Fleet, loop_gen: OpenLoop, phases: list[tuple[str, Callable[[], None]]], seconds: float
+) -> list[tuple[str, Tally]]:
+    stop = asyncio.Event()
+    runner = asyncio.create_task(loop_gen.run(stop))
+    results = []
+    for name, action in phases:
+        loop_gen.swap_tally()
+        await asyncio.get_running_loop().run_in_executor(None, action)
+        await asyncio.sleep(seconds)
+        results.append((name, loop_gen.tally))
+    loop_gen.swap_tally()
+    stop.set()
+    await runner  # every request of every phase has its outcome counted before we print
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rate", type=float, default=150.0, help="requests per second")
+    parser.add_argument("--phase-seconds", type=float, default=6.0)
+    args = parser.parse_args()
+    requests = make_requests(digits_splits().held_out.x, budget_ms=1000.0)
+    with tempfile.TemporaryDirectory(prefix="stratus-faults-") as logs:
+        fleet = Fleet(Path(logs))
+        try:
+            phases = [
+                ("steady", lambda: None),
+                ("device agent SIGKILLed", fleet.kill_agent),
+                ("device agent restarted", fleet.restart_agent),
+                ("router restarted", fleet.restart_router),
+                ("cloud gateway away", fleet.cloud_away),
+                ("cloud gateway back", fleet.cloud_back),
+            ]
+            generator = OpenLoop(fleet.router_address, requests, rate=args.rate)
+            results = asyncio.run(run_phases(fleet, generator, phases, args.phase_seconds))
+        finally:
+            fleet.stop()
+    print(
+        f"{'phase':<24}{'sent':>7}{'answered':>10}{'degraded':>10}{'failed':>8}{'lost':>6}{'p99 ms':>9}  failures"
+    )
+    for name, tally in results:
+        failures = ", ".join(f"{code} {count}" for code, count in tally.failed.most_common()) or "-"
+        print(
+            f"{name:<24}{tally.sent:>7}{tally.answered:>10}{tally.degraded:>10}{tally.failed_total:>8}"
+            f"{tally.lost:>6}{tally.p99():>9.1f}  {failures}"
+        )
+    lost = sum(t.lost for _, t in results)
+    print(f"\nlost in total: {lost} (must be 0)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,130 @@
+"""Open-loop load for the benchmarks: a fixed request rate, whatever the fleet does.
+
+Closed-loop clients slow down when the system does, which hides overload and outages;
+an open-loop generator keeps sending at the set rate, so every request is counted as
+answered, answered degraded, failed with a clear error, or lost (no answer by the
+client's own deadline, well past the request's budget).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+import grpc
+import numpy as np
+
+from stratus import codec
+from stratus.protocol import DEGRADED, parameter_value, set_parameter
+from stratus.serving import grpc_options
+from stratus.wire import inference_pb2 as pb
+from stratus.wire import inference_pb2_grpc as pb_grpc
+
+
+@dataclass
+class Tally:
+    sent: int = 0
+    answered: int = 0
+    degraded: int = 0
+    lost: int = 0
+    failed: Counter[str] = field(default_factory=Counter)
+    reasons: Counter[str] = field(default_factory=Counter)  # status and message, numbers masked
+    latencies_ms: list[float] = field(default_factory=list)
+
+    @property
+    def failed_total(self) -> int:
+        return sum(self.failed.values())
+
+    def p99(self) -> float:
+        return float(np.percentile(self.latencies_ms, 99)) if self.latencies_ms else 0.0
+
+
+def make_requests(x: np.ndarray, *, budget_ms: float) -> list[pb.ModelInferRequest]:
+    requests = []
+    for index in range(len(x)):
+        request = pb.ModelInferRequest(model_name="digits", id=str(index))
+        codec.encode_request_inputs(request, {"input": x[index : index + 1]})
+        set_parameter(request.parameters, "stratus.budget_ms", budget_ms)
+        requests.append(request)
+    return requests
+
+
+class OpenLoop:
+    """Sends ``rate`` requests per second to ``address`` until stopped; counts outcomes."""
+
+    def __init__(
+        self,
+        address: str,
+        requests: list[pb.ModelInferRequest],
+        *,
+        rate: float,
+        client_timeout_s: float = 5.0,
+        max_in_flight: int = 4096,
+    ) -> None:
+        self.address = address
+        self.requests = requests
+        self.rate = rate
+        self.client_timeout_s = client_timeout_s
+        self.max_in_flight = max_in_flight
+        self.tally = Tally()
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def swap_tally(self) -> Tally:
+        """Start counting into a new tally (a new phase); return the old one."""
+        old, self.tally = self.tally, Tally()
+        return old
+
+    async def run(self, stop: asyncio.Event) -> None:
+        channel = grpc.aio.insecure_channel(self.address, options=grpc_options())
+        stub = pb_grpc.GRPCInferenceServiceStub(channel)
+        interval = 1.0 / self.rate
+        next_send = time.perf_counter()
+        index = 0
+        while not stop.is_set():
+            now = time.perf_counter()
+            if now < next_send:
+                await asyncio.sleep(next_send - now)
+                continue
+            next_send += interval
+            tally = self.tally
+            tally.sent += 1
+            if len(self._tasks) >= self.max_in_flight:
+                tally.failed["client queue full"] += 1
+                continue
+            task = asyncio.create_task(self._one(stub, self.requests[index % len(self.requests)], tally))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+            index += 1
+        if self._tasks:
+            await asyncio.wait(list(self._tasks))
+        await channel.close()
+
+    async def _one(
+        self, stub: pb_grpc.GRPCInferenceServiceStub, request: pb.ModelInferRequest, tally: Tally
+    ) -> None:
+        started = time.perf_counter()
+        try:
+            response = await stub.ModelInfer(request, timeout=self.client_timeout_s)
+        except grpc.aio.AioRpcError as error:
+            if error.code() == grpc.StatusCode.DEADLINE_EXCEEDED and error.details() == "Deadline Exceeded":
+                tally.lost += 1  # the client's own timer fired: nobody answered
+            else:
+                tally.failed[error.code().name] += 1
+                masked = re.sub(r"[0-9.]+", "#", error.details() or "")
+                tally.reasons[f"{error.code().name}: {masked}"] += 1
+            return
+        tally.latencies_ms.append((time.perf_counter() - started) * 1000.0)
+        tally.answered += 1
+        if DEGRADED in response.parameters and parameter_value(response.parameters[DEGRADED]):
+            tally.degraded += 1
+
+
+def rss_mb(pid: int) -> float:
+    with open(f"/proc/{pid}/status", encoding="ascii") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024.0
+    return 0.0

@@ -1,0 +1,123 @@
+"""Deadlines and cancellation on both ends of an AgentLink, with fakes of the real classes."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from edge_agent.agent import Agent, AgentSettings
+from router.registry import FleetRegistry
+from stratus.errors import DeadlineExceeded
+from stratus.local import LocalAnswer, LocalModels
+from stratus.tiers import Tier
+from stratus.wire import fleet_pb2 as fpb
+from stratus.wire import inference_pb2 as pb
+
+
+class SlowModels(LocalModels):
+    """LocalModels whose answer waits until released: work that is still running."""
+
+    def __init__(self) -> None:  # no models to load
+        self.latency = {}
+        self.release = asyncio.Event()
+        self.started = asyncio.Event()
+
+    async def answer(self, request: pb.ModelInferRequest) -> LocalAnswer:
+        self.started.set()
+        await self.release.wait()
+        raise AssertionError("released work should have been cancelled first")
+
+
+def agent_with(models: SlowModels) -> Agent:
+    return Agent(AgentSettings(tier=Tier.DEVICE, router="127.0.0.1:1", name="unit"), models)
+
+
+def test_cancel_from_the_router_stops_running_work_and_reports_it() -> None:
+    async def scenario() -> fpb.Result:
+        models = SlowModels()
+        agent = agent_with(models)
+        outbox: asyncio.Queue[fpb.AgentMessage | None] = asyncio.Queue()
+        agent._accept(fpb.Work(request_id="w1", request=pb.ModelInferRequest(model_name="digits")), outbox)
+        await models.started.wait()
+        agent._work["w1"].cancel()  # what a Cancel message does
+        message = await asyncio.wait_for(outbox.get(), 2)
+        assert message is not None and agent.in_flight == 0
+        return message.result
+
+    result = asyncio.run(scenario())
+    assert result.request_id == "w1" and result.error.code == grpc.StatusCode.CANCELLED.value[0]
+
+
+def test_work_past_its_budget_is_dropped_with_deadline_exceeded() -> None:
+    async def scenario() -> fpb.Result:
+        agent = agent_with(SlowModels())
+        outbox: asyncio.Queue[fpb.AgentMessage | None] = asyncio.Queue()
+        agent._accept(fpb.Work(request_id="w2", request=pb.ModelInferRequest(), budget_ms=20.0), outbox)
+        message = await asyncio.wait_for(outbox.get(), 2)
+        assert message is not None
+        return message.result
+
+    result = asyncio.run(scenario())
+    assert result.error.code == grpc.StatusCode.DEADLINE_EXCEEDED.value[0]
+    assert "budget of 20.0 ms ran out" in result.error.message
+
+
+def hello() -> fpb.Hello:
+    return fpb.Hello(
+        agent_id="a1",
+        tier=fpb.TIER_DEVICE,
+        capacity=2,
+        variants=[fpb.VariantInfo(name="digits-small", family="digits")],
+    )
+
+
+def test_a_cancelled_request_sends_cancel_to_its_agent() -> None:
+    async def scenario() -> list[str]:
+        registry = FleetRegistry()
+        handle = registry.register(hello(), peer="test")
+        task = asyncio.create_task(
+            registry.submit(handle, pb.ModelInferRequest(), variant="digits", budget_ms=None)
+        )
+        await asyncio.sleep(0.01)
+        task.cancel()  # the client went away
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        kinds = []
+        while not handle.outbox.empty():
+            message = handle.outbox.get_nowait()
+            assert message is not None
+            kinds.append(message.WhichOneof("kind"))
+        assert not handle.pending
+        return kinds
+
+    assert asyncio.run(scenario()) == ["work", "cancel"]
+
+
+def test_a_request_past_its_budget_cancels_the_work_and_says_so() -> None:
+    async def scenario() -> list[str]:
+        registry = FleetRegistry()
+        handle = registry.register(hello(), peer="test")
+        with pytest.raises(DeadlineExceeded, match=r"did not answer within 20\.0 ms"):
+            await registry.submit(handle, pb.ModelInferRequest(), variant="digits", budget_ms=20.0)
+        return [m.WhichOneof("kind") for m in (handle.outbox.get_nowait(), handle.outbox.get_nowait()) if m]
+
+    assert asyncio.run(scenario()) == ["work", "cancel"]
+
+
+def test_losing_an_agent_fails_its_pending_requests_at_once() -> None:
+    async def scenario() -> None:
+        registry = FleetRegistry()
+        handle = registry.register(hello(), peer="test")
+        task = asyncio.create_task(
+            registry.submit(handle, pb.ModelInferRequest(), variant="digits", budget_ms=None)
+        )
+        await asyncio.sleep(0.01)
+        registry.lose(handle, "stream broke")
+        from stratus.errors import Unavailable
+
+        with pytest.raises(Unavailable, match="agent a1 stream broke"):
+            await task
+
+    asyncio.run(scenario())
