@@ -28,18 +28,10 @@ from loadgen import OpenLoop, Tally, make_requests  # noqa: E402
 
 from stratus.datasets import digits_splits  # noqa: E402
 from stratus.demo import wait_for_agents  # noqa: E402
-from stratus.launcher import Launched, launch  # noqa: E402
+from stratus.launcher import Launched, free_port, launch  # noqa: E402
 
 MODELS = ROOT / "models"
 QUIET = ["--log-level", "WARNING"]
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 class Fleet:

@@ -303,8 +303,11 @@ class _Cascade:
         return cloud_serves and self.options.max_tier >= Tier.CLOUD and Tier.CLOUD not in self.path
 
     async def _try(self, target: Target, remaining: float | None) -> Answer | None:
+        # Keep a little of the budget for the way back, so a late tier times out here
+        # and the best answer so far still reaches the client before its deadline.
+        allowed = None if remaining is None else remaining - min(RETURN_MARGIN_MS, remaining * 0.1)
         try:
-            return await self.plane.dispatch(target, self.request, remaining)
+            return await self.plane.dispatch(target, self.request, allowed)
         except _RETRYABLE as exc:
             log.info(
                 "%s failed for %s: %s; trying elsewhere", target.agent_id or "cloud", self.request.id, exc
@@ -338,6 +341,8 @@ class _Cascade:
 # A request with neither a budget nor a deadline still ends: nothing waits forever on a
 # peer that stopped answering without dropping its link.
 DEFAULT_BUDGET_MS = 30_000.0
+# At most this much of a request's remaining budget is kept back for answering the client.
+RETURN_MARGIN_MS = 5.0
 
 
 def _budget(budget_ms: float | None, timeout_s: float | None) -> float:

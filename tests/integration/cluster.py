@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,12 +20,6 @@ from stratus.wire import inference_pb2_grpc as pb_grpc
 
 MODELS = Path(__file__).resolve().parents[2] / "models"
 QUIET = ["--log-level", "INFO"]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @dataclass

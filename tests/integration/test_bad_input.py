@@ -15,6 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from stratus.protocol import set_parameter
 from stratus.serving import grpc_options
 from stratus.wire import fleet_pb2 as fpb
 from stratus.wire import inference_pb2 as pb
@@ -68,16 +69,7 @@ def requests(draw: st.DrawFn) -> pb.ModelInferRequest:
             unique=True,
         )
     ):
-        value = draw(parameter_values)
-        target = message.parameters[key]
-        if isinstance(value, bool):
-            target.bool_param = value
-        elif isinstance(value, int):
-            target.int64_param = value
-        elif isinstance(value, float):
-            target.double_param = value
-        else:
-            target.string_param = value
+        set_parameter(message.parameters, key, draw(parameter_values))
     return message
 
 

@@ -175,6 +175,8 @@ def test_slow_cloud_answers_inside_the_budget_and_the_breaker_opens(cluster: Clu
         latencies.append(time.monotonic() - started)
         assert served.degraded and served.tier is Tier.DEVICE
     assert max(latencies) < 0.5  # 150 ms budget plus local overhead, never the 800 ms round trip
+    _, served = infer(router, digits.held_out.x[:1], min_confidence=1.0, timeout=0.3)  # a gRPC deadline alone
+    assert served.degraded and served.tier is Tier.DEVICE
     wait_until(lambda: fleet_status(router).cloud.state.startswith("circuit"), timeout_s=5)
 
 
