@@ -16,12 +16,13 @@ import numpy as np
 import pytest
 
 from edge_agent.sdk import Client
+from stratus.launcher import free_port
 from stratus.serving import grpc_options
 from stratus.tiers import Tier
 from stratus.wire import fleet_pb2 as fpb
 from stratus.wire import inference_pb2_grpc as pb_grpc
 
-from .cluster import MODELS, Cluster, fleet_status, free_port, infer, ready_count, request, states, wait_until
+from .cluster import MODELS, Cluster, fleet_status, infer, ready_count, request, states, wait_until
 
 
 @pytest.fixture
