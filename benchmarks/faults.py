@@ -17,6 +17,7 @@ import asyncio
 import signal
 import sys
 import tempfile
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
@@ -157,6 +158,11 @@ def main() -> None:
             f"{name:<24}{tally.sent:>7}{tally.answered:>10}{tally.degraded:>10}{tally.failed_total:>8}"
             f"{tally.lost:>6}{tally.p99():>9.1f}  {failures}"
         )
+    reasons = sum((t.reasons for _, t in results), start=Counter())
+    if reasons:
+        print("\nfailures by reason:")
+        for reason, count in reasons.most_common(8):
+            print(f"  {count:>6}  {reason}")
     lost = sum(t.lost for _, t in results)
     print(f"\nlost in total: {lost} (must be 0)")
 
