@@ -100,6 +100,7 @@ class Agent:
         self._work: dict[str, asyncio.Task[None]] = {}
         self._slots = asyncio.Semaphore(settings.capacity)
         self._waiting = 0
+        self._received = 0
         self.draining = False
 
     @property
@@ -131,7 +132,9 @@ class Agent:
             for name, s in ((n, w.summary()) for n, w in self.models.latency.items())
         ]
         return fpb.AgentMessage(
-            heartbeat=fpb.Heartbeat(in_flight=self.in_flight, queue_length=self._waiting, latency=latency)
+            heartbeat=fpb.Heartbeat(
+                in_flight=self.in_flight, queue_length=self._waiting, latency=latency, received=self._received
+            )
         )
 
     async def run(self, stop: asyncio.Event) -> None:
@@ -166,6 +169,7 @@ class Agent:
             if not isinstance(welcome, fpb.RouterMessage) or not welcome.HasField("welcome"):
                 raise ConnectionError("router closed the link without a Welcome")
             log.info("linked to router %s as %s", address, welcome.welcome.agent_id)
+            self._received = 1  # the Welcome; counts restart with every link
             self._backoff.reset()
             interval = welcome.welcome.heartbeat_interval_s or self.settings.heartbeat_s
             tasks = [
@@ -210,6 +214,7 @@ class Agent:
     ) -> None:
         while (message := await call.read()) is not grpc.aio.EOF:
             assert isinstance(message, fpb.RouterMessage)
+            self._received += 1
             kind = message.WhichOneof("kind")
             if kind == "work":
                 self._accept(message.work, outbox)

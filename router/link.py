@@ -50,8 +50,10 @@ class AgentLinkServicer(fpb_grpc.AgentLinkServicer):
                     router_version=__version__,
                 )
             )
+            handle.sent = 1
             while (message := await handle.outbox.get()) is not None:
                 yield message
+                handle.sent += 1
         finally:
             reader.cancel()
             await asyncio.gather(reader, return_exceptions=True)

@@ -69,6 +69,9 @@ class AgentHandle:
     round_trip: LatencyWindow = field(default_factory=LatencyWindow)
     pending: dict[str, asyncio.Future[fpb.Result]] = field(default_factory=dict)
     completions: collections.deque[float] = field(default_factory=lambda: collections.deque(maxlen=2048))
+    sent: int = 0  # RouterMessages written to the link, the Welcome included
+    last_received: int = 0  # the agent's read count at its previous heartbeat
+    unread_beats: int = 0  # consecutive heartbeats with messages unread and no reading progress
 
     def view(self) -> AgentView:
         service = {}
@@ -154,9 +157,26 @@ class FleetRegistry:
 
     def heartbeat(self, handle: AgentHandle, beat: fpb.Heartbeat) -> None:
         handle.last_heartbeat = self.now()
+        self._check_reading(handle, beat.received)
         handle.reported_in_flight = beat.in_flight
         handle.reported_queue = beat.queue_length
         handle.latency = {estimate.variant: estimate for estimate in beat.latency}
+
+    def _check_reading(self, handle: AgentHandle, received: int) -> None:
+        """Drop a peer that keeps heartbeating but stops reading what it is sent.
+
+        An agent reads its link as soon as messages arrive, however busy its models are,
+        so messages left unread while its read count stands still for three heartbeats
+        mean it is not reading at all.
+        """
+        unread = handle.sent - received
+        stalled = unread > 0 and received == handle.last_received
+        handle.unread_beats = handle.unread_beats + 1 if stalled else 0
+        handle.last_received = received
+        if handle.unread_beats >= MISSED_HEARTBEATS:
+            self.lose(
+                handle, f"not reading its link: {unread} messages unread for {MISSED_HEARTBEATS} heartbeats"
+            )
 
     def result(self, handle: AgentHandle, result: fpb.Result) -> None:
         future = handle.pending.pop(result.request_id, None)

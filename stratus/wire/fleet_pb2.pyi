@@ -247,8 +247,13 @@ class Heartbeat(_message.Message):
     IN_FLIGHT_FIELD_NUMBER: _builtins.int
     QUEUE_LENGTH_FIELD_NUMBER: _builtins.int
     LATENCY_FIELD_NUMBER: _builtins.int
+    RECEIVED_FIELD_NUMBER: _builtins.int
     in_flight: _builtins.int
     queue_length: _builtins.int
+    received: _builtins.int
+    """RouterMessages read from the link so far, so the router can tell a peer that
+    heartbeats but never reads from one that is merely busy.
+    """
     @_builtins.property
     def latency(self) -> _containers.RepeatedCompositeFieldContainer[Global___LatencyEstimate]: ...
     def __init__(
@@ -257,10 +262,11 @@ class Heartbeat(_message.Message):
         in_flight: _builtins.int = ...,
         queue_length: _builtins.int = ...,
         latency: _abc.Iterable[Global___LatencyEstimate] | None = ...,
+        received: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["in_flight", b"in_flight", "latency", b"latency", "queue_length", b"queue_length"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["in_flight", b"in_flight", "latency", b"latency", "queue_length", b"queue_length", "received", b"received"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -211,3 +211,59 @@ def test_overload_gets_resource_exhausted_naming_the_queue_and_loses_nothing(
         assert code == grpc.StatusCode.RESOURCE_EXHAUSTED, (code, details)
         assert "full work queue" in details or "work queues are too long" in details
     assert infer(router, digits.held_out.x[:1], max_tier="device")[1].agent == "dev-1"  # and it recovers
+
+
+def test_a_peer_that_heartbeats_but_never_reads_is_dropped_with_a_logged_reason(
+    cluster: Cluster, digits
+) -> None:  # type: ignore[no-untyped-def]
+    import queue
+    import threading
+
+    router = cluster.router()
+    cluster.agent("dev-1", router.address)
+    wait_until(lambda: ready_count(router.address) == 1)
+    outgoing: queue.Queue[bytes | None] = queue.Queue()
+    outgoing.put(
+        fpb.AgentMessage(
+            hello=fpb.Hello(
+                agent_id="deaf-peer",
+                tier=fpb.TIER_DEVICE,
+                capacity=1,
+                variants=[fpb.VariantInfo(name="digits-small", family="digits")],
+            )
+        ).SerializeToString()
+    )
+    stop = threading.Event()
+
+    def heartbeats() -> None:  # alive, says it has read nothing
+        while not stop.wait(0.3):
+            outgoing.put(fpb.AgentMessage(heartbeat=fpb.Heartbeat(received=0)).SerializeToString())
+
+    def messages():  # type: ignore[no-untyped-def]
+        while (item := outgoing.get()) is not None:
+            yield item
+
+    channel = grpc.insecure_channel(router.address, options=grpc_options())
+    call = channel.stream_stream(
+        "/stratus.v1.AgentLink/Connect", request_serializer=lambda b: b, response_deserializer=lambda b: b
+    )(messages())  # never read
+    beating = threading.Thread(target=heartbeats, name="deaf-peer-heartbeats")
+    beating.start()
+    try:
+        wait_until(lambda: ready_count(router.address) == 2)
+        answers, errors = asyncio.run(
+            blast(
+                router.address, digits.held_out.x, count=300, concurrency=4, max_tier="device", budget_ms=50.0
+            )
+        )
+        assert answers + len(errors) == 300
+        assert all(code == grpc.StatusCode.DEADLINE_EXCEEDED for code, _ in errors), errors[:3]
+        wait_until(lambda: states(router.address)["deaf-peer"] == fpb.AGENT_STATE_LOST, timeout_s=10)
+        assert "deaf-peer lost: not reading its link" in router.log()
+        assert infer(router.address, digits.held_out.x[:1], max_tier="device")[1].agent == "dev-1"
+    finally:
+        stop.set()
+        beating.join()
+        outgoing.put(None)
+        call.cancel()
+        channel.close()
