@@ -160,10 +160,8 @@ class RouterDataPlane(DataPlane):
                     raise InvalidInput(
                         f"model '{family}' has no output '{output.name}'; it gives {sorted(known)}"
                     )
-        batches = {a.shape[0] if a.ndim else 1 for a in inputs.values()}
         if not inputs:
             raise InvalidInput(f"request for '{request.model_name}' has no inputs")
-        del batches
 
     def snapshot(self, model: str) -> FleetSnapshot:
         cloud = None
@@ -263,8 +261,9 @@ class _Cascade:
             )
             target = choose(attempt, snapshot, self.plane._rng)
             if isinstance(target, NoTarget):
+                # A failure met on the way up explains more than "nothing is left to try".
                 kind = Overloaded if target.full else DeadlineExceeded if target.too_slow else Unavailable
-                if self.problem is None or not isinstance(self.problem, Overloaded):
+                if self.problem is None:
                     self.problem = kind(target.reason)
                 break
             answer = await self._try(target, remaining)

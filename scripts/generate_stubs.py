@@ -4,7 +4,10 @@ Run through ``make proto``. protoc names a generated module after its ``.proto``
 (``stratus/v1/fleet.proto`` -> ``stratus.v1.fleet_pb2``), while DESIGN keeps generated
 code in the ``stratus.wire`` package; so the stubs are generated into a scratch folder and
 their cross-imports are rewritten to ``stratus.wire`` by this script, mechanically. The
-output is a pure function of the ``.proto`` files and the pinned tool versions, which a
+messages register in a private descriptor pool (``stratus/wire/_pool.py``, also written
+here): the Open Inference Protocol fixes the package name ``inference``, which tritonclient
+registers in the default pool too, and two registrations of one name fail. The output
+is a pure function of the ``.proto`` files and the pinned tool versions, which a
 test checks by regenerating and comparing.
 """
 
