@@ -115,10 +115,10 @@ class Client:
         return _merge(local, response)
 
     def _sync_address(self) -> str | None:
-        if self._address is not None:
-            return self._address
         if time.monotonic() < self._unreachable_until:
             return None
+        if self._address is not None:
+            return self._address
         try:
             self._address = asyncio.run(discover(timeout_s=self._discover_timeout_s))
         except StratusError:
@@ -153,10 +153,10 @@ class Client:
         return _merge(local, response)
 
     async def _async_address(self) -> str | None:
-        if self._address is not None:
-            return self._address
         if time.monotonic() < self._unreachable_until:
             return None
+        if self._address is not None:
+            return self._address
         try:
             self._address = await discover(timeout_s=self._discover_timeout_s)
         except Unavailable:

@@ -33,8 +33,8 @@ from stratus.wire import inference_pb2 as pb
 
 log = logging.getLogger("stratus.router")
 
-# Errors after which another agent (or tier) may still succeed.
-_RETRYABLE = (Unavailable, Overloaded)
+# Errors after which another agent (or tier) may still succeed, within what budget is left.
+_RETRYABLE = (Unavailable, Overloaded, DeadlineExceeded)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -308,15 +308,9 @@ class _Cascade:
         try:
             return await self.plane.dispatch(target, self.request, allowed)
         except _RETRYABLE as exc:
-            log.info(
-                "%s failed for %s: %s; trying elsewhere", target.agent_id or "cloud", self.request.id, exc
-            )
+            log.info("%s failed for %s: %s", target.agent_id or "cloud", self.request.id, exc)
             self.exclude.add(target.agent_id or "cloud")
             self.problem = exc
-            return None
-        except DeadlineExceeded as exc:
-            self.problem = exc
-            self.exclude.add(target.agent_id or "cloud")
             return None
 
     def _respond(self, answer: Answer, *, degraded: bool) -> pb.ModelInferResponse:

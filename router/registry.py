@@ -63,7 +63,6 @@ class AgentHandle:
     outbox: asyncio.Queue[fpb.RouterMessage | None] = field(default_factory=asyncio.Queue)
     state: str = State.READY
     last_heartbeat: float = 0.0
-    reported_in_flight: int = 0
     reported_queue: int = 0
     latency: dict[str, fpb.LatencyEstimate] = field(default_factory=dict)
     round_trip: LatencyWindow = field(default_factory=LatencyWindow)
@@ -99,9 +98,7 @@ class AgentHandle:
         recent = [t for t in self.completions if now - t <= window_s]
         if not recent:
             return 0.0
-        return len(recent) / max(
-            window_s if now - self.connected_at > window_s else now - self.connected_at, 1e-3
-        )
+        return len(recent) / max(min(window_s, now - self.connected_at), 1e-3)
 
     def fail_pending(self, reason: str) -> None:
         for future in self.pending.values():
@@ -158,7 +155,6 @@ class FleetRegistry:
     def heartbeat(self, handle: AgentHandle, beat: fpb.Heartbeat) -> None:
         handle.last_heartbeat = self.now()
         self._check_reading(handle, beat.received)
-        handle.reported_in_flight = beat.in_flight
         handle.reported_queue = beat.queue_length
         handle.latency = {estimate.variant: estimate for estimate in beat.latency}
 

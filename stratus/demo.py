@@ -39,11 +39,6 @@ from stratus.wire import inference_pb2 as pb
 from stratus.wire import inference_pb2_grpc as pb_grpc
 
 
-class SdkResult(Protocol):
-    outputs: dict[str, Any]
-    tier: Tier
-
-
 class SdkClient(Protocol):
     def infer(self, model: str, x: Any) -> Any: ...
 

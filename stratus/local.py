@@ -224,11 +224,8 @@ class LocalDataPlane(DataPlane):
         )
 
     def model_config(self, name: str) -> pb.ModelConfig:
-        return model_config(
-            self.models.variant_for(name)[0],
-            name,
-            self.models.runners[self.models.variant_for(name)[1].name].describe().runtime,
-        )
+        family, variant = self.models.variant_for(name)
+        return model_config(family, name, self.models.runners[variant.name].describe().runtime)
 
     async def infer(self, request: pb.ModelInferRequest, *, timeout_s: float | None) -> pb.ModelInferResponse:
         answer = await self.models.answer(request)

@@ -163,9 +163,6 @@ class ModelRepository:
     def _has_variant(self, name: str) -> bool:
         return any(v.name == name for f in self.families.values() for v in f.variants)
 
-    def all_variants(self) -> tuple[VariantSpec, ...]:
-        return tuple(v for f in self.families.values() for v in f.variants)
-
 
 class _Reader:
     """Typed access to a parsed TOML table, with errors that name file and key."""

@@ -118,10 +118,6 @@ def open_sync_channel(address: str, tls: TlsSettings = NO_TLS) -> grpc.Channel:
     return grpc.insecure_channel(address, options=grpc_options())
 
 
-def insecure_channel(address: str) -> grpc.aio.Channel:
-    return open_channel(address)
-
-
 class DataPlane(abc.ABC):
     """What a server that answers inference requests must provide."""
 
