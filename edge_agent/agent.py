@@ -2,7 +2,8 @@
 
 The agent owns one long-lived ``AgentLink.Connect`` stream. It says Hello only after its
 models are loaded and warmed up (the first request never pays load cost), heartbeats
-its load and latency, and answers Work concurrently up to its capacity. When the router
+its load and what changed in its latency at the pace the router sets (Welcome, then
+Pace as the fleet grows), and answers Work concurrently up to its capacity. When the router
 goes away it reconnects with exponential backoff and jitter; on SIGTERM it tells the
 router it is draining, finishes what it holds, and exits 0.
 """
@@ -101,7 +102,9 @@ class Agent:
         self._slots = asyncio.Semaphore(settings.capacity)
         self._waiting = 0
         self._received = 0
-        self.draining = False
+        self._interval = settings.heartbeat_s
+        self._beat_now = asyncio.Event()
+        self._reported: dict[str, int] = {}  # samples per variant at the last heartbeat sent
 
     @property
     def in_flight(self) -> int:
@@ -125,12 +128,18 @@ class Agent:
         )
 
     def heartbeat(self) -> fpb.AgentMessage:
-        latency = [
-            fpb.LatencyEstimate(
-                variant=name, mean_ms=s.mean_ms, p50_ms=s.p50_ms, p99_ms=s.p99_ms, count=s.count
+        """Load, and latency only for the variants that ran since the previous heartbeat."""
+        latency = []
+        for name, window in self.models.latency.items():
+            if self._reported.get(name) == window.count:
+                continue
+            self._reported[name] = window.count
+            s = window.summary()
+            latency.append(
+                fpb.LatencyEstimate(
+                    variant=name, mean_ms=s.mean_ms, p50_ms=s.p50_ms, p99_ms=s.p99_ms, count=s.count
+                )
             )
-            for name, s in ((n, w.summary()) for n, w in self.models.latency.items())
-        ]
         return fpb.AgentMessage(
             heartbeat=fpb.Heartbeat(
                 in_flight=self.in_flight, queue_length=self._waiting, latency=latency, received=self._received
@@ -170,10 +179,11 @@ class Agent:
                 raise ConnectionError("router closed the link without a Welcome")
             log.info("linked to router %s as %s", address, welcome.welcome.agent_id)
             self._received = 1  # the Welcome; counts restart with every link
+            self._reported.clear()  # a new link starts from full estimates
             self._backoff.reset()
-            interval = welcome.welcome.heartbeat_interval_s or self.settings.heartbeat_s
+            self._interval = welcome.welcome.heartbeat_interval_s or self.settings.heartbeat_s
             tasks = [
-                asyncio.create_task(self._heartbeats(outbox, interval), name="stratus-agent-heartbeat"),
+                asyncio.create_task(self._heartbeats(outbox), name="stratus-agent-heartbeat"),
                 asyncio.create_task(self._receive(call, outbox), name="stratus-agent-receive"),
                 asyncio.create_task(stop.wait(), name="stratus-agent-stop"),
             ]
@@ -193,7 +203,6 @@ class Agent:
 
     async def _say_goodbye(self, outbox: asyncio.Queue[fpb.AgentMessage | None]) -> None:
         """Draining: tell the router, then let in-flight work finish and report."""
-        self.draining = True
         outbox.put_nowait(fpb.AgentMessage(draining=fpb.Draining(reason="agent stopping")))
         await self._finish_work()
         await asyncio.sleep(0.05)  # let the last Results leave before the stream closes
@@ -202,10 +211,13 @@ class Agent:
         if self._work:
             await asyncio.wait(list(self._work.values()), timeout=self.settings.drain_timeout_s)
 
-    async def _heartbeats(self, outbox: asyncio.Queue[fpb.AgentMessage | None], interval: float) -> None:
+    async def _heartbeats(self, outbox: asyncio.Queue[fpb.AgentMessage | None]) -> None:
+        """Every interval, and at once when the router sets a new pace."""
         while True:
+            self._beat_now.clear()
             outbox.put_nowait(self.heartbeat())
-            await asyncio.sleep(interval)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._beat_now.wait(), timeout=self._interval)
 
     async def _receive(
         self,
@@ -222,8 +234,10 @@ class Agent:
                 task = self._work.get(message.cancel.request_id)
                 if task is not None:
                     task.cancel()
+            elif kind == "pace":
+                self._interval = message.pace.heartbeat_interval_s or self.settings.heartbeat_s
+                self._beat_now.set()
             elif kind == "drain":
-                self.draining = True
                 outbox.put_nowait(
                     fpb.AgentMessage(draining=fpb.Draining(reason=message.drain.reason or "drained"))
                 )

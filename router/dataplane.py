@@ -69,16 +69,20 @@ class RouterDataPlane(DataPlane):
 
     # -- health and metadata ---------------------------------------------------------
     def ready(self) -> bool:
-        return bool(self.registry.views()) or (self.cloud is not None and self.cloud.available)
+        """Ready while something can serve: a ready agent, or a cloud that takes calls."""
+        return self.registry.index.any_ready() or self._cloud_serves(None)
 
     def model_ready(self, name: str) -> bool:
-        served = any(a.ready and a.serves(name) for a in self.registry.views())
-        return served or (
-            self.cloud is not None and self.cloud.available and self.cloud.models.get(name, False)
-        )
+        return self.registry.index.serves(name) or self._cloud_serves(name)
+
+    def _cloud_serves(self, name: str | None) -> bool:
+        """The cloud takes calls now (and serves ``name``, when given)."""
+        if self.cloud is None or not self.cloud.available:
+            return False
+        return name is None or self.cloud.models.get(name, False)
 
     def model_names(self) -> list[str]:
-        names = {*self.registry.families, *(v for h in self.registry.agents.values() for v in h.variants)}
+        names = {*self.registry.families, *self.registry.index.models()}
         if self.cloud is not None:
             names |= {name for name, ok in self.cloud.models.items() if ok}
         return sorted(names)
@@ -87,14 +91,12 @@ class RouterDataPlane(DataPlane):
         """(family, pinned variant or None); NotFound when no agent nor the cloud knows it."""
         if name in self.registry.families:
             return name, None
-        for handle in self.registry.agents.values():
-            if name in handle.variants:
-                return handle.variants[name].family, name
+        family = self.registry.index.family_of(name)
+        if family is not None:
+            return family, name
         if self.cloud is not None and self.cloud.models.get(name):
             return name, None
-        known = sorted(
-            {*self.registry.families, *(v for h in self.registry.agents.values() for v in h.variants)}
-        )
+        known = sorted({*self.registry.families, *self.registry.index.models()})
         raise NotFound(f"unknown model '{name}'; the fleet serves {known}")
 
     def _spec(self, family: str) -> FamilySpec | None:
@@ -111,9 +113,7 @@ class RouterDataPlane(DataPlane):
     def model_metadata(self, name: str) -> pb.ModelMetadataResponse:
         family, _ = self._family_of(name)
         info = self.registry.family(family)
-        variants = sorted(
-            {v for h in self.registry.agents.values() for v, i in h.variants.items() if i.family == family}
-        )
+        variants = self.registry.index.variants_of(family)
         response = pb.ModelMetadataResponse(name=name, versions=variants, platform="stratus")
         if info is not None:
             response.inputs.extend(info.inputs)
@@ -166,14 +166,12 @@ class RouterDataPlane(DataPlane):
     def snapshot(self, model: str) -> FleetSnapshot:
         cloud = None
         if self.cloud is not None:
-            served = frozenset(name for name, ok in self.cloud.models.items() if ok)
             cloud = CloudView(
                 available=self.cloud.available,
-                families=served,
-                variants=served,
+                serves=self.cloud.models.get(model, False),
                 predicted_ms=self.cloud.latency.mean_ms or 5.0,
             )
-        return FleetSnapshot(agents=self.registry.views(), cloud=cloud)
+        return self.registry.snapshot(model, cloud)
 
     async def dispatch(
         self, target: Target, request: pb.ModelInferRequest, remaining_ms: float | None
@@ -272,7 +270,7 @@ class _Cascade:
             self.path.append(answer.tier)
             self.timings[answer.tier] = answer.elapsed_ms
             self.best = answer
-            top = top_tier(model, snapshot, self.options.max_tier)
+            top = top_tier(snapshot, self.options.max_tier)
             final = self.pinned is not None or top is None or answer.tier >= top
             if final or accepts(
                 answer.confidence,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -11,6 +12,7 @@ from router.cloud import CloudLink
 from router.registry import AgentHandle, FleetRegistry, State
 from stratus import __version__
 from stratus.errors import Unauthenticated
+from stratus.tiers import Tier
 from stratus.wire import fleet_pb2 as fpb
 from stratus.wire import fleet_pb2_grpc as fpb_grpc
 
@@ -33,25 +35,50 @@ def agent_status(handle: AgentHandle, now: float) -> fpb.AgentStatus:
         runtimes=handle.runtimes,
         variants=sorted(handle.variants),
         state=_STATES[handle.state],
-        in_flight=len(handle.pending),
+        in_flight=handle.in_flight,
         queue_length=handle.reported_queue,
         p50_ms=p50,
         p99_ms=p99,
-        requests_per_s=handle.requests_per_s(now),
+        requests_per_s=handle.completions.per_second(),
         last_heartbeat_s=max(0.0, now - handle.last_heartbeat),
         capacity=handle.capacity,
     )
 
 
-def fleet_status(registry: FleetRegistry, cloud: CloudLink | None) -> fpb.FleetStatus:
+def tier_summaries(registry: FleetRegistry, now: float) -> list[fpb.TierSummary]:
+    """Agents counted by tier and state: what an operator reads first, at any fleet size."""
+    summaries: dict[Tier, fpb.TierSummary] = {}
+    for handle in registry.agents.values():
+        summary = summaries.setdefault(handle.tier, fpb.TierSummary(tier=_TIERS[int(handle.tier)]))
+        setattr(summary, handle.state, getattr(summary, handle.state) + 1)
+        summary.in_flight += handle.in_flight
+        summary.requests_per_s += handle.completions.per_second()
+    return [summaries[tier] for tier in sorted(summaries)]
+
+
+def fleet_status(
+    registry: FleetRegistry, cloud: CloudLink | None, *, include_agents: bool
+) -> fpb.FleetStatus:
     now = registry.now()
+    agents = (
+        [agent_status(h, now) for h in sorted(registry.agents.values(), key=lambda h: (h.tier, h.id))]
+        if include_agents
+        else []
+    )
     return fpb.FleetStatus(
-        agents=[agent_status(h, now) for h in sorted(registry.agents.values(), key=lambda h: (h.tier, h.id))],
+        agents=agents,
+        tiers=tier_summaries(registry, now),
         cloud=fpb.CloudStatus(address=cloud.address, state=cloud.status)
         if cloud
         else fpb.CloudStatus(state="none"),
         router_version=__version__,
+        heartbeat_interval_s=registry.pace_s,
     )
+
+
+# A watcher gets at most this many updates a second, however fast the fleet changes (a
+# thousand agents rejoining after a restart would otherwise mean a thousand statuses).
+WATCH_MIN_GAP_S = 0.5
 
 
 class FleetServicer(fpb_grpc.FleetServicer):
@@ -61,21 +88,24 @@ class FleetServicer(fpb_grpc.FleetServicer):
         self._token = token
 
     async def Status(self, request: fpb.FleetStatusRequest, context: Any) -> fpb.FleetStatus:
-        return fleet_status(self._registry, self._cloud)
+        return fleet_status(self._registry, self._cloud, include_agents=request.include_agents)
 
     async def Watch(self, request: fpb.FleetWatchRequest, context: Any) -> AsyncIterator[fpb.FleetEvent]:
-        """A snapshot now, then one on every change, and at least every heartbeat interval."""
+        """A status now, then one on every change (at most every WATCH_MIN_GAP_S, changes in
+        between folded into one), and at least every heartbeat interval."""
         changes = self._registry.watch()
         try:
             while True:
-                yield fpb.FleetEvent(status=fleet_status(self._registry, self._cloud))
+                status = fleet_status(self._registry, self._cloud, include_agents=request.include_agents)
+                yield fpb.FleetEvent(status=status)
+                await asyncio.sleep(WATCH_MIN_GAP_S)
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(changes.get(), timeout=self._registry.heartbeat_s)
         finally:
             self._registry.unwatch(changes)
 
     async def Drain(self, request: fpb.DrainRequest, context: Any) -> fpb.DrainResponse:
-        if self._token and request.token != self._token:
+        if self._token and not hmac.compare_digest(request.token.encode(), self._token.encode()):
             raise Unauthenticated("Drain needs the fleet token")
         handle = self._registry.drain(request.agent_id)
         return fpb.DrainResponse(accepted=True, message=f"agent {handle.id} is draining")

@@ -4,6 +4,11 @@ The first message must be a Hello; the router answers Welcome, then writes the a
 outbox (Work, Cancel, Drain) while a reader task takes Heartbeats, Results and Draining.
 Whatever ends the stream (the agent closing it, a broken connection, a malformed
 message), the agent is marked lost at once and its pending requests fail over.
+
+Hellos pass an admission gate, a token bucket: when a router with a thousand agents
+restarts they all come back within seconds, and registering them at a bounded rate keeps
+the router answering inference while they arrive. Past ``max_waiting`` Hellos in line the
+gate refuses with RESOURCE_EXHAUSTED, and the agent retries after its jittered backoff.
 """
 
 from __future__ import annotations
@@ -11,22 +16,69 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from router.registry import AgentHandle, FleetRegistry
 from stratus import __version__
-from stratus.errors import InvalidInput, Unauthenticated
+from stratus.errors import InvalidInput, Overloaded, Unauthenticated
 from stratus.wire import fleet_pb2 as fpb
 from stratus.wire import fleet_pb2_grpc as fpb_grpc
 
 log = logging.getLogger("stratus.link")
 
 
+class AdmissionGate:
+    """Admit at most ``rate_per_s`` (bursts of ``burst``), in arrival order."""
+
+    def __init__(
+        self,
+        *,
+        rate_per_s: float = 500.0,
+        burst: int = 50,
+        max_waiting: int = 4096,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if rate_per_s <= 0 or burst < 1 or max_waiting < 0:
+            raise ValueError("rate_per_s and burst must be positive, max_waiting >= 0")
+        self.rate_per_s = rate_per_s
+        self.burst = burst
+        self.max_waiting = max_waiting
+        self._clock = clock
+        self._tokens = float(burst)
+        self._refilled = clock()
+        self._lock = asyncio.Lock()
+        self.waiting = 0
+
+    def take(self) -> float:
+        """Take a token (going into debt if there is none): seconds to wait before entering."""
+        now = self._clock()
+        self._tokens = min(float(self.burst), self._tokens + (now - self._refilled) * self.rate_per_s)
+        self._refilled = now
+        self._tokens -= 1.0
+        return 0.0 if self._tokens >= 0 else -self._tokens / self.rate_per_s
+
+    async def admit(self, who: str) -> None:
+        if self.waiting >= self.max_waiting:
+            raise Overloaded(f"the router is admitting {self.waiting} other agents; {who} should retry later")
+        self.waiting += 1
+        try:
+            async with self._lock:  # first come, first admitted
+                delay = self.take()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+        finally:
+            self.waiting -= 1
+
+
 class AgentLinkServicer(fpb_grpc.AgentLinkServicer):
-    def __init__(self, registry: FleetRegistry, *, token: str = "") -> None:
+    def __init__(
+        self, registry: FleetRegistry, *, token: str = "", gate: AdmissionGate | None = None
+    ) -> None:
         self._registry = registry
         self._token = token
+        self._gate = gate or AdmissionGate()
 
     async def Connect(
         self, request_iterator: AsyncIterator[fpb.AgentMessage], context: Any
@@ -40,13 +92,14 @@ class AgentLinkServicer(fpb_grpc.AgentLinkServicer):
                 "refused agent %r from %s: missing or wrong token", first.hello.agent_id, context.peer()
             )
             raise Unauthenticated("the fleet token is missing or wrong")
+        await self._gate.admit(first.hello.agent_id)
         handle = self._registry.register(first.hello, peer=context.peer())
         reader = asyncio.create_task(self._read(handle, request_iterator), name=f"stratus-link-{handle.id}")
         try:
             yield fpb.RouterMessage(
                 welcome=fpb.Welcome(
                     agent_id=handle.id,
-                    heartbeat_interval_s=self._registry.heartbeat_s,
+                    heartbeat_interval_s=handle.heartbeat_s,
                     router_version=__version__,
                 )
             )
@@ -60,7 +113,7 @@ class AgentLinkServicer(fpb_grpc.AgentLinkServicer):
             self._registry.lose(handle, "link closed")
 
     async def _read(self, handle: AgentHandle, messages: AsyncIterator[fpb.AgentMessage]) -> None:
-        reason = "link closed by the agent"
+        reason = "link ended (closed by the agent, or its connection stopped answering pings)"
         try:
             async for message in messages:
                 kind = message.WhichOneof("kind")

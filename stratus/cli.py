@@ -113,6 +113,9 @@ def _router(args: argparse.Namespace) -> int:
         token=_token(args.token),
         tls=_tls(args),
         on_cloud_failure=args.on_cloud_failure,
+        max_heartbeats_per_s=args.max_heartbeats_per_s,
+        admit_per_s=args.admit_per_s,
+        keepalive_s=args.keepalive_s,
     )
     run(serve(settings))
     return 0
@@ -149,6 +152,7 @@ def _agent(args: argparse.Namespace) -> int:
         router=args.router,
         name=args.name or default_name(),
         capacity=args.concurrency,
+        queue_limit=args.queue_limit,
         serve=args.serve,
         token=_token(args.token),
         tls=_tls(args),
@@ -180,7 +184,7 @@ def _names(text: str | None) -> list[str] | None:
 def _fleet_status(args: argparse.Namespace) -> int:
     from stratus.fleetctl import show_status
 
-    return show_status(args.router, as_json=args.json, watch=args.watch, tls=_tls(args))
+    return show_status(args.router, as_json=args.json, watch=args.watch, agents=args.agents, tls=_tls(args))
 
 
 def _fleet_drain(args: argparse.Namespace) -> int:
@@ -199,7 +203,7 @@ def _demo(args: argparse.Namespace) -> int:
     return run_demo(models=args.models, as_json=args.json, sdk_factory=sdk)
 
 
-def _add_servers(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+def _add_router(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> argparse.ArgumentParser:
     router = commands.add_parser("router", help="run the router (edge gateway)")
     router.add_argument("--listen", default="127.0.0.1:8001")
     router.add_argument("--cloud", default=None, help="HOST:PORT of the cloud gateway")
@@ -211,7 +215,30 @@ def _add_servers(commands: argparse._SubParsersAction[argparse.ArgumentParser]) 
         default="degrade",
         help="when an escalation needs the cloud and it is away: degraded answer, or UNAVAILABLE",
     )
+    router.add_argument(
+        "--max-heartbeats-per-s",
+        type=float,
+        default=100.0,
+        help="heartbeats the whole fleet may send a second; agents are asked to slow down past it",
+    )
+    router.add_argument(
+        "--admit-per-s",
+        type=float,
+        default=500.0,
+        help="agents admitted a second (a restart's reconnect storm)",
+    )
+    router.add_argument(
+        "--keepalive-s",
+        type=float,
+        default=2.0,
+        help="HTTP/2 ping interval on every link; a frozen agent is lost within this plus 1 s",
+    )
     router.set_defaults(handler=_router)
+    return router
+
+
+def _add_servers(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    router = _add_router(commands)
     cloud = commands.add_parser("cloud", help="run the cloud gateway")
     cloud.add_argument("--listen", default="127.0.0.1:8002")
     cloud.add_argument("--models", type=Path, default=Path("models"))
@@ -245,7 +272,8 @@ def _add_servers(commands: argparse._SubParsersAction[argparse.ArgumentParser]) 
     sub = fleet.add_subparsers(dest="fleet_command", required=True)
     status = sub.add_parser("status", help="agents, tiers and the cloud link")
     status.add_argument("--router", required=True)
-    status.add_argument("--json", action="store_true")
+    status.add_argument("--json", action="store_true", help="everything, every agent included, as JSON")
+    status.add_argument("--agents", action="store_true", help="list every agent, not only the summary")
     status.add_argument("--watch", action="store_true")
     status.set_defaults(handler=_fleet_status)
     drain = sub.add_parser("drain", help="stop sending new work to an agent")

@@ -28,7 +28,7 @@ import numpy as np
 from stratus import codec
 from stratus.datasets import Split, digits_splits
 from stratus.errors import Unavailable
-from stratus.fleetctl import status_json, status_table
+from stratus.fleetctl import ready_agents, status_json, status_table
 from stratus.launcher import Launched, launch
 from stratus.protocol import Served
 from stratus.serving import grpc_options
@@ -140,8 +140,7 @@ def wait_for_agents(router: str, count: int, timeout_s: float = 30.0) -> fpb.Fle
         stub = fpb_grpc.FleetStub(channel)
         while time.monotonic() < deadline:
             status = stub.Status(fpb.FleetStatusRequest(), timeout=5.0)
-            ready = [a for a in status.agents if a.state == fpb.AGENT_STATE_READY]
-            if len(ready) >= count and status.cloud.state in ("connected", "none"):
+            if ready_agents(status) >= count and status.cloud.state in ("connected", "none"):
                 return status
             time.sleep(0.1)
     raise Unavailable(f"the fleet at {router} did not reach {count} ready agents in {timeout_s:g} s")
@@ -235,7 +234,9 @@ def run_demo(*, models: Path, as_json: bool, sdk_factory: Callable[[str], SdkCli
                 client.close()
             reports.append(asyncio.run(through_gateway(fleet.router.address, data, model="digits-large")))
             with grpc.insecure_channel(fleet.router.address, options=grpc_options()) as channel:
-                status = fpb_grpc.FleetStub(channel).Status(fpb.FleetStatusRequest(), timeout=5.0)
+                status = fpb_grpc.FleetStub(channel).Status(
+                    fpb.FleetStatusRequest(include_agents=True), timeout=5.0
+                )
         finally:
             codes = fleet.stop()
     if as_json:

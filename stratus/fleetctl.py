@@ -17,6 +17,17 @@ _STATE = {fpb.AGENT_STATE_READY: "ready", fpb.AGENT_STATE_DRAINING: "draining", 
 
 def status_json(status: fpb.FleetStatus) -> dict[str, Any]:
     return {
+        "tiers": [
+            {
+                "tier": _TIER.get(t.tier, "unknown"),
+                "ready": t.ready,
+                "draining": t.draining,
+                "lost": t.lost,
+                "in_flight": t.in_flight,
+                "requests_per_s": round(t.requests_per_s, 2),
+            }
+            for t in status.tiers
+        ],
         "agents": [
             {
                 "id": a.id,
@@ -33,31 +44,47 @@ def status_json(status: fpb.FleetStatus) -> dict[str, Any]:
             for a in status.agents
         ],
         "cloud": {"address": status.cloud.address, "state": status.cloud.state},
+        "heartbeat_interval_s": status.heartbeat_interval_s,
     }
 
 
-def status_table(status: fpb.FleetStatus) -> str:
-    data = status_json(status)
+def agents_table(status: fpb.FleetStatus) -> list[str]:
     header = (
         f"{'id':<22}{'tier':<8}{'host':<14}{'runtimes':<22}{'variants':<28}{'state':<10}"
         f"{'inflight':>9}{'p50 ms':>8}{'p99 ms':>8}{'req/s':>8}{'hb s':>6}"
     )
     lines = [header, "-" * len(header)]
-    for a in data["agents"]:
+    for a in status_json(status)["agents"]:
         lines.append(
             f"{a['id'][:21]:<22}{a['tier']:<8}{a['host'][:13]:<14}{','.join(a['runtimes'])[:21]:<22}"
             f"{','.join(a['variants'])[:27]:<28}{a['state']:<10}{a['in_flight']:>9}{a['latency_ms']['p50']:>8.2f}"
             f"{a['latency_ms']['p99']:>8.2f}{a['requests_per_s']:>8.1f}{a['last_heartbeat_s']:>6.1f}"
         )
     lines.append("")
-    for tier in ("device", "edge"):
-        members = [a for a in data["agents"] if a["tier"] == tier]
-        ready = sum(1 for a in members if a["state"] == "ready")
-        rate = sum(a["requests_per_s"] for a in members)
-        lines.append(f"tier {tier:<7} {len(members)} agents, {ready} ready, {rate:.1f} req/s")
-    cloud = data["cloud"]
-    lines.append(f"cloud link   {cloud['address'] or '-'} ({cloud['state']})")
+    return lines
+
+
+def status_table(status: fpb.FleetStatus) -> str:
+    """The summary by tier and state; each agent too when the status lists them."""
+    lines = agents_table(status) if status.agents else []
+    header = f"{'tier':<8}{'ready':>7}{'draining':>10}{'lost':>6}{'inflight':>10}{'req/s':>9}"
+    lines += [header, "-" * len(header)]
+    for t in status_json(status)["tiers"]:
+        lines.append(
+            f"{t['tier']:<8}{t['ready']:>7}{t['draining']:>10}{t['lost']:>6}{t['in_flight']:>10}"
+            f"{t['requests_per_s']:>9.1f}"
+        )
+    if not status.tiers:
+        lines.append("(no agents)")
+    lines.append("")
+    cloud = status.cloud
+    lines.append(f"cloud link   {cloud.address or '-'} ({cloud.state})")
+    lines.append(f"heartbeats   every {status.heartbeat_interval_s:g} s")
     return "\n".join(lines)
+
+
+def ready_agents(status: fpb.FleetStatus) -> int:
+    return sum(t.ready for t in status.tiers)
 
 
 def _stub(router: str, tls: TlsSettings) -> tuple[grpc.Channel, fpb_grpc.FleetStub]:
@@ -65,14 +92,18 @@ def _stub(router: str, tls: TlsSettings) -> tuple[grpc.Channel, fpb_grpc.FleetSt
     return channel, fpb_grpc.FleetStub(channel)
 
 
-def show_status(router: str, *, as_json: bool, watch: bool, tls: TlsSettings = NO_TLS) -> int:
+def show_status(
+    router: str, *, as_json: bool, watch: bool, agents: bool = False, tls: TlsSettings = NO_TLS
+) -> int:
+    """Agents are listed with ``agents`` or in JSON; the table alone stays short at any size."""
     channel, stub = _stub(router, tls)
+    include = agents or as_json
     with channel:
         if not watch:
-            status = stub.Status(fpb.FleetStatusRequest(), timeout=5.0)
+            status = stub.Status(fpb.FleetStatusRequest(include_agents=include), timeout=5.0)
             print(json.dumps(status_json(status), indent=2) if as_json else status_table(status))
             return 0
-        for event in stub.Watch(fpb.FleetWatchRequest()):
+        for event in stub.Watch(fpb.FleetWatchRequest(include_agents=include)):
             if as_json:
                 print(json.dumps(status_json(event.status)), flush=True)
             else:

@@ -36,6 +36,25 @@ def stop_on_signals(stop: asyncio.Event) -> None:
             loop.add_signal_handler(sig, stop.set)
 
 
+def raise_open_files_limit() -> int:
+    """Lift this process's open-file limit to its hard limit: one socket per linked agent.
+
+    A router holding thousands of AgentLink streams (or a process simulating thousands of
+    agents) needs a descriptor for each; distributions often default the soft limit to 1024.
+    """
+    try:
+        import resource
+    except ImportError:  # not on POSIX
+        return 0
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or soft < hard:
+        target = hard if hard != resource.RLIM_INFINITY else max(soft, 65536)
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+    return int(soft)
+
+
 def new_event_loop() -> asyncio.AbstractEventLoop:
     """uvloop where installed (10-20% less per-hop overhead), else asyncio's default."""
     try:

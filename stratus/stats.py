@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import collections
 import math
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 
@@ -51,3 +53,31 @@ class LatencyWindow:
             p99_ms=self.percentile(99),
             count=self.count,
         )
+
+
+class RateMeter:
+    """Events per second over the last ``window_s``, in one-second buckets.
+
+    Constant cost to record and to read however many events there were, which matters
+    when ``fleet status`` reads the rate of every agent of a thousand-agent fleet.
+    """
+
+    def __init__(self, *, window_s: int = 10, clock: Callable[[], float] = time.monotonic) -> None:
+        self._window = window_s
+        self._clock = clock
+        self._buckets = [0] * window_s
+        self._seconds = [-1] * window_s  # which whole second each bucket counts
+        self._started = clock()
+
+    def add(self, count: int = 1) -> None:
+        second = int(self._clock())
+        slot = second % self._window
+        if self._seconds[slot] != second:
+            self._seconds[slot], self._buckets[slot] = second, 0
+        self._buckets[slot] += count
+
+    def per_second(self) -> float:
+        now = self._clock()
+        oldest = int(now) - self._window + 1
+        total = sum(b for b, s in zip(self._buckets, self._seconds, strict=True) if s >= oldest)
+        return total / max(min(float(self._window), now - self._started), 1e-3)

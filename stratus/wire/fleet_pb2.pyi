@@ -255,7 +255,11 @@ class Heartbeat(_message.Message):
     heartbeats but never reads from one that is merely busy.
     """
     @_builtins.property
-    def latency(self) -> _containers.RepeatedCompositeFieldContainer[Global___LatencyEstimate]: ...
+    def latency(self) -> _containers.RepeatedCompositeFieldContainer[Global___LatencyEstimate]:
+        """Only the variants whose estimates changed since the previous heartbeat on this link;
+        the router keeps the others as they were.
+        """
+
     def __init__(
         self,
         *,
@@ -401,6 +405,7 @@ class Welcome(_message.Message):
     ROUTER_VERSION_FIELD_NUMBER: _builtins.int
     agent_id: _builtins.str
     heartbeat_interval_s: _builtins.float
+    """Set from the fleet's size, so that heartbeats cost the router a bounded rate."""
     router_version: _builtins.str
     def __init__(
         self,
@@ -416,6 +421,29 @@ class Welcome(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___Welcome: _TypeAlias = Welcome  # noqa: Y015
+
+@_typing.final
+class Pace(_message.Message):
+    """The fleet grew or shrank past a step: heartbeat at this interval from now on. The
+    agent heartbeats at once on receipt, so the router can time silence from the new pace.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _builtins.int
+    heartbeat_interval_s: _builtins.float
+    def __init__(
+        self,
+        *,
+        heartbeat_interval_s: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["heartbeat_interval_s", b"heartbeat_interval_s"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Pace: _TypeAlias = Pace  # noqa: Y015
 
 @_typing.final
 class Work(_message.Message):
@@ -494,6 +522,7 @@ class RouterMessage(_message.Message):
     WORK_FIELD_NUMBER: _builtins.int
     CANCEL_FIELD_NUMBER: _builtins.int
     DRAIN_FIELD_NUMBER: _builtins.int
+    PACE_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def welcome(self) -> Global___Welcome: ...
     @_builtins.property
@@ -502,6 +531,8 @@ class RouterMessage(_message.Message):
     def cancel(self) -> Global___Cancel: ...
     @_builtins.property
     def drain(self) -> Global___Drain: ...
+    @_builtins.property
+    def pace(self) -> Global___Pace: ...
     def __init__(
         self,
         *,
@@ -509,12 +540,13 @@ class RouterMessage(_message.Message):
         work: Global___Work | None = ...,
         cancel: Global___Cancel | None = ...,
         drain: Global___Drain | None = ...,
+        pace: Global___Pace | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["cancel", b"cancel", "drain", b"drain", "kind", b"kind", "welcome", b"welcome", "work", b"work"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["cancel", b"cancel", "drain", b"drain", "kind", b"kind", "pace", b"pace", "welcome", b"welcome", "work", b"work"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cancel", b"cancel", "drain", b"drain", "kind", b"kind", "welcome", b"welcome", "work", b"work"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cancel", b"cancel", "drain", b"drain", "kind", b"kind", "pace", b"pace", "welcome", b"welcome", "work", b"work"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["welcome", "work", "cancel", "drain"]  # noqa: Y015
+    _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["welcome", "work", "cancel", "drain", "pace"]  # noqa: Y015
     _WhichOneofArgType_kind: _TypeAlias = _typing.Literal["kind", b"kind"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_kind) -> _WhichOneofReturnType_kind | None: ...
 
@@ -524,12 +556,19 @@ Global___RouterMessage: _TypeAlias = RouterMessage  # noqa: Y015
 class FleetStatusRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
+    INCLUDE_AGENTS_FIELD_NUMBER: _builtins.int
+    include_agents: _builtins.bool
+    """List every agent too; without it only the per-tier summary comes back, which stays
+    small however large the fleet.
+    """
     def __init__(
         self,
+        *,
+        include_agents: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["include_agents", b"include_agents"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -616,27 +655,73 @@ class CloudStatus(_message.Message):
 Global___CloudStatus: _TypeAlias = CloudStatus  # noqa: Y015
 
 @_typing.final
+class TierSummary(_message.Message):
+    """One tier's agents, counted by state."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TIER_FIELD_NUMBER: _builtins.int
+    READY_FIELD_NUMBER: _builtins.int
+    DRAINING_FIELD_NUMBER: _builtins.int
+    LOST_FIELD_NUMBER: _builtins.int
+    IN_FLIGHT_FIELD_NUMBER: _builtins.int
+    REQUESTS_PER_S_FIELD_NUMBER: _builtins.int
+    tier: Global___Tier.ValueType
+    ready: _builtins.int
+    draining: _builtins.int
+    lost: _builtins.int
+    in_flight: _builtins.int
+    requests_per_s: _builtins.float
+    def __init__(
+        self,
+        *,
+        tier: Global___Tier.ValueType = ...,
+        ready: _builtins.int = ...,
+        draining: _builtins.int = ...,
+        lost: _builtins.int = ...,
+        in_flight: _builtins.int = ...,
+        requests_per_s: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["draining", b"draining", "in_flight", b"in_flight", "lost", b"lost", "ready", b"ready", "requests_per_s", b"requests_per_s", "tier", b"tier"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TierSummary: _TypeAlias = TierSummary  # noqa: Y015
+
+@_typing.final
 class FleetStatus(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     AGENTS_FIELD_NUMBER: _builtins.int
     CLOUD_FIELD_NUMBER: _builtins.int
     ROUTER_VERSION_FIELD_NUMBER: _builtins.int
+    TIERS_FIELD_NUMBER: _builtins.int
+    HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _builtins.int
     router_version: _builtins.str
+    heartbeat_interval_s: _builtins.float
+    """The interval the router currently asks agents to heartbeat at."""
     @_builtins.property
-    def agents(self) -> _containers.RepeatedCompositeFieldContainer[Global___AgentStatus]: ...
+    def agents(self) -> _containers.RepeatedCompositeFieldContainer[Global___AgentStatus]:
+        """Empty unless the request asked for include_agents."""
+
     @_builtins.property
     def cloud(self) -> Global___CloudStatus: ...
+    @_builtins.property
+    def tiers(self) -> _containers.RepeatedCompositeFieldContainer[Global___TierSummary]: ...
     def __init__(
         self,
         *,
         agents: _abc.Iterable[Global___AgentStatus] | None = ...,
         cloud: Global___CloudStatus | None = ...,
         router_version: _builtins.str = ...,
+        tiers: _abc.Iterable[Global___TierSummary] | None = ...,
+        heartbeat_interval_s: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["cloud", b"cloud"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agents", b"agents", "cloud", b"cloud", "router_version", b"router_version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agents", b"agents", "cloud", b"cloud", "heartbeat_interval_s", b"heartbeat_interval_s", "router_version", b"router_version", "tiers", b"tiers"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -646,12 +731,16 @@ Global___FleetStatus: _TypeAlias = FleetStatus  # noqa: Y015
 class FleetWatchRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
+    INCLUDE_AGENTS_FIELD_NUMBER: _builtins.int
+    include_agents: _builtins.bool
     def __init__(
         self,
+        *,
+        include_agents: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["include_agents", b"include_agents"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

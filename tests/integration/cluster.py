@@ -65,7 +65,7 @@ class Cluster:
 
 def fleet_status(router: str, tls: TlsSettings = NO_TLS) -> fpb.FleetStatus:
     with open_sync_channel(router, tls) as channel:
-        return fpb_grpc.FleetStub(channel).Status(fpb.FleetStatusRequest(), timeout=5)
+        return fpb_grpc.FleetStub(channel).Status(fpb.FleetStatusRequest(include_agents=True), timeout=5)
 
 
 def states(router: str) -> dict[str, int]:

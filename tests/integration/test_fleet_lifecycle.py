@@ -39,7 +39,7 @@ def processes() -> Iterator[list[Launched]]:
 
 def status(router: str) -> dict[str, fpb.AgentStatus]:
     with grpc.insecure_channel(router, options=grpc_options()) as channel:
-        fleet = fpb_grpc.FleetStub(channel).Status(fpb.FleetStatusRequest(), timeout=5)
+        fleet = fpb_grpc.FleetStub(channel).Status(fpb.FleetStatusRequest(include_agents=True), timeout=5)
     return {a.id: a for a in fleet.agents}
 
 

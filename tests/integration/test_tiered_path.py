@@ -166,11 +166,14 @@ def test_fleet_status_lists_every_agent_and_the_cloud_link(fleet: Fleet) -> None
     assert agents["edge-1"]["variants"] == ["digits-medium"]
     assert {"p50", "p99"} == set(agents["device-1"]["latency_ms"])
     assert status["cloud"] == {"address": fleet.cloud.address, "state": "connected"}
-    table = subprocess.run(
-        [sys.executable, "-m", "stratus.cli", "fleet", "status", "--router", fleet.router.address],
-        check=False,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    ).stdout
-    assert "device-1" in table and "cloud link" in table
+    tiers = {t["tier"]: t for t in status["tiers"]}
+    assert (tiers["device"]["ready"], tiers["edge"]["ready"], tiers["edge"]["lost"]) == (2, 1, 0)
+
+    def table(*extra: str) -> str:
+        command = [sys.executable, "-m", "stratus.cli", "fleet", "status", "--router", fleet.router.address]
+        return subprocess.run([*command, *extra], check=False, capture_output=True, text=True, timeout=60).stdout
+
+    summary, listing = table(), table("--agents")
+    assert "device-1" not in summary and "cloud link" in summary
+    assert [line.split()[:2] for line in summary.splitlines() if line.startswith("edge")] == [["edge", "1"]]
+    assert "device-1" in listing and "edge-1" in listing and "cloud link" in listing

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import random
 from collections import Counter
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
+from router.index import AgentIndex
 from router.policy import (
-    AgentView,
+    DRAWS,
     Attempt,
     CloudView,
     FleetSnapshot,
@@ -19,33 +22,68 @@ from router.policy import (
 from stratus.tiers import Tier
 
 
+@dataclass(frozen=True, kw_only=True)
+class AgentView:
+    """A frozen agent for the policy (a Candidate) and the index (Indexed)."""
+
+    id: str
+    tier: Tier
+    ready: bool = True
+    in_flight: int = 0
+    capacity: int = 4
+    limit: int = 0
+    service_ms: Mapping[str, float] = field(default_factory=dict)
+    rtt_ms: float = 0.5
+
+    @property
+    def variant_families(self) -> Mapping[str, str]:
+        return {f"{self.id}-v": "digits"}
+
+
 def agent(
     name: str, tier: Tier, *, in_flight: int = 0, service: float = 1.0, ready: bool = True, capacity: int = 4
 ) -> AgentView:
     return AgentView(
         id=name,
         tier=tier,
-        families=frozenset({"digits"}),
-        variants=frozenset({f"{name}-v"}),
         ready=ready,
         in_flight=in_flight,
         capacity=capacity,
         service_ms={"digits": service},
-        rtt_ms=0.5,
     )
 
 
-CLOUD = CloudView(
-    available=True, families=frozenset({"digits"}), variants=frozenset({"digits-large"}), predicted_ms=8.0
-)
-FLEET = FleetSnapshot(
+@dataclass(frozen=True)
+class Fleet:
+    """Agents as the router's index holds them, plus the cloud: a snapshot per model."""
+
+    agents: tuple[AgentView, ...]
+    cloud: CloudView | None = None
+    cloud_models: frozenset[str] = frozenset({"digits", "digits-large"})
+
+    def snapshot(self, model: str) -> FleetSnapshot:
+        index: AgentIndex[AgentView] = AgentIndex()
+        for a in self.agents:
+            index.add(a)
+            if a.ready:
+                index.ready(a)
+        cloud = None
+        if self.cloud is not None:
+            cloud = CloudView(
+                available=self.cloud.available, serves=model in self.cloud_models, predicted_ms=8.0
+            )
+        return FleetSnapshot(pools=index.pools(model), tiers=index.tiers(model), cloud=cloud)
+
+
+CLOUD = CloudView(available=True, serves=True, predicted_ms=8.0)
+FLEET = Fleet(
     agents=(agent("d1", Tier.DEVICE), agent("d2", Tier.DEVICE), agent("e1", Tier.EDGE, service=3.0)),
     cloud=CLOUD,
 )
 
 
-def pick(attempt: Attempt, snapshot: FleetSnapshot = FLEET, seed: int = 0) -> Target | NoTarget:
-    return choose(attempt, snapshot, random.Random(seed))
+def pick(attempt: Attempt, fleet: Fleet = FLEET, seed: int = 0) -> Target | NoTarget:
+    return choose(attempt, fleet.snapshot(attempt.model), random.Random(seed))
 
 
 def test_starts_on_the_lowest_tier_that_fits() -> None:
@@ -63,7 +101,7 @@ def test_climbs_above_the_tier_already_tried_and_ends_at_the_cloud() -> None:
 
 
 def test_skips_a_tier_that_cannot_meet_the_budget() -> None:
-    busy = FleetSnapshot(
+    busy = Fleet(
         agents=(agent("d1", Tier.DEVICE, in_flight=8, service=5.0), agent("e1", Tier.EDGE)), cloud=CLOUD
     )
     # d1 predicts 0.5 + 2 waves x 5 + 5 = 15.5 ms; e1 predicts 1.5 ms.
@@ -80,9 +118,7 @@ def test_respects_tier_bounds_exclusions_and_readiness() -> None:
     assert isinstance(from_edge, Target) and from_edge.tier is Tier.EDGE
     excluded = pick(Attempt(model="digits", remaining_ms=None, exclude=frozenset({"d1"})))
     assert isinstance(excluded, Target) and excluded.agent_id == "d2"
-    draining = FleetSnapshot(
-        agents=(agent("d1", Tier.DEVICE, ready=False), agent("e1", Tier.EDGE)), cloud=None
-    )
+    draining = Fleet(agents=(agent("d1", Tier.DEVICE, ready=False), agent("e1", Tier.EDGE)))
     assert pick(Attempt(model="digits", remaining_ms=None), draining).agent_id == "e1"  # type: ignore[union-attr]
 
 
@@ -96,9 +132,8 @@ def test_a_pinned_variant_only_goes_where_it_is_served() -> None:
 
 def test_power_of_two_choices_prefers_the_less_loaded_agent() -> None:
     agents = tuple(agent(f"d{i}", Tier.DEVICE, in_flight=i) for i in range(4))
-    snapshot = FleetSnapshot(agents=agents)
     picks = Counter(
-        pick(Attempt(model="digits", remaining_ms=None), snapshot, seed).agent_id  # type: ignore[union-attr]
+        pick(Attempt(model="digits", remaining_ms=None), Fleet(agents), seed).agent_id  # type: ignore[union-attr]
         for seed in range(400)
     )
     assert picks["d3"] == 0  # the most loaded agent never wins a pair
@@ -106,9 +141,11 @@ def test_power_of_two_choices_prefers_the_less_loaded_agent() -> None:
 
 
 def test_top_tier_and_acceptance() -> None:
-    assert top_tier("digits", FLEET, Tier.CLOUD) is Tier.CLOUD
-    assert top_tier("digits", FleetSnapshot(agents=FLEET.agents), Tier.CLOUD) is Tier.EDGE
-    assert top_tier("digits", FLEET, Tier.DEVICE) is Tier.DEVICE
+    assert top_tier(FLEET.snapshot("digits"), Tier.CLOUD) is Tier.CLOUD
+    assert top_tier(Fleet(FLEET.agents).snapshot("digits"), Tier.CLOUD) is Tier.EDGE
+    assert top_tier(FLEET.snapshot("digits"), Tier.DEVICE) is Tier.DEVICE
+    lost_edge = Fleet((agent("d1", Tier.DEVICE), agent("e1", Tier.EDGE, ready=False)))
+    assert top_tier(lost_edge.snapshot("digits"), Tier.CLOUD) is Tier.EDGE  # listed, though not ready
     thresholds = {Tier.DEVICE: 0.9}
     assert accepts(0.95, Tier.DEVICE, thresholds=thresholds, min_confidence=None)
     assert not accepts(0.85, Tier.DEVICE, thresholds=thresholds, min_confidence=None)
@@ -117,10 +154,52 @@ def test_top_tier_and_acceptance() -> None:
 
 
 def test_queues_too_long_for_the_budget_are_overload_not_a_missed_deadline() -> None:
-    busy = FleetSnapshot(agents=(agent("d1", Tier.DEVICE, in_flight=8, service=5.0, capacity=1),))
+    busy = Fleet((agent("d1", Tier.DEVICE, in_flight=8, service=5.0, capacity=1),))
     # Idle, d1 would answer in 5.5 ms; behind 8 queued requests it needs 45.5 ms.
     queued = pick(Attempt(model="digits", remaining_ms=20.0), busy)
     assert isinstance(queued, NoTarget) and queued.full and not queued.too_slow
     assert "work queues are too long" in queued.reason
     hopeless = pick(Attempt(model="digits", remaining_ms=2.0), busy)
     assert isinstance(hopeless, NoTarget) and hopeless.too_slow and not hopeless.full
+
+
+def test_two_choices_are_drawn_only_among_usable_agents_of_a_large_pool() -> None:
+    """Among 1,000 agents of which four are usable, every pick is one of the four."""
+    crowd = [agent(f"d{i}", Tier.DEVICE, in_flight=4, capacity=1) for i in range(996)]  # 4 waves: too slow
+    usable = [agent(f"u{i}", Tier.DEVICE, in_flight=i) for i in range(4)]
+    snapshot = Fleet((*crowd[:500], *usable, *crowd[500:])).snapshot("digits")
+    picks = Counter(
+        choose(Attempt(model="digits", remaining_ms=3.0), snapshot, random.Random(seed)).agent_id  # type: ignore[union-attr]
+        for seed in range(300)
+    )
+    assert set(picks) <= {"u0", "u1", "u2"} and picks["u0"] > picks["u2"]  # u3 (most loaded) never wins
+
+
+def test_draws_skip_agents_that_are_not_ready_even_when_a_pool_holds_them() -> None:
+    pool = [agent(f"d{i}", Tier.DEVICE, ready=i == 7) for i in range(20)]
+    snapshot = FleetSnapshot(pools={Tier.DEVICE: pool}, tiers=frozenset({Tier.DEVICE}))
+    picks = {
+        choose(Attempt(model="digits", remaining_ms=None), snapshot, random.Random(s)) for s in range(50)
+    }
+    assert picks == {Target(tier=Tier.DEVICE, agent_id="d7")}
+
+
+def test_a_decision_reads_a_few_agents_whatever_the_size_of_the_tier() -> None:
+    class Counting(list):  # type: ignore[type-arg]
+        reads = 0
+
+        def __getitem__(self, index):  # type: ignore[no-untyped-def]
+            Counting.reads += 1
+            return super().__getitem__(index)
+
+        def __iter__(self):  # type: ignore[no-untyped-def]
+            raise AssertionError("a tier with usable agents is never walked")
+
+    for size in (10, 5000):
+        Counting.reads = 0
+        crowd = Counting(agent(f"d{i}", Tier.DEVICE, in_flight=i % 3) for i in range(size))
+        snapshot = FleetSnapshot(pools={Tier.DEVICE: crowd}, tiers=frozenset({Tier.DEVICE}))
+        assert isinstance(
+            choose(Attempt(model="digits", remaining_ms=None), snapshot, random.Random(1)), Target
+        )
+        assert Counting.reads <= DRAWS
