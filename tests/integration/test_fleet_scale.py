@@ -1,0 +1,84 @@
+"""A fleet of a few hundred simulated agents on a real router: registration, routing across
+them, liveness at a slow heartbeat pace, and a restart in which every agent comes back."""
+
+from __future__ import annotations
+
+import signal
+import time
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from router.registry import pace_for
+from stratus.fleetctl import ready_agents
+from stratus.launcher import free_port
+from stratus.wire import fleet_pb2 as fpb
+from tests.integration.cluster import MODELS, Cluster, fleet_status, infer, ready_count, states, wait_until
+
+AGENTS = 300
+
+
+@pytest.fixture
+def cluster(tmp_path: Path) -> Iterator[Cluster]:
+    cluster = Cluster(log_dir=tmp_path)
+    yield cluster
+    cluster.stop_all()
+
+
+def simulate(cluster: Cluster, router: str, agents: int) -> None:
+    cluster.start(
+        "simfleet",
+        ["--router", router, "--agents", str(agents), "--models", str(MODELS), "--ramp-s", "1"],
+        module="edge_agent.simulate",
+    )
+
+
+def summary_ready(router: str) -> int:
+    try:
+        return ready_agents(fleet_status(router))
+    except Exception:
+        return 0
+
+
+def test_hundreds_of_agents_register_share_the_work_and_all_return_after_a_restart(
+    cluster: Cluster, digits
+) -> None:  # type: ignore[no-untyped-def]
+    listen = f"127.0.0.1:{free_port()}"
+    router = cluster.router(listen=listen)
+    simulate(cluster, listen, AGENTS)
+    wait_until(lambda: summary_ready(listen) == AGENTS, timeout_s=60)
+
+    status = fleet_status(listen)
+    assert [(t.tier, t.ready, t.lost) for t in status.tiers] == [(fpb.TIER_DEVICE, AGENTS, 0)]
+    assert status.heartbeat_interval_s == pace_for(AGENTS, base_s=1.0, max_per_s=100.0)
+
+    served = Counter(infer(listen, digits.held_out.x[i : i + 1])[1].agent for i in range(200))
+    assert len(served) >= 100, f"200 requests reached only {len(served)} of {AGENTS} agents"
+    assert max(served.values()) <= 6  # two random choices spread the load
+
+    assert router.stop() == 0
+    cluster.router(listen=listen)
+    took = wait_until(lambda: summary_ready(listen) == AGENTS, timeout_s=30)
+    assert took < 10.0, f"the fleet took {took:.1f} s to come back"
+    answers = [infer(listen, digits.held_out.x[i : i + 1])[1] for i in range(20)]
+    assert all(a.agent.startswith("sim-") for a in answers)
+
+
+def test_a_frozen_agent_is_lost_by_keepalive_long_before_its_heartbeats_would_tell(cluster: Cluster) -> None:
+    # One heartbeat a minute for the whole fleet: silence alone would take minutes to notice.
+    router = cluster.router("--max-heartbeats-per-s", "0.05")
+    frozen = cluster.agent("dev-1", router.address)
+    cluster.agent("dev-2", router.address)
+    wait_until(lambda: ready_count(router.address) == 2)
+    assert fleet_status(router.address).heartbeat_interval_s >= 32.0
+    frozen.process.send_signal(signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        wait_until(lambda: states(router.address)["dev-1"] == fpb.AGENT_STATE_LOST, timeout_s=15)
+        took = time.monotonic() - started
+    finally:
+        frozen.process.send_signal(signal.SIGCONT)
+    assert took < 4.0, f"a frozen agent was noticed only after {took:.1f} s"
+    assert "missed 3 heartbeats" not in router.log()
