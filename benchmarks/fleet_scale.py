@@ -1,15 +1,16 @@
 """What a router costs as its fleet grows: 10, 1,000 and 2,000 agents, in one run.
 
-For each fleet size N: a real router process, and one process simulating N device agents
+For each fleet size N: a real router process, one process simulating N device agents
 (``edge_agent.simulate``: each a real Agent with its own connection, answering Work with a
-real inference). Once all N are ready it measures:
+real inference), and one real edge agent process. Once all are ready it measures:
 
 - the router's CPU at idle (share of one core, from /proc, over ``--idle-s``);
-- p50 and p99 of requests through the router at 1 in flight (``digits``, batch 1);
+- p50 and p99 of requests through the router at 1 in flight (``digits-small``, batch 1,
+  so on the simulated agents);
 - ``stratus fleet status`` wall time (the whole command, a fresh process), and the Status RPC alone;
-- after the router restarts on the same port: seconds until all N are ready again, and
-  the p50/p99 of the requests a client kept sending meanwhile (answered ones), with how
-  many were refused while no agent was back yet.
+- after the router restarts on the same port: seconds until all are ready again, and
+  the p50/p99 of the requests a client kept sending meanwhile to the edge agent (answered
+  ones), how many were refused while it was not back yet, and ServerReady's p99.
 
 Targets at 1,000 agents: idle CPU <= 5% of a core; p50 <= 1.2x the p50 at 10 agents;
 status <= 0.5 s; all ready <= 10 s after a restart.
@@ -94,8 +95,8 @@ def wait_ready(address: str, count: int, timeout_s: float) -> float:
     raise TimeoutError(f"{count} agents not ready at {address} within {timeout_s} s")
 
 
-def request() -> pb.ModelInferRequest:
-    message = pb.ModelInferRequest(model_name="digits")
+def request(model: str = "digits") -> pb.ModelInferRequest:
+    message = pb.ModelInferRequest(model_name=model)
     codec.encode_request_inputs(
         message, {"input": np.random.default_rng(0).random((1, 64), dtype=np.float32)}
     )
@@ -103,7 +104,7 @@ def request() -> pb.ModelInferRequest:
 
 
 def latencies(address: str, count: int) -> list[float]:
-    message = request()
+    message = request("digits-small")  # the simulated device agents' variant, never escalated
     out = []
     with grpc.insecure_channel(address, options=grpc_options()) as channel:
         stub = pb_grpc.GRPCInferenceServiceStub(channel)
@@ -137,8 +138,11 @@ def status_times(address: str) -> tuple[float, float]:
 
 class Storm:
     """A client that keeps asking while the fleet comes back: answered latencies, refusals,
-    and the latency of ServerReady, which the router answers itself (its loop's own
-    responsiveness, apart from the simulating process, which the storm keeps busy too)."""
+    and the latency of ServerReady, which the router answers itself.
+
+    It asks for ``digits-medium``, which only a real edge agent in its own process serves:
+    the simulating process is itself saturated by a thousand agents reconnecting at once,
+    which says nothing about the router (real agents each have their own CPU)."""
 
     def __init__(self, address: str) -> None:
         self.address = address
@@ -157,7 +161,7 @@ class Storm:
         self._thread.join()
 
     def _run(self) -> None:
-        message = request()
+        message = request("digits-medium")
         with grpc.insecure_channel(self.address, options=grpc_options()) as channel:
             stub = pb_grpc.GRPCInferenceServiceStub(channel)
             while not self._stop.is_set():
@@ -192,8 +196,23 @@ def measure(agents: int, args: argparse.Namespace, log_dir: Path) -> Row:
         log_dir=log_dir,
         module="edge_agent.simulate",
     )
+    edge = launch(
+        [
+            "agent",
+            "--tier",
+            "edge",
+            "--models",
+            str(ROOT / "models"),
+            "--router",
+            listen,
+            "--name",
+            "bench-edge",
+        ],
+        role=f"edge-{agents}",
+        log_dir=log_dir,
+    )
     try:
-        row.ready_s = wait_ready(listen, agents, timeout_s=120)
+        row.ready_s = wait_ready(listen, agents + 1, timeout_s=120)
         time.sleep(args.settle_s)
         row.heartbeat_s = status(listen).heartbeat_interval_s
         row.idle_cpu = idle_cpu(router.process.pid, args.idle_s)
@@ -204,7 +223,7 @@ def measure(agents: int, args: argparse.Namespace, log_dir: Path) -> Row:
         with Storm(listen) as storm:
             started = time.monotonic()
             router = start_router(listen, log_dir)
-            wait_ready(listen, agents, timeout_s=60)
+            wait_ready(listen, agents + 1, timeout_s=60)
             row.restart_ready_s = time.monotonic() - started
         if storm.answered:
             row.storm_p50_ms = float(np.percentile(storm.answered, 50))
@@ -214,6 +233,7 @@ def measure(agents: int, args: argparse.Namespace, log_dir: Path) -> Row:
             row.storm_ready_p99_ms = float(np.percentile(storm.health, 99))
     finally:
         sim.stop(timeout=60)
+        edge.stop(timeout=30)
         router.stop(timeout=30)
     return row
 

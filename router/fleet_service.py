@@ -45,7 +45,7 @@ def agent_status(handle: AgentHandle, now: float) -> fpb.AgentStatus:
     )
 
 
-def tier_summaries(registry: FleetRegistry, now: float) -> list[fpb.TierSummary]:
+def tier_summaries(registry: FleetRegistry) -> list[fpb.TierSummary]:
     """Agents counted by tier and state: what an operator reads first, at any fleet size."""
     summaries: dict[Tier, fpb.TierSummary] = {}
     for handle in registry.agents.values():
@@ -67,7 +67,7 @@ def fleet_status(
     )
     return fpb.FleetStatus(
         agents=agents,
-        tiers=tier_summaries(registry, now),
+        tiers=tier_summaries(registry),
         cloud=fpb.CloudStatus(address=cloud.address, state=cloud.status)
         if cloud
         else fpb.CloudStatus(state="none"),

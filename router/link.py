@@ -93,7 +93,11 @@ class AgentLinkServicer(fpb_grpc.AgentLinkServicer):
             )
             raise Unauthenticated("the fleet token is missing or wrong")
         await self._gate.admit(first.hello.agent_id)
-        handle = self._registry.register(first.hello, peer=context.peer())
+        try:
+            handle = self._registry.register(first.hello, peer=context.peer())
+        except InvalidInput as exc:
+            log.warning("refused agent %r from %s: %s", first.hello.agent_id, context.peer(), exc)
+            raise
         reader = asyncio.create_task(self._read(handle, request_iterator), name=f"stratus-link-{handle.id}")
         try:
             yield fpb.RouterMessage(

@@ -171,7 +171,9 @@ def test_fleet_status_lists_every_agent_and_the_cloud_link(fleet: Fleet) -> None
 
     def table(*extra: str) -> str:
         command = [sys.executable, "-m", "stratus.cli", "fleet", "status", "--router", fleet.router.address]
-        return subprocess.run([*command, *extra], check=False, capture_output=True, text=True, timeout=60).stdout
+        return subprocess.run(
+            [*command, *extra], check=False, capture_output=True, text=True, timeout=60
+        ).stdout
 
     summary, listing = table(), table("--agents")
     assert "device-1" not in summary and "cloud link" in summary
