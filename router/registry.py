@@ -74,7 +74,6 @@ class AgentHandle:
     variants: dict[str, fpb.VariantInfo]
     capacity: int
     queue_limit: int
-    connected_at: float
     heartbeat_s: float
     outbox: asyncio.Queue[fpb.RouterMessage | None] = field(default_factory=asyncio.Queue)
     state: str = State.READY
@@ -169,7 +168,6 @@ class FleetRegistry:
             variants={v.name: v for v in hello.variants},
             capacity=max(1, hello.capacity),
             queue_limit=hello.queue_limit,
-            connected_at=self.now(),
             last_heartbeat=self.now(),
             heartbeat_s=self.pace_s,
         )
