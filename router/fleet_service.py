@@ -42,6 +42,7 @@ def agent_status(handle: AgentHandle, now: float) -> fpb.AgentStatus:
         requests_per_s=handle.completions.per_second(),
         last_heartbeat_s=max(0.0, now - handle.last_heartbeat),
         capacity=handle.capacity,
+        queue_limit=handle.queue_limit,
     )
 
 

@@ -37,6 +37,8 @@ def status_json(status: fpb.FleetStatus) -> dict[str, Any]:
                 "state": _STATE.get(a.state, "unknown"),
                 "variants": list(a.variants),
                 "in_flight": a.in_flight,
+                "capacity": a.capacity,
+                "queue_limit": a.queue_limit,
                 "latency_ms": {"p50": round(a.p50_ms, 3), "p99": round(a.p99_ms, 3)},
                 "requests_per_s": round(a.requests_per_s, 2),
                 "last_heartbeat_s": round(a.last_heartbeat_s, 2),

@@ -591,6 +591,7 @@ class AgentStatus(_message.Message):
     REQUESTS_PER_S_FIELD_NUMBER: _builtins.int
     LAST_HEARTBEAT_S_FIELD_NUMBER: _builtins.int
     CAPACITY_FIELD_NUMBER: _builtins.int
+    QUEUE_LIMIT_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     tier: Global___Tier.ValueType
     host: _builtins.str
@@ -602,6 +603,8 @@ class AgentStatus(_message.Message):
     requests_per_s: _builtins.float
     last_heartbeat_s: _builtins.float
     capacity: _builtins.int
+    queue_limit: _builtins.int
+    """Work items that may wait beyond capacity, as the agent's Hello said."""
     @_builtins.property
     def runtimes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
     @_builtins.property
@@ -622,10 +625,11 @@ class AgentStatus(_message.Message):
         requests_per_s: _builtins.float = ...,
         last_heartbeat_s: _builtins.float = ...,
         capacity: _builtins.int = ...,
+        queue_limit: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["capacity", b"capacity", "host", b"host", "id", b"id", "in_flight", b"in_flight", "last_heartbeat_s", b"last_heartbeat_s", "p50_ms", b"p50_ms", "p99_ms", b"p99_ms", "queue_length", b"queue_length", "requests_per_s", b"requests_per_s", "runtimes", b"runtimes", "state", b"state", "tier", b"tier", "variants", b"variants"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["capacity", b"capacity", "host", b"host", "id", b"id", "in_flight", b"in_flight", "last_heartbeat_s", b"last_heartbeat_s", "p50_ms", b"p50_ms", "p99_ms", b"p99_ms", "queue_length", b"queue_length", "queue_limit", b"queue_limit", "requests_per_s", b"requests_per_s", "runtimes", b"runtimes", "state", b"state", "tier", b"tier", "variants", b"variants"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -202,6 +202,8 @@ def test_overload_gets_resource_exhausted_naming_the_queue_and_loses_nothing(
     router = cluster.router().address
     cluster.agent("dev-1", router, "--concurrency", "1", "--queue-limit", "2", "--emulate-slow-ms", "20")
     wait_until(lambda: ready_count(router) == 1)
+    (agent,) = fleet_status(router).agents
+    assert (agent.capacity, agent.queue_limit) == (1, 2)  # what the router will hold it to
     answers, errors = asyncio.run(
         blast(router, digits.held_out.x, count=300, concurrency=300, max_tier="device", budget_ms=2000.0)
     )
