@@ -38,7 +38,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from stratus import codec  # noqa: E402
-from stratus.fleetctl import ready_agents  # noqa: E402
+from stratus.demo import wait_for_agents  # noqa: E402
 from stratus.launcher import Launched, free_port, launch  # noqa: E402
 from stratus.serving import grpc_options  # noqa: E402
 from stratus.wire import fleet_pb2 as fpb  # noqa: E402
@@ -76,23 +76,6 @@ def idle_cpu(pid: int, seconds: float) -> float:
     before, started = cpu_seconds(pid), time.monotonic()
     time.sleep(seconds)
     return (cpu_seconds(pid) - before) / (time.monotonic() - started)
-
-
-def status(address: str) -> fpb.FleetStatus:
-    with grpc.insecure_channel(address, options=grpc_options()) as channel:
-        return fpb_grpc.FleetStub(channel).Status(fpb.FleetStatusRequest(), timeout=5.0)
-
-
-def wait_ready(address: str, count: int, timeout_s: float) -> float:
-    started = time.monotonic()
-    while time.monotonic() - started < timeout_s:
-        try:
-            if ready_agents(status(address)) >= count:
-                return time.monotonic() - started
-        except grpc.RpcError:
-            pass
-        time.sleep(0.05)
-    raise TimeoutError(f"{count} agents not ready at {address} within {timeout_s} s")
 
 
 def request(model: str = "digits") -> pb.ModelInferRequest:
@@ -212,9 +195,10 @@ def measure(agents: int, args: argparse.Namespace, log_dir: Path) -> Row:
         log_dir=log_dir,
     )
     try:
-        row.ready_s = wait_ready(listen, agents + 1, timeout_s=120)
+        started = time.monotonic()
+        row.heartbeat_s = wait_for_agents(listen, agents + 1, timeout_s=120).heartbeat_interval_s
+        row.ready_s = time.monotonic() - started
         time.sleep(args.settle_s)
-        row.heartbeat_s = status(listen).heartbeat_interval_s
         row.idle_cpu = idle_cpu(router.process.pid, args.idle_s)
         samples = latencies(listen, args.requests)
         row.p50_ms, row.p99_ms = float(np.percentile(samples, 50)), float(np.percentile(samples, 99))
@@ -223,7 +207,7 @@ def measure(agents: int, args: argparse.Namespace, log_dir: Path) -> Row:
         with Storm(listen) as storm:
             started = time.monotonic()
             router = start_router(listen, log_dir)
-            wait_ready(listen, agents + 1, timeout_s=60)
+            wait_for_agents(listen, agents + 1, timeout_s=60)
             row.restart_ready_s = time.monotonic() - started
         if storm.answered:
             row.storm_p50_ms = float(np.percentile(storm.answered, 50))

@@ -70,16 +70,16 @@ class RouterDataPlane(DataPlane):
     # -- health and metadata ---------------------------------------------------------
     def ready(self) -> bool:
         """Ready while something can serve: a ready agent, or a cloud that takes calls."""
-        return self.registry.index.any_ready() or self._cloud_serves(None)
+        return self.registry.index.any_ready() or self._cloud_takes_calls()
 
     def model_ready(self, name: str) -> bool:
-        return self.registry.index.serves(name) or self._cloud_serves(name)
+        served_by_cloud = (
+            self._cloud_takes_calls() and self.cloud is not None and self.cloud.models.get(name, False)
+        )
+        return self.registry.index.serves(name) or served_by_cloud
 
-    def _cloud_serves(self, name: str | None) -> bool:
-        """The cloud takes calls now (and serves ``name``, when given)."""
-        if self.cloud is None or not self.cloud.available:
-            return False
-        return name is None or self.cloud.models.get(name, False)
+    def _cloud_takes_calls(self) -> bool:
+        return self.cloud is not None and self.cloud.available
 
     def model_names(self) -> list[str]:
         names = {*self.registry.families, *self.registry.index.models()}

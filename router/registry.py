@@ -16,7 +16,7 @@ import asyncio
 import itertools
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from router.index import AgentIndex
@@ -111,7 +111,7 @@ class AgentHandle:
         fastest = min(self.service_ms.values(), default=0.0)
         return max(0.1, (self.round_trip.mean_ms or 0.5) - fastest)
 
-    def update_latency(self, estimates: list[fpb.LatencyEstimate]) -> None:
+    def update_latency(self, estimates: Iterable[fpb.LatencyEstimate]) -> None:
         """Merge what changed; a family's service time is its variant's here."""
         for estimate in estimates:
             self.latency[estimate.variant] = estimate
@@ -263,8 +263,7 @@ class FleetRegistry:
         handle.last_heartbeat = self.now()
         self._check_reading(handle, beat.received)
         handle.reported_queue = beat.queue_length
-        if beat.latency:
-            handle.update_latency(list(beat.latency))
+        handle.update_latency(beat.latency)
 
     def _check_reading(self, handle: AgentHandle, received: int) -> None:
         """Drop a peer that keeps heartbeating but stops reading what it is sent.

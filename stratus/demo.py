@@ -135,13 +135,21 @@ def start_fleet(models: Path, log_dir: Path, *, devices: int = 2, edges: int = 1
 
 
 def wait_for_agents(router: str, count: int, timeout_s: float = 30.0) -> fpb.FleetStatus:
+    """The router's status once ``count`` agents are ready. A router that is unreachable for
+    a moment (just restarted, or a connection this process shares still backing off) is
+    asked again until the deadline."""
     deadline = time.monotonic() + timeout_s
     with grpc.insecure_channel(router, options=grpc_options()) as channel:
         stub = fpb_grpc.FleetStub(channel)
         while time.monotonic() < deadline:
-            status = stub.Status(fpb.FleetStatusRequest(), timeout=5.0)
-            if ready_agents(status) >= count and status.cloud.state in ("connected", "none"):
-                return status
+            try:
+                status = stub.Status(fpb.FleetStatusRequest(), timeout=5.0)
+            except grpc.RpcError as exc:
+                if exc.code() != grpc.StatusCode.UNAVAILABLE:
+                    raise
+            else:
+                if ready_agents(status) >= count and status.cloud.state in ("connected", "none"):
+                    return status
             time.sleep(0.1)
     raise Unavailable(f"the fleet at {router} did not reach {count} ready agents in {timeout_s:g} s")
 
