@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from stratus.batching import DEFAULT_MAX_BATCH, DEFAULT_MAX_DELAY_S
 from stratus.local import LocalDataPlane, LocalModels, LocalSettings
 from stratus.process import announce, stop_on_signals
 from stratus.repository import ModelRepository
@@ -32,6 +33,9 @@ class CloudSettings:
     variants: Sequence[str] | None = None
     concurrency: int = 2
     queue_limit: int = 256
+    max_batch: int = DEFAULT_MAX_BATCH
+    max_batch_delay_s: float = DEFAULT_MAX_DELAY_S
+    emulated_extra_ms: float = 0.0  # benchmarks and tests only
     cache_dir: Path = Path.home() / ".cache" / "stratus"
     runtimes: Sequence[str] | None = None
     name: str = ""
@@ -51,6 +55,9 @@ async def serve(settings: CloudSettings, stop: asyncio.Event | None = None) -> N
             queue_limit=settings.queue_limit,
             runtimes=settings.runtimes,
             executor_name="stratus-cloud-infer",
+            max_batch=settings.max_batch,
+            max_batch_delay_s=settings.max_batch_delay_s,
+            emulated_extra_ms=settings.emulated_extra_ms,
         ),
     )
     name = settings.name or f"cloud-{socket.gethostname()}"

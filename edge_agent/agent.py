@@ -16,8 +16,7 @@ import logging
 import platform
 import random
 import socket
-import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,7 +24,7 @@ import grpc
 
 from stratus import __version__
 from stratus.discovery import discover
-from stratus.errors import DeadlineExceeded, Overloaded, StratusError
+from stratus.errors import DeadlineExceeded, StratusError
 from stratus.local import LocalDataPlane, LocalModels
 from stratus.process import announce
 from stratus.serving import NO_TLS, InferenceServicer, TlsSettings, bind, create_server, open_channel
@@ -88,19 +87,15 @@ class Agent:
         settings: AgentSettings,
         models: LocalModels,
         *,
-        clock: Callable[[], float] = time.monotonic,
         rng: random.Random | None = None,
     ) -> None:
         self.settings = settings
         self.models = models
-        self._clock = clock
         self._rng = rng or random.Random()
         self._backoff = Backoff(
             initial_s=settings.backoff_initial_s, max_s=settings.backoff_max_s, rng=self._rng
         )
         self._work: dict[str, asyncio.Task[None]] = {}
-        self._slots = asyncio.Semaphore(settings.capacity)
-        self._waiting = 0
         self._received = 0
         self._interval = settings.heartbeat_s
         self._beat_now = asyncio.Event()
@@ -142,7 +137,10 @@ class Agent:
             )
         return fpb.AgentMessage(
             heartbeat=fpb.Heartbeat(
-                in_flight=self.in_flight, queue_length=self._waiting, latency=latency, received=self._received
+                in_flight=self.in_flight,
+                queue_length=self.models.batcher.waiting_items,
+                latency=latency,
+                received=self._received,
             )
         )
 
@@ -247,18 +245,14 @@ class Agent:
         if work.request_id in self._work:
             log.warning("duplicate work id %s ignored", work.request_id)
             return
-        task = asyncio.create_task(
-            self._serve(work, outbox, self._clock()), name=f"stratus-work-{work.request_id}"
-        )
+        task = asyncio.create_task(self._serve(work, outbox), name=f"stratus-work-{work.request_id}")
         self._work[work.request_id] = task
         task.add_done_callback(lambda _: self._work.pop(work.request_id, None))
 
-    async def _serve(
-        self, work: fpb.Work, outbox: asyncio.Queue[fpb.AgentMessage | None], received: float
-    ) -> None:
+    async def _serve(self, work: fpb.Work, outbox: asyncio.Queue[fpb.AgentMessage | None]) -> None:
         result = fpb.Result(request_id=work.request_id)
         try:
-            await self._run(work, received, result)
+            await self._run(work, result)
         except asyncio.CancelledError:
             result.error.CopyFrom(
                 fpb.Error(code=grpc.StatusCode.CANCELLED.value[0], message="cancelled by the router")
@@ -272,31 +266,23 @@ class Agent:
             )
         outbox.put_nowait(fpb.AgentMessage(result=result))
 
-    async def _run(self, work: fpb.Work, received: float, result: fpb.Result) -> None:
-        if self._waiting >= self.settings.queue_limit:
-            raise Overloaded(
-                f"agent {self.settings.name} work queue is full ({self.settings.queue_limit} waiting)"
-            )
+    async def _run(self, work: fpb.Work, result: fpb.Result) -> None:
+        """Run the Work's items (maybe in one batch with other Work) within its budget."""
         budget_s = work.budget_ms / 1000.0 if work.budget_ms > 0 else None
-        self._waiting += 1
-        started = False
         try:
-            async with asyncio.timeout(budget_s), self._slots:
-                self._waiting -= 1
-                started = True
+            async with asyncio.timeout(budget_s):
                 answer = await self.models.answer(work.request)
         except TimeoutError:
             raise DeadlineExceeded(
                 f"agent {self.settings.name}: budget of {work.budget_ms:.1f} ms ran out"
             ) from None
-        finally:
-            if not started:
-                self._waiting -= 1
         result.variant = answer.variant.name
         result.response.CopyFrom(answer.response)
         result.confidence = answer.confidence
+        result.confidences.extend(answer.confidences)
         result.service_ms = answer.service_ms
-        result.queue_ms = (self._clock() - received) * 1000.0 - answer.service_ms
+        result.queue_ms = answer.queue_ms
+        result.batch_size = answer.batch_size
 
 
 async def _drain_queue(outbox: asyncio.Queue[fpb.AgentMessage | None]) -> AsyncIterator[fpb.AgentMessage]:
@@ -345,6 +331,7 @@ def load_models(
     queue_limit: int,
     runtimes: list[str] | None,
     cache_dir: Path,
+    max_batch: int = 32,
     emulated_extra_ms: float = 0.0,
 ) -> LocalModels:
     from stratus.local import LocalSettings
@@ -360,6 +347,7 @@ def load_models(
             queue_limit=queue_limit,
             runtimes=runtimes,
             executor_name="stratus-agent-infer",
+            max_batch=max_batch,
             emulated_extra_ms=emulated_extra_ms,
         ),
     )

@@ -14,6 +14,7 @@ from router.dataplane import RouterDataPlane
 from router.fleet_service import FleetServicer
 from router.link import AdmissionGate, AgentLinkServicer
 from router.registry import FleetRegistry
+from stratus.batching import DEFAULT_MAX_DELAY_S
 from stratus.discovery import Advertisement
 from stratus.process import announce, raise_open_files_limit, stop_on_signals
 from stratus.serving import NO_TLS, InferenceServicer, TlsSettings, bind, create_server
@@ -44,6 +45,8 @@ class RouterSettings:
     tls: TlsSettings = NO_TLS
     on_cloud_failure: str = "degrade"  # or "fail": UNAVAILABLE instead of a degraded answer
     max_requests: int = 4096
+    # Longest a batch for a busy agent waits for more requests before it is sent anyway.
+    max_batch_delay_s: float = DEFAULT_MAX_DELAY_S
 
 
 async def _watch_heartbeats(registry: FleetRegistry) -> None:
@@ -57,7 +60,9 @@ async def serve(settings: RouterSettings, stop: asyncio.Event | None = None) -> 
     stop_on_signals(stop)
     raise_open_files_limit()  # one descriptor per linked agent
     registry = FleetRegistry(
-        heartbeat_s=settings.heartbeat_s, max_heartbeats_per_s=settings.max_heartbeats_per_s
+        heartbeat_s=settings.heartbeat_s,
+        max_heartbeats_per_s=settings.max_heartbeats_per_s,
+        max_batch_delay_s=settings.max_batch_delay_s,
     )
     cloud = CloudLink(settings.cloud, tls=settings.tls) if settings.cloud else None
     if cloud is not None:

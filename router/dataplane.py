@@ -12,21 +12,18 @@ from __future__ import annotations
 import logging
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-import grpc
-
 from router.cloud import CloudLink
-from router.policy import Attempt, CloudView, FleetSnapshot, NoTarget, Target, accepts, choose, top_tier
+from router.policy import Attempt, CloudView, FleetSnapshot, NoTarget, Target, choose, settled, top_tier
 from router.registry import FleetRegistry
-from stratus import codec
-from stratus.errors import DeadlineExceeded, InvalidInput, NotFound, Overloaded, StratusError, Unavailable
+from stratus.errors import DeadlineExceeded, NotFound, Overloaded, StratusError, Unavailable
 from stratus.local import model_config
-from stratus.protocol import CONFIDENCE, PREFIX, VARIANT, RequestOptions, Served, parameter_value
+from stratus.protocol import CONFIDENCE, VARIANT, RequestOptions, Served, parameter_value
 from stratus.repository import FamilySpec, TensorSpec
 from stratus.serving import DataPlane
-from stratus.status import error_from_status
+from stratus.tensors import Tensors, answer_raw, check_inputs, requested_outputs
 from stratus.tiers import Tier
 from stratus.wire import fleet_pb2 as fpb
 from stratus.wire import inference_pb2 as pb
@@ -39,12 +36,35 @@ _RETRYABLE = (Unavailable, Overloaded, DeadlineExceeded)
 
 @dataclass(frozen=True, kw_only=True)
 class Answer:
-    response: pb.ModelInferResponse
+    """One tier's answer for the items it was sent."""
+
     tier: Tier
     agent: str
     variant: str
-    confidence: float
+    outputs: Tensors
+    confidences: tuple[float, ...]
     elapsed_ms: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class Job:
+    """One client request, checked and converted once at the boundary."""
+
+    id: str
+    asked_for: str  # the model name the client used
+    family: str
+    pinned: str | None
+    options: RequestOptions
+    inputs: Tensors
+    outputs: tuple[str, ...]  # requested outputs; empty: all
+    raw: bool  # answer with raw buffers (else typed contents, as the client sent)
+    budget_ms: float
+    started: float
+
+    @property
+    def model(self) -> str:
+        """What agents and the cloud are asked to run."""
+        return self.pinned or self.family
 
 
 class RouterDataPlane(DataPlane):
@@ -134,34 +154,35 @@ class RouterDataPlane(DataPlane):
             raise Overloaded(f"router request queue is full: {self.max_requests} requests in flight")
         self.active += 1
         try:
-            return await self._infer(request, timeout_s)
+            return await _Cascade(self, self._job(request, timeout_s)).run()
         finally:
             self.active -= 1
 
-    async def _infer(self, request: pb.ModelInferRequest, timeout_s: float | None) -> pb.ModelInferResponse:
+    def _job(self, request: pb.ModelInferRequest, timeout_s: float | None) -> Job:
+        """Check everything a request says against the family's description, without decoding."""
         started = self._clock()
         options = RequestOptions.from_parameters(request.parameters)
         family, pinned = self._family_of(request.model_name)
-        self._check_inputs(request, family)
-        budget_ms = _budget(options.budget_ms, timeout_s)
-        cascade = _Cascade(
-            self, request, family=family, pinned=pinned, options=options, budget_ms=budget_ms, started=started
-        )
-        return await cascade.run()
-
-    def _check_inputs(self, request: pb.ModelInferRequest, family: str) -> None:
+        inputs = Tensors.from_request(request)
         spec = self._spec(family)
-        inputs = codec.decode_request_inputs(request)
+        outputs: list[str] = [o.name for o in request.outputs]
+        datatypes = ["FP32"]
         if spec is not None:
-            spec.check_inputs(inputs)
-            known = {o.name for o in spec.outputs}
-            for output in request.outputs:
-                if output.name not in known:
-                    raise InvalidInput(
-                        f"model '{family}' has no output '{output.name}'; it gives {sorted(known)}"
-                    )
-        if not inputs:
-            raise InvalidInput(f"request for '{request.model_name}' has no inputs")
+            check_inputs(family, spec.inputs, inputs)
+            outputs = requested_outputs(request, family, [o.name for o in spec.outputs])
+            datatypes = [o.datatype for o in spec.outputs if o.name in outputs]
+        return Job(
+            id=request.id,
+            asked_for=request.model_name,
+            family=family,
+            pinned=pinned,
+            options=options,
+            inputs=inputs,
+            outputs=tuple(outputs) if request.outputs else (),
+            raw=answer_raw(request, datatypes),
+            budget_ms=_budget(options.budget_ms, timeout_s),
+            started=started,
+        )
 
     def snapshot(self, model: str) -> FleetSnapshot:
         cloud = None
@@ -173,87 +194,80 @@ class RouterDataPlane(DataPlane):
             )
         return self.registry.snapshot(model, cloud)
 
-    async def dispatch(
-        self, target: Target, request: pb.ModelInferRequest, remaining_ms: float | None
-    ) -> Answer:
+    async def dispatch(self, target: Target, job: Job, items: Tensors, remaining_ms: float) -> Answer:
+        """Send items to the chosen agent or to the cloud; the answer holds one row per item."""
         started = self._clock()
         if target.agent_id is None:
-            assert self.cloud is not None
-            response = await self.cloud.infer(
-                request, timeout_s=remaining_ms / 1000.0 if remaining_ms else None
-            )
-            params = response.parameters
-            confidence = parameter_value(params[CONFIDENCE]) if CONFIDENCE in params else 1.0
-            variant = parameter_value(params[VARIANT]) if VARIANT in params else request.model_name
-            return Answer(
-                response=response,
-                tier=Tier.CLOUD,
-                agent=f"cloud@{self.cloud.address}",
-                variant=str(variant),
-                confidence=float(confidence or 0.0),
-                elapsed_ms=(self._clock() - started) * 1000.0,
-            )
+            return await self._ask_cloud(job, items, remaining_ms, started)
         handle = self.registry.agents[target.agent_id]
-        result = await self.registry.submit(
-            handle, request, variant=request.model_name, budget_ms=remaining_ms
+        part = await self.registry.submit(
+            handle, items, variant=job.model, outputs=job.outputs, budget_ms=remaining_ms
         )
-        if result.WhichOneof("outcome") == "error":
-            raise error_from_status(_status(result.error.code), f"agent {handle.id}: {result.error.message}")
         return Answer(
-            response=result.response,
-            tier=handle.tier,
+            tier=target.tier,
             agent=handle.id,
-            variant=result.variant,
-            confidence=result.confidence,
+            variant=part.variant,
+            outputs=part.outputs,
+            confidences=part.confidences,
+            elapsed_ms=(self._clock() - started) * 1000.0,
+        )
+
+    async def _ask_cloud(self, job: Job, items: Tensors, remaining_ms: float, started: float) -> Answer:
+        assert self.cloud is not None
+        request = pb.ModelInferRequest(model_name=job.model, id=job.id)
+        request.outputs.extend(pb.ModelInferRequest.InferRequestedOutputTensor(name=n) for n in job.outputs)
+        items.write_request(request)
+        response = await self.cloud.infer(request, timeout_s=remaining_ms / 1000.0)
+        params = response.parameters
+        confidence = parameter_value(params[CONFIDENCE]) if CONFIDENCE in params else 1.0
+        variant = parameter_value(params[VARIANT]) if VARIANT in params else job.model
+        outputs = Tensors.from_response(response)
+        if outputs.items != items.items:
+            raise Unavailable(f"the cloud answered {outputs.items} items for {items.items}")
+        return Answer(
+            tier=Tier.CLOUD,
+            agent=f"cloud@{self.cloud.address}",
+            variant=str(variant),
+            outputs=outputs,
+            confidences=(float(confidence or 0.0),) * items.items,
             elapsed_ms=(self._clock() - started) * 1000.0,
         )
 
 
 class _Cascade:
-    """One request's climb through the tiers."""
+    """One request's climb through the tiers, item by item.
 
-    def __init__(
-        self,
-        plane: RouterDataPlane,
-        request: pb.ModelInferRequest,
-        *,
-        family: str,
-        pinned: str | None,
-        options: RequestOptions,
-        budget_ms: float | None,
-        started: float,
-    ) -> None:
+    Every item starts on the lowest tier that fits. After each answer, the items whose own
+    confidence meets that tier's threshold are settled there; only the unsure ones climb,
+    as a smaller batch. The response holds every item's answer in the original order.
+    """
+
+    def __init__(self, plane: RouterDataPlane, job: Job) -> None:
         self.plane = plane
-        self.request = request
-        self.family = family
-        self.pinned = pinned
-        self.options = options
-        self.budget_ms = budget_ms
-        self.started = started
+        self.job = job
+        self.pending = list(range(job.inputs.items))
+        self.best: dict[int, tuple[Answer, int]] = {}  # item -> (answer, its row there)
+        self.answers: list[Answer] = []
         self.path: list[Tier] = []
         self.timings: dict[Tier, float] = {}
-        self.best: Answer | None = None
         self.exclude: set[str] = set()
         self.above: Tier | None = None
         self.problem: StratusError | None = None
-        self.asked_for = request.model_name
 
-    def remaining_ms(self) -> float | None:
-        if self.budget_ms is None:
-            return None
-        return self.budget_ms - (self.plane._clock() - self.started) * 1000.0
+    def remaining_ms(self) -> float:
+        return self.job.budget_ms - (self.plane._clock() - self.job.started) * 1000.0
 
     async def run(self) -> pb.ModelInferResponse:
-        model = self.pinned or self.family
-        self.request.model_name = model  # what agents and the cloud are asked to run
-        thresholds = self.plane.registry.thresholds(self.family)
-        while (remaining := self.remaining_ms()) is None or remaining > 0:
-            snapshot = self.plane.snapshot(model)
+        job = self.job
+        thresholds = self.plane.registry.thresholds(job.family)
+        while (self.pending or not self.answers) and (remaining := self.remaining_ms()) > 0:
+            snapshot = self.plane.snapshot(job.model)
             attempt = Attempt(
-                model=model,
+                model=job.model,
                 remaining_ms=remaining,
-                min_tier=self.options.min_tier,
-                max_tier=self.options.max_tier,
+                items=max(1, len(self.pending)),
+                min_tier=job.options.min_tier,
+                max_tier=job.options.max_tier,
                 above=self.above,
                 exclude=frozenset(self.exclude),
             )
@@ -267,66 +281,96 @@ class _Cascade:
             answer = await self._try(target, remaining)
             if answer is None:
                 continue
-            self.path.append(answer.tier)
-            self.timings[answer.tier] = answer.elapsed_ms
-            self.best = answer
-            top = top_tier(snapshot, self.options.max_tier)
-            final = self.pinned is not None or top is None or answer.tier >= top
-            if final or accepts(
-                answer.confidence,
-                answer.tier,
-                thresholds=thresholds,
-                min_confidence=self.options.min_confidence,
-            ):
-                return self._respond(answer, degraded=False)
+            top = top_tier(snapshot, job.options.max_tier)
+            final = job.pinned is not None or top is None or answer.tier >= top
+            self._record(
+                answer,
+                settled(
+                    answer.confidences,
+                    answer.tier,
+                    final=final,
+                    thresholds=thresholds,
+                    min_confidence=job.options.min_confidence,
+                ),
+            )
             self.above = answer.tier
-        if self.best is not None:
+        if not self.pending and self.answers:
+            return self._respond(degraded=False)
+        if self.answers:
             if self.plane.fail_without_cloud and self.plane.cloud is not None and self._needed_cloud():
                 raise Unavailable(
                     f"the cloud is unavailable ({self.plane.cloud.status}) and the router runs with "
-                    f"--on-cloud-failure fail; best lower-tier confidence was {self.best.confidence:.3f}"
+                    f"--on-cloud-failure fail; {len(self.pending)} item(s) were still unsure"
                 )
-            return self._respond(self.best, degraded=True)
+            return self._respond(degraded=True)
         if self.problem is None:
             self.problem = DeadlineExceeded(
-                f"budget of {self.budget_ms:.1f} ms ran out before any tier answered"
+                f"budget of {job.budget_ms:.1f} ms ran out before any tier answered"
             )
         raise self.problem
+
+    def _record(self, answer: Answer, accepted: Sequence[bool]) -> None:
+        """Keep each sent item's newest answer; only the unsure items stay pending."""
+        self.answers.append(answer)
+        self.path.append(answer.tier)
+        self.timings[answer.tier] = self.timings.get(answer.tier, 0.0) + answer.elapsed_ms
+        for row, item in enumerate(self.pending):
+            self.best[item] = (answer, row)
+        self.pending = [item for item, ok in zip(self.pending, accepted, strict=True) if not ok]
 
     def _needed_cloud(self) -> bool:
         """The climb stopped below a cloud that serves the model and was not refused by max_tier."""
         assert self.plane.cloud is not None
-        cloud_serves = self.plane.cloud.models.get(self.pinned or self.family, False)
-        return cloud_serves and self.options.max_tier >= Tier.CLOUD and Tier.CLOUD not in self.path
+        cloud_serves = self.plane.cloud.models.get(self.job.model, False)
+        return cloud_serves and self.job.options.max_tier >= Tier.CLOUD and Tier.CLOUD not in self.path
 
-    async def _try(self, target: Target, remaining: float | None) -> Answer | None:
+    async def _try(self, target: Target, remaining: float) -> Answer | None:
         # Keep a little of the budget for the way back, so a late tier times out here
         # and the best answer so far still reaches the client before its deadline.
-        allowed = None if remaining is None else remaining - min(RETURN_MARGIN_MS, remaining * 0.1)
+        allowed = remaining - min(RETURN_MARGIN_MS, remaining * 0.1)
+        items = self.job.inputs.take(self.pending)
         try:
-            return await self.plane.dispatch(target, self.request, allowed)
+            return await self.plane.dispatch(target, self.job, items, allowed)
         except _RETRYABLE as exc:
-            log.info("%s failed for %s: %s", target.agent_id or "cloud", self.request.id, exc)
+            log.info("%s failed for %s: %s", target.agent_id or "cloud", self.job.id, exc)
             self.exclude.add(target.agent_id or "cloud")
             self.problem = exc
             return None
 
-    def _respond(self, answer: Answer, *, degraded: bool) -> pb.ModelInferResponse:
-        response = answer.response
-        for key in [k for k in response.parameters if k.startswith(PREFIX)]:
-            del response.parameters[key]
-        response.model_name = self.asked_for
-        response.id = self.request.id
+    def _respond(self, *, degraded: bool) -> pb.ModelInferResponse:
+        job = self.job
+        items = range(job.inputs.items)
+        tiers = [self.best[i][0].tier for i in items]
+        last = max(self.answers, key=lambda a: a.tier)
+        response = pb.ModelInferResponse(model_name=job.asked_for, id=job.id)
+        self._outputs().write_response(response, raw=job.raw)
         Served(
-            tier=answer.tier,
-            agent=answer.agent,
-            variant=answer.variant,
-            confidence=answer.confidence,
+            tier=max(tiers, default=last.tier),
+            agent=last.agent,
+            variant=last.variant,
+            confidence=min((self.best[i][0].confidences[self.best[i][1]] for i in items), default=1.0),
             path=self.path,
             degraded=degraded,
             timings_ms=self.timings,
+            item_tiers=tiers,
         ).write(response.parameters)
         return response
+
+    def _outputs(self) -> Tensors:
+        """Every item's row from the answer that settled it, in the request's order."""
+        if len(self.answers) == 1:
+            return self.answers[0].outputs
+        runs: list[Tensors] = []
+        start = 0
+        count = self.job.inputs.items
+        while start < count:  # consecutive items answered by consecutive rows of one answer
+            answer, row = self.best[start]
+            stop = start + 1
+            while stop < count and self.best[stop][0] is answer and self.best[stop][1] == row + stop - start:
+                stop += 1
+            runs.append(answer.outputs.rows(row, row + stop - start))
+            start = stop
+        return Tensors.join(runs)
 
 
 # A request with neither a budget nor a deadline still ends: nothing waits forever on a
@@ -340,13 +384,6 @@ def _budget(budget_ms: float | None, timeout_s: float | None) -> float:
     """The tighter of the client's ``stratus.budget_ms`` and its gRPC deadline."""
     limits = [b for b in (budget_ms, timeout_s * 1000.0 if timeout_s is not None else None) if b is not None]
     return min(limits) if limits else DEFAULT_BUDGET_MS
-
-
-def _status(code: int) -> grpc.StatusCode:
-    for status in grpc.StatusCode:
-        if status.value[0] == code:
-            return status
-    return grpc.StatusCode.UNKNOWN
 
 
 def family_spec(info: fpb.FamilyInfo) -> FamilySpec:

@@ -43,6 +43,12 @@ def agent_status(handle: AgentHandle, now: float) -> fpb.AgentStatus:
         last_heartbeat_s=max(0.0, now - handle.last_heartbeat),
         capacity=handle.capacity,
         queue_limit=handle.queue_limit,
+        mean_batch_size=handle.batch_sizes.mean,
+        variant_choices=[
+            f"{name} {info.precision or 'FP32'}"
+            + (f" ({info.chosen_because})" if info.chosen_because else "")
+            for name, info in sorted(handle.variants.items())
+        ],
     )
 
 

@@ -53,12 +53,15 @@ class Candidate(Protocol):
         ...
 
     @property
-    def service_ms(self) -> Mapping[str, float]:
-        """Moving mean service time per family and variant."""
+    def rtt_ms(self) -> float: ...
+
+    def max_batch(self, model: str) -> int:
+        """Most items it runs as one batch of this model."""
         ...
 
-    @property
-    def rtt_ms(self) -> float: ...
+    def cost_ms(self, model: str, items: int) -> float:
+        """Expected time to run one batch of ``items`` of this model (learnt per batch size)."""
+        ...
 
 
 def full(agent: Candidate) -> bool:
@@ -69,16 +72,28 @@ def load(agent: Candidate) -> float:
     return agent.in_flight / max(1, agent.capacity)
 
 
-def predicted_ms(agent: Candidate, model: str) -> float:
-    """RTT + time waiting for a slot + time running: what a request here should take."""
-    service = agent.service_ms.get(model, 1.0)
-    waves = agent.in_flight // max(1, agent.capacity)
-    return agent.rtt_ms + waves * service + service
+def predicted_ms(agent: Candidate, model: str, items: int = 1) -> float:
+    """RTT + time waiting for a slot + time running: what a request here should take.
+
+    The items ahead of it share the agent's slots; the slot it lands on works through its
+    share of them and then this request's items (which run together, never split), in
+    batches of up to ``max_batch``, at the cost learnt for each size.
+    """
+    ahead = -(-agent.in_flight // max(1, agent.capacity))
+    return agent.rtt_ms + run_ms(agent, model, ahead + items)
 
 
-def idle_ms(agent: Candidate, model: str) -> float:
+def run_ms(agent: Candidate, model: str, items: int) -> float:
+    """Time to run ``items`` back to back in batches of at most ``max_batch``."""
+    largest = max(1, agent.max_batch(model))
+    full, rest = divmod(items, largest)
+    cost = full * agent.cost_ms(model, largest) if full else 0.0
+    return cost + (agent.cost_ms(model, rest) if rest else 0.0)
+
+
+def idle_ms(agent: Candidate, model: str, items: int = 1) -> float:
     """What a request here would take with no queue in front of it."""
-    return agent.rtt_ms + agent.service_ms.get(model, 1.0)
+    return agent.rtt_ms + run_ms(agent, model, items)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -108,6 +123,7 @@ class Attempt:
 
     model: str  # a family, or a pinned variant
     remaining_ms: float | None
+    items: int = 1  # the request's items still to answer
     min_tier: Tier = Tier.DEVICE
     max_tier: Tier = Tier.CLOUD
     above: Tier | None = None  # only tiers strictly above this one
@@ -144,7 +160,7 @@ def _open(agent: Candidate, attempt: Attempt) -> bool:
 
 
 def usable(agent: Candidate, attempt: Attempt) -> bool:
-    return _open(agent, attempt) and _fits(predicted_ms(agent, attempt.model), attempt)
+    return _open(agent, attempt) and _fits(predicted_ms(agent, attempt.model, attempt.items), attempt)
 
 
 def choose(attempt: Attempt, snapshot: FleetSnapshot, rng: random.Random) -> Target | NoTarget:
@@ -191,7 +207,7 @@ def two_choices(pool: Sequence[Candidate], attempt: Attempt, rng: random.Random)
     if not found:
         return None
     pair = found if len(found) <= 2 else rng.sample(found, 2)
-    return min(pair, key=lambda a: (load(a), predicted_ms(a, attempt.model)))
+    return min(pair, key=lambda a: (load(a), predicted_ms(a, attempt.model, attempt.items)))
 
 
 def _why_not(attempt: Attempt, snapshot: FleetSnapshot, *, cloud_eligible: bool) -> NoTarget:
@@ -208,9 +224,9 @@ def _why_not(attempt: Attempt, snapshot: FleetSnapshot, *, cloud_eligible: bool)
     if seen and not open_agents and not cloud_eligible:
         tiers = "/".join(sorted({a.tier.label for a in seen}))
         return NoTarget(reason=f"every {tiers} agent serving '{model}' has a full work queue", full=True)
-    queued_out = [a for a in open_agents if _fits(idle_ms(a, model), attempt)]
+    queued_out = [a for a in open_agents if _fits(idle_ms(a, model, attempt.items), attempt)]
     if queued_out and not cloud_eligible:
-        best = min(predicted_ms(a, model) for a in queued_out)
+        best = min(predicted_ms(a, model, attempt.items) for a in queued_out)
         tiers = "/".join(sorted({a.tier.label for a in queued_out}))
         return NoTarget(
             reason=f"{tiers} agents' work queues are too long to answer '{model}' within "
@@ -235,6 +251,21 @@ def top_tier(snapshot: FleetSnapshot, max_tier: Tier) -> Tier | None:
         tiers.add(Tier.CLOUD)
     eligible = [t for t in tiers if t <= max_tier]
     return max(eligible) if eligible else None
+
+
+def settled(
+    confidences: Sequence[float],
+    tier: Tier,
+    *,
+    final: bool,
+    thresholds: Mapping[Tier, float],
+    min_confidence: float | None,
+) -> list[bool]:
+    """Which items of an answer from ``tier`` stop climbing: all of a final answer, else
+    each item whose own confidence meets the threshold. Unsure items climb alone."""
+    if final:
+        return [True] * len(confidences)
+    return [accepts(c, tier, thresholds=thresholds, min_confidence=min_confidence) for c in confidences]
 
 
 def accepts(

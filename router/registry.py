@@ -16,13 +16,16 @@ import asyncio
 import itertools
 import logging
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from router.index import AgentIndex
 from router.policy import CloudView, FleetSnapshot
+from stratus.batching import DEFAULT_MAX_DELAY_S, Batch, Batcher, split_counts
 from stratus.errors import DeadlineExceeded, InvalidInput, NotFound, Unavailable
-from stratus.stats import LatencyWindow, RateMeter
+from stratus.stats import LatencyWindow, RateMeter, ServiceCurve, SizeWindow
+from stratus.status import error_from_status, status_for
+from stratus.tensors import Tensors
 from stratus.tiers import Tier
 from stratus.wire import fleet_pb2 as fpb
 from stratus.wire import inference_pb2 as pb
@@ -58,12 +61,31 @@ def pace_for(agents: int, *, base_s: float, max_per_s: float) -> float:
     return pace
 
 
-@dataclass
+@dataclass(frozen=True, kw_only=True)
+class Part:
+    """One request's items, waiting for an agent: checked raw tensors and their deadline."""
+
+    inputs: Tensors
+    deadline: float  # on the registry's clock
+
+
+@dataclass(frozen=True, kw_only=True)
+class PartAnswer:
+    """An agent's answer for one request's items."""
+
+    outputs: Tensors
+    confidences: tuple[float, ...]
+    variant: str
+    batch_size: int
+
+
+@dataclass(eq=False)
 class AgentHandle:
     """One agent as the router sees it; its outbox feeds its AgentLink stream.
 
     It is also what the policy reads (:class:`router.policy.Candidate`): its estimates
-    are kept current as heartbeats and results arrive, not recomputed per request.
+    are kept current as results arrive, not recomputed per request. Its batcher owns the
+    queue of requests waiting for it and merges them into Work while it is busy.
     """
 
     id: str
@@ -81,13 +103,18 @@ class AgentHandle:
     lost_at: float = 0.0
     reported_queue: int = 0
     latency: dict[str, fpb.LatencyEstimate] = field(default_factory=dict)
-    service_ms: dict[str, float] = field(default_factory=dict)  # per variant and per family
-    round_trip: LatencyWindow = field(default_factory=LatencyWindow)
+    curves: dict[str, ServiceCurve] = field(default_factory=dict)  # per variant
+    link_ms: LatencyWindow = field(default_factory=LatencyWindow)  # round trip less the agent's time
     pending: dict[str, asyncio.Future[fpb.Result]] = field(default_factory=dict)
     completions: RateMeter = field(default_factory=RateMeter)
+    batch_sizes: SizeWindow = field(default_factory=SizeWindow)  # items per batch it ran
     sent: int = 0  # RouterMessages written to the link, the Welcome included
     last_received: int = 0  # the agent's read count at its previous heartbeat
     unread_beats: int = 0  # consecutive heartbeats with messages unread and no reading progress
+    batcher: Batcher[Part, PartAnswer] | None = None
+
+    def __post_init__(self) -> None:
+        self._variant_of = {info.family: name for name, info in self.variants.items() if info.family}
 
     @property
     def variant_families(self) -> Mapping[str, str]:
@@ -99,32 +126,57 @@ class AgentHandle:
 
     @property
     def in_flight(self) -> int:
-        return len(self.pending)
+        """Items waiting in the router for this agent, or sent to it and not yet answered."""
+        return self.batcher.items if self.batcher is not None else 0
 
     @property
     def limit(self) -> int:
-        return self.capacity + self.queue_limit
+        """Items the router may hold for it: its slots and queue, each a Work of up to a batch."""
+        return (self.capacity + self.queue_limit) * max((self.max_batch(v) for v in self.variants), default=1)
 
     @property
     def rtt_ms(self) -> float:
-        """Observed round trip minus service time: the link and queue cost."""
-        fastest = min(self.service_ms.values(), default=0.0)
-        return max(0.1, (self.round_trip.mean_ms or 0.5) - fastest)
+        """The link's share of a round trip: what the agent did not spend queueing or running."""
+        return max(0.05, self.link_ms.mean_ms or 0.5)
+
+    def variant_for(self, model: str) -> str:
+        """The variant this agent runs for a family (or the variant itself)."""
+        return self._variant_of.get(model, model)
+
+    def max_batch(self, model: str) -> int:
+        info = self.variants.get(self.variant_for(model))
+        return max(1, info.max_batch) if info is not None else 1
+
+    def cost_ms(self, model: str, items: int) -> float:
+        """Expected time to run a batch of ``items``: learnt per batch size, else the heartbeat's mean."""
+        variant = self.variant_for(model)
+        curve = self.curves.get(variant)
+        if curve is not None and curve.known:
+            return curve.estimate(items)
+        reported = self.latency.get(variant)
+        return (reported.mean_ms if reported is not None and reported.mean_ms > 0 else 1.0) * max(1, items)
+
+    def learn(self, result: fpb.Result, round_trip_ms: float) -> None:
+        """What a Result teaches: the batch's service time by its size, and the link's cost."""
+        if result.batch_size > 0:
+            self.batch_sizes.add(result.batch_size)
+        if result.batch_size > 0 and result.service_ms > 0:
+            self.curves.setdefault(result.variant, ServiceCurve()).add(result.batch_size, result.service_ms)
+        self.link_ms.add(max(0.0, round_trip_ms - result.service_ms - result.queue_ms))
 
     def update_latency(self, estimates: Iterable[fpb.LatencyEstimate]) -> None:
-        """Merge what changed; a family's service time is its variant's here."""
+        """Merge what changed (for status, and as the estimate before any Result)."""
         for estimate in estimates:
             self.latency[estimate.variant] = estimate
-            self.service_ms[estimate.variant] = estimate.mean_ms
-            info = self.variants.get(estimate.variant)
-            if info is not None and info.family:
-                self.service_ms[info.family] = estimate.mean_ms
 
     def fail_pending(self, reason: str) -> None:
+        error = Unavailable(f"agent {self.id} {reason}")
         for future in self.pending.values():
             if not future.done():
-                future.set_exception(Unavailable(f"agent {self.id} {reason}"))
+                future.set_exception(error)
         self.pending.clear()
+        if self.batcher is not None:
+            self.batcher.close(error)
 
 
 class FleetRegistry:
@@ -133,9 +185,11 @@ class FleetRegistry:
         *,
         heartbeat_s: float = 1.0,
         max_heartbeats_per_s: float = 100.0,
+        max_batch_delay_s: float = DEFAULT_MAX_DELAY_S,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.heartbeat_s = heartbeat_s
+        self.max_batch_delay_s = max_batch_delay_s
         self.max_heartbeats_per_s = max_heartbeats_per_s
         self.pace_s = heartbeat_s
         self._clock = clock
@@ -173,6 +227,7 @@ class FleetRegistry:
         )
         for family in hello.families:
             self.families.setdefault(family.name, family)
+        self.attach_batcher(handle)
         self.agents[handle.id] = handle
         self.index.add(handle)
         self.index.ready(handle)
@@ -304,36 +359,87 @@ class FleetRegistry:
         if future is None:
             log.debug("result for unknown or finished request %s from %s", result.request_id, handle.id)
             return
-        handle.completions.add()
+        handle.completions.add(max(1, len(result.confidences)))
         if not future.done():
             future.set_result(result)
 
+    def attach_batcher(self, handle: AgentHandle) -> None:
+        """The queue in front of one agent.
+
+        At most two Works per slot are out at once: one running and one ready behind it,
+        so the agent never idles between batches while everything else waits here, where
+        it can still merge into bigger batches (fewer messages, fewer runtime calls).
+        """
+
+        async def run(batch: Batch[Part, PartAnswer]) -> list[PartAnswer]:
+            return await self._send_work(handle, batch)
+
+        handle.batcher = Batcher(
+            run,
+            slots=handle.capacity,
+            depth=handle.capacity + min(handle.capacity, max(0, handle.queue_limit)),
+            max_batch=lambda key: handle.max_batch(key.variant),
+            max_delay_s=self.max_batch_delay_s,
+            queue_limit=max(1, handle.limit),
+            name=f"agent {handle.id}",
+            clock=self._clock,
+        )
+
     async def submit(
-        self, handle: AgentHandle, request: pb.ModelInferRequest, *, variant: str, budget_ms: float | None
-    ) -> fpb.Result:
-        """Send Work and wait for its Result, the agent's loss, or the budget's end."""
+        self, handle: AgentHandle, inputs: Tensors, *, variant: str, outputs: Sequence[str], budget_ms: float
+    ) -> PartAnswer:
+        """Queue items for an agent (maybe merged with others) and wait for their answer.
+
+        The items leave the queue by their slack: the latest moment a batch holding them
+        can still start and finish inside the budget, as this agent's estimates say.
+        """
+        assert handle.batcher is not None
         if handle.outbox.qsize() >= MAX_OUTBOX:
             self.lose(handle, f"not reading its link ({MAX_OUTBOX} messages waiting)")
             raise Unavailable(f"agent {handle.id} is not reading its link")
+        now = self.now()
+        deadline = now + budget_ms / 1000.0
+        run_ms = handle.rtt_ms + handle.cost_ms(variant, inputs.items)
+        key = inputs.batch_key(handle.variant_for(variant), outputs)
+        try:
+            async with asyncio.timeout(budget_ms / 1000.0):
+                return await handle.batcher.submit(
+                    key,
+                    Part(inputs=inputs, deadline=deadline),
+                    size=inputs.items,
+                    latest_start=deadline - run_ms / 1000.0,
+                )
+        except TimeoutError:
+            raise DeadlineExceeded(f"agent {handle.id} did not answer within {budget_ms:.1f} ms") from None
+
+    async def _send_work(self, handle: AgentHandle, batch: Batch[Part, PartAnswer]) -> list[PartAnswer]:
+        """One Work for a batch: send, wait for its Result (or the last member's deadline), split."""
         request_id = f"r{next(self._ids)}"
+        request = pb.ModelInferRequest(model_name=batch.key.variant, id=request_id)
+        request.outputs.extend(
+            pb.ModelInferRequest.InferRequestedOutputTensor(name=n) for n in batch.key.outputs
+        )
+        Tensors.join([p.inputs for p in batch.payloads]).write_request(request)
+        sent = self.now()
+        budget_ms = max(1.0, (max(p.deadline for p in batch.payloads) - sent) * 1000.0)
         future: asyncio.Future[fpb.Result] = asyncio.get_running_loop().create_future()
         handle.pending[request_id] = future
-        work = fpb.Work(request_id=request_id, variant=variant, request=request, budget_ms=budget_ms or 0.0)
-        sent = self.now()
-        handle.outbox.put_nowait(fpb.RouterMessage(work=work))
+        handle.outbox.put_nowait(
+            fpb.RouterMessage(work=fpb.Work(request_id=request_id, request=request, budget_ms=budget_ms))
+        )
         try:
-            async with asyncio.timeout(budget_ms / 1000.0 if budget_ms else None):
+            async with asyncio.timeout(budget_ms / 1000.0):
                 result = await future
         except TimeoutError:
             handle.outbox.put_nowait(fpb.RouterMessage(cancel=fpb.Cancel(request_id=request_id)))
             raise DeadlineExceeded(f"agent {handle.id} did not answer within {budget_ms:.1f} ms") from None
-        except asyncio.CancelledError:
+        except asyncio.CancelledError:  # every member gave up
             handle.outbox.put_nowait(fpb.RouterMessage(cancel=fpb.Cancel(request_id=request_id)))
             raise
         finally:
             handle.pending.pop(request_id, None)
-        handle.round_trip.add((self.now() - sent) * 1000.0)
-        return result
+        handle.learn(result, (self.now() - sent) * 1000.0)
+        return split_result(handle, result, batch.sizes)
 
     # -- reads -------------------------------------------------------------------------------
     def snapshot(self, model: str, cloud: CloudView | None) -> FleetSnapshot:
@@ -359,3 +465,25 @@ class FleetRegistry:
         for queue in self._watchers:
             if queue.empty():
                 queue.put_nowait(None)
+
+
+def split_result(handle: AgentHandle, result: fpb.Result, sizes: Sequence[int]) -> list[PartAnswer]:
+    """A Work's Result, back into one answer (or one error) per merged request, in order."""
+    if result.WhichOneof("outcome") == "error":
+        raise error_from_status(status_for(result.error.code), f"agent {handle.id}: {result.error.message}")
+    outputs = Tensors.from_response(result.response)
+    total = sum(sizes)
+    if outputs.items != total or (not outputs.splittable and len(sizes) > 1):
+        raise Unavailable(f"agent {handle.id} answered {outputs.items} items for a batch of {total}")
+    confidences = (
+        list(result.confidences) if len(result.confidences) == total else [result.confidence] * total
+    )
+    return [
+        PartAnswer(
+            outputs=outputs.rows(start, stop),
+            confidences=tuple(confidences[start:stop]),
+            variant=result.variant,
+            batch_size=result.batch_size,
+        )
+        for start, stop in split_counts(total, sizes)
+    ]

@@ -116,6 +116,7 @@ def _router(args: argparse.Namespace) -> int:
         max_heartbeats_per_s=args.max_heartbeats_per_s,
         admit_per_s=args.admit_per_s,
         keepalive_s=args.keepalive_s,
+        max_batch_delay_s=args.max_batch_delay_us / 1e6,
     )
     run(serve(settings))
     return 0
@@ -131,7 +132,11 @@ def _cloud(args: argparse.Namespace) -> int:
         models=args.models,
         variants=_names(args.variants),
         concurrency=args.concurrency,
+        queue_limit=args.queue_limit,
+        max_batch=args.max_batch,
+        max_batch_delay_s=args.max_batch_delay_us / 1e6,
         cache_dir=args.cache_dir,
+        emulated_extra_ms=args.emulate_slow_ms,
         tls=_tls(args),
     )
     run(serve(settings))
@@ -165,6 +170,7 @@ def _agent(args: argparse.Namespace) -> int:
         queue_limit=args.queue_limit,
         runtimes=_names(args.runtimes),
         cache_dir=args.cache_dir,
+        max_batch=args.max_batch,
         emulated_extra_ms=args.emulate_slow_ms,
     )
 
@@ -233,8 +239,27 @@ def _add_router(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -
         default=2.0,
         help="HTTP/2 ping interval on every link; a frozen agent is lost within this plus 1 s",
     )
+    _add_batch_delay(router)
     router.set_defaults(handler=_router)
     return router
+
+
+def _add_batch_delay(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--max-batch-delay-us",
+        type=float,
+        default=500.0,
+        help="longest a batch waits for more requests while its target is busy (never when idle)",
+    )
+
+
+def _add_max_batch(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--max-batch",
+        type=int,
+        default=32,
+        help="most items merged into one runtime call; 1 turns batching off",
+    )
 
 
 def _add_servers(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -244,6 +269,9 @@ def _add_servers(commands: argparse._SubParsersAction[argparse.ArgumentParser]) 
     cloud.add_argument("--models", type=Path, default=Path("models"))
     cloud.add_argument("--variants", default=None)
     cloud.add_argument("--concurrency", type=int, default=2)
+    cloud.add_argument("--queue-limit", type=int, default=256)
+    _add_max_batch(cloud)
+    _add_batch_delay(cloud)
     cloud.add_argument("--cache-dir", type=Path, default=_default_cache())
     cloud.set_defaults(handler=_cloud)
     agent = commands.add_parser("agent", help="run an edge agent")
@@ -254,17 +282,19 @@ def _add_servers(commands: argparse._SubParsersAction[argparse.ArgumentParser]) 
     agent.add_argument("--name", default=None)
     agent.add_argument("--concurrency", type=int, default=2)
     agent.add_argument("--queue-limit", type=int, default=64)
+    _add_max_batch(agent)
     agent.add_argument("--serve", default=None, help="also serve the inference API on HOST:PORT")
     agent.add_argument("--runtimes", default=None, help="runtime order override, e.g. onnxruntime,openvino")
     agent.add_argument("--token", default=None, help="fleet token (default: $STRATUS_TOKEN)")
     agent.add_argument("--cache-dir", type=Path, default=_default_cache())
-    agent.add_argument(
-        "--emulate-slow-ms",
-        type=float,
-        default=0.0,
-        help="benchmarks: add this much to each inference, as a slower device would",
-    )
     agent.set_defaults(handler=_agent)
+    for parser in (cloud, agent):
+        parser.add_argument(
+            "--emulate-slow-ms",
+            type=float,
+            default=0.0,
+            help="benchmarks and tests: add this much to each runtime call, as slower hardware would",
+        )
     for parser in (router, cloud, agent):
         parser.add_argument("--log-level", default="INFO")
         _add_tls(parser)

@@ -231,11 +231,11 @@ def decode_request_inputs(request: pb.ModelInferRequest) -> dict[str, Array]:
         name = tensor.name or f"#{index}"
         if name in decoded:
             raise InvalidInput(f"input '{name}' appears more than once")
-        decoded[name] = _decode_input(tensor, raw[index] if raw else None, name)
+        decoded[name] = decode_input(tensor, raw[index] if raw else None, name)
     return decoded
 
 
-def _decode_input(tensor: pb.ModelInferRequest.InferInputTensor, raw: bytes | None, name: str) -> Array:
+def decode_input(tensor: pb.ModelInferRequest.InferInputTensor, raw: bytes | None, name: str) -> Array:
     if raw is not None:
         if tensor.HasField("contents"):
             raise InvalidInput(f"input '{name}' has both typed contents and a raw buffer")

@@ -41,6 +41,8 @@ def status_json(status: fpb.FleetStatus) -> dict[str, Any]:
                 "queue_limit": a.queue_limit,
                 "latency_ms": {"p50": round(a.p50_ms, 3), "p99": round(a.p99_ms, 3)},
                 "requests_per_s": round(a.requests_per_s, 2),
+                "mean_batch_size": round(a.mean_batch_size, 2),
+                "variant_choices": list(a.variant_choices),
                 "last_heartbeat_s": round(a.last_heartbeat_s, 2),
             }
             for a in status.agents
@@ -53,15 +55,19 @@ def status_json(status: fpb.FleetStatus) -> dict[str, Any]:
 def agents_table(status: fpb.FleetStatus) -> list[str]:
     header = (
         f"{'id':<22}{'tier':<8}{'host':<14}{'runtimes':<22}{'variants':<28}{'state':<10}"
-        f"{'inflight':>9}{'p50 ms':>8}{'p99 ms':>8}{'req/s':>8}{'hb s':>6}"
+        f"{'inflight':>9}{'batch':>7}{'p50 ms':>8}{'p99 ms':>8}{'req/s':>8}{'hb s':>6}"
     )
     lines = [header, "-" * len(header)]
     for a in status_json(status)["agents"]:
         lines.append(
             f"{a['id'][:21]:<22}{a['tier']:<8}{a['host'][:13]:<14}{','.join(a['runtimes'])[:21]:<22}"
-            f"{','.join(a['variants'])[:27]:<28}{a['state']:<10}{a['in_flight']:>9}{a['latency_ms']['p50']:>8.2f}"
+            f"{','.join(a['variants'])[:27]:<28}{a['state']:<10}{a['in_flight']:>9}{a['mean_batch_size']:>7.1f}{a['latency_ms']['p50']:>8.2f}"
             f"{a['latency_ms']['p99']:>8.2f}{a['requests_per_s']:>8.1f}{a['last_heartbeat_s']:>6.1f}"
         )
+    lines.append("")
+    lines += [
+        f"{a['id']}: {choice}" for a in status_json(status)["agents"] for choice in a["variant_choices"]
+    ]
     lines.append("")
     return lines
 

@@ -17,15 +17,17 @@ from pathlib import Path
 import numpy as np
 
 from stratus import codec
+from stratus.batching import DEFAULT_MAX_BATCH, DEFAULT_MAX_DELAY_S, Batch, Batcher, BatchKey, split_counts
 from stratus.codec import Array
 from stratus.confidence import confidence
-from stratus.errors import InvalidInput, NotFound
+from stratus.errors import InvalidInput, NotFound, Unavailable
 from stratus.executor import BoundedExecutor
-from stratus.protocol import Served
+from stratus.protocol import BATCH_SIZE, Served, set_parameter
 from stratus.repository import FamilySpec, ModelRepository, VariantSpec
 from stratus.runtimes import LoadOptions, ModelRunner, load_runner
 from stratus.serving import DataPlane, tensor_metadata
 from stratus.stats import LatencyWindow
+from stratus.tensors import answer_raw
 from stratus.tiers import Tier
 from stratus.wire import fleet_pb2
 from stratus.wire import inference_pb2 as pb
@@ -35,14 +37,30 @@ from stratus.wire import inference_pb2 as pb
 class LocalAnswer:
     response: pb.ModelInferResponse
     variant: VariantSpec
-    confidence: float
+    confidences: tuple[float, ...]  # one per item, in order
+    service_ms: float  # running the batch this request ran in
+    queue_ms: float  # waiting for a slot
+    batch_size: int  # items in that batch
+
+    @property
+    def confidence(self) -> float:
+        """The least confident item's: one unsure item is reason to look again."""
+        return min(self.confidences, default=1.0)
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Part:
+    """One member's share of a batch that ran."""
+
+    outputs: dict[str, Array]
+    confidences: Array
     service_ms: float
-    queue_ms: float
+    batch_size: int
 
 
 @dataclass(frozen=True, kw_only=True)
 class LocalSettings:
-    """Which variants to load, and how wide and deep the inference executor is."""
+    """Which variants to load, how wide the inference executor is, and how requests batch."""
 
     tier: Tier | None = None
     variants: Sequence[str] | None = None
@@ -51,16 +69,24 @@ class LocalSettings:
     queue_limit: int = 64
     runtimes: Sequence[str] | None = None
     executor_name: str = "stratus-infer"
+    # Requests merged into one runtime call while every slot is busy; 1 turns batching off.
+    max_batch: int = DEFAULT_MAX_BATCH
+    max_batch_delay_s: float = DEFAULT_MAX_DELAY_S
     # Benchmarks only: hold each inference this much longer, to emulate a slower device.
     emulated_extra_ms: float = 0.0
 
     def __post_init__(self) -> None:
-        if self.concurrency < 1 or self.queue_limit < 0:
-            raise ValueError("concurrency must be >= 1 and queue_limit >= 0")
+        if self.concurrency < 1 or self.queue_limit < 0 or self.max_batch < 1 or self.max_batch_delay_s < 0:
+            raise ValueError("concurrency and max_batch must be >= 1, queue_limit and delay >= 0")
 
 
 class LocalModels:
-    """Variants loaded into their best runtimes here, warmed up before first use."""
+    """Variants loaded into their best runtimes here, warmed up before first use.
+
+    One :class:`~stratus.batching.Batcher` owns the queue in front of the runtimes: it
+    admits up to ``queue_limit`` waiting requests, runs ``concurrency`` batches at once on
+    the executor's threads, and merges requests that wait for a slot.
+    """
 
     def __init__(self, repository: ModelRepository, settings: LocalSettings) -> None:
         self.settings = settings
@@ -78,9 +104,24 @@ class LocalModels:
             self.latency[variant.name] = LatencyWindow()
         self.variants = {v.name: v for _, v in chosen}
         self.families = {f.name: f for f, _ in chosen}
-        self.executor = BoundedExecutor(
-            name=settings.executor_name, workers=settings.concurrency, queue_limit=settings.queue_limit
+        self._dynamic_batch = {name: r.describe().dynamic_batch for name, r in self.runners.items()}
+        # Each thread may have one closed batch ready behind the one it runs, so it never
+        # waits on the event loop between batches; the batcher holds everything else.
+        workers = settings.concurrency
+        self.executor = BoundedExecutor(name=settings.executor_name, workers=workers, queue_limit=workers)
+        self.batcher: Batcher[dict[str, Array], _Part] = Batcher(
+            self._run_batch,
+            slots=workers,
+            depth=2 * workers,
+            max_batch=lambda key: self.max_batch(key.variant),
+            max_delay_s=settings.max_batch_delay_s,
+            queue_limit=settings.queue_limit,
+            name=settings.executor_name,
         )
+
+    def max_batch(self, variant: str) -> int:
+        """What this variant may merge: the setting, where its runtime takes a dynamic batch."""
+        return self.settings.max_batch if self._dynamic_batch.get(variant, False) else 1
 
     def variant_for(self, model_name: str) -> tuple[FamilySpec, VariantSpec]:
         """A family resolves to its highest-tier variant loaded here; a variant to itself."""
@@ -96,28 +137,51 @@ class LocalModels:
         )
 
     async def answer(self, request: pb.ModelInferRequest) -> LocalAnswer:
+        """Decode once, check, wait for a slot (maybe sharing a batch), run, encode."""
         family, variant = self.variant_for(request.model_name)
         inputs = codec.decode_request_inputs(request)
         family.check_inputs(inputs)
         wanted = _requested_outputs(request, family)
+        size = next(iter(inputs.values())).shape[0] if inputs else 0
         started = time.perf_counter()
-        outputs, service_ms = await self.executor.run(self._timed_infer, variant.name, inputs)
-        queue_ms = max(0.0, (time.perf_counter() - started) * 1000.0 - service_ms)
-        self.latency[variant.name].add(service_ms)
-        scores = outputs[family.confidence.output]
-        conf = confidence(
-            scores, method=family.confidence.method, apply_softmax=family.confidence.apply_softmax
-        )
+        part = await self.batcher.submit(_key(variant.name, inputs, wanted), inputs, size=size)
+        waited_ms = (time.perf_counter() - started) * 1000.0 - part.service_ms
         response = pb.ModelInferResponse(model_name=request.model_name, id=request.id)
-        selected = {name: outputs[name] for name in wanted}
-        codec.encode_response_outputs(response, selected, raw=_answer_raw(request, selected))
+        codec.encode_response_outputs(response, part.outputs, raw=_answer_raw(request, part.outputs))
         return LocalAnswer(
             response=response,
             variant=variant,
-            confidence=float(conf.min()) if conf.size else 1.0,
-            service_ms=service_ms,
-            queue_ms=queue_ms,
+            confidences=tuple(float(c) for c in part.confidences),
+            service_ms=part.service_ms,
+            queue_ms=max(0.0, waited_ms),
+            batch_size=part.batch_size,
         )
+
+    async def _run_batch(self, batch: Batch[dict[str, Array], _Part]) -> list[_Part]:
+        return await self.executor.run(self._infer_batch, batch.key, batch.payloads, batch.sizes)
+
+    def _infer_batch(
+        self, key: BatchKey, members: Sequence[Mapping[str, Array]], sizes: Sequence[int]
+    ) -> list[_Part]:
+        """On an executor thread: join the members' inputs, run once, split per member."""
+        variant = self.variants[key.variant]
+        family = self.families[variant.family]
+        joined = members[0] if len(members) == 1 else _join(members)
+        outputs, service_ms = self._timed_infer(key.variant, joined)
+        self.latency[key.variant].add(service_ms)
+        spec = family.confidence
+        scores = confidence(outputs[spec.output], method=spec.method, apply_softmax=spec.apply_softmax)
+        wanted = key.outputs or tuple(s.name for s in family.outputs)
+        total = sum(sizes)
+        return [
+            _Part(
+                outputs={name: outputs[name][start:stop] for name in wanted},
+                confidences=scores[start:stop],
+                service_ms=service_ms,
+                batch_size=total,
+            )
+            for start, stop in split_counts(total, sizes)
+        ]
 
     def _timed_infer(self, variant: str, inputs: Mapping[str, Array]) -> tuple[dict[str, Array], float]:
         started = time.perf_counter()
@@ -156,11 +220,13 @@ class LocalModels:
                     device=described.device,
                     precision=self.variants[name].precision,
                     dynamic_batch=described.dynamic_batch,
+                    max_batch=self.max_batch(name),
                 )
             )
         return infos
 
     def close(self) -> None:
+        self.batcher.close(Unavailable("the models here are shutting down"))
         self.executor.shutdown(wait=True)
         for runner in self.runners.values():
             runner.close()
@@ -190,10 +256,21 @@ def _requested_outputs(request: pb.ModelInferRequest, family: FamilySpec) -> lis
 
 
 def _answer_raw(request: pb.ModelInferRequest, outputs: Mapping[str, Array]) -> bool:
-    """Answer as asked: typed contents for a typed request where every output allows it."""
-    if request.raw_input_contents or not request.inputs:
-        return True
-    return any(codec.datatype_of(a) == "FP16" for a in outputs.values())
+    return answer_raw(request, (codec.datatype_of(a) for a in outputs.values()))
+
+
+def _key(variant: str, inputs: Mapping[str, Array], outputs: Sequence[str]) -> BatchKey:
+    """Requests share a batch only with the same variant, per-item input shapes and outputs."""
+    return BatchKey(
+        variant=variant,
+        inputs=tuple((name, a.dtype.str, tuple(a.shape[1:])) for name, a in inputs.items()),
+        outputs=tuple(outputs),
+        batchable=all(a.ndim > 0 and a.dtype.kind not in "OSU" for a in inputs.values()),
+    )
+
+
+def _join(members: Sequence[Mapping[str, Array]]) -> dict[str, Array]:
+    return {name: np.concatenate([m[name] for m in members]) for name in members[0]}
 
 
 class LocalDataPlane(DataPlane):
@@ -238,6 +315,7 @@ class LocalDataPlane(DataPlane):
             timings_ms={self.tier: answer.service_ms},
         )
         served.write(answer.response.parameters)
+        set_parameter(answer.response.parameters, BATCH_SIZE, answer.batch_size)
         return answer.response
 
 

@@ -4,7 +4,9 @@ Requests may carry ``stratus.budget_ms`` (double), ``stratus.min_confidence`` (d
 ``stratus.max_tier`` and ``stratus.min_tier`` (string: device, edge or cloud). Responses
 carry ``stratus.tier``, ``stratus.agent``, ``stratus.variant``, ``stratus.confidence``,
 ``stratus.path`` (tiers visited, ``device>edge>cloud``), ``stratus.degraded`` and
-``stratus.timings_ms`` (per tier, ``device=0.41,edge=0.83``). Parameters of the wrong type
+``stratus.timings_ms`` (per tier, ``device=0.41,edge=0.83``), and ``stratus.item_tiers``
+(the tier that answered each item of the batch, in order: ``device,cloud,device``;
+``stratus.tier`` is the highest of them). Parameters of the wrong type
 are refused by name, since a budget silently ignored is a promise silently broken.
 """
 
@@ -32,6 +34,10 @@ CONFIDENCE = "stratus.confidence"
 PATH = "stratus.path"
 DEGRADED = "stratus.degraded"
 TIMINGS = "stratus.timings_ms"
+ITEM_TIERS = "stratus.item_tiers"
+# Where models run (an agent's --serve endpoint, the cloud gateway): items in the batch
+# this request ran in, its own and those of requests merged with it.
+BATCH_SIZE = "stratus.batch_size"
 
 ParameterValue = bool | int | float | str
 
@@ -137,6 +143,7 @@ class Served:
     path: Sequence[Tier]
     degraded: bool = False
     timings_ms: Mapping[Tier, float] | None = None
+    item_tiers: Sequence[Tier] = ()
 
     def write(self, parameters: Mapping[str, pb.InferParameter]) -> None:
         set_parameter(parameters, TIER, self.tier.label)
@@ -149,6 +156,8 @@ class Served:
             set_parameter(
                 parameters, TIMINGS, ",".join(f"{t.label}={ms:.3f}" for t, ms in self.timings_ms.items())
             )
+        if self.item_tiers:
+            set_parameter(parameters, ITEM_TIERS, ",".join(t.label for t in self.item_tiers))
 
     @classmethod
     def read(cls, parameters: Mapping[str, pb.InferParameter]) -> Served:
@@ -171,4 +180,5 @@ class Served:
             path=tuple(Tier.parse(p) for p in path.split(">") if p),
             degraded=bool(get(DEGRADED)),
             timings_ms=timings,
+            item_tiers=tuple(Tier.parse(t) for t in str(get(ITEM_TIERS) or "").split(",") if t),
         )

@@ -81,3 +81,70 @@ class RateMeter:
         oldest = int(now) - self._window + 1
         total = sum(b for b, s in zip(self._buckets, self._seconds, strict=True) if s >= oldest)
         return total / max(min(float(self._window), now - self._started), 1e-3)
+
+
+class ServiceCurve:
+    """Service time by batch size, learned from the batches a target ran.
+
+    One moving mean per power-of-two bucket of batch sizes (1, 2, 3-4, 5-8, ...), each
+    scaled to the size asked for by its mean batch size; between learnt buckets the
+    estimate interpolates, beyond the largest it grows in proportion to the items (a
+    pessimistic guess until bigger batches have run). So predicted latency stays right
+    when batches grow, from the first few batches of each size on.
+    """
+
+    def __init__(self, *, alpha: float = 0.2) -> None:
+        self._alpha = alpha
+        self._ms: dict[int, float] = {}  # bucket -> moving mean of ms
+        self._items: dict[int, float] = {}  # bucket -> moving mean of its batch sizes
+
+    @staticmethod
+    def _bucket(items: int) -> int:
+        return max(0, items - 1).bit_length()
+
+    def add(self, items: int, ms: float) -> None:
+        if items < 1 or ms < 0:
+            return
+        bucket = self._bucket(items)
+        if bucket not in self._ms:
+            self._ms[bucket], self._items[bucket] = ms, float(items)
+            return
+        self._ms[bucket] += self._alpha * (ms - self._ms[bucket])
+        self._items[bucket] += self._alpha * (items - self._items[bucket])
+
+    @property
+    def known(self) -> bool:
+        return bool(self._ms)
+
+    def estimate(self, items: int, default: float = 1.0) -> float:
+        """Expected ms to run a batch of ``items``; ``default`` for one item when nothing is known."""
+        if not self._ms:
+            return default * max(1, items)
+        points = sorted((self._items[b], self._ms[b]) for b in self._ms)
+        below = [p for p in points if p[0] <= items]
+        above = [p for p in points if p[0] > items]
+        if below and above:
+            (x0, y0), (x1, y1) = below[-1], above[0]
+            return y0 + (y1 - y0) * (items - x0) / (x1 - x0)
+        if above:  # smaller than anything seen: no cheaper than the smallest batch seen
+            return above[0][1]
+        x, y = below[-1]
+        return y * items / x
+
+
+class SizeWindow:
+    """Mean of the last ``size`` batch sizes: what an operator reads as "batch" in status."""
+
+    def __init__(self, *, size: int = 256) -> None:
+        self._sizes: collections.deque[int] = collections.deque(maxlen=size)
+        self._total = 0
+
+    def add(self, items: int) -> None:
+        if len(self._sizes) == self._sizes.maxlen:
+            self._total -= self._sizes[0]
+        self._sizes.append(items)
+        self._total += items
+
+    @property
+    def mean(self) -> float:
+        return self._total / len(self._sizes) if self._sizes else 0.0

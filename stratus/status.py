@@ -23,6 +23,14 @@ def status_code(error: StratusError) -> grpc.StatusCode:
     return code
 
 
+def status_for(code: int) -> grpc.StatusCode:
+    """The StatusCode for a numeric code carried in a message (an agent's Result)."""
+    for status in grpc.StatusCode:
+        if status.value[0] == code:
+            return status
+    return grpc.StatusCode.UNKNOWN
+
+
 def error_from_status(code: grpc.StatusCode, message: str) -> StratusError:
     """The inverse mapping, for errors that crossed a hop (agent -> router -> client)."""
     from stratus import errors

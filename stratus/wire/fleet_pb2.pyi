@@ -71,12 +71,20 @@ class VariantInfo(_message.Message):
     DEVICE_FIELD_NUMBER: _builtins.int
     PRECISION_FIELD_NUMBER: _builtins.int
     DYNAMIC_BATCH_FIELD_NUMBER: _builtins.int
+    MAX_BATCH_FIELD_NUMBER: _builtins.int
+    CHOSEN_BECAUSE_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     family: _builtins.str
     runtime: _builtins.str
     device: _builtins.str
     precision: _builtins.str
     dynamic_batch: _builtins.bool
+    max_batch: _builtins.int
+    """Most items the router may merge into one Work for this variant: the agent's
+    --max-batch where the runtime takes a dynamic batch, else 1.
+    """
+    chosen_because: _builtins.str
+    """Why this variant (its precision) was chosen on this hardware."""
     def __init__(
         self,
         *,
@@ -86,10 +94,12 @@ class VariantInfo(_message.Message):
         device: _builtins.str = ...,
         precision: _builtins.str = ...,
         dynamic_batch: _builtins.bool = ...,
+        max_batch: _builtins.int = ...,
+        chosen_because: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["device", b"device", "dynamic_batch", b"dynamic_batch", "family", b"family", "name", b"name", "precision", b"precision", "runtime", b"runtime"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chosen_because", b"chosen_because", "device", b"device", "dynamic_batch", b"dynamic_batch", "family", b"family", "max_batch", b"max_batch", "name", b"name", "precision", b"precision", "runtime", b"runtime"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -309,19 +319,28 @@ class Result(_message.Message):
     RESPONSE_FIELD_NUMBER: _builtins.int
     ERROR_FIELD_NUMBER: _builtins.int
     CONFIDENCE_FIELD_NUMBER: _builtins.int
+    CONFIDENCES_FIELD_NUMBER: _builtins.int
     SERVICE_MS_FIELD_NUMBER: _builtins.int
     QUEUE_MS_FIELD_NUMBER: _builtins.int
+    BATCH_SIZE_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     variant: _builtins.str
     """The variant that ran."""
     confidence: _builtins.float
+    """The least confident item's confidence, and each item's, in order."""
     service_ms: _builtins.float
-    """Time the agent spent running the model, and waiting before it could."""
+    """Time the agent spent running the batch this Work ran in, and waiting before it could;
+    the router learns each agent's service time per batch size from these.
+    """
     queue_ms: _builtins.float
+    batch_size: _builtins.int
+    """Items in the batch that ran (this Work's, and those of any Work merged with it)."""
     @_builtins.property
     def response(self) -> _inference_pb2.ModelInferResponse: ...
     @_builtins.property
     def error(self) -> Global___Error: ...
+    @_builtins.property
+    def confidences(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]: ...
     def __init__(
         self,
         *,
@@ -330,12 +349,14 @@ class Result(_message.Message):
         response: _inference_pb2.ModelInferResponse | None = ...,
         error: Global___Error | None = ...,
         confidence: _builtins.float = ...,
+        confidences: _abc.Iterable[_builtins.float] | None = ...,
         service_ms: _builtins.float = ...,
         queue_ms: _builtins.float = ...,
+        batch_size: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "outcome", b"outcome", "response", b"response"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["confidence", b"confidence", "error", b"error", "outcome", b"outcome", "queue_ms", b"queue_ms", "request_id", b"request_id", "response", b"response", "service_ms", b"service_ms", "variant", b"variant"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["batch_size", b"batch_size", "confidence", b"confidence", "confidences", b"confidences", "error", b"error", "outcome", b"outcome", "queue_ms", b"queue_ms", "request_id", b"request_id", "response", b"response", "service_ms", b"service_ms", "variant", b"variant"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType_outcome: _TypeAlias = _typing.Literal["response", "error"]  # noqa: Y015
     _WhichOneofArgType_outcome: _TypeAlias = _typing.Literal["outcome", b"outcome"]  # noqa: Y015
@@ -450,27 +471,25 @@ class Work(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     REQUEST_ID_FIELD_NUMBER: _builtins.int
-    VARIANT_FIELD_NUMBER: _builtins.int
     REQUEST_FIELD_NUMBER: _builtins.int
     BUDGET_MS_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
-    variant: _builtins.str
-    """The variant to run; the request's model_name names it too."""
     budget_ms: _builtins.float
     """Budget left when the router sent the Work; relative, so clocks need not agree."""
     @_builtins.property
-    def request(self) -> _inference_pb2.ModelInferRequest: ...
+    def request(self) -> _inference_pb2.ModelInferRequest:
+        """Its model_name names the variant to run; one or more requests' items, merged."""
+
     def __init__(
         self,
         *,
         request_id: _builtins.str = ...,
-        variant: _builtins.str = ...,
         request: _inference_pb2.ModelInferRequest | None = ...,
         budget_ms: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["request", b"request"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["budget_ms", b"budget_ms", "request", b"request", "request_id", b"request_id", "variant", b"variant"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["budget_ms", b"budget_ms", "request", b"request", "request_id", b"request_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -592,6 +611,8 @@ class AgentStatus(_message.Message):
     LAST_HEARTBEAT_S_FIELD_NUMBER: _builtins.int
     CAPACITY_FIELD_NUMBER: _builtins.int
     QUEUE_LIMIT_FIELD_NUMBER: _builtins.int
+    MEAN_BATCH_SIZE_FIELD_NUMBER: _builtins.int
+    VARIANT_CHOICES_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     tier: Global___Tier.ValueType
     host: _builtins.str
@@ -605,10 +626,16 @@ class AgentStatus(_message.Message):
     capacity: _builtins.int
     queue_limit: _builtins.int
     """Work items that may wait beyond capacity, as the agent's Hello said."""
+    mean_batch_size: _builtins.float
+    """Moving mean of the items in each batch it ran for this router (1 when nothing batches)."""
     @_builtins.property
     def runtimes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
     @_builtins.property
     def variants(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    @_builtins.property
+    def variant_choices(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Each variant it runs, with its precision and why that one: "digits-small FP32 (...)"."""
+
     def __init__(
         self,
         *,
@@ -626,10 +653,12 @@ class AgentStatus(_message.Message):
         last_heartbeat_s: _builtins.float = ...,
         capacity: _builtins.int = ...,
         queue_limit: _builtins.int = ...,
+        mean_batch_size: _builtins.float = ...,
+        variant_choices: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["capacity", b"capacity", "host", b"host", "id", b"id", "in_flight", b"in_flight", "last_heartbeat_s", b"last_heartbeat_s", "p50_ms", b"p50_ms", "p99_ms", b"p99_ms", "queue_length", b"queue_length", "queue_limit", b"queue_limit", "requests_per_s", b"requests_per_s", "runtimes", b"runtimes", "state", b"state", "tier", b"tier", "variants", b"variants"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["capacity", b"capacity", "host", b"host", "id", b"id", "in_flight", b"in_flight", "last_heartbeat_s", b"last_heartbeat_s", "mean_batch_size", b"mean_batch_size", "p50_ms", b"p50_ms", "p99_ms", b"p99_ms", "queue_length", b"queue_length", "queue_limit", b"queue_limit", "requests_per_s", b"requests_per_s", "runtimes", b"runtimes", "state", b"state", "tier", b"tier", "variant_choices", b"variant_choices", "variants", b"variants"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -34,8 +34,8 @@ class Cluster:
         self.processes[role] = launched
         return launched
 
-    def cloud(self, role: str = "cloud") -> Launched:
-        return self.start(role, ["cloud", "--listen", "127.0.0.1:0", "--models", str(MODELS), *QUIET])
+    def cloud(self, *extra: str, role: str = "cloud") -> Launched:
+        return self.start(role, ["cloud", "--listen", "127.0.0.1:0", "--models", str(MODELS), *QUIET, *extra])
 
     def router(self, *extra: str, role: str = "router", listen: str = "127.0.0.1:0") -> Launched:
         return self.start(role, ["router", "--listen", listen, "--no-advertise", *QUIET, *extra])

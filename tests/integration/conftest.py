@@ -13,6 +13,8 @@ import pytest
 
 from stratus.demo import Fleet, start_fleet
 
+from .cluster import Cluster
+
 MODELS = Path(__file__).resolve().parents[2] / "models"
 
 
@@ -27,3 +29,13 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
 @pytest.fixture(scope="session")
 def router(fleet: Fleet) -> str:
     return fleet.router.address
+
+
+@pytest.fixture
+def cluster(tmp_path: Path) -> Iterator[Cluster]:
+    """Processes a test starts itself; all stopped when it ends, whatever happened."""
+    built = Cluster(tmp_path / "logs")
+    try:
+        yield built
+    finally:
+        built.stop_all()

@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import signal
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -23,15 +22,6 @@ from stratus.wire import fleet_pb2 as fpb
 from stratus.wire import inference_pb2_grpc as pb_grpc
 
 from .cluster import MODELS, Cluster, fleet_status, infer, ready_count, request, states, wait_until
-
-
-@pytest.fixture
-def cluster(tmp_path: Path) -> Iterator[Cluster]:
-    built = Cluster(tmp_path)
-    try:
-        yield built
-    finally:
-        built.stop_all()
 
 
 async def blast(
@@ -200,7 +190,18 @@ def test_overload_gets_resource_exhausted_naming_the_queue_and_loses_nothing(
     cluster: Cluster, digits
 ) -> None:  # type: ignore[no-untyped-def]
     router = cluster.router().address
-    cluster.agent("dev-1", router, "--concurrency", "1", "--queue-limit", "2", "--emulate-slow-ms", "20")
+    cluster.agent(
+        "dev-1",
+        router,
+        "--concurrency",
+        "1",
+        "--queue-limit",
+        "2",
+        "--max-batch",
+        "1",
+        "--emulate-slow-ms",
+        "20",
+    )
     wait_until(lambda: ready_count(router) == 1)
     (agent,) = fleet_status(router).agents
     assert (agent.capacity, agent.queue_limit) == (1, 2)  # what the router will hold it to

@@ -6,10 +6,6 @@ from __future__ import annotations
 import signal
 import time
 from collections import Counter
-from collections.abc import Iterator
-from pathlib import Path
-
-import pytest
 
 from router.registry import pace_for
 from stratus.fleetctl import ready_agents
@@ -18,13 +14,6 @@ from stratus.wire import fleet_pb2 as fpb
 from tests.integration.cluster import MODELS, Cluster, fleet_status, infer, ready_count, states, wait_until
 
 AGENTS = 300
-
-
-@pytest.fixture
-def cluster(tmp_path: Path) -> Iterator[Cluster]:
-    cluster = Cluster(log_dir=tmp_path)
-    yield cluster
-    cluster.stop_all()
 
 
 def simulate(cluster: Cluster, router: str, agents: int) -> None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import datetime
 import ipaddress
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -21,15 +20,6 @@ from stratus.wire import fleet_pb2 as fpb
 from stratus.wire import fleet_pb2_grpc as fpb_grpc
 
 from .cluster import Cluster, fleet_status, infer, ready_count, states, wait_until
-
-
-@pytest.fixture
-def cluster(tmp_path: Path) -> Iterator[Cluster]:
-    built = Cluster(tmp_path / "logs")
-    try:
-        yield built
-    finally:
-        built.stop_all()
 
 
 def _name(common: str) -> x509.Name:
@@ -145,17 +135,7 @@ def test_router_refuses_agents_without_the_token(cluster: Cluster, digits) -> No
 
 
 def test_mutual_tls_on_every_link(cluster: Cluster, pki: dict[str, TlsSettings], digits) -> None:  # type: ignore[no-untyped-def]
-    cloud = cluster.start(
-        "cloud",
-        [
-            "cloud",
-            "--listen",
-            "127.0.0.1:0",
-            "--models",
-            str(Path(__file__).parents[2] / "models"),
-            *tls_args(pki["cloud"]),
-        ],
-    )
+    cloud = cluster.cloud(*tls_args(pki["cloud"]))
     router = cluster.router("--cloud", cloud.address, *tls_args(pki["router"])).address
     cluster.agent("dev-1", router, *tls_args(pki["agent"]))
     wait_until(

@@ -5,12 +5,15 @@ from __future__ import annotations
 import asyncio
 
 import grpc
+import numpy as np
 import pytest
 
 from edge_agent.agent import Agent, AgentSettings
 from router.registry import FleetRegistry
+from stratus import codec
 from stratus.errors import DeadlineExceeded
 from stratus.local import LocalAnswer, LocalModels
+from stratus.tensors import Tensors
 from stratus.tiers import Tier
 from stratus.wire import fleet_pb2 as fpb
 from stratus.wire import inference_pb2 as pb
@@ -64,6 +67,12 @@ def test_work_past_its_budget_is_dropped_with_deadline_exceeded() -> None:
     assert "budget of 20.0 ms ran out" in result.error.message
 
 
+def one_item() -> Tensors:
+    request = pb.ModelInferRequest(model_name="digits")
+    codec.encode_request_inputs(request, {"input": np.zeros((1, 64), np.float32)})
+    return Tensors.from_request(request)
+
+
 def hello() -> fpb.Hello:
     return fpb.Hello(
         agent_id="a1",
@@ -78,7 +87,7 @@ def test_a_cancelled_request_sends_cancel_to_its_agent() -> None:
         registry = FleetRegistry()
         handle = registry.register(hello(), peer="test")
         task = asyncio.create_task(
-            registry.submit(handle, pb.ModelInferRequest(), variant="digits", budget_ms=None)
+            registry.submit(handle, one_item(), variant="digits", outputs=(), budget_ms=30_000.0)
         )
         await asyncio.sleep(0.01)
         task.cancel()  # the client went away
@@ -100,7 +109,8 @@ def test_a_request_past_its_budget_cancels_the_work_and_says_so() -> None:
         registry = FleetRegistry()
         handle = registry.register(hello(), peer="test")
         with pytest.raises(DeadlineExceeded, match=r"did not answer within 20\.0 ms"):
-            await registry.submit(handle, pb.ModelInferRequest(), variant="digits", budget_ms=20.0)
+            await registry.submit(handle, one_item(), variant="digits", outputs=(), budget_ms=20.0)
+        await asyncio.sleep(0.01)  # the Work's own task sends the Cancel as it unwinds
         return [m.WhichOneof("kind") for m in (handle.outbox.get_nowait(), handle.outbox.get_nowait()) if m]
 
     assert asyncio.run(scenario()) == ["work", "cancel"]
@@ -111,7 +121,7 @@ def test_losing_an_agent_fails_its_pending_requests_at_once() -> None:
         registry = FleetRegistry()
         handle = registry.register(hello(), peer="test")
         task = asyncio.create_task(
-            registry.submit(handle, pb.ModelInferRequest(), variant="digits", budget_ms=None)
+            registry.submit(handle, one_item(), variant="digits", outputs=(), budget_ms=30_000.0)
         )
         await asyncio.sleep(0.01)
         registry.lose(handle, "stream broke")

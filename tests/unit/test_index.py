@@ -83,7 +83,7 @@ def test_agents_appear_change_drain_get_lost_and_are_forgotten() -> None:
     # change: a heartbeat carries only what changed; the rest is kept
     reg.heartbeat(device, fpb.Heartbeat(latency=[fpb.LatencyEstimate(variant="digits-small", mean_ms=2.5)]))
     reg.heartbeat(device, fpb.Heartbeat())
-    assert device.service_ms == {"digits-small": 2.5, "digits": 2.5}
+    assert device.cost_ms("digits", 1) == device.cost_ms("digits-small", 1) == 2.5
 
     reg.draining(edge)
     assert Tier.EDGE not in reg.index.pools("digits") and reg.index.tiers("digits") == {

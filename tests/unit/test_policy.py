@@ -7,6 +7,8 @@ from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+import pytest
+
 from router.index import AgentIndex
 from router.policy import (
     DRAWS,
@@ -17,6 +19,8 @@ from router.policy import (
     Target,
     accepts,
     choose,
+    predicted_ms,
+    settled,
     top_tier,
 )
 from stratus.tiers import Tier
@@ -34,10 +38,20 @@ class AgentView:
     limit: int = 0
     service_ms: Mapping[str, float] = field(default_factory=dict)
     rtt_ms: float = 0.5
+    batch: int = 1
+    per_item_ms: float | None = None  # extra cost of each item after the first; None: service
 
     @property
     def variant_families(self) -> Mapping[str, str]:
         return {f"{self.id}-v": "digits"}
+
+    def max_batch(self, model: str) -> int:
+        return self.batch
+
+    def cost_ms(self, model: str, items: int) -> float:
+        service = self.service_ms.get(model, 1.0)
+        extra = service if self.per_item_ms is None else self.per_item_ms
+        return service + extra * (items - 1)
 
 
 def agent(
@@ -203,3 +217,37 @@ def test_a_decision_reads_a_few_agents_whatever_the_size_of_the_tier() -> None:
             choose(Attempt(model="digits", remaining_ms=None), snapshot, random.Random(1)), Target
         )
         assert Counting.reads <= DRAWS
+
+
+def test_predicted_latency_counts_queued_items_in_batches_at_the_learnt_cost() -> None:
+    # 62 items ahead, 2 slots, batches of up to 32 costing 2 ms + 0.1 ms per extra item.
+    batching = AgentView(
+        id="b",
+        tier=Tier.DEVICE,
+        in_flight=62,
+        capacity=2,
+        batch=32,
+        per_item_ms=0.1,
+        service_ms={"digits": 2.0},
+    )
+    one_by_one = AgentView(id="s", tier=Tier.DEVICE, in_flight=62, capacity=2, service_ms={"digits": 2.0})
+    # each slot works through 32 items (31 ahead + this one): one batch of 32
+    assert predicted_ms(batching, "digits") == pytest.approx(0.5 + 2.0 + 0.1 * 31)
+    assert predicted_ms(one_by_one, "digits") == pytest.approx(0.5 + 32 * 2.0)
+    # a request of 4 items on an idle agent: one batch of 4
+    idle = AgentView(
+        id="i", tier=Tier.DEVICE, capacity=2, batch=32, per_item_ms=0.1, service_ms={"digits": 2.0}
+    )
+    assert predicted_ms(idle, "digits", 4) == pytest.approx(0.5 + 2.0 + 0.3)
+
+
+def test_items_settle_one_by_one_and_a_final_answer_settles_them_all() -> None:
+    thresholds = {Tier.DEVICE: 0.9}
+    mixed = settled([0.95, 0.5, 0.9], Tier.DEVICE, final=False, thresholds=thresholds, min_confidence=None)
+    assert mixed == [True, False, True]
+    stricter = settled([0.95, 0.5], Tier.DEVICE, final=False, thresholds=thresholds, min_confidence=0.99)
+    assert stricter == [False, False]
+    assert settled([0.1, 0.2], Tier.DEVICE, final=True, thresholds=thresholds, min_confidence=None) == [
+        True,
+        True,
+    ]
