@@ -26,6 +26,14 @@ from stratus.wire import inference_pb2_grpc as pb_grpc
 
 log = logging.getLogger("stratus.cloud-link")
 
+# How fast the channel to the cloud redials after losing it: gRPC's defaults (1 s, growing
+# to 120 s) would keep escalations degraded long after the gateway is back.
+RECONNECT_OPTIONS = (
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 500),
+)
+
 
 class CircuitBreaker:
     """Fail fast while the cloud keeps failing; probe it now and then to see it recover.
@@ -104,7 +112,6 @@ class CloudLink:
         self._ids = itertools.count(1)
         self._pending: dict[str, asyncio.Future[pb.ModelStreamInferResponse]] = {}
         self._outbox: asyncio.Queue[pb.ModelInferRequest | None] = asyncio.Queue()
-        self._ready = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._channel: grpc.aio.Channel | None = None
         self.models: dict[str, bool] = {}
@@ -131,32 +138,37 @@ class CloudLink:
             await self._channel.close()
 
     async def _maintain(self) -> None:
-        delay = 0.2
+        """Keep the stream open; after a break, re-open it as soon as the cloud is back.
+
+        The channel reconnects on its own with a short backoff (RECONNECT_*), and the link
+        waits for it to turn READY rather than sleeping a growing delay of its own, so a
+        returning cloud gateway serves escalations within a second of listening again.
+        """
+        self._channel = open_channel(self.address, self._tls, extra_options=RECONNECT_OPTIONS)
+        delay = 0.05
         while True:
             try:
-                await self._connect_and_pump()
-                delay = 0.2
+                await self._channel.channel_ready()
+                await self._connect_and_pump(self._channel)
+                delay = 0.05
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
                 log.warning("cloud link to %s: %s", self.address, exc)
             self.state = "down"
-            self._ready.clear()
             self._fail_pending("the cloud stream broke")
+            # Only a cloud that answers yet refuses the stream gets here twice in a row.
             await asyncio.sleep(self._rng.uniform(delay / 2, delay))
-            delay = min(delay * 2, 5.0)
+            delay = min(delay * 2, 1.0)
 
-    async def _connect_and_pump(self) -> None:
-        if self._channel is not None:
-            await self._channel.close()
-        self._channel = open_channel(self.address, self._tls)
-        stub = pb_grpc.GRPCInferenceServiceStub(self._channel)
+    async def _connect_and_pump(self, channel: grpc.aio.Channel) -> None:
+        stub = pb_grpc.GRPCInferenceServiceStub(channel)
         await stub.ServerLive(pb.ServerLiveRequest(), timeout=2.0)
         await self._learn_models(stub)
         self._outbox = asyncio.Queue()
         call = stub.ModelStreamInfer(self._outgoing(self._outbox))
         self.state = "connected"
-        self._ready.set()
+        self.breaker.success()  # a fresh stream to a live gateway: stop failing fast
         log.info("cloud link to %s connected", self.address)
         try:
             async for message in call:

@@ -113,14 +113,16 @@ def bind(server: grpc.aio.Server, address: str, tls: TlsSettings = NO_TLS) -> in
     return port
 
 
-def open_channel(address: str, tls: TlsSettings = NO_TLS) -> grpc.aio.Channel:
+def open_channel(
+    address: str, tls: TlsSettings = NO_TLS, *, extra_options: Sequence[tuple[str, Any]] = ()
+) -> grpc.aio.Channel:
     """An asyncio channel to a Stratus server, over TLS when the settings say so.
 
     Each channel keeps its own connection (a local subchannel pool): gRPC would otherwise
     share one connection between every channel to the same address in a process, and
     agents simulated in one process must each hold their own link, as real ones do.
     """
-    options = [*grpc_options(), ("grpc.use_local_subchannel_pool", 1)]
+    options = [*grpc_options(), ("grpc.use_local_subchannel_pool", 1), *extra_options]
     if tls.enabled:
         return grpc.aio.secure_channel(address, tls.channel_credentials(), options=options)
     return grpc.aio.insecure_channel(address, options=options)

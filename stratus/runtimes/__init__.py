@@ -19,7 +19,8 @@ edge or cloud tier, CPU     openvino/openvino, onnxruntime/onnx, openvino/onnx,
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -72,7 +73,14 @@ def preference(*, tier: Tier, gpu: bool) -> tuple[tuple[str, str], ...]:
 
 
 def available_runtimes() -> dict[str, Availability]:
-    return {name: cls.availability() for name, cls in RUNNERS.items()}
+    """Every runtime's availability; this imports them all (``models verify`` wants that)."""
+    return {name: availability_of(name) for name in RUNNERS}
+
+
+@functools.cache
+def availability_of(runtime: str) -> Availability:
+    """One runtime's availability, judged once per process; only this runtime is imported."""
+    return RUNNERS[runtime].availability()
 
 
 def candidates(
@@ -99,12 +107,21 @@ def load_runner(
     runtimes: Sequence[str] | None = None,
     availability: dict[str, Availability] | None = None,
 ) -> ModelRunner:
-    """Load a variant in the best runtime that works here, warmed up and ready."""
-    availability = availability if availability is not None else available_runtimes()
-    gpu = availability.get("tensorrt", Availability(available=False)).available
+    """Load a variant in the best runtime that works here, warmed up and ready.
+
+    Runtimes are tried in order and imported only when reached: a device agent that runs
+    LiteRT never loads OpenVINO or ONNX Runtime (tens of MB of memory each).
+    """
+
+    def status_of(runtime: str) -> Availability | None:
+        if availability is not None:
+            return availability.get(runtime)
+        return availability_of(runtime) if runtime in RUNNERS else None
+
+    gpu = _gpu_present(runtimes, status_of)
     reasons = []
     for choice in candidates(variant, tier=options.tier, gpu=gpu, runtimes=runtimes):
-        status = availability.get(choice.runtime)
+        status = status_of(choice.runtime)
         if status is None or not status.available:
             reasons.append(f"{choice.runtime}: {status.reason if status else 'unknown'}")
             continue
@@ -114,6 +131,15 @@ def load_runner(
     raise RuntimeUnavailable(
         f"no runtime can serve variant '{variant.name}' here: {'; '.join(reasons) or 'no file in a usable format'}"
     )
+
+
+def _gpu_present(runtimes: Sequence[str] | None, status_of: Callable[[str], Availability | None]) -> bool:
+    """Whether the GPU order applies: TensorRT works here (skipped when the agent's own
+    runtime list leaves TensorRT out, so nothing is imported for it)."""
+    if runtimes is not None and "tensorrt" not in runtimes:
+        return False
+    status = status_of("tensorrt")
+    return status is not None and status.available
 
 
 def open_runner(
@@ -141,6 +167,7 @@ __all__ = [
     "LoadOptions",
     "ModelRunner",
     "RuntimeDescription",
+    "availability_of",
     "available_runtimes",
     "candidates",
     "load_runner",

@@ -128,10 +128,15 @@ def test_cloud_down_gives_degraded_answers_and_the_link_recovers(cluster: Cluste
         assert response.outputs[0].name == "probabilities"
     _confident, served = infer(router, digits.held_out.x[:1], min_confidence=0.0)
     assert not served.degraded  # nothing needed the cloud
+    time.sleep(3.0)  # long enough for reconnect attempts to have backed off
     cluster.processes["cloud"] = cluster.start(
         "cloud", ["cloud", "--listen", cloud.address, "--models", str(MODELS)]
     )
-    wait_until(lambda: fleet_status(router).cloud.state == "connected", timeout_s=15)
+    # from the moment the gateway listens again: escalations reach it (not degraded) within ~1 s
+    recovered_s = wait_until(
+        lambda: not infer(router, digits.held_out.x[:1], min_confidence=1.0)[1].degraded, timeout_s=15
+    )
+    assert recovered_s < 2.0, f"escalations stayed degraded {recovered_s:.2f} s after the cloud came back"
     assert infer(router, digits.held_out.x[:1], min_confidence=1.0)[1].tier is Tier.CLOUD
 
 

@@ -176,3 +176,24 @@ def test_bounded_executor_refuses_past_its_queue(no_leaked_threads: None) -> Non
     asyncio.run(scenario())
     executor.shutdown()
     assert all(not t.name.startswith("test-infer") for t in threading.enumerate())
+
+
+def test_an_agent_that_runs_litert_never_imports_the_other_runtimes(tmp_path: Path) -> None:
+    """Each runtime weighs tens of MB once imported; only the one reached may load."""
+    import subprocess
+    import sys
+
+    script = f"""
+import sys
+from pathlib import Path
+from stratus.local import LocalModels, LocalSettings
+from stratus.repository import ModelRepository
+from stratus.tiers import Tier
+models = LocalModels(ModelRepository.load({str(Path(__file__).parents[2] / "models")!r}),
+    LocalSettings(variants=["digits-small"], runtimes=["litert"], cache_dir=Path({str(tmp_path)!r})))
+print(sorted(m for m in ("openvino", "onnxruntime", "tensorrt", "ai_edge_litert") if m in sys.modules))
+"""
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, check=True, timeout=60
+    )
+    assert out.stdout.strip().splitlines()[-1] == "['ai_edge_litert']"
