@@ -1,9 +1,10 @@
 """The on-device SDK: answer in-process, escalate through the router only when needed.
 
-``Client.infer("digits", x)`` runs the device variant in this process (no network hop);
-when its confidence is below the device threshold (or ``min_confidence``), the request
-goes to the router with ``stratus.min_tier=edge``, so the fleet continues the climb
-above the device instead of repeating it. With the router unreachable the local answer
+``Client.infer("digits", x)`` runs the device variant in this process (no network hop)
+and judges each item of the batch: items whose confidence is below the device threshold
+(or ``min_confidence``), and only those, go to the router with ``stratus.min_tier=edge``,
+so the fleet continues the climb above the device instead of repeating it; their
+answers take their places among the local ones. With the router unreachable the local answer
 comes back marked ``degraded``. ``await client.ainfer(...)`` does the same on the
 caller's event loop, with the model run on the bounded executor.
 """
@@ -17,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
+import numpy as np
 
 from stratus import codec
 from stratus.codec import Array
@@ -45,6 +47,7 @@ class InferResult:
     degraded: bool = False
     variant: str = ""
     agent: str = ""
+    item_tiers: tuple[Tier, ...] = ()  # the tier that answered each item, in order
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -53,8 +56,21 @@ class _Local:
     variant: VariantSpec
     inputs: dict[str, Array]
     outputs: dict[str, Array]
-    confidence: float
+    confidences: Array  # one per item
     ms: float
+
+    @property
+    def confidence(self) -> float:
+        return float(self.confidences.min()) if self.confidences.size else 1.0
+
+    def unsure(self, min_confidence: float | None) -> Array:
+        """Indices of the items this tier's answer does not settle."""
+        threshold = (
+            min_confidence if min_confidence is not None else self.family.thresholds.get(self.variant.tier)
+        )
+        if threshold is None:
+            return np.empty(0, dtype=np.int64)
+        return np.flatnonzero(self.confidences < threshold)
 
 
 class Client:
@@ -98,7 +114,8 @@ class Client:
     ) -> InferResult:
         started = time.perf_counter()
         local = self._run_locally(model, x)
-        if self._confident(local, min_confidence) or self._router is None:
+        unsure = local.unsure(min_confidence)
+        if not unsure.size or self._router is None:
             return self._local_result(local, degraded=False)
         address = self._sync_address()
         if address is None:
@@ -106,13 +123,15 @@ class Client:
         if self._channel is None:
             self._channel = open_sync_channel(address, self._tls)
         stub = pb_grpc.GRPCInferenceServiceStub(self._channel)
-        request = _escalation(model, local, budget_ms, min_confidence, started)
+        request = _escalation(
+            model, local, unsure=unsure, budget_ms=budget_ms, min_confidence=min_confidence, started=started
+        )
         try:
             response = stub.ModelInfer(request, timeout=_timeout(budget_ms, started))
         except grpc.RpcError:
             self._unreachable_until = time.monotonic() + RETRY_ROUTER_AFTER_S
             return self._local_result(local, degraded=True)
-        return _merge(local, response)
+        return _merge(local, unsure, response)
 
     def _sync_address(self) -> str | None:
         if time.monotonic() < self._unreachable_until:
@@ -136,7 +155,8 @@ class Client:
     ) -> InferResult:
         started = time.perf_counter()
         local = await self._models.executor.run(self._run_locally, model, x)
-        if self._confident(local, min_confidence) or self._router is None:
+        unsure = local.unsure(min_confidence)
+        if not unsure.size or self._router is None:
             return self._local_result(local, degraded=False)
         address = await self._async_address()
         if address is None:
@@ -144,13 +164,15 @@ class Client:
         if self._achannel is None:
             self._achannel = open_channel(address, self._tls)
         stub = pb_grpc.GRPCInferenceServiceStub(self._achannel)
-        request = _escalation(model, local, budget_ms, min_confidence, started)
+        request = _escalation(
+            model, local, unsure=unsure, budget_ms=budget_ms, min_confidence=min_confidence, started=started
+        )
         try:
             response = await stub.ModelInfer(request, timeout=_timeout(budget_ms, started))
         except grpc.aio.AioRpcError:
             self._unreachable_until = time.monotonic() + RETRY_ROUTER_AFTER_S
             return self._local_result(local, degraded=True)
-        return _merge(local, response)
+        return _merge(local, unsure, response)
 
     async def _async_address(self) -> str | None:
         if time.monotonic() < self._unreachable_until:
@@ -174,20 +196,8 @@ class Client:
         spec = family.confidence
         scores = confidence(outputs[spec.output], method=spec.method, apply_softmax=spec.apply_softmax)
         return _Local(
-            family=family,
-            variant=variant,
-            inputs=inputs,
-            outputs=outputs,
-            confidence=float(scores.min()) if scores.size else 1.0,
-            ms=ms,
+            family=family, variant=variant, inputs=inputs, outputs=outputs, confidences=scores, ms=ms
         )
-
-    @staticmethod
-    def _confident(local: _Local, min_confidence: float | None) -> bool:
-        threshold = (
-            min_confidence if min_confidence is not None else local.family.thresholds.get(local.variant.tier)
-        )
-        return threshold is None or local.confidence >= threshold
 
     def _local_result(self, local: _Local, *, degraded: bool) -> InferResult:
         tier = local.variant.tier
@@ -200,6 +210,7 @@ class Client:
             degraded=degraded,
             variant=local.variant.name,
             agent=self.name,
+            item_tiers=(tier,) * len(local.confidences),
         )
 
     def close(self) -> None:
@@ -220,10 +231,17 @@ class Client:
 
 
 def _escalation(
-    model: str, local: _Local, budget_ms: float | None, min_confidence: float | None, started: float
+    model: str,
+    local: _Local,
+    *,
+    unsure: Array,
+    budget_ms: float | None,
+    min_confidence: float | None,
+    started: float,
 ) -> pb.ModelInferRequest:
+    """The unsure items only, for the tiers above this one."""
     request = pb.ModelInferRequest(model_name=model)
-    codec.encode_request_inputs(request, local.inputs)
+    codec.encode_request_inputs(request, {name: array[unsure] for name, array in local.inputs.items()})
     remaining = None if budget_ms is None else max(0.1, budget_ms - (time.perf_counter() - started) * 1000.0)
     RequestOptions(
         budget_ms=remaining,
@@ -239,16 +257,29 @@ def _timeout(budget_ms: float | None, started: float) -> float:
     return max(0.001, budget_ms / 1000.0 - (time.perf_counter() - started))
 
 
-def _merge(local: _Local, response: pb.ModelInferResponse) -> InferResult:
+def _merge(local: _Local, unsure: Array, response: pb.ModelInferResponse) -> InferResult:
+    """The router's answers for the unsure items, each in its place among the local ones."""
     served = Served.read(response.parameters)
+    remote = codec.decode_response_outputs(response)
+    outputs = {}
+    for name, array in local.outputs.items():
+        merged = array.copy()
+        merged[unsure] = remote[name]
+        outputs[name] = merged
+    tiers = [local.variant.tier] * len(local.confidences)
+    remote_tiers = served.item_tiers or (served.tier,) * len(unsure)
+    for index, tier in zip(unsure.tolist(), remote_tiers, strict=True):
+        tiers[index] = tier
+    settled = np.delete(local.confidences, unsure)
     timings = {local.variant.tier: local.ms, **(served.timings_ms or {})}
     return InferResult(
-        outputs=codec.decode_response_outputs(response),
-        confidence=served.confidence,
-        tier=served.tier,
+        outputs=outputs,
+        confidence=min(served.confidence, float(settled.min()) if settled.size else 1.0),
+        tier=max(tiers),
         path=(local.variant.tier, *served.path),
         timings_ms=timings,
         degraded=served.degraded,
         variant=served.variant,
         agent=served.agent,
+        item_tiers=tuple(tiers),
     )

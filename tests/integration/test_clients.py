@@ -10,6 +10,7 @@ import pytest
 import tritonclient.grpc as triton
 
 from edge_agent.sdk import Client
+from stratus import codec
 from stratus.tiers import Tier
 
 from .conftest import MODELS
@@ -131,3 +132,20 @@ def test_sdk_refuses_bad_input_before_any_hop(tmp_path: Path) -> None:
         pytest.raises(InvalidInput, match="does not fit"),
     ):
         client.infer("digits", np.zeros((1, 10), np.float32))
+
+
+def test_sdk_escalates_only_its_unsure_items_and_matches_the_router(
+    router: str, digits, tmp_path: Path
+) -> None:  # type: ignore[no-untyped-def]
+    from .cluster import infer
+
+    x = digits.held_out.x[:40]
+    with Client(MODELS, router=router, cache_dir=tmp_path) as client:
+        result = client.infer("digits", x)
+    response, served = infer(router, x)
+    assert result.item_tiers == served.item_tiers and len(result.item_tiers) == 40
+    assert Tier.DEVICE in result.item_tiers and result.tier > Tier.DEVICE  # a mixed batch
+    assert result.tier == max(result.item_tiers)
+    np.testing.assert_array_equal(
+        result.outputs["probabilities"], codec.decode_response_outputs(response)["probabilities"]
+    )
