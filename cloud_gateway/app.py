@@ -17,6 +17,7 @@ from pathlib import Path
 
 from stratus.batching import DEFAULT_MAX_BATCH, DEFAULT_MAX_DELAY_S
 from stratus.local import LocalDataPlane, LocalModels, LocalSettings
+from stratus.precision import Hardware
 from stratus.process import announce, stop_on_signals
 from stratus.repository import ModelRepository
 from stratus.serving import NO_TLS, InferenceServicer, TlsSettings, bind, create_server
@@ -35,6 +36,8 @@ class CloudSettings:
     queue_limit: int = 256
     max_batch: int = DEFAULT_MAX_BATCH
     max_batch_delay_s: float = DEFAULT_MAX_DELAY_S
+    precision: str | None = None
+    hardware: Hardware | None = None
     emulated_extra_ms: float = 0.0  # benchmarks and tests only
     cache_dir: Path = Path.home() / ".cache" / "stratus"
     runtimes: Sequence[str] | None = None
@@ -57,6 +60,8 @@ async def serve(settings: CloudSettings, stop: asyncio.Event | None = None) -> N
             executor_name="stratus-cloud-infer",
             max_batch=settings.max_batch,
             max_batch_delay_s=settings.max_batch_delay_s,
+            precision=settings.precision,
+            hardware=settings.hardware,
             emulated_extra_ms=settings.emulated_extra_ms,
         ),
     )

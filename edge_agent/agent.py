@@ -26,6 +26,7 @@ from stratus import __version__
 from stratus.discovery import discover
 from stratus.errors import DeadlineExceeded, StratusError
 from stratus.local import LocalDataPlane, LocalModels
+from stratus.precision import Hardware
 from stratus.process import announce
 from stratus.serving import NO_TLS, InferenceServicer, TlsSettings, bind, create_server, open_channel
 from stratus.status import status_code
@@ -332,6 +333,8 @@ def load_models(
     runtimes: list[str] | None,
     cache_dir: Path,
     max_batch: int = 32,
+    precision: str | None = None,
+    hardware: Hardware | None = None,
     emulated_extra_ms: float = 0.0,
 ) -> LocalModels:
     from stratus.local import LocalSettings
@@ -348,6 +351,8 @@ def load_models(
             runtimes=runtimes,
             executor_name="stratus-agent-infer",
             max_batch=max_batch,
+            precision=precision,
+            hardware=hardware,
             emulated_extra_ms=emulated_extra_ms,
         ),
     )

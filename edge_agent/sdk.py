@@ -22,7 +22,6 @@ import numpy as np
 
 from stratus import codec
 from stratus.codec import Array
-from stratus.confidence import confidence
 from stratus.discovery import discover
 from stratus.errors import StratusError, Unavailable
 from stratus.local import LocalModels, LocalSettings
@@ -193,8 +192,7 @@ class Client:
         started = time.perf_counter()
         outputs = self._models.runners[variant.name].infer(inputs)
         ms = (time.perf_counter() - started) * 1000.0
-        spec = family.confidence
-        scores = confidence(outputs[spec.output], method=spec.method, apply_softmax=spec.apply_softmax)
+        scores = self._models.score(family, variant, outputs)
         return _Local(
             family=family, variant=variant, inputs=inputs, outputs=outputs, confidences=scores, ms=ms
         )

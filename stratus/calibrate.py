@@ -8,9 +8,15 @@ held-out split, which is only reported for information.
 * ``--target-accuracy A``: the thresholds that send the fewest requests to the top tier
   (then the fewest beyond the bottom tier) while the cascade's accuracy stays >= A.
 * ``--max-escalation R``: at most a share R of all requests may reach the top tier (the
-  expensive one); within that, the most accurate cascade, and among equally accurate
-  ones the most conservative (highest) thresholds, since a calibration split of a few
-  hundred examples flatters thresholds chosen at the edge of what it allows.
+  expensive one); within that, the cascade with the highest *expected* accuracy (the mean
+  confidence of the tier that answers each request), then the highest counted accuracy,
+  then the most conservative (highest) thresholds. Confidences are temperature-scaled
+  per variant (temperatures fitted on this same split by ``models/build.py``), so they
+  estimate the chance of being right; on a few hundred examples the counted accuracy moves
+  in steps of one or two examples, which is noise when the tiers' models are close.
+
+Thresholds are chosen on each tier's FP32 variant; its lower-precision children share
+them, as they are served only when they agree with it (``models verify``).
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ import numpy.typing as npt
 from stratus.confidence import confidence
 from stratus.datasets import Split, dataset_for
 from stratus.errors import ConfigError
-from stratus.repository import FamilySpec, write_thresholds
+from stratus.repository import FamilySpec, VariantSpec, write_thresholds
 from stratus.runtimes import LoadOptions, load_runner
 from stratus.tiers import Tier
 
@@ -48,20 +54,25 @@ class TierScores:
 class Outcome:
     accuracy: float
     reached: tuple[float, ...]  # share of requests that reach each tier, bottom first
+    # Mean confidence of the tier that answered each request: the accuracy that calibrated
+    # (temperature-scaled) confidences predict.
+    expected: float = 0.0
 
 
 def cascade(scores: Sequence[TierScores], thresholds: Sequence[float]) -> Outcome:
     """Simulate the router's cascade for thresholds of every tier but the top one."""
     pending = np.ones(len(scores[0].correct), dtype=bool)
     correct = np.zeros_like(pending)
+    expected = np.zeros(len(pending))
     reached = []
     for index, tier in enumerate(scores):
         reached.append(float(pending.mean()))
         last = index == len(scores) - 1
         answers = pending if last else pending & (tier.confidence >= thresholds[index])
         correct |= answers & tier.correct
+        expected[answers] = tier.confidence[answers]
         pending &= ~answers
-    return Outcome(accuracy=float(correct.mean()), reached=tuple(reached))
+    return Outcome(accuracy=float(correct.mean()), reached=tuple(reached), expected=float(expected.mean()))
 
 
 def candidate_thresholds(values: Floats, count: int = 60) -> list[float]:
@@ -91,14 +102,15 @@ def for_target_accuracy(scores: Sequence[TierScores], target: float) -> tuple[fl
 
 
 def for_max_escalation(scores: Sequence[TierScores], share: float) -> tuple[float, ...]:
-    """Most accurate (then highest) thresholds with at most ``share`` reaching the top tier."""
+    """Highest expected, then counted, accuracy (then highest thresholds) with at most
+    ``share`` reaching the top tier."""
     grids = [candidate_thresholds(s.confidence) for s in scores[:-1]]
     best: tuple[tuple[float, ...], tuple[float, ...]] | None = None
     for combo in itertools.product(*grids):
         outcome = cascade(scores, combo)
         if outcome.reached[-1] > share + 1e-12:
             continue
-        rank = (outcome.accuracy, sum(combo), *combo)
+        rank = (outcome.expected, outcome.accuracy, sum(combo), *combo)
         if best is None or rank > best[0]:
             best = (rank, combo)
     if best is None:  # unreachable: thresholds of 0 send nothing up
@@ -106,18 +118,28 @@ def for_max_escalation(scores: Sequence[TierScores], share: float) -> tuple[floa
     return best[1]
 
 
+def reference_variant(family: FamilySpec, tier: Tier) -> VariantSpec:
+    """The tier's FP32 variant: thresholds are chosen on it, and its lower-precision children
+    are served only when they agree with it (``models verify``), so they share its thresholds."""
+    variants = family.variants_for(tier)
+    return next((v for v in variants if v.precision == "FP32" and v.parent is None), variants[0])
+
+
 def tier_scores(family: FamilySpec, split: Split, cache: Path) -> list[TierScores]:
-    """Run the first variant of each tier over a split (in the best runtime here)."""
+    """Run each tier's FP32 variant over a split (in the best runtime here)."""
     scores = []
     for tier in sorted({v.tier for v in family.variants}):
-        variant = family.variants_for(tier)[0]
+        variant = reference_variant(family, tier)
         runner = load_runner(family, variant, LoadOptions(tier=tier, cache_dir=cache))
         try:
             outputs = runner.infer({family.inputs[0].name: split.x})[family.confidence.output]
         finally:
             runner.close()
         conf = confidence(
-            outputs, method=family.confidence.method, apply_softmax=family.confidence.apply_softmax
+            outputs,
+            method=family.confidence.method,
+            apply_softmax=family.confidence.apply_softmax,
+            temperature=variant.temperature,
         )
         scores.append(
             TierScores(tier, variant.name, conf.astype(np.float64), outputs.argmax(axis=1) == split.y)

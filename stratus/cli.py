@@ -8,10 +8,14 @@ import json
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from stratus import __version__
 from stratus.errors import StratusError
 from stratus.serving import TlsSettings
+
+if TYPE_CHECKING:
+    from stratus.precision import Hardware
 
 Handler = Callable[[argparse.Namespace], int]
 
@@ -24,11 +28,12 @@ def _models_verify(args: argparse.Namespace) -> int:
     from stratus.repository import ModelRepository
     from stratus.verify import format_report, verify
 
-    report = verify(ModelRepository.load(args.dir), cache_dir=args.cache_dir)
+    report = verify(ModelRepository.load(args.dir), cache_dir=args.cache_dir, record=args.record)
     if args.json:
         payload = {
             "variants": [row.to_json() for row in report.rows],
             "skipped": report.skipped,
+            "records": report.records,
             "ok": report.ok,
         }
         print(json.dumps(payload, indent=2))
@@ -67,6 +72,9 @@ def _add_models(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -
     verify.add_argument("--json", action="store_true")
     verify.add_argument(
         "--cache-dir", type=Path, default=None, help="runtime caches (default: a scratch folder)"
+    )
+    verify.add_argument(
+        "--record", action="store_true", help="write each family's verified.toml (what agents trust)"
     )
     verify.set_defaults(handler=_models_verify)
     calibrate = sub.add_parser("calibrate", help="pick each tier's escalation threshold")
@@ -136,6 +144,8 @@ def _cloud(args: argparse.Namespace) -> int:
         max_batch=args.max_batch,
         max_batch_delay_s=args.max_batch_delay_us / 1e6,
         cache_dir=args.cache_dir,
+        precision=args.precision,
+        hardware=_hardware(),
         emulated_extra_ms=args.emulate_slow_ms,
         tls=_tls(args),
     )
@@ -171,6 +181,8 @@ def _agent(args: argparse.Namespace) -> int:
         runtimes=_names(args.runtimes),
         cache_dir=args.cache_dir,
         max_batch=args.max_batch,
+        precision=args.precision,
+        hardware=_hardware(),
         emulated_extra_ms=args.emulate_slow_ms,
     )
 
@@ -181,6 +193,17 @@ def _agent(args: argparse.Namespace) -> int:
 
     run(main())
     return 0
+
+
+def _hardware() -> Hardware | None:
+    """``STRATUS_CPU_FLAGS`` (comma-separated) stands in for the CPU's own flags: for a
+    container that hides them, and for tests of the precision choice."""
+    import os
+
+    from stratus.precision import hardware_precisions
+
+    flags = os.environ.get("STRATUS_CPU_FLAGS")
+    return hardware_precisions(flags=flags.split(",")) if flags is not None else None
 
 
 def _names(text: str | None) -> list[str] | None:
@@ -289,6 +312,14 @@ def _add_servers(commands: argparse._SubParsersAction[argparse.ArgumentParser]) 
     agent.add_argument("--cache-dir", type=Path, default=_default_cache())
     agent.set_defaults(handler=_agent)
     for parser in (cloud, agent):
+        parser.add_argument(
+            "--precision",
+            type=str.lower,
+            choices=["fp32", "fp16", "int8"],
+            default=None,
+            help="serve this precision of each family (default: the fastest this CPU runs natively "
+            "within the family's accuracy tolerance)",
+        )
         parser.add_argument(
             "--emulate-slow-ms",
             type=float,

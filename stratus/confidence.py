@@ -44,9 +44,25 @@ def margin(probabilities: FloatArray) -> FloatArray:
     return result
 
 
-def confidence(scores: FloatArray, *, method: ConfidenceMethod, apply_softmax: bool) -> FloatArray:
-    """Confidence per batch item, as the family config says."""
-    probabilities = softmax(scores.astype(np.float64)) if apply_softmax else scores.astype(np.float64)
+def tempered(probabilities: FloatArray, temperature: float) -> FloatArray:
+    """Probabilities re-spread as if their logits were divided by ``temperature``.
+
+    Temperature scaling (fitted on the calibration split) keeps every item's top class
+    and only changes how sure the model claims to be: T > 1 softens an overconfident
+    model, so a threshold means the same share of right answers on every tier.
+    """
+    if temperature == 1.0:
+        return probabilities
+    logits = np.log(np.clip(probabilities, np.finfo(np.float64).tiny, None))
+    return softmax(logits / temperature)
+
+
+def confidence(
+    scores: FloatArray, *, method: ConfidenceMethod, apply_softmax: bool, temperature: float = 1.0
+) -> FloatArray:
+    """Confidence per batch item, as the family config (and the variant's temperature) says."""
+    values = scores.astype(np.float64)
+    probabilities = softmax(values / temperature) if apply_softmax else tempered(values, temperature)
     if method is ConfidenceMethod.MARGIN:
         return margin(probabilities)
     return max_probability(probabilities)

@@ -9,6 +9,7 @@ reason enough to ask a bigger model about the batch.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -22,6 +23,7 @@ from stratus.codec import Array
 from stratus.confidence import confidence
 from stratus.errors import InvalidInput, NotFound, Unavailable
 from stratus.executor import BoundedExecutor
+from stratus.precision import Hardware, choose_variant, hardware_precisions, load_verification
 from stratus.protocol import BATCH_SIZE, Served, set_parameter
 from stratus.repository import FamilySpec, ModelRepository, VariantSpec
 from stratus.runtimes import LoadOptions, ModelRunner, load_runner
@@ -31,6 +33,8 @@ from stratus.tensors import answer_raw
 from stratus.tiers import Tier
 from stratus.wire import fleet_pb2
 from stratus.wire import inference_pb2 as pb
+
+log = logging.getLogger("stratus.models")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -72,6 +76,10 @@ class LocalSettings:
     # Requests merged into one runtime call while every slot is busy; 1 turns batching off.
     max_batch: int = DEFAULT_MAX_BATCH
     max_batch_delay_s: float = DEFAULT_MAX_DELAY_S
+    # Which precision of each family to serve: None picks the fastest that this CPU runs
+    # natively and that the family's verification record vouches for; "fp32" etc. forces.
+    precision: str | None = None
+    hardware: Hardware | None = None  # None: read from this machine's CPU flags
     # Benchmarks only: hold each inference this much longer, to emulate a slower device.
     emulated_extra_ms: float = 0.0
 
@@ -96,14 +104,15 @@ class LocalModels:
             raise NotFound(f"no variants to load (tier={settings.tier}, variants={settings.variants})")
         self.runners: dict[str, ModelRunner] = {}
         self.latency: dict[str, LatencyWindow] = {}
-        for family, variant in chosen:
+        self.reasons = {c.variant.name: c.reason for c in chosen}
+        for family, variant in ((c.family, c.variant) for c in chosen):
             options = LoadOptions(
                 tier=variant.tier, cache_dir=settings.cache_dir, concurrency=settings.concurrency
             )
             self.runners[variant.name] = load_runner(family, variant, options, runtimes=settings.runtimes)
             self.latency[variant.name] = LatencyWindow()
-        self.variants = {v.name: v for _, v in chosen}
-        self.families = {f.name: f for f, _ in chosen}
+        self.variants = {c.variant.name: c.variant for c in chosen}
+        self.families = {c.family.name: c.family for c in chosen}
         self._dynamic_batch = {name: r.describe().dynamic_batch for name, r in self.runners.items()}
         # Each thread may have one closed batch ready behind the one it runs, so it never
         # waits on the event loop between batches; the batcher holds everything else.
@@ -169,8 +178,7 @@ class LocalModels:
         joined = members[0] if len(members) == 1 else _join(members)
         outputs, service_ms = self._timed_infer(key.variant, joined)
         self.latency[key.variant].add(service_ms)
-        spec = family.confidence
-        scores = confidence(outputs[spec.output], method=spec.method, apply_softmax=spec.apply_softmax)
+        scores = self.score(family, variant, outputs)
         wanted = key.outputs or tuple(s.name for s in family.outputs)
         total = sum(sizes)
         return [
@@ -182,6 +190,17 @@ class LocalModels:
             )
             for start, stop in split_counts(total, sizes)
         ]
+
+    @staticmethod
+    def score(family: FamilySpec, variant: VariantSpec, outputs: Mapping[str, Array]) -> Array:
+        """Each item's confidence, as the family says, at the variant's fitted temperature."""
+        spec = family.confidence
+        return confidence(
+            outputs[spec.output],
+            method=spec.method,
+            apply_softmax=spec.apply_softmax,
+            temperature=variant.temperature,
+        )
 
     def _timed_infer(self, variant: str, inputs: Mapping[str, Array]) -> tuple[dict[str, Array], float]:
         started = time.perf_counter()
@@ -221,6 +240,7 @@ class LocalModels:
                     precision=self.variants[name].precision,
                     dynamic_batch=described.dynamic_batch,
                     max_batch=self.max_batch(name),
+                    chosen_because=self.reasons.get(name, ""),
                 )
             )
         return infos
@@ -232,18 +252,33 @@ class LocalModels:
             runner.close()
 
 
-def _select(repository: ModelRepository, settings: LocalSettings) -> list[tuple[FamilySpec, VariantSpec]]:
+def _select(repository: ModelRepository, settings: LocalSettings) -> list[_Chosen]:
+    """Named variants as they are; otherwise, per family, the tier's best precision here."""
     if settings.variants:
         return [
-            (repository.family(repository.variant(n).family), repository.variant(n))
+            _Chosen(repository.family(repository.variant(n).family), repository.variant(n), "named")
             for n in settings.variants
         ]
-    return [
-        (family, variant)
-        for family in repository.families.values()
-        for variant in family.variants
-        if settings.tier is None or variant.tier is settings.tier
-    ]
+    hardware = settings.hardware or hardware_precisions()
+    chosen = []
+    for family in repository.families.values():
+        tiers = [settings.tier] if settings.tier is not None else sorted({v.tier for v in family.variants})
+        for tier in tiers:
+            if not family.variants_for(tier):
+                continue
+            choice = choose_variant(
+                family, tier, hardware=hardware, record=load_verification(family), override=settings.precision
+            )
+            log.info("%s on %s: %s (%s)", family.name, tier.label, choice.variant.name, choice.reason)
+            chosen.append(_Chosen(family, choice.variant, choice.reason))
+    return chosen
+
+
+@dataclass(frozen=True)
+class _Chosen:
+    family: FamilySpec
+    variant: VariantSpec
+    reason: str
 
 
 def _requested_outputs(request: pb.ModelInferRequest, family: FamilySpec) -> list[str]:

@@ -68,6 +68,11 @@ class VariantSpec:
     tier: Tier
     precision: str
     files: Mapping[str, Path]
+    # The FP32 variant this lower-precision one was quantized or converted from.
+    parent: str | None = None
+    # Divides the log-probabilities before the confidence is taken (fitted on the
+    # calibration split, so a confidence of 0.9 means about 9 in 10 right).
+    temperature: float = 1.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -80,6 +85,12 @@ class FamilySpec:
     thresholds: Mapping[Tier, float]
     variants: tuple[VariantSpec, ...]
     source: Path
+    # Held-out accuracy a lower-precision variant may lose against its FP32 parent.
+    max_accuracy_drop: float = 0.01
+
+    @property
+    def folder(self) -> Path:
+        return self.source.parent
 
     def variant(self, name: str) -> VariantSpec:
         for variant in self.variants:
@@ -212,6 +223,7 @@ def load_family(path: Path) -> FamilySpec:
     reader.unknown_keys(data, {"family", "inputs", "outputs", "confidence", "thresholds", "variants"}, "")
     head = reader.get(data, "family", dict, "")
     name = reader.get(head, "name", str, "family")
+    reader.unknown_keys(head, {"name", "description", "max_accuracy_drop"}, "family")
     outputs = _tensors(reader, data, "outputs")
     confidence = _confidence(reader, data, outputs)
     return FamilySpec(
@@ -223,7 +235,16 @@ def load_family(path: Path) -> FamilySpec:
         thresholds=_thresholds(reader, data),
         variants=_variants(reader, data, name, path.parent),
         source=path,
+        max_accuracy_drop=_fraction(reader, head, "max_accuracy_drop", "family", 0.01),
     )
+
+
+def _fraction(reader: _Reader, table: Mapping[str, Any], key: str, where: str, default: Any = ...) -> float:
+    """A share or a probability: a float in [0, 1]."""
+    value: float = reader.get(table, key, float, where, default)
+    if not (0.0 <= value <= 1.0) or math.isnan(value):
+        raise reader.fail(f"{where}.{key}", f"{value} must lie between 0 and 1")
+    return value
 
 
 def _tensors(reader: _Reader, data: Mapping[str, Any], key: str) -> tuple[TensorSpec, ...]:
@@ -265,11 +286,7 @@ def _thresholds(reader: _Reader, data: Mapping[str, Any]) -> dict[Tier, float]:
     table = reader.get(data, "thresholds", dict, "", {})
     thresholds = {}
     for key in table:
-        tier = _tier(reader, key, f"thresholds.{key}")
-        value = reader.get(table, key, float, "thresholds")
-        if not (0.0 <= value <= 1.0) or math.isnan(value):
-            raise reader.fail(f"thresholds.{key}", f"{value} must lie between 0 and 1")
-        thresholds[tier] = value
+        thresholds[_tier(reader, key, f"thresholds.{key}")] = _fraction(reader, table, key, "thresholds")
     return thresholds
 
 
@@ -289,13 +306,37 @@ def _variants(reader: _Reader, data: Mapping[str, Any], family: str, folder: Pat
     for name in names:
         if names.count(name) > 1:
             raise reader.fail("variants", f"variant '{name}' is listed more than once")
+    by_name = {v.name: v for v in variants}
+    for index, variant in enumerate(variants):
+        _check_parent(reader, f"variants[{index}].parent", variant, by_name)
     return tuple(variants)
+
+
+def _check_parent(
+    reader: _Reader, key: str, variant: VariantSpec, by_name: Mapping[str, VariantSpec]
+) -> None:
+    """A lower-precision variant is judged against its FP32 parent, so the pair must match."""
+    if variant.precision == "FP32":
+        if variant.parent is not None:
+            raise reader.fail(key, "an FP32 variant has no parent")
+        return
+    if variant.parent is None:
+        raise reader.fail(key, f"is missing: every {variant.precision} variant names its FP32 parent")
+    parent = by_name.get(variant.parent)
+    if parent is None:
+        raise reader.fail(key, f"'{variant.parent}' is not a variant of this family")
+    if parent.precision != "FP32":
+        raise reader.fail(key, f"'{parent.name}' is {parent.precision}, not FP32")
+    if parent.tier is not variant.tier:
+        raise reader.fail(
+            key, f"'{parent.name}' is on the {parent.tier.label} tier, not {variant.tier.label}"
+        )
 
 
 def _variant(reader: _Reader, item: Any, where: str, family: str, folder: Path) -> VariantSpec:
     if not isinstance(item, dict):
         raise reader.fail(where, "must be a table")
-    reader.unknown_keys(item, {"name", "tier", "precision", "files"}, where)
+    reader.unknown_keys(item, {"name", "tier", "precision", "parent", "temperature", "files"}, where)
     name = reader.get(item, "name", str, where)
     if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", name):
         raise reader.fail(f"{where}.name", f"'{name}' may hold only letters, digits, '.', '_' and '-'")
@@ -316,7 +357,16 @@ def _variant(reader: _Reader, item: Any, where: str, family: str, folder: Path) 
         tier=_tier(reader, reader.get(item, "tier", str, where), f"{where}.tier"),
         precision=reader.choice(item, "precision", PRECISIONS, where) if "precision" in item else "FP32",
         files=files,
+        parent=reader.get(item, "parent", str, where, None),
+        temperature=_temperature(reader, item, where),
     )
+
+
+def _temperature(reader: _Reader, item: Mapping[str, Any], where: str) -> float:
+    value: float = reader.get(item, "temperature", float, where, 1.0)
+    if not (0.0 < value < math.inf):
+        raise reader.fail(f"{where}.temperature", f"{value} must be a positive number")
+    return value
 
 
 def write_thresholds(path: Path, thresholds: Mapping[Tier, float]) -> None:

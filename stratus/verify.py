@@ -2,14 +2,31 @@
 
 A variant must give the same answer whichever runtime serves it: the router may send the
 same request to a TFLite device today and an OpenVINO one tomorrow. So each variant runs
-in every (runtime, format) it ships that this machine can run, and the largest absolute
-output difference between any two of them is reported and bounded.
+in every (runtime, format) it ships that this machine can run, and the runtimes are
+compared, with a check that fits the precision:
+
+* FP32: outputs agree within ``TOLERANCE`` (1e-4, absolute, on probabilities);
+* FP16: within ``FP16_TOLERANCE`` (5e-3): FP16 keeps about three significant digits, and
+  one runtime may compute in FP16 while another widens the FP16 weights to FP32;
+* INT8: top-1 answers agree on at least ``INT8_AGREEMENT`` of the items: each runtime
+  rounds activations its own way (LiteRT's own ranges, ONNX Runtime's and OpenVINO's
+  QDQ kernels), so probabilities differ by a few 1/256 steps, but answers must not.
+
+A lower-precision variant is also compared with its FP32 parent: held-out accuracy drop
+and top-1 agreement. One that loses more than the family's ``max_accuracy_drop`` is
+reported as outside tolerance; that is a correct finding, not a failure, and such a
+variant is never served (see :mod:`stratus.precision`). The verdict fails only when a
+runtime errs or runtimes disagree. ``record=True`` writes each family's verification
+record; without it, a missing or stale record is reported.
 """
 
 from __future__ import annotations
 
+import statistics
 import tempfile
-from dataclasses import asdict, dataclass
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -18,34 +35,88 @@ import numpy as np
 from stratus.codec import Array
 from stratus.datasets import Split, dataset_for
 from stratus.errors import ConfigError
+from stratus.precision import (
+    VariantRecord,
+    VerificationRecord,
+    file_sha256,
+    load_verification,
+    record_path,
+    variant_files,
+    write_verification,
+)
 from stratus.repository import FamilySpec, ModelRepository, VariantSpec
-from stratus.runtimes import RUNNERS, Choice, LoadOptions, available_runtimes, open_runner
+from stratus.runtimes import RUNNERS, Choice, LoadOptions, ModelRunner, available_runtimes, open_runner
 
 TOLERANCE = 1e-4
+FP16_TOLERANCE = 5e-3
+INT8_AGREEMENT = 0.99
+LATENCY_RUNS = {1: 25, 32: 10}
 
 
 @dataclass(frozen=True, kw_only=True)
 class VerifyRow:
+    """One (variant, runtime, format): how right, how close to its parent, how big, how fast."""
+
     name: str
     tier: str
+    precision: str
     runtime: str
     format: str
     accuracy: float | None
-    max_abs_diff: float
+    max_abs_diff: float  # largest output difference against the variant's other runtimes
+    runtime_agreement: float  # lowest top-1 agreement with the variant's other runtimes
+    parent: str | None = None
+    agreement: float | None = None  # top-1 agreement with the FP32 parent
+    accuracy_drop: float | None = None  # parent's accuracy minus this one's
+    within_tolerance: bool = True
+    size_kib: float = 0.0
+    latency_ms: dict[str, float] = field(default_factory=dict)  # {"b1": .., "b32": ..}, medians
     error: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
+
+    @property
+    def runtimes_agree(self) -> bool:
+        if self.precision == "INT8":
+            return self.runtime_agreement >= INT8_AGREEMENT
+        return self.max_abs_diff <= (FP16_TOLERANCE if self.precision == "FP16" else TOLERANCE)
+
+    @property
+    def failed(self) -> bool:
+        """A real problem: the file does not run, or runtimes give different answers."""
+        return self.error is not None or not self.runtimes_agree
+
+    @property
+    def status(self) -> str:
+        if self.error is not None:
+            return self.error
+        if not self.runtimes_agree:
+            return "runtimes disagree"
+        if not self.within_tolerance:
+            return f"outside tolerance (drop {self.accuracy_drop or 0.0:.4f})"
+        return "ok"
 
 
 @dataclass(frozen=True, kw_only=True)
 class VerifyReport:
     rows: tuple[VerifyRow, ...]
     skipped: dict[str, str]
+    records: dict[str, str] = field(default_factory=dict)  # family -> state of its record
 
     @property
     def ok(self) -> bool:
-        return bool(self.rows) and all(r.error is None and r.max_abs_diff <= TOLERANCE for r in self.rows)
+        return bool(self.rows) and not any(r.failed for r in self.rows)
+
+
+@dataclass
+class _Run:
+    """One runtime's outputs and timings for a variant."""
+
+    choice: Choice
+    output: Array | None = None
+    latency_ms: dict[str, float] = field(default_factory=dict)
+    error: str | None = None
 
 
 def _all_choices(variant: VariantSpec, usable: set[str]) -> list[Choice]:
@@ -65,62 +136,155 @@ def _labelled(family: FamilySpec) -> Split | None:
         return None
 
 
-def _run(family: FamilySpec, variant: VariantSpec, choice: Choice, x: Array, cache: Path) -> Array:
+def _median_ms(runner: ModelRunner, inputs: dict[str, Array], runs: int) -> float:
+    times = []
+    for _ in range(runs):
+        started = time.perf_counter()
+        runner.infer(inputs)
+        times.append((time.perf_counter() - started) * 1000.0)
+    return statistics.median(times)
+
+
+def _run(family: FamilySpec, variant: VariantSpec, choice: Choice, x: Array, cache: Path) -> _Run:
+    """Outputs on the whole split, then batch-1 and batch-32 latency (warm, medians)."""
     runner = open_runner(family, variant, choice, LoadOptions(tier=variant.tier, cache_dir=cache))
+    name = family.inputs[0].name
     try:
         runner.warmup()
-        return runner.infer({family.inputs[0].name: x})[family.confidence.output]
+        output = runner.infer({name: x})[family.confidence.output]
+        latency = {
+            f"b{size}": _median_ms(runner, {name: np.resize(x, (size, *x.shape[1:]))}, runs)
+            for size, runs in LATENCY_RUNS.items()
+        }
+        return _Run(choice, output, latency)
     finally:
         runner.close()
 
 
-def verify_variant(
+def _run_all(
     family: FamilySpec, variant: VariantSpec, data: Split, usable: set[str], cache: Path
-) -> list[VerifyRow]:
-    outputs: dict[Choice, Array] = {}
-    errors: dict[Choice, str] = {}
+) -> list[_Run]:
+    runs = []
     for choice in _all_choices(variant, usable):
         try:
-            outputs[choice] = _run(family, variant, choice, data.x, cache)
+            runs.append(_run(family, variant, choice, data.x, cache))
         except Exception as exc:  # a verify run reports every failure, per row, whatever raised it
-            errors[choice] = f"{type(exc).__name__}: {exc}"
-    rows = []
-    for choice in [*outputs, *errors]:
-        output = outputs.get(choice)
-        diff = (
-            max((float(np.abs(output - other).max()) for other in outputs.values()), default=0.0)
-            if output is not None
-            else 0.0
-        )
-        accuracy = (
-            float((output.argmax(axis=1) == data.y).mean()) if output is not None and len(data.y) else None
-        )
-        rows.append(
-            VerifyRow(
-                name=variant.name,
-                tier=variant.tier.label,
-                runtime=choice.runtime,
-                format=choice.format,
-                accuracy=accuracy,
-                max_abs_diff=diff,
-                error=errors.get(choice),
-            )
-        )
+            runs.append(_Run(choice, error=f"{type(exc).__name__}: {exc}"))
+    return runs
+
+
+def _top1_agreement(a: Array, b: Array) -> float:
+    return float((a.argmax(axis=1) == b.argmax(axis=1)).mean()) if len(a) else 1.0
+
+
+def _size_kib(choice: Choice) -> float:
+    parts = [choice.path, choice.path.with_suffix(".bin")] if choice.format == "openvino" else [choice.path]
+    return sum(p.stat().st_size for p in parts if p.is_file()) / 1024.0
+
+
+@dataclass(frozen=True)
+class _Parent:
+    """The FP32 parent's outputs by runtime, and its accuracy, for its children's rows."""
+
+    outputs: dict[str, Array]
+    accuracy: float | None
+
+
+def _row(
+    family: FamilySpec,
+    variant: VariantSpec,
+    run: _Run,
+    runs: Sequence[_Run],
+    data: Split,
+    *,
+    parent: _Parent | None,
+) -> VerifyRow:
+    output = run.output
+    others = [r.output for r in runs if r.output is not None]
+    accuracy = float((output.argmax(axis=1) == data.y).mean()) if output is not None and len(data.y) else None
+    agreement, drop = _against_parent(output, run.choice.runtime, accuracy, parent)
+    return VerifyRow(
+        name=variant.name,
+        tier=variant.tier.label,
+        precision=variant.precision,
+        runtime=run.choice.runtime,
+        format=run.choice.format,
+        accuracy=accuracy,
+        max_abs_diff=max((float(np.abs(output - o).max()) for o in others), default=0.0)
+        if output is not None
+        else 0.0,
+        runtime_agreement=min((_top1_agreement(output, o) for o in others), default=1.0)
+        if output is not None
+        else 1.0,
+        parent=variant.parent,
+        agreement=agreement,
+        accuracy_drop=drop,
+        within_tolerance=drop is None or drop <= family.max_accuracy_drop + 1e-9,
+        size_kib=_size_kib(run.choice),
+        latency_ms=run.latency_ms,
+        error=run.error,
+    )
+
+
+def _against_parent(
+    output: Array | None, runtime: str, accuracy: float | None, parent: _Parent | None
+) -> tuple[float | None, float | None]:
+    """(top-1 agreement, accuracy drop) against the parent in the same runtime where it ran.
+
+    Without labels, the disagreement with the parent stands in for the drop: it bounds it.
+    """
+    if parent is None or output is None or not parent.outputs:
+        return None, None
+    reference = parent.outputs.get(runtime, next(iter(parent.outputs.values())))
+    agreement = _top1_agreement(output, reference)
+    if accuracy is None or parent.accuracy is None:
+        return agreement, 1.0 - agreement
+    return agreement, max(0.0, parent.accuracy - accuracy)
+
+
+def verify_family(family: FamilySpec, data: Split, usable: set[str], cache: Path) -> list[VerifyRow]:
+    """Every variant of a family; parents before children, as ``family.toml`` lists them."""
+    rows: list[VerifyRow] = []
+    parents: dict[str, _Parent] = {}
+    for variant in sorted(family.variants, key=lambda v: v.parent is not None):
+        runs = _run_all(family, variant, data, usable, cache)
+        parent = parents.get(variant.parent) if variant.parent else None
+        variant_rows = [_row(family, variant, run, runs, data, parent=parent) for run in runs]
+        rows += variant_rows
+        if variant.parent is None:
+            accuracies = [r.accuracy for r in variant_rows if r.accuracy is not None]
+            outputs = {r.choice.runtime: r.output for r in runs if r.output is not None}
+            parents[variant.name] = _Parent(outputs, min(accuracies) if accuracies else None)
     return rows
 
 
-def verify(repository: ModelRepository, *, cache_dir: Path | None = None) -> VerifyReport:
+def verify(
+    repository: ModelRepository, *, cache_dir: Path | None = None, record: bool = False
+) -> VerifyReport:
+    """Verify every family; with ``record``, (re)write each family's verification record."""
     availability = available_runtimes()
     usable = {name for name, status in availability.items() if status.available}
     skipped = {name: status.reason for name, status in availability.items() if not status.available}
     rows: list[VerifyRow] = []
+    records: dict[str, str] = {}
     with tempfile.TemporaryDirectory(prefix="stratus-verify-") as scratch:
         cache = cache_dir or Path(scratch)
         for family in repository.families.values():
             data = _labelled(family) or _random_inputs(family)
-            for variant in family.variants:
-                rows += verify_variant(family, variant, data, usable, cache)
-    return VerifyReport(rows=tuple(rows), skipped=skipped)
+            family_rows = verify_family(family, data, usable, cache)
+            rows += family_rows
+            records[family.name] = _write_record(family, family_rows) if record else record_state(family)
+    return VerifyReport(rows=tuple(rows), skipped=skipped, records=records)
+
+
+def record_family(family: FamilySpec, *, cache_dir: Path) -> VerifyReport:
+    """Verify one family and write its record: the last step of ``models/build.py``."""
+    availability = available_runtimes()
+    usable = {name for name, status in availability.items() if status.available}
+    data = _labelled(family) or _random_inputs(family)
+    rows = verify_family(family, data, usable, cache_dir)
+    skipped = {name: status.reason for name, status in availability.items() if not status.available}
+    return VerifyReport(rows=tuple(rows), skipped=skipped, records={family.name: _write_record(family, rows)})
 
 
 def _random_inputs(family: FamilySpec) -> Split:
@@ -131,22 +295,90 @@ def _random_inputs(family: FamilySpec) -> Split:
     return Split(x, np.empty(0, dtype=np.int64))
 
 
+# ---------------------------------------------------------------------------------------------
+# The verification record
+# ---------------------------------------------------------------------------------------------
+
+
+def build_record(family: FamilySpec, rows: Sequence[VerifyRow]) -> VerificationRecord:
+    """Deterministic figures only (no timings): the lowest over runtimes, and file hashes."""
+    entries = {}
+    for variant in family.variants:
+        mine = [r for r in rows if r.name == variant.name]
+        drop = max((r.accuracy_drop for r in mine if r.accuracy_drop is not None), default=0.0)
+        entries[variant.name] = VariantRecord(
+            name=variant.name,
+            precision=variant.precision,
+            parent=variant.parent,
+            sha256={name: file_sha256(path) for name, path in sorted(variant_files(family, variant).items())},
+            accuracy=_lowest(r.accuracy for r in mine),
+            accuracy_drop=drop,
+            agreement=_lowest(r.agreement for r in mine) if variant.parent else 1.0,
+            within_tolerance=bool(mine) and all(r.within_tolerance and not r.failed for r in mine),
+            runtimes=tuple(sorted({r.runtime for r in mine if r.error is None})),
+        )
+    return VerificationRecord(
+        family=family.name,
+        max_accuracy_drop=family.max_accuracy_drop,
+        variants=entries,
+        source=record_path(family),
+    )
+
+
+def _lowest(values: Iterable[float | None]) -> float:
+    """The worst figure over runtimes; NaN when none was measured (no labels, or errors)."""
+    return min((v for v in values if v is not None), default=float("nan"))
+
+
+def _write_record(family: FamilySpec, rows: Sequence[VerifyRow]) -> str:
+    write_verification(build_record(family, rows))
+    return f"written: {record_path(family)}"
+
+
+def record_state(family: FamilySpec) -> str:
+    """Whether the committed record still describes these files: fresh, missing or stale."""
+    record = load_verification(family)
+    if record is None:
+        return f"missing: {record_path(family)} (run `stratus models verify --record`)"
+    stale = [
+        problem
+        for variant in family.variants
+        if (problem := record.problem(family, variant)) and not problem.startswith("outside tolerance")
+    ]
+    if stale:
+        return f"stale: {'; '.join(stale)} (run `stratus models verify --record`)"
+    return f"fresh: {record_path(family)}"
+
+
+# ---------------------------------------------------------------------------------------------
+# The table
+# ---------------------------------------------------------------------------------------------
+
+
+def _cell(value: float | None, pattern: str) -> str:
+    return format(value, pattern) if value is not None else "-"
+
+
 def format_report(report: VerifyReport) -> str:
     header = (
-        f"{'variant':<16}{'tier':<8}{'runtime':<13}{'format':<10}{'accuracy':>9}{'max|diff|':>12}  status"
+        f"{'variant':<19}{'tier':<7}{'prec':<6}{'runtime':<12}{'format':<9}{'accuracy':>9}{'drop':>8}"
+        f"{'agree':>8}{'KiB':>7}{'b1 ms':>8}{'b32 ms':>8}{'max|diff|':>10}{'rt-agree':>9}  status"
     )
     lines = [header, "-" * len(header)]
     for row in report.rows:
-        accuracy = f"{row.accuracy:.4f}" if row.accuracy is not None else "-"
-        status = (
-            "ok" if row.error is None and row.max_abs_diff <= TOLERANCE else (row.error or "outputs differ")
-        )
         lines.append(
-            f"{row.name:<16}{row.tier:<8}{row.runtime:<13}{row.format:<10}{accuracy:>9}{row.max_abs_diff:>12.2e}  {status}"
+            f"{row.name:<19}{row.tier:<7}{row.precision:<6}{row.runtime:<12}{row.format:<9}"
+            f"{_cell(row.accuracy, '.4f'):>9}{_cell(row.accuracy_drop, '.4f'):>8}{_cell(row.agreement, '.4f'):>8}"
+            f"{row.size_kib:>7.1f}{_cell(row.latency_ms.get('b1'), '.3f'):>8}{_cell(row.latency_ms.get('b32'), '.3f'):>8}"
+            f"{row.max_abs_diff:>10.2e}{row.runtime_agreement:>9.4f}  {row.status}"
         )
-    for runtime, reason in report.skipped.items():
-        lines.append(f"skipped {runtime}: {reason}")
+    lines += [f"skipped {runtime}: {reason}" for runtime, reason in report.skipped.items()]
+    lines += [f"record of {family}: {state}" for family, state in report.records.items()]
+    outside = sorted({r.name for r in report.rows if not r.within_tolerance and not r.failed})
+    if outside:
+        lines.append(f"outside tolerance (reported, never served): {', '.join(outside)}")
     lines.append(
-        f"verdict: {'PASS' if report.ok else 'FAIL'} (runtimes of a variant agree within {TOLERANCE:g})"
+        f"verdict: {'PASS' if report.ok else 'FAIL'} (runtimes of a variant agree: FP32 within {TOLERANCE:g}, "
+        f"FP16 within {FP16_TOLERANCE:g}, INT8 top-1 on >= {INT8_AGREEMENT:.0%} of items)"
     )
     return "\n".join(lines)

@@ -40,7 +40,9 @@ class Cluster:
     def router(self, *extra: str, role: str = "router", listen: str = "127.0.0.1:0") -> Launched:
         return self.start(role, ["router", "--listen", listen, "--no-advertise", *QUIET, *extra])
 
-    def agent(self, name: str, router: str, *extra: str, tier: str = "device") -> Launched:
+    def agent(
+        self, name: str, router: str, *extra: str, tier: str = "device", env: dict[str, str] | None = None
+    ) -> Launched:
         return self.start(
             name,
             [
@@ -56,6 +58,7 @@ class Cluster:
                 *QUIET,
                 *extra,
             ],
+            env=env,
         )
 
     def stop_all(self) -> None:

@@ -48,18 +48,19 @@ def probabilities(response: pb.ModelInferResponse) -> np.ndarray:
 
 def test_a_mixed_batch_gives_item_by_item_exactly_what_each_item_alone_gives(router: str, digits) -> None:  # type: ignore[no-untyped-def]
     x = digits.held_out.x[:60]
-    batch = ask(router, request(x))
+    sure = 0.99  # stricter than the thresholds, so that some items climb to each tier
+    batch = ask(router, request(x, min_confidence=sure))
     served = Served.read(batch.parameters)
     tiers = served.item_tiers
     assert len(tiers) == 60 and served.tier == max(tiers)
     assert {Tier.DEVICE} < set(tiers), "the batch should mix device answers with escalated ones"
     together = probabilities(batch)
     for index, row in enumerate(x):
-        alone = ask(router, request(row[None, :]))
+        alone = ask(router, request(row[None, :], min_confidence=sure))
         assert Served.read(alone.parameters).tier == tiers[index], index
         assert np.array_equal(probabilities(alone)[0], together[index]), index
     # only the unsure items climbed: the path went up, yet most items stayed on the device
-    assert served.path[0] is Tier.DEVICE and tiers.count(Tier.DEVICE) > 30
+    assert served.path[0] is Tier.DEVICE and tiers.count(Tier.DEVICE) > 20
 
 
 def test_typed_clients_get_typed_answers_from_a_per_item_climb(router: str, digits) -> None:  # type: ignore[no-untyped-def]

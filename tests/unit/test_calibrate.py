@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from stratus.calibrate import TierScores, cascade, for_max_escalation, for_target_accuracy
-from stratus.confidence import ConfidenceMethod, confidence, margin, max_probability, softmax
+from stratus.confidence import ConfidenceMethod, confidence, margin, max_probability, softmax, tempered
 from stratus.errors import ConfigError
 from stratus.tiers import Tier
 
@@ -42,15 +42,43 @@ def test_target_accuracy_picks_the_cheapest_thresholds_that_reach_it() -> None:
         for_target_accuracy(bad, 1.0)
 
 
-def test_max_escalation_caps_the_top_tier_and_prefers_accuracy_then_caution() -> None:
+def test_max_escalation_caps_the_top_tier_and_prefers_expected_then_counted_accuracy() -> None:
     capped = cascade(scores(), for_max_escalation(scores(), 0.25))
     assert capped.reached[2] <= 0.25
-    assert capped.accuracy == 1.0  # device takes 0 and 1, edge takes 2, the cloud only 3
+    # The device's 0.8 on request 2 beats the edge's 0.7: confidences are taken as calibrated.
+    assert capped.reached == (1.0, 0.25, 0.25)
+    assert capped.expected == pytest.approx((0.95 + 0.9 + 0.8 + 1.0) / 4)
     nothing_up = cascade(scores(), for_max_escalation(scores(), 0.0))
     assert nothing_up.reached[2] == 0.0
-    assert nothing_up.accuracy == 0.75  # the edge must answer 3 itself, and gets it wrong
+    assert nothing_up.accuracy == 0.5  # the device keeps 2 (0.8 > 0.7), the edge answers 3: both wrong
     # With no cap, every threshold goes as high as it can: all requests reach the top.
     assert cascade(scores(), for_max_escalation(scores(), 1.0)).reached[2] == 1.0
+
+
+def test_counted_accuracy_breaks_ties_of_expected_accuracy() -> None:
+    tied = scores()
+    # Request 2: the device and the edge are equally sure, only the edge is right.
+    tied[0] = TierScores(Tier.DEVICE, "s", np.array([0.95, 0.9, 0.7, 0.4]), tied[0].correct)
+    capped = cascade(tied, for_max_escalation(tied, 0.25))
+    assert capped.accuracy == 1.0 and capped.reached[2] == 0.25
+
+
+def test_temperature_softens_or_sharpens_without_changing_the_answer() -> None:
+    probabilities = np.array([[0.7, 0.2, 0.1], [0.4, 0.35, 0.25]])
+    soft = confidence(
+        probabilities, method=ConfidenceMethod.MAX_SOFTMAX, apply_softmax=False, temperature=2.0
+    )
+    sharp = confidence(
+        probabilities, method=ConfidenceMethod.MAX_SOFTMAX, apply_softmax=False, temperature=0.5
+    )
+    plain = confidence(probabilities, method=ConfidenceMethod.MAX_SOFTMAX, apply_softmax=False)
+    assert np.all(soft < plain) and np.all(sharp > plain)
+    np.testing.assert_allclose(tempered(probabilities, 0.5).argmax(axis=1), [0, 0])
+    np.testing.assert_allclose(tempered(probabilities, 0.5)[0], softmax(np.log(probabilities[0]) * 2.0))
+    logits = np.log(probabilities)
+    np.testing.assert_allclose(
+        confidence(logits, method=ConfidenceMethod.MAX_SOFTMAX, apply_softmax=True, temperature=0.5), sharp
+    )
 
 
 def test_confidence_functions() -> None:

@@ -15,8 +15,18 @@ from stratus.tiers import Tier
 
 def test_shipped_digits_family(repository: ModelRepository) -> None:
     family = repository.family("digits")
-    assert [v.name for v in family.variants] == ["digits-small", "digits-medium", "digits-large"]
-    assert [v.tier for v in family.variants] == [Tier.DEVICE, Tier.EDGE, Tier.CLOUD]
+    fp32 = [v for v in family.variants if v.precision == "FP32"]
+    assert [v.name for v in fp32] == ["digits-small", "digits-medium", "digits-large"]
+    assert [v.tier for v in fp32] == [Tier.DEVICE, Tier.EDGE, Tier.CLOUD]
+    children = {v.name: (v.precision, v.parent) for v in family.variants if v.parent}
+    assert children == {
+        "digits-small-int8": ("INT8", "digits-small"),
+        "digits-medium-int8": ("INT8", "digits-medium"),
+        "digits-medium-fp16": ("FP16", "digits-medium"),
+        "digits-large-fp16": ("FP16", "digits-large"),
+    }
+    assert family.max_accuracy_drop == 0.01
+    assert all(v.temperature > 0 for v in family.variants)
     assert set(family.variant("digits-small").files) == {"tflite", "onnx", "openvino"}
     assert family.inputs[0].shape == (-1, 64) and family.outputs[0].shape == (-1, 10)
     assert repository.resolve("digits-large") == (family, family.variant("digits-large"))
@@ -53,7 +63,7 @@ def family_copy(tmp_path: Path, models_dir: Path) -> Path:
 @pytest.mark.parametrize(
     ("old", "new", "key", "problem"),
     [
-        ('tier = "edge"', 'tier = "fog"', "variants[1].tier", "'fog' is not one of device, edge, cloud"),
+        ('tier = "edge"', 'tier = "fog"', "variants[2].tier", "'fog' is not one of device, edge, cloud"),
         (
             'datatype = "FP32"\nshape = [-1, 64]',
             'datatype = "FP31"\nshape = [-1, 64]',
@@ -70,8 +80,46 @@ def family_copy(tmp_path: Path, models_dir: Path) -> Path:
         ),
         ("\ndevice = ", "\ndevice = 1.5 # ", "thresholds.device", "must lie between 0 and 1"),
         ("\ndevice = ", '\ndevice = "high" # ', "thresholds.device", "must be a float, not str"),
-        ('onnx = "digits-large.onnx"', 'onnx = "missing.onnx"', "variants[2].files.onnx", "does not exist"),
-        ('onnx = "digits-large.onnx"', 'pt = "digits-large.onnx"', "variants[2].files.pt", "unknown format"),
+        ('onnx = "digits-large.onnx"', 'onnx = "missing.onnx"', "variants[5].files.onnx", "does not exist"),
+        ('onnx = "digits-large.onnx"', 'pt = "digits-large.onnx"', "variants[5].files.pt", "unknown format"),
+        (
+            "max_accuracy_drop = 0.01",
+            "max_accuracy_drop = 1.5",
+            "family.max_accuracy_drop",
+            "between 0 and 1",
+        ),
+        (
+            "max_accuracy_drop = 0.01",
+            'max_accuracy_drop = "low"',
+            "family.max_accuracy_drop",
+            "must be a float",
+        ),
+        (
+            'parent = "digits-small"',
+            'parent = "digits-tiny"',
+            "variants[1].parent",
+            "'digits-tiny' is not a variant of this family",
+        ),
+        (
+            'parent = "digits-small"',
+            'parent = "digits-medium"',
+            "variants[1].parent",
+            "on the edge tier, not device",
+        ),
+        (
+            'parent = "digits-medium"',
+            'parent = "digits-medium-int8"',
+            "variants[3].parent",
+            "is INT8, not FP32",
+        ),
+        ('parent = "digits-small"\n', "", "variants[1].parent", "every INT8 variant names its FP32 parent"),
+        (
+            'precision = "FP32"\ntemperature',
+            'precision = "FP32"\nparent = "digits-large"\ntemperature',
+            "variants[0].parent",
+            "an FP32 variant has no parent",
+        ),
+        ("temperature = ", "temperature = -", "variants[0].temperature", "must be a positive number"),
         ('name = "digits"', 'nmae = "digits"', "family.name", "is missing"),
         ('name = "digits-medium"', 'name = "digits-small"', "variants", "listed more than once"),
     ],

@@ -1,0 +1,65 @@
+"""Which precision an agent serves: native on its CPU and within tolerance, or as forced."""
+
+from __future__ import annotations
+
+import pytest
+
+from stratus.errors import Unavailable
+
+from .cluster import Cluster, fleet_status, infer, ready_count, wait_until
+
+
+def _choices(router: str) -> dict[str, tuple[list[str], list[str]]]:
+    return {a.id: (list(a.variants), list(a.variant_choices)) for a in fleet_status(router).agents}
+
+
+@pytest.mark.parametrize(
+    ("name", "tier", "flags", "variant", "reason"),
+    [
+        (
+            "plain",
+            "device",
+            "avx2,f16c,fma",
+            "digits-small",
+            "fp32: no native int8/fp16 on this CPU (avx2, f16c, fma)",
+        ),
+        ("vnni", "device", "avx2,avx512_vnni", "digits-small-int8", "int8: native (cpu flags: avx512_vnni)"),
+        ("fp16", "edge", "avx2,avx512_fp16", "digits-medium-fp16", "fp16: native (cpu flags: avx512_fp16)"),
+        (
+            "amx",
+            "edge",
+            "amx_int8,amx_fp16",
+            "digits-medium-int8",
+            "int8: native (cpu flags: amx_int8, amx_fp16)",
+        ),
+    ],
+)
+def test_agents_pick_the_native_precision_and_say_why(  # type: ignore[no-untyped-def]
+    cluster: Cluster, digits, name: str, tier: str, flags: str, variant: str, reason: str
+) -> None:
+    router = cluster.router().address
+    cluster.agent(name, router, tier=tier, env={"STRATUS_CPU_FLAGS": flags})
+    wait_until(lambda: ready_count(router) == 1)
+    variants, choices = _choices(router)[name]
+    assert variants == [variant]
+    assert len(choices) == 1 and choices[0].startswith(f"{variant} ") and reason in choices[0]
+    _, served = infer(router, digits.held_out.x[:4], min_confidence=0.0)
+    assert served.variant == variant
+
+
+def test_precision_flag_forces_a_verified_variant_and_the_family_answers(cluster: Cluster, digits) -> None:  # type: ignore[no-untyped-def]
+    router = cluster.router().address
+    cluster.agent("forced", router, "--precision", "int8")
+    wait_until(lambda: ready_count(router) == 1)
+    variants, choices = _choices(router)["forced"]
+    assert variants == ["digits-small-int8"] and "int8: forced by --precision" in choices[0]
+    response, served = infer(router, digits.held_out.x[:30], max_tier="device")
+    assert served.variant == "digits-small-int8"
+    assert response.outputs[0].shape == [30, 10]
+
+
+def test_a_precision_the_tier_does_not_have_is_refused_at_start(cluster: Cluster) -> None:
+    router = cluster.router().address
+    with pytest.raises(Unavailable, match="has no FP16 variant on the device tier"):
+        cluster.agent("nofp16", router, "--precision", "fp16")
+    assert list(fleet_status(router).agents) == []
