@@ -12,12 +12,15 @@ import asyncio
 import re
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import grpc
 import numpy as np
 
 from stratus import codec
+from stratus.launcher import Launched, launch
 from stratus.protocol import DEGRADED, parameter_value, set_parameter
 from stratus.serving import grpc_options
 from stratus.wire import inference_pb2 as pb
@@ -120,6 +123,72 @@ class OpenLoop:
         tally.answered += 1
         if DEGRADED in response.parameters and parameter_value(response.parameters[DEGRADED]):
             tally.degraded += 1
+
+
+@dataclass
+class Run:
+    requests: int
+    seconds: float
+    latencies_ms: list[float]
+
+    @property
+    def throughput(self) -> float:
+        return self.requests / self.seconds
+
+
+async def drive(
+    address: str,
+    *,
+    in_flight: int,
+    seconds: float,
+    request: pb.ModelInferRequest,
+    on_response: Callable[[pb.ModelInferResponse], None] | None = None,
+) -> Run:
+    """Closed loop: ``in_flight`` workers, each sending its next request as soon as the last returns."""
+    latencies: list[float] = []
+    async with grpc.aio.insecure_channel(address, options=grpc_options()) as channel:
+        stub = pb_grpc.GRPCInferenceServiceStub(channel)
+        for _ in range(20):  # warm the channel and both ends
+            await stub.ModelInfer(request, timeout=10)
+        stop_at = time.perf_counter() + seconds
+
+        async def worker() -> None:
+            while time.perf_counter() < stop_at:
+                started = time.perf_counter()
+                response = await stub.ModelInfer(request, timeout=10)
+                latencies.append((time.perf_counter() - started) * 1000.0)
+                if on_response is not None:
+                    on_response(response)
+
+        started = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(in_flight)))
+        elapsed = time.perf_counter() - started
+    return Run(requests=len(latencies), seconds=elapsed, latencies_ms=latencies)
+
+
+QUIET = ["--log-level", "WARNING"]
+
+
+def launch_agent(router: str, name: str, log_dir: Path, *flags: str, tier: str = "device") -> Launched:
+    """One agent process linked to ``router``, with its own flags (capacity, batching, ...)."""
+    models = Path(__file__).resolve().parent.parent / "models"
+    return launch(
+        [
+            "agent",
+            "--tier",
+            tier,
+            "--models",
+            str(models),
+            "--router",
+            router,
+            "--name",
+            name,
+            *flags,
+            *QUIET,
+        ],
+        role=name,
+        log_dir=log_dir,
+    )
 
 
 def rss_mb(pid: int) -> float:

@@ -26,14 +26,12 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from loadgen import OpenLoop, make_requests, rss_mb  # noqa: E402
+from loadgen import QUIET, OpenLoop, launch_agent, make_requests, rss_mb  # noqa: E402
 
 from stratus.datasets import digits_splits  # noqa: E402
 from stratus.demo import wait_for_agents  # noqa: E402
 from stratus.launcher import launch  # noqa: E402
 from stratus.protocol import set_parameter  # noqa: E402
-
-QUIET = ["--log-level", "WARNING"]
 
 
 async def capacity(address: str, requests: list, seconds: float = 5.0) -> float:  # type: ignore[type-arg]
@@ -86,27 +84,16 @@ def main() -> None:
             ["router", "--listen", "127.0.0.1:0", "--no-advertise", *QUIET], role="router", log_dir=log_dir
         )
         agents = [
-            launch(
-                [
-                    "agent",
-                    "--tier",
-                    "device",
-                    "--models",
-                    str(ROOT / "models"),
-                    "--router",
-                    router.address,
-                    "--name",
-                    f"device-{i}",
-                    "--concurrency",
-                    "1",
-                    "--queue-limit",
-                    "8",
-                    "--emulate-slow-ms",
-                    str(args.service_ms),
-                    *QUIET,
-                ],
-                role=f"device-{i}",
-                log_dir=log_dir,
+            launch_agent(
+                router.address,
+                f"device-{i}",
+                log_dir,
+                "--concurrency",
+                "1",
+                "--queue-limit",
+                "8",
+                "--emulate-slow-ms",
+                str(args.service_ms),
             )
             for i in (1, 2)
         ]

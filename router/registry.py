@@ -114,7 +114,10 @@ class AgentHandle:
     batcher: Batcher[Part, PartAnswer] | None = None
 
     def __post_init__(self) -> None:
+        # What the Hello said does not change for the life of the link: computed once.
         self._variant_of = {info.family: name for name, info in self.variants.items() if info.family}
+        self._max_batch = {name: max(1, info.max_batch) for name, info in self.variants.items()}
+        self._limit = (self.capacity + self.queue_limit) * max(self._max_batch.values(), default=1)
 
     @property
     def variant_families(self) -> Mapping[str, str]:
@@ -132,7 +135,7 @@ class AgentHandle:
     @property
     def limit(self) -> int:
         """Items the router may hold for it: its slots and queue, each a Work of up to a batch."""
-        return (self.capacity + self.queue_limit) * max((self.max_batch(v) for v in self.variants), default=1)
+        return self._limit
 
     @property
     def rtt_ms(self) -> float:
@@ -144,8 +147,7 @@ class AgentHandle:
         return self._variant_of.get(model, model)
 
     def max_batch(self, model: str) -> int:
-        info = self.variants.get(self.variant_for(model))
-        return max(1, info.max_batch) if info is not None else 1
+        return self._max_batch.get(self._variant_of.get(model, model), 1)
 
     def cost_ms(self, model: str, items: int) -> float:
         """Expected time to run a batch of ``items``: learnt per batch size, else the heartbeat's mean."""

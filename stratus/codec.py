@@ -60,15 +60,27 @@ _DATATYPES: Final[dict[str, _Datatype]] = {
 DATATYPES: Final = tuple(_DATATYPES)
 
 
+# Native and little-endian spellings of each fixed-size dtype, looked up once per array.
+_NAMES: Final[dict[np.dtype[Any], str]] = {
+    variant: d.name
+    for d in _DATATYPES.values()
+    if d.name != "BYTES"
+    for variant in (d.dtype, d.dtype.newbyteorder("="), d.dtype.newbyteorder("<"))
+}
+
+
 def datatype_of(array: Array) -> str:
     """The protocol datatype for a numpy array (strings and bytes become BYTES)."""
     kind = array.dtype
+    name = _NAMES.get(kind)
+    if name is not None:
+        return name
     if kind.kind in "OSU":
         return "BYTES"
-    for spec in _DATATYPES.values():
-        if spec.name != "BYTES" and spec.dtype == kind.newbyteorder("<"):
-            return spec.name
-    raise InvalidInput(f"numpy dtype {kind} has no Open Inference Protocol datatype")
+    name = _NAMES.get(kind.newbyteorder("<"))
+    if name is None:
+        raise InvalidInput(f"numpy dtype {kind} has no Open Inference Protocol datatype")
+    return name
 
 
 def numpy_dtype(datatype: str, *, tensor: str = "tensor") -> np.dtype[Any]:

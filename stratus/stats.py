@@ -39,10 +39,12 @@ class LatencyWindow:
     def mean_ms(self) -> float | None:
         return self._mean
 
-    def percentile(self, q: float) -> float:
+    def percentile(self, q: float, *, last: int | None = None) -> float:
+        """The q-th percentile of the window, or of its ``last`` samples only."""
         if not self._samples:
             return 0.0
-        ordered = sorted(self._samples)
+        samples = list(self._samples)[-last:] if last else self._samples
+        ordered = sorted(samples)
         index = min(len(ordered) - 1, max(0, math.ceil(q / 100.0 * len(ordered)) - 1))
         return ordered[index]
 
