@@ -28,7 +28,6 @@ from stratus.status import error_from_status, status_for
 from stratus.tensors import Tensors
 from stratus.tiers import Tier
 from stratus.wire import fleet_pb2 as fpb
-from stratus.wire import inference_pb2 as pb
 
 log = logging.getLogger("stratus.registry")
 
@@ -403,32 +402,32 @@ class FleetRegistry:
         deadline = now + budget_ms / 1000.0
         run_ms = handle.rtt_ms + handle.cost_ms(variant, inputs.items)
         key = inputs.batch_key(handle.variant_for(variant), outputs)
-        try:
-            async with asyncio.timeout(budget_ms / 1000.0):
-                return await handle.batcher.submit(
-                    key,
-                    Part(inputs=inputs, deadline=deadline),
-                    size=inputs.items,
-                    latest_start=deadline - run_ms / 1000.0,
-                )
-        except TimeoutError:
-            raise DeadlineExceeded(f"agent {handle.id} did not answer within {budget_ms:.1f} ms") from None
+        return await handle.batcher.submit(
+            key,
+            Part(inputs=inputs, deadline=deadline),
+            size=inputs.items,
+            latest_start=deadline - run_ms / 1000.0,
+            timeout_s=budget_ms / 1000.0,
+        )
 
     async def _send_work(self, handle: AgentHandle, batch: Batch[Part, PartAnswer]) -> list[PartAnswer]:
         """One Work for a batch: send, wait for its Result (or the last member's deadline), split."""
         request_id = f"r{next(self._ids)}"
-        request = pb.ModelInferRequest(model_name=batch.key.variant, id=request_id)
-        request.outputs.extend(
-            pb.ModelInferRequest.InferRequestedOutputTensor(name=n) for n in batch.key.outputs
-        )
+        message = fpb.RouterMessage()  # built in place: a message passed to a constructor is copied
+        work = message.work
+        work.request_id = request_id
+        request = work.request
+        request.model_name = batch.key.variant
+        request.id = request_id
+        for name in batch.key.outputs:
+            request.outputs.add(name=name)
         Tensors.join([p.inputs for p in batch.payloads]).write_request(request)
         sent = self.now()
         budget_ms = max(1.0, (max(p.deadline for p in batch.payloads) - sent) * 1000.0)
+        work.budget_ms = budget_ms
         future: asyncio.Future[fpb.Result] = asyncio.get_running_loop().create_future()
         handle.pending[request_id] = future
-        handle.outbox.put_nowait(
-            fpb.RouterMessage(work=fpb.Work(request_id=request_id, request=request, budget_ms=budget_ms))
-        )
+        handle.outbox.put_nowait(message)
         try:
             async with asyncio.timeout(budget_ms / 1000.0):
                 result = await future

@@ -213,8 +213,20 @@ class Batcher(Generic[P, R]):
     def max_batch(self, key: BatchKey) -> int:
         return max(1, self._max_batch(key))
 
-    async def submit(self, key: BatchKey, payload: P, *, size: int, latest_start: float | None = None) -> R:
-        """Queue one request and wait for its own answer (or raise its own error)."""
+    async def submit(
+        self,
+        key: BatchKey,
+        payload: P,
+        *,
+        size: int,
+        latest_start: float | None = None,
+        timeout_s: float | None = None,
+    ) -> R:
+        """Queue one request and wait for its own answer (or raise its own error).
+
+        ``timeout_s`` bounds the wait of a request that queues (DEADLINE_EXCEEDED past it);
+        one that runs at once, alone, is bounded by ``run`` itself, which knows its deadline.
+        """
         if self._queue and self.waiting_items + size > self.queue_limit:
             raise Overloaded(
                 f"{self.name}: {self.waiting_items} items already wait (limit {self.queue_limit})"
@@ -228,14 +240,42 @@ class Batcher(Generic[P, R]):
             latest_start=latest_start,
             future=future,
         )
+        if not self._queue and len(self._running) < self.slots:
+            return await self._run_alone(member)
         self._queue.append(member)
         self.waiting_items += size
         self._pump()
         try:
-            return await asyncio.shield(future)
+            async with asyncio.timeout(timeout_s):
+                return await asyncio.shield(future)
+        except TimeoutError:
+            self._withdraw(member)
+            raise DeadlineExceeded(f"{self.name} did not answer within {(timeout_s or 0) * 1000:.1f} ms") from None
         except asyncio.CancelledError:
             self._withdraw(member)
             raise
+
+    async def _run_alone(self, member: Member[P, R]) -> R:
+        """The idle case: run at once in the caller's own task (no task, no hand-over).
+
+        Nothing can join a batch once it runs, so running it here changes nothing for
+        anyone else; if the caller gives up, its batch of one is cancelled with it.
+        """
+        batch = Batch(key=member.key, members=[member])
+        member.batch = batch
+        self._running.add(batch)
+        self.running_items += member.size
+        self.batches += 1
+        self.batched_items += member.size
+        try:
+            (answer,) = await self._run(batch)
+        finally:
+            self._running.discard(batch)
+            self.running_items -= member.size
+            self._pump()
+        if isinstance(answer, StratusError):
+            raise answer
+        return answer
 
     def _withdraw(self, member: Member[P, R]) -> None:
         """A member's caller gave up: leave the queue, or cancel its batch if nobody else waits."""

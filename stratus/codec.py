@@ -99,17 +99,18 @@ def _spec(datatype: str, tensor: str) -> _Datatype:
 
 def checked_shape(shape: Sequence[int], *, tensor: str) -> tuple[int, ...]:
     """Validate a wire shape: bounded rank, no negative dims, a sane element count."""
-    if len(shape) > MAX_RANK:
-        raise InvalidInput(f"tensor '{tensor}': rank {len(shape)} exceeds the limit of {MAX_RANK}")
-    for axis, dim in enumerate(shape):
-        if dim < 0:
-            raise InvalidInput(f"tensor '{tensor}': dimension {axis} is {dim}; dimensions must be >= 0")
-    count = math.prod(shape)
+    dims = tuple(shape)  # one pass over a protobuf repeated field; the rest on a tuple
+    if len(dims) > MAX_RANK:
+        raise InvalidInput(f"tensor '{tensor}': rank {len(dims)} exceeds the limit of {MAX_RANK}")
+    if dims and min(dims) < 0:
+        axis = next(i for i, d in enumerate(dims) if d < 0)
+        raise InvalidInput(f"tensor '{tensor}': dimension {axis} is {dims[axis]}; dimensions must be >= 0")
+    count = math.prod(dims)
     if count > MAX_ELEMENTS:
         raise InvalidInput(
-            f"tensor '{tensor}': shape {list(shape)} has {count} elements, more than the limit of {MAX_ELEMENTS}"
+            f"tensor '{tensor}': shape {list(dims)} has {count} elements, more than the limit of {MAX_ELEMENTS}"
         )
-    return tuple(int(d) for d in shape)
+    return dims
 
 
 def decode_raw(raw: bytes, *, tensor: str, datatype: str, shape: Sequence[int]) -> Array:

@@ -99,6 +99,7 @@ class ServiceCurve:
         self._alpha = alpha
         self._ms: dict[int, float] = {}  # bucket -> moving mean of ms
         self._items: dict[int, float] = {}  # bucket -> moving mean of its batch sizes
+        self._points: list[tuple[float, float]] = []  # (mean size, mean ms), by size
 
     @staticmethod
     def _bucket(items: int) -> int:
@@ -110,9 +111,10 @@ class ServiceCurve:
         bucket = self._bucket(items)
         if bucket not in self._ms:
             self._ms[bucket], self._items[bucket] = ms, float(items)
-            return
-        self._ms[bucket] += self._alpha * (ms - self._ms[bucket])
-        self._items[bucket] += self._alpha * (items - self._items[bucket])
+        else:
+            self._ms[bucket] += self._alpha * (ms - self._ms[bucket])
+            self._items[bucket] += self._alpha * (items - self._items[bucket])
+        self._points = sorted((self._items[b], self._ms[b]) for b in self._ms)
 
     @property
     def known(self) -> bool:
@@ -120,9 +122,9 @@ class ServiceCurve:
 
     def estimate(self, items: int, default: float = 1.0) -> float:
         """Expected ms to run a batch of ``items``; ``default`` for one item when nothing is known."""
-        if not self._ms:
+        points = self._points
+        if not points:
             return default * max(1, items)
-        points = sorted((self._items[b], self._ms[b]) for b in self._ms)
         below = [p for p in points if p[0] <= items]
         above = [p for p in points if p[0] > items]
         if below and above:
