@@ -198,17 +198,12 @@ class Batcher(Generic[P, R]):
         self.waiting_items = 0
         self.running_items = 0
         self.batches = 0
-        self.batched_items = 0
         self._ids = itertools.count()
 
     @property
     def items(self) -> int:
         """Items waiting here or running at the target."""
         return self.waiting_items + self.running_items
-
-    @property
-    def outstanding(self) -> int:
-        return len(self._running)
 
     def max_batch(self, key: BatchKey) -> int:
         return max(1, self._max_batch(key))
@@ -266,7 +261,6 @@ class Batcher(Generic[P, R]):
         self._running.add(batch)
         self.running_items += member.size
         self.batches += 1
-        self.batched_items += member.size
         try:
             (answer,) = await self._run(batch)
         finally:
@@ -323,7 +317,6 @@ class Batcher(Generic[P, R]):
         self.waiting_items -= size
         self.running_items += size
         self.batches += 1
-        self.batched_items += size
         batch = Batch(key=members[0].key, members=members)
         for member in members:
             member.batch = batch

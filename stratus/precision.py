@@ -350,7 +350,3 @@ def _why(
     drop = f", drop {entry.accuracy_drop:.3f} ≤ {family.max_accuracy_drop:.3f}" if entry else ""
     return f"{label}: native ({hardware.reason}){drop}"
 
-
-def families_with_precisions(families: Iterable[FamilySpec], tier: Tier) -> list[str]:
-    """Families that offer more than one precision on ``tier``: where a choice is made."""
-    return [family.name for family in families if len({v.precision for v in family.variants_for(tier)}) > 1]

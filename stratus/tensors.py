@@ -15,7 +15,7 @@ travel whole (their requests run alone, never merged).
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from stratus import codec
@@ -248,6 +248,3 @@ def requested_outputs(request: pb.ModelInferRequest, family: str, known: Sequenc
             raise InvalidInput(f"model '{family}' has no output '{name}'; it gives {sorted(known)}")
     return wanted
 
-
-def as_mapping(tensors: Tensors) -> Mapping[str, RawTensor]:
-    return {t.name: t for t in tensors.tensors}

@@ -14,7 +14,6 @@ from stratus.precision import (
     VerificationRecord,
     choose_variant,
     cpu_flags,
-    families_with_precisions,
     format_record,
     hardware_precisions,
     load_verification,
@@ -162,14 +161,6 @@ def test_override_forces_a_precision_that_is_not_native(
         choose_variant(family, Tier.DEVICE, hardware=hardware(), record=record, override="bf16")
     with pytest.raises(ConfigError, match="no verification record"):
         choose_variant(family, Tier.DEVICE, hardware=hardware(), record=None, override="int8")
-
-
-def test_families_with_a_choice(family: FamilySpec) -> None:
-    assert families_with_precisions([family], Tier.DEVICE) == ["digits"]
-    only_fp32 = dataclasses.replace(
-        family, variants=tuple(v for v in family.variants if v.precision == "FP32")
-    )
-    assert families_with_precisions([only_fp32], Tier.DEVICE) == []
 
 
 def test_record_round_trips_and_malformed_is_refused(record: VerificationRecord, tmp_path: Path) -> None:
