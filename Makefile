@@ -18,7 +18,7 @@ demo: $(INSTALLED)
 	$(BIN)/stratus demo
 
 test: $(INSTALLED) lint typecheck
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -rs
 
 lint: $(INSTALLED)
 	$(BIN)/ruff check .

@@ -17,6 +17,8 @@ from pathlib import Path
 
 from stratus.batching import DEFAULT_MAX_BATCH, DEFAULT_MAX_DELAY_S
 from stratus.local import LocalDataPlane, LocalModels, LocalSettings
+from stratus.metrics import Metrics
+from stratus.metrics import serve as serve_metrics
 from stratus.precision import Hardware
 from stratus.process import announce, stop_on_signals
 from stratus.repository import ModelRepository
@@ -39,6 +41,7 @@ class CloudSettings:
     precision: str | None = None
     hardware: Hardware | None = None
     emulated_extra_ms: float = 0.0  # benchmarks and tests only
+    metrics: str | None = None  # HOST:PORT for Prometheus's /metrics; None: not served
     cache_dir: Path = Path.home() / ".cache" / "stratus"
     runtimes: Sequence[str] | None = None
     name: str = ""
@@ -48,6 +51,7 @@ class CloudSettings:
 async def serve(settings: CloudSettings, stop: asyncio.Event | None = None) -> None:
     stop = stop or asyncio.Event()
     stop_on_signals(stop)
+    metrics = Metrics()
     models = LocalModels(
         ModelRepository.load(settings.models),
         LocalSettings(
@@ -64,6 +68,7 @@ async def serve(settings: CloudSettings, stop: asyncio.Event | None = None) -> N
             hardware=settings.hardware,
             emulated_extra_ms=settings.emulated_extra_ms,
         ),
+        metrics=metrics,
     )
     name = settings.name or f"cloud-{socket.gethostname()}"
     server = create_server()
@@ -75,6 +80,9 @@ async def serve(settings: CloudSettings, stop: asyncio.Event | None = None) -> N
     host = settings.listen.rsplit(":", 1)[0]
     log.info("cloud gateway %s serving %s on %s:%d", name, sorted(models.variants), host, port)
     announce("cloud", f"{host}:{port}")
+    exporter = await serve_metrics(metrics, settings.metrics) if settings.metrics else None
     await stop.wait()
+    if exporter is not None:
+        exporter.close()
     await server.stop(grace=5.0)
     models.close()

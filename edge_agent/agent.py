@@ -26,10 +26,12 @@ from stratus import __version__
 from stratus.discovery import discover
 from stratus.errors import DeadlineExceeded, StratusError
 from stratus.local import LocalDataPlane, LocalModels
+from stratus.metrics import Metrics
+from stratus.metrics import serve as serve_metrics
 from stratus.precision import Hardware
 from stratus.process import announce
 from stratus.serving import NO_TLS, InferenceServicer, TlsSettings, bind, create_server, open_channel
-from stratus.status import status_code
+from stratus.status import status_code, status_for
 from stratus.tiers import Tier
 from stratus.wire import fleet_pb2 as fpb
 from stratus.wire import fleet_pb2_grpc as fpb_grpc
@@ -55,6 +57,7 @@ class AgentSettings:
     backoff_max_s: float = 2.0
     drain_timeout_s: float = 30.0
     tls: TlsSettings = NO_TLS
+    metrics: str | None = None  # HOST:PORT for Prometheus's /metrics; None: not served
 
     def __post_init__(self) -> None:
         if self.capacity < 1 or self.heartbeat_s <= 0 or self.backoff_initial_s <= 0:
@@ -265,6 +268,7 @@ class Agent:
             result.error.CopyFrom(
                 fpb.Error(code=grpc.StatusCode.INTERNAL.value[0], message=f"{type(exc).__name__}: {exc}")
             )
+        self.models.count(_outcome(result))
         outbox.put_nowait(fpb.AgentMessage(result=result))
 
     async def _run(self, work: fpb.Work, result: fpb.Result) -> None:
@@ -284,6 +288,12 @@ class Agent:
         result.service_ms = answer.service_ms
         result.queue_ms = answer.queue_ms
         result.batch_size = answer.batch_size
+
+
+def _outcome(result: fpb.Result) -> str:
+    if result.WhichOneof("outcome") != "error":
+        return "ok"
+    return status_for(result.error.code).name.lower()
 
 
 async def _drain_queue(outbox: asyncio.Queue[fpb.AgentMessage | None]) -> AsyncIterator[fpb.AgentMessage]:
@@ -310,6 +320,9 @@ async def serve_locally(models: LocalModels, settings: AgentSettings) -> tuple[g
 
 async def run_agent(settings: AgentSettings, models: LocalModels, stop: asyncio.Event) -> None:
     local: grpc.aio.Server | None = None
+    exporter = None
+    if settings.metrics and models.metrics is not None:
+        exporter = await serve_metrics(models.metrics, settings.metrics)
     if settings.serve:
         local, address = await serve_locally(models, settings)
         announce("agent", address)
@@ -320,6 +333,8 @@ async def run_agent(settings: AgentSettings, models: LocalModels, stop: asyncio.
     finally:
         if local is not None:
             await local.stop(grace=2.0)
+        if exporter is not None:
+            exporter.close()
         models.close()
 
 
@@ -336,6 +351,7 @@ def load_models(
     precision: str | None = None,
     hardware: Hardware | None = None,
     emulated_extra_ms: float = 0.0,
+    metrics: Metrics | None = None,
 ) -> LocalModels:
     from stratus.local import LocalSettings
     from stratus.repository import ModelRepository
@@ -355,4 +371,5 @@ def load_models(
             hardware=hardware,
             emulated_extra_ms=emulated_extra_ms,
         ),
+        metrics=metrics,
     )

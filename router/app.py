@@ -11,11 +11,13 @@ from dataclasses import dataclass
 
 from router.cloud import CloudLink
 from router.dataplane import RouterDataPlane
-from router.fleet_service import FleetServicer
+from router.fleet_service import FleetServicer, fleet_levels
 from router.link import AdmissionGate, AgentLinkServicer
 from router.registry import FleetRegistry
 from stratus.batching import DEFAULT_MAX_DELAY_S
 from stratus.discovery import Advertisement
+from stratus.metrics import Metrics, RouterMetrics
+from stratus.metrics import serve as serve_metrics
 from stratus.process import announce, raise_open_files_limit, stop_on_signals
 from stratus.serving import NO_TLS, InferenceServicer, TlsSettings, bind, create_server
 from stratus.wire import fleet_pb2_grpc as fpb_grpc
@@ -47,6 +49,7 @@ class RouterSettings:
     max_requests: int = 4096
     # Longest a batch for a busy agent waits for more requests before it is sent anyway.
     max_batch_delay_s: float = DEFAULT_MAX_DELAY_S
+    metrics: str | None = None  # HOST:PORT for Prometheus's /metrics; None: not served
 
 
 async def _watch_heartbeats(registry: FleetRegistry) -> None:
@@ -59,12 +62,16 @@ async def serve(settings: RouterSettings, stop: asyncio.Event | None = None) -> 
     stop = stop or asyncio.Event()
     stop_on_signals(stop)
     raise_open_files_limit()  # one descriptor per linked agent
+    metrics = Metrics()
+    recorder = RouterMetrics(metrics)
     registry = FleetRegistry(
         heartbeat_s=settings.heartbeat_s,
         max_heartbeats_per_s=settings.max_heartbeats_per_s,
         max_batch_delay_s=settings.max_batch_delay_s,
+        metrics=recorder,
     )
     cloud = CloudLink(settings.cloud, tls=settings.tls) if settings.cloud else None
+    metrics.collect_with(lambda: fleet_levels(registry, cloud))
     if cloud is not None:
         cloud.start()
     plane = RouterDataPlane(
@@ -73,6 +80,7 @@ async def serve(settings: RouterSettings, stop: asyncio.Event | None = None) -> 
         rng=random.Random(),
         fail_without_cloud=settings.on_cloud_failure == "fail",
         max_requests=settings.max_requests,
+        metrics=recorder,
     )
     server = create_server(keepalive_s=settings.keepalive_s, keepalive_timeout_s=settings.keepalive_timeout_s)
     pb_grpc.add_GRPCInferenceServiceServicer_to_server(InferenceServicer(plane), server)
@@ -89,11 +97,14 @@ async def serve(settings: RouterSettings, stop: asyncio.Event | None = None) -> 
         name = settings.name or f"router-{socket.gethostname()}-{port}"
         advertisement = Advertisement(name=name, host=host, port=port)
         await advertisement.start()
+    exporter = await serve_metrics(metrics, settings.metrics) if settings.metrics else None
     watchdog = asyncio.create_task(_watch_heartbeats(registry), name="stratus-heartbeat-watchdog")
     log.info("router listening on %s:%d (cloud: %s)", host, port, settings.cloud or "none")
     announce("router", f"{host}:{port}")
     await stop.wait()
     watchdog.cancel()
+    if exporter is not None:
+        exporter.close()
     if advertisement is not None:
         with contextlib.suppress(Exception):
             await advertisement.close()

@@ -20,9 +20,11 @@ from router.policy import Attempt, CloudView, FleetSnapshot, NoTarget, Target, c
 from router.registry import FleetRegistry
 from stratus.errors import DeadlineExceeded, NotFound, Overloaded, StratusError, Unavailable
 from stratus.local import model_config
+from stratus.metrics import RouterMetrics
 from stratus.protocol import CONFIDENCE, VARIANT, RequestOptions, Served, parameter_value
 from stratus.repository import FamilySpec, TensorSpec
 from stratus.serving import DataPlane
+from stratus.status import status_code
 from stratus.tensors import Tensors, answer_raw, check_inputs, requested_outputs
 from stratus.tiers import Tier
 from stratus.wire import fleet_pb2 as fpb
@@ -77,7 +79,9 @@ class RouterDataPlane(DataPlane):
         clock: Callable[[], float] = time.monotonic,
         fail_without_cloud: bool = False,
         max_requests: int = 4096,
+        metrics: RouterMetrics | None = None,
     ) -> None:
+        self.metrics = metrics
         self.max_requests = max_requests
         self.active = 0
         self.registry = registry
@@ -150,13 +154,35 @@ class RouterDataPlane(DataPlane):
     # -- inference ----------------------------------------------------------------------
     async def infer(self, request: pb.ModelInferRequest, *, timeout_s: float | None) -> pb.ModelInferResponse:
         """Admit (or refuse, past ``max_requests``), check, then climb the tiers."""
-        if self.active >= self.max_requests:
-            raise Overloaded(f"router request queue is full: {self.max_requests} requests in flight")
-        self.active += 1
+        started = self._clock()
+        family = self._family_label(request.model_name)
         try:
-            return await _Cascade(self, self._job(request, timeout_s)).run()
-        finally:
-            self.active -= 1
+            if self.active >= self.max_requests:
+                raise Overloaded(f"router request queue is full: {self.max_requests} requests in flight")
+            self.active += 1
+            try:
+                cascade = _Cascade(self, self._job(request, timeout_s))
+                response = await cascade.run()
+            finally:
+                self.active -= 1
+        except StratusError as exc:
+            if self.metrics is not None:
+                reason = status_code(exc).name.lower()
+                self.metrics.requests.labels(family, "none", reason).inc()
+                self.metrics.refusals.labels(reason).inc()
+            raise
+        if self.metrics is not None:
+            outcome = "degraded" if cascade.degraded else "ok"
+            self.metrics.requests.labels(family, cascade.tier_label, outcome).inc()
+            self.metrics.duration.labels(family).observe(self._clock() - started)
+        return response
+
+    def _family_label(self, name: str) -> str:
+        """The family a request names, or "unknown": metric labels stay a bounded set."""
+        try:
+            return self._family_of(name)[0]
+        except NotFound:
+            return "unknown"
 
     def _job(self, request: pb.ModelInferRequest, timeout_s: float | None) -> Job:
         """Check everything a request says against the family's description, without decoding."""
@@ -253,6 +279,9 @@ class _Cascade:
         self.exclude: set[str] = set()
         self.above: Tier | None = None
         self.problem: StratusError | None = None
+        self.degraded = False
+        self.tier_label = "none"
+        self.climb: tuple[Tier, str] | None = None  # the tier left last, and why
 
     def remaining_ms(self) -> float:
         return self.job.budget_ms - (self.plane._clock() - self.job.started) * 1000.0
@@ -278,8 +307,10 @@ class _Cascade:
                 if self.problem is None:
                     self.problem = kind(target.reason)
                 break
+            self._note_climb(target.tier, snapshot.tiers)
             answer = await self._try(target, remaining)
             if answer is None:
+                self.climb = (target.tier, "failed")
                 continue
             top = top_tier(snapshot, job.options.max_tier)
             final = job.pinned is not None or top is None or answer.tier >= top
@@ -294,6 +325,7 @@ class _Cascade:
                 ),
             )
             self.above = answer.tier
+            self.climb = (answer.tier, "unsure")
         if not self.pending and self.answers:
             return self._respond(degraded=False)
         if self.answers:
@@ -309,8 +341,30 @@ class _Cascade:
             )
         raise self.problem
 
+    def _note_climb(self, tier: Tier, tiers: frozenset[Tier]) -> None:
+        """Count a climb: after an unsure answer or a failure, or past a tier too slow to try."""
+        metrics = self.plane.metrics
+        if metrics is None:
+            return
+        if self.climb is None:  # the first try: any lower tier the model has was skipped
+            options = self.job.options
+            lower = [t for t in tiers if options.min_tier <= t < tier]
+            if lower:
+                metrics.escalations.labels(self.job.family, min(lower).label, tier.label, "too_slow").inc()
+            return
+        left, reason = self.climb
+        if tier > left:
+            metrics.escalations.labels(self.job.family, left.label, tier.label, reason).inc()
+
     def _record(self, answer: Answer, accepted: Sequence[bool]) -> None:
         """Keep each sent item's newest answer; only the unsure items stay pending."""
+        metrics = self.plane.metrics
+        if metrics is not None:
+            family, tier = self.job.family, answer.tier.label
+            metrics.tier_duration.labels(family, tier).observe(answer.elapsed_ms / 1000.0)
+            histogram = metrics.confidence.labels(family, tier)
+            for value in answer.confidences:
+                histogram.observe(value)
         self.answers.append(answer)
         self.path.append(answer.tier)
         self.timings[answer.tier] = self.timings.get(answer.tier, 0.0) + answer.elapsed_ms
@@ -341,6 +395,11 @@ class _Cascade:
         job = self.job
         items = range(job.inputs.items)
         tiers = [self.best[i][0].tier for i in items]
+        self.degraded = degraded
+        self.tier_label = max(tiers, default=self.answers[-1].tier).label
+        if degraded and self.plane.metrics is not None:
+            reason = _STOPPED.get(type(self.problem), "no_higher_tier") if self.problem else "no_higher_tier"
+            self.plane.metrics.degraded.labels(job.family, reason).inc()
         last = max(self.answers, key=lambda a: a.tier)
         response = pb.ModelInferResponse(model_name=job.asked_for, id=job.id)
         self._outputs().write_response(response, raw=job.raw)
@@ -372,6 +431,13 @@ class _Cascade:
             start = stop
         return Tensors.join(runs)
 
+
+# Why a climb stopped below the tier an answer needed, as the degraded counter says it.
+_STOPPED: dict[type[StratusError], str] = {
+    Overloaded: "overloaded",
+    DeadlineExceeded: "too_slow",
+    Unavailable: "unavailable",
+}
 
 # A request with neither a budget nor a deadline still ends: nothing waits forever on a
 # peer that stopped answering without dropping its link.

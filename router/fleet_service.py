@@ -8,10 +8,13 @@ import hmac
 from collections.abc import AsyncIterator
 from typing import Any
 
+from prometheus_client.core import Metric
+
 from router.cloud import CloudLink
 from router.registry import AgentHandle, FleetRegistry, State
 from stratus import __version__
 from stratus.errors import Unauthenticated
+from stratus.metrics import gauge
 from stratus.tiers import Tier
 from stratus.wire import fleet_pb2 as fpb
 from stratus.wire import fleet_pb2_grpc as fpb_grpc
@@ -50,6 +53,38 @@ def agent_status(handle: AgentHandle, now: float) -> fpb.AgentStatus:
             for name, info in sorted(handle.variants.items())
         ],
     )
+
+
+def fleet_levels(registry: FleetRegistry, cloud: CloudLink | None) -> list[Metric]:
+    """What Prometheus reads at each scrape: agents by tier and state, each agent's load,
+    and the cloud link's breaker (1 for its current state)."""
+    states: dict[tuple[str, str], int] = {}
+    in_flight, queued = [], []
+    for handle in registry.agents.values():
+        key = (handle.tier.label, handle.state)
+        states[key] = states.get(key, 0) + 1
+        if handle.state != State.LOST and handle.batcher is not None:
+            in_flight.append(([handle.id], float(handle.batcher.running_items)))
+            queued.append(([handle.id], float(handle.batcher.waiting_items)))
+    families = [
+        gauge("stratus_router_agents", "Agents by tier and state.", ["tier", "state"],
+              [([tier, state], float(n)) for (tier, state), n in sorted(states.items())]),
+        gauge("stratus_router_agent_in_flight_items", "Items sent to each agent and not answered yet.",
+              ["agent"], in_flight),
+        gauge("stratus_router_agent_queued_items", "Items waiting in the router for each agent.",
+              ["agent"], queued),
+    ]  # fmt: skip
+    if cloud is not None:
+        current = cloud.breaker.state
+        families.append(
+            gauge(
+                "stratus_router_cloud_breaker",
+                "The cloud link's circuit breaker: 1 for its current state.",
+                ["state"],
+                [([s], 1.0 if s == current else 0.0) for s in ("closed", "open", "half-open")],
+            )
+        )
+    return families
 
 
 def tier_summaries(registry: FleetRegistry) -> list[fpb.TierSummary]:

@@ -23,6 +23,7 @@ from router.index import AgentIndex
 from router.policy import CloudView, FleetSnapshot
 from stratus.batching import DEFAULT_MAX_DELAY_S, Batch, Batcher, split_counts
 from stratus.errors import DeadlineExceeded, InvalidInput, NotFound, Unavailable
+from stratus.metrics import RouterMetrics
 from stratus.stats import LatencyWindow, RateMeter, ServiceCurve, SizeWindow
 from stratus.status import error_from_status, status_for
 from stratus.tensors import Tensors
@@ -188,7 +189,9 @@ class FleetRegistry:
         max_heartbeats_per_s: float = 100.0,
         max_batch_delay_s: float = DEFAULT_MAX_DELAY_S,
         clock: Callable[[], float] = time.monotonic,
+        metrics: RouterMetrics | None = None,
     ) -> None:
+        self.metrics = metrics
         self.heartbeat_s = heartbeat_s
         self.max_batch_delay_s = max_batch_delay_s
         self.max_heartbeats_per_s = max_heartbeats_per_s
@@ -425,6 +428,8 @@ class FleetRegistry:
         sent = self.now()
         budget_ms = max(1.0, (max(p.deadline for p in batch.payloads) - sent) * 1000.0)
         work.budget_ms = budget_ms
+        if self.metrics is not None:
+            self.metrics.batch_items.observe(batch.size)
         future: asyncio.Future[fpb.Result] = asyncio.get_running_loop().create_future()
         handle.pending[request_id] = future
         handle.outbox.put_nowait(message)

@@ -125,6 +125,7 @@ def _router(args: argparse.Namespace) -> int:
         admit_per_s=args.admit_per_s,
         keepalive_s=args.keepalive_s,
         max_batch_delay_s=args.max_batch_delay_us / 1e6,
+        metrics=args.metrics,
     )
     run(serve(settings))
     return 0
@@ -148,6 +149,7 @@ def _cloud(args: argparse.Namespace) -> int:
         hardware=_hardware(),
         emulated_extra_ms=args.emulate_slow_ms,
         tls=_tls(args),
+        metrics=args.metrics,
     )
     run(serve(settings))
     return 0
@@ -157,6 +159,7 @@ def _agent(args: argparse.Namespace) -> int:
     import asyncio
 
     from edge_agent.agent import AgentSettings, default_name, load_models, run_agent
+    from stratus.metrics import Metrics
     from stratus.process import configure_logging, run, stop_on_signals
     from stratus.tiers import Tier
 
@@ -171,6 +174,7 @@ def _agent(args: argparse.Namespace) -> int:
         serve=args.serve,
         token=_token(args.token),
         tls=_tls(args),
+        metrics=args.metrics,
     )
     models = load_models(
         args.models,
@@ -184,6 +188,7 @@ def _agent(args: argparse.Namespace) -> int:
         precision=args.precision,
         hardware=_hardware(),
         emulated_extra_ms=args.emulate_slow_ms,
+        metrics=Metrics(),
     )
 
     async def main() -> None:
@@ -328,6 +333,9 @@ def _add_servers(commands: argparse._SubParsersAction[argparse.ArgumentParser]) 
         )
     for parser in (router, cloud, agent):
         parser.add_argument("--log-level", default="INFO")
+        parser.add_argument(
+            "--metrics", default=None, metavar="HOST:PORT", help="serve Prometheus metrics at /metrics here"
+        )
         _add_tls(parser)
     fleet = commands.add_parser("fleet", help="see and steer the fleet")
     sub = fleet.add_subparsers(dest="fleet_command", required=True)

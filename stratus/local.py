@@ -21,14 +21,16 @@ from stratus import codec
 from stratus.batching import DEFAULT_MAX_BATCH, DEFAULT_MAX_DELAY_S, Batch, Batcher, BatchKey, split_counts
 from stratus.codec import Array
 from stratus.confidence import confidence
-from stratus.errors import InvalidInput, NotFound, Unavailable
+from stratus.errors import InvalidInput, NotFound, StratusError, Unavailable
 from stratus.executor import BoundedExecutor
+from stratus.metrics import Metric, Metrics, ModelMetrics, gauge
 from stratus.precision import Hardware, choose_variant, hardware_precisions, load_verification
 from stratus.protocol import BATCH_SIZE, Served, set_parameter
 from stratus.repository import FamilySpec, ModelRepository, VariantSpec
 from stratus.runtimes import LoadOptions, ModelRunner, load_runner
 from stratus.serving import DataPlane, tensor_metadata
 from stratus.stats import LatencyWindow
+from stratus.status import status_code
 from stratus.tensors import answer_raw
 from stratus.tiers import Tier
 from stratus.wire import fleet_pb2
@@ -102,9 +104,13 @@ class LocalModels:
     the executor's threads, and merges requests that wait for a slot.
     """
 
-    def __init__(self, repository: ModelRepository, settings: LocalSettings) -> None:
+    def __init__(
+        self, repository: ModelRepository, settings: LocalSettings, *, metrics: Metrics | None = None
+    ) -> None:
         self.settings = settings
         self.repository = repository
+        self.metrics = metrics
+        self.recorder = ModelMetrics(metrics) if metrics is not None else None
         chosen = _select(repository, settings)
         if not chosen:
             raise NotFound(f"no variants to load (tier={settings.tier}, variants={settings.variants})")
@@ -121,6 +127,7 @@ class LocalModels:
         self.families = {c.family.name: c.family for c in chosen}
         self._dynamic_batch = {name: r.describe().dynamic_batch for name, r in self.runners.items()}
         self._inline: set[str] = set()  # variants fast enough to run on the event loop
+        self._runtime = {name: r.describe().runtime for name, r in self.runners.items()}
         # Each thread may have one closed batch ready behind the one it runs, so it never
         # waits on the event loop between batches; the batcher holds everything else.
         workers = settings.concurrency
@@ -134,6 +141,20 @@ class LocalModels:
             queue_limit=settings.queue_limit,
             name=settings.executor_name,
         )
+        if metrics is not None:
+            metrics.collect_with(self._levels)
+
+    def _levels(self) -> list[Metric]:
+        """Queue depth and items running, read at each scrape."""
+        return [
+            gauge("stratus_queue_items", "Items waiting for a runtime slot here.", [], [([], self.batcher.waiting_items)]),
+            gauge("stratus_in_flight_items", "Items running in a runtime here.", [], [([], self.batcher.running_items)]),
+        ]  # fmt: skip
+
+    def count(self, outcome: str) -> None:
+        """One request answered here (Work from a router or a direct call): ok, or its error."""
+        if self.recorder is not None:
+            self.recorder.work.labels(outcome).inc()
 
     def max_batch(self, variant: str) -> int:
         """What this variant may merge: the setting, where its runtime takes a dynamic batch."""
@@ -208,6 +229,10 @@ class LocalModels:
         outputs, service_ms = self._timed_infer(key.variant, joined)
         self.latency[key.variant].add(service_ms)
         self._judge_inline(key.variant)
+        if self.recorder is not None:
+            labels = (key.variant, self._runtime[key.variant], variant.precision)
+            self.recorder.inference.labels(*labels).observe(service_ms / 1000.0)
+            self.recorder.batch_items.labels(key.variant).observe(sum(sizes))
         scores = self.score(family, variant, outputs)
         wanted = key.outputs or tuple(s.name for s in family.outputs)
         total = sum(sizes)
@@ -370,7 +395,12 @@ class LocalDataPlane(DataPlane):
         return model_config(family, name, self.models.runners[variant.name].describe().runtime)
 
     async def infer(self, request: pb.ModelInferRequest, *, timeout_s: float | None) -> pb.ModelInferResponse:
-        answer = await self.models.answer(request)
+        try:
+            answer = await self.models.answer(request)
+        except StratusError as exc:
+            self.models.count(status_code(exc).name.lower())
+            raise
+        self.models.count("ok")
         served = Served(
             tier=self.tier,
             agent=self.name,

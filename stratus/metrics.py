@@ -1,0 +1,210 @@
+"""Prometheus metrics: one registry per process, families built once, served at ``/metrics``.
+
+Every process owns a :class:`Metrics` (no module-level registry, so tests and several
+components in one process never share counters). Components are given the recorder for
+their role, as clocks are: :class:`RouterMetrics` to the router's data plane and registry,
+:class:`ModelMetrics` to whatever runs models (agents, the cloud gateway). What is a
+level rather than an event (agents by state, queues, the cloud breaker) is read at scrape
+time by a collector, so it costs nothing between scrapes.
+
+Names start with ``stratus_``, use base units (seconds, bytes), counters end in ``_total``;
+labels are bounded sets (family, variant, tier, agent, outcome, reason), never request ids.
+The exposition is prometheus-client's; ``serve`` only answers HTTP GETs with it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
+from typing import Final
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+__all__ = ["Metric", "Metrics", "ModelMetrics", "RouterMetrics", "bound_port", "gauge", "serve"]
+
+log = logging.getLogger("stratus.metrics")
+
+# Sub-millisecond device answers to multi-second cloud ones.
+LATENCY_BUCKETS: Final = (
+    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+)  # fmt: skip
+BATCH_BUCKETS: Final = (1, 2, 4, 8, 16, 32, 64, 128)
+CONFIDENCE_BUCKETS: Final = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.98, 0.99, 0.995, 0.999, 1.0)
+
+
+class Metrics:
+    """A process's registry, with what every Stratus process exports (its memory)."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        memory = Gauge(
+            "stratus_process_resident_memory_bytes",
+            "Resident memory of this process (VmRSS).",
+            registry=self.registry,
+        )
+        memory.set_function(resident_bytes)
+
+    def text(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def collect_with(self, collect: Callable[[], Iterable[Metric]]) -> None:
+        """Add levels read at scrape time (agents by state, queue depths)."""
+        self.registry.register(_Callback(collect))
+
+
+class _Callback(Collector):
+    def __init__(self, collect: Callable[[], Iterable[Metric]]) -> None:
+        self._collect = collect
+
+    def collect(self) -> Iterator[Metric]:
+        yield from self._collect()
+
+    def describe(self) -> list[Metric]:
+        return []  # families vary with the fleet; described as collected
+
+
+def resident_bytes(status: Path = Path("/proc/self/status")) -> float:
+    try:
+        for line in status.read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return float(line.split()[1]) * 1024.0
+    except OSError:
+        pass
+    return 0.0
+
+
+class RouterMetrics:
+    """What the router records as requests climb the tiers."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        r = metrics.registry
+        self.metrics = metrics
+        self.requests = Counter(
+            "stratus_router_requests",
+            "Requests by family, highest tier that answered (none when refused) and outcome.",
+            ["family", "tier", "outcome"],
+            registry=r,
+        )
+        self.escalations = Counter(
+            "stratus_router_escalations",
+            "Climbs from one tier to a higher one, by reason: unsure, too_slow or failed.",
+            ["family", "from_tier", "to_tier", "reason"],
+            registry=r,
+        )
+        self.duration = Histogram(
+            "stratus_router_request_duration_seconds",
+            "End-to-end time in the router, per request.",
+            ["family"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.tier_duration = Histogram(
+            "stratus_router_tier_duration_seconds",
+            "Time one tier took to answer the items sent to it (queue, link and run).",
+            ["family", "tier"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.degraded = Counter(
+            "stratus_router_degraded_answers",
+            "Answers returned below the tier their confidence asked for, by why the climb stopped.",
+            ["family", "reason"],
+            registry=r,
+        )
+        self.refusals = Counter(
+            "stratus_router_refusals",
+            "Requests answered with an error, by reason (the gRPC status).",
+            ["reason"],
+            registry=r,
+        )
+        self.confidence = Histogram(
+            "stratus_router_confidence",
+            "Each item's confidence as a tier answered it.",
+            ["family", "tier"],
+            buckets=CONFIDENCE_BUCKETS,
+            registry=r,
+        )
+        self.batch_items = Histogram(
+            "stratus_router_batch_items",
+            "Items in each Work sent to an agent.",
+            buckets=BATCH_BUCKETS,
+            registry=r,
+        )
+
+
+class ModelMetrics:
+    """What a process that runs models records (agents, the cloud gateway)."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        r = metrics.registry
+        self.metrics = metrics
+        self.inference = Histogram(
+            "stratus_inference_duration_seconds",
+            "Runtime call per batch, by variant, runtime and precision.",
+            ["variant", "runtime", "precision"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.batch_items = Histogram(
+            "stratus_inference_batch_items",
+            "Items in each runtime call.",
+            ["variant"],
+            buckets=BATCH_BUCKETS,
+            registry=r,
+        )
+        self.work = Counter(
+            "stratus_work",
+            "Requests (Work from a router, or direct calls) by outcome: ok or the gRPC status.",
+            ["outcome"],
+            registry=r,
+        )
+
+
+def gauge(
+    name: str, documentation: str, labels: list[str], values: Iterable[tuple[list[str], float]]
+) -> Metric:
+    """One gauge family with its samples, for collectors."""
+    family = GaugeMetricFamily(name, documentation, labels=labels)
+    for label_values, value in values:
+        family.add_metric(label_values, value)
+    return family
+
+
+async def serve(metrics: Metrics, address: str) -> asyncio.Server:
+    """Answer ``GET /metrics`` on ``host:port`` from this process's event loop (no thread)."""
+    host, _, port = address.rpartition(":")
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(ConnectionError, asyncio.IncompleteReadError, TimeoutError):
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), timeout=5.0)
+            path = head.split(b" ", 2)[1] if head.count(b" ") >= 2 else b""
+            if head.startswith(b"GET ") and path.split(b"?")[0] == b"/metrics":
+                body, status, kind = metrics.text(), b"200 OK", CONTENT_TYPE_LATEST.encode()
+            else:
+                body, status, kind = b"only GET /metrics is served here\n", b"404 Not Found", b"text/plain"
+            writer.write(
+                b"HTTP/1.1 " + status + b"\r\nContent-Type: " + kind
+                + b"\r\nContent-Length: " + str(len(body)).encode() + b"\r\nConnection: close\r\n\r\n" + body
+            )  # fmt: skip
+            await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(answer, host or "127.0.0.1", int(port))
+    log.info("metrics on http://%s/metrics", address)
+    return server
+
+
+def bound_port(server: asyncio.Server) -> int:
+    return int(server.sockets[0].getsockname()[1])

@@ -1,0 +1,102 @@
+"""Prometheus metrics from every real process, checked by what they count and by promtool."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import urllib.request
+
+import grpc
+import numpy as np
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from .cluster import Cluster, fleet_status, infer, ready_count, wait_until
+
+
+def free_address() -> str:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{probe.getsockname()[1]}"
+
+
+def scrape(address: str) -> str:
+    with urllib.request.urlopen(f"http://{address}/metrics", timeout=5) as response:
+        assert response.status == 200
+        return response.read().decode()
+
+
+def samples(text: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+    return {
+        (s.name, frozenset(s.labels.items())): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def value(found: dict[tuple[str, frozenset[tuple[str, str]]], float], name: str, **labels: str) -> float:
+    return found.get((name, frozenset(labels.items())), 0.0)
+
+
+@pytest.fixture
+def scraped(cluster: Cluster, digits) -> dict[str, str]:  # type: ignore[no-untyped-def]
+    where = {role: free_address() for role in ("router", "device", "cloud")}
+    cloud = cluster.cloud("--metrics", where["cloud"]).address
+    router = cluster.router("--cloud", cloud, "--metrics", where["router"]).address
+    cluster.agent("dev-1", router, "--metrics", where["device"])
+    cluster.agent("edge-1", router, tier="edge")
+    wait_until(lambda: ready_count(router) == 2 and fleet_status(router).cloud.state == "connected")
+    for row in digits.held_out.x[:20]:
+        infer(router, row[None, :], min_confidence=0.0)  # settled on the device
+    for row in digits.held_out.x[:5]:
+        infer(router, row[None, :], min_confidence=1.0)  # climbs to the cloud
+    with pytest.raises(grpc.RpcError):
+        infer(router, np.zeros((1, 63), np.float32))  # refused: wrong shape
+    return {role: scrape(address) for role, address in where.items()}
+
+
+def test_each_process_counts_what_happened(scraped: dict[str, str]) -> None:
+    router = samples(scraped["router"])
+    assert value(router, "stratus_router_requests_total", family="digits", tier="device", outcome="ok") == 20
+    assert value(router, "stratus_router_requests_total", family="digits", tier="cloud", outcome="ok") == 5
+    assert (
+        value(
+            router, "stratus_router_requests_total", family="unknown", tier="none", outcome="invalid_argument"
+        )
+        == 0
+    )
+    assert value(router, "stratus_router_refusals_total", reason="invalid_argument") == 1
+    climbs = {"from_tier": "device", "to_tier": "edge", "reason": "unsure"}
+    assert value(router, "stratus_router_escalations_total", family="digits", **climbs) == 5
+    assert value(router, "stratus_router_tier_duration_seconds_count", family="digits", tier="cloud") == 5
+    assert value(router, "stratus_router_confidence_count", family="digits", tier="device") == 25
+    assert value(router, "stratus_router_agents", tier="device", state="ready") == 1
+    assert value(router, "stratus_router_cloud_breaker", state="closed") == 1
+    assert value(router, "stratus_router_batch_items_count") == 30  # 25 device + 5 edge Works
+
+    device = samples(scraped["device"])
+    runs = {"variant": "digits-small", "runtime": "litert", "precision": "FP32"}
+    assert value(device, "stratus_inference_duration_seconds_count", **runs) == 25
+    assert value(device, "stratus_work_total", outcome="ok") == 25
+    assert value(device, "stratus_process_resident_memory_bytes") > 20e6
+
+    cloud = samples(scraped["cloud"])
+    assert value(cloud, "stratus_work_total", outcome="ok") == 5
+    assert value(cloud, "stratus_queue_items") == 0
+
+
+@pytest.mark.skipif(
+    shutil.which("promtool") is None, reason="promtool not installed (apt-get install prometheus)"
+)
+def test_promtool_accepts_every_exposition(scraped: dict[str, str]) -> None:
+    for role, text in scraped.items():
+        checked = subprocess.run(
+            ["promtool", "check", "metrics"],
+            check=False,
+            input=text,
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        assert checked.returncode == 0, f"{role}: {checked.stdout}{checked.stderr}"
