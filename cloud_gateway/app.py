@@ -22,7 +22,7 @@ from stratus.metrics import serve as serve_metrics
 from stratus.precision import Hardware
 from stratus.process import announce, stop_on_signals
 from stratus.repository import ModelRepository
-from stratus.serving import NO_TLS, InferenceServicer, TlsSettings, bind, create_server
+from stratus.serving import NO_TLS, Health, InferenceServicer, TlsSettings, bind, create_server
 from stratus.tiers import Tier
 from stratus.wire import inference_pb2_grpc as pb_grpc
 
@@ -72,16 +72,18 @@ async def serve(settings: CloudSettings, stop: asyncio.Event | None = None) -> N
     )
     name = settings.name or f"cloud-{socket.gethostname()}"
     server = create_server()
-    pb_grpc.add_GRPCInferenceServiceServicer_to_server(
-        InferenceServicer(LocalDataPlane(models, tier=Tier.CLOUD, name=name)), server
-    )
+    plane = LocalDataPlane(models, tier=Tier.CLOUD, name=name)
+    pb_grpc.add_GRPCInferenceServiceServicer_to_server(InferenceServicer(plane), server)
+    health = Health(server, plane.ready)
     port = bind(server, settings.listen, settings.tls)
     await server.start()
+    await health.start()
     host = settings.listen.rsplit(":", 1)[0]
     log.info("cloud gateway %s serving %s on %s:%d", name, sorted(models.variants), host, port)
     announce("cloud", f"{host}:{port}")
     exporter = await serve_metrics(metrics, settings.metrics) if settings.metrics else None
     await stop.wait()
+    await health.stop()  # not ready first; then no new calls, and those in flight finish
     if exporter is not None:
         exporter.close()
     await server.stop(grace=5.0)

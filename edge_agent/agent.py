@@ -17,20 +17,20 @@ import platform
 import random
 import socket
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
 
 from stratus import __version__
-from stratus.discovery import discover
+from stratus.discovery import discover_all
 from stratus.errors import DeadlineExceeded, StratusError
 from stratus.local import LocalDataPlane, LocalModels
 from stratus.metrics import Metrics
 from stratus.metrics import serve as serve_metrics
 from stratus.precision import Hardware
 from stratus.process import announce
-from stratus.serving import NO_TLS, InferenceServicer, TlsSettings, bind, create_server, open_channel
+from stratus.serving import NO_TLS, Health, InferenceServicer, TlsSettings, bind, create_server, open_channel
 from stratus.status import status_code, status_for
 from stratus.tiers import Tier
 from stratus.wire import fleet_pb2 as fpb
@@ -39,13 +39,16 @@ from stratus.wire import inference_pb2_grpc as pb_grpc
 
 log = logging.getLogger("stratus.agent")
 
+# With --router auto, how often to look for routers that joined since.
+REDISCOVER_S = 30.0
+
 _TIERS = {Tier.DEVICE: fpb.TIER_DEVICE, Tier.EDGE: fpb.TIER_EDGE, Tier.CLOUD: fpb.TIER_CLOUD}
 
 
 @dataclass(frozen=True, kw_only=True)
 class AgentSettings:
     tier: Tier
-    router: str  # host:port, or "auto" to find it with zeroconf
+    router: str  # host:port[,host:port...], or "auto": every router zeroconf finds
     name: str
     capacity: int = 4
     queue_limit: int = 64
@@ -85,6 +88,19 @@ class Backoff:
         self._attempt = 0
 
 
+@dataclass(eq=False)
+class Link:
+    """One router link's own state: an agent holds one per router and serves them all."""
+
+    address: str
+    outbox: asyncio.Queue[fpb.AgentMessage | None] = field(default_factory=asyncio.Queue)
+    work: dict[str, asyncio.Task[None]] = field(default_factory=dict)  # by the router's request id
+    received: int = 0  # RouterMessages read on this link, the Welcome included
+    interval: float = 1.0  # the heartbeat pace this router asks for
+    beat_now: asyncio.Event = field(default_factory=asyncio.Event)
+    reported: dict[str, int] = field(default_factory=dict)  # samples per variant at the last heartbeat
+
+
 class Agent:
     def __init__(
         self,
@@ -96,18 +112,12 @@ class Agent:
         self.settings = settings
         self.models = models
         self._rng = rng or random.Random()
-        self._backoff = Backoff(
-            initial_s=settings.backoff_initial_s, max_s=settings.backoff_max_s, rng=self._rng
-        )
-        self._work: dict[str, asyncio.Task[None]] = {}
-        self._received = 0
-        self._interval = settings.heartbeat_s
-        self._beat_now = asyncio.Event()
-        self._reported: dict[str, int] = {}  # samples per variant at the last heartbeat sent
+        self.links: dict[str, Link] = {}  # by router address, while linked
 
     @property
     def in_flight(self) -> int:
-        return len(self._work)
+        """Work running or waiting here, from every router."""
+        return sum(len(link.work) for link in self.links.values())
 
     def hello(self) -> fpb.AgentMessage:
         return fpb.AgentMessage(
@@ -126,13 +136,14 @@ class Agent:
             )
         )
 
-    def heartbeat(self) -> fpb.AgentMessage:
-        """Load, and latency only for the variants that ran since the previous heartbeat."""
+    def heartbeat(self, link: Link) -> fpb.AgentMessage:
+        """Load (all routers' work), and latency only for the variants that ran since this
+        link's previous heartbeat."""
         latency = []
         for name, window in self.models.latency.items():
-            if self._reported.get(name) == window.count:
+            if link.reported.get(name) == window.count:
                 continue
-            self._reported[name] = window.count
+            link.reported[name] = window.count
             s = window.summary()
             latency.append(
                 fpb.LatencyEstimate(
@@ -144,55 +155,77 @@ class Agent:
                 in_flight=self.in_flight,
                 queue_length=self.models.batcher.waiting_items,
                 latency=latency,
-                received=self._received,
+                received=link.received,
             )
         )
 
     async def run(self, stop: asyncio.Event) -> None:
-        """Stay linked to the router until ``stop``; then drain and return."""
-        while not stop.is_set():
-            try:
-                await self._session(stop)
-            except (grpc.aio.AioRpcError, StratusError, ConnectionError) as exc:
-                log.warning("link to router lost: %s", _describe(exc))
-            except Exception:  # an agent must outlive any one link, whatever broke it
-                log.exception("link to router failed unexpectedly")
-            if stop.is_set():
-                break
-            delay = self._backoff.next_delay()
-            log.info("reconnecting in %.2f s", delay)
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), timeout=delay)
+        """Stay linked to every router until ``stop``; then drain and return.
+
+        ``--router A,B`` holds a link to each; ``auto`` links to every router zeroconf
+        finds, and looks again now and then for routers that joined since.
+        """
+        if self.settings.router == "auto":
+            await self._link_found_routers(stop)
+        else:
+            addresses = [a.strip() for a in self.settings.router.split(",") if a.strip()]
+            await asyncio.gather(*(self._stay_linked(address, stop) for address in addresses))
         await self._finish_work()
 
-    async def _router_address(self) -> str:
-        if self.settings.router == "auto":
-            return await discover(timeout_s=3.0)
-        return self.settings.router
+    async def _link_found_routers(self, stop: asyncio.Event) -> None:
+        tasks: dict[str, asyncio.Task[None]] = {}
+        while not stop.is_set():
+            with contextlib.suppress(StratusError):
+                for address in await discover_all(timeout_s=3.0):
+                    if address not in tasks or tasks[address].done():
+                        tasks[address] = asyncio.create_task(
+                            self._stay_linked(address, stop), name=f"stratus-link-{address}"
+                        )
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), timeout=REDISCOVER_S if tasks else 1.0)
+        await asyncio.gather(*tasks.values(), return_exceptions=True)
 
-    async def _session(self, stop: asyncio.Event) -> None:
-        address = await self._router_address()
-        outbox: asyncio.Queue[fpb.AgentMessage | None] = asyncio.Queue()
-        outbox.put_nowait(self.hello())
+    async def _stay_linked(self, address: str, stop: asyncio.Event) -> None:
+        """One router: link, serve, and re-link with backoff whenever the link breaks."""
+        backoff = Backoff(
+            initial_s=self.settings.backoff_initial_s, max_s=self.settings.backoff_max_s, rng=self._rng
+        )
+        while not stop.is_set():
+            try:
+                await self._session(address, stop, backoff)
+            except (grpc.aio.AioRpcError, StratusError, ConnectionError) as exc:
+                log.warning("link to router %s lost: %s", address, _describe(exc))
+            except Exception:  # an agent must outlive any one link, whatever broke it
+                log.exception("link to router %s failed unexpectedly", address)
+            if stop.is_set():
+                break
+            delay = backoff.next_delay()
+            log.info("reconnecting to %s in %.2f s", address, delay)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), timeout=delay)
+
+    async def _session(self, address: str, stop: asyncio.Event, backoff: Backoff) -> None:
+        link = Link(address=address)
+        link.outbox.put_nowait(self.hello())
         async with open_channel(address, self.settings.tls) as channel:
-            call = fpb_grpc.AgentLinkStub(channel).Connect(_drain_queue(outbox))
+            call = fpb_grpc.AgentLinkStub(channel).Connect(_drain_queue(link.outbox))
             welcome = await call.read()
             if not isinstance(welcome, fpb.RouterMessage) or not welcome.HasField("welcome"):
                 raise ConnectionError("router closed the link without a Welcome")
             log.info("linked to router %s as %s", address, welcome.welcome.agent_id)
-            self._received = 1  # the Welcome; counts restart with every link
-            self._reported.clear()  # a new link starts from full estimates
-            self._backoff.reset()
-            self._interval = welcome.welcome.heartbeat_interval_s or self.settings.heartbeat_s
+            link.received = 1  # the Welcome; counts restart with every link
+            backoff.reset()
+            link.interval = welcome.welcome.heartbeat_interval_s or self.settings.heartbeat_s
+            self.links[address] = link
             tasks = [
-                asyncio.create_task(self._heartbeats(outbox), name="stratus-agent-heartbeat"),
-                asyncio.create_task(self._receive(call, outbox), name="stratus-agent-receive"),
+                asyncio.create_task(self._heartbeats(link), name="stratus-agent-heartbeat"),
+                asyncio.create_task(self._receive(call, link), name="stratus-agent-receive"),
                 asyncio.create_task(stop.wait(), name="stratus-agent-stop"),
             ]
             try:
                 done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
                 if stop.is_set():
-                    await self._say_goodbye(outbox)
+                    await self._say_goodbye(link)
                     call.cancel()
                 else:
                     for task in done:
@@ -201,57 +234,58 @@ class Agent:
                 for task in tasks:
                     task.cancel()
                 await asyncio.gather(*tasks, return_exceptions=True)
-                outbox.put_nowait(None)
+                link.outbox.put_nowait(None)
+                if self.links.get(address) is link:
+                    del self.links[address]
 
-    async def _say_goodbye(self, outbox: asyncio.Queue[fpb.AgentMessage | None]) -> None:
+    async def _say_goodbye(self, link: Link) -> None:
         """Draining: tell the router, then let in-flight work finish and report."""
-        outbox.put_nowait(fpb.AgentMessage(draining=fpb.Draining(reason="agent stopping")))
+        link.outbox.put_nowait(fpb.AgentMessage(draining=fpb.Draining(reason="agent stopping")))
         await self._finish_work()
         await asyncio.sleep(0.05)  # let the last Results leave before the stream closes
 
     async def _finish_work(self) -> None:
-        if self._work:
-            await asyncio.wait(list(self._work.values()), timeout=self.settings.drain_timeout_s)
+        running = [task for link in self.links.values() for task in link.work.values()]
+        if running:
+            await asyncio.wait(running, timeout=self.settings.drain_timeout_s)
 
-    async def _heartbeats(self, outbox: asyncio.Queue[fpb.AgentMessage | None]) -> None:
+    async def _heartbeats(self, link: Link) -> None:
         """Every interval, and at once when the router sets a new pace."""
         while True:
-            self._beat_now.clear()
-            outbox.put_nowait(self.heartbeat())
+            link.beat_now.clear()
+            link.outbox.put_nowait(self.heartbeat(link))
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._beat_now.wait(), timeout=self._interval)
+                await asyncio.wait_for(link.beat_now.wait(), timeout=link.interval)
 
     async def _receive(
-        self,
-        call: grpc.aio.StreamStreamCall[fpb.AgentMessage, fpb.RouterMessage],
-        outbox: asyncio.Queue[fpb.AgentMessage | None],
+        self, call: grpc.aio.StreamStreamCall[fpb.AgentMessage, fpb.RouterMessage], link: Link
     ) -> None:
         while (message := await call.read()) is not grpc.aio.EOF:
             assert isinstance(message, fpb.RouterMessage)
-            self._received += 1
+            link.received += 1
             kind = message.WhichOneof("kind")
             if kind == "work":
-                self._accept(message.work, outbox)
+                self._accept(message.work, link)
             elif kind == "cancel":
-                task = self._work.get(message.cancel.request_id)
+                task = link.work.get(message.cancel.request_id)
                 if task is not None:
                     task.cancel()
             elif kind == "pace":
-                self._interval = message.pace.heartbeat_interval_s or self.settings.heartbeat_s
-                self._beat_now.set()
+                link.interval = message.pace.heartbeat_interval_s or self.settings.heartbeat_s
+                link.beat_now.set()
             elif kind == "drain":
-                outbox.put_nowait(
+                link.outbox.put_nowait(
                     fpb.AgentMessage(draining=fpb.Draining(reason=message.drain.reason or "drained"))
                 )
         raise ConnectionError("router ended the link")
 
-    def _accept(self, work: fpb.Work, outbox: asyncio.Queue[fpb.AgentMessage | None]) -> None:
-        if work.request_id in self._work:
+    def _accept(self, work: fpb.Work, link: Link) -> None:
+        if work.request_id in link.work:
             log.warning("duplicate work id %s ignored", work.request_id)
             return
-        task = asyncio.create_task(self._serve(work, outbox), name=f"stratus-work-{work.request_id}")
-        self._work[work.request_id] = task
-        task.add_done_callback(lambda _: self._work.pop(work.request_id, None))
+        task = asyncio.create_task(self._serve(work, link.outbox), name=f"stratus-work-{work.request_id}")
+        link.work[work.request_id] = task
+        task.add_done_callback(lambda _: link.work.pop(work.request_id, None))
 
     async def _serve(self, work: fpb.Work, outbox: asyncio.Queue[fpb.AgentMessage | None]) -> None:
         result = fpb.Result(request_id=work.request_id)
@@ -307,15 +341,17 @@ def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
-async def serve_locally(models: LocalModels, settings: AgentSettings) -> tuple[grpc.aio.Server, str]:
+async def serve_locally(models: LocalModels, settings: AgentSettings) -> tuple[grpc.aio.Server, str, Health]:
     """The agent's ``--serve`` endpoint: the inference service, straight to the local models."""
     assert settings.serve is not None
     server = create_server()
     plane = LocalDataPlane(models, tier=settings.tier, name=settings.name)
     pb_grpc.add_GRPCInferenceServiceServicer_to_server(InferenceServicer(plane), server)
+    health = Health(server, plane.ready)
     port = bind(server, settings.serve, settings.tls)
     await server.start()
-    return server, f"{settings.serve.rsplit(':', 1)[0]}:{port}"
+    await health.start()
+    return server, f"{settings.serve.rsplit(':', 1)[0]}:{port}", health
 
 
 async def run_agent(settings: AgentSettings, models: LocalModels, stop: asyncio.Event) -> None:
@@ -324,7 +360,7 @@ async def run_agent(settings: AgentSettings, models: LocalModels, stop: asyncio.
     if settings.metrics and models.metrics is not None:
         exporter = await serve_metrics(models.metrics, settings.metrics)
     if settings.serve:
-        local, address = await serve_locally(models, settings)
+        local, address, health = await serve_locally(models, settings)
         announce("agent", address)
     else:
         announce("agent", settings.name)
@@ -332,6 +368,7 @@ async def run_agent(settings: AgentSettings, models: LocalModels, stop: asyncio.
         await Agent(settings, models).run(stop)
     finally:
         if local is not None:
+            await health.stop()
             await local.stop(grace=2.0)
         if exporter is not None:
             exporter.close()

@@ -5,7 +5,9 @@ and judges each item of the batch: items whose confidence is below the device th
 (or ``min_confidence``), and only those, go to the router with ``stratus.min_tier=edge``,
 so the fleet continues the climb above the device instead of repeating it; their
 answers take their places among the local ones. With the router unreachable the local answer
-comes back marked ``degraded``. ``await client.ainfer(...)`` does the same on the
+comes back marked ``degraded``. ``router`` may name several routers (``"A,B"``) or
+``"auto"`` (every router zeroconf finds): a router that fails a call is skipped for a
+while and the escalation goes to the next. ``await client.ainfer(...)`` does the same on the
 caller's event loop, with the model run on the bounded executor.
 """
 
@@ -22,8 +24,8 @@ import numpy as np
 
 from stratus import codec
 from stratus.codec import Array
-from stratus.discovery import discover
-from stratus.errors import StratusError, Unavailable
+from stratus.discovery import discover_all
+from stratus.errors import StratusError
 from stratus.local import LocalModels, LocalSettings
 from stratus.protocol import RequestOptions, Served
 from stratus.repository import FamilySpec, ModelRepository, VariantSpec
@@ -95,11 +97,7 @@ class Client:
         )
         self._models = LocalModels(ModelRepository.load(models), settings)
         self._router = router
-        self._discover_timeout_s = discover_timeout_s
-        self._address: str | None = None if router in (None, "auto") else router
-        self._unreachable_until = 0.0
-        self._channel: grpc.Channel | None = None
-        self._achannel: grpc.aio.Channel | None = None
+        self._routers = _Routers(router, discover_timeout_s=discover_timeout_s, tls=tls)
         self.name = name
 
     # -- synchronous ------------------------------------------------------------------
@@ -116,32 +114,19 @@ class Client:
         unsure = local.unsure(min_confidence)
         if not unsure.size or self._router is None:
             return self._local_result(local, degraded=False)
-        address = self._sync_address()
-        if address is None:
-            return self._local_result(local, degraded=True)
-        if self._channel is None:
-            self._channel = open_sync_channel(address, self._tls)
-        stub = pb_grpc.GRPCInferenceServiceStub(self._channel)
         request = _escalation(
             model, local, unsure=unsure, budget_ms=budget_ms, min_confidence=min_confidence, started=started
         )
-        try:
-            response = stub.ModelInfer(request, timeout=_timeout(budget_ms, started))
-        except grpc.RpcError:
-            self._unreachable_until = time.monotonic() + RETRY_ROUTER_AFTER_S
-            return self._local_result(local, degraded=True)
-        return _merge(local, unsure, response)
-
-    def _sync_address(self) -> str | None:
-        if time.monotonic() < self._unreachable_until:
-            return None
-        if self._address is not None:
-            return self._address
-        try:
-            self._address = asyncio.run(discover(timeout_s=self._discover_timeout_s))
-        except StratusError:
-            self._unreachable_until = time.monotonic() + RETRY_ROUTER_AFTER_S
-        return self._address
+        for address in self._routers.to_try():
+            stub = pb_grpc.GRPCInferenceServiceStub(self._routers.channel(address))
+            try:
+                response = stub.ModelInfer(request, timeout=_timeout(budget_ms, started))
+            except grpc.RpcError:
+                self._routers.failed(address)
+                continue
+            self._routers.answered(address)
+            return _merge(local, unsure, response)
+        return self._local_result(local, degraded=True)
 
     # -- asynchronous -----------------------------------------------------------------
     async def ainfer(
@@ -157,32 +142,19 @@ class Client:
         unsure = local.unsure(min_confidence)
         if not unsure.size or self._router is None:
             return self._local_result(local, degraded=False)
-        address = await self._async_address()
-        if address is None:
-            return self._local_result(local, degraded=True)
-        if self._achannel is None:
-            self._achannel = open_channel(address, self._tls)
-        stub = pb_grpc.GRPCInferenceServiceStub(self._achannel)
         request = _escalation(
             model, local, unsure=unsure, budget_ms=budget_ms, min_confidence=min_confidence, started=started
         )
-        try:
-            response = await stub.ModelInfer(request, timeout=_timeout(budget_ms, started))
-        except grpc.aio.AioRpcError:
-            self._unreachable_until = time.monotonic() + RETRY_ROUTER_AFTER_S
-            return self._local_result(local, degraded=True)
-        return _merge(local, unsure, response)
-
-    async def _async_address(self) -> str | None:
-        if time.monotonic() < self._unreachable_until:
-            return None
-        if self._address is not None:
-            return self._address
-        try:
-            self._address = await discover(timeout_s=self._discover_timeout_s)
-        except Unavailable:
-            self._unreachable_until = time.monotonic() + RETRY_ROUTER_AFTER_S
-        return self._address
+        for address in await self._routers.ato_try():
+            stub = pb_grpc.GRPCInferenceServiceStub(self._routers.achannel(address))
+            try:
+                response = await stub.ModelInfer(request, timeout=_timeout(budget_ms, started))
+            except grpc.aio.AioRpcError:
+                self._routers.failed(address)
+                continue
+            self._routers.answered(address)
+            return _merge(local, unsure, response)
+        return self._local_result(local, degraded=True)
 
     # -- shared -------------------------------------------------------------------------
     def _run_locally(self, model: str, x: Array | Mapping[str, Array]) -> _Local:
@@ -212,13 +184,11 @@ class Client:
         )
 
     def close(self) -> None:
-        if self._channel is not None:
-            self._channel.close()
+        self._routers.close()
         self._models.close()
 
     async def aclose(self) -> None:
-        if self._achannel is not None:
-            await self._achannel.close()
+        await self._routers.aclose()
         self.close()
 
     def __enter__(self) -> Client:
@@ -226,6 +196,85 @@ class Client:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class _Routers:
+    """The routers a client escalates to: the last that answered first, then the others.
+
+    A router that fails a call goes to the back of the line for RETRY_ROUTER_AFTER_S; the
+    call goes on to the next (an inference can be asked again), and only when none answers
+    does the client return its own answer marked degraded. ``auto`` finds every router
+    with zeroconf.
+    """
+
+    def __init__(self, router: str | None, *, discover_timeout_s: float, tls: TlsSettings) -> None:
+        self._auto = router == "auto"
+        self._addresses = (
+            [] if router in (None, "auto") else [a.strip() for a in router.split(",") if a.strip()]
+        )
+        self._discover_timeout_s = discover_timeout_s
+        self._tls = tls
+        self._skip_until: dict[str, float] = {}
+        self._looked_until = 0.0
+        self._channels: dict[str, grpc.Channel] = {}
+        self._achannels: dict[str, grpc.aio.Channel] = {}
+
+    def _ordered(self) -> list[str]:
+        """Routers that have not failed lately first, then those that have, oldest failure first:
+        a recent failure moves a router back, it never stops it from being tried at all."""
+        now = time.monotonic()
+        fresh = [a for a in self._addresses if self._skip_until.get(a, 0.0) <= now]
+        stale = sorted((a for a in self._addresses if a not in fresh), key=lambda a: self._skip_until[a])
+        return fresh + stale
+
+    def to_try(self) -> list[str]:
+        if self._auto and not self._ordered() and time.monotonic() >= self._looked_until:
+            self._found(asyncio.run(self._discover()))
+        return self._ordered()
+
+    async def ato_try(self) -> list[str]:
+        if self._auto and not self._ordered() and time.monotonic() >= self._looked_until:
+            self._found(await self._discover())
+        return self._ordered()
+
+    async def _discover(self) -> list[str]:
+        try:
+            return await discover_all(timeout_s=self._discover_timeout_s)
+        except StratusError:
+            return []
+
+    def _found(self, addresses: list[str]) -> None:
+        self._looked_until = time.monotonic() + RETRY_ROUTER_AFTER_S
+        self._addresses = addresses
+        self._skip_until.clear()
+
+    def failed(self, address: str) -> None:
+        self._skip_until[address] = time.monotonic() + RETRY_ROUTER_AFTER_S
+
+    def answered(self, address: str) -> None:
+        if self._addresses and self._addresses[0] != address:
+            self._addresses.remove(address)
+            self._addresses.insert(0, address)
+
+    def channel(self, address: str) -> grpc.Channel:
+        if address not in self._channels:
+            self._channels[address] = open_sync_channel(address, self._tls)
+        return self._channels[address]
+
+    def achannel(self, address: str) -> grpc.aio.Channel:
+        if address not in self._achannels:
+            self._achannels[address] = open_channel(address, self._tls)
+        return self._achannels[address]
+
+    def close(self) -> None:
+        for channel in self._channels.values():
+            channel.close()
+        self._channels.clear()
+
+    async def aclose(self) -> None:
+        for channel in self._achannels.values():
+            await channel.close()
+        self._achannels.clear()
 
 
 def _escalation(

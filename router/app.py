@@ -9,6 +9,8 @@ import random
 import socket
 from dataclasses import dataclass
 
+import grpc
+
 from router.cloud import CloudLink
 from router.dataplane import RouterDataPlane
 from router.fleet_service import FleetServicer, fleet_levels
@@ -19,11 +21,15 @@ from stratus.discovery import Advertisement
 from stratus.metrics import Metrics, RouterMetrics
 from stratus.metrics import serve as serve_metrics
 from stratus.process import announce, raise_open_files_limit, stop_on_signals
-from stratus.serving import NO_TLS, InferenceServicer, TlsSettings, bind, create_server
+from stratus.serving import NO_TLS, Health, InferenceServicer, TlsSettings, bind, create_server
 from stratus.wire import fleet_pb2_grpc as fpb_grpc
 from stratus.wire import inference_pb2_grpc as pb_grpc
 
 log = logging.getLogger("stratus.router")
+
+# On SIGTERM, how long the router keeps serving after turning not-ready, so that clients
+# and load balancers that watch its health stop sending before it refuses new calls.
+NOTICE_S = 1.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -50,6 +56,8 @@ class RouterSettings:
     # Longest a batch for a busy agent waits for more requests before it is sent anyway.
     max_batch_delay_s: float = DEFAULT_MAX_DELAY_S
     metrics: str | None = None  # HOST:PORT for Prometheus's /metrics; None: not served
+    # On SIGTERM: how long requests in flight may take to finish before the router exits.
+    drain_timeout_s: float = 20.0
 
 
 async def _watch_heartbeats(registry: FleetRegistry) -> None:
@@ -89,8 +97,10 @@ async def serve(settings: RouterSettings, stop: asyncio.Event | None = None) -> 
         AgentLinkServicer(registry, token=settings.token, gate=gate), server
     )
     fpb_grpc.add_FleetServicer_to_server(FleetServicer(registry, cloud, token=settings.token), server)
+    health = Health(server, plane.ready)
     port = bind(server, settings.listen, settings.tls)
     await server.start()
+    await health.start()
     host = settings.listen.rsplit(":", 1)[0]
     advertisement = None
     if settings.advertise:
@@ -102,14 +112,39 @@ async def serve(settings: RouterSettings, stop: asyncio.Event | None = None) -> 
     log.info("router listening on %s:%d (cloud: %s)", host, port, settings.cloud or "none")
     announce("router", f"{host}:{port}")
     await stop.wait()
+    await _shut_down(plane, registry, server, health, settings.drain_timeout_s)
     watchdog.cancel()
     if exporter is not None:
         exporter.close()
     if advertisement is not None:
         with contextlib.suppress(Exception):
             await advertisement.close()
-    for handle in list(registry.agents.values()):
-        handle.outbox.put_nowait(None)
-    await server.stop(grace=3.0)
     if cloud is not None:
         await cloud.close()
+
+
+async def _shut_down(
+    plane: RouterDataPlane, registry: FleetRegistry, server: grpc.aio.Server, health: Health, grace_s: float
+) -> None:
+    """A rolling update loses nothing: not ready at once, no new calls, in-flight ones finished.
+
+    Readiness (ServerReady, the health service) turns false first. ``server.stop`` then
+    sends GOAWAY, so clients' channels move new calls to the other routers while the calls
+    already here go on, on agent links that stay open until the last of them is answered.
+    """
+    plane.stopping = True
+    await health.stop()
+    # Clients that watch the health service (round_robin with a healthCheckConfig) move
+    # their new calls away now; give them a moment, still serving, before refusing calls
+    # (gRPC cancels calls that reach a stopping server before a handler takes them).
+    await asyncio.sleep(NOTICE_S)
+    stopped = asyncio.create_task(server.stop(grace=grace_s))
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + grace_s
+    while plane.active and loop.time() < deadline:
+        await asyncio.sleep(0.01)
+    if plane.active:
+        log.warning("stopping with %d requests still in flight after %.0f s", plane.active, grace_s)
+    for handle in list(registry.agents.values()):
+        handle.outbox.put_nowait(None)
+    await stopped

@@ -82,6 +82,7 @@ class RouterDataPlane(DataPlane):
         metrics: RouterMetrics | None = None,
     ) -> None:
         self.metrics = metrics
+        self.stopping = False  # set on SIGTERM: not ready, finishing what is in flight
         self.max_requests = max_requests
         self.active = 0
         self.registry = registry
@@ -93,8 +94,9 @@ class RouterDataPlane(DataPlane):
 
     # -- health and metadata ---------------------------------------------------------
     def ready(self) -> bool:
-        """Ready while something can serve: a ready agent, or a cloud that takes calls."""
-        return self.registry.index.any_ready() or self._cloud_takes_calls()
+        """Ready while something can serve (a ready agent, or a cloud that takes calls) and
+        the router is not stopping."""
+        return not self.stopping and (self.registry.index.any_ready() or self._cloud_takes_calls())
 
     def model_ready(self, name: str) -> bool:
         served_by_cloud = (

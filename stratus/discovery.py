@@ -60,25 +60,43 @@ async def discover(*, timeout_s: float = 5.0, interface: str | None = "127.0.0.1
     ``interface`` limits the browse to one address (loopback by default, for a router on
     this machine); pass None to browse on every interface.
     """
+    return (await discover_all(timeout_s=timeout_s, settle_s=0.0, interface=interface))[0]
+
+
+async def discover_all(
+    *, timeout_s: float = 5.0, settle_s: float = 0.5, interface: str | None = "127.0.0.1"
+) -> list[str]:
+    """Every router that answers: wait for the first (Unavailable after ``timeout_s``), then
+    ``settle_s`` more for the others."""
     zeroconf = AsyncZeroconf(interfaces=[interface] if interface else "all", ip_version=IPVersion.V4Only)
-    found: asyncio.Queue[str] = asyncio.Queue()
+    names: asyncio.Queue[str] = asyncio.Queue()
 
     def on_change(zeroconf: Zeroconf, service_type: str, name: str, state_change: ServiceStateChange) -> None:
         if state_change is ServiceStateChange.Added:
-            found.put_nowait(name)
+            names.put_nowait(name)
 
     browser = AsyncServiceBrowser(zeroconf.zeroconf, [SERVICE_TYPE], handlers=[on_change])
+    found: list[str] = []
     try:
-        async with asyncio.timeout(timeout_s):
-            while True:
-                name = await found.get()
-                info = AsyncServiceInfo(SERVICE_TYPE, name)
-                if await info.async_request(zeroconf.zeroconf, 1000):
-                    addresses = info.parsed_addresses(IPVersion.V4Only)
-                    if addresses and info.port:
-                        return f"{addresses[0]}:{info.port}"
-    except TimeoutError:
-        raise Unavailable(f"no Stratus router answered on {SERVICE_TYPE} within {timeout_s:g} s") from None
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while True:
+            left = deadline - loop.time()
+            if left <= 0:
+                break
+            try:
+                name = await asyncio.wait_for(names.get(), timeout=left)
+            except TimeoutError:
+                break
+            info = AsyncServiceInfo(SERVICE_TYPE, name)
+            if await info.async_request(zeroconf.zeroconf, 1000):
+                addresses = info.parsed_addresses(IPVersion.V4Only)
+                if addresses and info.port and f"{addresses[0]}:{info.port}" not in found:
+                    found.append(f"{addresses[0]}:{info.port}")
+                    deadline = min(deadline, loop.time() + settle_s)
     finally:
         await browser.async_cancel()
         await zeroconf.async_close()
+    if not found:
+        raise Unavailable(f"no Stratus router answered on {SERVICE_TYPE} within {timeout_s:g} s")
+    return found

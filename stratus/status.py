@@ -7,6 +7,7 @@ peer gets INTERNAL naming the exception, and the server keeps serving everyone e
 
 from __future__ import annotations
 
+import inspect
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -114,5 +115,11 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         if handler.stream_unary:
             return grpc.stream_unary_rpc_method_handler(_wrap_unary(handler.stream_unary), **codec)
         if handler.unary_stream:
-            return grpc.unary_stream_rpc_method_handler(_wrap_stream(handler.unary_stream), **codec)
-        return grpc.stream_stream_rpc_method_handler(_wrap_stream(handler.stream_stream), **codec)
+            return grpc.unary_stream_rpc_method_handler(_wrap_streaming(handler.unary_stream), **codec)
+        return grpc.stream_stream_rpc_method_handler(_wrap_streaming(handler.stream_stream), **codec)
+
+
+def _wrap_streaming(inner: Callable[..., Any]) -> Callable[..., Any]:
+    """A streaming handler is an async generator, or a coroutine that writes through its
+    context (as grpc.health.v1's Watch is): wrap each as what it is."""
+    return _wrap_stream(inner) if inspect.isasyncgenfunction(inner) else _wrap_unary(inner)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import shutil
-import socket
 import subprocess
 import urllib.request
 
@@ -12,13 +11,9 @@ import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from stratus.launcher import free_port
+
 from .cluster import Cluster, fleet_status, infer, ready_count, wait_until
-
-
-def free_address() -> str:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return f"127.0.0.1:{probe.getsockname()[1]}"
 
 
 def scrape(address: str) -> str:
@@ -41,7 +36,7 @@ def value(found: dict[tuple[str, frozenset[tuple[str, str]]], float], name: str,
 
 @pytest.fixture
 def scraped(cluster: Cluster, digits) -> dict[str, str]:  # type: ignore[no-untyped-def]
-    where = {role: free_address() for role in ("router", "device", "cloud")}
+    where = {role: f"127.0.0.1:{free_port()}" for role in ("router", "device", "cloud")}
     cloud = cluster.cloud("--metrics", where["cloud"]).address
     router = cluster.router("--cloud", cloud, "--metrics", where["router"]).address
     cluster.agent("dev-1", router, "--metrics", where["device"])

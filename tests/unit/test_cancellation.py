@@ -8,7 +8,7 @@ import grpc
 import numpy as np
 import pytest
 
-from edge_agent.agent import Agent, AgentSettings
+from edge_agent.agent import Agent, AgentSettings, Link
 from router.registry import FleetRegistry
 from stratus import codec
 from stratus.errors import DeadlineExceeded
@@ -42,11 +42,12 @@ def test_cancel_from_the_router_stops_running_work_and_reports_it() -> None:
     async def scenario() -> fpb.Result:
         models = SlowModels()
         agent = agent_with(models)
-        outbox: asyncio.Queue[fpb.AgentMessage | None] = asyncio.Queue()
-        agent._accept(fpb.Work(request_id="w1", request=pb.ModelInferRequest(model_name="digits")), outbox)
+        link = Link(address="router")
+        agent.links[link.address] = link
+        agent._accept(fpb.Work(request_id="w1", request=pb.ModelInferRequest(model_name="digits")), link)
         await models.started.wait()
-        agent._work["w1"].cancel()  # what a Cancel message does
-        message = await asyncio.wait_for(outbox.get(), 2)
+        link.work["w1"].cancel()  # what a Cancel message does
+        message = await asyncio.wait_for(link.outbox.get(), 2)
         assert message is not None and agent.in_flight == 0
         return message.result
 
@@ -57,9 +58,9 @@ def test_cancel_from_the_router_stops_running_work_and_reports_it() -> None:
 def test_work_past_its_budget_is_dropped_with_deadline_exceeded() -> None:
     async def scenario() -> fpb.Result:
         agent = agent_with(SlowModels())
-        outbox: asyncio.Queue[fpb.AgentMessage | None] = asyncio.Queue()
-        agent._accept(fpb.Work(request_id="w2", request=pb.ModelInferRequest(), budget_ms=20.0), outbox)
-        message = await asyncio.wait_for(outbox.get(), 2)
+        link = Link(address="router")
+        agent._accept(fpb.Work(request_id="w2", request=pb.ModelInferRequest(), budget_ms=20.0), link)
+        message = await asyncio.wait_for(link.outbox.get(), 2)
         assert message is not None
         return message.result
 

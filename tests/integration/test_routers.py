@@ -1,0 +1,137 @@
+"""Two routers under load: a rolling restart loses nothing, a crash loses only what it held."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+import grpc
+import numpy as np
+
+from edge_agent.sdk import Client
+from stratus.serving import grpc_options
+from stratus.wire import inference_pb2_grpc as pb_grpc
+
+from .cluster import MODELS, Cluster, ready_count, request, wait_until
+
+CLIENTS = 8  # requests in flight at any moment
+
+
+class Load:
+    """Clients using gRPC's round_robin over both routers, and an SDK client, until stopped;
+    each outcome is counted under the phase it ended in."""
+
+    def __init__(self, routers: list[str], x: np.ndarray, tmp_path: Path) -> None:
+        self.target = "ipv4:" + ",".join(routers)
+        self.routers = routers
+        self.x = x
+        self.tmp_path = tmp_path
+        self.phase = "steady"
+        self.outcomes: Counter[tuple[str, str]] = Counter()
+        self.sdk: Counter[tuple[str, str]] = Counter()
+        self._stop = threading.Event()
+        self._threads = [
+            threading.Thread(target=lambda: asyncio.run(self._clients()), name="load-clients"),
+            threading.Thread(target=self._sdk_client, name="load-sdk"),
+        ]
+
+    def __enter__(self) -> Load:
+        for thread in self._threads:
+            thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(timeout=30)
+
+    async def _clients(self) -> None:
+        # round_robin, watching each router's health: a stopping router turns NOT_SERVING
+        # before it refuses calls, and the channel moves new calls to the other one.
+        config = {"loadBalancingConfig": [{"round_robin": {}}], "healthCheckConfig": {"serviceName": ""}}
+        options = [*grpc_options(), ("grpc.service_config", json.dumps(config))]
+        async with grpc.aio.insecure_channel(self.target, options=options) as channel:
+            stub = pb_grpc.GRPCInferenceServiceStub(channel)
+
+            async def client(index: int) -> None:
+                sent = 0
+                while not self._stop.is_set():
+                    # any tier may answer: a router back from a restart serves with the
+                    # agents that have linked to it so far
+                    message = request(self.x[(index + sent * CLIENTS) % len(self.x)][None, :])
+                    sent += 1
+                    try:
+                        await stub.ModelInfer(message, timeout=10)
+                        self.outcomes[(self.phase, "ok")] += 1
+                    except grpc.aio.AioRpcError as exc:
+                        self.outcomes[(self.phase, exc.code().name)] += 1
+
+            await asyncio.gather(*(client(i) for i in range(CLIENTS)))
+
+    def _sdk_client(self) -> None:
+        with Client(MODELS, router=",".join(self.routers), cache_dir=self.tmp_path) as sdk:
+            row = 0
+            while not self._stop.is_set():
+                result = sdk.infer("digits", self.x[row % len(self.x)][None, :], min_confidence=1.0)
+                self.sdk[(self.phase, "degraded" if result.degraded else "ok")] += 1
+                row += 1
+
+    def failed(self, phase: str) -> int:
+        return sum(n for (p, outcome), n in self.outcomes.items() if p == phase and outcome != "ok")
+
+    def answered(self, phase: str) -> int:
+        return self.outcomes[(phase, "ok")]
+
+
+def test_a_rolling_restart_loses_nothing_and_a_crash_only_what_was_in_flight(
+    cluster: Cluster, digits, tmp_path
+) -> None:  # type: ignore[no-untyped-def]
+    cloud = cluster.cloud().address
+    first = cluster.router("--cloud", cloud, role="router-a")
+    second = cluster.router("--cloud", cloud, role="router-b")
+    routers = [first.address, second.address]
+    for name in ("dev-1", "dev-2"):
+        cluster.agent(name, ",".join(routers))
+    cluster.agent("edge-1", ",".join(routers), tier="edge")
+    wait_until(lambda: all(ready_count(r) == 3 for r in routers))
+
+    with Load(routers, digits.held_out.x, tmp_path) as load:
+        time.sleep(1.5)
+        load.phase = "rolling restart"
+        assert first.stop() == 0  # SIGTERM: not ready, no new calls, in-flight ones finished
+        cluster.router("--cloud", cloud, role="router-a2", listen=first.address)
+        wait_until(lambda: ready_count(first.address) == 3, timeout_s=20)
+        time.sleep(1.5)
+        load.phase = "crash"
+        second.kill()  # SIGKILL: whatever it held is lost
+        time.sleep(1.5)
+        load.phase = "after the crash"
+        time.sleep(1.5)
+
+    assert load.answered("steady") > 0 and load.failed("steady") == 0
+    assert load.answered("rolling restart") > 0 and load.failed("rolling restart") == 0, load.outcomes
+    assert load.failed("crash") <= CLIENTS, load.outcomes  # at most what was in flight on it
+    assert load.answered("after the crash") > 0 and load.failed("after the crash") == 0, load.outcomes
+    assert sum(load.sdk.values()) > 0 and load.sdk.get(("crash", "degraded"), 0) == 0, load.sdk
+    assert not [key for key in load.sdk if key[1] == "degraded"], load.sdk
+
+
+def test_the_health_service_follows_readiness_and_liveness_stays_up(cluster: Cluster) -> None:
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    router = cluster.router().address
+
+    def status(service: str) -> int:
+        with grpc.insecure_channel(router) as channel:
+            check = health_pb2_grpc.HealthStub(channel).Check
+            return int(check(health_pb2.HealthCheckRequest(service=service), timeout=5).status)
+
+    serving, not_serving = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
+    assert status("") == not_serving and status("liveness") == serving  # nothing can serve yet
+    cluster.agent("dev-1", router)
+    wait_until(lambda: status("") == serving, timeout_s=15)
+    assert status("liveness") == serving
