@@ -17,15 +17,13 @@ import asyncio
 import signal
 import sys
 import tempfile
-from collections import Counter
-from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from loadgen import OpenLoop, Tally, make_requests  # noqa: E402
+from loadgen import OpenLoop, make_requests, print_phases, run_phases  # noqa: E402
 
 from stratus.datasets import digits_splits  # noqa: E402
 from stratus.demo import wait_for_agents  # noqa: E402
@@ -111,23 +109,6 @@ class Fleet:
             process.stop()
 
 
-async def run_phases(
-    fleet: Fleet, loop_gen: OpenLoop, phases: list[tuple[str, Callable[[], None]]], seconds: float
-) -> list[tuple[str, Tally]]:
-    stop = asyncio.Event()
-    runner = asyncio.create_task(loop_gen.run(stop))
-    results = []
-    for name, action in phases:
-        loop_gen.swap_tally()
-        await asyncio.get_running_loop().run_in_executor(None, action)
-        await asyncio.sleep(seconds)
-        results.append((name, loop_gen.tally))
-    loop_gen.swap_tally()
-    stop.set()
-    await runner  # every request of every phase has its outcome counted before we print
-    return results
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rate", type=float, default=150.0, help="requests per second")
@@ -146,25 +127,10 @@ def main() -> None:
                 ("cloud gateway back", fleet.cloud_back),
             ]
             generator = OpenLoop(fleet.router_address, requests, rate=args.rate)
-            results = asyncio.run(run_phases(fleet, generator, phases, args.phase_seconds))
+            results = asyncio.run(run_phases(generator, phases, args.phase_seconds))
         finally:
             fleet.stop()
-    print(
-        f"{'phase':<24}{'sent':>7}{'answered':>10}{'degraded':>10}{'failed':>8}{'lost':>6}{'p99 ms':>9}  failures"
-    )
-    for name, tally in results:
-        failures = ", ".join(f"{code} {count}" for code, count in tally.failed.most_common()) or "-"
-        print(
-            f"{name:<24}{tally.sent:>7}{tally.answered:>10}{tally.degraded:>10}{tally.failed_total:>8}"
-            f"{tally.lost:>6}{tally.p99():>9.1f}  {failures}"
-        )
-    reasons = sum((t.reasons for _, t in results), start=Counter())
-    if reasons:
-        print("\nfailures by reason:")
-        for reason, count in reasons.most_common(8):
-            print(f"  {count:>6}  {reason}")
-    lost = sum(t.lost for _, t in results)
-    print(f"\nlost in total: {lost} (must be 0)")
+    print_phases(results)
 
 
 if __name__ == "__main__":

@@ -12,9 +12,10 @@ import asyncio
 import re
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import grpc
 import numpy as np
@@ -66,8 +67,10 @@ class OpenLoop:
         rate: float,
         client_timeout_s: float = 5.0,
         max_in_flight: int = 4096,
+        channel_options: Sequence[tuple[str, Any]] = (),
     ) -> None:
         self.address = address
+        self.channel_options = list(channel_options)
         self.requests = requests
         self.rate = rate
         self.client_timeout_s = client_timeout_s
@@ -81,7 +84,7 @@ class OpenLoop:
         return old
 
     async def run(self, stop: asyncio.Event) -> None:
-        channel = grpc.aio.insecure_channel(self.address, options=grpc_options())
+        channel = grpc.aio.insecure_channel(self.address, options=[*grpc_options(), *self.channel_options])
         stub = pb_grpc.GRPCInferenceServiceStub(channel)
         interval = 1.0 / self.rate
         next_send = time.perf_counter()
@@ -167,6 +170,43 @@ async def drive(
 
 
 QUIET = ["--log-level", "WARNING"]
+
+
+async def run_phases(
+    generator: OpenLoop, phases: list[tuple[str, Callable[[], None]]], seconds: float
+) -> list[tuple[str, Tally]]:
+    """Open-loop load through phases: each phase's action (run off the event loop), then
+    ``seconds`` of load, counted on its own; every request's outcome is in before it returns."""
+    stop = asyncio.Event()
+    runner = asyncio.create_task(generator.run(stop))
+    results = []
+    for name, action in phases:
+        generator.swap_tally()
+        await asyncio.get_running_loop().run_in_executor(None, action)
+        await asyncio.sleep(seconds)
+        results.append((name, generator.tally))
+    generator.swap_tally()
+    stop.set()
+    await runner
+    return results
+
+
+def print_phases(results: list[tuple[str, Tally]]) -> None:
+    print(
+        f"{'phase':<28}{'sent':>7}{'answered':>10}{'degraded':>10}{'failed':>8}{'lost':>6}{'p99 ms':>9}  failures"
+    )
+    for name, tally in results:
+        failures = ", ".join(f"{code} {count}" for code, count in tally.failed.most_common()) or "-"
+        print(
+            f"{name:<28}{tally.sent:>7}{tally.answered:>10}{tally.degraded:>10}{tally.failed_total:>8}"
+            f"{tally.lost:>6}{tally.p99():>9.1f}  {failures}"
+        )
+    reasons = sum((t.reasons for _, t in results), start=Counter())
+    if reasons:
+        print("\nfailures by reason:")
+        for reason, count in reasons.most_common(8):
+            print(f"  {count:>6}  {reason}")
+    print(f"\nlost in total: {sum(t.lost for _, t in results)} (must be 0)")
 
 
 def launch_agent(router: str, name: str, log_dir: Path, *flags: str, tier: str = "device") -> Launched:

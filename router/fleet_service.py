@@ -75,11 +75,12 @@ def fleet_levels(registry: FleetRegistry, cloud: CloudLink | None) -> list[Metri
               ["agent"], queued),
     ]  # fmt: skip
     if cloud is not None:
-        current = cloud.breaker.state
+        # A link that is down refuses escalations at once, as an open breaker does.
+        current = cloud.breaker.state if cloud.state == "connected" else "open"
         families.append(
             gauge(
                 "stratus_router_cloud_breaker",
-                "The cloud link's circuit breaker: 1 for its current state.",
+                "The cloud link's circuit breaker, 1 for its current state (open while the link is down).",
                 ["state"],
                 [([s], 1.0 if s == current else 0.0) for s in ("closed", "open", "half-open")],
             )

@@ -114,7 +114,7 @@ def test_batched_and_unbatched_answers_are_identical(cluster: Cluster, digits) -
         assert np.array_equal(probabilities(a), probabilities(b))
     (batched_agent,) = fleet_status(batching).agents
     (single_agent,) = fleet_status(single).agents
-    assert batched_agent.mean_batch_size > 2.0  # requests really were merged
+    assert batched_agent.mean_batch_size >= 1.5  # requests really were merged
     assert single_agent.mean_batch_size == 1.0
 
 

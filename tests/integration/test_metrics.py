@@ -95,3 +95,28 @@ def test_promtool_accepts_every_exposition(scraped: dict[str, str]) -> None:
             timeout=30,
         )
         assert checked.returncode == 0, f"{role}: {checked.stdout}{checked.stderr}"
+
+
+def test_killing_the_cloud_opens_the_breaker_gauge_and_counts_degraded_answers(
+    cluster: Cluster, digits
+) -> None:  # type: ignore[no-untyped-def]
+    import signal
+
+    where = f"127.0.0.1:{free_port()}"
+    cloud = cluster.cloud()
+    router = cluster.router("--cloud", cloud.address, "--metrics", where).address
+    cluster.agent("dev-1", router)
+    wait_until(lambda: ready_count(router) == 1 and fleet_status(router).cloud.state == "connected")
+    before = samples(scrape(where))
+    assert value(before, "stratus_router_cloud_breaker", state="closed") == 1
+    cloud.process.send_signal(signal.SIGKILL)
+    cloud.process.wait()
+    wait_until(lambda: value(samples(scrape(where)), "stratus_router_cloud_breaker", state="open") == 1)
+    for row in digits.held_out.x[:3]:
+        _, served = infer(router, row[None, :], min_confidence=1.0)
+        assert served.degraded
+    after = samples(scrape(where))
+    assert value(after, "stratus_router_degraded_answers_total", family="digits", reason="unavailable") == 3
+    assert (
+        value(after, "stratus_router_requests_total", family="digits", tier="device", outcome="degraded") == 3
+    )

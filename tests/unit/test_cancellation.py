@@ -110,7 +110,7 @@ def test_a_request_past_its_budget_cancels_the_work_and_says_so() -> None:
     async def scenario() -> list[str]:
         registry = FleetRegistry()
         handle = registry.register(hello(), peer="test")
-        with pytest.raises(DeadlineExceeded, match=r"did not answer within (19|20)\.\d ms"):
+        with pytest.raises(DeadlineExceeded, match=r"did not answer within \d{1,2}\.\d ms"):
             await registry.submit(handle, one_item(), variant="digits", outputs=(), budget_ms=20.0)
         await asyncio.sleep(0.01)  # the Work's own task sends the Cancel as it unwinds
         return [m.WhichOneof("kind") for m in (handle.outbox.get_nowait(), handle.outbox.get_nowait()) if m]
