@@ -13,10 +13,9 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import subprocess
 import sys
 import tempfile
-import threading
-import urllib.request
 from pathlib import Path
 
 import numpy as np
@@ -33,30 +32,31 @@ from stratus.launcher import free_port, launch  # noqa: E402
 from stratus.process import new_event_loop  # noqa: E402
 from stratus.wire import inference_pb2 as pb  # noqa: E402
 
+_SCRAPE_LOOP = """
+import sys, time, urllib.request
+while True:
+    time.sleep(float(sys.argv[2]))
+    with urllib.request.urlopen("http://" + sys.argv[1] + "/metrics", timeout=5) as response:
+        response.read()
+"""
+
 
 class Scraper:
-    """Reads /metrics every ``interval_s`` on its own thread, as Prometheus would."""
+    """Reads /metrics every ``interval_s`` from its own process, as Prometheus would (a
+    thread in this process would slow the load generator, not the router)."""
 
     def __init__(self, address: str, interval_s: float = 1.0) -> None:
-        self.address = address
-        self.interval_s = interval_s
-        self.scrapes = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="scraper")
+        self._args = [sys.executable, "-c", _SCRAPE_LOOP, address, str(interval_s)]
+        self._process: subprocess.Popen[bytes] | None = None
 
     def __enter__(self) -> Scraper:
-        self._thread.start()
+        self._process = subprocess.Popen(self._args)
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval_s):
-            with urllib.request.urlopen(f"http://{self.address}/metrics", timeout=5) as response:
-                response.read()
-            self.scrapes += 1
+        if self._process is not None:
+            self._process.terminate()
+            self._process.wait()
 
 
 def main() -> None:
