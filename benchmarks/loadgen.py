@@ -20,8 +20,8 @@ from typing import Any
 import grpc
 import numpy as np
 
-from stratus import codec
-from stratus.launcher import Launched, launch
+from stratus import codec, demo
+from stratus.launcher import Launched
 from stratus.protocol import DEGRADED, parameter_value, set_parameter
 from stratus.serving import grpc_options
 from stratus.wire import inference_pb2 as pb
@@ -170,6 +170,7 @@ async def drive(
 
 
 QUIET = ["--log-level", "WARNING"]
+MODELS = Path(__file__).resolve().parent.parent / "models"
 
 
 async def run_phases(
@@ -210,25 +211,8 @@ def print_phases(results: list[tuple[str, Tally]]) -> None:
 
 
 def launch_agent(router: str, name: str, log_dir: Path, *flags: str, tier: str = "device") -> Launched:
-    """One agent process linked to ``router``, with its own flags (capacity, batching, ...)."""
-    models = Path(__file__).resolve().parent.parent / "models"
-    return launch(
-        [
-            "agent",
-            "--tier",
-            tier,
-            "--models",
-            str(models),
-            "--router",
-            router,
-            "--name",
-            name,
-            *flags,
-            *QUIET,
-        ],
-        role=name,
-        log_dir=log_dir,
-    )
+    """One agent process with the shipped models, linked to ``router``, with its own flags."""
+    return demo.launch_agent(MODELS, router, name, log_dir, *flags, tier=tier)
 
 
 def rss_mb(pid: int) -> float:

@@ -95,6 +95,30 @@ class Fleet:
         return codes
 
 
+def launch_agent(
+    models: Path, router: str, name: str, log_dir: Path, *flags: str, tier: str = "device"
+) -> Launched:
+    """One agent process linked to ``router`` (or ``A,B``), with its own extra flags."""
+    return launch(
+        [
+            "agent",
+            "--tier",
+            tier,
+            "--models",
+            str(models),
+            "--router",
+            router,
+            "--name",
+            name,
+            *flags,
+            "--log-level",
+            "WARNING",
+        ],
+        role=name,
+        log_dir=log_dir,
+    )
+
+
 def start_fleet(models: Path, log_dir: Path, *, devices: int = 2, edges: int = 1) -> Fleet:
     common = ["--log-level", "WARNING"]
     cloud = launch(
@@ -105,30 +129,11 @@ def start_fleet(models: Path, log_dir: Path, *, devices: int = 2, edges: int = 1
         role="router",
         log_dir=log_dir,
     )
-    agents = []
-    for tier, count in (("device", devices), ("edge", edges)):
-        for index in range(1, count + 1):
-            name = f"{tier}-{index}"
-            agents.append(
-                launch(
-                    [
-                        "agent",
-                        "--tier",
-                        tier,
-                        "--models",
-                        str(models),
-                        "--router",
-                        router.address,
-                        "--name",
-                        name,
-                        "--serve",
-                        "127.0.0.1:0",
-                        *common,
-                    ],
-                    role=name,
-                    log_dir=log_dir,
-                )
-            )
+    agents = [
+        launch_agent(models, router.address, f"{tier}-{index}", log_dir, "--serve", "127.0.0.1:0", tier=tier)
+        for tier, count in (("device", devices), ("edge", edges))
+        for index in range(1, count + 1)
+    ]
     fleet = Fleet(cloud=cloud, router=router, agents=agents)
     wait_for_agents(router.address, devices + edges)
     return fleet
