@@ -16,7 +16,7 @@ import logging
 import platform
 import random
 import socket
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -39,8 +39,17 @@ from stratus.wire import inference_pb2_grpc as pb_grpc
 
 log = logging.getLogger("stratus.agent")
 
-# With --router auto, how often to look for routers that joined since.
+# With --router auto or dns:NAME:PORT, how often to look for routers that joined since.
 REDISCOVER_S = 30.0
+DNS_PREFIX = "dns:"
+
+
+async def resolve_all(name: str, port: int) -> list[str]:
+    """Every IPv4/IPv6 address ``name`` resolves to, as ``host:port`` (one per router pod)."""
+    infos = await asyncio.get_running_loop().getaddrinfo(name, port, type=socket.SOCK_STREAM)
+    hosts = sorted({str(info[4][0]) for info in infos})
+    return [f"[{h}]:{port}" if ":" in h else f"{h}:{port}" for h in hosts]
+
 
 _TIERS = {Tier.DEVICE: fpb.TIER_DEVICE, Tier.EDGE: fpb.TIER_EDGE, Tier.CLOUD: fpb.TIER_CLOUD}
 
@@ -48,7 +57,7 @@ _TIERS = {Tier.DEVICE: fpb.TIER_DEVICE, Tier.EDGE: fpb.TIER_EDGE, Tier.CLOUD: fp
 @dataclass(frozen=True, kw_only=True)
 class AgentSettings:
     tier: Tier
-    router: str  # host:port[,host:port...], or "auto": every router zeroconf finds
+    router: str  # host:port[,host:port...]; "auto" (zeroconf); or dns:NAME:PORT (every address)
     name: str
     capacity: int = 4
     queue_limit: int = 64
@@ -163,20 +172,28 @@ class Agent:
         """Stay linked to every router until ``stop``; then drain and return.
 
         ``--router A,B`` holds a link to each; ``auto`` links to every router zeroconf
-        finds, and looks again now and then for routers that joined since.
+        finds, and ``dns:NAME:PORT`` to every address NAME resolves to (a Kubernetes headless
+        Service: one per router pod); both look again now and then for routers that joined.
         """
         if self.settings.router == "auto":
-            await self._link_found_routers(stop)
+            await self._link_found_routers(stop, lambda: discover_all(timeout_s=3.0))
+        elif self.settings.router.startswith(DNS_PREFIX):
+            name, _, port = self.settings.router.removeprefix(DNS_PREFIX).rpartition(":")
+            await self._link_found_routers(stop, lambda: resolve_all(name, int(port)))
         else:
             addresses = [a.strip() for a in self.settings.router.split(",") if a.strip()]
             await asyncio.gather(*(self._stay_linked(address, stop) for address in addresses))
         await self._finish_work()
 
-    async def _link_found_routers(self, stop: asyncio.Event) -> None:
+    async def _link_found_routers(
+        self, stop: asyncio.Event, find: Callable[[], Awaitable[list[str]]]
+    ) -> None:
+        """Link to every router ``find`` returns, and look again now and then: routers come
+        and go (a Deployment scaled, a pod replaced); a link to one that went simply ends."""
         tasks: dict[str, asyncio.Task[None]] = {}
         while not stop.is_set():
-            with contextlib.suppress(StratusError):
-                for address in await discover_all(timeout_s=3.0):
+            with contextlib.suppress(StratusError, OSError):
+                for address in await find():
                     if address not in tasks or tasks[address].done():
                         tasks[address] = asyncio.create_task(
                             self._stay_linked(address, stop), name=f"stratus-link-{address}"

@@ -306,7 +306,12 @@ def _add_servers(commands: argparse._SubParsersAction[argparse.ArgumentParser]) 
     agent.add_argument("--tier", choices=["device", "edge"], required=True)
     agent.add_argument("--models", type=Path, default=Path("models"))
     agent.add_argument("--variants", default=None, help="comma-separated (default: the tier's variants)")
-    agent.add_argument("--router", default="auto", help="HOST:PORT, or auto (zeroconf)")
+    agent.add_argument(
+        "--router",
+        default="auto",
+        help="HOST:PORT[,HOST:PORT...] (a link to each), auto (every router zeroconf finds), "
+        "or dns:NAME:PORT (every address NAME resolves to, e.g. a headless Service)",
+    )
     agent.add_argument("--name", default=None)
     agent.add_argument("--concurrency", type=int, default=2)
     agent.add_argument("--queue-limit", type=int, default=64)

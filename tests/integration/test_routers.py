@@ -135,3 +135,13 @@ def test_the_health_service_follows_readiness_and_liveness_stays_up(cluster: Clu
     cluster.agent("dev-1", router)
     wait_until(lambda: status("") == serving, timeout_s=15)
     assert status("liveness") == serving
+
+
+def test_an_agent_links_to_every_address_a_dns_name_gives(cluster: Cluster) -> None:
+    from edge_agent.agent import resolve_all
+
+    router = cluster.router().address
+    host, port = router.rsplit(":", 1)
+    assert asyncio.run(resolve_all(host, int(port))) == [router]
+    cluster.agent("dev-1", f"dns:{host}:{port}")  # what a Kubernetes headless Service gives
+    wait_until(lambda: ready_count(router) == 1)

@@ -238,9 +238,11 @@ def test_stratus_container_args_ports_and_probes(item: tuple[Doc, Doc]) -> None:
     if args.command == "agent":
         routers = {s["metadata"]["name"]: s for s in of_kind("Service")}
         for address in router_addresses(args):
-            host, port = split_address(address)
+            host, port = split_address(address.removeprefix("dns:"))
             service = routers[host.split(".")[0]]
             assert port in [p["port"] for p in service["spec"]["ports"]]
+            if address.startswith("dns:"):  # every router pod: only a headless Service lists them
+                assert service["spec"].get("clusterIP") == "None", f"{host} is not headless"
 
 
 def test_secrets_and_volumes_refer_to_objects_that_exist() -> None:
