@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from loadgen import OpenLoop, make_requests, print_phases, run_phases  # noqa: E402
+from loadgen import OpenLoop, launch_agent, make_requests, print_phases, run_phases  # noqa: E402
 
 from stratus.datasets import digits_splits  # noqa: E402
 from stratus.demo import wait_for_agents  # noqa: E402
@@ -69,22 +69,7 @@ class Fleet:
         )
 
     def _agent(self, name: str, tier: str) -> Launched:
-        return launch(
-            [
-                "agent",
-                "--tier",
-                tier,
-                "--models",
-                str(MODELS),
-                "--router",
-                self.router_address,
-                "--name",
-                name,
-                *QUIET,
-            ],
-            role=name,
-            log_dir=self.log_dir,
-        )
+        return launch_agent(self.router_address, name, self.log_dir, tier=tier)
 
     def kill_agent(self) -> None:
         self.agents["device-1"].process.send_signal(signal.SIGKILL)

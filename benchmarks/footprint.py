@@ -25,6 +25,9 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from loadgen import launch_agent  # noqa: E402
 
 from stratus import codec  # noqa: E402
 from stratus.launcher import Launched, launch  # noqa: E402
@@ -80,25 +83,7 @@ def warm_up(router: str, requests: int = 300) -> None:
 def measure(router: Launched, runtime: str, log_dir: Path, index: int) -> tuple[float, float, list[str]]:
     name = f"{runtime}-{index}"
     started = time.perf_counter()
-    agent = launch(
-        [
-            "agent",
-            "--tier",
-            "device",
-            "--runtimes",
-            runtime,
-            "--models",
-            str(ROOT / "models"),
-            "--router",
-            router.address,
-            "--name",
-            name,
-            "--log-level",
-            "WARNING",
-        ],
-        role=name,
-        log_dir=log_dir,
-    )
+    agent = launch_agent(router.address, name, log_dir, "--runtimes", runtime)
     try:
         registered = wait_registered(router.address, name, started)
         warm_up(router.address)

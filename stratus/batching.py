@@ -290,9 +290,6 @@ class Batcher(Generic[P, R]):
             self._timer = None
         if not self._queue:
             return
-        if len(self._queue) == 1 and len(self._running) < self.slots:  # the idle case, without a plan
-            self._start([self._queue[0]])
-            return
         now = self._clock()
         decision = plan(
             self._queue,
