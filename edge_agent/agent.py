@@ -15,6 +15,7 @@ import contextlib
 import logging
 import platform
 import random
+import signal
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
@@ -23,7 +24,7 @@ from pathlib import Path
 import grpc
 
 from stratus import __version__
-from stratus.discovery import discover_all
+from stratus.discovery import DNS_PREFIX, discover_all, resolve_all
 from stratus.errors import DeadlineExceeded, StratusError
 from stratus.local import LocalDataPlane, LocalModels
 from stratus.metrics import Metrics
@@ -41,14 +42,6 @@ log = logging.getLogger("stratus.agent")
 
 # With --router auto or dns:NAME:PORT, how often to look for routers that joined since.
 REDISCOVER_S = 30.0
-DNS_PREFIX = "dns:"
-
-
-async def resolve_all(name: str, port: int) -> list[str]:
-    """Every IPv4/IPv6 address ``name`` resolves to, as ``host:port`` (one per router pod)."""
-    infos = await asyncio.get_running_loop().getaddrinfo(name, port, type=socket.SOCK_STREAM)
-    hosts = sorted({str(info[4][0]) for info in infos})
-    return [f"[{h}]:{port}" if ":" in h else f"{h}:{port}" for h in hosts]
 
 
 _TIERS = {Tier.DEVICE: fpb.TIER_DEVICE, Tier.EDGE: fpb.TIER_EDGE, Tier.CLOUD: fpb.TIER_CLOUD}
@@ -122,6 +115,8 @@ class Agent:
         self.models = models
         self._rng = rng or random.Random()
         self.links: dict[str, Link] = {}  # by router address, while linked
+        self._reload_lock = asyncio.Lock()
+        self._reloads: set[asyncio.Task[None]] = set()
 
     @property
     def in_flight(self) -> int:
@@ -294,7 +289,34 @@ class Agent:
                 link.outbox.put_nowait(
                     fpb.AgentMessage(draining=fpb.Draining(reason=message.drain.reason or "drained"))
                 )
+            elif kind == "reload":
+                self.start_reload()
         raise ConnectionError("router ended the link")
+
+    def start_reload(self) -> None:
+        """A router's Reload, or SIGHUP: reload in the background; the link keeps serving."""
+        task = asyncio.create_task(self.reload(), name="stratus-agent-reload")
+        self._reloads.add(task)
+        task.add_done_callback(self._reloads.discard)
+
+    async def reload(self) -> None:
+        """Load and warm what changed in the models folder, then announce it to every router.
+
+        One reload at a time; work keeps flowing meanwhile. A failure leaves the old
+        variants serving and is reported to every router (and logged).
+        """
+        async with self._reload_lock:
+            try:
+                served = await self.models.reload()
+            except Exception as exc:  # any failure to load must leave the agent serving
+                log.error("reload failed; still serving %s: %s", sorted(self.models.served), exc)
+                failed = fpb.AgentMessage(reload_failed=fpb.ReloadFailed(message=_describe(exc)))
+                for link in self.links.values():
+                    link.outbox.put_nowait(failed)
+                return
+            log.info("reloaded; announcing %s", served)
+            for link in self.links.values():
+                link.outbox.put_nowait(self.hello())
 
     def _accept(self, work: fpb.Work, link: Link) -> None:
         if work.request_id in link.work:
@@ -381,8 +403,11 @@ async def run_agent(settings: AgentSettings, models: LocalModels, stop: asyncio.
         announce("agent", address)
     else:
         announce("agent", settings.name)
+    agent = Agent(settings, models)
+    with contextlib.suppress(NotImplementedError, AttributeError):  # no SIGHUP off POSIX
+        asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, agent.start_reload)
     try:
-        await Agent(settings, models).run(stop)
+        await agent.run(stop)
     finally:
         if local is not None:
             await health.stop()

@@ -8,14 +8,17 @@ import logging
 import random
 import socket
 from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 
 from router.cloud import CloudLink
 from router.dataplane import RouterDataPlane
-from router.fleet_service import FleetServicer, fleet_levels
+from router.fleet_service import FleetServicer, fleet_levels, rollout_levels
 from router.link import AdmissionGate, AgentLinkServicer
+from router.peers import RolloutPeers
 from router.registry import FleetRegistry
+from router.rollout import ROLLED_BACK, Plan, Rollouts
 from stratus.batching import DEFAULT_MAX_DELAY_S
 from stratus.discovery import Advertisement
 from stratus.metrics import Metrics, RouterMetrics
@@ -58,6 +61,10 @@ class RouterSettings:
     metrics: str | None = None  # HOST:PORT for Prometheus's /metrics; None: not served
     # On SIGTERM: how long requests in flight may take to finish before the router exits.
     drain_timeout_s: float = 20.0
+    # Where rollout state is kept across restarts; None: in memory only.
+    rollout_state: Path | None = None
+    # The other routers of this site (host:port,... or dns:NAME:PORT), to share rollouts with.
+    peers: str | None = None
 
 
 async def _watch_heartbeats(registry: FleetRegistry) -> None:
@@ -72,6 +79,7 @@ async def serve(settings: RouterSettings, stop: asyncio.Event | None = None) -> 
     raise_open_files_limit()  # one descriptor per linked agent
     metrics = Metrics()
     recorder = RouterMetrics(metrics)
+    rollouts = _rollouts(settings, metrics, recorder)
     registry = FleetRegistry(
         heartbeat_s=settings.heartbeat_s,
         max_heartbeats_per_s=settings.max_heartbeats_per_s,
@@ -89,6 +97,7 @@ async def serve(settings: RouterSettings, stop: asyncio.Event | None = None) -> 
         fail_without_cloud=settings.on_cloud_failure == "fail",
         max_requests=settings.max_requests,
         metrics=recorder,
+        rollouts=rollouts,
     )
     server = create_server(keepalive_s=settings.keepalive_s, keepalive_timeout_s=settings.keepalive_timeout_s)
     pb_grpc.add_GRPCInferenceServiceServicer_to_server(InferenceServicer(plane), server)
@@ -96,24 +105,31 @@ async def serve(settings: RouterSettings, stop: asyncio.Event | None = None) -> 
     fpb_grpc.add_AgentLinkServicer_to_server(
         AgentLinkServicer(registry, token=settings.token, gate=gate), server
     )
-    fpb_grpc.add_FleetServicer_to_server(FleetServicer(registry, cloud, token=settings.token), server)
+    synced = asyncio.Event()
+    fleet = FleetServicer(registry, cloud, token=settings.token, rollouts=rollouts, synced=synced)
+    fpb_grpc.add_FleetServicer_to_server(fleet, server)
     health = Health(server, plane.ready)
     port = bind(server, settings.listen, settings.tls)
+    name = settings.name or f"router-{socket.gethostname()}-{port}"
+    rollouts.router_id = name
     await server.start()
     await health.start()
     host = settings.listen.rsplit(":", 1)[0]
     advertisement = None
     if settings.advertise:
-        name = settings.name or f"router-{socket.gethostname()}-{port}"
         advertisement = Advertisement(name=name, host=host, port=port)
         await advertisement.start()
     exporter = await serve_metrics(metrics, settings.metrics) if settings.metrics else None
     watchdog = asyncio.create_task(_watch_heartbeats(registry), name="stratus-heartbeat-watchdog")
+    sharing = _share_rollouts(settings, rollouts, synced)
     log.info("router listening on %s:%d (cloud: %s)", host, port, settings.cloud or "none")
     announce("router", f"{host}:{port}")
     await stop.wait()
     await _shut_down(plane, registry, server, health, settings.drain_timeout_s)
     watchdog.cancel()
+    if sharing is not None:
+        sharing.cancel()
+        await asyncio.gather(sharing, return_exceptions=True)
     if exporter is not None:
         exporter.close()
     if advertisement is not None:
@@ -121,6 +137,33 @@ async def serve(settings: RouterSettings, stop: asyncio.Event | None = None) -> 
             await advertisement.close()
     if cloud is not None:
         await cloud.close()
+
+
+def _rollouts(settings: RouterSettings, metrics: Metrics, recorder: RouterMetrics) -> Rollouts:
+    rollouts = Rollouts(router_id=settings.name, state_path=settings.rollout_state)
+    rollouts.listeners.append(lambda plan, why: _count_rollback(recorder, rollouts, plan))
+    metrics.collect_with(lambda: rollout_levels(rollouts))
+    return rollouts
+
+
+def _share_rollouts(
+    settings: RouterSettings, rollouts: Rollouts, synced: asyncio.Event
+) -> asyncio.Task[None] | None:
+    """Every change reaches the peers at once (and all state every SYNC_S)."""
+    rollouts.listeners.append(lambda plan, why: synced.set())
+    if not settings.peers:
+        return None
+    peers = RolloutPeers(rollouts, settings.peers, tls=settings.tls, token=settings.token, changed=synced)
+    return asyncio.create_task(peers.run(), name="stratus-rollout-peers")
+
+
+def _count_rollback(recorder: RouterMetrics, rollouts: Rollouts, plan: Plan) -> None:
+    """A rollback decided here (not one adopted from a peer) counts once, by what was worse."""
+    if plan.state != ROLLED_BACK or plan.origin != rollouts.router_id:
+        return
+    detail = plan.reason.split(": ", 1)[-1]
+    reason = next((r for r in ("errors", "p99", "unsure") if detail.startswith(r)), "other")
+    recorder.rollbacks.labels(plan.family, plan.tier.label, reason).inc()
 
 
 async def _shut_down(

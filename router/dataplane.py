@@ -9,6 +9,7 @@ can answer in time, the best answer so far is returned marked ``stratus.degraded
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import random
 import time
@@ -16,8 +17,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from router.cloud import CloudLink
+from router.index import line_key
 from router.policy import Attempt, CloudView, FleetSnapshot, NoTarget, Target, choose, settled, top_tier
 from router.registry import FleetRegistry
+from router.rollout import Plan, Rollouts, top1
 from stratus.errors import DeadlineExceeded, NotFound, Overloaded, StratusError, Unavailable
 from stratus.local import model_config
 from stratus.metrics import RouterMetrics
@@ -80,8 +83,11 @@ class RouterDataPlane(DataPlane):
         fail_without_cloud: bool = False,
         max_requests: int = 4096,
         metrics: RouterMetrics | None = None,
+        rollouts: Rollouts | None = None,
     ) -> None:
         self.metrics = metrics
+        self.rollouts = rollouts or Rollouts(router_id="router")
+        self._shadows: set[asyncio.Task[None]] = set()
         self.stopping = False  # set on SIGTERM: not ready, finishing what is in flight
         self.max_requests = max_requests
         self.active = 0
@@ -222,14 +228,19 @@ class RouterDataPlane(DataPlane):
             )
         return self.registry.snapshot(model, cloud)
 
-    async def dispatch(self, target: Target, job: Job, items: Tensors, remaining_ms: float) -> Answer:
-        """Send items to the chosen agent or to the cloud; the answer holds one row per item."""
+    async def dispatch(
+        self, target: Target, job: Job, items: Tensors, remaining_ms: float, *, model: str | None = None
+    ) -> Answer:
+        """Send items to the chosen agent or to the cloud; the answer holds one row per item.
+
+        ``model`` is what the agent is asked for when it is not the job's own (a rollout's
+        line key)."""
         started = self._clock()
         if target.agent_id is None:
             return await self._ask_cloud(job, items, remaining_ms, started)
         handle = self.registry.agents[target.agent_id]
         part = await self.registry.submit(
-            handle, items, variant=job.model, outputs=job.outputs, budget_ms=remaining_ms
+            handle, items, variant=model or job.model, outputs=job.outputs, budget_ms=remaining_ms
         )
         return Answer(
             tier=target.tier,
@@ -239,6 +250,55 @@ class RouterDataPlane(DataPlane):
             confidences=part.confidences,
             elapsed_ms=(self._clock() - started) * 1000.0,
         )
+
+    # -- gray release ----------------------------------------------------------------------
+    def candidate_target(self, plan: Plan, attempt: Attempt) -> Target | None:
+        """An agent of the rollout's tier that serves its candidate and can take the items."""
+        key = line_key(plan.candidate)
+        narrowed = Attempt(
+            model=key,
+            remaining_ms=attempt.remaining_ms,
+            items=attempt.items,
+            min_tier=plan.tier,
+            max_tier=plan.tier,
+            exclude=attempt.exclude,
+        )
+        target = choose(narrowed, self.snapshot(key), self._rng)
+        return None if isinstance(target, NoTarget) else target
+
+    def record_arm(
+        self, plan: Plan, *, candidate: bool, answer: Answer | None, accepted: Sequence[bool], items: int
+    ) -> None:
+        latency = answer.elapsed_ms if answer is not None else 0.0
+        unsure = sum(1 for ok in accepted if not ok)
+        self.rollouts.record(
+            plan, candidate=candidate, ok=answer is not None, latency_ms=latency, items=items, unsure=unsure
+        )
+        if self.metrics is not None:
+            arm = "candidate" if candidate else "current"
+            outcome = "ok" if answer is not None else "error"
+            self.metrics.rollout_requests.labels(plan.family, plan.tier.label, arm, outcome).inc()
+
+    def shadow(self, plan: Plan, job: Job, attempt: Attempt, items: Tensors, answer: Answer) -> None:
+        """Mirror items the current variant answered to the candidate, in the background;
+        its answers are only compared (top-1 agreement), never returned."""
+        target = self.candidate_target(plan, attempt)
+        if target is None or len(self._shadows) >= MAX_SHADOWS:
+            return
+
+        async def mirror() -> None:
+            try:
+                budget_ms = attempt.remaining_ms or DEFAULT_BUDGET_MS
+                mirrored = await self.dispatch(target, job, items, budget_ms, model=line_key(plan.candidate))
+            except StratusError:
+                return
+            mine, theirs = top1(answer.outputs), top1(mirrored.outputs)
+            if mine is not None and theirs is not None and mine.shape == theirs.shape:
+                self.rollouts.record_shadow(plan, int((mine == theirs).sum()), len(mine))
+
+        task = asyncio.create_task(mirror(), name="stratus-shadow")
+        self._shadows.add(task)
+        task.add_done_callback(self._shadows.discard)
 
     async def _ask_cloud(self, job: Job, items: Tensors, remaining_ms: float, started: float) -> Answer:
         assert self.cloud is not None
@@ -303,6 +363,9 @@ class _Cascade:
                 exclude=frozenset(self.exclude),
             )
             target = choose(attempt, snapshot, self.plane._rng)
+            arm: tuple[Plan, bool] | None = None
+            if not isinstance(target, NoTarget) and job.pinned is None and target.agent_id is not None:
+                target, arm = self._arm(target, attempt)
             if isinstance(target, NoTarget):
                 # A failure met on the way up explains more than "nothing is left to try".
                 kind = Overloaded if target.full else DeadlineExceeded if target.too_slow else Unavailable
@@ -310,22 +373,29 @@ class _Cascade:
                     self.problem = kind(target.reason)
                 break
             self._note_climb(target.tier, snapshot.tiers)
-            answer = await self._try(target, remaining)
+            model = line_key(arm[0].candidate) if arm is not None and arm[1] else None
+            items = len(self.pending)
+            answer = await self._try(target, remaining, model)
             if answer is None:
+                if arm is not None:
+                    self.plane.record_arm(arm[0], candidate=arm[1], answer=None, accepted=(), items=items)
                 self.climb = (target.tier, "failed")
                 continue
             top = top_tier(snapshot, job.options.max_tier)
             final = job.pinned is not None or top is None or answer.tier >= top
-            self._record(
-                answer,
-                settled(
-                    answer.confidences,
-                    answer.tier,
-                    final=final,
-                    thresholds=thresholds,
-                    min_confidence=job.options.min_confidence,
-                ),
+            accepted = settled(
+                answer.confidences,
+                answer.tier,
+                final=final,
+                thresholds=thresholds,
+                min_confidence=job.options.min_confidence,
             )
+            if arm is not None:
+                self.plane.record_arm(arm[0], candidate=arm[1], answer=answer, accepted=accepted, items=items)
+                if not arm[1] and self.plane.rollouts.shadow_wanted(arm[0]):
+                    sent = self.job.inputs.take(self.pending)
+                    self.plane.shadow(arm[0], job, attempt, sent, answer)
+            self._record(answer, accepted)
             self.above = answer.tier
             self.climb = (answer.tier, "unsure")
         if not self.pending and self.answers:
@@ -380,13 +450,26 @@ class _Cascade:
         cloud_serves = self.plane.cloud.models.get(self.job.model, False)
         return cloud_serves and self.job.options.max_tier >= Tier.CLOUD and Tier.CLOUD not in self.path
 
-    async def _try(self, target: Target, remaining: float) -> Answer | None:
+    def _arm(self, target: Target, attempt: Attempt) -> tuple[Target, tuple[Plan, bool] | None]:
+        """Under a rollout on the target's tier, the step's share goes to the candidate
+        (on an agent that serves it); the rest, and any the candidate cannot take, stay."""
+        drawn = self.plane.rollouts.arm(self.job.family, target.tier)
+        if drawn is None:
+            return target, None
+        plan, to_candidate = drawn
+        if to_candidate:
+            chosen = self.plane.candidate_target(plan, attempt)
+            if chosen is not None:
+                return chosen, (plan, True)
+        return target, (plan, False)
+
+    async def _try(self, target: Target, remaining: float, model: str | None = None) -> Answer | None:
         # Keep a little of the budget for the way back, so a late tier times out here
         # and the best answer so far still reaches the client before its deadline.
         allowed = remaining - min(RETURN_MARGIN_MS, remaining * 0.1)
         items = self.job.inputs.take(self.pending)
         try:
-            return await self.plane.dispatch(target, self.job, items, allowed)
+            return await self.plane.dispatch(target, self.job, items, allowed, model=model)
         except _RETRYABLE as exc:
             log.info("%s failed for %s: %s", target.agent_id or "cloud", self.job.id, exc)
             self.exclude.add(target.agent_id or "cloud")
@@ -441,6 +524,8 @@ _STOPPED: dict[type[StratusError], str] = {
     Unavailable: "unavailable",
 }
 
+# Shadow requests in flight at once, at most: mirroring must never crowd out real work.
+MAX_SHADOWS = 64
 # A request with neither a budget nor a deadline still ends: nothing waits forever on a
 # peer that stopped answering without dropping its link.
 DEFAULT_BUDGET_MS = 30_000.0

@@ -11,9 +11,11 @@ from typing import Any
 from prometheus_client.core import Metric
 
 from router.cloud import CloudLink
+from router.index import line_key
 from router.registry import AgentHandle, FleetRegistry, State
+from router.rollout import DEFAULT_STEPS, ArmWindow, Margins, Plan, Rollouts
 from stratus import __version__
-from stratus.errors import Unauthenticated
+from stratus.errors import InvalidInput, NotFound, Unauthenticated
 from stratus.metrics import gauge
 from stratus.tiers import Tier
 from stratus.wire import fleet_pb2 as fpb
@@ -124,11 +126,70 @@ def fleet_status(
 WATCH_MIN_GAP_S = 0.5
 
 
+def arm_stats(variant: str, window: ArmWindow) -> fpb.ArmStats:
+    return fpb.ArmStats(
+        variant=variant,
+        requests=window.requests,
+        errors=window.errors,
+        p99_ms=window.p99_ms,
+        unsure_share=window.unsure_share,
+    )
+
+
+def rollout_status(rollouts: Rollouts, plan: Plan, current: str) -> fpb.RolloutStatus:
+    """One rollout as an operator reads it: where it stands, this router's evidence, history."""
+    mine, theirs, shadow_items, shadow_agreed = rollouts.evidence(plan.family, plan.tier)
+    return fpb.RolloutStatus(
+        family=plan.family,
+        tier=_TIERS[int(plan.tier)],
+        candidate=plan.candidate,
+        state=plan.state,
+        share_percent=plan.share,
+        step=plan.step,
+        steps=plan.steps,
+        reason=plan.reason,
+        revision=plan.revision,
+        current=arm_stats(current, mine),
+        candidate_stats=arm_stats(plan.candidate, theirs),
+        shadow_requests=shadow_items,
+        shadow_agreement=shadow_agreed / shadow_items if shadow_items else 0.0,
+        history=plan.history,
+        min_requests=plan.min_requests,
+    )
+
+
+def rollout_levels(rollouts: Rollouts) -> list[Metric]:
+    """Each rollout's candidate share, labelled with its state (1 sample per rollout)."""
+    samples = [([p.family, p.tier.label, p.candidate, p.state], p.share) for p in rollouts.plans()]
+    return [
+        gauge(
+            "stratus_router_rollout_share_percent",
+            "Percent of a tier's requests for a family sent to a rollout's candidate, with its state.",
+            ["family", "tier", "candidate", "state"],
+            samples,
+        )
+    ]
+
+
 class FleetServicer(fpb_grpc.FleetServicer):
-    def __init__(self, registry: FleetRegistry, cloud: CloudLink | None, *, token: str = "") -> None:
+    def __init__(
+        self,
+        registry: FleetRegistry,
+        cloud: CloudLink | None,
+        *,
+        token: str = "",
+        rollouts: Rollouts | None = None,
+        synced: asyncio.Event | None = None,
+    ) -> None:
         self._registry = registry
         self._cloud = cloud
         self._token = token
+        self._rollouts = rollouts or Rollouts(router_id="router")
+        self._synced = synced  # set when a change should reach the other routers now
+
+    def _authorize(self, token: str, what: str) -> None:
+        if self._token and not hmac.compare_digest(token.encode(), self._token.encode()):
+            raise Unauthenticated(f"{what} needs the fleet token")
 
     async def Status(self, request: fpb.FleetStatusRequest, context: Any) -> fpb.FleetStatus:
         return fleet_status(self._registry, self._cloud, include_agents=request.include_agents)
@@ -148,7 +209,94 @@ class FleetServicer(fpb_grpc.FleetServicer):
             self._registry.unwatch(changes)
 
     async def Drain(self, request: fpb.DrainRequest, context: Any) -> fpb.DrainResponse:
-        if self._token and not hmac.compare_digest(request.token.encode(), self._token.encode()):
-            raise Unauthenticated("Drain needs the fleet token")
+        self._authorize(request.token, "Drain")
         handle = self._registry.drain(request.agent_id)
         return fpb.DrainResponse(accepted=True, message=f"agent {handle.id} is draining")
+
+    async def Reload(self, request: fpb.ReloadRequest, context: Any) -> fpb.ReloadResponse:
+        self._authorize(request.token, "Reload")
+        timeout_s = request.timeout_s if request.timeout_s > 0 else 120.0
+        handle, problem = await self._registry.reload(request.agent_id, timeout_s)
+        served = sorted(handle.variants)
+        if problem:
+            return fpb.ReloadResponse(ok=False, message=f"agent {handle.id}: {problem}", variants=served)
+        return fpb.ReloadResponse(ok=True, message=f"agent {handle.id} reloaded", variants=served)
+
+    async def Rollout(self, request: fpb.RolloutRequest, context: Any) -> fpb.RolloutReply:
+        action = request.action
+        if action == fpb.ROLLOUT_ACTION_STATUS:
+            plans = [p for p in self._rollouts.plans() if not request.family or p.family == request.family]
+            return fpb.RolloutReply(rollouts=[self._status(p) for p in plans])
+        self._authorize(request.token, "changing a rollout")
+        tier = _tier(request.tier)
+        if action == fpb.ROLLOUT_ACTION_START:
+            plan = self._start(request, tier)
+        elif action == fpb.ROLLOUT_ACTION_PROMOTE:
+            plan = self._rollouts.promote(request.family, tier)
+        elif action == fpb.ROLLOUT_ACTION_ABORT:
+            plan = self._rollouts.abort(request.family, tier)
+        else:
+            raise InvalidInput(f"unknown rollout action {action}")
+        if self._synced is not None:
+            self._synced.set()
+        return fpb.RolloutReply(rollouts=[self._status(plan)], message=plan.reason)
+
+    def _start(self, request: fpb.RolloutRequest, tier: Tier) -> Plan:
+        """Refuse what could never work: an unknown family, a candidate no agent of the
+        tier serves, the current variant itself, or the cloud tier."""
+        family, candidate = request.family, request.candidate
+        if self._registry.family(family) is None:
+            raise NotFound(f"no agent serves a family '{family}'")
+        if tier is Tier.CLOUD:
+            raise InvalidInput(
+                "the cloud tier is one gateway with its own models folder: roll a new cloud variant "
+                "out by deploying a gateway beside the old one"
+            )
+        if tier not in self._registry.index.tiers(line_key(candidate)):
+            raise NotFound(
+                f"no {tier.label} agent serves '{candidate}': add it to their models folder and "
+                "reload them (stratus fleet reload AGENT, or SIGHUP)"
+            )
+        if candidate in self._current_lines(family, tier):
+            raise InvalidInput(f"'{candidate}' is already the current {tier.label} variant of '{family}'")
+        margins = Margins(
+            max_error_increase=request.max_error_increase or Margins.max_error_increase,
+            max_p99_ratio=request.max_p99_ratio or Margins.max_p99_ratio,
+            max_unsure_increase=request.max_unsure_increase or Margins.max_unsure_increase,
+        )
+        return self._rollouts.start(
+            family,
+            tier,
+            candidate,
+            steps=list(request.steps) or DEFAULT_STEPS,
+            min_requests=request.min_requests or 100,
+            shadow=request.shadow_percent,
+            margins=margins,
+        )
+
+    def _current_lines(self, family: str, tier: Tier) -> set[str]:
+        """The lines agents of ``tier`` serve ``family`` requests with now."""
+        lines = set()
+        for handle in self._registry.index.pools(family).get(tier, ()):
+            info = handle.variants.get(handle.variant_for(family))
+            if info is not None:
+                lines.add(info.line or info.name)
+        return lines
+
+    def _status(self, plan: Plan) -> fpb.RolloutStatus:
+        current = sorted(self._current_lines(plan.family, plan.tier) - {plan.candidate})
+        return rollout_status(self._rollouts, plan, ",".join(current))
+
+    async def SyncRollouts(self, request: fpb.RolloutSync, context: Any) -> fpb.RolloutSync:
+        """A peer router's rollouts in, ours out: both keep the newest record of each."""
+        self._authorize(request.token, "SyncRollouts")
+        if request.router_id != self._rollouts.router_id:
+            self._rollouts.merge_json(request.state_json)
+        return fpb.RolloutSync(router_id=self._rollouts.router_id, state_json=self._rollouts.to_json())
+
+
+def _tier(value: int) -> Tier:
+    for tier, wire in _TIERS.items():
+        if wire == value:
+            return Tier(tier)
+    raise InvalidInput("a rollout names its tier: device or edge")

@@ -28,6 +28,12 @@ class Indexed(Protocol):
         """Each variant it serves, with the family that variant belongs to."""
         ...
 
+    @property
+    def model_names(self) -> frozenset[str]:
+        """The names it answers to: its variants, the families it serves a current variant
+        of, and a line key (:func:`line_key`) for each line a rollout may send it."""
+        ...
+
 
 A = TypeVar("A", bound=Indexed)
 
@@ -72,9 +78,18 @@ class Pool(Sequence[A], Generic[A]):
         return getattr(agent, "id", None) in self._where
 
 
-def _models(agent: Indexed) -> set[str]:
-    """The names an agent answers to: each variant, and each variant's family."""
-    return {*agent.variant_families, *agent.variant_families.values()}
+def _models(agent: Indexed) -> frozenset[str]:
+    return agent.model_names
+
+
+# Line keys start with a character no model name may start with: they are never a name a
+# client can ask for, only the router's own way to find agents serving a line.
+LINE_PREFIX = "@"
+
+
+def line_key(line: str) -> str:
+    """The index key of the agents that serve ``line`` (an FP32 variant, in any precision)."""
+    return LINE_PREFIX + line
 
 
 class AgentIndex(Generic[A]):
@@ -145,7 +160,7 @@ class AgentIndex(Generic[A]):
         return sorted(v for v, f in self._family.items() if f == family)
 
     def models(self) -> list[str]:
-        return sorted(self._listed)
+        return sorted(m for m in self._listed if not m.startswith(LINE_PREFIX))
 
     def any_ready(self) -> bool:
         return bool(self._ready_ids)

@@ -127,6 +127,10 @@ class AgentLinkServicer(fpb_grpc.AgentLinkServicer):
                     self._registry.result(handle, message.result)
                 elif kind == "draining":
                     self._registry.draining(handle)
+                elif kind == "hello":
+                    self._reannounce(handle, message.hello)
+                elif kind == "reload_failed":
+                    self._registry.reload_failed(handle, message.reload_failed.message)
                 else:
                     reason = f"unexpected {kind or 'empty'} message after Hello"
                     break
@@ -136,6 +140,17 @@ class AgentLinkServicer(fpb_grpc.AgentLinkServicer):
             reason = f"link broke: {type(exc).__name__}: {exc}"
         log.info("agent %s: %s", handle.id, reason)
         self._registry.lose(handle, reason)
+
+    def _reannounce(self, handle: AgentHandle, hello: fpb.Hello) -> None:
+        """A later Hello: the agent reloaded. Same token rule as the first; a refused one
+        leaves the agent serving what it served before."""
+        if self._token and not hmac.compare_digest(hello.token.encode(), self._token.encode()):
+            self._registry.reload_failed(handle, "its new Hello carries a missing or wrong token")
+            return
+        try:
+            self._registry.reannounce(handle, hello)
+        except InvalidInput as exc:
+            log.warning("agent %s: reload refused: %s", handle.id, exc)
 
 
 def _check_hello(hello: fpb.Hello) -> None:

@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from router.index import AgentIndex
+from router.index import AgentIndex, line_key
 from router.policy import CloudView, FleetSnapshot
 from stratus.batching import DEFAULT_MAX_DELAY_S, Batch, Batcher, split_counts
 from stratus.errors import DeadlineExceeded, InvalidInput, NotFound, Unavailable
@@ -113,15 +113,39 @@ class AgentHandle:
     unread_beats: int = 0  # consecutive heartbeats with messages unread and no reading progress
     batcher: Batcher[Part, PartAnswer] | None = None
 
+    reloads: list[asyncio.Future[str]] = field(default_factory=list)  # waiting for its next Hello
+
     def __post_init__(self) -> None:
-        # What the Hello said does not change for the life of the link: computed once.
-        self._variant_of = {info.family: name for name, info in self.variants.items() if info.family}
-        self._max_batch = {name: max(1, info.max_batch) for name, info in self.variants.items()}
+        self.announce(self.variants)
+
+    def announce(self, variants: dict[str, fpb.VariantInfo]) -> None:
+        """What the agent serves: said by its Hello, and again by a Hello after a reload.
+
+        A family's requests go to its current variant; each line (current or not) is also
+        reachable by its line key, for a rollout's share. An agent older than lines (no
+        ``line`` set) serves every variant as current, as it always did.
+        """
+        self.variants = variants
+        self._variant_of: dict[str, str] = {}
+        names = set(variants)
+        for name, info in variants.items():
+            if info.family and (info.current or not info.line):
+                self._variant_of[info.family] = name
+                names.add(info.family)
+            if info.line:
+                self._variant_of[line_key(info.line)] = name
+                names.add(line_key(info.line))
+        self._model_names = frozenset(names)
+        self._max_batch = {name: max(1, info.max_batch) for name, info in variants.items()}
         self._limit = (self.capacity + self.queue_limit) * max(self._max_batch.values(), default=1)
 
     @property
     def variant_families(self) -> Mapping[str, str]:
         return {name: info.family for name, info in self.variants.items()}
+
+    @property
+    def model_names(self) -> frozenset[str]:
+        return self._model_names
 
     @property
     def ready(self) -> bool:
@@ -272,6 +296,64 @@ class FleetRegistry:
                     f"'{owner}' in this fleet, not '{variant.family}'"
                 )
 
+    def reannounce(self, handle: AgentHandle, hello: fpb.Hello) -> None:
+        """A Hello on a live link: the agent reloaded and now serves what it says.
+
+        Work already sent carries on (the agent keeps answering it); the index moves the
+        agent to its new names at once. A Hello this fleet would refuse leaves the agent
+        registered as it was, and says why, to the operator who asked for the reload.
+        """
+        if hello.agent_id != handle.id or tier_of(hello.tier) is not handle.tier:
+            raise InvalidInput(f"a reload may not change the agent's name or tier ({handle.id})")
+        ready = handle.ready
+        self.index.forget(handle)  # its old names, so only other agents count in the check
+        try:
+            _check_hello_variants(hello)
+            self._check_families(hello)
+        except InvalidInput as exc:
+            self._readd(handle, ready)
+            self._settle_reloads(handle, f"refused: {exc}")
+            raise
+        handle.announce({v.name: v for v in hello.variants})
+        for family in hello.families:
+            self.families[family.name] = family
+        self._readd(handle, ready)
+        log.info("agent %s reloaded: variants %s", handle.id, sorted(handle.variants))
+        self._settle_reloads(handle, "")
+        self.changed()
+
+    def _readd(self, handle: AgentHandle, ready: bool) -> None:
+        self.index.add(handle)
+        if ready:
+            self.index.ready(handle)
+
+    def reload_failed(self, handle: AgentHandle, message: str) -> None:
+        log.warning("agent %s could not reload: %s", handle.id, message)
+        self._settle_reloads(handle, message or "reload failed")
+
+    @staticmethod
+    def _settle_reloads(handle: AgentHandle, problem: str) -> None:
+        for waiter in handle.reloads:
+            if not waiter.done():
+                waiter.set_result(problem)
+        handle.reloads.clear()
+
+    async def reload(self, agent_id: str, timeout_s: float) -> tuple[AgentHandle, str]:
+        """Ask an agent to reload and wait for its answer: ("" or the problem)."""
+        handle = self.agents.get(agent_id)
+        if handle is None or handle.state == State.LOST:
+            raise NotFound(f"no linked agent '{agent_id}'")
+        waiter: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        handle.reloads.append(waiter)
+        handle.outbox.put_nowait(fpb.RouterMessage(reload=fpb.Reload()))
+        try:
+            async with asyncio.timeout(timeout_s):
+                return handle, await waiter
+        except TimeoutError:
+            raise DeadlineExceeded(
+                f"agent {agent_id} did not finish reloading within {timeout_s:.0f} s"
+            ) from None
+
     def draining(self, handle: AgentHandle) -> None:
         if handle.state == State.READY:
             handle.state = State.DRAINING
@@ -288,6 +370,7 @@ class FleetRegistry:
         self.index.unready(handle)
         self._linked -= 1
         handle.fail_pending(reason)
+        self._settle_reloads(handle, f"agent lost: {reason}")
         handle.outbox.put_nowait(None)
         log.warning("agent %s lost: %s", handle.id, reason)
         self._repace()
@@ -471,6 +554,11 @@ class FleetRegistry:
         for queue in self._watchers:
             if queue.empty():
                 queue.put_nowait(None)
+
+
+def _check_hello_variants(hello: fpb.Hello) -> None:
+    if not hello.variants:
+        raise InvalidInput(f"Hello from {hello.agent_id}: no variants")
 
 
 def split_result(handle: AgentHandle, result: fpb.Result, sizes: Sequence[int]) -> list[PartAnswer]:

@@ -4,14 +4,14 @@ runs only ``stratus agent`` never imports the router or the cloud gateway."""
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from stratus import __version__
-from stratus.errors import StratusError
+from stratus.errors import ConfigError, StratusError
+from stratus.models_cli import add_models
 from stratus.serving import TlsSettings
 
 if TYPE_CHECKING:
@@ -22,70 +22,6 @@ Handler = Callable[[argparse.Namespace], int]
 
 def _default_cache() -> Path:
     return Path.home() / ".cache" / "stratus"
-
-
-def _models_verify(args: argparse.Namespace) -> int:
-    from stratus.repository import ModelRepository
-    from stratus.verify import format_report, verify
-
-    report = verify(ModelRepository.load(args.dir), cache_dir=args.cache_dir, record=args.record)
-    if args.json:
-        payload = {
-            "variants": [row.to_json() for row in report.rows],
-            "skipped": report.skipped,
-            "records": report.records,
-            "ok": report.ok,
-        }
-        print(json.dumps(payload, indent=2))
-    else:
-        print(format_report(report))
-    return 0 if report.ok else 1
-
-
-def _models_calibrate(args: argparse.Namespace) -> int:
-    from stratus import calibrate
-    from stratus.repository import ModelRepository
-
-    family = ModelRepository.load(args.dir).family(args.family)
-    result = calibrate.calibrate(
-        family, cache=args.cache_dir, target_accuracy=args.target_accuracy, max_escalation=args.max_escalation
-    )
-    print(calibrate.describe(result, {v.tier: v.name for v in family.variants}))
-    if not args.dry_run:
-        calibrate.write(family, result)
-        print(f"wrote thresholds to {family.source}")
-    return 0
-
-
-def _fraction(text: str) -> float:
-    value = float(text)
-    if not 0.0 <= value <= 1.0:
-        raise argparse.ArgumentTypeError(f"{text} is not between 0 and 1")
-    return value
-
-
-def _add_models(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    models = commands.add_parser("models", help="check and calibrate the model repository")
-    sub = models.add_subparsers(dest="models_command", required=True)
-    verify = sub.add_parser("verify", help="run every variant in every runtime on the held-out split")
-    verify.add_argument("dir", nargs="?", type=Path, default=Path("models"))
-    verify.add_argument("--json", action="store_true")
-    verify.add_argument(
-        "--cache-dir", type=Path, default=None, help="runtime caches (default: a scratch folder)"
-    )
-    verify.add_argument(
-        "--record", action="store_true", help="write each family's verified.toml (what agents trust)"
-    )
-    verify.set_defaults(handler=_models_verify)
-    calibrate = sub.add_parser("calibrate", help="pick each tier's escalation threshold")
-    calibrate.add_argument("family")
-    calibrate.add_argument("--dir", type=Path, default=Path("models"))
-    goal = calibrate.add_mutually_exclusive_group(required=True)
-    goal.add_argument("--target-accuracy", type=_fraction)
-    goal.add_argument("--max-escalation", type=_fraction)
-    calibrate.add_argument("--dry-run", action="store_true", help="print, do not write the config")
-    calibrate.add_argument("--cache-dir", type=Path, default=_default_cache())
-    calibrate.set_defaults(handler=_models_calibrate)
 
 
 def _token(value: str | None) -> str:
@@ -126,6 +62,8 @@ def _router(args: argparse.Namespace) -> int:
         keepalive_s=args.keepalive_s,
         max_batch_delay_s=args.max_batch_delay_us / 1e6,
         metrics=args.metrics,
+        rollout_state=args.rollout_state,
+        peers=args.peers,
     )
     run(serve(settings))
     return 0
@@ -227,6 +165,46 @@ def _fleet_drain(args: argparse.Namespace) -> int:
     return drain(args.router, args.agent_id, token=_token(args.token), tls=_tls(args))
 
 
+def _fleet_reload(args: argparse.Namespace) -> int:
+    from stratus.fleetctl import reload
+
+    return reload(
+        args.router, args.agent_id, token=_token(args.token), timeout_s=args.timeout, tls=_tls(args)
+    )
+
+
+def _fleet_rollout(args: argparse.Namespace) -> int:
+    from stratus.fleetctl import rollout
+    from stratus.tiers import Tier
+    from stratus.wire import fleet_pb2 as fpb
+
+    actions = {
+        "status": fpb.ROLLOUT_ACTION_STATUS,
+        "promote": fpb.ROLLOUT_ACTION_PROMOTE,
+        "abort": fpb.ROLLOUT_ACTION_ABORT,
+    }
+    action = next((actions[a] for a in actions if getattr(args, a)), fpb.ROLLOUT_ACTION_START)
+    if action == fpb.ROLLOUT_ACTION_START and not args.candidate:
+        raise ConfigError("give --candidate VARIANT to start a rollout, or --status, --promote or --abort")
+    if action != fpb.ROLLOUT_ACTION_STATUS and not args.tier:
+        raise ConfigError("give --tier device or --tier edge")
+    tiers = {Tier.DEVICE: fpb.TIER_DEVICE, Tier.EDGE: fpb.TIER_EDGE, Tier.CLOUD: fpb.TIER_CLOUD}
+    request = fpb.RolloutRequest(
+        action=action,
+        token=_token(args.token),
+        family=args.family,
+        tier=tiers[Tier.parse(args.tier)] if args.tier else fpb.TIER_UNSPECIFIED,
+        candidate=args.candidate or "",
+        steps=[float(s) for s in args.steps.split(",")] if args.steps else [],
+        min_requests=args.min_requests,
+        shadow_percent=args.shadow,
+        max_error_increase=args.max_error_increase,
+        max_p99_ratio=args.max_p99_ratio,
+        max_unsure_increase=args.max_unsure_increase,
+    )
+    return rollout(args.router, request, as_json=args.json, tls=_tls(args))
+
+
 def _demo(args: argparse.Namespace) -> int:
     from edge_agent.sdk import Client
     from stratus.demo import run_demo
@@ -260,6 +238,18 @@ def _add_router(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -
         type=float,
         default=500.0,
         help="agents admitted a second (a restart's reconnect storm)",
+    )
+    router.add_argument(
+        "--rollout-state",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="keep rollout state here, so it survives a restart (default: in memory only)",
+    )
+    router.add_argument(
+        "--peers",
+        default=None,
+        help="the site's other routers (HOST:PORT,... or dns:NAME:PORT), to share rollouts with",
     )
     router.add_argument(
         "--keepalive-s",
@@ -355,8 +345,7 @@ def _add_servers(commands: argparse._SubParsersAction[argparse.ArgumentParser]) 
     drain.add_argument("--router", required=True)
     drain.add_argument("--token", default=None)
     drain.set_defaults(handler=_fleet_drain)
-    for parser in (status, drain):
-        _add_tls(parser)
+    _add_fleet_changes(sub, status, drain)
     demo = commands.add_parser("demo", help="a whole local fleet on loopback, end to end")
     demo.add_argument("--models", type=Path, default=Path("models"))
     demo.add_argument("--json", action="store_true")
@@ -364,11 +353,48 @@ def _add_servers(commands: argparse._SubParsersAction[argparse.ArgumentParser]) 
     demo.set_defaults(handler=_demo)
 
 
+def _add_fleet_changes(
+    sub: argparse._SubParsersAction[argparse.ArgumentParser], *others: argparse.ArgumentParser
+) -> None:
+    reload = sub.add_parser("reload", help="load new variants from an agent's models folder, no restart")
+    reload.add_argument("agent_id")
+    reload.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for the agent")
+    reload.set_defaults(handler=_fleet_reload)
+    rollout = sub.add_parser("rollout", help="gray release of a candidate variant on one tier")
+    rollout.add_argument("family")
+    rollout.add_argument("--tier", choices=["device", "edge"], default=None)
+    rollout.add_argument("--candidate", default=None, help="the FP32 variant to roll out")
+    rollout.add_argument("--steps", default=None, help="percent per step (default 5,25,50,100)")
+    rollout.add_argument("--min-requests", type=int, default=100, help="per variant, before a step is judged")
+    rollout.add_argument("--shadow", type=float, default=0.0, metavar="P", help="mirror P%% of requests")
+    rollout.add_argument("--max-error-increase", type=_share, default=0.01)
+    rollout.add_argument("--max-p99-ratio", type=float, default=1.5)
+    rollout.add_argument("--max-unsure-increase", type=_share, default=0.05)
+    steer = rollout.add_mutually_exclusive_group()
+    steer.add_argument("--status", action="store_true", help="where the family's rollouts stand")
+    steer.add_argument("--promote", action="store_true", help="send the candidate everything now")
+    steer.add_argument("--abort", action="store_true", help="back to 0%% now")
+    rollout.add_argument("--json", action="store_true")
+    rollout.set_defaults(handler=_fleet_rollout)
+    for parser in (*others, reload, rollout):
+        _add_tls(parser)
+    for parser in (reload, rollout):
+        parser.add_argument("--router", required=True)
+        parser.add_argument("--token", default=None)
+
+
+def _share(text: str) -> float:
+    value = float(text)
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"{text} is not a share between 0 and 1")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="stratus", description="Edge-cloud tiered inference router.")
     parser.add_argument("--version", action="version", version=f"stratus {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
-    _add_models(commands)
+    add_models(commands)
     _add_servers(commands)
     return parser
 

@@ -19,6 +19,23 @@ from stratus import __version__
 from stratus.errors import Unavailable
 
 SERVICE_TYPE = "_stratus._tcp.local."
+# ``dns:NAME:PORT``: every address NAME resolves to (a Kubernetes headless Service).
+DNS_PREFIX = "dns:"
+
+
+async def resolve_all(name: str, port: int) -> list[str]:
+    """Every IPv4/IPv6 address ``name`` resolves to, as ``host:port`` (one per router pod)."""
+    infos = await asyncio.get_running_loop().getaddrinfo(name, port, type=socket.SOCK_STREAM)
+    hosts = sorted({str(info[4][0]) for info in infos})
+    return [f"[{h}]:{port}" if ":" in h else f"{h}:{port}" for h in hosts]
+
+
+async def addresses_of(spec: str) -> list[str]:
+    """``host:port[,host:port...]`` as listed, or ``dns:NAME:PORT`` resolved now."""
+    if spec.startswith(DNS_PREFIX):
+        name, _, port = spec.removeprefix(DNS_PREFIX).rpartition(":")
+        return await resolve_all(name, int(port))
+    return [a.strip() for a in spec.split(",") if a.strip()]
 
 
 def _interfaces(host: str) -> Sequence[str] | None:

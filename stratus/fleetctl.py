@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from typing import Any
 
 import grpc
@@ -125,3 +126,96 @@ def drain(router: str, agent_id: str, *, token: str, tls: TlsSettings = NO_TLS) 
         response = stub.Drain(fpb.DrainRequest(agent_id=agent_id, token=token), timeout=5.0)
     print(response.message)
     return 0 if response.accepted else 1
+
+
+def _call_failed(exc: grpc.RpcError) -> int:
+    print(f"stratus: error: {exc.code().name}: {exc.details()}", file=sys.stderr)
+    return 2
+
+
+def reload(router: str, agent_id: str, *, token: str, timeout_s: float, tls: TlsSettings = NO_TLS) -> int:
+    """Ask an agent (through its router) to load what changed in its models folder."""
+    channel, stub = _stub(router, tls)
+    request = fpb.ReloadRequest(agent_id=agent_id, token=token, timeout_s=timeout_s)
+    try:
+        with channel:
+            response = stub.Reload(request, timeout=timeout_s + 5.0)
+    except grpc.RpcError as exc:
+        return _call_failed(exc)
+    print(response.message)
+    print(f"serving: {', '.join(response.variants)}")
+    return 0 if response.ok else 1
+
+
+def rollout_json(status: fpb.RolloutStatus) -> dict[str, Any]:
+    def arm(stats: fpb.ArmStats) -> dict[str, Any]:
+        return {
+            "variant": stats.variant,
+            "requests": stats.requests,
+            "errors": stats.errors,
+            "p99_ms": round(stats.p99_ms, 3),
+            "unsure_share": round(stats.unsure_share, 4),
+        }
+
+    return {
+        "family": status.family,
+        "tier": _TIER.get(status.tier, "unknown"),
+        "candidate": status.candidate,
+        "state": status.state,
+        "share_percent": status.share_percent,
+        "step": status.step,
+        "steps": list(status.steps),
+        "min_requests": status.min_requests,
+        "reason": status.reason,
+        "revision": status.revision,
+        "current": arm(status.current),
+        "candidate_stats": arm(status.candidate_stats),
+        "shadow": {"requests": status.shadow_requests, "agreement": round(status.shadow_agreement, 4)},
+        "history": list(status.history),
+    }
+
+
+def rollout_table(statuses: list[fpb.RolloutStatus]) -> str:
+    if not statuses:
+        return "(no rollouts)"
+    lines = []
+    for s in statuses:
+        r = rollout_json(s)
+        steps = ",".join(f"{x:g}" for x in r["steps"])
+        lines.append(
+            f"{r['family']}/{r['tier']}: {r['candidate']} {r['state']} at {r['share_percent']:g}% "
+            f"(steps {steps}; at least {r['min_requests']} requests each)"
+        )
+        lines.append(
+            f"  {'variant':<24}{'requests':>9}{'errors':>8}{'p99 ms':>9}{'unsure':>9}   (this step, this router)"
+        )
+        for arm in (r["current"], r["candidate_stats"]):
+            lines.append(
+                f"  {arm['variant'] or '-':<24}{arm['requests']:>9}{arm['errors']:>8}{arm['p99_ms']:>9.2f}"
+                f"{arm['unsure_share']:>9.1%}"
+            )
+        if r["shadow"]["requests"]:
+            lines.append(f"  shadow: {r['shadow']['requests']} items, {r['shadow']['agreement']:.1%} agree")
+        lines += [f"  - {event}" for event in r["history"]]
+    return "\n".join(lines)
+
+
+def rollout(router: str, request: fpb.RolloutRequest, *, as_json: bool, tls: TlsSettings = NO_TLS) -> int:
+    """Start, read, promote or abort a rollout, and print where it stands."""
+    channel, stub = _stub(router, tls)
+    try:
+        with channel:
+            reply = stub.Rollout(request, timeout=10.0)
+    except grpc.RpcError as exc:
+        return _call_failed(exc)
+    if as_json:
+        print(
+            json.dumps(
+                {"message": reply.message, "rollouts": [rollout_json(s) for s in reply.rollouts]}, indent=2
+            )
+        )
+    else:
+        if reply.message:
+            print(reply.message)
+        print(rollout_table(list(reply.rollouts)))
+    return 0

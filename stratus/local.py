@@ -9,6 +9,7 @@ reason enough to ask a bigger model about the batch.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Mapping, Sequence
@@ -40,6 +41,8 @@ log = logging.getLogger("stratus.models")
 
 # Calls between two looks at whether a variant is fast enough to run on the event loop.
 INLINE_REVIEW = 64
+# How long a variant that a reload replaced keeps answering work already addressed to it.
+RETIRE_GRACE_S = 10.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -116,18 +119,16 @@ class LocalModels:
             raise NotFound(f"no variants to load (tier={settings.tier}, variants={settings.variants})")
         self.runners: dict[str, ModelRunner] = {}
         self.latency: dict[str, LatencyWindow] = {}
-        self.reasons = {c.variant.name: c.reason for c in chosen}
-        for family, variant in ((c.family, c.variant) for c in chosen):
-            options = LoadOptions(
-                tier=variant.tier, cache_dir=settings.cache_dir, concurrency=settings.concurrency
-            )
-            self.runners[variant.name] = load_runner(family, variant, options, runtimes=settings.runtimes)
-            self.latency[variant.name] = LatencyWindow()
-        self.variants = {c.variant.name: c.variant for c in chosen}
-        self.families = {c.family.name: c.family for c in chosen}
-        self._dynamic_batch = {name: r.describe().dynamic_batch for name, r in self.runners.items()}
+        self.reasons: dict[str, str] = {}
+        self.variants: dict[str, VariantSpec] = {}  # loaded, including any still retiring
+        self.families: dict[str, FamilySpec] = {}
+        self.served: set[str] = set()  # the variants announced: not retiring
+        self.current: set[str] = set()  # served variants that answer their family's requests
+        self._stamps: dict[str, tuple[VariantSpec, tuple[tuple[int, int], ...]]] = {}
+        self._dynamic_batch: dict[str, bool] = {}
+        self._runtime: dict[str, str] = {}
         self._inline: set[str] = set()  # variants fast enough to run on the event loop
-        self._runtime = {name: r.describe().runtime for name, r in self.runners.items()}
+        self._install(chosen, {c.variant.name: self._load(c) for c in chosen})
         # Each thread may have one closed batch ready behind the one it runs, so it never
         # waits on the event loop between batches; the batcher holds everything else.
         workers = settings.concurrency
@@ -143,6 +144,74 @@ class LocalModels:
         )
         if metrics is not None:
             metrics.collect_with(self._levels)
+
+    def _load(self, chosen: _Chosen) -> ModelRunner:
+        options = LoadOptions(
+            tier=chosen.variant.tier, cache_dir=self.settings.cache_dir, concurrency=self.settings.concurrency
+        )
+        return load_runner(chosen.family, chosen.variant, options, runtimes=self.settings.runtimes)
+
+    def _install(self, chosen: Sequence[_Chosen], runners: Mapping[str, ModelRunner]) -> None:
+        """Serve exactly ``chosen`` from now on; variants left out stay loaded but retiring."""
+        for c in chosen:
+            name = c.variant.name
+            if self.runners.get(name) is not runners[name]:
+                self.runners[name] = runners[name]
+                self.latency[name] = LatencyWindow()
+                self._inline.discard(name)
+                described = runners[name].describe()
+                self._dynamic_batch[name] = described.dynamic_batch
+                self._runtime[name] = described.runtime
+            self.variants[name] = c.variant
+            self.families[c.family.name] = c.family
+            self.reasons[name] = c.reason
+            self._stamps[name] = (c.variant, _file_stamps(c.variant))
+        self.served = {c.variant.name for c in chosen}
+        self.current = {c.variant.name for c in chosen if c.current}
+
+    async def reload(self) -> list[str]:
+        """Re-read the models folder; load and warm what is new or changed, then serve it.
+
+        Nothing in flight is lost: a variant that is no longer chosen stops being announced
+        at once but keeps answering the work already addressed to it for RETIRE_GRACE_S.
+        A folder that no longer loads, or a variant that fails to load, leaves everything as
+        it was and raises, saying why.
+        """
+        repository = ModelRepository.load(self.repository.root)
+        chosen = _select(repository, self.settings)
+        if not chosen:
+            raise NotFound(f"no variants to load from {self.repository.root}")
+        loop = asyncio.get_running_loop()
+        runners: dict[str, ModelRunner] = {}
+        fresh: list[ModelRunner] = []
+        try:
+            for c in chosen:
+                name = c.variant.name
+                if name in self.runners and self._stamps.get(name) == (c.variant, _file_stamps(c.variant)):
+                    runners[name] = self.runners[name]
+                    continue
+                log.info("loading %s (%s) from %s", name, c.variant.precision, self.repository.root)
+                runners[name] = await loop.run_in_executor(None, self._load, c)
+                fresh.append(runners[name])
+        except Exception:
+            for runner in fresh:
+                runner.close()
+            raise
+        replaced = {n: r for n, r in self.runners.items() if runners.get(n) is not r}
+        self.repository = repository
+        self._install(chosen, runners)
+        for name, runner in replaced.items():
+            loop.call_later(RETIRE_GRACE_S, self._retire, name, runner)
+        log.info("reloaded: serving %s", sorted(self.served))
+        return sorted(self.served)
+
+    def _retire(self, name: str, runner: ModelRunner) -> None:
+        """Close a runner replaced by a reload once its grace is over (unless it came back)."""
+        if self.runners.get(name) is runner and name not in self.served:
+            del self.runners[name], self.variants[name]
+            self.latency.pop(name, None)
+        if self.runners.get(name) is not runner:
+            runner.close()
 
     def _levels(self) -> list[Metric]:
         """Queue depth and items running, read at each scrape."""
@@ -161,17 +230,21 @@ class LocalModels:
         return self.settings.max_batch if self._dynamic_batch.get(variant, False) else 1
 
     def variant_for(self, model_name: str) -> tuple[FamilySpec, VariantSpec]:
-        """A family resolves to its highest-tier variant loaded here; a variant to itself."""
+        """A family resolves to its highest-tier current variant here; a variant to itself
+        (one retiring after a reload still answers the work already addressed to it)."""
         if model_name in self.variants:
             variant = self.variants[model_name]
             return self.families[variant.family], variant
-        if model_name in self.families:
-            family = self.families[model_name]
-            local = [v for v in family.variants if v.name in self.variants]
+        family = self.families.get(model_name)
+        local = [v for v in family.variants if v.name in self.current] if family else []
+        if family is not None and local:
             return family, max(local, key=lambda v: v.tier)
-        raise NotFound(
-            f"model '{model_name}' is not served here; serving {sorted([*self.families, *self.variants])}"
-        )
+        raise NotFound(f"model '{model_name}' is not served here; serving {self.model_names()}")
+
+    def model_names(self) -> list[str]:
+        """The families with a current variant here, and every variant served."""
+        families = {self.variants[name].family for name in self.current}
+        return sorted([*families, *self.served])
 
     async def answer(self, request: pb.ModelInferRequest) -> LocalAnswer:
         """Decode once, check, wait for a slot (maybe sharing a batch), run, encode."""
@@ -272,6 +345,7 @@ class LocalModels:
         return outputs, (time.perf_counter() - started) * 1000.0
 
     def families_info(self) -> list[fleet_pb2.FamilyInfo]:
+        served = {self.variants[name].family for name in self.served}
         return [
             fleet_pb2.FamilyInfo(
                 name=f.name,
@@ -280,12 +354,13 @@ class LocalModels:
                 thresholds={t.label: v for t, v in f.thresholds.items()},
             )
             for f in self.families.values()
+            if f.name in served
         ]
 
     def variants_info(self) -> list[fleet_pb2.VariantInfo]:
         infos = []
-        for name, runner in self.runners.items():
-            described = runner.describe()
+        for name in sorted(self.served):
+            described = self.runners[name].describe()
             infos.append(
                 fleet_pb2.VariantInfo(
                     name=name,
@@ -296,6 +371,8 @@ class LocalModels:
                     dynamic_batch=described.dynamic_batch,
                     max_batch=self.max_batch(name),
                     chosen_because=self.reasons.get(name, ""),
+                    line=self.variants[name].parent or name,
+                    current=name in self.current,
                 )
             )
         return infos
@@ -308,25 +385,53 @@ class LocalModels:
 
 
 def _select(repository: ModelRepository, settings: LocalSettings) -> list[_Chosen]:
-    """Named variants as they are; otherwise, per family, the tier's best precision here."""
+    """Named variants as they are; otherwise, per family and tier, every line (the current
+    variant and any other FP32 variant, a rollout's candidate) in its best precision here."""
     if settings.variants:
-        return [
-            _Chosen(repository.family(repository.variant(n).family), repository.variant(n), "named")
-            for n in settings.variants
-        ]
+        chosen = []
+        for name in settings.variants:
+            variant = repository.variant(name)
+            family = repository.family(variant.family)
+            current = family.current.get(variant.tier) == (variant.parent or variant.name)
+            chosen.append(_Chosen(family, variant, "named", current=current))
+        return chosen
     hardware = settings.hardware or hardware_precisions()
     chosen = []
     for family in repository.families.values():
-        tiers = [settings.tier] if settings.tier is not None else sorted({v.tier for v in family.variants})
+        tiers = [settings.tier] if settings.tier is not None else family.tiers()
         for tier in tiers:
-            if not family.variants_for(tier):
-                continue
-            choice = choose_variant(
-                family, tier, hardware=hardware, record=load_verification(family), override=settings.precision
-            )
-            log.info("%s on %s: %s (%s)", family.name, tier.label, choice.variant.name, choice.reason)
-            chosen.append(_Chosen(family, choice.variant, choice.reason))
+            for line in family.lines(tier):
+                current = line.name == family.current.get(tier)
+                try:
+                    choice = choose_variant(
+                        family,
+                        tier,
+                        hardware=hardware,
+                        record=load_verification(family),
+                        override=settings.precision,
+                        line=line,
+                    )
+                except StratusError as exc:
+                    if current:
+                        raise
+                    log.warning("%s on %s: not serving %s: %s", family.name, tier.label, line.name, exc)
+                    continue
+                role = "current" if current else "not current"
+                log.info(
+                    "%s on %s: %s, %s (%s)", family.name, tier.label, choice.variant.name, role, choice.reason
+                )
+                chosen.append(_Chosen(family, choice.variant, choice.reason, current=current))
     return chosen
+
+
+def _file_stamps(variant: VariantSpec) -> tuple[tuple[int, int], ...]:
+    """Size and modification time of each of a variant's files: a reload reloads a
+    variant whose config entry is unchanged but whose file was replaced."""
+    stamps = []
+    for path in sorted(variant.files.values()):
+        stat = path.stat()
+        stamps.append((stat.st_size, stat.st_mtime_ns))
+    return tuple(stamps)
 
 
 @dataclass(frozen=True)
@@ -334,6 +439,7 @@ class _Chosen:
     family: FamilySpec
     variant: VariantSpec
     reason: str
+    current: bool = True
 
 
 def _requested_outputs(request: pb.ModelInferRequest, family: FamilySpec) -> list[str]:
@@ -375,10 +481,10 @@ class LocalDataPlane(DataPlane):
         return bool(self.models.runners)
 
     def model_ready(self, name: str) -> bool:
-        return name in self.models.variants or name in self.models.families
+        return name in self.models.model_names()
 
     def model_names(self) -> list[str]:
-        return sorted([*self.models.families, *self.models.variants])
+        return self.models.model_names()
 
     def model_metadata(self, name: str) -> pb.ModelMetadataResponse:
         family, variant = self.models.variant_for(name)

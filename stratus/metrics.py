@@ -142,6 +142,18 @@ class RouterMetrics:
             buckets=BATCH_BUCKETS,
             registry=r,
         )
+        self.rollout_requests = Counter(
+            "stratus_router_rollout_requests",
+            "Attempts on a tier under a rollout, by arm (current or candidate) and outcome.",
+            ["family", "tier", "arm", "outcome"],
+            registry=r,
+        )
+        self.rollbacks = Counter(
+            "stratus_router_rollout_rollbacks",
+            "Candidates rolled back automatically, by what was worse: errors, p99 or unsure.",
+            ["family", "tier", "reason"],
+            registry=r,
+        )
 
 
 class ModelMetrics:

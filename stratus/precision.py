@@ -265,14 +265,17 @@ def choose_variant(
     record: VerificationRecord | None,
     override: str | None = None,
     measured_ms: Mapping[str, float] | None = None,
+    line: VariantSpec | None = None,
 ) -> PrecisionChoice:
     """The variant of ``tier`` to serve: the fastest that is native here and within tolerance.
 
-    Fastest is the lowest ``measured_ms`` (by variant name) when given, else fewer bits.
-    ``override`` ("fp32", "fp16", "int8") forces a precision even where it is not native,
-    but never a variant the record does not vouch for.
+    The choice is among one *line*: an FP32 variant and the lower-precision variants made
+    from it; by default the tier's current variant. Fastest is the lowest ``measured_ms``
+    (by variant name) when given, else fewer bits. ``override`` ("fp32", "fp16", "int8")
+    forces a precision even where it is not native, but never a variant the record does
+    not vouch for.
     """
-    candidates = _tier_variants(family, tier)
+    candidates = _line_variants(family, tier, line)
     if override is not None:
         return _forced(family, tier, candidates, override.strip().upper(), record)
     trusted, reasons = [], []
@@ -288,11 +291,10 @@ def choose_variant(
     return PrecisionChoice(variant=best, reason=_why(family, best, hardware, record, reasons))
 
 
-def _tier_variants(family: FamilySpec, tier: Tier) -> list[VariantSpec]:
-    variants = list(family.variants_for(tier))
-    if not variants:
+def _line_variants(family: FamilySpec, tier: Tier, line: VariantSpec | None) -> list[VariantSpec]:
+    if not family.variants_for(tier):
         raise NotFound(f"family '{family.name}' has no {tier.label} variant")
-    return variants
+    return list(family.line_of(line or family.current_variant(tier)))
 
 
 def _trust_problem(family: FamilySpec, variant: VariantSpec, record: VerificationRecord | None) -> str | None:
@@ -349,4 +351,3 @@ def _why(
     entry = record.variants[chosen.name] if record is not None else None
     drop = f", drop {entry.accuracy_drop:.3f} ≤ {family.max_accuracy_drop:.3f}" if entry else ""
     return f"{label}: native ({hardware.reason}){drop}"
-

@@ -87,6 +87,9 @@ class FamilySpec:
     source: Path
     # Held-out accuracy a lower-precision variant may lose against its FP32 parent.
     max_accuracy_drop: float = 0.01
+    # Each tier's current FP32 variant: what the tier serves unless a request pins another
+    # variant or a rollout sends it a candidate. Its lower-precision children go with it.
+    current: Mapping[Tier, str] = field(default_factory=dict)
 
     @property
     def folder(self) -> Path:
@@ -100,6 +103,25 @@ class FamilySpec:
 
     def variants_for(self, tier: Tier) -> tuple[VariantSpec, ...]:
         return tuple(v for v in self.variants if v.tier is tier)
+
+    def tiers(self) -> list[Tier]:
+        return sorted({v.tier for v in self.variants})
+
+    def current_variant(self, tier: Tier) -> VariantSpec:
+        """The FP32 variant that ``tier`` serves by default."""
+        name = self.current.get(tier)
+        if name is None:
+            raise NotFound(f"family '{self.name}' has no {tier.label} variant")
+        return self.variant(name)
+
+    def lines(self, tier: Tier) -> tuple[VariantSpec, ...]:
+        """The tier's FP32 variants: the current one first, then the others (rollout candidates)."""
+        roots = [v for v in self.variants_for(tier) if v.parent is None]
+        return tuple(sorted(roots, key=lambda v: v.name != self.current.get(tier)))
+
+    def line_of(self, root: VariantSpec) -> tuple[VariantSpec, ...]:
+        """A FP32 variant and the lower-precision variants made from it."""
+        return tuple(v for v in self.variants if root.name in (v.name, v.parent))
 
     def check_inputs(self, inputs: Mapping[str, Array]) -> None:
         """Refuse missing, unexpected, mistyped or misshapen inputs, naming the first found."""
@@ -220,12 +242,15 @@ def load_family(path: Path) -> FamilySpec:
         raise ConfigError(f"{path}: not valid TOML: {exc}") from None
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read: {exc.strerror}") from None
-    reader.unknown_keys(data, {"family", "inputs", "outputs", "confidence", "thresholds", "variants"}, "")
+    reader.unknown_keys(
+        data, {"family", "inputs", "outputs", "confidence", "thresholds", "variants", "current"}, ""
+    )
     head = reader.get(data, "family", dict, "")
     name = reader.get(head, "name", str, "family")
     reader.unknown_keys(head, {"name", "description", "max_accuracy_drop"}, "family")
     outputs = _tensors(reader, data, "outputs")
     confidence = _confidence(reader, data, outputs)
+    variants = _variants(reader, data, name, path.parent)
     return FamilySpec(
         name=name,
         description=reader.get(head, "description", str, "family", ""),
@@ -233,9 +258,10 @@ def load_family(path: Path) -> FamilySpec:
         outputs=outputs,
         confidence=confidence,
         thresholds=_thresholds(reader, data),
-        variants=_variants(reader, data, name, path.parent),
+        variants=variants,
         source=path,
         max_accuracy_drop=_fraction(reader, head, "max_accuracy_drop", "family", 0.01),
+        current=_current(reader, data, variants),
     )
 
 
@@ -331,6 +357,41 @@ def _check_parent(
         raise reader.fail(
             key, f"'{parent.name}' is on the {parent.tier.label} tier, not {variant.tier.label}"
         )
+
+
+def _current(reader: _Reader, data: Mapping[str, Any], variants: tuple[VariantSpec, ...]) -> dict[Tier, str]:
+    """Each tier's current variant: named in ``[current]``, or the tier's only FP32 variant.
+
+    A tier with two FP32 variants and no choice is refused: serving whichever came first in
+    the file would let an edit's ordering decide what the fleet runs.
+    """
+    table = reader.get(data, "current", dict, "", {})
+    by_name = {v.name: v for v in variants}
+    current: dict[Tier, str] = {}
+    for key in table:
+        tier = _tier(reader, key, f"current.{key}")
+        name = reader.get(table, key, str, "current")
+        variant = by_name.get(name)
+        if variant is None:
+            raise reader.fail(f"current.{key}", f"'{name}' is not a variant of this family")
+        if variant.tier is not tier:
+            raise reader.fail(f"current.{key}", f"'{name}' is on the {variant.tier.label} tier")
+        if variant.parent is not None:
+            raise reader.fail(
+                f"current.{key}",
+                f"'{name}' is a {variant.precision} child; name its parent '{variant.parent}'",
+            )
+        current[tier] = name
+    for tier in sorted({v.tier for v in variants}):
+        roots = [v.name for v in variants if v.tier is tier and v.parent is None]
+        if tier in current:
+            continue
+        if len(roots) != 1:
+            raise reader.fail(
+                f"current.{tier.label}", f"is missing: the {tier.label} tier has variants {', '.join(roots)}"
+            )
+        current[tier] = roots[0]
+    return current
 
 
 def _variant(reader: _Reader, item: Any, where: str, family: str, folder: Path) -> VariantSpec:

@@ -61,6 +61,25 @@ AGENT_STATE_DRAINING: AgentState.ValueType  # 2
 AGENT_STATE_LOST: AgentState.ValueType  # 3
 Global___AgentState: _TypeAlias = AgentState  # noqa: Y015
 
+class _RolloutAction:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _RolloutActionEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_RolloutAction.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    ROLLOUT_ACTION_STATUS: _RolloutAction.ValueType  # 0
+    ROLLOUT_ACTION_START: _RolloutAction.ValueType  # 1
+    ROLLOUT_ACTION_PROMOTE: _RolloutAction.ValueType  # 2
+    ROLLOUT_ACTION_ABORT: _RolloutAction.ValueType  # 3
+
+class RolloutAction(_RolloutAction, metaclass=_RolloutActionEnumTypeWrapper): ...
+
+ROLLOUT_ACTION_STATUS: RolloutAction.ValueType  # 0
+ROLLOUT_ACTION_START: RolloutAction.ValueType  # 1
+ROLLOUT_ACTION_PROMOTE: RolloutAction.ValueType  # 2
+ROLLOUT_ACTION_ABORT: RolloutAction.ValueType  # 3
+Global___RolloutAction: _TypeAlias = RolloutAction  # noqa: Y015
+
 @_typing.final
 class VariantInfo(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
@@ -73,6 +92,8 @@ class VariantInfo(_message.Message):
     DYNAMIC_BATCH_FIELD_NUMBER: _builtins.int
     MAX_BATCH_FIELD_NUMBER: _builtins.int
     CHOSEN_BECAUSE_FIELD_NUMBER: _builtins.int
+    LINE_FIELD_NUMBER: _builtins.int
+    CURRENT_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     family: _builtins.str
     runtime: _builtins.str
@@ -85,6 +106,12 @@ class VariantInfo(_message.Message):
     """
     chosen_because: _builtins.str
     """Why this variant (its precision) was chosen on this hardware."""
+    line: _builtins.str
+    """The FP32 variant this one is (or was made from): a rollout names its candidate so."""
+    current: _builtins.bool
+    """This variant serves its family's requests on its tier; the others only answer
+    requests that name them, or a rollout's share for their line.
+    """
     def __init__(
         self,
         *,
@@ -96,10 +123,12 @@ class VariantInfo(_message.Message):
         dynamic_batch: _builtins.bool = ...,
         max_batch: _builtins.int = ...,
         chosen_because: _builtins.str = ...,
+        line: _builtins.str = ...,
+        current: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["chosen_because", b"chosen_because", "device", b"device", "dynamic_batch", b"dynamic_batch", "family", b"family", "max_batch", b"max_batch", "name", b"name", "precision", b"precision", "runtime", b"runtime"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chosen_because", b"chosen_because", "current", b"current", "device", b"device", "dynamic_batch", b"dynamic_batch", "family", b"family", "line", b"line", "max_batch", b"max_batch", "name", b"name", "precision", b"precision", "runtime", b"runtime"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -384,6 +413,27 @@ class Draining(_message.Message):
 Global___Draining: _TypeAlias = Draining  # noqa: Y015
 
 @_typing.final
+class ReloadFailed(_message.Message):
+    """A reload failed: the agent serves what it served before, and says why."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MESSAGE_FIELD_NUMBER: _builtins.int
+    message: _builtins.str
+    def __init__(
+        self,
+        *,
+        message: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["message", b"message"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReloadFailed: _TypeAlias = ReloadFailed  # noqa: Y015
+
+@_typing.final
 class AgentMessage(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -391,14 +441,21 @@ class AgentMessage(_message.Message):
     HEARTBEAT_FIELD_NUMBER: _builtins.int
     RESULT_FIELD_NUMBER: _builtins.int
     DRAINING_FIELD_NUMBER: _builtins.int
+    RELOAD_FAILED_FIELD_NUMBER: _builtins.int
     @_builtins.property
-    def hello(self) -> Global___Hello: ...
+    def hello(self) -> Global___Hello:
+        """The first message of a link; a later Hello on the same link announces what the
+        agent serves after a reload (work in flight carries on).
+        """
+
     @_builtins.property
     def heartbeat(self) -> Global___Heartbeat: ...
     @_builtins.property
     def result(self) -> Global___Result: ...
     @_builtins.property
     def draining(self) -> Global___Draining: ...
+    @_builtins.property
+    def reload_failed(self) -> Global___ReloadFailed: ...
     def __init__(
         self,
         *,
@@ -406,12 +463,13 @@ class AgentMessage(_message.Message):
         heartbeat: Global___Heartbeat | None = ...,
         result: Global___Result | None = ...,
         draining: Global___Draining | None = ...,
+        reload_failed: Global___ReloadFailed | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["draining", b"draining", "heartbeat", b"heartbeat", "hello", b"hello", "kind", b"kind", "result", b"result"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["draining", b"draining", "heartbeat", b"heartbeat", "hello", b"hello", "kind", b"kind", "reload_failed", b"reload_failed", "result", b"result"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["draining", b"draining", "heartbeat", b"heartbeat", "hello", b"hello", "kind", b"kind", "result", b"result"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["draining", b"draining", "heartbeat", b"heartbeat", "hello", b"hello", "kind", b"kind", "reload_failed", b"reload_failed", "result", b"result"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["hello", "heartbeat", "result", "draining"]  # noqa: Y015
+    _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["hello", "heartbeat", "result", "draining", "reload_failed"]  # noqa: Y015
     _WhichOneofArgType_kind: _TypeAlias = _typing.Literal["kind", b"kind"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_kind) -> _WhichOneofReturnType_kind | None: ...
 
@@ -534,6 +592,23 @@ class Drain(_message.Message):
 Global___Drain: _TypeAlias = Drain  # noqa: Y015
 
 @_typing.final
+class Reload(_message.Message):
+    """Re-read the models folder: load, warm up, then announce with a new Hello."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Reload: _TypeAlias = Reload  # noqa: Y015
+
+@_typing.final
 class RouterMessage(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -542,6 +617,7 @@ class RouterMessage(_message.Message):
     CANCEL_FIELD_NUMBER: _builtins.int
     DRAIN_FIELD_NUMBER: _builtins.int
     PACE_FIELD_NUMBER: _builtins.int
+    RELOAD_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def welcome(self) -> Global___Welcome: ...
     @_builtins.property
@@ -552,6 +628,8 @@ class RouterMessage(_message.Message):
     def drain(self) -> Global___Drain: ...
     @_builtins.property
     def pace(self) -> Global___Pace: ...
+    @_builtins.property
+    def reload(self) -> Global___Reload: ...
     def __init__(
         self,
         *,
@@ -560,12 +638,13 @@ class RouterMessage(_message.Message):
         cancel: Global___Cancel | None = ...,
         drain: Global___Drain | None = ...,
         pace: Global___Pace | None = ...,
+        reload: Global___Reload | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["cancel", b"cancel", "drain", b"drain", "kind", b"kind", "pace", b"pace", "welcome", b"welcome", "work", b"work"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["cancel", b"cancel", "drain", b"drain", "kind", b"kind", "pace", b"pace", "reload", b"reload", "welcome", b"welcome", "work", b"work"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cancel", b"cancel", "drain", b"drain", "kind", b"kind", "pace", b"pace", "welcome", b"welcome", "work", b"work"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cancel", b"cancel", "drain", b"drain", "kind", b"kind", "pace", b"pace", "reload", b"reload", "welcome", b"welcome", "work", b"work"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["welcome", "work", "cancel", "drain", "pace"]  # noqa: Y015
+    _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["welcome", "work", "cancel", "drain", "pace", "reload"]  # noqa: Y015
     _WhichOneofArgType_kind: _TypeAlias = _typing.Literal["kind", b"kind"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_kind) -> _WhichOneofReturnType_kind | None: ...
 
@@ -842,3 +921,271 @@ class DrainResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___DrainResponse: _TypeAlias = DrainResponse  # noqa: Y015
+
+@_typing.final
+class ReloadRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    AGENT_ID_FIELD_NUMBER: _builtins.int
+    TOKEN_FIELD_NUMBER: _builtins.int
+    TIMEOUT_S_FIELD_NUMBER: _builtins.int
+    agent_id: _builtins.str
+    token: _builtins.str
+    timeout_s: _builtins.float
+    """How long to wait for the agent's answer."""
+    def __init__(
+        self,
+        *,
+        agent_id: _builtins.str = ...,
+        token: _builtins.str = ...,
+        timeout_s: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_id", b"agent_id", "timeout_s", b"timeout_s", "token", b"token"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReloadRequest: _TypeAlias = ReloadRequest  # noqa: Y015
+
+@_typing.final
+class ReloadResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    OK_FIELD_NUMBER: _builtins.int
+    MESSAGE_FIELD_NUMBER: _builtins.int
+    VARIANTS_FIELD_NUMBER: _builtins.int
+    ok: _builtins.bool
+    message: _builtins.str
+    @_builtins.property
+    def variants(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """What the agent serves now."""
+
+    def __init__(
+        self,
+        *,
+        ok: _builtins.bool = ...,
+        message: _builtins.str = ...,
+        variants: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["message", b"message", "ok", b"ok", "variants", b"variants"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReloadResponse: _TypeAlias = ReloadResponse  # noqa: Y015
+
+@_typing.final
+class RolloutRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ACTION_FIELD_NUMBER: _builtins.int
+    TOKEN_FIELD_NUMBER: _builtins.int
+    FAMILY_FIELD_NUMBER: _builtins.int
+    TIER_FIELD_NUMBER: _builtins.int
+    CANDIDATE_FIELD_NUMBER: _builtins.int
+    STEPS_FIELD_NUMBER: _builtins.int
+    MIN_REQUESTS_FIELD_NUMBER: _builtins.int
+    SHADOW_PERCENT_FIELD_NUMBER: _builtins.int
+    MAX_ERROR_INCREASE_FIELD_NUMBER: _builtins.int
+    MAX_P99_RATIO_FIELD_NUMBER: _builtins.int
+    MAX_UNSURE_INCREASE_FIELD_NUMBER: _builtins.int
+    action: Global___RolloutAction.ValueType
+    token: _builtins.str
+    family: _builtins.str
+    """empty with STATUS: every rollout"""
+    tier: Global___Tier.ValueType
+    candidate: _builtins.str
+    min_requests: _builtins.int
+    """Requests each variant must serve in a step before it is judged."""
+    shadow_percent: _builtins.float
+    """Percent of the current variant's requests mirrored to the candidate, answers unused."""
+    max_error_increase: _builtins.float
+    """How much worse the candidate may be before it is rolled back.
+    absolute share of requests
+    """
+    max_p99_ratio: _builtins.float
+    """candidate p99 / current p99"""
+    max_unsure_increase: _builtins.float
+    """absolute share of items escalated"""
+    @_builtins.property
+    def steps(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]:
+        """Shares of the tier's traffic, in percent, one per step: 5, 25, 50, 100."""
+
+    def __init__(
+        self,
+        *,
+        action: Global___RolloutAction.ValueType = ...,
+        token: _builtins.str = ...,
+        family: _builtins.str = ...,
+        tier: Global___Tier.ValueType = ...,
+        candidate: _builtins.str = ...,
+        steps: _abc.Iterable[_builtins.float] | None = ...,
+        min_requests: _builtins.int = ...,
+        shadow_percent: _builtins.float = ...,
+        max_error_increase: _builtins.float = ...,
+        max_p99_ratio: _builtins.float = ...,
+        max_unsure_increase: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["action", b"action", "candidate", b"candidate", "family", b"family", "max_error_increase", b"max_error_increase", "max_p99_ratio", b"max_p99_ratio", "max_unsure_increase", b"max_unsure_increase", "min_requests", b"min_requests", "shadow_percent", b"shadow_percent", "steps", b"steps", "tier", b"tier", "token", b"token"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RolloutRequest: _TypeAlias = RolloutRequest  # noqa: Y015
+
+@_typing.final
+class ArmStats(_message.Message):
+    """One variant's record in the current step of a rollout."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    VARIANT_FIELD_NUMBER: _builtins.int
+    REQUESTS_FIELD_NUMBER: _builtins.int
+    ERRORS_FIELD_NUMBER: _builtins.int
+    P99_MS_FIELD_NUMBER: _builtins.int
+    UNSURE_SHARE_FIELD_NUMBER: _builtins.int
+    variant: _builtins.str
+    requests: _builtins.int
+    errors: _builtins.int
+    p99_ms: _builtins.float
+    unsure_share: _builtins.float
+    def __init__(
+        self,
+        *,
+        variant: _builtins.str = ...,
+        requests: _builtins.int = ...,
+        errors: _builtins.int = ...,
+        p99_ms: _builtins.float = ...,
+        unsure_share: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["errors", b"errors", "p99_ms", b"p99_ms", "requests", b"requests", "unsure_share", b"unsure_share", "variant", b"variant"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ArmStats: _TypeAlias = ArmStats  # noqa: Y015
+
+@_typing.final
+class RolloutStatus(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    FAMILY_FIELD_NUMBER: _builtins.int
+    TIER_FIELD_NUMBER: _builtins.int
+    CANDIDATE_FIELD_NUMBER: _builtins.int
+    STATE_FIELD_NUMBER: _builtins.int
+    SHARE_PERCENT_FIELD_NUMBER: _builtins.int
+    STEP_FIELD_NUMBER: _builtins.int
+    STEPS_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    REVISION_FIELD_NUMBER: _builtins.int
+    CURRENT_FIELD_NUMBER: _builtins.int
+    CANDIDATE_STATS_FIELD_NUMBER: _builtins.int
+    SHADOW_REQUESTS_FIELD_NUMBER: _builtins.int
+    SHADOW_AGREEMENT_FIELD_NUMBER: _builtins.int
+    HISTORY_FIELD_NUMBER: _builtins.int
+    MIN_REQUESTS_FIELD_NUMBER: _builtins.int
+    family: _builtins.str
+    tier: Global___Tier.ValueType
+    candidate: _builtins.str
+    state: _builtins.str
+    """running, complete, promoted, rolled_back or aborted."""
+    share_percent: _builtins.float
+    step: _builtins.int
+    """index into steps"""
+    reason: _builtins.str
+    revision: _builtins.int
+    shadow_requests: _builtins.int
+    shadow_agreement: _builtins.float
+    min_requests: _builtins.int
+    @_builtins.property
+    def steps(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]: ...
+    @_builtins.property
+    def current(self) -> Global___ArmStats: ...
+    @_builtins.property
+    def candidate_stats(self) -> Global___ArmStats: ...
+    @_builtins.property
+    def history(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """One line per decision so far: "step 5%: advanced (...)"."""
+
+    def __init__(
+        self,
+        *,
+        family: _builtins.str = ...,
+        tier: Global___Tier.ValueType = ...,
+        candidate: _builtins.str = ...,
+        state: _builtins.str = ...,
+        share_percent: _builtins.float = ...,
+        step: _builtins.int = ...,
+        steps: _abc.Iterable[_builtins.float] | None = ...,
+        reason: _builtins.str = ...,
+        revision: _builtins.int = ...,
+        current: Global___ArmStats | None = ...,
+        candidate_stats: Global___ArmStats | None = ...,
+        shadow_requests: _builtins.int = ...,
+        shadow_agreement: _builtins.float = ...,
+        history: _abc.Iterable[_builtins.str] | None = ...,
+        min_requests: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["candidate_stats", b"candidate_stats", "current", b"current"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["candidate", b"candidate", "candidate_stats", b"candidate_stats", "current", b"current", "family", b"family", "history", b"history", "min_requests", b"min_requests", "reason", b"reason", "revision", b"revision", "shadow_agreement", b"shadow_agreement", "shadow_requests", b"shadow_requests", "share_percent", b"share_percent", "state", b"state", "step", b"step", "steps", b"steps", "tier", b"tier"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RolloutStatus: _TypeAlias = RolloutStatus  # noqa: Y015
+
+@_typing.final
+class RolloutReply(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ROLLOUTS_FIELD_NUMBER: _builtins.int
+    MESSAGE_FIELD_NUMBER: _builtins.int
+    message: _builtins.str
+    @_builtins.property
+    def rollouts(self) -> _containers.RepeatedCompositeFieldContainer[Global___RolloutStatus]: ...
+    def __init__(
+        self,
+        *,
+        rollouts: _abc.Iterable[Global___RolloutStatus] | None = ...,
+        message: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["message", b"message", "rollouts", b"rollouts"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RolloutReply: _TypeAlias = RolloutReply  # noqa: Y015
+
+@_typing.final
+class RolloutSync(_message.Message):
+    """Every rollout a router knows, as the JSON document it persists; the receiver keeps,
+    per family and tier, the record with the higher revision, and answers with its own.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ROUTER_ID_FIELD_NUMBER: _builtins.int
+    STATE_JSON_FIELD_NUMBER: _builtins.int
+    TOKEN_FIELD_NUMBER: _builtins.int
+    router_id: _builtins.str
+    state_json: _builtins.str
+    token: _builtins.str
+    def __init__(
+        self,
+        *,
+        router_id: _builtins.str = ...,
+        state_json: _builtins.str = ...,
+        token: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["router_id", b"router_id", "state_json", b"state_json", "token", b"token"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RolloutSync: _TypeAlias = RolloutSync  # noqa: Y015

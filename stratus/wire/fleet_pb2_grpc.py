@@ -132,6 +132,21 @@ class FleetStub:
                 request_serializer=stratus_dot_v1_dot_fleet__pb2.DrainRequest.SerializeToString,
                 response_deserializer=stratus_dot_v1_dot_fleet__pb2.DrainResponse.FromString,
                 _registered_method=True)
+        self.Reload = channel.unary_unary(
+                '/stratus.v1.Fleet/Reload',
+                request_serializer=stratus_dot_v1_dot_fleet__pb2.ReloadRequest.SerializeToString,
+                response_deserializer=stratus_dot_v1_dot_fleet__pb2.ReloadResponse.FromString,
+                _registered_method=True)
+        self.Rollout = channel.unary_unary(
+                '/stratus.v1.Fleet/Rollout',
+                request_serializer=stratus_dot_v1_dot_fleet__pb2.RolloutRequest.SerializeToString,
+                response_deserializer=stratus_dot_v1_dot_fleet__pb2.RolloutReply.FromString,
+                _registered_method=True)
+        self.SyncRollouts = channel.unary_unary(
+                '/stratus.v1.Fleet/SyncRollouts',
+                request_serializer=stratus_dot_v1_dot_fleet__pb2.RolloutSync.SerializeToString,
+                response_deserializer=stratus_dot_v1_dot_fleet__pb2.RolloutSync.FromString,
+                _registered_method=True)
 
 
 class FleetServicer:
@@ -156,6 +171,27 @@ class FleetServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Reload(self, request, context):
+        """Load new variants from the agent's models folder without restarting it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Rollout(self, request, context):
+        """Start, read, promote or abort a gray release of a candidate variant.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SyncRollouts(self, request, context):
+        """Routers of one site exchange rollout state, so every router sends the same shares.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_FleetServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -173,6 +209,21 @@ def add_FleetServicer_to_server(servicer, server):
                     servicer.Drain,
                     request_deserializer=stratus_dot_v1_dot_fleet__pb2.DrainRequest.FromString,
                     response_serializer=stratus_dot_v1_dot_fleet__pb2.DrainResponse.SerializeToString,
+            ),
+            'Reload': grpc.unary_unary_rpc_method_handler(
+                    servicer.Reload,
+                    request_deserializer=stratus_dot_v1_dot_fleet__pb2.ReloadRequest.FromString,
+                    response_serializer=stratus_dot_v1_dot_fleet__pb2.ReloadResponse.SerializeToString,
+            ),
+            'Rollout': grpc.unary_unary_rpc_method_handler(
+                    servicer.Rollout,
+                    request_deserializer=stratus_dot_v1_dot_fleet__pb2.RolloutRequest.FromString,
+                    response_serializer=stratus_dot_v1_dot_fleet__pb2.RolloutReply.SerializeToString,
+            ),
+            'SyncRollouts': grpc.unary_unary_rpc_method_handler(
+                    servicer.SyncRollouts,
+                    request_deserializer=stratus_dot_v1_dot_fleet__pb2.RolloutSync.FromString,
+                    response_serializer=stratus_dot_v1_dot_fleet__pb2.RolloutSync.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -257,6 +308,87 @@ class Fleet:
             '/stratus.v1.Fleet/Drain',
             stratus_dot_v1_dot_fleet__pb2.DrainRequest.SerializeToString,
             stratus_dot_v1_dot_fleet__pb2.DrainResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Reload(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/stratus.v1.Fleet/Reload',
+            stratus_dot_v1_dot_fleet__pb2.ReloadRequest.SerializeToString,
+            stratus_dot_v1_dot_fleet__pb2.ReloadResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Rollout(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/stratus.v1.Fleet/Rollout',
+            stratus_dot_v1_dot_fleet__pb2.RolloutRequest.SerializeToString,
+            stratus_dot_v1_dot_fleet__pb2.RolloutReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SyncRollouts(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/stratus.v1.Fleet/SyncRollouts',
+            stratus_dot_v1_dot_fleet__pb2.RolloutSync.SerializeToString,
+            stratus_dot_v1_dot_fleet__pb2.RolloutSync.FromString,
             options,
             channel_credentials,
             insecure,

@@ -76,6 +76,12 @@ class FleetStub:
     Status: _grpc.UnaryUnaryMultiCallable[_fleet_pb2.FleetStatusRequest, _fleet_pb2.FleetStatus]
     Watch: _grpc.UnaryStreamMultiCallable[_fleet_pb2.FleetWatchRequest, _fleet_pb2.FleetEvent]
     Drain: _grpc.UnaryUnaryMultiCallable[_fleet_pb2.DrainRequest, _fleet_pb2.DrainResponse]
+    Reload: _grpc.UnaryUnaryMultiCallable[_fleet_pb2.ReloadRequest, _fleet_pb2.ReloadResponse]
+    """Load new variants from the agent's models folder without restarting it."""
+    Rollout: _grpc.UnaryUnaryMultiCallable[_fleet_pb2.RolloutRequest, _fleet_pb2.RolloutReply]
+    """Start, read, promote or abort a gray release of a candidate variant."""
+    SyncRollouts: _grpc.UnaryUnaryMultiCallable[_fleet_pb2.RolloutSync, _fleet_pb2.RolloutSync]
+    """Routers of one site exchange rollout state, so every router sends the same shares."""
 
 @_typing.type_check_only
 class FleetAsyncStub(FleetStub):
@@ -85,6 +91,12 @@ class FleetAsyncStub(FleetStub):
     Status: _aio.UnaryUnaryMultiCallable[_fleet_pb2.FleetStatusRequest, _fleet_pb2.FleetStatus]  # type: ignore[assignment]
     Watch: _aio.UnaryStreamMultiCallable[_fleet_pb2.FleetWatchRequest, _fleet_pb2.FleetEvent]  # type: ignore[assignment]
     Drain: _aio.UnaryUnaryMultiCallable[_fleet_pb2.DrainRequest, _fleet_pb2.DrainResponse]  # type: ignore[assignment]
+    Reload: _aio.UnaryUnaryMultiCallable[_fleet_pb2.ReloadRequest, _fleet_pb2.ReloadResponse]  # type: ignore[assignment]
+    """Load new variants from the agent's models folder without restarting it."""
+    Rollout: _aio.UnaryUnaryMultiCallable[_fleet_pb2.RolloutRequest, _fleet_pb2.RolloutReply]  # type: ignore[assignment]
+    """Start, read, promote or abort a gray release of a candidate variant."""
+    SyncRollouts: _aio.UnaryUnaryMultiCallable[_fleet_pb2.RolloutSync, _fleet_pb2.RolloutSync]  # type: ignore[assignment]
+    """Routers of one site exchange rollout state, so every router sends the same shares."""
 
 class FleetServicer(metaclass=_abc_1.ABCMeta):
     """Operators' view of the fleet. Status and Watch read; Drain changes the fleet."""
@@ -109,5 +121,29 @@ class FleetServicer(metaclass=_abc_1.ABCMeta):
         request: _fleet_pb2.DrainRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_fleet_pb2.DrainResponse, _abc.Awaitable[_fleet_pb2.DrainResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def Reload(
+        self,
+        request: _fleet_pb2.ReloadRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_fleet_pb2.ReloadResponse, _abc.Awaitable[_fleet_pb2.ReloadResponse]]:
+        """Load new variants from the agent's models folder without restarting it."""
+
+    @_abc_1.abstractmethod
+    def Rollout(
+        self,
+        request: _fleet_pb2.RolloutRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_fleet_pb2.RolloutReply, _abc.Awaitable[_fleet_pb2.RolloutReply]]:
+        """Start, read, promote or abort a gray release of a candidate variant."""
+
+    @_abc_1.abstractmethod
+    def SyncRollouts(
+        self,
+        request: _fleet_pb2.RolloutSync,
+        context: _ServicerContext,
+    ) -> _typing.Union[_fleet_pb2.RolloutSync, _abc.Awaitable[_fleet_pb2.RolloutSync]]:
+        """Routers of one site exchange rollout state, so every router sends the same shares."""
 
 def add_FleetServicer_to_server(servicer: FleetServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -138,7 +138,7 @@ def test_the_health_service_follows_readiness_and_liveness_stays_up(cluster: Clu
 
 
 def test_an_agent_links_to_every_address_a_dns_name_gives(cluster: Cluster) -> None:
-    from edge_agent.agent import resolve_all
+    from stratus.discovery import resolve_all
 
     router = cluster.router().address
     host, port = router.rsplit(":", 1)

@@ -32,6 +32,8 @@ COUNTERS = {
     "stratus_router_degraded_answers",
     "stratus_router_refusals",
     "stratus_work",
+    "stratus_router_rollout_requests",
+    "stratus_router_rollout_rollbacks",
 }
 HISTOGRAMS = {
     "stratus_router_request_duration_seconds",
@@ -49,6 +51,7 @@ GAUGES = {
     "stratus_queue_items",
     "stratus_in_flight_items",
     "stratus_process_resident_memory_bytes",
+    "stratus_router_rollout_share_percent",
 }
 # The series names Prometheus stores: counters end in _total; a classic histogram has no series
 # under its own name, only _bucket, _sum and _count.

@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import os
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from stratus import codec
+from stratus.errors import ConfigError
 from stratus.local import INLINE_REVIEW, LocalModels, LocalSettings
 from stratus.repository import ModelRepository
+from stratus.tiers import Tier
 from stratus.wire import inference_pb2 as pb
 
 
@@ -44,3 +47,102 @@ def test_a_variant_that_runs_in_microseconds_moves_onto_the_event_loop(tmp_path:
 def test_a_slow_variant_or_a_disabled_switch_stays_on_threads(tmp_path: Path, repository, settings) -> None:  # type: ignore[no-untyped-def]
     inline, _ = answered(tmp_path, repository, **settings)
     assert inline == set()
+
+
+def _digits_request(model: str) -> pb.ModelInferRequest:
+    request = pb.ModelInferRequest(model_name=model)
+    codec.encode_request_inputs(request, {"input": np.zeros((2, 64), np.float32)})
+    return request
+
+
+def test_reload_loads_what_changed_and_retires_what_was_replaced(
+    tmp_path: Path, models_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import shutil
+
+    import stratus.local
+
+    monkeypatch.setattr(stratus.local, "RETIRE_GRACE_S", 0.2)
+    root = tmp_path / "models"
+    shutil.copytree(models_dir / "digits", root / "digits")
+    settings = LocalSettings(tier=Tier.EDGE, runtimes=["onnxruntime"], cache_dir=tmp_path, precision="fp32")
+    models = LocalModels(ModelRepository.load(root), settings)
+
+    async def scenario() -> None:
+        first = models.runners["digits-medium"]
+        assert await models.reload() == ["digits-medium"]
+        assert models.runners["digits-medium"] is first, "an unchanged variant is not loaded again"
+        onnx_file = root / "digits" / "digits-medium.onnx"
+        onnx_file.write_bytes(onnx_file.read_bytes())  # replaced on disk: same bytes, new file
+        os.utime(onnx_file, ns=(1, 1))
+        await models.reload()
+        second = models.runners["digits-medium"]
+        assert second is not first
+        answer = await models.answer(_digits_request("digits"))
+        assert answer.variant.name == "digits-medium" and len(answer.confidences) == 2
+        await asyncio.sleep(0.4)
+        assert models.runners["digits-medium"] is second
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        models.close()
+
+
+def test_a_failed_reload_changes_nothing(tmp_path: Path, models_dir: Path) -> None:
+    import shutil
+
+    root = tmp_path / "models"
+    shutil.copytree(models_dir / "digits", root / "digits")
+    models = LocalModels(
+        ModelRepository.load(root),
+        LocalSettings(tier=Tier.EDGE, runtimes=["onnxruntime"], cache_dir=tmp_path),
+    )
+    served = set(models.served)
+    config = root / "digits" / "family.toml"
+    config.write_text(config.read_text().replace('edge = "digits-medium"', 'edge = "digits-huge"'))
+
+    async def scenario() -> None:
+        with pytest.raises(ConfigError, match="'digits-huge' is not a variant"):
+            await models.reload()
+        assert models.served == served
+        assert (await models.answer(_digits_request("digits"))).variant.name in served
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        models.close()
+
+
+def test_only_the_current_line_answers_for_its_family(tmp_path: Path, models_dir: Path) -> None:
+    """A second FP32 variant of a tier is loaded and announced, but serves its family only
+    when the config makes it current."""
+    import shutil
+
+    root = tmp_path / "models"
+    shutil.copytree(models_dir / "digits", root / "digits")
+    config = root / "digits" / "family.toml"
+    shutil.copy(root / "digits" / "digits-medium.onnx", root / "digits" / "digits-medium-v2.onnx")
+    config.write_text(
+        config.read_text()
+        + '\n[[variants]]\nname = "digits-medium-v2"\ntier = "edge"\nfiles = { onnx = "digits-medium-v2.onnx" }\n'
+    )
+    settings = LocalSettings(tier=Tier.EDGE, runtimes=["onnxruntime"], cache_dir=tmp_path, precision="fp32")
+    models = LocalModels(ModelRepository.load(root), settings)
+    try:
+        assert models.served == {"digits-medium", "digits-medium-v2"}
+        assert models.current == {"digits-medium"}
+        assert models.variant_for("digits")[1].name == "digits-medium"
+        lines = {info.name: (info.line, info.current) for info in models.variants_info()}
+        assert lines == {
+            "digits-medium": ("digits-medium", True),
+            "digits-medium-v2": ("digits-medium-v2", False),
+        }
+    finally:
+        models.close()
+    config.write_text(config.read_text().replace('edge = "digits-medium"', 'edge = "digits-medium-v2"'))
+    models = LocalModels(ModelRepository.load(root), settings)
+    try:
+        assert models.variant_for("digits")[1].name == "digits-medium-v2"
+    finally:
+        models.close()

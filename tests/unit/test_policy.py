@@ -45,6 +45,10 @@ class AgentView:
     def variant_families(self) -> Mapping[str, str]:
         return {f"{self.id}-v": "digits"}
 
+    @property
+    def model_names(self) -> frozenset[str]:
+        return frozenset({f"{self.id}-v", "digits"})
+
     def max_batch(self, model: str) -> int:
         return self.batch
 

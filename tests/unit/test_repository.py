@@ -78,8 +78,36 @@ def family_copy(tmp_path: Path, models_dir: Path) -> Path:
             "confidence.output",
             "is not one of the family's outputs",
         ),
-        ("\ndevice = ", "\ndevice = 1.5 # ", "thresholds.device", "must lie between 0 and 1"),
-        ("\ndevice = ", '\ndevice = "high" # ', "thresholds.device", "must be a float, not str"),
+        (
+            "[thresholds]\ndevice = ",
+            "[thresholds]\ndevice = 1.5 # ",
+            "thresholds.device",
+            "must lie between 0 and 1",
+        ),
+        (
+            "[thresholds]\ndevice = ",
+            '[thresholds]\ndevice = "high" # ',
+            "thresholds.device",
+            "must be a float, not str",
+        ),
+        (
+            '[current]\ndevice = "digits-small"',
+            '[current]\ndevice = "digits-medium"',
+            "current.device",
+            "'digits-medium' is on the edge tier",
+        ),
+        (
+            '[current]\ndevice = "digits-small"',
+            '[current]\ndevice = "digits-small-int8"',
+            "current.device",
+            "name its parent 'digits-small'",
+        ),
+        (
+            '[current]\ndevice = "digits-small"',
+            '[current]\ndevice = "digits-tiny"',
+            "current.device",
+            "'digits-tiny' is not a variant",
+        ),
         ('onnx = "digits-large.onnx"', 'onnx = "missing.onnx"', "variants[5].files.onnx", "does not exist"),
         ('onnx = "digits-large.onnx"', 'pt = "digits-large.onnx"', "variants[5].files.pt", "unknown format"),
         (

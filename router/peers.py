@@ -1,0 +1,87 @@
+"""Sharing rollout state with the other routers of a site.
+
+Each router sends every peer what it knows (the JSON document it persists) and adopts
+whatever the peer answers that is newer, per family and tier: at once after a change here,
+and every SYNC_S seconds otherwise, so a router that restarted or missed a change catches
+up within one interval. ``dns:NAME:PORT`` is resolved at every round, so peers that come
+and go (a Deployment scaled, a pod replaced) are found; this router's own address in the
+list is recognised by its id in the answer and skipped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+import grpc
+
+from router.rollout import Rollouts
+from stratus.discovery import addresses_of
+from stratus.errors import StratusError
+from stratus.serving import NO_TLS, TlsSettings, open_channel
+from stratus.wire import fleet_pb2 as fpb
+from stratus.wire import fleet_pb2_grpc as fpb_grpc
+
+log = logging.getLogger("stratus.peers")
+
+SYNC_S = 1.0
+CALL_TIMEOUT_S = 2.0
+
+
+class RolloutPeers:
+    def __init__(
+        self,
+        rollouts: Rollouts,
+        peers: str,
+        *,
+        tls: TlsSettings = NO_TLS,
+        token: str = "",
+        changed: asyncio.Event | None = None,
+    ) -> None:
+        self.rollouts = rollouts
+        self.peers = peers
+        self.tls = tls
+        self.token = token
+        self.changed = changed or asyncio.Event()
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._self: set[str] = set()  # addresses that answered with our own id
+
+    async def run(self) -> None:
+        try:
+            while True:
+                self.changed.clear()
+                await self.sync_once()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self.changed.wait(), timeout=SYNC_S)
+        finally:
+            for channel in self._channels.values():
+                await channel.close()
+
+    async def sync_once(self) -> None:
+        try:
+            addresses = await addresses_of(self.peers)
+        except OSError as exc:
+            log.warning("cannot resolve peers %s: %s", self.peers, exc)
+            return
+        await asyncio.gather(*(self._exchange(a) for a in addresses if a not in self._self))
+
+    async def _exchange(self, address: str) -> None:
+        channel = self._channels.get(address)
+        if channel is None:
+            channel = self._channels[address] = open_channel(address, self.tls)
+        mine = fpb.RolloutSync(
+            router_id=self.rollouts.router_id, state_json=self.rollouts.to_json(), token=self.token
+        )
+        try:
+            theirs = await fpb_grpc.FleetStub(channel).SyncRollouts(mine, timeout=CALL_TIMEOUT_S)
+        except grpc.aio.AioRpcError as exc:
+            log.debug("peer %s: %s", address, exc.code().name)
+            return
+        if theirs.router_id == self.rollouts.router_id:
+            self._self.add(address)
+            return
+        try:
+            self.rollouts.merge_json(theirs.state_json)
+        except StratusError as exc:
+            log.warning("peer %s sent rollout state this router cannot read: %s", address, exc)

@@ -1,0 +1,492 @@
+"""Gray release: a candidate variant takes a growing share of one tier's traffic.
+
+A rollout names a family, a tier and a candidate line (an FP32 variant that agents of
+that tier serve beside the current one, in whatever precision they chose for it). Each
+step sends the step's share of the tier's requests for that family to the candidate and
+judges it against the current variant over the same window, once each has served
+``min_requests``:
+
+* more errors than the current variant beyond ``max_error_increase`` (absolute share),
+* a p99 latency above ``max_p99_ratio`` times the current one (and ``p99_slack_ms`` more),
+* more unsure answers (items that had to escalate) beyond ``max_unsure_increase``,
+
+and any of them rolls it back to 0% at once, saying which and by how much. Shares are
+compared with their sampling noise: a share rolls back only when even the lower end of a
+one-sided 95% interval for (candidate - current) is past the margin, so two equal models
+judged on a hundred requests each do not trip on a couple of unlucky items, while a clearly
+worse one (65% unsure against 2%) is caught at the first judgement. A candidate
+no worse moves to the next step; the last step is where it stays (100%: complete) until
+an operator promotes it (its line becomes what the tier serves, here) or aborts it.
+
+The plan (not the windows) is the state that matters: it is written to a JSON file on
+every change, so it survives a restart, and exchanged with the other routers of the site,
+which keep, per family and tier, the record with the highest revision. Every router
+judges the requests it sees; the first decision made anywhere is the one all adopt.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import logging
+import math
+import os
+import random
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any, Final
+
+import numpy as np
+
+from stratus import codec
+from stratus.errors import ConfigError, InvalidInput, NotFound
+from stratus.tensors import Tensors
+from stratus.tiers import Tier
+
+log = logging.getLogger("stratus.rollout")
+
+RUNNING: Final = "running"
+COMPLETE: Final = "complete"
+PROMOTED: Final = "promoted"
+ROLLED_BACK: Final = "rolled_back"
+ABORTED: Final = "aborted"
+STATES: Final = (RUNNING, COMPLETE, PROMOTED, ROLLED_BACK, ABORTED)
+DEFAULT_STEPS: Final = (5.0, 25.0, 50.0, 100.0)
+# Latencies kept per arm and step: enough for a stable p99, bounded memory.
+WINDOW_LATENCIES: Final = 20_000
+# Judging sorts the window; at most this often per rollout, however busy the router.
+JUDGE_EVERY_S: Final = 0.05
+FORMAT_VERSION: Final = 1
+
+
+@dataclass(frozen=True, kw_only=True)
+class Margins:
+    """How much worse than the current variant a candidate may be and still advance."""
+
+    max_error_increase: float = 0.01
+    max_p99_ratio: float = 1.5
+    # Below a few milliseconds a ratio alone would judge scheduler noise.
+    p99_slack_ms: float = 2.0
+    max_unsure_increase: float = 0.05
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.max_error_increase <= 1 or not 0 <= self.max_unsure_increase <= 1:
+            raise InvalidInput("error and unsure margins are shares between 0 and 1")
+        if self.max_p99_ratio < 1 or self.p99_slack_ms < 0:
+            raise InvalidInput("the p99 ratio must be at least 1 and its slack not negative")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Plan:
+    """One rollout's persisted state: what it is, where it stands, and why."""
+
+    family: str
+    tier: Tier
+    candidate: str
+    steps: tuple[float, ...] = DEFAULT_STEPS
+    min_requests: int = 100
+    shadow: float = 0.0  # percent of the current variant's requests mirrored to the candidate
+    margins: Margins = field(default_factory=Margins)
+    state: str = RUNNING
+    step: int = 0
+    reason: str = "started"
+    revision: int = 1
+    updated: float = 0.0  # unix time of the last change, where it was made
+    origin: str = ""  # the router that made the last change
+    history: tuple[str, ...] = ()
+
+    @property
+    def key(self) -> tuple[str, Tier]:
+        return (self.family, self.tier)
+
+    @property
+    def share(self) -> float:
+        """Percent of the tier's requests for the family that go to the candidate now."""
+        if self.state in (RUNNING, COMPLETE):
+            return self.steps[self.step]
+        return 100.0 if self.state == PROMOTED else 0.0
+
+    @property
+    def judging(self) -> bool:
+        return self.state == RUNNING and self.step < len(self.steps) - 1
+
+    def rank(self) -> tuple[int, float, str]:
+        """Which of two records of one rollout wins: later revision, then later change."""
+        return (self.revision, self.updated, self.origin)
+
+    def to_json(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["tier"] = self.tier.label
+        data["steps"] = list(self.steps)
+        data["history"] = list(self.history)
+        return data
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Plan:
+        try:
+            return cls(
+                family=str(data["family"]),
+                tier=Tier.parse(str(data["tier"])),
+                candidate=str(data["candidate"]),
+                steps=tuple(float(s) for s in data["steps"]),
+                min_requests=int(data["min_requests"]),
+                shadow=float(data.get("shadow", 0.0)),
+                margins=Margins(**data.get("margins", {})),
+                state=_state(str(data["state"])),
+                step=int(data["step"]),
+                reason=str(data.get("reason", "")),
+                revision=int(data["revision"]),
+                updated=float(data.get("updated", 0.0)),
+                origin=str(data.get("origin", "")),
+                history=tuple(str(h) for h in data.get("history", ())),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ConfigError(f"a rollout record is malformed: {type(exc).__name__}: {exc}") from None
+
+
+def _state(text: str) -> str:
+    if text not in STATES:
+        raise ValueError(f"unknown rollout state '{text}'")
+    return text
+
+
+def check_steps(steps: Sequence[float]) -> tuple[float, ...]:
+    """Shares in percent, rising, each in (0, 100]."""
+    values = tuple(float(s) for s in steps)
+    if not values:
+        raise InvalidInput("a rollout needs at least one step")
+    if any(not 0 < s <= 100 for s in values) or list(values) != sorted(set(values)):
+        raise InvalidInput(f"steps {list(values)} must rise strictly, each above 0 and at most 100")
+    return values
+
+
+# ---------------------------------------------------------------------------------------------
+# One step's evidence, and the verdict
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class ArmWindow:
+    """What one variant did in the current step: requests, errors, latency, unsure items."""
+
+    requests: int = 0
+    errors: int = 0
+    items: int = 0
+    unsure: int = 0
+    latencies_ms: list[float] = field(default_factory=list)  # sorted
+
+    def add(self, *, ok: bool, latency_ms: float, items: int, unsure: int) -> None:
+        self.requests += 1
+        if not ok:
+            self.errors += 1
+            return
+        self.items += items
+        self.unsure += unsure
+        if len(self.latencies_ms) < WINDOW_LATENCIES:
+            bisect.insort(self.latencies_ms, latency_ms)
+
+    @property
+    def error_share(self) -> float:
+        return self.errors / self.requests if self.requests else 0.0
+
+    @property
+    def unsure_share(self) -> float:
+        return self.unsure / self.items if self.items else 0.0
+
+    @property
+    def p99_ms(self) -> float:
+        values = self.latencies_ms
+        return values[min(len(values) - 1, int(0.99 * len(values)))] if values else 0.0
+
+
+@dataclass(frozen=True)
+class Verdict:
+    action: str  # "wait", "advance" or "rollback"
+    reason: str
+
+
+def judge(current: ArmWindow, candidate: ArmWindow, *, min_requests: int, margins: Margins) -> Verdict:
+    """The candidate against the current variant over one window (pure)."""
+    if current.requests < min_requests or candidate.requests < min_requests:
+        return Verdict(
+            "wait",
+            f"{candidate.requests} candidate and {current.requests} current requests of {min_requests} each",
+        )
+    if worse_beyond(candidate.errors, candidate.requests, current.errors, current.requests) > (
+        margins.max_error_increase
+    ):
+        return Verdict(
+            "rollback",
+            f"errors {candidate.error_share:.1%} vs {current.error_share:.1%} "
+            f"(margin {margins.max_error_increase:.1%})",
+        )
+    allowed_p99 = max(current.p99_ms * margins.max_p99_ratio, current.p99_ms + margins.p99_slack_ms)
+    if candidate.p99_ms > allowed_p99:
+        return Verdict(
+            "rollback",
+            f"p99 {candidate.p99_ms:.1f} ms vs {current.p99_ms:.1f} ms (allowed {allowed_p99:.1f} ms)",
+        )
+    if worse_beyond(candidate.unsure, candidate.items, current.unsure, current.items) > (
+        margins.max_unsure_increase
+    ):
+        return Verdict(
+            "rollback",
+            f"unsure {candidate.unsure_share:.1%} vs {current.unsure_share:.1%} "
+            f"(margin {margins.max_unsure_increase:.1%})",
+        )
+    return Verdict(
+        "advance",
+        f"no worse over {candidate.requests}/{current.requests} requests: errors "
+        f"{candidate.error_share:.1%} vs {current.error_share:.1%}, p99 {candidate.p99_ms:.1f} vs "
+        f"{current.p99_ms:.1f} ms, unsure {candidate.unsure_share:.1%} vs {current.unsure_share:.1%}",
+    )
+
+
+# One-sided 95% normal quantile.
+_Z = 1.645
+
+
+def worse_beyond(bad_a: int, n_a: int, bad_b: int, n_b: int) -> float:
+    """How much A's share of bad outcomes surely exceeds B's: the lower end of a one-sided
+    95% interval for the difference (Wald, with a continuity floor so 0/n is not certain)."""
+    if n_a == 0 or n_b == 0:
+        return 0.0
+    p_a, p_b = bad_a / n_a, bad_b / n_b
+    noise = math.sqrt(max(p_a * (1 - p_a), 0.25 / n_a) / n_a + max(p_b * (1 - p_b), 0.25 / n_b) / n_b)
+    return (p_a - p_b) - _Z * noise
+
+
+def top1(tensors: Tensors) -> np.ndarray[Any, Any] | None:
+    """Each item's highest-scoring class in the first output, for shadow agreement."""
+    names = tensors.names()
+    if not names:
+        return None
+    raw = tensors.get(names[0])
+    if not raw.fixed_size or len(raw.shape) < 2:
+        return None
+    values = np.frombuffer(raw.data, dtype=codec.numpy_dtype(raw.datatype))
+    best: np.ndarray[Any, Any] = values.reshape(raw.shape[0], -1).argmax(axis=1)
+    return best
+
+
+# ---------------------------------------------------------------------------------------------
+# Every rollout this router knows
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Live:
+    """A rollout's plan and this router's evidence for its current step."""
+
+    plan: Plan
+    current: ArmWindow = field(default_factory=ArmWindow)
+    candidate: ArmWindow = field(default_factory=ArmWindow)
+    shadow_items: int = 0
+    shadow_agreed: int = 0
+    judged_at: float = 0.0
+
+
+Listener = Callable[[Plan, str], None]
+
+
+class Rollouts:
+    """The rollouts one router applies, judges, persists and shares. Owned by its event loop."""
+
+    def __init__(
+        self,
+        *,
+        router_id: str,
+        state_path: Path | None = None,
+        rng: random.Random | None = None,
+        wall_clock: Callable[[], float] = time.time,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.router_id = router_id
+        self.state_path = state_path
+        self._rng = rng or random.Random()
+        self._wall = wall_clock
+        self._clock = clock
+        self._live: dict[tuple[str, Tier], _Live] = {}
+        self.listeners: list[Listener] = []  # told of every change: (plan, "why")
+        if state_path is not None and state_path.exists():
+            self.merge_json(state_path.read_text(encoding="utf-8"), persist=False)
+
+    # -- operator actions ------------------------------------------------------------------
+    def start(
+        self,
+        family: str,
+        tier: Tier,
+        candidate: str,
+        *,
+        steps: Sequence[float] = DEFAULT_STEPS,
+        min_requests: int = 100,
+        shadow: float = 0.0,
+        margins: Margins | None = None,
+    ) -> Plan:
+        live = self._live.get((family, tier))
+        if live is not None and live.plan.state == RUNNING:
+            raise InvalidInput(
+                f"a rollout of {live.plan.candidate} on the {tier.label} tier of '{family}' is running; "
+                "promote or abort it first"
+            )
+        if min_requests < 1 or not 0 <= shadow <= 100:
+            raise InvalidInput("min_requests must be at least 1 and shadow a percent between 0 and 100")
+        plan = Plan(
+            family=family,
+            tier=tier,
+            candidate=candidate,
+            steps=check_steps(steps),
+            min_requests=min_requests,
+            shadow=shadow,
+            margins=margins or Margins(),
+            state=COMPLETE if len(steps) == 1 else RUNNING,
+            revision=(live.plan.revision + 1) if live else 1,
+        )
+        return self._change(plan, f"started by an operator at {plan.steps[0]:g}%", new=True)
+
+    def promote(self, family: str, tier: Tier) -> Plan:
+        plan = self.plan(family, tier)
+        if plan.state not in (RUNNING, COMPLETE):
+            raise InvalidInput(
+                f"the rollout of {plan.candidate} is {plan.state}; only a live one is promoted"
+            )
+        return self._change(replace(plan, state=PROMOTED), "promoted by an operator: 100% from now on")
+
+    def abort(self, family: str, tier: Tier) -> Plan:
+        plan = self.plan(family, tier)
+        if plan.state in (ROLLED_BACK, ABORTED):
+            raise InvalidInput(f"the rollout of {plan.candidate} is already {plan.state}")
+        return self._change(replace(plan, state=ABORTED), "aborted by an operator: back to 0%")
+
+    # -- reads ---------------------------------------------------------------------------------
+    def plan(self, family: str, tier: Tier) -> Plan:
+        live = self._live.get((family, tier))
+        if live is None:
+            raise NotFound(f"no rollout on the {tier.label} tier of '{family}'")
+        return live.plan
+
+    def plans(self) -> list[Plan]:
+        return [self._live[key].plan for key in sorted(self._live)]
+
+    def evidence(self, family: str, tier: Tier) -> tuple[ArmWindow, ArmWindow, int, int]:
+        live = self._live[(family, tier)]
+        return live.current, live.candidate, live.shadow_items, live.shadow_agreed
+
+    # -- the data plane's calls, per request ---------------------------------------------------
+    def arm(self, family: str, tier: Tier) -> tuple[Plan, bool] | None:
+        """For a request about to run on ``tier``: the rollout there, and whether this one
+        goes to its candidate (by the step's share). None when there is none."""
+        live = self._live.get((family, tier)) if self._live else None
+        if live is None or live.plan.state in (ROLLED_BACK, ABORTED):
+            return None
+        share = live.plan.share
+        return live.plan, share >= 100.0 or self._rng.random() * 100.0 < share
+
+    def shadow_wanted(self, plan: Plan) -> bool:
+        return plan.judging and plan.shadow > 0 and self._rng.random() * 100.0 < plan.shadow
+
+    def record(
+        self, plan: Plan, *, candidate: bool, ok: bool, latency_ms: float, items: int, unsure: int
+    ) -> None:
+        """One attempt on the rollout's tier; a step whose evidence suffices is judged."""
+        live = self._live.get(plan.key)
+        if live is None or live.plan is not plan:  # the plan changed while the request ran
+            return
+        (live.candidate if candidate else live.current).add(
+            ok=ok, latency_ms=latency_ms, items=items, unsure=unsure
+        )
+        now = self._clock()
+        if plan.judging and now - live.judged_at >= JUDGE_EVERY_S:
+            live.judged_at = now
+            self._judge(live)
+
+    def record_shadow(self, plan: Plan, agreed: int, items: int) -> None:
+        live = self._live.get(plan.key)
+        if live is not None and live.plan is plan:
+            live.shadow_items += items
+            live.shadow_agreed += agreed
+
+    def _judge(self, live: _Live) -> None:
+        plan = live.plan
+        verdict = judge(live.current, live.candidate, min_requests=plan.min_requests, margins=plan.margins)
+        if verdict.action == "wait":
+            return
+        share = plan.share
+        if verdict.action == "rollback":
+            self._change(replace(plan, state=ROLLED_BACK), f"rolled back at {share:g}%: {verdict.reason}")
+            return
+        step = plan.step + 1
+        state = COMPLETE if step == len(plan.steps) - 1 else RUNNING
+        self._change(
+            replace(plan, step=step, state=state),
+            f"advanced from {share:g}% to {plan.steps[step]:g}%: {verdict.reason}",
+        )
+
+    # -- changes, persistence and peers --------------------------------------------------------
+    def _change(self, plan: Plan, why: str, *, new: bool = False) -> Plan:
+        previous = self._live.get(plan.key)
+        history = () if new or previous is None else previous.plan.history
+        plan = replace(
+            plan,
+            reason=why,
+            revision=(previous.plan.revision + 1) if previous else plan.revision,
+            updated=self._wall(),
+            origin=self.router_id,
+            history=(*history, why)[-50:],
+        )
+        self._adopt(plan)
+        log.info("rollout of %s on %s/%s: %s", plan.candidate, plan.family, plan.tier.label, why)
+        self._persist()
+        return plan
+
+    def _adopt(self, plan: Plan) -> None:
+        """Make ``plan`` the live one; a new step (or state) starts a new window."""
+        live = self._live.get(plan.key)
+        fresh = live is None or (live.plan.step, live.plan.state, live.plan.candidate) != (
+            plan.step,
+            plan.state,
+            plan.candidate,
+        )
+        if fresh:
+            self._live[plan.key] = _Live(plan=plan)
+        else:
+            assert live is not None
+            live.plan = plan
+        for listener in self.listeners:
+            listener(plan, plan.reason)
+
+    def to_json(self) -> str:
+        return json.dumps(
+            {"version": FORMAT_VERSION, "rollouts": [p.to_json() for p in self.plans()]}, sort_keys=True
+        )
+
+    def merge_json(self, text: str, *, persist: bool = True) -> bool:
+        """Adopt every record newer than ours; True when anything changed."""
+        try:
+            data = json.loads(text) if text else {"rollouts": []}
+            records = [Plan.from_json(r) for r in data.get("rollouts", [])]
+        except (json.JSONDecodeError, AttributeError) as exc:
+            raise ConfigError(f"rollout state is not valid: {exc}") from None
+        return self.merge(records, persist=persist)
+
+    def merge(self, records: Iterable[Plan], *, persist: bool = True) -> bool:
+        changed = False
+        for plan in records:
+            live = self._live.get(plan.key)
+            if live is None or plan.rank() > live.plan.rank():
+                self._adopt(plan)
+                changed = True
+        if changed and persist:
+            self._persist()
+        return changed
+
+    def _persist(self) -> None:
+        """Write the plans atomically: a crash mid-write leaves the previous file."""
+        if self.state_path is None:
+            return
+        self.state_path.parent.mkdir(parents=True, exist_ok=True)
+        scratch = self.state_path.with_name(f".{self.state_path.name}.{os.getpid()}")
+        scratch.write_text(self.to_json(), encoding="utf-8")
+        os.replace(scratch, self.state_path)

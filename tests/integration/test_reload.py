@@ -1,0 +1,68 @@
+"""An agent loads new variants without restarting: load, warm up, announce, then serve;
+nothing in flight is lost, and a variant that fails to load leaves the old ones serving."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+from stratus.serving import open_sync_channel
+from stratus.wire import fleet_pb2 as fpb
+from stratus.wire import fleet_pb2_grpc as fpb_grpc
+
+from .cluster import Cluster, fleet_status, infer, ready_count, wait_until
+from .load import Load
+from .variants import add_device_variant, copy_digits
+
+
+def reload(router: str, agent: str) -> fpb.ReloadResponse:
+    with open_sync_channel(router) as channel:
+        return fpb_grpc.FleetStub(channel).Reload(fpb.ReloadRequest(agent_id=agent, timeout_s=60), timeout=70)
+
+
+def variants(router: str, agent: str) -> set[str]:
+    return {v for a in fleet_status(router).agents if a.id == agent for v in a.variants}
+
+
+def test_agent_reloads_new_variants_without_losing_work(cluster: Cluster, tmp_path: Path, digits) -> None:  # type: ignore[no-untyped-def]
+    models = copy_digits(tmp_path / "models")
+    config = models / "digits" / "family.toml"
+    router = cluster.router().address
+    agent = cluster.agent("device-1", router, "--models", str(models))
+    wait_until(lambda: ready_count(router) == 1, timeout_s=60)
+    before = variants(router, "device-1")
+    assert not any(v.startswith("digits-small-v") for v in before)
+
+    with Load(router, digits.held_out.x) as load:
+        add_device_variant(models, "digits-small-v2")
+        cli = subprocess.run(
+            [sys.executable, "-m", "stratus.cli", "fleet", "reload", "device-1", "--router", router],
+            capture_output=True,
+            text=True,
+            timeout=90,
+            check=False,
+        )
+        assert cli.returncode == 0, cli.stderr
+        assert "device-1 reloaded" in cli.stdout and "digits-small-v2" in cli.stdout
+        assert variants(router, "device-1") == before | {"digits-small-v2"}
+
+        good_config = config.read_text()
+        add_device_variant(models, "digits-small-broken", broken=True)
+        refused = reload(router, "device-1")
+        assert not refused.ok
+        assert "digits-small-broken" in refused.message, refused.message
+        assert set(refused.variants) == before | {"digits-small-v2"}
+
+        config.write_text(good_config)
+        add_device_variant(models, "digits-small-v3")
+        agent.process.send_signal(signal.SIGHUP)
+        wait_until(lambda: "digits-small-v3" in variants(router, "device-1"), timeout_s=30)
+    assert not load.errors, load.errors
+    assert len(load.answers) > 200
+    # a new, non-current variant answers when named, and the family stays on the current one
+    _, pinned = infer(router, digits.held_out.x[:3], model="digits-small-v3")
+    _, family = infer(router, digits.held_out.x[:3], max_tier="device")
+    assert pinned.variant == "digits-small-v3"
+    assert family.variant in {"digits-small", "digits-small-int8"}

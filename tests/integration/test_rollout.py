@@ -1,0 +1,164 @@
+"""Gray release through a real fleet: a worse candidate is rolled back by itself, a good one
+reaches 100%, nothing is lost on the way, and every router of a site holds the same state,
+across restarts."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from stratus.serving import open_sync_channel
+from stratus.wire import fleet_pb2 as fpb
+from stratus.wire import fleet_pb2_grpc as fpb_grpc
+
+from .cluster import Cluster, ready_count, wait_until
+from .load import Load
+from .variants import add_device_variant, copy_digits
+
+
+def steer(router: str, action: int, **fields: object) -> fpb.RolloutReply:
+    request = fpb.RolloutRequest(action=action, family="digits", tier=fpb.TIER_DEVICE, **fields)  # type: ignore[arg-type]
+    with open_sync_channel(router) as channel:
+        return fpb_grpc.FleetStub(channel).Rollout(request, timeout=10)
+
+
+def rollout(router: str) -> fpb.RolloutStatus | None:
+    statuses = steer(router, fpb.ROLLOUT_ACTION_STATUS).rollouts
+    return statuses[0] if statuses else None
+
+
+def state_of(router: str) -> str:
+    status = rollout(router)
+    return status.state if status is not None else "none"
+
+
+def start(router: str, candidate: str, **fields: object) -> fpb.RolloutStatus:
+    reply = steer(router, fpb.ROLLOUT_ACTION_START, candidate=candidate, **fields)
+    return reply.rollouts[0]
+
+
+@pytest.fixture
+def models(tmp_path: Path) -> Path:
+    root = copy_digits(tmp_path / "models")
+    add_device_variant(root, "digits-small-v2")
+    add_device_variant(root, "digits-small-shuffled", shuffled=True)
+    return root
+
+
+def test_bad_candidate_rolls_back_good_one_reaches_100(cluster: Cluster, models: Path, digits) -> None:  # type: ignore[no-untyped-def]
+    router = cluster.router().address
+    cluster.agent("device-1", router, "--models", str(models))
+    cluster.agent("edge-1", router, "--models", str(models), tier="edge")
+    wait_until(lambda: ready_count(router) == 2, timeout_s=60)
+    steps = {"steps": [20, 50, 100], "min_requests": 40, "max_p99_ratio": 3.0}
+    with Load(router, digits.held_out.x) as load:
+        started = start(router, "digits-small-shuffled", **steps)
+        assert (started.state, started.share_percent) == ("running", 20.0)
+        wait_until(lambda: state_of(router) == "rolled_back", timeout_s=60)
+        rolled_back = time.monotonic()
+        status = rollout(router)
+        assert status is not None and status.share_percent == 0.0
+        assert status.reason.startswith("rolled back at 20%: unsure"), status.reason
+        time.sleep(1.0)  # answers still in flight from before the rollback may arrive
+        assert load.device_variants()["digits-small-shuffled"] > 0, "the candidate had its share"
+        assert load.device_variants(after=rolled_back + 0.5)["digits-small-shuffled"] == 0
+
+        start(router, "digits-small-v2", **steps)
+        wait_until(lambda: state_of(router) == "complete", timeout_s=90)
+        completed = time.monotonic()
+        time.sleep(1.0)
+        after = load.device_variants(after=completed + 0.5)
+    status = rollout(router)
+    assert status is not None and status.share_percent == 100.0
+    assert [line.split(":")[0] for line in status.history] == [
+        "started by an operator at 20%",
+        "advanced from 20% to 50%",
+        "advanced from 50% to 100%",
+    ]
+    assert set(after) == {"digits-small-v2"}, after
+    assert not load.errors, load.errors
+    assert len(load.answers) > 500
+    listed = subprocess.run(
+        [sys.executable, "-m", "stratus.cli", "fleet", "rollout", "digits", "--status", "--router", router],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
+    )
+    assert "digits/device: digits-small-v2 complete at 100%" in listed.stdout, listed.stdout
+
+
+def test_refusals_name_what_is_wrong(cluster: Cluster, models: Path) -> None:
+    router = cluster.router().address
+    cluster.agent("device-1", router, "--models", str(models))
+    wait_until(lambda: ready_count(router) == 1, timeout_s=60)
+    with open_sync_channel(router) as channel:
+        stub = fpb_grpc.FleetStub(channel)
+        cases = [
+            ({"candidate": "digits-small-v9"}, "NOT_FOUND", "no device agent serves 'digits-small-v9'"),
+            ({"candidate": "digits-small"}, "INVALID_ARGUMENT", "already the current device variant"),
+            ({"candidate": "digits-small-v2", "steps": [50, 20]}, "INVALID_ARGUMENT", "must rise strictly"),
+            ({"candidate": "digits-small-v2", "tier": fpb.TIER_CLOUD}, "INVALID_ARGUMENT", "cloud tier"),
+            ({"candidate": "x", "family": "letters"}, "NOT_FOUND", "no agent serves a family 'letters'"),
+        ]
+        for fields, code, words in cases:
+            request = fpb.RolloutRequest(
+                action=fpb.ROLLOUT_ACTION_START, family="digits", tier=fpb.TIER_DEVICE
+            )
+            for key, value in fields.items():
+                if isinstance(value, list):
+                    getattr(request, key).extend(value)
+                else:
+                    setattr(request, key, value)
+            try:
+                stub.Rollout(request, timeout=10)
+            except Exception as exc:  # grpc.RpcError
+                assert exc.code().name == code and words in exc.details(), (fields, exc)  # type: ignore[attr-defined]
+            else:
+                raise AssertionError(f"{fields} was accepted")
+
+
+def _free_ports(count: int) -> list[int]:
+    sockets = [socket.socket() for _ in range(count)]
+    for s in sockets:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in sockets]
+    for s in sockets:
+        s.close()
+    return ports
+
+
+def test_routers_share_rollout_state_and_keep_it_across_a_restart(
+    cluster: Cluster, models: Path, tmp_path: Path
+) -> None:
+    a, b = (f"127.0.0.1:{port}" for port in _free_ports(2))
+    state_a, state_b = tmp_path / "a" / "rollouts.json", tmp_path / "b" / "rollouts.json"
+    cluster.router("--peers", f"{a},{b}", "--rollout-state", str(state_a), role="router-a", listen=a)
+    cluster.router("--peers", a, "--rollout-state", str(state_b), role="router-b", listen=b)
+    cluster.agent("device-1", f"{a},{b}", "--models", str(models))
+    wait_until(lambda: ready_count(a) == 1 and ready_count(b) == 1, timeout_s=60)
+
+    started = start(a, "digits-small-v2", steps=[10, 100], min_requests=1_000_000, shadow_percent=50)
+    wait_until(lambda: (rollout(b) or fpb.RolloutStatus()).revision == started.revision, timeout_s=10)
+    assert rollout(b).share_percent == 10.0  # type: ignore[union-attr]
+
+    steer(b, fpb.ROLLOUT_ACTION_ABORT)
+    wait_until(lambda: state_of(a) == "aborted", timeout_s=10)
+    aborted = rollout(a)
+    assert aborted is not None and aborted.share_percent == 0.0
+
+    cluster.processes["router-a"].stop()
+    cluster.processes["router-b"].stop()
+    cluster.router("--rollout-state", str(state_a), role="router-a2", listen=a)
+    restored = rollout(a)
+    assert restored is not None
+    assert (restored.state, restored.revision, list(restored.history)) == (
+        "aborted",
+        aborted.revision,
+        list(aborted.history),
+    )

@@ -1,0 +1,184 @@
+"""Gray release, the pure parts: the verdict, the steps, persistence and the merge of peers."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+
+from router.rollout import (
+    ABORTED,
+    COMPLETE,
+    PROMOTED,
+    ROLLED_BACK,
+    RUNNING,
+    ArmWindow,
+    Margins,
+    Rollouts,
+    check_steps,
+    judge,
+    worse_beyond,
+)
+from stratus.errors import ConfigError, InvalidInput, NotFound
+from stratus.tiers import Tier
+
+
+def window(requests: int, *, errors: int = 0, unsure: int = 0, latency_ms: float = 1.0) -> ArmWindow:
+    arm = ArmWindow()
+    for index in range(requests):
+        failed = index < errors
+        arm.add(
+            ok=not failed,
+            latency_ms=latency_ms,
+            items=1,
+            unsure=1 if index - errors < unsure and not failed else 0,
+        )
+    return arm
+
+
+def test_waits_until_both_variants_served_enough() -> None:
+    verdict = judge(window(99), window(500), min_requests=100, margins=Margins())
+    assert verdict.action == "wait" and "500 candidate and 99 current" in verdict.reason
+
+
+def test_equal_variants_advance() -> None:
+    verdict = judge(window(200, unsure=4), window(100, unsure=3), min_requests=100, margins=Margins())
+    assert verdict.action == "advance", verdict.reason
+
+
+@pytest.mark.parametrize(
+    ("candidate", "word"),
+    [
+        (window(100, errors=10), "errors"),
+        (window(100, latency_ms=9.0), "p99"),
+        (window(100, unsure=60), "unsure"),
+    ],
+)
+def test_a_worse_candidate_is_rolled_back_saying_why(candidate: ArmWindow, word: str) -> None:
+    current = window(300, unsure=6, latency_ms=2.0)
+    verdict = judge(current, candidate, min_requests=100, margins=Margins())
+    assert verdict.action == "rollback" and verdict.reason.startswith(word), verdict.reason
+
+
+def test_p99_needs_both_the_ratio_and_the_slack() -> None:
+    current = window(100, latency_ms=1.0)
+    # 2.9 ms is 2.9x the current p99, but within the 2 ms slack: scheduler noise at this scale
+    assert (
+        judge(current, window(100, latency_ms=2.9), min_requests=100, margins=Margins()).action == "advance"
+    )
+    assert (
+        judge(current, window(100, latency_ms=3.1), min_requests=100, margins=Margins()).action == "rollback"
+    )
+
+
+def test_shares_are_judged_with_their_noise() -> None:
+    assert worse_beyond(2, 30, 0, 30) < 0.05  # two unlucky items in thirty are not evidence
+    assert worse_beyond(60, 100, 2, 100) > 0.4
+    assert worse_beyond(0, 100, 50, 100) < 0  # better is never worse
+    assert worse_beyond(5, 0, 0, 10) == 0.0
+
+
+def test_steps_must_rise_within_0_and_100() -> None:
+    assert check_steps([5, 25, 100]) == (5.0, 25.0, 100.0)
+    for bad in ([], [0, 50], [50, 25], [5, 5], [5, 101]):
+        with pytest.raises(InvalidInput):
+            check_steps(bad)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def serve(rollouts: Rollouts, clock: Clock, *, candidate_unsure: bool, count: int) -> None:
+    """``count`` requests on the rollout's tier, split by the rollout's own draw."""
+    for _ in range(count):
+        drawn = rollouts.arm("digits", Tier.DEVICE)
+        if drawn is None:
+            return
+        plan, to_candidate = drawn
+        unsure = 1 if to_candidate and candidate_unsure else 0
+        clock.now += 0.1
+        rollouts.record(plan, candidate=to_candidate, ok=True, latency_ms=1.0, items=1, unsure=unsure)
+
+
+def test_a_good_candidate_climbs_every_step_and_stays_at_the_last() -> None:
+    clock = Clock()
+    rollouts = Rollouts(router_id="a", rng=random.Random(1), clock=clock)
+    rollouts.start("digits", Tier.DEVICE, "digits-small-v2", steps=(10, 50, 100), min_requests=20)
+    seen = []
+    for _ in range(20):
+        serve(rollouts, clock, candidate_unsure=False, count=50)
+        seen.append(rollouts.plan("digits", Tier.DEVICE).share)
+    plan = rollouts.plan("digits", Tier.DEVICE)
+    assert plan.state == COMPLETE and plan.share == 100.0
+    assert seen == sorted(seen) and seen[0] == 10.0
+    assert [h.split(":")[0] for h in plan.history] == [
+        "started by an operator at 10%",
+        "advanced from 10% to 50%",
+        "advanced from 50% to 100%",
+    ]
+    assert rollouts.arm("digits", Tier.DEVICE) == (plan, True)
+
+
+def test_a_bad_candidate_goes_to_zero_and_gets_no_more_requests() -> None:
+    clock = Clock()
+    rollouts = Rollouts(router_id="a", rng=random.Random(2), clock=clock)
+    rollouts.start("digits", Tier.DEVICE, "digits-small-bad", steps=(25, 100), min_requests=20)
+    serve(rollouts, clock, candidate_unsure=True, count=400)
+    plan = rollouts.plan("digits", Tier.DEVICE)
+    assert plan.state == ROLLED_BACK and plan.share == 0.0
+    assert plan.reason.startswith("rolled back at 25%: unsure 100.0% vs 0.0%")
+    assert rollouts.arm("digits", Tier.DEVICE) is None
+
+
+def test_operators_promote_and_abort_and_cannot_start_twice() -> None:
+    rollouts = Rollouts(router_id="a")
+    rollouts.start("digits", Tier.EDGE, "digits-medium-v2")
+    with pytest.raises(InvalidInput, match="is running; promote or abort it first"):
+        rollouts.start("digits", Tier.EDGE, "digits-medium-v3")
+    assert rollouts.promote("digits", Tier.EDGE).share == 100.0
+    assert rollouts.plan("digits", Tier.EDGE).state == PROMOTED
+    aborted = rollouts.abort("digits", Tier.EDGE)
+    assert (aborted.state, aborted.share) == (ABORTED, 0.0)
+    with pytest.raises(InvalidInput, match="already aborted"):
+        rollouts.abort("digits", Tier.EDGE)
+    restarted = rollouts.start("digits", Tier.EDGE, "digits-medium-v3")
+    assert restarted.state == RUNNING and restarted.revision > aborted.revision
+    assert restarted.history == ("started by an operator at 5%",)
+    with pytest.raises(NotFound, match="no rollout on the device tier"):
+        rollouts.abort("digits", Tier.DEVICE)
+
+
+def test_state_survives_a_restart(tmp_path: Path) -> None:
+    path = tmp_path / "state" / "rollouts.json"
+    first = Rollouts(router_id="a", state_path=path)
+    first.start("digits", Tier.DEVICE, "digits-small-v2", steps=(5, 100), min_requests=7, shadow=10.0)
+    first.abort("digits", Tier.DEVICE)
+    again = Rollouts(router_id="a", state_path=path)
+    assert again.plans() == first.plans()
+    assert again.plan("digits", Tier.DEVICE).min_requests == 7
+    assert not list(path.parent.glob(".*")), "no scratch file left behind"
+
+
+def test_a_corrupt_state_file_is_refused_precisely(tmp_path: Path) -> None:
+    path = tmp_path / "rollouts.json"
+    path.write_text(json.dumps({"rollouts": [{"family": "digits"}]}))
+    with pytest.raises(ConfigError, match="malformed: KeyError"):
+        Rollouts(router_id="a", state_path=path)
+
+
+def test_peers_keep_the_newest_record_of_each_rollout() -> None:
+    a, b = Rollouts(router_id="a"), Rollouts(router_id="b")
+    a.start("digits", Tier.DEVICE, "digits-small-v2")
+    assert b.merge_json(a.to_json())
+    assert b.plan("digits", Tier.DEVICE) == a.plan("digits", Tier.DEVICE)
+    b.abort("digits", Tier.DEVICE)
+    assert a.merge_json(b.to_json()) and a.plan("digits", Tier.DEVICE).state == ABORTED
+    assert not a.merge_json(b.to_json()), "the same record twice changes nothing"
+    assert not b.merge_json(json.dumps({"rollouts": [a.plans()[0].to_json() | {"revision": 1}]}))
