@@ -222,12 +222,9 @@ def judge(current: ArmWindow, candidate: ArmWindow, *, min_requests: int, margin
             f"errors {candidate.error_share:.1%} vs {current.error_share:.1%} "
             f"(margin {margins.max_error_increase:.1%})",
         )
-    allowed_p99 = max(current.p99_ms * margins.max_p99_ratio, current.p99_ms + margins.p99_slack_ms)
-    if candidate.p99_ms > allowed_p99:
-        return Verdict(
-            "rollback",
-            f"p99 {candidate.p99_ms:.1f} ms vs {current.p99_ms:.1f} ms (allowed {allowed_p99:.1f} ms)",
-        )
+    slower = _slower(current, candidate, margins)
+    if slower:
+        return Verdict("rollback", slower)
     if worse_beyond(candidate.unsure, candidate.items, current.unsure, current.items) > (
         margins.max_unsure_increase
     ):
@@ -244,6 +241,9 @@ def judge(current: ArmWindow, candidate: ArmWindow, *, min_requests: int, margin
     )
 
 
+# The share of requests a p99 leaves out: a candidate must surely exceed the current
+# variant's slow share by more than this before its tail counts as slower.
+TAIL_SHARE: Final = 0.01
 # One-sided 95% normal quantile.
 _Z = 1.645
 
@@ -256,6 +256,31 @@ def worse_beyond(bad_a: int, n_a: int, bad_b: int, n_b: int) -> float:
     p_a, p_b = bad_a / n_a, bad_b / n_b
     noise = math.sqrt(max(p_a * (1 - p_a), 0.25 / n_a) / n_a + max(p_b * (1 - p_b), 0.25 / n_b) / n_b)
     return (p_a - p_b) - _Z * noise
+
+
+def _slower(current: ArmWindow, candidate: ArmWindow, margins: Margins) -> str:
+    """Why the candidate's tail is slower beyond the margin, or "".
+
+    A p99 read from a few hundred requests is the second or third slowest of them: noise.
+    So the p99 is judged by what it means: the share of requests slower than the current
+    variant's p99 times ``max_p99_ratio`` (or plus ``p99_slack_ms``). A candidate no slower
+    has about as few of those as the current one (under 1%); it is rolled back when its
+    share is surely more than TAIL_SHARE larger, which a slower tail shows at once and a
+    like one, a few unlucky requests apart, does not.
+    """
+    limit = max(current.p99_ms * margins.max_p99_ratio, current.p99_ms + margins.p99_slack_ms)
+    mine, theirs = _count_above(current.latencies_ms, limit), _count_above(candidate.latencies_ms, limit)
+    if worse_beyond(theirs, len(candidate.latencies_ms), mine, len(current.latencies_ms)) <= TAIL_SHARE:
+        return ""
+    share = theirs / len(candidate.latencies_ms)
+    return (
+        f"p99 {candidate.p99_ms:.1f} ms vs {current.p99_ms:.1f} ms: {share:.1%} of its requests took "
+        f"over {limit:.1f} ms (the current p99 x {margins.max_p99_ratio:g}, or + {margins.p99_slack_ms:g} ms)"
+    )
+
+
+def _count_above(sorted_values: list[float], limit: float) -> int:
+    return len(sorted_values) - bisect.bisect_right(sorted_values, limit)
 
 
 def top1(tensors: Tensors) -> np.ndarray[Any, Any] | None:

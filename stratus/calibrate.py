@@ -15,21 +15,35 @@ held-out split, which is only reported for information.
   estimate the chance of being right; on a few hundred examples the counted accuracy moves
   in steps of one or two examples, which is noise when the tiers' models are close.
 
-Thresholds are chosen on each tier's FP32 variant; its lower-precision children share
-them, as they are served only when they agree with it (``models verify``).
+Thresholds are chosen on each tier's current FP32 variant; its lower-precision children
+share them, as they are served only when they agree with it (``models verify``).
+
+Labelled data: a shipped family's bundled splits by default (``stratus.datasets``), or a
+``.npz`` file (``--data``) holding one array named after the family's input and
+``labels`` (int, one class per example), for any classification family. The file is split
+once, stratified by label with a fixed seed: ``CALIBRATION_SHARE`` of each class for
+choosing thresholds, the rest for the report.
+
+Thresholds are chosen among values with ``THRESHOLD_DECIMALS`` decimals, as
+``family.toml`` stores them, so the written thresholds give exactly the shares printed.
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Mapping, Sequence
+import math
+import zipfile
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Final
 
 import numpy as np
 import numpy.typing as npt
 
-from stratus.confidence import confidence
+from stratus import codec
+from stratus.codec import Array
+from stratus.confidence import ConfidenceMethod, confidence
 from stratus.datasets import Split, dataset_for
 from stratus.errors import ConfigError
 from stratus.repository import FamilySpec, VariantSpec, write_thresholds
@@ -38,6 +52,15 @@ from stratus.tiers import Tier
 
 Floats = npt.NDArray[np.float64]
 Bools = npt.NDArray[np.bool_]
+Indices = npt.NDArray[np.intp]
+
+# family.toml keeps thresholds with this many decimals (``write_thresholds``).
+THRESHOLD_DECIMALS: Final = 4
+# A .npz file's examples: this share of each class chooses thresholds, the rest is reported.
+CALIBRATION_SHARE: Final = 0.6
+SPLIT_SEED: Final = 0
+MIN_EXAMPLES: Final = 20
+LABELS: Final = "labels"
 
 
 @dataclass(frozen=True)
@@ -76,9 +99,26 @@ def cascade(scores: Sequence[TierScores], thresholds: Sequence[float]) -> Outcom
 
 
 def candidate_thresholds(values: Floats, count: int = 60) -> list[float]:
-    """Thresholds worth trying: 0, quantiles of the observed confidences, and just above the max."""
+    """Thresholds worth trying: 0, quantiles of the observed confidences, and the smallest
+    value above the max (at most 1), all with ``THRESHOLD_DECIMALS`` decimals."""
     quantiles = np.quantile(values, np.linspace(0.0, 1.0, count))
-    return sorted({0.0, *map(float, quantiles), float(np.nextafter(values.max(), 2.0))})
+    return sorted({0.0, *(_written(float(q)) for q in quantiles), _just_above(float(values.max()))})
+
+
+def _written(value: float) -> float:
+    """``value`` rounded down to what family.toml stores. The cascade is simulated with this
+    stored value, so writing it changes nothing that was printed."""
+    step = 10**THRESHOLD_DECIMALS
+    return round(math.floor(value * step) / step, THRESHOLD_DECIMALS)
+
+
+def _just_above(value: float) -> float:
+    """The smallest storable threshold above ``value``; 1.0 when none is (a confidence of
+    1.0 is always accepted)."""
+    threshold = _written(value)
+    while threshold <= value and threshold < 1.0:
+        threshold = round(threshold + 10.0**-THRESHOLD_DECIMALS, THRESHOLD_DECIMALS)
+    return min(threshold, 1.0)
 
 
 def for_target_accuracy(scores: Sequence[TierScores], target: float) -> tuple[float, ...]:
@@ -119,42 +159,203 @@ def for_max_escalation(scores: Sequence[TierScores], share: float) -> tuple[floa
 
 
 def reference_variant(family: FamilySpec, tier: Tier) -> VariantSpec:
-    """The tier's FP32 variant: thresholds are chosen on it, and its lower-precision children
-    are served only when they agree with it (``models verify``), so they share its thresholds."""
-    variants = family.variants_for(tier)
-    return next((v for v in variants if v.precision == "FP32" and v.parent is None), variants[0])
+    """The tier's current FP32 variant: thresholds are chosen on it, and its lower-precision
+    children are served only when they agree with it (``models verify``), so they share its
+    thresholds."""
+    return family.current_variant(tier)
 
 
-def tier_scores(family: FamilySpec, split: Split, cache: Path) -> list[TierScores]:
-    """Run each tier's FP32 variant over a split (in the best runtime here)."""
-    scores = []
-    for tier in sorted({v.tier for v in family.variants}):
+@dataclass(frozen=True)
+class TierOutputs:
+    """What one tier's current variant answered on every example of a split."""
+
+    tier: Tier
+    variant: VariantSpec
+    outputs: Array
+
+
+def tier_outputs(family: FamilySpec, split: Split, cache: Path) -> list[TierOutputs]:
+    """Run each tier's current FP32 variant over a split (in the best runtime here)."""
+    tiers = sorted({v.tier for v in family.variants})
+    if len(tiers) < 2:
+        raise ConfigError(f"{family.source}: calibrating needs variants on at least two tiers")
+    results = []
+    for tier in tiers:
         variant = reference_variant(family, tier)
         runner = load_runner(family, variant, LoadOptions(tier=tier, cache_dir=cache))
         try:
             outputs = runner.infer({family.inputs[0].name: split.x})[family.confidence.output]
         finally:
             runner.close()
-        conf = confidence(
-            outputs,
-            method=family.confidence.method,
-            apply_softmax=family.confidence.apply_softmax,
-            temperature=variant.temperature,
+        results.append(TierOutputs(tier, variant, outputs))
+    return results
+
+
+def scored(
+    family: FamilySpec, results: Sequence[TierOutputs], labels: Array, method: ConfidenceMethod | None = None
+) -> list[TierScores]:
+    """Each tier's confidence (by ``method``, default the family's) and correctness."""
+    spec = family.confidence
+    return [
+        TierScores(
+            r.tier,
+            r.variant.name,
+            confidence(
+                r.outputs,
+                method=method or spec.method,
+                apply_softmax=spec.apply_softmax,
+                temperature=r.variant.temperature,
+            ).astype(np.float64),
+            r.outputs.argmax(axis=1) == labels,
         )
-        scores.append(
-            TierScores(tier, variant.name, conf.astype(np.float64), outputs.argmax(axis=1) == split.y)
+        for r in results
+    ]
+
+
+def tier_scores(family: FamilySpec, split: Split, cache: Path) -> list[TierScores]:
+    """Each tier's confidence and correctness on a split, as the family config says."""
+    return scored(family, tier_outputs(family, split, cache), split.y)
+
+
+# ---------------------------------------------------------------------------------------------
+# Labelled data
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LabelledData:
+    """The split thresholds are chosen on, and the split only reported, with their names."""
+
+    calibration: Split
+    report: Split
+    calibration_name: str
+    report_name: str
+
+
+def bundled_data(family: FamilySpec) -> LabelledData:
+    """A shipped family's own calibration and held-out splits."""
+    try:
+        data = dataset_for(family.name)
+    except ConfigError as exc:
+        raise ConfigError(
+            f"{exc}; pass --data FILE.npz with arrays '{family.inputs[0].name}' and '{LABELS}'"
+        ) from None
+    return LabelledData(
+        calibration=data.calibration,
+        report=data.held_out,
+        calibration_name=f"the bundled calibration split ({len(data.calibration)} examples)",
+        report_name=f"the bundled held-out split ({len(data.held_out)} examples)",
+    )
+
+
+def load_npz(
+    family: FamilySpec, path: Path, *, share: float = CALIBRATION_SHARE, seed: int = SPLIT_SEED
+) -> LabelledData:
+    """A labelled .npz file, checked against the family, split stratified by label."""
+    whole = read_npz(family, path)
+    first, second = stratified_split(whole.y, share, seed)
+    if not len(second):
+        raise ConfigError(f"{path}: too few examples per class to hold any out for the report")
+    return LabelledData(
+        calibration=Split(whole.x[first], whole.y[first]),
+        report=Split(whole.x[second], whole.y[second]),
+        calibration_name=f"{len(first)} of the {len(whole)} examples in {path.name} "
+        f"({share:.0%} of each class, seed {seed})",
+        report_name=f"the other {len(second)} examples in {path.name}",
+    )
+
+
+def read_npz(family: FamilySpec, path: Path) -> Split:
+    """The examples of a .npz file: one array named after the family's (single) input, and
+    ``labels``; anything that does not fit the family is refused, naming the array."""
+    if len(family.inputs) != 1:
+        raise ConfigError(
+            f"{path}: family '{family.name}' has {len(family.inputs)} inputs; "
+            "labelled data is read for single-input families only"
         )
-    if len(scores) < 2:
-        raise ConfigError(f"{family.source}: calibrating needs variants on at least two tiers")
-    return scores
+    arrays = _npz_arrays(path)
+    spec = family.inputs[0]
+    for name, what in ((spec.name, "the family's input"), (LABELS, "the class of each example")):
+        if name not in arrays:
+            raise ConfigError(f"{path}: no array '{name}' ({what}); the file holds {sorted(arrays)}")
+    x, y = arrays[spec.name], arrays[LABELS]
+    _check_examples(path, spec.name, spec.datatype, spec.shape, x)
+    _check_labels(path, y, len(x), _classes(family))
+    if len(y) < MIN_EXAMPLES:
+        raise ConfigError(f"{path}: too few examples ({len(y)}); calibrating needs at least {MIN_EXAMPLES}")
+    return Split(x, y.astype(np.int64))
+
+
+def _npz_arrays(path: Path) -> dict[str, Array]:
+    if not path.is_file():
+        raise ConfigError(f"{path}: no such file")
+    try:
+        loaded = np.load(path, allow_pickle=False)
+        if not isinstance(loaded, np.lib.npyio.NpzFile):
+            raise ConfigError(f"{path}: holds a single array, not a .npz archive of named arrays")
+        with loaded as archive:
+            return {name: archive[name] for name in archive.files}
+    except (OSError, ValueError, zipfile.BadZipFile, EOFError) as exc:
+        raise ConfigError(f"{path}: not a readable .npz archive ({exc})") from None
+
+
+def _check_examples(path: Path, name: str, datatype: str, shape: Sequence[int], x: Array) -> None:
+    try:
+        got = codec.datatype_of(x)
+    except Exception:  # a dtype with no protocol datatype: reported below like any mismatch
+        got = str(x.dtype)
+    if got != datatype:
+        wanted = codec.numpy_dtype(datatype, tensor=name)
+        raise ConfigError(
+            f"{path}: array '{name}' is {x.dtype}; the family's input is {datatype} (numpy {wanted})"
+        )
+    fits = x.ndim == len(shape) and all(d in (-1, g) for d, g in zip(shape[1:], x.shape[1:], strict=True))
+    if not fits:
+        wanted_shape = ["N", *(d if d != -1 else "any" for d in shape[1:])]
+        raise ConfigError(
+            f"{path}: array '{name}' has shape {list(x.shape)}; the family's input takes {wanted_shape}"
+        )
+
+
+def _check_labels(path: Path, y: Array, count: int, classes: int | None) -> None:
+    if y.dtype.kind not in "iu":
+        raise ConfigError(f"{path}: array '{LABELS}' is {y.dtype}; labels must be integers")
+    if y.ndim != 1 or len(y) != count:
+        raise ConfigError(
+            f"{path}: array '{LABELS}' has shape {list(y.shape)}; it must be [{count}], one label per example"
+        )
+    bad = y[(y < 0) | (y >= (classes if classes is not None else np.iinfo(np.int64).max))]
+    if len(bad):
+        limit = f"{classes} classes (0..{classes - 1})" if classes is not None else "no negative classes"
+        raise ConfigError(f"{path}: label {int(bad[0])} is out of range: the output has {limit}")
+
+
+def _classes(family: FamilySpec) -> int | None:
+    """The number of classes of the confidence output, when its config fixes it."""
+    output = next(o for o in family.outputs if o.name == family.confidence.output)
+    return output.shape[-1] if len(output.shape) == 2 and output.shape[-1] > 0 else None
+
+
+def stratified_split(labels: Array, share: float, seed: int) -> tuple[Indices, Indices]:
+    """Indices of ``share`` of each class (at least one), and of the rest; both sorted."""
+    rng = np.random.default_rng(seed)
+    first, second = [], []
+    for label in np.unique(labels):
+        members = rng.permutation(np.flatnonzero(labels == label))
+        cut = min(max(math.floor(len(members) * share + 0.5), 1), len(members))
+        first.append(members[:cut])
+        second.append(members[cut:])
+    return np.sort(np.concatenate(first)), np.sort(np.concatenate(second))
 
 
 @dataclass(frozen=True)
 class Calibration:
     thresholds: dict[Tier, float]
+    tiers: tuple[Tier, ...]  # bottom first, as ``Outcome.reached``
     calibration: Outcome
     held_out: Outcome
     table: str
+    data: LabelledData
 
 
 def sweep_table(scores: Sequence[TierScores], chosen: Sequence[float]) -> str:
@@ -182,40 +383,119 @@ def calibrate(
     cache: Path,
     target_accuracy: float | None = None,
     max_escalation: float | None = None,
+    data: LabelledData | None = None,
 ) -> Calibration:
+    """Thresholds chosen on ``data.calibration`` (default: the family's bundled data)."""
     if (target_accuracy is None) == (max_escalation is None):
         raise ConfigError("give exactly one of --target-accuracy and --max-escalation")
-    data = dataset_for(family.name)
+    data = data or bundled_data(family)
     scores = tier_scores(family, data.calibration, cache)
     if target_accuracy is not None:
         chosen = for_target_accuracy(scores, target_accuracy)
     else:
         chosen = for_max_escalation(scores, float(max_escalation or 0.0))
-    held_out = tier_scores(family, data.held_out, cache)
+    held_out = tier_scores(family, data.report, cache)
     return Calibration(
         thresholds={s.tier: t for s, t in zip(scores, chosen, strict=False)},
+        tiers=tuple(s.tier for s in scores),
         calibration=cascade(scores, chosen),
         held_out=cascade(held_out, chosen),
         table=sweep_table(scores, chosen),
+        data=data,
     )
 
 
-def describe(result: Calibration, tiers: Mapping[Tier, str]) -> str:
-    def line(name: str, outcome: Outcome) -> str:
-        shares = ", ".join(f"{t.label} {r:.1%}" for t, r in zip(tiers, outcome.reached, strict=False))
-        return f"{name:<12} accuracy {outcome.accuracy:.4f}; requests reaching: {shares}"
+def _outcome_line(name: str, tiers: Sequence[Tier], outcome: Outcome) -> str:
+    shares = ", ".join(f"{t.label} {r:.1%}" for t, r in zip(tiers, outcome.reached, strict=True))
+    return f"{name:<12} accuracy {outcome.accuracy:.4f}; requests reaching: {shares}"
 
+
+def describe(result: Calibration) -> str:
     chosen = ", ".join(f"{t.label} = {v:.4f}" for t, v in result.thresholds.items())
     return "\n".join(
         [
             result.table,
             "",
+            f"thresholds chosen on: {result.data.calibration_name}",
+            f"reported on:          {result.data.report_name} (information only; not used to choose)",
             f"chosen thresholds: {chosen}",
-            line("calibration", result.calibration),
-            line("held-out", result.held_out) + "  (information only; not used to choose)",
+            _outcome_line("calibration", result.tiers, result.calibration),
+            _outcome_line("report", result.tiers, result.held_out),
         ]
     )
 
 
 def write(family: FamilySpec, result: Calibration) -> None:
     write_thresholds(family.source, result.thresholds)
+
+
+# ---------------------------------------------------------------------------------------------
+# Comparing confidence methods
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MethodResult:
+    """One confidence method at a target accuracy; ``thresholds`` is None where no
+    thresholds reach the target on the calibration split."""
+
+    method: ConfidenceMethod
+    thresholds: dict[Tier, float] | None
+    calibration: Outcome | None
+    report: Outcome | None
+
+
+def compare_methods(
+    family: FamilySpec, *, cache: Path, target_accuracy: float, data: LabelledData | None = None
+) -> list[MethodResult]:
+    """For each confidence method, the thresholds for ``target_accuracy`` on the calibration
+    split and what they give on both splits. The models run once per split."""
+    data = data or bundled_data(family)
+    calibration = tier_outputs(family, data.calibration, cache)
+    report = tier_outputs(family, data.report, cache)
+    results = []
+    for method in ConfidenceMethod:
+        scores = scored(family, calibration, data.calibration.y, method)
+        try:
+            chosen = for_target_accuracy(scores, target_accuracy)
+        except ConfigError:
+            results.append(MethodResult(method, None, None, None))
+            continue
+        results.append(
+            MethodResult(
+                method,
+                {s.tier: t for s, t in zip(scores, chosen, strict=False)},
+                cascade(scores, chosen),
+                cascade(scored(family, report, data.report.y, method), chosen),
+            )
+        )
+    return results
+
+
+def describe_comparison(
+    results: Sequence[MethodResult], *, family: FamilySpec, target: float, data: LabelledData
+) -> str:
+    top = max(v.tier for v in family.variants).label
+    header = (
+        f"{'method':<13}{'to ' + top + ' (cal)':>16}{'acc (cal)':>11}"
+        f"{'to ' + top + ' (report)':>19}{'acc (report)':>14}  thresholds"
+    )
+    lines = [
+        f"target accuracy {target:.4f}; thresholds chosen on: {data.calibration_name}",
+        f"reported on: {data.report_name} (information only); nothing is written",
+        "",
+        header,
+        "-" * len(header),
+    ]
+    for r in results:
+        if r.thresholds is None or r.calibration is None or r.report is None:
+            lines.append(f"{r.method.value:<13}  no thresholds reach the target on the calibration split")
+            continue
+        chosen = ", ".join(f"{t.label} = {v:.4f}" for t, v in r.thresholds.items())
+        lines.append(
+            f"{r.method.value:<13}{r.calibration.reached[-1]:>16.1%}{r.calibration.accuracy:>11.4f}"
+            f"{r.report.reached[-1]:>19.1%}{r.report.accuracy:>14.4f}  {chosen}"
+        )
+    current = family.confidence.method.value
+    lines += ["", f"the family's config uses: {current} ([confidence] method in {family.source})"]
+    return "\n".join(lines)

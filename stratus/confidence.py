@@ -2,7 +2,16 @@
 
 The router escalates a request while its confidence is below the tier's threshold, so
 these functions must be monotone in "how sure the model is" and comparable across the
-variants of a family (they all produce probabilities over the same classes).
+variants of a family (they all produce probabilities over the same classes). A family's
+config names one method:
+
+* ``max_softmax``: the top-1 probability;
+* ``margin``: top-1 minus top-2 probability (two classes competing is what matters);
+* ``entropy``: ``1 - H(p) / log(K)`` over the K classes: 1 when all the mass is on one
+  class, 0 when it is spread evenly (every class counts, not just the top two).
+
+Each lies in [0, 1]; ``stratus models calibrate --compare-methods`` shows which one needs
+the smallest share of requests at the top tier for a target accuracy.
 """
 
 from __future__ import annotations
@@ -19,6 +28,7 @@ FloatArray = npt.NDArray[np.floating[Any]]
 class ConfidenceMethod(enum.StrEnum):
     MAX_SOFTMAX = "max_softmax"
     MARGIN = "margin"
+    ENTROPY = "entropy"
 
 
 def softmax(logits: FloatArray) -> FloatArray:
@@ -44,6 +54,25 @@ def margin(probabilities: FloatArray) -> FloatArray:
     return result
 
 
+def normalized_entropy(probabilities: FloatArray) -> FloatArray:
+    """``1 - H(p) / log(K)``: 1 for a one-hot answer, 0 for a uniform one (``0 log 0 = 0``)."""
+    classes = probabilities.shape[-1]
+    if classes < 2:
+        return max_probability(probabilities)
+    p = np.clip(probabilities, 0.0, 1.0)
+    logs = np.log(np.where(p > 0.0, p, 1.0))
+    entropy = -(p * logs).sum(axis=-1)
+    result: FloatArray = np.clip(1.0 - entropy / np.log(classes), 0.0, 1.0)
+    return result
+
+
+_METHODS = {
+    ConfidenceMethod.MAX_SOFTMAX: max_probability,
+    ConfidenceMethod.MARGIN: margin,
+    ConfidenceMethod.ENTROPY: normalized_entropy,
+}
+
+
 def tempered(probabilities: FloatArray, temperature: float) -> FloatArray:
     """Probabilities re-spread as if their logits were divided by ``temperature``.
 
@@ -63,6 +92,29 @@ def confidence(
     """Confidence per batch item, as the family config (and the variant's temperature) says."""
     values = scores.astype(np.float64)
     probabilities = softmax(values / temperature) if apply_softmax else tempered(values, temperature)
-    if method is ConfidenceMethod.MARGIN:
-        return margin(probabilities)
-    return max_probability(probabilities)
+    return _METHODS[method](probabilities)
+
+
+def fit_temperature(
+    scores: FloatArray, labels: npt.NDArray[np.integer[Any]], *, apply_softmax: bool
+) -> float:
+    """The temperature with the lowest negative log-likelihood on labelled examples.
+
+    Fitted on a calibration split (never the held-out one), it makes a variant's confidence
+    mean what it says, so one threshold per tier fits every variant of the tier. A grid over
+    log T rather than an optimiser: deterministic, and a few hundred examples cannot tell
+    neighbouring temperatures apart anyway. ``scores`` are logits when ``apply_softmax``,
+    else probabilities.
+    """
+    values = scores.astype(np.float64)
+    logits = values if apply_softmax else np.log(np.clip(values, 1e-30, None))
+    rows = np.arange(len(labels))
+    best_nll, best_t = np.inf, 1.0
+    for temperature in np.round(np.exp(np.linspace(np.log(0.25), np.log(4.0), 97)), 3):
+        scaled = logits / temperature
+        scaled -= scaled.max(axis=1, keepdims=True)
+        log_p = scaled - np.log(np.exp(scaled).sum(axis=1, keepdims=True))
+        nll = float(-log_p[rows, labels].mean())
+        if nll < best_nll - 1e-12:
+            best_nll, best_t = nll, float(temperature)
+    return best_t

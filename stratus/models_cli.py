@@ -5,6 +5,15 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+from stratus.confidence import ConfidenceMethod
+from stratus.errors import ConfigError
+
+if TYPE_CHECKING:
+    from stratus.datasets import Split
+    from stratus.repository import FamilySpec, ModelRepository
+    from stratus.verify import DataSource
 
 
 def _default_cache() -> Path:
@@ -15,7 +24,10 @@ def _models_verify(args: argparse.Namespace) -> int:
     from stratus.repository import ModelRepository
     from stratus.verify import format_report, verify
 
-    report = verify(ModelRepository.load(args.dir), cache_dir=args.cache_dir, record=args.record)
+    repository = ModelRepository.load(args.dir)
+    report = verify(
+        repository, cache_dir=args.cache_dir, record=args.record, data=_held_out(repository, args.data)
+    )
     if args.json:
         payload = {
             "variants": [row.to_json() for row in report.rows],
@@ -29,18 +41,72 @@ def _models_verify(args: argparse.Namespace) -> int:
     return 0 if report.ok else 1
 
 
+def _held_out(repository: ModelRepository, pairs: list[str]) -> DataSource:
+    """``--data FAMILY=FILE.npz``: that family's accuracy on the file's report part (the
+    examples ``calibrate --data`` does not choose thresholds on); the others as before."""
+    from stratus import calibrate
+    from stratus.verify import bundled_held_out
+
+    files = {}
+    for pair in pairs:
+        name, _, path = pair.partition("=")
+        if not path:
+            raise ConfigError(f"--data {pair}: expected FAMILY=FILE.npz")
+        files[repository.family(name).name] = Path(path)
+    held_out = {
+        name: calibrate.load_npz(repository.family(name), path).report for name, path in files.items()
+    }
+
+    def source(family: FamilySpec) -> Split | None:
+        split = held_out.get(family.name)
+        return split if split is not None else bundled_held_out(family)
+
+    return source
+
+
 def _models_calibrate(args: argparse.Namespace) -> int:
     from stratus import calibrate
     from stratus.repository import ModelRepository
 
+    if args.compare_methods and args.target_accuracy is None:
+        raise ConfigError("--compare-methods needs --target-accuracy")
     family = ModelRepository.load(args.dir).family(args.family)
+    data = calibrate.load_npz(family, args.data) if args.data is not None else calibrate.bundled_data(family)
+    if args.compare_methods:
+        results = calibrate.compare_methods(
+            family, cache=args.cache_dir, target_accuracy=args.target_accuracy, data=data
+        )
+        print(calibrate.describe_comparison(results, family=family, target=args.target_accuracy, data=data))
+        return 0
     result = calibrate.calibrate(
-        family, cache=args.cache_dir, target_accuracy=args.target_accuracy, max_escalation=args.max_escalation
+        family,
+        cache=args.cache_dir,
+        target_accuracy=args.target_accuracy,
+        max_escalation=args.max_escalation,
+        data=data,
     )
-    print(calibrate.describe(result, {v.tier: v.name for v in family.variants}))
+    print(calibrate.describe(result))
     if not args.dry_run:
         calibrate.write(family, result)
         print(f"wrote thresholds to {family.source}")
+    return 0
+
+
+def _models_import(args: argparse.Namespace) -> int:
+    from stratus.importer import ImportOptions, describe, import_model
+
+    options = ImportOptions(
+        family=args.family,
+        tier=args.tier,
+        variant=args.variant,
+        root=args.dir,
+        method=ConfidenceMethod(args.method) if args.method else None,
+        logits=args.logits,
+        data=args.data,
+        convert=not args.no_convert,
+        cache_dir=args.cache_dir,
+    )
+    print(describe(import_model(args.file, options)))
     return 0
 
 
@@ -52,7 +118,7 @@ def _fraction(text: str) -> float:
 
 
 def add_models(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    models = commands.add_parser("models", help="check and calibrate the model repository")
+    models = commands.add_parser("models", help="check, calibrate and import the model repository")
     sub = models.add_subparsers(dest="models_command", required=True)
     verify = sub.add_parser("verify", help="run every variant in every runtime on the held-out split")
     verify.add_argument("dir", nargs="?", type=Path, default=Path("models"))
@@ -63,6 +129,13 @@ def add_models(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     verify.add_argument(
         "--record", action="store_true", help="write each family's verified.toml (what agents trust)"
     )
+    verify.add_argument(
+        "--data",
+        action="append",
+        default=[],
+        metavar="FAMILY=FILE.npz",
+        help="labelled data for a family without bundled data (its report part is used)",
+    )
     verify.set_defaults(handler=_models_verify)
     calibrate = sub.add_parser("calibrate", help="pick each tier's escalation threshold")
     calibrate.add_argument("family")
@@ -71,5 +144,48 @@ def add_models(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     goal.add_argument("--target-accuracy", type=_fraction)
     goal.add_argument("--max-escalation", type=_fraction)
     calibrate.add_argument("--dry-run", action="store_true", help="print, do not write the config")
+    calibrate.add_argument(
+        "--data",
+        type=Path,
+        help="labelled .npz: an array named after the family's input, and 'labels' (int); "
+        "default: the family's bundled data",
+    )
+    calibrate.add_argument(
+        "--compare-methods",
+        action="store_true",
+        help="with --target-accuracy: the top tier's share for each confidence method; writes nothing",
+    )
     calibrate.add_argument("--cache-dir", type=Path, default=_default_cache())
     calibrate.set_defaults(handler=_models_calibrate)
+    _add_import(sub)
+
+
+def _add_import(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    command = sub.add_parser(
+        "import", help="add an .onnx, .tflite or OpenVINO .xml model to a family, for one tier"
+    )
+    command.add_argument("file", type=Path)
+    command.add_argument("--family", required=True, help="created when it does not exist")
+    command.add_argument("--tier", required=True, help="device, edge or cloud")
+    command.add_argument("--variant", help="the variant's name (default: FAMILY-TIER)")
+    command.add_argument("--dir", type=Path, default=Path("models"), help="the model repository")
+    command.add_argument(
+        "--method",
+        choices=[m.value for m in ConfidenceMethod],
+        help="a new family's confidence method (default max_softmax)",
+    )
+    kind = command.add_mutually_exclusive_group()
+    kind.add_argument(
+        "--logits", dest="logits", action="store_const", const=True, help="the first output is logits"
+    )
+    kind.add_argument(
+        "--probabilities",
+        dest="logits",
+        action="store_const",
+        const=False,
+        help="the first output is probabilities (default: detected by running the model)",
+    )
+    command.add_argument("--data", type=Path, help="labelled .npz: verify measures accuracy on it")
+    command.add_argument("--no-convert", action="store_true", help="keep only the given format")
+    command.add_argument("--cache-dir", type=Path, default=None, help="runtime caches (default: scratch)")
+    command.set_defaults(handler=_models_import)

@@ -25,14 +25,14 @@ from __future__ import annotations
 import statistics
 import tempfile
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from stratus.codec import Array
+from stratus.codec import Array, numpy_dtype
 from stratus.datasets import Split, dataset_for
 from stratus.errors import ConfigError
 from stratus.precision import (
@@ -129,11 +129,16 @@ def _all_choices(variant: VariantSpec, usable: set[str]) -> list[Choice]:
     ]
 
 
-def _labelled(family: FamilySpec) -> Split | None:
+def bundled_held_out(family: FamilySpec) -> Split | None:
+    """The held-out split of a shipped family's bundled data; None for any other family."""
     try:
         return dataset_for(family.name).held_out
     except ConfigError:
         return None
+
+
+# Where a family's labelled held-out examples come from (None: it has none).
+DataSource = Callable[[FamilySpec], Split | None]
 
 
 def _median_ms(runner: ModelRunner, inputs: dict[str, Array], runs: int) -> float:
@@ -259,9 +264,17 @@ def verify_family(family: FamilySpec, data: Split, usable: set[str], cache: Path
 
 
 def verify(
-    repository: ModelRepository, *, cache_dir: Path | None = None, record: bool = False
+    repository: ModelRepository,
+    *,
+    cache_dir: Path | None = None,
+    record: bool = False,
+    data: DataSource = bundled_held_out,
 ) -> VerifyReport:
-    """Verify every family; with ``record``, (re)write each family's verification record."""
+    """Verify every family; with ``record``, (re)write each family's verification record.
+
+    ``data`` gives a family's labelled held-out examples, or None: such a family is run on
+    synthetic inputs instead (agreement, size and latency; accuracy is not measured).
+    """
     availability = available_runtimes()
     usable = {name for name, status in availability.items() if status.available}
     skipped = {name: status.reason for name, status in availability.items() if not status.available}
@@ -270,28 +283,45 @@ def verify(
     with tempfile.TemporaryDirectory(prefix="stratus-verify-") as scratch:
         cache = cache_dir or Path(scratch)
         for family in repository.families.values():
-            data = _labelled(family) or _random_inputs(family)
-            family_rows = verify_family(family, data, usable, cache)
+            family_rows = verify_family(family, _or_synthetic(family, data(family)), usable, cache)
             rows += family_rows
             records[family.name] = _write_record(family, family_rows) if record else record_state(family)
     return VerifyReport(rows=tuple(rows), skipped=skipped, records=records)
 
 
-def record_family(family: FamilySpec, *, cache_dir: Path) -> VerifyReport:
+def record_family(
+    family: FamilySpec, *, cache_dir: Path, data: DataSource = bundled_held_out
+) -> VerifyReport:
     """Verify one family and write its record: the last step of ``models/build.py``."""
     availability = available_runtimes()
     usable = {name for name, status in availability.items() if status.available}
-    data = _labelled(family) or _random_inputs(family)
-    rows = verify_family(family, data, usable, cache_dir)
+    rows = verify_family(family, _or_synthetic(family, data(family)), usable, cache_dir)
     skipped = {name: status.reason for name, status in availability.items() if not status.available}
     return VerifyReport(rows=tuple(rows), skipped=skipped, records={family.name: _write_record(family, rows)})
 
 
-def _random_inputs(family: FamilySpec) -> Split:
-    """Families without bundled labels are still checked for agreement between runtimes."""
+def _or_synthetic(family: FamilySpec, data: Split | None) -> Split:
+    return data if data is not None else synthetic_inputs(family)
+
+
+def synthetic_inputs(family: FamilySpec, count: int = 64, *, seed: int = 0) -> Split:
+    """Inputs drawn from the first input's spec with a fixed seed, and no labels.
+
+    Families without labelled data are still checked for agreement between runtimes, size
+    and latency. Floats are uniform in [0, 1), integers uniform in [0, 10), booleans fair.
+    """
     spec = family.inputs[0]
-    shape = tuple(64 if d == -1 else d for d in spec.shape)
-    x = np.random.default_rng(0).random(shape, dtype=np.float32)
+    shape = tuple(count if d == -1 else d for d in spec.shape)
+    dtype = numpy_dtype(spec.datatype, tensor=spec.name)
+    rng = np.random.default_rng(seed)
+    if dtype == np.float32:
+        x: Array = rng.random(shape, dtype=np.float32)
+    elif dtype.kind == "f":
+        x = rng.random(shape).astype(dtype)
+    elif dtype.kind == "b":
+        x = rng.random(shape) < 0.5
+    else:
+        x = rng.integers(0, 10, shape).astype(dtype)
     return Split(x, np.empty(0, dtype=np.int64))
 
 

@@ -12,12 +12,14 @@ from pathlib import Path
 
 import pytest
 
+from stratus.launcher import free_port
 from stratus.serving import open_sync_channel
 from stratus.wire import fleet_pb2 as fpb
 from stratus.wire import fleet_pb2_grpc as fpb_grpc
 
 from .cluster import Cluster, ready_count, wait_until
 from .load import Load
+from .test_metrics import samples, scrape, value
 from .variants import add_device_variant, copy_digits
 
 
@@ -51,7 +53,8 @@ def models(tmp_path: Path) -> Path:
 
 
 def test_bad_candidate_rolls_back_good_one_reaches_100(cluster: Cluster, models: Path, digits) -> None:  # type: ignore[no-untyped-def]
-    router = cluster.router().address
+    metrics = f"127.0.0.1:{free_port()}"
+    router = cluster.router("--metrics", metrics).address
     cluster.agent("device-1", router, "--models", str(models))
     cluster.agent("edge-1", router, "--models", str(models), tier="edge")
     wait_until(lambda: ready_count(router) == 2, timeout_s=60)
@@ -65,7 +68,16 @@ def test_bad_candidate_rolls_back_good_one_reaches_100(cluster: Cluster, models:
         assert status is not None and status.share_percent == 0.0
         assert status.reason.startswith("rolled back at 20%: unsure"), status.reason
         time.sleep(1.0)  # answers still in flight from before the rollback may arrive
-        assert load.device_variants()["digits-small-shuffled"] > 0, "the candidate had its share"
+        counted = samples(scrape(metrics))
+        device = {"family": "digits", "tier": "device"}
+        assert (
+            value(counted, "stratus_router_rollout_requests_total", arm="candidate", outcome="ok", **device)
+            >= 40
+        )
+        assert value(counted, "stratus_router_rollout_rollbacks_total", reason="unsure", **device) == 1
+        share = ("stratus_router_rollout_share_percent", frozenset(
+            {**device, "candidate": "digits-small-shuffled", "state": "rolled_back"}.items()))  # fmt: skip
+        assert counted[share] == 0.0
         assert load.device_variants(after=rolled_back + 0.5)["digits-small-shuffled"] == 0
 
         start(router, "digits-small-v2", **steps)

@@ -1,5 +1,5 @@
 """Model folders for gray-release tests: a copy of the shipped digits family, and new
-device variants added to it the way a user would (an ONNX file and a [[variants]] entry)."""
+device variants added to it the way a user adds them (``stratus models import``)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
+from stratus.importer import ImportOptions, import_model
+
 from .cluster import MODELS
 
 
@@ -19,26 +21,36 @@ def copy_digits(root: Path) -> Path:
     return root
 
 
+def shuffled_copy(source: Path, target: Path, seed: int = 0) -> None:
+    """The same network with each weight tensor's values shuffled: it still answers, but
+    unsure and mostly wrong (a candidate a rollout must roll back)."""
+    model = onnx.load(source)
+    rng = np.random.default_rng(seed)
+    for tensor in model.graph.initializer:
+        values = numpy_helper.to_array(tensor)
+        flat = values.flatten()
+        rng.shuffle(flat)
+        tensor.CopyFrom(numpy_helper.from_array(flat.reshape(values.shape), tensor.name))
+    onnx.save(model, target)
+
+
 def add_device_variant(models: Path, name: str, *, shuffled: bool = False, broken: bool = False) -> None:
-    """``name``: digits-small's weights (a good candidate), shuffled within each tensor (a
-    bad one: it answers, but unsure and mostly wrong), or not a model at all (``broken``)."""
+    """``name``: digits-small's weights (a good candidate), shuffled (a bad one), or a file
+    that is not a model at all (``broken``: written straight into the config, since import
+    would rightly refuse it)."""
     folder = models / "digits"
-    target = folder / f"{name}.onnx"
+    source = models.parent / f"{name}.onnx"
     if broken:
-        target.write_bytes(b"this is not an ONNX model")
+        (folder / source.name).write_bytes(b"this is not an ONNX model")
+        config = folder / "family.toml"
+        entry = f'\n[[variants]]\nname = "{name}"\ntier = "device"\nfiles = {{ onnx = "{source.name}" }}\n'
+        config.write_text(config.read_text() + entry)
+        return
+    original = MODELS / "digits" / "digits-small.onnx"
+    if shuffled:
+        shuffled_copy(original, source)
     else:
-        model = onnx.load(MODELS / "digits" / "digits-small.onnx")
-        if shuffled:
-            rng = np.random.default_rng(0)
-            for tensor in model.graph.initializer:
-                values = numpy_helper.to_array(tensor)
-                flat = values.flatten()
-                rng.shuffle(flat)
-                tensor.CopyFrom(numpy_helper.from_array(flat.reshape(values.shape), tensor.name))
-        onnx.save(model, target)
-    config = folder / "family.toml"
-    entry = (
-        f'\n[[variants]]\nname = "{name}"\ntier = "device"\nprecision = "FP32"\n'
-        f'temperature = 0.561\nfiles = {{ onnx = "{target.name}" }}\n'
+        shutil.copy(original, source)
+    import_model(
+        source, ImportOptions(family="digits", tier="device", variant=name, root=models, convert=False)
     )
-    config.write_text(config.read_text() + entry)

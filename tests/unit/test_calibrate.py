@@ -5,7 +5,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from stratus.calibrate import TierScores, cascade, for_max_escalation, for_target_accuracy
+from stratus.calibrate import (
+    TierScores,
+    candidate_thresholds,
+    cascade,
+    for_max_escalation,
+    for_target_accuracy,
+)
 from stratus.confidence import ConfidenceMethod, confidence, margin, max_probability, softmax, tempered
 from stratus.errors import ConfigError
 from stratus.tiers import Tier
@@ -90,3 +96,14 @@ def test_confidence_functions() -> None:
     np.testing.assert_allclose(
         confidence(logits, method=ConfidenceMethod.MARGIN, apply_softmax=True), [0.5, 0.05]
     )
+
+
+def test_candidate_thresholds_are_what_family_toml_can_store() -> None:
+    """Written with four decimals, a threshold must be the very one the cascade was run with."""
+    values = np.random.default_rng(0).random(500) * 0.98
+    candidates = candidate_thresholds(values)
+    assert all(float(f"{t:.4f}") == t for t in candidates)
+    assert candidates[0] == 0.0 and candidates[-1] > values.max()
+    assert len(candidates) > 50
+    saturated = candidate_thresholds(np.array([0.2, 0.99999, 1.0]))
+    assert max(saturated) == 1.0  # never above 1: family.toml refuses that

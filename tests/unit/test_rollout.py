@@ -73,6 +73,21 @@ def test_p99_needs_both_the_ratio_and_the_slack() -> None:
     )
 
 
+def test_a_few_slow_requests_are_not_a_slower_tail_but_a_slow_tenth_is() -> None:
+    def tail(fast: int, slow: int, slow_ms: float) -> ArmWindow:
+        arm = window(fast, latency_ms=10.0)
+        for _ in range(slow):
+            arm.add(ok=True, latency_ms=slow_ms, items=1, unsure=0)
+        return arm
+
+    current = tail(198, 2, 30.0)  # p99 30 ms
+    unlucky = tail(197, 3, 50.0)  # its p99 (50 ms) is past 1.5 x 30 ms, by three requests
+    assert judge(current, unlucky, min_requests=100, margins=Margins()).action == "advance"
+    slow = tail(180, 20, 50.0)
+    verdict = judge(current, slow, min_requests=100, margins=Margins())
+    assert verdict.action == "rollback" and "10.0% of its requests took over 45.0 ms" in verdict.reason
+
+
 def test_shares_are_judged_with_their_noise() -> None:
     assert worse_beyond(2, 30, 0, 30) < 0.05  # two unlucky items in thirty are not evidence
     assert worse_beyond(60, 100, 2, 100) > 0.4
