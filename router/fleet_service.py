@@ -52,6 +52,7 @@ def agent_status(handle: AgentHandle, now: float) -> fpb.AgentStatus:
         variant_choices=[
             f"{name} {info.precision or 'FP32'}"
             + (f" ({info.chosen_because})" if info.chosen_because else "")
+            + ("" if info.current or not info.line else "; not current: served when named or in a rollout")
             for name, info in sorted(handle.variants.items())
         ],
     )

@@ -65,4 +65,7 @@ def test_agent_reloads_new_variants_without_losing_work(cluster: Cluster, tmp_pa
     _, pinned = infer(router, digits.held_out.x[:3], model="digits-small-v3")
     _, family = infer(router, digits.held_out.x[:3], max_tier="device")
     assert pinned.variant == "digits-small-v3"
+    choices = {c.split(" ")[0]: c for a in fleet_status(router).agents for c in a.variant_choices}
+    assert choices["digits-small-v3"].endswith("not current: served when named or in a rollout")
+    assert "not current" not in choices[family.variant]
     assert family.variant in {"digits-small", "digits-small-int8"}
