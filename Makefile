@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 # Reinstall whenever the project's dependencies change.
 INSTALLED := $(VENV)/.installed
 
-.PHONY: demo test lint typecheck unit proto models clean
+.PHONY: demo test lint typecheck unit proto models clean vllm-env
 
 $(INSTALLED): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -17,8 +17,13 @@ demo: $(INSTALLED)
 	$(BIN)/stratus models verify models
 	$(BIN)/stratus demo
 
-test: $(INSTALLED) lint typecheck
+test: $(INSTALLED) vllm-env lint typecheck
 	$(BIN)/python -m pytest -q -rs
+
+# vLLM on CPU in an environment of its own (it pins its own torch), for the cloud tier's
+# integration tests; reused while its marker matches (several minutes the first time).
+vllm-env: $(INSTALLED)
+	$(BIN)/python scripts/vllm_env.py
 
 lint: $(INSTALLED)
 	$(BIN)/ruff check .

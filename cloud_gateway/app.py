@@ -1,28 +1,34 @@
 """The cloud gateway: the escalation API for the largest models.
 
 It serves the Open Inference Protocol for the cloud variants (ONNX Runtime on a CPU
-machine, TensorRT where present). The router holds one long-lived ModelStreamInfer
-stream to it and multiplexes escalations over that stream; any standard client may call
-it directly too. Each answer carries ``stratus.confidence`` so the router can judge it.
+machine, TensorRT where present) and, with ``--openai-upstream``, a generative family that
+an OpenAI-compatible server (vLLM) generates (see :mod:`cloud_gateway.generative`). The
+router holds one long-lived ModelStreamInfer stream to it and multiplexes escalations over
+that stream; any standard client may call it directly too. Each answer carries
+``stratus.confidence`` so the router can judge it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import socket
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from cloud_gateway.generative import GenerativeModel, UpstreamDataPlane
+from cloud_gateway.upstream import OpenAIUpstream, UpstreamSettings, served_model
 from stratus.batching import DEFAULT_MAX_BATCH, DEFAULT_MAX_DELAY_S
+from stratus.errors import NotFound
 from stratus.local import LocalDataPlane, LocalModels, LocalSettings
 from stratus.metrics import Metrics
 from stratus.metrics import serve as serve_metrics
 from stratus.precision import Hardware
 from stratus.process import announce, stop_on_signals
 from stratus.repository import ModelRepository
-from stratus.serving import NO_TLS, Health, InferenceServicer, TlsSettings, bind, create_server
+from stratus.serving import NO_TLS, DataPlane, Health, InferenceServicer, TlsSettings, bind, create_server
 from stratus.tiers import Tier
 from stratus.wire import inference_pb2_grpc as pb_grpc
 
@@ -46,45 +52,117 @@ class CloudSettings:
     runtimes: Sequence[str] | None = None
     name: str = ""
     tls: TlsSettings = NO_TLS
+    # An OpenAI-compatible server (vLLM) that generates for one family; None: no such family.
+    openai_upstream: str | None = None
+    upstream_model: str | None = None  # its model name; None: the first it lists
+    upstream_family: str | None = None  # the family served from it; None: the model's name
 
 
 async def serve(settings: CloudSettings, stop: asyncio.Event | None = None) -> None:
     stop = stop or asyncio.Event()
     stop_on_signals(stop)
     metrics = Metrics()
-    models = LocalModels(
-        ModelRepository.load(settings.models),
-        LocalSettings(
-            tier=None if settings.variants else Tier.CLOUD,
-            variants=settings.variants,
-            cache_dir=settings.cache_dir,
-            concurrency=settings.concurrency,
-            queue_limit=settings.queue_limit,
-            runtimes=settings.runtimes,
-            executor_name="stratus-cloud-infer",
-            max_batch=settings.max_batch,
-            max_batch_delay_s=settings.max_batch_delay_s,
-            precision=settings.precision,
-            hardware=settings.hardware,
-            emulated_extra_ms=settings.emulated_extra_ms,
-        ),
-        metrics=metrics,
-    )
     name = settings.name or f"cloud-{socket.gethostname()}"
-    server = create_server()
-    plane = LocalDataPlane(models, tier=Tier.CLOUD, name=name)
-    pb_grpc.add_GRPCInferenceServiceServicer_to_server(InferenceServicer(plane), server)
-    health = Health(server, plane.ready)
-    port = bind(server, settings.listen, settings.tls)
-    await server.start()
-    await health.start()
-    host = settings.listen.rsplit(":", 1)[0]
-    log.info("cloud gateway %s serving %s on %s:%d", name, sorted(models.variants), host, port)
-    announce("cloud", f"{host}:{port}")
-    exporter = await serve_metrics(metrics, settings.metrics) if settings.metrics else None
-    await stop.wait()
-    await health.stop()  # not ready first; then no new calls, and those in flight finish
-    if exporter is not None:
-        exporter.close()
-    await server.stop(grace=5.0)
-    models.close()
+    async with _data_plane(settings, metrics, name) as plane:
+        server = create_server()
+        pb_grpc.add_GRPCInferenceServiceServicer_to_server(InferenceServicer(plane), server)
+        health = Health(server, plane.ready)
+        port = bind(server, settings.listen, settings.tls)
+        await server.start()
+        await health.start()
+        host = settings.listen.rsplit(":", 1)[0]
+        log.info("cloud gateway %s serving %s on %s:%d", name, plane.model_names(), host, port)
+        announce("cloud", f"{host}:{port}")
+        exporter = await serve_metrics(metrics, settings.metrics) if settings.metrics else None
+        await stop.wait()
+        await health.stop()  # not ready first; then no new calls, and those in flight finish
+        if exporter is not None:
+            exporter.close()
+        await server.stop(grace=5.0)
+
+
+@contextlib.asynccontextmanager
+async def _data_plane(settings: CloudSettings, metrics: Metrics, name: str) -> AsyncIterator[DataPlane]:
+    """The local cloud variants, with the upstream's family in front of them if there is one;
+    closed when the gateway stops."""
+    repository = ModelRepository.load(settings.models)
+    models = _local_models(settings, repository, metrics)
+    local = LocalDataPlane(models, tier=Tier.CLOUD, name=name) if models is not None else None
+    upstream: OpenAIUpstream | None = None
+    try:
+        upstream = await _upstream(settings) if settings.openai_upstream else None
+        if upstream is None:
+            assert local is not None
+            yield local
+        else:
+            model = _generative_model(settings, upstream, repository)
+            plane = UpstreamDataPlane(upstream, model, local=local, name=name)
+            metrics.collect_with(plane.levels)
+            yield plane
+    finally:
+        if upstream is not None:
+            await upstream.close()
+        if models is not None:
+            models.close()
+
+
+def _local_models(
+    settings: CloudSettings, repository: ModelRepository, metrics: Metrics
+) -> LocalModels | None:
+    """The cloud variants to run here; none is fine when an upstream serves the gateway's family."""
+    try:
+        return LocalModels(
+            repository,
+            LocalSettings(
+                tier=None if settings.variants else Tier.CLOUD,
+                variants=settings.variants,
+                cache_dir=settings.cache_dir,
+                concurrency=settings.concurrency,
+                queue_limit=settings.queue_limit,
+                runtimes=settings.runtimes,
+                executor_name="stratus-cloud-infer",
+                max_batch=settings.max_batch,
+                max_batch_delay_s=settings.max_batch_delay_s,
+                precision=settings.precision,
+                hardware=settings.hardware,
+                emulated_extra_ms=settings.emulated_extra_ms,
+            ),
+            metrics=metrics,
+        )
+    except NotFound:
+        if settings.openai_upstream is None:
+            raise
+        log.info("no cloud variants in %s: serving the upstream's family only", settings.models)
+        return None
+
+
+async def _upstream(settings: CloudSettings) -> OpenAIUpstream:
+    """The upstream client, started: its model named, its health and load being followed."""
+    assert settings.openai_upstream is not None
+    model = settings.upstream_model or await served_model(settings.openai_upstream)
+    upstream = OpenAIUpstream(UpstreamSettings(url=settings.openai_upstream, model=model))
+    await upstream.start()
+    if not upstream.healthy:
+        log.warning(
+            "upstream %s is not healthy yet; the gateway is not ready until it is", settings.openai_upstream
+        )
+    return upstream
+
+
+def _generative_model(
+    settings: CloudSettings, upstream: OpenAIUpstream, repository: ModelRepository
+) -> GenerativeModel:
+    """The family's generation settings from the repository where it is described there."""
+    model = upstream.settings.model
+    family = settings.upstream_family or model
+    spec = repository.families.get(family)
+    generation = spec.generation if spec is not None else None
+    if generation is None:
+        return GenerativeModel(family=family, variant=model)
+    return GenerativeModel(
+        family=family,
+        variant=model,
+        max_tokens=generation.max_tokens,
+        stop=generation.stop,
+        method=generation.method,
+    )

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import platform
 import random
 import signal
@@ -26,6 +27,7 @@ import grpc
 from stratus import __version__
 from stratus.discovery import DNS_PREFIX, discover_all, resolve_all
 from stratus.errors import DeadlineExceeded, StratusError
+from stratus.generation import Chunk
 from stratus.local import LocalDataPlane, LocalModels
 from stratus.metrics import Metrics
 from stratus.metrics import serve as serve_metrics
@@ -329,7 +331,7 @@ class Agent:
     async def _serve(self, work: fpb.Work, outbox: asyncio.Queue[fpb.AgentMessage | None]) -> None:
         result = fpb.Result(request_id=work.request_id)
         try:
-            await self._run(work, result)
+            await self._run(work, result, outbox)
         except asyncio.CancelledError:
             result.error.CopyFrom(
                 fpb.Error(code=grpc.StatusCode.CANCELLED.value[0], message="cancelled by the router")
@@ -344,12 +346,22 @@ class Agent:
         self.models.count(_outcome(result))
         outbox.put_nowait(fpb.AgentMessage(result=result))
 
-    async def _run(self, work: fpb.Work, result: fpb.Result) -> None:
-        """Run the Work's items (maybe in one batch with other Work) within its budget."""
+    async def _run(
+        self, work: fpb.Work, result: fpb.Result, outbox: asyncio.Queue[fpb.AgentMessage | None]
+    ) -> None:
+        """Run the Work's items (maybe in one batch with other Work) within its budget; a
+        generative Work sends its tokens as Chunks while it runs, then the Result."""
         budget_s = work.budget_ms / 1000.0 if work.budget_ms > 0 else None
+
+        async def send(chunk: Chunk) -> None:
+            outbox.put_nowait(fpb.AgentMessage(chunk=_wire_chunk(work.request_id, chunk)))
+
         try:
             async with asyncio.timeout(budget_s):
-                answer = await self.models.answer(work.request)
+                if self.models.generates(work.request.model_name):
+                    answer = await self.models.generate(work.request, send)
+                else:
+                    answer = await self.models.answer(work.request)
         except TimeoutError:
             raise DeadlineExceeded(
                 f"agent {self.settings.name}: budget of {work.budget_ms:.1f} ms ran out"
@@ -361,6 +373,15 @@ class Agent:
         result.service_ms = answer.service_ms
         result.queue_ms = answer.queue_ms
         result.batch_size = answer.batch_size
+
+
+def _wire_chunk(request_id: str, chunk: Chunk) -> fpb.Chunk:
+    return fpb.Chunk(
+        request_id=request_id,
+        text=chunk.text,
+        logprobs=[t.logprob for t in chunk.tokens],
+        margins=[math.nan if t.margin is None else t.margin for t in chunk.tokens],
+    )
 
 
 def _outcome(result: fpb.Result) -> str:

@@ -7,6 +7,7 @@ import contextlib
 import logging
 import random
 import socket
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,6 +17,7 @@ from router.cloud import CloudLink
 from router.dataplane import RouterDataPlane
 from router.fleet_service import FleetServicer, fleet_levels, rollout_levels
 from router.link import AdmissionGate, AgentLinkServicer
+from router.openai_api import OpenAiApi
 from router.peers import RolloutPeers
 from router.registry import FleetRegistry
 from router.rollout import ROLLED_BACK, Plan, Rollouts
@@ -65,6 +67,8 @@ class RouterSettings:
     rollout_state: Path | None = None
     # The other routers of this site (host:port,... or dns:NAME:PORT), to share rollouts with.
     peers: str | None = None
+    # HOST:PORT for the OpenAI API (/v1/completions, /v1/chat/completions); None: not served.
+    openai: str | None = None
 
 
 async def _watch_heartbeats(registry: FleetRegistry) -> None:
@@ -115,11 +119,7 @@ async def serve(settings: RouterSettings, stop: asyncio.Event | None = None) -> 
     await server.start()
     await health.start()
     host = settings.listen.rsplit(":", 1)[0]
-    advertisement = None
-    if settings.advertise:
-        advertisement = Advertisement(name=name, host=host, port=port)
-        await advertisement.start()
-    exporter = await serve_metrics(metrics, settings.metrics) if settings.metrics else None
+    closers = await _start_extras(settings, plane, metrics, name=name, host=host, port=port)
     watchdog = asyncio.create_task(_watch_heartbeats(registry), name="stratus-heartbeat-watchdog")
     sharing = _share_rollouts(settings, rollouts, synced)
     log.info("router listening on %s:%d (cloud: %s)", host, port, settings.cloud or "none")
@@ -130,13 +130,34 @@ async def serve(settings: RouterSettings, stop: asyncio.Event | None = None) -> 
     if sharing is not None:
         sharing.cancel()
         await asyncio.gather(sharing, return_exceptions=True)
-    if exporter is not None:
-        exporter.close()
-    if advertisement is not None:
+    for close in closers:
         with contextlib.suppress(Exception):
-            await advertisement.close()
+            await close()
     if cloud is not None:
         await cloud.close()
+
+
+async def _start_extras(
+    settings: RouterSettings, plane: RouterDataPlane, metrics: Metrics, *, name: str, host: str, port: int
+) -> list[Callable[[], Awaitable[None]]]:
+    """zeroconf, /metrics and the OpenAI API, as the settings ask; their closers, in order."""
+    closers: list[Callable[[], Awaitable[None]]] = []
+    if settings.openai:
+        openai = OpenAiApi(plane)
+        log.info("OpenAI API on %s", await openai.start(settings.openai))
+        closers.append(openai.stop)
+    if settings.metrics:
+        exporter = await serve_metrics(metrics, settings.metrics)
+
+        async def close_exporter() -> None:
+            exporter.close()
+
+        closers.append(close_exporter)
+    if settings.advertise:
+        advertisement = Advertisement(name=name, host=host, port=port)
+        await advertisement.start()
+        closers.append(advertisement.close)
+    return closers
 
 
 def _rollouts(settings: RouterSettings, metrics: Metrics, recorder: RouterMetrics) -> Rollouts:

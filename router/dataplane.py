@@ -13,18 +13,21 @@ import asyncio
 import logging
 import random
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 
 from router.cloud import CloudLink
+from router.generate import Generation, GenerationCascade, Sink
 from router.index import line_key
 from router.policy import Attempt, CloudView, FleetSnapshot, NoTarget, Target, choose, settled, top_tier
 from router.registry import FleetRegistry
 from router.rollout import Plan, Rollouts, top1
 from stratus.errors import DeadlineExceeded, NotFound, Overloaded, StratusError, Unavailable
+from stratus.generation import FINAL, FINISH_REASON, Chunk
 from stratus.local import model_config
+from stratus.local_generation import text_response
 from stratus.metrics import RouterMetrics
-from stratus.protocol import CONFIDENCE, VARIANT, RequestOptions, Served, parameter_value
+from stratus.protocol import CONFIDENCE, VARIANT, RequestOptions, Served, parameter_value, set_parameter
 from stratus.repository import FamilySpec, TensorSpec
 from stratus.serving import DataPlane
 from stratus.status import status_code
@@ -160,8 +163,87 @@ class RouterDataPlane(DataPlane):
         return model_config(spec, name, "stratus")
 
     # -- inference ----------------------------------------------------------------------
+    def generative(self, name: str) -> fpb.FamilyInfo | None:
+        """The family's description when ``name`` is a generative family (or one of its variants)."""
+        try:
+            family, _ = self._family_of(name)
+        except NotFound:
+            return None
+        info = self.registry.family(family)
+        return info if info is not None and info.kind == "generative" else None
+
+    async def generate_text(
+        self, request: pb.ModelInferRequest, *, timeout_s: float | None, sink: Sink | None = None
+    ) -> Generation:
+        """A generative request through the tiers; what the client may see goes to ``sink``."""
+        from stratus.local_generation import read_prompt
+
+        started = self._clock()
+        info = self.generative(request.model_name)
+        if info is None:
+            raise NotFound(f"'{request.model_name}' is not a generative model this fleet serves")
+        family, pinned = self._family_of(request.model_name)
+        options = RequestOptions.from_parameters(request.parameters)
+        read_prompt(request, family, info.max_tokens or 1)  # refuse a bad request before any tier sees it
+        checked = pb.ModelInferRequest()
+        checked.CopyFrom(request)
+        checked.model_name = pinned or family
+        if pinned is not None:  # a pinned variant runs exactly there, on its own tier only
+            options = _pinned_options(options, self.registry.index.tiers(pinned))
+        if self.active >= self.max_requests:
+            raise Overloaded(f"router request queue is full: {self.max_requests} requests in flight")
+        self.active += 1
+        try:
+            cascade = GenerationCascade(
+                self, info, checked, options, _budget(options.budget_ms, timeout_s), started, sink
+            )
+            result = await cascade.run()
+        except StratusError as exc:
+            self._count_refusal(family, exc)
+            raise
+        finally:
+            self.active -= 1
+        self._count_answer(family, result.tier.label, result.degraded, started)
+        return result
+
+    async def _infer_text(
+        self, request: pb.ModelInferRequest, timeout_s: float | None
+    ) -> pb.ModelInferResponse:
+        result = await self.generate_text(request, timeout_s=timeout_s)
+        response = text_response(request, result.text)
+        write_generation(response, result)
+        return response
+
+    async def generate(
+        self, request: pb.ModelInferRequest, *, timeout_s: float | None
+    ) -> AsyncIterator[pb.ModelInferResponse]:
+        """Chunks as the client may see them (the final tier's as they come), then the end."""
+        chunks: asyncio.Queue[Chunk | None] = asyncio.Queue()
+
+        async def sink(chunk: Chunk) -> None:
+            chunks.put_nowait(chunk)
+
+        task = asyncio.create_task(self.generate_text(request, timeout_s=timeout_s, sink=sink))
+        task.add_done_callback(lambda _: chunks.put_nowait(None))
+        try:
+            while (chunk := await chunks.get()) is not None:
+                response = text_response(request, chunk.text)
+                for key, value in chunk.parameters().items():
+                    set_parameter(response.parameters, key, value)
+                set_parameter(response.parameters, FINAL, False)
+                yield response
+            result = await task
+        finally:
+            task.cancel()
+        final = text_response(request, "")
+        write_generation(final, result)
+        set_parameter(final.parameters, FINAL, True)
+        yield final
+
     async def infer(self, request: pb.ModelInferRequest, *, timeout_s: float | None) -> pb.ModelInferResponse:
         """Admit (or refuse, past ``max_requests``), check, then climb the tiers."""
+        if self.generative(request.model_name) is not None:
+            return await self._infer_text(request, timeout_s)
         started = self._clock()
         family = self._family_label(request.model_name)
         try:
@@ -174,16 +256,21 @@ class RouterDataPlane(DataPlane):
             finally:
                 self.active -= 1
         except StratusError as exc:
-            if self.metrics is not None:
-                reason = status_code(exc).name.lower()
-                self.metrics.requests.labels(family, "none", reason).inc()
-                self.metrics.refusals.labels(reason).inc()
+            self._count_refusal(family, exc)
             raise
-        if self.metrics is not None:
-            outcome = "degraded" if cascade.degraded else "ok"
-            self.metrics.requests.labels(family, cascade.tier_label, outcome).inc()
-            self.metrics.duration.labels(family).observe(self._clock() - started)
+        self._count_answer(family, cascade.tier_label, cascade.degraded, started)
         return response
+
+    def _count_refusal(self, family: str, exc: StratusError) -> None:
+        if self.metrics is not None:
+            reason = status_code(exc).name.lower()
+            self.metrics.requests.labels(family, "none", reason).inc()
+            self.metrics.refusals.labels(reason).inc()
+
+    def _count_answer(self, family: str, tier: str, degraded: bool, started: float) -> None:
+        if self.metrics is not None:
+            self.metrics.requests.labels(family, tier, "degraded" if degraded else "ok").inc()
+            self.metrics.duration.labels(family).observe(self._clock() - started)
 
     def _family_label(self, name: str) -> str:
         """The family a request names, or "unknown": metric labels stay a bounded set."""
@@ -531,6 +618,29 @@ MAX_SHADOWS = 64
 DEFAULT_BUDGET_MS = 30_000.0
 # At most this much of a request's remaining budget is kept back for answering the client.
 RETURN_MARGIN_MS = 5.0
+
+
+def _pinned_options(options: RequestOptions, tiers: frozenset[Tier]) -> RequestOptions:
+    if not tiers:
+        return options
+    tier = min(tiers)
+    return RequestOptions(budget_ms=options.budget_ms, min_confidence=0.0, min_tier=tier, max_tier=tier)
+
+
+def write_generation(response: pb.ModelInferResponse, result: Generation) -> None:
+    """Where the text came from and how sure, as response parameters (``stratus.*``)."""
+    Served(
+        tier=result.tier,
+        agent=result.agent,
+        variant=result.variant,
+        confidence=result.confidence,
+        path=result.path,
+        degraded=result.degraded,
+        timings_ms=result.timings_ms,
+    ).write(response.parameters)
+    set_parameter(response.parameters, FINISH_REASON, result.finish_reason)
+    for key, value in Chunk(tokens=result.tokens).parameters().items():
+        set_parameter(response.parameters, key, value)
 
 
 def _budget(budget_ms: float | None, timeout_s: float | None) -> float:

@@ -125,6 +125,8 @@ class AgentLinkServicer(fpb_grpc.AgentLinkServicer):
                     self._registry.heartbeat(handle, message.heartbeat)
                 elif kind == "result":
                     self._registry.result(handle, message.result)
+                elif kind == "chunk":
+                    self._registry.chunk(handle, message.chunk)
                 elif kind == "draining":
                     self._registry.draining(handle)
                 elif kind == "hello":

@@ -29,6 +29,7 @@ from stratus.status import error_from_status, status_for
 from stratus.tensors import Tensors
 from stratus.tiers import Tier
 from stratus.wire import fleet_pb2 as fpb
+from stratus.wire import inference_pb2 as pb
 
 log = logging.getLogger("stratus.registry")
 
@@ -114,6 +115,7 @@ class AgentHandle:
     batcher: Batcher[Part, PartAnswer] | None = None
 
     reloads: list[asyncio.Future[str]] = field(default_factory=list)  # waiting for its next Hello
+    chunks: dict[str, Callable[[fpb.Chunk], None]] = field(default_factory=dict)  # generations, by Work id
 
     def __post_init__(self) -> None:
         self.announce(self.variants)
@@ -153,8 +155,9 @@ class AgentHandle:
 
     @property
     def in_flight(self) -> int:
-        """Items waiting in the router for this agent, or sent to it and not yet answered."""
-        return self.batcher.items if self.batcher is not None else 0
+        """Items waiting in the router for this agent, or sent to it and not yet answered
+        (a generation counts as one item while it runs)."""
+        return (self.batcher.items if self.batcher is not None else 0) + len(self.chunks)
 
     @property
     def limit(self) -> int:
@@ -449,6 +452,54 @@ class FleetRegistry:
         handle.completions.add(max(1, len(result.confidences)))
         if not future.done():
             future.set_result(result)
+
+    def chunk(self, handle: AgentHandle, chunk: fpb.Chunk) -> None:
+        deliver = handle.chunks.get(chunk.request_id)
+        if deliver is not None:
+            deliver(chunk)
+
+    async def generate(
+        self,
+        handle: AgentHandle,
+        request: pb.ModelInferRequest,
+        *,
+        budget_ms: float,
+        on_chunk: Callable[[fpb.Chunk], None],
+    ) -> fpb.Result:
+        """One generative Work, not batched: its Chunks go to ``on_chunk`` as they arrive,
+        then its Result. Cancelling the caller sends Cancel, which stops the agent's runtime."""
+        if handle.outbox.qsize() >= MAX_OUTBOX:
+            self.lose(handle, f"not reading its link ({MAX_OUTBOX} messages waiting)")
+            raise Unavailable(f"agent {handle.id} is not reading its link")
+        request_id = f"g{next(self._ids)}"
+        message = fpb.RouterMessage()
+        message.work.request_id = request_id
+        message.work.request.CopyFrom(request)
+        message.work.request.model_name = handle.variant_for(request.model_name)
+        message.work.budget_ms = budget_ms
+        future: asyncio.Future[fpb.Result] = asyncio.get_running_loop().create_future()
+        handle.pending[request_id] = future
+        handle.chunks[request_id] = on_chunk
+        handle.outbox.put_nowait(message)
+        sent = self.now()
+        try:
+            async with asyncio.timeout(budget_ms / 1000.0):
+                result = await future
+        except TimeoutError:
+            handle.outbox.put_nowait(fpb.RouterMessage(cancel=fpb.Cancel(request_id=request_id)))
+            raise DeadlineExceeded(f"agent {handle.id} did not finish within {budget_ms:.1f} ms") from None
+        except asyncio.CancelledError:
+            handle.outbox.put_nowait(fpb.RouterMessage(cancel=fpb.Cancel(request_id=request_id)))
+            raise
+        finally:
+            handle.pending.pop(request_id, None)
+            handle.chunks.pop(request_id, None)
+        handle.link_ms.add(max(0.0, (self.now() - sent) * 1000.0 - result.service_ms))
+        if result.WhichOneof("outcome") == "error":
+            raise error_from_status(
+                status_for(result.error.code), f"agent {handle.id}: {result.error.message}"
+            )
+        return result
 
     def attach_batcher(self, handle: AgentHandle) -> None:
         """The queue in front of one agent.

@@ -33,7 +33,7 @@ from __future__ import annotations
 import itertools
 import math
 import zipfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
@@ -389,12 +389,29 @@ def calibrate(
     if (target_accuracy is None) == (max_escalation is None):
         raise ConfigError("give exactly one of --target-accuracy and --max-escalation")
     data = data or bundled_data(family)
-    scores = tier_scores(family, data.calibration, cache)
+    return choose(
+        tier_scores(family, data.calibration, cache),
+        lambda: tier_scores(family, data.report, cache),
+        data,
+        target_accuracy=target_accuracy,
+        max_escalation=max_escalation,
+    )
+
+
+def choose(
+    scores: Sequence[TierScores],
+    report: Callable[[], Sequence[TierScores]],
+    data: LabelledData,
+    *,
+    target_accuracy: float | None,
+    max_escalation: float | None,
+) -> Calibration:
+    """Thresholds for the goal, chosen on ``scores``; the outcome on the report split too."""
     if target_accuracy is not None:
         chosen = for_target_accuracy(scores, target_accuracy)
     else:
         chosen = for_max_escalation(scores, float(max_escalation or 0.0))
-    held_out = tier_scores(family, data.report, cache)
+    held_out = report()
     return Calibration(
         thresholds={s.tier: t for s, t in zip(scores, chosen, strict=False)},
         tiers=tuple(s.tier for s in scores),

@@ -64,6 +64,7 @@ def _router(args: argparse.Namespace) -> int:
         metrics=args.metrics,
         rollout_state=args.rollout_state,
         peers=args.peers,
+        openai=args.openai,
     )
     run(serve(settings))
     return 0
@@ -88,6 +89,9 @@ def _cloud(args: argparse.Namespace) -> int:
         emulated_extra_ms=args.emulate_slow_ms,
         tls=_tls(args),
         metrics=args.metrics,
+        openai_upstream=args.openai_upstream,
+        upstream_model=args.upstream_model,
+        upstream_family=args.upstream_family,
     )
     run(serve(settings))
     return 0
@@ -247,6 +251,9 @@ def _add_router(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -
         help="keep rollout state here, so it survives a restart (default: in memory only)",
     )
     router.add_argument(
+        "--openai", default=None, metavar="HOST:PORT", help="serve the OpenAI API (generative families) here"
+    )
+    router.add_argument(
         "--peers",
         default=None,
         help="the site's other routers (HOST:PORT,... or dns:NAME:PORT), to share rollouts with",
@@ -280,6 +287,21 @@ def _add_max_batch(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_upstream(cloud: argparse.ArgumentParser) -> None:
+    cloud.add_argument(
+        "--openai-upstream",
+        default=None,
+        metavar="URL",
+        help="an OpenAI-compatible server (vLLM), e.g. http://127.0.0.1:8000, that generates for one family",
+    )
+    cloud.add_argument(
+        "--upstream-model", default=None, metavar="NAME", help="its model (default: the first it lists)"
+    )
+    cloud.add_argument(
+        "--upstream-family", default=None, metavar="NAME", help="the family it serves (default: its model)"
+    )
+
+
 def _add_servers(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     router = _add_router(commands)
     cloud = commands.add_parser("cloud", help="run the cloud gateway")
@@ -291,6 +313,7 @@ def _add_servers(commands: argparse._SubParsersAction[argparse.ArgumentParser]) 
     _add_max_batch(cloud)
     _add_batch_delay(cloud)
     cloud.add_argument("--cache-dir", type=Path, default=_default_cache())
+    _add_upstream(cloud)
     cloud.set_defaults(handler=_cloud)
     agent = commands.add_parser("agent", help="run an edge agent")
     agent.add_argument("--tier", choices=["device", "edge"], required=True)

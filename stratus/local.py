@@ -15,6 +15,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -24,6 +25,7 @@ from stratus.codec import Array
 from stratus.confidence import confidence
 from stratus.errors import InvalidInput, NotFound, StratusError, Unavailable
 from stratus.executor import BoundedExecutor
+from stratus.generation import FINISH_REASON
 from stratus.metrics import Metric, Metrics, ModelMetrics, gauge
 from stratus.precision import Hardware, choose_variant, hardware_precisions, load_verification
 from stratus.protocol import BATCH_SIZE, Served, set_parameter
@@ -38,6 +40,9 @@ from stratus.wire import fleet_pb2
 from stratus.wire import inference_pb2 as pb
 
 log = logging.getLogger("stratus.models")
+
+if TYPE_CHECKING:
+    from stratus.local_generation import LocalGenerators, OnChunk
 
 # Calls between two looks at whether a variant is fast enough to run on the event loop.
 INLINE_REVIEW = 64
@@ -115,7 +120,8 @@ class LocalModels:
         self.metrics = metrics
         self.recorder = ModelMetrics(metrics) if metrics is not None else None
         chosen = _select(repository, settings)
-        if not chosen:
+        self.generators = _generators(repository, settings)
+        if not chosen and not (self.generators and self.generators.variants):
             raise NotFound(f"no variants to load (tier={settings.tier}, variants={settings.variants})")
         self.runners: dict[str, ModelRunner] = {}
         self.latency: dict[str, LatencyWindow] = {}
@@ -229,6 +235,9 @@ class LocalModels:
         """What this variant may merge: the setting, where its runtime takes a dynamic batch."""
         return self.settings.max_batch if self._dynamic_batch.get(variant, False) else 1
 
+    def generates(self, model_name: str) -> bool:
+        return self.generators is not None and self.generators.serves(model_name)
+
     def variant_for(self, model_name: str) -> tuple[FamilySpec, VariantSpec]:
         """A family resolves to its highest-tier current variant here; a variant to itself
         (one retiring after a reload still answers the work already addressed to it)."""
@@ -239,15 +248,23 @@ class LocalModels:
         local = [v for v in family.variants if v.name in self.current] if family else []
         if family is not None and local:
             return family, max(local, key=lambda v: v.tier)
+        if self.generators is not None and self.generators.serves(model_name):
+            return self.generators.variant_for(model_name)
         raise NotFound(f"model '{model_name}' is not served here; serving {self.model_names()}")
 
     def model_names(self) -> list[str]:
         """The families with a current variant here, and every variant served."""
         families = {self.variants[name].family for name in self.current}
-        return sorted([*families, *self.served])
+        names = {*families, *self.served}
+        if self.generators is not None:
+            names |= {v.family for n, v in self.generators.variants.items() if n in self.generators.current}
+            names |= set(self.generators.variants)
+        return sorted(names)
 
     async def answer(self, request: pb.ModelInferRequest) -> LocalAnswer:
         """Decode once, check, wait for a slot (maybe sharing a batch), run, encode."""
+        if self.generators is not None and self.generators.serves(request.model_name):
+            return await self.generate(request)
         family, variant = self.variant_for(request.model_name)
         inputs = codec.decode_request_inputs(request)
         family.check_inputs(inputs)
@@ -265,6 +282,23 @@ class LocalModels:
             service_ms=part.service_ms,
             queue_ms=max(0.0, waited_ms),
             batch_size=part.batch_size,
+        )
+
+    async def generate(self, request: pb.ModelInferRequest, on_chunk: OnChunk | None = None) -> LocalAnswer:
+        """A generative request: its text (and each chunk to ``on_chunk`` as it is made)."""
+        from stratus.local_generation import text_response
+
+        assert self.generators is not None
+        done = await self.generators.generate(request, on_chunk)
+        response = text_response(request, done.text)
+        set_parameter(response.parameters, FINISH_REASON, done.finish_reason)
+        return LocalAnswer(
+            response=response,
+            variant=done.variant,
+            confidences=(done.confidence,),
+            service_ms=done.service_ms,
+            queue_ms=0.0,
+            batch_size=1,
         )
 
     async def _run_batch(self, batch: Batch[dict[str, Array], _Part]) -> list[_Part]:
@@ -346,15 +380,19 @@ class LocalModels:
 
     def families_info(self) -> list[fleet_pb2.FamilyInfo]:
         served = {self.variants[name].family for name in self.served}
+        generative = list(self.generators.families.values()) if self.generators is not None else []
         return [
-            fleet_pb2.FamilyInfo(
-                name=f.name,
-                inputs=tensor_metadata(f.inputs),
-                outputs=tensor_metadata(f.outputs),
-                thresholds={t.label: v for t, v in f.thresholds.items()},
-            )
-            for f in self.families.values()
-            if f.name in served
+            *map(_family_info, generative),
+            *[
+                fleet_pb2.FamilyInfo(
+                    name=f.name,
+                    inputs=tensor_metadata(f.inputs),
+                    outputs=tensor_metadata(f.outputs),
+                    thresholds={t.label: v for t, v in f.thresholds.items()},
+                )
+                for f in self.families.values()
+                if f.name in served
+            ],
         ]
 
     def variants_info(self) -> list[fleet_pb2.VariantInfo]:
@@ -375,9 +413,13 @@ class LocalModels:
                     current=name in self.current,
                 )
             )
+        if self.generators is not None:
+            infos += _generator_infos(self.generators)
         return infos
 
     def close(self) -> None:
+        if self.generators is not None:
+            self.generators.close()
         self.batcher.close(Unavailable("the models here are shutting down"))
         self.executor.shutdown(wait=True)
         for runner in self.runners.values():
@@ -392,12 +434,16 @@ def _select(repository: ModelRepository, settings: LocalSettings) -> list[_Chose
         for name in settings.variants:
             variant = repository.variant(name)
             family = repository.family(variant.family)
+            if family.generative:
+                continue
             current = family.current.get(variant.tier) == (variant.parent or variant.name)
             chosen.append(_Chosen(family, variant, "named", current=current))
         return chosen
     hardware = settings.hardware or hardware_precisions()
     chosen = []
     for family in repository.families.values():
+        if family.generative:
+            continue  # LocalGenerators loads those
         tiers = [settings.tier] if settings.tier is not None else family.tiers()
         for tier in tiers:
             for line in family.lines(tier):
@@ -422,6 +468,57 @@ def _select(repository: ModelRepository, settings: LocalSettings) -> list[_Chose
                 )
                 chosen.append(_Chosen(family, choice.variant, choice.reason, current=current))
     return chosen
+
+
+def _generators(repository: ModelRepository, settings: LocalSettings) -> LocalGenerators | None:
+    """The generative variants of the same tier (or among the named variants), if any."""
+    if not any(f.generative for f in repository.families.values()):
+        return None
+    from stratus.local_generation import LocalGenerators
+
+    options = LoadOptions(
+        tier=settings.tier or Tier.CLOUD, cache_dir=settings.cache_dir, concurrency=settings.concurrency
+    )
+    return LocalGenerators(
+        repository,
+        tier=settings.tier,
+        variants=list(settings.variants) if settings.variants else None,
+        options=options,
+        runtimes=list(settings.runtimes) if settings.runtimes else None,
+        emulated_extra_ms=settings.emulated_extra_ms,
+    )
+
+
+def _family_info(family: FamilySpec) -> fleet_pb2.FamilyInfo:
+    """A generative family as the router needs it: its tensors, thresholds and limits."""
+    assert family.generation is not None
+    return fleet_pb2.FamilyInfo(
+        name=family.name,
+        inputs=tensor_metadata(family.inputs),
+        outputs=tensor_metadata(family.outputs),
+        thresholds={t.label: v for t, v in family.thresholds.items()},
+        kind="generative",
+        confidence_method=family.generation.method.value,
+        max_tokens=family.generation.max_tokens,
+        stop=family.generation.stop,
+    )
+
+
+def _generator_infos(generators: LocalGenerators) -> list[fleet_pb2.VariantInfo]:
+    return [
+        fleet_pb2.VariantInfo(
+            name=name,
+            family=variant.family,
+            runtime=generators.runners[name].runtime,
+            device="CPU",
+            precision=variant.precision,
+            max_batch=1,
+            chosen_because="generative",
+            line=name,
+            current=name in generators.current,
+        )
+        for name, variant in sorted(generators.variants.items())
+    ]
 
 
 def _file_stamps(variant: VariantSpec) -> tuple[tuple[int, int], ...]:

@@ -71,6 +71,8 @@ def _models_calibrate(args: argparse.Namespace) -> int:
     if args.compare_methods and args.target_accuracy is None:
         raise ConfigError("--compare-methods needs --target-accuracy")
     family = ModelRepository.load(args.dir).family(args.family)
+    if family.generative:
+        return _calibrate_generative(family, args)
     data = calibrate.load_npz(family, args.data) if args.data is not None else calibrate.bundled_data(family)
     if args.compare_methods:
         results = calibrate.compare_methods(
@@ -84,6 +86,24 @@ def _models_calibrate(args: argparse.Namespace) -> int:
         target_accuracy=args.target_accuracy,
         max_escalation=args.max_escalation,
         data=data,
+    )
+    print(calibrate.describe(result))
+    if not args.dry_run:
+        calibrate.write(family, result)
+        print(f"wrote thresholds to {family.source}")
+    return 0
+
+
+def _calibrate_generative(family: FamilySpec, args: argparse.Namespace) -> int:
+    from stratus import calibrate
+    from stratus.calibrate_generative import calibrate_generative
+
+    if args.data is not None or args.compare_methods:
+        raise ConfigError(
+            "--data and --compare-methods are for classifier families; generative ones use their bundled prompts"
+        )
+    result = calibrate_generative(
+        family, cache=args.cache_dir, target_accuracy=args.target_accuracy, max_escalation=args.max_escalation
     )
     print(calibrate.describe(result))
     if not args.dry_run:

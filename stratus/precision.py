@@ -281,7 +281,8 @@ def choose_variant(
     trusted, reasons = [], []
     for variant in candidates:
         problem = _trust_problem(family, variant, record)
-        if problem is None and (variant.precision == "FP32" or hardware.native(variant.precision)):
+        # a line's own root (FP32, or a generative model shipped in FP16) is its reference
+        if problem is None and (variant.parent is None or hardware.native(variant.precision)):
             trusted.append(variant)
         elif variant.precision != "FP32":
             reasons.append(problem or f"{variant.precision.lower()} not native")
@@ -298,8 +299,8 @@ def _line_variants(family: FamilySpec, tier: Tier, line: VariantSpec | None) -> 
 
 
 def _trust_problem(family: FamilySpec, variant: VariantSpec, record: VerificationRecord | None) -> str | None:
-    """Why a variant may not be served on accuracy grounds; FP32 parents are the reference."""
-    if variant.precision == "FP32":
+    """Why a variant may not be served on accuracy grounds; a line's root is the reference."""
+    if variant.parent is None:
         return None
     if record is None:
         return f"{variant.name}: no verification record ({RECORD_NAME})"

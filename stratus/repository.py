@@ -21,10 +21,13 @@ from stratus import codec
 from stratus.codec import Array
 from stratus.confidence import ConfidenceMethod
 from stratus.errors import ConfigError, InvalidInput, NotFound
+from stratus.generation import TEXT_INPUT, TEXT_OUTPUT, GenerationMethod
 from stratus.tiers import Tier
 
 CONFIG_NAME: Final = "family.toml"
-FORMATS: Final = ("tflite", "onnx", "openvino")
+# "hf" is a folder in the Hugging Face layout (config.json, *.safetensors, tokenizer files).
+FORMATS: Final = ("tflite", "onnx", "openvino", "gguf", "hf")
+KINDS: Final = ("classifier", "generative")
 PRECISIONS: Final = ("FP32", "FP16", "INT8")
 
 
@@ -60,6 +63,17 @@ class ConfidenceSpec:
 
 
 @dataclass(frozen=True, kw_only=True)
+class GenerationSpec:
+    """How a generative family generates: greedy, at most ``max_tokens``, ending at ``stop``;
+    and how its answers' confidence is read from token log-probabilities."""
+
+    max_tokens: int
+    stop: tuple[str, ...]
+    method: GenerationMethod
+    context: int = 512  # prompt and answer tokens together, at most
+
+
+@dataclass(frozen=True, kw_only=True)
 class VariantSpec:
     """One servable model: a family member for one tier, in one or more file formats."""
 
@@ -90,6 +104,12 @@ class FamilySpec:
     # Each tier's current FP32 variant: what the tier serves unless a request pins another
     # variant or a rollout sends it a candidate. Its lower-precision children go with it.
     current: Mapping[Tier, str] = field(default_factory=dict)
+    # Set for a generative family (kind = "generative"): prompts in, text out.
+    generation: GenerationSpec | None = None
+
+    @property
+    def generative(self) -> bool:
+        return self.generation is not None
 
     @property
     def folder(self) -> Path:
@@ -243,11 +263,16 @@ def load_family(path: Path) -> FamilySpec:
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read: {exc.strerror}") from None
     reader.unknown_keys(
-        data, {"family", "inputs", "outputs", "confidence", "thresholds", "variants", "current"}, ""
+        data,
+        {"family", "inputs", "outputs", "confidence", "thresholds", "variants", "current", "generation"},
+        "",
     )
     head = reader.get(data, "family", dict, "")
     name = reader.get(head, "name", str, "family")
-    reader.unknown_keys(head, {"name", "description", "max_accuracy_drop"}, "family")
+    reader.unknown_keys(head, {"name", "description", "max_accuracy_drop", "kind"}, "family")
+    kind = reader.choice(head, "kind", KINDS, "family") if "kind" in head else "classifier"
+    if kind == "generative":
+        return _generative_family(reader, data, head, name, path)
     outputs = _tensors(reader, data, "outputs")
     confidence = _confidence(reader, data, outputs)
     variants = _variants(reader, data, name, path.parent)
@@ -262,6 +287,46 @@ def load_family(path: Path) -> FamilySpec:
         source=path,
         max_accuracy_drop=_fraction(reader, head, "max_accuracy_drop", "family", 0.01),
         current=_current(reader, data, variants),
+    )
+
+
+def _generative_family(
+    reader: _Reader, data: Mapping[str, Any], head: Mapping[str, Any], name: str, path: Path
+) -> FamilySpec:
+    """Prompts in (``text_input``), text out (``text_output``), as Triton's vLLM backend names
+    them; the confidence comes from token log-probabilities."""
+    table = reader.get(data, "generation", dict, "")
+    reader.unknown_keys(table, {"max_tokens", "stop", "context"}, "generation")
+    context = reader.get(table, "context", int, "generation", 512)
+    max_tokens = reader.get(table, "max_tokens", int, "generation")
+    if max_tokens < 1:
+        raise reader.fail("generation.max_tokens", f"{max_tokens} must be at least 1")
+    stop = reader.get(table, "stop", list, "generation", [])
+    if not all(isinstance(s, str) and s for s in stop):
+        raise reader.fail("generation.stop", "must list non-empty strings")
+    confidence = reader.get(data, "confidence", dict, "")
+    reader.unknown_keys(confidence, {"method"}, "confidence")
+    method = reader.choice(confidence, "method", tuple(m.value for m in GenerationMethod), "confidence")
+    variants = _variants(reader, data, name, path.parent, generative=True)
+    text_in = TensorSpec(name=TEXT_INPUT, datatype="BYTES", shape=(-1,))
+    text_out = TensorSpec(name=TEXT_OUTPUT, datatype="BYTES", shape=(-1,))
+    return FamilySpec(
+        name=name,
+        description=reader.get(head, "description", str, "family", ""),
+        inputs=(text_in,),
+        outputs=(text_out,),
+        # Not used to score text; kept so code that reads any family's spec reads this one.
+        confidence=ConfidenceSpec(
+            output=TEXT_OUTPUT, method=ConfidenceMethod.MAX_SOFTMAX, apply_softmax=False
+        ),
+        thresholds=_thresholds(reader, data),
+        variants=variants,
+        source=path,
+        max_accuracy_drop=_fraction(reader, head, "max_accuracy_drop", "family", 0.01),
+        current=_current(reader, data, variants),
+        generation=GenerationSpec(
+            max_tokens=max_tokens, stop=tuple(stop), method=GenerationMethod(method), context=context
+        ),
     )
 
 
@@ -323,7 +388,9 @@ def _tier(reader: _Reader, text: str, key: str) -> Tier:
         raise reader.fail(key, f"'{text}' is not one of device, edge, cloud") from None
 
 
-def _variants(reader: _Reader, data: Mapping[str, Any], family: str, folder: Path) -> tuple[VariantSpec, ...]:
+def _variants(
+    reader: _Reader, data: Mapping[str, Any], family: str, folder: Path, *, generative: bool = False
+) -> tuple[VariantSpec, ...]:
     items = reader.get(data, "variants", list, "")
     if not items:
         raise reader.fail("variants", "must list at least one variant")
@@ -334,17 +401,22 @@ def _variants(reader: _Reader, data: Mapping[str, Any], family: str, folder: Pat
             raise reader.fail("variants", f"variant '{name}' is listed more than once")
     by_name = {v.name: v for v in variants}
     for index, variant in enumerate(variants):
-        _check_parent(reader, f"variants[{index}].parent", variant, by_name)
+        _check_parent(reader, f"variants[{index}].parent", variant, by_name, generative=generative)
     return tuple(variants)
 
 
 def _check_parent(
-    reader: _Reader, key: str, variant: VariantSpec, by_name: Mapping[str, VariantSpec]
+    reader: _Reader, key: str, variant: VariantSpec, by_name: Mapping[str, VariantSpec], *, generative: bool
 ) -> None:
-    """A lower-precision variant is judged against its FP32 parent, so the pair must match."""
+    """A lower-precision variant is judged against its FP32 parent, so the pair must match.
+
+    A generative family may ship a root in lower precision (a GGUF file in F16 is the model
+    as trained and exported; nothing wider exists to compare it with)."""
     if variant.precision == "FP32":
         if variant.parent is not None:
             raise reader.fail(key, "an FP32 variant has no parent")
+        return
+    if variant.parent is None and generative:
         return
     if variant.parent is None:
         raise reader.fail(key, f"is missing: every {variant.precision} variant names its FP32 parent")
@@ -407,7 +479,12 @@ def _variant(reader: _Reader, item: Any, where: str, family: str, folder: Path) 
         if fmt not in FORMATS:
             raise reader.fail(f"{where}.files.{fmt}", f"unknown format; expected one of {', '.join(FORMATS)}")
         path = folder / reader.get(files_table, fmt, str, f"{where}.files")
-        if not path.is_file():
+        if fmt == "hf":
+            if not (path / "config.json").is_file():
+                raise reader.fail(
+                    f"{where}.files.hf", f"{path} is not a Hugging Face model folder (no config.json)"
+                )
+        elif not path.is_file():
             raise reader.fail(f"{where}.files.{fmt}", f"file {path} does not exist")
         files[fmt] = path
     if not files:

@@ -19,7 +19,7 @@ from typing import Any, Final
 import grpc
 
 from stratus import __version__
-from stratus.errors import ConfigError, StratusError
+from stratus.errors import ConfigError, InvalidInput, StratusError
 from stratus.status import ErrorInterceptor, status_code
 from stratus.wire import inference_pb2 as pb
 from stratus.wire import inference_pb2_grpc as pb_grpc
@@ -159,6 +159,16 @@ class DataPlane(abc.ABC):
     async def infer(self, request: pb.ModelInferRequest, *, timeout_s: float | None) -> pb.ModelInferResponse:
         """Answer one request or raise a StratusError; ``timeout_s`` is the caller's deadline."""
 
+    def generate(
+        self, request: pb.ModelInferRequest, *, timeout_s: float | None
+    ) -> AsyncIterator[pb.ModelInferResponse]:
+        """A generative request answered as it is produced (see :mod:`stratus.generation`):
+        one response per chunk of tokens, the last with ``triton_final_response`` true.
+
+        A ModelStreamInfer request whose ``stream`` parameter is true comes here; a data
+        plane with no generative model refuses it."""
+        raise InvalidInput(f"model '{request.model_name}' does not generate text here")
+
 
 class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     def __init__(self, plane: DataPlane) -> None:
@@ -248,6 +258,10 @@ class _StreamSession:
 
     async def _answer(self, request: pb.ModelInferRequest) -> None:
         try:
+            if _streams(request):  # decoupled: many responses, the last marked final
+                async for chunk in self._plane.generate(request, timeout_s=None):
+                    self._outbox.put_nowait(pb.ModelStreamInferResponse(infer_response=chunk))
+                return
             response = await self._plane.infer(request, timeout_s=None)
             self._outbox.put_nowait(pb.ModelStreamInferResponse(infer_response=response))
         except StratusError as exc:
@@ -257,6 +271,17 @@ class _StreamSession:
             self._outbox.put_nowait(stream_error(request, f"INTERNAL: {type(exc).__name__}: {exc}"))
         finally:
             self._window.release()
+
+
+def _streams(request: pb.ModelInferRequest) -> bool:
+    """Triton's convention: a ``stream`` parameter (or BOOL input) true asks for chunks."""
+    parameter = request.parameters.get("stream")
+    if parameter is not None and parameter.WhichOneof("parameter_choice") == "bool_param":
+        return bool(parameter.bool_param)
+    return any(
+        t.name == "stream" and t.datatype == "BOOL" and list(t.contents.bool_contents) == [True]
+        for t in request.inputs
+    )
 
 
 def stream_error(request: pb.ModelInferRequest, message: str) -> pb.ModelStreamInferResponse:

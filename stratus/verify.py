@@ -283,6 +283,9 @@ def verify(
     with tempfile.TemporaryDirectory(prefix="stratus-verify-") as scratch:
         cache = cache_dir or Path(scratch)
         for family in repository.families.values():
+            if family.generative:  # checked by `models calibrate` and the LLM tests, not here yet
+                skipped[f"family {family.name}"] = "generative families are not verified by this command yet"
+                continue
             family_rows = verify_family(family, _or_synthetic(family, data(family)), usable, cache)
             rows += family_rows
             records[family.name] = _write_record(family, family_rows) if record else record_state(family)

@@ -166,7 +166,18 @@ class FamilyInfo(_message.Message):
     INPUTS_FIELD_NUMBER: _builtins.int
     OUTPUTS_FIELD_NUMBER: _builtins.int
     THRESHOLDS_FIELD_NUMBER: _builtins.int
+    KIND_FIELD_NUMBER: _builtins.int
+    CONFIDENCE_METHOD_FIELD_NUMBER: _builtins.int
+    MAX_TOKENS_FIELD_NUMBER: _builtins.int
+    STOP_FIELD_NUMBER: _builtins.int
     name: _builtins.str
+    kind: _builtins.str
+    """"generative" for a family that answers prompts with text; empty for a classifier."""
+    confidence_method: _builtins.str
+    """A generative family's confidence method (mean_logprob, min_logprob, first_margin),
+    the most tokens a request may ask for, and its stop strings.
+    """
+    max_tokens: _builtins.int
     @_builtins.property
     def inputs(self) -> _containers.RepeatedCompositeFieldContainer[_inference_pb2.ModelMetadataResponse.TensorMetadata]: ...
     @_builtins.property
@@ -175,6 +186,8 @@ class FamilyInfo(_message.Message):
     def thresholds(self) -> _containers.ScalarMap[_builtins.str, _builtins.float]:
         """Keyed by tier name: "device", "edge", "cloud"."""
 
+    @_builtins.property
+    def stop(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
     def __init__(
         self,
         *,
@@ -182,10 +195,14 @@ class FamilyInfo(_message.Message):
         inputs: _abc.Iterable[_inference_pb2.ModelMetadataResponse.TensorMetadata] | None = ...,
         outputs: _abc.Iterable[_inference_pb2.ModelMetadataResponse.TensorMetadata] | None = ...,
         thresholds: _abc.Mapping[_builtins.str, _builtins.float] | None = ...,
+        kind: _builtins.str = ...,
+        confidence_method: _builtins.str = ...,
+        max_tokens: _builtins.int = ...,
+        stop: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["inputs", b"inputs", "name", b"name", "outputs", b"outputs", "thresholds", b"thresholds"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["confidence_method", b"confidence_method", "inputs", b"inputs", "kind", b"kind", "max_tokens", b"max_tokens", "name", b"name", "outputs", b"outputs", "stop", b"stop", "thresholds", b"thresholds"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -413,6 +430,41 @@ class Draining(_message.Message):
 Global___Draining: _TypeAlias = Draining  # noqa: Y015
 
 @_typing.final
+class Chunk(_message.Message):
+    """Tokens a generative Work produced since its previous Chunk, sent as they are made; the
+    Work's Result follows the last one. Margins are NaN where the runtime shows no
+    alternatives.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    TEXT_FIELD_NUMBER: _builtins.int
+    LOGPROBS_FIELD_NUMBER: _builtins.int
+    MARGINS_FIELD_NUMBER: _builtins.int
+    request_id: _builtins.str
+    text: _builtins.str
+    @_builtins.property
+    def logprobs(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]: ...
+    @_builtins.property
+    def margins(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]: ...
+    def __init__(
+        self,
+        *,
+        request_id: _builtins.str = ...,
+        text: _builtins.str = ...,
+        logprobs: _abc.Iterable[_builtins.float] | None = ...,
+        margins: _abc.Iterable[_builtins.float] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["logprobs", b"logprobs", "margins", b"margins", "request_id", b"request_id", "text", b"text"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Chunk: _TypeAlias = Chunk  # noqa: Y015
+
+@_typing.final
 class ReloadFailed(_message.Message):
     """A reload failed: the agent serves what it served before, and says why."""
 
@@ -442,6 +494,7 @@ class AgentMessage(_message.Message):
     RESULT_FIELD_NUMBER: _builtins.int
     DRAINING_FIELD_NUMBER: _builtins.int
     RELOAD_FAILED_FIELD_NUMBER: _builtins.int
+    CHUNK_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def hello(self) -> Global___Hello:
         """The first message of a link; a later Hello on the same link announces what the
@@ -456,6 +509,8 @@ class AgentMessage(_message.Message):
     def draining(self) -> Global___Draining: ...
     @_builtins.property
     def reload_failed(self) -> Global___ReloadFailed: ...
+    @_builtins.property
+    def chunk(self) -> Global___Chunk: ...
     def __init__(
         self,
         *,
@@ -464,12 +519,13 @@ class AgentMessage(_message.Message):
         result: Global___Result | None = ...,
         draining: Global___Draining | None = ...,
         reload_failed: Global___ReloadFailed | None = ...,
+        chunk: Global___Chunk | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["draining", b"draining", "heartbeat", b"heartbeat", "hello", b"hello", "kind", b"kind", "reload_failed", b"reload_failed", "result", b"result"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["chunk", b"chunk", "draining", b"draining", "heartbeat", b"heartbeat", "hello", b"hello", "kind", b"kind", "reload_failed", b"reload_failed", "result", b"result"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["draining", b"draining", "heartbeat", b"heartbeat", "hello", b"hello", "kind", b"kind", "reload_failed", b"reload_failed", "result", b"result"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk", b"chunk", "draining", b"draining", "heartbeat", b"heartbeat", "hello", b"hello", "kind", b"kind", "reload_failed", b"reload_failed", "result", b"result"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["hello", "heartbeat", "result", "draining", "reload_failed"]  # noqa: Y015
+    _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["hello", "heartbeat", "result", "draining", "reload_failed", "chunk"]  # noqa: Y015
     _WhichOneofArgType_kind: _TypeAlias = _typing.Literal["kind", b"kind"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_kind) -> _WhichOneofReturnType_kind | None: ...
 

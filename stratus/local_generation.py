@@ -1,0 +1,215 @@
+"""Generative variants loaded on this machine, and how a prompt becomes a stream of chunks.
+
+Used beside :class:`stratus.local.LocalModels` (which owns it) by the edge agent and the
+cloud gateway. A generation runs greedily on an executor thread; each token crosses to the
+event loop as soon as it is made, so the agent can put it on its AgentLink at once, and a
+cancelled Work stops the runtime at its next token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
+
+from stratus import codec
+from stratus.errors import InvalidInput, NotFound, RuntimeUnavailable
+from stratus.generation import (
+    MAX_TOKENS,
+    TEXT_INPUT,
+    TEXT_OUTPUT,
+    Chunk,
+    GenerationParams,
+    Token,
+    confidence_of,
+)
+from stratus.protocol import parameter_value
+from stratus.repository import FamilySpec, ModelRepository, VariantSpec
+from stratus.runtimes.base import LoadOptions
+from stratus.runtimes.generative import GenerativeRunner, load_generator
+from stratus.tiers import Tier
+from stratus.wire import inference_pb2 as pb
+
+log = logging.getLogger("stratus.generation")
+
+OnChunk = Callable[[Chunk], Awaitable[None]]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Generated:
+    """A finished generation: the text, its tokens, why it stopped, how sure, how long."""
+
+    variant: VariantSpec
+    text: str
+    tokens: tuple[Token, ...]
+    finish_reason: str
+    confidence: float
+    service_ms: float
+
+
+class LocalGenerators:
+    """The generative lines of one tier (or named variants), each in its runtime here."""
+
+    def __init__(
+        self,
+        repository: ModelRepository,
+        *,
+        tier: Tier | None,
+        variants: list[str] | None,
+        options: LoadOptions,
+        runtimes: list[str] | None = None,
+        emulated_extra_ms: float = 0.0,
+    ) -> None:
+        self.emulated_extra_ms = emulated_extra_ms  # tests and benchmarks: a slower device, per token
+        self.families: dict[str, FamilySpec] = {}
+        self.variants: dict[str, VariantSpec] = {}
+        self.runners: dict[str, GenerativeRunner] = {}
+        self.current: set[str] = set()
+        for family, variant, current in _select(repository, tier, variants):
+            try:
+                self.runners[variant.name] = load_generator(family, variant, options, runtimes=runtimes)
+            except (RuntimeUnavailable, NotFound) as exc:  # no runtime or no file for it here: serve the rest
+                log.warning("%s: not serving %s: %s", family.name, variant.name, exc)
+                continue
+            self.families[family.name] = family
+            self.variants[variant.name] = variant
+            if current:
+                self.current.add(variant.name)
+            log.info("%s: %s loaded (%s)", family.name, variant.name, self.runners[variant.name].runtime)
+        self._executor = concurrent.futures.ThreadPoolExecutor(
+            max_workers=max(1, options.concurrency), thread_name_prefix="stratus-generate"
+        )
+
+    def serves(self, model: str) -> bool:
+        return model in self.variants or any(self.variants[name].family == model for name in self.current)
+
+    def variant_for(self, model: str) -> tuple[FamilySpec, VariantSpec]:
+        """A family resolves to its current variant here (the highest tier's); a variant to itself."""
+        if model in self.variants:
+            variant = self.variants[model]
+            return self.families[variant.family], variant
+        local = [self.variants[n] for n in self.current if self.variants[n].family == model]
+        if not local:
+            raise NotFound(f"model '{model}' is not a generative model served here")
+        variant = max(local, key=lambda v: v.tier)
+        return self.families[variant.family], variant
+
+    async def generate(self, request: pb.ModelInferRequest, on_chunk: OnChunk | None = None) -> Generated:
+        """Generate for a request (``text_input``, ``max_tokens``); chunks go to ``on_chunk``
+        as tokens are made. Cancelling the caller stops the runtime at its next token."""
+        family, variant = self.variant_for(request.model_name)
+        assert family.generation is not None
+        prompt, params = prompt_and_params(request, family)
+        loop = asyncio.get_running_loop()
+        tokens: asyncio.Queue[Token | None] = asyncio.Queue()
+        stop = threading.Event()
+
+        def emit(token: Token) -> bool:
+            if self.emulated_extra_ms:
+                time.sleep(self.emulated_extra_ms / 1000.0)  # on the executor thread, like real compute
+            loop.call_soon_threadsafe(tokens.put_nowait, token)
+            return not stop.is_set()
+
+        def run() -> str:
+            try:
+                return self.runners[variant.name].generate(prompt, params, emit)
+            finally:
+                loop.call_soon_threadsafe(tokens.put_nowait, None)
+
+        started = time.perf_counter()
+        future = loop.run_in_executor(self._executor, run)
+        produced: list[Token] = []
+        try:
+            while (token := await tokens.get()) is not None:
+                produced.append(token)
+                if on_chunk is not None:
+                    await on_chunk(Chunk(tokens=(token,)))
+            reason = await future
+        except BaseException:
+            stop.set()  # the runtime stops at its next token
+            raise
+        return Generated(
+            variant=variant,
+            text="".join(t.text for t in produced),
+            tokens=tuple(produced),
+            finish_reason=reason,
+            confidence=confidence_of(produced, family.generation.method),
+            service_ms=(time.perf_counter() - started) * 1000.0,
+        )
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=True, cancel_futures=True)
+        for runner in self.runners.values():
+            runner.close()
+
+
+def prompt_and_params(request: pb.ModelInferRequest, family: FamilySpec) -> tuple[str, GenerationParams]:
+    """The prompt (one ``text_input`` string) and the generation's limits, checked."""
+    assert family.generation is not None
+    prompt, max_tokens = read_prompt(request, family.name, family.generation.max_tokens)
+    return prompt, GenerationParams(max_tokens=max_tokens, stop=family.generation.stop)
+
+
+def read_prompt(request: pb.ModelInferRequest, family: str, limit: int) -> tuple[str, int]:
+    """One prompt in ``text_input`` and ``max_tokens`` (default ``limit``) within 1..limit."""
+    inputs = codec.decode_request_inputs(request)
+    if set(inputs) != {TEXT_INPUT}:
+        raise InvalidInput(f"model '{family}' takes one input '{TEXT_INPUT}' (BYTES), not {sorted(inputs)}")
+    prompts = inputs[TEXT_INPUT].reshape(-1)
+    if len(prompts) != 1:
+        raise InvalidInput(f"'{TEXT_INPUT}' must hold exactly one prompt, not {len(prompts)}")
+    raw = prompts[0]
+    try:
+        prompt = raw.decode("utf-8") if isinstance(raw, bytes) else str(raw)
+    except UnicodeDecodeError:
+        raise InvalidInput(f"'{TEXT_INPUT}' is not UTF-8 text") from None
+    max_tokens = _int_parameter(request.parameters, MAX_TOKENS, default=limit)
+    if not 1 <= max_tokens <= limit:
+        raise InvalidInput(f"max_tokens must be between 1 and {limit} for model '{family}', not {max_tokens}")
+    return prompt, max_tokens
+
+
+def _int_parameter(parameters: Mapping[str, pb.InferParameter], key: str, *, default: int) -> int:
+    if key not in parameters:
+        return default
+    value = parameter_value(parameters[key])
+    if isinstance(value, bool) or not isinstance(value, int | float) or int(value) != value:
+        raise InvalidInput(f"parameter '{key}' must be an integer, not {value!r}")
+    return int(value)
+
+
+def text_response(request: pb.ModelInferRequest, text: str) -> pb.ModelInferResponse:
+    """``text_output`` in the form the client sent its input: raw bytes (as tritonclient
+    does and expects back) or typed contents."""
+    response = pb.ModelInferResponse(model_name=request.model_name, id=request.id)
+    raw = bool(request.raw_input_contents)
+    codec.encode_response_outputs(response, {TEXT_OUTPUT: _bytes_array(text)}, raw=raw)
+    return response
+
+
+def _bytes_array(text: str) -> codec.Array:
+    import numpy as np
+
+    return np.array([text.encode("utf-8")], dtype=object)
+
+
+def _select(
+    repository: ModelRepository, tier: Tier | None, names: list[str] | None
+) -> list[tuple[FamilySpec, VariantSpec, bool]]:
+    chosen = []
+    for family in repository.families.values():
+        if not family.generative:
+            continue
+        for variant in family.variants:
+            if variant.parent is not None:
+                continue
+            if names is not None and variant.name not in names:
+                continue
+            if names is None and tier is not None and variant.tier is not tier:
+                continue
+            chosen.append((family, variant, family.current.get(variant.tier) == variant.name))
+    return chosen

@@ -1,0 +1,217 @@
+"""The generative path end to end, without the cloud: a router serving the OpenAI API and the
+Open Inference Protocol, a device agent and an edge agent generating with OpenVINO GenAI.
+
+What each tier answers comes from the models themselves (greedy decoding); the tests check
+where answers come from, that nothing a higher tier replaced is ever shown, that streamed
+and whole answers agree, and every refusal's status and message."""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from stratus import codec
+from stratus.launcher import free_port
+from stratus.protocol import Served, set_parameter
+from stratus.serving import open_sync_channel
+from stratus.wire import inference_pb2 as pb
+from stratus.wire import inference_pb2_grpc as pb_grpc
+
+from .cluster import MODELS, Cluster, ready_count, wait_until
+from .test_metrics import samples, scrape, value
+
+openai = pytest.importorskip("openai")
+pytestmark = pytest.mark.skipif(
+    not (MODELS / "arith" / "family.toml").is_file(), reason="models/arith is not built"
+)
+LLM_MODELS = ["--models", str(MODELS)]
+PROMPTS = ["37+48=", "12+5=", "90-45=", "7+8=", "66-6="]
+
+
+@dataclass
+class LlmFleet:
+    router: str
+    openai_url: str
+    device_metrics: str
+
+    def client(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.openai_url, api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def llm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LlmFleet]:
+    cluster = Cluster(tmp_path_factory.mktemp("llm") / "logs")
+    try:
+        api, metrics = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
+        router = cluster.router("--openai", api).address
+        cluster.agent("device-1", router, *LLM_MODELS, "--metrics", metrics)
+        cluster.agent("edge-1", router, *LLM_MODELS, tier="edge")
+        wait_until(lambda: ready_count(router) == 2, timeout_s=60)
+        yield LlmFleet(router=router, openai_url=f"http://{api}/v1", device_metrics=metrics)
+    finally:
+        cluster.stop_all()
+
+
+def complete(fleet: LlmFleet, prompt: str, **stratus: object) -> tuple[str, dict[str, object]]:
+    answer = fleet.client().completions.create(
+        model="arith", prompt=prompt, max_tokens=4, extra_body={"stratus": stratus}
+    )
+    extra = answer.model_extra or {}
+    return answer.choices[0].text, extra["stratus"]
+
+
+def test_models_lists_the_generative_family_and_its_variants(llm: LlmFleet) -> None:
+    names = {m.id for m in llm.client().models.list().data}
+    assert {"arith", "arith-small", "arith-medium"} <= names
+    assert "digits" not in names  # a classifier does not generate
+
+
+def test_a_confident_answer_stays_on_the_device_an_unsure_one_climbs(llm: LlmFleet) -> None:
+    for prompt in PROMPTS:
+        text, sure = complete(llm, prompt, min_confidence=0.0)
+        assert (sure["tier"], sure["path"], sure["degraded"]) == ("device", ["device"], False)
+        direct, _ = complete(llm, prompt, min_confidence=0.0, max_tier="device")
+        assert text == direct
+        _, unsure = complete(llm, prompt, min_confidence=1.0)
+        assert (unsure["tier"], unsure["path"]) == ("edge", ["device", "edge"])  # the top here: final
+        assert unsure["degraded"] is False and set(unsure["timings_ms"]) == {"device", "edge"}
+        _, capped = complete(llm, prompt, min_confidence=1.0, max_tier="device")
+        assert capped["tier"] == "device" and capped["degraded"] is False
+
+
+def test_streamed_answers_equal_whole_ones_and_hold_what_was_replaced(llm: LlmFleet) -> None:
+    client = llm.client()
+    for prompt in PROMPTS:
+        for min_confidence in (0.0, 1.0):
+            whole, served = complete(llm, prompt, min_confidence=min_confidence)
+            stream = client.completions.create(
+                model="arith",
+                prompt=prompt,
+                max_tokens=4,
+                stream=True,
+                extra_body={"stratus": {"min_confidence": min_confidence}},
+            )
+            chunks = list(stream)
+            assert "".join(c.choices[0].text for c in chunks) == whole
+            final = chunks[-1]
+            assert final.choices[0].finish_reason in ("stop", "length")
+            assert (final.model_extra or {})["stratus"]["tier"] == served["tier"]
+    # a held device answer never leaks: what an escalated stream shows is the edge's alone
+    edge_only, _ = complete(llm, PROMPTS[0], min_tier="edge")
+    escalated = client.completions.create(
+        model="arith",
+        prompt=PROMPTS[0],
+        max_tokens=4,
+        stream=True,
+        extra_body={"stratus": {"min_confidence": 1.0}},
+    )
+    assert "".join(c.choices[0].text for c in escalated) == edge_only
+
+
+def test_chat_and_a_pinned_variant(llm: LlmFleet) -> None:
+    client = llm.client()
+    chat = client.chat.completions.create(
+        model="arith", messages=[{"role": "user", "content": PROMPTS[0]}], max_tokens=4,
+        extra_body={"stratus": {"min_confidence": 0.0}},
+    )  # fmt: skip
+    text, _ = complete(llm, PROMPTS[0], min_confidence=0.0)
+    assert chat.choices[0].message.content == text
+    pinned = client.completions.create(model="arith-medium", prompt=PROMPTS[0], max_tokens=4, logprobs=1)
+    assert (pinned.model_extra or {})["stratus"]["variant"] == "arith-medium"
+    assert pinned.choices[0].logprobs is not None and all(
+        lp <= 0 for lp in pinned.choices[0].logprobs.token_logprobs
+    )
+
+
+def oip_request(prompt: str, model: str = "arith", **parameters: object) -> pb.ModelInferRequest:
+    request = pb.ModelInferRequest(model_name=model, id="t1")
+    codec.encode_request_inputs(request, {"text_input": np.array([prompt.encode()], dtype=object)})
+    for key, parameter in parameters.items():
+        set_parameter(request.parameters, key, parameter)  # type: ignore[arg-type]
+    return request
+
+
+def test_the_open_inference_protocol_answers_text_whole_and_streamed(llm: LlmFleet) -> None:
+    import tritonclient.grpc as triton
+
+    text, _ = complete(llm, PROMPTS[1], min_confidence=0.0)
+    client = triton.InferenceServerClient(llm.router)
+    prompt = triton.InferInput("text_input", [1], "BYTES")
+    prompt.set_data_from_numpy(np.array([PROMPTS[1].encode()], dtype=object))
+    result = client.infer("arith", [prompt], parameters={"stratus.min_confidence": 0.0, "max_tokens": 4})
+    assert result.as_numpy("text_output")[0].decode() == text
+    served = Served.read(result.get_response().parameters)
+    assert served.tier.label == "device"
+    with open_sync_channel(llm.router) as channel:
+        stub = pb_grpc.GRPCInferenceServiceStub(channel)
+        request = oip_request(PROMPTS[1], stream=True, max_tokens=4)
+        set_parameter(request.parameters, "stratus.min_confidence", 0.0)
+        responses = list(stub.ModelStreamInfer(iter([request]), timeout=30))
+    assert all(not r.error_message for r in responses)
+    finals = [r.infer_response.parameters["triton_final_response"].bool_param for r in responses]
+    assert finals[-1] and not any(finals[:-1])
+    streamed = "".join(
+        codec.decode_response_outputs(r.infer_response)["text_output"][0].decode() for r in responses
+    )
+    assert streamed == text
+
+
+def post(url: str, body: bytes) -> tuple[int, dict[str, object]]:
+    request = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read())
+
+
+def test_bad_requests_get_openai_errors_and_lose_nothing(llm: LlmFleet) -> None:
+    url = f"{llm.openai_url}/completions"
+    good = {"model": "arith", "prompt": "1+1=", "max_tokens": 2}
+    cases = [
+        (b"{not json", 400, "not valid JSON"),
+        (json.dumps({**good, "model": "letters"}).encode(), 404, "'letters' does not exist"),
+        (json.dumps({**good, "max_tokens": 0}).encode(), 400, "between 1 and"),
+        (json.dumps({**good, "max_tokens": 10_000}).encode(), 400, "between 1 and"),
+        (json.dumps({**good, "temperature": 0.8}).encode(), 400, "greedily"),
+        (json.dumps({**good, "prompt": "1+" * 400 + "1="}).encode(), 400, "context"),
+        (json.dumps({**good, "stratus": {"max_tier": "moon"}}).encode(), 400, "moon"),
+        (json.dumps({**good, "stratus": {"speed": 1}}).encode(), 400, "unknown 'stratus' option"),
+    ]
+    for body, status, words in cases:
+        code, answer = post(url, body)
+        error = answer["error"]
+        assert code == status and words in error["message"], (body[:60], code, answer)  # type: ignore[index]
+    code, answer = post(url, json.dumps(good).encode())  # the router still answers
+    assert code == 200 and answer["choices"]
+
+
+def test_a_client_that_goes_away_cancels_the_generation_on_the_agent(llm: LlmFleet, tmp_path: Path) -> None:
+    before = value(samples(scrape(llm.device_metrics)), "stratus_work_total", outcome="cancelled")
+    cluster = Cluster(tmp_path / "logs")
+    try:  # a device that takes 300 ms per token, and a router that knows only it
+        api = f"127.0.0.1:{free_port()}"
+        metrics = f"127.0.0.1:{free_port()}"
+        router = cluster.router("--openai", api).address
+        cluster.agent("slow-device", router, *LLM_MODELS, "--metrics", metrics, "--emulate-slow-ms", "300")
+        wait_until(lambda: ready_count(router) == 1, timeout_s=60)
+        body = json.dumps({"model": "arith", "prompt": "37+48=", "max_tokens": 4, "stream": True}).encode()
+        request = urllib.request.Request(
+            f"http://{api}/v1/completions", data=body, headers={"Content-Type": "application/json"}
+        )
+        response = urllib.request.urlopen(request, timeout=30)
+        first = response.readline()  # the first token's event, then hang up
+        assert first.startswith(b"data: ")
+        response.close()
+        counted = lambda: value(samples(scrape(metrics)), "stratus_work_total", outcome="cancelled")  # noqa: E731
+        wait_until(lambda: counted() == 1, timeout_s=10)
+    finally:
+        cluster.stop_all()
+    assert value(samples(scrape(llm.device_metrics)), "stratus_work_total", outcome="cancelled") == before

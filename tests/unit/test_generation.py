@@ -1,0 +1,141 @@
+"""Generation's pure parts: confidence from token log-probabilities, the running judgement
+that cancels a hopeless answer early, chunks on the wire, generative family configs, and
+the OpenAI body's checks."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from router.openai_api import _oip_request
+from stratus import codec
+from stratus.errors import ConfigError, InvalidInput
+from stratus.generation import (
+    FINISH_REASON,
+    TOKEN_LOGPROBS,
+    Chunk,
+    GenerationMethod,
+    RunningConfidence,
+    Token,
+    confidence_of,
+)
+from stratus.repository import load_family
+
+
+def tokens(*logprobs: float, margin: float | None = None) -> list[Token]:
+    return [
+        Token(text=str(i), logprob=lp, margin=margin if i == 0 else None) for i, lp in enumerate(logprobs)
+    ]
+
+
+def test_each_method_reads_the_log_probabilities_its_own_way() -> None:
+    answer = tokens(-0.1, -2.0, -0.3, margin=0.42)
+    assert confidence_of(answer, GenerationMethod.MEAN_LOGPROB) == pytest.approx(math.exp(-2.4 / 3))
+    assert confidence_of(answer, GenerationMethod.MIN_LOGPROB) == pytest.approx(math.exp(-2.0))
+    assert confidence_of(answer, GenerationMethod.FIRST_MARGIN) == pytest.approx(0.42)
+    # no alternatives known: the first token's own probability stands in for the margin
+    assert confidence_of(tokens(-0.5), GenerationMethod.FIRST_MARGIN) == pytest.approx(math.exp(-0.5))
+    assert confidence_of([], GenerationMethod.MEAN_LOGPROB) == 0.0
+
+
+def test_a_minimum_below_the_threshold_is_hopeless_at_once_a_mean_never_early() -> None:
+    running = RunningConfidence(GenerationMethod.MIN_LOGPROB)
+    running.add(tokens(-0.05))
+    assert not running.hopeless(0.5)
+    running.add([Token(text="x", logprob=-3.0)])  # probability 0.05: the minimum never rises again
+    assert running.hopeless(0.5)
+    mean = RunningConfidence(GenerationMethod.MEAN_LOGPROB)
+    mean.add(tokens(-5.0, -5.0))
+    assert mean.value < 0.01 and not mean.hopeless(0.5)  # more sure tokens could still lift it
+    first = RunningConfidence(GenerationMethod.FIRST_MARGIN)
+    first.add(tokens(-0.1, margin=0.1))
+    assert first.hopeless(0.2) and not first.hopeless(0.05)
+
+
+def test_chunks_travel_as_parameters_and_come_back() -> None:
+    chunk = Chunk(
+        tokens=(Token(text="8", logprob=-0.25, margin=0.5), Token(text="5", logprob=-0.125)),
+        finish_reason="stop",
+    )
+    params = chunk.parameters()
+    assert json.loads(params[TOKEN_LOGPROBS]) == [-0.25, -0.125] and params[FINISH_REASON] == "stop"
+    back = Chunk.from_parts(chunk.text, params, final=True)
+    assert back.text == "85" and [t.logprob for t in back.tokens] == [-0.25, -0.125]
+    assert [t.margin for t in back.tokens] == [0.5, None] and back.finish_reason == "stop"
+
+
+GENERATIVE = """
+[family]
+name = "arith"
+kind = "generative"
+
+[generation]
+max_tokens = 4
+stop = ["\\n"]
+
+[confidence]
+method = "min_logprob"
+
+[current]
+device = "arith-small"
+
+[[variants]]
+name = "arith-small"
+tier = "device"
+precision = "FP16"
+files = { gguf = "arith-small.gguf" }
+"""
+
+
+@pytest.fixture
+def generative(tmp_path: Path) -> Path:
+    (tmp_path / "arith-small.gguf").write_bytes(b"GGUF")
+    path = tmp_path / "family.toml"
+    path.write_text(GENERATIVE)
+    return path
+
+
+def test_a_generative_family_reads_with_its_text_tensors_and_limits(generative: Path) -> None:
+    family = load_family(generative)
+    assert family.generation is not None and family.generative
+    assert (family.generation.max_tokens, family.generation.stop) == (4, ("\n",))
+    assert family.generation.method is GenerationMethod.MIN_LOGPROB
+    assert [(t.name, t.datatype) for t in family.inputs] == [("text_input", "BYTES")]
+    assert family.variant("arith-small").precision == "FP16"  # a root in FP16 needs no parent
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "problem"),
+    [
+        ('method = "min_logprob"', 'method = "max_softmax"', "confidence.method"),
+        ("max_tokens = 4", "max_tokens = 0", "must be at least 1"),
+        ('stop = ["\\n"]', "stop = [1]", "non-empty strings"),
+        ('gguf = "arith-small.gguf"', 'hf = "arith-small"', "not a Hugging Face model folder"),
+    ],
+)
+def test_generative_configs_are_refused_precisely(generative: Path, old: str, new: str, problem: str) -> None:
+    generative.write_text(GENERATIVE.replace(old, new))
+    with pytest.raises(ConfigError, match=problem):
+        load_family(generative)
+
+
+def test_the_openai_body_becomes_a_checked_request() -> None:
+    body = {"max_tokens": 3, "stratus": {"min_confidence": 0.9, "max_tier": "edge"}}
+    request = _oip_request("arith", "1+1=", body, limit=4)
+    assert codec.decode_request_inputs(request)["text_input"][0] == b"1+1="
+    assert request.parameters["max_tokens"].int64_param == 3
+    assert request.parameters["stratus.min_confidence"].double_param == 0.9
+    assert request.parameters["stratus.max_tier"].string_param == "edge"
+    for bad, words in [
+        ({"max_tokens": 5}, "between 1 and 4"),
+        ({"max_tokens": True}, "between 1 and 4"),
+        ({"temperature": 0.5}, "greedily"),
+        ({"n": 2}, "'n' must be 1"),
+        ({"stratus": {"budget_ms": "fast"}}, "must be a number"),
+        ({"stratus": []}, "must be an object"),
+    ]:
+        with pytest.raises(InvalidInput, match=words):
+            _oip_request("arith", "1+1=", bad, limit=4)

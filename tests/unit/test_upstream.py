@@ -1,0 +1,647 @@
+"""The cloud gateway's OpenAI-compatible upstream client and the data plane in front of it.
+
+The server here is a test double written with aiohttp: it answers with the response shapes
+and error codes vLLM's OpenAI API uses (checked against real vLLM by the integration tests
+in tests/integration/vllm), so that parsing and every error mapping are tested quickly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+from collections.abc import AsyncIterator, Callable, Coroutine
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import pytest
+from aiohttp import web
+
+from cloud_gateway.generative import QUEUE, GenerativeModel, UpstreamDataPlane
+from cloud_gateway.upstream import (
+    OpenAIUpstream,
+    SseDecoder,
+    UpstreamLoad,
+    UpstreamSettings,
+    chunk_from_choice,
+    error_for_status,
+    error_message,
+    margin,
+    parse_metrics,
+    served_model,
+    token_texts,
+)
+from stratus import codec
+from stratus.errors import (
+    DeadlineExceeded,
+    InvalidInput,
+    NotFound,
+    Overloaded,
+    PermissionDenied,
+    StratusError,
+    Unauthenticated,
+    Unavailable,
+)
+from stratus.generation import (
+    FINAL,
+    FINISH_REASON,
+    TOKEN_LOGPROBS,
+    TOKEN_MARGINS,
+    Chunk,
+    GenerationParams,
+    Token,
+)
+from stratus.protocol import Served, parameter_value, set_parameter
+from stratus.serving import DataPlane
+from stratus.wire import inference_pb2 as pb
+
+pytestmark = pytest.mark.usefixtures("no_leaked_threads")
+
+# --- canned vLLM answers ------------------------------------------------------------------------
+
+TOKENS = ["8", "5", "\n"]
+LOGPROBS = [-0.1, -0.2, -0.05]
+TOPS = [{"8": -0.1, "7": -2.5}, {"5": -0.2, "6": -1.8}, {"\n": -0.05, " ": -3.0}]
+
+
+def completion(text: str = "85\n", finish: str = "stop") -> dict[str, Any]:
+    return {
+        "id": "cmpl-1",
+        "object": "text_completion",
+        "model": "arith-large",
+        "choices": [
+            {
+                "index": 0,
+                "text": text,
+                "logprobs": {
+                    "tokens": TOKENS,
+                    "token_logprobs": LOGPROBS,
+                    "top_logprobs": TOPS,
+                    "text_offset": [0, 1, 2],
+                },
+                "finish_reason": finish,
+            }
+        ],
+    }
+
+
+def events() -> list[dict[str, Any]]:
+    """vLLM streams one token per event; the last carries the finish reason."""
+    out = []
+    for i, token in enumerate(TOKENS):
+        choice = {
+            "index": 0,
+            "text": token,
+            "logprobs": {
+                "tokens": [token],
+                "token_logprobs": [LOGPROBS[i]],
+                "top_logprobs": [TOPS[i]],
+                "text_offset": [i],
+            },
+            "finish_reason": "length" if i == len(TOKENS) - 1 else None,
+        }
+        out.append({"id": "cmpl-1", "object": "text_completion", "choices": [choice]})
+    return out
+
+
+METRICS = """# HELP vllm:num_requests_waiting Number of requests waiting to be processed.
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{engine="0",model_name="arith-large"} 3.0
+# HELP vllm:num_requests_running Number of requests in model execution batches.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="arith-large"} 2.0
+vllm:num_requests_running_total 99.0
+"""
+
+
+@dataclass
+class Fake:
+    """What the fake server answers; tests change it between calls."""
+
+    health: int = 200
+    metrics: str = METRICS
+    status: int = 200
+    body: Any = field(default_factory=completion)
+    stream: list[str] = field(default_factory=lambda: [*(json.dumps(e) for e in events()), "[DONE]"])
+    delay_s: float = 0.0
+    reset: bool = False
+    received: list[dict[str, Any]] = field(default_factory=list)
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/metrics", self._metrics)
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_post("/v1/completions", self._completions)
+        return app
+
+    async def _health(self, request: web.Request) -> web.Response:
+        return web.Response(status=self.health)
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        return web.Response(text=self.metrics)
+
+    async def _models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": "arith-large", "object": "model"}]})
+
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        self.received.append(body)
+        await asyncio.sleep(self.delay_s)
+        if self.reset:
+            assert request.transport is not None
+            request.transport.abort()
+            return web.Response()
+        if self.status != 200:
+            return web.json_response(self.body, status=self.status)
+        if not body.get("stream"):
+            return web.json_response(self.body)
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        for data in self.stream:
+            await response.write(f"data: {data}\n\n".encode())
+        return response
+
+
+@asynccontextmanager
+async def serving(fake: Fake) -> AsyncIterator[str]:
+    runner = web.AppRunner(fake.app(), handler_cancellation=True)  # a client that gives up ends its handler
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        await runner.cleanup()
+
+
+@asynccontextmanager
+async def client(fake: Fake, **settings: Any) -> AsyncIterator[OpenAIUpstream]:
+    async with serving(fake) as url:
+        upstream = OpenAIUpstream(UpstreamSettings(url=url, model="arith-large", **settings))
+        await upstream.start()
+        try:
+            yield upstream
+        finally:
+            await upstream.close()
+
+
+def run(scenario: Callable[[], Coroutine[Any, Any, Any]]) -> Any:
+    return asyncio.run(scenario())
+
+
+PARAMS = GenerationParams(max_tokens=3, stop=("\n\n",))
+
+# --- pure parts ---------------------------------------------------------------------------------
+
+
+def test_margin_is_top1_minus_top2_in_probability() -> None:
+    assert margin({"8": -0.1, "7": -2.5}) == pytest.approx(math.exp(-0.1) - math.exp(-2.5))
+    assert margin({"7": -2.5, "8": -0.1, "x": -9.0}) == pytest.approx(math.exp(-0.1) - math.exp(-2.5))
+    assert margin({"8": -0.1}) is None  # two ids that decode alike collapse into one key
+    assert margin(None) is None
+
+
+def test_token_texts_always_join_back_into_the_text() -> None:
+    assert token_texts("85\n", ["8", "5", "\n"], [0, 1, 2], 3) == ["8", "5", "\n"]
+    # vLLM: a special token is in the tokens, not in the text, and its offsets count it
+    special = token_texts("664107", ["66", "<s>", "41", "07"], [0, 2, 5, 7], 4)
+    assert special == ["66", "", "41", "07"]
+    # a character whose bytes are split over two tokens: cut at the offsets
+    assert token_texts("é!", ["bytes:\\xc3", "bytes:\\xa9", "!"], [0, 0, 1], 3) == ["", "é", "!"]
+    assert token_texts("85", ["x", "y"], [17, 18], 2) == ["8", "5"]  # offsets that count the prompt
+    assert token_texts("85", ["8", "5", "\n"], [0, 1, 2], 3) == ["8", "5", ""]  # a stop string cut
+    assert token_texts("85", [], [], 2) == ["85", ""]  # nothing to go by: the first holds the text
+    assert token_texts("", [], [], 0) == []
+
+
+def test_a_choice_becomes_a_chunk_with_logprobs_and_margins() -> None:
+    chunk = chunk_from_choice(completion()["choices"][0])
+    assert chunk.text == "85\n"
+    assert [t.logprob for t in chunk.tokens] == LOGPROBS
+    assert chunk.tokens[0].margin == pytest.approx(math.exp(-0.1) - math.exp(-2.5))
+    assert chunk.finish_reason == "stop"
+    assert chunk_from_choice({"text": "", "finish_reason": None}) == Chunk(tokens=())
+    assert chunk_from_choice({"text": "hi", "logprobs": None}).tokens == (Token(text="hi", logprob=0.0),)
+
+
+def test_metrics_are_read_with_or_without_labels_and_summed_over_engines() -> None:
+    assert parse_metrics(METRICS) == UpstreamLoad(waiting=3, running=2)
+    plain = "vllm:num_requests_waiting 4\nvllm:num_requests_running 1.0 1700000000000\n"
+    assert parse_metrics(plain) == UpstreamLoad(waiting=4, running=1)
+    engines = 'vllm:num_requests_running{engine="0"} 1\nvllm:num_requests_running{engine="1"} 2\n'
+    assert parse_metrics(engines).queue == 3
+    assert parse_metrics("vllm:num_requests_waiting NaN\ngarbage{\n") == UpstreamLoad()
+    assert parse_metrics("") == UpstreamLoad()
+
+
+def test_sse_events_are_decoded_line_by_line() -> None:
+    decoder = SseDecoder()
+    lines = [
+        ": keep-alive\n",
+        'data: {"a":\n',
+        "data: 1}\r\n",
+        "\r\n",
+        "event: x\n",
+        "\n",
+        "data:[DONE]\n",
+        "\n",
+    ]
+    assert [d for line in lines if (d := decoder.feed(line)) is not None] == ['{"a":\n1}', "[DONE]"]
+
+
+def test_error_bodies_give_the_servers_own_message() -> None:
+    openai = {"error": {"message": "maximum context length is 512", "type": "BadRequestError", "code": 400}}
+    assert error_message(json.dumps(openai).encode()) == "maximum context length is 512"
+    assert error_message(json.dumps({"object": "error", "message": "old style", "code": 400})) == "old style"
+    assert error_message(b"Internal Server Error") == "Internal Server Error"
+    assert error_message(b"") == "(no message)"
+
+
+@pytest.mark.parametrize(
+    ("status", "kind"),
+    [
+        (400, InvalidInput),
+        (422, InvalidInput),
+        (401, Unauthenticated),
+        (403, PermissionDenied),
+        (404, NotFound),
+        (408, DeadlineExceeded),
+        (429, Overloaded),
+        (503, Overloaded),
+        (500, Unavailable),
+        (502, Unavailable),
+        (504, DeadlineExceeded),
+    ],
+)
+def test_http_statuses_map_to_stratus_errors(status: int, kind: type[StratusError]) -> None:
+    error = error_for_status(status, "why")
+    assert type(error) is kind
+    assert "why" in str(error) and str(status) in str(error)
+
+
+def test_settings_are_checked() -> None:
+    with pytest.raises(ValueError, match="http"):
+        UpstreamSettings(url="127.0.0.1:8000", model="m")
+    assert UpstreamSettings(url="http://h:1/v1/", model="m").base == "http://h:1"
+
+
+# --- against the fake server --------------------------------------------------------------------
+
+
+def test_a_whole_completion_is_asked_greedily_with_top2_logprobs() -> None:
+    fake = Fake()
+
+    async def scenario() -> Chunk:
+        async with client(fake) as upstream:
+            return await upstream.complete("37+48=", PARAMS, timeout_s=5.0)
+
+    chunk = run(scenario)
+    assert chunk.text == "85\n" and chunk.finish_reason == "stop"
+    assert [t.text for t in chunk.tokens] == TOKENS
+    sent = fake.received[0]
+    assert sent == {
+        "model": "arith-large",
+        "prompt": "37+48=",
+        "max_tokens": 3,
+        "temperature": 0,
+        "logprobs": 2,
+        "stream": False,
+        "stop": ["\n\n"],
+    }
+
+
+def test_a_streamed_completion_yields_chunks_until_the_finish_reason() -> None:
+    fake = Fake()
+
+    async def scenario() -> list[Chunk]:
+        async with client(fake) as upstream:
+            chunks = [c async for c in upstream.stream("37+48=", PARAMS, timeout_s=5.0)]
+            assert upstream.latency.count == 1
+            return chunks
+
+    chunks = run(scenario)
+    assert [c.text for c in chunks] == TOKENS
+    assert [c.finish_reason for c in chunks] == [None, None, "length"]
+    assert [t.logprob for c in chunks for t in c.tokens] == LOGPROBS
+    assert fake.received[0]["stream"] is True
+
+
+def test_a_stream_that_ends_without_its_final_event_is_unavailable() -> None:
+    fake = Fake(stream=[json.dumps(events()[0])])
+
+    async def scenario() -> None:
+        async with client(fake) as upstream:
+            async for _ in upstream.stream("x", PARAMS, timeout_s=5.0):
+                pass
+
+    with pytest.raises(Unavailable, match="before its final event"):
+        run(scenario)
+
+
+def test_done_without_a_finish_reason_still_ends_with_a_final_chunk() -> None:
+    usage = json.dumps({"id": "c", "choices": [], "usage": {"completion_tokens": 1}})
+    fake = Fake(stream=[json.dumps(events()[0]), usage, "[DONE]"])
+
+    async def scenario() -> list[Chunk]:
+        async with client(fake) as upstream:
+            return [c async for c in upstream.stream("x", PARAMS, timeout_s=5.0)]
+
+    chunks = run(scenario)
+    assert [(c.text, c.finish_reason) for c in chunks] == [("8", None), ("", "stop")]
+
+
+def test_events_after_the_final_one_are_read_but_not_yielded() -> None:
+    usage = json.dumps({"id": "c", "choices": [], "usage": {"completion_tokens": 3}})
+    late = json.dumps(events()[0])
+    fake = Fake(stream=[*(json.dumps(e) for e in events()), usage, late, "[DONE]"])
+
+    async def scenario() -> list[Chunk]:
+        async with client(fake) as upstream:
+            return [c async for c in upstream.stream("x", PARAMS, timeout_s=5.0)]
+
+    assert [c.text for c in run(scenario)] == TOKENS
+
+
+def test_an_error_event_in_the_middle_of_a_stream_is_raised_as_its_status() -> None:
+    error = {"error": {"message": "engine died", "type": "InternalServerError", "code": 500}}
+    fake = Fake(stream=[json.dumps(events()[0]), json.dumps(error)])
+
+    async def scenario() -> list[str]:
+        seen = []
+        async with client(fake) as upstream:
+            async for chunk in upstream.stream("x", PARAMS, timeout_s=5.0):
+                seen.append(chunk.text)
+        return seen
+
+    with pytest.raises(Unavailable, match="engine died"):
+        run(scenario)
+
+
+@pytest.mark.parametrize(
+    ("status", "kind"),
+    [(400, InvalidInput), (404, NotFound), (429, Overloaded), (503, Overloaded), (500, Unavailable)],
+)
+@pytest.mark.parametrize("stream", [False, True])
+def test_http_errors_carry_vllms_reason(status: int, kind: type[StratusError], stream: bool) -> None:
+    reason = "This model's maximum context length is 512 tokens. However, you requested 900 tokens."
+    fake = Fake(status=status, body={"error": {"message": reason, "type": "BadRequestError", "code": status}})
+
+    async def scenario() -> None:
+        async with client(fake) as upstream:
+            if stream:
+                async for _ in upstream.stream("x", PARAMS, timeout_s=5.0):
+                    pass
+            else:
+                await upstream.complete("x", PARAMS, timeout_s=5.0)
+
+    with pytest.raises(kind) as caught:
+        run(scenario)
+    assert reason in str(caught.value)
+
+
+def test_a_slow_answer_is_deadline_exceeded() -> None:
+    fake = Fake(delay_s=2.0)
+
+    async def scenario() -> None:
+        async with client(fake) as upstream:
+            await upstream.complete("x", PARAMS, timeout_s=0.2)
+
+    with pytest.raises(DeadlineExceeded):
+        run(scenario)
+
+
+def test_a_request_without_a_deadline_gets_the_settings_timeout() -> None:
+    fake = Fake(delay_s=2.0)
+
+    async def scenario() -> None:
+        async with client(fake, timeout_s=0.2) as upstream:
+            async for _ in upstream.stream("x", PARAMS, timeout_s=None):
+                pass
+
+    with pytest.raises(DeadlineExceeded):
+        run(scenario)
+
+
+def test_a_cancelled_caller_leaves_nothing_behind() -> None:
+    fake = Fake(delay_s=5.0)
+
+    async def scenario() -> None:
+        async with client(fake) as upstream:
+            task = asyncio.create_task(anext(aiter(upstream.stream("x", PARAMS, timeout_s=None))))
+            await asyncio.sleep(0.2)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            assert upstream.healthy
+
+    run(scenario)
+
+
+def test_a_reset_connection_is_unavailable() -> None:
+    fake = Fake(reset=True)
+
+    async def scenario() -> None:
+        async with client(fake) as upstream:
+            await upstream.complete("x", PARAMS, timeout_s=5.0)
+
+    with pytest.raises(Unavailable):
+        run(scenario)
+
+
+def test_a_refused_connection_is_unavailable_and_unhealthy_at_once() -> None:
+    async def scenario() -> OpenAIUpstream:
+        async with serving(Fake()) as url:
+            upstream = OpenAIUpstream(UpstreamSettings(url=url, model="m", poll_interval_s=60.0))
+            await upstream.start()
+        assert upstream.healthy  # it was, when it started
+        try:
+            with pytest.raises(Unavailable, match="unreachable"):
+                await upstream.complete("x", PARAMS, timeout_s=5.0)
+            assert not upstream.healthy  # without waiting for the next poll
+            await upstream.poll()
+            assert not upstream.healthy and upstream.load == UpstreamLoad()
+        finally:
+            await upstream.close()
+        return upstream
+
+    run(scenario)
+
+
+def test_health_and_load_are_polled() -> None:
+    fake = Fake()
+
+    async def scenario() -> None:
+        async with client(fake, poll_interval_s=0.05) as upstream:
+            assert upstream.healthy and upstream.load == UpstreamLoad(waiting=3, running=2)
+            fake.health, fake.metrics = 503, "vllm:num_requests_waiting 7\n"
+            await asyncio.sleep(0.3)
+            assert not upstream.healthy
+            fake.health = 200
+            await asyncio.sleep(0.3)
+            assert upstream.healthy and upstream.load == UpstreamLoad(waiting=7, running=0)
+
+    run(scenario)
+
+
+def test_the_served_model_is_the_first_listed() -> None:
+    async def scenario() -> str:
+        async with serving(Fake()) as url:
+            return await served_model(url + "/v1")
+
+    assert run(scenario) == "arith-large"
+
+
+# --- the gateway's data plane over it -----------------------------------------------------------
+
+
+class Local(DataPlane):
+    """The gateway's local models, as far as delegation needs them."""
+
+    def ready(self) -> bool:
+        return True
+
+    def model_ready(self, name: str) -> bool:
+        return name == "digits"
+
+    def model_metadata(self, name: str) -> pb.ModelMetadataResponse:
+        if name != "digits":
+            raise NotFound(name)
+        return pb.ModelMetadataResponse(name=name, platform="onnxruntime")
+
+    def model_config(self, name: str) -> pb.ModelConfig:
+        return pb.ModelConfig(name=name)
+
+    def model_names(self) -> list[str]:
+        return ["digits", "digits-large"]
+
+    async def infer(self, request: pb.ModelInferRequest, *, timeout_s: float | None) -> pb.ModelInferResponse:
+        return pb.ModelInferResponse(model_name=request.model_name, id="local")
+
+
+def prompt_request(prompt: str = "37+48=", model: str = "arith", **parameters: Any) -> pb.ModelInferRequest:
+    request = pb.ModelInferRequest(model_name=model, id="r1")
+    codec.encode_request_inputs(request, {"text_input": np.array([prompt.encode()], dtype=object)})
+    for key, value in parameters.items():
+        set_parameter(request.parameters, key, value)
+    return request
+
+
+def params(message: pb.ModelInferResponse) -> dict[str, Any]:
+    return {key: parameter_value(value) for key, value in message.parameters.items()}
+
+
+def text_of(message: pb.ModelInferResponse) -> str:
+    return bytes(codec.decode_response_outputs(message)["text_output"][0]).decode()
+
+
+@asynccontextmanager
+async def plane(fake: Fake) -> AsyncIterator[UpstreamDataPlane]:
+    async with client(fake) as upstream:
+        model = GenerativeModel(family="arith", variant="arith-large", max_tokens=5)
+        yield UpstreamDataPlane(upstream, model, local=Local(), name="cloud-test")
+
+
+def test_infer_answers_the_whole_text_with_confidence_logprobs_and_queue() -> None:
+    fake = Fake()
+
+    async def scenario() -> pb.ModelInferResponse:
+        async with plane(fake) as gateway:
+            return await gateway.infer(prompt_request(max_tokens=3), timeout_s=5.0)
+
+    response = run(scenario)
+    assert response.id == "r1" and response.model_name == "arith"
+    assert text_of(response) == "85\n"
+    got = params(response)
+    assert json.loads(got[TOKEN_LOGPROBS]) == LOGPROBS
+    assert got[FINISH_REASON] == "stop"
+    assert got[QUEUE] == 5
+    served = Served.read(response.parameters)
+    assert served.confidence == pytest.approx(math.exp(sum(LOGPROBS) / 3))
+    assert served.variant == "arith-large" and served.agent == "cloud-test"
+    assert fake.received[0]["max_tokens"] == 3
+
+
+def test_generate_streams_one_response_per_chunk_the_last_final() -> None:
+    fake = Fake()
+
+    async def scenario() -> list[pb.ModelInferResponse]:
+        async with plane(fake) as gateway:
+            return [r async for r in gateway.generate(prompt_request(model="arith-large"), timeout_s=None)]
+
+    responses = run(scenario)
+    assert "".join(text_of(r) for r in responses) == "85\n"
+    finals = [params(r).get(FINAL, False) for r in responses]
+    assert finals == [False, False, True]
+    last = params(responses[-1])
+    assert last[FINISH_REASON] == "length" and last[QUEUE] == 5
+    assert all(r.id == "r1" for r in responses)
+    first_margin = json.loads(params(responses[0])[TOKEN_MARGINS])[0]
+    assert first_margin == pytest.approx(math.exp(-0.1) - math.exp(-2.5), abs=1e-6)
+    assert Served.read(responses[-1].parameters).confidence == pytest.approx(math.exp(sum(LOGPROBS) / 3))
+    assert fake.received[0]["max_tokens"] == 5  # the family's default
+
+
+@pytest.mark.parametrize(
+    ("request_", "match"),
+    [
+        (pb.ModelInferRequest(model_name="arith"), "needs the input 'text_input'"),
+        (prompt_request(max_tokens=1.5), "must be an int64"),
+        (prompt_request(max_tokens=0), "at least 1"),
+    ],
+)
+def test_bad_generative_requests_are_refused_before_the_upstream_is_asked(
+    request_: pb.ModelInferRequest, match: str
+) -> None:
+    fake = Fake()
+
+    async def scenario() -> None:
+        async with plane(fake) as gateway:
+            with pytest.raises(InvalidInput, match=match):
+                await gateway.infer(request_, timeout_s=5.0)
+            with pytest.raises(InvalidInput, match=match):
+                gateway.generate(request_, timeout_s=None)
+
+    run(scenario)
+    assert fake.received == []
+
+
+def test_other_models_go_to_the_local_plane_and_everything_is_listed() -> None:
+    async def scenario() -> None:
+        async with plane(Fake()) as gateway:
+            assert (
+                await gateway.infer(pb.ModelInferRequest(model_name="digits"), timeout_s=1.0)
+            ).id == "local"
+            assert gateway.model_names() == ["arith", "arith-large", "digits", "digits-large"]
+            assert gateway.model_ready("arith") and gateway.model_ready("digits")
+            assert gateway.model_metadata("digits").platform == "onnxruntime"
+            meta = gateway.model_metadata("arith")
+            assert [(t.name, t.datatype, list(t.shape)) for t in meta.inputs] == [
+                ("text_input", "BYTES", [1])
+            ]
+            assert [(t.name, t.datatype, list(t.shape)) for t in meta.outputs] == [
+                ("text_output", "BYTES", [-1])
+            ]
+            with pytest.raises(InvalidInput, match="does not generate"):
+                gateway.generate(pb.ModelInferRequest(model_name="digits"), timeout_s=None)
+            [family] = gateway.levels()
+            assert {s.labels["state"]: s.value for s in family.samples} == {"waiting": 3, "running": 2}
+
+    run(scenario)
+
+
+def test_readiness_follows_the_upstreams_health() -> None:
+    fake = Fake(health=503)
+
+    async def scenario() -> None:
+        async with plane(fake) as gateway:
+            assert not gateway.ready() and not gateway.model_ready("arith")
+            assert gateway.model_ready("digits")
+            fake.health = 200
+            await gateway.upstream.poll()
+            assert gateway.ready() and gateway.model_ready("arith")
+
+    run(scenario)
