@@ -38,7 +38,8 @@ unit: $(INSTALLED)
 proto: $(INSTALLED)
 	$(BIN)/python scripts/generate_stubs.py
 
-# Rebuild every committed model file from scikit-learn's bundled digits data.
+# Rebuild the committed digits and defects models (from scikit-learn's digits and a seeded
+# generator); `.venv-vllm/bin/python models/build_llm.py` rebuilds models/arith.
 models: $(INSTALLED)
 	$(BIN)/python models/build.py
 

@@ -3,8 +3,9 @@
 Starts a cloud gateway, a router, two device agents and an edge agent as real processes
 on ports chosen at run time; sends the digits held-out split through the router (the
 gateway path, as any gRPC client would), through the on-device SDK, and pinned to
-``digits-large`` for comparison; prints per path the share answered on each tier,
-accuracy and p50/p99 latency, then the fleet status; and shuts everything down.
+``digits-large`` for comparison; then the defects held-out split through the router and
+pinned to ``defects-large``; prints per path the share answered on each tier, accuracy
+and p50/p99 latency, then the fleet status; and shuts everything down.
 
 The SDK is handed in by ``stratus.cli`` (it lives in ``edge_agent``, which ``stratus``
 does not import).
@@ -26,11 +27,12 @@ import grpc
 import numpy as np
 
 from stratus import codec
-from stratus.datasets import Split, digits_splits
+from stratus.datasets import Split, dataset_for, digits_splits
 from stratus.errors import Unavailable
 from stratus.fleetctl import ready_agents, status_json, status_table
 from stratus.launcher import Launched, launch
 from stratus.protocol import Served
+from stratus.repository import ModelRepository
 from stratus.serving import grpc_options
 from stratus.tiers import Tier
 from stratus.wire import fleet_pb2 as fpb
@@ -166,8 +168,10 @@ async def through_gateway(
     model: str = "digits",
     concurrency: int = 8,
     parameters: dict[str, Any] | None = None,
+    input_name: str = "input",
 ) -> PathReport:
-    """Each held-out image as its own request, ``concurrency`` in flight, as a client would."""
+    """Each held-out image as its own request, ``concurrency`` in flight, as a client would.
+    ``input_name`` is the family's input tensor (``digits``: ``input``)."""
     tiers: list[Tier] = [Tier.DEVICE] * len(data)
     correct = [False] * len(data)
     latency = [0.0] * len(data)
@@ -179,7 +183,7 @@ async def through_gateway(
         async def one(index: int) -> None:
             nonlocal degraded
             request = pb.ModelInferRequest(model_name=model, id=str(index))
-            codec.encode_request_inputs(request, {"input": data.x[index : index + 1]})
+            codec.encode_request_inputs(request, {input_name: data.x[index : index + 1]})
             for key, value in (parameters or {}).items():
                 _set(request, key, value)
             async with slots:
@@ -218,18 +222,51 @@ def through_sdk(client: SdkClient, data: Split) -> PathReport:
 
 
 def format_reports(reports: Sequence[PathReport]) -> str:
-    header = f"{'path':<24}{'requests':>9}{'device':>9}{'edge':>9}{'cloud':>9}{'accuracy':>10}{'p50 ms':>9}{'p99 ms':>9}{'degraded':>10}"
+    header = f"{'path':<26}{'requests':>9}{'device':>9}{'edge':>9}{'cloud':>9}{'accuracy':>10}{'p50 ms':>9}{'p99 ms':>9}{'degraded':>10}"
     lines = [header, "-" * len(header)]
     for r in reports:
         lines.append(
-            f"{r.name:<24}{r.requests:>9}{r.tiers['device']:>9.1%}{r.tiers['edge']:>9.1%}{r.tiers['cloud']:>9.1%}"
+            f"{r.name:<26}{r.requests:>9}{r.tiers['device']:>9.1%}{r.tiers['edge']:>9.1%}{r.tiers['cloud']:>9.1%}"
             f"{r.accuracy:>10.4f}{r.p50_ms:>9.2f}{r.p99_ms:>9.2f}{r.degraded:>10}"
         )
     return "\n".join(lines)
 
 
+@dataclass(frozen=True)
+class DemoFamily:
+    """A family the demo sends through the fleet: its held-out split, and its input's name."""
+
+    name: str
+    input_name: str
+    held_out: Split
+
+
+# Families sent through the fleet after digits (which also takes the SDK path), where the
+# repository holds them: classifiers with bundled labels and a ``probabilities`` output.
+OTHER_FAMILIES = ("defects",)
+
+
+def other_families(models: Path) -> list[DemoFamily]:
+    families = ModelRepository.load(models).families
+    return [
+        DemoFamily(name, families[name].inputs[0].name, dataset_for(name).held_out)
+        for name in OTHER_FAMILIES
+        if name in families
+    ]
+
+
+def _family_paths(router: str, family: DemoFamily) -> list[PathReport]:
+    """The cascade, then the same split answered by the family's cloud variant alone."""
+    through = [family.name, f"{family.name}-large"]
+    return [
+        asyncio.run(through_gateway(router, family.held_out, model=model, input_name=family.input_name))
+        for model in through
+    ]
+
+
 def run_demo(*, models: Path, as_json: bool, sdk_factory: Callable[[str], SdkClient]) -> int:
     data = digits_splits().held_out
+    others = other_families(models)
     with tempfile.TemporaryDirectory(prefix="stratus-demo-") as scratch:
         log_dir = Path(scratch)
         if not as_json:
@@ -246,6 +283,7 @@ def run_demo(*, models: Path, as_json: bool, sdk_factory: Callable[[str], SdkCli
             finally:
                 client.close()
             reports.append(asyncio.run(through_gateway(fleet.router.address, data, model="digits-large")))
+            family_reports = {f.name: _family_paths(fleet.router.address, f) for f in others}
             with grpc.insecure_channel(fleet.router.address, options=grpc_options()) as channel:
                 status = fpb_grpc.FleetStub(channel).Status(
                     fpb.FleetStatusRequest(include_agents=True), timeout=5.0
@@ -257,6 +295,10 @@ def run_demo(*, models: Path, as_json: bool, sdk_factory: Callable[[str], SdkCli
             json.dumps(
                 {
                     "paths": {r.name: r.to_json() for r in reports},
+                    "families": {
+                        name: {"paths": {r.name: r.to_json() for r in paths}}
+                        for name, paths in family_reports.items()
+                    },
                     "fleet": status_json(status),
                     "exit_codes": codes,
                 },
@@ -264,8 +306,11 @@ def run_demo(*, models: Path, as_json: bool, sdk_factory: Callable[[str], SdkCli
             )
         )
     else:
-        print(f"\nheld-out split: {len(data)} requests per path\n")
+        print(f"\ndigits, held-out split: {len(data)} requests per path\n")
         print(format_reports(reports))
+        for family in others:
+            print(f"\n{family.name}, held-out split: {len(family.held_out)} requests per path\n")
+            print(format_reports(family_reports[family.name]))
         print("\nfleet status\n")
         print(status_table(status))
         print(f"\nshut down cleanly: {all(code == 0 for code in codes.values())} (exit codes {codes})")

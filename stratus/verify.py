@@ -394,13 +394,13 @@ def _cell(value: float | None, pattern: str) -> str:
 
 def format_report(report: VerifyReport) -> str:
     header = (
-        f"{'variant':<19}{'tier':<7}{'prec':<6}{'runtime':<12}{'format':<9}{'accuracy':>9}{'drop':>8}"
+        f"{'variant':<21}{'tier':<7}{'prec':<6}{'runtime':<12}{'format':<9}{'accuracy':>9}{'drop':>8}"
         f"{'agree':>8}{'KiB':>7}{'b1 ms':>8}{'b32 ms':>8}{'max|diff|':>10}{'rt-agree':>9}  status"
     )
     lines = [header, "-" * len(header)]
     for row in report.rows:
         lines.append(
-            f"{row.name:<19}{row.tier:<7}{row.precision:<6}{row.runtime:<12}{row.format:<9}"
+            f"{row.name:<21}{row.tier:<7}{row.precision:<6}{row.runtime:<12}{row.format:<9}"
             f"{_cell(row.accuracy, '.4f'):>9}{_cell(row.accuracy_drop, '.4f'):>8}{_cell(row.agreement, '.4f'):>8}"
             f"{row.size_kib:>7.1f}{_cell(row.latency_ms.get('b1'), '.3f'):>8}{_cell(row.latency_ms.get('b32'), '.3f'):>8}"
             f"{row.max_abs_diff:>10.2e}{row.runtime_agreement:>9.4f}  {row.status}"

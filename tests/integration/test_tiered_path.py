@@ -165,7 +165,7 @@ def test_fleet_status_lists_every_agent_and_the_cloud_link(fleet: Fleet) -> None
     assert set(agents) == {"device-1", "device-2", "edge-1"}
     assert {a["tier"] for a in agents.values()} == {"device", "edge"}
     assert all(a["state"] == "ready" and a["last_heartbeat_s"] < 3.0 for a in agents.values())
-    assert agents["edge-1"]["variants"] == ["digits-medium"]
+    assert [v for v in agents["edge-1"]["variants"] if v.startswith("digits-")] == ["digits-medium"]
     assert {"p50", "p99"} == set(agents["device-1"]["latency_ms"])
     assert status["cloud"] == {"address": fleet.cloud.address, "state": "connected"}
     tiers = {t["tier"]: t for t in status["tiers"]}
