@@ -215,3 +215,12 @@ def test_a_client_that_goes_away_cancels_the_generation_on_the_agent(llm: LlmFle
     finally:
         cluster.stop_all()
     assert value(samples(scrape(llm.device_metrics)), "stratus_work_total", outcome="cancelled") == before
+
+
+def test_the_demo_grades_generated_answers_through_the_router(llm: LlmFleet) -> None:
+    from stratus.demo import through_generation
+
+    report = through_generation(llm.router, MODELS, count=20)
+    assert report is not None and report.requests == 20 and report.degraded == 0
+    assert sum(report.tiers.values()) == pytest.approx(1.0) and report.tiers["cloud"] == 0.0
+    assert report.accuracy >= 0.7  # the edge model alone gets 0.94 of held-out prompts right
