@@ -43,6 +43,7 @@ from stratus.errors import (
     Unavailable,
 )
 from stratus.generation import MAX_TOKENS, TEXT_INPUT, Chunk
+from stratus.local_generation import text_array
 from stratus.protocol import PREFIX, set_parameter
 from stratus.wire import inference_pb2 as pb
 
@@ -67,11 +68,15 @@ def error_body(status: int, kind: str, message: str, param: str | None = None) -
     return {"error": {"message": message, "type": kind, "param": param, "code": status}}
 
 
+def error_of(exc: StratusError) -> tuple[int, dict[str, Any]]:
+    """The HTTP status and OpenAI error body for a Stratus error."""
+    status, kind = next((v for cls, v in _STATUS.items() if isinstance(exc, cls)), (500, "internal_error"))
+    return status, error_body(status, kind, str(exc))
+
+
 def _error_response(exc: StratusError) -> web.Response:
-    status, kind = next(
-        (value for cls, value in _STATUS.items() if isinstance(exc, cls)), (500, "internal_error")
-    )
-    return web.json_response(error_body(status, kind, str(exc)), status=status)
+    status, body = error_of(exc)
+    return web.json_response(body, status=status)
 
 
 class OpenAiApi:
@@ -183,10 +188,7 @@ class OpenAiApi:
             try:
                 result = await work
             except StratusError as exc:  # after the stream began: an error event, then the end
-                status, kind = next(
-                    (v for c, v in _STATUS.items() if isinstance(exc, c)), (500, "internal_error")
-                )
-                await _event(response, error_body(status, kind, str(exc)))
+                await _event(response, error_of(exc)[1])
             else:
                 await _event(response, reply.closing(result))
             await response.write(b"data: [DONE]\n\n")
@@ -308,7 +310,7 @@ def _oip_request(model: str, prompt: str, body: Mapping[str, Any], limit: int) -
             f"'max_tokens' must be an integer between 1 and {limit} for '{model}', not {max_tokens!r}"
         )
     request = pb.ModelInferRequest(model_name=model, id=uuid.uuid4().hex[:16])
-    codec.encode_request_inputs(request, {TEXT_INPUT: _text(prompt)})
+    codec.encode_request_inputs(request, {TEXT_INPUT: text_array(prompt)})
     set_parameter(request.parameters, MAX_TOKENS, max_tokens)
     options = body.get("stratus", {})
     if not isinstance(options, dict):
@@ -323,12 +325,6 @@ def _oip_request(model: str, prompt: str, body: Mapping[str, Any], limit: int) -
             raise InvalidInput(f"'stratus.{key}' must be a string")
         set_parameter(request.parameters, f"{PREFIX}{key}", float(value) if kind is float else value)
     return request
-
-
-def _text(prompt: str) -> codec.Array:
-    import numpy as np
-
-    return np.array([prompt.encode("utf-8")], dtype=object)
 
 
 async def _event(response: web.StreamResponse, payload: Mapping[str, Any]) -> None:

@@ -275,13 +275,14 @@ def through_generation(router: str, models: Path, count: int = ARITH_PROMPTS) ->
     if "arith" not in families:
         return None
     from stratus.arith import arith_splits, grade
+    from stratus.local_generation import text_array
 
     tiers, correct, latency, degraded = [], [], [], 0
     with grpc.insecure_channel(router, options=grpc_options()) as channel:
         stub = pb_grpc.GRPCInferenceServiceStub(channel)
         for prompt, _ in arith_splits().held_out[:count]:
             request = pb.ModelInferRequest(model_name="arith")
-            codec.encode_request_inputs(request, {"text_input": np.array([prompt.encode()], dtype=object)})
+            codec.encode_request_inputs(request, {"text_input": text_array(prompt)})
             started = time.perf_counter()
             response = stub.ModelInfer(request, timeout=30.0)
             latency.append((time.perf_counter() - started) * 1000.0)

@@ -187,11 +187,12 @@ def text_response(request: pb.ModelInferRequest, text: str) -> pb.ModelInferResp
     does and expects back) or typed contents."""
     response = pb.ModelInferResponse(model_name=request.model_name, id=request.id)
     raw = bool(request.raw_input_contents)
-    codec.encode_response_outputs(response, {TEXT_OUTPUT: _bytes_array(text)}, raw=raw)
+    codec.encode_response_outputs(response, {TEXT_OUTPUT: text_array(text)}, raw=raw)
     return response
 
 
-def _bytes_array(text: str) -> codec.Array:
+def text_array(text: str) -> codec.Array:
+    """One string as the BYTES tensor the Open Inference Protocol carries."""
     import numpy as np
 
     return np.array([text.encode("utf-8")], dtype=object)
