@@ -362,7 +362,7 @@ def _gguf_tokenizer(writer: Any, tokenizer: Tokenizer) -> None:
     vocab = sorted(tokenizer.get_vocab().items(), key=lambda item: item[1])
     assert [i for _, i in vocab] == list(range(VOCAB_SIZE))
     writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("gpt2")
+    writer.add_tokenizer_pre("gpt-2")  # llama.cpp's name for GPT-2's pre-tokenizer ("gpt2" is refused)
     writer.add_token_list([t for t, _ in vocab])
     control, normal = gguf.TokenType.CONTROL, gguf.TokenType.NORMAL
     writer.add_token_types([control if t in (BOS, EOS) else normal for t, _ in vocab])
@@ -480,9 +480,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--jobs", type=int, default=min(len(VARIANTS), os.cpu_count() or 1))
     parser.add_argument("--steps", type=int, default=None, help="override every variant's steps (trials)")
     parser.add_argument("--only", nargs="*", default=None, help="variant names (default: all)")
+    parser.add_argument(
+        "--gguf-only", action="store_true", help="rewrite the GGUF files from the HF weights in --out"
+    )
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     chosen = [v for v in VARIANTS if not args.only or v.name in args.only]
+    if args.gguf_only:
+        for variant in chosen:
+            rewrite_gguf(variant, args.out)
+        return 0
     chosen.sort(key=lambda v: -v.steps * v.hidden**2)  # the longest first, so the others fit beside it
     # One single-threaded process per variant: the results do not depend on --jobs.
     context = multiprocessing.get_context("spawn")
@@ -514,6 +521,15 @@ def build_variant(variant: Variant, out: Path, steps: int) -> dict[str, float]:
         write_gguf(as_shipped(model, child), tokenizer, child, out / f"{child.name}.gguf")
         model.to(torch.float32)
     return _report(variant, model, tokenizer, splits, time.monotonic() - started)
+
+
+def rewrite_gguf(variant: Variant, out: Path) -> None:
+    """The variant's GGUF file again, from the weights already in its HF directory: the same
+    tensors, with whatever the GGUF writer now says about them (no training)."""
+    model = LlamaForCausalLM.from_pretrained(out / variant.name, torch_dtype=torch.float32)
+    shipped = variant if variant.precision == "FP16" else half_child(variant)
+    write_gguf(as_shipped(model, shipped), make_tokenizer(), shipped, out / f"{shipped.name}.gguf")
+    print(f"{shipped.name}.gguf rewritten from {variant.name}/", flush=True)
 
 
 def _report(
