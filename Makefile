@@ -4,8 +4,9 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 # Reinstall whenever the project's dependencies change.
 INSTALLED := $(VENV)/.installed
+LLAMA := $(VENV)/.llama-installed
 
-.PHONY: demo test lint typecheck unit proto models clean vllm-env
+.PHONY: demo test lint typecheck unit proto models clean vllm-env llama-env
 
 $(INSTALLED): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -17,8 +18,14 @@ demo: $(INSTALLED)
 	$(BIN)/stratus models verify models
 	$(BIN)/stratus demo
 
-test: $(INSTALLED) vllm-env lint typecheck
+test: $(INSTALLED) $(LLAMA) vllm-env lint typecheck
 	$(BIN)/python -m pytest -q -rs
+
+# llama.cpp (the `llama` extra) compiles from source; the tests run it beside OpenVINO GenAI.
+llama-env: $(LLAMA)
+$(LLAMA): $(INSTALLED)
+	CMAKE_ARGS="-DLLAVA_BUILD=OFF" $(BIN)/python -m pip install --quiet -e '.[dev,llama]'
+	touch $@
 
 # vLLM on CPU in an environment of its own (it pins its own torch), for the cloud tier's
 # integration tests; reused while its marker matches (several minutes the first time).

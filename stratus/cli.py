@@ -92,6 +92,7 @@ def _cloud(args: argparse.Namespace) -> int:
         openai_upstream=args.openai_upstream,
         upstream_model=args.upstream_model,
         upstream_family=args.upstream_family,
+        runtimes=_names(args.runtimes),
     )
     run(serve(settings))
     return 0
@@ -151,6 +152,12 @@ def _hardware() -> Hardware | None:
 
     flags = os.environ.get("STRATUS_CPU_FLAGS")
     return hardware_precisions(flags=flags.split(",")) if flags is not None else None
+
+
+RUNTIMES_HELP = (
+    "runtime order override, e.g. onnxruntime,openvino or llama_cpp; models of a kind (classifier, "
+    "generative) whose runtimes it does not name keep their default order"
+)
 
 
 def _names(text: str | None) -> list[str] | None:
@@ -302,11 +309,11 @@ def _add_upstream(cloud: argparse.ArgumentParser) -> None:
     )
 
 
-def _add_servers(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    router = _add_router(commands)
+def _add_cloud(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> argparse.ArgumentParser:
     cloud = commands.add_parser("cloud", help="run the cloud gateway")
     cloud.add_argument("--listen", default="127.0.0.1:8002")
     cloud.add_argument("--models", type=Path, default=Path("models"))
+    cloud.add_argument("--runtimes", default=None, help=RUNTIMES_HELP)
     cloud.add_argument("--variants", default=None)
     cloud.add_argument("--concurrency", type=int, default=2)
     cloud.add_argument("--queue-limit", type=int, default=256)
@@ -315,6 +322,10 @@ def _add_servers(commands: argparse._SubParsersAction[argparse.ArgumentParser]) 
     cloud.add_argument("--cache-dir", type=Path, default=_default_cache())
     _add_upstream(cloud)
     cloud.set_defaults(handler=_cloud)
+    return cloud
+
+
+def _add_agent(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> argparse.ArgumentParser:
     agent = commands.add_parser("agent", help="run an edge agent")
     agent.add_argument("--tier", choices=["device", "edge"], required=True)
     agent.add_argument("--models", type=Path, default=Path("models"))
@@ -330,10 +341,17 @@ def _add_servers(commands: argparse._SubParsersAction[argparse.ArgumentParser]) 
     agent.add_argument("--queue-limit", type=int, default=64)
     _add_max_batch(agent)
     agent.add_argument("--serve", default=None, help="also serve the inference API on HOST:PORT")
-    agent.add_argument("--runtimes", default=None, help="runtime order override, e.g. onnxruntime,openvino")
+    agent.add_argument("--runtimes", default=None, help=RUNTIMES_HELP)
     agent.add_argument("--token", default=None, help="fleet token (default: $STRATUS_TOKEN)")
     agent.add_argument("--cache-dir", type=Path, default=_default_cache())
     agent.set_defaults(handler=_agent)
+    return agent
+
+
+def _add_servers(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    router = _add_router(commands)
+    cloud = _add_cloud(commands)
+    agent = _add_agent(commands)
     for parser in (cloud, agent):
         parser.add_argument(
             "--precision",

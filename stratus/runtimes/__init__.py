@@ -88,14 +88,18 @@ def candidates(
 ) -> list[Choice]:
     """Every (runtime, file) that could serve the variant, best first.
 
-    ``runtimes`` overrides the order: only those runtimes, in that order.
+    ``runtimes`` overrides the order: only those runtimes, in that order. A list that names
+    only generative runtimes (``--runtimes llama_cpp``) leaves classifiers their default.
     """
+    from stratus.runtimes.generative import GENERATORS
+
     order = preference(tier=tier, gpu=gpu)
     if runtimes is not None:
-        unknown = [r for r in runtimes if r not in RUNNERS]
+        unknown = [r for r in runtimes if r not in RUNNERS and r not in GENERATORS]
         if unknown:
-            raise NotFound(f"unknown runtime(s) {unknown}; known: {sorted(RUNNERS)}")
-        order = tuple((r, f) for r in runtimes for f in RUNNERS[r].formats)
+            raise NotFound(f"unknown runtime(s) {unknown}; known: {sorted({*RUNNERS, *GENERATORS})}")
+        if any(r in RUNNERS for r in runtimes):
+            order = tuple((r, f) for r in runtimes if r in RUNNERS for f in RUNNERS[r].formats)
     return [Choice(runtime=r, format=f, path=variant.files[f]) for r, f in order if f in variant.files]
 
 

@@ -7,8 +7,10 @@ the answer can no longer be accepted). Runtimes, best first where both are insta
 
 * ``openvino_genai`` (wheels for every platform; a GGUF file in F16): per-token
   log-probabilities of the chosen tokens, no alternatives (so no top-2 margin);
-* ``llama_cpp`` (``llama-cpp-python``, an optional extra that compiles on install): GGUF,
-  with top-2 alternatives.
+* ``llama_cpp`` (``llama-cpp-python``, the ``llama`` extra, which compiles on install):
+  GGUF, stepped token by token from the logits, so with the top-2 margin.
+
+:func:`generative_order` says which comes first on each tier.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from stratus.errors import InvalidInput, ModelLoadError, NotFound, RuntimeUnavai
 from stratus.generation import GenerationParams, Token
 from stratus.repository import FamilySpec, VariantSpec
 from stratus.runtimes.base import Availability, LoadOptions, RuntimeDescription
+from stratus.tiers import Tier
 
 Emit = Callable[[Token], bool]
 
@@ -37,9 +40,18 @@ class GenerativeRunner(abc.ABC):
         self.options = options
         self.context = context
 
-    @classmethod
+    @staticmethod
     @abc.abstractmethod
-    def availability(cls) -> Availability: ...
+    def library() -> Any:
+        """The runtime's Python library, imported; RuntimeUnavailable when it is not installed."""
+
+    @classmethod
+    def availability(cls) -> Availability:
+        try:
+            cls.library()
+        except RuntimeUnavailable as exc:
+            return Availability(available=False, reason=str(exc))
+        return Availability(available=True)
 
     @abc.abstractmethod
     def generate(self, prompt: str, params: GenerationParams, emit: Emit) -> str:
@@ -50,6 +62,14 @@ class GenerativeRunner(abc.ABC):
         return RuntimeDescription(
             runtime=self.runtime, device="CPU", precisions=(self.variant.precision,), dynamic_batch=False
         )
+
+    def check_context(self, prompt_tokens: int, params: GenerationParams) -> None:
+        """Refuse a prompt that, with the tokens asked for, would not fit the context."""
+        if prompt_tokens + params.max_tokens > self.context:
+            raise InvalidInput(
+                f"the prompt is {prompt_tokens} tokens; with max_tokens {params.max_tokens} it exceeds "
+                f"the context of {self.context} tokens"
+            )
 
     def warmup(self) -> None:
         self.generate("1+1=", GenerationParams(max_tokens=1), lambda token: True)
@@ -74,20 +94,18 @@ class OpenVinoGenAiRunner(GenerativeRunner):
         try:
             # An f32 KV cache: the default u8 one moves log-probabilities by up to 2e-2 here and
             # flips near-ties; these models' caches are tiny either way.
-            self._pipe = genai.ContinuousBatchingPipeline(str(path), scheduler, "CPU", {"KV_CACHE_PRECISION": "f32"})
+            self._pipe = genai.ContinuousBatchingPipeline(
+                str(path), scheduler, "CPU", {"KV_CACHE_PRECISION": "f32"}
+            )
         except Exception as exc:
             raise ModelLoadError(f"openvino_genai cannot load {path}: {exc}") from None
         self._tokenizer = self._pipe.get_tokenizer()
         self._lock = threading.Lock()
         self._ids = 0
 
-    @classmethod
-    def availability(cls) -> Availability:
-        try:
-            _genai()
-        except RuntimeUnavailable as exc:
-            return Availability(available=False, reason=str(exc))
-        return Availability(available=True)
+    @staticmethod
+    def library() -> Any:
+        return _genai()
 
     def _config(self, params: GenerationParams) -> Any:
         config = _genai().GenerationConfig()
@@ -101,12 +119,7 @@ class OpenVinoGenAiRunner(GenerativeRunner):
         return config
 
     def generate(self, prompt: str, params: GenerationParams, emit: Emit) -> str:
-        prompt_tokens = len(self._tokenizer.encode(prompt).input_ids.data[0])
-        if prompt_tokens + params.max_tokens > self.context:
-            raise InvalidInput(
-                f"the prompt is {prompt_tokens} tokens; with max_tokens {params.max_tokens} it exceeds "
-                f"the context of {self.context} tokens"
-            )
+        self.check_context(len(self._tokenizer.encode(prompt).input_ids.data[0]), params)
         with self._lock:
             self._ids += 1
             handle = self._pipe.add_request(self._ids, prompt, self._config(params))
@@ -137,6 +150,101 @@ class OpenVinoGenAiRunner(GenerativeRunner):
             self._pipe.step()
 
 
+class LlamaCppRunner(GenerativeRunner):
+    """llama.cpp through ``llama-cpp-python``, stepped one token at a time: greedy choice
+    from the logits, so each step gives the chosen token's log-probability and the top-2
+    margin (``first_margin`` works here). One generation at a time per variant."""
+
+    runtime = "llama_cpp"
+    formats = ("gguf",)
+
+    def __init__(self, *, variant: VariantSpec, path: Path, options: LoadOptions, context: int) -> None:
+        super().__init__(variant=variant, path=path, options=options, context=context)
+        llama_cpp = _llama_cpp()
+        try:
+            self._llama = llama_cpp.Llama(
+                model_path=str(path),
+                n_ctx=context,
+                n_threads=options.threads_per_inference,
+                n_batch=context,
+                logits_all=True,
+                type_k=_GGML_F32,  # an F32 KV cache, as for OpenVINO GenAI: an F16 one moves
+                type_v=_GGML_F32,  # log-probabilities enough to flip escalation decisions
+                verbose=False,
+            )
+        except Exception as exc:
+            raise ModelLoadError(f"llama_cpp cannot load {path}: {exc}") from None
+        self._eos = self._llama.token_eos()
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def library() -> Any:
+        return _llama_cpp()
+
+    def generate(self, prompt: str, params: GenerationParams, emit: Emit) -> str:
+        prompt_ids = self._llama.tokenize(prompt.encode("utf-8"), add_bos=False, special=False)
+        self.check_context(len(prompt_ids), params)
+        with self._lock:
+            self._llama.reset()
+            self._llama.eval(prompt_ids)
+            return self._drive(emit, params)
+
+    def _drive(self, emit: Emit, params: GenerationParams) -> str:
+        ids: list[int] = []
+        text = ""
+        while len(ids) < params.max_tokens:
+            token_id, token = _greedy_step(self._llama.scores[self._llama.n_tokens - 1])
+            if token_id == self._eos:
+                return (
+                    "stop"
+                    if emit(Token(text="", logprob=token.logprob, margin=token.margin))
+                    else "cancelled"
+                )
+            ids.append(token_id)
+            decoded = self._llama.detokenize(ids).decode("utf-8", "ignore")
+            piece, text = decoded[len(text) :], decoded
+            stop = _stop_at(text, params.stop)
+            if stop is not None:
+                piece = piece[: max(0, len(piece) - (len(text) - stop))]
+            if not emit(Token(text=piece, logprob=token.logprob, margin=token.margin)):
+                return "cancelled"
+            if stop is not None:
+                return "stop"
+            self._llama.eval([token_id])
+        return "length"
+
+
+_GGML_F32 = 0  # ggml's type id of float32
+
+
+def _greedy_step(logits: Any) -> tuple[int, Token]:
+    """The most likely next token, its log-probability, and its lead over the runner-up."""
+    import numpy as np
+
+    values = np.asarray(logits, dtype=np.float64)
+    shifted = values - values.max()
+    logprobs = shifted - np.log(np.exp(shifted).sum())
+    second, first = np.partition(logprobs, -2)[-2:]
+    chosen = int(np.argmax(logprobs))
+    return chosen, Token(text="", logprob=float(first), margin=float(np.exp(first) - np.exp(second)))
+
+
+def _stop_at(text: str, stops: Sequence[str]) -> int | None:
+    """Where the first stop string starts in ``text``, if one is there."""
+    found = [text.find(stop) for stop in stops if stop and stop in text]
+    return min(found) if found else None
+
+
+def _llama_cpp() -> Any:
+    try:
+        import llama_cpp
+    except ImportError as exc:
+        raise RuntimeUnavailable(
+            f"llama-cpp-python is not installed ({exc}); pip install 'stratus[llama]'"
+        ) from None
+    return llama_cpp
+
+
 def _genai() -> Any:
     try:
         import openvino_genai
@@ -145,18 +253,35 @@ def _genai() -> Any:
     return openvino_genai
 
 
-GENERATORS: dict[str, type[GenerativeRunner]] = {cls.runtime: cls for cls in (OpenVinoGenAiRunner,)}
-_ORDER: tuple[tuple[str, str], ...] = (("openvino_genai", "gguf"),)
+GENERATORS: dict[str, type[GenerativeRunner]] = {
+    cls.runtime: cls for cls in (OpenVinoGenAiRunner, LlamaCppRunner)
+}
+# Which runtime first, where both are installed: on a device, llama.cpp (a small library made
+# for such machines, and it gives the top-2 margin); on edge servers and in the cloud,
+# OpenVINO GenAI (its continuous-batching pipeline, tuned for server CPUs).
+_DEVICE_ORDER: tuple[tuple[str, str], ...] = (("llama_cpp", "gguf"), ("openvino_genai", "gguf"))
+_SERVER_ORDER: tuple[tuple[str, str], ...] = (("openvino_genai", "gguf"), ("llama_cpp", "gguf"))
+
+
+def generative_order(tier: Tier) -> tuple[tuple[str, str], ...]:
+    """(runtime, file format) pairs in the order a variant of ``tier`` tries them."""
+    return _DEVICE_ORDER if tier is Tier.DEVICE else _SERVER_ORDER
 
 
 def load_generator(
     family: FamilySpec, variant: VariantSpec, options: LoadOptions, *, runtimes: Sequence[str] | None = None
 ) -> GenerativeRunner:
-    """A generative variant in the first runtime here that runs one of its files, warmed up."""
+    """A generative variant in the first runtime here that runs one of its files, warmed up.
+
+    ``runtimes``: the generative runtimes it names, in that order (the others are ignored)."""
     assert family.generation is not None
     reasons = []
-    for runtime, fmt in _ORDER:
-        if (runtimes is not None and runtime not in runtimes) or fmt not in variant.files:
+    order = generative_order(variant.tier)
+    named = [r for r in runtimes or () if r in GENERATORS]
+    if named:  # only those, in that order; a list naming none of them leaves the default
+        order = tuple(pair for r in named for pair in order if pair[0] == r)
+    for runtime, fmt in order:
+        if fmt not in variant.files:
             continue
         status = GENERATORS[runtime].availability()
         if not status.available:

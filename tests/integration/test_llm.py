@@ -24,7 +24,7 @@ from stratus.serving import open_sync_channel
 from stratus.wire import inference_pb2 as pb
 from stratus.wire import inference_pb2_grpc as pb_grpc
 
-from .cluster import MODELS, Cluster, ready_count, wait_until
+from .cluster import MODELS, Cluster, fleet_status, ready_count, wait_until
 from .test_metrics import samples, scrape, value
 
 openai = pytest.importorskip("openai")
@@ -71,6 +71,36 @@ def test_models_lists_the_generative_family_and_its_variants(llm: LlmFleet) -> N
     names = {m.id for m in llm.client().models.list().data}
     assert {"arith", "arith-small", "arith-medium"} <= names
     assert "digits" not in names  # a classifier does not generate
+
+
+def test_devices_generate_with_llama_cpp_edges_with_openvino_genai_and_they_agree(
+    llm: LlmFleet, tmp_path: Path
+) -> None:
+    pytest.importorskip("llama_cpp", reason="the llama extra is not installed (make llama-env)")
+    runtimes = {a.id: set(a.runtimes) for a in fleet_status(llm.router).agents}
+    generative = {"llama_cpp", "openvino_genai"}
+    assert {name: found & generative for name, found in runtimes.items()} == {
+        "device-1": {"llama_cpp"},
+        "edge-1": {"openvino_genai"},
+    }
+    on_llama = [complete(llm, p, min_confidence=0.0, max_tier="device")[0] for p in PROMPTS]
+    cluster = Cluster(tmp_path / "logs")
+    try:  # the same device model on OpenVINO GenAI, in a fleet of its own
+        router = cluster.router().address
+        cluster.agent("ov-device", router, *LLM_MODELS, "--runtimes", "openvino_genai")
+        wait_until(lambda: ready_count(router) == 1, timeout_s=60)
+        assert [set(a.runtimes) & generative for a in fleet_status(router).agents] == [{"openvino_genai"}]
+        with open_sync_channel(router) as channel:
+            stub = pb_grpc.GRPCInferenceServiceStub(channel)
+            on_openvino = [
+                codec.decode_response_outputs(stub.ModelInfer(oip_request(p), timeout=30))["text_output"][
+                    0
+                ].decode()
+                for p in PROMPTS
+            ]
+    finally:
+        cluster.stop_all()
+    assert on_openvino == on_llama
 
 
 def test_a_confident_answer_stays_on_the_device_an_unsure_one_climbs(llm: LlmFleet) -> None:

@@ -114,8 +114,12 @@ def test_preference_order_and_override(repository: ModelRepository) -> None:
         (c.runtime, c.format)
         for c in candidates(small, tier=Tier.DEVICE, gpu=False, runtimes=["onnxruntime"])
     ] == [("onnxruntime", "onnx")]
-    with pytest.raises(NotFound, match="unknown runtime"):
+    with pytest.raises(NotFound, match=r"unknown runtime.*llama_cpp"):
         candidates(small, tier=Tier.DEVICE, gpu=False, runtimes=["tvm"])
+    generative_only = candidates(small, tier=Tier.DEVICE, gpu=False, runtimes=["llama_cpp"])
+    assert generative_only == candidates(small, tier=Tier.DEVICE, gpu=False)  # classifiers keep the default
+    mixed = candidates(small, tier=Tier.DEVICE, gpu=False, runtimes=["llama_cpp", "openvino"])
+    assert {c.runtime for c in mixed} == {"openvino"}
     assert preference(tier=Tier.CLOUD, gpu=False)[0] == ("openvino", "openvino")
 
 
