@@ -16,8 +16,6 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Final
 
-import numpy as np
-
 from cloud_gateway.upstream import OpenAIUpstream
 from stratus import codec
 from stratus.errors import InvalidInput, NotFound
@@ -32,10 +30,10 @@ from stratus.generation import (
     Token,
     confidence_of,
 )
+from stratus.local_generation import chunk_response, generative_config, generative_metadata
 from stratus.metrics import Metric, gauge
 from stratus.protocol import Served, parameter_value, set_parameter
 from stratus.serving import DataPlane
-from stratus.tensors import answer_raw
 from stratus.tiers import Tier
 from stratus.wire import inference_pb2 as pb
 
@@ -100,26 +98,12 @@ class UpstreamDataPlane(DataPlane):
     def model_metadata(self, name: str) -> pb.ModelMetadataResponse:
         if not self._serves(name):
             return self._local(name).model_metadata(name)
-        tensor = pb.ModelMetadataResponse.TensorMetadata
-        return pb.ModelMetadataResponse(
-            name=name,
-            versions=[self.model.variant],
-            platform=PLATFORM,
-            inputs=[tensor(name=TEXT_INPUT, datatype="BYTES", shape=[1])],
-            outputs=[tensor(name=TEXT_OUTPUT, datatype="BYTES", shape=[-1])],
-        )
+        return generative_metadata(name, self.model.variant, PLATFORM)
 
     def model_config(self, name: str) -> pb.ModelConfig:
         if not self._serves(name):
             return self._local(name).model_config(name)
-        return pb.ModelConfig(
-            name=name,
-            platform=PLATFORM,
-            backend=PLATFORM,
-            max_batch_size=0,
-            input=[pb.ModelInput(name=TEXT_INPUT, data_type=pb.DataType.TYPE_STRING, dims=[1])],
-            output=[pb.ModelOutput(name=TEXT_OUTPUT, data_type=pb.DataType.TYPE_STRING, dims=[-1])],
-        )
+        return generative_config(name, PLATFORM, self.model.max_tokens)
 
     async def infer(self, request: pb.ModelInferRequest, *, timeout_s: float | None) -> pb.ModelInferResponse:
         if not self._serves(request.model_name):
@@ -163,11 +147,7 @@ class UpstreamDataPlane(DataPlane):
         )
 
     def _response(self, request: pb.ModelInferRequest, chunk: Chunk) -> pb.ModelInferResponse:
-        response = pb.ModelInferResponse(model_name=request.model_name, id=request.id)
-        text = np.array([chunk.text.encode()], dtype=object)
-        codec.encode_response_outputs(response, {TEXT_OUTPUT: text}, raw=answer_raw(request, ["BYTES"]))
-        for key, value in chunk.parameters().items():
-            set_parameter(response.parameters, key, value)
+        response = chunk_response(request, chunk)
         set_parameter(response.parameters, QUEUE, self.upstream.load.queue)
         return response
 

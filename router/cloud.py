@@ -13,18 +13,25 @@ import itertools
 import logging
 import random
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from typing import Any
 
 import grpc
 
+from stratus import codec
 from stratus.errors import DeadlineExceeded, Overloaded, StratusError, Unavailable
+from stratus.generation import FINAL, MAX_TOKENS, STREAM, TEXT_INPUT, TEXT_OUTPUT, Chunk
 from stratus.serving import NO_TLS, TlsSettings, open_channel
 from stratus.stats import LatencyWindow
 from stratus.status import error_from_status
+from stratus.wire import fleet_pb2 as fpb
 from stratus.wire import inference_pb2 as pb
 from stratus.wire import inference_pb2_grpc as pb_grpc
 
 log = logging.getLogger("stratus.cloud-link")
+
+OnChunk = Callable[[Chunk], Awaitable[None]]
+UNDECLARED_MAX_TOKENS = 16  # a text model whose config names no max_tokens: OpenAI's default
 
 # How fast the channel to the cloud redials after losing it: gRPC's defaults (1 s, growing
 # to 120 s) would keep escalations degraded long after the gateway is back.
@@ -115,10 +122,17 @@ class CloudLink:
         self._task: asyncio.Task[None] | None = None
         self._channel: grpc.aio.Channel | None = None
         self.models: dict[str, bool] = {}
+        self.generative: dict[str, fpb.FamilyInfo] = {}  # the cloud's text models, as families
+        self._generating = 0
 
     @property
     def available(self) -> bool:
-        return self.state == "connected" and self.breaker.allows() and len(self._pending) < self.max_pending
+        return self.state == "connected" and self.breaker.allows() and self.in_flight < self.max_pending
+
+    @property
+    def in_flight(self) -> int:
+        """Escalations waiting on the shared stream, and generations streaming on calls of their own."""
+        return len(self._pending) + self._generating
 
     @property
     def status(self) -> str:
@@ -180,8 +194,24 @@ class CloudLink:
         raise Unavailable("the cloud gateway ended the stream")
 
     async def _learn_models(self, stub: pb_grpc.GRPCInferenceServiceAsyncStub) -> None:
+        """What the cloud serves, and which of it generates text (so that a router with no
+        agent for a generative family still serves it, the OpenAI API included)."""
         index = await stub.RepositoryIndex(pb.RepositoryIndexRequest(ready=True), timeout=2.0)
         self.models = {model.name: model.state == "READY" for model in index.models}
+        generative = {}
+        for name, ready in self.models.items():
+            if ready:
+                metadata = await stub.ModelMetadata(pb.ModelMetadataRequest(name=name), timeout=2.0)
+                if _generates(metadata):
+                    config = await stub.ModelConfig(pb.ModelConfigRequest(name=name), timeout=2.0)
+                    generative[name] = fpb.FamilyInfo(
+                        name=name,
+                        inputs=metadata.inputs,
+                        outputs=metadata.outputs,
+                        kind="generative",
+                        max_tokens=_max_tokens(config.config),
+                    )
+        self.generative = generative
 
     @staticmethod
     async def _outgoing(
@@ -197,13 +227,33 @@ class CloudLink:
         self._pending.clear()
 
     async def infer(self, request: pb.ModelInferRequest, *, timeout_s: float | None) -> pb.ModelInferResponse:
-        if self.state != "connected" or not self.breaker.allows():
-            raise Unavailable(f"cloud {self.address} is {self.status}")
-        if len(self._pending) >= self.max_pending:
-            raise Overloaded(f"cloud link queue is full ({self.max_pending} escalations in flight)")
+        return await self._guarded(self._exchange(request, timeout_s))
+
+    async def generate(
+        self, request: pb.ModelInferRequest, on_chunk: OnChunk, *, timeout_s: float | None
+    ) -> pb.ModelInferResponse:
+        """A generation streamed back as the cloud makes it: each chunk to ``on_chunk`` as
+        it arrives, then the final response (finish reason, confidence, variant).
+
+        Each generation has a ModelStreamInfer call of its own on the link's channel (not
+        the shared stream), so that cancelling it (a client gone, a budget spent) ends the
+        cloud's generation at once: the call's cancellation reaches the gateway's handler.
+        """
+        return await self._guarded(self._stream(request, on_chunk, timeout_s))
+
+    async def _guarded(self, call: Coroutine[Any, Any, pb.ModelInferResponse]) -> pb.ModelInferResponse:
+        """Refuse at once while the link is down, full or its breaker open; feed the breaker."""
+        try:
+            if self.state != "connected" or not self.breaker.allows():
+                raise Unavailable(f"cloud {self.address} is {self.status}")
+            if self.in_flight >= self.max_pending:
+                raise Overloaded(f"cloud link queue is full ({self.max_pending} escalations in flight)")
+        except StratusError:
+            call.close()
+            raise
         self.breaker.before_call()
         try:
-            response = await self._exchange(request, timeout_s)
+            response = await call
         except (Unavailable, DeadlineExceeded):
             self.breaker.failure()
             raise
@@ -212,6 +262,41 @@ class CloudLink:
             raise
         self.breaker.success()
         return response
+
+    async def _stream(
+        self, request: pb.ModelInferRequest, on_chunk: OnChunk, timeout_s: float | None
+    ) -> pb.ModelInferResponse:
+        assert self._channel is not None
+        stub = pb_grpc.GRPCInferenceServiceStub(self._channel)
+        asked = pb.ModelInferRequest()
+        asked.CopyFrom(request)
+        asked.parameters[STREAM].bool_param = True
+        started = time.perf_counter()
+        call = stub.ModelStreamInfer(iter([asked]), timeout=timeout_s)
+        self._generating += 1  # counts toward max_pending, like an escalation on the stream
+        try:
+            async for message in call:
+                if message.error_message:
+                    raise _stream_error(message.error_message)
+                response = message.infer_response
+                params = {k: v.string_param for k, v in response.parameters.items() if v.string_param}
+                chunk = Chunk.from_parts(_text_output(response), params, final=False)
+                if chunk.tokens:  # the final message may carry the last tokens, or none
+                    await on_chunk(chunk)
+                if _is_final(response):
+                    self.latency.add((time.perf_counter() - started) * 1000.0)
+                    response.id = request.id
+                    return response
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                raise DeadlineExceeded(
+                    f"cloud did not finish within {(timeout_s or 0) * 1000:.1f} ms"
+                ) from None
+            raise error_from_status(exc.code(), f"cloud: {exc.details()}") from None
+        finally:
+            call.cancel()  # a no-op once the call ended; otherwise the gateway stops generating
+            self._generating -= 1
+        raise Unavailable("the cloud gateway ended a generation without its final response")
 
     async def _exchange(
         self, request: pb.ModelInferRequest, timeout_s: float | None
@@ -235,9 +320,47 @@ class CloudLink:
             self._pending.pop(wire_id, None)
         self.latency.add((loop.time() - started) * 1000.0)
         if message.error_message:
-            code_name, _, text = message.error_message.partition(": ")
-            code = getattr(grpc.StatusCode, code_name, grpc.StatusCode.UNKNOWN)
-            raise error_from_status(code, f"cloud: {text or message.error_message}")
+            raise _stream_error(message.error_message)
         response = message.infer_response
         response.id = original_id
         return response
+
+
+def _stream_error(message: str) -> StratusError:
+    """A streamed error ("CODE: text", as the gateway writes it) as the error it names."""
+    code_name, _, text = message.partition(": ")
+    code = getattr(grpc.StatusCode, code_name, grpc.StatusCode.UNKNOWN)
+    return error_from_status(code, f"cloud: {text or message}")
+
+
+def _generates(metadata: pb.ModelMetadataResponse) -> bool:
+    """A model that takes one prompt and gives text, as Triton's vLLM backend lays it out."""
+    inputs = [(t.name, t.datatype) for t in metadata.inputs]
+    outputs = [(t.name, t.datatype) for t in metadata.outputs]
+    return inputs == [(TEXT_INPUT, "BYTES")] and outputs == [(TEXT_OUTPUT, "BYTES")]
+
+
+def _max_tokens(config: pb.ModelConfig) -> int:
+    """The ``max_tokens`` a generative model's config declares (a Stratus cloud gateway
+    does); otherwise OpenAI's default for completions, 16."""
+    parameter = config.parameters.get(MAX_TOKENS)
+    try:
+        declared = int(parameter.string_value) if parameter is not None else 0
+    except ValueError:
+        declared = 0
+    return declared if declared > 0 else UNDECLARED_MAX_TOKENS
+
+
+def _is_final(response: pb.ModelInferResponse) -> bool:
+    parameter = response.parameters.get(FINAL)
+    return parameter is not None and parameter.bool_param
+
+
+def _text_output(response: pb.ModelInferResponse) -> str:
+    """The response's ``text_output`` (one UTF-8 string), or "" when it has none."""
+    outputs = codec.decode_response_outputs(response)
+    values = outputs.get(TEXT_OUTPUT)
+    if values is None or values.size == 0:
+        return ""
+    first = values.reshape(-1)[0]
+    return first.decode("utf-8", "replace") if isinstance(first, bytes) else str(first)

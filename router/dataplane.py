@@ -170,6 +170,8 @@ class RouterDataPlane(DataPlane):
         except NotFound:
             return None
         info = self.registry.family(family)
+        if info is None and self.cloud is not None:
+            info = self.cloud.generative.get(family)  # served by the cloud alone
         return info if info is not None and info.kind == "generative" else None
 
     async def generate_text(

@@ -25,11 +25,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from router.policy import Attempt, FleetSnapshot, NoTarget, Target, choose, top_tier
-from stratus import codec
 from stratus.errors import DeadlineExceeded, Overloaded, StratusError, Unavailable
 from stratus.generation import (
     FINISH_REASON,
-    TEXT_OUTPUT,
     Chunk,
     GenerationMethod,
     RunningConfidence,
@@ -241,34 +239,38 @@ class GenerationCascade:
             await self.sink(chunk)
 
     async def _on_cloud(self, remaining: float, *, final: bool) -> Generation:
-        """The cloud answers whole (one chunk): the text, its confidence and log-probabilities."""
+        """The cloud streams its answer: shown as it comes when it is the final tier."""
         cloud = self.plane.cloud
         assert cloud is not None
-        request = pb.ModelInferRequest()
-        request.CopyFrom(self.request)
-        response = await cloud.infer(request, timeout_s=remaining / 1000.0)
-        text = _text_of(response)
-        params = {k: v.string_param for k, v in response.parameters.items() if v.string_param}
-        chunk = Chunk.from_parts(text, params, final=True)
-        self._count(Tier.CLOUD, len(chunk.tokens))
+        running = RunningConfidence(self.method)
+
+        async def on_chunk(chunk: Chunk) -> None:
+            running.add(chunk.tokens)
+            if final:
+                await self._show(chunk.tokens)
+
+        try:
+            response = await cloud.generate(self.request, on_chunk, timeout_s=remaining / 1000.0)
+        finally:
+            self._count(Tier.CLOUD, running.count)
         confidence = (
-            parameter_value(response.parameters[CONFIDENCE]) if CONFIDENCE in response.parameters else 1.0
+            parameter_value(response.parameters[CONFIDENCE])
+            if CONFIDENCE in response.parameters
+            else running.value
         )
         variant = (
             parameter_value(response.parameters[VARIANT])
             if VARIANT in response.parameters
             else self.family.name
         )
-        if final:
-            await self._show(chunk.tokens)
         return Generation(
-            text=text,
-            tokens=chunk.tokens,
+            text="".join(t.text for t in running.tokens),
+            tokens=tuple(running.tokens),
             tier=Tier.CLOUD,
             agent=f"cloud@{cloud.address}",
             variant=str(variant),
             confidence=float(confidence or 0.0),
-            finish_reason=chunk.finish_reason or "stop",
+            finish_reason=_finish_reason(response),
             path=tuple(self.path),
             timings_ms=dict(self.timings),
         )
@@ -285,15 +287,6 @@ def _from_wire(message: fpb.Chunk) -> Chunk:
         for index, logprob in enumerate(message.logprobs)
     )
     return Chunk(tokens=tokens or (Token(text=message.text, logprob=0.0),))
-
-
-def _text_of(response: pb.ModelInferResponse) -> str:
-    outputs = codec.decode_response_outputs(response)
-    values = outputs.get(TEXT_OUTPUT)
-    if values is None or values.size == 0:
-        return ""
-    first = values.reshape(-1)[0]
-    return first.decode("utf-8", "replace") if isinstance(first, bytes) else str(first)
 
 
 def _finish_reason(response: pb.ModelInferResponse) -> str:

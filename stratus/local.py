@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -25,10 +25,11 @@ from stratus.codec import Array
 from stratus.confidence import confidence
 from stratus.errors import InvalidInput, NotFound, StratusError, Unavailable
 from stratus.executor import BoundedExecutor
-from stratus.generation import FINISH_REASON
+from stratus.generation import FINAL, FINISH_REASON, Chunk
+from stratus.local_generation import RETIRE_GRACE_S, chunk_response, generative_config, generative_metadata
 from stratus.metrics import Metric, Metrics, ModelMetrics, gauge
 from stratus.precision import Hardware, choose_variant, hardware_precisions, load_verification
-from stratus.protocol import BATCH_SIZE, Served, set_parameter
+from stratus.protocol import BATCH_SIZE, Served, parameter_value, set_parameter
 from stratus.repository import FamilySpec, ModelRepository, VariantSpec
 from stratus.runtimes import LoadOptions, ModelRunner, load_runner
 from stratus.serving import DataPlane, tensor_metadata
@@ -47,7 +48,6 @@ if TYPE_CHECKING:
 # Calls between two looks at whether a variant is fast enough to run on the event loop.
 INLINE_REVIEW = 64
 # How long a variant that a reload replaced keeps answering work already addressed to it.
-RETIRE_GRACE_S = 10.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -171,7 +171,7 @@ class LocalModels:
             self.variants[name] = c.variant
             self.families[c.family.name] = c.family
             self.reasons[name] = c.reason
-            self._stamps[name] = (c.variant, _file_stamps(c.variant))
+            self._stamps[name] = (c.variant, c.variant.file_stamps())
         self.served = {c.variant.name for c in chosen}
         self.current = {c.variant.name for c in chosen if c.current}
 
@@ -185,7 +185,7 @@ class LocalModels:
         """
         repository = ModelRepository.load(self.repository.root)
         chosen = _select(repository, self.settings)
-        if not chosen:
+        if not chosen and self.generators is None:
             raise NotFound(f"no variants to load from {self.repository.root}")
         loop = asyncio.get_running_loop()
         runners: dict[str, ModelRunner] = {}
@@ -193,12 +193,14 @@ class LocalModels:
         try:
             for c in chosen:
                 name = c.variant.name
-                if name in self.runners and self._stamps.get(name) == (c.variant, _file_stamps(c.variant)):
+                if name in self.runners and self._stamps.get(name) == (c.variant, c.variant.file_stamps()):
                     runners[name] = self.runners[name]
                     continue
                 log.info("loading %s (%s) from %s", name, c.variant.precision, self.repository.root)
                 runners[name] = await loop.run_in_executor(None, self._load, c)
                 fresh.append(runners[name])
+            if self.generators is not None:
+                await self.generators.reload(repository)  # all or nothing, like the rest
         except Exception:
             for runner in fresh:
                 runner.close()
@@ -208,8 +210,9 @@ class LocalModels:
         self._install(chosen, runners)
         for name, runner in replaced.items():
             loop.call_later(RETIRE_GRACE_S, self._retire, name, runner)
-        log.info("reloaded: serving %s", sorted(self.served))
-        return sorted(self.served)
+        served = sorted({*self.served, *(self.generators.variants if self.generators else ())})
+        log.info("reloaded: serving %s", served)
+        return served
 
     def _retire(self, name: str, runner: ModelRunner) -> None:
         """Close a runner replaced by a reload once its grace is over (unless it came back)."""
@@ -258,7 +261,7 @@ class LocalModels:
         names = {*families, *self.served}
         if self.generators is not None:
             names |= {v.family for n, v in self.generators.variants.items() if n in self.generators.current}
-            names |= set(self.generators.variants)
+            names |= set(self.generators.variants) | set(self.generators.lines.values())
         return sorted(names)
 
     async def answer(self, request: pb.ModelInferRequest) -> LocalAnswer:
@@ -513,22 +516,14 @@ def _generator_infos(generators: LocalGenerators) -> list[fleet_pb2.VariantInfo]
             device="CPU",
             precision=variant.precision,
             max_batch=1,
-            chosen_because="generative",
-            line=name,
+            chosen_because="generative"
+            if generators.lines[name] == name
+            else f"generative: the {variant.precision} file of {generators.lines[name]}",
+            line=generators.lines[name],
             current=name in generators.current,
         )
         for name, variant in sorted(generators.variants.items())
     ]
-
-
-def _file_stamps(variant: VariantSpec) -> tuple[tuple[int, int], ...]:
-    """Size and modification time of each of a variant's files: a reload reloads a
-    variant whose config entry is unchanged but whose file was replaced."""
-    stamps = []
-    for path in sorted(variant.files.values()):
-        stat = path.stat()
-        stamps.append((stat.st_size, stat.st_mtime_ns))
-    return tuple(stamps)
 
 
 @dataclass(frozen=True)
@@ -575,7 +570,7 @@ class LocalDataPlane(DataPlane):
         self.name = name
 
     def ready(self) -> bool:
-        return bool(self.models.runners)
+        return bool(self.models.runners) or bool(self.models.generators and self.models.generators.runners)
 
     def model_ready(self, name: str) -> bool:
         return name in self.models.model_names()
@@ -585,17 +580,76 @@ class LocalDataPlane(DataPlane):
 
     def model_metadata(self, name: str) -> pb.ModelMetadataResponse:
         family, variant = self.models.variant_for(name)
+        if family.generative:
+            return generative_metadata(name, variant.name, self._runtime(variant.name))
         return pb.ModelMetadataResponse(
             name=name,
             versions=[variant.name],
-            platform=self.models.runners[variant.name].describe().runtime,
+            platform=self._runtime(variant.name),
             inputs=tensor_metadata(family.inputs),
             outputs=tensor_metadata(family.outputs),
         )
 
     def model_config(self, name: str) -> pb.ModelConfig:
         family, variant = self.models.variant_for(name)
-        return model_config(family, name, self.models.runners[variant.name].describe().runtime)
+        if family.generative:
+            assert family.generation is not None
+            return generative_config(name, self._runtime(variant.name), family.generation.max_tokens)
+        return model_config(family, name, self._runtime(variant.name))
+
+    def _runtime(self, variant: str) -> str:
+        generators = self.models.generators
+        if generators is not None and variant in generators.runners:
+            return generators.runners[variant].runtime
+        return self.models.runners[variant].describe().runtime
+
+    def generate(
+        self, request: pb.ModelInferRequest, *, timeout_s: float | None
+    ) -> AsyncIterator[pb.ModelInferResponse]:
+        if not self.models.generates(request.model_name):
+            return super().generate(request, timeout_s=timeout_s)
+        return self._generate(request)
+
+    async def _generate(self, request: pb.ModelInferRequest) -> AsyncIterator[pb.ModelInferResponse]:
+        """Each token as a response as soon as it is made, then a final one with the finish
+        reason and who answered; a caller that stops reading stops the generation."""
+        chunks: asyncio.Queue[Chunk | None] = asyncio.Queue()
+
+        async def on_chunk(chunk: Chunk) -> None:
+            chunks.put_nowait(chunk)
+
+        task = asyncio.create_task(self.models.generate(request, on_chunk))
+        task.add_done_callback(lambda _: chunks.put_nowait(None))
+        try:
+            while (chunk := await chunks.get()) is not None:
+                yield chunk_response(request, chunk)
+            answer = await task
+        except StratusError as exc:
+            self.models.count(status_code(exc).name.lower())
+            raise
+        except (asyncio.CancelledError, GeneratorExit):  # the caller went away: stop generating
+            self.models.count("cancelled")
+            raise
+        finally:
+            if not task.done():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+        self.models.count("ok")
+        reason = parameter_value(answer.response.parameters[FINISH_REASON])
+        final = chunk_response(request, Chunk(tokens=(), finish_reason=str(reason)))
+        set_parameter(final.parameters, FINAL, True)
+        self._served(answer).write(final.parameters)
+        yield final
+
+    def _served(self, answer: LocalAnswer) -> Served:
+        return Served(
+            tier=self.tier,
+            agent=self.name,
+            variant=answer.variant.name,
+            confidence=answer.confidence,
+            path=(self.tier,),
+            timings_ms={self.tier: answer.service_ms},
+        )
 
     async def infer(self, request: pb.ModelInferRequest, *, timeout_s: float | None) -> pb.ModelInferResponse:
         try:
@@ -604,15 +658,7 @@ class LocalDataPlane(DataPlane):
             self.models.count(status_code(exc).name.lower())
             raise
         self.models.count("ok")
-        served = Served(
-            tier=self.tier,
-            agent=self.name,
-            variant=answer.variant.name,
-            confidence=answer.confidence,
-            path=(self.tier,),
-            timings_ms={self.tier: answer.service_ms},
-        )
-        served.write(answer.response.parameters)
+        self._served(answer).write(answer.response.parameters)
         set_parameter(answer.response.parameters, BATCH_SIZE, answer.batch_size)
         return answer.response
 

@@ -27,7 +27,7 @@ from stratus.generation import (
     Token,
     confidence_of,
 )
-from stratus.protocol import parameter_value
+from stratus.protocol import parameter_value, set_parameter
 from stratus.repository import FamilySpec, ModelRepository, VariantSpec
 from stratus.runtimes.base import LoadOptions
 from stratus.runtimes.generative import GenerativeRunner, load_generator
@@ -51,6 +51,26 @@ class Generated:
     service_ms: float
 
 
+RETIRE_GRACE_S = 10.0  # a variant replaced by a reload keeps answering what is in flight this long
+
+
+@dataclass(frozen=True)
+class _Loaded:
+    family: FamilySpec
+    line: VariantSpec
+    variant: VariantSpec  # the line, or the lower-precision variant of it that runs here
+    runner: GenerativeRunner
+    current: bool
+
+
+_Stamp = tuple[VariantSpec, tuple[tuple[int, int], ...]]
+
+
+def _stamp(variant: VariantSpec) -> _Stamp:
+    """A variant's config entry and files: a reload keeps a runner while both are unchanged."""
+    return variant, variant.file_stamps()
+
+
 class LocalGenerators:
     """The generative lines of one tier (or named variants), each in its runtime here."""
 
@@ -65,33 +85,100 @@ class LocalGenerators:
         emulated_extra_ms: float = 0.0,
     ) -> None:
         self.emulated_extra_ms = emulated_extra_ms  # tests and benchmarks: a slower device, per token
+        self._tier, self._names, self._options, self._runtimes = tier, variants, options, runtimes
         self.families: dict[str, FamilySpec] = {}
         self.variants: dict[str, VariantSpec] = {}
         self.runners: dict[str, GenerativeRunner] = {}
         self.current: set[str] = set()
-        for family, variant, current in _select(repository, tier, variants):
-            try:
-                self.runners[variant.name] = load_generator(family, variant, options, runtimes=runtimes)
-            except (RuntimeUnavailable, NotFound) as exc:  # no runtime or no file for it here: serve the rest
-                log.warning("%s: not serving %s: %s", family.name, variant.name, exc)
-                continue
-            self.families[family.name] = family
-            self.variants[variant.name] = variant
-            if current:
-                self.current.add(variant.name)
-            log.info("%s: %s loaded (%s)", family.name, variant.name, self.runners[variant.name].runtime)
+        self.lines: dict[str, str] = {}  # loaded variant -> its line (the FP32 root it was made from)
+        self._stamps: dict[str, _Stamp] = {}
+        self._install(self._loaded(repository))
         self._executor = concurrent.futures.ThreadPoolExecutor(
             max_workers=max(1, options.concurrency), thread_name_prefix="stratus-generate"
         )
 
+    def _loaded(self, repository: ModelRepository) -> list[_Loaded]:
+        """Each line chosen from ``repository``, loaded; what is unchanged since the last load
+        (the same config entry and files) keeps its runner."""
+        loaded: list[_Loaded] = []
+        try:
+            for family, line, current in _select(repository, self._tier, self._names):
+                found = self._load_line(family, line)
+                if found is not None:
+                    loaded.append(_Loaded(family, line, found[0], found[1], current))
+        except Exception:  # a load that fails leaves what is served as it was: close the new ones
+            serving = {id(r) for r in self.runners.values()}
+            for item in loaded:
+                if id(item.runner) not in serving:
+                    item.runner.close()
+            raise
+        return loaded
+
+    def _load_line(
+        self, family: FamilySpec, line: VariantSpec
+    ) -> tuple[VariantSpec, GenerativeRunner] | None:
+        """The line itself where a runtime here runs its files, else the first of its
+        lower-precision variants that one does (a cloud's Hugging Face model, served here
+        through its GGUF child); None when none loads."""
+        reasons = []
+        for variant in family.line_of(line):
+            if self._stamps.get(variant.name) == _stamp(variant) and variant.name in self.runners:
+                return variant, self.runners[variant.name]
+            try:
+                return variant, load_generator(family, variant, self._options, runtimes=self._runtimes)
+            except (RuntimeUnavailable, NotFound) as exc:
+                reasons.append(f"{variant.name}: {exc}")
+        log.warning("%s: not serving %s: %s", family.name, line.name, "; ".join(reasons))
+        return None
+
+    def _install(self, loaded: list[_Loaded]) -> list[GenerativeRunner]:
+        """Serve exactly ``loaded``; the runners no longer served, for the caller to close."""
+        before = dict(self.runners)
+        self.families = {item.family.name: item.family for item in loaded}
+        self.variants = {item.variant.name: item.variant for item in loaded}
+        self.runners = {item.variant.name: item.runner for item in loaded}
+        self.lines = {item.variant.name: item.line.name for item in loaded}
+        self.current = {item.variant.name for item in loaded if item.current}
+        self._stamps = {item.variant.name: _stamp(item.variant) for item in loaded}
+        for item in loaded:
+            if before.get(item.variant.name) is not item.runner:
+                log.info(
+                    "%s: %s loaded (%s)%s",
+                    item.family.name,
+                    item.variant.name,
+                    item.runner.runtime,
+                    "" if item.variant is item.line else f" for {item.line.name}",
+                )
+        kept = {id(item.runner) for item in loaded}
+        return [runner for runner in before.values() if id(runner) not in kept]
+
+    async def reload(self, repository: ModelRepository) -> list[str]:
+        """Load what changed in ``repository`` (on a thread), then serve it; a runner that
+        is replaced keeps answering the generations already running on it, and is closed
+        after ``grace_s``. Returns the variants now served."""
+        loop = asyncio.get_running_loop()
+        loaded = await loop.run_in_executor(None, self._loaded, repository)
+        for runner in self._install(loaded):
+            loop.call_later(RETIRE_GRACE_S, runner.close)
+        return sorted(self.variants)
+
     def serves(self, model: str) -> bool:
-        return model in self.variants or any(self.variants[name].family == model for name in self.current)
+        return (
+            model in self.variants
+            or model in self.lines.values()
+            or any(self.variants[name].family == model for name in self.current)
+        )
 
     def variant_for(self, model: str) -> tuple[FamilySpec, VariantSpec]:
-        """A family resolves to its current variant here (the highest tier's); a variant to itself."""
+        """A family resolves to its current variant here (the highest tier's); a line or a
+        variant to what is loaded for it."""
         if model in self.variants:
             variant = self.variants[model]
             return self.families[variant.family], variant
+        for name, line in self.lines.items():
+            if line == model:
+                variant = self.variants[name]
+                return self.families[variant.family], variant
         local = [self.variants[n] for n in self.current if self.variants[n].family == model]
         if not local:
             raise NotFound(f"model '{model}' is not a generative model served here")
@@ -198,9 +285,46 @@ def text_array(text: str) -> codec.Array:
     return np.array([text.encode("utf-8")], dtype=object)
 
 
+def chunk_response(request: pb.ModelInferRequest, chunk: Chunk) -> pb.ModelInferResponse:
+    """One streamed chunk as Triton's vLLM backend sends it: its text in ``text_output``,
+    its tokens' log-probabilities (and the finish reason, on the last) as parameters."""
+    response = text_response(request, chunk.text)
+    for key, value in chunk.parameters().items():
+        set_parameter(response.parameters, key, value)
+    return response
+
+
+def generative_metadata(name: str, version: str, platform: str) -> pb.ModelMetadataResponse:
+    """ModelMetadata of a generative model: one prompt in, text out (Triton's vLLM layout)."""
+    tensor = pb.ModelMetadataResponse.TensorMetadata
+    return pb.ModelMetadataResponse(
+        name=name,
+        versions=[version],
+        platform=platform,
+        inputs=[tensor(name=TEXT_INPUT, datatype="BYTES", shape=[1])],
+        outputs=[tensor(name=TEXT_OUTPUT, datatype="BYTES", shape=[-1])],
+    )
+
+
+def generative_config(name: str, platform: str, max_tokens: int) -> pb.ModelConfig:
+    """ModelConfig of a generative model: one prompt per request, no batch dimension, and
+    the most tokens a request may ask for (a router that learns the family from here
+    checks requests against it)."""
+    return pb.ModelConfig(
+        parameters={MAX_TOKENS: pb.ModelParameter(string_value=str(max_tokens))},
+        name=name,
+        platform=platform,
+        backend=platform,
+        max_batch_size=0,
+        input=[pb.ModelInput(name=TEXT_INPUT, data_type=pb.DataType.TYPE_STRING, dims=[1])],
+        output=[pb.ModelOutput(name=TEXT_OUTPUT, data_type=pb.DataType.TYPE_STRING, dims=[-1])],
+    )
+
+
 def _select(
     repository: ModelRepository, tier: Tier | None, names: list[str] | None
 ) -> list[tuple[FamilySpec, VariantSpec, bool]]:
+    """Each generative line to load (named, or of the tier), and whether it is current."""
     chosen = []
     for family in repository.families.values():
         if not family.generative:

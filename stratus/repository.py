@@ -88,6 +88,19 @@ class VariantSpec:
     # calibration split, so a confidence of 0.9 means about 9 in 10 right).
     temperature: float = 1.0
 
+    def file_stamps(self) -> tuple[tuple[int, int], ...]:
+        """Size and modification time of each of its files ((-1, -1) for one that is gone):
+        a reload reloads a variant whose config entry is unchanged but whose file was replaced."""
+        stamps = []
+        for path in sorted(self.files.values()):
+            try:
+                stat = path.stat()
+            except OSError:
+                stamps.append((-1, -1))
+                continue
+            stamps.append((stat.st_size, stat.st_mtime_ns))
+        return tuple(stamps)
+
 
 @dataclass(frozen=True, kw_only=True)
 class FamilySpec:

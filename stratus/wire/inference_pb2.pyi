@@ -840,6 +840,27 @@ class ModelOutput(_message.Message):
 Global___ModelOutput: _TypeAlias = ModelOutput  # noqa: Y015
 
 @_typing.final
+class ModelParameter(_message.Message):
+    """A model's own settings, as Triton's backends read them (a generative model's max_tokens)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STRING_VALUE_FIELD_NUMBER: _builtins.int
+    string_value: _builtins.str
+    def __init__(
+        self,
+        *,
+        string_value: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["string_value", b"string_value"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ModelParameter: _TypeAlias = ModelParameter  # noqa: Y015
+
+@_typing.final
 class ModelConfig(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -863,12 +884,34 @@ class ModelConfig(_message.Message):
         def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
         def WhichOneof(self, oneof_group: _Never) -> None: ...
 
+    @_typing.final
+    class ParametersEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        @_builtins.property
+        def value(self) -> Global___ModelParameter: ...
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: Global___ModelParameter | None = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _typing.Literal["value", b"value"]  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     NAME_FIELD_NUMBER: _builtins.int
     PLATFORM_FIELD_NUMBER: _builtins.int
     MAX_BATCH_SIZE_FIELD_NUMBER: _builtins.int
     INPUT_FIELD_NUMBER: _builtins.int
     OUTPUT_FIELD_NUMBER: _builtins.int
     METRIC_TAGS_FIELD_NUMBER: _builtins.int
+    PARAMETERS_FIELD_NUMBER: _builtins.int
     BACKEND_FIELD_NUMBER: _builtins.int
     RUNTIME_FIELD_NUMBER: _builtins.int
     name: _builtins.str
@@ -882,6 +925,8 @@ class ModelConfig(_message.Message):
     def output(self) -> _containers.RepeatedCompositeFieldContainer[Global___ModelOutput]: ...
     @_builtins.property
     def metric_tags(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]: ...
+    @_builtins.property
+    def parameters(self) -> _containers.MessageMap[_builtins.str, Global___ModelParameter]: ...
     def __init__(
         self,
         *,
@@ -891,12 +936,13 @@ class ModelConfig(_message.Message):
         input: _abc.Iterable[Global___ModelInput] | None = ...,
         output: _abc.Iterable[Global___ModelOutput] | None = ...,
         metric_tags: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        parameters: _abc.Mapping[_builtins.str, Global___ModelParameter] | None = ...,
         backend: _builtins.str = ...,
         runtime: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend", b"backend", "input", b"input", "max_batch_size", b"max_batch_size", "metric_tags", b"metric_tags", "name", b"name", "output", b"output", "platform", b"platform", "runtime", b"runtime"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend", b"backend", "input", b"input", "max_batch_size", b"max_batch_size", "metric_tags", b"metric_tags", "name", b"name", "output", b"output", "parameters", b"parameters", "platform", b"platform", "runtime", b"runtime"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
