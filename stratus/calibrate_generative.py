@@ -6,18 +6,29 @@ confidence is the family's method over its tokens' log-probabilities. From there
 thresholds are chosen exactly as for a classifier (:func:`stratus.calibrate.for_target_accuracy`
 and friends), on the calibration prompts, and reported on the held-out ones.
 
-The shipped ``arith`` family brings its own prompts (:mod:`stratus.arith`); nothing else
-does yet.
+The shipped ``arith`` family brings its own prompts (:mod:`stratus.arith`); any other
+family takes ``--data FILE.jsonl``: one ``{"prompt": ..., "answer": ...}`` object per line,
+split once with a fixed seed, ``CALIBRATION_SHARE`` for choosing and the rest reported.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 
-from stratus.calibrate import Calibration, LabelledData, TierScores, choose
+from stratus.calibrate import (
+    CALIBRATION_SHARE,
+    MIN_EXAMPLES,
+    SPLIT_SEED,
+    Calibration,
+    LabelledData,
+    TierScores,
+    choose,
+)
+from stratus.codec import Array
 from stratus.datasets import Split
 from stratus.errors import ConfigError, NotFound, RuntimeUnavailable
 from stratus.generation import GenerationParams, Token, confidence_of
@@ -45,6 +56,45 @@ def bundled_prompts(family: FamilySpec) -> LabelledData:
         report=split(splits.held_out),
         calibration_name=f"the bundled calibration prompts ({len(splits.calibration)})",
         report_name=f"the bundled held-out prompts ({len(splits.held_out)})",
+    )
+
+
+def load_prompts(path: Path, *, share: float = CALIBRATION_SHARE, seed: int = SPLIT_SEED) -> LabelledData:
+    """Labelled prompts from a JSON Lines file, split once with ``seed``; a bad line is
+    refused with its number."""
+    if not path.is_file():
+        raise ConfigError(f"{path}: no such file")
+    prompts, answers = [], []
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            item = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"{path}:{number}: not JSON ({exc.msg})") from None
+        if not isinstance(item, dict) or not all(isinstance(item.get(k), str) for k in ("prompt", "answer")):
+            raise ConfigError(f'{path}:{number}: expected {{"prompt": "...", "answer": "..."}} (strings)')
+        prompts.append(item["prompt"])
+        answers.append(item["answer"])
+    if len(prompts) < MIN_EXAMPLES:
+        raise ConfigError(
+            f"{path}: too few prompts ({len(prompts)}); calibrating needs at least {MIN_EXAMPLES}"
+        )
+    order = np.random.default_rng(seed).permutation(len(prompts))
+    cut = round(share * len(prompts))
+    first, second = order[:cut], order[cut:]
+
+    def split(indices: Array) -> Split:
+        return Split(
+            np.array([prompts[i] for i in indices], dtype=object),
+            np.array([answers[i] for i in indices], dtype=object),
+        )
+
+    return LabelledData(
+        calibration=split(first),
+        report=split(second),
+        calibration_name=f"{len(first)} of the {len(prompts)} prompts in {path.name} ({share:.0%}, seed {seed})",
+        report_name=f"the other {len(second)} prompts in {path.name}",
     )
 
 
@@ -100,10 +150,11 @@ def calibrate_generative(
     cache: Path,
     target_accuracy: float | None = None,
     max_escalation: float | None = None,
+    data_file: Path | None = None,
 ) -> Calibration:
     if (target_accuracy is None) == (max_escalation is None):
         raise ConfigError("give exactly one of --target-accuracy and --max-escalation")
-    data = bundled_prompts(family)
+    data = load_prompts(data_file) if data_file is not None else bundled_prompts(family)
     return choose(
         generative_scores(family, data.calibration, cache),
         lambda: generative_scores(family, data.report, cache),

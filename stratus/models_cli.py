@@ -98,12 +98,14 @@ def _calibrate_generative(family: FamilySpec, args: argparse.Namespace) -> int:
     from stratus import calibrate
     from stratus.calibrate_generative import calibrate_generative
 
-    if args.data is not None or args.compare_methods:
-        raise ConfigError(
-            "--data and --compare-methods are for classifier families; generative ones use their bundled prompts"
-        )
+    if args.compare_methods:
+        raise ConfigError("--compare-methods is for classifier families")
     result = calibrate_generative(
-        family, cache=args.cache_dir, target_accuracy=args.target_accuracy, max_escalation=args.max_escalation
+        family,
+        cache=args.cache_dir,
+        target_accuracy=args.target_accuracy,
+        max_escalation=args.max_escalation,
+        data_file=args.data,
     )
     print(calibrate.describe(result))
     if not args.dry_run:
@@ -167,7 +169,8 @@ def add_models(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     calibrate.add_argument(
         "--data",
         type=Path,
-        help="labelled .npz: an array named after the family's input, and 'labels' (int); "
+        help="labelled data: for a classifier, an .npz with an array named after the family's input "
+        'and \'labels\' (int); for a generative family, JSON Lines of {"prompt": ..., "answer": ...}; '
         "default: the family's bundled data",
     )
     calibrate.add_argument(

@@ -50,6 +50,7 @@ from stratus.runtimes import RUNNERS, Choice, LoadOptions, ModelRunner, availabl
 TOLERANCE = 1e-4
 FP16_TOLERANCE = 5e-3
 INT8_AGREEMENT = 0.99
+TEXT_AGREEMENT = 0.99  # generative: answers alike across runtimes (an F16 near-tie may break either way)
 LATENCY_RUNS = {1: 25, 32: 10}
 
 
@@ -72,12 +73,15 @@ class VerifyRow:
     size_kib: float = 0.0
     latency_ms: dict[str, float] = field(default_factory=dict)  # {"b1": .., "b32": ..}, medians
     error: str | None = None
+    kind: str = "classifier"  # or "generative": agreement is judged on answers' text and confidence
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
 
     @property
     def runtimes_agree(self) -> bool:
+        if self.kind == "generative":  # same text and same escalation decision (stratus.verify_generative)
+            return self.runtime_agreement >= TEXT_AGREEMENT
         if self.precision == "INT8":
             return self.runtime_agreement >= INT8_AGREEMENT
         return self.max_abs_diff <= (FP16_TOLERANCE if self.precision == "FP16" else TOLERANCE)
@@ -283,13 +287,30 @@ def verify(
     with tempfile.TemporaryDirectory(prefix="stratus-verify-") as scratch:
         cache = cache_dir or Path(scratch)
         for family in repository.families.values():
-            if family.generative:  # checked by `models calibrate` and the LLM tests, not here yet
-                skipped[f"family {family.name}"] = "generative families are not verified by this command yet"
+            if family.generative:
+                rows += _verify_generative(family, cache, skipped)
                 continue
             family_rows = verify_family(family, _or_synthetic(family, data(family)), usable, cache)
             rows += family_rows
             records[family.name] = _write_record(family, family_rows) if record else record_state(family)
     return VerifyReport(rows=tuple(rows), skipped=skipped, records=records)
+
+
+def _verify_generative(family: FamilySpec, cache: Path, skipped: dict[str, str]) -> list[VerifyRow]:
+    """A generative family on its bundled held-out prompts, in every generative runtime here."""
+    from stratus.verify_generative import (
+        bundled_prompts_held_out,
+        usable_generators,
+        verify_generative_family,
+    )
+
+    usable, unusable = usable_generators()
+    skipped.update(unusable)
+    prompts = bundled_prompts_held_out(family)
+    if prompts is None:
+        skipped[f"family {family.name}"] = "no labelled prompts ship with it (only arith's do)"
+        return []
+    return verify_generative_family(family, prompts, usable, cache)
 
 
 def record_family(
@@ -394,13 +415,13 @@ def _cell(value: float | None, pattern: str) -> str:
 
 def format_report(report: VerifyReport) -> str:
     header = (
-        f"{'variant':<21}{'tier':<7}{'prec':<6}{'runtime':<12}{'format':<9}{'accuracy':>9}{'drop':>8}"
+        f"{'variant':<21}{'tier':<7}{'prec':<6}{'runtime':<15}{'format':<9}{'accuracy':>9}{'drop':>8}"
         f"{'agree':>8}{'KiB':>7}{'b1 ms':>8}{'b32 ms':>8}{'max|diff|':>10}{'rt-agree':>9}  status"
     )
     lines = [header, "-" * len(header)]
     for row in report.rows:
         lines.append(
-            f"{row.name:<21}{row.tier:<7}{row.precision:<6}{row.runtime:<12}{row.format:<9}"
+            f"{row.name:<21}{row.tier:<7}{row.precision:<6}{row.runtime:<15}{row.format:<9}"
             f"{_cell(row.accuracy, '.4f'):>9}{_cell(row.accuracy_drop, '.4f'):>8}{_cell(row.agreement, '.4f'):>8}"
             f"{row.size_kib:>7.1f}{_cell(row.latency_ms.get('b1'), '.3f'):>8}{_cell(row.latency_ms.get('b32'), '.3f'):>8}"
             f"{row.max_abs_diff:>10.2e}{row.runtime_agreement:>9.4f}  {row.status}"
@@ -412,6 +433,7 @@ def format_report(report: VerifyReport) -> str:
         lines.append(f"outside tolerance (reported, never served): {', '.join(outside)}")
     lines.append(
         f"verdict: {'PASS' if report.ok else 'FAIL'} (runtimes of a variant agree: FP32 within {TOLERANCE:g}, "
-        f"FP16 within {FP16_TOLERANCE:g}, INT8 top-1 on >= {INT8_AGREEMENT:.0%} of items)"
+        f"FP16 within {FP16_TOLERANCE:g}, INT8 top-1 on >= {INT8_AGREEMENT:.0%} of items; generated text "
+        f"and its escalation decision alike on >= {TEXT_AGREEMENT:.0%} of prompts)"
     )
     return "\n".join(lines)

@@ -25,9 +25,12 @@ def test_verify_json_lists_every_runtime_of_digits_small(models_dir: Path) -> No
     large = [r for r in rows if r["name"] == "digits-large"]
     assert large and all(r["accuracy"] >= 0.98 for r in large)
     assert all(r["max_abs_diff"] <= 1e-4 for r in rows if r["precision"] == "FP32")
-    children = [r for r in rows if r["parent"]]
+    children = [r for r in rows if r["parent"] and r["kind"] == "classifier"]
     assert {r["precision"] for r in children} == {"INT8", "FP16"}
     assert all(r["within_tolerance"] and set(r["latency_ms"]) == {"b1", "b32"} for r in children)
+    generated = [r for r in rows if r["kind"] == "generative"]
+    assert {r["name"] for r in generated} == {"arith-small", "arith-medium", "arith-large-fp16"}
+    assert all(r["accuracy"] > 0.7 and r["runtime_agreement"] >= 0.99 for r in generated)
 
 
 def test_verify_fails_when_a_variant_cannot_load(models_dir: Path, tmp_path: Path) -> None:

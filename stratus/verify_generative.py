@@ -1,0 +1,174 @@
+"""``stratus models verify`` for generative families: every variant in every generative
+runtime here, on labelled held-out prompts.
+
+The router may send one prompt to a llama.cpp device today and an OpenVINO GenAI one
+tomorrow, and one threshold per tier judges the answers; so each variant's runtimes must
+give the same text and the same verdict against that threshold. They compute an F16 model
+in their own ways (llama.cpp rounds activations to F16 on a CPU, OpenVINO GenAI computes
+in F32), so a near-tie between two tokens may break differently and confidences differ
+by up to a few hundredths on some prompts: the check asks for ``TEXT_AGREEMENT`` (99%)
+of prompts with identical text and the same escalation decision (see
+:attr:`stratus.verify.VerifyRow.runtimes_agree`), and reports the largest confidence
+difference among identical answers.
+
+Rows reuse :class:`stratus.verify.VerifyRow`: ``accuracy`` is exact-match on the held-out
+prompts, ``runtime_agreement`` the lowest share of prompts answered alike (same text, same
+decision) by another runtime, ``max_abs_diff`` the largest confidence difference on
+identical answers, ``latency_ms`` the median per prompt (``b1``) and the mean per token.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from stratus.datasets import Split
+from stratus.errors import ConfigError
+from stratus.generation import GenerationParams, Token, confidence_of
+from stratus.repository import FamilySpec, VariantSpec
+from stratus.runtimes.base import LoadOptions
+from stratus.runtimes.generative import GENERATORS, GenerativeRunner, generative_order
+from stratus.verify import VerifyRow
+
+
+@dataclass
+class _Run:
+    """One runtime's answers, their confidences, and how long they took."""
+
+    runtime: str
+    path: Path
+    texts: list[str] = field(default_factory=list)
+    confidences: list[float] = field(default_factory=list)
+    prompt_ms: list[float] = field(default_factory=list)
+    tokens: int = 0
+    error: str | None = None
+
+
+def usable_generators() -> tuple[set[str], dict[str, str]]:
+    """The generative runtimes here, and why each of the others is not."""
+    usable, skipped = set(), {}
+    for name, cls in GENERATORS.items():
+        status = cls.availability()
+        if status.available:
+            usable.add(name)
+        else:
+            skipped[name] = status.reason
+    return usable, skipped
+
+
+def bundled_prompts_held_out(family: FamilySpec) -> Split | None:
+    """A shipped generative family's held-out prompts and answers; None for any other."""
+    from stratus.calibrate_generative import bundled_prompts
+
+    try:
+        return bundled_prompts(family).report
+    except ConfigError:
+        return None
+
+
+def verify_generative_family(
+    family: FamilySpec, data: Split, usable: set[str], cache: Path
+) -> list[VerifyRow]:
+    """Every variant that ships a file a usable runtime reads, in each such runtime."""
+    rows = []
+    for variant in family.variants:
+        runs = [_run(family, variant, runtime, data, cache) for runtime in _runtimes(variant, usable)]
+        rows += [_row(family, variant, run, runs, data) for run in runs]
+    return rows
+
+
+def _runtimes(variant: VariantSpec, usable: set[str]) -> list[str]:
+    return [r for r, fmt in generative_order(variant.tier) if r in usable and fmt in variant.files]
+
+
+def _run(family: FamilySpec, variant: VariantSpec, runtime: str, data: Split, cache: Path) -> _Run:
+    assert family.generation is not None
+    cls = GENERATORS[runtime]
+    path = variant.files[cls.formats[0]]
+    run = _Run(runtime=runtime, path=path)
+    params = GenerationParams(max_tokens=family.generation.max_tokens, stop=family.generation.stop)
+    try:
+        runner = cls(
+            variant=variant,
+            path=path,
+            options=LoadOptions(tier=variant.tier, cache_dir=cache),
+            context=family.generation.context,
+        )
+    except Exception as exc:  # every failure is reported on its row, whatever raised it
+        run.error = f"{type(exc).__name__}: {exc}"
+        return run
+    try:
+        runner.warmup()
+        for prompt in data.x:
+            tokens, elapsed = _timed(runner, str(prompt), params)
+            run.texts.append("".join(t.text for t in tokens))
+            run.confidences.append(confidence_of(tokens, family.generation.method))
+            run.prompt_ms.append(elapsed)
+            run.tokens += len(tokens)
+    except Exception as exc:
+        run.error = f"{type(exc).__name__}: {exc}"
+    finally:
+        runner.close()
+    return run
+
+
+def _timed(runner: GenerativeRunner, prompt: str, params: GenerationParams) -> tuple[list[Token], float]:
+    tokens: list[Token] = []
+
+    def keep(token: Token) -> bool:
+        tokens.append(token)
+        return True
+
+    started = time.perf_counter()
+    runner.generate(prompt, params, keep)
+    return tokens, (time.perf_counter() - started) * 1000.0
+
+
+def _row(family: FamilySpec, variant: VariantSpec, run: _Run, runs: Sequence[_Run], data: Split) -> VerifyRow:
+    others = [r for r in runs if r is not run and r.error is None]
+    done = run.error is None
+    threshold = family.thresholds.get(variant.tier)
+    agreements = [_agreement(run, other, threshold) for other in others] if done else []
+    return VerifyRow(
+        name=variant.name,
+        tier=variant.tier.label,
+        precision=variant.precision,
+        runtime=run.runtime,
+        format=run.path.suffix.lstrip(".") or "dir",
+        accuracy=_accuracy(run.texts, data) if done else None,
+        max_abs_diff=max((diff for _, diff in agreements), default=0.0),
+        runtime_agreement=min((share for share, _ in agreements), default=1.0),
+        parent=variant.parent,
+        size_kib=run.path.stat().st_size / 1024.0 if run.path.is_file() else 0.0,
+        latency_ms=_latency(run) if done and run.prompt_ms else {},
+        error=run.error,
+        kind="generative",
+    )
+
+
+def _agreement(run: _Run, other: _Run, threshold: float | None) -> tuple[float, float]:
+    """(share of prompts with the same text and the same verdict against ``threshold``,
+    largest confidence difference among identical answers)."""
+    pairs = list(zip(run.texts, other.texts, run.confidences, other.confidences, strict=True))
+    if not pairs:
+        return 1.0, 0.0
+    same = [(a, b) for text_a, text_b, a, b in pairs if text_a == text_b]
+    alike = sum(1 for a, b in same if threshold is None or (a >= threshold) == (b >= threshold))
+    return alike / len(pairs), max((abs(a - b) for a, b in same), default=0.0)
+
+
+def _accuracy(texts: Sequence[str], data: Split) -> float | None:
+    if not len(data.y):
+        return None
+    right = [text.strip() == str(answer).strip() for text, answer in zip(texts, data.y, strict=True)]
+    return sum(right) / len(right)
+
+
+def _latency(run: _Run) -> dict[str, float]:
+    return {
+        "b1": statistics.median(run.prompt_ms),
+        "token": sum(run.prompt_ms) / max(1, run.tokens),
+    }

@@ -1,0 +1,60 @@
+"""``models calibrate`` for a generative family with the user's own labelled prompts."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from stratus.arith import arith_splits, solve
+from stratus.calibrate import cascade
+from stratus.calibrate_generative import calibrate_generative, generative_scores, load_prompts
+from stratus.errors import ConfigError
+from stratus.repository import ModelRepository
+
+MODELS = Path(__file__).resolve().parents[2] / "models"
+
+
+def write_prompts(path: Path, count: int) -> Path:
+    prompts = [prompt for prompt, _ in arith_splits().held_out[:count]]
+    path.write_text("".join(json.dumps({"prompt": p, "answer": solve(p)}) + "\n" for p in prompts))
+    return path
+
+
+def test_prompts_split_sixty_forty_with_a_fixed_seed(tmp_path: Path) -> None:
+    path = write_prompts(tmp_path / "prompts.jsonl", 50)
+    data = load_prompts(path)
+    assert (len(data.calibration.x), len(data.report.x)) == (30, 20)
+    assert sorted([*data.calibration.x, *data.report.x]) == sorted(p for p, _ in arith_splits().held_out[:50])
+    assert all(solve(p) == a for p, a in zip(data.report.x, data.report.y, strict=True))
+    again = load_prompts(path)
+    assert list(again.report.x) == list(data.report.x)
+    assert "30 of the 50 prompts in prompts.jsonl" in data.calibration_name
+
+
+@pytest.mark.parametrize(
+    ("content", "problem"),
+    [
+        ('{"prompt": "1+1=", "answer": "2"}\nnot json\n', r"prompts.jsonl:2: not JSON"),
+        ('{"prompt": "1+1=", "answer": 2}\n', r"prompts.jsonl:1: expected"),
+        ('{"prompt": "1+1=", "answer": "2"}\n' * 5, r"too few prompts \(5\)"),
+    ],
+)
+def test_bad_prompt_files_are_refused_with_the_line(tmp_path: Path, content: str, problem: str) -> None:
+    path = tmp_path / "prompts.jsonl"
+    path.write_text(content)
+    with pytest.raises(ConfigError, match=problem):
+        load_prompts(path)
+
+
+def test_thresholds_from_a_prompt_file_reproduce_the_printed_shares(tmp_path: Path) -> None:
+    family = ModelRepository.load(MODELS).family("arith")
+    path = write_prompts(tmp_path / "prompts.jsonl", 150)
+    result = calibrate_generative(family, cache=tmp_path, max_escalation=0.25, data_file=path)
+    assert result.calibration.reached[-1] <= 0.25 + 1e-9  # the constraint holds where it was chosen
+    assert result.data.report_name == "the other 60 prompts in prompts.jsonl"
+    scores = generative_scores(family, load_prompts(path).report, tmp_path)
+    replay = cascade(scores, [result.thresholds[t] for t in result.tiers[:-1]])
+    assert replay.accuracy == pytest.approx(result.held_out.accuracy)
+    assert replay.reached == pytest.approx(result.held_out.reached)
