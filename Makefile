@@ -21,11 +21,15 @@ demo: $(INSTALLED)
 test: $(INSTALLED) $(LLAMA) vllm-env lint typecheck
 	$(BIN)/python -m pytest -q -rs
 
-# llama.cpp (the `llama` extra) compiles from source; the tests run it beside OpenVINO GenAI.
+# llama.cpp (the `llama` extra) compiles from source (a C++ compiler is needed); the tests run
+# it beside OpenVINO GenAI. Where it cannot build, say so and go on: its tests skip, saying why.
 llama-env: $(LLAMA)
 $(LLAMA): $(INSTALLED)
-	CMAKE_ARGS="-DLLAVA_BUILD=OFF" $(BIN)/python -m pip install --quiet -e '.[dev,llama]'
-	touch $@
+	@if CMAKE_ARGS="-DLLAVA_BUILD=OFF" $(BIN)/python -m pip install --quiet -e '.[dev,llama]'; then \
+		touch $@; \
+	else \
+		echo "make: llama-cpp-python did not build here; the llama.cpp tests will be skipped"; \
+	fi
 
 # vLLM on CPU in an environment of its own (it pins its own torch), for the cloud tier's
 # integration tests; reused while its marker matches (several minutes the first time).

@@ -310,7 +310,14 @@ def _verify_generative(family: FamilySpec, cache: Path, skipped: dict[str, str])
     if prompts is None:
         skipped[f"family {family.name}"] = "no labelled prompts ship with it (only arith's do)"
         return []
-    return verify_generative_family(family, prompts, usable, cache)
+    rows = verify_generative_family(family, prompts, usable, cache)
+    for variant in family.variants:
+        if not any(row.name == variant.name for row in rows):
+            skipped[f"variant {variant.name}"] = (
+                f"no generative runtime here reads its files ({', '.join(sorted(variant.files))}); "
+                "vLLM serves a Hugging Face folder"
+            )
+    return rows
 
 
 def record_family(
