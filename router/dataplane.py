@@ -147,7 +147,7 @@ class RouterDataPlane(DataPlane):
 
     def model_metadata(self, name: str) -> pb.ModelMetadataResponse:
         family, _ = self._family_of(name)
-        info = self.registry.family(family)
+        info = self.registry.family(family) or self.generative(family)  # the cloud's, if only it has it
         variants = self.registry.index.variants_of(family)
         response = pb.ModelMetadataResponse(name=name, versions=variants, platform="stratus")
         if info is not None:

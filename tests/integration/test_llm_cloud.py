@@ -124,8 +124,13 @@ def test_a_client_that_goes_away_cancels_the_generation_in_the_cloud(tmp_path: P
         metrics = f"127.0.0.1:{free_port()}"
         cloud = cluster.cloud("--metrics", metrics, "--emulate-slow-ms", "300").address
         api = f"127.0.0.1:{free_port()}"
-        cluster.router("--cloud", cloud, "--openai", api)
+        router = cluster.router("--cloud", cloud, "--openai", api).address
         wait_until(lambda: ready_of(api), timeout_s=30)
+        with open_sync_channel(router) as channel:  # the family as the cloud describes it
+            metadata = pb_grpc.GRPCInferenceServiceStub(channel).ModelMetadata(
+                pb.ModelMetadataRequest(name="arith"), timeout=5
+            )
+        assert [(t.name, t.datatype) for t in metadata.inputs] == [("text_input", "BYTES")]
         body = json.dumps({"model": "arith", "prompt": "37+48=", "max_tokens": 4, "stream": True}).encode()
         request = urllib.request.Request(
             f"http://{api}/v1/completions", data=body, headers={"Content-Type": "application/json"}
