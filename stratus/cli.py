@@ -155,8 +155,9 @@ def _hardware() -> Hardware | None:
 
 
 RUNTIMES_HELP = (
-    "runtime order override, e.g. onnxruntime,openvino or llama_cpp; models of a kind (classifier, "
-    "generative) whose runtimes it does not name keep their default order"
+    "only these runtimes, in this order, e.g. litert, or onnxruntime,openvino, or litert,llama_cpp "
+    "(classifiers and generative models each use the ones of their kind; a family none can run "
+    "is not served)"
 )
 
 

@@ -88,8 +88,8 @@ def candidates(
 ) -> list[Choice]:
     """Every (runtime, file) that could serve the variant, best first.
 
-    ``runtimes`` overrides the order: only those runtimes, in that order. A list that names
-    only generative runtimes (``--runtimes llama_cpp``) leaves classifiers their default.
+    ``runtimes`` overrides the order: only those runtimes, in that order (it may also name
+    generative runtimes, which classifiers ignore; naming none of theirs leaves none).
     """
     from stratus.runtimes.generative import GENERATORS
 
@@ -98,8 +98,7 @@ def candidates(
         unknown = [r for r in runtimes if r not in RUNNERS and r not in GENERATORS]
         if unknown:
             raise NotFound(f"unknown runtime(s) {unknown}; known: {sorted({*RUNNERS, *GENERATORS})}")
-        if any(r in RUNNERS for r in runtimes):
-            order = tuple((r, f) for r in runtimes if r in RUNNERS for f in RUNNERS[r].formats)
+        order = tuple((r, f) for r in runtimes if r in RUNNERS for f in RUNNERS[r].formats)
     return [Choice(runtime=r, format=f, path=variant.files[f]) for r, f in order if f in variant.files]
 
 

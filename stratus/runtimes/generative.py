@@ -273,13 +273,14 @@ def load_generator(
 ) -> GenerativeRunner:
     """A generative variant in the first runtime here that runs one of its files, warmed up.
 
-    ``runtimes``: the generative runtimes it names, in that order (the others are ignored)."""
+    ``runtimes``: only the generative runtimes it names, in that order (others are ignored)."""
     assert family.generation is not None
     reasons = []
     order = generative_order(variant.tier)
-    named = [r for r in runtimes or () if r in GENERATORS]
-    if named:  # only those, in that order; a list naming none of them leaves the default
-        order = tuple(pair for r in named for pair in order if pair[0] == r)
+    if runtimes is not None:  # only those, in that order (a list of classifier runtimes: none)
+        order = tuple(pair for r in runtimes for pair in order if pair[0] == r)
+        if not order:
+            raise NotFound(f"no generative runtime among the runtimes allowed here ({', '.join(runtimes)})")
     for runtime, fmt in order:
         if fmt not in variant.files:
             continue

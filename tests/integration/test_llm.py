@@ -87,7 +87,7 @@ def test_devices_generate_with_llama_cpp_edges_with_openvino_genai_and_they_agre
     cluster = Cluster(tmp_path / "logs")
     try:  # the same device model on OpenVINO GenAI, in a fleet of its own
         router = cluster.router().address
-        cluster.agent("ov-device", router, *LLM_MODELS, "--runtimes", "openvino_genai")
+        cluster.agent("ov-device", router, *LLM_MODELS, "--runtimes", "litert,openvino_genai")
         wait_until(lambda: ready_count(router) == 1, timeout_s=60)
         assert [set(a.runtimes) & generative for a in fleet_status(router).agents] == [{"openvino_genai"}]
         with open_sync_channel(router) as channel:

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from stratus.arith import solve
-from stratus.errors import InvalidInput
+from stratus.errors import InvalidInput, NotFound
 from stratus.generation import GenerationParams, Token
 from stratus.repository import ModelRepository
 from stratus.runtimes.base import LoadOptions
@@ -71,6 +71,11 @@ def test_devices_try_llama_cpp_first_servers_openvino_genai() -> None:
     assert [r for r, _ in generative_order(Tier.DEVICE)] == ["llama_cpp", "openvino_genai"]
     assert [r for r, _ in generative_order(Tier.EDGE)] == ["openvino_genai", "llama_cpp"]
     assert generative_order(Tier.CLOUD) == generative_order(Tier.EDGE)
+
+
+def test_a_runtime_list_without_a_generative_runtime_loads_none() -> None:
+    with pytest.raises(NotFound, match=r"no generative runtime among the runtimes allowed here \(litert\)"):
+        runner("litert")
 
 
 @pytest.mark.parametrize("runtime", RUNTIMES)

@@ -116,8 +116,7 @@ def test_preference_order_and_override(repository: ModelRepository) -> None:
     ] == [("onnxruntime", "onnx")]
     with pytest.raises(NotFound, match=r"unknown runtime.*llama_cpp"):
         candidates(small, tier=Tier.DEVICE, gpu=False, runtimes=["tvm"])
-    generative_only = candidates(small, tier=Tier.DEVICE, gpu=False, runtimes=["llama_cpp"])
-    assert generative_only == candidates(small, tier=Tier.DEVICE, gpu=False)  # classifiers keep the default
+    assert candidates(small, tier=Tier.DEVICE, gpu=False, runtimes=["llama_cpp"]) == []  # only those named
     mixed = candidates(small, tier=Tier.DEVICE, gpu=False, runtimes=["llama_cpp", "openvino"])
     assert {c.runtime for c in mixed} == {"openvino"}
     assert preference(tier=Tier.CLOUD, gpu=False)[0] == ("openvino", "openvino")
@@ -183,7 +182,8 @@ def test_bounded_executor_refuses_past_its_queue(no_leaked_threads: None) -> Non
 
 
 def test_an_agent_that_runs_litert_never_imports_the_other_runtimes(tmp_path: Path) -> None:
-    """Each runtime weighs tens of MB once imported; only the one reached may load."""
+    """Each runtime weighs tens of MB once imported; only the one reached may load, for every
+    family of the tier (a generative one included: --runtimes litert names no runtime for it)."""
     import subprocess
     import sys
 
@@ -194,8 +194,10 @@ from stratus.local import LocalModels, LocalSettings
 from stratus.repository import ModelRepository
 from stratus.tiers import Tier
 models = LocalModels(ModelRepository.load({str(Path(__file__).parents[2] / "models")!r}),
-    LocalSettings(variants=["digits-small"], runtimes=["litert"], cache_dir=Path({str(tmp_path)!r})))
-print(sorted(m for m in ("openvino", "onnxruntime", "tensorrt", "ai_edge_litert") if m in sys.modules))
+    LocalSettings(tier=Tier.DEVICE, runtimes=["litert"], cache_dir=Path({str(tmp_path)!r})))
+assert models.generators is not None and not models.generators.variants, models.generators.variants
+print(sorted(m for m in ("openvino", "onnxruntime", "tensorrt", "ai_edge_litert", "llama_cpp", "openvino_genai")
+             if m in sys.modules))
 """
     out = subprocess.run(
         [sys.executable, "-c", script], capture_output=True, text=True, check=True, timeout=60
