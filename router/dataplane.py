@@ -10,6 +10,7 @@ can answer in time, the best answer so far is returned marked ``stratus.degraded
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import random
 import time
@@ -192,6 +193,8 @@ class RouterDataPlane(DataPlane):
         checked.model_name = pinned or family
         if pinned is not None:  # a pinned variant runs exactly there, on its own tier only
             options = _pinned_options(options, self.registry.index.tiers(pinned))
+        if sink is not None and self.metrics is not None:
+            sink = self._timing_first_text(sink, family, started)
         if self.active >= self.max_requests:
             raise Overloaded(f"router request queue is full: {self.max_requests} requests in flight")
         self.active += 1
@@ -206,7 +209,35 @@ class RouterDataPlane(DataPlane):
         finally:
             self.active -= 1
         self._count_answer(family, result.tier.label, result.degraded, started)
+        self._count_generation(family, result, cascade)
         return result
+
+    def _timing_first_text(self, sink: Sink, family: str, started: float) -> Sink:
+        """``sink``, noting when the first text reaches it."""
+        seen = False
+
+        async def timed(chunk: Chunk) -> None:
+            nonlocal seen
+            if not seen and chunk.text and self.metrics is not None:
+                seen = True
+                self.metrics.first_text.labels(family).observe(self._clock() - started)
+            await sink(chunk)
+
+        return timed
+
+    def _count_generation(self, family: str, result: Generation, cascade: GenerationCascade) -> None:
+        """Tokens each tier made, answered or discarded; escalations and each tier's time."""
+        if self.metrics is None:
+            return
+        for tier, made in result.generated.items():
+            answered = len(result.tokens) if tier is result.tier else 0
+            for fate, count in (("answered", answered), ("discarded", made - answered)):
+                if count > 0:
+                    self.metrics.generated_tokens.labels(family, tier.label, fate).inc(count)
+        for lower, higher in itertools.pairwise(result.path):
+            self.metrics.escalations.labels(family, lower.label, higher.label, "unsure").inc()
+        for tier, ms in result.timings_ms.items():
+            self.metrics.tier_duration.labels(family, tier.label).observe(ms / 1000.0)
 
     async def _infer_text(
         self, request: pb.ModelInferRequest, timeout_s: float | None

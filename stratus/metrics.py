@@ -148,6 +148,20 @@ class RouterMetrics:
             ["family", "tier", "arm", "outcome"],
             registry=r,
         )
+        self.generated_tokens = Counter(
+            "stratus_router_generated_tokens",
+            "Tokens generative tiers made, by fate: answered (in the answer the client got) or "
+            "discarded (a lower tier's answer held and then climbed past, or cancelled).",
+            ["family", "tier", "fate"],
+            registry=r,
+        )
+        self.first_text = Histogram(
+            "stratus_router_first_text_seconds",
+            "Time from a streamed generative request to the first text the client saw.",
+            ["family"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
         self.rollbacks = Counter(
             "stratus_router_rollout_rollbacks",
             "Candidates rolled back automatically, by what was worse: errors, p99 or unsure.",

@@ -39,6 +39,7 @@ class CloudFleet:
     router: str
     cloud: str
     openai_url: str
+    router_metrics: str
 
     def client(self) -> openai.OpenAI:
         return openai.OpenAI(base_url=self.openai_url, api_key="unused", max_retries=0)
@@ -49,11 +50,11 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[CloudFleet]:
     cluster = Cluster(tmp_path_factory.mktemp("llm-cloud") / "logs")
     try:
         cloud = cluster.cloud().address
-        api = f"127.0.0.1:{free_port()}"
-        router = cluster.router("--cloud", cloud, "--openai", api).address
+        api, metrics = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
+        router = cluster.router("--cloud", cloud, "--openai", api, "--metrics", metrics).address
         cluster.agent("device-1", router, *LLM_MODELS)
         wait_until(lambda: ready_count(router) == 1, timeout_s=60)
-        yield CloudFleet(router=router, cloud=cloud, openai_url=f"http://{api}/v1")
+        yield CloudFleet(router=router, cloud=cloud, openai_url=f"http://{api}/v1", router_metrics=metrics)
     finally:
         cluster.stop_all()
 
@@ -98,6 +99,8 @@ def test_the_gateway_serves_the_large_variant_whole_and_streamed(fleet: CloudFle
 
 def test_an_unsure_answer_climbs_to_the_cloud_which_streams_through(fleet: CloudFleet) -> None:
     client = fleet.client()
+    before = samples(scrape(fleet.router_metrics))
+    answered = 0
     for prompt in PROMPTS[:3]:
         whole = client.completions.create(
             model="arith", prompt=prompt, max_tokens=4, extra_body={"stratus": {"min_confidence": 1.0}}
@@ -116,6 +119,18 @@ def test_an_unsure_answer_climbs_to_the_cloud_which_streams_through(fleet: Cloud
         assert "".join(pieces) == whole.choices[0].text
         assert len(pieces) >= 2  # the cloud's tokens arrive as it makes them
         assert (chunks[-1].model_extra or {})["stratus"]["tier"] == "cloud"
+        answered += 2 * (extra["tokens"]["cloud"])  # the whole answer, then the streamed one
+    after = samples(scrape(fleet.router_metrics))
+
+    def grew(name: str, **labels: str) -> float:
+        return value(after, name, family="arith", **labels) - value(before, name, family="arith", **labels)
+
+    # every device answer was held and climbed past; what the cloud made is what was answered
+    assert grew("stratus_router_generated_tokens_total", tier="device", fate="discarded") >= 6
+    assert grew("stratus_router_generated_tokens_total", tier="device", fate="answered") == 0
+    assert grew("stratus_router_generated_tokens_total", tier="cloud", fate="answered") == answered
+    assert grew("stratus_router_escalations_total", from_tier="device", to_tier="cloud", reason="unsure") == 6
+    assert grew("stratus_router_first_text_seconds_count") == 3  # the streamed requests
 
 
 def test_a_client_that_goes_away_cancels_the_generation_in_the_cloud(tmp_path: Path) -> None:

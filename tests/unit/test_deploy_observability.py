@@ -34,6 +34,7 @@ COUNTERS = {
     "stratus_work",
     "stratus_router_rollout_requests",
     "stratus_router_rollout_rollbacks",
+    "stratus_router_generated_tokens",
 }
 HISTOGRAMS = {
     "stratus_router_request_duration_seconds",
@@ -42,6 +43,7 @@ HISTOGRAMS = {
     "stratus_router_batch_items",
     "stratus_inference_duration_seconds",
     "stratus_inference_batch_items",
+    "stratus_router_first_text_seconds",
 }
 GAUGES = {
     "stratus_router_agents",
@@ -255,6 +257,8 @@ def test_dashboard_has_the_panels_operators_need() -> None:
         "agents by state",
         "queues",
         "batch sizes",
+        "generated tokens",
+        "time to first text",
     ):
         assert wanted in titles, wanted
 
@@ -285,6 +289,8 @@ def test_family_labelled_panels_follow_the_family_variable() -> None:
         "stratus_router_confidence_bucket",
         "stratus:cloud_share:rate10m",
         "stratus:calibrated_cloud_share",
+        "stratus_router_generated_tokens_total",
+        "stratus_router_first_text_seconds_bucket",
     }
     used = 0
     for title, query in queries(load_dashboard()):
