@@ -51,6 +51,9 @@ class Generated:
     service_ms: float
 
 
+# Threads for generations; how many run at once per variant is the runtime's ``parallel``
+# (OpenVINO GenAI steps several as one batch; llama.cpp takes one at a time).
+GENERATIONS_AT_ONCE = 8
 RETIRE_GRACE_S = 10.0  # a variant replaced by a reload keeps answering what is in flight this long
 
 
@@ -92,9 +95,10 @@ class LocalGenerators:
         self.current: set[str] = set()
         self.lines: dict[str, str] = {}  # loaded variant -> its line (the FP32 root it was made from)
         self._stamps: dict[str, _Stamp] = {}
+        self._slots: dict[str, asyncio.Semaphore] = {}
         self._install(self._loaded(repository))
         self._executor = concurrent.futures.ThreadPoolExecutor(
-            max_workers=max(1, options.concurrency), thread_name_prefix="stratus-generate"
+            max_workers=max(options.concurrency, GENERATIONS_AT_ONCE), thread_name_prefix="stratus-generate"
         )
 
     def _loaded(self, repository: ModelRepository) -> list[_Loaded]:
@@ -140,6 +144,13 @@ class LocalGenerators:
         self.lines = {item.variant.name: item.line.name for item in loaded}
         self.current = {item.variant.name for item in loaded if item.current}
         self._stamps = {item.variant.name: _stamp(item.variant) for item in loaded}
+        previous = self._slots
+        self._slots = {  # a runner kept keeps its slots (and what waits on them)
+            item.variant.name: previous[item.variant.name]
+            if before.get(item.variant.name) is item.runner
+            else asyncio.Semaphore(item.runner.parallel)
+            for item in loaded
+        }
         for item in loaded:
             if before.get(item.variant.name) is not item.runner:
                 log.info(
@@ -208,7 +219,14 @@ class LocalGenerators:
                 loop.call_soon_threadsafe(tokens.put_nowait, None)
 
         started = time.perf_counter()
-        future = loop.run_in_executor(self._executor, run)
+        slots = self._slots[variant.name]
+        await slots.acquire()  # as many at once as the runtime takes; the rest wait here
+        try:
+            future = loop.run_in_executor(self._executor, run)
+        except BaseException:
+            slots.release()
+            raise
+        future.add_done_callback(lambda _: slots.release())  # when the runtime is done, not the caller
         produced: list[Token] = []
         try:
             while (token := await tokens.get()) is not None:

@@ -169,3 +169,75 @@ def test_verify_runs_each_generative_variant_in_each_runtime_and_grades_it(tmp_p
     assert all(r.latency_ms["b1"] > 0 and r.size_kib > 50 for r in rows)
     disagreeing = dataclasses.replace(rows[0], runtime_agreement=0.95)
     assert disagreeing.failed and disagreeing.status == "runtimes disagree"
+
+
+@pytest.mark.parametrize("runtime", RUNTIMES)
+def test_generations_at_once_give_what_each_gives_alone(runtime: str) -> None:
+    """OpenVINO GenAI steps concurrent generations as one batch (llama.cpp takes turns);
+    either way each thread gets exactly its own answer, and a cancel stops only its own."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from stratus.arith import arith_splits
+
+    model = runner(runtime, "arith-medium")
+    prompts = [p for p, _ in arith_splits().held_out[:48]]
+    alone = [generate(model, p, max_tokens=4)[0] for p in prompts]
+
+    def one(index: int) -> list[Token] | str:
+        if index % 7 == 3:  # some are cancelled after their first token
+            return model.generate(prompts[index], GenerationParams(max_tokens=4), lambda t: False)
+        return generate(model, prompts[index], max_tokens=4)[0]
+
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        together = list(pool.map(one, range(len(prompts))))
+    for index, (mine, reference) in enumerate(zip(together, alone, strict=True)):
+        if index % 7 == 3:
+            assert mine == "cancelled"
+            continue
+        assert isinstance(mine, list)
+        assert [t.text for t in mine] == [t.text for t in reference], prompts[index]
+        assert [t.logprob for t in mine] == pytest.approx([t.logprob for t in reference], abs=1e-4)
+
+
+@pytest.mark.parametrize("runtime", RUNTIMES)
+def test_a_burst_of_requests_through_local_generators_answers_each_alike(
+    runtime: str, tmp_path: Path
+) -> None:
+    """Up to the runtime's ``parallel`` generations run at once, the others wait their turn;
+    every request gets its own answer, as it would alone."""
+    import asyncio
+
+    from stratus.arith import arith_splits
+    from stratus.local_generation import LocalGenerators
+    from stratus.wire import inference_pb2 as pb
+
+    repository = ModelRepository.load(MODELS)
+    generators = LocalGenerators(
+        repository,
+        tier=Tier.EDGE,
+        variants=None,
+        options=LoadOptions(tier=Tier.EDGE, cache_dir=tmp_path, concurrency=2),
+        runtimes=[runtime],
+    )
+    prompts = [p for p, _ in arith_splits().held_out[:24]]
+
+    def request(prompt: str) -> pb.ModelInferRequest:
+        from stratus import codec
+        from stratus.local_generation import text_array
+
+        message = pb.ModelInferRequest(model_name="arith")
+        codec.encode_request_inputs(message, {"text_input": text_array(prompt)})
+        return message
+
+    async def run() -> tuple[list[str], list[str]]:
+        alone = [(await generators.generate(request(p))).text for p in prompts]
+        together = await asyncio.gather(*(generators.generate(request(p)) for p in prompts))
+        return alone, [g.text for g in together]
+
+    try:
+        assert generators.runners["arith-medium"].runtime == runtime
+        alone, together = asyncio.run(run())
+    finally:
+        generators.close()
+    assert together == alone
+    assert sum(text == solve(p) for text, p in zip(alone, prompts, strict=True)) >= 16  # real answers, mostly right
