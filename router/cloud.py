@@ -199,8 +199,8 @@ class CloudLink:
         index = await stub.RepositoryIndex(pb.RepositoryIndexRequest(ready=True), timeout=2.0)
         self.models = {model.name: model.state == "READY" for model in index.models}
         generative = {}
-        for name, ready in self.models.items():
-            if ready:
+        for name in (name for name, ready in self.models.items() if ready):
+            try:
                 metadata = await stub.ModelMetadata(pb.ModelMetadataRequest(name=name), timeout=2.0)
                 if _generates(metadata):
                     config = await stub.ModelConfig(pb.ModelConfigRequest(name=name), timeout=2.0)
@@ -211,6 +211,8 @@ class CloudLink:
                         kind="generative",
                         max_tokens=_max_tokens(config.config),
                     )
+            except grpc.aio.AioRpcError as exc:  # a server that will not describe a model: not a text one
+                log.info("cloud %s: no description of %s (%s)", self.address, name, exc.code().name)
         self.generative = generative
 
     @staticmethod

@@ -165,8 +165,8 @@ class LocalGenerators:
 
     async def reload(self, repository: ModelRepository) -> list[str]:
         """Load what changed in ``repository`` (on a thread), then serve it; a runner that
-        is replaced keeps answering the generations already running on it, and is closed
-        after ``grace_s``. Returns the variants now served."""
+        is replaced finishes the generations already running on it and is closed after
+        RETIRE_GRACE_S. Returns the variants now served."""
         loop = asyncio.get_running_loop()
         loaded = await loop.run_in_executor(None, self._loaded, repository)
         for runner in self._install(loaded):

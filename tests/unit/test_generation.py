@@ -139,3 +139,22 @@ def test_the_openai_body_becomes_a_checked_request() -> None:
     ]:
         with pytest.raises(InvalidInput, match=words):
             _oip_request("arith", "1+1=", bad, limit=4)
+
+
+def test_the_cloud_link_knows_a_text_model_and_its_max_tokens_from_its_description() -> None:
+    from router.cloud import UNDECLARED_MAX_TOKENS, _generates, _max_tokens
+    from stratus.local_generation import generative_config, generative_metadata
+    from stratus.wire import inference_pb2 as pb
+
+    assert _generates(generative_metadata("arith", "arith-large-fp16", "openvino_genai"))
+    tensor = pb.ModelMetadataResponse.TensorMetadata
+    classifier = pb.ModelMetadataResponse(
+        name="digits",
+        inputs=[tensor(name="pixels", datatype="FP32", shape=[-1, 64])],
+        outputs=[tensor(name="probabilities", datatype="FP32", shape=[-1, 10])],
+    )
+    assert not _generates(classifier)
+    assert _max_tokens(generative_config("arith", "vllm", 4)) == 4
+    assert _max_tokens(pb.ModelConfig(name="other")) == UNDECLARED_MAX_TOKENS
+    garbled = pb.ModelConfig(parameters={"max_tokens": pb.ModelParameter(string_value="many")})
+    assert _max_tokens(garbled) == UNDECLARED_MAX_TOKENS
