@@ -26,7 +26,7 @@ from router.rollout import Plan, Rollouts, top1
 from stratus.errors import DeadlineExceeded, NotFound, Overloaded, StratusError, Unavailable
 from stratus.generation import FINAL, FINISH_REASON, Chunk
 from stratus.local import model_config
-from stratus.local_generation import text_response
+from stratus.local_generation import generative_config, text_response
 from stratus.metrics import RouterMetrics
 from stratus.protocol import CONFIDENCE, VARIANT, RequestOptions, Served, parameter_value, set_parameter
 from stratus.repository import FamilySpec, TensorSpec
@@ -158,6 +158,9 @@ class RouterDataPlane(DataPlane):
 
     def model_config(self, name: str) -> pb.ModelConfig:
         family, _ = self._family_of(name)
+        generative = self.generative(family)
+        if generative is not None:  # with the max_tokens a request may ask for, as the cloud says it
+            return generative_config(name, "stratus", generative.max_tokens)
         spec = self._spec(family)
         if spec is None:
             return pb.ModelConfig(name=name, platform="stratus", backend="stratus")

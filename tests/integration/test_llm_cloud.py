@@ -19,6 +19,7 @@ from stratus import codec
 from stratus.arith import solve
 from stratus.launcher import free_port
 from stratus.protocol import Served
+from stratus.repository import ModelRepository
 from stratus.serving import open_sync_channel
 from stratus.wire import inference_pb2 as pb
 from stratus.wire import inference_pb2_grpc as pb_grpc
@@ -145,7 +146,13 @@ def test_a_client_that_goes_away_cancels_the_generation_in_the_cloud(tmp_path: P
             metadata = pb_grpc.GRPCInferenceServiceStub(channel).ModelMetadata(
                 pb.ModelMetadataRequest(name="arith"), timeout=5
             )
+            config = pb_grpc.GRPCInferenceServiceStub(channel).ModelConfig(
+                pb.ModelConfigRequest(name="arith"), timeout=5
+            )
         assert [(t.name, t.datatype) for t in metadata.inputs] == [("text_input", "BYTES")]
+        family = ModelRepository.load(MODELS).family("arith")
+        assert family.generation is not None
+        assert config.config.parameters["max_tokens"].string_value == str(family.generation.max_tokens)
         body = json.dumps({"model": "arith", "prompt": "37+48=", "max_tokens": 4, "stream": True}).encode()
         request = urllib.request.Request(
             f"http://{api}/v1/completions", data=body, headers={"Content-Type": "application/json"}
