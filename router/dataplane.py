@@ -212,7 +212,7 @@ class RouterDataPlane(DataPlane):
         finally:
             self.active -= 1
         self._count_answer(family, result.tier.label, result.degraded, started)
-        self._count_generation(family, result, cascade)
+        self._count_generation(family, result)
         return result
 
     def _timing_first_text(self, sink: Sink, family: str, started: float) -> Sink:
@@ -228,7 +228,7 @@ class RouterDataPlane(DataPlane):
 
         return timed
 
-    def _count_generation(self, family: str, result: Generation, cascade: GenerationCascade) -> None:
+    def _count_generation(self, family: str, result: Generation) -> None:
         """Tokens each tier made, answered or discarded; escalations and each tier's time."""
         if self.metrics is None:
             return
