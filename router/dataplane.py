@@ -26,7 +26,7 @@ from router.rollout import Plan, Rollouts, top1
 from stratus.errors import DeadlineExceeded, NotFound, Overloaded, StratusError, Unavailable
 from stratus.generation import FINAL, FINISH_REASON, Chunk
 from stratus.local import model_config
-from stratus.local_generation import generative_config, text_response
+from stratus.local_generation import chunk_response, generative_config, text_response
 from stratus.metrics import RouterMetrics
 from stratus.protocol import CONFIDENCE, VARIANT, RequestOptions, Served, parameter_value, set_parameter
 from stratus.repository import FamilySpec, TensorSpec
@@ -263,9 +263,7 @@ class RouterDataPlane(DataPlane):
         task.add_done_callback(lambda _: chunks.put_nowait(None))
         try:
             while (chunk := await chunks.get()) is not None:
-                response = text_response(request, chunk.text)
-                for key, value in chunk.parameters().items():
-                    set_parameter(response.parameters, key, value)
+                response = chunk_response(request, chunk)
                 set_parameter(response.parameters, FINAL, False)
                 yield response
             result = await task

@@ -31,7 +31,7 @@ from stratus.calibrate import (
 from stratus.codec import Array
 from stratus.datasets import Split
 from stratus.errors import ConfigError, NotFound, RuntimeUnavailable
-from stratus.generation import GenerationParams, Token, confidence_of
+from stratus.generation import GenerationParams, confidence_of
 from stratus.repository import FamilySpec, VariantSpec
 from stratus.runtimes.base import LoadOptions
 from stratus.runtimes.generative import GenerativeRunner, load_generator
@@ -111,7 +111,7 @@ def generative_scores(family: FamilySpec, split: Split, cache: Path) -> list[Tie
         confidences, correct = [], []
         try:
             for prompt, answer in zip(split.x, split.y, strict=True):
-                tokens = _answer(runner, str(prompt), params)
+                tokens = runner.tokens(str(prompt), params)
                 text = "".join(t.text for t in tokens)
                 confidences.append(confidence_of(tokens, family.generation.method))
                 correct.append(text.strip() == str(answer).strip())
@@ -131,17 +131,6 @@ def _runnable(family: FamilySpec, tier: Tier, cache: Path) -> tuple[VariantSpec,
         except (NotFound, RuntimeUnavailable) as exc:
             problems.append(str(exc))
     raise ConfigError(f"nothing here can run the {tier.label} tier of '{family.name}': {'; '.join(problems)}")
-
-
-def _answer(runner: GenerativeRunner, prompt: str, params: GenerationParams) -> list[Token]:
-    tokens: list[Token] = []
-
-    def keep(token: Token) -> bool:
-        tokens.append(token)
-        return True
-
-    runner.generate(prompt, params, keep)
-    return tokens
 
 
 def calibrate_generative(

@@ -116,14 +116,8 @@ def _run(family: FamilySpec, variant: VariantSpec, runtime: str, data: Split, ca
 
 
 def _timed(runner: GenerativeRunner, prompt: str, params: GenerationParams) -> tuple[list[Token], float]:
-    tokens: list[Token] = []
-
-    def keep(token: Token) -> bool:
-        tokens.append(token)
-        return True
-
     started = time.perf_counter()
-    runner.generate(prompt, params, keep)
+    tokens = runner.tokens(prompt, params)
     return tokens, (time.perf_counter() - started) * 1000.0
 
 

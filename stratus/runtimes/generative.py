@@ -78,6 +78,17 @@ class GenerativeRunner(abc.ABC):
                 f"the context of {self.context} tokens"
             )
 
+    def tokens(self, prompt: str, params: GenerationParams) -> list[Token]:
+        """Every token of a whole generation (calibration, verification: nothing streams)."""
+        made: list[Token] = []
+
+        def keep(token: Token) -> bool:
+            made.append(token)
+            return True
+
+        self.generate(prompt, params, keep)
+        return made
+
     def warmup(self) -> None:
         self.generate("1+1=", GenerationParams(max_tokens=1), lambda token: True)
 
