@@ -139,6 +139,7 @@ class Agent:
                 version=__version__,
                 families=self.models.families_info(),
                 queue_limit=self.settings.queue_limit,
+                unavailable=self.models.unavailable_info(),
             )
         )
 

@@ -49,12 +49,18 @@ def agent_status(handle: AgentHandle, now: float) -> fpb.AgentStatus:
         capacity=handle.capacity,
         queue_limit=handle.queue_limit,
         mean_batch_size=handle.batch_sizes.mean,
-        variant_choices=[
-            f"{name} {info.precision or 'FP32'}"
-            + (f" ({info.chosen_because})" if info.chosen_because else "")
-            + ("" if info.current or not info.line else "; not current: served when named or in a rollout")
-            for name, info in sorted(handle.variants.items())
-        ],
+        variant_choices=[_variant_choice(name, info) for name, info in sorted(handle.variants.items())],
+        unavailable=[f"{u.family} ({u.variant}): {u.reason}" for u in handle.unavailable],
+    )
+
+
+def _variant_choice(name: str, info: fpb.VariantInfo) -> str:
+    """One variant as status shows it: "digits-small-int8 INT8 (int8: native (...))"."""
+    return (
+        f"{name} {info.precision or 'FP32'}"
+        + (f", kv cache {info.kv_cache}" if info.kv_cache else "")
+        + (f" ({info.chosen_because})" if info.chosen_because else "")
+        + ("" if info.current or not info.line else "; not current: served when named or in a rollout")
     )
 
 

@@ -114,6 +114,8 @@ class AgentHandle:
     unread_beats: int = 0  # consecutive heartbeats with messages unread and no reading progress
     batcher: Batcher[Part, PartAnswer] | None = None
 
+    # Families it could not load (no runtime there opened their files), as its Hello said.
+    unavailable: tuple[fpb.FamilyUnavailable, ...] = ()
     reloads: list[asyncio.Future[str]] = field(default_factory=list)  # waiting for its next Hello
     chunks: dict[str, Callable[[fpb.Chunk], None]] = field(default_factory=dict)  # generations, by Work id
 
@@ -129,6 +131,7 @@ class AgentHandle:
         """
         self.variants = variants
         self._variant_of: dict[str, str] = {}
+        self._families = {name: info.family for name, info in variants.items()}
         names = set(variants)
         for name, info in variants.items():
             if info.family and (info.current or not info.line):
@@ -137,13 +140,20 @@ class AgentHandle:
             if info.line:
                 self._variant_of[line_key(info.line)] = name
                 names.add(line_key(info.line))
+            if info.line and info.line not in variants:
+                # The FP32 name answers for whichever precision this agent's hardware chose,
+                # so clients that pin "digits-medium" keep working on an INT8 agent.
+                self._variant_of[info.line] = name
+                self._families[info.line] = info.family
+                names.add(info.line)
         self._model_names = frozenset(names)
         self._max_batch = {name: max(1, info.max_batch) for name, info in variants.items()}
         self._limit = (self.capacity + self.queue_limit) * max(self._max_batch.values(), default=1)
 
     @property
     def variant_families(self) -> Mapping[str, str]:
-        return {name: info.family for name, info in self.variants.items()}
+        """Each variant it serves, and each FP32 line it serves through a child, by family."""
+        return self._families
 
     @property
     def model_names(self) -> frozenset[str]:
@@ -172,6 +182,10 @@ class AgentHandle:
     def variant_for(self, model: str) -> str:
         """The variant this agent runs for a family (or the variant itself)."""
         return self._variant_of.get(model, model)
+
+    def precision_of(self, variant: str) -> str:
+        info = self.variants.get(variant)
+        return (info.precision or "FP32") if info is not None else ""
 
     def max_batch(self, model: str) -> int:
         return self._max_batch.get(self._variant_of.get(model, model), 1)
@@ -255,6 +269,7 @@ class FleetRegistry:
             queue_limit=hello.queue_limit,
             last_heartbeat=self.now(),
             heartbeat_s=self.pace_s,
+            unavailable=tuple(hello.unavailable),
         )
         for family in hello.families:
             self.families.setdefault(family.name, family)
@@ -318,6 +333,7 @@ class FleetRegistry:
             self._settle_reloads(handle, f"refused: {exc}")
             raise
         handle.announce({v.name: v for v in hello.variants})
+        handle.unavailable = tuple(hello.unavailable)
         for family in hello.families:
             self.families[family.name] = family
         self._readd(handle, ready)

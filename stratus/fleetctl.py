@@ -44,6 +44,7 @@ def status_json(status: fpb.FleetStatus) -> dict[str, Any]:
                 "requests_per_s": round(a.requests_per_s, 2),
                 "mean_batch_size": round(a.mean_batch_size, 2),
                 "variant_choices": list(a.variant_choices),
+                "unavailable": list(a.unavailable),
                 "last_heartbeat_s": round(a.last_heartbeat_s, 2),
             }
             for a in status.agents
@@ -66,9 +67,9 @@ def agents_table(status: fpb.FleetStatus) -> list[str]:
             f"{a['latency_ms']['p99']:>8.2f}{a['requests_per_s']:>8.1f}{a['last_heartbeat_s']:>6.1f}"
         )
     lines.append("")
-    lines += [
-        f"{a['id']}: {choice}" for a in status_json(status)["agents"] for choice in a["variant_choices"]
-    ]
+    agents = status_json(status)["agents"]
+    lines += [f"{a['id']}: {choice}" for a in agents for choice in a["variant_choices"]]
+    lines += [f"{a['id']}: not serving {why}" for a in agents for why in a["unavailable"]]
     lines.append("")
     return lines
 

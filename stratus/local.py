@@ -23,15 +23,28 @@ from stratus import codec
 from stratus.batching import DEFAULT_MAX_BATCH, DEFAULT_MAX_DELAY_S, Batch, Batcher, BatchKey, split_counts
 from stratus.codec import Array
 from stratus.confidence import confidence
-from stratus.errors import InvalidInput, NotFound, StratusError, Unavailable
+from stratus.errors import (
+    InvalidInput,
+    ModelLoadError,
+    NotFound,
+    RuntimeUnavailable,
+    StratusError,
+    Unavailable,
+)
 from stratus.executor import BoundedExecutor
 from stratus.generation import FINAL, FINISH_REASON, Chunk
-from stratus.local_generation import RETIRE_GRACE_S, chunk_response, generative_config, generative_metadata
+from stratus.local_generation import (
+    RETIRE_GRACE_S,
+    NotLoaded,
+    chunk_response,
+    generative_config,
+    generative_metadata,
+)
 from stratus.metrics import Metric, Metrics, ModelMetrics, gauge
-from stratus.precision import Hardware, choose_variant, hardware_precisions, load_verification
+from stratus.precision import Hardware, choose_variant, load_verification, this_hardware
 from stratus.protocol import BATCH_SIZE, Served, parameter_value, set_parameter
 from stratus.repository import FamilySpec, ModelRepository, VariantSpec
-from stratus.runtimes import LoadOptions, ModelRunner, load_runner
+from stratus.runtimes import LoadFailure, LoadOptions, ModelRunner, load_runner
 from stratus.serving import DataPlane, tensor_metadata
 from stratus.stats import LatencyWindow
 from stratus.status import status_code
@@ -45,6 +58,8 @@ log = logging.getLogger("stratus.models")
 if TYPE_CHECKING:
     from stratus.local_generation import LocalGenerators, OnChunk
 
+# The most of a load failure's reason an agent's Hello carries.
+_REASON_CHARS = 1000
 # Calls between two looks at whether a variant is fast enough to run on the event loop.
 INLINE_REVIEW = 64
 # How long a variant that a reload replaced keeps answering work already addressed to it.
@@ -121,7 +136,7 @@ class LocalModels:
         self.recorder = ModelMetrics(metrics) if metrics is not None else None
         chosen = _select(repository, settings)
         self.generators = _generators(repository, settings)
-        if not chosen and not (self.generators and self.generators.variants):
+        if not chosen and not (self.generators and (self.generators.variants or self.generators.unavailable)):
             raise NotFound(f"no variants to load (tier={settings.tier}, variants={settings.variants})")
         self.runners: dict[str, ModelRunner] = {}
         self.latency: dict[str, LatencyWindow] = {}
@@ -134,7 +149,15 @@ class LocalModels:
         self._dynamic_batch: dict[str, bool] = {}
         self._runtime: dict[str, str] = {}
         self._inline: set[str] = set()  # variants fast enough to run on the event loop
-        self._install(chosen, {c.variant.name: self._load(c) for c in chosen})
+        # Every runtime that refused a file, and the families (by name) whose current variant
+        # no runtime here could load: those are not ready here, and say why.
+        self.load_failures: list[LoadFailure] = []
+        self.unavailable: dict[str, NotLoaded] = {}
+        loaded = [pair for c in chosen if (pair := self._load_at_start(c)) is not None]
+        self._install([c for c, _ in loaded], {c.variant.name: runner for c, runner in loaded})
+        self._count_load_failures()
+        if not self.runners and not (self.generators and self.generators.runners):
+            raise ModelLoadError(f"nothing could be loaded here: {self.unavailable_reasons() or 'no variants'}")
         # Each thread may have one closed batch ready behind the one it runs, so it never
         # waits on the event loop between batches; the batcher holds everything else.
         workers = settings.concurrency
@@ -155,7 +178,66 @@ class LocalModels:
         options = LoadOptions(
             tier=chosen.variant.tier, cache_dir=self.settings.cache_dir, concurrency=self.settings.concurrency
         )
-        return load_runner(chosen.family, chosen.variant, options, runtimes=self.settings.runtimes)
+        return load_runner(
+            chosen.family,
+            chosen.variant,
+            options,
+            runtimes=self.settings.runtimes,
+            failures=self.load_failures,
+        )
+
+    def _load_at_start(self, chosen: _Chosen) -> tuple[_Chosen, ModelRunner] | None:
+        """The chosen variant loaded; where no runtime here loads a lower-precision child,
+        its FP32 parent; where nothing loads, None, with the family marked unavailable (a
+        current variant) so the rest of the process still serves."""
+        try:
+            return chosen, self._load(chosen)
+        except (ModelLoadError, RuntimeUnavailable) as exc:
+            failed = str(exc)
+        parent = chosen.variant.parent
+        if parent is not None and self.settings.variants is None:
+            fallback = _Chosen(
+                chosen.family,
+                chosen.family.variant(parent),
+                f"fp32: {chosen.variant.name} did not load ({failed})",
+                current=chosen.current,
+            )
+            log.warning("%s: %s did not load, serving %s instead: %s", chosen.family.name, chosen.variant.name, parent, failed)
+            try:
+                return fallback, self._load(fallback)
+            except (ModelLoadError, RuntimeUnavailable) as exc:
+                failed = f"{failed}; {parent}: {exc}"
+        if chosen.current:
+            self.unavailable[chosen.family.name] = NotLoaded(
+                family=chosen.family.name, variant=chosen.variant.name, reason=failed
+            )
+        log.error("%s: not serving %s: %s", chosen.family.name, chosen.variant.name, failed)
+        return None
+
+    def _count_load_failures(self) -> None:
+        """Each refusal once: in the log, and in ``stratus_model_load_failures_total``."""
+        failures = [*self.load_failures, *(self.generators.load_failures if self.generators else ())]
+        for failure in failures:
+            log.warning("%s: %s refused it: %s", failure.variant, failure.runtime, failure.reason)
+            if self.recorder is not None:
+                self.recorder.load_failures.labels(failure.variant, failure.runtime).inc()
+
+    def unavailable_families(self) -> dict[str, NotLoaded]:
+        """Families meant to be served here that no runtime could load (classifiers and
+        generative ones), unless another of their variants serves them here after all."""
+        generative = self.generators.unavailable if self.generators is not None else {}
+        found = {**self.unavailable, **generative}
+        return {name: why for name, why in found.items() if not self._family_served(name)}
+
+    def unavailable_reasons(self) -> str:
+        return "; ".join(f"{n.family} ({n.variant}): {n.reason}" for n in self.unavailable_families().values())
+
+    def _family_served(self, family: str) -> bool:
+        if any(self.variants[name].family == family for name in self.current):
+            return True
+        return self.generators is not None and any(
+            self.generators.variants[name].family == family for name in self.generators.current
+        )
 
     def _install(self, chosen: Sequence[_Chosen], runners: Mapping[str, ModelRunner]) -> None:
         """Serve exactly ``chosen`` from now on; variants left out stay loaded but retiring."""
@@ -247,18 +329,32 @@ class LocalModels:
         if model_name in self.variants:
             variant = self.variants[model_name]
             return self.families[variant.family], variant
+        child = self._child_serving(model_name)
+        if child is not None:
+            return self.families[child.family], child
         family = self.families.get(model_name)
         local = [v for v in family.variants if v.name in self.current] if family else []
         if family is not None and local:
             return family, max(local, key=lambda v: v.tier)
         if self.generators is not None and self.generators.serves(model_name):
             return self.generators.variant_for(model_name)
+        missing = self.unavailable_families().get(model_name)
+        if missing is not None:
+            raise Unavailable(f"model '{model_name}' could not be loaded here: {missing.reason}")
         raise NotFound(f"model '{model_name}' is not served here; serving {self.model_names()}")
 
+    def _child_serving(self, line: str) -> VariantSpec | None:
+        """The lower-precision variant served here in place of FP32 variant ``line``: its
+        name keeps working whatever precision the hardware chose."""
+        children = [self.variants[n] for n in self.served if self.variants[n].parent == line]
+        return min(children, key=lambda v: v.name not in self.current) if children else None
+
     def model_names(self) -> list[str]:
-        """The families with a current variant here, and every variant served."""
+        """The families with a current variant here, every variant served, and the FP32
+        name of each line served through a lower-precision child."""
         families = {self.variants[name].family for name in self.current}
-        names = {*families, *self.served}
+        lines = {self.variants[name].parent for name in self.served} - {None}
+        names = {*families, *self.served, *(line for line in lines if line is not None)}
         if self.generators is not None:
             names |= {v.family for n, v in self.generators.variants.items() if n in self.generators.current}
             names |= set(self.generators.variants) | set(self.generators.lines.values())
@@ -420,6 +516,12 @@ class LocalModels:
             infos += _generator_infos(self.generators)
         return infos
 
+    def unavailable_info(self) -> list[fleet_pb2.FamilyUnavailable]:
+        return [  # bounded: a Hello is checked against a size limit at the router
+            fleet_pb2.FamilyUnavailable(family=n.family, variant=n.variant, reason=n.reason[:_REASON_CHARS])
+            for n in self.unavailable_families().values()
+        ]
+
     def close(self) -> None:
         if self.generators is not None:
             self.generators.close()
@@ -442,7 +544,7 @@ def _select(repository: ModelRepository, settings: LocalSettings) -> list[_Chose
             current = family.current.get(variant.tier) == (variant.parent or variant.name)
             chosen.append(_Chosen(family, variant, "named", current=current))
         return chosen
-    hardware = settings.hardware or hardware_precisions()
+    hardware = settings.hardware or this_hardware()
     chosen = []
     for family in repository.families.values():
         if family.generative:
@@ -515,6 +617,7 @@ def _generator_infos(generators: LocalGenerators) -> list[fleet_pb2.VariantInfo]
             runtime=generators.runners[name].runtime,
             device="CPU",
             precision=variant.precision,
+            kv_cache=generators.runners[name].kv_cache_precision,
             max_batch=1,
             chosen_because="generative"
             if generators.lines[name] == name
@@ -646,6 +749,7 @@ class LocalDataPlane(DataPlane):
             tier=self.tier,
             agent=self.name,
             variant=answer.variant.name,
+            precision=answer.variant.precision,
             confidence=answer.confidence,
             path=(self.tier,),
             timings_ms={self.tier: answer.service_ms},

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import logging
 import threading
 import time
@@ -17,7 +18,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 
 from stratus import codec
-from stratus.errors import InvalidInput, NotFound, RuntimeUnavailable
+from stratus.errors import InvalidInput, ModelLoadError, NotFound, RuntimeUnavailable
 from stratus.generation import (
     MAX_TOKENS,
     TEXT_INPUT,
@@ -29,7 +30,7 @@ from stratus.generation import (
 )
 from stratus.protocol import parameter_value, set_parameter
 from stratus.repository import FamilySpec, ModelRepository, VariantSpec
-from stratus.runtimes.base import LoadOptions
+from stratus.runtimes.base import LoadFailure, LoadOptions
 from stratus.runtimes.generative import GenerativeRunner, load_generator
 from stratus.tiers import Tier
 from stratus.wire import inference_pb2 as pb
@@ -55,6 +56,15 @@ class Generated:
 # (OpenVINO GenAI steps several as one batch; llama.cpp takes one at a time).
 GENERATIONS_AT_ONCE = 8
 RETIRE_GRACE_S = 10.0  # a variant replaced by a reload keeps answering what is in flight this long
+
+
+@dataclass(frozen=True, kw_only=True)
+class NotLoaded:
+    """A family's line that no runtime here could load, and what each one answered."""
+
+    family: str
+    variant: str
+    reason: str
 
 
 @dataclass(frozen=True)
@@ -96,20 +106,34 @@ class LocalGenerators:
         self.lines: dict[str, str] = {}  # loaded variant -> its line (the FP32 root it was made from)
         self._stamps: dict[str, _Stamp] = {}
         self._slots: dict[str, asyncio.Semaphore] = {}
-        self._install(self._loaded(repository))
+        # Every runtime that refused a file (counted by the owner's metrics), and the lines
+        # that no runtime here could load, by family: those families are not ready here.
+        self.load_failures: list[LoadFailure] = []
+        self.unavailable: dict[str, NotLoaded] = {}
+        self._install(self._loaded(repository, strict=False))
         self._executor = concurrent.futures.ThreadPoolExecutor(
             max_workers=max(options.concurrency, GENERATIONS_AT_ONCE), thread_name_prefix="stratus-generate"
         )
 
-    def _loaded(self, repository: ModelRepository) -> list[_Loaded]:
+    def _loaded(self, repository: ModelRepository, *, strict: bool) -> list[_Loaded]:
         """Each line chosen from ``repository``, loaded; what is unchanged since the last load
-        (the same config entry and files) keeps its runner."""
+        (the same config entry and files) keeps its runner.
+
+        A current line that nothing here loads leaves its family unavailable (at start), or,
+        when ``strict`` (a reload), fails the whole load so what is served stays as it was."""
         loaded: list[_Loaded] = []
+        unavailable: dict[str, NotLoaded] = {}
         try:
             for family, line, current in _select(repository, self._tier, self._names):
                 found = self._load_line(family, line)
-                if found is not None:
+                if isinstance(found, NotLoaded):
+                    if strict and family.name in self.families:
+                        raise ModelLoadError(f"{found.variant} no longer loads: {found.reason}")
+                    if current:
+                        unavailable[family.name] = found
+                else:
                     loaded.append(_Loaded(family, line, found[0], found[1], current))
+            self.unavailable = unavailable
         except Exception:  # a load that fails leaves what is served as it was: close the new ones
             serving = {id(r) for r in self.runners.values()}
             for item in loaded:
@@ -120,20 +144,22 @@ class LocalGenerators:
 
     def _load_line(
         self, family: FamilySpec, line: VariantSpec
-    ) -> tuple[VariantSpec, GenerativeRunner] | None:
+    ) -> tuple[VariantSpec, GenerativeRunner] | NotLoaded:
         """The line itself where a runtime here runs its files, else the first of its
         lower-precision variants that one does (a cloud's Hugging Face model, served here
-        through its GGUF child); None when none loads."""
+        through its GGUF child); why not, when none loads."""
         reasons = []
         for variant in family.line_of(line):
             if self._stamps.get(variant.name) == _stamp(variant) and variant.name in self.runners:
                 return variant, self.runners[variant.name]
             try:
-                return variant, load_generator(family, variant, self._options, runtimes=self._runtimes)
-            except (RuntimeUnavailable, NotFound) as exc:
+                return variant, load_generator(
+                    family, variant, self._options, runtimes=self._runtimes, failures=self.load_failures
+                )
+            except (RuntimeUnavailable, NotFound, ModelLoadError) as exc:
                 reasons.append(f"{variant.name}: {exc}")
         log.warning("%s: not serving %s: %s", family.name, line.name, "; ".join(reasons))
-        return None
+        return NotLoaded(family=family.name, variant=line.name, reason="; ".join(reasons))
 
     def _install(self, loaded: list[_Loaded]) -> list[GenerativeRunner]:
         """Serve exactly ``loaded``; the runners no longer served, for the caller to close."""
@@ -168,7 +194,7 @@ class LocalGenerators:
         is replaced finishes the generations already running on it and is closed after
         RETIRE_GRACE_S. Returns the variants now served."""
         loop = asyncio.get_running_loop()
-        loaded = await loop.run_in_executor(None, self._loaded, repository)
+        loaded = await loop.run_in_executor(None, functools.partial(self._loaded, repository, strict=True))
         for runner in self._install(loaded):
             loop.call_later(RETIRE_GRACE_S, runner.close)
         return sorted(self.variants)

@@ -196,6 +196,12 @@ class ModelMetrics:
             ["outcome"],
             registry=r,
         )
+        self.load_failures = Counter(
+            "stratus_model_load_failures",
+            "Runtimes that refused to load (or warm up) a variant here; the next runtime was tried.",
+            ["variant", "runtime"],
+            registry=r,
+        )
 
 
 def gauge(

@@ -26,7 +26,14 @@ from pathlib import Path
 
 from stratus.errors import ModelLoadError, NotFound, RuntimeUnavailable, StratusError
 from stratus.repository import FamilySpec, VariantSpec
-from stratus.runtimes.base import Availability, LoadOptions, ModelRunner, RuntimeDescription
+from stratus.runtimes.base import (
+    Availability,
+    LoadFailure,
+    LoadOptions,
+    ModelRunner,
+    RuntimeDescription,
+    warmed_up,
+)
 from stratus.runtimes.litert import LiteRtRunner
 from stratus.runtimes.openvino_rt import OpenVinoRunner
 from stratus.runtimes.ort import OnnxRuntimeRunner
@@ -109,11 +116,14 @@ def load_runner(
     *,
     runtimes: Sequence[str] | None = None,
     availability: dict[str, Availability] | None = None,
+    failures: list[LoadFailure] | None = None,
 ) -> ModelRunner:
     """Load a variant in the best runtime that works here, warmed up and ready.
 
     Runtimes are tried in order and imported only when reached: a device agent that runs
-    LiteRT never loads OpenVINO or ONNX Runtime (tens of MB of memory each).
+    LiteRT never loads OpenVINO or ONNX Runtime (tens of MB of memory each). A runtime that
+    refuses the file (or fails its warm-up) is noted in ``failures`` and the next is tried:
+    one CPU plugin's refusal must not take down a process that another runtime can serve.
     """
 
     def status_of(runtime: str) -> Availability | None:
@@ -123,17 +133,26 @@ def load_runner(
 
     gpu = _gpu_present(runtimes, status_of)
     reasons = []
+    refused = False
     for choice in candidates(variant, tier=options.tier, gpu=gpu, runtimes=runtimes):
         status = status_of(choice.runtime)
         if status is None or not status.available:
             reasons.append(f"{choice.runtime}: {status.reason if status else 'unknown'}")
             continue
-        runner = open_runner(family, variant, choice, options)
-        runner.warmup()
-        return runner
-    raise RuntimeUnavailable(
-        f"no runtime can serve variant '{variant.name}' here: {'; '.join(reasons) or 'no file in a usable format'}"
-    )
+        try:
+            return _opened_and_warm(family, variant, choice, options)
+        except ModelLoadError as exc:
+            refused = True
+            reasons.append(str(exc))
+            if failures is not None:
+                failures.append(LoadFailure(variant=variant.name, runtime=choice.runtime, reason=str(exc)))
+    message = f"no runtime can serve variant '{variant.name}' here: {'; '.join(reasons) or 'no file in a usable format'}"
+    raise ModelLoadError(message) if refused else RuntimeUnavailable(message)
+
+
+def _opened_and_warm(family: FamilySpec, variant: VariantSpec, choice: Choice, options: LoadOptions) -> ModelRunner:
+    """A runner that has answered its warm-up batches; a warm-up that fails is a refusal too."""
+    return warmed_up(open_runner(family, variant, choice, options), choice.runtime, choice.path)
 
 
 def _gpu_present(runtimes: Sequence[str] | None, status_of: Callable[[str], Availability | None]) -> bool:
@@ -167,6 +186,7 @@ __all__ = [
     "RUNNERS",
     "Availability",
     "Choice",
+    "LoadFailure",
     "LoadOptions",
     "ModelRunner",
     "RuntimeDescription",

@@ -13,7 +13,7 @@ import abc
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar
+from typing import ClassVar, Protocol, TypeVar
 
 import numpy as np
 
@@ -30,6 +30,9 @@ class RuntimeDescription:
     device: str
     precisions: tuple[str, ...]
     dynamic_batch: bool
+    # A generative runtime's KV-cache precision as loaded ("f32", "f16", "bf16", "default"),
+    # which the CPU's kernels may force below the weights' precision; empty for classifiers.
+    kv_cache: str = ""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -45,6 +48,15 @@ class LoadOptions:
     def __post_init__(self) -> None:
         if self.concurrency < 1 or self.threads_per_inference < 1:
             raise ValueError("concurrency and threads_per_inference must be at least 1")
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoadFailure:
+    """One runtime that was tried for a variant and refused it (the next one is tried)."""
+
+    variant: str
+    runtime: str
+    reason: str
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -93,6 +105,28 @@ class ModelRunner(abc.ABC):
 
     def close(self) -> None:  # noqa: B027 - optional hook, most runtimes need nothing
         """Release what the runtime holds (device memory, sessions)."""
+
+
+class _Warms(Protocol):
+    def warmup(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
+Warms = TypeVar("Warms", bound=_Warms)
+
+
+def warmed_up(runner: Warms, runtime: str, path: Path) -> Warms:
+    """``runner`` once its warm-up has run; a warm-up that fails is the runtime refusing the
+    file (ModelLoadError), so the caller tries the next runtime."""
+    from stratus.errors import ModelLoadError
+
+    try:
+        runner.warmup()
+    except Exception as exc:
+        runner.close()
+        raise ModelLoadError(f"{runtime} cannot run {path}: {exc}") from exc
+    return runner
 
 
 def zeros_for(spec: TensorSpec, batch: int) -> Array:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import abc
 import itertools
+import logging
 import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -25,16 +26,18 @@ from typing import Any, ClassVar
 from stratus.errors import InvalidInput, ModelLoadError, NotFound, RuntimeUnavailable
 from stratus.generation import GenerationParams, Token
 from stratus.repository import FamilySpec, VariantSpec
-from stratus.runtimes.base import Availability, LoadOptions, RuntimeDescription
+from stratus.runtimes.base import Availability, LoadFailure, LoadOptions, RuntimeDescription, warmed_up
 from stratus.tiers import Tier
 
 Emit = Callable[[Token], bool]
+log = logging.getLogger("stratus.runtimes")
 
 
 class GenerativeRunner(abc.ABC):
     runtime: ClassVar[str]
     formats: ClassVar[tuple[str, ...]]
     parallel: ClassVar[int] = 1  # generations it runs at once to good effect
+    kv_cache_precision: str = "f32"  # what the runtime keeps its KV cache in, as loaded
 
     def __init__(self, *, variant: VariantSpec, path: Path, options: LoadOptions, context: int) -> None:
         self.variant = variant
@@ -62,7 +65,11 @@ class GenerativeRunner(abc.ABC):
 
     def describe(self) -> RuntimeDescription:
         return RuntimeDescription(
-            runtime=self.runtime, device="CPU", precisions=(self.variant.precision,), dynamic_batch=False
+            runtime=self.runtime,
+            device="CPU",
+            precisions=(self.variant.precision,),
+            dynamic_batch=False,
+            kv_cache=self.kv_cache_precision,
         )
 
     def surely_fits(self, prompt: str, params: GenerationParams) -> bool:
@@ -116,14 +123,11 @@ class OpenVinoGenAiRunner(GenerativeRunner):
         genai = _genai()
         scheduler = genai.SchedulerConfig()
         scheduler.cache_size = 1  # GB of KV cache: tiny models, few requests at once
-        try:
-            # An f32 KV cache: the default u8 one moves log-probabilities by up to 2e-2 here and
-            # flips near-ties; these models' caches are tiny either way.
-            self._pipe = genai.ContinuousBatchingPipeline(
-                str(path), scheduler, "CPU", {"KV_CACHE_PRECISION": "f32"}
-            )
-        except Exception as exc:
-            raise ModelLoadError(f"openvino_genai cannot load {path}: {exc}") from None
+
+        def open_pipeline(kv_cache: str | None) -> Any:
+            return genai.ContinuousBatchingPipeline(str(path), scheduler, "CPU", pipeline_config(kv_cache))
+
+        self._pipe, self.kv_cache_precision = open_with_kv_cache(open_pipeline, path)
         self._tokenizer = self._pipe.get_tokenizer()
         self._ids = itertools.count(1)
         self._stepping = threading.Lock()  # held by the thread running a step
@@ -259,6 +263,48 @@ class LlamaCppRunner(GenerativeRunner):
         return "length"
 
 
+# KV-cache precisions OpenVINO GenAI is asked for, best first; None is the plugin's own
+# choice of arithmetic and cache. F32 arithmetic with an F32 cache serves arith exactly as
+# llama.cpp does on AVX2 and AMX CPUs alike. The CPU plugin's defaults are not that: on
+# AVX-512-BF16/AMX it computes in bf16 (86.6% of arith-small's prompts served alike) and then
+# refuses an f32 cache ("expect kvcache type bf16"); its default u8 cache moved
+# log-probabilities by up to 2e-2. The paged-attention kernel takes only a cache that
+# matches its arithmetic, or f16/u8: f16 (99.0% alike) is next, then the plugin's defaults.
+KV_CACHE_ORDER: tuple[str | None, ...] = ("f32", "f16", None)
+
+
+def pipeline_config(kv_cache: str | None) -> dict[str, str]:
+    """OpenVINO GenAI's properties for one attempt: F32 arithmetic and the given cache, or,
+    for None, nothing (the plugin chooses both)."""
+    if kv_cache is None:
+        return {}
+    return {"INFERENCE_PRECISION_HINT": "f32", "KV_CACHE_PRECISION": kv_cache}
+
+
+def open_with_kv_cache(
+    open_pipeline: Callable[[str | None], Any], path: Path, order: Sequence[str | None] = KV_CACHE_ORDER
+) -> tuple[Any, str]:
+    """The pipeline opened with the first KV-cache precision in ``order`` that the plugin
+    accepts on this CPU, and that precision ("default" for the plugin's own choice).
+
+    Each refusal costs one failed compile (about 0.3 s here); a file no precision opens is
+    a ModelLoadError that says what each attempt answered."""
+    refusals = []
+    for kv_cache in order:
+        try:
+            return open_pipeline(kv_cache), kv_cache or "default"
+        except Exception as exc:
+            refusals.append(f"kv cache {kv_cache or 'default'}: {_first_line(exc)}")
+            log.debug("openvino_genai refused %s with kv cache %s: %s", path, kv_cache, exc)
+    raise ModelLoadError(f"openvino_genai cannot load {path}: {'; '.join(refusals)}")
+
+
+def _first_line(exc: BaseException) -> str:
+    """OpenVINO's messages run over several lines of source locations; the check is last."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    return lines[-1] if lines else type(exc).__name__
+
+
 _GGML_F32 = 0  # ggml's type id of float32
 _SPECIAL_TOKENS = 4  # at most this many tokens a tokenizer adds around a prompt
 _STEP_WAIT_S = 0.05  # a safety net: a waiting generation is notified when the step it waits for ends
@@ -316,13 +362,20 @@ def generative_order(tier: Tier) -> tuple[tuple[str, str], ...]:
 
 
 def load_generator(
-    family: FamilySpec, variant: VariantSpec, options: LoadOptions, *, runtimes: Sequence[str] | None = None
+    family: FamilySpec,
+    variant: VariantSpec,
+    options: LoadOptions,
+    *,
+    runtimes: Sequence[str] | None = None,
+    failures: list[LoadFailure] | None = None,
 ) -> GenerativeRunner:
     """A generative variant in the first runtime here that runs one of its files, warmed up.
 
-    ``runtimes``: only the generative runtimes it names, in that order (others are ignored)."""
+    ``runtimes``: only the generative runtimes it names, in that order (others are ignored).
+    A runtime that refuses the file is noted in ``failures`` and the next one is tried."""
     assert family.generation is not None
     reasons = []
+    refused = False
     order = generative_order(variant.tier)
     if runtimes is not None:  # only those, in that order (a list of classifier runtimes: none)
         order = tuple(pair for r in runtimes for pair in order if pair[0] == r)
@@ -335,13 +388,25 @@ def load_generator(
         if not status.available:
             reasons.append(f"{runtime}: {status.reason}")
             continue
-        runner = GENERATORS[runtime](
-            variant=variant, path=variant.files[fmt], options=options, context=family.generation.context
-        )
-        runner.warmup()
-        return runner
+        try:
+            return _warm_generator(GENERATORS[runtime], family, variant, variant.files[fmt], options)
+        except ModelLoadError as exc:
+            refused = True
+            reasons.append(str(exc))
+            if failures is not None:
+                failures.append(LoadFailure(variant=variant.name, runtime=runtime, reason=str(exc)))
     if not reasons:
         raise NotFound(
             f"variant '{variant.name}' ships no file a generative runtime here reads ({sorted(variant.files)})"
         )
-    raise RuntimeUnavailable(f"no runtime can generate with '{variant.name}' here: {'; '.join(reasons)}")
+    message = f"no runtime can generate with '{variant.name}' here: {'; '.join(reasons)}"
+    raise ModelLoadError(message) if refused else RuntimeUnavailable(message)
+
+
+def _warm_generator(
+    cls: type[GenerativeRunner], family: FamilySpec, variant: VariantSpec, path: Path, options: LoadOptions
+) -> GenerativeRunner:
+    """A runner that has generated its warm-up token; a failing warm-up is a refusal too."""
+    assert family.generation is not None
+    runner = cls(variant=variant, path=path, options=options, context=family.generation.context)
+    return warmed_up(runner, cls.runtime, path)

@@ -94,6 +94,7 @@ class VariantInfo(_message.Message):
     CHOSEN_BECAUSE_FIELD_NUMBER: _builtins.int
     LINE_FIELD_NUMBER: _builtins.int
     CURRENT_FIELD_NUMBER: _builtins.int
+    KV_CACHE_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     family: _builtins.str
     runtime: _builtins.str
@@ -112,6 +113,10 @@ class VariantInfo(_message.Message):
     """This variant serves its family's requests on its tier; the others only answer
     requests that name them, or a rollout's share for their line.
     """
+    kv_cache: _builtins.str
+    """A generative variant's KV-cache precision as its runtime loaded it ("f32", "f16",
+    "bf16", "default"): some CPUs' kernels refuse f32. Empty for classifiers.
+    """
     def __init__(
         self,
         *,
@@ -125,14 +130,45 @@ class VariantInfo(_message.Message):
         chosen_because: _builtins.str = ...,
         line: _builtins.str = ...,
         current: _builtins.bool = ...,
+        kv_cache: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["chosen_because", b"chosen_because", "current", b"current", "device", b"device", "dynamic_batch", b"dynamic_batch", "family", b"family", "line", b"line", "max_batch", b"max_batch", "name", b"name", "precision", b"precision", "runtime", b"runtime"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chosen_because", b"chosen_because", "current", b"current", "device", b"device", "dynamic_batch", b"dynamic_batch", "family", b"family", "kv_cache", b"kv_cache", "line", b"line", "max_batch", b"max_batch", "name", b"name", "precision", b"precision", "runtime", b"runtime"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___VariantInfo: _TypeAlias = VariantInfo  # noqa: Y015
+
+@_typing.final
+class FamilyUnavailable(_message.Message):
+    """A family this process was meant to serve but could not load: no runtime here opened
+    any of its files. It is left out of `variants`; the rest of the process serves.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    FAMILY_FIELD_NUMBER: _builtins.int
+    VARIANT_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    family: _builtins.str
+    variant: _builtins.str
+    reason: _builtins.str
+    """What each runtime answered, for `stratus fleet status`."""
+    def __init__(
+        self,
+        *,
+        family: _builtins.str = ...,
+        variant: _builtins.str = ...,
+        reason: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["family", b"family", "reason", b"reason", "variant", b"variant"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___FamilyUnavailable: _TypeAlias = FamilyUnavailable  # noqa: Y015
 
 @_typing.final
 class FamilyInfo(_message.Message):
@@ -223,6 +259,7 @@ class Hello(_message.Message):
     VERSION_FIELD_NUMBER: _builtins.int
     FAMILIES_FIELD_NUMBER: _builtins.int
     QUEUE_LIMIT_FIELD_NUMBER: _builtins.int
+    UNAVAILABLE_FIELD_NUMBER: _builtins.int
     agent_id: _builtins.str
     tier: Global___Tier.ValueType
     host: _builtins.str
@@ -242,6 +279,10 @@ class Hello(_message.Message):
     def variants(self) -> _containers.RepeatedCompositeFieldContainer[Global___VariantInfo]: ...
     @_builtins.property
     def families(self) -> _containers.RepeatedCompositeFieldContainer[Global___FamilyInfo]: ...
+    @_builtins.property
+    def unavailable(self) -> _containers.RepeatedCompositeFieldContainer[Global___FamilyUnavailable]:
+        """Families it could not load, and why (they are not ready on this agent)."""
+
     def __init__(
         self,
         *,
@@ -256,10 +297,11 @@ class Hello(_message.Message):
         version: _builtins.str = ...,
         families: _abc.Iterable[Global___FamilyInfo] | None = ...,
         queue_limit: _builtins.int = ...,
+        unavailable: _abc.Iterable[Global___FamilyUnavailable] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_id", b"agent_id", "capacity", b"capacity", "families", b"families", "hardware", b"hardware", "host", b"host", "queue_limit", b"queue_limit", "runtimes", b"runtimes", "tier", b"tier", "token", b"token", "variants", b"variants", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_id", b"agent_id", "capacity", b"capacity", "families", b"families", "hardware", b"hardware", "host", b"host", "queue_limit", b"queue_limit", "runtimes", b"runtimes", "tier", b"tier", "token", b"token", "unavailable", b"unavailable", "variants", b"variants", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -748,6 +790,7 @@ class AgentStatus(_message.Message):
     QUEUE_LIMIT_FIELD_NUMBER: _builtins.int
     MEAN_BATCH_SIZE_FIELD_NUMBER: _builtins.int
     VARIANT_CHOICES_FIELD_NUMBER: _builtins.int
+    UNAVAILABLE_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     tier: Global___Tier.ValueType
     host: _builtins.str
@@ -771,6 +814,10 @@ class AgentStatus(_message.Message):
     def variant_choices(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Each variant it runs, with its precision and why that one: "digits-small FP32 (...)"."""
 
+    @_builtins.property
+    def unavailable(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Families it could not load, with why: "arith (arith-medium): openvino_genai: ..."."""
+
     def __init__(
         self,
         *,
@@ -790,10 +837,11 @@ class AgentStatus(_message.Message):
         queue_limit: _builtins.int = ...,
         mean_batch_size: _builtins.float = ...,
         variant_choices: _abc.Iterable[_builtins.str] | None = ...,
+        unavailable: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["capacity", b"capacity", "host", b"host", "id", b"id", "in_flight", b"in_flight", "last_heartbeat_s", b"last_heartbeat_s", "mean_batch_size", b"mean_batch_size", "p50_ms", b"p50_ms", "p99_ms", b"p99_ms", "queue_length", b"queue_length", "queue_limit", b"queue_limit", "requests_per_s", b"requests_per_s", "runtimes", b"runtimes", "state", b"state", "tier", b"tier", "variant_choices", b"variant_choices", "variants", b"variants"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["capacity", b"capacity", "host", b"host", "id", b"id", "in_flight", b"in_flight", "last_heartbeat_s", b"last_heartbeat_s", "mean_batch_size", b"mean_batch_size", "p50_ms", b"p50_ms", "p99_ms", b"p99_ms", "queue_length", b"queue_length", "queue_limit", b"queue_limit", "requests_per_s", b"requests_per_s", "runtimes", b"runtimes", "state", b"state", "tier", b"tier", "unavailable", b"unavailable", "variant_choices", b"variant_choices", "variants", b"variants"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

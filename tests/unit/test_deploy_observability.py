@@ -32,6 +32,7 @@ COUNTERS = {
     "stratus_router_degraded_answers",
     "stratus_router_refusals",
     "stratus_work",
+    "stratus_model_load_failures",
     "stratus_router_rollout_requests",
     "stratus_router_rollout_rollbacks",
     "stratus_router_generated_tokens",

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from stratus.arith import solve
-from stratus.errors import InvalidInput, NotFound
+from stratus.errors import InvalidInput, ModelLoadError, NotFound
 from stratus.generation import GenerationParams, Token
 from stratus.repository import ModelRepository
 from stratus.runtimes.base import LoadOptions
@@ -167,8 +167,59 @@ def test_verify_runs_each_generative_variant_in_each_runtime_and_grades_it(tmp_p
     assert right == dict.fromkeys(accuracy, 1.0)  # the labels are arithmetic's own answers
     assert accuracy["arith-small"] < accuracy["arith-large-fp16"]  # type: ignore[operator]
     assert all(r.latency_ms["b1"] > 0 and r.size_kib > 50 for r in rows)
+    assert all(r.kv_cache in ("f32", "f16", "default") and r.kv_cache in r.status for r in rows)
     disagreeing = dataclasses.replace(rows[0], runtime_agreement=0.95)
-    assert disagreeing.failed and disagreeing.status == "runtimes disagree"
+    assert disagreeing.failed
+    assert disagreeing.status == "runtimes disagree: served alike on 95.0% of prompts < 99.0%"
+    worse = dataclasses.replace(rows[0], accuracy_gap=0.05)  # one runtime answers worse: broken
+    assert worse.failed and worse.status == "runtimes disagree: accuracy 0.050 below another runtime's > 0.010"
+    assert not dataclasses.replace(rows[0], runtime_agreement=0.99, accuracy_gap=0.01).failed
+
+
+def test_prompts_both_runtimes_escalate_are_served_alike_whatever_their_text() -> None:
+    from stratus.verify_generative import _served_alike
+
+    assert _served_alike("85", "86", 0.1, 0.2, threshold=0.5)  # both climb: the tier above answers
+    assert not _served_alike("85", "86", 0.9, 0.8, threshold=0.5)  # both accept different text
+    assert not _served_alike("85", "85", 0.9, 0.2, threshold=0.5)  # one accepts, one climbs
+    assert _served_alike("85", "85", 0.9, 0.8, threshold=0.5)
+    assert not _served_alike("85", "86", 0.1, 0.2, threshold=None)  # the top tier accepts everything
+
+
+def test_openvino_genai_falls_back_to_a_kv_cache_the_cpu_plugin_accepts() -> None:
+    """The refusal an AVX-512/AMX CPU gives (its text as OpenVINO 2025 words it): the next
+    precision in the order is tried, and what was chosen is said."""
+    from stratus.runtimes.generative import KV_CACHE_ORDER, open_with_kv_cache, pipeline_config
+
+    refused = (
+        "Exception from src/inference/src/cpp/core.cpp:117:\nCheck 'key_cache_type == ov::element::bf16' "
+        "failed at executor_pa.cpp:2847:\nexpect kvcache type bf16, current: f32 , f32"
+    )
+    tried: list[str | None] = []
+
+    def plugin(kv_cache: str | None) -> str:
+        tried.append(kv_cache)
+        if kv_cache == "f32":
+            raise RuntimeError(refused)
+        return f"pipeline({kv_cache})"
+
+    assert open_with_kv_cache(plugin, Path("m.gguf")) == ("pipeline(f16)", "f16")
+    assert tried == ["f32", "f16"]
+    assert KV_CACHE_ORDER[0] == "f32" and pipeline_config("f32") == {
+        "INFERENCE_PRECISION_HINT": "f32",
+        "KV_CACHE_PRECISION": "f32",
+    }
+    assert pipeline_config(None) == {}  # the last resort: the plugin's own arithmetic and cache
+
+    def broken(kv_cache: str | None) -> str:
+        raise RuntimeError(f"cannot read m.gguf ({kv_cache})")
+
+    with pytest.raises(ModelLoadError) as refusal:
+        open_with_kv_cache(broken, Path("m.gguf"))
+    assert str(refusal.value) == (
+        "openvino_genai cannot load m.gguf: kv cache f32: cannot read m.gguf (f32); "
+        "kv cache f16: cannot read m.gguf (f16); kv cache default: cannot read m.gguf (None)"
+    )
 
 
 @pytest.mark.parametrize("runtime", RUNTIMES)
