@@ -18,8 +18,16 @@ demo: $(INSTALLED)
 	$(BIN)/stratus models verify models
 	$(BIN)/stratus demo
 
+# The integration tests whose answers depend on the precision the hardware chose run a
+# second time as the other kind of CPU (AVX2-only <-> AVX-512/AMX), so that FP32 and the
+# INT8/FP16 children are both served and checked on every machine.
+PRECISION_TESTS := tests/integration/test_tiered_path.py tests/integration/test_clients.py \
+	tests/integration/test_metrics.py tests/integration/test_batching.py \
+	tests/integration/test_faults.py tests/integration/test_rollout.py
+
 test: $(INSTALLED) $(LLAMA) vllm-env lint typecheck
 	$(BIN)/python -m pytest -q -rs
+	STRATUS_CPU_FLAGS=$$($(BIN)/python scripts/other_cpu_flags.py) $(BIN)/python -m pytest -q -rs $(PRECISION_TESTS)
 
 # llama.cpp (the `llama` extra) compiles from source (a C++ compiler is needed); the tests run
 # it beside OpenVINO GenAI. Where it cannot build, say so and go on: its tests skip, saying why.

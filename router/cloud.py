@@ -198,22 +198,28 @@ class CloudLink:
         agent for a generative family still serves it, the OpenAI API included)."""
         index = await stub.RepositoryIndex(pb.RepositoryIndexRequest(ready=True), timeout=2.0)
         self.models = {model.name: model.state == "READY" for model in index.models}
-        generative = {}
-        for name in (name for name, ready in self.models.items() if ready):
-            try:
-                metadata = await stub.ModelMetadata(pb.ModelMetadataRequest(name=name), timeout=2.0)
-                if _generates(metadata):
-                    config = await stub.ModelConfig(pb.ModelConfigRequest(name=name), timeout=2.0)
-                    generative[name] = fpb.FamilyInfo(
-                        name=name,
-                        inputs=metadata.inputs,
-                        outputs=metadata.outputs,
-                        kind="generative",
-                        max_tokens=_max_tokens(config.config),
-                    )
-            except grpc.aio.AioRpcError as exc:  # a server that will not describe a model: not a text one
-                log.info("cloud %s: no description of %s (%s)", self.address, name, exc.code().name)
-        self.generative = generative
+        ready = [name for name, ok in self.models.items() if ok]
+        # All at once: over a slow link to the cloud, one round trip per model in turn adds up.
+        described = await asyncio.gather(*(self._describe(stub, name) for name in ready))
+        self.generative = {info.name: info for info in described if info is not None}
+
+    async def _describe(self, stub: pb_grpc.GRPCInferenceServiceAsyncStub, name: str) -> fpb.FamilyInfo | None:
+        """A text model's description (its tensors and max_tokens); None for any other."""
+        try:
+            metadata = await stub.ModelMetadata(pb.ModelMetadataRequest(name=name), timeout=2.0)
+            if not _generates(metadata):
+                return None
+            config = await stub.ModelConfig(pb.ModelConfigRequest(name=name), timeout=2.0)
+        except grpc.aio.AioRpcError as exc:  # a server that will not describe a model: not a text one
+            log.info("cloud %s: no description of %s (%s)", self.address, name, exc.code().name)
+            return None
+        return fpb.FamilyInfo(
+            name=name,
+            inputs=metadata.inputs,
+            outputs=metadata.outputs,
+            kind="generative",
+            max_tokens=_max_tokens(config.config),
+        )
 
     @staticmethod
     async def _outgoing(

@@ -28,7 +28,15 @@ from stratus.generation import FINAL, FINISH_REASON, Chunk
 from stratus.local import model_config
 from stratus.local_generation import chunk_response, generative_config, text_response
 from stratus.metrics import RouterMetrics
-from stratus.protocol import CONFIDENCE, VARIANT, RequestOptions, Served, parameter_value, set_parameter
+from stratus.protocol import (
+    CONFIDENCE,
+    PRECISION,
+    VARIANT,
+    RequestOptions,
+    Served,
+    parameter_value,
+    set_parameter,
+)
 from stratus.repository import FamilySpec, TensorSpec
 from stratus.serving import DataPlane
 from stratus.status import status_code
@@ -53,6 +61,7 @@ class Answer:
     outputs: Tensors
     confidences: tuple[float, ...]
     elapsed_ms: float
+    precision: str = ""  # of the variant that answered, where it is known
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -370,6 +379,7 @@ class RouterDataPlane(DataPlane):
             outputs=part.outputs,
             confidences=part.confidences,
             elapsed_ms=(self._clock() - started) * 1000.0,
+            precision=handle.precision_of(part.variant),
         )
 
     # -- gray release ----------------------------------------------------------------------
@@ -430,6 +440,7 @@ class RouterDataPlane(DataPlane):
         params = response.parameters
         confidence = parameter_value(params[CONFIDENCE]) if CONFIDENCE in params else 1.0
         variant = parameter_value(params[VARIANT]) if VARIANT in params else job.model
+        precision = parameter_value(params[PRECISION]) if PRECISION in params else ""
         outputs = Tensors.from_response(response)
         if outputs.items != items.items:
             raise Unavailable(f"the cloud answered {outputs.items} items for {items.items}")
@@ -440,6 +451,7 @@ class RouterDataPlane(DataPlane):
             outputs=outputs,
             confidences=(float(confidence or 0.0),) * items.items,
             elapsed_ms=(self._clock() - started) * 1000.0,
+            precision=str(precision),
         )
 
 
@@ -613,6 +625,7 @@ class _Cascade:
             tier=max(tiers, default=last.tier),
             agent=last.agent,
             variant=last.variant,
+            precision=last.precision,
             confidence=min((self.best[i][0].confidences[self.best[i][1]] for i in items), default=1.0),
             path=self.path,
             degraded=degraded,
@@ -667,6 +680,7 @@ def write_generation(response: pb.ModelInferResponse, result: Generation) -> Non
         tier=result.tier,
         agent=result.agent,
         variant=result.variant,
+        precision=result.precision,
         confidence=result.confidence,
         path=result.path,
         degraded=result.degraded,

@@ -33,7 +33,7 @@ from stratus.generation import (
     RunningConfidence,
     Token,
 )
-from stratus.protocol import CONFIDENCE, VARIANT, RequestOptions, parameter_value
+from stratus.protocol import CONFIDENCE, PRECISION, VARIANT, RequestOptions, parameter_value
 from stratus.tiers import Tier
 from stratus.wire import fleet_pb2 as fpb
 from stratus.wire import inference_pb2 as pb
@@ -62,6 +62,7 @@ class Generation:
     timings_ms: dict[Tier, float]
     degraded: bool = False
     generated: dict[Tier, int] = field(default_factory=dict)  # tokens each tier made, cancelled ones too
+    precision: str = ""  # of the variant that answered, where it is known
 
 
 class _Hopeless(Exception):
@@ -227,6 +228,7 @@ class GenerationCascade:
             tier=target.tier,
             agent=handle.id,
             variant=result.variant,
+            precision=handle.precision_of(result.variant),
             confidence=result.confidence if result.confidences else running.value,
             finish_reason=_finish_reason(result.response),
             path=tuple(self.path),
@@ -263,12 +265,14 @@ class GenerationCascade:
             if VARIANT in response.parameters
             else self.family.name
         )
+        precision = parameter_value(response.parameters[PRECISION]) if PRECISION in response.parameters else ""
         return Generation(
             text="".join(t.text for t in running.tokens),
             tokens=tuple(running.tokens),
             tier=Tier.CLOUD,
             agent=f"cloud@{cloud.address}",
             variant=str(variant),
+            precision=str(precision),
             confidence=float(confidence or 0.0),
             finish_reason=_finish_reason(response),
             path=tuple(self.path),

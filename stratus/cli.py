@@ -143,15 +143,12 @@ def _agent(args: argparse.Namespace) -> int:
     return 0
 
 
-def _hardware() -> Hardware | None:
+def _hardware() -> Hardware:
     """``STRATUS_CPU_FLAGS`` (comma-separated) stands in for the CPU's own flags: for a
     container that hides them, and for tests of the precision choice."""
-    import os
+    from stratus.precision import this_hardware
 
-    from stratus.precision import hardware_precisions
-
-    flags = os.environ.get("STRATUS_CPU_FLAGS")
-    return hardware_precisions(flags=flags.split(",")) if flags is not None else None
+    return this_hardware()
 
 
 RUNTIMES_HELP = (

@@ -20,6 +20,7 @@ imports neither scikit-learn nor any runtime.
 from __future__ import annotations
 
 import hashlib
+import os
 import platform
 import tomllib
 from collections.abc import Iterable, Mapping
@@ -72,6 +73,20 @@ def hardware_precisions(flags: Iterable[str] | None = None, machine: str | None 
         basics = sorted(found & {"avx2", "f16c", "avx512f", "neon", "asimd", "fma"})
         reason = f"no native int8/fp16 on this CPU ({', '.join(basics) or arch or 'unknown'})"
     return Hardware(precisions=frozenset(precisions), reason=reason)
+
+
+# Stands in for the CPU's own flags (comma-separated, as /proc/cpuinfo spells them): for a
+# container that hides them, and to run the precision choice of another CPU on this one.
+CPU_FLAGS_VARIABLE: Final = "STRATUS_CPU_FLAGS"
+
+
+def this_hardware(environ: Mapping[str, str] | None = None) -> Hardware:
+    """This machine's native precisions: from ``STRATUS_CPU_FLAGS`` where it is set (read
+    when called, never at import), else from the CPU's own flags."""
+    flags = (os.environ if environ is None else environ).get(CPU_FLAGS_VARIABLE)
+    if flags is None:
+        return hardware_precisions()
+    return hardware_precisions(flags=[f.strip() for f in flags.split(",") if f.strip()])
 
 
 def cpu_flags(path: Path = Path("/proc/cpuinfo")) -> set[str]:

@@ -2,7 +2,8 @@
 
 Requests may carry ``stratus.budget_ms`` (double), ``stratus.min_confidence`` (double),
 ``stratus.max_tier`` and ``stratus.min_tier`` (string: device, edge or cloud). Responses
-carry ``stratus.tier``, ``stratus.agent``, ``stratus.variant``, ``stratus.confidence``,
+carry ``stratus.tier``, ``stratus.agent``, ``stratus.variant`` (the variant that ran, a lower-precision
+child where the hardware chose one), ``stratus.precision`` (its FP32, FP16 or INT8), ``stratus.confidence``,
 ``stratus.path`` (tiers visited, ``device>edge>cloud``), ``stratus.degraded`` and
 ``stratus.timings_ms`` (per tier, ``device=0.41,edge=0.83``), and ``stratus.item_tiers``
 (the tier that answered each item of the batch, in order: ``device,cloud,device``;
@@ -30,6 +31,7 @@ KNOWN_REQUEST = (BUDGET_MS, MIN_CONFIDENCE, MAX_TIER, MIN_TIER)
 TIER = "stratus.tier"
 AGENT = "stratus.agent"
 VARIANT = "stratus.variant"
+PRECISION = "stratus.precision"
 CONFIDENCE = "stratus.confidence"
 PATH = "stratus.path"
 DEGRADED = "stratus.degraded"
@@ -144,11 +146,14 @@ class Served:
     degraded: bool = False
     timings_ms: Mapping[Tier, float] | None = None
     item_tiers: Sequence[Tier] = ()
+    precision: str = ""  # the answering variant's; empty where a foreign server did not say
 
     def write(self, parameters: Mapping[str, pb.InferParameter]) -> None:
         set_parameter(parameters, TIER, self.tier.label)
         set_parameter(parameters, AGENT, self.agent)
         set_parameter(parameters, VARIANT, self.variant)
+        if self.precision:
+            set_parameter(parameters, PRECISION, self.precision)
         set_parameter(parameters, CONFIDENCE, float(self.confidence))
         set_parameter(parameters, PATH, ">".join(t.label for t in self.path))
         set_parameter(parameters, DEGRADED, self.degraded)
@@ -181,4 +186,5 @@ class Served:
             degraded=bool(get(DEGRADED)),
             timings_ms=timings,
             item_tiers=tuple(Tier.parse(t) for t in str(get(ITEM_TIERS) or "").split(",") if t),
+            precision=str(get(PRECISION) or ""),
         )

@@ -22,6 +22,7 @@ from stratus.wire import fleet_pb2 as fpb
 from stratus.wire import inference_pb2_grpc as pb_grpc
 
 from .cluster import MODELS, Cluster, fleet_status, infer, ready_count, request, states, wait_until
+from .expected import unsure_rows
 
 
 async def blast(
@@ -122,8 +123,8 @@ def test_cloud_down_gives_degraded_answers_and_the_link_recovers(cluster: Cluste
     cloud.process.send_signal(signal.SIGKILL)
     cloud.process.wait()
     wait_until(lambda: fleet_status(router).cloud.state != "connected")
-    for index in range(10):
-        response, served = infer(router, digits.held_out.x[index : index + 1], min_confidence=1.0)
+    for row in unsure_rows(digits.held_out.x, 10):
+        response, served = infer(router, row[None, :], min_confidence=1.0)
         assert served.degraded and served.path == (Tier.DEVICE, Tier.EDGE)
         assert response.outputs[0].name == "probabilities"
     _confident, served = infer(router, digits.held_out.x[:1], min_confidence=0.0)

@@ -14,6 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from stratus.launcher import free_port
 
 from .cluster import Cluster, fleet_status, infer, ready_count, wait_until
+from .expected import served_for
 
 
 def scrape(address: str) -> str:
@@ -71,7 +72,8 @@ def test_each_process_counts_what_happened(scraped: dict[str, str]) -> None:
     assert value(router, "stratus_router_batch_items_count") == 30  # 25 device + 5 edge Works
 
     device = samples(scraped["device"])
-    runs = {"variant": "digits-small", "runtime": "litert", "precision": "FP32"}
+    small = served_for("digits-small")
+    runs = {"variant": small.name, "runtime": "litert", "precision": small.precision}
     assert value(device, "stratus_inference_duration_seconds_count", **runs) == 25
     assert value(device, "stratus_work_total", outcome="ok") == 25
     assert value(device, "stratus_process_resident_memory_bytes") > 20e6
