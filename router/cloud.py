@@ -21,7 +21,7 @@ import grpc
 from stratus import codec
 from stratus.errors import DeadlineExceeded, Overloaded, StratusError, Unavailable
 from stratus.generation import FINAL, MAX_TOKENS, STREAM, TEXT_INPUT, TEXT_OUTPUT, Chunk
-from stratus.serving import NO_TLS, TlsSettings, open_channel
+from stratus.serving import NO_TLS, TlsSettings, check_fits, open_channel
 from stratus.stats import LatencyWindow
 from stratus.status import error_from_status
 from stratus.wire import fleet_pb2 as fpb
@@ -314,6 +314,7 @@ class CloudLink:
         forwarded = pb.ModelInferRequest()
         forwarded.CopyFrom(request)
         forwarded.id = wire_id
+        check_fits(forwarded.ByteSize(), "this escalation")  # over the limit, it would end the shared stream
         future: asyncio.Future[pb.ModelStreamInferResponse] = asyncio.get_running_loop().create_future()
         self._pending[wire_id] = future
         loop = asyncio.get_running_loop()

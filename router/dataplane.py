@@ -40,7 +40,7 @@ from stratus.protocol import (
 from stratus.repository import FamilySpec, TensorSpec
 from stratus.serving import DataPlane
 from stratus.status import status_code
-from stratus.tensors import Tensors, answer_raw, check_inputs, requested_outputs
+from stratus.tensors import Tensors, answer_raw, check_inputs, check_request_metadata, requested_outputs
 from stratus.tiers import Tier
 from stratus.wire import fleet_pb2 as fpb
 from stratus.wire import inference_pb2 as pb
@@ -191,7 +191,7 @@ class RouterDataPlane(DataPlane):
         self, request: pb.ModelInferRequest, *, timeout_s: float | None, sink: Sink | None = None
     ) -> Generation:
         """A generative request through the tiers; what the client may see goes to ``sink``."""
-        from stratus.local_generation import read_prompt
+        from stratus.local_generation import prompt_request, read_prompt
 
         started = self._clock()
         info = self.generative(request.model_name)
@@ -199,10 +199,10 @@ class RouterDataPlane(DataPlane):
             raise NotFound(f"'{request.model_name}' is not a generative model this fleet serves")
         family, pinned = self._family_of(request.model_name)
         options = RequestOptions.from_parameters(request.parameters)
-        read_prompt(request, family, info.max_tokens or 1)  # refuse a bad request before any tier sees it
-        checked = pb.ModelInferRequest()
-        checked.CopyFrom(request)
-        checked.model_name = pinned or family
+        # Checked before any tier sees it; the tiers get the checked prompt alone, never the
+        # client's message (whatever else it carried would travel on every agent's link).
+        prompt, max_tokens = read_prompt(request, family, info.max_tokens or 1)
+        checked = prompt_request(pinned or family, request.id, prompt, max_tokens)
         if pinned is not None:  # a pinned variant runs exactly there, on its own tier only
             options = _pinned_options(options, self.registry.index.tiers(pinned))
         if sink is not None and self.metrics is not None:
@@ -327,8 +327,10 @@ class RouterDataPlane(DataPlane):
         started = self._clock()
         options = RequestOptions.from_parameters(request.parameters)
         family, pinned = self._family_of(request.model_name)
-        inputs = Tensors.from_request(request)
         spec = self._spec(family)
+        if spec is not None:
+            check_request_metadata(family, spec.inputs, request)
+        inputs = Tensors.from_request(request)
         outputs: list[str] = [o.name for o in request.outputs]
         datatypes = ["FP32"]
         if spec is not None:

@@ -15,15 +15,18 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import math
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from router.index import AgentIndex, line_key
 from router.policy import CloudView, FleetSnapshot
-from stratus.batching import DEFAULT_MAX_DELAY_S, Batch, Batcher, split_counts
+from stratus.batching import DEFAULT_MAX_DELAY_S, Batch, Batcher, BatchKey, split_counts
+from stratus.codec import numpy_dtype
 from stratus.errors import DeadlineExceeded, InvalidInput, NotFound, Unavailable
 from stratus.metrics import RouterMetrics
+from stratus.serving import MAX_WORK_BYTES, check_fits
 from stratus.stats import LatencyWindow, RateMeter, ServiceCurve, SizeWindow
 from stratus.status import error_from_status, status_for
 from stratus.tensors import Tensors
@@ -493,6 +496,7 @@ class FleetRegistry:
         message.work.request.CopyFrom(request)
         message.work.request.model_name = handle.variant_for(request.model_name)
         message.work.budget_ms = budget_ms
+        check_fits(message.ByteSize(), "this generation's Work")
         future: asyncio.Future[fpb.Result] = asyncio.get_running_loop().create_future()
         handle.pending[request_id] = future
         handle.chunks[request_id] = on_chunk
@@ -532,7 +536,7 @@ class FleetRegistry:
             run,
             slots=handle.capacity,
             depth=handle.capacity + min(handle.capacity, max(0, handle.queue_limit)),
-            max_batch=lambda key: handle.max_batch(key.variant),
+            max_batch=lambda key: min(handle.max_batch(key.variant), items_that_fit(key)),
             max_delay_s=self.max_batch_delay_s,
             queue_limit=max(1, handle.limit),
             name=f"agent {handle.id}",
@@ -548,6 +552,7 @@ class FleetRegistry:
         can still start and finish inside the budget, as this agent's estimates say.
         """
         assert handle.batcher is not None
+        check_fits(inputs.nbytes, f"a Work of {inputs.items} items")
         if handle.outbox.qsize() >= MAX_OUTBOX:
             self.lose(handle, f"not reading its link ({MAX_OUTBOX} messages waiting)")
             raise Unavailable(f"agent {handle.id} is not reading its link")
@@ -578,6 +583,7 @@ class FleetRegistry:
         sent = self.now()
         budget_ms = max(1.0, (max(p.deadline for p in batch.payloads) - sent) * 1000.0)
         work.budget_ms = budget_ms
+        check_fits(message.ByteSize(), f"a Work of {batch.size} items")  # never one the link cannot carry
         if self.metrics is not None:
             self.metrics.batch_items.observe(batch.size)
         future: asyncio.Future[fpb.Result] = asyncio.get_running_loop().create_future()
@@ -621,6 +627,15 @@ class FleetRegistry:
         for queue in self._watchers:
             if queue.empty():
                 queue.put_nowait(None)
+
+
+def items_that_fit(key: BatchKey) -> int:
+    """How many items of this shape one Work may carry: the batcher never merges past it
+    (600 KB images at --max-batch 32 would otherwise make a Work no link carries)."""
+    per_item = sum(
+        math.prod(shape) * numpy_dtype(datatype).itemsize for _, datatype, shape in key.inputs if datatype != "BYTES"
+    )
+    return max(1, MAX_WORK_BYTES // per_item) if per_item else MAX_WORK_BYTES
 
 
 def _check_hello_variants(hello: fpb.Hello) -> None:

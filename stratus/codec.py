@@ -26,6 +26,9 @@ Array = npt.NDArray[Any]
 # Largest tensor a peer may describe; the message size limits bound it further in practice.
 MAX_ELEMENTS: Final = 1 << 31
 MAX_RANK: Final = 16
+# Inputs one request may name: the Open Inference Protocol sets no bound, and each input is
+# checked on the serving event loop; no model here takes more than a handful.
+MAX_INPUTS: Final = 64
 _LENGTH_PREFIX: Final = struct.Struct("<I")
 
 
@@ -106,9 +109,12 @@ def checked_shape(shape: Sequence[int], *, tensor: str) -> tuple[int, ...]:
         axis = next(i for i, d in enumerate(dims) if d < 0)
         raise InvalidInput(f"tensor '{tensor}': dimension {axis} is {dims[axis]}; dimensions must be >= 0")
     count = math.prod(dims)
-    if count > MAX_ELEMENTS:
+    # Every dimension counts, zero or not: [0, 2**40, 2**40] holds nothing, yet no array of
+    # that shape can be made.
+    spread = math.prod(d for d in dims if d)
+    if count > MAX_ELEMENTS or spread > MAX_ELEMENTS:
         raise InvalidInput(
-            f"tensor '{tensor}': shape {list(dims)} has {count} elements, more than the limit of {MAX_ELEMENTS}"
+            f"tensor '{tensor}': shape {list(dims)} has {spread} elements, more than the limit of {MAX_ELEMENTS}"
         )
     return dims
 
@@ -181,7 +187,7 @@ def decode_contents(
     _check_no_other_contents(contents, spec.field, tensor)
     if spec.name == "BYTES":
         return _object_array(list(values), dims)
-    wide = np.array(values, dtype=_wide_dtype(spec))
+    wide = np.fromiter(values, dtype=_wide_dtype(spec), count=count)  # no list of Python objects
     if spec.dtype.kind in "iu" and count:
         info = np.iinfo(spec.dtype)
         if int(wide.min()) < info.min or int(wide.max()) > info.max:
@@ -239,6 +245,7 @@ def decode_request_inputs(request: pb.ModelInferRequest) -> dict[str, Array]:
             f"request has {len(raw)} raw_input_contents buffers for {len(request.inputs)} inputs; "
             "they must match one to one"
         )
+    check_input_count(request)
     decoded: dict[str, Array] = {}
     for index, tensor in enumerate(request.inputs):
         name = tensor.name or f"#{index}"
@@ -246,6 +253,12 @@ def decode_request_inputs(request: pb.ModelInferRequest) -> dict[str, Array]:
             raise InvalidInput(f"input '{name}' appears more than once")
         decoded[name] = decode_input(tensor, raw[index] if raw else None, name)
     return decoded
+
+
+def check_input_count(request: pb.ModelInferRequest) -> None:
+    """Refuse more inputs than any model takes, before looking at any of them."""
+    if len(request.inputs) > MAX_INPUTS:
+        raise InvalidInput(f"request names {len(request.inputs)} inputs; at most {MAX_INPUTS} are taken")
 
 
 def decode_input(tensor: pb.ModelInferRequest.InferInputTensor, raw: bytes | None, name: str) -> Array:

@@ -48,7 +48,7 @@ from stratus.runtimes import LoadFailure, LoadOptions, ModelRunner, load_runner
 from stratus.serving import DataPlane, tensor_metadata
 from stratus.stats import LatencyWindow
 from stratus.status import status_code
-from stratus.tensors import answer_raw
+from stratus.tensors import answer_raw, check_request_metadata
 from stratus.tiers import Tier
 from stratus.wire import fleet_pb2
 from stratus.wire import inference_pb2 as pb
@@ -365,6 +365,7 @@ class LocalModels:
         if self.generators is not None and self.generators.serves(request.model_name):
             return await self.generate(request)
         family, variant = self.variant_for(request.model_name)
+        check_request_metadata(family.name, family.inputs, request)  # before decoding anything
         inputs = codec.decode_request_inputs(request)
         family.check_inputs(inputs)
         wanted = _requested_outputs(request, family)

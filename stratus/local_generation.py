@@ -55,6 +55,9 @@ class Generated:
 # Threads for generations; how many run at once per variant is the runtime's ``parallel``
 # (OpenVINO GenAI steps several as one batch; llama.cpp takes one at a time).
 GENERATIONS_AT_ONCE = 8
+# The longest prompt taken, in UTF-8 bytes: far more than any context here holds (a 128k-token
+# context is about 0.5 MiB of text), and far below what a link carries.
+MAX_PROMPT_BYTES = 1 << 20
 RETIRE_GRACE_S = 10.0  # a variant replaced by a reload keeps answering what is in flight this long
 
 
@@ -286,7 +289,14 @@ def prompt_and_params(request: pb.ModelInferRequest, family: FamilySpec) -> tupl
 
 
 def read_prompt(request: pb.ModelInferRequest, family: str, limit: int) -> tuple[str, int]:
-    """One prompt in ``text_input`` and ``max_tokens`` (default ``limit``) within 1..limit."""
+    """One prompt in ``text_input`` and ``max_tokens`` (default ``limit``) within 1..limit;
+    a prompt over MAX_PROMPT_BYTES is refused before it is decoded."""
+    if len(request.inputs) != 1 or request.inputs[0].name != TEXT_INPUT:
+        names = [t.name for t in request.inputs[:8]]
+        raise InvalidInput(f"model '{family}' takes one input '{TEXT_INPUT}' (BYTES), not {names}")
+    size = sum(len(buffer) for buffer in request.raw_input_contents) or request.inputs[0].ByteSize()
+    if size > MAX_PROMPT_BYTES + 4:  # a BYTES element's 4-byte length prefix
+        raise InvalidInput(f"the prompt is {size} bytes; at most {MAX_PROMPT_BYTES} are taken")
     inputs = codec.decode_request_inputs(request)
     if set(inputs) != {TEXT_INPUT}:
         raise InvalidInput(f"model '{family}' takes one input '{TEXT_INPUT}' (BYTES), not {sorted(inputs)}")
@@ -320,6 +330,15 @@ def text_response(request: pb.ModelInferRequest, text: str) -> pb.ModelInferResp
     raw = bool(request.raw_input_contents)
     codec.encode_response_outputs(response, {TEXT_OUTPUT: text_array(text)}, raw=raw)
     return response
+
+
+def prompt_request(model: str, request_id: str, prompt: str, max_tokens: int) -> pb.ModelInferRequest:
+    """A generative request holding only a checked prompt and its max_tokens (what agents and
+    the cloud are sent)."""
+    request = pb.ModelInferRequest(model_name=model, id=request_id)
+    codec.encode_request_inputs(request, {TEXT_INPUT: text_array(prompt)})
+    set_parameter(request.parameters, MAX_TOKENS, max_tokens)
+    return request
 
 
 def text_array(text: str) -> codec.Array:

@@ -27,6 +27,9 @@ MIN_CONFIDENCE = "stratus.min_confidence"
 MAX_TIER = "stratus.max_tier"
 MIN_TIER = "stratus.min_tier"
 KNOWN_REQUEST = (BUDGET_MS, MIN_CONFIDENCE, MAX_TIER, MIN_TIER)
+# The longest budget a request may ask for: every request holds a router slot, queue places
+# and perhaps a cloud slot until it is answered or its budget is spent.
+MAX_BUDGET_MS = 600_000.0
 
 TIER = "stratus.tier"
 AGENT = "stratus.agent"
@@ -82,8 +85,8 @@ class RequestOptions:
                 f"unknown request parameter(s) {sorted(unknown)}; known: {list(KNOWN_REQUEST)}"
             )
         budget = _number(parameters, BUDGET_MS)
-        if budget is not None and budget <= 0:
-            raise InvalidInput(f"parameter '{BUDGET_MS}' must be > 0, got {budget}")
+        if budget is not None and not 0 < budget <= MAX_BUDGET_MS:
+            raise InvalidInput(f"parameter '{BUDGET_MS}' must lie in (0, {MAX_BUDGET_MS:g}] ms, got {budget:g}")
         confidence = _number(parameters, MIN_CONFIDENCE)
         if confidence is not None and not 0.0 <= confidence <= 1.0:
             raise InvalidInput(f"parameter '{MIN_CONFIDENCE}' must lie between 0 and 1, got {confidence}")

@@ -28,6 +28,21 @@ log = logging.getLogger("stratus.serving")
 
 # Every server and channel refuses messages past this size (a digits batch of 64 is 16 KiB).
 MAX_MESSAGE_BYTES: Final = 16 * 1024 * 1024
+# What one message on a shared stream (an AgentLink, the cloud link) may carry: a message over
+# MAX_MESSAGE_BYTES ends the whole stream and every call on it, so a request that would
+# build one is refused alone, before it is sent.
+MAX_WORK_BYTES: Final = MAX_MESSAGE_BYTES - 64 * 1024
+
+
+def check_fits(size: int, what: str) -> None:
+    """Refuse (INVALID_ARGUMENT) a message of ``size`` bytes that a shared stream cannot carry."""
+    if size > MAX_WORK_BYTES:
+        raise InvalidInput(
+            f"{what} would be {size} bytes, over the {MAX_WORK_BYTES}-byte limit of a link; "
+            "send fewer items per request"
+        )
+
+
 # Requests one ModelStreamInfer stream may have in flight before its reader waits.
 STREAM_WINDOW: Final = 256
 EXTENSIONS: Final = ("model_configuration", "stratus_tiers")
