@@ -15,7 +15,7 @@ travel whole (their requests run alone, never merged).
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 from stratus import codec
@@ -133,14 +133,10 @@ class Tensors:
                 f"request has {len(raw)} raw_input_contents buffers for {len(request.inputs)} inputs; "
                 "they must match one to one"
             )
-        tensors: list[RawTensor] = []
-        seen: set[str] = set()
-        for index, tensor in enumerate(request.inputs):
-            name = tensor.name or f"#{index}"
-            if name in seen:
-                raise InvalidInput(f"input '{name}' appears more than once")
-            seen.add(name)
-            tensors.append(_input(tensor, raw[index] if raw else None, name))
+        tensors = [
+            _input(tensor, raw[index] if raw else None, name)
+            for index, name, tensor in named_inputs(request)
+        ]
         if not tensors:
             raise InvalidInput(f"request for '{request.model_name}' has no inputs")
         return cls(tuple(tensors))
@@ -219,18 +215,27 @@ def _from_array(name: str, array: codec.Array, datatype: str | None = None) -> R
     return RawTensor(name, datatype or codec.datatype_of(array), tuple(array.shape), codec.encode_raw(array))
 
 
-def check_request_metadata(family: str, specs: Sequence[TensorSpec], request: pb.ModelInferRequest) -> None:
-    """Names, datatypes and shapes against the family, before any tensor is decoded: a
-    request the family cannot take costs no memory (16 M typed INT64 zeros are 15 MiB on the
-    wire and were 500 MB decoded)."""
-    codec.check_input_count(request)
-    expected = {spec.name: spec for spec in specs}
+def named_inputs(
+    request: pb.ModelInferRequest,
+) -> Iterator[tuple[int, str, pb.ModelInferRequest.InferInputTensor]]:
+    """Each input with its position and name (``#i`` when unnamed); a repeated name is refused
+    when it is reached (a set, not a scan: thousands of inputs cost no more than a few)."""
     seen: set[str] = set()
     for index, tensor in enumerate(request.inputs):
         name = tensor.name or f"#{index}"
         if name in seen:
             raise InvalidInput(f"input '{name}' appears more than once")
         seen.add(name)
+        yield index, name, tensor
+
+
+def check_request_metadata(family: str, specs: Sequence[TensorSpec], request: pb.ModelInferRequest) -> None:
+    """Names, datatypes and shapes against the family, before any tensor is decoded: a
+    request the family cannot take costs no memory (16 M typed INT64 zeros are 15 MiB on the
+    wire and were 500 MB decoded)."""
+    codec.check_input_count(request)
+    expected = {spec.name: spec for spec in specs}
+    for _, name, tensor in named_inputs(request):
         spec = expected.get(name)
         if spec is None:
             raise InvalidInput(f"model '{family}' has no input '{name}'; it takes {sorted(expected)}")
