@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 INSTALLED := $(VENV)/.installed
 LLAMA := $(VENV)/.llama-installed
 
-.PHONY: demo test lint typecheck unit proto models clean vllm-env llama-env
+.PHONY: demo test lint typecheck unit proto models clean vllm-env llama-env foreign-env
 
 $(INSTALLED): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -18,7 +18,7 @@ demo: $(INSTALLED)
 	$(BIN)/stratus models verify models
 	$(BIN)/stratus demo
 
-test: $(INSTALLED) $(LLAMA) vllm-env lint typecheck
+test: $(INSTALLED) $(LLAMA) vllm-env foreign-env lint typecheck
 	$(BIN)/python -m pytest -q -rs
 
 # llama.cpp (the `llama` extra) compiles from source (a C++ compiler is needed); the tests run
@@ -35,6 +35,12 @@ $(LLAMA): $(INSTALLED)
 # integration tests; reused while its marker matches (several minutes the first time).
 vllm-env: $(INSTALLED)
 	$(BIN)/python scripts/vllm_env.py
+
+# Triton (PyTriton), MLServer and KServe as the cloud tier, each in an environment of its own
+# (.venv-triton, .venv-mlserver, .venv-kserve: pinned, reused while their markers match).
+# One that cannot be installed is reported; its tests skip, saying why.
+foreign-env: $(INSTALLED)
+	$(BIN)/python scripts/foreign_env.py
 
 lint: $(INSTALLED)
 	$(BIN)/ruff check .
