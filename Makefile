@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 INSTALLED := $(VENV)/.installed
 LLAMA := $(VENV)/.llama-installed
 
-.PHONY: demo test lint typecheck unit proto models clean vllm-env llama-env
+.PHONY: demo test lint typecheck unit proto models clean vllm-env llama-env foreign-env
 
 $(INSTALLED): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -25,7 +25,7 @@ PRECISION_TESTS := tests/integration/test_tiered_path.py tests/integration/test_
 	tests/integration/test_metrics.py tests/integration/test_batching.py \
 	tests/integration/test_faults.py tests/integration/test_rollout.py
 
-test: $(INSTALLED) $(LLAMA) vllm-env lint typecheck
+test: $(INSTALLED) $(LLAMA) vllm-env foreign-env lint typecheck
 	$(BIN)/python -m pytest -q -rs
 	STRATUS_CPU_FLAGS=$$($(BIN)/python scripts/other_cpu_flags.py) $(BIN)/python -m pytest -q -rs $(PRECISION_TESTS)
 
@@ -43,6 +43,12 @@ $(LLAMA): $(INSTALLED)
 # integration tests; reused while its marker matches (several minutes the first time).
 vllm-env: $(INSTALLED)
 	$(BIN)/python scripts/vllm_env.py
+
+# Triton (PyTriton), MLServer and KServe as the cloud tier, each in an environment of its own
+# (.venv-triton, .venv-mlserver, .venv-kserve: pinned, reused while their markers match).
+# One that cannot be installed is reported; its tests skip, saying why.
+foreign-env: $(INSTALLED)
+	$(BIN)/python scripts/foreign_env.py
 
 lint: $(INSTALLED)
 	$(BIN)/ruff check .

@@ -149,12 +149,27 @@ async def _upstream(settings: CloudSettings) -> OpenAIUpstream:
     return upstream
 
 
+def upstream_family(model: str, repository: ModelRepository) -> str:
+    """The family an upstream model serves when ``--upstream-family`` is not given.
+
+    A model named as one of the repository's variants (vLLM serving ``arith-large``) is that
+    variant, answering as its family's cloud tier: otherwise the gateway would make a new
+    family of that name, answer the real family's escalations from its own variants, and
+    the upstream would never see one. Any other name is a family of its own.
+    """
+    try:
+        family, _pinned = repository.resolve(model)
+    except NotFound:
+        return model
+    return family.name
+
+
 def _generative_model(
     settings: CloudSettings, upstream: OpenAIUpstream, repository: ModelRepository
 ) -> GenerativeModel:
     """The family's generation settings from the repository where it is described there."""
     model = upstream.settings.model
-    family = settings.upstream_family or model
+    family = settings.upstream_family or upstream_family(model, repository)
     spec = repository.families.get(family)
     generation = spec.generation if spec is not None else None
     if generation is None:

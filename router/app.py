@@ -14,6 +14,7 @@ from pathlib import Path
 import grpc
 
 from router.cloud import CloudLink
+from router.cloud_models import parse_cloud_models, parse_header
 from router.dataplane import RouterDataPlane
 from router.fleet_service import FleetServicer, fleet_levels, rollout_levels
 from router.link import AdmissionGate, AgentLinkServicer
@@ -69,6 +70,15 @@ class RouterSettings:
     peers: str | None = None
     # HOST:PORT for the OpenAI API (/v1/completions, /v1/chat/completions); None: not served.
     openai: str | None = None
+    # A cloud that is not a Stratus gateway: the models it serves the families with
+    # ("NAME" or "FAMILY=NAME", comma-separated), and gRPC metadata sent on every call to it.
+    cloud_models: str | None = None
+    cloud_headers: tuple[tuple[str, str], ...] = ()
+
+    def __post_init__(self) -> None:
+        parse_cloud_models(self.cloud_models)  # a bad entry stops the router before it serves
+        for key, value in self.cloud_headers:
+            parse_header(f"{key}={value}")
 
 
 async def _watch_heartbeats(registry: FleetRegistry) -> None:
@@ -90,7 +100,7 @@ async def serve(settings: RouterSettings, stop: asyncio.Event | None = None) -> 
         max_batch_delay_s=settings.max_batch_delay_s,
         metrics=recorder,
     )
-    cloud = CloudLink(settings.cloud, tls=settings.tls) if settings.cloud else None
+    cloud = _cloud_link(settings, registry)
     metrics.collect_with(lambda: fleet_levels(registry, cloud))
     if cloud is not None:
         cloud.start()
@@ -135,6 +145,19 @@ async def serve(settings: RouterSettings, stop: asyncio.Event | None = None) -> 
             await close()
     if cloud is not None:
         await cloud.close()
+
+
+def _cloud_link(settings: RouterSettings, registry: FleetRegistry) -> CloudLink | None:
+    """The link to the cloud, which learns what it serves for the families agents bring."""
+    if not settings.cloud:
+        return None
+    return CloudLink(
+        settings.cloud,
+        tls=settings.tls,
+        headers=settings.cloud_headers,
+        named=parse_cloud_models(settings.cloud_models),
+        families=lambda: registry.families,
+    )
 
 
 async def _start_extras(

@@ -1,9 +1,16 @@
-"""The router's link to the cloud gateway: one long-lived ModelStreamInfer stream.
+"""The router's link to the cloud: a Stratus cloud gateway, or any OIP server (Triton,
+KServe, MLServer).
 
-Escalations are multiplexed over the stream by request id; a stream that breaks fails
+Escalations are multiplexed by request id over one long-lived ModelStreamInfer stream
+where the cloud has the protocol's stream; where it has none (KServe answers UNIMPLEMENTED)
+or another one (MLServer's answers ModelInferResponse, one model per stream), each
+escalation is a unary ModelInfer. A stream that breaks, or a connection that closes, fails
 every escalation on it (the data plane then answers with the best lower-tier result,
-marked degraded) and is re-opened with backoff. Which models the cloud serves is read
-with RepositoryIndex each time the stream opens.
+marked degraded) and is re-opened with backoff. What the cloud serves is learnt each time
+the link opens, and again whenever agents bring new families: from RepositoryIndex where
+the cloud allows it, and from ModelReady/ModelMetadata for the names the families and the
+operator give (see :mod:`router.cloud_models`). Every call carries the operator's headers
+(``--cloud-header``: Triton's access token, an ingress's bearer token).
 """
 
 from __future__ import annotations
@@ -13,14 +20,18 @@ import itertools
 import logging
 import random
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping, Sequence
 from typing import Any
 
 import grpc
 
+from router.cloud_models import Found, NamedModel, generates, probe_names, routes
 from stratus import codec
+from stratus.confidence import max_probability
 from stratus.errors import DeadlineExceeded, Overloaded, StratusError, Unavailable
-from stratus.generation import FINAL, MAX_TOKENS, STREAM, TEXT_INPUT, TEXT_OUTPUT, Chunk
+from stratus.generation import FINAL, MAX_TOKENS, TEXT_OUTPUT, Chunk
+from stratus.generation import STREAM as STREAM_PARAMETER
+from stratus.protocol import CONFIDENCE, VARIANT, set_parameter
 from stratus.serving import NO_TLS, TlsSettings, check_fits, open_channel
 from stratus.stats import LatencyWindow
 from stratus.status import error_from_status
@@ -31,6 +42,24 @@ from stratus.wire import inference_pb2_grpc as pb_grpc
 log = logging.getLogger("stratus.cloud-link")
 
 OnChunk = Callable[[Chunk], Awaitable[None]]
+Families = Callable[[], Mapping[str, fpb.FamilyInfo]]
+Headers = tuple[tuple[str, str], ...]
+STREAM = "stream"
+UNARY = "unary"
+# Servers whose ModelStreamInfer is not the protocol's: MLServer's answers ModelInferResponse
+# (read as ModelStreamInferResponse, its model name lands in error_message) and binds the
+# stream to the first request's model.
+OWN_STREAM = frozenset({"mlserver"})
+# How long a new stream may take to be refused (UNIMPLEMENTED comes at once); a server that
+# sends its headers with its first answer (Triton) is taken to accept it.
+STREAM_CHECK_S = 0.2
+# How often the link looks for families that agents brought since it last learnt, and for
+# models it was told of but did not find (a server that listens before its models load).
+FAMILIES_POLL_S = 0.5
+MISSING_POLL_S = 1.0
+MAX_MISSING_POLL_S = 30.0
+# Codes that mean the cloud cannot be reached now, not that it refused what it was asked.
+_LINK_DOWN = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED)
 UNDECLARED_MAX_TOKENS = 16  # a text model whose config names no max_tokens: OpenAI's default
 
 # How fast the channel to the cloud redials after losing it: gRPC's defaults (1 s, growing
@@ -108,12 +137,16 @@ class CloudLink:
         rng: random.Random | None = None,
         max_pending: int = 512,
         breaker: CircuitBreaker | None = None,
+        headers: Sequence[tuple[str, str]] = (),
+        named: Sequence[NamedModel] = (),
+        families: Families = dict,
     ) -> None:
         self.address = address
         self._tls = tls
         self.max_pending = max_pending
         self.breaker = breaker or CircuitBreaker()
         self.state = "connecting"
+        self.transport = STREAM
         self.latency = LatencyWindow()
         self._rng = rng or random.Random()
         self._ids = itertools.count(1)
@@ -121,7 +154,13 @@ class CloudLink:
         self._outbox: asyncio.Queue[pb.ModelInferRequest | None] = asyncio.Queue()
         self._task: asyncio.Task[None] | None = None
         self._channel: grpc.aio.Channel | None = None
+        self._headers: Headers = tuple(headers)
+        self._named = tuple(named)
+        self._families = families
+        self._learnt_for: frozenset[str] | None = None
+        self._no_stream: str | None = None  # the server (name version) that refused the stream
         self.models: dict[str, bool] = {}
+        self.wire_names: dict[str, str] = {}  # a request's model -> the name the cloud serves it under
         self.generative: dict[str, fpb.FamilyInfo] = {}  # the cloud's text models, as families
         self._generating = 0
 
@@ -131,12 +170,12 @@ class CloudLink:
 
     @property
     def in_flight(self) -> int:
-        """Escalations waiting on the shared stream, and generations streaming on calls of their own."""
+        """Escalations waiting on the shared stream or a unary call, and generations streaming."""
         return len(self._pending) + self._generating
 
     @property
     def status(self) -> str:
-        """What `stratus fleet status` shows: the stream's state, or the breaker's when open."""
+        """What `stratus fleet status` shows: the link's state, or the breaker's when open."""
         if self.state == "connected" and self.breaker.state != "closed":
             return f"circuit {self.breaker.state}"
         return self.state
@@ -152,74 +191,218 @@ class CloudLink:
             await self._channel.close()
 
     async def _maintain(self) -> None:
-        """Keep the stream open; after a break, re-open it as soon as the cloud is back.
+        """Keep the link open; after a break, re-open it as soon as the cloud is back.
 
         The channel reconnects on its own with a short backoff (RECONNECT_*), and the link
         waits for it to turn READY rather than sleeping a growing delay of its own, so a
-        returning cloud gateway serves escalations within a second of listening again.
+        returning cloud serves escalations within a second of listening again.
         """
         self._channel = open_channel(self.address, self._tls, extra_options=RECONNECT_OPTIONS)
         delay = 0.05
         while True:
             try:
                 await self._channel.channel_ready()
-                await self._connect_and_pump(self._channel)
+                await self._connect_and_serve(self._channel)
                 delay = 0.05
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
-                log.warning("cloud link to %s: %s", self.address, exc)
+                log.warning("cloud link to %s: %s", self.address, _described(exc))
             self.state = "down"
-            self._fail_pending("the cloud stream broke")
-            # Only a cloud that answers yet refuses the stream gets here twice in a row.
+            self._fail_pending("the cloud link broke")
+            # Only a cloud that answers yet refuses the link gets here twice in a row.
             await asyncio.sleep(self._rng.uniform(delay / 2, delay))
             delay = min(delay * 2, 1.0)
 
-    async def _connect_and_pump(self, channel: grpc.aio.Channel) -> None:
+    async def _connect_and_serve(self, channel: grpc.aio.Channel) -> None:
+        """Learn what the cloud serves, then carry escalations until the link breaks, while
+        following the families that agents bring."""
         stub = pb_grpc.GRPCInferenceServiceStub(channel)
-        await stub.ServerLive(pb.ServerLiveRequest(), timeout=2.0)
+        await stub.ServerLive(pb.ServerLiveRequest(), timeout=2.0, metadata=self._headers)
+        server = await self._server(stub)
+        self._learnt_for = None
         await self._learn_models(stub)
-        self._outbox = asyncio.Queue()
-        call = stub.ModelStreamInfer(self._outgoing(self._outbox))
-        self.state = "connected"
-        self.breaker.success()  # a fresh stream to a live gateway: stop failing fast
-        log.info("cloud link to %s connected", self.address)
+        following = asyncio.create_task(self._follow_families(stub), name="stratus-cloud-families")
         try:
+            if server.split()[0] in OWN_STREAM or server == self._no_stream:
+                await self._serve_unary(channel)
+            else:
+                await self._serve_stream(stub, channel, server)
+        finally:
+            following.cancel()
+            await asyncio.gather(following, return_exceptions=True)
+
+    async def _server(self, stub: pb_grpc.GRPCInferenceServiceAsyncStub) -> str:
+        """ "name version" from ServerMetadata ("triton 2.59.0"); "unknown" where not told."""
+        try:
+            metadata = await stub.ServerMetadata(
+                pb.ServerMetadataRequest(), timeout=2.0, metadata=self._headers
+            )
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() in _LINK_DOWN:
+                raise
+            return "unknown"
+        return f"{metadata.name or 'unknown'} {metadata.version}".strip()
+
+    def _connected(self, transport: str) -> None:
+        self.transport = transport
+        self.state = "connected"
+        self.breaker.success()  # a fresh link to a live cloud: stop failing fast
+        log.info("cloud link to %s connected (%s)", self.address, transport)
+
+    # -- what the cloud serves ---------------------------------------------------------------
+    async def _follow_families(self, stub: pb_grpc.GRPCInferenceServiceAsyncStub) -> None:
+        """Learn again when agents have brought families the last learning did not know, or
+        while a family or a named model was not found there: after MISSING_POLL_S, then
+        twice as long each time nothing new turns up (a server that listens before its
+        models load is caught at once; one that never serves a family is asked rarely)."""
+        interval, waited = MISSING_POLL_S, 0.0
+        while True:
+            await asyncio.sleep(FAMILIES_POLL_S)
+            waited += FAMILIES_POLL_S
+            changed = frozenset(self._families()) != self._learnt_for
+            if not changed and not (self._missing() and waited >= interval):
+                continue
+            before, waited = self.wire_names, 0.0
+            try:
+                await self._learn_models(stub)
+            except grpc.aio.AioRpcError as exc:
+                log.info("cloud %s: learning its models again failed (%s)", self.address, exc.code().name)
+            same = self.wire_names == before and not changed
+            interval = min(interval * 2, MAX_MISSING_POLL_S) if same else MISSING_POLL_S
+
+    def _missing(self) -> bool:
+        wanted = {*self._families(), *(entry.name for entry in self._named)}
+        return not wanted <= set(self.wire_names)
+
+    async def _learn_models(self, stub: pb_grpc.GRPCInferenceServiceAsyncStub) -> None:
+        """What the cloud serves for each family, and which of it generates text (so that a
+        router with no agent for a generative family still serves it, the OpenAI API too)."""
+        families = dict(self._families())
+        listed = await self._listed(stub)
+        # All at once: over a slow link to the cloud, one round trip per model in turn adds up.
+        probed = await asyncio.gather(
+            *(self._probe(stub, name, listed) for name in probe_names(families, self._named, listed))
+        )
+        found = [entry for entry in probed if entry is not None]
+        wire, refused = routes(found, families, self._named)
+        self.generative = await self._generative(stub, found)
+        if wire != self.wire_names or self._learnt_for is None:  # said once per change
+            for reason in refused:
+                log.warning("cloud %s: passed over %s", self.address, reason)
+            log.info(
+                "cloud %s serves %s", self.address, ", ".join(f"{k}->{v}" for k, v in sorted(wire.items()))
+            )
+        self.wire_names = wire
+        self.models = dict.fromkeys(wire, True)
+        self._learnt_for = frozenset(families)
+
+    async def _listed(self, stub: pb_grpc.GRPCInferenceServiceAsyncStub) -> dict[str, bool]:
+        """RepositoryIndex's names (ready or not), or none where the cloud restricts it
+        (PyTriton without its token) or has none (KServe)."""
+        try:
+            index = await stub.RepositoryIndex(
+                pb.RepositoryIndexRequest(ready=True), timeout=2.0, metadata=self._headers
+            )
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() in _LINK_DOWN and "restricted" not in (exc.details() or ""):
+                raise
+            log.info("cloud %s: no repository index (%s: %s)", self.address, exc.code().name, exc.details())
+            return {}
+        return {model.name: model.state == "READY" for model in index.models}
+
+    async def _probe(
+        self, stub: pb_grpc.GRPCInferenceServiceAsyncStub, name: str, listed: Mapping[str, bool]
+    ) -> Found | None:
+        """A model the cloud listed as ready, or says is ready, with its description."""
+        if not (listed.get(name) or await self._ready(stub, name)):
+            return None
+        return Found(name=name, metadata=await self._metadata(stub, name))
+
+    async def _ready(self, stub: pb_grpc.GRPCInferenceServiceAsyncStub, name: str) -> bool:
+        """ModelReady; a model the cloud does not know (NOT_FOUND, or MLServer's UNKNOWN) is not."""
+        try:
+            answer = await stub.ModelReady(
+                pb.ModelReadyRequest(name=name), timeout=2.0, metadata=self._headers
+            )
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() in _LINK_DOWN:
+                raise
+            return False
+        return bool(answer.ready)
+
+    async def _metadata(
+        self, stub: pb_grpc.GRPCInferenceServiceAsyncStub, name: str
+    ) -> pb.ModelMetadataResponse | None:
+        try:
+            return await stub.ModelMetadata(
+                pb.ModelMetadataRequest(name=name), timeout=2.0, metadata=self._headers
+            )
+        except grpc.aio.AioRpcError as exc:  # a server that will not describe a model
+            if exc.code() in _LINK_DOWN:
+                raise
+            log.info("cloud %s: no description of %s (%s)", self.address, name, exc.code().name)
+            return None
+
+    async def _generative(
+        self, stub: pb_grpc.GRPCInferenceServiceAsyncStub, found: Sequence[Found]
+    ) -> dict[str, fpb.FamilyInfo]:
+        """The cloud's text models as families, with the max_tokens their configs declare."""
+        text = [entry for entry in found if entry.metadata is not None and generates(entry.metadata)]
+        described = await asyncio.gather(*(self._text_family(stub, entry) for entry in text))
+        return {info.name: info for info in described}
+
+    async def _text_family(self, stub: pb_grpc.GRPCInferenceServiceAsyncStub, entry: Found) -> fpb.FamilyInfo:
+        assert entry.metadata is not None
+        try:
+            config = await stub.ModelConfig(
+                pb.ModelConfigRequest(name=entry.name), timeout=2.0, metadata=self._headers
+            )
+            max_tokens = _max_tokens(config.config)
+        except grpc.aio.AioRpcError:
+            max_tokens = UNDECLARED_MAX_TOKENS
+        return fpb.FamilyInfo(
+            name=entry.name,
+            inputs=entry.metadata.inputs,
+            outputs=entry.metadata.outputs,
+            kind="generative",
+            max_tokens=max_tokens,
+        )
+
+    # -- transports ------------------------------------------------------------------------
+    async def _serve_stream(
+        self, stub: pb_grpc.GRPCInferenceServiceAsyncStub, channel: grpc.aio.Channel, server: str
+    ) -> None:
+        """Escalations over one ModelStreamInfer stream; a cloud that has none gets unary calls."""
+        self._outbox = asyncio.Queue()
+        call = stub.ModelStreamInfer(self._outgoing(self._outbox), metadata=self._headers)
+        try:
+            if await _refused_at_once(call):
+                log.info("cloud %s (%s) has no ModelStreamInfer: unary ModelInfer", self.address, server)
+                self._no_stream = server
+                await self._serve_unary(channel)
+                return
+            self._connected(STREAM)
             async for message in call:
                 future = self._pending.pop(message.infer_response.id, None)
                 if future is not None and not future.done():
                     future.set_result(message)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.UNIMPLEMENTED:  # refused late: unary from the next connect
+                self._no_stream = server
+            raise
         finally:
             self._outbox.put_nowait(None)
-        raise Unavailable("the cloud gateway ended the stream")
+        raise Unavailable("the cloud ended the stream")
 
-    async def _learn_models(self, stub: pb_grpc.GRPCInferenceServiceAsyncStub) -> None:
-        """What the cloud serves, and which of it generates text (so that a router with no
-        agent for a generative family still serves it, the OpenAI API included)."""
-        index = await stub.RepositoryIndex(pb.RepositoryIndexRequest(ready=True), timeout=2.0)
-        self.models = {model.name: model.state == "READY" for model in index.models}
-        ready = [name for name, ok in self.models.items() if ok]
-        # All at once: over a slow link to the cloud, one round trip per model in turn adds up.
-        described = await asyncio.gather(*(self._describe(stub, name) for name in ready))
-        self.generative = {info.name: info for info in described if info is not None}
-
-    async def _describe(self, stub: pb_grpc.GRPCInferenceServiceAsyncStub, name: str) -> fpb.FamilyInfo | None:
-        """A text model's description (its tensors and max_tokens); None for any other."""
-        try:
-            metadata = await stub.ModelMetadata(pb.ModelMetadataRequest(name=name), timeout=2.0)
-            if not _generates(metadata):
-                return None
-            config = await stub.ModelConfig(pb.ModelConfigRequest(name=name), timeout=2.0)
-        except grpc.aio.AioRpcError as exc:  # a server that will not describe a model: not a text one
-            log.info("cloud %s: no description of %s (%s)", self.address, name, exc.code().name)
-            return None
-        return fpb.FamilyInfo(
-            name=name,
-            inputs=metadata.inputs,
-            outputs=metadata.outputs,
-            kind="generative",
-            max_tokens=_max_tokens(config.config),
-        )
+    async def _serve_unary(self, channel: grpc.aio.Channel) -> None:
+        """Unary calls need no stream; the link is up while the channel's connection is."""
+        self._connected(UNARY)
+        state = channel.get_state()
+        while state == grpc.ChannelConnectivity.READY:
+            await channel.wait_for_state_change(state)
+            state = channel.get_state()
+        raise Unavailable(f"the connection to the cloud closed ({state.name})")
 
     @staticmethod
     async def _outgoing(
@@ -234,8 +417,54 @@ class CloudLink:
                 future.set_exception(Unavailable(f"cloud {self.address}: {reason}"))
         self._pending.clear()
 
+    # -- escalations -----------------------------------------------------------------------
     async def infer(self, request: pb.ModelInferRequest, *, timeout_s: float | None) -> pb.ModelInferResponse:
-        return await self._guarded(self._exchange(request, timeout_s))
+        asked = self._on_the_wire(request)
+        exchange = self._exchange if self.transport == STREAM else self._call
+        response = await self._guarded(exchange(asked, timeout_s))
+        response.id = request.id
+        self._judge(response, request.model_name, asked.model_name)
+        return response
+
+    def _on_the_wire(self, request: pb.ModelInferRequest) -> pb.ModelInferRequest:
+        """The request as the cloud knows it: the family named as the cloud serves it."""
+        wire_name = self.wire_names.get(request.model_name, request.model_name)
+        if wire_name == request.model_name:
+            return request
+        asked = pb.ModelInferRequest()
+        asked.CopyFrom(request)
+        asked.model_name = wire_name
+        return asked
+
+    def _judge(self, response: pb.ModelInferResponse, model: str, wire_name: str) -> None:
+        """A cloud that is not Stratus's says neither how sure it is nor which variant
+        answered: the variant is the model it was asked for, and the confidence is the
+        family's (the top probability of its first output; the batch's least sure item)."""
+        params = response.parameters
+        if VARIANT not in params:
+            set_parameter(params, VARIANT, wire_name)
+        family = self._families().get(model) or self._families().get(response.model_name)
+        if CONFIDENCE in params or family is None or family.kind == "generative" or not family.outputs:
+            return
+        scores = codec.decode_response_outputs(response).get(family.outputs[0].name)
+        if scores is not None and scores.ndim >= 1 and scores.size:
+            rows = scores.astype("float64").reshape(scores.shape[0], -1)
+            set_parameter(params, CONFIDENCE, float(max_probability(rows).min()))
+
+    async def _call(self, request: pb.ModelInferRequest, timeout_s: float | None) -> pb.ModelInferResponse:
+        """One escalation as a unary ModelInfer (a cloud with no stream of the protocol's)."""
+        assert self._channel is not None
+        stub = pb_grpc.GRPCInferenceServiceStub(self._channel)
+        started = time.perf_counter()
+        self._generating += 1  # counts toward max_pending, like an escalation on the stream
+        try:
+            response = await stub.ModelInfer(request, timeout=timeout_s, metadata=self._headers)
+        except grpc.aio.AioRpcError as exc:
+            raise _call_error(exc, timeout_s) from None
+        finally:
+            self._generating -= 1
+        self.latency.add((time.perf_counter() - started) * 1000.0)
+        return response
 
     async def generate(
         self, request: pb.ModelInferRequest, on_chunk: OnChunk, *, timeout_s: float | None
@@ -246,8 +475,23 @@ class CloudLink:
         Each generation has a ModelStreamInfer call of its own on the link's channel (not
         the shared stream), so that cancelling it (a client gone, a budget spent) ends the
         cloud's generation at once: the call's cancellation reaches the gateway's handler.
+        A cloud with no stream answers the generation whole, as one chunk.
         """
-        return await self._guarded(self._stream(request, on_chunk, timeout_s))
+        asked = self._on_the_wire(request)
+        if self.transport == UNARY:
+            return await self._guarded(self._whole(asked, on_chunk, timeout_s))
+        return await self._guarded(self._stream(asked, on_chunk, timeout_s))
+
+    async def _whole(
+        self, request: pb.ModelInferRequest, on_chunk: OnChunk, timeout_s: float | None
+    ) -> pb.ModelInferResponse:
+        response = await self._call(request, timeout_s)
+        params = {k: v.string_param for k, v in response.parameters.items() if v.string_param}
+        chunk = Chunk.from_parts(_text_output(response), params, final=False)
+        if chunk.tokens:
+            await on_chunk(chunk)
+        response.id = request.id
+        return response
 
     async def _guarded(self, call: Coroutine[Any, Any, pb.ModelInferResponse]) -> pb.ModelInferResponse:
         """Refuse at once while the link is down, full or its breaker open; feed the breaker."""
@@ -278,9 +522,9 @@ class CloudLink:
         stub = pb_grpc.GRPCInferenceServiceStub(self._channel)
         asked = pb.ModelInferRequest()
         asked.CopyFrom(request)
-        asked.parameters[STREAM].bool_param = True
+        asked.parameters[STREAM_PARAMETER].bool_param = True
         started = time.perf_counter()
-        call = stub.ModelStreamInfer(iter([asked]), timeout=timeout_s)
+        call = stub.ModelStreamInfer(iter([asked]), timeout=timeout_s, metadata=self._headers)
         self._generating += 1  # counts toward max_pending, like an escalation on the stream
         try:
             async for message in call:
@@ -296,11 +540,7 @@ class CloudLink:
                     response.id = request.id
                     return response
         except grpc.aio.AioRpcError as exc:
-            if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
-                raise DeadlineExceeded(
-                    f"cloud did not finish within {(timeout_s or 0) * 1000:.1f} ms"
-                ) from None
-            raise error_from_status(exc.code(), f"cloud: {exc.details()}") from None
+            raise _call_error(exc, timeout_s) from None
         finally:
             call.cancel()  # a no-op once the call ended; otherwise the gateway stops generating
             self._generating -= 1
@@ -310,7 +550,6 @@ class CloudLink:
         self, request: pb.ModelInferRequest, timeout_s: float | None
     ) -> pb.ModelInferResponse:
         wire_id = f"c{next(self._ids)}"
-        original_id = request.id
         forwarded = pb.ModelInferRequest()
         forwarded.CopyFrom(request)
         forwarded.id = wire_id
@@ -330,9 +569,34 @@ class CloudLink:
         self.latency.add((loop.time() - started) * 1000.0)
         if message.error_message:
             raise _stream_error(message.error_message)
-        response = message.infer_response
-        response.id = original_id
-        return response
+        return message.infer_response
+
+
+async def _refused_at_once(call: Any) -> bool:
+    """Whether a new stream was refused before any answer: True for UNIMPLEMENTED (KServe
+    has no stream), Unavailable for any other refusal (Triton without its token)."""
+    try:
+        await asyncio.wait_for(asyncio.shield(call.initial_metadata()), STREAM_CHECK_S)
+    except TimeoutError:
+        return False  # headers come with the first answer: a stream that is being served
+    if not call.done():
+        return False
+    code = await call.code()
+    if code == grpc.StatusCode.UNIMPLEMENTED:
+        return True
+    raise Unavailable(f"the cloud refused the stream: {code.name}: {await call.details()}")
+
+
+def _call_error(exc: grpc.aio.AioRpcError, timeout_s: float | None) -> StratusError:
+    if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return DeadlineExceeded(f"cloud did not finish within {(timeout_s or 0) * 1000:.1f} ms")
+    return error_from_status(exc.code(), f"cloud: {exc.details()}")
+
+
+def _described(exc: Exception) -> str:
+    if isinstance(exc, grpc.aio.AioRpcError):
+        return f"{exc.code().name}: {exc.details()}"
+    return str(exc)
 
 
 def _stream_error(message: str) -> StratusError:
@@ -340,13 +604,6 @@ def _stream_error(message: str) -> StratusError:
     code_name, _, text = message.partition(": ")
     code = getattr(grpc.StatusCode, code_name, grpc.StatusCode.UNKNOWN)
     return error_from_status(code, f"cloud: {text or message}")
-
-
-def _generates(metadata: pb.ModelMetadataResponse) -> bool:
-    """A model that takes one prompt and gives text, as Triton's vLLM backend lays it out."""
-    inputs = [(t.name, t.datatype) for t in metadata.inputs]
-    outputs = [(t.name, t.datatype) for t in metadata.outputs]
-    return inputs == [(TEXT_INPUT, "BYTES")] and outputs == [(TEXT_OUTPUT, "BYTES")]
 
 
 def _max_tokens(config: pb.ModelConfig) -> int:

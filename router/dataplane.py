@@ -128,7 +128,7 @@ class RouterDataPlane(DataPlane):
 
     def model_names(self) -> list[str]:
         names = {*self.registry.families, *self.registry.index.models()}
-        if self.cloud is not None:
+        if self.cloud is not None and self._cloud_takes_calls():  # listed while it can answer
             names |= {name for name, ok in self.cloud.models.items() if ok}
         return sorted(names)
 

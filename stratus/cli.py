@@ -65,6 +65,8 @@ def _router(args: argparse.Namespace) -> int:
         rollout_state=args.rollout_state,
         peers=args.peers,
         openai=args.openai,
+        cloud_models=args.cloud_models,
+        cloud_headers=tuple(args.cloud_header),
     )
     run(serve(settings))
     return 0
@@ -228,6 +230,7 @@ def _add_router(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -
     router = commands.add_parser("router", help="run the router (edge gateway)")
     router.add_argument("--listen", default="127.0.0.1:8001")
     router.add_argument("--cloud", default=None, help="HOST:PORT of the cloud gateway")
+    _add_cloud_link(router)
     router.add_argument("--no-advertise", action="store_true", help="do not advertise over zeroconf")
     router.add_argument("--token", default=None, help="fleet token (default: $STRATUS_TOKEN)")
     router.add_argument(
@@ -272,6 +275,46 @@ def _add_router(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -
     _add_batch_delay(router)
     router.set_defaults(handler=_router)
     return router
+
+
+def _cloud_header(text: str) -> tuple[str, str]:
+    from router.cloud_models import parse_header
+
+    try:
+        return parse_header(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _cloud_models(text: str) -> str:
+    from router.cloud_models import parse_cloud_models
+
+    try:
+        parse_cloud_models(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
+def _add_cloud_link(router: argparse.ArgumentParser) -> None:
+    """How to reach a cloud that is not a Stratus gateway (Triton, KServe, MLServer)."""
+    router.add_argument(
+        "--cloud-models",
+        default=None,
+        type=_cloud_models,
+        metavar="NAME,...",
+        help="models the cloud serves the families with, NAME or FAMILY=NAME (e.g. digits-large); "
+        "found by ModelReady/ModelMetadata where the cloud does not list them",
+    )
+    router.add_argument(
+        "--cloud-header",
+        action="append",
+        default=[],
+        type=_cloud_header,
+        metavar="KEY=VALUE",
+        help="gRPC metadata sent on every call to the cloud (repeatable), e.g. "
+        "triton-grpc-protocol-triton-access-token=TOKEN or authorization='Bearer TOKEN'",
+    )
 
 
 def _add_batch_delay(parser: argparse.ArgumentParser) -> None:
