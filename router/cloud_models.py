@@ -82,10 +82,14 @@ def family_of(name: str, families: Collection[str], named: Sequence[NamedModel] 
     return max(prefixes, key=len, default=None)
 
 
-def probe_names(families: Iterable[str], named: Sequence[NamedModel], listed: Iterable[str]) -> list[str]:
+def probe_names(
+    families: Mapping[str, fpb.FamilyInfo], named: Sequence[NamedModel], listed: Iterable[str]
+) -> list[str]:
     """Every name worth asking the cloud about, each once, in a stable order: the families'
-    own names, the operator's, then whatever the cloud listed."""
-    names = [*sorted(families), *(entry.name for entry in named), *sorted(listed)]
+    own names, the operator's, the cloud variants the families name (``digits-large``, as
+    agents' Hellos describe them), then whatever the cloud listed."""
+    expected = [name for family in sorted(families) for name in families[family].cloud_variants]
+    names = [*sorted(families), *(entry.name for entry in named), *expected, *sorted(listed)]
     return list(dict.fromkeys(names))
 
 

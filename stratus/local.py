@@ -489,6 +489,7 @@ class LocalModels:
                     inputs=tensor_metadata(f.inputs),
                     outputs=tensor_metadata(f.outputs),
                     thresholds={t.label: v for t, v in f.thresholds.items()},
+                    cloud_variants=cloud_variants(f),
                 )
                 for f in self.families.values()
                 if f.name in served
@@ -607,7 +608,15 @@ def _family_info(family: FamilySpec) -> fleet_pb2.FamilyInfo:
         confidence_method=family.generation.method.value,
         max_tokens=family.generation.max_tokens,
         stop=family.generation.stop,
+        cloud_variants=cloud_variants(family),
     )
+
+
+def cloud_variants(family: FamilySpec) -> list[str]:
+    """The family's cloud-tier variants, its current line first, then that line's children."""
+    current = family.current.get(Tier.CLOUD)
+    names = [v.name for v in family.variants_for(Tier.CLOUD)]
+    return sorted(names, key=lambda n: (n != current, not n.startswith(f"{current}-"), n))
 
 
 def _generator_infos(generators: LocalGenerators) -> list[fleet_pb2.VariantInfo]:

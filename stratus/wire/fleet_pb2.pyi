@@ -206,6 +206,7 @@ class FamilyInfo(_message.Message):
     CONFIDENCE_METHOD_FIELD_NUMBER: _builtins.int
     MAX_TOKENS_FIELD_NUMBER: _builtins.int
     STOP_FIELD_NUMBER: _builtins.int
+    CLOUD_VARIANTS_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     kind: _builtins.str
     """"generative" for a family that answers prompts with text; empty for a classifier."""
@@ -224,6 +225,12 @@ class FamilyInfo(_message.Message):
 
     @_builtins.property
     def stop(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    @_builtins.property
+    def cloud_variants(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The repository's cloud-tier variants of the family, current first: the names a router
+        asks a cloud about when the cloud does not list its models (PyTriton, KServe).
+        """
+
     def __init__(
         self,
         *,
@@ -235,10 +242,11 @@ class FamilyInfo(_message.Message):
         confidence_method: _builtins.str = ...,
         max_tokens: _builtins.int = ...,
         stop: _abc.Iterable[_builtins.str] | None = ...,
+        cloud_variants: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["confidence_method", b"confidence_method", "inputs", b"inputs", "kind", b"kind", "max_tokens", b"max_tokens", "name", b"name", "outputs", b"outputs", "stop", b"stop", "thresholds", b"thresholds"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cloud_variants", b"cloud_variants", "confidence_method", b"confidence_method", "inputs", b"inputs", "kind", b"kind", "max_tokens", b"max_tokens", "name", b"name", "outputs", b"outputs", "stop", b"stop", "thresholds", b"thresholds"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -8,8 +8,9 @@ climb to it. What each test shows comes from outside the router: the server's ow
 counter, ONNX Runtime's answer on the same file in this process, and the router's answers
 as any client reads them. Triton runs hardened (every protocol needs its access token, so
 the router's header must go on every call); KServe has no ModelStreamInfer and MLServer's
-is not the protocol's (both get unary calls); MLServer is found through its repository
-index alone, the others through ``--cloud-models``.
+is not the protocol's (both get unary calls). Each is found another way: Triton through
+``--cloud-models``, KServe (no repository index) through the cloud variants the agents'
+families name, MLServer through its repository index.
 """
 
 from __future__ import annotations
@@ -70,7 +71,7 @@ SETUPS = {
         "stream",
         {"access_token": TOKEN, "restrict_inference": True},
     ),
-    "kserve": Setup("kserve", ("--cloud-models", NAME), "unary", {}),
+    "kserve": Setup("kserve", (), "unary", {}),  # found as digits' cloud variant, no flag
     "mlserver": Setup("mlserver", (), "unary", {}),  # its RepositoryIndex lists digits-large
 }
 

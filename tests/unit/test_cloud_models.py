@@ -83,11 +83,29 @@ def test_a_name_belongs_to_the_family_it_names_or_begins_with() -> None:
 
 def test_probes_ask_each_name_once_families_first() -> None:
     named = (NamedModel(name="digits-large"), NamedModel(name="digits"))
-    assert probe_names({"digits", "defects"}, named, ["zeta", "digits-large"]) == [
+    families = {"digits": fpb.FamilyInfo(name="digits"), "defects": fpb.FamilyInfo(name="defects")}
+    assert probe_names(families, named, ["zeta", "digits-large"]) == [
         "defects",
         "digits",
         "digits-large",
         "zeta",
+    ]
+
+
+def test_probes_ask_for_the_cloud_variants_the_families_name() -> None:
+    """A cloud that lists nothing (PyTriton, KServe) is asked for each family's cloud
+    variants, as agents described them, after the operator's names."""
+    families = {
+        "digits": fpb.FamilyInfo(name="digits", cloud_variants=["digits-large", "digits-large-fp16"]),
+        "defects": fpb.FamilyInfo(name="defects", cloud_variants=["defects-large"]),
+    }
+    assert probe_names(families, (NamedModel(name="mine"),), []) == [
+        "defects",
+        "digits",
+        "mine",
+        "defects-large",
+        "digits-large",
+        "digits-large-fp16",
     ]
 
 
