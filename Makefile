@@ -33,7 +33,7 @@ test: $(INSTALLED) $(LLAMA) vllm-env foreign-env lint typecheck
 # it beside OpenVINO GenAI. Where it cannot build, say so and go on: its tests skip, saying why.
 llama-env: $(LLAMA)
 $(LLAMA): $(INSTALLED)
-	@if CMAKE_ARGS="-DLLAVA_BUILD=OFF" $(BIN)/python -m pip install --quiet -e '.[dev,llama]'; then \
+	@if CMAKE_ARGS="-DLLAVA_BUILD=OFF" $(BIN)/python -m pip install --quiet -e '.[dev,llama,llama-server]'; then \
 		touch $@; \
 	else \
 		echo "make: llama-cpp-python did not build here; the llama.cpp tests will be skipped"; \

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import socket
 from collections.abc import AsyncIterator, Sequence
@@ -86,16 +87,18 @@ async def _data_plane(settings: CloudSettings, metrics: Metrics, name: str) -> A
     """The local cloud variants, with the upstream's family in front of them if there is one;
     closed when the gateway stops."""
     repository = ModelRepository.load(settings.models)
-    models = _local_models(settings, repository, metrics)
-    local = LocalDataPlane(models, tier=Tier.CLOUD, name=name) if models is not None else None
-    upstream: OpenAIUpstream | None = None
+    upstream = await _upstream(settings) if settings.openai_upstream else None
+    models: LocalModels | None = None
     try:
-        upstream = await _upstream(settings) if settings.openai_upstream else None
-        if upstream is None:
+        model = _generative_model(settings, upstream, repository) if upstream is not None else None
+        # The upstream serves its family: the gateway does not load (or run) it as well.
+        others = {k: v for k, v in repository.families.items() if model is None or k != model.family}
+        models = _local_models(settings, dataclasses.replace(repository, families=others), metrics)
+        local = LocalDataPlane(models, tier=Tier.CLOUD, name=name) if models is not None else None
+        if upstream is None or model is None:
             assert local is not None
             yield local
         else:
-            model = _generative_model(settings, upstream, repository)
             plane = UpstreamDataPlane(upstream, model, local=local, name=name)
             metrics.collect_with(plane.levels)
             yield plane

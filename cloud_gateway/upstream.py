@@ -41,6 +41,9 @@ _T = TypeVar("_T")
 
 WAITING: Final = "vllm:num_requests_waiting"
 RUNNING: Final = "vllm:num_requests_running"
+# Readiness: vLLM's /health; servers without one (llama.cpp's) answer /v1/models while they serve.
+HEALTH_PATH: Final = "/health"
+MODELS_PATH: Final = "/v1/models"
 # Alternatives asked for at each step: the top two give the margin p1 - p2.
 TOP_LOGPROBS: Final = 2
 _SAMPLE: Final = re.compile(r"^([A-Za-z_:][A-Za-z0-9_:]*)(\{.*\})?\s+(\S+)")
@@ -262,6 +265,7 @@ class OpenAIUpstream:
         self.settings = settings
         self._clock = clock
         self.healthy = False
+        self._health_path = HEALTH_PATH
         self.load = UpstreamLoad()
         self.latency = LatencyWindow()
         self._session: aiohttp.ClientSession | None = None
@@ -294,22 +298,38 @@ class OpenAIUpstream:
             await self.poll()
 
     async def poll(self) -> None:
-        """Ask ``/health`` and ``/metrics`` once; remember what they said."""
+        """Ask for health and ``/metrics`` once; remember what they said."""
         was = self.healthy
-        self.healthy = await self._get("/health") is not None
+        self.healthy = await self._healthy()
         if self.healthy != was:
             log.info("upstream %s is %s", self.settings.base, "healthy" if self.healthy else "unhealthy")
         text = await self._get("/metrics") if self.healthy else None
         self.load = parse_metrics(text) if text is not None else UpstreamLoad()
 
+    async def _healthy(self) -> bool:
+        """vLLM's ``/health``; a server without one (404: llama.cpp's, LiteLLM's) is healthy
+        while it lists its models at ``/v1/models``, which is then asked from here on."""
+        status, _ = await self._fetch(self._health_path)
+        if status == 404 and self._health_path == HEALTH_PATH:
+            log.info("upstream %s has no %s: %s tells its health", self.settings.base, HEALTH_PATH, MODELS_PATH)
+            self._health_path = MODELS_PATH
+            status, _ = await self._fetch(self._health_path)
+        return status == 200
+
     async def _get(self, path: str) -> str | None:
         """The body of a 200 answer; None for anything else, failures included."""
+        status, body = await self._fetch(path)
+        return body if status == 200 else None
+
+    async def _fetch(self, path: str) -> tuple[int | None, str | None]:
+        """(status, body of a 200 answer); (None, None) when the server cannot be reached."""
         try:
             async with asyncio.timeout(self.settings.poll_timeout_s):
                 async with self.session.get(self.settings.base + path) as response:
-                    return await response.text() if response.status == 200 else None
+                    body = await response.text() if response.status == 200 else None
+                    return response.status, body
         except (aiohttp.ClientError, TimeoutError, OSError):
-            return None
+            return None, None
 
     # generation
 
