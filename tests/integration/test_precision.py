@@ -65,6 +65,17 @@ def test_precision_flag_forces_a_verified_variant_and_the_family_answers(cluster
     assert response.outputs[0].shape == [30, 10]
 
 
+def test_precision_fp32_forces_the_parent_where_the_cpu_would_choose_int8(cluster: Cluster, digits) -> None:  # type: ignore[no-untyped-def]
+    router = cluster.router().address
+    amx = {"STRATUS_CPU_FLAGS": "avx512f,avx512_vnni,avx512_bf16,avx512_fp16,amx_int8,amx_bf16"}
+    cluster.agent("fp32", router, "--precision", "fp32", env=amx)
+    wait_until(lambda: ready_count(router) == 1)
+    variants, choices = _choices(router)["fp32"]
+    assert variants == ["digits-small"] and "fp32: forced by --precision" in choices[0]
+    _, served = infer(router, digits.held_out.x[:3], model="digits-small")
+    assert (served.variant, served.precision) == ("digits-small", "FP32")
+
+
 def test_a_precision_the_tier_does_not_have_is_refused_at_start(cluster: Cluster) -> None:
     router = cluster.router().address
     with pytest.raises(Unavailable, match="has no FP16 variant on the device tier"):

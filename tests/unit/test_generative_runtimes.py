@@ -176,6 +176,30 @@ def test_verify_runs_each_generative_variant_in_each_runtime_and_grades_it(tmp_p
     assert not dataclasses.replace(rows[0], runtime_agreement=0.99, accuracy_gap=0.01).failed
 
 
+@pytest.mark.skipif(not GENERATORS["openvino_genai"].availability().available, reason="openvino_genai is not installed")
+def test_the_plugins_own_refusal_of_an_f32_cache_falls_back_on_a_bf16_cpu() -> None:
+    """OpenVINO's CPU plugin itself, asked for an f32 cache with its own arithmetic: on a CPU
+    where that arithmetic is bf16 (AVX512-BF16/AMX) it refuses, and the next precision opens;
+    elsewhere f32 opens. This is why the runner asks for F32 arithmetic as well."""
+    import openvino_genai as genai
+
+    from stratus.precision import cpu_flags
+    from stratus.runtimes.generative import open_with_kv_cache
+
+    path = MODELS / "arith" / "arith-small.gguf"
+
+    def plugin_arithmetic(kv_cache: str | None) -> object:
+        scheduler = genai.SchedulerConfig()
+        scheduler.cache_size = 1
+        config = {} if kv_cache is None else {"KV_CACHE_PRECISION": kv_cache}
+        return genai.ContinuousBatchingPipeline(str(path), scheduler, "CPU", config)
+
+    _, chosen = open_with_kv_cache(plugin_arithmetic, path)
+    bf16_cpu = bool(cpu_flags() & {"avx512_bf16", "amx_bf16"})
+    assert chosen == ("f16" if bf16_cpu else "f32")
+    assert runner("openvino_genai", "arith-small").kv_cache_precision == "f32"  # F32 arithmetic: f32 opens
+
+
 def test_prompts_both_runtimes_escalate_are_served_alike_whatever_their_text() -> None:
     from stratus.verify_generative import _served_alike
 
