@@ -30,7 +30,7 @@ from stratus.generation import (
     Token,
     confidence_of,
 )
-from stratus.local_generation import chunk_response, generative_config, generative_metadata
+from stratus.local_generation import check_prompt_size, chunk_response, generative_config, generative_metadata
 from stratus.metrics import Metric, gauge
 from stratus.protocol import Served, parameter_value, set_parameter
 from stratus.serving import DataPlane
@@ -177,7 +177,9 @@ class UpstreamDataPlane(DataPlane):
 
 
 def prompt_of(request: pb.ModelInferRequest) -> str:
-    """The one prompt of a request: ``text_input``, BYTES, one element, UTF-8."""
+    """The one prompt of a request: ``text_input``, BYTES, one element, UTF-8, at most
+    MAX_PROMPT_BYTES (refused before anything is decoded)."""
+    check_prompt_size(request)
     inputs = codec.decode_request_inputs(request)
     if TEXT_INPUT not in inputs:
         raise InvalidInput(f"model '{request.model_name}' needs the input '{TEXT_INPUT}' (BYTES, shape [1])")
@@ -197,6 +199,6 @@ def max_tokens_of(request: pb.ModelInferRequest, default: int) -> int:
     value = parameter_value(request.parameters[MAX_TOKENS])
     if isinstance(value, bool) or not isinstance(value, int):
         raise InvalidInput(f"parameter '{MAX_TOKENS}' must be an int64, got {type(value).__name__}")
-    if value < 1:
-        raise InvalidInput(f"parameter '{MAX_TOKENS}' must be at least 1, got {value}")
+    if not 1 <= value <= default:
+        raise InvalidInput(f"parameter '{MAX_TOKENS}' must lie between 1 and {default}, got {value}")
     return value

@@ -50,6 +50,8 @@ class RouterSettings:
     # Agents admitted per second after a restart, and how many Hellos may wait in line.
     admit_per_s: float = 500.0
     admit_waiting: int = 4096
+    # How long a new AgentLink may stay silent before its Hello (an agent sends it at once).
+    hello_timeout_s: float = 10.0
     # HTTP/2 keepalive on every link: a peer that stops answering pings (dead, frozen,
     # unplugged) is lost within keepalive_s + keepalive_timeout_s, at any fleet size.
     keepalive_s: float = 2.0
@@ -117,7 +119,10 @@ async def serve(settings: RouterSettings, stop: asyncio.Event | None = None) -> 
     pb_grpc.add_GRPCInferenceServiceServicer_to_server(InferenceServicer(plane), server)
     gate = AdmissionGate(rate_per_s=settings.admit_per_s, max_waiting=settings.admit_waiting)
     fpb_grpc.add_AgentLinkServicer_to_server(
-        AgentLinkServicer(registry, token=settings.token, gate=gate), server
+        AgentLinkServicer(
+            registry, token=settings.token, gate=gate, hello_timeout_s=settings.hello_timeout_s
+        ),
+        server,
     )
     synced = asyncio.Event()
     fleet = FleetServicer(registry, cloud, token=settings.token, rollouts=rollouts, synced=synced)

@@ -142,7 +142,7 @@ class RouterDataPlane(DataPlane):
         if self.cloud is not None and self.cloud.models.get(name):
             return name, None
         known = sorted({*self.registry.families, *self.registry.index.models()})
-        raise NotFound(f"unknown model '{name}'; the fleet serves {known}")
+        raise NotFound(f"unknown model {name[:128]!r}; the fleet serves {listing(known)}")
 
     def _spec(self, family: str) -> FamilySpec | None:
         """The family as agents described it; rebuilt only when an agent's Hello changes it."""
@@ -606,7 +606,7 @@ class _Cascade:
         try:
             return await self.plane.dispatch(target, self.job, items, allowed, model=model)
         except _RETRYABLE as exc:
-            log.info("%s failed for %s: %s", target.agent_id or "cloud", self.job.id, exc)
+            log.info("%s failed for %r: %s", target.agent_id or "cloud", self.job.id[:64], exc)
             self.exclude.add(target.agent_id or "cloud")
             self.problem = exc
             return None
@@ -667,6 +667,13 @@ MAX_SHADOWS = 64
 DEFAULT_BUDGET_MS = 30_000.0
 # At most this much of a request's remaining budget is kept back for answering the client.
 RETURN_MARGIN_MS = 5.0
+
+
+def listing(names: Sequence[str], most: int = 20) -> str:
+    """Names for an error message: the first ``most``, and how many more (a message travels in
+    gRPC metadata, whose limit a fleet of thousands of names would pass)."""
+    shown = ", ".join(names[:most])
+    return f"[{shown}]" if len(names) <= most else f"[{shown}, and {len(names) - most} more]"
 
 
 def _pinned_options(options: RequestOptions, tiers: frozenset[Tier]) -> RequestOptions:

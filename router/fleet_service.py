@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -193,6 +194,7 @@ class FleetServicer(fpb_grpc.FleetServicer):
         self._token = token
         self._rollouts = rollouts or Rollouts(router_id="router")
         self._synced = synced  # set when a change should reach the other routers now
+        self._built: dict[bool, tuple[float, fpb.FleetStatus]] = {}  # Watch's shared status, by include_agents
 
     def _authorize(self, token: str, what: str) -> None:
         if self._token and not hmac.compare_digest(token.encode(), self._token.encode()):
@@ -207,13 +209,22 @@ class FleetServicer(fpb_grpc.FleetServicer):
         changes = self._registry.watch()
         try:
             while True:
-                status = fleet_status(self._registry, self._cloud, include_agents=request.include_agents)
-                yield fpb.FleetEvent(status=status)
+                yield fpb.FleetEvent(status=self._shared_status(request.include_agents))
                 await asyncio.sleep(WATCH_MIN_GAP_S)
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(changes.get(), timeout=self._registry.heartbeat_s)
         finally:
             self._registry.unwatch(changes)
+
+    def _shared_status(self, include_agents: bool) -> fpb.FleetStatus:
+        """One status for every watcher that asks within half a gap: building it costs
+        O(fleet), and forty watchers used to build forty every half second."""
+        now = time.monotonic()
+        built = self._built.get(include_agents)
+        if built is None or now - built[0] >= WATCH_MIN_GAP_S / 2:
+            built = (now, fleet_status(self._registry, self._cloud, include_agents=include_agents))
+            self._built[include_agents] = built
+        return built[1]
 
     async def Drain(self, request: fpb.DrainRequest, context: Any) -> fpb.DrainResponse:
         self._authorize(request.token, "Drain")

@@ -20,13 +20,16 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from router.registry import AgentHandle, FleetRegistry
+from router.registry import AgentHandle, FleetRegistry, check_hello_bounds
 from stratus import __version__
-from stratus.errors import InvalidInput, Overloaded, Unauthenticated
+from stratus.errors import DeadlineExceeded, InvalidInput, Overloaded, Unauthenticated
 from stratus.wire import fleet_pb2 as fpb
 from stratus.wire import fleet_pb2_grpc as fpb_grpc
 
 log = logging.getLogger("stratus.link")
+
+# How long a new AgentLink may stay silent before its Hello (an agent sends it at once).
+HELLO_TIMEOUT_S = 10.0
 
 
 class AdmissionGate:
@@ -74,16 +77,27 @@ class AdmissionGate:
 
 class AgentLinkServicer(fpb_grpc.AgentLinkServicer):
     def __init__(
-        self, registry: FleetRegistry, *, token: str = "", gate: AdmissionGate | None = None
+        self,
+        registry: FleetRegistry,
+        *,
+        token: str = "",
+        gate: AdmissionGate | None = None,
+        hello_timeout_s: float = HELLO_TIMEOUT_S,
     ) -> None:
         self._registry = registry
         self._token = token
         self._gate = gate or AdmissionGate()
+        self._hello_timeout_s = hello_timeout_s
 
     async def Connect(
         self, request_iterator: AsyncIterator[fpb.AgentMessage], context: Any
     ) -> AsyncIterator[fpb.RouterMessage]:
-        first = await anext(aiter(request_iterator), None)
+        try:  # a stream that says nothing is not held: the Hello comes first, and soon
+            first = await asyncio.wait_for(anext(aiter(request_iterator), None), self._hello_timeout_s)
+        except TimeoutError:
+            raise DeadlineExceeded(
+                f"no Hello within {self._hello_timeout_s:g} s of opening an AgentLink"
+            ) from None
         if first is None or first.WhichOneof("kind") != "hello":
             raise InvalidInput("the first message on an AgentLink must be a Hello")
         _check_hello(first.hello)
@@ -158,6 +172,7 @@ class AgentLinkServicer(fpb_grpc.AgentLinkServicer):
 def _check_hello(hello: fpb.Hello) -> None:
     if not hello.agent_id:
         raise InvalidInput("Hello.agent_id is empty")
+    check_hello_bounds(hello)  # before anything logs the id
     if hello.tier == fpb.TIER_UNSPECIFIED:
         raise InvalidInput(f"Hello from {hello.agent_id}: tier is unspecified")
     if not hello.variants:

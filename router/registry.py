@@ -16,6 +16,7 @@ import asyncio
 import itertools
 import logging
 import math
+import re
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -24,7 +25,7 @@ from router.index import AgentIndex, line_key
 from router.policy import CloudView, FleetSnapshot
 from stratus.batching import DEFAULT_MAX_DELAY_S, Batch, Batcher, BatchKey, split_counts
 from stratus.codec import numpy_dtype
-from stratus.errors import DeadlineExceeded, InvalidInput, NotFound, Unavailable
+from stratus.errors import DeadlineExceeded, InvalidInput, NotFound, Overloaded, Unavailable
 from stratus.metrics import RouterMetrics
 from stratus.serving import MAX_WORK_BYTES, check_fits
 from stratus.stats import LatencyWindow, RateMeter, ServiceCurve, SizeWindow
@@ -39,6 +40,18 @@ log = logging.getLogger("stratus.registry")
 MISSED_HEARTBEATS = 3
 # A lost agent stays listed (state lost) this long, then is forgotten.
 FORGET_LOST_S = 600.0
+# What one Hello may declare, and what the router keeps of it: ids and names are client
+# text (logged, listed, echoed), declared sizes steer how much work an agent is sent.
+NAME = re.compile(r"[A-Za-z0-9._:@-]{1,128}")
+MAX_VARIANTS_PER_AGENT = 256
+MAX_FAMILIES_PER_HELLO = 64
+MAX_CAPACITY = 1024
+MAX_QUEUE_LIMIT = 4096
+MAX_BATCH = 1024
+# Lost agents kept for status beyond this many: the oldest are forgotten first.
+MAX_LOST = 4096
+# Fleet.Watch calls open at once (each holds a stream and is sent the fleet's status).
+MAX_WATCHERS = 64
 # Messages that may wait for an agent's stream before the agent counts as not reading.
 MAX_OUTBOX = 4096
 _TIERS: dict[int, Tier] = {fpb.TIER_DEVICE: Tier.DEVICE, fpb.TIER_EDGE: Tier.EDGE, fpb.TIER_CLOUD: Tier.CLOUD}
@@ -150,7 +163,7 @@ class AgentHandle:
                 self._families[info.line] = info.family
                 names.add(info.line)
         self._model_names = frozenset(names)
-        self._max_batch = {name: max(1, info.max_batch) for name, info in variants.items()}
+        self._max_batch = {name: min(max(1, info.max_batch), MAX_BATCH) for name, info in variants.items()}
         self._limit = (self.capacity + self.queue_limit) * max(self._max_batch.values(), default=1)
 
     @property
@@ -254,6 +267,7 @@ class FleetRegistry:
     # -- joining and leaving -----------------------------------------------------------
     def register(self, hello: fpb.Hello, peer: str) -> AgentHandle:
         """Admit an agent; an id already linked is replaced (it reconnected before we noticed)."""
+        check_hello_bounds(hello)
         self._check_families(hello)
         previous = self.agents.get(hello.agent_id)
         if previous is not None:
@@ -268,8 +282,8 @@ class FleetRegistry:
             peer=peer,
             runtimes=tuple(hello.runtimes),
             variants={v.name: v for v in hello.variants},
-            capacity=max(1, hello.capacity),
-            queue_limit=hello.queue_limit,
+            capacity=min(max(1, hello.capacity), MAX_CAPACITY),
+            queue_limit=min(hello.queue_limit, MAX_QUEUE_LIMIT),
             last_heartbeat=self.now(),
             heartbeat_s=self.pace_s,
             unavailable=tuple(hello.unavailable),
@@ -329,6 +343,7 @@ class FleetRegistry:
         ready = handle.ready
         self.index.forget(handle)  # its old names, so only other agents count in the check
         try:
+            check_hello_bounds(hello)
             _check_hello_variants(hello)
             self._check_families(hello)
         except InvalidInput as exc:
@@ -350,7 +365,7 @@ class FleetRegistry:
             self.index.ready(handle)
 
     def reload_failed(self, handle: AgentHandle, message: str) -> None:
-        log.warning("agent %s could not reload: %s", handle.id, message)
+        log.warning("agent %s could not reload: %r", handle.id, message[:500])
         self._settle_reloads(handle, message or "reload failed")
 
     @staticmethod
@@ -395,13 +410,25 @@ class FleetRegistry:
         self._settle_reloads(handle, f"agent lost: {reason}")
         handle.outbox.put_nowait(None)
         log.warning("agent %s lost: %s", handle.id, reason)
+        self._forget_oldest_lost()
         self._repace()
         self.changed()
 
     def _forget(self, handle: AgentHandle) -> None:
+        """Drop a lost agent, and the description of each family no listed agent serves now."""
         if self.agents.get(handle.id) is handle:
             del self.agents[handle.id]
             self.index.forget(handle)
+            for family in {info.family for info in handle.variants.values()}:
+                if not self.index.tiers(family) and not self.index.variants_of(family):
+                    self.families.pop(family, None)
+
+    def _forget_oldest_lost(self) -> None:
+        """Keep at most MAX_LOST lost agents listed: agents that join and leave in bulk must
+        not grow the router without bound."""
+        lost = [h for h in self.agents.values() if h.state == State.LOST]
+        for handle in sorted(lost, key=lambda h: h.lost_at)[: max(0, len(lost) - MAX_LOST)]:
+            self._forget(handle)
 
     def check_heartbeats(self) -> None:
         """Mark silent agents lost; forget agents lost for longer than FORGET_LOST_S."""
@@ -616,6 +643,9 @@ class FleetRegistry:
         return {Tier.parse(k): v for k, v in info.thresholds.items()} if info else {}
 
     def watch(self) -> asyncio.Queue[None]:
+        """A queue told of each change; RESOURCE_EXHAUSTED past MAX_WATCHERS at once."""
+        if len(self._watchers) >= MAX_WATCHERS:
+            raise Overloaded(f"{len(self._watchers)} Watch calls are open, the most this router serves")
         queue: asyncio.Queue[None] = asyncio.Queue(maxsize=1)
         self._watchers.add(queue)
         return queue
@@ -627,6 +657,25 @@ class FleetRegistry:
         for queue in self._watchers:
             if queue.empty():
                 queue.put_nowait(None)
+
+
+def check_hello_bounds(hello: fpb.Hello) -> None:
+    """Refuse a Hello whose names or counts are past what the router keeps (INVALID_ARGUMENT):
+    ids and names are a plain charset, 128 characters at most, so a log line or a status
+    cannot be forged or flooded through them."""
+    if not NAME.fullmatch(hello.agent_id):
+        raise InvalidInput(
+            f"Hello.agent_id {hello.agent_id[:40]!r} must be 1-128 of A-Z a-z 0-9 . _ : @ -"
+        )
+    if len(hello.variants) > MAX_VARIANTS_PER_AGENT or len(hello.families) > MAX_FAMILIES_PER_HELLO:
+        raise InvalidInput(
+            f"Hello from {hello.agent_id}: {len(hello.variants)} variants and {len(hello.families)} families; "
+            f"at most {MAX_VARIANTS_PER_AGENT} and {MAX_FAMILIES_PER_HELLO}"
+        )
+    names = [v.name for v in hello.variants] + [v.family for v in hello.variants] + [f.name for f in hello.families]
+    bad = next((name for name in names if not NAME.fullmatch(name)), None)
+    if bad is not None:
+        raise InvalidInput(f"Hello from {hello.agent_id}: model name {bad[:40]!r} must be 1-128 of A-Z a-z 0-9 . _ : @ -")
 
 
 def items_that_fit(key: BatchKey) -> int:
@@ -643,6 +692,11 @@ def _check_hello_variants(hello: fpb.Hello) -> None:
         raise InvalidInput(f"Hello from {hello.agent_id}: no variants")
 
 
+def _confidence(value: float) -> float:
+    """An agent's confidence as the policy may compare it: within [0, 1], NaN as 0 (unsure)."""
+    return 0.0 if math.isnan(value) else min(1.0, max(0.0, value))
+
+
 def split_result(handle: AgentHandle, result: fpb.Result, sizes: Sequence[int]) -> list[PartAnswer]:
     """A Work's Result, back into one answer (or one error) per merged request, in order."""
     if result.WhichOneof("outcome") == "error":
@@ -651,9 +705,10 @@ def split_result(handle: AgentHandle, result: fpb.Result, sizes: Sequence[int]) 
     total = sum(sizes)
     if outputs.items != total or (not outputs.splittable and len(sizes) > 1):
         raise Unavailable(f"agent {handle.id} answered {outputs.items} items for a batch of {total}")
-    confidences = (
-        list(result.confidences) if len(result.confidences) == total else [result.confidence] * total
-    )
+    confidences = [
+        _confidence(c)
+        for c in (list(result.confidences) if len(result.confidences) == total else [result.confidence] * total)
+    ]
     return [
         PartAnswer(
             outputs=outputs.rows(start, stop),

@@ -59,6 +59,7 @@ def _router(args: argparse.Namespace) -> int:
         on_cloud_failure=args.on_cloud_failure,
         max_heartbeats_per_s=args.max_heartbeats_per_s,
         admit_per_s=args.admit_per_s,
+        hello_timeout_s=args.hello_timeout_s,
         keepalive_s=args.keepalive_s,
         max_batch_delay_s=args.max_batch_delay_us / 1e6,
         metrics=args.metrics,
@@ -250,6 +251,12 @@ def _add_router(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -
         type=float,
         default=500.0,
         help="agents admitted a second (a restart's reconnect storm)",
+    )
+    router.add_argument(
+        "--hello-timeout-s",
+        type=float,
+        default=10.0,
+        help="seconds a new AgentLink may stay silent before its Hello (default 10)",
     )
     router.add_argument(
         "--rollout-state",

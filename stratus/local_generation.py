@@ -18,7 +18,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 
 from stratus import codec
-from stratus.errors import InvalidInput, ModelLoadError, NotFound, RuntimeUnavailable
+from stratus.errors import InvalidInput, ModelLoadError, NotFound, Overloaded, RuntimeUnavailable
 from stratus.generation import (
     MAX_TOKENS,
     TEXT_INPUT,
@@ -55,6 +55,9 @@ class Generated:
 # Threads for generations; how many run at once per variant is the runtime's ``parallel``
 # (OpenVINO GenAI steps several as one batch; llama.cpp takes one at a time).
 GENERATIONS_AT_ONCE = 8
+# Generations that may wait for a variant's slots; past them, RESOURCE_EXHAUSTED (a router
+# retries elsewhere or climbs), not an unbounded queue of prompts in memory.
+MAX_WAITING_GENERATIONS = 64
 # The longest prompt taken, in UTF-8 bytes: far more than any context here holds (a 128k-token
 # context is about 0.5 MiB of text), and far below what a link carries.
 MAX_PROMPT_BYTES = 1 << 20
@@ -109,6 +112,7 @@ class LocalGenerators:
         self.lines: dict[str, str] = {}  # loaded variant -> its line (the FP32 root it was made from)
         self._stamps: dict[str, _Stamp] = {}
         self._slots: dict[str, asyncio.Semaphore] = {}
+        self._waiting: dict[str, int] = {}  # generations waiting for a slot, by variant
         # Every runtime that refused a file (counted by the owner's metrics), and the lines
         # that no runtime here could load, by family: those families are not ready here.
         self.load_failures: list[LoadFailure] = []
@@ -249,7 +253,15 @@ class LocalGenerators:
 
         started = time.perf_counter()
         slots = self._slots[variant.name]
-        await slots.acquire()  # as many at once as the runtime takes; the rest wait here
+        if self._waiting.get(variant.name, 0) >= MAX_WAITING_GENERATIONS:
+            raise Overloaded(
+                f"{MAX_WAITING_GENERATIONS} generations wait for {variant.name} here; retry later or elsewhere"
+            )
+        self._waiting[variant.name] = self._waiting.get(variant.name, 0) + 1
+        try:
+            await slots.acquire()  # as many at once as the runtime takes; the rest wait here
+        finally:
+            self._waiting[variant.name] -= 1
         try:
             future = loop.run_in_executor(self._executor, run)
         except BaseException:
@@ -294,9 +306,7 @@ def read_prompt(request: pb.ModelInferRequest, family: str, limit: int) -> tuple
     if len(request.inputs) != 1 or request.inputs[0].name != TEXT_INPUT:
         names = [t.name for t in request.inputs[:8]]
         raise InvalidInput(f"model '{family}' takes one input '{TEXT_INPUT}' (BYTES), not {names}")
-    size = sum(len(buffer) for buffer in request.raw_input_contents) or request.inputs[0].ByteSize()
-    if size > MAX_PROMPT_BYTES + 4:  # a BYTES element's 4-byte length prefix
-        raise InvalidInput(f"the prompt is {size} bytes; at most {MAX_PROMPT_BYTES} are taken")
+    check_prompt_size(request)
     inputs = codec.decode_request_inputs(request)
     if set(inputs) != {TEXT_INPUT}:
         raise InvalidInput(f"model '{family}' takes one input '{TEXT_INPUT}' (BYTES), not {sorted(inputs)}")
@@ -330,6 +340,13 @@ def text_response(request: pb.ModelInferRequest, text: str) -> pb.ModelInferResp
     raw = bool(request.raw_input_contents)
     codec.encode_response_outputs(response, {TEXT_OUTPUT: text_array(text)}, raw=raw)
     return response
+
+
+def check_prompt_size(request: pb.ModelInferRequest) -> None:
+    """Refuse a prompt over MAX_PROMPT_BYTES before it is decoded (or tokenized)."""
+    size = sum(len(buffer) for buffer in request.raw_input_contents) or sum(t.ByteSize() for t in request.inputs)
+    if size > MAX_PROMPT_BYTES + 4:  # a BYTES element's 4-byte length prefix
+        raise InvalidInput(f"the prompt is {size} bytes; at most {MAX_PROMPT_BYTES} are taken")
 
 
 def prompt_request(model: str, request_id: str, prompt: str, max_tokens: int) -> pb.ModelInferRequest:

@@ -112,9 +112,21 @@ class TlsSettings:
 NO_TLS: Final = TlsSettings()
 
 
+# Streams one client connection may hold open at once, and calls a server runs at once: a
+# client opening thousands of silent streams is refused past these (an AgentLink is one
+# stream on its own connection, so a router of 2,000 agents holds 2,000 calls).
+MAX_STREAMS_PER_CONNECTION: Final = 256
+MAX_CONCURRENT_RPCS: Final = 16_384
+
+
 def create_server(*, keepalive_s: float = 10.0, keepalive_timeout_s: float = 5.0) -> grpc.aio.Server:
-    options = grpc_options(keepalive_s=keepalive_s, keepalive_timeout_s=keepalive_timeout_s)
-    return grpc.aio.server(interceptors=[ErrorInterceptor()], options=options)
+    options = [
+        *grpc_options(keepalive_s=keepalive_s, keepalive_timeout_s=keepalive_timeout_s),
+        ("grpc.max_concurrent_streams", MAX_STREAMS_PER_CONNECTION),
+    ]
+    return grpc.aio.server(
+        interceptors=[ErrorInterceptor()], options=options, maximum_concurrent_rpcs=MAX_CONCURRENT_RPCS
+    )
 
 
 def bind(server: grpc.aio.Server, address: str, tls: TlsSettings = NO_TLS) -> int:
@@ -231,15 +243,27 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                 yield response
 
 
+class _Answered:
+    """An outbox entry after a request's last response: its window slot is free once every
+    response before it has been written."""
+
+
+_ANSWERED: Final = _Answered()
+
+
 class _StreamSession:
-    """One ModelStreamInfer stream: a reader task, one task per request, an ordered outbox."""
+    """One ModelStreamInfer stream: a reader task, one task per request, an ordered outbox.
+
+    At most STREAM_WINDOW requests are read ahead of what has been written back: a slot is
+    freed only when its answer has gone out, so a client that sends and never reads holds
+    STREAM_WINDOW answers in memory at most, not every answer it asked for."""
 
     _DONE: Final = None
 
     def __init__(self, plane: DataPlane, requests: AsyncIterator[pb.ModelInferRequest]) -> None:
         self._plane = plane
         self._requests = requests
-        self._outbox: asyncio.Queue[pb.ModelStreamInferResponse | None] = asyncio.Queue()
+        self._outbox: asyncio.Queue[pb.ModelStreamInferResponse | _Answered | None] = asyncio.Queue()
         self._window = asyncio.Semaphore(STREAM_WINDOW)
         self._tasks: set[asyncio.Task[None]] = set()
         self._reader: asyncio.Task[None] | None = None
@@ -255,6 +279,9 @@ class _StreamSession:
 
     async def responses(self) -> AsyncIterator[pb.ModelStreamInferResponse]:
         while (item := await self._outbox.get()) is not self._DONE:
+            if isinstance(item, _Answered):
+                self._window.release()  # every response of that request has been written
+                continue
             assert item is not None
             yield item
         if self._reader is not None:
@@ -285,7 +312,7 @@ class _StreamSession:
             log.exception("unexpected error in a streamed request")
             self._outbox.put_nowait(stream_error(request, f"INTERNAL: {type(exc).__name__}: {exc}"))
         finally:
-            self._window.release()
+            self._outbox.put_nowait(_ANSWERED)
 
 
 def _streams(request: pb.ModelInferRequest) -> bool:

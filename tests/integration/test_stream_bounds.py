@@ -1,0 +1,121 @@
+"""Every queue and stream is bounded (the security review's F11-F13): a stream client that
+never reads, a link that never says Hello, ids and names that would forge log lines or grow
+the router. Each against a real router, with an agent serving beside it."""
+
+from __future__ import annotations
+
+import time
+import urllib.request
+
+import grpc
+import numpy as np
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from stratus import codec
+from stratus.launcher import free_port
+from stratus.serving import STREAM_WINDOW, grpc_options
+from stratus.wire import fleet_pb2 as fpb
+from stratus.wire import fleet_pb2_grpc as fpb_grpc
+from stratus.wire import inference_pb2 as pb
+from stratus.wire import inference_pb2_grpc as pb_grpc
+
+from .cluster import Cluster, fleet_status, infer, ready_count, wait_until
+
+
+def answered(metrics: str) -> float:
+    """Requests the router has answered on the device tier, as it counts them."""
+    with urllib.request.urlopen(f"http://{metrics}/metrics", timeout=5) as response:
+        text = response.read().decode()
+    return sum(
+        s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == "stratus_router_requests_total" and s.labels.get("tier") == "device"
+    )
+
+
+def test_a_stream_client_that_never_reads_holds_a_window_of_answers_not_all(cluster: Cluster, digits) -> None:  # type: ignore[no-untyped-def]
+    metrics = f"127.0.0.1:{free_port()}"
+    router = cluster.router("--metrics", metrics).address
+    cluster.agent("dev-1", router)
+    wait_until(lambda: ready_count(router) == 1, timeout_s=30)
+    sent = 5_000
+    request = pb.ModelInferRequest(model_name="digits")
+    codec.encode_request_inputs(request, {"input": digits.held_out.x[:8]})  # 320 bytes answered
+    request.parameters["stratus.max_tier"].string_param = "device"
+    # No window growth on this client: HTTP/2 then buffers about 64 KiB of answers unread,
+    # so what the router answered beyond its window is small and known.
+    options = [*grpc_options(), ("grpc.http2.bdp_probe", 0)]
+    with grpc.insecure_channel(router, options=options) as channel:
+        call = pb_grpc.GRPCInferenceServiceStub(channel).ModelStreamInfer(iter([request] * sent), timeout=120)
+        wait_until(lambda: answered(metrics) >= STREAM_WINDOW, timeout_s=30)
+        time.sleep(2.0)  # a reader that takes every request would have answered them all by now
+        held = answered(metrics)
+        assert STREAM_WINDOW <= held < sent / 2, held  # the window, and what the transport buffers
+        responses = list(call)  # now read: every request is answered, none lost
+    assert len(responses) == sent and not any(r.error_message for r in responses)
+
+
+def test_a_link_that_never_says_hello_is_closed(cluster: Cluster) -> None:
+    router = cluster.router("--hello-timeout-s", "1").address
+
+    def silence():  # type: ignore[no-untyped-def]
+        time.sleep(30)
+        yield fpb.AgentMessage()
+
+    with grpc.insecure_channel(router) as channel:
+        started = time.monotonic()
+        with pytest.raises(grpc.RpcError) as closed:
+            list(fpb_grpc.AgentLinkStub(channel).Connect(silence(), timeout=20))
+    assert closed.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert closed.value.details() == "no Hello within 1 s of opening an AgentLink"
+    assert time.monotonic() - started < 15  # closed by the router, not by the client's deadline
+
+
+@pytest.mark.parametrize(
+    ("change", "refusal"),
+    [
+        (
+            {"agent_id": "innocent\n2026-12-01 07:00:00,000 WARNING stratus.registry: agent device-1 lost"},
+            "Hello.agent_id 'innocent\\n2026-12-01 07:00:00,000 WARNING' must be 1-128 of",
+        ),
+        ({"agent_id": "a" * 129}, "must be 1-128 of A-Z a-z 0-9"),
+        (
+            {"families": [fpb.FamilyInfo(name=f"f{i}") for i in range(65)]},
+            "65 families; at most 256 and 64",
+        ),
+        (
+            {"variants": [fpb.VariantInfo(name="x y", family="digits")]},
+            "model name 'x y' must be 1-128 of",
+        ),
+    ],
+)
+def test_ids_and_names_past_the_bounds_are_refused_before_they_are_logged(
+    cluster: Cluster, change: dict[str, object], refusal: str
+) -> None:
+    router = cluster.router()
+    hello = fpb.Hello(
+        agent_id="fine", tier=fpb.TIER_DEVICE, variants=[fpb.VariantInfo(name="digits-small", family="digits")]
+    )
+    for field, value in change.items():
+        if isinstance(value, list):
+            getattr(hello, field).extend(value)
+        else:
+            setattr(hello, field, value)
+    with grpc.insecure_channel(router.address) as channel, pytest.raises(grpc.RpcError) as refused:
+        list(fpb_grpc.AgentLinkStub(channel).Connect(iter([fpb.AgentMessage(hello=hello)]), timeout=10))
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert refusal in refused.value.details()
+    assert "FORGED" not in router.log() and "07:00:00,000 WARNING" not in router.log()
+    assert list(fleet_status(router.address).agents) == []
+
+
+def test_a_misspelled_model_lists_a_bounded_number_of_names(cluster: Cluster, digits) -> None:  # type: ignore[no-untyped-def]
+    router = cluster.router().address
+    cluster.agent("dev-1", router)
+    wait_until(lambda: ready_count(router) == 1, timeout_s=30)
+    with pytest.raises(grpc.RpcError) as refused:
+        infer(router, np.zeros((1, 64), np.float32), model="digts")
+    assert refused.value.code() == grpc.StatusCode.NOT_FOUND
+    assert refused.value.details().startswith("unknown model 'digts'; the fleet serves [")

@@ -1,0 +1,73 @@
+"""What the registry keeps of what agents tell it is bounded (the security review's F12,
+F16, F19): family descriptions leave with their last agent, lost agents are capped, Watch
+calls are capped, declared sizes and reported confidences are clamped."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from router import registry as registry_module
+from router.dataplane import listing
+from router.registry import FORGET_LOST_S, MAX_WATCHERS, split_result
+from stratus.errors import Overloaded
+from stratus.wire import fleet_pb2 as fpb
+
+from .test_index import Clock, hello, registry
+
+
+def test_a_family_description_leaves_with_its_last_agent() -> None:
+    clock = Clock()
+    reg = registry(clock)
+    first, second = (reg.register(hello(name), peer="t") for name in ("d1", "d2"))
+    reg.lose(first, "gone")
+    clock.now += FORGET_LOST_S + 1
+    reg.check_heartbeats()
+    assert "digits" in reg.families  # d2 still serves it
+    reg.lose(second, "gone")
+    clock.now += FORGET_LOST_S + 1
+    reg.check_heartbeats()
+    assert reg.agents == {} and reg.families == {}
+
+
+def test_lost_agents_past_the_cap_are_forgotten_oldest_first(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(registry_module, "MAX_LOST", 3)
+    clock = Clock()
+    reg = registry(clock)
+    for index in range(5):
+        clock.now += 1
+        reg.lose(reg.register(hello(f"d{index}"), peer="t"), "gone")
+    assert sorted(reg.agents) == ["d2", "d3", "d4"]
+
+
+def test_watch_calls_past_the_cap_are_refused() -> None:
+    reg = registry()
+    queues = [reg.watch() for _ in range(MAX_WATCHERS)]
+    with pytest.raises(Overloaded, match=f"{MAX_WATCHERS} Watch calls are open"):
+        reg.watch()
+    reg.unwatch(queues[0])
+    reg.watch()  # a slot came free
+
+
+def test_declared_sizes_are_clamped() -> None:
+    greedy = hello("greedy")
+    greedy.capacity, greedy.queue_limit = 4_000_000_000, 4_000_000_000
+    greedy.variants[0].max_batch = 1_000_000
+    handle = registry().register(greedy, peer="t")
+    assert (handle.capacity, handle.queue_limit, handle.max_batch("digits-small")) == (1024, 4096, 1024)
+
+
+def test_reported_confidences_are_clamped_to_what_the_policy_compares() -> None:
+    handle = registry().register(hello("d1"), peer="t")
+    result = fpb.Result(request_id="r1", variant="digits-small", confidences=[math.nan, 7.0, -1.0, 0.5])
+    result.response.outputs.add(name="probabilities", datatype="FP32", shape=[4, 1])
+    result.response.raw_output_contents.append(b"\0" * 16)
+    (part,) = split_result(handle, result, [4])
+    assert part.confidences == (0.0, 1.0, 0.0, 0.5)
+
+
+def test_error_messages_list_a_bounded_number_of_names() -> None:
+    names = [f"m{i:03}" for i in range(300)]
+    assert listing(names) == "[" + ", ".join(names[:20]) + ", and 280 more]"
+    assert listing(names[:3]) == "[m000, m001, m002]"
