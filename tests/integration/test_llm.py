@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import openai
 import pytest
 
 from stratus import codec
@@ -27,10 +28,6 @@ from stratus.wire import inference_pb2_grpc as pb_grpc
 from .cluster import MODELS, Cluster, fleet_status, ready_count, wait_until
 from .test_metrics import samples, scrape, value
 
-openai = pytest.importorskip("openai")
-pytestmark = pytest.mark.skipif(
-    not (MODELS / "arith" / "family.toml").is_file(), reason="models/arith is not built"
-)
 LLM_MODELS = ["--models", str(MODELS)]
 PROMPTS = ["37+48=", "12+5=", "90-45=", "7+8=", "66-6="]
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
+import openai
 import pytest
 
 from stratus import codec
@@ -28,10 +29,6 @@ from .cluster import MODELS, Cluster, ready_count, wait_until
 from .test_llm import LLM_MODELS, oip_request
 from .test_metrics import samples, scrape, value
 
-openai = pytest.importorskip("openai")
-pytestmark = pytest.mark.skipif(
-    not (MODELS / "arith" / "family.toml").is_file(), reason="models/arith is not built"
-)
 PROMPTS = ["37+48=", "90-45=", "66+27=", "81-19=", "45+45="]
 
 

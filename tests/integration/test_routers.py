@@ -48,6 +48,8 @@ class Load:
         self._stop.set()
         for thread in self._threads:
             thread.join(timeout=30)
+        hung = [t.name for t in self._threads if t.is_alive()]
+        assert not hung, f"load threads still running 30 s after the stop: {hung}"
 
     async def _clients(self) -> None:
         # round_robin, watching each router's health: a stopping router turns NOT_SERVING

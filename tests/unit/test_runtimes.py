@@ -160,7 +160,7 @@ def test_onnxruntime_caches_the_optimized_graph(repository: ModelRepository, tmp
     )
 
 
-def test_bounded_executor_refuses_past_its_queue(no_leaked_threads: None) -> None:
+def test_bounded_executor_refuses_past_its_queue() -> None:
     gate = threading.Event()
     executor = BoundedExecutor(name="test-infer", workers=1, queue_limit=1)
 

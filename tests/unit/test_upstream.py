@@ -57,8 +57,6 @@ from stratus.protocol import Served, parameter_value, set_parameter
 from stratus.serving import DataPlane
 from stratus.wire import inference_pb2 as pb
 
-pytestmark = pytest.mark.usefixtures("no_leaked_threads")
-
 # --- canned vLLM answers ------------------------------------------------------------------------
 
 TOKENS = ["8", "5", "\n"]

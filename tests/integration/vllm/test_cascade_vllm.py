@@ -8,13 +8,13 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+import openai
 import pytest
 
 from stratus.launcher import free_port
 from tests.integration.cluster import Cluster, ready_count, wait_until
 from tests.integration.vllm.direct import Gateway, Vllm, completion
 
-openai = pytest.importorskip("openai")
 pytestmark = pytest.mark.vllm
 PROMPTS = ["37+48=", "91-19=", "3+4="]
 
