@@ -35,6 +35,12 @@ def digits():  # type: ignore[no-untyped-def]
     return digits_splits()
 
 
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Start, before any test's guard looks, what lives for the whole process by design:
+    importing OpenVINO starts its telemetry thread."""
+    import openvino  # noqa: F401
+
+
 @pytest.fixture(autouse=True)
 def no_leaked_threads() -> Iterator[None]:
     """Fail any test that starts a thread and does not stop it (python-zeroconf's guard)."""

@@ -41,6 +41,13 @@ def value(found: Samples, name: str, **labels: str) -> float:
     return found[key]
 
 
+def count(found: Samples, name: str, **labels: str) -> float:
+    """A labelled counter's sample, 0 when that label set was never incremented (and so is
+    not exported yet). Only for a count that may truly be 0: a renamed or mislabelled
+    series reads 0 here too, so a test pairs it with a ``value`` or a positive expectation."""
+    return found.get((name, frozenset(labels.items())), 0.0)
+
+
 def total(found: Samples, name: str) -> float:
     """The sum of every sample of ``name``, whatever its labels."""
     return sum(v for (sample, _labels), v in found.items() if sample == name)
