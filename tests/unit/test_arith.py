@@ -68,7 +68,9 @@ def test_answers_are_right_and_short(splits: ArithSplits) -> None:
 
 
 def test_examples_unpack_as_prompt_and_answer() -> None:
-    prompt, answer = Example("37+48=", "85")
+    example = Example(prompt="37+48=", answer="85")
+    assert (example.prompt, example.answer) == ("37+48=", "85")
+    prompt, answer = example  # in that order
     assert (prompt, answer) == ("37+48=", "85")
 
 

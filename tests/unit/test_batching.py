@@ -163,6 +163,7 @@ def test_a_cancelled_member_leaves_the_queue_and_a_batch_nobody_awaits_is_cancel
         running = asyncio.create_task(batcher.submit(KEY, "a", size=1))
         waiting = asyncio.create_task(batcher.submit(KEY, "b", size=1))
         await asyncio.sleep(0.01)
+        assert batcher.waiting_items == 1  # "b" waits behind "a" for the one slot
         waiting.cancel()
         await asyncio.sleep(0.01)
         queued = batcher.waiting_items
