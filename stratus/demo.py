@@ -127,7 +127,9 @@ def start_fleet(models: Path, log_dir: Path, *, devices: int = 2, edges: int = 1
     started: list[Launched] = []
     try:
         cloud = launch(
-            ["cloud", "--listen", "127.0.0.1:0", "--models", str(models), *common], role="cloud", log_dir=log_dir
+            ["cloud", "--listen", "127.0.0.1:0", "--models", str(models), *common],
+            role="cloud",
+            log_dir=log_dir,
         )
         started.append(cloud)
         router = launch(

@@ -58,7 +58,9 @@ async def blast(
                     on_progress(started_count)
                 started = time.monotonic()
                 try:
-                    response = await stub.ModelInfer(request(x[index % len(x)][None, :], **parameters), timeout=30)
+                    response = await stub.ModelInfer(
+                        request(x[index % len(x)][None, :], **parameters), timeout=30
+                    )
                 except grpc.aio.AioRpcError as error:
                     took = time.monotonic() - started
                     outcomes.append(Outcome(index, started, took, None, error.code(), error.details() or ""))
@@ -111,7 +113,9 @@ def test_a_frozen_agent_is_lost_and_comes_back(cluster: Cluster, digits) -> None
     try:
         wait_until(lambda: states(router)["dev-1"] == fpb.AGENT_STATE_LOST, timeout_s=15)
         lost = [line for line in launched.log().splitlines() if "agent dev-1 lost:" in line]
-        assert lost and any(why in lost[0] for why in ("missed 3 heartbeats", "link ended", "link broke")), lost
+        assert lost and any(why in lost[0] for why in ("missed 3 heartbeats", "link ended", "link broke")), (
+            lost
+        )
         served = {infer(router, digits.held_out.x[i : i + 1], max_tier="device")[1].agent for i in range(20)}
         assert served == {"dev-2"}
     finally:
@@ -165,7 +169,9 @@ def test_cloud_down_gives_degraded_answers_and_the_link_recovers(cluster: Cluste
     recovered_s = wait_until(
         lambda: not infer(router, digits.held_out.x[:1], min_confidence=1.0)[1].degraded, timeout_s=15
     )
-    assert recovered_s < cap_s + 2.0, f"escalations stayed degraded {recovered_s:.2f} s after the cloud came back"
+    assert recovered_s < cap_s + 2.0, (
+        f"escalations stayed degraded {recovered_s:.2f} s after the cloud came back"
+    )
     assert infer(router, digits.held_out.x[:1], min_confidence=1.0)[1].tier is Tier.CLOUD
 
 
@@ -246,6 +252,7 @@ def test_cloud_cut_while_escalations_are_in_flight(cluster: Cluster, digits) -> 
     assert cut and errors_of(outcomes) == []
     answered = [o for o in outcomes if o.served is not None and o.served.tier is Tier.CLOUD]
     assert answered, "no escalation reached the cloud before the cut"
+
     def degraded(o: Outcome) -> bool:
         return o.served is not None and o.served.degraded and o.served.path == (Tier.DEVICE,)
 

@@ -95,5 +95,5 @@ def test_grading_is_exact_after_strip(prompt: str, text: str, right: bool) -> No
 
 @pytest.mark.parametrize("prompt", ["37*48=", "100+1=", "37+48", "3-7=", "", "a+b="])
 def test_foreign_prompts_are_refused(prompt: str) -> None:
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="not an arith prompt"):
         solve(prompt)

@@ -111,7 +111,7 @@ def test_an_unbatchable_request_runs_alone_and_an_oversized_one_is_not_split() -
 
 def test_split_counts_cover_the_batch_exactly() -> None:
     assert split_counts(6, [1, 3, 2]) == [(0, 1), (1, 4), (4, 6)]
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"batch of 5 items cannot split into \[1, 3\]"):
         split_counts(5, [1, 3])
 
 

@@ -217,7 +217,10 @@ def test_calibrated_cloud_share_is_recorded_per_family(repository, tmp_path: Pat
     from stratus import calibrate
 
     calibrated = [rule for rule in load_rules() if rule.get("record") == "stratus:calibrated_cloud_share"]
-    recorded = {rule["labels"]["family"]: float(rule["expr"].removeprefix("vector(").split(")")[0]) for rule in calibrated}
+    recorded = {
+        rule["labels"]["family"]: float(rule["expr"].removeprefix("vector(").split(")")[0])
+        for rule in calibrated
+    }
     assert set(recorded) == {"digits", "defects", "arith"}
     for name, split in (("digits", "report"), ("defects", "calibration")):
         family = repository.family(name)

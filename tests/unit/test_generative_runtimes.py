@@ -165,7 +165,8 @@ def test_verify_runs_each_generative_variant_in_each_runtime_and_grades_it(tmp_p
     # Graded here, independently: arith-small's answers on the same prompts, in one runtime.
     small = next(r for r in rows if r.name == "arith-small")
     model = runner(small.runtime, "arith-small")
-    graded = sum("".join(t.text for t in generate(model, p, max_tokens=4)[0]) == a for p, a in zip(some.x, some.y, strict=True))
+    answers = ["".join(t.text for t in generate(model, prompt, max_tokens=4)[0]) for prompt in some.x]
+    graded = sum(answer == label for answer, label in zip(answers, some.y, strict=True))
     assert small.accuracy == pytest.approx(graded / 60), (small.accuracy, graded)
     accuracy = {r.name: r.accuracy for r in rows}
     assert accuracy["arith-small"] < accuracy["arith-large-fp16"]  # type: ignore[operator]
