@@ -232,10 +232,9 @@ def test_a_client_that_goes_away_cancels_the_generation_on_the_agent(llm: LlmFle
         request = urllib.request.Request(
             f"http://{api}/v1/completions", data=body, headers={"Content-Type": "application/json"}
         )
-        response = urllib.request.urlopen(request, timeout=30)
-        first = response.readline()  # the first token's event, then hang up
+        with urllib.request.urlopen(request, timeout=30) as response:  # closed even on failure
+            first = response.readline()  # the first token's event, then hang up
         assert first.startswith(b"data: ")
-        response.close()
         counted = lambda: count(samples(scrape(metrics)), "stratus_work_total", outcome="cancelled")  # noqa: E731
         wait_until(lambda: counted() == 1, timeout_s=10)
         # cancelled, not finished: the slow device never completed the generation

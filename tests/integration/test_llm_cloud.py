@@ -154,10 +154,9 @@ def test_a_client_that_goes_away_cancels_the_generation_in_the_cloud(tmp_path: P
         request = urllib.request.Request(
             f"http://{api}/v1/completions", data=body, headers={"Content-Type": "application/json"}
         )
-        response = urllib.request.urlopen(request, timeout=30)
-        first = response.readline()  # the first token's event, then hang up
+        with urllib.request.urlopen(request, timeout=30) as response:  # closed even on failure
+            first = response.readline()  # the first token's event, then hang up
         assert first.startswith(b"data: ") and b'"tier": "cloud"' not in first
-        response.close()
         counted = lambda: count(samples(scrape(metrics)), "stratus_work_total", outcome="cancelled")  # noqa: E731
         wait_until(lambda: counted() == 1, timeout_s=10)
         assert count(samples(scrape(metrics)), "stratus_work_total", outcome="ok") == 0
