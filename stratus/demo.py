@@ -122,23 +122,34 @@ def launch_agent(
 
 
 def start_fleet(models: Path, log_dir: Path, *, devices: int = 2, edges: int = 1) -> Fleet:
+    """The started fleet; when any part fails to start, what had started is stopped first."""
     common = ["--log-level", "WARNING"]
-    cloud = launch(
-        ["cloud", "--listen", "127.0.0.1:0", "--models", str(models), *common], role="cloud", log_dir=log_dir
-    )
-    router = launch(
-        ["router", "--listen", "127.0.0.1:0", "--cloud", cloud.address, "--no-advertise", *common],
-        role="router",
-        log_dir=log_dir,
-    )
-    agents = [
-        launch_agent(models, router.address, f"{tier}-{index}", log_dir, "--serve", "127.0.0.1:0", tier=tier)
-        for tier, count in (("device", devices), ("edge", edges))
-        for index in range(1, count + 1)
-    ]
-    fleet = Fleet(cloud=cloud, router=router, agents=agents)
-    wait_for_agents(router.address, devices + edges)
-    return fleet
+    started: list[Launched] = []
+    try:
+        cloud = launch(
+            ["cloud", "--listen", "127.0.0.1:0", "--models", str(models), *common],
+            role="cloud",
+            log_dir=log_dir,
+        )
+        started.append(cloud)
+        router = launch(
+            ["router", "--listen", "127.0.0.1:0", "--cloud", cloud.address, "--no-advertise", *common],
+            role="router",
+            log_dir=log_dir,
+        )
+        started.append(router)
+        for tier, count in (("device", devices), ("edge", edges)):
+            for index in range(1, count + 1):
+                name = f"{tier}-{index}"
+                started.append(
+                    launch_agent(models, router.address, name, log_dir, "--serve", "127.0.0.1:0", tier=tier)
+                )
+        wait_for_agents(router.address, devices + edges)
+    except BaseException:
+        for launched in reversed(started):
+            launched.stop()
+        raise
+    return Fleet(cloud=cloud, router=router, agents=started[2:])
 
 
 def wait_for_agents(router: str, count: int, timeout_s: float = 30.0) -> fpb.FleetStatus:

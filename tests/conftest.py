@@ -1,12 +1,16 @@
-"""Shared fixtures, and the teardown guard: no test may leave threads behind."""
+"""Shared fixtures, and the teardown guards: no test may leave threads or tasks behind."""
 
 from __future__ import annotations
 
+import asyncio
+import asyncio.runners
 import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+from tests.skips import allowed
 
 ROOT = Path(__file__).resolve().parent.parent
 MODELS = ROOT / "models"
@@ -31,9 +35,15 @@ def digits():  # type: ignore[no-untyped-def]
     return digits_splits()
 
 
-@pytest.fixture
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Start, before any test's guard looks, what lives for the whole process by design:
+    importing OpenVINO starts its telemetry thread."""
+    import openvino  # noqa: F401
+
+
+@pytest.fixture(autouse=True)
 def no_leaked_threads() -> Iterator[None]:
-    """Fail a test that starts a thread and does not stop it."""
+    """Fail any test that starts a thread and does not stop it (python-zeroconf's guard)."""
     before = set(threading.enumerate())
     yield
     leaked = [t for t in threading.enumerate() if t not in before and t.is_alive()]
@@ -41,3 +51,47 @@ def no_leaked_threads() -> Iterator[None]:
         thread.join(timeout=2.0)
     still = [t.name for t in leaked if t.is_alive()]
     assert not still, f"threads leaked: {still}"
+
+
+@pytest.fixture(autouse=True)
+def no_leaked_tasks(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
+    """Fail any test whose event loop still had tasks pending when its main coroutine ended.
+
+    ``asyncio.run`` cancels such tasks in silence; this records them first. A component
+    owns its tasks and ends them when it closes, so none should be left."""
+    leaked: list[str] = []
+    cancel_all = asyncio.runners._cancel_all_tasks  # type: ignore[attr-defined]
+
+    def recorded(loop: asyncio.AbstractEventLoop) -> None:
+        leaked.extend(repr(task.get_coro()) for task in asyncio.all_tasks(loop) if not task.done())
+        cancel_all(loop)
+
+    monkeypatch.setattr(asyncio.runners, "_cancel_all_tasks", recorded)
+    yield leaked
+    assert not leaked, f"tasks left pending when asyncio.run returned: {leaked}"
+
+
+def _skip_reason(report: pytest.CollectReport | pytest.TestReport) -> str:
+    longrepr = report.longrepr
+    reason = longrepr[2] if isinstance(longrepr, tuple) else str(longrepr)
+    return reason.removeprefix("Skipped: ")
+
+
+def _fail_unless_allowed(report: pytest.CollectReport | pytest.TestReport) -> None:
+    if report.skipped and not hasattr(report, "wasxfail") and not allowed(reason := _skip_reason(report)):
+        report.outcome = "failed"
+        report.longrepr = f"skipped for a reason tests/skips.py does not allow: {reason}"
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[pytest.TestReport]:
+    report: pytest.TestReport = yield
+    _fail_unless_allowed(report)
+    return report
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_make_collect_report(collector: pytest.Collector) -> Iterator[pytest.CollectReport]:
+    report: pytest.CollectReport = yield
+    _fail_unless_allowed(report)
+    return report

@@ -25,14 +25,19 @@ QUIET = ["--log-level", "INFO"]
 @dataclass
 class Cluster:
     log_dir: Path
-    processes: dict[str, Launched] = field(default_factory=dict)
+    # Every process started, in order: a role started again (a restart) is a new entry,
+    # so the old process is still stopped at the end.
+    processes: list[Launched] = field(default_factory=list)
 
     def start(
         self, role: str, args: list[str], *, module: str = "stratus.cli", env: dict[str, str] | None = None
     ) -> Launched:
         launched = launch(args, role=role, log_dir=self.log_dir, module=module, env=env)
-        self.processes[role] = launched
+        self.processes.append(launched)
         return launched
+
+    def latest(self, role: str) -> Launched:
+        return [p for p in self.processes if p.role == role][-1]
 
     def cloud(self, *extra: str, role: str = "cloud") -> Launched:
         return self.start(role, ["cloud", "--listen", "127.0.0.1:0", "--models", str(MODELS), *QUIET, *extra])
@@ -62,8 +67,14 @@ class Cluster:
         )
 
     def stop_all(self) -> None:
-        for launched in reversed(list(self.processes.values())):
-            launched.stop(timeout=10)
+        """Stop every process, newest first, even when stopping one of them fails."""
+        failures: list[str] = []
+        for launched in reversed(self.processes):
+            try:
+                launched.stop(timeout=10)
+            except Exception as exc:
+                failures.append(f"{launched.role}: {exc!r}")
+        assert not failures, f"could not stop: {failures}"
 
 
 def fleet_status(router: str, tls: TlsSettings = NO_TLS) -> fpb.FleetStatus:

@@ -48,6 +48,8 @@ class Load:
         self._stop.set()
         for thread in self._threads:
             thread.join(timeout=30)
+        hung = [t.name for t in self._threads if t.is_alive()]
+        assert not hung, f"load threads still running 30 s after the stop: {hung}"
 
     def _client(self, index: int) -> None:
         with open_sync_channel(self.router) as channel:

@@ -7,7 +7,9 @@ feeds its AgentLink garbage, out-of-order and malformed messages.
 from __future__ import annotations
 
 import queue
+import threading
 import time
+from collections.abc import Iterator
 
 import grpc
 import numpy as np
@@ -15,13 +17,15 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from router.registry import MISSED_HEARTBEATS
+from stratus.launcher import Launched
 from stratus.protocol import set_parameter
 from stratus.serving import grpc_options
 from stratus.wire import fleet_pb2 as fpb
 from stratus.wire import inference_pb2 as pb
 from stratus.wire import inference_pb2_grpc as pb_grpc
 
-from .cluster import fleet_status, infer
+from .cluster import Cluster, fleet_status, infer, request, wait_until
 
 CLEAR = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND}
 
@@ -73,9 +77,7 @@ def requests(draw: st.DrawFn) -> pb.ModelInferRequest:
     return message
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(message=requests())
-def test_fuzzed_model_infer_gets_a_clear_status(router: str, message: pb.ModelInferRequest) -> None:
+def clear_status(router: str, message: pb.ModelInferRequest) -> None:
     with grpc.insecure_channel(router, options=grpc_options()) as channel:
         try:
             pb_grpc.GRPCInferenceServiceStub(channel).ModelInfer(message, timeout=10)
@@ -84,10 +86,31 @@ def test_fuzzed_model_infer_gets_a_clear_status(router: str, message: pb.ModelIn
             assert error.details()
 
 
-def test_the_router_still_serves_after_the_fuzzing(router: str, digits) -> None:  # type: ignore[no-untyped-def]
-    response, _ = infer(router, digits.held_out.x[:4])
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(message=requests())
+def test_fuzzed_model_infer_gets_a_clear_status(router: str, message: pb.ModelInferRequest) -> None:
+    clear_status(router, message)
+
+
+def fuzz_infer(router: str) -> None:
+    @settings(max_examples=30, deadline=None, database=None)
+    @given(message=requests())
+    def run(message: pb.ModelInferRequest) -> None:
+        clear_status(router, message)
+
+    run()
+
+
+def still_serves(router: str, x: np.ndarray) -> None:
+    response, _ = infer(router, x[:4])
     assert len(response.raw_output_contents) == 1
     assert all(a.state == fpb.AGENT_STATE_READY for a in fleet_status(router).agents)
+
+
+def test_the_router_still_serves_after_fuzzing(router: str, digits) -> None:  # type: ignore[no-untyped-def]
+    """Fuzzes inline (not relying on another test having run first), then serves."""
+    fuzz_infer(router)
+    still_serves(router, digits.held_out.x)
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -108,11 +131,17 @@ def test_fuzzed_stream_answers_each_request_and_keeps_the_stream(
             )
 
 
-def test_oversized_messages_are_refused(router: str) -> None:
-    big = np.zeros((70_000, 64), np.float32)  # 17.9 MB, over the 16 MiB limit
-    with pytest.raises(grpc.RpcError) as error:
-        infer(router, big)
+def test_oversized_messages_are_refused_by_the_router(router: str, digits) -> None:  # type: ignore[no-untyped-def]
+    big = np.zeros((70_000, 64), np.float32)  # 17.9 MB, over the router's 16 MiB limit
+    # A client that would send up to 64 MiB, so that only the router's own limit can refuse it.
+    with (
+        grpc.insecure_channel(router, options=grpc_options(64 << 20)) as channel,
+        pytest.raises(grpc.RpcError) as error,
+    ):
+        pb_grpc.GRPCInferenceServiceStub(channel).ModelInfer(request(big), timeout=30)
     assert error.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "Received message larger than max" in (error.value.details() or ""), error.value.details()
+    still_serves(router, digits.held_out.x)
 
 
 def _raw_link(
@@ -131,12 +160,12 @@ def _raw_link(
     return received, None
 
 
-def hello(agent_id: str, **changes: object) -> fpb.AgentMessage:
+def hello(agent_id: str, variant: str = "digits-small", **changes: object) -> fpb.AgentMessage:
     message = fpb.Hello(
         agent_id=agent_id,
         tier=fpb.TIER_DEVICE,
         capacity=1,
-        variants=[fpb.VariantInfo(name="digits-small", family="digits")],
+        variants=[fpb.VariantInfo(name=variant, family="digits")],
     )
     for key, value in changes.items():
         setattr(message, key, value)
@@ -174,37 +203,115 @@ def test_agent_link_refuses_malformed_peers(
     assert {a.id for a in fleet_status(router).agents} >= {"device-1", "device-2", "edge-1"}
 
 
-def test_duplicate_hello_and_unknown_results_drop_only_that_link(router: str, digits) -> None:  # type: ignore[no-untyped-def]
-    stray = fpb.AgentMessage(result=fpb.Result(request_id="no-such-request")).SerializeToString()
-    received, _ = _raw_link(
-        router, [hello("weird-peer").SerializeToString(), stray, hello("weird-peer").SerializeToString()]
-    )
-    assert received and fpb.RouterMessage.FromString(received[0]).HasField("welcome")
-    agents = {a.id: a.state for a in fleet_status(router).agents}
-    assert agents["weird-peer"] == fpb.AGENT_STATE_LOST
-    assert infer(router, digits.held_out.x[:1], max_tier="device")[1].agent in {"device-1", "device-2"}
+@pytest.fixture(scope="module")
+def lone(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Launched]:
+    """A router of its own, with no agents, so the peers these tests leave lost stay here."""
+    cluster = Cluster(tmp_path_factory.mktemp("lone-router"))
+    try:
+        yield cluster.router()
+    finally:
+        cluster.stop_all()
 
 
-def test_a_peer_that_goes_silent_after_hello_is_dropped(router: str) -> None:
-    gate: queue.Queue[bytes | None] = queue.Queue()
-    gate.put(hello("mute-peer").SerializeToString())
+class Peer:
+    """A hand-driven AgentLink peer on a stream held open until ``close``."""
 
-    def outgoing():  # type: ignore[no-untyped-def]
-        while (item := gate.get()) is not None:
-            yield item
-
-    with grpc.insecure_channel(router, options=grpc_options()) as channel:
-        connect = channel.stream_stream(
+    def __init__(self, router: str, *first: fpb.AgentMessage) -> None:
+        self._gate: queue.Queue[bytes | None] = queue.Queue()
+        for message in first:
+            self.send(message)
+        self._channel = grpc.insecure_channel(router, options=grpc_options())
+        connect = self._channel.stream_stream(
             "/stratus.v1.AgentLink/Connect", request_serializer=lambda b: b, response_deserializer=lambda b: b
         )
-        call = connect(outgoing(), timeout=20)
-        started = time.monotonic()
+        self.call = connect(self._outgoing(), timeout=30)
+
+    def _outgoing(self) -> Iterator[bytes]:
+        while (item := self._gate.get()) is not None:
+            yield item
+
+    def send(self, message: fpb.AgentMessage) -> None:
+        self._gate.put(message.SerializeToString())
+
+    def receive(self) -> fpb.RouterMessage:
+        return fpb.RouterMessage.FromString(next(self.call))
+
+    def wait_for_the_end(self) -> None:
+        """Read until the router ends the stream, whether with OK or an error status."""
         try:
-            for _ in call:
-                pass  # the router ends the stream once it counts the peer lost
+            for _ in self.call:
+                pass
         except grpc.RpcError:
             pass
-        finally:
-            gate.put(None)
-    assert time.monotonic() - started < 10
-    assert {a.id: a.state for a in fleet_status(router).agents}["mute-peer"] == fpb.AGENT_STATE_LOST
+
+    def close(self) -> None:
+        self._gate.put(None)
+        self.call.cancel()
+        self._channel.close()
+
+
+def state_of(router: str, agent_id: str) -> fpb.AgentStatus:
+    (found,) = [a for a in fleet_status(router).agents if a.id == agent_id]
+    return found
+
+
+def test_an_unknown_result_is_ignored_and_the_peer_still_gets_work(lone: Launched, digits) -> None:  # type: ignore[no-untyped-def]
+    stray = fpb.AgentMessage(result=fpb.Result(request_id="no-such-request"))
+    peer = Peer(lone.address, hello("stray-peer"), stray, fpb.AgentMessage(heartbeat=fpb.Heartbeat()))
+    asked: list[BaseException | None] = []
+
+    def ask() -> None:
+        try:
+            infer(lone.address, digits.held_out.x[:1], model="digits-small", timeout=10)
+            asked.append(None)
+        except grpc.RpcError as exc:
+            asked.append(exc)
+
+    client = threading.Thread(target=ask, name="stray-peer-client")
+    try:
+        assert peer.receive().HasField("welcome")
+        wait_until(lambda: state_of(lone.address, "stray-peer").state == fpb.AGENT_STATE_READY)
+        client.start()
+        work = peer.receive()  # the router still routes to it, on the same link
+        assert work.HasField("work"), work
+        failed = fpb.Error(code=grpc.StatusCode.INTERNAL.value[0], message="stray-peer cannot run it")
+        peer.send(fpb.AgentMessage(result=fpb.Result(request_id=work.work.request_id, error=failed)))
+        client.join(timeout=15)
+        assert not client.is_alive(), "the client's request never ended"
+        assert state_of(lone.address, "stray-peer").state == fpb.AGENT_STATE_READY
+    finally:
+        peer.close()
+        if client.ident is not None:  # started
+            client.join(timeout=15)
+    (outcome,) = asked
+    assert isinstance(outcome, grpc.RpcError) and "stray-peer cannot run it" in (outcome.details() or ""), (
+        outcome
+    )
+
+
+def test_a_second_hello_is_taken_as_a_reload(lone: Launched) -> None:
+    peer = Peer(lone.address, hello("reloading-peer"))
+    try:
+        assert peer.receive().HasField("welcome")
+        wait_until(lambda: list(state_of(lone.address, "reloading-peer").variants) == ["digits-small"])
+        peer.send(hello("reloading-peer", variant="digits-small-v2"))
+        wait_until(lambda: list(state_of(lone.address, "reloading-peer").variants) == ["digits-small-v2"])
+        assert state_of(lone.address, "reloading-peer").state == fpb.AGENT_STATE_READY  # same link
+        assert "agent reloading-peer reloaded: variants ['digits-small-v2']" in lone.log()
+    finally:
+        peer.close()
+
+
+def test_a_peer_that_goes_silent_after_hello_is_dropped_for_its_missed_heartbeats(lone: Launched) -> None:
+    started = time.monotonic()
+    peer = Peer(lone.address, hello("mute-peer"))  # gRPC's core still answers its pings
+    try:
+        assert peer.receive().HasField("welcome")
+        peer.wait_for_the_end()  # the router ends the stream once it counts the peer lost
+        took = time.monotonic() - started
+    finally:
+        peer.close()
+    assert state_of(lone.address, "mute-peer").state == fpb.AGENT_STATE_LOST
+    interval = fleet_status(lone.address).heartbeat_interval_s
+    assert MISSED_HEARTBEATS * interval <= took < 10 * MISSED_HEARTBEATS * interval, took
+    assert "agent mute-peer lost: missed 3 heartbeats" in lone.log()

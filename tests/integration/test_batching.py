@@ -65,12 +65,17 @@ def test_a_mixed_batch_gives_item_by_item_exactly_what_each_item_alone_gives(rou
 
 
 def test_typed_clients_get_typed_answers_from_a_per_item_climb(router: str, digits) -> None:  # type: ignore[no-untyped-def]
-    x = digits.held_out.x[:20]
+    x = digits.held_out.x[:60]
+    sure = 0.99  # as above: some items climb, most stay on the device
     typed = pb.ModelInferRequest(model_name="digits")
     codec.encode_request_inputs(typed, {"input": x}, raw=False)
+    set_parameter(typed.parameters, "stratus.min_confidence", sure)
     response = ask(router, typed)
-    assert not response.raw_output_contents and len(response.outputs[0].contents.fp32_contents) == 200
-    assert np.array_equal(probabilities(response), probabilities(ask(router, request(x))))
+    tiers = Served.read(response.parameters).item_tiers
+    assert len(tiers) == 60 and {Tier.DEVICE} < set(tiers), "the items should climb to different tiers"
+    assert not response.raw_output_contents and len(response.outputs[0].contents.fp32_contents) == 600
+    raw = ask(router, request(x, min_confidence=sure))
+    assert np.array_equal(probabilities(response), probabilities(raw))
 
 
 def test_a_malformed_request_in_a_burst_gets_its_own_error_and_harms_nobody(router: str, digits) -> None:  # type: ignore[no-untyped-def]
@@ -115,7 +120,8 @@ def test_batched_and_unbatched_answers_are_identical(cluster: Cluster, digits) -
         assert np.array_equal(probabilities(a), probabilities(b))
     (batched_agent,) = fleet_status(batching).agents
     (single_agent,) = fleet_status(single).agents
-    assert batched_agent.mean_batch_size >= 1.5  # requests really were merged
+    # Requests really were merged: 96 at once on one slot held 3 ms a call cannot all run alone.
+    assert batched_agent.mean_batch_size >= 1.5, batched_agent.mean_batch_size
     assert single_agent.mean_batch_size == 1.0
 
 
@@ -127,6 +133,7 @@ def test_cloud_gateway_batches_direct_clients_and_answers_each_alone(cluster: Cl
         set_parameter(message.parameters, "stratus.budget_ms", 5000.0)
     answers = asyncio.run(burst(cloud, messages))
     responses = [a for a in answers if isinstance(a, pb.ModelInferResponse)]
+    assert len(responses) == len(answers), [a for a in answers if not isinstance(a, pb.ModelInferResponse)][:1]
     rows = np.concatenate([probabilities(a) for a in responses])
     whole = probabilities(ask(cloud, request(x, model="digits-large")))
     np.testing.assert_allclose(rows, whole, rtol=0, atol=BATCH_TOLERANCE[served_for("digits-large").precision])

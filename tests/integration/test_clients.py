@@ -102,19 +102,20 @@ def test_sdk_answers_locally_and_escalates_through_the_router(router: str, digit
 def test_sdk_async_matches_sync(router: str, digits, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     import asyncio
 
-    client = Client(MODELS, router=router, cache_dir=tmp_path)
+    async def both(client: Client) -> None:
+        try:
+            for min_confidence in (0.0, 1.0):
+                result = await client.ainfer("digits", digits.held_out.x[2:3], min_confidence=min_confidence)
+                expected = client.infer("digits", digits.held_out.x[2:3], min_confidence=min_confidence)
+                assert result.path == expected.path
+                np.testing.assert_allclose(
+                    result.outputs["probabilities"], expected.outputs["probabilities"], atol=1e-5
+                )
+        finally:  # closed on this loop, even when an assertion failed
+            await client.aclose()
 
-    async def both() -> None:
-        for min_confidence in (0.0, 1.0):
-            result = await client.ainfer("digits", digits.held_out.x[2:3], min_confidence=min_confidence)
-            expected = client.infer("digits", digits.held_out.x[2:3], min_confidence=min_confidence)
-            assert result.path == expected.path
-            np.testing.assert_allclose(
-                result.outputs["probabilities"], expected.outputs["probabilities"], atol=1e-5
-            )
-        await client.aclose()
-
-    asyncio.run(both())
+    with Client(MODELS, router=router, cache_dir=tmp_path) as client:
+        asyncio.run(both(client))
 
 
 def test_sdk_without_a_reachable_router_answers_locally_marked_degraded(digits, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]

@@ -10,17 +10,21 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import numpy as np
 import pytest
 
-from stratus import codec
+from edge_agent.sdk import Client
+from stratus import codec, demo
 from stratus.demo import wait_for_agents
 from stratus.discovery import discover
+from stratus.errors import Unavailable
 from stratus.launcher import Launched, launch
 from stratus.protocol import Served
 from stratus.serving import grpc_options
+from stratus.tiers import Tier
 from stratus.wire import fleet_pb2 as fpb
 from stratus.wire import fleet_pb2_grpc as fpb_grpc
 from stratus.wire import inference_pb2 as pb
@@ -43,9 +47,9 @@ def status(router: str) -> dict[str, fpb.AgentStatus]:
     return {a.id: a for a in fleet.agents}
 
 
-def agent(router: str, name: str, log_dir: Path) -> Launched:
+def agent(router: str, name: str, log_dir: Path, tier: str = "device") -> Launched:
     return launch(
-        ["agent", "--tier", "device", "--models", str(MODELS), "--router", router, "--name", name],
+        ["agent", "--tier", tier, "--models", str(MODELS), "--router", router, "--name", name],
         role=name,
         log_dir=log_dir,
     )
@@ -60,14 +64,40 @@ def infer_agent(router: str, x: np.ndarray) -> str:
 
 
 def test_agent_and_sdk_find_an_advertised_router_with_zeroconf(
-    processes: list[Launched], tmp_path: Path
+    processes: list[Launched],
+    tmp_path: Path,
+    digits,  # type: ignore[no-untyped-def]
 ) -> None:
     router = launch(["router", "--listen", "127.0.0.1:0"], role="router", log_dir=tmp_path)
     processes.append(router)
     assert asyncio.run(discover(timeout_s=10.0)) == router.address
-    processes.append(agent("auto", "found-by-zeroconf", tmp_path))
+    processes.append(agent("auto", "found-by-zeroconf", tmp_path, tier="edge"))
     wait_for_agents(router.address, 1)
     assert status(router.address)["found-by-zeroconf"].state == fpb.AGENT_STATE_READY
+    # The SDK finds the router the same way; an unsure answer climbs through it to the edge.
+    with Client(MODELS, router="auto", cache_dir=tmp_path / "sdk", discover_timeout_s=10.0) as client:
+        served = client.infer("digits", digits.held_out.x[:1], min_confidence=1.0)
+    assert served.path == (Tier.DEVICE, Tier.EDGE) and served.agent == "found-by-zeroconf", served
+
+
+def test_a_fleet_that_fails_to_start_leaves_no_process_behind(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    launched: list[Launched] = []
+
+    def recorded(*args: Any, **kwargs: Any) -> Launched:
+        launched.append(launch(*args, **kwargs))
+        return launched[-1]
+
+    def never_ready(router: str, count: int) -> None:
+        raise Unavailable(f"the fleet at {router} did not reach {count} ready agents")
+
+    monkeypatch.setattr(demo, "launch", recorded)
+    monkeypatch.setattr(demo, "wait_for_agents", never_ready)  # the last step of the start fails
+    with pytest.raises(Unavailable, match="did not reach 1 ready agents"):
+        demo.start_fleet(MODELS, tmp_path, devices=1, edges=0)
+    assert [p.role for p in launched] == ["cloud", "router", "device-1"]
+    assert all(p.process.poll() is not None for p in launched), [p.role for p in launched]
 
 
 def test_drain_moves_work_off_an_agent_and_sigterm_exits_cleanly(

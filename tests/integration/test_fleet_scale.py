@@ -47,10 +47,13 @@ def test_hundreds_of_agents_register_share_the_work_and_all_return_after_a_resta
     assert len(served) >= 100, f"200 requests reached only {len(served)} of {AGENTS} agents"
     assert max(served.values()) <= 6  # two random choices spread the load
 
+    before = set(states(listen))
     assert router.stop() == 0
     cluster.router(listen=listen)
-    took = wait_until(lambda: summary_ready(listen) == AGENTS, timeout_s=30)
-    assert took < 10.0, f"the fleet took {took:.1f} s to come back"
+    # "Eventually", with room for 2 shared cores; how fast is benchmarks/fleet_scale.py's
+    # "restart s" column (target <= 10 s at 1,000 agents).
+    wait_until(lambda: summary_ready(listen) == AGENTS, timeout_s=60)
+    assert set(states(listen)) == before, "the same agents came back, by name"
     answers = [infer(listen, digits.held_out.x[i : i + 1])[1] for i in range(20)]
     assert all(a.agent.startswith("sim-") for a in answers)
 
@@ -69,5 +72,8 @@ def test_a_frozen_agent_is_lost_by_keepalive_long_before_its_heartbeats_would_te
         took = time.monotonic() - started
     finally:
         frozen.process.send_signal(signal.SIGCONT)
-    assert took < 4.0, f"a frozen agent was noticed only after {took:.1f} s"
-    assert "missed 3 heartbeats" not in router.log()
+    # Keepalive is 2 s + 1 s (router/app.py); three missed heartbeats would take >= 96 s.
+    assert took < 10.0, f"a frozen agent was noticed only after {took:.1f} s"
+    # The link's own end (keepalive pings unanswered), not the heartbeat count.
+    lost = [line for line in router.log().splitlines() if "agent dev-1 lost:" in line]
+    assert lost and ("link ended" in lost[0] or "link broke" in lost[0]), lost

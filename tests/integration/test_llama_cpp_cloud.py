@@ -22,6 +22,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import openai
 import pytest
 
 from stratus.launcher import free_port
@@ -32,7 +33,6 @@ from stratus.wire import inference_pb2_grpc as pb_grpc
 
 from .cluster import MODELS, Cluster, ready_count, wait_until
 
-openai = pytest.importorskip("openai")
 if importlib.util.find_spec("llama_cpp") is None or importlib.util.find_spec("uvicorn") is None:
     pytest.skip(
         "llama.cpp's server is not installed (make llama-env: llama-cpp-python[server])",

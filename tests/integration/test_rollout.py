@@ -78,7 +78,9 @@ def test_bad_candidate_rolls_back_good_one_reaches_100(cluster: Cluster, models:
         share = ("stratus_router_rollout_share_percent", frozenset(
             {**device, "candidate": "digits-small-shuffled", "state": "rolled_back"}.items()))  # fmt: skip
         assert counted[share] == 0.0
-        assert load.device_variants(after=rolled_back + 0.5)["digits-small-shuffled"] == 0
+        since = load.device_variants(after=rolled_back + 0.5)
+        assert sum(since.values()) > 0, "no device answers since the rollback: nothing to judge"
+        assert since["digits-small-shuffled"] == 0, since
 
         start(router, "digits-small-v2", **steps)
         wait_until(lambda: state_of(router) == "complete", timeout_s=90)
@@ -164,13 +166,15 @@ def test_routers_share_rollout_state_and_keep_it_across_a_restart(
     aborted = rollout(a)
     assert aborted is not None and aborted.share_percent == 0.0
 
-    cluster.processes["router-a"].stop()
-    cluster.processes["router-b"].stop()
+    cluster.latest("router-a").stop()
+    cluster.latest("router-b").stop()
     cluster.router("--rollout-state", str(state_a), role="router-a2", listen=a)
-    restored = rollout(a)
-    assert restored is not None
-    assert (restored.state, restored.revision, list(restored.history)) == (
-        "aborted",
-        aborted.revision,
-        list(aborted.history),
-    )
+    cluster.router("--rollout-state", str(state_b), role="router-b2", listen=b)
+    for restarted in (a, b):  # each kept what it was told, from its own state file
+        restored = rollout(restarted)
+        assert restored is not None
+        assert (restored.state, restored.revision, list(restored.history)) == (
+            "aborted",
+            aborted.revision,
+            list(aborted.history),
+        ), restarted

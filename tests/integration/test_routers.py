@@ -48,6 +48,8 @@ class Load:
         self._stop.set()
         for thread in self._threads:
             thread.join(timeout=30)
+        hung = [t.name for t in self._threads if t.is_alive()]
+        assert not hung, f"load threads still running 30 s after the stop: {hung}"
 
     async def _clients(self) -> None:
         # round_robin, watching each router's health: a stopping router turns NOT_SERVING
@@ -137,7 +139,7 @@ def test_the_health_service_follows_readiness_and_liveness_stays_up(cluster: Clu
     assert status("liveness") == serving
 
 
-def test_an_agent_links_to_every_address_a_dns_name_gives(cluster: Cluster) -> None:
+def test_an_agent_links_to_a_router_named_by_dns(cluster: Cluster) -> None:
     from stratus.discovery import resolve_all
 
     router = cluster.router().address
@@ -145,3 +147,35 @@ def test_an_agent_links_to_every_address_a_dns_name_gives(cluster: Cluster) -> N
     assert asyncio.run(resolve_all(host, int(port))) == [router]
     cluster.agent("dev-1", f"dns:{host}:{port}")  # what a Kubernetes headless Service gives
     wait_until(lambda: ready_count(router) == 1)
+
+
+def test_an_agent_links_to_every_router_a_lookup_gives(cluster: Cluster, tmp_path: Path) -> None:
+    """A name of two addresses cannot be made on this machine's loopback (tests/unit/
+    test_discovery.py resolves one with a stand-in resolver); the agent's side is given
+    the two routers' addresses as a lookup would, and must link to both."""
+    from edge_agent.agent import Agent, AgentSettings
+    from stratus.local import LocalModels, LocalSettings
+    from stratus.repository import ModelRepository
+    from stratus.tiers import Tier
+
+    routers = [cluster.router(role=f"router-{n}").address for n in "ab"]
+    settings = LocalSettings(variants=["digits-small"], runtimes=["onnxruntime"], cache_dir=tmp_path)
+    models = LocalModels(ModelRepository.load(MODELS), settings)
+    agent = Agent(AgentSettings(tier=Tier.DEVICE, router="dns:routers:1", name="dev-1"), models)
+
+    async def lookup() -> list[str]:
+        return routers
+
+    async def linked_to_both() -> None:
+        stop = asyncio.Event()
+        linking = asyncio.create_task(agent._link_found_routers(stop, lookup))
+        try:
+            await asyncio.to_thread(wait_until, lambda: all(ready_count(r) == 1 for r in routers))
+        finally:
+            stop.set()
+            await linking
+
+    try:
+        asyncio.run(linked_to_both())
+    finally:
+        models.close()

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import datetime
 import ipaddress
-import time
 from pathlib import Path
 
 import grpc
@@ -14,7 +13,8 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from stratus.serving import TlsSettings, open_sync_channel
+from stratus.launcher import Launched
+from stratus.serving import NO_TLS, TlsSettings, open_sync_channel
 from stratus.tiers import Tier
 from stratus.wire import fleet_pb2 as fpb
 from stratus.wire import fleet_pb2_grpc as fpb_grpc
@@ -146,13 +146,20 @@ def test_mutual_tls_on_every_link(cluster: Cluster, pki: dict[str, TlsSettings],
     )
     _, served = infer(router, digits.held_out.x[:1], min_confidence=1.0, tls=pki["client"])
     assert served.path == (Tier.DEVICE, Tier.CLOUD)
-    for refused in ("no-cert", "intruder"):
-        with pytest.raises(grpc.RpcError) as error:
-            infer(router, digits.held_out.x[:1], tls=pki[refused], timeout=5)
-        assert error.value.code() == grpc.StatusCode.UNAVAILABLE
-    with pytest.raises(grpc.RpcError):  # plaintext against a TLS port
-        infer(router, digits.held_out.x[:1], timeout=5)
-    cluster.agent("intruder", router, *tls_args(pki["intruder"]))
-    cluster.agent("plain", router)
-    time.sleep(2.0)  # long enough for both to try, and fail, to join
+    # Both servers refuse a client without a certificate, one from a rogue CA, and plaintext.
+    for server in (router, cloud.address):
+        for refused in ("no-cert", "intruder", "plaintext"):
+            tls = pki.get(refused, NO_TLS)
+            with pytest.raises(grpc.RpcError) as error:
+                infer(server, digits.held_out.x[:1], tls=tls, timeout=5)
+            assert error.value.code() == grpc.StatusCode.UNAVAILABLE, (server, refused, error.value)
+    rejected = [cluster.agent("intruder", router, *tls_args(pki["intruder"])), cluster.agent("plain", router)]
+
+    def tried_and_failed(agent: Launched) -> bool:
+        log = agent.log()
+        return f"link to router {router} lost" in log and "reconnecting" in log
+
+    for agent in rejected:  # each tried, more than once, and was refused
+        wait_until(lambda agent=agent: tried_and_failed(agent), timeout_s=20)
+        assert "linked to router" not in agent.log(), agent.role
     assert set(a.id for a in fleet_status(router, pki["client"]).agents) == {"dev-1"}

@@ -164,12 +164,12 @@ def test_fleet_status_lists_every_agent_and_the_cloud_link(fleet: Fleet) -> None
     )
     assert result.returncode == 0, result.stderr
     status = json.loads(result.stdout)
-    agents = {
-        a["id"]: a for a in status["agents"] if a["state"] != "lost"
-    }  # bad-input tests leave lost peers
+    agents = {a["id"]: a for a in status["agents"]}  # nothing else links to the shared fleet
     assert set(agents) == {"device-1", "device-2", "edge-1"}
     assert {a["tier"] for a in agents.values()} == {"device", "edge"}
-    assert all(a["state"] == "ready" and a["last_heartbeat_s"] < 3.0 for a in agents.values())
+    # Each heard from within the three heartbeats after which it would be counted lost.
+    beat = status["heartbeat_interval_s"]
+    assert all(a["state"] == "ready" and a["last_heartbeat_s"] < 3 * beat for a in agents.values()), beat
     assert [v for v in agents["edge-1"]["variants"] if v.startswith("digits-")] == [served_for("digits-medium").name]
     assert {"p50", "p99"} == set(agents["device-1"]["latency_ms"])
     assert status["cloud"] == {"address": fleet.cloud.address, "state": "connected"}

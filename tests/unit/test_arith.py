@@ -68,7 +68,9 @@ def test_answers_are_right_and_short(splits: ArithSplits) -> None:
 
 
 def test_examples_unpack_as_prompt_and_answer() -> None:
-    prompt, answer = Example("37+48=", "85")
+    example = Example(prompt="37+48=", answer="85")
+    assert (example.prompt, example.answer) == ("37+48=", "85")
+    prompt, answer = example  # in that order
     assert (prompt, answer) == ("37+48=", "85")
 
 
@@ -93,5 +95,5 @@ def test_grading_is_exact_after_strip(prompt: str, text: str, right: bool) -> No
 
 @pytest.mark.parametrize("prompt", ["37*48=", "100+1=", "37+48", "3-7=", "", "a+b="])
 def test_foreign_prompts_are_refused(prompt: str) -> None:
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="not an arith prompt"):
         solve(prompt)

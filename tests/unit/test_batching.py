@@ -111,7 +111,7 @@ def test_an_unbatchable_request_runs_alone_and_an_oversized_one_is_not_split() -
 
 def test_split_counts_cover_the_batch_exactly() -> None:
     assert split_counts(6, [1, 3, 2]) == [(0, 1), (1, 4), (4, 6)]
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"batch of 5 items cannot split into \[1, 3\]"):
         split_counts(5, [1, 3])
 
 
@@ -163,6 +163,7 @@ def test_a_cancelled_member_leaves_the_queue_and_a_batch_nobody_awaits_is_cancel
         running = asyncio.create_task(batcher.submit(KEY, "a", size=1))
         waiting = asyncio.create_task(batcher.submit(KEY, "b", size=1))
         await asyncio.sleep(0.01)
+        assert batcher.waiting_items == 1  # "b" waits behind "a" for the one slot
         waiting.cancel()
         await asyncio.sleep(0.01)
         queued = batcher.waiting_items

@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
 
 from stratus.arith import arith_splits, solve
-from stratus.calibrate import cascade
+from stratus.calibrate import cascade, describe, write
 from stratus.calibrate_generative import calibrate_generative, generative_scores, load_prompts
 from stratus.errors import ConfigError
-from stratus.repository import ModelRepository
+from stratus.repository import ModelRepository, load_family
 
 MODELS = Path(__file__).resolve().parents[2] / "models"
 
@@ -49,12 +50,21 @@ def test_bad_prompt_files_are_refused_with_the_line(tmp_path: Path, content: str
 
 
 def test_thresholds_from_a_prompt_file_reproduce_the_printed_shares(tmp_path: Path) -> None:
-    family = ModelRepository.load(MODELS).family("arith")
+    root = tmp_path / "models"
+    shutil.copytree(MODELS / "arith", root / "arith")
+    family = ModelRepository.load(root).family("arith")
     path = write_prompts(tmp_path / "prompts.jsonl", 150)
     result = calibrate_generative(family, cache=tmp_path, max_escalation=0.25, data_file=path)
     assert result.calibration.reached[-1] <= 0.25 + 1e-9  # the constraint holds where it was chosen
     assert result.data.report_name == "the other 60 prompts in prompts.jsonl"
-    scores = generative_scores(family, load_prompts(path).report, tmp_path)
-    replay = cascade(scores, [result.thresholds[t] for t in result.tiers[:-1]])
+    printed = describe(result)
+    write(family, result)
+    written = load_family(family.source)
+    assert written.thresholds == result.thresholds
+    # What the written file does on the report prompts is what was printed for them.
+    scores = generative_scores(written, load_prompts(path).report, tmp_path)
+    replay = cascade(scores, [written.thresholds[t] for t in result.tiers[:-1]])
     assert replay.accuracy == pytest.approx(result.held_out.accuracy)
     assert replay.reached == pytest.approx(result.held_out.reached)
+    shares = ", ".join(f"{t.label} {r:.1%}" for t, r in zip(result.tiers, replay.reached, strict=True))
+    assert f"report       accuracy {replay.accuracy:.4f}; requests reaching: {shares}" in printed

@@ -28,11 +28,26 @@ class SlowModels(LocalModels):
         self.generators = None
         self.release = asyncio.Event()
         self.started = asyncio.Event()
+        self.cancelled = False
 
     async def answer(self, request: pb.ModelInferRequest) -> LocalAnswer:
         self.started.set()
-        await self.release.wait()
+        try:
+            await self.release.wait()
+        except asyncio.CancelledError:
+            self.cancelled = True
+            raise
         raise AssertionError("released work should have been cancelled first")
+
+
+class RouterStream:
+    """The router's side of a link as the agent's reader sees it: messages, then EOF."""
+
+    def __init__(self) -> None:
+        self.messages: asyncio.Queue[object] = asyncio.Queue()
+
+    async def read(self) -> object:
+        return await self.messages.get()
 
 
 def agent_with(models: SlowModels) -> Agent:
@@ -45,11 +60,18 @@ def test_cancel_from_the_router_stops_running_work_and_reports_it() -> None:
         agent = agent_with(models)
         link = Link(address="router")
         agent.links[link.address] = link
-        agent._accept(fpb.Work(request_id="w1", request=pb.ModelInferRequest(model_name="digits")), link)
-        await models.started.wait()
-        link.work["w1"].cancel()  # what a Cancel message does
+        stream = RouterStream()
+        reader = asyncio.create_task(agent._receive(stream, link))  # type: ignore[arg-type]
+        work = fpb.Work(request_id="w1", request=pb.ModelInferRequest(model_name="digits"))
+        stream.messages.put_nowait(fpb.RouterMessage(work=work))
+        await asyncio.wait_for(models.started.wait(), 2)
+        stream.messages.put_nowait(fpb.RouterMessage(cancel=fpb.Cancel(request_id="w1")))
         message = await asyncio.wait_for(link.outbox.get(), 2)
         assert message is not None and agent.in_flight == 0
+        assert models.cancelled, "the running answer was not cancelled"
+        stream.messages.put_nowait(grpc.aio.EOF)
+        with pytest.raises(ConnectionError, match="router ended the link"):
+            await reader
         return message.result
 
     result = asyncio.run(scenario())

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import struct
+import tracemalloc
 
 import numpy as np
 import pytest
@@ -168,13 +169,20 @@ def test_duplicate_inputs_and_both_encodings_are_refused() -> None:
 def test_arbitrary_raw_tensors_decode_or_raise_invalid_input(
     datatype: str, shape: list[int], raw: bytes
 ) -> None:
-    """No input makes the decoder raise anything but InvalidInput, or allocate past the limit."""
+    """No input makes the decoder raise anything but InvalidInput, or allocate past the limit:
+    a shape of 2**40 elements over 64 bytes is refused before anything that size is made."""
+    request = raw_request(datatype, shape, raw)
+    tracemalloc.start()
     try:
-        array = codec.decode_request_inputs(raw_request(datatype, shape, raw))["x"]
+        array = codec.decode_request_inputs(request)["x"]
     except InvalidInput as error:
         assert "'x'" in str(error)
     else:
         assert list(array.shape) == shape
+    finally:
+        _, peak = tracemalloc.get_traced_memory()
+        tracemalloc.stop()
+    assert peak < 1 << 20, f"decoding {len(raw)} bytes allocated {peak} bytes at its peak"
 
 
 def test_numpy_dtypes_without_a_protocol_type_are_refused() -> None:

@@ -94,6 +94,7 @@ def test_each_runtime_answers_arithmetic_and_stops_at_the_end(runtime: str) -> N
 @pytest.mark.parametrize("runtime", RUNTIMES)
 def test_each_runtime_honours_max_tokens_cancellation_and_the_context(runtime: str) -> None:
     model = runner(runtime)
+    before, _ = generate(model, "37+48=", max_tokens=4)  # what it answers untouched
     tokens, reason = generate(model, "37+48=", max_tokens=1)
     assert (len(tokens), reason) == (1, "length")
     seen: list[Token] = []
@@ -103,10 +104,8 @@ def test_each_runtime_honours_max_tokens_cancellation_and_the_context(runtime: s
     assert len(seen) == 1  # stopped at the first token it was told to
     with pytest.raises(InvalidInput, match="exceeds the context of 512 tokens"):
         generate(model, "1+" * 300 + "1=", max_tokens=4)
-    after, _ = generate(model, "37+48=", max_tokens=4)  # a refusal or a cancel leaves it usable
-    assert "".join(t.text for t in after) == "".join(
-        t.text for t in generate(model, "37+48=", max_tokens=4)[0]
-    )
+    after, _ = generate(model, "37+48=", max_tokens=4)  # a refusal or a cancel leaves it as it was
+    assert [(t.text, t.logprob) for t in after] == [(t.text, t.logprob) for t in before]
 
 
 def test_the_runtimes_agree_token_by_token() -> None:
@@ -162,10 +161,16 @@ def test_verify_runs_each_generative_variant_in_each_runtime_and_grades_it(tmp_p
     } == expected  # arith-large itself is HF only: nothing here runs it
     report = VerifyReport(rows=tuple(rows), skipped={})
     assert report.ok, format_report(report)
+    assert all(solve(p) == a for p, a in zip(some.x, some.y, strict=True))  # the labels are arithmetic's
+    # Graded here, independently: arith-small's answers on the same prompts, in one runtime.
+    small = next(r for r in rows if r.name == "arith-small")
+    model = runner(small.runtime, "arith-small")
+    answers = ["".join(t.text for t in generate(model, prompt, max_tokens=4)[0]) for prompt in some.x]
+    graded = sum(answer == label for answer, label in zip(answers, some.y, strict=True))
+    assert small.accuracy == pytest.approx(graded / 60), (small.accuracy, graded)
     accuracy = {r.name: r.accuracy for r in rows}
-    right = {name: sum(solve(p) == a for p, a in zip(some.x, some.y, strict=True)) / 60 for name in accuracy}
-    assert right == dict.fromkeys(accuracy, 1.0)  # the labels are arithmetic's own answers
     assert accuracy["arith-small"] < accuracy["arith-large-fp16"]  # type: ignore[operator]
+    assert accuracy["arith-large-fp16"] >= 0.9  # type: ignore[operator]  # 98% on all 1,000 held-out prompts
     assert all(r.latency_ms["b1"] > 0 and r.size_kib > 50 for r in rows)
     assert all(r.kv_cache in ("f32", "f16", "default") and r.kv_cache in r.status for r in rows)
     disagreeing = dataclasses.replace(rows[0], runtime_agreement=0.95)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 from pathlib import Path
 
 import numpy as np
@@ -36,8 +37,10 @@ def answered(tmp_path: Path, repository: ModelRepository, **settings: float) -> 
         models.close()
 
 
-def test_a_variant_that_runs_in_microseconds_moves_onto_the_event_loop(tmp_path: Path, repository) -> None:  # type: ignore[no-untyped-def]
-    inline, confidence = answered(tmp_path, repository, inline_below_ms=2.0)  # calls take ~0.05 ms
+def test_a_variant_faster_than_the_switch_moves_onto_the_event_loop(tmp_path: Path, repository) -> None:  # type: ignore[no-untyped-def]
+    # Any call is under 10 s, however loaded the machine: the switch is what is tested. What a
+    # digits-small call costs (about 0.05 ms) is benchmarks/router_overhead.py's business.
+    inline, confidence = answered(tmp_path, repository, inline_below_ms=10_000.0)
     assert inline == {"digits-small"} and 0.0 < confidence <= 1.0
 
 
@@ -75,12 +78,21 @@ def test_reload_loads_what_changed_and_retires_what_was_replaced(
         onnx_file = root / "digits" / "digits-medium.onnx"
         onnx_file.write_bytes(onnx_file.read_bytes())  # replaced on disk: same bytes, new file
         os.utime(onnx_file, ns=(1, 1))
+        closed: list[float] = []
+        close = first.close
+        monkeypatch.setattr(first, "close", lambda: (closed.append(time.monotonic()), close()))
+        reloaded = time.monotonic()
         await models.reload()
         second = models.runners["digits-medium"]
         assert second is not first
         answer = await models.answer(_digits_request("digits"))
         assert answer.variant.name == "digits-medium" and len(answer.confidences) == 2
-        await asyncio.sleep(0.4)
+        assert closed == [], "the replaced runner is closed only after its grace"
+        for _ in range(100):  # retired once the grace is over
+            if closed:
+                break
+            await asyncio.sleep(0.05)
+        assert len(closed) == 1 and closed[0] - reloaded >= 0.2, closed
         assert models.runners["digits-medium"] is second
 
     try:

@@ -160,14 +160,17 @@ def test_onnxruntime_caches_the_optimized_graph(repository: ModelRepository, tmp
     )
 
 
-def test_bounded_executor_refuses_past_its_queue(no_leaked_threads: None) -> None:
+def test_bounded_executor_refuses_past_its_queue() -> None:
     gate = threading.Event()
     executor = BoundedExecutor(name="test-infer", workers=1, queue_limit=1)
 
     async def scenario() -> None:
         running = asyncio.ensure_future(executor.run(gate.wait, 5))
         waiting = asyncio.ensure_future(executor.run(lambda: "second"))
-        await asyncio.sleep(0.05)
+        for _ in range(200):  # until both reached the executor, however slow the machine
+            if executor.in_flight == 2:
+                break
+            await asyncio.sleep(0.01)
         assert executor.in_flight == 2 and executor.queued == 1
         with pytest.raises(Overloaded, match="test-infer queue is full"):
             await executor.run(lambda: "third")

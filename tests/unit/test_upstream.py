@@ -57,8 +57,6 @@ from stratus.protocol import Served, parameter_value, set_parameter
 from stratus.serving import DataPlane
 from stratus.wire import inference_pb2 as pb
 
-pytestmark = pytest.mark.usefixtures("no_leaked_threads")
-
 # --- canned vLLM answers ------------------------------------------------------------------------
 
 TOKENS = ["8", "5", "\n"]
@@ -128,6 +126,7 @@ class Fake:
     delay_s: float = 0.0
     reset: bool = False
     received: list[dict[str, Any]] = field(default_factory=list)
+    cancelled: int = 0  # handlers ended because their client went away
 
     def app(self) -> web.Application:
         app = web.Application()
@@ -149,7 +148,11 @@ class Fake:
     async def _completions(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         self.received.append(body)
-        await asyncio.sleep(self.delay_s)
+        try:
+            await asyncio.sleep(self.delay_s)
+        except asyncio.CancelledError:
+            self.cancelled += 1
+            raise
         if self.reset:
             assert request.transport is not None
             request.transport.abort()
@@ -436,6 +439,13 @@ def test_a_cancelled_caller_leaves_nothing_behind() -> None:
             task.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await task
+            for _ in range(100):  # the server sees the connection go, and ends the handler
+                if fake.cancelled:
+                    break
+                await asyncio.sleep(0.02)
+            assert fake.cancelled == 1, "the request went on upstream after its caller gave up"
+            connector = upstream.session.connector
+            assert connector is not None and not connector._acquired, "a connection is still held"
             assert upstream.healthy
 
     run(scenario)

@@ -8,13 +8,14 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+import openai
 import pytest
 
 from stratus.launcher import free_port
 from tests.integration.cluster import Cluster, ready_count, wait_until
 from tests.integration.vllm.direct import Gateway, Vllm, completion
+from tests.integration.vllm.test_cloud_vllm import gateway_stops_serving
 
-openai = pytest.importorskip("openai")
 pytestmark = pytest.mark.vllm
 PROMPTS = ["37+48=", "91-19=", "3+4="]
 
@@ -81,8 +82,10 @@ def test_an_unsure_answer_climbs_to_vllm_and_comes_back_as_vllm_gives_it(site: S
 
 
 @pytest.mark.stops_vllm
-def test_without_vllm_answers_degrade_or_fail_as_configured(site: Site, vllm: Vllm) -> None:
-    vllm.server.stop()
+def test_without_vllm_the_gateway_is_not_ready_and_answers_degrade_or_fail_as_configured(
+    site: Site, gateway: Gateway, vllm: Vllm
+) -> None:
+    gateway_stops_serving(gateway, vllm)  # the only test that stops the session's vLLM
     text, served = ask(site.client(), PROMPTS[0], min_confidence=1.0)
     assert served["tier"] == "edge" and served["degraded"] is True and text
     with pytest.raises(openai.APIStatusError) as refused:

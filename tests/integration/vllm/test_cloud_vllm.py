@@ -132,13 +132,15 @@ def test_the_gateway_exports_vllms_queue(vllm: Vllm, gateway: Gateway) -> None:
     assert 'stratus_upstream_requests{state="running"}' in exported
 
 
-@pytest.mark.stops_vllm
-def test_without_vllm_the_gateway_is_not_ready_and_requests_are_unavailable(
-    vllm: Vllm, gateway: Gateway
-) -> None:
-    vllm.server.stop()
+def gateway_stops_serving(gateway: Gateway, vllm: Vllm) -> None:
+    """Stop vLLM under a gateway that is ready: it turns not ready, and says UNAVAILABLE.
+    Run by test_cascade_vllm's one test that stops vLLM (the session has one vLLM; a test
+    that found it already stopped could not see it go)."""
     with open_sync_channel(gateway.address) as channel:
         stub = pb_grpc.GRPCInferenceServiceStub(channel)
+        wait_until(lambda: stub.ServerReady(pb.ServerReadyRequest(), timeout=5).ready, timeout_s=30.0)
+        assert vllm.server.alive(), "vLLM was stopped before this test"
+        vllm.server.stop()
         wait_until(lambda: not stub.ServerReady(pb.ServerReadyRequest(), timeout=5).ready, timeout_s=5.0)
         assert not stub.ModelReady(pb.ModelReadyRequest(name=vllm.family), timeout=5).ready
         with pytest.raises(grpc.RpcError) as caught:

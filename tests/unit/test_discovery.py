@@ -1,0 +1,44 @@
+"""``dns:NAME:PORT``: every address a name resolves to, one router each."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from typing import Any
+
+from stratus.discovery import addresses_of, resolve_all
+
+
+class TwoRouterLoop(asyncio.SelectorEventLoop):
+    """A loop whose resolver answers as a Kubernetes headless Service with two pods would:
+    one IPv4 and one IPv6 address, each listed twice (once per socket type asked)."""
+
+    asked: list[tuple[str, int]]
+
+    async def getaddrinfo(self, host: Any, port: Any, **kwargs: Any) -> list[Any]:  # type: ignore[override]
+        self.asked.append((host, port))
+        v4 = (socket.AF_INET, socket.SOCK_STREAM, 6, "", ("10.0.0.7", port))
+        v6 = (socket.AF_INET6, socket.SOCK_STREAM, 6, "", ("fd00::8", port, 0, 0))
+        return [v6, v4, v4, v6]
+
+
+def run_on_two_routers(coroutine: Any) -> tuple[Any, list[tuple[str, int]]]:
+    loop = TwoRouterLoop()
+    loop.asked = []
+    try:
+        return loop.run_until_complete(coroutine), loop.asked
+    finally:
+        loop.close()
+
+
+def test_resolve_all_gives_each_address_once_ipv6_in_brackets() -> None:
+    found, asked = run_on_two_routers(resolve_all("routers.stratus.svc", 7070))
+    assert found == ["10.0.0.7:7070", "[fd00::8]:7070"]
+    assert asked == [("routers.stratus.svc", 7070)]
+
+
+def test_a_dns_spec_resolves_now_and_a_list_is_taken_as_listed() -> None:
+    found, _ = run_on_two_routers(addresses_of("dns:routers.stratus.svc:7070"))
+    assert found == ["10.0.0.7:7070", "[fd00::8]:7070"]
+    listed, asked = run_on_two_routers(addresses_of(" a:1, b:2 ,"))
+    assert (listed, asked) == (["a:1", "b:2"], [])
