@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 
 from router.cloud import CloudLink
+from router.cloud_models import family_of
 from router.generate import Generation, GenerationCascade, Sink
 from router.index import line_key
 from router.policy import Attempt, CloudView, FleetSnapshot, NoTarget, Target, choose, settled, top_tier
@@ -157,7 +158,9 @@ class RouterDataPlane(DataPlane):
 
     def model_metadata(self, name: str) -> pb.ModelMetadataResponse:
         family, _ = self._family_of(name)
-        info = self.registry.family(family) or self.generative(family)  # the cloud's, if only it has it
+        described = self._described_as(family)
+        # the family's, as agents describe it; else the cloud's (a generative family it alone serves)
+        info = self.registry.family(described) or self.generative(family)
         variants = self.registry.index.variants_of(family)
         response = pb.ModelMetadataResponse(name=name, versions=variants, platform="stratus")
         if info is not None:
@@ -170,10 +173,17 @@ class RouterDataPlane(DataPlane):
         generative = self.generative(family)
         if generative is not None:  # with the max_tokens a request may ask for, as the cloud says it
             return generative_config(name, "stratus", generative.max_tokens)
-        spec = self._spec(family)
+        spec = self._spec(self._described_as(family))
         if spec is None:
             return pb.ModelConfig(name=name, platform="stratus", backend="stratus")
         return model_config(spec, name, "stratus")
+
+    def _described_as(self, name: str) -> str:
+        """The family whose description answers for ``name``: itself, or, for a variant only
+        the cloud serves (``digits-large``), the agents' family its name begins with."""
+        if name in self.registry.families or self.cloud is None or not self.cloud.models.get(name):
+            return name
+        return family_of(name, self.registry.families) or name
 
     # -- inference ----------------------------------------------------------------------
     def generative(self, name: str) -> fpb.FamilyInfo | None:

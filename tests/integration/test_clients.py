@@ -28,6 +28,10 @@ def test_tritonclient_health_and_metadata(router: str) -> None:
     assert [(t.name, list(t.shape)) for t in model.outputs] == [("probabilities", [-1, 10])]
     config = client.get_model_config("digits").config
     assert config.name == "digits" and [i.name for i in config.input] == ["input"]
+    # the cloud's variant, under its FP32 name whatever precision serves it: the family's tensors
+    large = client.get_model_metadata("digits-large")
+    assert [(t.name, list(t.shape)) for t in large.inputs] == [("input", [-1, 64])]
+    assert [i.name for i in client.get_model_config("digits-large").config.input] == ["input"]
 
 
 def test_tritonclient_infer(router: str, digits) -> None:  # type: ignore[no-untyped-def]

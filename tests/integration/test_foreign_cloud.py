@@ -156,7 +156,7 @@ def test_escalations_reach_the_server_and_answer_as_onnx_runtime(
         np.testing.assert_allclose(got, expected[index : index + 1], rtol=1e-6, atol=1e-7)
         assert served.confidence == pytest.approx(float(got.max()), rel=1e-6)  # the router judged it
     _counted(foreign, before, len(x))  # the server itself counted each one
-    assert f"connected ({foreign.setup.transport})" in foreign.cluster.processes["router"].log()
+    assert f"connected ({foreign.setup.transport})" in foreign.cluster.latest("router").log()
 
 
 def test_a_batch_climbs_whole_and_keeps_its_order(foreign: Foreign, digits, onnx_runtime) -> None:  # type: ignore[no-untyped-def]

@@ -135,7 +135,7 @@ def test_unsure_answers_climb_to_llama_cpp_and_come_back_as_it_gives_them(site: 
             model="arith", prompt=prompt, max_tokens=4, stream=True, extra_body={"stratus": {"min_tier": "cloud"}}
         )
         assert "".join(c.choices[0].text for c in streamed).strip() == direct.strip()
-    log = site.cluster.processes["cloud"].log()
+    log = site.cluster.latest("cloud").log()
     assert "has no /health: /v1/models tells its health" in log
     assert "arith-large-fp16 loaded" not in log  # the upstream serves arith: nothing of it runs here
 

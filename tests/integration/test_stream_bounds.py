@@ -4,8 +4,10 @@ the router. Each against a real router, with an agent serving beside it."""
 
 from __future__ import annotations
 
+import threading
 import time
 import urllib.request
+from collections.abc import Iterator
 
 import grpc
 import numpy as np
@@ -59,15 +61,19 @@ def test_a_stream_client_that_never_reads_holds_a_window_of_answers_not_all(clus
 
 def test_a_link_that_never_says_hello_is_closed(cluster: Cluster) -> None:
     router = cluster.router("--hello-timeout-s", "1").address
+    done = threading.Event()
 
-    def silence():  # type: ignore[no-untyped-def]
-        time.sleep(30)
-        yield fpb.AgentMessage()
+    def silence() -> Iterator[fpb.AgentMessage]:  # says nothing until the test is over
+        done.wait(30)
+        yield from ()
 
     with grpc.insecure_channel(router) as channel:
         started = time.monotonic()
-        with pytest.raises(grpc.RpcError) as closed:
-            list(fpb_grpc.AgentLinkStub(channel).Connect(silence(), timeout=20))
+        try:
+            with pytest.raises(grpc.RpcError) as closed:
+                list(fpb_grpc.AgentLinkStub(channel).Connect(silence(), timeout=20))
+        finally:
+            done.set()  # the channel's sending thread ends with the iterator
     assert closed.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     assert closed.value.details() == "no Hello within 1 s of opening an AgentLink"
     assert time.monotonic() - started < 15  # closed by the router, not by the client's deadline

@@ -600,7 +600,7 @@ def test_generate_streams_one_response_per_chunk_the_last_final() -> None:
     [
         (pb.ModelInferRequest(model_name="arith"), "needs the input 'text_input'"),
         (prompt_request(max_tokens=1.5), "must be an int64"),
-        (prompt_request(max_tokens=0), "at least 1"),
+        (prompt_request(max_tokens=0), "must lie between 1 and"),
     ],
 )
 def test_bad_generative_requests_are_refused_before_the_upstream_is_asked(
