@@ -252,6 +252,7 @@ class Agent:
                 link.outbox.put_nowait(None)
                 if self.links.get(address) is link:
                     del self.links[address]
+                await _ended(call)
 
     async def _say_goodbye(self, link: Link) -> None:
         """Draining: tell the router, then let in-flight work finish and report."""
@@ -389,6 +390,14 @@ def _outcome(result: fpb.Result) -> str:
     if result.WhichOneof("outcome") != "error":
         return "ok"
     return status_for(result.error.code).name.lower()
+
+
+async def _ended(call: grpc.aio.StreamStreamCall[fpb.AgentMessage, fpb.RouterMessage]) -> None:
+    """Wait for the call to be over (cancelled, or ended by either side), so that none of
+    gRPC's tasks for it is still pending when the channel closes and the loop moves on."""
+    call.cancel()
+    with contextlib.suppress(grpc.aio.AioRpcError, asyncio.CancelledError):
+        await call.code()
 
 
 async def _drain_queue(outbox: asyncio.Queue[fpb.AgentMessage | None]) -> AsyncIterator[fpb.AgentMessage]:
