@@ -114,8 +114,10 @@ NO_TLS: Final = TlsSettings()
 
 # Streams one client connection may hold open at once, and calls a server runs at once: a
 # client opening thousands of silent streams is refused past these (an AgentLink is one
-# stream on its own connection, so a router of 2,000 agents holds 2,000 calls).
-MAX_STREAMS_PER_CONNECTION: Final = 256
+# stream on its own connection, so a router of 2,000 agents holds 2,000 calls). Generous per
+# connection: a client that opens many calls at once on a new channel, before the server's
+# SETTINGS reach it, gets REFUSED_STREAM (UNAVAILABLE) past the cap; 300 at once were seen.
+MAX_STREAMS_PER_CONNECTION: Final = 1024
 MAX_CONCURRENT_RPCS: Final = 16_384
 
 
