@@ -18,7 +18,7 @@ from router.cloud_models import parse_cloud_models, parse_header
 from router.dataplane import RouterDataPlane
 from router.fleet_service import FleetServicer, fleet_levels, rollout_levels
 from router.link import AdmissionGate, AgentLinkServicer
-from router.openai_api import OpenAiApi
+from router.openai_api import OpenAiApi, check_listen
 from router.peers import RolloutPeers
 from router.registry import FleetRegistry
 from router.rollout import ROLLED_BACK, Plan, Rollouts
@@ -72,6 +72,9 @@ class RouterSettings:
     peers: str | None = None
     # HOST:PORT for the OpenAI API (/v1/completions, /v1/chat/completions); None: not served.
     openai: str | None = None
+    # Its API key (required off loopback), and Host names it answers besides loopback's.
+    openai_api_key: str = ""
+    openai_hosts: tuple[str, ...] = ()
     # A cloud that is not a Stratus gateway: the models it serves the families with
     # ("NAME" or "FAMILY=NAME", comma-separated), and gRPC metadata sent on every call to it.
     cloud_models: str | None = None
@@ -90,6 +93,8 @@ async def _watch_heartbeats(registry: FleetRegistry) -> None:
 
 
 async def serve(settings: RouterSettings, stop: asyncio.Event | None = None) -> None:
+    if settings.openai:
+        check_listen(settings.openai, settings.openai_api_key)  # before anything starts
     stop = stop or asyncio.Event()
     stop_on_signals(stop)
     raise_open_files_limit()  # one descriptor per linked agent
@@ -171,7 +176,7 @@ async def _start_extras(
     """zeroconf, /metrics and the OpenAI API, as the settings ask; their closers, in order."""
     closers: list[Callable[[], Awaitable[None]]] = []
     if settings.openai:
-        openai = OpenAiApi(plane)
+        openai = OpenAiApi(plane, api_key=settings.openai_api_key, hosts=settings.openai_hosts)
         log.info("OpenAI API on %s", await openai.start(settings.openai))
         closers.append(openai.stop)
     if settings.metrics:

@@ -21,11 +21,12 @@ model, 429 when the router is full, 503 when nothing can serve, 504 past the bud
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Final
 
 from aiohttp import web
@@ -33,6 +34,7 @@ from aiohttp import web
 from router.generate import Generation
 from stratus import codec
 from stratus.errors import (
+    ConfigError,
     DeadlineExceeded,
     InvalidInput,
     NotFound,
@@ -45,6 +47,7 @@ from stratus.errors import (
 from stratus.generation import MAX_TOKENS, TEXT_INPUT, Chunk
 from stratus.local_generation import text_array
 from stratus.protocol import PREFIX, set_parameter
+from stratus.serving import is_loopback
 from stratus.wire import inference_pb2 as pb
 
 if TYPE_CHECKING:
@@ -80,9 +83,18 @@ def _error_response(exc: StratusError) -> web.Response:
 
 
 class OpenAiApi:
-    def __init__(self, plane: RouterDataPlane) -> None:
+    """The OpenAI API in front of the router's data plane.
+
+    ``api_key``: every call must carry ``Authorization: Bearer KEY`` (none needed when
+    empty, which only a loopback address allows). Bodies must be ``application/json``: a web
+    page can post ``text/plain`` anywhere without a CORS check, so that refusal, with the
+    ``Host`` allow-list against DNS rebinding, keeps browsers out."""
+
+    def __init__(self, plane: RouterDataPlane, *, api_key: str = "", hosts: Sequence[str] = ()) -> None:
         self.plane = plane
-        self.app = web.Application(client_max_size=1 << 20, middlewares=[self._errors])
+        self._api_key = api_key
+        self._hosts = frozenset(h.lower() for h in hosts)
+        self.app = web.Application(client_max_size=1 << 20, middlewares=[self._errors, self._guard])
         self.app.router.add_get("/v1/models", self.models)
         self.app.router.add_post("/v1/completions", self.completions)
         self.app.router.add_post("/v1/chat/completions", self.chat)
@@ -90,6 +102,7 @@ class OpenAiApi:
 
     async def start(self, listen: str) -> str:
         host, _, port = listen.rpartition(":")
+        check_listen(listen, self._api_key)
         self._runner = web.AppRunner(self.app, access_log=None, handler_cancellation=True)
         await self._runner.setup()
         site = web.TCPSite(self._runner, host or "127.0.0.1", int(port))
@@ -115,6 +128,34 @@ class OpenAiApi:
                 error_body(exc.status, "invalid_request_error", exc.reason or "bad request"),
                 status=exc.status,
             )
+
+    @web.middleware
+    async def _guard(
+        self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+    ) -> web.StreamResponse:
+        """The key, the Host and the body's type, before anything else is read."""
+        if self._api_key:
+            given = request.headers.get("Authorization", "").removeprefix("Bearer ").strip()
+            if not hmac.compare_digest(given.encode(), self._api_key.encode()):
+                return web.json_response(
+                    error_body(401, "authentication_error", "a valid API key is needed (Authorization: Bearer KEY)"),
+                    status=401,
+                )
+        # Without a key (loopback only), a browser on this machine is the risk: its pages may
+        # reach 127.0.0.1, or a name rebound to it, so only loopback names (and those given)
+        # are served. A key is a header no other site's page can make a browser send.
+        host = _host_name(request.host or "")
+        if not self._api_key and not (is_loopback(host) or host in self._hosts):
+            return web.json_response(
+                error_body(421, "invalid_request_error", f"Host {host[:64]!r} is not one this API serves"),
+                status=421,
+            )
+        if request.method == "POST" and request.content_type != "application/json":
+            return web.json_response(
+                error_body(415, "invalid_request_error", "the body must be Content-Type: application/json"),
+                status=415,
+            )
+        return await handler(request)
 
     # -- endpoints ----------------------------------------------------------------------------
     async def models(self, request: web.Request) -> web.Response:
@@ -287,11 +328,37 @@ def _chat_logprobs(result: Generation) -> dict[str, Any]:
     }
 
 
+def check_listen(listen: str, api_key: str) -> None:
+    """Refuse (before anything starts) an OpenAI API off loopback without a key."""
+    host = listen.rpartition(":")[0] or "127.0.0.1"
+    if not api_key and not is_loopback(host):
+        raise ConfigError(
+            f"the OpenAI API on {listen} is off loopback: give it a key "
+            "(--openai-api-key-file, or STRATUS_OPENAI_API_KEY)"
+        )
+
+
+def _number(key: str, value: int | float) -> float:
+    try:
+        return float(value)
+    except OverflowError:  # an integer past any double (10**400)
+        raise InvalidInput(f"'stratus.{key}' is out of range") from None
+
+
+def _host_name(host: str) -> str:
+    """The Host header without its port: ``[::1]:8080`` -> ``::1``, ``a.b:80`` -> ``a.b``."""
+    if host.startswith("["):
+        return host[1:].split("]", 1)[0].lower()
+    return host.rsplit(":", 1)[0].lower() if host.count(":") == 1 else host.lower()
+
+
 async def _body(request: web.Request) -> dict[str, Any]:
     try:
         body = await request.json(loads=json.loads)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise InvalidInput(f"the body is not valid JSON: {exc}") from None
+    except RecursionError:  # a megabyte of '[': nested past what the parser follows
+        raise InvalidInput("the body is nested too deeply") from None
     if not isinstance(body, dict):
         raise InvalidInput("the body must be a JSON object")
     return body
@@ -323,7 +390,7 @@ def _oip_request(model: str, prompt: str, body: Mapping[str, Any], limit: int) -
             raise InvalidInput(f"'stratus.{key}' must be a number")
         if kind is str and not isinstance(value, str):
             raise InvalidInput(f"'stratus.{key}' must be a string")
-        set_parameter(request.parameters, f"{PREFIX}{key}", float(value) if kind is float else value)
+        set_parameter(request.parameters, f"{PREFIX}{key}", _number(key, value) if kind is float else value)
     return request
 
 

@@ -30,6 +30,19 @@ def _token(value: str | None) -> str:
     return value if value is not None else os.environ.get("STRATUS_TOKEN", "")
 
 
+def _secret(path: Path | None, variable: str) -> str:
+    """A secret from a file (its first line) or the environment, never from the command
+    line, where every user of the machine can read it."""
+    import os
+
+    if path is None:
+        return os.environ.get(variable, "")
+    try:
+        return path.read_text(encoding="utf-8").strip()
+    except OSError as exc:
+        raise ConfigError(f"cannot read {path}: {exc.strerror}") from None
+
+
 def _tls(args: argparse.Namespace) -> TlsSettings:
     return TlsSettings(cert=args.tls_cert, key=args.tls_key, ca=args.tls_ca)
 
@@ -66,6 +79,8 @@ def _router(args: argparse.Namespace) -> int:
         rollout_state=args.rollout_state,
         peers=args.peers,
         openai=args.openai,
+        openai_api_key=_secret(args.openai_api_key_file, "STRATUS_OPENAI_API_KEY"),
+        openai_hosts=tuple(args.openai_host),
         cloud_models=args.cloud_models,
         cloud_headers=tuple(args.cloud_header),
     )
@@ -267,6 +282,19 @@ def _add_router(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -
     )
     router.add_argument(
         "--openai", default=None, metavar="HOST:PORT", help="serve the OpenAI API (generative families) here"
+    )
+    router.add_argument(
+        "--openai-api-key-file",
+        type=Path,
+        default=None,
+        help="the OpenAI API's key, as clients send it (Authorization: Bearer KEY); required off "
+        "loopback; default: STRATUS_OPENAI_API_KEY",
+    )
+    router.add_argument(
+        "--openai-host",
+        action="append",
+        default=[],
+        help="a Host name the keyless (loopback) OpenAI API answers besides loopback's (repeatable)",
     )
     router.add_argument(
         "--peers",

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import ipaddress
 import logging
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
@@ -32,6 +33,17 @@ MAX_MESSAGE_BYTES: Final = 16 * 1024 * 1024
 # MAX_MESSAGE_BYTES ends the whole stream and every call on it, so a request that would
 # build one is refused alone, before it is sent.
 MAX_WORK_BYTES: Final = MAX_MESSAGE_BYTES - 64 * 1024
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (``localhost``, or an address, brackets allowed) is this machine's loopback."""
+    host = host.strip("[]").lower()
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def check_fits(size: int, what: str) -> None:

@@ -1,0 +1,81 @@
+"""The OpenAI API keeps strangers and browsers out (the security review's F14): a key where
+one is set (and one is required off loopback), JSON bodies only, loopback Host names only
+without a key, and bad bodies answered 400 in OpenAI's shape, never 500."""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from stratus.errors import Unavailable
+from stratus.launcher import free_port
+
+from .cluster import Cluster, wait_until
+
+KEY = "sk-stratus-test"
+
+
+def call(api: str, path: str, body: bytes | None = None, **headers: str) -> tuple[int, dict[str, object]]:
+    """(status, JSON body) of one request to the API."""
+    request = urllib.request.Request(f"http://{api}{path}", data=body, headers=headers)
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def completion(**extra: object) -> bytes:
+    return json.dumps({"model": "arith", "prompt": "37+48=", "max_tokens": 4, **extra}).encode()
+
+
+@pytest.fixture
+def keyless(cluster: Cluster) -> str:
+    api = f"127.0.0.1:{free_port()}"
+    router = cluster.router("--openai", api).address
+    cluster.agent("dev-1", router)
+    wait_until(lambda: call(api, "/v1/models")[0] == 200 and bool(call(api, "/v1/models")[1]["data"]), timeout_s=30)
+    return api
+
+
+def test_without_a_key_only_json_bodies_for_loopback_names_are_taken(keyless: str) -> None:
+    json_type = {"Content-Type": "application/json"}
+    status, answer = call(keyless, "/v1/completions", completion(), **json_type)
+    assert status == 200 and answer["choices"]
+    status, refused = call(keyless, "/v1/completions", completion(), **{"Content-Type": "text/plain"})
+    assert status == 415 and refused["error"]["message"] == "the body must be Content-Type: application/json"  # type: ignore[index]
+    status, refused = call(keyless, "/v1/models", Host="attacker.example")  # a name rebound to 127.0.0.1
+    assert status == 421 and "'attacker.example' is not one this API serves" in refused["error"]["message"]  # type: ignore[index]
+    assert call(keyless, "/v1/models", Host="localhost:8080")[0] == 200
+
+
+def test_bodies_that_used_to_give_500_are_400s_in_openais_shape(keyless: str) -> None:
+    json_type = {"Content-Type": "application/json"}
+    status, refused = call(keyless, "/v1/completions", b"[" * 200_000, **json_type)
+    assert status == 400 and refused["error"]["type"] == "invalid_request_error"  # type: ignore[index]
+    huge = completion().replace(b'"max_tokens": 4', b'"max_tokens": 4, "stratus": {"budget_ms": 1' + b"0" * 400 + b"}")
+    status, refused = call(keyless, "/v1/completions", huge, **json_type)
+    assert status == 400 and refused["error"]["message"] == "'stratus.budget_ms' is out of range"  # type: ignore[index]
+
+
+def test_with_a_key_every_call_needs_it(cluster: Cluster, tmp_path: Path) -> None:
+    key_file = tmp_path / "openai.key"
+    key_file.write_text(KEY + "\n")
+    api = f"127.0.0.1:{free_port()}"
+    cluster.router("--openai", api, "--openai-api-key-file", str(key_file))
+    wait_until(lambda: call(api, "/v1/models", Authorization=f"Bearer {KEY}")[0] == 200, timeout_s=30)
+    for headers in ({}, {"Authorization": "Bearer sk-wrong"}, {"Authorization": KEY[:-1]}):
+        status, refused = call(api, "/v1/models", **headers)
+        assert status == 401 and refused["error"]["type"] == "authentication_error", headers  # type: ignore[index]
+    # with a key, any Host: a page elsewhere cannot make a browser send the key
+    assert call(api, "/v1/models", Authorization=f"Bearer {KEY}", Host="router.site.example")[0] == 200
+
+
+def test_off_loopback_the_api_does_not_start_without_a_key(cluster: Cluster) -> None:
+    with pytest.raises(Unavailable) as refused:
+        cluster.router("--openai", f"0.0.0.0:{free_port()}")
+    assert "is off loopback: give it a key (--openai-api-key-file, or STRATUS_OPENAI_API_KEY)" in str(refused.value)
