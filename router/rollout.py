@@ -59,6 +59,16 @@ WINDOW_LATENCIES: Final = 20_000
 # Judging sorts the window; at most this often per rollout, however busy the router.
 JUDGE_EVERY_S: Final = 0.05
 FORMAT_VERSION: Final = 1
+# Bounds on a rollout record, wherever it comes from (an operator, a peer, the state file).
+MAX_STEPS: Final = 20
+MAX_HISTORY: Final = 50
+MAX_TEXT: Final = 1000
+MAX_REVISION: Final = 2**53  # a revision past it could never be followed by a higher one exactly
+# Rollouts one router keeps; records past it (from a peer or the file) are not adopted.
+MAX_PLANS: Final = 256
+# How far past ours a record's revision may be and still be adopted: each change adds 1, so
+# honest routers stay far inside it, and a record cannot win every later merge by a huge one.
+MAX_REVISION_JUMP: Final = 1000
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -96,6 +106,25 @@ class Plan:
     updated: float = 0.0  # unix time of the last change, where it was made
     origin: str = ""  # the router that made the last change
     history: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        """Every record, whether an operator's, a peer's or the state file's, is checked as a
+        new rollout is: a bad one (``step`` past its steps, a 15 MiB history) used to make
+        every request of the family fail INTERNAL, and spread to the other routers."""
+        check_steps(self.steps)
+        if not 0 <= self.step < len(self.steps):
+            raise InvalidInput(f"rollout step {self.step} is outside its {len(self.steps)} steps")
+        if self.tier is Tier.CLOUD:
+            raise InvalidInput("the cloud tier has no rollouts")
+        if self.min_requests < 1 or not 0 <= self.shadow <= 100:
+            raise InvalidInput("min_requests must be at least 1 and shadow a percent between 0 and 100")
+        if not 1 <= self.revision <= MAX_REVISION or len(self.history) > MAX_HISTORY:
+            raise InvalidInput(
+                f"rollout revision {self.revision} or history of {len(self.history)} is out of bounds"
+            )
+        texts = (self.family, self.candidate, self.origin, self.reason, *self.history)
+        if any(len(text) > MAX_TEXT for text in texts):
+            raise InvalidInput(f"a rollout record's names and reasons are at most {MAX_TEXT} characters")
 
     @property
     def key(self) -> tuple[str, Tier]:
@@ -142,7 +171,7 @@ class Plan:
                 origin=str(data.get("origin", "")),
                 history=tuple(str(h) for h in data.get("history", ())),
             )
-        except (KeyError, TypeError, ValueError) as exc:
+        except (KeyError, TypeError, ValueError, InvalidInput) as exc:
             raise ConfigError(f"a rollout record is malformed: {type(exc).__name__}: {exc}") from None
 
 
@@ -153,10 +182,10 @@ def _state(text: str) -> str:
 
 
 def check_steps(steps: Sequence[float]) -> tuple[float, ...]:
-    """Shares in percent, rising, each in (0, 100]."""
+    """Shares in percent, rising, each in (0, 100], at most MAX_STEPS of them."""
     values = tuple(float(s) for s in steps)
-    if not values:
-        raise InvalidInput("a rollout needs at least one step")
+    if not values or len(values) > MAX_STEPS:
+        raise InvalidInput(f"a rollout needs 1 to {MAX_STEPS} steps, not {len(values)}")
     if any(not 0 < s <= 100 for s in values) or list(values) != sorted(set(values)):
         raise InvalidInput(f"steps {list(values)} must rise strictly, each above 0 and at most 100")
     return values
@@ -336,7 +365,10 @@ class Rollouts:
         self._live: dict[tuple[str, Tier], _Live] = {}
         self.listeners: list[Listener] = []  # told of every change: (plan, "why")
         if state_path is not None and state_path.exists():
-            self.merge_json(state_path.read_text(encoding="utf-8"), persist=False)
+            try:
+                self.merge_json(state_path.read_text(encoding="utf-8"), persist=False)
+            except ConfigError as exc:
+                raise ConfigError(f"{state_path}: {exc}") from None
 
     # -- operator actions ------------------------------------------------------------------
     def start(
@@ -455,11 +487,11 @@ class Rollouts:
         history = () if new or previous is None else previous.plan.history
         plan = replace(
             plan,
-            reason=why,
+            reason=why[:MAX_TEXT],
             revision=(previous.plan.revision + 1) if previous else plan.revision,
             updated=self._wall(),
             origin=self.router_id,
-            history=(*history, why)[-50:],
+            history=(*history, why[:MAX_TEXT])[-MAX_HISTORY:],
         )
         self._adopt(plan)
         log.info("rollout of %s on %s/%s: %s", plan.candidate, plan.family, plan.tier.label, why)
@@ -500,6 +532,20 @@ class Rollouts:
         changed = False
         for plan in records:
             live = self._live.get(plan.key)
+            if live is None and len(self._live) >= MAX_PLANS:
+                log.warning(
+                    "rollout of %r on %r not adopted: %d rollouts kept already",
+                    plan.candidate,
+                    plan.family,
+                    MAX_PLANS,
+                )
+                continue
+            if plan.revision > (live.plan.revision if live else 0) + MAX_REVISION_JUMP:
+                log.warning(
+                    "rollout of %r on %r not adopted: revision %d jumps past ours by more than %d",
+                    plan.candidate, plan.family, plan.revision, MAX_REVISION_JUMP,
+                )  # fmt: skip
+                continue
             if live is None or plan.rank() > live.plan.rank():
                 self._adopt(plan)
                 changed = True
