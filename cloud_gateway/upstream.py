@@ -44,6 +44,10 @@ RUNNING: Final = "vllm:num_requests_running"
 # Readiness: vLLM's /health; servers without one (llama.cpp's) answer /v1/models while they serve.
 HEALTH_PATH: Final = "/health"
 MODELS_PATH: Final = "/v1/models"
+# The most the gateway reads of one upstream answer: a whole completion, an error body, the
+# /metrics page; and of one streamed event. A server past them is answering wrongly.
+MAX_BODY_BYTES: Final = 4 << 20
+MAX_EVENT_BYTES: Final = 1 << 20
 # Alternatives asked for at each step: the top two give the margin p1 - p2.
 TOP_LOGPROBS: Final = 2
 _SAMPLE: Final = re.compile(r"^([A-Za-z_:][A-Za-z0-9_:]*)(\{.*\})?\s+(\S+)")
@@ -174,17 +178,22 @@ def parse_metrics(text: str) -> UpstreamLoad:
 
 
 class SseDecoder:
-    """Server-sent events, line by line: the data of each complete event."""
+    """Server-sent events, line by line: the data of each complete event, of at most
+    MAX_EVENT_BYTES (an upstream that never ends an event is an error, not a growing list)."""
 
     def __init__(self) -> None:
         self._data: list[str] = []
+        self._size = 0
 
     def feed(self, line: str) -> str | None:
         line = line.rstrip("\r\n")
         if not line:
-            data, self._data = self._data, []
+            data, self._data, self._size = self._data, [], 0
             return "\n".join(data) if data else None
         if line.startswith("data:"):
+            self._size += len(line)
+            if self._size > MAX_EVENT_BYTES:
+                raise Unavailable(f"upstream sent an event of more than {MAX_EVENT_BYTES} bytes")
             self._data.append(line[5:].removeprefix(" "))
         return None  # comments (":") and other fields (event:, id:, retry:) carry nothing here
 
@@ -239,7 +248,7 @@ async def served_model(url: str, *, timeout_s: float = 10.0) -> str:
             session.get(base + "/v1/models") as response,
         ):
             if response.status != 200:
-                raise error_for_status(response.status, error_message(await response.read()))
+                raise error_for_status(response.status, error_message(await _capped(response)))
             models = (await response.json())["data"]
             return str(models[0]["id"])
     except (aiohttp.ClientError, TimeoutError, OSError) as exc:
@@ -326,7 +335,7 @@ class OpenAIUpstream:
         try:
             async with asyncio.timeout(self.settings.poll_timeout_s):
                 async with self.session.get(self.settings.base + path) as response:
-                    body = await response.text() if response.status == 200 else None
+                    body = (await _capped(response)).decode(errors="replace") if response.status == 200 else None
                     return response.status, body
         except (aiohttp.ClientError, TimeoutError, OSError):
             return None, None
@@ -339,7 +348,7 @@ class OpenAIUpstream:
         started = self._clock()
         body = completion_body(self.settings.model, prompt, params, stream=False)
         async with self._request(body, deadline) as response:
-            data = await self._read(deadline, response.read())
+            data = await self._read(deadline, _capped(response))
         try:
             chunk = chunk_from_choice(json.loads(data)["choices"][0])
         except (ValueError, KeyError, IndexError, TypeError, AttributeError) as exc:
@@ -355,7 +364,11 @@ class OpenAIUpstream:
         started = self._clock()
         body = completion_body(self.settings.model, prompt, params, stream=True)
         async with self._request(body, deadline) as response:
+            made = 0
             async for chunk in self._chunks(response, deadline):
+                made += len(chunk.tokens)
+                if made > params.max_tokens + 1:  # the tokens asked for, and an end-of-text one
+                    raise Unavailable(f"upstream sent {made} tokens for max_tokens {params.max_tokens}")
                 yield chunk
         self.latency.add((self._clock() - started) * 1000.0)
 
@@ -393,7 +406,7 @@ class OpenAIUpstream:
             )
             if response.status != 200:
                 raise error_for_status(
-                    response.status, error_message(await self._read(deadline, response.read()))
+                    response.status, error_message(await self._read(deadline, _capped(response)))
                 )
             yield response
 
@@ -416,6 +429,20 @@ class OpenAIUpstream:
             raise Unavailable(f"upstream {self.settings.base} unreachable: {exc}") from None
         except aiohttp.ClientError as exc:
             raise Unavailable(f"upstream {self.settings.base}: {type(exc).__name__}: {exc}") from None
+        except ValueError as exc:  # aiohttp's "Chunk too big": a line past its buffer
+            raise Unavailable(f"upstream {self.settings.base} sent a line too long: {exc}") from None
+
+
+async def _capped(response: aiohttp.ClientResponse) -> bytes:
+    """The whole body, refused (Unavailable) past MAX_BODY_BYTES before more is held."""
+    cap = MAX_BODY_BYTES
+    parts, size = [], 0
+    async for part in response.content.iter_chunked(64 * 1024):
+        size += len(part)
+        if size > cap:
+            raise Unavailable(f"upstream {response.url.host} answered more than {cap} bytes")
+        parts.append(part)
+    return b"".join(parts)
 
 
 def _event_chunk(data: str) -> Chunk | None:

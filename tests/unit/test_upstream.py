@@ -655,3 +655,41 @@ def test_readiness_follows_the_upstreams_health() -> None:
             assert gateway.ready() and gateway.model_ready("arith")
 
     run(scenario)
+
+
+def test_an_answer_past_the_body_cap_is_unavailable_not_held(monkeypatch: pytest.MonkeyPatch) -> None:
+    from cloud_gateway import upstream as upstream_module
+
+    monkeypatch.setattr(upstream_module, "MAX_BODY_BYTES", 4096)
+    fake = Fake(body={**completion(), "padding": "x" * 10_000})
+
+    async def scenario() -> None:
+        async with client(fake) as upstream:
+            await upstream.complete("37+48=", PARAMS, timeout_s=5.0)
+
+    with pytest.raises(Unavailable, match="answered more than 4096 bytes"):
+        run(scenario)
+
+
+def test_an_event_that_never_ends_is_unavailable(monkeypatch: pytest.MonkeyPatch) -> None:
+    from cloud_gateway import upstream as upstream_module
+
+    monkeypatch.setattr(upstream_module, "MAX_EVENT_BYTES", 1000)
+    decoder = upstream_module.SseDecoder()
+    with pytest.raises(Unavailable, match="an event of more than 1000 bytes"):
+        for _ in range(100):
+            decoder.feed("data: " + "x" * 50)
+    assert upstream_module.SseDecoder().feed("data: " + "x" * 50) is None  # one line is fine
+
+
+def test_a_stream_with_more_tokens_than_asked_is_unavailable() -> None:
+    many = [json.dumps(e) for e in events()] * 3  # 9 tokens for max_tokens 3
+    fake = Fake(stream=[*(e.replace('"length"', "null") for e in many), "[DONE]"])
+
+    async def scenario() -> None:
+        async with client(fake) as upstream:
+            async for _ in upstream.stream("x", PARAMS, timeout_s=5.0):
+                pass
+
+    with pytest.raises(Unavailable, match="upstream sent 5 tokens for max_tokens 3"):
+        run(scenario)
