@@ -32,6 +32,7 @@ import logging
 import math
 import os
 import random
+import tempfile
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field, replace
@@ -558,6 +559,8 @@ class Rollouts:
         if self.state_path is None:
             return
         self.state_path.parent.mkdir(parents=True, exist_ok=True)
-        scratch = self.state_path.with_name(f".{self.state_path.name}.{os.getpid()}")
-        scratch.write_text(self.to_json(), encoding="utf-8")
+        # A new file of our own (O_EXCL), never one a link in a shared folder points at.
+        fd, scratch = tempfile.mkstemp(prefix=f".{self.state_path.name}.", dir=self.state_path.parent)
+        with os.fdopen(fd, "w", encoding="utf-8") as out:
+            out.write(self.to_json())
         os.replace(scratch, self.state_path)

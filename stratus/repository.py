@@ -492,6 +492,8 @@ def _variant(reader: _Reader, item: Any, where: str, family: str, folder: Path) 
         if fmt not in FORMATS:
             raise reader.fail(f"{where}.files.{fmt}", f"unknown format; expected one of {', '.join(FORMATS)}")
         path = folder / reader.get(files_table, fmt, str, f"{where}.files")
+        if not path.resolve().is_relative_to(folder.resolve()):  # "../x", "/etc/x", a link out
+            raise reader.fail(f"{where}.files.{fmt}", f"{path} is outside the family folder {folder}")
         if fmt == "hf":
             if not (path / "config.json").is_file():
                 raise reader.fail(

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib
+import os
 import platform
+import threading
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, ClassVar
@@ -19,9 +22,11 @@ def _onnxruntime() -> Any:
     return importlib.import_module("onnxruntime")
 
 
-def file_digest(path: Path) -> str:
-    """A short content hash: cache entries follow the file, not its name or mtime."""
-    return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+def file_digest(path: Path, *, full: bool = False) -> str:
+    """A content hash (16 hex digits, or all 64): cache entries follow the file, not its name
+    or mtime."""
+    digest = hashlib.sha256(path.read_bytes()).hexdigest()
+    return digest if full else digest[:16]
 
 
 def machine_digest() -> str:
@@ -33,6 +38,20 @@ def machine_digest() -> str:
     except OSError:
         pass
     return hashlib.sha256(model.encode()).hexdigest()[:8]
+
+
+def _digest_path(cached: Path) -> Path:
+    return cached.with_name(cached.name + ".sha256")
+
+
+def _intact(cached: Path) -> bool:
+    """A cached graph is loaded only while it is the file this process's kind wrote: its
+    SHA-256 matches the one written beside it (anyone who could write the cache could
+    otherwise swap the model that is served)."""
+    try:
+        return _digest_path(cached).read_text(encoding="utf-8").strip() == file_digest(cached, full=True)
+    except OSError:
+        return False
 
 
 class OnnxRuntimeRunner(ModelRunner):
@@ -52,7 +71,7 @@ class OnnxRuntimeRunner(ModelRunner):
         may use kernels of the version and machine that wrote it.
         """
         cache = self.options.cache_dir / "onnxruntime"
-        cache.mkdir(parents=True, exist_ok=True)
+        cache.mkdir(parents=True, exist_ok=True, mode=0o700)
         cached = (
             cache / f"{self.path.stem}-{file_digest(self.path)}-ort{ort.__version__}-{machine_digest()}.onnx"
         )
@@ -62,12 +81,20 @@ class OnnxRuntimeRunner(ModelRunner):
         )
         options.intra_op_num_threads = self.options.threads_per_inference
         options.inter_op_num_threads = 1
-        if cached.is_file():
+        if _intact(cached):
             options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
             return ort.InferenceSession(str(cached), options, providers=["CPUExecutionProvider"])
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-        options.optimized_model_filepath = str(cached)
-        return ort.InferenceSession(str(self.path), options, providers=["CPUExecutionProvider"])
+        # Written under a name of its own, then moved into place with its digest beside it: a
+        # crash, or two agents sharing a cache, never leaves a half-written graph to load.
+        scratch = cached.with_name(f".{cached.name}.{os.getpid()}.{threading.get_ident()}")
+        options.optimized_model_filepath = str(scratch)
+        session = ort.InferenceSession(str(self.path), options, providers=["CPUExecutionProvider"])
+        with contextlib.suppress(OSError):
+            _digest_path(cached).write_text(file_digest(scratch, full=True), encoding="utf-8")
+            os.replace(scratch, cached)
+        scratch.unlink(missing_ok=True)
+        return session
 
     @classmethod
     def availability(cls) -> Availability:

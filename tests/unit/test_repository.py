@@ -183,3 +183,17 @@ def test_write_thresholds_replaces_only_the_table(family_copy: Path) -> None:
 def test_empty_repository_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"no \*/family\.toml"):
         ModelRepository.load(tmp_path)
+
+
+@pytest.mark.parametrize("where", ["../outside.onnx", "/etc/hostname", "link.onnx"])
+def test_a_file_outside_the_family_folder_is_refused(family_copy: Path, where: str) -> None:
+    """A family.toml names files of its own folder only: "..", an absolute path or a link out
+    would let a model folder load (and an agent serve) any file the process can read."""
+    folder = family_copy.parent
+    (folder.parent / "outside.onnx").write_bytes((folder / "digits-small.onnx").read_bytes())
+    (folder / "link.onnx").symlink_to(folder.parent / "outside.onnx")
+    text = family_copy.read_text()
+    family_copy.write_text(text.replace('onnx = "digits-small.onnx"', f'onnx = "{where}"', 1))
+    with pytest.raises(ConfigError, match="is outside the family folder") as refused:
+        load_family(family_copy)
+    assert "key 'variants[0].files.onnx'" in str(refused.value)

@@ -160,6 +160,24 @@ def test_onnxruntime_caches_the_optimized_graph(repository: ModelRepository, tmp
     )
 
 
+def test_a_cached_graph_that_is_not_the_one_written_is_not_loaded(repository: ModelRepository, tmp_path: Path) -> None:
+    """Someone who can write the cache swaps the graph (here: for another model's): the
+    digest beside it no longer matches, so the graph is optimized again from the model."""
+    family = repository.family("digits")
+    variant = family.variant("digits-medium")
+    choice = candidates(variant, tier=Tier.EDGE, gpu=False, runtimes=["onnxruntime"])[0]
+    options = LoadOptions(tier=Tier.EDGE, cache_dir=tmp_path)
+    honest = open_runner(family, variant, choice, options)
+    (cached,) = (tmp_path / "onnxruntime").glob("digits-medium-*.onnx")
+    assert sorted(p.name for p in cached.parent.iterdir()) == [cached.name, cached.name + ".sha256"]  # no scratch left
+    cached.write_bytes(family.variant("digits-large").files["onnx"].read_bytes())  # same tensors, other answers
+    again = open_runner(family, variant, choice, options)
+    x = np.random.default_rng(1).random((4, 64), dtype=np.float32)
+    np.testing.assert_allclose(
+        again.infer({"input": x})["probabilities"], honest.infer({"input": x})["probabilities"], atol=1e-6
+    )
+
+
 def test_bounded_executor_refuses_past_its_queue() -> None:
     gate = threading.Event()
     executor = BoundedExecutor(name="test-infer", workers=1, queue_limit=1)
