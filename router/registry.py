@@ -268,7 +268,7 @@ class FleetRegistry:
     def register(self, hello: fpb.Hello, peer: str) -> AgentHandle:
         """Admit an agent; an id already linked is replaced (it reconnected before we noticed)."""
         check_hello_bounds(hello)
-        self._check_families(hello)
+        hello = self._agreed(hello)
         previous = self.agents.get(hello.agent_id)
         if previous is not None:
             if previous.state != State.LOST:
@@ -306,9 +306,36 @@ class FleetRegistry:
         self.changed()
         return handle
 
-    def _check_families(self, hello: fpb.Hello) -> None:
-        """Refuse an agent that describes a family (or a variant's family) unlike the agents
-        serving it now: requests are checked and routed by one description of each family."""
+    def _agreed(self, hello: fpb.Hello) -> fpb.Hello:
+        """The Hello without the families it describes unlike the ready agents serving them
+        (those are listed as unavailable on this agent): requests are checked and routed by
+        one description of each family, and an agent that disagrees on one still serves the
+        others. A Hello left with no variant is refused, saying why."""
+        conflicts = self._conflicts(hello)
+        if not conflicts:
+            return hello
+        reasons = "; ".join(f"family '{f}' {why}" for f, why in conflicts.items())
+        kept = fpb.Hello()
+        kept.CopyFrom(hello)
+        del kept.variants[:], kept.families[:]
+        kept.variants.extend(v for v in hello.variants if v.family not in conflicts)
+        kept.families.extend(f for f in hello.families if f.name not in conflicts)
+        kept.unavailable.extend(
+            fpb.FamilyUnavailable(
+                family=f,
+                variant=",".join(v.name for v in hello.variants if v.family == f),
+                reason=f"refused by the router: {why}",
+            )
+            for f, why in conflicts.items()
+        )
+        if not kept.variants:
+            raise InvalidInput(f"Hello from {hello.agent_id}: {reasons}")
+        log.warning("agent %s: not serving %s here: %s", hello.agent_id, sorted(conflicts), reasons)
+        return kept
+
+    def _conflicts(self, hello: fpb.Hello) -> dict[str, str]:
+        """Each family this Hello describes (or claims a variant for) unlike the fleet, and why."""
+        conflicts: dict[str, str] = {}
         for family in hello.families:
             known = self.families.get(family.name)
             if known is None or known == family:
@@ -319,17 +346,16 @@ class FleetRegistry:
             differs = [
                 f for f in ("inputs", "outputs", "thresholds") if getattr(known, f) != getattr(family, f)
             ]
-            raise InvalidInput(
-                f"Hello from {hello.agent_id}: family '{family.name}' differs from the one ready agents "
-                f"serve ({', '.join(differs)} differ); refused until they leave"
+            conflicts[family.name] = (
+                f"differs from the one ready agents serve ({', '.join(differs)} differ); refused until they leave"
             )
         for variant in hello.variants:
             owner = self.index.family_of(variant.name)
             if owner is not None and owner != variant.family and self.index.serves(variant.name):
-                raise InvalidInput(
-                    f"Hello from {hello.agent_id}: variant '{variant.name}' belongs to family "
-                    f"'{owner}' in this fleet, not '{variant.family}'"
+                conflicts[variant.family] = (
+                    f"claims variant '{variant.name}', which belongs to family '{owner}' in this fleet"
                 )
+        return conflicts
 
     def reannounce(self, handle: AgentHandle, hello: fpb.Hello) -> None:
         """A Hello on a live link: the agent reloaded and now serves what it says.
@@ -345,7 +371,7 @@ class FleetRegistry:
         try:
             check_hello_bounds(hello)
             _check_hello_variants(hello)
-            self._check_families(hello)
+            hello = self._agreed(hello)
         except InvalidInput as exc:
             self._readd(handle, ready)
             self._settle_reloads(handle, f"refused: {exc}")
@@ -664,25 +690,31 @@ def check_hello_bounds(hello: fpb.Hello) -> None:
     ids and names are a plain charset, 128 characters at most, so a log line or a status
     cannot be forged or flooded through them."""
     if not NAME.fullmatch(hello.agent_id):
-        raise InvalidInput(
-            f"Hello.agent_id {hello.agent_id[:40]!r} must be 1-128 of A-Z a-z 0-9 . _ : @ -"
-        )
+        raise InvalidInput(f"Hello.agent_id {hello.agent_id[:40]!r} must be 1-128 of A-Z a-z 0-9 . _ : @ -")
     if len(hello.variants) > MAX_VARIANTS_PER_AGENT or len(hello.families) > MAX_FAMILIES_PER_HELLO:
         raise InvalidInput(
             f"Hello from {hello.agent_id}: {len(hello.variants)} variants and {len(hello.families)} families; "
             f"at most {MAX_VARIANTS_PER_AGENT} and {MAX_FAMILIES_PER_HELLO}"
         )
-    names = [v.name for v in hello.variants] + [v.family for v in hello.variants] + [f.name for f in hello.families]
+    names = (
+        [v.name for v in hello.variants]
+        + [v.family for v in hello.variants]
+        + [f.name for f in hello.families]
+    )
     bad = next((name for name in names if not NAME.fullmatch(name)), None)
     if bad is not None:
-        raise InvalidInput(f"Hello from {hello.agent_id}: model name {bad[:40]!r} must be 1-128 of A-Z a-z 0-9 . _ : @ -")
+        raise InvalidInput(
+            f"Hello from {hello.agent_id}: model name {bad[:40]!r} must be 1-128 of A-Z a-z 0-9 . _ : @ -"
+        )
 
 
 def items_that_fit(key: BatchKey) -> int:
     """How many items of this shape one Work may carry: the batcher never merges past it
     (600 KB images at --max-batch 32 would otherwise make a Work no link carries)."""
     per_item = sum(
-        math.prod(shape) * numpy_dtype(datatype).itemsize for _, datatype, shape in key.inputs if datatype != "BYTES"
+        math.prod(shape) * numpy_dtype(datatype).itemsize
+        for _, datatype, shape in key.inputs
+        if datatype != "BYTES"
     )
     return max(1, MAX_WORK_BYTES // per_item) if per_item else MAX_WORK_BYTES
 
@@ -707,7 +739,9 @@ def split_result(handle: AgentHandle, result: fpb.Result, sizes: Sequence[int]) 
         raise Unavailable(f"agent {handle.id} answered {outputs.items} items for a batch of {total}")
     confidences = [
         _confidence(c)
-        for c in (list(result.confidences) if len(result.confidences) == total else [result.confidence] * total)
+        for c in (
+            list(result.confidences) if len(result.confidences) == total else [result.confidence] * total
+        )
     ]
     return [
         PartAnswer(

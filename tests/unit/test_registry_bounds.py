@@ -12,6 +12,7 @@ from router import registry as registry_module
 from router.dataplane import listing
 from router.registry import FORGET_LOST_S, MAX_WATCHERS, split_result
 from stratus.errors import Overloaded
+from stratus.tiers import Tier
 from stratus.wire import fleet_pb2 as fpb
 
 from .test_index import Clock, hello, registry
@@ -71,3 +72,19 @@ def test_error_messages_list_a_bounded_number_of_names() -> None:
     names = [f"m{i:03}" for i in range(300)]
     assert listing(names) == "[" + ", ".join(names[:20]) + ", and 280 more]"
     assert listing(names[:3]) == "[m000, m001, m002]"
+
+
+def test_an_agent_that_describes_one_family_differently_still_serves_the_others() -> None:
+    """A rogue that registered first must not lock a real agent out of every family (F2):
+    only the family described differently is refused, and the agent says so."""
+    reg = registry()
+    reg.register(hello("first", threshold=0.9), peer="t")
+    both = hello("second", threshold=0.5)  # digits unlike the fleet's, defects new
+    both.variants.add(name="defects-small", family="defects")
+    both.families.add(name="defects", thresholds={"device": 0.8})
+    handle = reg.register(both, peer="t")
+    assert sorted(handle.variants) == ["defects-small"]
+    (refused,) = handle.unavailable
+    assert (refused.family, refused.variant) == ("digits", "digits-small")
+    assert refused.reason.startswith("refused by the router: differs from the one ready agents serve (thresholds differ)")
+    assert reg.thresholds("digits") == {Tier.DEVICE: 0.9} and reg.thresholds("defects") == {Tier.DEVICE: 0.8}
