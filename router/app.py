@@ -56,7 +56,12 @@ class RouterSettings:
     # unplugged) is lost within keepalive_s + keepalive_timeout_s, at any fleet size.
     keepalive_s: float = 2.0
     keepalive_timeout_s: float = 1.0
-    token: str = ""
+    token: str = ""  # one token for every role, where a role has none of its own
+    # Each role's own credential: agents' Hellos, operators' changes (drain, reload,
+    # rollouts), and peer routers' rollout sync (sent and checked). Empty: the fleet token.
+    agent_token: str = ""
+    operator_token: str = ""
+    peer_token: str = ""
     name: str = ""
     tls: TlsSettings = NO_TLS
     on_cloud_failure: str = "degrade"  # or "fail": UNAVAILABLE instead of a degraded answer
@@ -125,12 +130,22 @@ async def serve(settings: RouterSettings, stop: asyncio.Event | None = None) -> 
     gate = AdmissionGate(rate_per_s=settings.admit_per_s, max_waiting=settings.admit_waiting)
     fpb_grpc.add_AgentLinkServicer_to_server(
         AgentLinkServicer(
-            registry, token=settings.token, gate=gate, hello_timeout_s=settings.hello_timeout_s
+            registry,
+            token=settings.agent_token or settings.token,
+            gate=gate,
+            hello_timeout_s=settings.hello_timeout_s,
         ),
         server,
     )
     synced = asyncio.Event()
-    fleet = FleetServicer(registry, cloud, token=settings.token, rollouts=rollouts, synced=synced)
+    fleet = FleetServicer(
+        registry,
+        cloud,
+        token=settings.operator_token or settings.token,
+        peer_token=settings.peer_token or settings.token,
+        rollouts=rollouts,
+        synced=synced,
+    )
     fpb_grpc.add_FleetServicer_to_server(fleet, server)
     health = Health(server, plane.ready)
     port = bind(server, settings.listen, settings.tls)
@@ -207,7 +222,13 @@ def _share_rollouts(
     rollouts.listeners.append(lambda plan, why: synced.set())
     if not settings.peers:
         return None
-    peers = RolloutPeers(rollouts, settings.peers, tls=settings.tls, token=settings.token, changed=synced)
+    peers = RolloutPeers(
+        rollouts,
+        settings.peers,
+        tls=settings.tls,
+        token=settings.peer_token or settings.token,
+        changed=synced,
+    )
     return asyncio.create_task(peers.run(), name="stratus-rollout-peers")
 
 

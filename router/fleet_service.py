@@ -186,19 +186,22 @@ class FleetServicer(fpb_grpc.FleetServicer):
         cloud: CloudLink | None,
         *,
         token: str = "",
+        peer_token: str | None = None,
         rollouts: Rollouts | None = None,
         synced: asyncio.Event | None = None,
     ) -> None:
         self._registry = registry
         self._cloud = cloud
-        self._token = token
+        self._token = token  # the operators' (drain, reload, rollout changes)
+        self._peer_token = token if peer_token is None else peer_token  # other routers' sync
         self._rollouts = rollouts or Rollouts(router_id="router")
         self._synced = synced  # set when a change should reach the other routers now
         self._built: dict[bool, tuple[float, fpb.FleetStatus]] = {}  # Watch's shared status, by include_agents
 
-    def _authorize(self, token: str, what: str) -> None:
-        if self._token and not hmac.compare_digest(token.encode(), self._token.encode()):
-            raise Unauthenticated(f"{what} needs the fleet token")
+    def _authorize(self, token: str, what: str, *, role: str = "operator") -> None:
+        expected = self._token if role == "operator" else self._peer_token
+        if expected and not hmac.compare_digest(token.encode(), expected.encode()):
+            raise Unauthenticated(f"{what} needs the {role} token")
 
     async def Status(self, request: fpb.FleetStatusRequest, context: Any) -> fpb.FleetStatus:
         return fleet_status(self._registry, self._cloud, include_agents=request.include_agents)
@@ -307,7 +310,7 @@ class FleetServicer(fpb_grpc.FleetServicer):
 
     async def SyncRollouts(self, request: fpb.RolloutSync, context: Any) -> fpb.RolloutSync:
         """A peer router's rollouts in, ours out: both keep the newest record of each."""
-        self._authorize(request.token, "SyncRollouts")
+        self._authorize(request.token, "SyncRollouts", role="peer")
         if request.router_id != self._rollouts.router_id:
             self._rollouts.merge_json(request.state_json)
         return fpb.RolloutSync(router_id=self._rollouts.router_id, state_json=self._rollouts.to_json())

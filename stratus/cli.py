@@ -25,9 +25,25 @@ def _default_cache() -> Path:
 
 
 def _token(value: str | None) -> str:
+    """The shared fleet token: ``--token`` (visible to every user of the machine, so warned
+    about), else STRATUS_TOKEN. Each role's own credential takes precedence (_role_token)."""
     import os
 
-    return value if value is not None else os.environ.get("STRATUS_TOKEN", "")
+    if value is not None:
+        print(
+            "stratus: warning: --token is visible in the process list; use a token file or STRATUS_TOKEN",
+            file=sys.stderr,
+        )
+        return value
+    return os.environ.get("STRATUS_TOKEN", "")
+
+
+def _role_token(args: argparse.Namespace, role: str) -> str:
+    """One role's credential (agent, operator, peer): --ROLE-token-file, else
+    STRATUS_ROLE_TOKEN, else the shared fleet token."""
+    path = getattr(args, f"{role}_token_file", None)
+    own = _secret(path, f"STRATUS_{role.upper()}_TOKEN")
+    return own or _token(args.token)
 
 
 def _secret(path: Path | None, variable: str) -> str:
@@ -68,6 +84,9 @@ def _router(args: argparse.Namespace) -> int:
         cloud=args.cloud,
         advertise=not args.no_advertise,
         token=_token(args.token),
+        agent_token=_role_token(args, "agent"),
+        operator_token=_role_token(args, "operator"),
+        peer_token=_role_token(args, "peer"),
         tls=_tls(args),
         on_cloud_failure=args.on_cloud_failure,
         max_heartbeats_per_s=args.max_heartbeats_per_s,
@@ -133,7 +152,7 @@ def _agent(args: argparse.Namespace) -> int:
         capacity=args.concurrency,
         queue_limit=args.queue_limit,
         serve=args.serve,
-        token=_token(args.token),
+        token=_role_token(args, "agent"),
         tls=_tls(args),
         metrics=args.metrics,
     )
@@ -189,14 +208,18 @@ def _fleet_status(args: argparse.Namespace) -> int:
 def _fleet_drain(args: argparse.Namespace) -> int:
     from stratus.fleetctl import drain
 
-    return drain(args.router, args.agent_id, token=_token(args.token), tls=_tls(args))
+    return drain(args.router, args.agent_id, token=_role_token(args, "operator"), tls=_tls(args))
 
 
 def _fleet_reload(args: argparse.Namespace) -> int:
     from stratus.fleetctl import reload
 
     return reload(
-        args.router, args.agent_id, token=_token(args.token), timeout_s=args.timeout, tls=_tls(args)
+        args.router,
+        args.agent_id,
+        token=_role_token(args, "operator"),
+        timeout_s=args.timeout,
+        tls=_tls(args),
     )
 
 
@@ -218,7 +241,7 @@ def _fleet_rollout(args: argparse.Namespace) -> int:
     tiers = {Tier.DEVICE: fpb.TIER_DEVICE, Tier.EDGE: fpb.TIER_EDGE, Tier.CLOUD: fpb.TIER_CLOUD}
     request = fpb.RolloutRequest(
         action=action,
-        token=_token(args.token),
+        token=_role_token(args, "operator"),
         family=args.family,
         tier=tiers[Tier.parse(args.tier)] if args.tier else fpb.TIER_UNSPECIFIED,
         candidate=args.candidate or "",
@@ -248,7 +271,22 @@ def _add_router(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -
     router.add_argument("--cloud", default=None, help="HOST:PORT of the cloud gateway")
     _add_cloud_link(router)
     router.add_argument("--no-advertise", action="store_true", help="do not advertise over zeroconf")
-    router.add_argument("--token", default=None, help="fleet token (default: $STRATUS_TOKEN)")
+    router.add_argument(
+        "--token",
+        default=None,
+        help="one fleet token for every role (default: $STRATUS_TOKEN); prefer the files",
+    )
+    for role, what in (
+        ("agent", "agents' Hellos"),
+        ("operator", "drain, reload and rollout changes"),
+        ("peer", "other routers' rollout sync, both ways"),
+    ):
+        router.add_argument(
+            f"--{role}-token-file",
+            type=Path,
+            default=None,
+            help=f"the token {what} must carry (default: $STRATUS_{role.upper()}_TOKEN, else the fleet token)",
+        )
     router.add_argument(
         "--on-cloud-failure",
         choices=["degrade", "fail"],
@@ -419,6 +457,12 @@ def _add_agent(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     agent.add_argument("--serve", default=None, help="also serve the inference API on HOST:PORT")
     agent.add_argument("--runtimes", default=None, help=RUNTIMES_HELP)
     agent.add_argument("--token", default=None, help="fleet token (default: $STRATUS_TOKEN)")
+    agent.add_argument(
+        "--agent-token-file",
+        type=Path,
+        default=None,
+        help="this agent's token, from a file (default: $STRATUS_AGENT_TOKEN, else the fleet token)",
+    )
     agent.add_argument("--cache-dir", type=Path, default=_default_cache())
     agent.set_defaults(handler=_agent)
     return agent
@@ -461,6 +505,9 @@ def _add_servers(commands: argparse._SubParsersAction[argparse.ArgumentParser]) 
     drain.add_argument("agent_id")
     drain.add_argument("--router", required=True)
     drain.add_argument("--token", default=None)
+    drain.add_argument(
+        "--operator-token-file", type=Path, default=None, help="default: $STRATUS_OPERATOR_TOKEN"
+    )
     drain.set_defaults(handler=_fleet_drain)
     _add_fleet_changes(sub, status, drain)
     demo = commands.add_parser("demo", help="a whole local fleet on loopback, end to end")
@@ -498,6 +545,9 @@ def _add_fleet_changes(
     for parser in (reload, rollout):
         parser.add_argument("--router", required=True)
         parser.add_argument("--token", default=None)
+        parser.add_argument(
+            "--operator-token-file", type=Path, default=None, help="default: $STRATUS_OPERATOR_TOKEN"
+        )
 
 
 def _share(text: str) -> float:

@@ -1,0 +1,62 @@
+"""One credential per role (the security review's F10): agents, operators and peer routers
+each carry their own token, read from a file or the environment, and one role's token does
+not open another's door."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import grpc
+import pytest
+
+from stratus.wire import fleet_pb2 as fpb
+from stratus.wire import fleet_pb2_grpc as fpb_grpc
+
+from .cluster import Cluster, fleet_status, ready_count, wait_until
+
+TOKENS = {"agent": "agent-secret", "operator": "operator-secret", "peer": "peer-secret"}
+
+
+def fleet(router: str, *args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "stratus.cli", "fleet", *args, "--router", router],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+        check=False,
+    )
+
+
+def test_each_role_needs_its_own_token(cluster: Cluster, tmp_path: Path) -> None:
+    files = {}
+    for role, token in TOKENS.items():
+        files[role] = tmp_path / f"{role}.token"
+        files[role].write_text(token + "\n")
+    router = cluster.router(*(a for role, path in files.items() for a in (f"--{role}-token-file", str(path))))
+    address = router.address
+    cluster.agent("dev-1", address, "--agent-token-file", str(files["agent"]))
+    impostor = cluster.agent("dev-2", address, env={"STRATUS_AGENT_TOKEN": TOKENS["operator"]})
+    wait_until(lambda: ready_count(address) == 1)
+    wait_until(lambda: "the fleet token is missing or wrong" in impostor.log())  # it tried, and was refused
+    assert [a.id for a in fleet_status(address).agents] == ["dev-1"]  # an operator's token makes no agent
+
+    base = {k: v for k, v in __import__("os").environ.items() if not k.startswith("STRATUS_")}
+    refused = fleet(address, "drain", "dev-1", env={**base, "STRATUS_OPERATOR_TOKEN": TOKENS["agent"]})
+    assert refused.returncode != 0 and "Drain needs the operator token" in refused.stderr + refused.stdout
+    drained = fleet(address, "drain", "dev-1", env={**base, "STRATUS_OPERATOR_TOKEN": TOKENS["operator"]})
+    assert drained.returncode == 0, drained.stderr
+    wait_until(lambda: [a.state for a in fleet_status(address).agents] == [fpb.AGENT_STATE_DRAINING])
+
+    with grpc.insecure_channel(address) as channel:
+        stub = fpb_grpc.FleetStub(channel)
+        for wrong in (TOKENS["operator"], TOKENS["agent"], ""):
+            with pytest.raises(grpc.RpcError) as unsynced:
+                stub.SyncRollouts(fpb.RolloutSync(router_id="intruder", state_json="", token=wrong), timeout=5)
+            assert unsynced.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            assert unsynced.value.details() == "SyncRollouts needs the peer token"
+        synced = stub.SyncRollouts(fpb.RolloutSync(router_id="peer", state_json="", token=TOKENS["peer"]), timeout=5)
+    assert synced.router_id
+    assert "--token is visible" not in router.log()  # no secret was given on the command line
