@@ -550,6 +550,8 @@ class FleetRegistry:
         message.work.request.model_name = handle.variant_for(request.model_name)
         message.work.budget_ms = budget_ms
         check_fits(message.ByteSize(), "this generation's Work")
+        if handle.state == State.LOST:
+            raise Unavailable(f"agent {handle.id} was lost before its Work could be sent")
         future: asyncio.Future[fpb.Result] = asyncio.get_running_loop().create_future()
         handle.pending[request_id] = future
         handle.chunks[request_id] = on_chunk
@@ -639,6 +641,8 @@ class FleetRegistry:
         check_fits(message.ByteSize(), f"a Work of {batch.size} items")  # never one the link cannot carry
         if self.metrics is not None:
             self.metrics.batch_items.observe(batch.size)
+        if handle.state == State.LOST:  # its link is gone: nothing put on it would ever be answered
+            raise Unavailable(f"agent {handle.id} was lost before its Work could be sent")
         future: asyncio.Future[fpb.Result] = asyncio.get_running_loop().create_future()
         handle.pending[request_id] = future
         handle.outbox.put_nowait(message)

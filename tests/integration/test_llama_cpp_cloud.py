@@ -106,18 +106,18 @@ class Site:
 @pytest.fixture(scope="module")
 def site(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Site]:
     logs = tmp_path_factory.mktemp("llama-cloud")
-    llama = LlamaServer.start(logs / "llama-server.log")
-    cluster = Cluster(logs)
+    site = Site(llama=LlamaServer.start(logs / "llama-server.log"), cloud="", api="", cluster=Cluster(logs))
     try:
-        cloud = cluster.cloud("--openai-upstream", llama.url, "--upstream-model", NAME).address
-        api = f"127.0.0.1:{free_port()}"
-        router = cluster.router("--cloud", cloud, "--openai", api).address
-        cluster.agent("device-1", router)
+        site.cloud = site.cluster.cloud("--openai-upstream", site.llama.url, "--upstream-model", NAME).address
+        site.api = f"127.0.0.1:{free_port()}"
+        router = site.cluster.router("--cloud", site.cloud, "--openai", site.api).address
+        site.cluster.agent("device-1", router)
         wait_until(lambda: ready_count(router) == 1, timeout_s=60)
-        yield Site(llama=llama, cloud=cloud, api=api, cluster=cluster)
+        yield site
     finally:
-        cluster.stop_all()
-        llama.stop()
+        site.cluster.stop_all()
+        site.llama.stop()  # the server running now: a test may have replaced the first
+        assert site.llama.process.poll() is not None
 
 
 def ask(site: Site, prompt: str, **stratus: object) -> tuple[str, dict[str, object]]:
