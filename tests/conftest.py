@@ -63,12 +63,20 @@ def no_leaked_tasks(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
     cancel_all = asyncio.runners._cancel_all_tasks  # type: ignore[attr-defined]
 
     def recorded(loop: asyncio.AbstractEventLoop) -> None:
-        leaked.extend(repr(task.get_coro()) for task in asyncio.all_tasks(loop) if not task.done())
+        pending = [task for task in asyncio.all_tasks(loop) if not task.done()]
+        leaked.extend(repr(task.get_coro()) for task in pending if not _grpc_internal(task))
         cancel_all(loop)
 
     monkeypatch.setattr(asyncio.runners, "_cancel_all_tasks", recorded)
     yield leaked
     assert not leaked, f"tasks left pending when asyncio.run returned: {leaked}"
+
+
+def _grpc_internal(task: asyncio.Task[object]) -> bool:
+    """A task of grpc.aio's own (its Cython coroutines: the only ones in this process), which
+    a closed channel's calls end a loop turn or two later: not a task Stratus owns. Seen once in
+    four runs of the agent's lookup-link test, with every call already cancelled and awaited."""
+    return repr(task.get_coro()).startswith("<_cython_")  # as seen: <_cython_3_2_8.coroutine object at ...>
 
 
 def _skip_reason(report: pytest.CollectReport | pytest.TestReport) -> str:
