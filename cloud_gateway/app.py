@@ -21,6 +21,7 @@ from pathlib import Path
 
 from cloud_gateway.generative import GenerativeModel, UpstreamDataPlane
 from cloud_gateway.upstream import OpenAIUpstream, UpstreamSettings, served_model
+from stratus.auth import check_endpoint, insecure_warning
 from stratus.batching import DEFAULT_MAX_BATCH, DEFAULT_MAX_DELAY_S
 from stratus.errors import NotFound
 from stratus.local import LocalDataPlane, LocalModels, LocalSettings
@@ -29,7 +30,17 @@ from stratus.metrics import serve as serve_metrics
 from stratus.precision import Hardware
 from stratus.process import announce, stop_on_signals
 from stratus.repository import ModelRepository
-from stratus.serving import NO_TLS, DataPlane, Health, InferenceServicer, TlsSettings, bind, create_server
+from stratus.serving import (
+    MAX_REQUESTS_PER_CLIENT,
+    NO_TLS,
+    ClientLimits,
+    DataPlane,
+    Health,
+    InferenceServicer,
+    TlsSettings,
+    bind,
+    create_server,
+)
 from stratus.tiers import Tier
 from stratus.wire import inference_pb2_grpc as pb_grpc
 
@@ -53,6 +64,10 @@ class CloudSettings:
     runtimes: Sequence[str] | None = None
     name: str = ""
     tls: TlsSettings = NO_TLS
+    # Callers must send "authorization: Bearer CLIENT_TOKEN" (the router: --cloud-token-file).
+    client_token: str = ""
+    insecure: bool = False  # listen off loopback without TLS and client authentication
+    max_requests_per_client: int = MAX_REQUESTS_PER_CLIENT
     # An OpenAI-compatible server (vLLM) that generates for one family; None: no such family.
     openai_upstream: str | None = None
     upstream_model: str | None = None  # its model name; None: the first it lists
@@ -60,13 +75,18 @@ class CloudSettings:
 
 
 async def serve(settings: CloudSettings, stop: asyncio.Event | None = None) -> None:
+    what = "the cloud gateway"
+    authenticated = check_endpoint(
+        what, settings.listen, settings.tls, client_token=settings.client_token, insecure=settings.insecure
+    )
     stop = stop or asyncio.Event()
     stop_on_signals(stop)
     metrics = Metrics()
     name = settings.name or f"cloud-{socket.gethostname()}"
     async with _data_plane(settings, metrics, name) as plane:
-        server = create_server()
-        pb_grpc.add_GRPCInferenceServiceServicer_to_server(InferenceServicer(plane), server)
+        server = create_server(client_token=settings.client_token)
+        limits = ClientLimits(settings.max_requests_per_client)
+        pb_grpc.add_GRPCInferenceServiceServicer_to_server(InferenceServicer(plane, limits=limits), server)
         health = Health(server, plane.ready)
         port = bind(server, settings.listen, settings.tls)
         await server.start()
@@ -75,7 +95,12 @@ async def serve(settings: CloudSettings, stop: asyncio.Event | None = None) -> N
         log.info("cloud gateway %s serving %s on %s:%d", name, plane.model_names(), host, port)
         announce("cloud", f"{host}:{port}")
         exporter = await serve_metrics(metrics, settings.metrics) if settings.metrics else None
+        warning = insecure_warning(
+            what, settings.listen, tls=settings.tls.cert is not None, callers_authenticated=authenticated
+        )
         await stop.wait()
+        if warning is not None:
+            warning.cancel()
         await health.stop()  # not ready first; then no new calls, and those in flight finish
         if exporter is not None:
             exporter.close()

@@ -25,15 +25,25 @@ from pathlib import Path
 import grpc
 
 from stratus import __version__
+from stratus.auth import check_endpoint, insecure_warning
 from stratus.discovery import DNS_PREFIX, discover_all, resolve_all
-from stratus.errors import DeadlineExceeded, StratusError
+from stratus.errors import ConfigError, DeadlineExceeded, StratusError
 from stratus.generation import Chunk
 from stratus.local import LocalDataPlane, LocalModels
 from stratus.metrics import Metrics
 from stratus.metrics import serve as serve_metrics
 from stratus.precision import Hardware
 from stratus.process import announce
-from stratus.serving import NO_TLS, Health, InferenceServicer, TlsSettings, bind, create_server, open_channel
+from stratus.serving import (
+    NO_TLS,
+    Health,
+    InferenceServicer,
+    TlsSettings,
+    bind,
+    create_server,
+    is_loopback,
+    open_channel,
+)
 from stratus.status import status_code, status_for
 from stratus.tiers import Tier
 from stratus.wire import fleet_pb2 as fpb
@@ -65,10 +75,38 @@ class AgentSettings:
     drain_timeout_s: float = 30.0
     tls: TlsSettings = NO_TLS
     metrics: str | None = None  # HOST:PORT for Prometheus's /metrics; None: not served
+    # --serve's callers must send "authorization: Bearer CLIENT_TOKEN"; empty: not asked.
+    client_token: str = ""
+    # Plaintext links to routers off this machine, zeroconf without a CA, and --serve off
+    # loopback without TLS and client authentication.
+    insecure: bool = False
 
     def __post_init__(self) -> None:
         if self.capacity < 1 or self.heartbeat_s <= 0 or self.backoff_initial_s <= 0:
             raise ValueError("capacity, heartbeat_s and backoff_initial_s must be positive")
+
+    def check_links(self) -> None:
+        """Refuse links that would hand the token, and every input, to whoever answers: zeroconf
+        without a CA to verify the router's certificate, or plaintext to another machine."""
+        if self.insecure:
+            return
+        if self.router == "auto" and self.tls.ca is None:
+            raise ConfigError(
+                "--router auto dials whatever advertises _stratus._tcp: give --tls-ca, so the agent "
+                "verifies the router's certificate before it sends anything, or --insecure"
+            )
+        if self.router == "auto" or self.router.startswith(DNS_PREFIX):
+            return  # each address found is checked as it is dialled (may_dial)
+        for address in self.router.split(","):
+            if address.strip() and not self.may_dial(address.strip()):
+                raise ConfigError(
+                    f"router {address.strip()} is not on this machine: the link, and the agent's "
+                    "token, would cross the network in plaintext; give --tls-ca (and --tls-cert, "
+                    "--tls-key for mutual TLS), or --insecure"
+                )
+
+    def may_dial(self, address: str) -> bool:
+        return self.insecure or self.tls.enabled or is_loopback(address.rsplit(":", 1)[0])
 
 
 def default_name() -> str:
@@ -205,6 +243,13 @@ class Agent:
         backoff = Backoff(
             initial_s=self.settings.backoff_initial_s, max_s=self.settings.backoff_max_s, rng=self._rng
         )
+        if not self.settings.may_dial(address):
+            log.error(
+                "not linking to router %s: it is not on this machine and the link has no TLS "
+                "(give --tls-ca, or --insecure)",
+                address,
+            )
+            return
         while not stop.is_set():
             try:
                 await self._session(address, stop, backoff)
@@ -414,7 +459,7 @@ def _describe(exc: BaseException) -> str:
 async def serve_locally(models: LocalModels, settings: AgentSettings) -> tuple[grpc.aio.Server, str, Health]:
     """The agent's ``--serve`` endpoint: the inference service, straight to the local models."""
     assert settings.serve is not None
-    server = create_server()
+    server = create_server(client_token=settings.client_token)
     plane = LocalDataPlane(models, tier=settings.tier, name=settings.name)
     pb_grpc.add_GRPCInferenceServiceServicer_to_server(InferenceServicer(plane), server)
     health = Health(server, plane.ready)
@@ -425,13 +470,23 @@ async def serve_locally(models: LocalModels, settings: AgentSettings) -> tuple[g
 
 
 async def run_agent(settings: AgentSettings, models: LocalModels, stop: asyncio.Event) -> None:
+    settings.check_links()
+    what = "the agent's --serve endpoint"
+    authenticated = False
+    if settings.serve:
+        authenticated = check_endpoint(
+            what, settings.serve, settings.tls, client_token=settings.client_token, insecure=settings.insecure
+        )
     local: grpc.aio.Server | None = None
+    warning = None
     exporter = None
     if settings.metrics and models.metrics is not None:
         exporter = await serve_metrics(models.metrics, settings.metrics)
     if settings.serve:
         local, address, health = await serve_locally(models, settings)
         announce("agent", address)
+        tls = settings.tls.cert is not None
+        warning = insecure_warning(what, settings.serve, tls=tls, callers_authenticated=authenticated)
     else:
         announce("agent", settings.name)
     agent = Agent(settings, models)
@@ -440,6 +495,8 @@ async def run_agent(settings: AgentSettings, models: LocalModels, stop: asyncio.
     try:
         await agent.run(stop)
     finally:
+        if warning is not None:
+            warning.cancel()
         if local is not None:
             await health.stop()
             await local.stop(grace=2.0)

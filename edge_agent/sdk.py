@@ -6,7 +6,7 @@ and judges each item of the batch: items whose confidence is below the device th
 so the fleet continues the climb above the device instead of repeating it; their
 answers take their places among the local ones. With the router unreachable the local answer
 comes back marked ``degraded``. ``router`` may name several routers (``"A,B"``) or
-``"auto"`` (every router zeroconf finds): a router that fails a call is skipped for a
+``"auto"`` (every router zeroconf finds; opt-in, with a CA to verify it): a router that fails a call is skipped for a
 while and the escalation goes to the next. ``await client.ainfer(...)`` does the same on the
 caller's event loop, with the model run on the bounded executor.
 """
@@ -25,7 +25,7 @@ import numpy as np
 from stratus import codec
 from stratus.codec import Array
 from stratus.discovery import discover_all
-from stratus.errors import StratusError
+from stratus.errors import ConfigError, StratusError
 from stratus.local import LocalModels, LocalSettings
 from stratus.protocol import RequestOptions, Served
 from stratus.repository import FamilySpec, ModelRepository, VariantSpec
@@ -78,7 +78,7 @@ class Client:
     def __init__(
         self,
         models: Path | str,
-        router: str | None = "auto",
+        router: str | None,
         *,
         variants: list[str] | None = None,
         concurrency: int = 1,
@@ -86,8 +86,19 @@ class Client:
         discover_timeout_s: float = 2.0,
         name: str = "sdk",
         tls: TlsSettings = NO_TLS,
+        client_token: str = "",
+        insecure: bool = False,
     ) -> None:
+        """``router``: ``HOST:PORT[,...]``, ``"auto"`` (zeroconf: opt-in, and only with
+        ``tls.ca`` to verify the router, or ``insecure``) or None (never escalate).
+        ``client_token``: the router's client token, where it asks for one."""
+        if router == "auto" and tls.ca is None and not insecure:
+            raise ConfigError(
+                'router="auto" would send inputs to whatever advertises _stratus._tcp: give '
+                "tls=TlsSettings(ca=...) so the router's certificate is verified, or insecure=True"
+            )
         self._tls = tls
+        self._metadata = (("authorization", f"Bearer {client_token}"),) if client_token else ()
         settings = LocalSettings(
             tier=None if variants else Tier.DEVICE,
             variants=variants,
@@ -120,7 +131,9 @@ class Client:
         for address in self._routers.to_try():
             stub = pb_grpc.GRPCInferenceServiceStub(self._routers.channel(address))
             try:
-                response = stub.ModelInfer(request, timeout=_timeout(budget_ms, started))
+                response = stub.ModelInfer(
+                    request, timeout=_timeout(budget_ms, started), metadata=self._metadata
+                )
             except grpc.RpcError:
                 self._routers.failed(address)
                 continue
@@ -148,7 +161,9 @@ class Client:
         for address in await self._routers.ato_try():
             stub = pb_grpc.GRPCInferenceServiceStub(self._routers.achannel(address))
             try:
-                response = await stub.ModelInfer(request, timeout=_timeout(budget_ms, started))
+                response = await stub.ModelInfer(
+                    request, timeout=_timeout(budget_ms, started), metadata=self._metadata
+                )
             except grpc.aio.AioRpcError:
                 self._routers.failed(address)
                 continue

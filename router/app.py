@@ -22,12 +22,22 @@ from router.openai_api import OpenAiApi, check_listen
 from router.peers import RolloutPeers
 from router.registry import FleetRegistry
 from router.rollout import ROLLED_BACK, Plan, Rollouts
+from stratus.auth import AgentTokens, RouterCredentials, check_exposure, insecure_warning
 from stratus.batching import DEFAULT_MAX_DELAY_S
 from stratus.discovery import Advertisement
 from stratus.metrics import Metrics, RouterMetrics
 from stratus.metrics import serve as serve_metrics
 from stratus.process import announce, raise_open_files_limit, stop_on_signals
-from stratus.serving import NO_TLS, Health, InferenceServicer, TlsSettings, bind, create_server
+from stratus.serving import (
+    MAX_REQUESTS_PER_CLIENT,
+    NO_TLS,
+    ClientLimits,
+    Health,
+    InferenceServicer,
+    TlsSettings,
+    bind,
+    create_server,
+)
 from stratus.wire import fleet_pb2_grpc as fpb_grpc
 from stratus.wire import inference_pb2_grpc as pb_grpc
 
@@ -62,6 +72,17 @@ class RouterSettings:
     agent_token: str = ""
     operator_token: str = ""
     peer_token: str = ""
+    # Per-agent tokens (AGENT_ID TOKEN lines): each id bound to its own token.
+    agent_tokens_file: Path | None = None
+    # Inference callers must send "authorization: Bearer CLIENT_TOKEN"; empty: not asked.
+    client_token: str = ""
+    # Sent to the cloud gateway as "authorization: Bearer CLOUD_TOKEN" (its --client-token-file).
+    cloud_token: str = ""
+    # Listen off loopback without TLS and caller authentication (warned about every minute).
+    insecure: bool = False
+    # Status, Watch and rollout status need the operator role too.
+    private_status: bool = False
+    max_requests_per_client: int = MAX_REQUESTS_PER_CLIENT
     name: str = ""
     tls: TlsSettings = NO_TLS
     on_cloud_failure: str = "degrade"  # or "fail": UNAVAILABLE instead of a degraded answer
@@ -90,6 +111,27 @@ class RouterSettings:
         for key, value in self.cloud_headers:
             parse_header(f"{key}={value}")
 
+    def credentials(self) -> RouterCredentials:
+        return RouterCredentials(
+            mutual_tls=self.tls.mutual,
+            agent_token=self.agent_token or self.token,
+            agent_tokens=AgentTokens(self.agent_tokens_file) if self.agent_tokens_file else None,
+            operator_token=self.operator_token or self.token,
+            peer_token=self.peer_token or self.token,
+        )
+
+    def check_exposure(self, credentials: RouterCredentials) -> None:
+        """Off loopback: TLS, and credentials for agents and operators, or --insecure."""
+        check_exposure(
+            "the router",
+            self.listen,
+            tls=self.tls.cert is not None,
+            callers_authenticated=credentials.agents_authenticated and credentials.operators_authenticated,
+            insecure=self.insecure,
+            needs="credentials for agents and operators (--tls-ca for mutual TLS, or "
+            "--agent-token-file/--agent-tokens-file and --operator-token-file)",
+        )
+
 
 async def _watch_heartbeats(registry: FleetRegistry) -> None:
     while True:
@@ -98,8 +140,10 @@ async def _watch_heartbeats(registry: FleetRegistry) -> None:
 
 
 async def serve(settings: RouterSettings, stop: asyncio.Event | None = None) -> None:
+    credentials = settings.credentials()
+    settings.check_exposure(credentials)  # before anything starts
     if settings.openai:
-        check_listen(settings.openai, settings.openai_api_key)  # before anything starts
+        check_listen(settings.openai, settings.openai_api_key)
     stop = stop or asyncio.Event()
     stop_on_signals(stop)
     raise_open_files_limit()  # one descriptor per linked agent
@@ -125,13 +169,18 @@ async def serve(settings: RouterSettings, stop: asyncio.Event | None = None) -> 
         metrics=recorder,
         rollouts=rollouts,
     )
-    server = create_server(keepalive_s=settings.keepalive_s, keepalive_timeout_s=settings.keepalive_timeout_s)
-    pb_grpc.add_GRPCInferenceServiceServicer_to_server(InferenceServicer(plane), server)
+    server = create_server(
+        keepalive_s=settings.keepalive_s,
+        keepalive_timeout_s=settings.keepalive_timeout_s,
+        client_token=settings.client_token,
+    )
+    limits = ClientLimits(settings.max_requests_per_client)
+    pb_grpc.add_GRPCInferenceServiceServicer_to_server(InferenceServicer(plane, limits=limits), server)
     gate = AdmissionGate(rate_per_s=settings.admit_per_s, max_waiting=settings.admit_waiting)
     fpb_grpc.add_AgentLinkServicer_to_server(
         AgentLinkServicer(
             registry,
-            token=settings.agent_token or settings.token,
+            credentials=credentials,
             gate=gate,
             hello_timeout_s=settings.hello_timeout_s,
         ),
@@ -141,8 +190,8 @@ async def serve(settings: RouterSettings, stop: asyncio.Event | None = None) -> 
     fleet = FleetServicer(
         registry,
         cloud,
-        token=settings.operator_token or settings.token,
-        peer_token=settings.peer_token or settings.token,
+        credentials=credentials,
+        private_status=settings.private_status,
         rollouts=rollouts,
         synced=synced,
     )
@@ -156,12 +205,20 @@ async def serve(settings: RouterSettings, stop: asyncio.Event | None = None) -> 
     host = settings.listen.rsplit(":", 1)[0]
     closers = await _start_extras(settings, plane, metrics, name=name, host=host, port=port)
     watchdog = asyncio.create_task(_watch_heartbeats(registry), name="stratus-heartbeat-watchdog")
+    warning = insecure_warning(
+        "the router",
+        settings.listen,
+        tls=settings.tls.cert is not None,
+        callers_authenticated=credentials.agents_authenticated and credentials.operators_authenticated,
+    )
     sharing = _share_rollouts(settings, rollouts, synced)
     log.info("router listening on %s:%d (cloud: %s)", host, port, settings.cloud or "none")
     announce("router", f"{host}:{port}")
     await stop.wait()
     await _shut_down(plane, registry, server, health, settings.drain_timeout_s)
     watchdog.cancel()
+    if warning is not None:
+        warning.cancel()
     if sharing is not None:
         sharing.cancel()
         await asyncio.gather(sharing, return_exceptions=True)
@@ -179,7 +236,10 @@ def _cloud_link(settings: RouterSettings, registry: FleetRegistry) -> CloudLink 
     return CloudLink(
         settings.cloud,
         tls=settings.tls,
-        headers=settings.cloud_headers,
+        headers=(
+            *settings.cloud_headers,
+            *((("authorization", f"Bearer {settings.cloud_token}"),) if settings.cloud_token else ()),
+        ),
         named=parse_cloud_models(settings.cloud_models),
         families=lambda: registry.families,
     )

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -13,10 +12,12 @@ from prometheus_client.core import Metric
 
 from router.cloud import CloudLink
 from router.index import line_key
+from router.peers import sync_parts
 from router.registry import AgentHandle, FleetRegistry, State
 from router.rollout import DEFAULT_STEPS, ArmWindow, Margins, Plan, Rollouts
 from stratus import __version__
-from stratus.errors import InvalidInput, NotFound, Unauthenticated
+from stratus.auth import RouterCredentials, proof_holds, sync_proof
+from stratus.errors import InvalidInput, NotFound
 from stratus.metrics import gauge
 from stratus.tiers import Tier
 from stratus.wire import fleet_pb2 as fpb
@@ -185,25 +186,30 @@ class FleetServicer(fpb_grpc.FleetServicer):
         registry: FleetRegistry,
         cloud: CloudLink | None,
         *,
-        token: str = "",
-        peer_token: str | None = None,
+        credentials: RouterCredentials | None = None,
+        private_status: bool = False,
         rollouts: Rollouts | None = None,
         synced: asyncio.Event | None = None,
     ) -> None:
         self._registry = registry
         self._cloud = cloud
-        self._token = token  # the operators' (drain, reload, rollout changes)
-        self._peer_token = token if peer_token is None else peer_token  # other routers' sync
+        self._credentials = credentials or RouterCredentials()
+        self._private_status = private_status  # Status, Watch and rollout status need an operator
         self._rollouts = rollouts or Rollouts(router_id="router")
         self._synced = synced  # set when a change should reach the other routers now
-        self._built: dict[bool, tuple[float, fpb.FleetStatus]] = {}  # Watch's shared status, by include_agents
+        self._built: dict[
+            bool, tuple[float, fpb.FleetStatus]
+        ] = {}  # Watch's shared status, by include_agents
 
-    def _authorize(self, token: str, what: str, *, role: str = "operator") -> None:
-        expected = self._token if role == "operator" else self._peer_token
-        if expected and not hmac.compare_digest(token.encode(), expected.encode()):
-            raise Unauthenticated(f"{what} needs the {role} token")
+    def _authorize(self, token: str, context: Any, what: str) -> None:
+        self._credentials.require_operator(token, context, what)
+
+    def _authorize_read(self, token: str, context: Any, what: str) -> None:
+        if self._private_status:
+            self._authorize(token, context, what)
 
     async def Status(self, request: fpb.FleetStatusRequest, context: Any) -> fpb.FleetStatus:
+        self._authorize_read(request.token, context, "Status")
         return fleet_status(self._registry, self._cloud, include_agents=request.include_agents)
 
     async def Watch(self, request: fpb.FleetWatchRequest, context: Any) -> AsyncIterator[fpb.FleetEvent]:
@@ -230,12 +236,12 @@ class FleetServicer(fpb_grpc.FleetServicer):
         return built[1]
 
     async def Drain(self, request: fpb.DrainRequest, context: Any) -> fpb.DrainResponse:
-        self._authorize(request.token, "Drain")
+        self._authorize(request.token, context, "Drain")
         handle = self._registry.drain(request.agent_id)
         return fpb.DrainResponse(accepted=True, message=f"agent {handle.id} is draining")
 
     async def Reload(self, request: fpb.ReloadRequest, context: Any) -> fpb.ReloadResponse:
-        self._authorize(request.token, "Reload")
+        self._authorize(request.token, context, "Reload")
         timeout_s = request.timeout_s if request.timeout_s > 0 else 120.0
         handle, problem = await self._registry.reload(request.agent_id, timeout_s)
         served = sorted(handle.variants)
@@ -246,9 +252,10 @@ class FleetServicer(fpb_grpc.FleetServicer):
     async def Rollout(self, request: fpb.RolloutRequest, context: Any) -> fpb.RolloutReply:
         action = request.action
         if action == fpb.ROLLOUT_ACTION_STATUS:
+            self._authorize_read(request.token, context, "rollout status")
             plans = [p for p in self._rollouts.plans() if not request.family or p.family == request.family]
             return fpb.RolloutReply(rollouts=[self._status(p) for p in plans])
-        self._authorize(request.token, "changing a rollout")
+        self._authorize(request.token, context, "changing a rollout")
         tier = _tier(request.tier)
         if action == fpb.ROLLOUT_ACTION_START:
             plan = self._start(request, tier)
@@ -310,10 +317,15 @@ class FleetServicer(fpb_grpc.FleetServicer):
 
     async def SyncRollouts(self, request: fpb.RolloutSync, context: Any) -> fpb.RolloutSync:
         """A peer router's rollouts in, ours out: both keep the newest record of each."""
-        self._authorize(request.token, "SyncRollouts", role="peer")
+        peer_token = self._credentials.peer_token
+        proven = proof_holds(peer_token, request.token, *sync_parts(request)) if peer_token else None
+        self._credentials.require_peer(proven, context, "SyncRollouts")
         if request.router_id != self._rollouts.router_id:
             self._rollouts.merge_json(request.state_json)
-        return fpb.RolloutSync(router_id=self._rollouts.router_id, state_json=self._rollouts.to_json())
+        answer = fpb.RolloutSync(router_id=self._rollouts.router_id, state_json=self._rollouts.to_json())
+        if peer_token:  # our proof answers theirs: the caller learns it reached a real peer
+            answer.token = sync_proof(peer_token, request.token, *sync_parts(answer))
+        return answer
 
 
 def _tier(value: int) -> Tier:

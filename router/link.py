@@ -14,7 +14,6 @@ gate refuses with RESOURCE_EXHAUSTED, and the agent retries after its jittered b
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -22,7 +21,8 @@ from typing import Any
 
 from router.registry import AgentHandle, FleetRegistry, check_hello_bounds
 from stratus import __version__
-from stratus.errors import DeadlineExceeded, InvalidInput, Overloaded, Unauthenticated
+from stratus.auth import RouterCredentials
+from stratus.errors import DeadlineExceeded, InvalidInput, Overloaded, StratusError
 from stratus.wire import fleet_pb2 as fpb
 from stratus.wire import fleet_pb2_grpc as fpb_grpc
 
@@ -80,12 +80,12 @@ class AgentLinkServicer(fpb_grpc.AgentLinkServicer):
         self,
         registry: FleetRegistry,
         *,
-        token: str = "",
+        credentials: RouterCredentials | None = None,
         gate: AdmissionGate | None = None,
         hello_timeout_s: float = HELLO_TIMEOUT_S,
     ) -> None:
         self._registry = registry
-        self._token = token
+        self._credentials = credentials or RouterCredentials()
         self._gate = gate or AdmissionGate()
         self._hello_timeout_s = hello_timeout_s
 
@@ -101,18 +101,20 @@ class AgentLinkServicer(fpb_grpc.AgentLinkServicer):
         if first is None or first.WhichOneof("kind") != "hello":
             raise InvalidInput("the first message on an AgentLink must be a Hello")
         _check_hello(first.hello)
-        if self._token and not hmac.compare_digest(first.hello.token.encode(), self._token.encode()):
-            log.warning(
-                "refused agent %r from %s: missing or wrong token", first.hello.agent_id, context.peer()
-            )
-            raise Unauthenticated("the fleet token is missing or wrong")
-        await self._gate.admit(first.hello.agent_id)
         try:
-            handle = self._registry.register(first.hello, peer=context.peer())
-        except InvalidInput as exc:
+            identity = self._credentials.agent_identity(first.hello.agent_id, first.hello.token, context)
+        except StratusError as exc:
             log.warning("refused agent %r from %s: %s", first.hello.agent_id, context.peer(), exc)
             raise
-        reader = asyncio.create_task(self._read(handle, request_iterator), name=f"stratus-link-{handle.id}")
+        await self._gate.admit(first.hello.agent_id)
+        try:
+            handle = self._registry.register(first.hello, peer=context.peer(), identity=identity)
+        except StratusError as exc:
+            log.warning("refused agent %r from %s: %s", first.hello.agent_id, context.peer(), exc)
+            raise
+        reader = asyncio.create_task(
+            self._read(handle, request_iterator, context), name=f"stratus-link-{handle.id}"
+        )
         try:
             yield fpb.RouterMessage(
                 welcome=fpb.Welcome(
@@ -130,7 +132,9 @@ class AgentLinkServicer(fpb_grpc.AgentLinkServicer):
             await asyncio.gather(reader, return_exceptions=True)
             self._registry.lose(handle, "link closed")
 
-    async def _read(self, handle: AgentHandle, messages: AsyncIterator[fpb.AgentMessage]) -> None:
+    async def _read(
+        self, handle: AgentHandle, messages: AsyncIterator[fpb.AgentMessage], context: Any
+    ) -> None:
         reason = "link ended (closed by the agent, or its connection stopped answering pings)"
         try:
             async for message in messages:
@@ -144,7 +148,7 @@ class AgentLinkServicer(fpb_grpc.AgentLinkServicer):
                 elif kind == "draining":
                     self._registry.draining(handle)
                 elif kind == "hello":
-                    self._reannounce(handle, message.hello)
+                    self._reannounce(handle, message.hello, context)
                 elif kind == "reload_failed":
                     self._registry.reload_failed(handle, message.reload_failed.message)
                 else:
@@ -157,11 +161,16 @@ class AgentLinkServicer(fpb_grpc.AgentLinkServicer):
         log.info("agent %s: %s", handle.id, reason)
         self._registry.lose(handle, reason)
 
-    def _reannounce(self, handle: AgentHandle, hello: fpb.Hello) -> None:
-        """A later Hello: the agent reloaded. Same token rule as the first; a refused one
-        leaves the agent serving what it served before."""
-        if self._token and not hmac.compare_digest(hello.token.encode(), self._token.encode()):
-            self._registry.reload_failed(handle, "its new Hello carries a missing or wrong token")
+    def _reannounce(self, handle: AgentHandle, hello: fpb.Hello, context: Any) -> None:
+        """A later Hello: the agent reloaded. Same credential rule as the first, and the same
+        identity; a refused one leaves the agent serving what it served before."""
+        try:
+            identity = self._credentials.agent_identity(hello.agent_id, hello.token, context)
+        except StratusError as exc:
+            self._registry.reload_failed(handle, f"its new Hello was refused: {exc}")
+            return
+        if identity != handle.identity:
+            self._registry.reload_failed(handle, "its new Hello comes with another identity")
             return
         try:
             self._registry.reannounce(handle, hello)

@@ -17,6 +17,7 @@ import logging
 import grpc
 
 from router.rollout import Rollouts
+from stratus.auth import proof_holds, sync_proof
 from stratus.discovery import addresses_of
 from stratus.errors import StratusError
 from stratus.serving import NO_TLS, TlsSettings, open_channel
@@ -29,7 +30,16 @@ SYNC_S = 1.0
 CALL_TIMEOUT_S = 2.0
 
 
+def sync_parts(message: fpb.RolloutSync) -> tuple[str, str]:
+    """What a rollout sync's proof covers: who sent it and everything it says."""
+    return message.router_id, message.state_json
+
+
 class RolloutPeers:
+    """Both directions are authenticated: with a peer token each side sends a proof over its
+    message (the answer's covering the request's proof), never the token, so an impostor
+    learns nothing; under mutual TLS the certificates do it."""
+
     def __init__(
         self,
         rollouts: Rollouts,
@@ -70,9 +80,9 @@ class RolloutPeers:
         channel = self._channels.get(address)
         if channel is None:
             channel = self._channels[address] = open_channel(address, self.tls)
-        mine = fpb.RolloutSync(
-            router_id=self.rollouts.router_id, state_json=self.rollouts.to_json(), token=self.token
-        )
+        mine = fpb.RolloutSync(router_id=self.rollouts.router_id, state_json=self.rollouts.to_json())
+        if self.token:
+            mine.token = sync_proof(self.token, *sync_parts(mine))
         try:
             theirs = await fpb_grpc.FleetStub(channel).SyncRollouts(mine, timeout=CALL_TIMEOUT_S)
         except grpc.aio.AioRpcError as exc:
@@ -80,6 +90,9 @@ class RolloutPeers:
             return
         if theirs.router_id == self.rollouts.router_id:
             self._self.add(address)
+            return
+        if self.token and not proof_holds(self.token, theirs.token, mine.token, *sync_parts(theirs)):
+            log.warning("peer %s answered without proof of the peer token; its state is ignored", address)
             return
         try:
             self.rollouts.merge_json(theirs.state_json)

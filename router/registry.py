@@ -25,7 +25,7 @@ from router.index import AgentIndex, line_key
 from router.policy import CloudView, FleetSnapshot
 from stratus.batching import DEFAULT_MAX_DELAY_S, Batch, Batcher, BatchKey, split_counts
 from stratus.codec import numpy_dtype
-from stratus.errors import DeadlineExceeded, InvalidInput, NotFound, Overloaded, Unavailable
+from stratus.errors import DeadlineExceeded, InvalidInput, NotFound, Overloaded, PermissionDenied, Unavailable
 from stratus.metrics import RouterMetrics
 from stratus.serving import MAX_WORK_BYTES, check_fits
 from stratus.stats import LatencyWindow, RateMeter, ServiceCurve, SizeWindow
@@ -114,6 +114,7 @@ class AgentHandle:
     capacity: int
     queue_limit: int
     heartbeat_s: float
+    identity: str = "anonymous"  # the credential that holds the id (stratus.auth)
     outbox: asyncio.Queue[fpb.RouterMessage | None] = field(default_factory=asyncio.Queue)
     state: str = State.READY
     last_heartbeat: float = 0.0
@@ -265,11 +266,17 @@ class FleetRegistry:
         return self._clock()
 
     # -- joining and leaving -----------------------------------------------------------
-    def register(self, hello: fpb.Hello, peer: str) -> AgentHandle:
-        """Admit an agent; an id already linked is replaced (it reconnected before we noticed)."""
+    def register(self, hello: fpb.Hello, peer: str, identity: str = "anonymous") -> AgentHandle:
+        """Admit an agent. An id already linked is replaced only by the identity that holds it
+        (the agent reconnected before we noticed); another identity is refused, so a stranger
+        cannot knock an agent off its link (see :class:`stratus.auth.RouterCredentials`)."""
         check_hello_bounds(hello)
-        hello = self._agreed(hello)
         previous = self.agents.get(hello.agent_id)
+        if previous is not None and previous.state != State.LOST and previous.identity != identity:
+            raise PermissionDenied(
+                f"agent id {hello.agent_id!r} is linked by another identity; it is not replaced"
+            )
+        hello = self._agreed(hello)
         if previous is not None:
             if previous.state != State.LOST:
                 log.warning("agent %s reconnected from %s; dropping its old link", hello.agent_id, peer)
@@ -287,6 +294,7 @@ class FleetRegistry:
             last_heartbeat=self.now(),
             heartbeat_s=self.pace_s,
             unavailable=tuple(hello.unavailable),
+            identity=identity,
         )
         for family in hello.families:
             self.families.setdefault(family.name, family)

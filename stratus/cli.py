@@ -24,26 +24,16 @@ def _default_cache() -> Path:
     return Path.home() / ".cache" / "stratus"
 
 
-def _token(value: str | None) -> str:
-    """The shared fleet token: ``--token`` (visible to every user of the machine, so warned
-    about), else STRATUS_TOKEN. Each role's own credential takes precedence (_role_token)."""
+def _role_token(args: argparse.Namespace, role: str) -> str:
+    """One role's credential (agent, operator, peer, client, cloud): --ROLE-token-file, else
+    STRATUS_ROLE_TOKEN, else (agents, operators, peers) the fleet token STRATUS_TOKEN. Never
+    from the command line, where every user of the machine can read it."""
     import os
 
-    if value is not None:
-        print(
-            "stratus: warning: --token is visible in the process list; use a token file or STRATUS_TOKEN",
-            file=sys.stderr,
-        )
-        return value
+    own = _secret(getattr(args, f"{role}_token_file", None), f"STRATUS_{role.upper()}_TOKEN")
+    if own or role in ("client", "cloud"):
+        return own
     return os.environ.get("STRATUS_TOKEN", "")
-
-
-def _role_token(args: argparse.Namespace, role: str) -> str:
-    """One role's credential (agent, operator, peer): --ROLE-token-file, else
-    STRATUS_ROLE_TOKEN, else the shared fleet token."""
-    path = getattr(args, f"{role}_token_file", None)
-    own = _secret(path, f"STRATUS_{role.upper()}_TOKEN")
-    return own or _token(args.token)
 
 
 def _secret(path: Path | None, variable: str) -> str:
@@ -83,10 +73,15 @@ def _router(args: argparse.Namespace) -> int:
         listen=args.listen,
         cloud=args.cloud,
         advertise=not args.no_advertise,
-        token=_token(args.token),
         agent_token=_role_token(args, "agent"),
+        agent_tokens_file=args.agent_tokens_file,
         operator_token=_role_token(args, "operator"),
         peer_token=_role_token(args, "peer"),
+        client_token=_role_token(args, "client"),
+        cloud_token=_role_token(args, "cloud"),
+        insecure=args.insecure,
+        private_status=args.private_status,
+        max_requests_per_client=args.max_requests_per_client,
         tls=_tls(args),
         on_cloud_failure=args.on_cloud_failure,
         max_heartbeats_per_s=args.max_heartbeats_per_s,
@@ -125,6 +120,9 @@ def _cloud(args: argparse.Namespace) -> int:
         hardware=_hardware(),
         emulated_extra_ms=args.emulate_slow_ms,
         tls=_tls(args),
+        client_token=_role_token(args, "client"),
+        insecure=args.insecure,
+        max_requests_per_client=args.max_requests_per_client,
         metrics=args.metrics,
         openai_upstream=args.openai_upstream,
         upstream_model=args.upstream_model,
@@ -155,6 +153,8 @@ def _agent(args: argparse.Namespace) -> int:
         token=_role_token(args, "agent"),
         tls=_tls(args),
         metrics=args.metrics,
+        client_token=_role_token(args, "client"),
+        insecure=args.insecure,
     )
     models = load_models(
         args.models,
@@ -202,7 +202,14 @@ def _names(text: str | None) -> list[str] | None:
 def _fleet_status(args: argparse.Namespace) -> int:
     from stratus.fleetctl import show_status
 
-    return show_status(args.router, as_json=args.json, watch=args.watch, agents=args.agents, tls=_tls(args))
+    return show_status(
+        args.router,
+        as_json=args.json,
+        watch=args.watch,
+        agents=args.agents,
+        tls=_tls(args),
+        token=_role_token(args, "operator"),
+    )
 
 
 def _fleet_drain(args: argparse.Namespace) -> int:
@@ -271,22 +278,34 @@ def _add_router(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -
     router.add_argument("--cloud", default=None, help="HOST:PORT of the cloud gateway")
     _add_cloud_link(router)
     router.add_argument("--no-advertise", action="store_true", help="do not advertise over zeroconf")
-    router.add_argument(
-        "--token",
-        default=None,
-        help="one fleet token for every role (default: $STRATUS_TOKEN); prefer the files",
-    )
     for role, what in (
-        ("agent", "agents' Hellos"),
-        ("operator", "drain, reload and rollout changes"),
-        ("peer", "other routers' rollout sync, both ways"),
+        ("agent", "agents' Hellos must carry (one for all)"),
+        ("operator", "drain, reload and rollout changes must carry"),
+        ("peer", "proves rollout syncs with the other routers, both ways"),
+        ("client", "inference callers must send as 'authorization: Bearer TOKEN'"),
+        ("cloud", "this router sends the cloud gateway as 'authorization: Bearer TOKEN'"),
     ):
+        fallback = ", else $STRATUS_TOKEN" if role in ("agent", "operator", "peer") else ""
         router.add_argument(
             f"--{role}-token-file",
             type=Path,
             default=None,
-            help=f"the token {what} must carry (default: $STRATUS_{role.upper()}_TOKEN, else the fleet token)",
+            help=f"the token {what} (default: $STRATUS_{role.upper()}_TOKEN{fallback})",
         )
+    router.add_argument(
+        "--agent-tokens-file",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="per-agent tokens, 'AGENT_ID TOKEN' lines (re-read when changed): binds each id to "
+        "its own token, so one can be revoked",
+    )
+    router.add_argument(
+        "--private-status",
+        action="store_true",
+        help="fleet status, watch and rollout status need the operator role too",
+    )
+    _add_exposure(router, "the router")
     router.add_argument(
         "--on-cloud-failure",
         choices=["degrade", "fail"],
@@ -348,6 +367,21 @@ def _add_router(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -
     _add_batch_delay(router)
     router.set_defaults(handler=_router)
     return router
+
+
+def _add_exposure(parser: argparse.ArgumentParser, what: str) -> None:
+    parser.add_argument(
+        "--insecure",
+        action="store_true",
+        help=f"let {what} run off loopback without TLS or caller authentication (warned about "
+        "every minute): anyone who reaches it can use it and read its traffic",
+    )
+    parser.add_argument(
+        "--max-requests-per-client",
+        type=int,
+        default=1024,
+        help="inference requests one client address may have in flight (0: no limit)",
+    )
 
 
 def _cloud_header(text: str) -> tuple[str, str]:
@@ -434,6 +468,14 @@ def _add_cloud(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     _add_max_batch(cloud)
     _add_batch_delay(cloud)
     cloud.add_argument("--cache-dir", type=Path, default=_default_cache())
+    cloud.add_argument(
+        "--client-token-file",
+        type=Path,
+        default=None,
+        help="callers (the router: --cloud-token-file) must send 'authorization: Bearer TOKEN' "
+        "(default: $STRATUS_CLIENT_TOKEN)",
+    )
+    _add_exposure(cloud, "the cloud gateway")
     _add_upstream(cloud)
     cloud.set_defaults(handler=_cloud)
     return cloud
@@ -446,9 +488,9 @@ def _add_agent(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     agent.add_argument("--variants", default=None, help="comma-separated (default: the tier's variants)")
     agent.add_argument(
         "--router",
-        default="auto",
-        help="HOST:PORT[,HOST:PORT...] (a link to each), auto (every router zeroconf finds), "
-        "or dns:NAME:PORT (every address NAME resolves to, e.g. a headless Service)",
+        required=True,
+        help="HOST:PORT[,HOST:PORT...] (a link to each), dns:NAME:PORT (every address NAME resolves "
+        "to, e.g. a headless Service), or auto (every router zeroconf finds; needs --tls-ca)",
     )
     agent.add_argument("--name", default=None)
     agent.add_argument("--concurrency", type=int, default=2)
@@ -456,12 +498,23 @@ def _add_agent(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     _add_max_batch(agent)
     agent.add_argument("--serve", default=None, help="also serve the inference API on HOST:PORT")
     agent.add_argument("--runtimes", default=None, help=RUNTIMES_HELP)
-    agent.add_argument("--token", default=None, help="fleet token (default: $STRATUS_TOKEN)")
     agent.add_argument(
         "--agent-token-file",
         type=Path,
         default=None,
-        help="this agent's token, from a file (default: $STRATUS_AGENT_TOKEN, else the fleet token)",
+        help="this agent's token, from a file (default: $STRATUS_AGENT_TOKEN, else $STRATUS_TOKEN)",
+    )
+    agent.add_argument(
+        "--client-token-file",
+        type=Path,
+        default=None,
+        help="--serve's callers must send 'authorization: Bearer TOKEN' (default: $STRATUS_CLIENT_TOKEN)",
+    )
+    agent.add_argument(
+        "--insecure",
+        action="store_true",
+        help="allow plaintext links to routers on other machines, zeroconf without --tls-ca, and "
+        "--serve off loopback without TLS and client authentication",
     )
     agent.add_argument("--cache-dir", type=Path, default=_default_cache())
     agent.set_defaults(handler=_agent)
@@ -500,11 +553,16 @@ def _add_servers(commands: argparse._SubParsersAction[argparse.ArgumentParser]) 
     status.add_argument("--json", action="store_true", help="everything, every agent included, as JSON")
     status.add_argument("--agents", action="store_true", help="list every agent, not only the summary")
     status.add_argument("--watch", action="store_true")
+    status.add_argument(
+        "--operator-token-file",
+        type=Path,
+        default=None,
+        help="for --private-status routers (default: $STRATUS_OPERATOR_TOKEN)",
+    )
     status.set_defaults(handler=_fleet_status)
     drain = sub.add_parser("drain", help="stop sending new work to an agent")
     drain.add_argument("agent_id")
     drain.add_argument("--router", required=True)
-    drain.add_argument("--token", default=None)
     drain.add_argument(
         "--operator-token-file", type=Path, default=None, help="default: $STRATUS_OPERATOR_TOKEN"
     )
@@ -544,7 +602,6 @@ def _add_fleet_changes(
         _add_tls(parser)
     for parser in (reload, rollout):
         parser.add_argument("--router", required=True)
-        parser.add_argument("--token", default=None)
         parser.add_argument(
             "--operator-token-file", type=Path, default=None, help="default: $STRATUS_OPERATOR_TOKEN"
         )

@@ -103,17 +103,23 @@ def _stub(router: str, tls: TlsSettings) -> tuple[grpc.Channel, fpb_grpc.FleetSt
 
 
 def show_status(
-    router: str, *, as_json: bool, watch: bool, agents: bool = False, tls: TlsSettings = NO_TLS
+    router: str,
+    *,
+    as_json: bool,
+    watch: bool,
+    agents: bool = False,
+    tls: TlsSettings = NO_TLS,
+    token: str = "",
 ) -> int:
     """Agents are listed with ``agents`` or in JSON; the table alone stays short at any size."""
     channel, stub = _stub(router, tls)
     include = agents or as_json
     with channel:
         if not watch:
-            status = stub.Status(fpb.FleetStatusRequest(include_agents=include), timeout=5.0)
+            status = stub.Status(fpb.FleetStatusRequest(include_agents=include, token=token), timeout=5.0)
             print(json.dumps(status_json(status), indent=2) if as_json else status_table(status))
             return 0
-        for event in stub.Watch(fpb.FleetWatchRequest(include_agents=include)):
+        for event in stub.Watch(fpb.FleetWatchRequest(include_agents=include, token=token)):
             if as_json:
                 print(json.dumps(status_json(event.status)), flush=True)
             else:

@@ -48,7 +48,7 @@ from stratus.runtimes import LoadFailure, LoadOptions, ModelRunner, load_runner
 from stratus.serving import DataPlane, tensor_metadata
 from stratus.stats import LatencyWindow
 from stratus.status import status_code
-from stratus.tensors import answer_raw, check_request_metadata
+from stratus.tensors import MAX_REQUEST_ITEMS, answer_raw, check_request_metadata
 from stratus.tiers import Tier
 from stratus.wire import fleet_pb2
 from stratus.wire import inference_pb2 as pb
@@ -790,7 +790,7 @@ def model_config(family: FamilySpec, name: str, backend: str) -> pb.ModelConfig:
         name=name,
         platform=backend,
         backend=backend,
-        max_batch_size=64,
+        max_batch_size=MAX_REQUEST_ITEMS,
         input=[
             pb.ModelInput(name=s.name, data_type=data_type(s.datatype), dims=s.shape[1:])
             for s in family.inputs

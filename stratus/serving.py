@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import contextlib
+import functools
 import ipaddress
 import logging
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
@@ -20,7 +22,7 @@ from typing import Any, Final
 import grpc
 
 from stratus import __version__
-from stratus.errors import ConfigError, InvalidInput, StratusError
+from stratus.errors import ConfigError, InvalidInput, Overloaded, StratusError
 from stratus.status import ErrorInterceptor, status_code
 from stratus.wire import inference_pb2 as pb
 from stratus.wire import inference_pb2_grpc as pb_grpc
@@ -104,6 +106,11 @@ class TlsSettings:
     def enabled(self) -> bool:
         return self.cert is not None or self.ca is not None
 
+    @property
+    def mutual(self) -> bool:
+        """As a server: callers must present a certificate from ``ca``."""
+        return self.cert is not None and self.ca is not None
+
     def server_credentials(self) -> grpc.ServerCredentials:
         if self.cert is None or self.key is None:
             raise ConfigError("serving TLS needs --tls-cert and --tls-key")
@@ -133,13 +140,22 @@ MAX_STREAMS_PER_CONNECTION: Final = 1024
 MAX_CONCURRENT_RPCS: Final = 16_384
 
 
-def create_server(*, keepalive_s: float = 10.0, keepalive_timeout_s: float = 5.0) -> grpc.aio.Server:
+def create_server(
+    *, keepalive_s: float = 10.0, keepalive_timeout_s: float = 5.0, client_token: str = ""
+) -> grpc.aio.Server:
+    """A server with Stratus's limits; with ``client_token``, inference calls need it as
+    ``authorization: Bearer TOKEN`` (the other services check their own credentials)."""
+    from stratus.auth import BearerTokenInterceptor
+
+    guards: list[grpc.aio.ServerInterceptor] = [BearerTokenInterceptor(client_token)] if client_token else []
     options = [
         *grpc_options(keepalive_s=keepalive_s, keepalive_timeout_s=keepalive_timeout_s),
         ("grpc.max_concurrent_streams", MAX_STREAMS_PER_CONNECTION),
     ]
     return grpc.aio.server(
-        interceptors=[ErrorInterceptor()], options=options, maximum_concurrent_rpcs=MAX_CONCURRENT_RPCS
+        interceptors=[*guards, ErrorInterceptor()],
+        options=options,
+        maximum_concurrent_rpcs=MAX_CONCURRENT_RPCS,
     )
 
 
@@ -211,9 +227,53 @@ class DataPlane(abc.ABC):
         raise InvalidInput(f"model '{request.model_name}' does not generate text here")
 
 
+# Requests one client (one peer address) may have in flight on a server at once, so that no
+# single client takes every slot (a router's cloud link holds at most 512 at the cloud).
+MAX_REQUESTS_PER_CLIENT: Final = 1024
+
+
+def client_of(peer: str) -> str:
+    """A gRPC peer without its port: ``ipv4:10.0.0.7:51234`` is client ``ipv4:10.0.0.7``."""
+    if peer.startswith(("ipv4:", "ipv6:")):
+        return peer.rsplit(":", 1)[0]
+    return peer
+
+
+class ClientLimits:
+    """Requests in flight per client; past ``per_client`` a client's new ones are refused
+    with RESOURCE_EXHAUSTED while everyone else's go on. 0 turns the limit off."""
+
+    def __init__(self, per_client: int = MAX_REQUESTS_PER_CLIENT) -> None:
+        self.per_client = per_client
+        self.held: dict[str, int] = {}
+
+    @contextlib.contextmanager
+    def hold(self, peer: str) -> Iterator[None]:
+        if self.per_client <= 0:
+            yield
+            return
+        client = client_of(peer)
+        count = self.held.get(client, 0)
+        if count >= self.per_client:
+            raise Overloaded(
+                f"this client has {count} requests in flight here, the most one client may; "
+                "wait for answers before sending more"
+            )
+        self.held[client] = count + 1
+        try:
+            yield
+        finally:
+            left = self.held[client] - 1
+            if left:
+                self.held[client] = left
+            else:
+                del self.held[client]
+
+
 class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
-    def __init__(self, plane: DataPlane) -> None:
+    def __init__(self, plane: DataPlane, *, limits: ClientLimits | None = None) -> None:
         self._plane = plane
+        self._limits = limits or ClientLimits()
 
     async def ServerLive(self, request: pb.ServerLiveRequest, context: Any) -> pb.ServerLiveResponse:
         return pb.ServerLiveResponse(live=True)
@@ -246,13 +306,15 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         return index
 
     async def ModelInfer(self, request: pb.ModelInferRequest, context: Any) -> pb.ModelInferResponse:
-        return await self._plane.infer(request, timeout_s=context.time_remaining())
+        with self._limits.hold(context.peer()):
+            return await self._plane.infer(request, timeout_s=context.time_remaining())
 
     async def ModelStreamInfer(
         self, request_iterator: AsyncIterator[pb.ModelInferRequest], context: Any
     ) -> AsyncIterator[pb.ModelStreamInferResponse]:
         """Requests on one stream run concurrently; each answer carries its request's id."""
-        async with _StreamSession(self._plane, request_iterator) as session:
+        hold = functools.partial(self._limits.hold, context.peer())
+        async with _StreamSession(self._plane, request_iterator, hold) as session:
             async for response in session.responses():
                 yield response
 
@@ -274,9 +336,15 @@ class _StreamSession:
 
     _DONE: Final = None
 
-    def __init__(self, plane: DataPlane, requests: AsyncIterator[pb.ModelInferRequest]) -> None:
+    def __init__(
+        self,
+        plane: DataPlane,
+        requests: AsyncIterator[pb.ModelInferRequest],
+        hold: Callable[[], contextlib.AbstractContextManager[None]] = contextlib.nullcontext,
+    ) -> None:
         self._plane = plane
         self._requests = requests
+        self._hold = hold  # the client's share of the server (ClientLimits)
         self._outbox: asyncio.Queue[pb.ModelStreamInferResponse | _Answered | None] = asyncio.Queue()
         self._window = asyncio.Semaphore(STREAM_WINDOW)
         self._tasks: set[asyncio.Task[None]] = set()
@@ -314,12 +382,13 @@ class _StreamSession:
 
     async def _answer(self, request: pb.ModelInferRequest) -> None:
         try:
-            if _streams(request):  # decoupled: many responses, the last marked final
-                async for chunk in self._plane.generate(request, timeout_s=None):
-                    self._outbox.put_nowait(pb.ModelStreamInferResponse(infer_response=chunk))
-                return
-            response = await self._plane.infer(request, timeout_s=None)
-            self._outbox.put_nowait(pb.ModelStreamInferResponse(infer_response=response))
+            with self._hold():
+                if _streams(request):  # decoupled: many responses, the last marked final
+                    async for chunk in self._plane.generate(request, timeout_s=None):
+                        self._outbox.put_nowait(pb.ModelStreamInferResponse(infer_response=chunk))
+                    return
+                response = await self._plane.infer(request, timeout_s=None)
+                self._outbox.put_nowait(pb.ModelStreamInferResponse(infer_response=response))
         except StratusError as exc:
             self._outbox.put_nowait(stream_error(request, f"{status_code(exc).name}: {exc}"))
         except Exception as exc:  # one bad request must not end the stream for the others

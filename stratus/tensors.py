@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Final
 
 from stratus import codec
 from stratus.batching import BatchKey
@@ -229,6 +230,11 @@ def named_inputs(
         yield index, name, tensor
 
 
+# Items one request may hold, advertised as every model's max_batch_size (ModelConfig) and
+# enforced on every server: 32,000 items in one call used to be taken at the cloud.
+MAX_REQUEST_ITEMS: Final = 1024
+
+
 def check_request_metadata(family: str, specs: Sequence[TensorSpec], request: pb.ModelInferRequest) -> None:
     """Names, datatypes and shapes against the family, before any tensor is decoded: a
     request the family cannot take costs no memory (16 M typed INT64 zeros are 15 MiB on the
@@ -239,7 +245,13 @@ def check_request_metadata(family: str, specs: Sequence[TensorSpec], request: pb
         spec = expected.get(name)
         if spec is None:
             raise InvalidInput(f"model '{family}' has no input '{name}'; it takes {sorted(expected)}")
-        check_tensor(spec, tensor.datatype, codec.checked_shape(tensor.shape, tensor=name))
+        shape = codec.checked_shape(tensor.shape, tensor=name)
+        check_tensor(spec, tensor.datatype, shape)
+        if spec.shape and spec.shape[0] == -1 and shape and shape[0] > MAX_REQUEST_ITEMS:
+            raise InvalidInput(
+                f"input '{name}' holds {shape[0]} items; a request may hold at most {MAX_REQUEST_ITEMS} "
+                "(the models' max_batch_size): send the rest in further requests"
+            )
 
 
 def check_inputs(family: str, specs: Sequence[TensorSpec], inputs: Tensors) -> None:

@@ -275,7 +275,7 @@ class Hello(_message.Message):
     capacity: _builtins.int
     """How many Work items the agent serves at once."""
     token: _builtins.str
-    """Shared fleet token; empty when the router runs without one."""
+    """The agent's token (its own, or the agents' shared one); empty under mutual TLS alone."""
     version: _builtins.str
     queue_limit: _builtins.int
     """How many Work items may wait beyond `capacity`; the router sends no more than
@@ -761,18 +761,22 @@ class FleetStatusRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     INCLUDE_AGENTS_FIELD_NUMBER: _builtins.int
+    TOKEN_FIELD_NUMBER: _builtins.int
     include_agents: _builtins.bool
     """List every agent too; without it only the per-tier summary comes back, which stays
     small however large the fleet.
     """
+    token: _builtins.str
+    """The operator token, where the router keeps its status private (--private-status)."""
     def __init__(
         self,
         *,
         include_agents: _builtins.bool = ...,
+        token: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["include_agents", b"include_agents"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["include_agents", b"include_agents", "token", b"token"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -956,15 +960,19 @@ class FleetWatchRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     INCLUDE_AGENTS_FIELD_NUMBER: _builtins.int
+    TOKEN_FIELD_NUMBER: _builtins.int
     include_agents: _builtins.bool
+    token: _builtins.str
+    """As in FleetStatusRequest."""
     def __init__(
         self,
         *,
         include_agents: _builtins.bool = ...,
+        token: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["include_agents", b"include_agents"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["include_agents", b"include_agents", "token", b"token"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1287,6 +1295,9 @@ class RolloutSync(_message.Message):
     router_id: _builtins.str
     state_json: _builtins.str
     token: _builtins.str
+    """With a peer token: "v1:MS:HMAC", a proof over this message that the sender holds the
+    token (an answer's proof also covers the request's), never the token itself.
+    """
     def __init__(
         self,
         *,
