@@ -43,6 +43,7 @@ from stratus.serving import (
     create_server,
     is_loopback,
     open_channel,
+    server_name_options,
 )
 from stratus.status import status_code, status_for
 from stratus.tiers import Tier
@@ -52,6 +53,7 @@ from stratus.wire import inference_pb2_grpc as pb_grpc
 
 log = logging.getLogger("stratus.agent")
 
+SERVE = "the agent's --serve endpoint"
 # With --router auto or dns:NAME:PORT, how often to look for routers that joined since.
 REDISCOVER_S = 30.0
 
@@ -84,6 +86,15 @@ class AgentSettings:
     def __post_init__(self) -> None:
         if self.capacity < 1 or self.heartbeat_s <= 0 or self.backoff_initial_s <= 0:
             raise ValueError("capacity, heartbeat_s and backoff_initial_s must be positive")
+        self.check_links()  # before any model loads: a refused setting costs nothing
+        if self.serve:
+            check_endpoint(
+                SERVE, self.serve, self.tls, client_token=self.client_token, insecure=self.insecure
+            )
+
+    @property
+    def serve_authenticated(self) -> bool:
+        return self.tls.mutual or bool(self.client_token)
 
     def check_links(self) -> None:
         """Refuse links that would hand the token, and every input, to whoever answers: zeroconf
@@ -215,14 +226,14 @@ class Agent:
             await self._link_found_routers(stop, lambda: discover_all(timeout_s=3.0))
         elif self.settings.router.startswith(DNS_PREFIX):
             name, _, port = self.settings.router.removeprefix(DNS_PREFIX).rpartition(":")
-            await self._link_found_routers(stop, lambda: resolve_all(name, int(port)))
+            await self._link_found_routers(stop, lambda: resolve_all(name, int(port)), server_name=name)
         else:
             addresses = [a.strip() for a in self.settings.router.split(",") if a.strip()]
             await asyncio.gather(*(self._stay_linked(address, stop) for address in addresses))
         await self._finish_work()
 
     async def _link_found_routers(
-        self, stop: asyncio.Event, find: Callable[[], Awaitable[list[str]]]
+        self, stop: asyncio.Event, find: Callable[[], Awaitable[list[str]]], server_name: str | None = None
     ) -> None:
         """Link to every router ``find`` returns, and look again now and then: routers come
         and go (a Deployment scaled, a pod replaced); a link to one that went simply ends."""
@@ -232,14 +243,16 @@ class Agent:
                 for address in await find():
                     if address not in tasks or tasks[address].done():
                         tasks[address] = asyncio.create_task(
-                            self._stay_linked(address, stop), name=f"stratus-link-{address}"
+                            self._stay_linked(address, stop, server_name), name=f"stratus-link-{address}"
                         )
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), timeout=REDISCOVER_S if tasks else 1.0)
         await asyncio.gather(*tasks.values(), return_exceptions=True)
 
-    async def _stay_linked(self, address: str, stop: asyncio.Event) -> None:
-        """One router: link, serve, and re-link with backoff whenever the link breaks."""
+    async def _stay_linked(self, address: str, stop: asyncio.Event, server_name: str | None = None) -> None:
+        """One router: link, serve, and re-link with backoff whenever the link breaks.
+        ``server_name``: what the router's certificate names, where ``address`` is an IP found
+        for it (dns:NAME)."""
         backoff = Backoff(
             initial_s=self.settings.backoff_initial_s, max_s=self.settings.backoff_max_s, rng=self._rng
         )
@@ -252,7 +265,7 @@ class Agent:
             return
         while not stop.is_set():
             try:
-                await self._session(address, stop, backoff)
+                await self._session(address, stop, backoff, server_name)
             except (grpc.aio.AioRpcError, StratusError, ConnectionError) as exc:
                 log.warning("link to router %s lost: %s", address, _describe(exc))
             except Exception:  # an agent must outlive any one link, whatever broke it
@@ -264,10 +277,13 @@ class Agent:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), timeout=delay)
 
-    async def _session(self, address: str, stop: asyncio.Event, backoff: Backoff) -> None:
+    async def _session(
+        self, address: str, stop: asyncio.Event, backoff: Backoff, server_name: str | None = None
+    ) -> None:
         link = Link(address=address)
         link.outbox.put_nowait(self.hello())
-        async with open_channel(address, self.settings.tls) as channel:
+        tls = self.settings.tls
+        async with open_channel(address, tls, extra_options=server_name_options(server_name, tls)) as channel:
             call = fpb_grpc.AgentLinkStub(channel).Connect(_drain_queue(link.outbox))
             welcome = await call.read()
             if not isinstance(welcome, fpb.RouterMessage) or not welcome.HasField("welcome"):
@@ -343,7 +359,13 @@ class Agent:
         raise ConnectionError("router ended the link")
 
     def start_reload(self) -> None:
-        """A router's Reload, or SIGHUP: reload in the background; the link keeps serving."""
+        """A router's Reload, or SIGHUP: reload in the background; the link keeps serving.
+
+        Reloads collapse: with one running and one waiting, another adds nothing (the waiting
+        one reads the folder after the running one ends), so a burst of Reloads costs two."""
+        if len(self._reloads) >= 2:
+            log.info("a reload is already waiting; this request joins it")
+            return
         task = asyncio.create_task(self.reload(), name="stratus-agent-reload")
         self._reloads.add(task)
         task.add_done_callback(self._reloads.discard)
@@ -470,13 +492,6 @@ async def serve_locally(models: LocalModels, settings: AgentSettings) -> tuple[g
 
 
 async def run_agent(settings: AgentSettings, models: LocalModels, stop: asyncio.Event) -> None:
-    settings.check_links()
-    what = "the agent's --serve endpoint"
-    authenticated = False
-    if settings.serve:
-        authenticated = check_endpoint(
-            what, settings.serve, settings.tls, client_token=settings.client_token, insecure=settings.insecure
-        )
     local: grpc.aio.Server | None = None
     warning = None
     exporter = None
@@ -485,8 +500,12 @@ async def run_agent(settings: AgentSettings, models: LocalModels, stop: asyncio.
     if settings.serve:
         local, address, health = await serve_locally(models, settings)
         announce("agent", address)
-        tls = settings.tls.cert is not None
-        warning = insecure_warning(what, settings.serve, tls=tls, callers_authenticated=authenticated)
+        warning = insecure_warning(
+            SERVE,
+            settings.serve,
+            tls=settings.tls.cert is not None,
+            callers_authenticated=settings.serve_authenticated,
+        )
     else:
         announce("agent", settings.name)
     agent = Agent(settings, models)

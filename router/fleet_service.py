@@ -215,6 +215,7 @@ class FleetServicer(fpb_grpc.FleetServicer):
     async def Watch(self, request: fpb.FleetWatchRequest, context: Any) -> AsyncIterator[fpb.FleetEvent]:
         """A status now, then one on every change (at most every WATCH_MIN_GAP_S, changes in
         between folded into one), and at least every heartbeat interval."""
+        self._authorize_read(request.token, context, "Watch")
         changes = self._registry.watch()
         try:
             while True:

@@ -18,9 +18,9 @@ import grpc
 
 from router.rollout import Rollouts
 from stratus.auth import proof_holds, sync_proof
-from stratus.discovery import addresses_of
+from stratus.discovery import addresses_of, server_name_of
 from stratus.errors import StratusError
-from stratus.serving import NO_TLS, TlsSettings, open_channel
+from stratus.serving import NO_TLS, TlsSettings, open_channel, server_name_options
 from stratus.wire import fleet_pb2 as fpb
 from stratus.wire import fleet_pb2_grpc as fpb_grpc
 
@@ -79,7 +79,8 @@ class RolloutPeers:
     async def _exchange(self, address: str) -> None:
         channel = self._channels.get(address)
         if channel is None:
-            channel = self._channels[address] = open_channel(address, self.tls)
+            named = server_name_options(server_name_of(self.peers), self.tls)
+            channel = self._channels[address] = open_channel(address, self.tls, extra_options=named)
         mine = fpb.RolloutSync(router_id=self.rollouts.router_id, state_json=self.rollouts.to_json())
         if self.token:
             mine.token = sync_proof(self.token, *sync_parts(mine))

@@ -13,6 +13,7 @@ doubles each time the fleet would otherwise send more than ``max_heartbeats_per_
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import math
@@ -54,6 +55,8 @@ MAX_LOST = 4096
 MAX_WATCHERS = 64
 # Messages that may wait for an agent's stream before the agent counts as not reading.
 MAX_OUTBOX = 4096
+# Longest a Reload call waits for its agent (the caller chooses less, never more).
+MAX_RELOAD_WAIT_S = 600.0
 _TIERS: dict[int, Tier] = {fpb.TIER_DEVICE: Tier.DEVICE, fpb.TIER_EDGE: Tier.EDGE, fpb.TIER_CLOUD: Tier.CLOUD}
 
 
@@ -415,15 +418,19 @@ class FleetRegistry:
         if handle is None or handle.state == State.LOST:
             raise NotFound(f"no linked agent '{agent_id}'")
         waiter: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        if not handle.reloads:  # one Reload on the link at a time: later callers wait for it
+            handle.outbox.put_nowait(fpb.RouterMessage(reload=fpb.Reload()))
         handle.reloads.append(waiter)
-        handle.outbox.put_nowait(fpb.RouterMessage(reload=fpb.Reload()))
         try:
-            async with asyncio.timeout(timeout_s):
+            async with asyncio.timeout(min(timeout_s, MAX_RELOAD_WAIT_S)):
                 return handle, await waiter
         except TimeoutError:
             raise DeadlineExceeded(
                 f"agent {agent_id} did not finish reloading within {timeout_s:.0f} s"
             ) from None
+        finally:
+            with contextlib.suppress(ValueError):  # a waiter that gave up is not kept
+                handle.reloads.remove(waiter)
 
     def draining(self, handle: AgentHandle) -> None:
         if handle.state == State.READY:

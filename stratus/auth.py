@@ -193,7 +193,7 @@ class RouterCredentials:
             if not id_fits_certificate(agent_id, cert.name):
                 raise PermissionDenied(
                     f"agent id {agent_id!r} does not match its certificate's name {cert.name!r} "
-                    f"(it may be {cert.name!r} or {cert.name!r}.SUFFIX)"
+                    f"(it may be {cert.name!r} or '{cert.name}.SUFFIX')"
                 )
             identity = f"cert:{cert.name}"
         own = self.agent_tokens.token_for(agent_id) if self.agent_tokens is not None else None

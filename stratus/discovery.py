@@ -38,6 +38,14 @@ async def addresses_of(spec: str) -> list[str]:
     return [a.strip() for a in spec.split(",") if a.strip()]
 
 
+def server_name_of(spec: str) -> str | None:
+    """The name a ``dns:NAME:PORT`` spec's addresses answer to: each is dialled by IP, and its
+    TLS certificate is checked against NAME (pod IPs are never known in advance)."""
+    if spec.startswith(DNS_PREFIX):
+        return spec.removeprefix(DNS_PREFIX).rpartition(":")[0]
+    return None
+
+
 def _interfaces(host: str) -> Sequence[str] | None:
     """Loopback stays on loopback; any other host advertises on every interface."""
     try:

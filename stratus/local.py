@@ -24,6 +24,7 @@ from stratus.batching import DEFAULT_MAX_BATCH, DEFAULT_MAX_DELAY_S, Batch, Batc
 from stratus.codec import Array
 from stratus.confidence import confidence
 from stratus.errors import (
+    DeadlineExceeded,
     InvalidInput,
     ModelLoadError,
     NotFound,
@@ -766,8 +767,14 @@ class LocalDataPlane(DataPlane):
         )
 
     async def infer(self, request: pb.ModelInferRequest, *, timeout_s: float | None) -> pb.ModelInferResponse:
+        """Answered within the caller's deadline, or DEADLINE_EXCEEDED: a request whose caller
+        has given up holds no slot or queue place here."""
         try:
-            answer = await self.models.answer(request)
+            try:
+                async with asyncio.timeout(timeout_s):
+                    answer = await self.models.answer(request)
+            except TimeoutError:
+                raise DeadlineExceeded(f"no answer within the caller's deadline ({timeout_s:g} s)") from None
         except StratusError as exc:
             self.models.count(status_code(exc).name.lower())
             raise

@@ -185,6 +185,11 @@ def open_channel(
     return grpc.aio.insecure_channel(address, options=options)
 
 
+def server_name_options(name: str | None, tls: TlsSettings) -> list[tuple[str, Any]]:
+    """Check a TLS server's certificate against ``name`` rather than the address dialled."""
+    return [("grpc.ssl_target_name_override", name)] if name and tls.enabled else []
+
+
 def open_sync_channel(address: str, tls: TlsSettings = NO_TLS) -> grpc.Channel:
     """A blocking channel (CLI, SDK's synchronous path)."""
     if tls.enabled:

@@ -39,11 +39,14 @@ class Cluster:
     def latest(self, role: str) -> Launched:
         return [p for p in self.processes if p.role == role][-1]
 
-    def cloud(self, *extra: str, role: str = "cloud") -> Launched:
-        return self.start(role, ["cloud", "--listen", "127.0.0.1:0", "--models", str(MODELS), *QUIET, *extra])
+    def cloud(self, *extra: str, role: str = "cloud", env: dict[str, str] | None = None) -> Launched:
+        args = ["cloud", "--listen", "127.0.0.1:0", "--models", str(MODELS), *QUIET, *extra]
+        return self.start(role, args, env=env)
 
-    def router(self, *extra: str, role: str = "router", listen: str = "127.0.0.1:0") -> Launched:
-        return self.start(role, ["router", "--listen", listen, "--no-advertise", *QUIET, *extra])
+    def router(
+        self, *extra: str, role: str = "router", listen: str = "127.0.0.1:0", env: dict[str, str] | None = None
+    ) -> Launched:
+        return self.start(role, ["router", "--listen", listen, "--no-advertise", *QUIET, *extra], env=env)
 
     def agent(
         self, name: str, router: str, *extra: str, tier: str = "device", env: dict[str, str] | None = None

@@ -11,6 +11,8 @@ from pathlib import Path
 import grpc
 import pytest
 
+from router.peers import sync_parts
+from stratus.auth import proof_holds, sync_proof
 from stratus.wire import fleet_pb2 as fpb
 from stratus.wire import fleet_pb2_grpc as fpb_grpc
 
@@ -40,7 +42,7 @@ def test_each_role_needs_its_own_token(cluster: Cluster, tmp_path: Path) -> None
     cluster.agent("dev-1", address, "--agent-token-file", str(files["agent"]))
     impostor = cluster.agent("dev-2", address, env={"STRATUS_AGENT_TOKEN": TOKENS["operator"]})
     wait_until(lambda: ready_count(address) == 1)
-    wait_until(lambda: "the fleet token is missing or wrong" in impostor.log())  # it tried, and was refused
+    wait_until(lambda: "the agent token is missing or wrong" in impostor.log())  # it tried, and was refused
     assert [a.id for a in fleet_status(address).agents] == ["dev-1"]  # an operator's token makes no agent
 
     base = {k: v for k, v in __import__("os").environ.items() if not k.startswith("STRATUS_")}
@@ -56,7 +58,16 @@ def test_each_role_needs_its_own_token(cluster: Cluster, tmp_path: Path) -> None
             with pytest.raises(grpc.RpcError) as unsynced:
                 stub.SyncRollouts(fpb.RolloutSync(router_id="intruder", state_json="", token=wrong), timeout=5)
             assert unsynced.value.code() == grpc.StatusCode.UNAUTHENTICATED
-            assert unsynced.value.details() == "SyncRollouts needs the peer token"
-        synced = stub.SyncRollouts(fpb.RolloutSync(router_id="peer", state_json="", token=TOKENS["peer"]), timeout=5)
+            assert unsynced.value.details() == "SyncRollouts needs proof of the peer token"
+        # The peer token itself is no longer sent: it would reach whoever answers the address.
+        with pytest.raises(grpc.RpcError) as raw:
+            stub.SyncRollouts(fpb.RolloutSync(router_id="peer", state_json="", token=TOKENS["peer"]), timeout=5)
+        assert raw.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        asked = fpb.RolloutSync(router_id="peer", state_json="")
+        asked.token = sync_proof(TOKENS["peer"], *sync_parts(asked))
+        synced = stub.SyncRollouts(asked, timeout=5)
     assert synced.router_id
-    assert "--token is visible" not in router.log()  # no secret was given on the command line
+    # The answer proves the router holds the peer token too, over what it answered.
+    assert proof_holds(TOKENS["peer"], synced.token, asked.token, *sync_parts(synced))
+    assert not proof_holds(TOKENS["agent"], synced.token, asked.token, *sync_parts(synced))
+    assert TOKENS["peer"] not in synced.token

@@ -1,0 +1,272 @@
+"""Nobody joins, steers or stalls the fleet who should not (security review F1, F3, F8, F9,
+F15, F21): ids bound to credentials, operator calls off loopback, secure defaults, the cloud
+gateway's client token, bounded batches and per-client limits, against real processes."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+
+from stratus.discovery import discover_all
+from stratus.launcher import Launched
+from stratus.serving import open_sync_channel
+from stratus.tensors import MAX_REQUEST_ITEMS
+from stratus.tiers import Tier
+from stratus.wire import fleet_pb2 as fpb
+from stratus.wire import fleet_pb2_grpc as fpb_grpc
+from stratus.wire import inference_pb2 as pb
+from stratus.wire import inference_pb2_grpc as pb_grpc
+
+from .cluster import MODELS, Cluster, fleet_status, infer, ready_count, request, wait_until
+from .pki import tls_args
+
+TOKENS = {"dev-1": "dev-1-own-token-0001", "dev-2": "dev-2-own-token-0002"}
+CLEAN_ENV = {k: v for k, v in os.environ.items() if not k.startswith("STRATUS_")}
+
+
+def stratus(
+    *args: str, env: dict[str, str] | None = None, timeout: float = 60
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "stratus.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**CLEAN_ENV, **(env or {})},
+        check=False,
+    )
+
+
+def refused(agent: Launched, why: str) -> bool:
+    return why in agent.log() and "reconnecting" in agent.log()
+
+
+def test_per_agent_tokens_bind_each_id_to_its_own_token(cluster: Cluster, tmp_path: Path) -> None:
+    tokens = tmp_path / "agents.tokens"
+    tokens.write_text("".join(f"{agent} {token}\n" for agent, token in TOKENS.items()))
+    router = cluster.router("--agent-tokens-file", str(tokens)).address
+    cluster.agent("dev-1", router, env={"STRATUS_AGENT_TOKEN": TOKENS["dev-1"]})
+    wait_until(lambda: ready_count(router) == 1)
+    # dev-2 holds a valid token, but not dev-1's: it can neither join as dev-1 nor push it off.
+    hijacker = cluster.agent("dev-1", router, env={"STRATUS_AGENT_TOKEN": TOKENS["dev-2"]}, tier="edge")
+    stranger = cluster.agent("dev-9", router, env={"STRATUS_AGENT_TOKEN": TOKENS["dev-1"]})
+    wait_until(lambda: refused(hijacker, "UNAUTHENTICATED: the token of agent 'dev-1' is missing or wrong"))
+    wait_until(lambda: refused(stranger, "agent 'dev-9' has no token in the router's agent tokens file"))
+    agents = fleet_status(router).agents
+    assert [(a.id, a.tier, a.state) for a in agents] == [("dev-1", fpb.TIER_DEVICE, fpb.AGENT_STATE_READY)]
+    # The same identity may replace its own link (an agent that restarted before its old
+    # link was noticed): the real dev-1 comes back as itself.
+    cluster.agent("dev-1", router, env={"STRATUS_AGENT_TOKEN": TOKENS["dev-1"]}, tier="edge")
+    wait_until(
+        lambda: [(a.id, a.tier) for a in fleet_status(router).agents if a.state == 1] == [("dev-1", 2)]
+    )
+
+
+def test_certificates_bind_ids_and_roles(cluster: Cluster, pki) -> None:  # type: ignore[no-untyped-def]
+    router = cluster.router(*tls_args(pki["router"])).address
+    cluster.agent("dev-1", router, *tls_args(pki["dev-1"]))
+    cluster.agent("pool.b", router, *tls_args(pki["pool"]))
+    wait_until(lambda: len(fleet_status(router, pki["operator"]).agents) == 2)
+    wrong_name = cluster.agent("dev-7", router, *tls_args(pki["dev-2"]))
+    operator_as_agent = cluster.agent("operator", router, *tls_args(pki["operator"]))
+    wait_until(lambda: refused(wrong_name, "agent id 'dev-7' does not match its certificate's name 'dev-2'"))
+    wait_until(
+        lambda: refused(operator_as_agent, "a operator 'operator' certificate cannot join as an agent")
+    )
+    # Two certificates that may both hold "pool.a" (the pool's, and pool.a's own): the first
+    # to link holds it, and the other identity does not replace it.
+    cluster.agent("pool.a", router, *tls_args(pki["pool"]))
+    wait_until(lambda: "pool.a" in {a.id for a in fleet_status(router, pki["operator"]).agents})
+    rival = cluster.agent("pool.a", router, *tls_args(pki["pool.a"]), tier="edge")
+    wait_until(lambda: refused(rival, "agent id 'pool.a' is linked by another identity"))
+    assert {a.id for a in fleet_status(router, pki["operator"]).agents} == {"dev-1", "pool.a", "pool.b"}
+    # Roles: an operator drains, an agent's or a client's certificate does not.
+    for who in ("dev-1", "client"):
+        with open_sync_channel(router, pki[who]) as channel, pytest.raises(grpc.RpcError) as error:
+            fpb_grpc.FleetStub(channel).Drain(fpb.DrainRequest(agent_id="dev-1"), timeout=5)
+        assert error.value.code() == grpc.StatusCode.PERMISSION_DENIED, who
+        assert "Drain needs the operator role" in (error.value.details() or "")
+    with open_sync_channel(router, pki["operator"]) as channel:
+        assert fpb_grpc.FleetStub(channel).Drain(fpb.DrainRequest(agent_id="dev-1"), timeout=5).accepted
+        with pytest.raises(grpc.RpcError) as sync:
+            fpb_grpc.FleetStub(channel).SyncRollouts(fpb.RolloutSync(router_id="x"), timeout=5)
+        assert sync.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    with open_sync_channel(router, pki["router-2"]) as channel:  # a peer router's certificate syncs
+        assert fpb_grpc.FleetStub(channel).SyncRollouts(fpb.RolloutSync(router_id="x"), timeout=5).router_id
+
+
+def _outside_address() -> str | None:
+    """An address of this machine that is not loopback, if it has one."""
+    for target in ("192.0.2.1", "10.254.254.254", "8.8.8.8"):  # no packet is sent: this picks a route
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            try:
+                probe.connect((target, 9))
+            except OSError:
+                continue
+            address = str(probe.getsockname()[0])
+            if not address.startswith("127."):
+                return address
+    return None
+
+
+def test_operator_calls_from_another_machine_need_a_credential(cluster: Cluster) -> None:
+    outside = _outside_address()
+    if outside is None:
+        pytest.skip("no address but loopback on this machine")
+    router = cluster.router("--insecure", listen="0.0.0.0:0")
+    port = router.address.rsplit(":", 1)[1]
+    assert "runs with --insecure" in router.log()  # and again every minute
+    for address, expected in (
+        (f"127.0.0.1:{port}", grpc.StatusCode.NOT_FOUND),
+        (f"{outside}:{port}", grpc.StatusCode.PERMISSION_DENIED),
+    ):
+        with grpc.insecure_channel(address) as channel, pytest.raises(grpc.RpcError) as error:
+            fpb_grpc.FleetStub(channel).Drain(fpb.DrainRequest(agent_id="nobody"), timeout=5)
+        assert error.value.code() == expected, (address, error.value.details())
+    assert "this router has no credential for it" in (error.value.details() or "")
+
+
+@pytest.mark.parametrize(
+    ("args", "problem"),
+    [
+        (["router", "--listen", "0.0.0.0:0"], "the router would listen on 0.0.0.0:0 without TLS"),
+        (["cloud", "--listen", "0.0.0.0:0", "--models", str(MODELS)], "the cloud gateway would listen"),
+        (
+            [
+                "agent",
+                "--tier",
+                "device",
+                "--models",
+                str(MODELS),
+                "--router",
+                "127.0.0.1:1",
+                "--serve",
+                "0.0.0.0:0",
+            ],
+            "the agent's --serve endpoint would listen on 0.0.0.0:0 without TLS",
+        ),
+        (["agent", "--tier", "device", "--models", str(MODELS), "--router", "auto"], "give --tls-ca"),
+        (
+            ["agent", "--tier", "device", "--models", str(MODELS), "--router", "192.0.2.1:8001"],
+            "router 192.0.2.1:8001 is not on this machine",
+        ),
+        (
+            ["agent", "--tier", "device", "--models", str(MODELS)],
+            "the following arguments are required: --router",
+        ),
+    ],
+)
+def test_unprotected_exposure_is_refused_before_anything_starts(args: list[str], problem: str) -> None:
+    done = stratus(*args, timeout=30)
+    assert done.returncode == 2, done
+    assert problem in done.stderr, done.stderr
+
+
+def test_zeroconf_is_opt_in_and_dials_only_a_router_the_ca_vouches_for(cluster: Cluster, pki, digits) -> None:  # type: ignore[no-untyped-def]
+    real = cluster.start("router", ["router", "--listen", "127.0.0.1:0", *tls_args(pki["router"])])
+    impostor = cluster.start("impostor", ["router", "--listen", "127.0.0.1:0", *tls_args(pki["intruder"])])
+    seen: set[str] = set()
+    for _ in range(10):  # one look may miss an advertisement that the next one finds
+        seen |= set(asyncio.run(discover_all(timeout_s=10.0)))
+        if {real.address, impostor.address} <= seen:
+            break
+    assert {real.address, impostor.address} <= seen, (seen, real.address, impostor.address)
+    agent = cluster.agent("dev-1", "auto", *tls_args(pki["dev-1"]))
+    wait_until(lambda: [a.id for a in fleet_status(real.address, pki["operator"]).agents] == ["dev-1"], 30)
+    # The impostor never got a Hello: the agent's TLS handshake refused its certificate first.
+    wait_until(lambda: f"link to router {impostor.address} lost" in agent.log(), 20)
+    assert "dev-1" not in impostor.log() and "joined" not in impostor.log()
+    _, served = infer(real.address, digits.held_out.x[:1], tls=pki["client"])
+    assert served.agent == "dev-1"
+
+
+def test_the_cloud_gateway_serves_only_callers_with_its_token(
+    cluster: Cluster, tmp_path: Path, digits
+) -> None:  # type: ignore[no-untyped-def]
+    token = tmp_path / "cloud.token"
+    token.write_text("cloud-client-token-0001\n")
+    cloud = cluster.cloud("--client-token-file", str(token)).address
+    with grpc.insecure_channel(cloud) as channel:
+        stub = pb_grpc.GRPCInferenceServiceStub(channel)
+        assert stub.ServerLive(pb.ServerLiveRequest(), timeout=5).live  # probes need no token
+        for metadata in (
+            (),
+            (("authorization", "Bearer guess"),),
+            (("authorization", "cloud-client-token-0001"),),
+        ):
+            with pytest.raises(grpc.RpcError) as error:
+                stub.ModelInfer(request(digits.held_out.x[:1]), metadata=metadata, timeout=5)
+            assert error.value.code() == grpc.StatusCode.UNAUTHENTICATED, metadata
+            assert "needs 'authorization: Bearer TOKEN'" in (error.value.details() or "")
+    router = cluster.router("--cloud", cloud, "--cloud-token-file", str(token)).address
+    cluster.agent("dev-1", router)
+    wait_until(lambda: ready_count(router) == 1 and fleet_status(router).cloud.state == "connected")
+    _, served = infer(router, digits.held_out.x[:1], min_confidence=1.0)
+    assert served.path == (Tier.DEVICE, Tier.CLOUD) and not served.degraded
+
+
+def test_a_request_over_max_batch_size_is_refused_where_it_is_advertised(fleet, digits) -> None:  # type: ignore[no-untyped-def]
+    many = np.repeat(digits.held_out.x[:1], MAX_REQUEST_ITEMS + 1, axis=0)
+    for server in (fleet.router.address, fleet.cloud.address):
+        with grpc.insecure_channel(server) as channel:
+            stub = pb_grpc.GRPCInferenceServiceStub(channel)
+            config = stub.ModelConfig(pb.ModelConfigRequest(name="digits"), timeout=5).config
+            assert config.max_batch_size == MAX_REQUEST_ITEMS
+            with pytest.raises(grpc.RpcError) as error:
+                stub.ModelInfer(request(many), timeout=10)
+            assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert f"holds {MAX_REQUEST_ITEMS + 1} items; a request may hold at most" in (
+                error.value.details() or ""
+            )
+            full = stub.ModelInfer(request(many[:MAX_REQUEST_ITEMS]), timeout=30)
+            assert full.outputs[0].shape[0] == MAX_REQUEST_ITEMS
+
+
+def test_one_client_cannot_take_every_slot(cluster: Cluster, digits) -> None:  # type: ignore[no-untyped-def]
+    router = cluster.router("--max-requests-per-client", "2").address
+    cluster.agent("slow", router, "--emulate-slow-ms", "400", "--concurrency", "8", "--max-batch", "1")
+    wait_until(lambda: ready_count(router) == 1)
+
+    def one(_: int) -> str:
+        try:
+            infer(router, digits.held_out.x[:1], timeout=10)
+        except grpc.RpcError as exc:
+            return f"{exc.code().name}: {exc.details()}"
+        return "ok"
+
+    with ThreadPoolExecutor(6) as pool:
+        outcomes = list(pool.map(one, range(6)))
+    assert outcomes.count("ok") >= 2, outcomes
+    refusals = [o for o in outcomes if o != "ok"]
+    assert refusals and all(
+        o.startswith("RESOURCE_EXHAUSTED: this client has 2 requests in flight here") for o in refusals
+    ), outcomes
+    assert one(0) == "ok"  # the slots came back
+
+
+def test_a_private_status_needs_the_operator(cluster: Cluster, tmp_path: Path) -> None:
+    token = tmp_path / "operator.token"
+    token.write_text("operator-token-0001\n")
+    router = cluster.router("--private-status", "--operator-token-file", str(token)).address
+    with grpc.insecure_channel(router) as channel:
+        stub = fpb_grpc.FleetStub(channel)
+        with pytest.raises(grpc.RpcError) as error:
+            stub.Status(fpb.FleetStatusRequest(include_agents=True), timeout=5)
+        assert error.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert error.value.details() == "Status needs the operator token"
+        with pytest.raises(grpc.RpcError) as watched:
+            next(iter(stub.Watch(fpb.FleetWatchRequest(), timeout=5)))
+        assert watched.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    shown = stratus("fleet", "status", "--router", router, "--operator-token-file", str(token))
+    assert shown.returncode == 0 and "cloud" in shown.stdout, shown
+    anonymous = stratus("fleet", "status", "--router", router)
+    assert anonymous.returncode != 0 and "UNAUTHENTICATED" in anonymous.stderr, anonymous

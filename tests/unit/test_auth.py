@@ -1,0 +1,196 @@
+"""Who may do what (stratus.auth): the pure rules, with the gRPC context reduced to what they read."""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from stratus.auth import (
+    AgentTokens,
+    CertIdentity,
+    RouterCredentials,
+    check_exposure,
+    is_loopback_peer,
+    proof_holds,
+    spiffe_identity,
+    sync_proof,
+)
+from stratus.errors import ConfigError, Overloaded, PermissionDenied, Unauthenticated
+from stratus.serving import ClientLimits, client_of
+
+AGENT_TOKEN = "a-long-agent-token-0001"
+
+
+@dataclass
+class Context:
+    """What the rules read of a grpc.aio servicer context: the peer and its certificate."""
+
+    peer_address: str = "ipv4:127.0.0.1:5000"
+    spiffe: str | None = None
+    auth: dict[str, list[bytes]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.spiffe is not None:
+            self.auth = {"peer_spiffe_id": [self.spiffe.encode()], "x509_pem_cert": [b"PEM"]}
+
+    def peer(self) -> str:
+        return self.peer_address
+
+    def auth_context(self) -> dict[str, list[bytes]]:
+        return self.auth
+
+
+REMOTE = Context("ipv4:10.1.2.3:5000")
+
+
+@pytest.mark.parametrize(
+    ("peer", "local"),
+    [
+        ("ipv4:127.0.0.1:5000", True),
+        ("ipv4:127.8.9.10:1", True),
+        ("ipv6:[::1]:5000", True),
+        ("ipv6:[::ffff:127.0.0.1]:5000", True),
+        ("unix:/run/stratus.sock", True),
+        ("ipv4:10.0.0.7:5000", False),
+        ("ipv4:128.0.0.1:5000", False),
+        ("ipv6:[fd00::2]:5000", False),
+        ("", False),
+    ],
+)
+def test_loopback_peers(peer: str, local: bool) -> None:
+    assert is_loopback_peer(peer) is local
+
+
+def test_spiffe_ids_name_a_role_and_a_name_in_any_trust_domain() -> None:
+    assert spiffe_identity({"peer_spiffe_id": [b"spiffe://stratus/agent/device-1"]}) == CertIdentity(
+        "agent", "device-1"
+    )
+    assert spiffe_identity({"peer_spiffe_id": [b"spiffe://example.org/ns/prod/operator/alice"]}) == (
+        CertIdentity("operator", "alice")
+    )
+    for unknown in (
+        b"spiffe://stratus/admin/root",
+        b"spiffe://stratus/agent/bad\nname",
+        b"https://x/agent/a",
+    ):
+        assert spiffe_identity({"peer_spiffe_id": [unknown]}) is None, unknown
+    assert spiffe_identity({}) is None
+
+
+def test_per_agent_tokens_bind_each_id_and_revocation_needs_no_restart(tmp_path: Path) -> None:
+    path = tmp_path / "agents.tokens"
+    path.write_text(f"# id token\ndevice-1 {AGENT_TOKEN}\ndevice-2 another-long-token-0002\n")
+    credentials = RouterCredentials(agent_tokens=AgentTokens(path))
+    assert credentials.agent_identity("device-1", AGENT_TOKEN, Context()) == "token:device-1"
+    with pytest.raises(Unauthenticated, match="token of agent 'device-1'"):
+        credentials.agent_identity("device-1", "another-long-token-0002", Context())  # device-2's token
+    with pytest.raises(Unauthenticated, match="no token"):
+        credentials.agent_identity("device-9", AGENT_TOKEN, Context())
+    path.write_text("device-2 another-long-token-0002\n")  # device-1 revoked
+    os.utime(path, ns=(time.time_ns(), time.time_ns() + 10**9))
+    with pytest.raises(Unauthenticated):
+        credentials.agent_identity("device-1", AGENT_TOKEN, Context())
+
+
+@pytest.mark.parametrize(
+    ("text", "problem"),
+    [
+        ("device-1\n", "expected 'AGENT_ID TOKEN'"),
+        ("device-1 short\n", "shorter than 16"),
+        (f"device-1 {AGENT_TOKEN}\ndevice-1 {AGENT_TOKEN}\n", "listed twice"),
+        (f"bad/id {AGENT_TOKEN}\n", "expected 'AGENT_ID TOKEN'"),
+    ],
+)
+def test_a_malformed_tokens_file_stops_the_router(tmp_path: Path, text: str, problem: str) -> None:
+    path = tmp_path / "agents.tokens"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=problem):
+        AgentTokens(path)
+
+
+def test_certificates_bind_agent_ids_and_pools() -> None:
+    credentials = RouterCredentials(mutual_tls=True)
+    agent = Context(spiffe="spiffe://stratus/agent/device-1")
+    assert credentials.agent_identity("device-1", "", agent) == "cert:device-1"
+    with pytest.raises(PermissionDenied, match="does not match its certificate"):
+        credentials.agent_identity("device-2", "", agent)
+    with pytest.raises(PermissionDenied, match="does not match"):
+        credentials.agent_identity("device-10", "", agent)  # a prefix is not a pool member
+    pool = Context(spiffe="spiffe://stratus/agent/edge-pool")
+    assert credentials.agent_identity("edge-pool.node-a", "", pool) == "cert:edge-pool"
+    with pytest.raises(PermissionDenied, match="cannot join as an agent"):
+        credentials.agent_identity("alice", "", Context(spiffe="spiffe://stratus/operator/alice"))
+    with pytest.raises(PermissionDenied, match="Stratus identity"):
+        credentials.agent_identity("device-1", "", Context())
+
+
+def test_operator_calls_need_the_operator_role() -> None:
+    open_router = RouterCredentials()
+    open_router.require_operator("", Context(), "Drain")  # loopback, nothing configured
+    with pytest.raises(PermissionDenied, match="only callers on its own machine"):
+        open_router.require_operator("", REMOTE, "Drain")
+    tokens = RouterCredentials(operator_token="operator-secret", agent_token="agent-secret")
+    tokens.require_operator("operator-secret", REMOTE, "Drain")
+    for wrong in ("agent-secret", ""):
+        with pytest.raises(Unauthenticated, match="Drain needs the operator token"):
+            tokens.require_operator(wrong, Context(), "Drain")
+    mtls = RouterCredentials(mutual_tls=True)
+    mtls.require_operator("", Context(spiffe="spiffe://stratus/operator/alice"), "Drain")
+    with pytest.raises(PermissionDenied, match="needs the operator role; this certificate is a agent"):
+        mtls.require_operator("", Context(spiffe="spiffe://stratus/agent/device-1"), "Drain")
+
+
+def test_peer_syncs_need_a_proof_or_a_router_certificate() -> None:
+    credentials = RouterCredentials(peer_token="peer-secret")
+    credentials.require_peer(True, REMOTE, "SyncRollouts")
+    for proven in (False, None):
+        with pytest.raises(Unauthenticated, match="proof of the peer token"):
+            credentials.require_peer(proven, Context(), "SyncRollouts")
+    RouterCredentials(mutual_tls=True).require_peer(None, Context(spiffe="spiffe://s/router/r2"), "Sync")
+    with pytest.raises(PermissionDenied, match="router role"):
+        RouterCredentials(mutual_tls=True).require_peer(None, Context(spiffe="spiffe://s/agent/a"), "Sync")
+
+
+def test_sync_proofs_cover_the_message_and_expire() -> None:
+    proof = sync_proof("peer-secret", "router-a", '{"plans": []}')
+    assert proof_holds("peer-secret", proof, "router-a", '{"plans": []}')
+    assert "peer-secret" not in proof
+    assert not proof_holds("other-secret", proof, "router-a", '{"plans": []}')
+    assert not proof_holds("peer-secret", proof, "router-a", '{"plans": [1]}')  # tampered
+    old = sync_proof("peer-secret", "router-a", "{}", at_ms=int(time.time() * 1000) - 120_000)
+    assert not proof_holds("peer-secret", old, "router-a", "{}")  # a replay
+    assert not proof_holds("peer-secret", "peer-secret", "router-a", "{}")  # the raw token is no proof
+
+
+@pytest.mark.parametrize("listen", ["0.0.0.0:8001", "[::]:8001", "192.0.2.2:8001"])
+def test_reachable_listeners_need_tls_and_authentication(listen: str) -> None:
+    with pytest.raises(ConfigError, match=r"without TLS .* and client auth.*--insecure"):
+        check_exposure(
+            "x", listen, tls=False, callers_authenticated=False, insecure=False, needs="client auth"
+        )
+    with pytest.raises(ConfigError, match="without client auth"):
+        check_exposure(
+            "x", listen, tls=True, callers_authenticated=False, insecure=False, needs="client auth"
+        )
+    check_exposure("x", listen, tls=True, callers_authenticated=True, insecure=False, needs="client auth")
+    check_exposure("x", listen, tls=False, callers_authenticated=False, insecure=True, needs="client auth")
+
+
+@pytest.mark.parametrize("listen", ["127.0.0.1:0", "localhost:8001", "[::1]:8001"])
+def test_loopback_listeners_need_nothing(listen: str) -> None:
+    check_exposure("x", listen, tls=False, callers_authenticated=False, insecure=False, needs="auth")
+
+
+def test_one_client_cannot_hold_more_than_its_share() -> None:
+    limits = ClientLimits(per_client=2)
+    assert client_of("ipv4:10.0.0.7:5000") == client_of("ipv4:10.0.0.7:6000") == "ipv4:10.0.0.7"
+    with limits.hold("ipv4:10.0.0.7:1"), limits.hold("ipv4:10.0.0.7:2"):
+        with pytest.raises(Overloaded, match="2 requests in flight"), limits.hold("ipv4:10.0.0.7:3"):
+            pass
+        with limits.hold("ipv4:10.0.0.8:1"):  # another client is not held back
+            assert limits.held == {"ipv4:10.0.0.7": 2, "ipv4:10.0.0.8": 1}
+    assert limits.held == {}  # every slot given back
