@@ -18,7 +18,7 @@ from pathlib import Path
 import grpc
 
 
-def _parser() -> argparse.ArgumentParser:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m stratus.probe", description=__doc__.split("\n\n")[0])
     parser.add_argument("address", help="HOST:PORT of the server (in a pod: 127.0.0.1:PORT)")
     parser.add_argument("--tls-cert", type=Path, required=True, help="a client certificate (PEM)")
@@ -68,7 +68,7 @@ def check(args: argparse.Namespace) -> str | None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    args = build_parser().parse_args(argv)
     reason = check(args)
     if reason is None:
         return 0
