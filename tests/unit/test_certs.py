@@ -238,6 +238,17 @@ def test_bad_hosts_and_days_are_refused(tmp_path: Path) -> None:
         issue(tmp_path / "c", [Identity("client", "c")], days=20_000)
 
 
+def test_stratus_certs_is_a_subcommand_of_stratus(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from stratus.cli import main
+
+    out = tmp_path / "certs"
+    assert main(["certs", "--out", str(out), "--operator", "alice"]) == 0
+    printed = capsys.readouterr().out
+    assert f"--tls-cert {out / 'operator-alice.pem'} --tls-key {out / 'operator-alice.key'}" in printed
+    assert main(["certs", "--out", str(out), "--operator", "alice"]) == 2, "refused: it exists"
+    assert "pass --force" in capsys.readouterr().err
+
+
 # -- spiffe_identity -----------------------------------------------------------------------------
 
 
