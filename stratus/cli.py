@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from stratus import __version__
+from stratus.certs import add_parser as add_certs
 from stratus.errors import ConfigError, StratusError
 from stratus.models_cli import add_models
 from stratus.serving import TlsSettings
@@ -619,6 +620,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"stratus {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
     add_models(commands)
+    add_certs(commands)
     _add_servers(commands)
     return parser
 
