@@ -27,7 +27,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any, Final, NamedTuple
 
 import grpc
 
@@ -40,12 +40,11 @@ log = logging.getLogger("stratus.auth")
 
 ROLES: Final = frozenset({"agent", "operator", "router", "cloud", "client"})
 NAME_PATTERN: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
-SPIFFE_PATTERN: Final = re.compile(r"spiffe://[^/]+/(?:.+/)?([a-z]+)/([^/]+)")
+TRUST_DOMAIN_PATTERN: Final = re.compile(r"[a-z0-9._-]{1,255}")  # SPIFFE's trust-domain charset
 INSECURE_WARNING_S: Final = 60.0
 
 
-@dataclass(frozen=True)
-class CertIdentity:
+class CertIdentity(NamedTuple):
     """A caller's identity as its certificate states it."""
 
     role: str
@@ -56,13 +55,22 @@ class CertIdentity:
 
 
 def spiffe_identity(auth_context: Mapping[str, Sequence[bytes]]) -> CertIdentity | None:
-    """The (role, name) of a peer's SPIFFE id, in any trust domain; None when it has none
-    (no certificate, or one without a Stratus role)."""
-    ids = auth_context.get("peer_spiffe_id") or ()
-    for raw in ids:
-        match = SPIFFE_PATTERN.fullmatch(raw.decode("utf-8", "replace"))
-        if match and match[1] in ROLES and NAME_PATTERN.fullmatch(match[2]):
-            return CertIdentity(role=match[1], name=match[2])
+    """(role, name) from a gRPC peer's ``peer_spiffe_id``, in any trust domain; None when the
+    peer has none, more than one, or one that is not ``spiffe://<td>/<role>/<name>`` with a
+    known role and a valid name."""
+    values = auth_context.get("peer_spiffe_id") or ()
+    if len(values) != 1:
+        return None
+    try:
+        text = values[0].decode("ascii")
+    except UnicodeDecodeError:
+        return None
+    parts = text.removeprefix("spiffe://").split("/") if text.startswith("spiffe://") else []
+    if len(parts) != 3:
+        return None
+    domain, role, name = parts
+    if TRUST_DOMAIN_PATTERN.fullmatch(domain) and role in ROLES and NAME_PATTERN.fullmatch(name):
+        return CertIdentity(role, name)
     return None
 
 

@@ -2,14 +2,13 @@
 
 Every leaf names its holder twice: a SPIFFE id ``spiffe://stratus/<role>/<name>`` (the one URI
 SAN, which gRPC hands a server as ``peer_spiffe_id``) and subject CN=<name>, OU=<role>. The
-router decides who a peer is from the SPIFFE id alone (``spiffe_identity``); the subject is for
+router decides who a peer is from the SPIFFE id alone (``stratus.auth.spiffe_identity``); the subject is for
 people reading the certificate. Certificates of processes that serve (router, cloud, agents with
 ``--serve``) also carry the host names their clients dial, plus ``localhost`` and ``127.0.0.1``.
 
 The CA is made once and reused, so a new agent is one more run (``--agent device-9``); a leaf
 that exists is never overwritten without ``--force``. Keys are written 0600 in a 0700 folder.
-``cryptography`` is imported only when certificates are written: ``spiffe_identity`` and the
-parser cost nothing to import.
+``cryptography`` is imported only when certificates are written: the parser costs nothing to import.
 """
 
 from __future__ import annotations
@@ -22,11 +21,13 @@ import os
 import re
 import sys
 import tempfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Final
 
+from stratus.auth import NAME_PATTERN
+from stratus.auth import ROLES as AUTH_ROLES
 from stratus.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -36,10 +37,10 @@ if TYPE_CHECKING:
 
     CaKey = EllipticCurvePrivateKey | RSAPrivateKey
 
-ROLES: Final = ("agent", "operator", "router", "cloud", "client")
+ROLES: Final = tuple(sorted(AUTH_ROLES))
 # Roles whose processes serve gRPC and so need the names their clients dial.
 SERVER_ROLES: Final = frozenset({"agent", "router", "cloud"})
-NAME: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+NAME: Final = NAME_PATTERN
 TRUST_DOMAIN: Final = "stratus"
 # A SPIFFE trust domain: lowercase letters, digits, dots, dashes and underscores.
 _TRUST_DOMAIN: Final = re.compile(r"[a-z0-9._-]{1,255}")
@@ -116,26 +117,6 @@ def check_host(host: str) -> str:
     if len(host) > 253 or not all(_DNS_LABEL.fullmatch(label) for label in labels):
         raise ConfigError(f"{host!r} is neither a DNS name nor an IP address")
     return host.lower()
-
-
-def spiffe_identity(auth_context: Mapping[str, Sequence[bytes]]) -> tuple[str, str] | None:
-    """(role, name) from a gRPC peer's ``peer_spiffe_id``, in any trust domain; None when the
-    peer has none, more than one, or one that is not ``spiffe://<td>/<role>/<name>`` with a
-    known role and a valid name."""
-    values = auth_context.get("peer_spiffe_id") or ()
-    if len(values) != 1:
-        return None
-    try:
-        text = values[0].decode("ascii")
-    except UnicodeDecodeError:
-        return None
-    parts = text.removeprefix("spiffe://").split("/") if text.startswith("spiffe://") else []
-    if len(parts) != 3:
-        return None
-    domain, role, name = parts
-    if _TRUST_DOMAIN.fullmatch(domain) and role in ROLES and NAME.fullmatch(name):
-        return role, name
-    return None
 
 
 # -- writing ----------------------------------------------------------------------------------

@@ -59,6 +59,8 @@ def check_fits(size: int, what: str) -> None:
 
 # Requests one ModelStreamInfer stream may have in flight before its reader waits.
 STREAM_WINDOW: Final = 256
+# ... and bytes of requests (two full-size messages), whichever runs out first.
+STREAM_WINDOW_BYTES: Final = 2 * MAX_MESSAGE_BYTES
 EXTENSIONS: Final = ("model_configuration", "stratus_tiers")
 
 
@@ -324,12 +326,32 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                 yield response
 
 
+@dataclass(frozen=True)
 class _Answered:
-    """An outbox entry after a request's last response: its window slot is free once every
-    response before it has been written."""
+    """An outbox entry after a request's last response: its window slot (and its bytes) are
+    free once every response before it has been written."""
+
+    size: int
 
 
-_ANSWERED: Final = _Answered()
+class ByteWindow:
+    """Bytes of requests one stream may have read and not yet answered: the count window alone
+    let 256 requests of 1 MiB each (a client that never reads) hold 256 MiB per stream."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.held = 0
+        self._freed = asyncio.Event()
+
+    async def acquire(self, size: int) -> None:
+        while self.held and self.held + size > self.limit:  # one request always fits alone
+            self._freed.clear()
+            await self._freed.wait()
+        self.held += size
+
+    def release(self, size: int) -> None:
+        self.held -= size
+        self._freed.set()
 
 
 class _StreamSession:
@@ -352,6 +374,7 @@ class _StreamSession:
         self._hold = hold  # the client's share of the server (ClientLimits)
         self._outbox: asyncio.Queue[pb.ModelStreamInferResponse | _Answered | None] = asyncio.Queue()
         self._window = asyncio.Semaphore(STREAM_WINDOW)
+        self._bytes = ByteWindow(STREAM_WINDOW_BYTES)
         self._tasks: set[asyncio.Task[None]] = set()
         self._reader: asyncio.Task[None] | None = None
 
@@ -368,6 +391,7 @@ class _StreamSession:
         while (item := await self._outbox.get()) is not self._DONE:
             if isinstance(item, _Answered):
                 self._window.release()  # every response of that request has been written
+                self._bytes.release(item.size)
                 continue
             assert item is not None
             yield item
@@ -378,14 +402,16 @@ class _StreamSession:
         try:
             async for request in self._requests:
                 await self._window.acquire()
-                task = asyncio.create_task(self._answer(request))
+                size = request.ByteSize()
+                await self._bytes.acquire(size)
+                task = asyncio.create_task(self._answer(request, size))
                 self._tasks.add(task)
                 task.add_done_callback(self._tasks.discard)
             await asyncio.gather(*self._tasks, return_exceptions=True)
         finally:
             self._outbox.put_nowait(self._DONE)
 
-    async def _answer(self, request: pb.ModelInferRequest) -> None:
+    async def _answer(self, request: pb.ModelInferRequest, size: int) -> None:
         try:
             with self._hold():
                 if _streams(request):  # decoupled: many responses, the last marked final
@@ -400,7 +426,7 @@ class _StreamSession:
             log.exception("unexpected error in a streamed request")
             self._outbox.put_nowait(stream_error(request, f"INTERNAL: {type(exc).__name__}: {exc}"))
         finally:
-            self._outbox.put_nowait(_ANSWERED)
+            self._outbox.put_nowait(_Answered(size))
 
 
 def _streams(request: pb.ModelInferRequest) -> bool:

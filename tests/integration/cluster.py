@@ -85,8 +85,8 @@ def fleet_status(router: str, tls: TlsSettings = NO_TLS) -> fpb.FleetStatus:
         return fpb_grpc.FleetStub(channel).Status(fpb.FleetStatusRequest(include_agents=True), timeout=5)
 
 
-def states(router: str) -> dict[str, int]:
-    return {a.id: a.state for a in fleet_status(router).agents}
+def states(router: str, tls: TlsSettings = NO_TLS) -> dict[str, int]:
+    return {a.id: a.state for a in fleet_status(router, tls).agents}
 
 
 def wait_until(predicate, timeout_s: float = 15.0, interval_s: float = 0.05) -> float:  # type: ignore[no-untyped-def]
@@ -99,9 +99,9 @@ def wait_until(predicate, timeout_s: float = 15.0, interval_s: float = 0.05) -> 
     raise AssertionError(f"condition not met within {timeout_s} s")
 
 
-def ready_count(router: str) -> int:
+def ready_count(router: str, tls: TlsSettings = NO_TLS) -> int:
     try:
-        return sum(1 for state in states(router).values() if state == fpb.AGENT_STATE_READY)
+        return sum(1 for state in states(router, tls).values() if state == fpb.AGENT_STATE_READY)
     except grpc.RpcError:
         return 0
 

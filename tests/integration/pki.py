@@ -51,9 +51,16 @@ def make_ca(folder: Path, stem: str) -> tuple[Path, ec.EllipticCurvePrivateKey, 
 
 
 def make_leaf(
-    folder: Path, stem: str, ca_key: ec.EllipticCurvePrivateKey, ca: x509.Certificate, role: str = "client"
+    folder: Path,
+    stem: str,
+    ca_key: ec.EllipticCurvePrivateKey,
+    ca: x509.Certificate,
+    role: str = "client",
+    *,
+    ip: bool = True,
 ) -> TlsSettings:
-    """A leaf named ``stem`` with the SPIFFE id of ``role``."""
+    """A leaf named ``stem`` with the SPIFFE id of ``role``, valid for ``localhost`` (and for
+    127.0.0.1 unless ``ip`` is false: a server that clients must reach by name)."""
     key = ec.generate_private_key(ec.SECP256R1())
     now = datetime.datetime.now(datetime.UTC)
     cert = (
@@ -68,7 +75,7 @@ def make_leaf(
             x509.SubjectAlternativeName(
                 [
                     x509.DNSName("localhost"),
-                    x509.IPAddress(ipaddress.ip_address("127.0.0.1")),
+                    *([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))] if ip else []),
                     x509.UniformResourceIdentifier(f"spiffe://stratus/{role}/{stem}"),
                 ]
             ),
@@ -105,6 +112,8 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> dict[str, TlsSettings]:
     for name, role in LEAVES.items():
         leaf = make_leaf(folder, name, ca_key, ca, role)
         settings[name] = TlsSettings(cert=leaf.cert, key=leaf.key, ca=ca_path)
+    by_name = make_leaf(folder, "router-by-name", ca_key, ca, "router", ip=False)
+    settings["router-by-name"] = TlsSettings(cert=by_name.cert, key=by_name.key, ca=ca_path)
     rogue_leaf = make_leaf(folder, "intruder", rogue_key, rogue, "router")
     settings["intruder"] = TlsSettings(cert=rogue_leaf.cert, key=rogue_leaf.key, ca=ca_path)
     settings["no-cert"] = TlsSettings(ca=ca_path)

@@ -189,6 +189,18 @@ def test_zeroconf_is_opt_in_and_dials_only_a_router_the_ca_vouches_for(cluster: 
     assert served.agent == "dev-1"
 
 
+def test_routers_found_by_dns_are_verified_by_name(cluster: Cluster, pki) -> None:  # type: ignore[no-untyped-def]
+    # Its certificate names "localhost" only: each address dns:localhost resolves to is
+    # dialled by IP and checked against the name (a headless Service's pod IPs are unknown).
+    router = cluster.router(*tls_args(pki["router-by-name"])).address
+    port = router.rsplit(":", 1)[1]
+    with pytest.raises(grpc.RpcError) as by_ip:  # what dialling the IP alone would meet
+        fleet_status(router, pki["operator"])
+    assert by_ip.value.code() == grpc.StatusCode.UNAVAILABLE
+    cluster.agent("dev-1", f"dns:localhost:{port}", *tls_args(pki["dev-1"]))
+    wait_until(lambda: ready_count(f"localhost:{port}", pki["operator"]) == 1, 30)
+
+
 def test_the_cloud_gateway_serves_only_callers_with_its_token(
     cluster: Cluster, tmp_path: Path, digits
 ) -> None:  # type: ignore[no-untyped-def]

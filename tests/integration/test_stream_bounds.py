@@ -16,7 +16,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from stratus import codec
 from stratus.launcher import free_port
-from stratus.serving import STREAM_WINDOW, grpc_options
+from stratus.serving import STREAM_WINDOW, STREAM_WINDOW_BYTES, grpc_options
+from stratus.tensors import MAX_REQUEST_ITEMS
 from stratus.wire import fleet_pb2 as fpb
 from stratus.wire import fleet_pb2_grpc as fpb_grpc
 from stratus.wire import inference_pb2 as pb
@@ -56,6 +57,29 @@ def test_a_stream_client_that_never_reads_holds_a_window_of_answers_not_all(clus
         held = answered(metrics)
         assert STREAM_WINDOW <= held < sent / 2, held  # the window, and what the transport buffers
         responses = list(call)  # now read: every request is answered, none lost
+    assert len(responses) == sent and not any(r.error_message for r in responses)
+
+
+def test_a_stream_of_big_requests_is_bounded_by_bytes_too(cluster: Cluster, digits) -> None:  # type: ignore[no-untyped-def]
+    metrics = f"127.0.0.1:{free_port()}"
+    router = cluster.router("--metrics", metrics).address
+    cluster.agent("dev-1", router, "--queue-limit", "1024")  # room for every request the router reads
+    wait_until(lambda: ready_count(router) == 1, timeout_s=30)
+    request = pb.ModelInferRequest(model_name="digits")
+    codec.encode_request_inputs(request, {"input": np.repeat(digits.held_out.x[:1], MAX_REQUEST_ITEMS, axis=0)})
+    request.parameters["stratus.max_tier"].string_param = "device"
+    by_bytes = STREAM_WINDOW_BYTES // request.ByteSize()  # 128 of these 256 KiB requests
+    assert by_bytes < STREAM_WINDOW / 1.5  # so the byte window, not the count, is what binds
+    sent = by_bytes * 2 + 20
+    options = [*grpc_options(), ("grpc.http2.bdp_probe", 0)]
+    with grpc.insecure_channel(router, options=options) as channel:
+        call = pb_grpc.GRPCInferenceServiceStub(channel).ModelStreamInfer(iter([request] * sent), timeout=120)
+        wait_until(lambda: answered(metrics) >= by_bytes, timeout_s=60)
+        time.sleep(2.0)
+        held = answered(metrics)
+        # The byte window, and the one or two 40 KiB answers HTTP/2 buffers unread.
+        assert by_bytes <= held <= by_bytes + 4, (held, by_bytes)
+        responses = list(call)
     assert len(responses) == sent and not any(r.error_message for r in responses)
 
 

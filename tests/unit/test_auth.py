@@ -69,7 +69,7 @@ def test_spiffe_ids_name_a_role_and_a_name_in_any_trust_domain() -> None:
     assert spiffe_identity({"peer_spiffe_id": [b"spiffe://stratus/agent/device-1"]}) == CertIdentity(
         "agent", "device-1"
     )
-    assert spiffe_identity({"peer_spiffe_id": [b"spiffe://example.org/ns/prod/operator/alice"]}) == (
+    assert spiffe_identity({"peer_spiffe_id": [b"spiffe://example.org/operator/alice"]}) == (
         CertIdentity("operator", "alice")
     )
     for unknown in (

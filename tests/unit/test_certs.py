@@ -20,7 +20,8 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509 import verification
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from stratus.certs import Identity, add_parser, issue, spiffe_identity
+from stratus.auth import spiffe_identity
+from stratus.certs import Identity, add_parser, issue
 from stratus.errors import ConfigError
 
 HOSTS = ["router-a", "cloud.example.internal", "10.1.2.3"]
