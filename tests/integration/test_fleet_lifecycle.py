@@ -20,10 +20,10 @@ from edge_agent.sdk import Client
 from stratus import codec, demo
 from stratus.demo import wait_for_agents
 from stratus.discovery import discover
-from stratus.errors import Unavailable
+from stratus.errors import ConfigError, Unavailable
 from stratus.launcher import Launched, launch
 from stratus.protocol import Served
-from stratus.serving import grpc_options
+from stratus.serving import TlsSettings, grpc_options, open_sync_channel
 from stratus.tiers import Tier
 from stratus.wire import fleet_pb2 as fpb
 from stratus.wire import fleet_pb2_grpc as fpb_grpc
@@ -47,9 +47,9 @@ def status(router: str) -> dict[str, fpb.AgentStatus]:
     return {a.id: a for a in fleet.agents}
 
 
-def agent(router: str, name: str, log_dir: Path, tier: str = "device") -> Launched:
+def agent(router: str, name: str, log_dir: Path, tier: str = "device", *extra: str) -> Launched:
     return launch(
-        ["agent", "--tier", tier, "--models", str(MODELS), "--router", router, "--name", name],
+        ["agent", "--tier", tier, "--models", str(MODELS), "--router", router, "--name", name, *extra],
         role=name,
         log_dir=log_dir,
     )
@@ -66,16 +66,34 @@ def infer_agent(router: str, x: np.ndarray) -> str:
 def test_agent_and_sdk_find_an_advertised_router_with_zeroconf(
     processes: list[Launched],
     tmp_path: Path,
+    pki: dict[str, TlsSettings],
     digits,  # type: ignore[no-untyped-def]
 ) -> None:
-    router = launch(["router", "--listen", "127.0.0.1:0"], role="router", log_dir=tmp_path)
+    """zeroconf is opt-in and verified: the agent and the SDK dial what they find only over TLS
+    to a certificate the fleet CA signed (an impostor's is refused, tests/integration/test_identities.py)."""
+    server = pki["router"]
+    router = launch(
+        ["router", "--listen", "127.0.0.1:0", "--tls-cert", str(server.cert), "--tls-key", str(server.key)],
+        role="router",
+        log_dir=tmp_path,
+    )
     processes.append(router)
     assert asyncio.run(discover(timeout_s=10.0)) == router.address
-    processes.append(agent("auto", "found-by-zeroconf", tmp_path, tier="edge"))
-    wait_for_agents(router.address, 1)
-    assert status(router.address)["found-by-zeroconf"].state == fpb.AGENT_STATE_READY
+    verify = TlsSettings(ca=server.ca)
+    processes.append(agent("auto", "found-by-zeroconf", tmp_path, "edge", "--tls-ca", str(server.ca)))
+    with open_sync_channel(router.address, verify) as channel:
+        stub = fpb_grpc.FleetStub(channel)
+        started = time.monotonic()
+        while not stub.Status(fpb.FleetStatusRequest(include_agents=True), timeout=5).agents:
+            assert time.monotonic() - started < 30, "the agent did not find the router"
+            time.sleep(0.1)
+        (found,) = stub.Status(fpb.FleetStatusRequest(include_agents=True), timeout=5).agents
+    assert (found.id, found.state) == ("found-by-zeroconf", fpb.AGENT_STATE_READY)
     # The SDK finds the router the same way; an unsure answer climbs through it to the edge.
-    with Client(MODELS, router="auto", cache_dir=tmp_path / "sdk", discover_timeout_s=10.0) as client:
+    with pytest.raises(ConfigError, match="insecure=True"):
+        Client(MODELS, router="auto", cache_dir=tmp_path / "sdk")  # not without a CA to verify it
+    sdk = Client(MODELS, router="auto", cache_dir=tmp_path / "sdk", discover_timeout_s=10.0, tls=verify)
+    with sdk as client:
         served = client.infer("digits", digits.held_out.x[:1], min_confidence=1.0)
     assert served.path == (Tier.DEVICE, Tier.EDGE) and served.agent == "found-by-zeroconf", served
 

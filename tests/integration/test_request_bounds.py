@@ -15,6 +15,7 @@ from stratus.generation import MAX_TOKENS, TEXT_INPUT
 from stratus.local_generation import MAX_PROMPT_BYTES
 from stratus.protocol import set_parameter
 from stratus.serving import MAX_MESSAGE_BYTES, MAX_WORK_BYTES, grpc_options
+from stratus.tensors import MAX_REQUEST_ITEMS
 from stratus.wire import fleet_pb2 as fpb
 from stratus.wire import inference_pb2 as pb
 from stratus.wire import inference_pb2_grpc as pb_grpc
@@ -78,7 +79,9 @@ def test_an_empty_tensor_with_huge_dimensions_is_invalid_not_internal(router: st
 def test_a_request_whose_work_comes_near_the_link_limit_is_refused_alone(router: str, digits) -> None:  # type: ignore[no-untyped-def]
     """Inside the router's 16 MiB receive limit, but within 64 KiB of what one message on the
     AgentLink may carry (a Work over it ends the agent's stream and every request on it):
-    refused before it is queued, and the link stays."""
+    refused before it is queued, and the link stays. For digits the item cap (1,024, the
+    advertised max_batch_size) now refuses it first; a family with larger items meets the
+    Work-size check itself (tests/unit/test_link_limits.py)."""
     rows = MAX_WORK_BYTES // (64 * 4) + 64
     request = pb.ModelInferRequest(model_name="digits")
     request.inputs.add(name="input", datatype="FP32", shape=[rows, 64])
@@ -87,7 +90,7 @@ def test_a_request_whose_work_comes_near_the_link_limit_is_refused_alone(router:
     set_parameter(request.parameters, "stratus.budget_ms", 600_000.0)  # so the policy lets it go
     refused = send(router, request, timeout_s=600.0)
     assert refused.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert f"a Work of {rows} items would be" in refused.details()
+    assert f"holds {rows} items; a request may hold at most {MAX_REQUEST_ITEMS}" in refused.details()
     still_whole(router, digits)
 
 
