@@ -80,22 +80,39 @@ INFER = "/inference.GRPCInferenceService/ModelInfer"
 class Tokens:
     """One credential per role, as a production router is started: files, not flags."""
 
-    agent: str
+    agent: str  # the agents' shared token: what an attacker who took one device holds
     operator: str
     peer: str
+    client: str  # the cloud gateway's client token, which the router presents
     folder: Path
 
     def file(self, role: str) -> Path:
         return self.folder / f"{role}.token"
 
+    def own_file(self, agent: str) -> Path:
+        """Each real agent's own token: the router binds its id to it (--agent-tokens-file)."""
+        return self.folder / f"agent-{agent}.token"
+
     @classmethod
     def write(cls, folder: Path) -> Tokens:
-        tokens = cls(agent="agent-s3cret", operator="operator-s3cret", peer="peer-s3cret", folder=folder)
-        for role in ("agent", "operator", "peer"):
-            path = tokens.file(role)
-            path.write_text(getattr(tokens, role) + "\n")
-            path.chmod(0o600)
+        tokens = cls(
+            agent="agent-s3cret", operator="operator-s3cret", peer="peer-s3cret", client="client-s3cret",
+            folder=folder,
+        )  # fmt: skip
+        for role in ("agent", "operator", "peer", "client"):
+            _secret_file(tokens.file(role), getattr(tokens, role))
+        lines = []
+        for _, name in AGENTS:
+            own = f"{name}-own-s3cret-token"
+            _secret_file(tokens.own_file(name), own)
+            lines.append(f"{name} {own}\n")
+        _secret_file(folder / "agents.tokens", "".join(lines))
         return tokens
+
+
+def _secret_file(path: Path, text: str) -> None:
+    path.write_text(text if text.endswith("\n") else text + "\n")
+    path.chmod(0o600)
 
 
 def role_args(role: str, tokens: Tokens, *, cloud: str = "", router: str = "", openai: str = "",
@@ -104,10 +121,15 @@ def role_args(role: str, tokens: Tokens, *, cloud: str = "", router: str = "", o
     becomes required, a credential a role must now carry) is made here only."""
     quiet = ["--log-level", "WARNING"]
     if role == "cloud":
-        return ["cloud", "--listen", "127.0.0.1:0", "--models", str(MODELS), *quiet]
+        return [
+            "cloud", "--listen", "127.0.0.1:0", "--models", str(MODELS),
+            "--client-token-file", str(tokens.file("client")), *quiet,
+        ]  # fmt: skip
     if role == "router":
         return [
             "router", "--listen", "127.0.0.1:0", "--cloud", cloud, "--no-advertise",
+            "--cloud-token-file", str(tokens.file("client")),
+            "--agent-tokens-file", str(tokens.folder / "agents.tokens"),
             "--agent-token-file", str(tokens.file("agent")),
             "--operator-token-file", str(tokens.file("operator")),
             "--peer-token-file", str(tokens.file("peer")),
@@ -117,7 +139,7 @@ def role_args(role: str, tokens: Tokens, *, cloud: str = "", router: str = "", o
     if role == "agent":
         return [
             "agent", "--tier", tier, "--models", str(MODELS), "--router", router, "--name", name,
-            "--agent-token-file", str(tokens.file("agent")), *quiet,
+            "--agent-token-file", str(tokens.own_file(name)), *quiet,
         ]  # fmt: skip
     raise ValueError(f"no role {role!r}")
 
@@ -499,10 +521,12 @@ async def f1_rogue_hello(ctx: Context) -> Outcome:
 
 
 async def f1_stolen_token_takeover(ctx: Context) -> Outcome:
-    """An agent token is on every device (F9, F10): a second real agent process that calls
-    itself device-1 takes the id over, and the two push each other out as each reconnects."""
+    """The shared agent token is on every device (F9, F10): a second real agent process that
+    calls itself device-1 with it tries to take the id over. device-1's id is bound to its own
+    token (--agent-tokens-file), so the twin is refused and device-1 keeps its link."""
     fleet = ctx.fleet
     args = role_args("agent", fleet.tokens, router=ctx.router, name="device-1")
+    args[args.index("--agent-token-file") + 1] = str(fleet.tokens.file("agent"))
     args[args.index("--models") + 2 : args.index("--models") + 2] = ["--variants", "digits-small"]
     twin = await asyncio.to_thread(launch, args, role="twin-device-1", log_dir=fleet.log_dir)
     fleet.extra.append(twin)
@@ -510,8 +534,9 @@ async def f1_stolen_token_takeover(ctx: Context) -> Outcome:
     await asyncio.sleep(ctx.mark() - time.monotonic())
     await asyncio.to_thread(twin.stop)
     replaced = fleet.router.log()[log_from:].count("agent device-1 reconnected from")
-    return Outcome(f"twin device-1 with the agent token x {ctx.duration_s:g} s",
-                   f"device-1's link replaced {replaced} times")  # fmt: skip
+    refused = twin.log().count("token of agent 'device-1' is missing or wrong")
+    return Outcome(f"twin device-1 with the shared token x {ctx.duration_s:g} s",
+                   f"refused {refused} times; device-1's link replaced {replaced} times")  # fmt: skip
 
 
 async def f2_conflicting_family(ctx: Context) -> Outcome:
@@ -836,21 +861,24 @@ async def f14_openai(ctx: Context) -> Outcome:
 
 
 async def f15_cloud_direct(ctx: Context) -> Outcome:
-    """At the cloud gateway itself, which takes no credential: 32,000 items in one call (it
-    advertises a max batch of 64), and 80 concurrent prompts of the largest size it takes."""
+    """At the cloud gateway itself: anonymous calls (it now asks for its client token), then,
+    as an insider with the token, 32,000 items in one call (the advertised max_batch_size is
+    1,024) and 80 concurrent prompts of the largest size it takes."""
     batch = pb.ModelInferRequest(model_name="digits")
     codec.encode_request_inputs(batch, {"input": np.zeros((32_000, 64), np.float32)})
     batch_bytes = batch.SerializeToString()
     prompt = prompt_request(b"1+" * (MAX_PROMPT_BYTES // 2 - 8)).SerializeToString()
+    insider = (("authorization", f"Bearer {ctx.fleet.tokens.client}"),)
     async with ctx.channel(ctx.cloud) as channel:
         infer = raw_infer(channel)
         until = ctx.mark()
-        batches, prompts = await asyncio.gather(
+        anonymous, batches, prompts = await asyncio.gather(
             repeat(until, 2, lambda: ctx.code_of(infer(batch_bytes, timeout=60))),
-            repeat(until, 80, lambda: ctx.code_of(infer(prompt, timeout=60))),
+            repeat(until, 2, lambda: ctx.code_of(infer(batch_bytes, timeout=60, metadata=insider))),
+            repeat(until, 80, lambda: ctx.code_of(infer(prompt, timeout=60, metadata=insider))),
         )
-    return Outcome("32,000-item batches x 2, 80 x 1 MiB prompts",
-                   f"batches {codes(batches)}; prompts {codes(prompts)}")  # fmt: skip
+    return Outcome("anonymous + insider 32,000-item batches x 2, 80 x 1 MiB prompts",
+                   f"anonymous {codes(anonymous)}; batches {codes(batches)}; prompts {codes(prompts)}")  # fmt: skip
 
 
 async def f16_watchers(ctx: Context) -> Outcome:
