@@ -44,7 +44,9 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from router.peers import sync_parts  # noqa: E402
 from stratus import codec  # noqa: E402
+from stratus.auth import sync_proof  # noqa: E402
 from stratus.datasets import digits_splits  # noqa: E402
 from stratus.demo import wait_for_agents  # noqa: E402
 from stratus.generation import MAX_TOKENS, TEXT_INPUT  # noqa: E402
@@ -613,8 +615,9 @@ def poisoned_state(revision: int) -> list[str]:
 
 
 async def f4_poisoned_sync(ctx: Context) -> Outcome:
-    """SyncRollouts of poisoned states, anonymously, with the agent and operator tokens, and
-    with the peer token itself (a malicious or hijacked peer): only validation stands then."""
+    """SyncRollouts of poisoned states, anonymously, with the agent and operator tokens as
+    proof, and with a real proof of the peer token (a malicious or hijacked peer): only
+    validation stands then."""
     tokens = ctx.fleet.tokens
     states = poisoned_state(revision=10**9)
     async with ctx.channel() as channel:
@@ -627,8 +630,10 @@ async def f4_poisoned_sync(ctx: Context) -> Outcome:
             nonlocal sent
             sent += 1
             token = ["", tokens.agent, tokens.operator, tokens.peer][sent % 4]
-            code = await ctx.code_of(stub.SyncRollouts(
-                fpb.RolloutSync(router_id=f"evil-{sent}", state_json=states[sent % 3], token=token), timeout=10))  # fmt: skip
+            message = fpb.RolloutSync(router_id=f"evil-{sent}", state_json=states[sent % 3], token=token)
+            if token == tokens.peer:  # a real peer proves the token over the message (HMAC)
+                message.token = sync_proof(token, *sync_parts(message))
+            code = await ctx.code_of(stub.SyncRollouts(message, timeout=10))
             (peer if token == tokens.peer else outsiders)[code] += 1
             return code
 

@@ -49,6 +49,7 @@ def status_json(status: fpb.FleetStatus) -> dict[str, Any]:
             }
             for a in status.agents
         ],
+        "omitted_agents": status.omitted_agents,
         "cloud": {"address": status.cloud.address, "state": status.cloud.state},
         "heartbeat_interval_s": status.heartbeat_interval_s,
     }
@@ -77,6 +78,8 @@ def agents_table(status: fpb.FleetStatus) -> list[str]:
 def status_table(status: fpb.FleetStatus) -> str:
     """The summary by tier and state; each agent too when the status lists them."""
     lines = agents_table(status) if status.agents else []
+    if status.omitted_agents:
+        lines.append(f"({status.omitted_agents} more agents not listed: the status has a size limit)")
     header = f"{'tier':<8}{'ready':>7}{'draining':>10}{'lost':>6}{'inflight':>10}{'req/s':>9}"
     lines += [header, "-" * len(header)]
     for t in status_json(status)["tiers"]:

@@ -927,9 +927,14 @@ class FleetStatus(_message.Message):
     ROUTER_VERSION_FIELD_NUMBER: _builtins.int
     TIERS_FIELD_NUMBER: _builtins.int
     HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _builtins.int
+    OMITTED_AGENTS_FIELD_NUMBER: _builtins.int
     router_version: _builtins.str
     heartbeat_interval_s: _builtins.float
     """The interval the router currently asks agents to heartbeat at."""
+    omitted_agents: _builtins.int
+    """Agents left out of `agents` so that the status stays well under the message limit
+    (ready and draining agents are listed first, then lost ones).
+    """
     @_builtins.property
     def agents(self) -> _containers.RepeatedCompositeFieldContainer[Global___AgentStatus]:
         """Empty unless the request asked for include_agents."""
@@ -946,10 +951,11 @@ class FleetStatus(_message.Message):
         router_version: _builtins.str = ...,
         tiers: _abc.Iterable[Global___TierSummary] | None = ...,
         heartbeat_interval_s: _builtins.float = ...,
+        omitted_agents: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["cloud", b"cloud"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agents", b"agents", "cloud", b"cloud", "heartbeat_interval_s", b"heartbeat_interval_s", "router_version", b"router_version", "tiers", b"tiers"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agents", b"agents", "cloud", b"cloud", "heartbeat_interval_s", b"heartbeat_interval_s", "omitted_agents", b"omitted_agents", "router_version", b"router_version", "tiers", b"tiers"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -88,3 +88,19 @@ def test_an_agent_that_describes_one_family_differently_still_serves_the_others(
     assert (refused.family, refused.variant) == ("digits", "digits-small")
     assert refused.reason.startswith("refused by the router: differs from the one ready agents serve (thresholds differ)")
     assert reg.thresholds("digits") == {Tier.DEVICE: 0.9} and reg.thresholds("defects") == {Tier.DEVICE: 0.8}
+
+
+def test_a_status_lists_agents_up_to_its_size_limit_linked_ones_first(monkeypatch: pytest.MonkeyPatch) -> None:
+    from router import fleet_service
+
+    reg = registry()
+    for index in range(10):
+        handle = reg.register(hello(f"d{index}"), peer="t")
+        if index < 5:
+            reg.lose(handle, "gone")
+    one = fleet_service.agent_status(reg.agents["d5"], 0.0).ByteSize() + 8
+    monkeypatch.setattr(fleet_service, "MAX_STATUS_BYTES", one * 7)
+    status = fleet_service.fleet_status(reg, None, include_agents=True)
+    assert [a.id for a in status.agents][:5] == ["d5", "d6", "d7", "d8", "d9"]  # the linked ones first
+    assert len(status.agents) == 7 and status.omitted_agents == 3
+    assert all(a.state == fpb.AGENT_STATE_LOST for a in status.agents[5:])
