@@ -177,6 +177,8 @@ class OpenVinoGenAiRunner(GenerativeRunner):
                             return "cancelled"
                 continue
             if handle.get_status() != running:
+                if handle.can_read():  # another thread's step finished it after our read: the
+                    continue  # last tokens came with that step, and are still to be read
                 return "length" if len(ids) >= max_tokens else "stop"
             self._step_or_wait()
 
