@@ -90,6 +90,7 @@ def _models_calibrate(args: argparse.Namespace) -> int:
         data=data,
     )
     print(calibrate.describe(result))
+    _warn(result.warnings)
     if not args.dry_run:
         calibrate.write(family, result)
         print(f"wrote thresholds to {family.source}")

@@ -97,9 +97,10 @@ class OnnxRuntimeRunner(ModelRunner):
             cache / f"{self.path.stem}-{file_digest(self.path)}-ort{ort.__version__}-{machine_digest()}.onnx"
         )
         options = ort.SessionOptions()
-        options.log_severity_level = (
-            3  # the "hardware specific optimizations" warning is why the key holds the CPU
-        )
+        # Fatal only: the "hardware specific optimizations" warning is why the key holds the
+        # CPU, and a failed run's error comes back as the exception's message; ORT's own copy
+        # on stderr would break the one-line error of `models import`.
+        options.log_severity_level = 4
         options.intra_op_num_threads = self.options.threads_per_inference
         options.inter_op_num_threads = 1
         if _intact(cached):
