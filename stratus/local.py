@@ -581,8 +581,15 @@ def _select(repository: ModelRepository, settings: LocalSettings) -> list[_Chose
                     log.warning("%s on %s: not serving %s: %s", family.name, tier.label, line.name, exc)
                     continue
                 role = "current" if current else "not current"
+                only = choice.variant.runtimes
                 log.info(
-                    "%s on %s: %s, %s (%s)", family.name, tier.label, choice.variant.name, role, choice.reason
+                    "%s on %s: %s, %s (%s)%s",
+                    family.name,
+                    tier.label,
+                    choice.variant.name,
+                    role,
+                    choice.reason,
+                    f"; runtimes {', '.join(only)} only (family.toml)" if only else "",
                 )
                 chosen.append(_Chosen(family, choice.variant, choice.reason, current=current))
     return chosen
