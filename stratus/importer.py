@@ -5,11 +5,14 @@ variant of a family, for one tier:
 
 1. its inputs and outputs are read from the file and refused, naming the file, where
    Stratus could not serve them: an operator the runtimes here cannot run, a dynamic
-   dimension other than the batch (dimension 0), more than one input, a first output that
-   is not ``[batch, classes]``, or tensors that differ from the family's other variants;
+   dimension other than the batch (dimension 0), more than one input, no output
+   ``[batch, classes]`` (the first such is the confidence's; a ZipMap's probability maps
+   count as one), tensors that differ from the family's other variants, or a file that
+   no runtime here opens and runs; a runtime that refuses it is skipped with its reason,
+   and the variant records the runtimes that ran it (``runtimes``, or ``--runtimes``);
 2. the file is copied into ``DIR/FAMILY/`` as ``VARIANT.EXT``, and converted to the
    formats the tier's runtimes prefer where a converter exists here: ONNX and ``.tflite``
-   to OpenVINO IR with FP32 weights (``Core.read_model`` + ``save_model``; not
+   to OpenVINO IR (where OpenVINO runs the file) with FP32 weights (``Core.read_model`` + ``save_model``; not
    ``convert_model``, which leaves OpenBLAS threads spinning in this process, see
    ``models/build.py``). Nothing converts IR or ``.tflite`` to ONNX here;
 3. ``family.toml`` is created (``[family]``, ``[[inputs]]``, ``[[outputs]]``,
