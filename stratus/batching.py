@@ -245,7 +245,9 @@ class Batcher(Generic[P, R]):
                 return await asyncio.shield(future)
         except TimeoutError:
             self._withdraw(member)
-            raise DeadlineExceeded(f"{self.name} did not answer within {(timeout_s or 0) * 1000:.1f} ms") from None
+            raise DeadlineExceeded(
+                f"{self.name} did not answer within {(timeout_s or 0) * 1000:.1f} ms"
+            ) from None
         except asyncio.CancelledError:
             self._withdraw(member)
             raise

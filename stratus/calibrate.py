@@ -33,7 +33,7 @@ from __future__ import annotations
 import itertools
 import math
 import zipfile
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
@@ -356,6 +356,8 @@ class Calibration:
     held_out: Outcome
     table: str
     data: LabelledData
+    # What the user should act on (also printed to stderr by the command).
+    warnings: tuple[str, ...] = ()
 
 
 def sweep_table(scores: Sequence[TierScores], chosen: Sequence[float]) -> str:
@@ -412,13 +414,44 @@ def choose(
     else:
         chosen = for_max_escalation(scores, float(max_escalation or 0.0))
     held_out = report()
+    thresholds = {s.tier: t for s, t in zip(scores, chosen, strict=False)}
+    on_report = cascade(held_out, chosen)
+    warning = (
+        shortfall_warning(thresholds, on_report.accuracy, target_accuracy, data)
+        if target_accuracy is not None
+        else ""
+    )
     return Calibration(
-        thresholds={s.tier: t for s, t in zip(scores, chosen, strict=False)},
+        thresholds=thresholds,
         tiers=tuple(s.tier for s in scores),
         calibration=cascade(scores, chosen),
-        held_out=cascade(held_out, chosen),
+        held_out=on_report,
         table=sweep_table(scores, chosen),
         data=data,
+        warnings=(warning,) if warning else (),
+    )
+
+
+def shortfall_warning(
+    thresholds: Mapping[Tier, float], reported: float, target: float, data: LabelledData
+) -> str:
+    """A warning when the report split falls short of the target the thresholds were chosen
+    for: they met it on the calibration examples only (too few, or not like the rest)."""
+    if reported + 1e-12 >= target:
+        return ""
+    never = [tier.label for tier, value in thresholds.items() if value <= 0.0]
+    zero = (
+        f" A threshold of 0 ({', '.join(never)}) means that tier never escalates: on the calibration "
+        "split it reached the target alone."
+        if never
+        else ""
+    )
+    margin = min(1.0, math.ceil((2 * target - reported) * 100) / 100)
+    return (
+        f"the report split's accuracy {reported:.4f} is below the target {target:.4f}: the thresholds reach "
+        f"it on {data.calibration_name} but not on {data.report_name}.{zero} To hold the target, calibrate "
+        f"on more labelled data (--data FILE.npz), or leave a margin (for example --target-accuracy "
+        f"{margin:.2f}), and check the report line with --dry-run before writing"
     )
 
 
@@ -438,6 +471,7 @@ def describe(result: Calibration) -> str:
             f"chosen thresholds: {chosen}",
             _outcome_line("calibration", result.tiers, result.calibration),
             _outcome_line("report", result.tiers, result.held_out),
+            *(f"warning: {warning}" for warning in result.warnings),
         ]
     )
 

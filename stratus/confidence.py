@@ -17,7 +17,7 @@ the smallest share of requests at the top tier for a target accuracy.
 from __future__ import annotations
 
 import enum
-from typing import Any
+from typing import Any, Final
 
 import numpy as np
 import numpy.typing as npt
@@ -95,6 +95,11 @@ def confidence(
     return _METHODS[method](probabilities)
 
 
+# The range fit_temperature searches; a fit at either end may be the end, not the best
+# (``stratus.importer.temperature_warning`` says so).
+TEMPERATURE_GRID: Final = (0.25, 4.0)
+
+
 def fit_temperature(
     scores: FloatArray, labels: npt.NDArray[np.integer[Any]], *, apply_softmax: bool
 ) -> float:
@@ -110,7 +115,8 @@ def fit_temperature(
     logits = values if apply_softmax else np.log(np.clip(values, 1e-30, None))
     rows = np.arange(len(labels))
     best_nll, best_t = np.inf, 1.0
-    for temperature in np.round(np.exp(np.linspace(np.log(0.25), np.log(4.0), 97)), 3):
+    low, high = TEMPERATURE_GRID
+    for temperature in np.round(np.exp(np.linspace(np.log(low), np.log(high), 97)), 3):
         scaled = logits / temperature
         scaled -= scaled.max(axis=1, keepdims=True)
         log_p = scaled - np.log(np.exp(scaled).sum(axis=1, keepdims=True))

@@ -5,11 +5,14 @@ variant of a family, for one tier:
 
 1. its inputs and outputs are read from the file and refused, naming the file, where
    Stratus could not serve them: an operator the runtimes here cannot run, a dynamic
-   dimension other than the batch (dimension 0), more than one input, a first output that
-   is not ``[batch, classes]``, or tensors that differ from the family's other variants;
+   dimension other than the batch (dimension 0), more than one input, no output
+   ``[batch, classes]`` (the first such is the confidence's; a ZipMap's probability maps
+   count as one), tensors that differ from the family's other variants, or a file that
+   no runtime here opens and runs; a runtime that refuses it is skipped with its reason,
+   and the variant records the runtimes that ran it (``runtimes``, or ``--runtimes``);
 2. the file is copied into ``DIR/FAMILY/`` as ``VARIANT.EXT``, and converted to the
    formats the tier's runtimes prefer where a converter exists here: ONNX and ``.tflite``
-   to OpenVINO IR with FP32 weights (``Core.read_model`` + ``save_model``; not
+   to OpenVINO IR (where OpenVINO runs the file) with FP32 weights (``Core.read_model`` + ``save_model``; not
    ``convert_model``, which leaves OpenBLAS threads spinning in this process, see
    ``models/build.py``). Nothing converts IR or ``.tflite`` to ONNX here;
 3. ``family.toml`` is created (``[family]``, ``[[inputs]]``, ``[[outputs]]``,
@@ -56,7 +59,7 @@ import numpy as np
 
 from stratus import calibrate, codec
 from stratus.codec import Array
-from stratus.confidence import ConfidenceMethod, fit_temperature
+from stratus.confidence import TEMPERATURE_GRID, ConfidenceMethod, fit_temperature
 from stratus.datasets import Split, dataset_for
 from stratus.errors import ConfigError, InvalidInput, StratusError
 from stratus.repository import (
@@ -67,11 +70,21 @@ from stratus.repository import (
     VariantSpec,
     load_family,
 )
-from stratus.runtimes import LoadOptions, available_runtimes, load_runner
+from stratus.runtimes import (
+    RUNNERS,
+    Choice,
+    LoadOptions,
+    availability_of,
+    available_runtimes,
+    load_runner,
+    open_runner,
+)
+from stratus.runtimes.base import warmed_up
 from stratus.tiers import Tier
 from stratus.verify import (
     VerifyReport,
     bundled_held_out,
+    excluded_runtimes,
     format_report,
     synthetic_inputs,
     verify_family,
@@ -107,6 +120,35 @@ class Interface:
     inputs: tuple[TensorSpec, ...]
     outputs: tuple[TensorSpec, ...]
 
+    @property
+    def scores(self) -> TensorSpec | None:
+        """The output a confidence is taken from: the first floating point [batch, classes
+        >= 2] one (skl2onnx puts the label first, then the probabilities)."""
+        return next((t for t in self.outputs if _is_scores(t)), None)
+
+
+def _is_scores(spec: TensorSpec) -> bool:
+    return len(spec.shape) == 2 and spec.shape[1] >= 2 and spec.datatype in ("FP16", "FP32", "FP64")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Runtimes:
+    """Which runtimes here ran the file (opened and warmed up, as an agent would), which
+    refused it and why, and whether ``--runtimes`` chose them."""
+
+    accepted: tuple[str, ...]
+    refused: Mapping[str, str]
+    unchecked: Mapping[str, str]  # named with --runtimes but not available here
+    chosen: bool
+
+    @property
+    def recorded(self) -> tuple[str, ...]:
+        """The variant's ``runtimes`` in family.toml: what --runtimes said, else (when a
+        runtime refused the file) the ones that ran it; empty: any runtime."""
+        if self.chosen:
+            return (*self.accepted, *self.unchecked)
+        return self.accepted if self.refused else ()
+
 
 @dataclass(frozen=True, kw_only=True)
 class ImportOptions:
@@ -121,6 +163,9 @@ class ImportOptions:
     data: Path | None = None
     convert: bool = True
     cache_dir: Path | None = None
+    # Only these runtimes may serve the variant (recorded in family.toml); None: every
+    # runtime here that runs the file.
+    runtimes: tuple[str, ...] | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -132,10 +177,29 @@ class ImportResult:
     notes: tuple[str, ...]
     report: VerifyReport
     labelled: str | None  # what verify measured accuracy on; None: synthetic inputs
+    # What the user should act on (also printed to stderr): a temperature fitted at the edge
+    # of its search grid, for one.
+    warnings: tuple[str, ...] = ()
 
 
 def import_model(source: Path, options: ImportOptions) -> ImportResult:
-    """Add ``source`` to a family as a new FP32 variant; refuse with a reason naming the file."""
+    """Add ``source`` to a family as a new FP32 variant; refuse with a reason naming the file.
+
+    Every refusal is a ConfigError with one line of reason (then the verify table, where
+    verify refused it): a model file is the user's input, and an odd one that trips
+    something unforeseen here must not end in a traceback either."""
+    try:
+        return _import_checked(source, options)
+    except StratusError:
+        raise
+    except Exception as exc:
+        raise ConfigError(
+            f"{source}: cannot import it: {type(exc).__name__}: {_first_reason(str(exc))} "
+            "(nothing was imported; an unexpected error, please report it with the file)"
+        ) from exc
+
+
+def _import_checked(source: Path, options: ImportOptions) -> ImportResult:
     fmt = format_of(source)
     tier = _tier(options.tier, source)
     names = _Names.scan(options.root)
@@ -146,13 +210,31 @@ def import_model(source: Path, options: ImportOptions) -> ImportResult:
     if existing is not None:
         check_fits(existing, interface, source)
     folder = existing.folder if existing is not None else options.root / options.family
-    plan = _Plan(source=source, fmt=fmt, tier=tier, name=name, interface=interface, existing=existing)
-    staged = _Staged(folder)
-    try:
-        return _import(plan, staged, options)
-    except BaseException:
-        staged.undo()
-        raise
+    with _cache(options.cache_dir) as cache:
+        runtimes = probe_runtimes(
+            source,
+            fmt=fmt,
+            interface=interface,
+            options=options,
+            folder=folder,
+            existing=existing,
+            cache=cache,
+        )
+        plan = _Plan(
+            source=source,
+            fmt=fmt,
+            tier=tier,
+            name=name,
+            interface=interface,
+            existing=existing,
+            runtimes=runtimes,
+        )
+        staged = _Staged(folder)
+        try:
+            return _import(plan, staged, options, cache)
+        except BaseException:
+            staged.undo()
+            raise
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -165,6 +247,7 @@ class _Plan:
     name: str
     interface: Interface
     existing: FamilySpec | None
+    runtimes: Runtimes
 
 
 def format_of(source: Path) -> str:
@@ -255,10 +338,10 @@ def _check_interface(source: Path, interface: Interface) -> None:
             f"({', '.join(t.name for t in interface.inputs)}); import takes single-input models"
         )
     first = interface.outputs[0]
-    if len(first.shape) != 2 or first.shape[1] < 2 or first.datatype not in ("FP16", "FP32", "FP64"):
+    if interface.scores is None:
         raise ConfigError(
             f"{source}: output '{first.name}' is {first.datatype} {list(first.shape)}; the confidence is "
-            "taken over classes, so the first output must be floating point [batch, classes >= 2]"
+            "taken over classes, so one output must be floating point [batch, classes >= 2]"
         )
 
 
@@ -295,18 +378,52 @@ def _onnx_interface(source: Path) -> Interface:
     if any(t.data_location == onnx.TensorProto.EXTERNAL for t in model.graph.initializer):
         raise ConfigError(f"{source}: keeps weights in external data files; save the model as one file")
     _check_operators(source, model, onnx)
-    _runtime_loads(source, "ONNX Runtime", lambda: _ort_session(source))
-    _runtime_loads(source, "OpenVINO", lambda: _openvino().Core().read_model(str(source)))
-    model = onnx.shape_inference.infer_shapes(model)
+    try:
+        model = onnx.shape_inference.infer_shapes(model)
+    except Exception as exc:  # onnx raises its own types for an inconsistent graph
+        raise ConfigError(f"{source}: its shapes do not check out ({_first_reason(str(exc))})") from None
     initializers = {t.name for t in model.graph.initializer}
 
-    def specs(kind: str, items: Sequence[Any]) -> tuple[TensorSpec, ...]:
-        return tuple(_spec(source, kind, t.name, _onnx_datatype(t, onnx), _onnx_dims(t)) for t in items)
+    def spec(kind: str, t: Any) -> TensorSpec:
+        if kind == "output" and t.type.HasField("sequence_type"):
+            return _zipmap_spec(source, model.graph, t.name)
+        return _spec(source, kind, t.name, _onnx_datatype(t, onnx), _onnx_dims(t))
 
     return Interface(
-        inputs=specs("input", [t for t in model.graph.input if t.name not in initializers]),
-        outputs=specs("output", list(model.graph.output)),
+        inputs=tuple(spec("input", t) for t in model.graph.input if t.name not in initializers),
+        outputs=tuple(spec("output", t) for t in model.graph.output),
     )
+
+
+ZIPMAP_HINT: Final = "export with options={id(model): {'zipmap': False}} for a probabilities tensor"
+
+
+def _zipmap_spec(source: Path, graph: Any, name: str) -> TensorSpec:
+    """A ZipMap's output (one {class: probability} map per item, skl2onnx's default
+    ``output_probability``) as Stratus carries it: FP32 [batch, classes], the columns in class
+    order (ONNX Runtime reads it so, :func:`stratus.runtimes.ort.dense_probabilities`)."""
+    node = next((n for n in graph.node if name in n.output), None)
+    if node is None or node.op_type != "ZipMap":
+        raise ConfigError(
+            f"{source}: output '{name}' is a sequence; Stratus carries tensors (and reads a ZipMap's "
+            "probability maps as a [batch, classes] tensor)"
+        )
+    attributes = {a.name: a for a in node.attribute}
+    labels: list[Any] = list(
+        attributes["classlabels_int64s"].ints
+        if "classlabels_int64s" in attributes
+        else attributes["classlabels_strings"].strings
+        if "classlabels_strings" in attributes
+        else []
+    )
+    if len(labels) < 2:
+        raise ConfigError(f"{source}: output '{name}' (ZipMap) has {len(labels)} class labels; it needs >= 2")
+    if labels != sorted(labels):
+        raise ConfigError(
+            f"{source}: output '{name}' (ZipMap) lists its classes out of order, so its maps cannot be "
+            f"read as [batch, classes] in class order; {ZIPMAP_HINT}"
+        )
+    return TensorSpec(name=name, datatype="FP32", shape=(-1, len(labels)))
 
 
 def _onnx_datatype(value: Any, onnx: Any) -> str:
@@ -366,14 +483,10 @@ def _first_reason(message: str) -> str:
     found = re.search(r"No conversion rule found for operations: ([^\n]+)", message)
     if found:
         return f"unsupported operator(s) {found.group(1).strip()}"
+    found = re.search(r"Unsupported value_info type: (\S+)", message)
+    if found:
+        return f"output '{found.group(1)}' is not a tensor (a ZipMap's probability maps, skl2onnx's default)"
     return " ".join(message.split())[:400]
-
-
-def _ort_session(source: Path) -> Any:
-    ort = importlib.import_module("onnxruntime")
-    options = ort.SessionOptions()
-    options.log_severity_level = 3
-    return ort.InferenceSession(str(source), options, providers=["CPUExecutionProvider"])
 
 
 def _openvino() -> Any:
@@ -427,6 +540,73 @@ def _openvino_interface(source: Path) -> Interface:
         return tuple(result)
 
     return Interface(inputs=specs("input", model.inputs), outputs=specs("output", model.outputs))
+
+
+def probe_runtimes(
+    source: Path,
+    *,
+    fmt: str,
+    interface: Interface,
+    options: ImportOptions,
+    folder: Path,
+    existing: FamilySpec | None,
+    cache: Path,
+) -> Runtimes:
+    """Open and warm the file in every runtime here that reads its format (or those of
+    ``--runtimes``), as an agent would load it.
+
+    A runtime that refuses it is skipped with its reason (OpenVINO has no ``ai.onnx.ml``
+    operators, nor ZipMap's sequence outputs); the file is refused only when none runs it,
+    or when one that ``--runtimes`` names refuses it."""
+    readers = [name for name, runner in RUNNERS.items() if fmt in runner.formats]
+    wanted = _wanted_runtimes(source, fmt, readers, options.runtimes)
+    variant = VariantSpec(
+        name="probe",
+        family=options.family,
+        tier=_tier(options.tier, source),
+        precision="FP32",
+        files={fmt: source},
+    )
+    family = _probe_family(options, interface, variant, existing, folder)
+    accepted, refused, unchecked = [], {}, {}
+    for runtime in wanted:
+        status = availability_of(runtime)
+        if not status.available:
+            unchecked[runtime] = status.reason
+            continue
+        choice = Choice(runtime=runtime, format=fmt, path=source)
+        try:
+            opened = open_runner(family, variant, choice, LoadOptions(tier=variant.tier, cache_dir=cache))
+            warmed_up(opened, runtime, source).close()
+        except Exception as exc:  # each runtime raises its own types for a file it cannot run
+            refused[runtime] = _first_reason(str(exc))
+            continue
+        accepted.append(runtime)
+    chosen = options.runtimes is not None
+    if refused and chosen:
+        runtime, reason = next(iter(refused.items()))
+        raise ConfigError(f"{source}: {runtime} (named by --runtimes) cannot run it: {reason}")
+    if not accepted:
+        why = "; ".join(f"{r}: {reason}" for r, reason in {**refused, **unchecked}.items())
+        raise ConfigError(f"{source}: no runtime here can run it ({why or 'none reads ' + fmt})")
+    return Runtimes(accepted=tuple(accepted), refused=refused, unchecked=unchecked, chosen=chosen)
+
+
+def _wanted_runtimes(
+    source: Path, fmt: str, readers: Sequence[str], given: Sequence[str] | None
+) -> Sequence[str]:
+    if given is None:
+        return readers
+    for runtime in given:
+        if runtime not in RUNNERS:
+            raise ConfigError(f"--runtimes: unknown runtime '{runtime}'; known: {', '.join(sorted(RUNNERS))}")
+        if runtime not in readers:
+            raise ConfigError(
+                f"{source}: --runtimes {runtime}: it does not read {fmt} files (those do: {', '.join(readers)})"
+            )
+    if len(set(given)) != len(given):
+        raise ConfigError(f"--runtimes {','.join(given)}: names a runtime twice")
+    return given
 
 
 def check_fits(family: FamilySpec, interface: Interface, source: Path) -> None:
@@ -494,34 +674,39 @@ class _Staged:
             shutil.rmtree(self.created, ignore_errors=True)
 
 
-def _import(plan: _Plan, staged: _Staged, options: ImportOptions) -> ImportResult:
+def _import(plan: _Plan, staged: _Staged, options: ImportOptions, cache: Path) -> ImportResult:
     staged.mkdir()
-    files, notes = _place_files(plan, staged, convert=options.convert)
+    convert = options.convert and "openvino" in plan.runtimes.accepted
+    files, notes = _place_files(plan, staged, convert=convert)
+    notes += _runtime_notes(plan.runtimes, convert=options.convert)
     variant = VariantSpec(
-        name=plan.name, family=options.family, tier=plan.tier, precision="FP32", files=files
+        name=plan.name,
+        family=options.family,
+        tier=plan.tier,
+        precision="FP32",
+        files=files,
+        runtimes=plan.runtimes.recorded,
     )
     probe = _probe_family(options, plan.interface, variant, plan.existing, staged.folder)
     labelled = calibrate.load_npz(probe, options.data) if options.data is not None else None
     existing = plan.existing
     original = existing.source.read_text(encoding="utf-8") if existing is not None else None
-    with _cache(options.cache_dir) as cache:
-        logits, why = _output_kind(probe, variant, options.logits, labelled, cache)
-        _check_output_kind(plan, logits, why)
-        probe = dataclasses.replace(
-            probe, confidence=dataclasses.replace(probe.confidence, apply_softmax=logits)
-        )
-        variant, fitted = _fit_temperature(probe, variant, labelled, cache)
-        if fitted:
-            notes.append(fitted)
-        probe = dataclasses.replace(probe, variants=(variant,))
-        if existing is not None and original is not None:
-            text = _extended_text(original, existing, variant, plan.source)
-        else:
-            text = _new_family_text(probe, variant, plan.source, why)
-        scratch = staged.scratch()
-        scratch.write_text(text, encoding="utf-8")
-        split, measured_on = _held_out(probe, labelled)
-        report = _verify(load_family(scratch), plan.name, split, cache)
+    logits, why = _output_kind(probe, variant, options.logits, labelled, cache)
+    _check_output_kind(plan, logits, why)
+    probe = dataclasses.replace(probe, confidence=dataclasses.replace(probe.confidence, apply_softmax=logits))
+    variant, fitted, warnings = _fit_temperature(probe, variant, labelled, cache)
+    if fitted:
+        notes.append(fitted)
+    probe = dataclasses.replace(probe, variants=(variant,))
+    refusals = plan.runtimes.refused
+    if existing is not None and original is not None:
+        text = _extended_text(original, existing, variant, plan.source, refusals)
+    else:
+        text = _new_family_text(probe, variant, plan.source, why, refusals)
+    scratch = staged.scratch()
+    scratch.write_text(text, encoding="utf-8")
+    split, measured_on = _held_out(probe, labelled)
+    report = _verify(load_family(scratch), plan.name, split, cache, refusals)
     if not report.ok:
         hint = " (--no-convert keeps only the file's own format)" if len(files) > 1 else ""
         raise ConfigError(
@@ -544,7 +729,22 @@ def _import(plan: _Plan, staged: _Staged, options: ImportOptions) -> ImportResul
         notes=tuple(notes),
         report=report,
         labelled=measured_on,
+        warnings=tuple(warnings),
     )
+
+
+def _runtime_notes(runtimes: Runtimes, *, convert: bool) -> list[str]:
+    """What the command says about runtimes: those skipped and why, what family.toml records."""
+    notes = [
+        f"skipped {runtime}: it cannot run the file: {reason}" for runtime, reason in runtimes.refused.items()
+    ]
+    if "openvino" in runtimes.refused and convert:
+        notes.append("no OpenVINO IR: OpenVINO cannot run the file")
+    if runtimes.chosen:
+        notes += [f"not checked here: {runtime} ({reason})" for runtime, reason in runtimes.unchecked.items()]
+    if runtimes.recorded:
+        notes.append(f"served by {', '.join(runtimes.recorded)} only (runtimes in family.toml)")
+    return notes
 
 
 def _check_output_kind(plan: _Plan, logits: bool, why: str) -> None:
@@ -597,8 +797,10 @@ def _probe_family(
     labelled data and running the model before any config is written."""
     if existing is not None:
         return dataclasses.replace(existing, variants=(variant,), current={variant.tier: variant.name})
+    scores = interface.scores
+    assert scores is not None  # read_interface refuses a file without one
     confidence = ConfidenceSpec(
-        output=interface.outputs[0].name,
+        output=scores.name,
         method=options.method or ConfidenceMethod.MAX_SOFTMAX,
         apply_softmax=bool(options.logits),
     )
@@ -649,7 +851,7 @@ def _output_kind(
 
 def _fit_temperature(
     family: FamilySpec, variant: VariantSpec, labelled: calibrate.LabelledData | None, cache: Path
-) -> tuple[VariantSpec, str]:
+) -> tuple[VariantSpec, str, list[str]]:
     """The variant with its temperature fitted on a calibration split: the calibration part
     of --data, else a shipped family's bundled one; unchanged (1.0) without labels.
 
@@ -660,16 +862,35 @@ def _fit_temperature(
         split = _bundled_calibration(family)
         what = f"the bundled calibration split of '{family.name}'"
     if split is None:
-        return variant, ""
+        return variant, "", []
     runner = load_runner(family, variant, LoadOptions(tier=variant.tier, cache_dir=cache))
     try:
         scores = runner.infer({family.inputs[0].name: split.x})[family.confidence.output]
     finally:
         runner.close()
     temperature = fit_temperature(scores, split.y, apply_softmax=family.confidence.apply_softmax)
-    return dataclasses.replace(
-        variant, temperature=temperature
-    ), f"temperature {temperature:g}, fitted on {what}"
+    warning = temperature_warning(variant.name, temperature, family.confidence.apply_softmax)
+    fitted = dataclasses.replace(variant, temperature=temperature)
+    return fitted, f"temperature {temperature:g}, fitted on {what}", [warning] if warning else []
+
+
+def temperature_warning(variant: str, temperature: float, logits: bool) -> str:
+    """A warning when a fitted temperature sits at the edge of the search grid: the best one
+    may lie beyond it, and the variant's confidence does not mean what it says."""
+    low, high = TEMPERATURE_GRID
+    if low < temperature < high:
+        return ""
+    given, other = ("logits", "--probabilities") if logits else ("probabilities", "--logits")
+    if temperature <= low:
+        why = f"the model is under-confident (a random forest's vote shares are); the best fit may lie below {low:g}"
+    else:
+        why = f"the model is over-confident; the best fit may lie above {high:g}"
+    return (
+        f"{variant}: fitted temperature {temperature:g} is at the edge of its range [{low:g}, {high:g}]: {why}, "
+        f"so its confidence is not a calibrated probability. Check that its output really is {given} "
+        f"(else import it again with {other}); either way choose thresholds with "
+        "`stratus models calibrate --data FILE.npz`, not by hand"
+    )
 
 
 def _bundled_calibration(family: FamilySpec) -> Split | None:
@@ -705,13 +926,20 @@ def _held_out(family: FamilySpec, labelled: calibrate.LabelledData | None) -> tu
     return None, None
 
 
-def _verify(family: FamilySpec, name: str, data: Split | None, cache: Path) -> VerifyReport:
-    """The new variant in every runtime here (labelled data, or synthetic inputs)."""
+def _verify(
+    family: FamilySpec, name: str, data: Split | None, cache: Path, refused: Mapping[str, str]
+) -> VerifyReport:
+    """The new variant in every runtime here that may serve it (labelled data, or synthetic
+    inputs); those it skips say why."""
     availability = available_runtimes()
     usable = {n for n, status in availability.items() if status.available}
     only = dataclasses.replace(family, variants=(family.variant(name),))
     rows = verify_family(only, data if data is not None else synthetic_inputs(family), usable, cache)
     skipped = {n: status.reason for n, status in availability.items() if not status.available}
+    skipped.update(excluded_runtimes(only, usable))
+    skipped.update(
+        {f"{runtime} for {name}": f"it cannot run the file: {why}" for runtime, why in refused.items()}
+    )
     return VerifyReport(rows=tuple(rows), skipped=skipped)
 
 
@@ -747,23 +975,28 @@ def _tensor_tables(kind: str, specs: Sequence[TensorSpec]) -> list[str]:
     return lines
 
 
-def variant_block(variant: VariantSpec, source: Path) -> str:
+def variant_block(variant: VariantSpec, source: Path, refused: Mapping[str, str] | None = None) -> str:
     files = ", ".join(f"{fmt} = {_quoted(path.name)}" for fmt, path in variant.files.items())
+    runtimes = ", ".join(_quoted(r) for r in variant.runtimes)
     return "\n".join(
         [
             f"# Imported from {source.name} by `stratus models import`.",
+            *(f"# {runtime} cannot run it: {why}" for runtime, why in (refused or {}).items()),
             "[[variants]]",
             f"name = {_quoted(variant.name)}",
             f'tier = "{variant.tier.label}"',
             'precision = "FP32"',
             *([f"temperature = {variant.temperature:g}"] if variant.temperature != 1.0 else []),
             f"files = {{ {files} }}",
+            *([f"runtimes = [{runtimes}]"] if variant.runtimes else []),
             "",
         ]
     )
 
 
-def _new_family_text(family: FamilySpec, variant: VariantSpec, source: Path, why: str) -> str:
+def _new_family_text(
+    family: FamilySpec, variant: VariantSpec, source: Path, why: str, refused: Mapping[str, str]
+) -> str:
     spec = family.confidence
     lines = [
         f"# The {family.name} family, created by `stratus models import` from {source.name}.",
@@ -777,8 +1010,8 @@ def _new_family_text(family: FamilySpec, variant: VariantSpec, source: Path, why
         *_tensor_tables("inputs", family.inputs),
         *_tensor_tables("outputs", family.outputs),
         "[confidence]",
-        "# output: the model's first output. apply_softmax: true when it holds logits, false when",
-        f"# it holds probabilities ({why}).",
+        "# output: the model's first [batch, classes] output. apply_softmax: true when it holds logits,",
+        f"# false when it holds probabilities ({why}).",
         f"output = {_quoted(spec.output)}",
         f'method = "{spec.method.value}"',
         f"apply_softmax = {'true' if spec.apply_softmax else 'false'}",
@@ -791,12 +1024,14 @@ def _new_family_text(family: FamilySpec, variant: VariantSpec, source: Path, why
         "# rollout sends part of the tier's traffic to a candidate.",
         f"{variant.tier.label} = {_quoted(variant.name)}",
         "",
-        variant_block(variant, source),
+        variant_block(variant, source, refused),
     ]
     return "\n".join(lines)
 
 
-def _extended_text(text: str, family: FamilySpec, variant: VariantSpec, source: Path) -> str:
+def _extended_text(
+    text: str, family: FamilySpec, variant: VariantSpec, source: Path, refused: Mapping[str, str]
+) -> str:
     """The family's config with the variant appended, and its tier's ``[current]`` entry
     written where the file does not name one (a tier's only variant is current implicitly;
     a second one needs the choice written down)."""
@@ -804,7 +1039,7 @@ def _extended_text(text: str, family: FamilySpec, variant: VariantSpec, source: 
     if variant.tier.label not in explicit:
         chosen = family.current.get(variant.tier, variant.name)
         text = with_current_entry(text, variant.tier, chosen)
-    return text.rstrip("\n") + "\n\n" + variant_block(variant, source)
+    return text.rstrip("\n") + "\n\n" + variant_block(variant, source, refused)
 
 
 def with_current_entry(text: str, tier: Tier, name: str) -> str:
@@ -862,5 +1097,6 @@ def describe(result: ImportResult) -> str:
         f"accuracy above: on {result.labelled}"
         if result.labelled
         else "accuracy: n/a (no labelled data; verified on synthetic inputs; pass --data FILE.npz to measure it)",
+        *(f"warning: {warning}" for warning in result.warnings),
     ]
     return "\n".join(lines)

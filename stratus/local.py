@@ -158,7 +158,9 @@ class LocalModels:
         self._install([c for c, _ in loaded], {c.variant.name: runner for c, runner in loaded})
         self._count_load_failures()
         if not self.runners and not (self.generators and self.generators.runners):
-            raise ModelLoadError(f"nothing could be loaded here: {self.unavailable_reasons() or 'no variants'}")
+            raise ModelLoadError(
+                f"nothing could be loaded here: {self.unavailable_reasons() or 'no variants'}"
+            )
         # Each thread may have one closed batch ready behind the one it runs, so it never
         # waits on the event loop between batches; the batcher holds everything else.
         workers = settings.concurrency
@@ -203,7 +205,13 @@ class LocalModels:
                 f"fp32: {chosen.variant.name} did not load ({failed})",
                 current=chosen.current,
             )
-            log.warning("%s: %s did not load, serving %s instead: %s", chosen.family.name, chosen.variant.name, parent, failed)
+            log.warning(
+                "%s: %s did not load, serving %s instead: %s",
+                chosen.family.name,
+                chosen.variant.name,
+                parent,
+                failed,
+            )
             try:
                 return fallback, self._load(fallback)
             except (ModelLoadError, RuntimeUnavailable) as exc:
@@ -231,7 +239,9 @@ class LocalModels:
         return {name: why for name, why in found.items() if not self._family_served(name)}
 
     def unavailable_reasons(self) -> str:
-        return "; ".join(f"{n.family} ({n.variant}): {n.reason}" for n in self.unavailable_families().values())
+        return "; ".join(
+            f"{n.family} ({n.variant}): {n.reason}" for n in self.unavailable_families().values()
+        )
 
     def _family_served(self, family: str) -> bool:
         if any(self.variants[name].family == family for name in self.current):
@@ -571,8 +581,15 @@ def _select(repository: ModelRepository, settings: LocalSettings) -> list[_Chose
                     log.warning("%s on %s: not serving %s: %s", family.name, tier.label, line.name, exc)
                     continue
                 role = "current" if current else "not current"
+                only = choice.variant.runtimes
                 log.info(
-                    "%s on %s: %s, %s (%s)", family.name, tier.label, choice.variant.name, role, choice.reason
+                    "%s on %s: %s, %s (%s)%s",
+                    family.name,
+                    tier.label,
+                    choice.variant.name,
+                    role,
+                    choice.reason,
+                    f"; runtimes {', '.join(only)} only (family.toml)" if only else "",
                 )
                 chosen.append(_Chosen(family, choice.variant, choice.reason, current=current))
     return chosen

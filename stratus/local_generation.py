@@ -344,7 +344,9 @@ def text_response(request: pb.ModelInferRequest, text: str) -> pb.ModelInferResp
 
 def check_prompt_size(request: pb.ModelInferRequest) -> None:
     """Refuse a prompt over MAX_PROMPT_BYTES before it is decoded (or tokenized)."""
-    size = sum(len(buffer) for buffer in request.raw_input_contents) or sum(t.ByteSize() for t in request.inputs)
+    size = sum(len(buffer) for buffer in request.raw_input_contents) or sum(
+        t.ByteSize() for t in request.inputs
+    )
     if size > MAX_PROMPT_BYTES + 4:  # a BYTES element's 4-byte length prefix
         raise InvalidInput(f"the prompt is {size} bytes; at most {MAX_PROMPT_BYTES} are taken")
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -88,6 +90,7 @@ def _models_calibrate(args: argparse.Namespace) -> int:
         data=data,
     )
     print(calibrate.describe(result))
+    _warn(result.warnings)
     if not args.dry_run:
         calibrate.write(family, result)
         print(f"wrote thresholds to {family.source}")
@@ -127,9 +130,27 @@ def _models_import(args: argparse.Namespace) -> int:
         data=args.data,
         convert=not args.no_convert,
         cache_dir=args.cache_dir,
+        runtimes=_runtime_list(args.runtimes),
     )
-    print(describe(import_model(args.file, options)))
+    result = import_model(args.file, options)
+    print(describe(result))
+    _warn(result.warnings)
     return 0
+
+
+def _runtime_list(text: str | None) -> tuple[str, ...] | None:
+    if text is None:
+        return None
+    names = tuple(name.strip() for name in text.split(",") if name.strip())
+    if not names:
+        raise ConfigError("--runtimes: name at least one runtime (onnxruntime, openvino, litert, tensorrt)")
+    return names
+
+
+def _warn(warnings: Sequence[str]) -> None:
+    """Warnings go to stderr too, so a script that keeps only stdout still shows them."""
+    for warning in warnings:
+        print(f"stratus: warning: {warning}", file=sys.stderr)
 
 
 def _fraction(text: str) -> float:
@@ -210,5 +231,12 @@ def _add_import(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     )
     command.add_argument("--data", type=Path, help="labelled .npz: verify measures accuracy on it")
     command.add_argument("--no-convert", action="store_true", help="keep only the given format")
+    command.add_argument(
+        "--runtimes",
+        metavar="R1,R2",
+        help="only these runtimes may serve the variant (recorded in family.toml as its runtimes; "
+        "each must run the file here unless it is not installed here); default: every runtime here "
+        "that runs the file, and one that refuses it is skipped with its reason",
+    )
     command.add_argument("--cache-dir", type=Path, default=None, help="runtime caches (default: scratch)")
     command.set_defaults(handler=_models_import)

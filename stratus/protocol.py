@@ -86,7 +86,9 @@ class RequestOptions:
             )
         budget = _number(parameters, BUDGET_MS)
         if budget is not None and not 0 < budget <= MAX_BUDGET_MS:
-            raise InvalidInput(f"parameter '{BUDGET_MS}' must lie in (0, {MAX_BUDGET_MS:g}] ms, got {budget:g}")
+            raise InvalidInput(
+                f"parameter '{BUDGET_MS}' must lie in (0, {MAX_BUDGET_MS:g}] ms, got {budget:g}"
+            )
         confidence = _number(parameters, MIN_CONFIDENCE)
         if confidence is not None and not 0.0 <= confidence <= 1.0:
             raise InvalidInput(f"parameter '{MIN_CONFIDENCE}' must lie between 0 and 1, got {confidence}")

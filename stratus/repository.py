@@ -29,6 +29,8 @@ CONFIG_NAME: Final = "family.toml"
 FORMATS: Final = ("tflite", "onnx", "openvino", "gguf", "hf")
 KINDS: Final = ("classifier", "generative")
 PRECISIONS: Final = ("FP32", "FP16", "INT8")
+# The classifier runtimes a variant's ``runtimes`` key may name (``stratus.runtimes.RUNNERS``).
+RUNTIMES: Final = ("litert", "openvino", "onnxruntime", "tensorrt")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -87,6 +89,13 @@ class VariantSpec:
     # Divides the log-probabilities before the confidence is taken (fitted on the
     # calibration split, so a confidence of 0.9 means about 9 in 10 right).
     temperature: float = 1.0
+    # The runtimes that may serve it; empty: any that reads one of its formats. Written by
+    # ``models import`` when a runtime here refused the file, or as ``--runtimes`` said.
+    runtimes: tuple[str, ...] = ()
+
+    def allows(self, runtime: str) -> bool:
+        """Whether ``runtime`` may serve this variant (its ``runtimes``, when it names any)."""
+        return not self.runtimes or runtime in self.runtimes
 
     def file_stamps(self) -> tuple[tuple[int, int], ...]:
         """Size and modification time of each of its files ((-1, -1) for one that is gone):
@@ -321,6 +330,8 @@ def _generative_family(
     reader.unknown_keys(confidence, {"method"}, "confidence")
     method = reader.choice(confidence, "method", tuple(m.value for m in GenerationMethod), "confidence")
     variants = _variants(reader, data, name, path.parent, generative=True)
+    if any(v.runtimes for v in variants):
+        raise reader.fail("variants.runtimes", "is for classifier variants; generative ones choose by format")
     text_in = TensorSpec(name=TEXT_INPUT, datatype="BYTES", shape=(-1,))
     text_out = TensorSpec(name=TEXT_OUTPUT, datatype="BYTES", shape=(-1,))
     return FamilySpec(
@@ -482,7 +493,9 @@ def _current(reader: _Reader, data: Mapping[str, Any], variants: tuple[VariantSp
 def _variant(reader: _Reader, item: Any, where: str, family: str, folder: Path) -> VariantSpec:
     if not isinstance(item, dict):
         raise reader.fail(where, "must be a table")
-    reader.unknown_keys(item, {"name", "tier", "precision", "parent", "temperature", "files"}, where)
+    reader.unknown_keys(
+        item, {"name", "tier", "precision", "parent", "temperature", "files", "runtimes"}, where
+    )
     name = reader.get(item, "name", str, where)
     if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", name):
         raise reader.fail(f"{where}.name", f"'{name}' may hold only letters, digits, '.', '_' and '-'")
@@ -512,7 +525,24 @@ def _variant(reader: _Reader, item: Any, where: str, family: str, folder: Path) 
         files=files,
         parent=reader.get(item, "parent", str, where, None),
         temperature=_temperature(reader, item, where),
+        runtimes=_variant_runtimes(reader, item, where),
     )
+
+
+def _variant_runtimes(reader: _Reader, item: Mapping[str, Any], where: str) -> tuple[str, ...]:
+    """A classifier variant's ``runtimes``: known names, no repeats, at least one."""
+    if "runtimes" not in item:
+        return ()
+    names = reader.get(item, "runtimes", list, where)
+    key = f"{where}.runtimes"
+    if not names:
+        raise reader.fail(key, "must name at least one runtime (leave it out to allow any)")
+    for name in names:
+        if name not in RUNTIMES:
+            raise reader.fail(key, f"{name!r} is not one of {', '.join(RUNTIMES)}")
+    if len(set(names)) != len(names):
+        raise reader.fail(key, f"{names} names a runtime twice")
+    return tuple(names)
 
 
 def _temperature(reader: _Reader, item: Mapping[str, Any], where: str) -> float:

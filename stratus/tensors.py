@@ -135,8 +135,7 @@ class Tensors:
                 "they must match one to one"
             )
         tensors = [
-            _input(tensor, raw[index] if raw else None, name)
-            for index, name, tensor in named_inputs(request)
+            _input(tensor, raw[index] if raw else None, name) for index, name, tensor in named_inputs(request)
         ]
         if not tensors:
             raise InvalidInput(f"request for '{request.model_name}' has no inputs")
@@ -290,4 +289,3 @@ def requested_outputs(request: pb.ModelInferRequest, family: str, known: Sequenc
         if name not in known:
             raise InvalidInput(f"model '{family}' has no output '{name}'; it gives {sorted(known)}")
     return wanted
-

@@ -145,10 +145,22 @@ def _all_choices(variant: VariantSpec, usable: set[str]) -> list[Choice]:
     return [
         Choice(runtime=name, format=fmt, path=variant.files[fmt])
         for name, runner in RUNNERS.items()
-        if name in usable
+        if name in usable and variant.allows(name)
         for fmt in runner.formats
         if fmt in variant.files
     ]
+
+
+def excluded_runtimes(family: FamilySpec, usable: set[str]) -> dict[str, str]:
+    """The runtimes here that read a variant's files but that its ``runtimes`` leave out:
+    skipped, and the report says so (``models import`` wrote why as a comment above it)."""
+    return {
+        f"{name} for {variant.name}": f"not among its runtimes ({', '.join(variant.runtimes)}; "
+        f"{family.source})"
+        for variant in family.variants
+        for name, runner in RUNNERS.items()
+        if name in usable and not variant.allows(name) and set(runner.formats) & set(variant.files)
+    }
 
 
 def bundled_held_out(family: FamilySpec) -> Split | None:
@@ -309,6 +321,7 @@ def verify(
                 rows += _verify_generative(family, cache, skipped)
                 continue
             family_rows = verify_family(family, _or_synthetic(family, data(family)), usable, cache)
+            skipped.update(excluded_runtimes(family, usable))
             rows += family_rows
             records[family.name] = _write_record(family, family_rows) if record else record_state(family)
     return VerifyReport(rows=tuple(rows), skipped=skipped, records=records)
@@ -346,6 +359,7 @@ def record_family(
     usable = {name for name, status in availability.items() if status.available}
     rows = verify_family(family, _or_synthetic(family, data(family)), usable, cache_dir)
     skipped = {name: status.reason for name, status in availability.items() if not status.available}
+    skipped.update(excluded_runtimes(family, usable))
     return VerifyReport(rows=tuple(rows), skipped=skipped, records={family.name: _write_record(family, rows)})
 
 

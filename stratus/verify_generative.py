@@ -135,7 +135,9 @@ def _row(family: FamilySpec, variant: VariantSpec, run: _Run, runs: Sequence[_Ru
     threshold = family.thresholds.get(variant.tier)
     agreements = [_agreement(run, other, threshold) for other in others] if done else []
     accuracy = _accuracy(run.texts, data) if done else None
-    best = max((a for r in runs if r.error is None and (a := _accuracy(r.texts, data)) is not None), default=None)
+    best = max(
+        (a for r in runs if r.error is None and (a := _accuracy(r.texts, data)) is not None), default=None
+    )
     return VerifyRow(
         name=variant.name,
         tier=variant.tier.label,

@@ -96,7 +96,8 @@ def candidates(
     """Every (runtime, file) that could serve the variant, best first.
 
     ``runtimes`` overrides the order: only those runtimes, in that order (it may also name
-    generative runtimes, which classifiers ignore; naming none of theirs leaves none).
+    generative runtimes, which classifiers ignore; naming none of theirs leaves none). A
+    variant that names its own ``runtimes`` (family.toml) is offered to those alone.
     """
     from stratus.runtimes.generative import GENERATORS
 
@@ -106,7 +107,11 @@ def candidates(
         if unknown:
             raise NotFound(f"unknown runtime(s) {unknown}; known: {sorted({*RUNNERS, *GENERATORS})}")
         order = tuple((r, f) for r in runtimes if r in RUNNERS for f in RUNNERS[r].formats)
-    return [Choice(runtime=r, format=f, path=variant.files[f]) for r, f in order if f in variant.files]
+    return [
+        Choice(runtime=r, format=f, path=variant.files[f])
+        for r, f in order
+        if f in variant.files and variant.allows(r)
+    ]
 
 
 def load_runner(
@@ -146,11 +151,16 @@ def load_runner(
             reasons.append(str(exc))
             if failures is not None:
                 failures.append(LoadFailure(variant=variant.name, runtime=choice.runtime, reason=str(exc)))
-    message = f"no runtime can serve variant '{variant.name}' here: {'; '.join(reasons) or 'no file in a usable format'}"
+    none = "no file in a usable format" + (
+        f" for its runtimes ({', '.join(variant.runtimes)}, family.toml)" if variant.runtimes else ""
+    )
+    message = f"no runtime can serve variant '{variant.name}' here: {'; '.join(reasons) or none}"
     raise ModelLoadError(message) if refused else RuntimeUnavailable(message)
 
 
-def _opened_and_warm(family: FamilySpec, variant: VariantSpec, choice: Choice, options: LoadOptions) -> ModelRunner:
+def _opened_and_warm(
+    family: FamilySpec, variant: VariantSpec, choice: Choice, options: LoadOptions
+) -> ModelRunner:
     """A runner that has answered its warm-up batches; a warm-up that fails is a refusal too."""
     return warmed_up(open_runner(family, variant, choice, options), choice.runtime, choice.path)
 

@@ -101,7 +101,8 @@ class ModelRunner(abc.ABC):
     def warmup(self, batch_sizes: tuple[int, ...] = (1, 8)) -> None:
         """Run zero batches of typical sizes so the first real request pays no setup cost."""
         for size in batch_sizes:
-            self.infer({spec.name: zeros_for(spec, size) for spec in self.inputs})
+            outputs = self.infer({spec.name: zeros_for(spec, size) for spec in self.inputs})
+            check_outputs(self.outputs, outputs, size)
 
     def close(self) -> None:  # noqa: B027 - optional hook, most runtimes need nothing
         """Release what the runtime holds (device memory, sessions)."""
@@ -127,6 +128,21 @@ def warmed_up(runner: Warms, runtime: str, path: Path) -> Warms:
         runner.close()
         raise ModelLoadError(f"{runtime} cannot run {path}: {exc}") from exc
     return runner
+
+
+def check_outputs(specs: tuple[TensorSpec, ...], outputs: Mapping[str, Array], batch: int) -> None:
+    """Refuse outputs that do not fit the family's specs (a runtime that computes an empty
+    or misshapen tensor instead of failing, as OpenVINO does for an impossible Reshape)."""
+    for spec in specs:
+        got = outputs.get(spec.name)
+        if got is None:
+            continue
+        wanted = tuple(batch if d == -1 else d for d in spec.shape)
+        if tuple(got.shape) != wanted:
+            raise ValueError(
+                f"output '{spec.name}' has shape {list(got.shape)} for a batch of {batch}; "
+                f"the model's config says {list(spec.shape)}"
+            )
 
 
 def zeros_for(spec: TensorSpec, batch: int) -> Array:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import importlib
 import queue
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
 import numpy as np
@@ -21,6 +21,21 @@ def _openvino() -> Any:
 def performance_hint(tier: Tier) -> str:
     """A device answers one request fast; an edge server keeps many in flight."""
     return "LATENCY" if tier is Tier.DEVICE else "THROUGHPUT"
+
+
+def output_names(ports: Sequence[Any], wanted: Sequence[str]) -> list[str]:
+    """Each output port's name as the family calls it.
+
+    After compilation a port may carry several names (a fused ``Identity`` keeps the name
+    of the tensor before it, ``out_activations_result``, beside the graph output's,
+    ``probabilities``); ``get_any_name()`` returns either. A port is named by whichever of
+    its names the family lists, else by any of them.
+    """
+    names = []
+    for port in ports:
+        own = port.get_names()
+        names.append(next((name for name in wanted if name in own), None) or port.get_any_name())
+    return names
 
 
 class OpenVinoRunner(ModelRunner):
@@ -40,7 +55,7 @@ class OpenVinoRunner(ModelRunner):
             "INFERENCE_PRECISION_HINT": "f32" if self.variant.precision == "FP32" else "f16",
         }
         self._compiled = core.compile_model(core.read_model(str(self.path)), "CPU", config)
-        self._output_names = [o.get_any_name() for o in self._compiled.outputs]
+        self._output_names = output_names(self._compiled.outputs, [o.name for o in self.outputs])
         # An InferRequest serves one thread at a time: keep one per executor thread.
         self._requests: queue.SimpleQueue[Any] = queue.SimpleQueue()
         for _ in range(self.options.concurrency):

@@ -8,7 +8,7 @@ import importlib
 import os
 import platform
 import threading
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -54,6 +54,22 @@ def _intact(cached: Path) -> bool:
         return False
 
 
+def is_probability_map(onnx_type: str) -> bool:
+    """Whether an output is a ZipMap's: a sequence of {class: probability} maps, one per item
+    (``seq(map(int64,tensor(float)))``), as skl2onnx exports a classifier by default."""
+    return onnx_type.replace(" ", "").startswith("seq(map(") and onnx_type.endswith(",tensor(float)))")
+
+
+def dense_probabilities(maps: Sequence[Mapping[Any, float]], *, classes: int) -> Array:
+    """A ZipMap's per-item maps as a dense FP32 [items, classes] array, columns in the
+    order of the class labels (sorted: scikit-learn's ``classes_`` and ``predict_proba``
+    order; ``models import`` refuses a ZipMap whose labels are not sorted)."""
+    if not maps:
+        return np.zeros((0, classes), dtype=np.float32)
+    labels = sorted(maps[0])
+    return np.array([[item[c] for c in labels] for item in maps], dtype=np.float32)
+
+
 class OnnxRuntimeRunner(ModelRunner):
     runtime: ClassVar[str] = "onnxruntime"
     formats: ClassVar[tuple[str, ...]] = ("onnx",)
@@ -63,6 +79,11 @@ class OnnxRuntimeRunner(ModelRunner):
         ort = _onnxruntime()
         self._session = self._open(ort)
         self._output_names = [o.name for o in self._session.get_outputs()]
+        # ZipMap outputs, with their width as the family declares it ([-1, classes]).
+        widths = {spec.name: spec.shape[-1] for spec in self.outputs}
+        self._maps = {
+            o.name: widths.get(o.name, 0) for o in self._session.get_outputs() if is_probability_map(o.type)
+        }
 
     def _open(self, ort: Any) -> Any:
         """Load the cached optimized graph when present; otherwise optimize and cache it.
@@ -76,9 +97,10 @@ class OnnxRuntimeRunner(ModelRunner):
             cache / f"{self.path.stem}-{file_digest(self.path)}-ort{ort.__version__}-{machine_digest()}.onnx"
         )
         options = ort.SessionOptions()
-        options.log_severity_level = (
-            3  # the "hardware specific optimizations" warning is why the key holds the CPU
-        )
+        # Fatal only: the "hardware specific optimizations" warning is why the key holds the
+        # CPU, and a failed run's error comes back as the exception's message; ORT's own copy
+        # on stderr would break the one-line error of `models import`.
+        options.log_severity_level = 4
         options.intra_op_num_threads = self.options.threads_per_inference
         options.inter_op_num_threads = 1
         if _intact(cached):
@@ -107,7 +129,12 @@ class OnnxRuntimeRunner(ModelRunner):
     def infer(self, batch: Mapping[str, Array]) -> dict[str, Array]:
         # InferenceSession.run is thread-safe and copies its outputs into fresh arrays.
         results = self._session.run(self._output_names, dict(batch))
-        return {name: np.asarray(value) for name, value in zip(self._output_names, results, strict=True)}
+        return {
+            name: dense_probabilities(value, classes=self._maps[name])
+            if name in self._maps
+            else np.asarray(value)
+            for name, value in zip(self._output_names, results, strict=True)
+        }
 
     def describe(self) -> RuntimeDescription:
         return RuntimeDescription(
