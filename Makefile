@@ -11,6 +11,8 @@ LLAMA := $(VENV)/.llama-installed
 $(INSTALLED): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
+	# The distribution was called "stratus" before (a name PyPI gives an unrelated project).
+	$(BIN)/python -m pip uninstall --quiet --yes stratus 2>/dev/null || true
 	$(BIN)/python -m pip install --quiet -e '.[dev]'
 	touch $@
 

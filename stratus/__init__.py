@@ -3,7 +3,7 @@
 from importlib import metadata
 
 try:
-    __version__ = metadata.version("stratus")
+    __version__ = metadata.version("stratus-router")
 except metadata.PackageNotFoundError:  # running from a source tree that was never installed
     __version__ = "0.0.0+unknown"
 

@@ -9,6 +9,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import grpc
+
 from stratus import __version__
 from stratus.certs import add_parser as add_certs
 from stratus.errors import ConfigError, StratusError
@@ -632,6 +634,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         return handler(args)
     except StratusError as exc:
         print(f"stratus: error: {exc}", file=sys.stderr)
+        return 2
+    except grpc.RpcError as exc:  # a call of `stratus fleet` or `models`: one line, not a traceback
+        from stratus.fleetctl import call_error
+
+        address = getattr(args, "router", None) or "the server"
+        print(
+            f"stratus: error: {call_error(exc, address, _tls(args) if hasattr(args, 'tls_ca') else TlsSettings())}",
+            file=sys.stderr,
+        )
         return 2
     except KeyboardInterrupt:
         return 130

@@ -53,7 +53,7 @@ def _sklearn() -> tuple[Any, Any]:
         from sklearn.model_selection import train_test_split
     except ImportError:
         raise ConfigError(
-            "the digits data comes with scikit-learn; install it with: pip install 'stratus[models]'"
+            "the digits data comes with scikit-learn; install it with: pip install -e '.[models]' in the checkout (or 'stratus-router[models]')"
         ) from None
     return load_digits, train_test_split
 

@@ -138,8 +138,29 @@ def drain(router: str, agent_id: str, *, token: str, tls: TlsSettings = NO_TLS) 
     return 0 if response.accepted else 1
 
 
-def _call_failed(exc: grpc.RpcError) -> int:
-    print(f"stratus: error: {exc.code().name}: {exc.details()}", file=sys.stderr)
+def call_error(exc: grpc.RpcError, address: str, tls: TlsSettings = NO_TLS) -> str:
+    """One line for a failed call, with what the everyday causes mean and what to do."""
+    code, details = exc.code(), exc.details() or ""
+    if code == grpc.StatusCode.UNAVAILABLE and "Connection refused" in details:
+        return f"nothing answers at {address}: is the router running, and is that its port?"
+    if code == grpc.StatusCode.UNAVAILABLE and not tls.enabled and "Socket closed" in details:
+        return f"{address} closed the connection: it may speak TLS; give --tls-ca (and --tls-cert, --tls-key)"
+    if code == grpc.StatusCode.UNAVAILABLE and tls.enabled and "handshake" in details.lower():
+        return (
+            f"the TLS handshake with {address} failed: check --tls-ca, --tls-cert and --tls-key ({details})"
+        )
+    if code == grpc.StatusCode.UNIMPLEMENTED:
+        return (
+            f"{address} is not a Stratus router (it has no Fleet service): is it a cloud gateway or an "
+            "agent's --serve port?"
+        )
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED and "Deadline" in details:
+        return f"{address} did not answer in time: is it a gRPC server?"
+    return f"{code.name}: {details}"
+
+
+def _call_failed(exc: grpc.RpcError, address: str = "the router", tls: TlsSettings = NO_TLS) -> int:
+    print(f"stratus: error: {call_error(exc, address, tls)}", file=sys.stderr)
     return 2
 
 
@@ -151,7 +172,7 @@ def reload(router: str, agent_id: str, *, token: str, timeout_s: float, tls: Tls
         with channel:
             response = stub.Reload(request, timeout=timeout_s + 5.0)
     except grpc.RpcError as exc:
-        return _call_failed(exc)
+        return _call_failed(exc, router, tls)
     print(response.message)
     print(f"serving: {', '.join(response.variants)}")
     return 0 if response.ok else 1

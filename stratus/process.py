@@ -29,11 +29,23 @@ def announce(role: str, address: str) -> None:
 
 
 def stop_on_signals(stop: asyncio.Event) -> None:
-    """SIGTERM and SIGINT set ``stop``; the component then shuts down in its own order."""
+    """SIGTERM and SIGINT set ``stop``; the component then shuts down in its own order.
+
+    SIGHUP (a closed terminal, or an operator used to agents reloading on it) is logged and
+    ignored rather than killing the process; an agent sets its own handler (a reload)."""
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         with contextlib.suppress(NotImplementedError):
             loop.add_signal_handler(sig, stop.set)
+    with contextlib.suppress(NotImplementedError, AttributeError):  # no SIGHUP off POSIX
+        loop.add_signal_handler(signal.SIGHUP, _ignored_hangup)
+
+
+def _ignored_hangup() -> None:
+    logging.getLogger("stratus.process").warning(
+        "SIGHUP ignored: this process has nothing to reload (agents reload their models on it); "
+        "restart it to load new variants, or stop it with SIGTERM"
+    )
 
 
 def raise_open_files_limit() -> int:

@@ -163,12 +163,18 @@ def create_server(
 
 def bind(server: grpc.aio.Server, address: str, tls: TlsSettings = NO_TLS) -> int:
     """Bind ``host:port`` (port 0 picks a free one) and return the port actually bound."""
-    if tls.enabled:
-        port = server.add_secure_port(address, tls.server_credentials())
-    else:
-        port = server.add_insecure_port(address)
+    try:
+        if tls.enabled:
+            port = server.add_secure_port(address, tls.server_credentials())
+        else:
+            port = server.add_insecure_port(address)
+    except RuntimeError:  # gRPC's "Failed to bind": say what it usually means
+        port = 0
     if port == 0:
-        raise ConfigError(f"cannot listen on {address}")
+        raise ConfigError(
+            f"cannot listen on {address}: the port is in use (another process, or another "
+            "Stratus server), or the host is not an address of this machine"
+        )
     return port
 
 

@@ -335,7 +335,7 @@ def _llama_cpp() -> Any:
         import llama_cpp
     except ImportError as exc:
         raise RuntimeUnavailable(
-            f"llama-cpp-python is not installed ({exc}); pip install 'stratus[llama]'"
+            f"llama-cpp-python is not installed ({exc}); pip install -e '.[llama]' in the checkout (or 'stratus-router[llama]')"
         ) from None
     return llama_cpp
 

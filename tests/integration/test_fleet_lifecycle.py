@@ -182,3 +182,19 @@ def test_unknown_agent_cannot_be_drained(processes: list[Launched], tmp_path: Pa
         )["cloud"]["state"]
         == "none"
     )
+
+
+def test_sighup_leaves_the_cloud_gateway_and_the_router_serving(processes: list[Launched], tmp_path: Path) -> None:
+    cloud = launch(["cloud", "--listen", "127.0.0.1:0", "--models", str(MODELS)], role="cloud", log_dir=tmp_path)
+    processes.append(cloud)
+    router = launch(["router", "--listen", "127.0.0.1:0", "--no-advertise"], role="router", log_dir=tmp_path)
+    processes.append(router)
+    for server in (cloud, router):
+        server.process.send_signal(signal.SIGHUP)
+        started = time.monotonic()
+        while "SIGHUP ignored" not in server.log():
+            assert time.monotonic() - started < 10, server.log()[-2000:]
+            time.sleep(0.05)
+        assert server.process.poll() is None  # SIGHUP's default would have ended it
+        with grpc.insecure_channel(server.address, options=grpc_options()) as channel:
+            assert pb_grpc.GRPCInferenceServiceStub(channel).ServerLive(pb.ServerLiveRequest(), timeout=5).live

@@ -1,0 +1,47 @@
+"""Everyday mistakes get one line that says what to do, never a traceback (issue 21 §3)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from .cluster import MODELS, Cluster
+from .pki import tls_args
+
+
+def stratus(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "stratus.cli", *args], capture_output=True, text=True, timeout=60, check=False
+    )
+
+
+def one_line(done: subprocess.CompletedProcess[str]) -> str:
+    assert done.returncode == 2, done
+    assert "Traceback" not in done.stderr, done.stderr
+    (line,) = [x for x in done.stderr.splitlines() if x.startswith("stratus: error:")]
+    return line
+
+
+def test_fleet_status_says_what_it_reached(cluster: Cluster, pki) -> None:  # type: ignore[no-untyped-def]
+    cloud = cluster.cloud().address
+    tls_router = cluster.router(*tls_args(pki["router"])).address
+    dead = "127.0.0.1:1"
+    assert one_line(stratus("fleet", "status", "--router", dead)) == (
+        f"stratus: error: nothing answers at {dead}: is the router running, and is that its port?"
+    )
+    assert f"{cloud} is not a Stratus router (it has no Fleet service)" in one_line(
+        stratus("fleet", "status", "--router", cloud)
+    )
+    assert "it may speak TLS; give --tls-ca" in one_line(stratus("fleet", "status", "--router", tls_router))
+    shown = stratus("fleet", "status", "--router", tls_router, *tls_args(pki["operator"]))
+    assert shown.returncode == 0, shown.stderr
+
+
+@pytest.mark.parametrize("role", ["router", "cloud"])
+def test_a_port_in_use_is_one_line(cluster: Cluster, role: str) -> None:
+    taken = cluster.router().address
+    extra = ["--models", str(MODELS)] if role == "cloud" else []
+    line = one_line(stratus(role, "--listen", taken, *extra))
+    assert line.startswith(f"stratus: error: cannot listen on {taken}: the port is in use"), line
