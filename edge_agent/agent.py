@@ -230,6 +230,8 @@ class Agent:
         else:
             addresses = [a.strip() for a in self.settings.router.split(",") if a.strip()]
             await asyncio.gather(*(self._stay_linked(address, stop) for address in addresses))
+            if not stop.is_set():  # every link gave up: nothing here is a router
+                raise ConfigError(f"none of {', '.join(addresses)} is a Stratus router (see the log)")
         await self._finish_work()
 
     async def _link_found_routers(
@@ -266,7 +268,16 @@ class Agent:
         while not stop.is_set():
             try:
                 await self._session(address, stop, backoff, server_name)
-            except (grpc.aio.AioRpcError, StratusError, ConnectionError) as exc:
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() == grpc.StatusCode.UNIMPLEMENTED:  # retrying would never change that
+                    log.error(
+                        "%s is not a Stratus router (it has no AgentLink service: a cloud gateway, or "
+                        "an agent's --serve port?); not linking to it",
+                        address,
+                    )
+                    return
+                log.warning("link to router %s lost: %s", address, _describe(exc))
+            except (StratusError, ConnectionError) as exc:
                 log.warning("link to router %s lost: %s", address, _describe(exc))
             except Exception:  # an agent must outlive any one link, whatever broke it
                 log.exception("link to router %s failed unexpectedly", address)
@@ -285,9 +296,14 @@ class Agent:
         tls = self.settings.tls
         async with open_channel(address, tls, extra_options=server_name_options(server_name, tls)) as channel:
             call = fpb_grpc.AgentLinkStub(channel).Connect(_drain_queue(link.outbox))
-            welcome = await call.read()
-            if not isinstance(welcome, fpb.RouterMessage) or not welcome.HasField("welcome"):
-                raise ConnectionError("router closed the link without a Welcome")
+            try:
+                welcome = await call.read()
+                if not isinstance(welcome, fpb.RouterMessage) or not welcome.HasField("welcome"):
+                    raise ConnectionError("router closed the link without a Welcome")
+            except BaseException:  # refused: end what gRPC reads the link from, or its task
+                link.outbox.put_nowait(None)  # outlives the loop ("Task was destroyed ...")
+                await _ended(call)
+                raise
             log.info("linked to router %s as %s", address, welcome.welcome.agent_id)
             link.received = 1  # the Welcome; counts restart with every link
             backoff.reset()

@@ -8,6 +8,7 @@ zeroconf's asyncio API, with no thread of their own beyond what zeroconf starts.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ipaddress
 import socket
 from collections.abc import Sequence
@@ -72,10 +73,16 @@ class Advertisement:
         )
 
     async def start(self) -> None:
-        await self._zeroconf.async_register_service(self.info)
+        # Registering returns the task that goes on announcing the record for a while.
+        self._announcing = asyncio.ensure_future(await self._zeroconf.async_register_service(self.info))
 
     async def close(self) -> None:
-        await self._zeroconf.async_unregister_service(self.info)
+        """Stop announcing, say goodbye, close: no zeroconf task outlives the loop."""
+        self._announcing.cancel()
+        await asyncio.gather(self._announcing, return_exceptions=True)
+        goodbye = await self._zeroconf.async_unregister_service(self.info)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(goodbye, timeout=3.0)
         await self._zeroconf.async_close()
 
 

@@ -45,3 +45,16 @@ def test_a_port_in_use_is_one_line(cluster: Cluster, role: str) -> None:
     extra = ["--models", str(MODELS)] if role == "cloud" else []
     line = one_line(stratus(role, "--listen", taken, *extra))
     assert line.startswith(f"stratus: error: cannot listen on {taken}: the port is in use"), line
+
+
+def test_an_agent_pointed_at_a_cloud_gateway_says_so_and_stops(cluster: Cluster) -> None:
+    cloud = cluster.cloud().address
+    done = subprocess.run(
+        [sys.executable, "-m", "stratus.cli", "agent", "--tier", "device", "--models", str(MODELS),
+         "--router", cloud, "--name", "lost-1"],
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert f"{cloud} is not a Stratus router (it has no AgentLink service" in done.stderr
+    assert done.stderr.count("reconnecting") == 0  # it did not retry what cannot change
+    assert done.stderr.rstrip().endswith(f"stratus: error: none of {cloud} is a Stratus router (see the log)")
