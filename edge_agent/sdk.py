@@ -40,6 +40,11 @@ RETRY_ROUTER_AFTER_S = 5.0
 
 @dataclass(frozen=True, kw_only=True)
 class InferResult:
+    """One answer: ``outputs`` by name, ``confidence`` (the least sure item's), ``tier`` (the
+    highest tier that answered an item), ``path`` (the tiers tried, in order), ``item_tiers``
+    (the tier of each item), ``degraded`` (an unsure item came back from the device because
+    no router answered), and the ``variant`` and ``agent`` of the highest tier's answer."""
+
     outputs: dict[str, Array]
     confidence: float
     tier: Tier
@@ -88,10 +93,16 @@ class Client:
         tls: TlsSettings = NO_TLS,
         client_token: str = "",
         insecure: bool = False,
+        precision: str | None = None,
     ) -> None:
-        """``router``: ``HOST:PORT[,...]``, ``"auto"`` (zeroconf: opt-in, and only with
+        """Load the device variants of ``models`` (a models folder) in this process.
+
+        ``router``: ``HOST:PORT[,...]``, ``"auto"`` (zeroconf: opt-in, and only with
         ``tls.ca`` to verify the router, or ``insecure``) or None (never escalate).
-        ``client_token``: the router's client token, where it asks for one."""
+        ``client_token``: the router's client token, where it asks for one. ``precision``:
+        ``"fp32"``, ``"fp16"`` or ``"int8"`` instead of the fastest this CPU runs within the
+        family's tolerance (``STRATUS_CPU_FLAGS`` stands in for the CPU's flags, as for agents).
+        Call :meth:`wait_ready` before the first request that must be able to escalate."""
         if router == "auto" and tls.ca is None and not insecure:
             raise ConfigError(
                 'router="auto" would send inputs to whatever advertises _stratus._tcp: give '
@@ -105,11 +116,36 @@ class Client:
             concurrency=concurrency,
             executor_name="stratus-sdk-infer",
             cache_dir=cache_dir or LocalSettings().cache_dir,
+            precision=precision,
         )
         self._models = LocalModels(ModelRepository.load(models), settings)
         self._router = router
         self._routers = _Routers(router, discover_timeout_s=discover_timeout_s, tls=tls)
         self.name = name
+
+    def wait_ready(self, timeout_s: float = 10.0) -> bool:
+        """Whether a router answered ready within ``timeout_s`` (zeroconf looked up first with
+        ``"auto"``). Without it the first requests may find no router yet and come back
+        device-only and degraded; with ``router=None`` there is nothing to wait for."""
+        if self._router is None:
+            return True
+        deadline = time.monotonic() + timeout_s
+        while True:
+            self._routers.look_again()
+            for address in self._routers.to_try():
+                stub = pb_grpc.GRPCInferenceServiceStub(self._routers.channel(address))
+                try:
+                    left = max(0.1, deadline - time.monotonic())
+                    if stub.ServerReady(
+                        pb.ServerReadyRequest(), timeout=min(2.0, left), metadata=self._metadata
+                    ).ready:
+                        self._routers.answered(address)
+                        return True
+                except grpc.RpcError:
+                    continue
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.1)
 
     # -- synchronous ------------------------------------------------------------------
     def infer(
@@ -262,6 +298,11 @@ class _Routers:
         self._looked_until = time.monotonic() + RETRY_ROUTER_AFTER_S
         self._addresses = addresses
         self._skip_until.clear()
+
+    def look_again(self) -> None:
+        """With ``auto`` and no router found yet, browse again at the next call."""
+        if self._auto and not self._addresses:
+            self._looked_until = 0.0
 
     def failed(self, address: str) -> None:
         self._skip_until[address] = time.monotonic() + RETRY_ROUTER_AFTER_S

@@ -18,6 +18,10 @@ class Tier(enum.IntEnum):
     def label(self) -> str:
         return self.name.lower()
 
+    def __str__(self) -> str:
+        """``device``, ``edge`` or ``cloud`` (an IntEnum would print ``1``)."""
+        return self.label
+
     @classmethod
     def parse(cls, text: str) -> Tier:
         """The tier named ``text`` (``device``, ``edge`` or ``cloud``)."""

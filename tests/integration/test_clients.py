@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import queue
+import time
 from pathlib import Path
 
 import numpy as np
@@ -154,3 +155,14 @@ def test_sdk_escalates_only_its_unsure_items_and_matches_the_router(
     np.testing.assert_array_equal(
         result.outputs["probabilities"], codec.decode_response_outputs(response)["probabilities"]
     )
+
+
+def test_sdk_waits_for_a_router_and_serves_the_precision_asked(router: str, digits, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    with Client(MODELS, router=router, cache_dir=tmp_path, precision="fp32") as client:
+        assert client.wait_ready(timeout_s=10)
+        local = client.infer("digits", digits.held_out.x[:1], min_confidence=0.0)
+        assert local.variant == "digits-small" and str(local.tier) == "device"  # FP32, as asked
+    with Client(MODELS, router="127.0.0.1:1", cache_dir=tmp_path) as lost:
+        started = time.monotonic()
+        assert not lost.wait_ready(timeout_s=0.5)
+        assert time.monotonic() - started < 5
