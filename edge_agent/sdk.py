@@ -54,6 +54,7 @@ class InferResult:
     variant: str = ""
     agent: str = ""
     item_tiers: tuple[Tier, ...] = ()  # the tier that answered each item, in order
+    reason: str = ""  # why unsure items stayed where they were answered (stratus.reason)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -385,4 +386,5 @@ def _merge(local: _Local, unsure: Array, response: pb.ModelInferResponse) -> Inf
         variant=served.variant,
         agent=served.agent,
         item_tiers=tuple(tiers),
+        reason=served.reason,
     )

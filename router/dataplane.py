@@ -14,7 +14,7 @@ import itertools
 import logging
 import random
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from router.cloud import CloudLink
@@ -103,6 +103,7 @@ class RouterDataPlane(DataPlane):
         self.rollouts = rollouts or Rollouts(router_id="router")
         self._shadows: set[asyncio.Task[None]] = set()
         self.stopping = False  # set on SIGTERM: not ready, finishing what is in flight
+        self.warned_short: set[str] = set()  # families whose unsure answers had nowhere higher to go
         self.max_requests = max_requests
         self.active = 0
         self.registry = registry
@@ -489,6 +490,8 @@ class _Cascade:
         self.degraded = False
         self.tier_label = "none"
         self.climb: tuple[Tier, str] | None = None  # the tier left last, and why
+        self.reason = ""  # why unsure items were answered where they were (stratus.reason)
+        self.nowhere_higher = False  # ... because no tier above serves the family: degraded
 
     def remaining_ms(self) -> float:
         return self.job.budget_ms - (self.plane._clock() - self.job.started) * 1000.0
@@ -526,15 +529,7 @@ class _Cascade:
                     self.plane.record_arm(arm[0], candidate=arm[1], answer=None, accepted=(), items=items)
                 self.climb = (target.tier, "failed")
                 continue
-            top = top_tier(snapshot, job.options.max_tier)
-            final = job.pinned is not None or top is None or answer.tier >= top
-            accepted = settled(
-                answer.confidences,
-                answer.tier,
-                final=final,
-                thresholds=thresholds,
-                min_confidence=job.options.min_confidence,
-            )
+            accepted = self._accepted(answer, snapshot, thresholds)
             if arm is not None:
                 self.plane.record_arm(arm[0], candidate=arm[1], answer=answer, accepted=accepted, items=items)
                 if not arm[1] and self.plane.rollouts.shadow_wanted(arm[0]):
@@ -544,7 +539,7 @@ class _Cascade:
             self.above = answer.tier
             self.climb = (answer.tier, "unsure")
         if not self.pending and self.answers:
-            return self._respond(degraded=False)
+            return self._respond(degraded=self.nowhere_higher)
         if self.answers:
             if self.plane.fail_without_cloud and self.plane.cloud is not None and self._needed_cloud():
                 raise Unavailable(
@@ -557,6 +552,59 @@ class _Cascade:
                 f"budget of {job.budget_ms:.1f} ms ran out before any tier answered"
             )
         raise self.problem
+
+    def _accepted(
+        self, answer: Answer, snapshot: FleetSnapshot, thresholds: Mapping[Tier, float]
+    ) -> list[bool]:
+        """Which items of ``answer`` stop climbing: each sure one, or all of a final answer."""
+        job = self.job
+        top = top_tier(snapshot, job.options.max_tier)
+        final = job.pinned is not None or top is None or answer.tier >= top
+        if final and job.pinned is None and answer.tier < Tier.CLOUD:  # nothing is above the cloud
+            self._note_short(answer, snapshot, thresholds)
+        return settled(
+            answer.confidences,
+            answer.tier,
+            final=final,
+            thresholds=thresholds,
+            min_confidence=job.options.min_confidence,
+        )
+
+    def _note_short(self, answer: Answer, snapshot: FleetSnapshot, thresholds: Mapping[Tier, float]) -> None:
+        """A final answer with items below its tier's threshold: never silently wrong. Where no
+        tier above serves the family (no cloud variant, no such agents), the answer is degraded
+        and the router says so once in its log; where ``stratus.max_tier`` kept the items, the
+        answer says so (the client asked for it)."""
+        options = self.job.options
+        short = settled(
+            answer.confidences,
+            answer.tier,
+            final=False,
+            thresholds=thresholds,
+            min_confidence=options.min_confidence,
+        ).count(False)
+        if not short:
+            return
+        higher = top_tier(snapshot, Tier.CLOUD)
+        family, tier = self.job.family, answer.tier.label
+        if higher is not None and higher > answer.tier:
+            self.reason = (
+                f"stratus.max_tier={options.max_tier.label}: {short} item(s) below the {tier} threshold "
+                "were not sent higher"
+            )
+            return
+        self.nowhere_higher = True
+        self.reason = (
+            f"no tier above {tier} serves '{family}': {short} item(s) stayed below the {tier} threshold"
+        )
+        if family not in self.plane.warned_short:
+            self.plane.warned_short.add(family)
+            log.warning(
+                "%s: unsure answers are degraded (no tier above %s serves it: give the cloud a variant "
+                "of it, or agents of a higher tier)",
+                family,
+                tier,
+            )
 
     def _note_climb(self, tier: Tier, tiers: frozenset[Tier]) -> None:
         """Count a climb: after an unsure answer or a failure, or past a tier too slow to try."""
@@ -643,6 +691,7 @@ class _Cascade:
             degraded=degraded,
             timings_ms=self.timings,
             item_tiers=tiers,
+            reason=self.reason,
         ).write(response.parameters)
         return response
 

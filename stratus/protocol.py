@@ -7,7 +7,9 @@ child where the hardware chose one), ``stratus.precision`` (its FP32, FP16 or IN
 ``stratus.path`` (tiers visited, ``device>edge>cloud``), ``stratus.degraded`` and
 ``stratus.timings_ms`` (per tier, ``device=0.41,edge=0.83``), and ``stratus.item_tiers``
 (the tier that answered each item of the batch, in order: ``device,cloud,device``;
-``stratus.tier`` is the highest of them). Parameters of the wrong type
+``stratus.tier`` is the highest of them), and ``stratus.reason`` where items were answered
+below their tier's threshold without climbing (no tier above serves the family: then the
+answer is also degraded; or ``stratus.max_tier`` kept them: then it is not). Parameters of the wrong type
 are refused by name, since a budget silently ignored is a promise silently broken.
 """
 
@@ -40,6 +42,7 @@ PATH = "stratus.path"
 DEGRADED = "stratus.degraded"
 TIMINGS = "stratus.timings_ms"
 ITEM_TIERS = "stratus.item_tiers"
+REASON = "stratus.reason"
 # Where models run (an agent's --serve endpoint, the cloud gateway): items in the batch
 # this request ran in, its own and those of requests merged with it.
 BATCH_SIZE = "stratus.batch_size"
@@ -152,6 +155,7 @@ class Served:
     timings_ms: Mapping[Tier, float] | None = None
     item_tiers: Sequence[Tier] = ()
     precision: str = ""  # the answering variant's; empty where a foreign server did not say
+    reason: str = ""  # why unsure items stayed where they were answered; empty when none did
 
     def write(self, parameters: Mapping[str, pb.InferParameter]) -> None:
         set_parameter(parameters, TIER, self.tier.label)
@@ -168,6 +172,8 @@ class Served:
             )
         if self.item_tiers:
             set_parameter(parameters, ITEM_TIERS, ",".join(t.label for t in self.item_tiers))
+        if self.reason:
+            set_parameter(parameters, REASON, self.reason)
 
     @classmethod
     def read(cls, parameters: Mapping[str, pb.InferParameter]) -> Served:
@@ -192,4 +198,5 @@ class Served:
             timings_ms=timings,
             item_tiers=tuple(Tier.parse(t) for t in str(get(ITEM_TIERS) or "").split(",") if t),
             precision=str(get(PRECISION) or ""),
+            reason=str(get(REASON) or ""),
         )
