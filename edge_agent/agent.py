@@ -120,9 +120,11 @@ class AgentSettings:
         return self.insecure or self.tls.enabled or is_loopback(address.rsplit(":", 1)[0])
 
 
-def default_name() -> str:
-    """Host name plus a short random suffix, so two agents on one host differ."""
-    return f"{socket.gethostname()}-{random.randbytes(2).hex()}"
+def default_name(tier: Tier) -> str:
+    """The host name and the tier (``pi-7-device``): stable across restarts, so a restarted
+    agent is the same agent to the router, its metrics and its alerts; two agents of one tier
+    on one host need ``--name``."""
+    return f"{socket.gethostname().split('.')[0]}-{tier.label}"
 
 
 class Backoff:

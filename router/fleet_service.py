@@ -13,7 +13,7 @@ from prometheus_client.core import Metric
 from router.cloud import CloudLink
 from router.index import line_key
 from router.peers import sync_parts
-from router.registry import AgentHandle, FleetRegistry, State
+from router.registry import AgentHandle, FleetRegistry, State, shown_state
 from router.rollout import DEFAULT_STEPS, ArmWindow, Margins, Plan, Rollouts
 from stratus import __version__
 from stratus.auth import RouterCredentials, proof_holds, sync_proof
@@ -27,6 +27,7 @@ _STATES = {
     State.READY: fpb.AGENT_STATE_READY,
     State.DRAINING: fpb.AGENT_STATE_DRAINING,
     State.LOST: fpb.AGENT_STATE_LOST,
+    "left": fpb.AGENT_STATE_LEFT,
 }
 _TIERS = {1: fpb.TIER_DEVICE, 2: fpb.TIER_EDGE, 3: fpb.TIER_CLOUD}
 
@@ -41,7 +42,7 @@ def agent_status(handle: AgentHandle, now: float) -> fpb.AgentStatus:
         host=handle.host,
         runtimes=handle.runtimes,
         variants=sorted(handle.variants),
-        state=_STATES[handle.state],
+        state=_STATES[shown_state(handle)],
         in_flight=handle.in_flight,
         queue_length=handle.reported_queue,
         p50_ms=p50,
@@ -72,7 +73,7 @@ def fleet_levels(registry: FleetRegistry, cloud: CloudLink | None) -> list[Metri
     states: dict[tuple[str, str], int] = {}
     in_flight, queued = [], []
     for handle in registry.agents.values():
-        key = (handle.tier.label, handle.state)
+        key = (handle.tier.label, shown_state(handle))
         states[key] = states.get(key, 0) + 1
         if handle.state != State.LOST and handle.batcher is not None:
             in_flight.append(([handle.id], float(handle.batcher.running_items)))
@@ -104,7 +105,8 @@ def tier_summaries(registry: FleetRegistry) -> list[fpb.TierSummary]:
     summaries: dict[Tier, fpb.TierSummary] = {}
     for handle in registry.agents.values():
         summary = summaries.setdefault(handle.tier, fpb.TierSummary(tier=_TIERS[int(handle.tier)]))
-        setattr(summary, handle.state, getattr(summary, handle.state) + 1)
+        state = shown_state(handle)
+        setattr(summary, state, getattr(summary, state) + 1)
         summary.in_flight += handle.in_flight
         summary.requests_per_s += handle.completions.per_second()
     return [summaries[tier] for tier in sorted(summaries)]

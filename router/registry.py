@@ -60,6 +60,11 @@ MAX_RELOAD_WAIT_S = 600.0
 _TIERS: dict[int, Tier] = {fpb.TIER_DEVICE: Tier.DEVICE, fpb.TIER_EDGE: Tier.EDGE, fpb.TIER_CLOUD: Tier.CLOUD}
 
 
+def shown_state(handle: AgentHandle) -> str:
+    """The state status and metrics report: a gone agent that drained first has ``left``."""
+    return "left" if handle.state == State.LOST and handle.left else handle.state
+
+
 class State:
     READY = "ready"
     DRAINING = "draining"
@@ -118,6 +123,7 @@ class AgentHandle:
     queue_limit: int
     heartbeat_s: float
     identity: str = "anonymous"  # the credential that holds the id (stratus.auth)
+    left: bool = False  # gone after draining (a goodbye), as status and metrics report it
     outbox: asyncio.Queue[fpb.RouterMessage | None] = field(default_factory=asyncio.Queue)
     state: str = State.READY
     last_heartbeat: float = 0.0
@@ -443,6 +449,7 @@ class FleetRegistry:
         """The agent's link is gone: fail over its requests at once."""
         if self.agents.get(handle.id) is not handle or handle.state == State.LOST:
             return
+        handle.left = handle.state == State.DRAINING  # it said goodbye first: not a fault
         handle.state = State.LOST
         handle.lost_at = self.now()
         self.index.unready(handle)
@@ -450,7 +457,10 @@ class FleetRegistry:
         handle.fail_pending(reason)
         self._settle_reloads(handle, f"agent lost: {reason}")
         handle.outbox.put_nowait(None)
-        log.warning("agent %s lost: %s", handle.id, reason)
+        if handle.left:
+            log.info("agent %s left (it drained first): %s", handle.id, reason)
+        else:
+            log.warning("agent %s lost: %s", handle.id, reason)
         self._forget_oldest_lost()
         self._repace()
         self.changed()

@@ -149,7 +149,7 @@ def _agent(args: argparse.Namespace) -> int:
     settings = AgentSettings(
         tier=tier,
         router=args.router,
-        name=args.name or default_name(),
+        name=args.name or default_name(tier),
         capacity=args.concurrency,
         queue_limit=args.queue_limit,
         serve=args.serve,

@@ -13,7 +13,12 @@ from stratus.wire import fleet_pb2 as fpb
 from stratus.wire import fleet_pb2_grpc as fpb_grpc
 
 _TIER = {fpb.TIER_DEVICE: "device", fpb.TIER_EDGE: "edge", fpb.TIER_CLOUD: "cloud"}
-_STATE = {fpb.AGENT_STATE_READY: "ready", fpb.AGENT_STATE_DRAINING: "draining", fpb.AGENT_STATE_LOST: "lost"}
+_STATE = {
+    fpb.AGENT_STATE_READY: "ready",
+    fpb.AGENT_STATE_DRAINING: "draining",
+    fpb.AGENT_STATE_LOST: "lost",
+    fpb.AGENT_STATE_LEFT: "left",
+}
 
 
 def status_json(status: fpb.FleetStatus) -> dict[str, Any]:
@@ -24,6 +29,7 @@ def status_json(status: fpb.FleetStatus) -> dict[str, Any]:
                 "ready": t.ready,
                 "draining": t.draining,
                 "lost": t.lost,
+                "left": t.left,
                 "in_flight": t.in_flight,
                 "requests_per_s": round(t.requests_per_s, 2),
             }
@@ -80,11 +86,11 @@ def status_table(status: fpb.FleetStatus) -> str:
     lines = agents_table(status) if status.agents else []
     if status.omitted_agents:
         lines.append(f"({status.omitted_agents} more agents not listed: the status has a size limit)")
-    header = f"{'tier':<8}{'ready':>7}{'draining':>10}{'lost':>6}{'inflight':>10}{'req/s':>9}"
+    header = f"{'tier':<8}{'ready':>7}{'draining':>10}{'lost':>6}{'left':>6}{'inflight':>10}{'req/s':>9}"
     lines += [header, "-" * len(header)]
     for t in status_json(status)["tiers"]:
         lines.append(
-            f"{t['tier']:<8}{t['ready']:>7}{t['draining']:>10}{t['lost']:>6}{t['in_flight']:>10}"
+            f"{t['tier']:<8}{t['ready']:>7}{t['draining']:>10}{t['lost']:>6}{t['left']:>6}{t['in_flight']:>10}"
             f"{t['requests_per_s']:>9.1f}"
         )
     if not status.tiers:

@@ -52,6 +52,8 @@ class _AgentStateEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_AgentState
     AGENT_STATE_READY: _AgentState.ValueType  # 1
     AGENT_STATE_DRAINING: _AgentState.ValueType  # 2
     AGENT_STATE_LOST: _AgentState.ValueType  # 3
+    AGENT_STATE_LEFT: _AgentState.ValueType  # 4
+    """Gone after saying goodbye (it drained, then closed its link): a rolling update, not a fault."""
 
 class AgentState(_AgentState, metaclass=_AgentStateEnumTypeWrapper): ...
 
@@ -59,6 +61,8 @@ AGENT_STATE_UNSPECIFIED: AgentState.ValueType  # 0
 AGENT_STATE_READY: AgentState.ValueType  # 1
 AGENT_STATE_DRAINING: AgentState.ValueType  # 2
 AGENT_STATE_LOST: AgentState.ValueType  # 3
+AGENT_STATE_LEFT: AgentState.ValueType  # 4
+"""Gone after saying goodbye (it drained, then closed its link): a rolling update, not a fault."""
 Global___AgentState: _TypeAlias = AgentState  # noqa: Y015
 
 class _RolloutAction:
@@ -894,12 +898,15 @@ class TierSummary(_message.Message):
     LOST_FIELD_NUMBER: _builtins.int
     IN_FLIGHT_FIELD_NUMBER: _builtins.int
     REQUESTS_PER_S_FIELD_NUMBER: _builtins.int
+    LEFT_FIELD_NUMBER: _builtins.int
     tier: Global___Tier.ValueType
     ready: _builtins.int
     draining: _builtins.int
     lost: _builtins.int
     in_flight: _builtins.int
     requests_per_s: _builtins.float
+    left: _builtins.int
+    """Agents that drained and then closed their link (kept, like lost ones, for 600 s)."""
     def __init__(
         self,
         *,
@@ -909,10 +916,11 @@ class TierSummary(_message.Message):
         lost: _builtins.int = ...,
         in_flight: _builtins.int = ...,
         requests_per_s: _builtins.float = ...,
+        left: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["draining", b"draining", "in_flight", b"in_flight", "lost", b"lost", "ready", b"ready", "requests_per_s", b"requests_per_s", "tier", b"tier"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["draining", b"draining", "in_flight", b"in_flight", "left", b"left", "lost", b"lost", "ready", b"ready", "requests_per_s", b"requests_per_s", "tier", b"tier"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from .cluster import Cluster, infer, ready_count, wait_until
+from stratus.wire import fleet_pb2 as fpb
+
+from .cluster import Cluster, fleet_status, infer, ready_count, wait_until
 
 
 def test_no_tier_above_makes_an_unsure_answer_degraded_and_says_why(cluster: Cluster, digits) -> None:  # type: ignore[no-untyped-def]
@@ -23,3 +25,16 @@ def test_max_tier_keeping_unsure_items_is_said_not_degraded(router: str, digits)
     assert kept.reason == "stratus.max_tier=device: 2 item(s) below the device threshold were not sent higher"
     _, climbed = infer(router, digits.held_out.x[:2], min_confidence=1.0)
     assert climbed.reason == "" and not climbed.degraded  # the cloud answered: final, and sure
+
+
+def test_an_agent_that_said_goodbye_has_left_one_that_vanished_is_lost(cluster: Cluster) -> None:
+    router = cluster.router()
+    leaving, vanishing = cluster.agent("dev-1", router.address), cluster.agent("dev-2", router.address)
+    wait_until(lambda: ready_count(router.address) == 2, timeout_s=30)
+    assert leaving.stop() == 0  # SIGTERM: it drains, says so, then closes its link
+    vanishing.kill()  # SIGKILL: nothing said
+    wait_until(lambda: {a.id: a.state for a in fleet_status(router.address).agents}
+               == {"dev-1": fpb.AGENT_STATE_LEFT, "dev-2": fpb.AGENT_STATE_LOST})  # fmt: skip
+    (device,) = fleet_status(router.address).tiers
+    assert (device.left, device.lost, device.ready) == (1, 1, 0)
+    assert "agent dev-1 left (it drained first)" in router.log()
