@@ -260,6 +260,16 @@ class FleetServicer(fpb_grpc.FleetServicer):
         handle = self._registry.drain(request.agent_id)
         return fpb.DrainResponse(accepted=True, message=f"agent {handle.id} is draining")
 
+    async def Undrain(self, request: fpb.DrainRequest, context: Any) -> fpb.DrainResponse:
+        self._authorize(request.token, context, "Undrain")
+        handle = self._registry.undrain(request.agent_id)
+        return fpb.DrainResponse(accepted=True, message=f"agent {handle.id} is ready again")
+
+    async def Forget(self, request: fpb.DrainRequest, context: Any) -> fpb.DrainResponse:
+        self._authorize(request.token, context, "Forget")
+        handle = self._registry.forget(request.agent_id)
+        return fpb.DrainResponse(accepted=True, message=f"agent {handle.id} is forgotten")
+
     async def Reload(self, request: fpb.ReloadRequest, context: Any) -> fpb.ReloadResponse:
         self._authorize(request.token, context, "Reload")
         timeout_s = request.timeout_s if request.timeout_s > 0 else 120.0

@@ -26,7 +26,15 @@ from router.index import AgentIndex, line_key
 from router.policy import CloudView, FleetSnapshot
 from stratus.batching import DEFAULT_MAX_DELAY_S, Batch, Batcher, BatchKey, split_counts
 from stratus.codec import numpy_dtype
-from stratus.errors import DeadlineExceeded, InvalidInput, NotFound, Overloaded, PermissionDenied, Unavailable
+from stratus.errors import (
+    ConfigError,
+    DeadlineExceeded,
+    InvalidInput,
+    NotFound,
+    Overloaded,
+    PermissionDenied,
+    Unavailable,
+)
 from stratus.metrics import RouterMetrics
 from stratus.serving import MAX_WORK_BYTES, check_fits
 from stratus.stats import LatencyWindow, RateMeter, ServiceCurve, SizeWindow
@@ -124,6 +132,7 @@ class AgentHandle:
     heartbeat_s: float
     identity: str = "anonymous"  # the credential that holds the id (stratus.auth)
     left: bool = False  # gone after draining (a goodbye), as status and metrics report it
+    operator_drained: bool = False  # drained by Fleet.Drain, so Fleet.Undrain may take it back
     outbox: asyncio.Queue[fpb.RouterMessage | None] = field(default_factory=asyncio.Queue)
     state: str = State.READY
     last_heartbeat: float = 0.0
@@ -497,7 +506,35 @@ class FleetRegistry:
         if handle is None or handle.state == State.LOST:
             raise NotFound(f"no linked agent '{agent_id}'")
         handle.outbox.put_nowait(fpb.RouterMessage(drain=fpb.Drain(reason="drained by operator")))
+        handle.operator_drained = True
         self.draining(handle)
+        return handle
+
+    def undrain(self, agent_id: str) -> AgentHandle:
+        """An operator's Drain taken back; an agent draining because it is stopping stays so."""
+        handle = self.agents.get(agent_id)
+        if handle is None or handle.state == State.LOST:
+            raise NotFound(f"no linked agent '{agent_id}'")
+        if handle.state != State.DRAINING or not handle.operator_drained:
+            raise ConfigError(
+                f"agent {agent_id} is {handle.state}, not drained by an operator: nothing to take back"
+            )
+        handle.operator_drained = False
+        handle.state = State.READY
+        self.index.ready(handle)
+        log.info("agent %s is ready again (undrained by an operator)", agent_id)
+        self.changed()
+        return handle
+
+    def forget(self, agent_id: str) -> AgentHandle:
+        """A lost or left agent dropped from the status now."""
+        handle = self.agents.get(agent_id)
+        if handle is None:
+            raise NotFound(f"no agent '{agent_id}' is listed")
+        if handle.state != State.LOST:
+            raise ConfigError(f"agent {agent_id} is {handle.state}: only a lost or left agent is forgotten")
+        self._forget(handle)
+        self.changed()
         return handle
 
     # -- heartbeats and their pace -------------------------------------------------------

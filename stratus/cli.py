@@ -218,7 +218,10 @@ def _fleet_status(args: argparse.Namespace) -> int:
 def _fleet_drain(args: argparse.Namespace) -> int:
     from stratus.fleetctl import drain
 
-    return drain(args.router, args.agent_id, token=_role_token(args, "operator"), tls=_tls(args))
+    action = {"drain": "Drain", "undrain": "Undrain", "forget": "Forget"}[args.fleet_command]
+    return drain(
+        args.router, args.agent_id, token=_role_token(args, "operator"), tls=_tls(args), action=action
+    )
 
 
 def _fleet_reload(args: argparse.Namespace) -> int:
@@ -563,14 +566,21 @@ def _add_servers(commands: argparse._SubParsersAction[argparse.ArgumentParser]) 
         help="for --private-status routers (default: $STRATUS_OPERATOR_TOKEN)",
     )
     status.set_defaults(handler=_fleet_status)
-    drain = sub.add_parser("drain", help="stop sending new work to an agent")
-    drain.add_argument("agent_id")
-    drain.add_argument("--router", required=True)
-    drain.add_argument(
-        "--operator-token-file", type=Path, default=None, help="default: $STRATUS_OPERATOR_TOKEN"
-    )
-    drain.set_defaults(handler=_fleet_drain)
-    _add_fleet_changes(sub, status, drain)
+    changes = []
+    for command, what in (
+        ("drain", "stop sending new work to an agent"),
+        ("undrain", "send an agent an operator drained new work again"),
+        ("forget", "drop a lost or left agent from the status now (not after 600 s)"),
+    ):
+        change = sub.add_parser(command, help=what)
+        change.add_argument("agent_id")
+        change.add_argument("--router", required=True)
+        change.add_argument(
+            "--operator-token-file", type=Path, default=None, help="default: $STRATUS_OPERATOR_TOKEN"
+        )
+        change.set_defaults(handler=_fleet_drain)
+        changes.append(change)
+    _add_fleet_changes(sub, status, *changes)
     demo = commands.add_parser("demo", help="a whole local fleet on loopback, end to end")
     demo.add_argument("--models", type=Path, default=Path("models"))
     demo.add_argument("--json", action="store_true")

@@ -136,10 +136,14 @@ def show_status(
     return 0
 
 
-def drain(router: str, agent_id: str, *, token: str, tls: TlsSettings = NO_TLS) -> int:
+def drain(
+    router: str, agent_id: str, *, token: str, tls: TlsSettings = NO_TLS, action: str = "Drain"
+) -> int:
+    """Drain an agent, or (``action``) Undrain it, or Forget a lost or left one."""
     channel, stub = _stub(router, tls)
     with channel:
-        response = stub.Drain(fpb.DrainRequest(agent_id=agent_id, token=token), timeout=5.0)
+        call = getattr(stub, action)
+        response = call(fpb.DrainRequest(agent_id=agent_id, token=token), timeout=5.0)
     print(response.message)
     return 0 if response.accepted else 1
 

@@ -132,6 +132,16 @@ class FleetStub:
                 request_serializer=stratus_dot_v1_dot_fleet__pb2.DrainRequest.SerializeToString,
                 response_deserializer=stratus_dot_v1_dot_fleet__pb2.DrainResponse.FromString,
                 _registered_method=True)
+        self.Undrain = channel.unary_unary(
+                '/stratus.v1.Fleet/Undrain',
+                request_serializer=stratus_dot_v1_dot_fleet__pb2.DrainRequest.SerializeToString,
+                response_deserializer=stratus_dot_v1_dot_fleet__pb2.DrainResponse.FromString,
+                _registered_method=True)
+        self.Forget = channel.unary_unary(
+                '/stratus.v1.Fleet/Forget',
+                request_serializer=stratus_dot_v1_dot_fleet__pb2.DrainRequest.SerializeToString,
+                response_deserializer=stratus_dot_v1_dot_fleet__pb2.DrainResponse.FromString,
+                _registered_method=True)
         self.Reload = channel.unary_unary(
                 '/stratus.v1.Fleet/Reload',
                 request_serializer=stratus_dot_v1_dot_fleet__pb2.ReloadRequest.SerializeToString,
@@ -167,6 +177,20 @@ class FleetServicer:
 
     def Drain(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Undrain(self, request, context):
+        """Take back an operator's Drain: the agent is sent new work again.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Forget(self, request, context):
+        """Drop a lost or left agent from the status now, rather than after 600 s.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -207,6 +231,16 @@ def add_FleetServicer_to_server(servicer, server):
             ),
             'Drain': grpc.unary_unary_rpc_method_handler(
                     servicer.Drain,
+                    request_deserializer=stratus_dot_v1_dot_fleet__pb2.DrainRequest.FromString,
+                    response_serializer=stratus_dot_v1_dot_fleet__pb2.DrainResponse.SerializeToString,
+            ),
+            'Undrain': grpc.unary_unary_rpc_method_handler(
+                    servicer.Undrain,
+                    request_deserializer=stratus_dot_v1_dot_fleet__pb2.DrainRequest.FromString,
+                    response_serializer=stratus_dot_v1_dot_fleet__pb2.DrainResponse.SerializeToString,
+            ),
+            'Forget': grpc.unary_unary_rpc_method_handler(
+                    servicer.Forget,
                     request_deserializer=stratus_dot_v1_dot_fleet__pb2.DrainRequest.FromString,
                     response_serializer=stratus_dot_v1_dot_fleet__pb2.DrainResponse.SerializeToString,
             ),
@@ -306,6 +340,60 @@ class Fleet:
             request,
             target,
             '/stratus.v1.Fleet/Drain',
+            stratus_dot_v1_dot_fleet__pb2.DrainRequest.SerializeToString,
+            stratus_dot_v1_dot_fleet__pb2.DrainResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Undrain(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/stratus.v1.Fleet/Undrain',
+            stratus_dot_v1_dot_fleet__pb2.DrainRequest.SerializeToString,
+            stratus_dot_v1_dot_fleet__pb2.DrainResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Forget(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/stratus.v1.Fleet/Forget',
             stratus_dot_v1_dot_fleet__pb2.DrainRequest.SerializeToString,
             stratus_dot_v1_dot_fleet__pb2.DrainResponse.FromString,
             options,

@@ -76,6 +76,10 @@ class FleetStub:
     Status: _grpc.UnaryUnaryMultiCallable[_fleet_pb2.FleetStatusRequest, _fleet_pb2.FleetStatus]
     Watch: _grpc.UnaryStreamMultiCallable[_fleet_pb2.FleetWatchRequest, _fleet_pb2.FleetEvent]
     Drain: _grpc.UnaryUnaryMultiCallable[_fleet_pb2.DrainRequest, _fleet_pb2.DrainResponse]
+    Undrain: _grpc.UnaryUnaryMultiCallable[_fleet_pb2.DrainRequest, _fleet_pb2.DrainResponse]
+    """Take back an operator's Drain: the agent is sent new work again."""
+    Forget: _grpc.UnaryUnaryMultiCallable[_fleet_pb2.DrainRequest, _fleet_pb2.DrainResponse]
+    """Drop a lost or left agent from the status now, rather than after 600 s."""
     Reload: _grpc.UnaryUnaryMultiCallable[_fleet_pb2.ReloadRequest, _fleet_pb2.ReloadResponse]
     """Load new variants from the agent's models folder without restarting it."""
     Rollout: _grpc.UnaryUnaryMultiCallable[_fleet_pb2.RolloutRequest, _fleet_pb2.RolloutReply]
@@ -91,6 +95,10 @@ class FleetAsyncStub(FleetStub):
     Status: _aio.UnaryUnaryMultiCallable[_fleet_pb2.FleetStatusRequest, _fleet_pb2.FleetStatus]  # type: ignore[assignment]
     Watch: _aio.UnaryStreamMultiCallable[_fleet_pb2.FleetWatchRequest, _fleet_pb2.FleetEvent]  # type: ignore[assignment]
     Drain: _aio.UnaryUnaryMultiCallable[_fleet_pb2.DrainRequest, _fleet_pb2.DrainResponse]  # type: ignore[assignment]
+    Undrain: _aio.UnaryUnaryMultiCallable[_fleet_pb2.DrainRequest, _fleet_pb2.DrainResponse]  # type: ignore[assignment]
+    """Take back an operator's Drain: the agent is sent new work again."""
+    Forget: _aio.UnaryUnaryMultiCallable[_fleet_pb2.DrainRequest, _fleet_pb2.DrainResponse]  # type: ignore[assignment]
+    """Drop a lost or left agent from the status now, rather than after 600 s."""
     Reload: _aio.UnaryUnaryMultiCallable[_fleet_pb2.ReloadRequest, _fleet_pb2.ReloadResponse]  # type: ignore[assignment]
     """Load new variants from the agent's models folder without restarting it."""
     Rollout: _aio.UnaryUnaryMultiCallable[_fleet_pb2.RolloutRequest, _fleet_pb2.RolloutReply]  # type: ignore[assignment]
@@ -121,6 +129,22 @@ class FleetServicer(metaclass=_abc_1.ABCMeta):
         request: _fleet_pb2.DrainRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_fleet_pb2.DrainResponse, _abc.Awaitable[_fleet_pb2.DrainResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def Undrain(
+        self,
+        request: _fleet_pb2.DrainRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_fleet_pb2.DrainResponse, _abc.Awaitable[_fleet_pb2.DrainResponse]]:
+        """Take back an operator's Drain: the agent is sent new work again."""
+
+    @_abc_1.abstractmethod
+    def Forget(
+        self,
+        request: _fleet_pb2.DrainRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_fleet_pb2.DrainResponse, _abc.Awaitable[_fleet_pb2.DrainResponse]]:
+        """Drop a lost or left agent from the status now, rather than after 600 s."""
 
     @_abc_1.abstractmethod
     def Reload(

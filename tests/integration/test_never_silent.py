@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 from stratus.wire import fleet_pb2 as fpb
 
 from .cluster import Cluster, fleet_status, infer, ready_count, wait_until
@@ -38,3 +41,29 @@ def test_an_agent_that_said_goodbye_has_left_one_that_vanished_is_lost(cluster: 
     (device,) = fleet_status(router.address).tiers
     assert (device.left, device.lost, device.ready) == (1, 1, 0)
     assert "agent dev-1 left (it drained first)" in router.log()
+
+
+def test_an_operator_takes_a_drain_back_and_forgets_what_left(cluster: Cluster) -> None:
+    router = cluster.router().address
+    staying, leaving = cluster.agent("dev-1", router), cluster.agent("dev-2", router)
+    wait_until(lambda: ready_count(router) == 2, timeout_s=30)
+
+    def fleet(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "stratus.cli", "fleet", *args, "--router", router],
+            capture_output=True, text=True, timeout=60, check=False,
+        )  # fmt: skip
+
+    refused = fleet("undrain", "dev-1")  # not drained: nothing to take back
+    assert refused.returncode == 2 and "FAILED_PRECONDITION: agent dev-1 is ready" in refused.stderr
+    assert fleet("drain", "dev-1").returncode == 0
+    wait_until(lambda: ready_count(router) == 1)
+    undrained = fleet("undrain", "dev-1")
+    assert undrained.returncode == 0 and "agent dev-1 is ready again" in undrained.stdout
+    wait_until(lambda: ready_count(router) == 2)
+    assert leaving.stop() == 0
+    wait_until(lambda: {a.id: a.state for a in fleet_status(router).agents}.get("dev-2") == fpb.AGENT_STATE_LEFT)
+    assert "only a lost or left agent is forgotten" in fleet("forget", "dev-1").stderr  # still linked
+    assert fleet("forget", "dev-2").returncode == 0
+    assert [a.id for a in fleet_status(router).agents] == ["dev-1"]
+    assert staying.process.poll() is None
