@@ -14,6 +14,7 @@ import contextlib
 import functools
 import ipaddress
 import logging
+import time
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,7 +23,7 @@ from typing import Any, Final
 import grpc
 
 from stratus import __version__
-from stratus.errors import ConfigError, InvalidInput, Overloaded, StratusError
+from stratus.errors import ConfigError, InvalidInput, NotFound, Overloaded, StratusError
 from stratus.status import ErrorInterceptor, status_code
 from stratus.wire import inference_pb2 as pb
 from stratus.wire import inference_pb2_grpc as pb_grpc
@@ -283,10 +284,69 @@ class ClientLimits:
                 del self.held[client]
 
 
+@dataclass
+class _ModelCounts:
+    succeeded: int = 0
+    succeeded_ns: int = 0
+    failed: int = 0
+    failed_ns: int = 0
+    items: int = 0
+    last_ms: int = 0
+
+
+class Statistics:
+    """Triton's ModelStatistics for every server: requests answered and failed per model (as
+    the client named it), their time from arrival to answer, and items answered. Only names
+    the data plane serves are kept, so a client sending made-up names grows nothing."""
+
+    def __init__(self, plane: DataPlane) -> None:
+        self._plane = plane
+        self._counts: dict[str, _ModelCounts] = {}
+
+    def record(self, request: pb.ModelInferRequest, started_ns: int, ok: bool) -> None:
+        name = request.model_name
+        counts = self._counts.get(name)
+        if counts is None:
+            if not self._plane.model_ready(name):
+                return
+            counts = self._counts[name] = _ModelCounts()
+        elapsed = time.perf_counter_ns() - started_ns
+        if ok:
+            counts.succeeded += 1
+            counts.succeeded_ns += elapsed
+            shape = request.inputs[0].shape if request.inputs else ()
+            counts.items += int(shape[0]) if shape else 1
+            counts.last_ms = int(time.time() * 1000)
+        else:
+            counts.failed += 1
+            counts.failed_ns += elapsed
+
+    def response(self, name: str) -> pb.ModelStatisticsResponse:
+        if name and name not in self._counts and not self._plane.model_ready(name):
+            raise NotFound(f"no model '{name}' is served here")
+        names = [name] if name else sorted(self._counts)
+        answer = pb.ModelStatisticsResponse()
+        for model in names:
+            counts = self._counts.get(model, _ModelCounts())
+            stats = answer.model_stats.add(
+                name=model,
+                version="1",
+                last_inference=counts.last_ms,
+                inference_count=counts.items,
+                execution_count=counts.succeeded,
+            )
+            stats.inference_stats.success.count = counts.succeeded
+            stats.inference_stats.success.ns = counts.succeeded_ns
+            stats.inference_stats.fail.count = counts.failed
+            stats.inference_stats.fail.ns = counts.failed_ns
+        return answer
+
+
 class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     def __init__(self, plane: DataPlane, *, limits: ClientLimits | None = None) -> None:
         self._plane = plane
         self._limits = limits or ClientLimits()
+        self.statistics = Statistics(plane)
 
     async def ServerLive(self, request: pb.ServerLiveRequest, context: Any) -> pb.ServerLiveResponse:
         return pb.ServerLiveResponse(live=True)
@@ -319,15 +379,26 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         return index
 
     async def ModelInfer(self, request: pb.ModelInferRequest, context: Any) -> pb.ModelInferResponse:
-        with self._limits.hold(context.peer()):
-            return await self._plane.infer(request, timeout_s=context.time_remaining())
+        started, ok = time.perf_counter_ns(), False
+        try:
+            with self._limits.hold(context.peer()):
+                response = await self._plane.infer(request, timeout_s=context.time_remaining())
+            ok = True
+            return response
+        finally:
+            self.statistics.record(request, started, ok)
+
+    async def ModelStatistics(
+        self, request: pb.ModelStatisticsRequest, context: Any
+    ) -> pb.ModelStatisticsResponse:
+        return self.statistics.response(request.name)
 
     async def ModelStreamInfer(
         self, request_iterator: AsyncIterator[pb.ModelInferRequest], context: Any
     ) -> AsyncIterator[pb.ModelStreamInferResponse]:
         """Requests on one stream run concurrently; each answer carries its request's id."""
         hold = functools.partial(self._limits.hold, context.peer())
-        async with _StreamSession(self._plane, request_iterator, hold) as session:
+        async with _StreamSession(self._plane, request_iterator, hold, self.statistics.record) as session:
             async for response in session.responses():
                 yield response
 
@@ -374,10 +445,12 @@ class _StreamSession:
         plane: DataPlane,
         requests: AsyncIterator[pb.ModelInferRequest],
         hold: Callable[[], contextlib.AbstractContextManager[None]] = contextlib.nullcontext,
+        record: Callable[[pb.ModelInferRequest, int, bool], None] | None = None,
     ) -> None:
         self._plane = plane
         self._requests = requests
         self._hold = hold  # the client's share of the server (ClientLimits)
+        self._record = record  # Statistics.record
         self._outbox: asyncio.Queue[pb.ModelStreamInferResponse | _Answered | None] = asyncio.Queue()
         self._window = asyncio.Semaphore(STREAM_WINDOW)
         self._bytes = ByteWindow(STREAM_WINDOW_BYTES)
@@ -418,20 +491,25 @@ class _StreamSession:
             self._outbox.put_nowait(self._DONE)
 
     async def _answer(self, request: pb.ModelInferRequest, size: int) -> None:
+        started, ok = time.perf_counter_ns(), False
         try:
             with self._hold():
                 if _streams(request):  # decoupled: many responses, the last marked final
                     async for chunk in self._plane.generate(request, timeout_s=None):
                         self._outbox.put_nowait(pb.ModelStreamInferResponse(infer_response=chunk))
+                    ok = True
                     return
                 response = await self._plane.infer(request, timeout_s=None)
                 self._outbox.put_nowait(pb.ModelStreamInferResponse(infer_response=response))
+            ok = True
         except StratusError as exc:
             self._outbox.put_nowait(stream_error(request, f"{status_code(exc).name}: {exc}"))
         except Exception as exc:  # one bad request must not end the stream for the others
             log.exception("unexpected error in a streamed request")
             self._outbox.put_nowait(stream_error(request, f"INTERNAL: {type(exc).__name__}: {exc}"))
         finally:
+            if self._record is not None:
+                self._record(request, started, ok)
             self._outbox.put_nowait(_Answered(size))
 
 

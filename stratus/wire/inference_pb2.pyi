@@ -786,6 +786,164 @@ class RepositoryIndexResponse(_message.Message):
 Global___RepositoryIndexResponse: _TypeAlias = RepositoryIndexResponse  # noqa: Y015
 
 @_typing.final
+class ModelStatisticsRequest(_message.Message):
+    """Triton's statistics messages, field for field (the ones Stratus fills)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    VERSION_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """Empty: every model this server has answered or served."""
+    version: _builtins.str
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        version: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["name", b"name", "version", b"version"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ModelStatisticsRequest: _TypeAlias = ModelStatisticsRequest  # noqa: Y015
+
+@_typing.final
+class StatisticDuration(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    COUNT_FIELD_NUMBER: _builtins.int
+    NS_FIELD_NUMBER: _builtins.int
+    count: _builtins.int
+    ns: _builtins.int
+    """Total time of those, in nanoseconds."""
+    def __init__(
+        self,
+        *,
+        count: _builtins.int = ...,
+        ns: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["count", b"count", "ns", b"ns"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___StatisticDuration: _TypeAlias = StatisticDuration  # noqa: Y015
+
+@_typing.final
+class InferStatistics(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SUCCESS_FIELD_NUMBER: _builtins.int
+    FAIL_FIELD_NUMBER: _builtins.int
+    QUEUE_FIELD_NUMBER: _builtins.int
+    COMPUTE_INPUT_FIELD_NUMBER: _builtins.int
+    COMPUTE_INFER_FIELD_NUMBER: _builtins.int
+    COMPUTE_OUTPUT_FIELD_NUMBER: _builtins.int
+    CACHE_HIT_FIELD_NUMBER: _builtins.int
+    CACHE_MISS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def success(self) -> Global___StatisticDuration:
+        """Requests answered, and their time from arrival to answer (queue and compute included)."""
+
+    @_builtins.property
+    def fail(self) -> Global___StatisticDuration: ...
+    @_builtins.property
+    def queue(self) -> Global___StatisticDuration:
+        """Stratus does not split a request's time into these: they stay empty."""
+
+    @_builtins.property
+    def compute_input(self) -> Global___StatisticDuration: ...
+    @_builtins.property
+    def compute_infer(self) -> Global___StatisticDuration: ...
+    @_builtins.property
+    def compute_output(self) -> Global___StatisticDuration: ...
+    @_builtins.property
+    def cache_hit(self) -> Global___StatisticDuration: ...
+    @_builtins.property
+    def cache_miss(self) -> Global___StatisticDuration: ...
+    def __init__(
+        self,
+        *,
+        success: Global___StatisticDuration | None = ...,
+        fail: Global___StatisticDuration | None = ...,
+        queue: Global___StatisticDuration | None = ...,
+        compute_input: Global___StatisticDuration | None = ...,
+        compute_infer: Global___StatisticDuration | None = ...,
+        compute_output: Global___StatisticDuration | None = ...,
+        cache_hit: Global___StatisticDuration | None = ...,
+        cache_miss: Global___StatisticDuration | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["cache_hit", b"cache_hit", "cache_miss", b"cache_miss", "compute_infer", b"compute_infer", "compute_input", b"compute_input", "compute_output", b"compute_output", "fail", b"fail", "queue", b"queue", "success", b"success"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_hit", b"cache_hit", "cache_miss", b"cache_miss", "compute_infer", b"compute_infer", "compute_input", b"compute_input", "compute_output", b"compute_output", "fail", b"fail", "queue", b"queue", "success", b"success"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___InferStatistics: _TypeAlias = InferStatistics  # noqa: Y015
+
+@_typing.final
+class ModelStatistics(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    VERSION_FIELD_NUMBER: _builtins.int
+    LAST_INFERENCE_FIELD_NUMBER: _builtins.int
+    INFERENCE_COUNT_FIELD_NUMBER: _builtins.int
+    EXECUTION_COUNT_FIELD_NUMBER: _builtins.int
+    INFERENCE_STATS_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    version: _builtins.str
+    last_inference: _builtins.int
+    """Milliseconds since the epoch of the last request answered."""
+    inference_count: _builtins.int
+    """Items answered (the sum of the requests' batch sizes)."""
+    execution_count: _builtins.int
+    """Requests answered."""
+    @_builtins.property
+    def inference_stats(self) -> Global___InferStatistics: ...
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        version: _builtins.str = ...,
+        last_inference: _builtins.int = ...,
+        inference_count: _builtins.int = ...,
+        execution_count: _builtins.int = ...,
+        inference_stats: Global___InferStatistics | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["inference_stats", b"inference_stats"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["execution_count", b"execution_count", "inference_count", b"inference_count", "inference_stats", b"inference_stats", "last_inference", b"last_inference", "name", b"name", "version", b"version"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ModelStatistics: _TypeAlias = ModelStatistics  # noqa: Y015
+
+@_typing.final
+class ModelStatisticsResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MODEL_STATS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def model_stats(self) -> _containers.RepeatedCompositeFieldContainer[Global___ModelStatistics]: ...
+    def __init__(
+        self,
+        *,
+        model_stats: _abc.Iterable[Global___ModelStatistics] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["model_stats", b"model_stats"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ModelStatisticsResponse: _TypeAlias = ModelStatisticsResponse  # noqa: Y015
+
+@_typing.final
 class ModelInput(_message.Message):
     """A minimal subset of Triton's ModelConfig with its field numbers kept."""
 

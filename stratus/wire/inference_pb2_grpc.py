@@ -80,6 +80,11 @@ class GRPCInferenceServiceStub:
                 request_serializer=stratus_dot_v1_dot_inference__pb2.RepositoryIndexRequest.SerializeToString,
                 response_deserializer=stratus_dot_v1_dot_inference__pb2.RepositoryIndexResponse.FromString,
                 _registered_method=True)
+        self.ModelStatistics = channel.unary_unary(
+                '/inference.GRPCInferenceService/ModelStatistics',
+                request_serializer=stratus_dot_v1_dot_inference__pb2.ModelStatisticsRequest.SerializeToString,
+                response_deserializer=stratus_dot_v1_dot_inference__pb2.ModelStatisticsResponse.FromString,
+                _registered_method=True)
 
 
 class GRPCInferenceServiceServicer:
@@ -145,6 +150,13 @@ class GRPCInferenceServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ModelStatistics(self, request, context):
+        """Triton's statistics extension: requests answered and failed per model, and their time.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GRPCInferenceServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -192,6 +204,11 @@ def add_GRPCInferenceServiceServicer_to_server(servicer, server):
                     servicer.RepositoryIndex,
                     request_deserializer=stratus_dot_v1_dot_inference__pb2.RepositoryIndexRequest.FromString,
                     response_serializer=stratus_dot_v1_dot_inference__pb2.RepositoryIndexResponse.SerializeToString,
+            ),
+            'ModelStatistics': grpc.unary_unary_rpc_method_handler(
+                    servicer.ModelStatistics,
+                    request_deserializer=stratus_dot_v1_dot_inference__pb2.ModelStatisticsRequest.FromString,
+                    response_serializer=stratus_dot_v1_dot_inference__pb2.ModelStatisticsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -437,6 +454,33 @@ class GRPCInferenceService:
             '/inference.GRPCInferenceService/RepositoryIndex',
             stratus_dot_v1_dot_inference__pb2.RepositoryIndexRequest.SerializeToString,
             stratus_dot_v1_dot_inference__pb2.RepositoryIndexResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ModelStatistics(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/inference.GRPCInferenceService/ModelStatistics',
+            stratus_dot_v1_dot_inference__pb2.ModelStatisticsRequest.SerializeToString,
+            stratus_dot_v1_dot_inference__pb2.ModelStatisticsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -56,6 +56,8 @@ class GRPCInferenceServiceStub:
     """Triton's model configuration extension, reduced to the fields Stratus can fill."""
     RepositoryIndex: _grpc.UnaryUnaryMultiCallable[_inference_pb2.RepositoryIndexRequest, _inference_pb2.RepositoryIndexResponse]
     """Triton's model repository extension, read-only: which models are served here."""
+    ModelStatistics: _grpc.UnaryUnaryMultiCallable[_inference_pb2.ModelStatisticsRequest, _inference_pb2.ModelStatisticsResponse]
+    """Triton's statistics extension: requests answered and failed per model, and their time."""
 
 @_typing.type_check_only
 class GRPCInferenceServiceAsyncStub(GRPCInferenceServiceStub):
@@ -75,6 +77,8 @@ class GRPCInferenceServiceAsyncStub(GRPCInferenceServiceStub):
     """Triton's model configuration extension, reduced to the fields Stratus can fill."""
     RepositoryIndex: _aio.UnaryUnaryMultiCallable[_inference_pb2.RepositoryIndexRequest, _inference_pb2.RepositoryIndexResponse]  # type: ignore[assignment]
     """Triton's model repository extension, read-only: which models are served here."""
+    ModelStatistics: _aio.UnaryUnaryMultiCallable[_inference_pb2.ModelStatisticsRequest, _inference_pb2.ModelStatisticsResponse]  # type: ignore[assignment]
+    """Triton's statistics extension: requests answered and failed per model, and their time."""
 
 class GRPCInferenceServiceServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -145,5 +149,13 @@ class GRPCInferenceServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_inference_pb2.RepositoryIndexResponse, _abc.Awaitable[_inference_pb2.RepositoryIndexResponse]]:
         """Triton's model repository extension, read-only: which models are served here."""
+
+    @_abc_1.abstractmethod
+    def ModelStatistics(
+        self,
+        request: _inference_pb2.ModelStatisticsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_inference_pb2.ModelStatisticsResponse, _abc.Awaitable[_inference_pb2.ModelStatisticsResponse]]:
+        """Triton's statistics extension: requests answered and failed per model, and their time."""
 
 def add_GRPCInferenceServiceServicer_to_server(servicer: GRPCInferenceServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -166,3 +166,27 @@ def test_sdk_waits_for_a_router_and_serves_the_precision_asked(router: str, digi
         started = time.monotonic()
         assert not lost.wait_ready(timeout_s=0.5)
         assert time.monotonic() - started < 5
+
+
+def test_model_statistics_count_what_each_server_answered(fleet, digits) -> None:  # type: ignore[no-untyped-def]
+    import tritonclient.grpc as grpcclient
+
+    client = grpcclient.InferenceServerClient(fleet.router.address)
+    try:
+        before = client.get_inference_statistics("digits", as_json=True)["model_stats"][0]
+        tensor = grpcclient.InferInput("input", [3, 64], "FP32")
+        tensor.set_data_from_numpy(digits.held_out.x[:3])
+        client.infer("digits", [tensor])
+        with pytest.raises(grpcclient.InferenceServerException):
+            client.infer("digits", [grpcclient.InferInput("nope", [1], "FP32")])  # refused: a failure
+        after = client.get_inference_statistics("digits", as_json=True)["model_stats"][0]
+        with pytest.raises(grpcclient.InferenceServerException, match="no model 'made-up'"):
+            client.get_inference_statistics("made-up")
+    finally:
+        client.close()
+    success, fail = after["inference_stats"]["success"], after["inference_stats"]["fail"]
+    assert int(after["execution_count"]) == int(before.get("execution_count", 0)) + 1
+    assert int(after["inference_count"]) == int(before.get("inference_count", 0)) + 3
+    assert int(success["count"]) == int(before["inference_stats"].get("success", {}).get("count", 0)) + 1
+    assert int(fail["count"]) == int(before["inference_stats"].get("fail", {}).get("count", 0)) + 1
+    assert int(success["ns"]) > 0 and int(after["last_inference"]) > 0
