@@ -10,7 +10,10 @@ agent running it.
 Stratus's own options travel in the body's ``stratus`` object (the SDK's ``extra_body``):
 ``budget_ms``, ``min_confidence``, ``max_tier``, ``min_tier``; answers carry a ``stratus``
 object (tier, agent, variant, path, confidence, degraded, timings_ms). Decoding is greedy:
-``temperature`` other than 0 and ``n`` other than 1 are refused, not ignored. A chat
+``temperature`` other than 0, ``n`` other than 1, and any of ``top_p``, ``seed``, ``stop``,
+the penalties, ``logit_bias``, ``best_of``, ``echo``, ``suffix`` and ``stream_options`` asking for
+something are refused by name (``param``), not ignored. ``/health`` and ``/v1/models/{id}`` answer
+as vLLM's do. A chat
 request's prompt is its last user message (the shipped families have no chat template).
 
 Errors come back in OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``,
@@ -71,10 +74,47 @@ def error_body(status: int, kind: str, message: str, param: str | None = None) -
     return {"error": {"message": message, "type": kind, "param": param, "code": status}}
 
 
+class FieldError(InvalidInput):
+    """A bad body field, named in the error's ``param`` as OpenAI's API does."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+# Fields OpenAI's API takes that Stratus does not honour: each refused when it asks for
+# something other than its default, never silently ignored. (The tiers decode greedily, and
+# a family's stop strings come from its configuration.)
+_UNSUPPORTED: Final = {
+    "top_p": 1,
+    "presence_penalty": 0,
+    "frequency_penalty": 0,
+    "best_of": 1,
+    "echo": False,
+    "suffix": None,
+    "logit_bias": None,
+    "seed": None,
+    "stop": None,
+    "stream_options": None,
+}
+
+
 def error_of(exc: StratusError) -> tuple[int, dict[str, Any]]:
     """The HTTP status and OpenAI error body for a Stratus error."""
     status, kind = next((v for cls, v in _STATUS.items() if isinstance(exc, cls)), (500, "internal_error"))
-    return status, error_body(status, kind, str(exc))
+    return status, error_body(status, kind, str(exc), getattr(exc, "param", None))
+
+
+def refuse_unsupported(body: Mapping[str, Any]) -> None:
+    for field, default in _UNSUPPORTED.items():
+        value = body.get(field, default)
+        if value == default or value in ({}, [], ""):
+            continue
+        raise FieldError(
+            field,
+            f"'{field}' is not supported by Stratus (it decodes greedily, with the family's own stop "
+            f"strings); leave it out or at {json.dumps(default)}",
+        )
 
 
 def _error_response(exc: StratusError) -> web.Response:
@@ -95,7 +135,9 @@ class OpenAiApi:
         self._api_key = api_key
         self._hosts = frozenset(h.lower() for h in hosts)
         self.app = web.Application(client_max_size=1 << 20, middlewares=[self._errors, self._guard])
+        self.app.router.add_get("/health", self.health)
         self.app.router.add_get("/v1/models", self.models)
+        self.app.router.add_get("/v1/models/{model}", self.model)
         self.app.router.add_post("/v1/completions", self.completions)
         self.app.router.add_post("/v1/chat/completions", self.chat)
         self._runner: web.AppRunner | None = None
@@ -138,7 +180,9 @@ class OpenAiApi:
             given = request.headers.get("Authorization", "").removeprefix("Bearer ").strip()
             if not hmac.compare_digest(given.encode(), self._api_key.encode()):
                 return web.json_response(
-                    error_body(401, "authentication_error", "a valid API key is needed (Authorization: Bearer KEY)"),
+                    error_body(
+                        401, "authentication_error", "a valid API key is needed (Authorization: Bearer KEY)"
+                    ),
                     status=401,
                 )
         # Without a key (loopback only), a browser on this machine is the risk: its pages may
@@ -158,10 +202,20 @@ class OpenAiApi:
         return await handler(request)
 
     # -- endpoints ----------------------------------------------------------------------------
+    async def health(self, request: web.Request) -> web.Response:
+        """200 while the router serves (vLLM's /health), 503 otherwise."""
+        ready = self.plane.ready()
+        return web.json_response({"status": "ok" if ready else "unavailable"}, status=200 if ready else 503)
+
     async def models(self, request: web.Request) -> web.Response:
         names = [n for n in self.plane.model_names() if self.plane.generative(n) is not None]
-        data = [{"id": n, "object": "model", "created": 0, "owned_by": "stratus"} for n in names]
-        return web.json_response({"object": "list", "data": data})
+        return web.json_response({"object": "list", "data": [_model(n) for n in names]})
+
+    async def model(self, request: web.Request) -> web.Response:
+        name = request.match_info["model"]
+        if self.plane.generative(name) is None:
+            raise NotFound(f"the model '{name[:128]}' does not exist or does not generate text")
+        return web.json_response(_model(name))
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         body = await _body(request)
@@ -169,18 +223,18 @@ class OpenAiApi:
         if isinstance(prompt, list) and len(prompt) == 1:
             prompt = prompt[0]
         if not isinstance(prompt, str):
-            raise InvalidInput("'prompt' must be one string")
+            raise FieldError("prompt", "'prompt' must be one string (one prompt per request)")
         return await self._answer(request, body, prompt, chat=False)
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         body = await _body(request)
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
-            raise InvalidInput("'messages' must be a non-empty list")
+            raise FieldError("messages", "'messages' must be a non-empty list")
         users = [m for m in messages if isinstance(m, dict) and m.get("role") == "user"]
         content = users[-1].get("content") if users else None
         if not isinstance(content, str):
-            raise InvalidInput("the last user message must have string 'content'")
+            raise FieldError("messages", "the last user message must have string 'content'")
         return await self._answer(request, body, content, chat=True)
 
     # -- the shared path -------------------------------------------------------------------------
@@ -189,7 +243,7 @@ class OpenAiApi:
     ) -> web.StreamResponse:
         model = body.get("model")
         if not isinstance(model, str) or not model:
-            raise InvalidInput("'model' is required")
+            raise FieldError("model", "'model' is required")
         info = self.plane.generative(model)
         if info is None:
             raise NotFound(f"the model '{model}' does not exist or does not generate text")
@@ -293,6 +347,10 @@ class _Reply:
         return {**self._head(kind), "choices": [choice], "stratus": stratus_object(result)}
 
 
+def _model(name: str) -> dict[str, Any]:
+    return {"id": name, "object": "model", "created": 0, "owned_by": "stratus"}
+
+
 def stratus_object(result: Generation) -> dict[str, Any]:
     return {
         "tier": result.tier.label,
@@ -367,14 +425,16 @@ async def _body(request: web.Request) -> dict[str, Any]:
 def _oip_request(model: str, prompt: str, body: Mapping[str, Any], limit: int) -> pb.ModelInferRequest:
     """The OpenAI body as the Open Inference Protocol request the cascade takes, checked."""
     if body.get("n", 1) != 1:
-        raise InvalidInput("'n' must be 1")
+        raise FieldError("n", "'n' must be 1")
     temperature = body.get("temperature", 0)
     if not isinstance(temperature, int | float) or temperature != 0:
-        raise InvalidInput("Stratus decodes greedily: 'temperature' must be 0 (or left out)")
+        raise FieldError("temperature", "Stratus decodes greedily: 'temperature' must be 0 (or left out)")
+    refuse_unsupported(body)
     max_tokens = body.get("max_tokens", body.get("max_completion_tokens", limit))
     if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or not 1 <= max_tokens <= limit:
-        raise InvalidInput(
-            f"'max_tokens' must be an integer between 1 and {limit} for '{model}', not {max_tokens!r}"
+        raise FieldError(
+            "max_tokens",
+            f"'max_tokens' must be an integer between 1 and {limit} for '{model}', not {max_tokens!r}",
         )
     request = pb.ModelInferRequest(model_name=model, id=uuid.uuid4().hex[:16])
     codec.encode_request_inputs(request, {TEXT_INPUT: text_array(prompt)})

@@ -216,8 +216,25 @@ def test_bad_requests_get_openai_errors_and_lose_nothing(llm: LlmFleet) -> None:
         code, answer = post(url, body)
         error = answer["error"]
         assert code == status and words in error["message"], (body[:60], code, answer)  # type: ignore[index]
+    # What Stratus does not honour is refused by name (OpenAI's `param`), never ignored.
+    for field, value in (("top_p", 0.9), ("seed", 7), ("stop", ["\n"]), ("presence_penalty", 0.5),
+                         ("stream_options", {"include_usage": True}), ("temperature", 0.7), ("n", 2)):  # fmt: skip
+        code, answer = post(url, json.dumps({**good, field: value}).encode())
+        assert code == 400 and answer["error"]["param"] == field, (field, answer)  # type: ignore[index]
+    for field, default in (("top_p", 1), ("seed", None), ("stop", []), ("presence_penalty", 0)):
+        code, answer = post(url, json.dumps({**good, field: default}).encode())
+        assert code == 200, (field, answer)  # the default asks for nothing Stratus lacks
     code, answer = post(url, json.dumps(good).encode())  # the router still answers
     assert code == 200 and answer["choices"]
+    base = llm.openai_url.removesuffix("/v1")
+    for path, status in (("/health", 200), ("/v1/models/arith", 200), ("/v1/models/letters", 404)):
+        try:
+            with urllib.request.urlopen(f"{base}{path}", timeout=10) as response:
+                got, payload = response.status, json.loads(response.read())
+        except urllib.error.HTTPError as error:
+            got, payload = error.code, json.loads(error.read())
+        assert got == status, (path, payload)
+    assert payload["error"]["type"] == "not_found_error"
 
 
 def test_a_client_that_goes_away_cancels_the_generation_on_the_agent(llm: LlmFleet, tmp_path: Path) -> None:
