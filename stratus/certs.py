@@ -404,8 +404,20 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         certs.add_argument(
             f"--{role}", type=_name_arg, action="append", default=[], metavar="NAME", help="repeatable"
         )
-    certs.add_argument("--router", type=_name_arg, default=None, metavar="NAME")
-    certs.add_argument("--cloud", type=_name_arg, default=None, metavar="NAME")
+    certs.add_argument(
+        "--router",
+        type=_name_arg,
+        default=None,
+        metavar="NAME",
+        help="the router's certificate name (default: router)",
+    )
+    certs.add_argument(
+        "--cloud",
+        type=_name_arg,
+        default=None,
+        metavar="NAME",
+        help="the cloud gateway's name (default: cloud)",
+    )
     certs.add_argument(
         "--days", type=int, default=DEFAULT_DAYS, help=f"leaf validity (default {DEFAULT_DAYS})"
     )

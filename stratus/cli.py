@@ -280,7 +280,7 @@ def _demo(args: argparse.Namespace) -> int:
 
 def _add_router(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> argparse.ArgumentParser:
     router = commands.add_parser("router", help="run the router (edge gateway)")
-    router.add_argument("--listen", default="127.0.0.1:8001")
+    router.add_argument("--listen", default="127.0.0.1:8001", help="HOST:PORT for OIP, AgentLink and Fleet")
     router.add_argument("--cloud", default=None, help="HOST:PORT of the cloud gateway")
     _add_cloud_link(router)
     router.add_argument("--no-advertise", action="store_true", help="do not advertise over zeroconf")
@@ -465,15 +465,17 @@ def _add_upstream(cloud: argparse.ArgumentParser) -> None:
 
 def _add_cloud(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> argparse.ArgumentParser:
     cloud = commands.add_parser("cloud", help="run the cloud gateway")
-    cloud.add_argument("--listen", default="127.0.0.1:8002")
-    cloud.add_argument("--models", type=Path, default=Path("models"))
+    cloud.add_argument("--listen", default="127.0.0.1:8002", help="HOST:PORT for the escalation API")
+    cloud.add_argument("--models", type=Path, default=Path("models"), help="the models folder")
     cloud.add_argument("--runtimes", default=None, help=RUNTIMES_HELP)
-    cloud.add_argument("--variants", default=None)
-    cloud.add_argument("--concurrency", type=int, default=2)
-    cloud.add_argument("--queue-limit", type=int, default=256)
+    cloud.add_argument("--variants", default=None, help="comma-separated (default: the cloud variants)")
+    cloud.add_argument("--concurrency", type=int, default=2, help="runtime calls at once")
+    cloud.add_argument(
+        "--queue-limit", type=int, default=256, help="items that may wait beyond those running"
+    )
     _add_max_batch(cloud)
     _add_batch_delay(cloud)
-    cloud.add_argument("--cache-dir", type=Path, default=_default_cache())
+    cloud.add_argument("--cache-dir", type=Path, default=_default_cache(), help="runtime caches")
     cloud.add_argument(
         "--client-token-file",
         type=Path,
@@ -489,8 +491,10 @@ def _add_cloud(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 
 def _add_agent(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> argparse.ArgumentParser:
     agent = commands.add_parser("agent", help="run an edge agent")
-    agent.add_argument("--tier", choices=["device", "edge"], required=True)
-    agent.add_argument("--models", type=Path, default=Path("models"))
+    agent.add_argument(
+        "--tier", choices=["device", "edge"], required=True, help="which tier this agent serves"
+    )
+    agent.add_argument("--models", type=Path, default=Path("models"), help="the models folder")
     agent.add_argument("--variants", default=None, help="comma-separated (default: the tier's variants)")
     agent.add_argument(
         "--router",
@@ -498,9 +502,11 @@ def _add_agent(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help="HOST:PORT[,HOST:PORT...] (a link to each), dns:NAME:PORT (every address NAME resolves "
         "to, e.g. a headless Service), or auto (every router zeroconf finds; needs --tls-ca)",
     )
-    agent.add_argument("--name", default=None)
-    agent.add_argument("--concurrency", type=int, default=2)
-    agent.add_argument("--queue-limit", type=int, default=64)
+    agent.add_argument("--name", default=None, help="the agent's id (default: HOSTNAME-TIER)")
+    agent.add_argument("--concurrency", type=int, default=2, help="runtime calls at once")
+    agent.add_argument(
+        "--queue-limit", type=int, default=64, help="work items that may wait beyond those running"
+    )
     _add_max_batch(agent)
     agent.add_argument("--serve", default=None, help="also serve the inference API on HOST:PORT")
     agent.add_argument("--runtimes", default=None, help=RUNTIMES_HELP)
@@ -522,7 +528,7 @@ def _add_agent(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help="allow plaintext links to routers on other machines, zeroconf without --tls-ca, and "
         "--serve off loopback without TLS and client authentication",
     )
-    agent.add_argument("--cache-dir", type=Path, default=_default_cache())
+    agent.add_argument("--cache-dir", type=Path, default=_default_cache(), help="runtime caches")
     agent.set_defaults(handler=_agent)
     return agent
 
@@ -547,7 +553,7 @@ def _add_servers(commands: argparse._SubParsersAction[argparse.ArgumentParser]) 
             help="benchmarks and tests: add this much to each runtime call, as slower hardware would",
         )
     for parser in (router, cloud, agent):
-        parser.add_argument("--log-level", default="INFO")
+        parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
         parser.add_argument(
             "--metrics", default=None, metavar="HOST:PORT", help="serve Prometheus metrics at /metrics here"
         )
@@ -555,10 +561,10 @@ def _add_servers(commands: argparse._SubParsersAction[argparse.ArgumentParser]) 
     fleet = commands.add_parser("fleet", help="see and steer the fleet")
     sub = fleet.add_subparsers(dest="fleet_command", required=True)
     status = sub.add_parser("status", help="agents, tiers and the cloud link")
-    status.add_argument("--router", required=True)
+    status.add_argument("--router", required=True, help="the router's HOST:PORT")
     status.add_argument("--json", action="store_true", help="everything, every agent included, as JSON")
     status.add_argument("--agents", action="store_true", help="list every agent, not only the summary")
-    status.add_argument("--watch", action="store_true")
+    status.add_argument("--watch", action="store_true", help="print it again on every change")
     status.add_argument(
         "--operator-token-file",
         type=Path,
@@ -574,7 +580,7 @@ def _add_servers(commands: argparse._SubParsersAction[argparse.ArgumentParser]) 
     ):
         change = sub.add_parser(command, help=what)
         change.add_argument("agent_id")
-        change.add_argument("--router", required=True)
+        change.add_argument("--router", required=True, help="the router's HOST:PORT")
         change.add_argument(
             "--operator-token-file", type=Path, default=None, help="default: $STRATUS_OPERATOR_TOKEN"
         )
@@ -582,9 +588,9 @@ def _add_servers(commands: argparse._SubParsersAction[argparse.ArgumentParser]) 
         changes.append(change)
     _add_fleet_changes(sub, status, *changes)
     demo = commands.add_parser("demo", help="a whole local fleet on loopback, end to end")
-    demo.add_argument("--models", type=Path, default=Path("models"))
-    demo.add_argument("--json", action="store_true")
-    demo.add_argument("--cache-dir", type=Path, default=_default_cache())
+    demo.add_argument("--models", type=Path, default=Path("models"), help="the models folder")
+    demo.add_argument("--json", action="store_true", help="the report as JSON")
+    demo.add_argument("--cache-dir", type=Path, default=_default_cache(), help="runtime caches")
     demo.set_defaults(handler=_demo)
 
 
@@ -597,24 +603,31 @@ def _add_fleet_changes(
     reload.set_defaults(handler=_fleet_reload)
     rollout = sub.add_parser("rollout", help="gray release of a candidate variant on one tier")
     rollout.add_argument("family")
-    rollout.add_argument("--tier", choices=["device", "edge"], default=None)
+    rollout.add_argument("--tier", choices=["device", "edge"], default=None, help="the tier rolled out on")
     rollout.add_argument("--candidate", default=None, help="the FP32 variant to roll out")
     rollout.add_argument("--steps", default=None, help="percent per step (default 5,25,50,100)")
     rollout.add_argument("--min-requests", type=int, default=100, help="per variant, before a step is judged")
     rollout.add_argument("--shadow", type=float, default=0.0, metavar="P", help="mirror P%% of requests")
-    rollout.add_argument("--max-error-increase", type=_share, default=0.01)
-    rollout.add_argument("--max-p99-ratio", type=float, default=1.5)
-    rollout.add_argument("--max-unsure-increase", type=_share, default=0.05)
+    rollout.add_argument(
+        "--max-error-increase", type=_share, default=0.01, help="rolled back past this rise in errors"
+    )
+    rollout.add_argument("--max-p99-ratio", type=float, default=1.5, help="rolled back past this p99 ratio")
+    rollout.add_argument(
+        "--max-unsure-increase",
+        type=_share,
+        default=0.05,
+        help="rolled back past this rise in unsure answers",
+    )
     steer = rollout.add_mutually_exclusive_group()
     steer.add_argument("--status", action="store_true", help="where the family's rollouts stand")
     steer.add_argument("--promote", action="store_true", help="send the candidate everything now")
     steer.add_argument("--abort", action="store_true", help="back to 0%% now")
-    rollout.add_argument("--json", action="store_true")
+    rollout.add_argument("--json", action="store_true", help="the rollouts as JSON")
     rollout.set_defaults(handler=_fleet_rollout)
     for parser in (*others, reload, rollout):
         _add_tls(parser)
     for parser in (reload, rollout):
-        parser.add_argument("--router", required=True)
+        parser.add_argument("--router", required=True, help="the router's HOST:PORT")
         parser.add_argument(
             "--operator-token-file", type=Path, default=None, help="default: $STRATUS_OPERATOR_TOKEN"
         )
@@ -627,6 +640,25 @@ def _share(text: str) -> float:
     return value
 
 
+class _Help(argparse.HelpFormatter):
+    """Every option's help ends with its default, where it has one and does not say it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        shown = action.default not in (None, False, argparse.SUPPRESS, [])
+        if shown and action.option_strings and "default" not in text:
+            text += " (default: %(default)s)"
+        return text
+
+
+def _use_help(parser: argparse.ArgumentParser) -> None:
+    parser.formatter_class = _Help
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                _use_help(sub)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="stratus", description="Edge-cloud tiered inference router.")
     parser.add_argument("--version", action="version", version=f"stratus {__version__}")
@@ -634,6 +666,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_models(commands)
     add_certs(commands)
     _add_servers(commands)
+    _use_help(parser)
     return parser
 
 

@@ -165,7 +165,7 @@ def add_models(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     sub = models.add_subparsers(dest="models_command", required=True)
     verify = sub.add_parser("verify", help="run every variant in every runtime on the held-out split")
     verify.add_argument("dir", nargs="?", type=Path, default=Path("models"))
-    verify.add_argument("--json", action="store_true")
+    verify.add_argument("--json", action="store_true", help="the report as JSON")
     verify.add_argument(
         "--cache-dir", type=Path, default=None, help="runtime caches (default: a scratch folder)"
     )
@@ -182,10 +182,20 @@ def add_models(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     verify.set_defaults(handler=_models_verify)
     calibrate = sub.add_parser("calibrate", help="pick each tier's escalation threshold")
     calibrate.add_argument("family")
-    calibrate.add_argument("--dir", type=Path, default=Path("models"))
+    calibrate.add_argument(
+        "--models", "--dir", dest="dir", type=Path, default=Path("models"), help="the models folder"
+    )
     goal = calibrate.add_mutually_exclusive_group(required=True)
-    goal.add_argument("--target-accuracy", type=_fraction)
-    goal.add_argument("--max-escalation", type=_fraction)
+    goal.add_argument(
+        "--target-accuracy",
+        type=_fraction,
+        help="the cascade's accuracy to reach, e.g. 0.97 (fewest escalations)",
+    )
+    goal.add_argument(
+        "--max-escalation",
+        type=_fraction,
+        help="the share of items that may climb, e.g. 0.05 (best accuracy)",
+    )
     calibrate.add_argument("--dry-run", action="store_true", help="print, do not write the config")
     calibrate.add_argument(
         "--data",
@@ -199,7 +209,7 @@ def add_models(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         action="store_true",
         help="with --target-accuracy: the top tier's share for each confidence method; writes nothing",
     )
-    calibrate.add_argument("--cache-dir", type=Path, default=_default_cache())
+    calibrate.add_argument("--cache-dir", type=Path, default=_default_cache(), help="runtime caches")
     calibrate.set_defaults(handler=_models_calibrate)
     _add_import(sub)
 
@@ -212,7 +222,9 @@ def _add_import(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     command.add_argument("--family", required=True, help="created when it does not exist")
     command.add_argument("--tier", required=True, help="device, edge or cloud")
     command.add_argument("--variant", help="the variant's name (default: FAMILY-TIER)")
-    command.add_argument("--dir", type=Path, default=Path("models"), help="the model repository")
+    command.add_argument(
+        "--models", "--dir", dest="dir", type=Path, default=Path("models"), help="the models folder"
+    )
     command.add_argument(
         "--method",
         choices=[m.value for m in ConfidenceMethod],
