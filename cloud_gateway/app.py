@@ -99,12 +99,14 @@ async def serve(settings: CloudSettings, stop: asyncio.Event | None = None) -> N
             what, settings.listen, tls=settings.tls.cert is not None, callers_authenticated=authenticated
         )
         await stop.wait()
+        log.info("stopping: not ready now, finishing what is in flight")
         if warning is not None:
             warning.cancel()
         await health.stop()  # not ready first; then no new calls, and those in flight finish
         if exporter is not None:
             exporter.close()
         await server.stop(grace=5.0)
+    log.info("stopped")
 
 
 @contextlib.asynccontextmanager

@@ -335,6 +335,7 @@ class Agent:
 
     async def _say_goodbye(self, link: Link) -> None:
         """Draining: tell the router, then let in-flight work finish and report."""
+        log.info("stopping: draining the link to %s, finishing %d work item(s)", link.address, len(link.work))
         link.outbox.put_nowait(fpb.AgentMessage(draining=fpb.Draining(reason="agent stopping")))
         await self._finish_work()
         await asyncio.sleep(0.05)  # let the last Results leave before the stream closes
@@ -531,6 +532,7 @@ async def run_agent(settings: AgentSettings, models: LocalModels, stop: asyncio.
         asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, agent.start_reload)
     try:
         await agent.run(stop)
+        log.info("stopped")
     finally:
         if warning is not None:
             warning.cancel()

@@ -215,13 +215,22 @@ async def serve(settings: RouterSettings, stop: asyncio.Event | None = None) -> 
     log.info("router listening on %s:%d (cloud: %s)", host, port, settings.cloud or "none")
     announce("router", f"{host}:{port}")
     await stop.wait()
+    log.info("stopping: not ready now, finishing %d request(s) in flight", plane.active)
     await _shut_down(plane, registry, server, health, settings.drain_timeout_s)
-    watchdog.cancel()
-    if warning is not None:
-        warning.cancel()
-    if sharing is not None:
-        sharing.cancel()
-        await asyncio.gather(sharing, return_exceptions=True)
+    await _close_the_rest([watchdog, warning, sharing], closers, cloud)
+    log.info("stopped")
+
+
+async def _close_the_rest(
+    tasks: list[asyncio.Task[None] | None],
+    closers: list[Callable[[], Awaitable[None]]],
+    cloud: CloudLink | None,
+) -> None:
+    """After the server stopped: background tasks, extras (OpenAI API, /metrics, zeroconf), the cloud link."""
+    running = [task for task in tasks if task is not None]
+    for task in running:
+        task.cancel()
+    await asyncio.gather(*running, return_exceptions=True)
     for close in closers:
         with contextlib.suppress(Exception):
             await close()

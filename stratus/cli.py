@@ -71,7 +71,7 @@ def _router(args: argparse.Namespace) -> int:
     from router.app import RouterSettings, serve
     from stratus.process import configure_logging, run
 
-    configure_logging(args.log_level)
+    configure_logging(args.log_level, args.log_format)
     settings = RouterSettings(
         listen=args.listen,
         cloud=args.cloud,
@@ -109,7 +109,7 @@ def _cloud(args: argparse.Namespace) -> int:
     from cloud_gateway.app import CloudSettings, serve
     from stratus.process import configure_logging, run
 
-    configure_logging(args.log_level)
+    configure_logging(args.log_level, args.log_format)
     settings = CloudSettings(
         listen=args.listen,
         models=args.models,
@@ -144,7 +144,7 @@ def _agent(args: argparse.Namespace) -> int:
     from stratus.process import configure_logging, run, stop_on_signals
     from stratus.tiers import Tier
 
-    configure_logging(args.log_level)
+    configure_logging(args.log_level, args.log_format)
     tier = Tier.parse(args.tier)
     settings = AgentSettings(
         tier=tier,
@@ -554,6 +554,9 @@ def _add_servers(commands: argparse._SubParsersAction[argparse.ArgumentParser]) 
         )
     for parser in (router, cloud, agent):
         parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
+        parser.add_argument(
+            "--log-format", choices=["text", "json"], default="text", help="json: one object per line"
+        )
         parser.add_argument(
             "--metrics", default=None, metavar="HOST:PORT", help="serve Prometheus metrics at /metrics here"
         )

@@ -142,9 +142,9 @@ def test_drain_moves_work_off_an_agent_and_sigterm_exits_cleanly(
     second.process.send_signal(signal.SIGTERM)
     assert second.process.wait(timeout=30) == 0
     deadline = time.monotonic() + 10
-    while status(router.address)["dev-b"].state != fpb.AGENT_STATE_LOST and time.monotonic() < deadline:
+    while status(router.address)["dev-b"].state != fpb.AGENT_STATE_LEFT and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert status(router.address)["dev-b"].state == fpb.AGENT_STATE_LOST
+    assert status(router.address)["dev-b"].state == fpb.AGENT_STATE_LEFT  # it drained first: left, not lost
     with pytest.raises(grpc.RpcError) as error:  # dev-a drains, dev-b left: no device agent remains
         infer_agent(router.address, digits.held_out.x[:1])
     assert error.value.code() == grpc.StatusCode.UNAVAILABLE
@@ -184,8 +184,12 @@ def test_unknown_agent_cannot_be_drained(processes: list[Launched], tmp_path: Pa
     )
 
 
-def test_sighup_leaves_the_cloud_gateway_and_the_router_serving(processes: list[Launched], tmp_path: Path) -> None:
-    cloud = launch(["cloud", "--listen", "127.0.0.1:0", "--models", str(MODELS)], role="cloud", log_dir=tmp_path)
+def test_sighup_leaves_the_cloud_gateway_and_the_router_serving(
+    processes: list[Launched], tmp_path: Path
+) -> None:
+    cloud = launch(
+        ["cloud", "--listen", "127.0.0.1:0", "--models", str(MODELS)], role="cloud", log_dir=tmp_path
+    )
     processes.append(cloud)
     router = launch(["router", "--listen", "127.0.0.1:0", "--no-advertise"], role="router", log_dir=tmp_path)
     processes.append(router)
@@ -197,4 +201,28 @@ def test_sighup_leaves_the_cloud_gateway_and_the_router_serving(processes: list[
             time.sleep(0.05)
         assert server.process.poll() is None  # SIGHUP's default would have ended it
         with grpc.insecure_channel(server.address, options=grpc_options()) as channel:
-            assert pb_grpc.GRPCInferenceServiceStub(channel).ServerLive(pb.ServerLiveRequest(), timeout=5).live
+            assert (
+                pb_grpc.GRPCInferenceServiceStub(channel).ServerLive(pb.ServerLiveRequest(), timeout=5).live
+            )
+
+
+def test_json_logs_say_stopping_and_stopped(processes: list[Launched], tmp_path: Path) -> None:
+    router = launch(
+        ["router", "--listen", "127.0.0.1:0", "--no-advertise", "--log-format", "json"],
+        role="router",
+        log_dir=tmp_path,
+    )
+    agent_process = launch(
+        ["agent", "--tier", "device", "--models", str(MODELS), "--router", router.address, "--name", "j-1",
+         "--log-format", "json"],
+        role="j-1",
+        log_dir=tmp_path,
+    )  # fmt: skip
+    wait_for_agents(router.address, 1)
+    assert agent_process.stop() == 0 and router.stop() == 0
+    for launched in (agent_process, router):
+        records = [json.loads(line) for line in launched.log().splitlines() if line.startswith("{")]
+        messages = [r["message"] for r in records]
+        assert any(m.startswith("stopping") for m in messages) and messages[-1] == "stopped", messages[-5:]
+        assert {"time", "level", "logger", "message"} <= set(records[0])
+        assert "Traceback" not in launched.log() and "Task was destroyed" not in launched.log()
