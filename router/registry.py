@@ -27,6 +27,8 @@ from router.policy import CloudView, FleetSnapshot
 from stratus.batching import DEFAULT_MAX_DELAY_S, Batch, Batcher, BatchKey, split_counts
 from stratus.codec import numpy_dtype
 from stratus.errors import DeadlineExceeded, InvalidInput, NotFound, Overloaded, PermissionDenied, Unavailable
+from stratus.hardware import describe as describe_hardware
+from stratus.hardware import from_hello as hardware_from_hello
 from stratus.metrics import RouterMetrics
 from stratus.serving import MAX_WORK_BYTES, check_fits
 from stratus.stats import LatencyWindow, RateMeter, ServiceCurve, SizeWindow
@@ -118,6 +120,8 @@ class AgentHandle:
     queue_limit: int
     heartbeat_s: float
     identity: str = "anonymous"  # the credential that holds the id (stratus.auth)
+    # What it runs on (machine, CPU, the flags its precision choice read), bounded.
+    hardware: fpb.HardwareInfo = field(default_factory=fpb.HardwareInfo)
     outbox: asyncio.Queue[fpb.RouterMessage | None] = field(default_factory=asyncio.Queue)
     state: str = State.READY
     last_heartbeat: float = 0.0
@@ -298,6 +302,7 @@ class FleetRegistry:
             heartbeat_s=self.pace_s,
             unavailable=tuple(hello.unavailable),
             identity=identity,
+            hardware=hardware_from_hello(hello),
         )
         for family in hello.families:
             self.families.setdefault(family.name, family)
@@ -307,9 +312,10 @@ class FleetRegistry:
         self.index.ready(handle)
         self._linked += 1
         log.info(
-            "agent %s joined: tier %s, variants %s, from %s",
+            "agent %s joined: tier %s, hardware %s, variants %s, from %s",
             handle.id,
             handle.tier.label,
+            describe_hardware(handle.hardware),
             sorted(handle.variants),
             peer,
         )
