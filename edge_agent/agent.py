@@ -29,6 +29,7 @@ from stratus.auth import check_endpoint, insecure_warning
 from stratus.discovery import DNS_PREFIX, discover_all, resolve_all
 from stratus.errors import ConfigError, DeadlineExceeded, StratusError
 from stratus.generation import Chunk
+from stratus.hardware import to_wire as hardware_to_wire
 from stratus.local import LocalDataPlane, LocalModels
 from stratus.metrics import Metrics
 from stratus.metrics import serve as serve_metrics
@@ -182,7 +183,8 @@ class Agent:
                 agent_id=self.settings.name,
                 tier=_TIERS[self.settings.tier],
                 host=socket.gethostname(),
-                hardware=f"{platform.machine()} {platform.processor() or ''}".strip(),
+                hardware=f"{platform.machine()} {self.models.hardware.model}".strip(),
+                hardware_info=hardware_to_wire(self.models.hardware),
                 runtimes=sorted({info.runtime for info in self.models.variants_info()}),
                 variants=self.models.variants_info(),
                 capacity=self.settings.capacity,

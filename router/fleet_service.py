@@ -54,6 +54,7 @@ def agent_status(handle: AgentHandle, now: float) -> fpb.AgentStatus:
         mean_batch_size=handle.batch_sizes.mean,
         variant_choices=[_variant_choice(name, info) for name, info in sorted(handle.variants.items())],
         unavailable=[f"{u.family} ({u.variant}): {u.reason}" for u in handle.unavailable],
+        hardware=handle.hardware,
     )
 
 

@@ -35,6 +35,8 @@ from stratus.errors import (
     PermissionDenied,
     Unavailable,
 )
+from stratus.hardware import describe as describe_hardware
+from stratus.hardware import from_hello as hardware_from_hello
 from stratus.metrics import RouterMetrics
 from stratus.serving import MAX_WORK_BYTES, check_fits
 from stratus.stats import LatencyWindow, RateMeter, ServiceCurve, SizeWindow
@@ -133,6 +135,8 @@ class AgentHandle:
     identity: str = "anonymous"  # the credential that holds the id (stratus.auth)
     left: bool = False  # gone after draining (a goodbye), as status and metrics report it
     operator_drained: bool = False  # drained by Fleet.Drain, so Fleet.Undrain may take it back
+    # What it runs on (machine, CPU, the flags its precision choice read), bounded.
+    hardware: fpb.HardwareInfo = field(default_factory=fpb.HardwareInfo)
     outbox: asyncio.Queue[fpb.RouterMessage | None] = field(default_factory=asyncio.Queue)
     state: str = State.READY
     last_heartbeat: float = 0.0
@@ -313,6 +317,7 @@ class FleetRegistry:
             heartbeat_s=self.pace_s,
             unavailable=tuple(hello.unavailable),
             identity=identity,
+            hardware=hardware_from_hello(hello),
         )
         for family in hello.families:
             self.families.setdefault(family.name, family)
@@ -322,9 +327,10 @@ class FleetRegistry:
         self.index.ready(handle)
         self._linked += 1
         log.info(
-            "agent %s joined: tier %s, variants %s, from %s",
+            "agent %s joined: tier %s, hardware %s, variants %s, from %s",
             handle.id,
             handle.tier.label,
+            describe_hardware(handle.hardware),
             sorted(handle.variants),
             peer,
         )

@@ -8,6 +8,7 @@ from typing import Any
 
 import grpc
 
+from stratus.hardware import describe as describe_hardware
 from stratus.serving import NO_TLS, TlsSettings, open_sync_channel
 from stratus.wire import fleet_pb2 as fpb
 from stratus.wire import fleet_pb2_grpc as fpb_grpc
@@ -40,6 +41,13 @@ def status_json(status: fpb.FleetStatus) -> dict[str, Any]:
                 "id": a.id,
                 "tier": _TIER.get(a.tier, "unknown"),
                 "host": a.host,
+                "hardware": {
+                    "machine": a.hardware.machine,
+                    "cpu_model": a.hardware.cpu_model,
+                    "flags": list(a.hardware.flags),
+                    "flags_from": a.hardware.flags_from,
+                    "precisions": list(a.hardware.precisions),
+                },
                 "runtimes": list(a.runtimes),
                 "state": _STATE.get(a.state, "unknown"),
                 "variants": list(a.variants),
@@ -63,18 +71,20 @@ def status_json(status: fpb.FleetStatus) -> dict[str, Any]:
 
 def agents_table(status: fpb.FleetStatus) -> list[str]:
     header = (
-        f"{'id':<22}{'tier':<8}{'host':<14}{'runtimes':<22}{'variants':<28}{'state':<10}"
+        f"{'id':<22}{'tier':<8}{'host':<14}{'arch':<9}{'runtimes':<22}{'variants':<28}{'state':<10}"
         f"{'inflight':>9}{'batch':>7}{'p50 ms':>8}{'p99 ms':>8}{'req/s':>8}{'hb s':>6}"
     )
     lines = [header, "-" * len(header)]
     for a in status_json(status)["agents"]:
         lines.append(
-            f"{a['id'][:21]:<22}{a['tier']:<8}{a['host'][:13]:<14}{','.join(a['runtimes'])[:21]:<22}"
+            f"{a['id'][:21]:<22}{a['tier']:<8}{a['host'][:13]:<14}{a['hardware']['machine'][:8] or '-':<9}"
+            f"{','.join(a['runtimes'])[:21]:<22}"
             f"{','.join(a['variants'])[:27]:<28}{a['state']:<10}{a['in_flight']:>9}{a['mean_batch_size']:>7.1f}{a['latency_ms']['p50']:>8.2f}"
             f"{a['latency_ms']['p99']:>8.2f}{a['requests_per_s']:>8.1f}{a['last_heartbeat_s']:>6.1f}"
         )
     lines.append("")
     agents = status_json(status)["agents"]
+    lines += [f"{a.id}: runs on {describe_hardware(a.hardware)}" for a in status.agents if a.hardware.machine]
     lines += [f"{a['id']}: {choice}" for a in agents for choice in a["variant_choices"]]
     lines += [f"{a['id']}: not serving {why}" for a in agents for why in a["unavailable"]]
     lines.append("")

@@ -70,15 +70,21 @@ def launch(
     env: dict[str, str] | None = None,
     timeout: float = 120.0,
     module: str = "stratus.cli",
+    python: Sequence[str] | None = None,
 ) -> Launched:
     """Start ``python -m MODULE ARGS`` (``stratus ARGS`` by default) and wait for its READY
-    line, or its death, with its log."""
+    line, or its death, with its log.
+
+    ``python`` is the command that runs Python: this interpreter by default, or one that runs
+    it elsewhere (``scripts/arm64_env.py``: an emulated aarch64 chroot); it must exec Python in
+    the end, so that the process started is the one that takes SIGTERM and gives the exit code.
+    """
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"{role}.log"
     child_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     with log_path.open("a") as log_file:
         process = subprocess.Popen(
-            [sys.executable, "-m", module, *args],
+            [*(python or [sys.executable]), "-m", module, *args],
             stdout=subprocess.PIPE,
             stderr=log_file,
             text=True,

@@ -13,7 +13,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -131,7 +131,9 @@ class LocalModels:
     def __init__(
         self, repository: ModelRepository, settings: LocalSettings, *, metrics: Metrics | None = None
     ) -> None:
-        self.settings = settings
+        # Read once: the choice at start, each reload's and the agent's Hello see one CPU.
+        self.settings = settings if settings.hardware else replace(settings, hardware=this_hardware())
+        settings = self.settings
         self.repository = repository
         self.metrics = metrics
         self.recorder = ModelMetrics(metrics) if metrics is not None else None
@@ -176,6 +178,12 @@ class LocalModels:
         )
         if metrics is not None:
             metrics.collect_with(self._levels)
+
+    @property
+    def hardware(self) -> Hardware:
+        """The CPU the precision choice read (the agent says so in its Hello)."""
+        assert self.settings.hardware is not None  # set in __init__
+        return self.settings.hardware
 
     def _load(self, chosen: _Chosen) -> ModelRunner:
         options = LoadOptions(

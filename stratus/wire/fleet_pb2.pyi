@@ -257,6 +257,52 @@ class FamilyInfo(_message.Message):
 Global___FamilyInfo: _TypeAlias = FamilyInfo  # noqa: Y015
 
 @_typing.final
+class HardwareInfo(_message.Message):
+    """What an agent runs on, as its precision choice read it; for operators (fleet status, the
+    router's log). Bounded by the router: printable, 128 characters a string, 32 flags.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MACHINE_FIELD_NUMBER: _builtins.int
+    CPU_MODEL_FIELD_NUMBER: _builtins.int
+    FLAGS_FIELD_NUMBER: _builtins.int
+    FLAGS_FROM_FIELD_NUMBER: _builtins.int
+    PRECISIONS_FIELD_NUMBER: _builtins.int
+    machine: _builtins.str
+    """platform.machine(): "x86_64", "aarch64"."""
+    cpu_model: _builtins.str
+    """x86 "model name", or the ARM core named by its part number ("Cortex-A76"); may be empty."""
+    flags_from: _builtins.str
+    """Where they were read: "hwcap", "/proc/cpuinfo", or "STRATUS_CPU_FLAGS" (stood in for them)."""
+    @_builtins.property
+    def flags(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The CPU flags the precision choice turned on ("asimddp"), or with none, the basic ones
+        it looked for ("asimd").
+        """
+
+    @_builtins.property
+    def precisions(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The precisions it runs natively: "FP32", "INT8", "FP16"."""
+
+    def __init__(
+        self,
+        *,
+        machine: _builtins.str = ...,
+        cpu_model: _builtins.str = ...,
+        flags: _abc.Iterable[_builtins.str] | None = ...,
+        flags_from: _builtins.str = ...,
+        precisions: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cpu_model", b"cpu_model", "flags", b"flags", "flags_from", b"flags_from", "machine", b"machine", "precisions", b"precisions"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___HardwareInfo: _TypeAlias = HardwareInfo  # noqa: Y015
+
+@_typing.final
 class Hello(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -272,6 +318,7 @@ class Hello(_message.Message):
     FAMILIES_FIELD_NUMBER: _builtins.int
     QUEUE_LIMIT_FIELD_NUMBER: _builtins.int
     UNAVAILABLE_FIELD_NUMBER: _builtins.int
+    HARDWARE_INFO_FIELD_NUMBER: _builtins.int
     agent_id: _builtins.str
     tier: Global___Tier.ValueType
     host: _builtins.str
@@ -295,6 +342,10 @@ class Hello(_message.Message):
     def unavailable(self) -> _containers.RepeatedCompositeFieldContainer[Global___FamilyUnavailable]:
         """Families it could not load, and why (they are not ready on this agent)."""
 
+    @_builtins.property
+    def hardware_info(self) -> Global___HardwareInfo:
+        """`hardware` (4) in parts; an older agent sends only that string."""
+
     def __init__(
         self,
         *,
@@ -310,10 +361,11 @@ class Hello(_message.Message):
         families: _abc.Iterable[Global___FamilyInfo] | None = ...,
         queue_limit: _builtins.int = ...,
         unavailable: _abc.Iterable[Global___FamilyUnavailable] | None = ...,
+        hardware_info: Global___HardwareInfo | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["hardware_info", b"hardware_info"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_id", b"agent_id", "capacity", b"capacity", "families", b"families", "hardware", b"hardware", "host", b"host", "queue_limit", b"queue_limit", "runtimes", b"runtimes", "tier", b"tier", "token", b"token", "unavailable", b"unavailable", "variants", b"variants", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_id", b"agent_id", "capacity", b"capacity", "families", b"families", "hardware", b"hardware", "hardware_info", b"hardware_info", "host", b"host", "queue_limit", b"queue_limit", "runtimes", b"runtimes", "tier", b"tier", "token", b"token", "unavailable", b"unavailable", "variants", b"variants", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -807,6 +859,7 @@ class AgentStatus(_message.Message):
     MEAN_BATCH_SIZE_FIELD_NUMBER: _builtins.int
     VARIANT_CHOICES_FIELD_NUMBER: _builtins.int
     UNAVAILABLE_FIELD_NUMBER: _builtins.int
+    HARDWARE_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     tier: Global___Tier.ValueType
     host: _builtins.str
@@ -834,6 +887,10 @@ class AgentStatus(_message.Message):
     def unavailable(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Families it could not load, with why: "arith (arith-medium): openvino_genai: ..."."""
 
+    @_builtins.property
+    def hardware(self) -> Global___HardwareInfo:
+        """What it runs on, as its Hello said (machine alone from an older agent's hardware string)."""
+
     def __init__(
         self,
         *,
@@ -854,10 +911,11 @@ class AgentStatus(_message.Message):
         mean_batch_size: _builtins.float = ...,
         variant_choices: _abc.Iterable[_builtins.str] | None = ...,
         unavailable: _abc.Iterable[_builtins.str] | None = ...,
+        hardware: Global___HardwareInfo | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["hardware", b"hardware"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["capacity", b"capacity", "host", b"host", "id", b"id", "in_flight", b"in_flight", "last_heartbeat_s", b"last_heartbeat_s", "mean_batch_size", b"mean_batch_size", "p50_ms", b"p50_ms", "p99_ms", b"p99_ms", "queue_length", b"queue_length", "queue_limit", b"queue_limit", "requests_per_s", b"requests_per_s", "runtimes", b"runtimes", "state", b"state", "tier", b"tier", "unavailable", b"unavailable", "variant_choices", b"variant_choices", "variants", b"variants"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["capacity", b"capacity", "hardware", b"hardware", "host", b"host", "id", b"id", "in_flight", b"in_flight", "last_heartbeat_s", b"last_heartbeat_s", "mean_batch_size", b"mean_batch_size", "p50_ms", b"p50_ms", "p99_ms", b"p99_ms", "queue_length", b"queue_length", "queue_limit", b"queue_limit", "requests_per_s", b"requests_per_s", "runtimes", b"runtimes", "state", b"state", "tier", b"tier", "unavailable", b"unavailable", "variant_choices", b"variant_choices", "variants", b"variants"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -30,9 +30,15 @@ class Cluster:
     processes: list[Launched] = field(default_factory=list)
 
     def start(
-        self, role: str, args: list[str], *, module: str = "stratus.cli", env: dict[str, str] | None = None
+        self,
+        role: str,
+        args: list[str],
+        *,
+        module: str = "stratus.cli",
+        env: dict[str, str] | None = None,
+        python: list[str] | None = None,
     ) -> Launched:
-        launched = launch(args, role=role, log_dir=self.log_dir, module=module, env=env)
+        launched = launch(args, role=role, log_dir=self.log_dir, module=module, env=env, python=python)
         self.processes.append(launched)
         return launched
 
@@ -49,8 +55,16 @@ class Cluster:
         return self.start(role, ["router", "--listen", listen, "--no-advertise", *QUIET, *extra], env=env)
 
     def agent(
-        self, name: str, router: str, *extra: str, tier: str = "device", env: dict[str, str] | None = None
+        self,
+        name: str,
+        router: str,
+        *extra: str,
+        tier: str = "device",
+        env: dict[str, str] | None = None,
+        python: list[str] | None = None,
+        models: str = str(MODELS),
     ) -> Launched:
+        """An agent; ``python`` and ``models`` run it elsewhere (an emulated aarch64 chroot)."""
         return self.start(
             name,
             [
@@ -58,7 +72,7 @@ class Cluster:
                 "--tier",
                 tier,
                 "--models",
-                str(MODELS),
+                models,
                 "--router",
                 router,
                 "--name",
@@ -67,6 +81,7 @@ class Cluster:
                 *extra,
             ],
             env=env,
+            python=python,
         )
 
     def stop_all(self) -> None:

@@ -547,6 +547,14 @@ family_infos = st.builds(
     max_tokens=uint32s,
     stop=st.lists(texts, max_size=2),
 )
+hardware_infos = st.builds(
+    fpb.HardwareInfo,
+    machine=st.one_of(st.sampled_from(["x86_64", "aarch64", ""]), texts),
+    cpu_model=texts,
+    flags=st.lists(st.one_of(st.sampled_from(["asimddp", "avx512_vnni"]), texts), max_size=40),
+    flags_from=texts,
+    precisions=st.lists(st.sampled_from(["FP32", "INT8", "FP16", "FP4", ""]), max_size=4),
+)
 hellos = st.builds(
     fpb.Hello,
     agent_id=agent_ids,
@@ -563,6 +571,7 @@ hellos = st.builds(
     unavailable=st.lists(
         st.builds(fpb.FamilyUnavailable, family=family_names, variant=variant_names, reason=names), max_size=1
     ),
+    hardware_info=hardware_infos,
 )
 latencies = st.builds(
     fpb.LatencyEstimate, variant=variant_names, mean_ms=doubles, p50_ms=doubles, p99_ms=doubles, count=uint64s
@@ -752,7 +761,7 @@ class LinkCase:
     follow: list[fpb.AgentMessage]
 
 
-SAFE_FIELDS = ["host", "hardware", "runtimes", "capacity", "queue_limit", "token", "version", "unavailable"]
+SAFE_FIELDS = ["host", "hardware", "hardware_info", "runtimes", "capacity", "queue_limit", "token", "version", "unavailable"]
 RISKY_FIELDS = ["tier", "variants", "families"]
 
 
@@ -761,6 +770,8 @@ def borrow(hello: fpb.Hello, donor: fpb.Hello, fields: list[str]) -> None:
         value = getattr(donor, name)
         if isinstance(value, int | str):
             setattr(hello, name, value)
+        elif isinstance(value, fpb.HardwareInfo):
+            getattr(hello, name).CopyFrom(value)
         else:
             del getattr(hello, name)[:]
             getattr(hello, name).extend(value)

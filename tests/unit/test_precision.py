@@ -8,15 +8,20 @@ from pathlib import Path
 
 import pytest
 
+from stratus import precision
 from stratus.errors import ConfigError, NotFound
 from stratus.precision import (
     Hardware,
     VerificationRecord,
+    arm_hwcap_flags,
     choose_variant,
     cpu_flags,
+    cpu_model,
+    decode_hwcap,
     format_record,
     hardware_precisions,
     load_verification,
+    this_hardware,
 )
 from stratus.repository import FamilySpec, ModelRepository, load_family
 from stratus.tiers import Tier
@@ -171,3 +176,62 @@ def test_record_round_trips_and_malformed_is_refused(record: VerificationRecord,
     (tmp_path / "verified.toml").write_text("[family]\nname = 'digits'\n")
     with pytest.raises(ConfigError, match="malformed verification record"):
         load_verification(tmp_path)
+
+
+# Raspberry Pi 4 (Cortex-A72, ARMv8.0) and Pi 5 (Cortex-A76, ARMv8.2) as Linux prints them.
+PI4_HWCAP = 0b1000_1000_0111  # fp asimd evtstrm crc32 cpuid
+PI5_HWCAP = PI4_HWCAP | 1 << 8 | 1 << 9 | 1 << 10 | 1 << 12 | 1 << 15 | 1 << 16 | 1 << 20  # + v8.2
+
+
+def test_hwcap_bits_decode_to_the_names_cpuinfo_prints() -> None:
+    assert decode_hwcap(PI4_HWCAP) == ["fp", "asimd", "evtstrm", "crc32", "cpuid"]
+    assert {"asimddp", "asimdhp", "fphp", "atomics", "lrcpc"} <= set(decode_hwcap(PI5_HWCAP))
+    assert decode_hwcap(0, 1 << 13 | 1 << 14) == ["i8mm", "bf16"]
+    assert arm_hwcap_flags(lambda kind: PI5_HWCAP if kind == 16 else 0) == decode_hwcap(PI5_HWCAP)
+
+
+@pytest.mark.parametrize(
+    ("hwcap", "expected", "reason"),
+    [
+        (PI4_HWCAP, {"FP32"}, "no native int8/fp16 on this CPU (asimd)"),
+        (PI5_HWCAP, {"FP32", "INT8", "FP16"}, "cpu flags: asimddp, asimdhp, fphp"),
+        (PI4_HWCAP | 1 << 20, {"FP32", "INT8"}, "cpu flags: asimddp"),  # dot product alone
+        (PI4_HWCAP | 1 << 9, {"FP32", "FP16"}, "cpu flags: fphp"),  # scalar half precision alone
+    ],
+)
+def test_arm_precisions_follow_dot_product_and_half_precision(
+    hwcap: int, expected: set[str], reason: str
+) -> None:
+    hardware = hardware_precisions(decode_hwcap(hwcap), "aarch64")
+    assert (hardware.precisions, hardware.reason) == (expected, reason)
+
+
+def test_on_aarch64_the_kernels_hwcap_wins_over_a_cpuinfo_an_emulator_passed_through(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """QEMU 7.2 shows the host's x86 cpuinfo to an aarch64 guest: HWCAP is the emulated CPU's."""
+    monkeypatch.setattr(precision, "arm_hwcap_flags", lambda: decode_hwcap(PI5_HWCAP))
+    monkeypatch.setattr(precision, "cpu_flags", lambda: {"avx2", "avx512_vnni"})
+    assert precision.machine_flags("aarch64") == (set(decode_hwcap(PI5_HWCAP)), "hwcap")
+    assert precision.machine_flags("x86_64") == ({"avx2", "avx512_vnni"}, "/proc/cpuinfo")
+    monkeypatch.setattr(precision, "arm_hwcap_flags", lambda: [])  # no getauxval: cpuinfo it is
+    assert precision.machine_flags("aarch64")[1] == "/proc/cpuinfo"
+    hardware = hardware_precisions(machine="aarch64")
+    assert hardware.flags_from == "/proc/cpuinfo" and hardware.precisions == {"FP32"}
+
+
+def test_stratus_cpu_flags_stands_in_and_says_so() -> None:
+    hardware = this_hardware({"STRATUS_CPU_FLAGS": "avx2, avx512_vnni"})
+    assert (hardware.flags, hardware.flags_from) == (("avx512_vnni",), "STRATUS_CPU_FLAGS")
+
+
+def test_cpu_model_names_an_x86_cpu_and_an_arm_core(tmp_path: Path) -> None:
+    x86 = tmp_path / "x86"
+    x86.write_text("processor\t: 0\nmodel name\t: Intel(R) Xeon(R) Platinum 8480+\n\nprocessor\t: 1\n")
+    pi = tmp_path / "pi"
+    pi.write_text("processor\t: 0\nFeatures\t: fp asimd\nCPU implementer\t: 0x41\nCPU part\t: 0xd0b\n")
+    odd = tmp_path / "odd"
+    odd.write_text("processor\t: 0\nCPU implementer\t: 0x51\nCPU part\t: 0x001\n")
+    assert cpu_model(x86) == "Intel(R) Xeon(R) Platinum 8480+"
+    assert cpu_model(pi) == "Cortex-A76"
+    assert cpu_model(odd) == "" and cpu_model(tmp_path / "absent") == ""
