@@ -124,7 +124,7 @@ def test_operator_calls_from_another_machine_need_a_credential(cluster: Cluster)
         pytest.skip("no address but loopback on this machine")
     router = cluster.router("--insecure", listen="0.0.0.0:0")
     port = router.address.rsplit(":", 1)[1]
-    assert "runs with --insecure" in router.log()  # and again every minute
+    wait_until(lambda: "runs with --insecure" in router.log())  # and again every minute
     for address, expected in (
         (f"127.0.0.1:{port}", grpc.StatusCode.NOT_FOUND),
         (f"{outside}:{port}", grpc.StatusCode.PERMISSION_DENIED),
