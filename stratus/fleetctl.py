@@ -69,6 +69,15 @@ def status_json(status: fpb.FleetStatus) -> dict[str, Any]:
     }
 
 
+def fit(text: str, width: int) -> str:
+    """``text`` in ``width`` characters, an ellipsis saying where it was cut."""
+    return text if len(text) <= width else text[: width - 1] + "…"
+
+
+def _number(value: float, spec: str, known: bool) -> str:
+    return format(value, spec) if known else "-"
+
+
 def agents_table(status: fpb.FleetStatus) -> list[str]:
     header = (
         f"{'id':<22}{'tier':<8}{'host':<14}{'arch':<9}{'runtimes':<22}{'variants':<28}{'state':<10}"
@@ -76,11 +85,14 @@ def agents_table(status: fpb.FleetStatus) -> list[str]:
     )
     lines = [header, "-" * len(header)]
     for a in status_json(status)["agents"]:
+        served = a["requests_per_s"] > 0 or a["latency_ms"]["p50"] > 0  # no data yet: "-", not 0.00
         lines.append(
-            f"{a['id'][:21]:<22}{a['tier']:<8}{a['host'][:13]:<14}{a['hardware']['machine'][:8] or '-':<9}"
-            f"{','.join(a['runtimes'])[:21]:<22}"
-            f"{','.join(a['variants'])[:27]:<28}{a['state']:<10}{a['in_flight']:>9}{a['mean_batch_size']:>7.1f}{a['latency_ms']['p50']:>8.2f}"
-            f"{a['latency_ms']['p99']:>8.2f}{a['requests_per_s']:>8.1f}{a['last_heartbeat_s']:>6.1f}"
+            f"{fit(a['id'], 21):<22}{a['tier']:<8}{fit(a['host'], 13):<14}{fit(a['hardware']['machine'], 8) or '-':<9}"
+            f"{fit(','.join(a['runtimes']), 21):<22}"
+            f"{fit(','.join(a['variants']), 27):<28}{a['state']:<10}{a['in_flight']:>9}"
+            f"{_number(a['mean_batch_size'], '.1f', served):>7}{_number(a['latency_ms']['p50'], '.2f', served):>8}"
+            f"{_number(a['latency_ms']['p99'], '.2f', served):>8}{_number(a['requests_per_s'], '.1f', served):>8}"
+            f"{a['last_heartbeat_s']:>6.1f}"
         )
     lines.append("")
     agents = status_json(status)["agents"]

@@ -76,3 +76,23 @@ def test_the_router_keeps_it_logs_it_and_status_shows_it(caplog: pytest.LogCaptu
     table = agents_table(status)
     assert "arch" in table[0] and " aarch64 " in table[2]
     assert "pi5: runs on aarch64 Cortex-A76, native int8 fp16 (hwcap: asimddp, asimdhp, fphp)" in table
+
+
+def test_the_agents_table_cuts_with_an_ellipsis_and_shows_no_data_as_a_dash() -> None:
+    from stratus.fleetctl import fit
+
+    assert (
+        fit("short", 8) == "short"
+        and fit("a-very-long-agent-name", 8) == "a-very-…"
+        and len(fit("x" * 30, 8)) == 8
+    )
+    idle = fpb.FleetStatus(
+        agents=[fpb.AgentStatus(id="a-very-long-agent-id-of-a-kiosk-7", tier=fpb.TIER_DEVICE)]
+    )
+    busy = fpb.FleetStatus(
+        agents=[fpb.AgentStatus(id="d-1", tier=fpb.TIER_DEVICE, p50_ms=0.4, p99_ms=1.25, requests_per_s=12.0)]
+    )
+    (idle_row,) = [line for line in agents_table(idle) if line.startswith("a-very")]
+    assert idle_row.startswith("a-very-long-agent-id…") and " -       -       -" in idle_row
+    (busy_row,) = [line for line in agents_table(busy) if line.startswith("d-1")]
+    assert "0.40" in busy_row and "1.25" in busy_row and "12.0" in busy_row
