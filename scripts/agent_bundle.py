@@ -60,10 +60,29 @@ def download_wheels(platform: str, python: str, dest: Path) -> list[str]:
 
 
 def stratus_wheel(dest: Path) -> Path:
-    subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--wheel-dir", str(dest), str(ROOT)],
-        check=True,
-    )
+    """Stratus as a wheel, built from a copy of what it packages: a build in the checkout
+    would leave ``build/`` and an egg-info there."""
+    with tempfile.TemporaryDirectory() as scratch:
+        source = Path(scratch) / "src"
+        source.mkdir()
+        for name in ("pyproject.toml", "README.md", "LICENSE"):
+            shutil.copy(ROOT / name, source / name)
+        for package in ("stratus", "edge_agent", "router", "cloud_gateway"):
+            shutil.copytree(ROOT / package, source / package, ignore=shutil.ignore_patterns("__pycache__"))
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "wheel",
+                "--quiet",
+                "--no-deps",
+                "--wheel-dir",
+                str(dest),
+                str(source),
+            ],
+            check=True,
+        )
     (wheel,) = dest.glob("stratus_router-*.whl")
     return wheel
 

@@ -83,14 +83,6 @@ def caller_certificate(context: Any) -> CertIdentity | None:
     return spiffe_identity(auth_context or {})
 
 
-def has_certificate(context: Any) -> bool:
-    """Whether the caller presented a certificate at all (mutual TLS was on)."""
-    try:
-        return bool((context.auth_context() or {}).get("x509_pem_cert"))
-    except (AttributeError, RuntimeError):
-        return False
-
-
 def is_loopback_peer(peer: str) -> bool:
     """Whether a gRPC peer string (``ipv4:127.0.0.1:5000``, ``ipv6:[::1]:5000``, ``unix:...``)
     is on this machine."""

@@ -24,6 +24,7 @@ def test_an_agent_installed_offline_from_its_bundle_serves(cluster: Cluster, tmp
         capture_output=True, text=True, timeout=600, check=False,
     )  # fmt: skip
     assert built.returncode == 0, built.stderr[-2000:]
+    assert not (ROOT / "build").exists()  # the checkout is left as it was
     with tarfile.open(bundle) as archive:
         names = archive.getnames()
         archive.extractall(tmp_path, filter="data")
