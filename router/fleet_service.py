@@ -117,10 +117,13 @@ def tier_summaries(registry: FleetRegistry) -> list[fpb.TierSummary]:
 # 18.8 MB, which no client could receive (the message limit is 16 MiB) and which took the
 # loop seconds to build. 2,000 agents of three variants each take about 0.6 MB.
 MAX_STATUS_BYTES = 4 * 1024 * 1024
+# A Watch event is serialized once per watcher, every half second: its listing is kept to this
+# (80 watchers of a 3.9 MB status stalled the router's loop for 2.6 s).
+MAX_WATCH_STATUS_BYTES = 1024 * 1024
 
 
-def _listed_agents(registry: FleetRegistry) -> tuple[list[fpb.AgentStatus], int]:
-    """Linked agents first, then lost ones, each group by tier and id, up to MAX_STATUS_BYTES."""
+def _listed_agents(registry: FleetRegistry, max_bytes: int) -> tuple[list[fpb.AgentStatus], int]:
+    """Linked agents first, then lost ones, each group by tier and id, up to ``max_bytes``."""
     now = registry.now()
     ordered = sorted(registry.agents.values(), key=lambda h: (h.state == State.LOST, h.tier, h.id))
     listed: list[fpb.AgentStatus] = []
@@ -128,16 +131,17 @@ def _listed_agents(registry: FleetRegistry) -> tuple[list[fpb.AgentStatus], int]
     for count, handle in enumerate(ordered):
         status = agent_status(handle, now)
         size += status.ByteSize() + 8
-        if size > MAX_STATUS_BYTES:
+        if size > max_bytes:
             return listed, len(ordered) - count
         listed.append(status)
     return listed, 0
 
 
 def fleet_status(
-    registry: FleetRegistry, cloud: CloudLink | None, *, include_agents: bool
+    registry: FleetRegistry, cloud: CloudLink | None, *, include_agents: bool, max_bytes: int | None = None
 ) -> fpb.FleetStatus:
-    agents, omitted = _listed_agents(registry) if include_agents else ([], 0)
+    limit = MAX_STATUS_BYTES if max_bytes is None else max_bytes
+    agents, omitted = _listed_agents(registry, limit) if include_agents else ([], 0)
     return fpb.FleetStatus(
         agents=agents,
         omitted_agents=omitted,
@@ -252,7 +256,10 @@ class FleetServicer(fpb_grpc.FleetServicer):
         now = time.monotonic()
         built = self._built.get(include_agents)
         if built is None or now - built[0] >= WATCH_MIN_GAP_S / 2:
-            built = (now, fleet_status(self._registry, self._cloud, include_agents=include_agents))
+            status = fleet_status(
+                self._registry, self._cloud, include_agents=include_agents, max_bytes=MAX_WATCH_STATUS_BYTES
+            )
+            built = (now, status)
             self._built[include_agents] = built
         return built[1]
 

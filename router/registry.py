@@ -54,7 +54,7 @@ FORGET_LOST_S = 600.0
 # What one Hello may declare, and what the router keeps of it: ids and names are client
 # text (logged, listed, echoed), declared sizes steer how much work an agent is sent.
 NAME = re.compile(r"[A-Za-z0-9._:@-]{1,128}")
-MAX_VARIANTS_PER_AGENT = 256
+MAX_VARIANTS_PER_AGENT = 64  # a shipped agent has 6; 256 let one Hello hold 77 kB of names
 MAX_FAMILIES_PER_HELLO = 64
 MAX_CAPACITY = 1024
 MAX_QUEUE_LIMIT = 4096
