@@ -45,6 +45,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from router.peers import sync_parts  # noqa: E402
+from router.registry import MAX_VARIANTS_PER_AGENT  # noqa: E402
 from stratus import codec  # noqa: E402
 from stratus.auth import sync_proof  # noqa: E402
 from stratus.datasets import digits_splits  # noqa: E402
@@ -752,7 +753,7 @@ async def f11_unread_streams(ctx: Context) -> Outcome:
 
 
 async def f12_hello_flood(ctx: Context) -> Outcome:
-    """With the agent token: Hellos with new 128-character ids, each with 256 variants and 64
+    """With the agent token: Hellos with new 128-character ids, each with the most variants a Hello may have and 64
     families of 128-character names, joining and leaving as fast as admission lets them."""
 
     def hello(index: int) -> fpb.AgentMessage:
@@ -762,7 +763,7 @@ async def f12_hello_flood(ctx: Context) -> Outcome:
         message.hello.families.extend(fpb.FamilyInfo(name=name) for name in families)
         message.hello.variants.extend(
             fpb.VariantInfo(name=f"var-{index:08d}-{v:03d}".ljust(128, "v"), family=families[v % 64])
-            for v in range(256)
+            for v in range(MAX_VARIANTS_PER_AGENT)
         )
         return message
 
@@ -784,7 +785,7 @@ async def f12_hello_flood(ctx: Context) -> Outcome:
             missing = "OK"
         except grpc.aio.AioRpcError as error:
             missing = f"{ctx.name(error)}, {len(error.details() or '')} chars"
-    return Outcome(f"{counter} Hellos, 128-char ids, 256 variants",
+    return Outcome(f"{counter} Hellos, 128-char ids, {MAX_VARIANTS_PER_AGENT} variants",
                    f"{codes(tally)}; status lists {len(status.agents)} agents, "
                    f"{status.ByteSize() / 2**20:.1f} MiB; unknown model: {missing}")  # fmt: skip
 

@@ -259,7 +259,9 @@ class FleetServicer(fpb_grpc.FleetServicer):
             status = fleet_status(
                 self._registry, self._cloud, include_agents=include_agents, max_bytes=MAX_WATCH_STATUS_BYTES
             )
-            built = (now, status)
+            # Stamped when built, not when asked: a build slower than half a gap would otherwise
+            # be redone by every watcher in turn (80 watchers, 80 builds a round).
+            built = (time.monotonic(), status)
             self._built[include_agents] = built
         return built[1]
 
