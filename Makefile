@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 INSTALLED := $(VENV)/.installed
 LLAMA := $(VENV)/.llama-installed
 
-.PHONY: demo test test-arm64 arm64-env lint typecheck unit proto models clean vllm-env llama-env foreign-env
+.PHONY: demo test test-arm64 test-arm arm64-env lint typecheck unit proto models clean vllm-env llama-env foreign-env
 
 $(INSTALLED): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -65,6 +65,9 @@ arm64-env: $(INSTALLED)
 
 test-arm64: arm64-env
 	$(BIN)/python -m pytest -q -ra -rP tests/integration/test_arm64.py
+
+# The same, by its short name.
+test-arm: test-arm64
 
 lint: $(INSTALLED)
 	$(BIN)/ruff check .

@@ -32,9 +32,9 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-import importlib.util  # noqa: E402
 from types import ModuleType  # noqa: E402
 
 from loadgen import launch_agent  # noqa: E402
@@ -116,12 +116,10 @@ def _measured(router: Launched, agent: Launched, name: str, started: float) -> M
 
 
 def arm64_env() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("arm64_env", ROOT / "scripts" / "arm64_env.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("arm64_env", module)
-    spec.loader.exec_module(module)
-    return module
+    """scripts/arm64_env.py, imported only when this run needs it."""
+    import arm64_env  # scripts/ is on the path (above)
+
+    return arm64_env
 
 
 def measure_arm(router: Launched, env: ModuleType, cpu: str, log_dir: Path, index: int) -> Measured:

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import importlib.util
 import sys
 import tempfile
 import time
@@ -32,6 +31,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from loadgen import QUIET, launch_agent  # noqa: E402
@@ -51,12 +51,10 @@ AGENTS = (("device-1", "device", "digits-small"), ("edge-1", "edge", "digits-med
 
 
 def _foreign_env() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("foreign_env", ROOT / "scripts" / "foreign_env.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["foreign_env"] = module
-    spec.loader.exec_module(module)
-    return module
+    """scripts/foreign_env.py, imported only when this run needs it."""
+    import foreign_env  # scripts/ is on the path (above)
+
+    return foreign_env
 
 
 @dataclass

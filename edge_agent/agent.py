@@ -25,7 +25,7 @@ from pathlib import Path
 import grpc
 
 from stratus import __version__
-from stratus.auth import check_endpoint, insecure_warning
+from stratus.auth import check_endpoint, clients_authenticated, insecure_warning
 from stratus.discovery import DNS_PREFIX, discover_all, resolve_all
 from stratus.errors import ConfigError, DeadlineExceeded, StratusError
 from stratus.generation import Chunk
@@ -95,7 +95,7 @@ class AgentSettings:
 
     @property
     def serve_authenticated(self) -> bool:
-        return self.tls.mutual or bool(self.client_token)
+        return clients_authenticated(self.tls, self.client_token)
 
     def check_links(self) -> None:
         """Refuse links that would hand the token, and every input, to whoever answers: zeroconf

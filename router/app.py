@@ -126,7 +126,7 @@ class RouterSettings:
             "the router",
             self.listen,
             tls=self.tls.cert is not None,
-            callers_authenticated=credentials.agents_authenticated and credentials.operators_authenticated,
+            callers_authenticated=credentials.callers_authenticated,
             insecure=self.insecure,
             needs="credentials for agents and operators (--tls-ca for mutual TLS, or "
             "--agent-token-file/--agent-tokens-file and --operator-token-file)",
@@ -209,7 +209,7 @@ async def serve(settings: RouterSettings, stop: asyncio.Event | None = None) -> 
         "the router",
         settings.listen,
         tls=settings.tls.cert is not None,
-        callers_authenticated=credentials.agents_authenticated and credentials.operators_authenticated,
+        callers_authenticated=credentials.callers_authenticated,
     )
     sharing = _share_rollouts(settings, rollouts, synced)
     log.info("router listening on %s:%d (cloud: %s)", host, port, settings.cloud or "none")

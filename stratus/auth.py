@@ -181,6 +181,11 @@ class RouterCredentials:
     def operators_authenticated(self) -> bool:
         return self.mutual_tls or bool(self.operator_token)
 
+    @property
+    def callers_authenticated(self) -> bool:
+        """What a router off loopback needs: agents and operators both prove who they are."""
+        return self.agents_authenticated and self.operators_authenticated
+
     def agent_identity(self, agent_id: str, token: str, context: Any) -> str:
         """Who holds ``agent_id`` on this link: ``cert:NAME``, ``token:ID`` (a per-agent token),
         ``fleet-token`` or ``anonymous``. A link never takes over an id another identity holds,
@@ -349,11 +354,16 @@ def insecure_warning(
     return asyncio.create_task(warn_insecure_forever(what, listen), name="stratus-insecure-warning")
 
 
+def clients_authenticated(tls: TlsSettings, client_token: str) -> bool:
+    """An inference endpoint's callers prove who they are: mutual TLS, or the client token."""
+    return tls.mutual or bool(client_token)
+
+
 def check_endpoint(what: str, listen: str, tls: TlsSettings, *, client_token: str, insecure: bool) -> bool:
     """An inference endpoint (the cloud gateway, an agent's ``--serve``): off loopback it
     needs TLS and client authentication (mutual TLS or a client token), or ``--insecure``.
     Whether its callers are authenticated."""
-    authenticated = tls.mutual or bool(client_token)
+    authenticated = clients_authenticated(tls, client_token)
     check_exposure(
         what,
         listen,

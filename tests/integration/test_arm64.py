@@ -13,7 +13,6 @@ not speed: the figures printed (time to registered, RSS, p50) are emulated ones.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -21,17 +20,16 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from types import ModuleType
 
 import numpy as np
 import pytest
 
 from stratus import codec
 from stratus.launcher import Launched
+from tests.scripts import load
 
 from .cluster import Cluster, fleet_status, infer, ready_count, wait_until
 
-ROOT = Path(__file__).resolve().parents[2]
 ITEMS = 200
 FP32_TOLERANCE = 1e-5
 # An INT8 softmax is quantised in steps of 1/256; the aarch64 kernels (dot product) and the x86
@@ -43,16 +41,7 @@ VNNI = {"STRATUS_CPU_FLAGS": "avx2,fma,f16c,avx512f,avx512_vnni"}
 LITERT = ("--runtimes", "litert")
 
 
-def _arm64_env() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("arm64_env", ROOT / "scripts" / "arm64_env.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("arm64_env", module)
-    spec.loader.exec_module(module)
-    return module
-
-
-arm64_env = _arm64_env()
+arm64_env = load("arm64_env")
 
 
 @dataclass(frozen=True)

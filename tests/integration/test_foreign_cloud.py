@@ -15,13 +15,10 @@ families name, MLServer through its repository index.
 
 from __future__ import annotations
 
-import importlib.util
 import signal
-import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import grpc
@@ -32,26 +29,17 @@ from stratus.serving import open_sync_channel
 from stratus.tiers import Tier
 from stratus.wire import inference_pb2 as pb
 from stratus.wire import inference_pb2_grpc as pb_grpc
+from tests.scripts import load
 
 from .cluster import MODELS, Cluster, fleet_status, infer, ready_count, wait_until
 
-ROOT = Path(__file__).resolve().parents[2]
 MODEL = MODELS / "digits" / "digits-large.onnx"
 NAME = "digits-large"
 TOKEN = "stratus-test-token"
 TOKEN_HEADER = "triton-grpc-protocol-triton-access-token"
 
 
-def _foreign_env() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("foreign_env", ROOT / "scripts" / "foreign_env.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("foreign_env", module)  # dataclasses look their module up by name
-    spec.loader.exec_module(module)
-    return module
-
-
-foreign_env = _foreign_env()
+foreign_env = load("foreign_env")
 
 
 @dataclass

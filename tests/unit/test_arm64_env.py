@@ -2,26 +2,13 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.scripts import load
 
-
-def _arm64_env() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("arm64_env", ROOT / "scripts" / "arm64_env.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("arm64_env", module)
-    spec.loader.exec_module(module)
-    return module
-
-
-arm64_env = _arm64_env()
+arm64_env = load("arm64_env")
 MIRROR = "http://mirror.invalid/debian"  # never a real index: the script reads the machine's own
 
 

@@ -11,20 +11,18 @@ random LLaMA made here (``STRATUS_VLLM_MODEL=DIR`` picks another folder). Tests 
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import os
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 
 from stratus.launcher import free_port
 from tests.integration.cluster import Cluster
 from tests.integration.vllm.direct import Gateway, Vllm, completion
+from tests.scripts import load
 
 ROOT = Path(__file__).resolve().parents[3]
 ARITH_LARGE = ROOT / "models" / "arith" / "arith-large"
@@ -54,16 +52,7 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: p
         terminalreporter.write_line("vLLM: " + ", ".join(f"{k} {v:.1f} s" for k, v in timings.items()))
 
 
-def _load_vllm_env() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("vllm_env", ROOT / "scripts" / "vllm_env.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
-
-
-vllm_env = _load_vllm_env()
+vllm_env = load("vllm_env")
 
 
 def _avx2() -> bool:
