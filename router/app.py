@@ -15,6 +15,7 @@ import grpc
 
 from router.cloud import CloudLink
 from router.cloud_models import parse_cloud_models, parse_header
+from router.cloud_pool import CloudPool, CloudTarget
 from router.dataplane import RouterDataPlane
 from router.fleet_service import FleetServicer, fleet_levels, rollout_levels
 from router.link import AdmissionGate, AgentLinkServicer
@@ -108,6 +109,8 @@ class RouterSettings:
 
     def __post_init__(self) -> None:
         parse_cloud_models(self.cloud_models)  # a bad entry stops the router before it serves
+        if self.cloud:
+            CloudTarget.parse(self.cloud)
         for key, value in self.cloud_headers:
             parse_header(f"{key}={value}")
 
@@ -224,7 +227,7 @@ async def serve(settings: RouterSettings, stop: asyncio.Event | None = None) -> 
 async def _close_the_rest(
     tasks: list[asyncio.Task[None] | None],
     closers: list[Callable[[], Awaitable[None]]],
-    cloud: CloudLink | None,
+    cloud: CloudPool | None,
 ) -> None:
     """After the server stopped: background tasks, extras (OpenAI API, /metrics, zeroconf), the cloud link."""
     running = [task for task in tasks if task is not None]
@@ -238,20 +241,28 @@ async def _close_the_rest(
         await cloud.close()
 
 
-def _cloud_link(settings: RouterSettings, registry: FleetRegistry) -> CloudLink | None:
-    """The link to the cloud, which learns what it serves for the families agents bring."""
+def _cloud_link(settings: RouterSettings, registry: FleetRegistry) -> CloudPool | None:
+    """A link to each cloud gateway (router/cloud_pool.py), which learns what it serves for
+    the families agents bring."""
     if not settings.cloud:
         return None
-    return CloudLink(
-        settings.cloud,
-        tls=settings.tls,
-        headers=(
-            *settings.cloud_headers,
-            *((("authorization", f"Bearer {settings.cloud_token}"),) if settings.cloud_token else ()),
-        ),
-        named=parse_cloud_models(settings.cloud_models),
-        families=lambda: registry.families,
+    headers = (
+        *settings.cloud_headers,
+        *((("authorization", f"Bearer {settings.cloud_token}"),) if settings.cloud_token else ()),
     )
+    named = parse_cloud_models(settings.cloud_models)
+
+    def link(address: str, server_name: str | None) -> CloudLink:
+        return CloudLink(
+            address,
+            tls=settings.tls,
+            headers=headers,
+            named=named,
+            families=lambda: registry.families,
+            server_name=server_name,
+        )
+
+    return CloudPool(settings.cloud, link)
 
 
 async def _start_extras(

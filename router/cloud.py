@@ -32,7 +32,7 @@ from stratus.errors import DeadlineExceeded, Overloaded, StratusError, Unavailab
 from stratus.generation import FINAL, MAX_TOKENS, TEXT_OUTPUT, Chunk
 from stratus.generation import STREAM as STREAM_PARAMETER
 from stratus.protocol import CONFIDENCE, VARIANT, set_parameter
-from stratus.serving import NO_TLS, TlsSettings, check_fits, open_channel
+from stratus.serving import NO_TLS, TlsSettings, check_fits, open_channel, server_name_options
 from stratus.stats import LatencyWindow
 from stratus.status import error_from_status
 from stratus.wire import fleet_pb2 as fpb
@@ -60,6 +60,7 @@ MISSING_POLL_S = 1.0
 MAX_MISSING_POLL_S = 30.0
 # Codes that mean the cloud cannot be reached now, not that it refused what it was asked.
 _LINK_DOWN = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED)
+UNMEASURED_MS = 5.0  # a cloud not measured yet is taken to be as cheap as a near one
 UNDECLARED_MAX_TOKENS = 16  # a text model whose config names no max_tokens: OpenAI's default
 
 # How fast the channel to the cloud redials after losing it: gRPC's defaults (1 s, growing
@@ -140,8 +141,10 @@ class CloudLink:
         headers: Sequence[tuple[str, str]] = (),
         named: Sequence[NamedModel] = (),
         families: Families = dict,
+        server_name: str | None = None,
     ) -> None:
         self.address = address
+        self._server_name = server_name  # what a TLS certificate must name, if not the address
         self._tls = tls
         self.max_pending = max_pending
         self.breaker = breaker or CircuitBreaker()
@@ -174,6 +177,16 @@ class CloudLink:
         return len(self._pending) + self._generating
 
     @property
+    def predicted_ms(self) -> float:
+        """What the next call should take: the measured mean, or a near cloud's until measured."""
+        return self.latency.mean_ms or UNMEASURED_MS
+
+    @property
+    def circuit(self) -> str:
+        """The breaker's state; a link that is down refuses at once, as an open breaker does."""
+        return self.breaker.state if self.state == "connected" else "open"
+
+    @property
     def status(self) -> str:
         """What `stratus fleet status` shows: the link's state, or the breaker's when open."""
         if self.state == "connected" and self.breaker.state != "closed":
@@ -197,7 +210,8 @@ class CloudLink:
         waits for it to turn READY rather than sleeping a growing delay of its own, so a
         returning cloud serves escalations within a second of listening again.
         """
-        self._channel = open_channel(self.address, self._tls, extra_options=RECONNECT_OPTIONS)
+        options = [*RECONNECT_OPTIONS, *server_name_options(self._server_name, self._tls)]
+        self._channel = open_channel(self.address, self._tls, extra_options=options)
         delay = 0.05
         while True:
             try:

@@ -17,8 +17,8 @@ import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from router.cloud import CloudLink
 from router.cloud_models import family_of
+from router.cloud_pool import CloudTier
 from router.generate import Generation, GenerationCascade, Sink
 from router.index import line_key
 from router.policy import Attempt, CloudView, FleetSnapshot, NoTarget, Target, choose, settled, top_tier
@@ -90,7 +90,7 @@ class RouterDataPlane(DataPlane):
     def __init__(
         self,
         registry: FleetRegistry,
-        cloud: CloudLink | None,
+        cloud: CloudTier | None,
         *,
         rng: random.Random | None = None,
         clock: Callable[[], float] = time.monotonic,
@@ -367,7 +367,7 @@ class RouterDataPlane(DataPlane):
             cloud = CloudView(
                 available=self.cloud.available,
                 serves=self.cloud.models.get(model, False),
-                predicted_ms=self.cloud.latency.mean_ms or 5.0,
+                predicted_ms=self.cloud.predicted_ms,
             )
         return self.registry.snapshot(model, cloud)
 

@@ -10,7 +10,7 @@ from typing import Any
 
 from prometheus_client.core import Metric
 
-from router.cloud import CloudLink
+from router.cloud_pool import CloudTier
 from router.index import line_key
 from router.peers import sync_parts
 from router.registry import AgentHandle, FleetRegistry, State, shown_state
@@ -68,7 +68,7 @@ def _variant_choice(name: str, info: fpb.VariantInfo) -> str:
     )
 
 
-def fleet_levels(registry: FleetRegistry, cloud: CloudLink | None) -> list[Metric]:
+def fleet_levels(registry: FleetRegistry, cloud: CloudTier | None) -> list[Metric]:
     """What Prometheus reads at each scrape: agents by tier and state, each agent's load,
     and the cloud link's breaker (1 for its current state)."""
     states: dict[tuple[str, str], int] = {}
@@ -88,8 +88,7 @@ def fleet_levels(registry: FleetRegistry, cloud: CloudLink | None) -> list[Metri
               ["agent"], queued),
     ]  # fmt: skip
     if cloud is not None:
-        # A link that is down refuses escalations at once, as an open breaker does.
-        current = cloud.breaker.state if cloud.state == "connected" else "open"
+        current = cloud.circuit
         families.append(
             gauge(
                 "stratus_router_cloud_breaker",
@@ -138,7 +137,7 @@ def _listed_agents(registry: FleetRegistry, max_bytes: int) -> tuple[list[fpb.Ag
 
 
 def fleet_status(
-    registry: FleetRegistry, cloud: CloudLink | None, *, include_agents: bool, max_bytes: int | None = None
+    registry: FleetRegistry, cloud: CloudTier | None, *, include_agents: bool, max_bytes: int | None = None
 ) -> fpb.FleetStatus:
     limit = MAX_STATUS_BYTES if max_bytes is None else max_bytes
     agents, omitted = _listed_agents(registry, limit) if include_agents else ([], 0)
@@ -208,7 +207,7 @@ class FleetServicer(fpb_grpc.FleetServicer):
     def __init__(
         self,
         registry: FleetRegistry,
-        cloud: CloudLink | None,
+        cloud: CloudTier | None,
         *,
         credentials: RouterCredentials | None = None,
         private_status: bool = False,

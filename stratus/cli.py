@@ -281,7 +281,13 @@ def _demo(args: argparse.Namespace) -> int:
 def _add_router(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> argparse.ArgumentParser:
     router = commands.add_parser("router", help="run the router (edge gateway)")
     router.add_argument("--listen", default="127.0.0.1:8001", help="HOST:PORT for OIP, AgentLink and Fleet")
-    router.add_argument("--cloud", default=None, help="HOST:PORT of the cloud gateway")
+    router.add_argument(
+        "--cloud",
+        default=None,
+        help="the cloud gateway: HOST:PORT, several (A:PORT,B:PORT), or dns:///NAME:PORT for every "
+        "address NAME resolves to (a headless Service), re-resolved every 15 s; each call goes to "
+        "the less busy of two",
+    )
     _add_cloud_link(router)
     router.add_argument("--no-advertise", action="store_true", help="do not advertise over zeroconf")
     for role, what in (

@@ -58,3 +58,8 @@ def test_an_agent_pointed_at_a_cloud_gateway_says_so_and_stops(cluster: Cluster)
     assert f"{cloud} is not a Stratus router (it has no AgentLink service" in done.stderr
     assert done.stderr.count("reconnecting") == 0  # it did not retry what cannot change
     assert done.stderr.rstrip().endswith(f"stratus: error: none of {cloud} is a Stratus router (see the log)")
+
+
+def test_a_bad_cloud_address_is_one_line() -> None:
+    line = one_line(stratus("router", "--listen", "127.0.0.1:0", "--no-advertise", "--cloud", "a:1,b"))
+    assert line == "stratus: error: --cloud 'a:1,b': 'b' is not HOST:PORT"

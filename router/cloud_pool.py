@@ -1,0 +1,267 @@
+"""The cloud tier as several gateways: one link to each, and two random choices per call.
+
+One channel to a Kubernetes Service's ClusterIP sticks to one pod for as long as its
+connection lives, so the replicas an autoscaler adds get nothing. The pool instead keeps a
+:class:`~router.cloud.CloudLink` (its own channel, stream and circuit breaker) per gateway
+and sends each escalation or generation to the less busy of two gateways picked at random
+(power of two choices: near-even load without a global view, and one slow gateway is
+avoided as soon as its in-flight count grows).
+
+Where the gateways are comes from ``--cloud``:
+
+* ``HOST:PORT``: one gateway (as before the pool).
+* ``A:PORT,B:PORT,...``: a fixed list.
+* ``dns:///NAME:PORT`` (or ``dns:NAME:PORT``): every address ``NAME`` resolves to, resolved
+  again every ``DNS_REFRESH_S`` (a headless Service lists each ready pod). TLS certificates
+  are then checked against ``NAME``, not the pod's address.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ipaddress
+import logging
+import random
+import socket
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from router.cloud import UNMEASURED_MS, CloudLink, OnChunk
+from stratus.errors import ConfigError, Unavailable
+from stratus.wire import fleet_pb2 as fpb
+from stratus.wire import inference_pb2 as pb
+
+log = logging.getLogger("stratus.router.cloud")
+
+DNS_REFRESH_S = 15.0  # how soon a new cloud pod gets traffic, at the latest
+DNS_RETRY_S = 1.0  # while a name resolves to nothing
+
+Resolver = Callable[[str, int], Awaitable[list[str]]]
+
+
+class CloudTier(Protocol):
+    """What the data plane and the fleet service use of the cloud: a link or a pool."""
+
+    address: str
+
+    @property
+    def available(self) -> bool: ...
+    @property
+    def models(self) -> dict[str, bool]: ...
+    @property
+    def generative(self) -> dict[str, fpb.FamilyInfo]: ...
+    @property
+    def predicted_ms(self) -> float: ...
+    @property
+    def status(self) -> str: ...
+    @property
+    def circuit(self) -> str: ...
+    def start(self) -> None: ...
+    async def close(self) -> None: ...
+    async def infer(self, request: pb.ModelInferRequest, *, timeout_s: float | None) -> pb.ModelInferResponse: ...
+    async def generate(
+        self, request: pb.ModelInferRequest, on_chunk: OnChunk, *, timeout_s: float | None
+    ) -> pb.ModelInferResponse: ...
+
+
+@dataclass(frozen=True, kw_only=True)
+class CloudTarget:
+    """``--cloud`` read: fixed gateways, or a DNS name to resolve (with its port)."""
+
+    addresses: tuple[str, ...] = ()
+    dns_name: str | None = None
+    dns_port: int = 0
+
+    @classmethod
+    def parse(cls, spec: str) -> CloudTarget:
+        spec = spec.strip()
+        if spec.startswith("dns:"):
+            name, port = _host_port(spec.removeprefix("dns:").removeprefix("//").lstrip("/"), spec)
+            return cls(dns_name=name, dns_port=port)
+        addresses = tuple(part.strip() for part in spec.split(",") if part.strip())
+        if not addresses:
+            raise ConfigError(f"--cloud {spec!r} names no gateway: give HOST:PORT, a list, or dns:///NAME:PORT")
+        for address in addresses:
+            _host_port(address, spec)
+        return cls(addresses=addresses)
+
+
+def _host_port(address: str, spec: str) -> tuple[str, int]:
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(f"--cloud {spec!r}: {address!r} is not HOST:PORT")
+    return host.strip("[]"), int(port)
+
+
+async def resolve_addresses(name: str, port: int) -> list[str]:
+    """Every TCP address ``name`` resolves to now, as ``HOST:PORT`` (IPv6 bracketed)."""
+    infos = await asyncio.get_running_loop().getaddrinfo(name, port, type=socket.SOCK_STREAM)
+    found = {str(info[4][0]) for info in infos}
+    return sorted(_joined(host, port) for host in found)
+
+
+def _joined(host: str, port: int) -> str:
+    with contextlib.suppress(ValueError):
+        if ipaddress.ip_address(host).version == 6:
+            return f"[{host}]:{port}"
+    return f"{host}:{port}"
+
+
+class CloudPool:
+    """Every cloud gateway ``--cloud`` names, as one cloud tier (see the module's docstring)."""
+
+    def __init__(
+        self,
+        spec: str,
+        make_link: Callable[[str, str | None], CloudLink],
+        *,
+        rng: random.Random | None = None,
+        resolve: Resolver = resolve_addresses,
+        refresh_s: float = DNS_REFRESH_S,
+    ) -> None:
+        self.address = spec
+        self.target = CloudTarget.parse(spec)
+        self._make_link = make_link
+        self._rng = rng or random.Random()
+        self._resolve = resolve
+        self._refresh_s = refresh_s
+        self.links: dict[str, CloudLink] = {}
+        self._retired: list[CloudLink] = []
+        self._task: asyncio.Task[None] | None = None
+        self._resolved_once = False
+
+    # -- what the rest of the router reads ------------------------------------------------
+    @property
+    def available(self) -> bool:
+        return any(link.available for link in self.links.values())
+
+    @property
+    def models(self) -> dict[str, bool]:
+        """The models any gateway serves (a model one gateway lacks goes to the others)."""
+        served: dict[str, bool] = {}
+        for link in self.links.values():
+            for name, ok in link.models.items():
+                served[name] = served.get(name, False) or ok
+        return served
+
+    @property
+    def generative(self) -> dict[str, fpb.FamilyInfo]:
+        merged: dict[str, fpb.FamilyInfo] = {}
+        for link in self.links.values():
+            merged.update(link.generative)
+        return merged
+
+    @property
+    def predicted_ms(self) -> float:
+        """The mean latency of the gateways measured so far (the next call goes to one)."""
+        means = [mean for link in self.links.values() if (mean := link.latency.mean_ms)]
+        return sum(means) / len(means) if means else UNMEASURED_MS
+
+    @property
+    def in_flight(self) -> int:
+        return sum(link.in_flight for link in self.links.values())
+
+    @property
+    def status(self) -> str:
+        """One gateway: its link's state. Several: ``connected`` when all are, else how many."""
+        links = list(self.links.values())
+        if not links:
+            return "resolving" if not self._resolved_once else f"no gateway behind {self.target.dns_name}"
+        if len(links) == 1:
+            return links[0].status
+        ready = sum(1 for link in links if link.status == "connected")
+        return "connected" if ready == len(links) else f"{ready}/{len(links)} gateways connected"
+
+    @property
+    def circuit(self) -> str:
+        """The best breaker state over the gateways: closed while any gateway takes calls."""
+        states = {link.circuit for link in self.links.values()}
+        return next((s for s in ("closed", "half-open") if s in states), "open")
+
+    def gateways(self) -> list[tuple[str, str, int]]:
+        """(address, status, in flight) of each gateway, for `stratus fleet status`."""
+        return [(address, link.status, link.in_flight) for address, link in sorted(self.links.items())]
+
+    # -- life -------------------------------------------------------------------------------
+    def start(self) -> None:
+        if self.target.dns_name is None:
+            self._adopt(self.target.addresses)
+            self._resolved_once = True
+            return
+        self._task = asyncio.create_task(self._follow_dns(), name="stratus-cloud-dns")
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        links = [*self.links.values(), *self._retired]
+        self.links, self._retired = {}, []
+        await asyncio.gather(*(link.close() for link in links), return_exceptions=True)
+
+    async def _follow_dns(self) -> None:
+        assert self.target.dns_name is not None
+        name, port = self.target.dns_name, self.target.dns_port
+        failing = False
+        while True:
+            try:
+                addresses = await self._resolve(name, port)
+                failing = False
+            except OSError as exc:
+                if not failing:
+                    log.warning("cloud %s: cannot resolve %s (%s); keeping %d gateways", self.address, name, exc,
+                                len(self.links))  # fmt: skip
+                failing, addresses = True, list(self.links)
+            self._adopt(addresses)
+            self._resolved_once = True
+            await self._close_idle_retired()
+            await asyncio.sleep(self._refresh_s if addresses else DNS_RETRY_S)
+
+    def _adopt(self, addresses: Sequence[str]) -> None:
+        """Links to gateways that appeared; those that went stop taking calls (and close once
+        their calls are done: a pod going away finishes what it holds)."""
+        wanted = set(addresses)
+        for address in sorted(wanted - set(self.links)):
+            link = self._make_link(address, self.target.dns_name)
+            self.links[address] = link
+            link.start()
+            log.info("cloud %s: gateway %s added", self.address, address)
+        for address in sorted(set(self.links) - wanted):
+            self._retired.append(self.links.pop(address))
+            log.info("cloud %s: gateway %s gone; it takes no new calls", self.address, address)
+
+    async def _close_idle_retired(self) -> None:
+        idle = [link for link in self._retired if link.in_flight == 0]
+        self._retired = [link for link in self._retired if link.in_flight > 0]
+        await asyncio.gather(*(link.close() for link in idle), return_exceptions=True)
+
+    # -- calls ------------------------------------------------------------------------------
+    def pick(self, model: str, *, avoid: CloudLink | None = None) -> CloudLink:
+        """The less busy of two gateways drawn at random from those that can take ``model``
+        now (ties go to the first drawn, so sequential calls spread evenly too)."""
+        able = [link for link in self.links.values() if link.available and link is not avoid]
+        serving = [link for link in able if link.models.get(model, False)] or able
+        if not serving:
+            raise Unavailable(f"cloud {self.address} is {self.status}")
+        if len(serving) == 1:
+            return serving[0]
+        first, second = self._rng.sample(serving, 2)
+        return second if second.in_flight < first.in_flight else first
+
+    async def infer(self, request: pb.ModelInferRequest, *, timeout_s: float | None) -> pb.ModelInferResponse:
+        """On one gateway; once more on another if that one's link broke under the call."""
+        link = self.pick(request.model_name)
+        try:
+            return await link.infer(request, timeout_s=timeout_s)
+        except Unavailable:
+            if link.available or not any(other.available for other in self.links.values() if other is not link):
+                raise
+            log.info("cloud %s: gateway %s broke under a call; asking another", self.address, link.address)
+            return await self.pick(request.model_name, avoid=link).infer(request, timeout_s=timeout_s)
+
+    async def generate(
+        self, request: pb.ModelInferRequest, on_chunk: OnChunk, *, timeout_s: float | None
+    ) -> pb.ModelInferResponse:
+        """On one gateway (not retried: its chunks may already have reached the client)."""
+        return await self.pick(request.model_name).generate(request, on_chunk, timeout_s=timeout_s)
