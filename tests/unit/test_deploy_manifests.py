@@ -177,6 +177,32 @@ def router_addresses(args: argparse.Namespace) -> list[str]:
     return [a.strip() for a in args.router.split(",") if a.strip()]
 
 
+def dialled(address: str) -> tuple[str, int]:
+    """The host and port a target names: HOST:PORT, Stratus's dns:NAME:PORT (every address NAME
+    resolves to) or gRPC's dns:///NAME:PORT."""
+    return split_address(address.removeprefix("dns:///").removeprefix("dns:"))
+
+
+def check_every_pod_behind(address: str, services: list[Doc], workload: Doc) -> Doc:
+    """``dns:///NAME:PORT`` where NAME is the fully qualified name of a headless Service that
+    selects the workload's pods on that port: gRPC resolves it to every ready pod. A ClusterIP
+    is one address, so one connection and one pod, however many replicas KEDA adds."""
+    assert address.startswith("dns:///"), f"{address}: one address holds one connection, to one pod"
+    host, port = dialled(address)
+    name, namespace, svc, *domain = host.split(".")
+    assert svc == "svc" and domain, f"{host} is not a Service's fully qualified name"
+    service = {s["metadata"]["name"]: s for s in services}[name]
+    assert service["metadata"]["namespace"] == namespace, f"{name} is not in namespace {namespace}"
+    assert service["spec"].get("clusterIP") == "None", f"{name} is not headless: one ClusterIP, one pod"
+    assert not service["spec"].get("publishNotReadyAddresses"), f"{name} lists pods that are not ready"
+    pod = workload["spec"]["template"]
+    assert service["spec"]["selector"].items() <= pod["metadata"]["labels"].items(), f"{name} selects no pod"
+    (target,) = [p["targetPort"] for p in service["spec"]["ports"] if p["port"] == port]
+    container_ports = {p["name"]: p["containerPort"] for c in pod["spec"]["containers"] for p in c["ports"]}
+    assert target in container_ports, f"{name}:{port} targets {target!r}, which the pods do not have"
+    return service
+
+
 # -- Kubernetes: built-in kinds ---------------------------------------------------------------
 
 
@@ -243,13 +269,15 @@ def workloads() -> Iterator[tuple[Doc, Doc]]:
                 yield doc, container
 
 
-def container_env(container: Doc) -> dict[str, str]:
-    """What $(VAR) in args can expand to: envFrom ConfigMaps, then env (a placeholder for
-    values from the downward API or a Secret)."""
+def container_env(container: Doc, configs: dict[str, dict[str, str]] | None = None) -> dict[str, str]:
+    """What $(VAR) in args can expand to: envFrom ConfigMaps (by name; deploy/k8s has one), then
+    env (a placeholder for values from the downward API or a Secret)."""
+    configs = {"stratus-settings": settings()} if configs is None else configs
     env: dict[str, str] = {}
     for source in container.get("envFrom", []):
-        assert source["configMapRef"]["name"] == "stratus-settings"
-        env.update(settings())
+        name = source["configMapRef"]["name"]
+        assert name in configs, f"envFrom names ConfigMap {name!r}, which does not exist"
+        env.update(configs[name])
     for var in container.get("env", []):
         env[var["name"]] = var.get("value", f"<{var['name'].lower()}>")
     return env
@@ -275,8 +303,17 @@ def secrets() -> dict[str, Doc]:
 
 
 def secret_file(pod: Doc, container: Doc, path: str) -> tuple[Doc, str]:
-    """The Secret and key that a path in a container reads: the path must lie in a read-only
-    mount of a secret volume, and the Secret must hold that key."""
+    """The Secret and key that a path in a container reads (secret_volume_key), and the Secret
+    must hold that key."""
+    name, key = secret_volume_key(pod, container, path)
+    secret = secrets()[name]
+    assert key in {**secret.get("data", {}), **secret.get("stringData", {})}, f"{path}: no key {key!r}"
+    return secret, key
+
+
+def secret_volume_key(pod: Doc, container: Doc, path: str) -> tuple[str, str]:
+    """The Secret's name and the key that a path in a container reads: the path must lie in a
+    read-only mount of a secret volume that only its owner's group can read."""
     volumes = {v["name"]: v for v in pod.get("volumes", [])}
     for mount in container.get("volumeMounts", []):
         folder = mount["mountPath"].rstrip("/") + "/"
@@ -289,9 +326,7 @@ def secret_file(pod: Doc, container: Doc, path: str) -> tuple[Doc, str]:
         assert volume["secret"].get("defaultMode", 0o644) & 0o007 == 0, "the key is readable by others"
         items = {i["path"]: i["key"] for i in volume["secret"].get("items", [])}
         key = items.get(path.removeprefix(folder), path.removeprefix(folder))
-        secret = secrets()[volume["secret"]["secretName"]]
-        assert key in {**secret.get("data", {}), **secret.get("stringData", {})}, f"{path}: no key {key!r}"
-        return secret, key
+        return str(volume["secret"]["secretName"]), key
     pytest.fail(f"{path} is in no volume the container mounts")
 
 
@@ -311,8 +346,17 @@ def probe_args(container: Doc, which: str) -> argparse.Namespace:
 @pytest.mark.parametrize("item", STRATUS_CONTAINERS, ids=container_id)
 def test_stratus_container_args_ports_and_probes(item: tuple[Doc, Doc]) -> None:
     workload, container = item
-    assert "command" not in container, "the image's ENTRYPOINT is stratus: set args only"
     args = parse(expand(container["args"], container_env(container)))
+    check_args_ports_and_probes(workload, container, args, of_kind("Service"))
+
+
+def check_args_ports_and_probes(
+    workload: Doc, container: Doc, args: argparse.Namespace, services: list[Doc]
+) -> None:
+    """A Stratus container (deploy/k8s or the Helm chart): it listens where its ports and the
+    Services say, its probes ask its own gRPC port over mutual TLS, it has requests and limits,
+    runs unprivileged, and an agent links to every router through a headless Service."""
+    assert "command" not in container, "the image's ENTRYPOINT is stratus: set args only"
     addresses = listening(args)
     assert set(addresses) == {"grpc", "metrics"}, "every Stratus container serves gRPC and /metrics"
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
@@ -343,9 +387,9 @@ def test_stratus_container_args_ports_and_probes(item: tuple[Doc, Doc]) -> None:
     assert pod["securityContext"]["runAsNonRoot"] is True
     assert container["securityContext"]["allowPrivilegeEscalation"] is False
     if args.command == "agent":
-        routers = {s["metadata"]["name"]: s for s in of_kind("Service")}
+        routers = {s["metadata"]["name"]: s for s in services}
         for address in router_addresses(args):
-            host, port = split_address(address.removeprefix("dns:"))
+            host, port = dialled(address)
             service = routers[host.split(".")[0]]
             assert port in [p["port"] for p in service["spec"]["ports"]]
             if address.startswith("dns:"):  # every router pod: only a headless Service lists them
@@ -404,25 +448,52 @@ def test_k8s_secrets_are_placeholders_made_by_the_documented_commands() -> None:
             f"{secret['metadata']['name']}: no command makes {role}/{name}"
         )
     config = settings()
-    dialled = {
-        "cloud": split_address(config["STRATUS_CLOUD_ADDRESS"])[0],
-        "router": split_address(config["STRATUS_ROUTER_ADDRESS"].removeprefix("dns:"))[0],
+    hosts_dialled = {
+        "cloud": dialled(config["STRATUS_CLOUD_ADDRESS"])[0],
+        "router": dialled(config["STRATUS_ROUTER_ADDRESS"])[0],
     }
-    for role, host in dialled.items():
+    for role, host in hosts_dialled.items():
         (hosts,) = [h for who, h in made.items() if who.role == role]
         assert host in hosts, f"the {role} certificate does not carry {host}, which its clients dial"
 
 
 def test_services_select_pods_with_their_target_ports() -> None:
     pods = [d["spec"]["template"] for d in of_kind("Deployment") + of_kind("DaemonSet")]
-    for service in of_kind("Service"):
-        selector = service["spec"]["selector"]
+    check_services_select_pods(of_kind("Service"), pods)
+
+
+def check_services_select_pods(services: list[Doc], pods: list[Doc]) -> None:
+    """Every Service selects some pod template, on ports its containers name."""
+    for service in services:
+        selector = dict(service["spec"]["selector"])
+        selector.pop("statefulset.kubernetes.io/pod-name", None)  # the StatefulSet sets it on each pod
         chosen = [p for p in pods if selector.items() <= p["metadata"]["labels"].items()]
         assert chosen, f"Service {service['metadata']['name']} selects no pod"
         for pod in chosen:
             names = {p["name"] for c in pod["spec"]["containers"] for p in c.get("ports", [])}
             for port in service["spec"]["ports"]:
                 assert port["targetPort"] in names, f"{service['metadata']['name']}: {port['targetPort']}"
+
+
+def test_routers_spread_their_cloud_link_over_every_cloud_pod() -> None:
+    """--cloud is dns:/// and the headless Service of the cloud gateway's pods, so the pods KEDA
+    adds take escalations too."""
+    (router,) = [c for _, c in STRATUS_CONTAINERS if c["args"][0] == "router"]
+    args = parse(expand(router["args"], container_env(router)))
+    cloud = next(d for d in of_kind("Deployment") if d["metadata"]["name"] == "stratus-cloud")
+    service = check_every_pod_behind(args.cloud, of_kind("Service"), cloud)
+    assert service["metadata"]["name"] == "stratus-cloud-headless"
+
+
+def test_the_cloud_target_check_catches_a_cluster_ip() -> None:
+    """The check above can fail: the ClusterIP Service, or a bare HOST:PORT, is refused."""
+    cloud = next(d for d in of_kind("Deployment") if d["metadata"]["name"] == "stratus-cloud")
+    with pytest.raises(AssertionError, match="not headless"):
+        check_every_pod_behind(
+            "dns:///stratus-cloud.stratus.svc.cluster.local:8002", of_kind("Service"), cloud
+        )
+    with pytest.raises(AssertionError, match="one connection"):
+        check_every_pod_behind("stratus-cloud:8002", of_kind("Service"), cloud)
 
 
 def test_router_pdb_and_hpa_target_the_router() -> None:
