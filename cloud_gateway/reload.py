@@ -59,6 +59,11 @@ class Reloader:
         self._pending: set[asyncio.Task[fpb.ReloadResponse]] = set()
 
     def on_hangup(self) -> None:
+        if self._models is None:
+            log.warning(
+                "SIGHUP ignored: this gateway serves only its upstream's family, from no models folder"
+            )
+            return
         if not start_collapsed(self._pending, self.reload, name="stratus-cloud-reload"):
             log.info("SIGHUP: a reload is already waiting; this one joins it")
 

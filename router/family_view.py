@@ -129,10 +129,13 @@ def family_status(
 def cloud_seen(cloud: CloudLink | None, family: str) -> CloudSeen | None:
     if cloud is None:
         return None
+    status = cloud.status
+    if status == "connected" and not cloud.available:  # up, but its queue is full
+        status = f"full ({cloud.in_flight} escalations in flight)"
     return CloudSeen(
         serves=cloud.models.get(family, False),
         available=cloud.available,
-        status=cloud.status,
+        status=status,
         variant=cloud.variants.get(family, ""),
     )
 

@@ -103,6 +103,19 @@ def test_family_statuses_read_thresholds_current_variants_rollouts_and_the_cloud
     assert not digits.tiers[0].candidate
 
 
+def test_a_connected_cloud_whose_queue_is_full_says_so() -> None:
+    reg = registry()
+    reg.register(hello("d1"), peer="t")
+    cloud = CloudLink("127.0.0.1:1", max_pending=0)  # full from the start
+    cloud.state, cloud.models = "connected", {"digits": True}
+    (digits,) = family_statuses(reg, cloud, [])
+    assert digits.state == DEGRADED
+    assert (
+        digits.reason
+        == "unsure device answers cannot climb: the cloud link is full (0 escalations in flight)"
+    )
+
+
 def test_the_clouds_own_text_models_are_families_but_its_variants_of_known_ones_are_not() -> None:
     reg = registry()
     reg.register(hello("d1"), peer="t")
