@@ -108,8 +108,8 @@ class GatewayServicer(fpb_grpc.CloudGatewayServicer):
         if self._mutual_tls:
             cert = caller_certificate(context)
             if cert is None or cert.role not in RELOADERS:
-                shown = f"a {cert}'s certificate" if cert else "a certificate with no Stratus identity"
-                raise PermissionDenied(f"Reload needs a router's or operator's certificate, not {shown}")
+                shown = f"this one is {cert}" if cert else "this one has no Stratus identity"
+                raise PermissionDenied(f"Reload needs a router's or operator's certificate; {shown}")
         if self._expected:
             presented = dict(context.invocation_metadata() or ()).get("authorization", "")
             if not isinstance(presented, str) or not same_secret(presented, self._expected):
