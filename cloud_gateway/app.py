@@ -14,12 +14,16 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import signal
 import socket
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import grpc
+
 from cloud_gateway.generative import GenerativeModel, UpstreamDataPlane
+from cloud_gateway.reload import GatewayServicer, Reloader
 from cloud_gateway.upstream import OpenAIUpstream, UpstreamSettings, served_model
 from stratus.auth import check_endpoint, insecure_warning
 from stratus.batching import DEFAULT_MAX_BATCH, DEFAULT_MAX_DELAY_S
@@ -42,6 +46,7 @@ from stratus.serving import (
     create_server,
 )
 from stratus.tiers import Tier
+from stratus.wire import fleet_pb2_grpc as fpb_grpc
 from stratus.wire import inference_pb2_grpc as pb_grpc
 
 log = logging.getLogger("stratus.cloud")
@@ -83,10 +88,11 @@ async def serve(settings: CloudSettings, stop: asyncio.Event | None = None) -> N
     stop_on_signals(stop)
     metrics = Metrics()
     name = settings.name or f"cloud-{socket.gethostname()}"
-    async with _data_plane(settings, metrics, name) as plane:
+    async with _data_plane(settings, metrics, name) as (plane, models):
         server = create_server(client_token=settings.client_token)
         limits = ClientLimits(settings.max_requests_per_client)
         pb_grpc.add_GRPCInferenceServiceServicer_to_server(InferenceServicer(plane, limits=limits), server)
+        reloader = _reloads(server, settings, models)
         health = Health(server, plane.ready)
         port = bind(server, settings.listen, settings.tls)
         await server.start()
@@ -106,13 +112,27 @@ async def serve(settings: CloudSettings, stop: asyncio.Event | None = None) -> N
         if exporter is not None:
             exporter.close()
         await server.stop(grace=5.0)
+        await reloader.close()
     log.info("stopped")
 
 
+def _reloads(server: grpc.aio.Server, settings: CloudSettings, models: LocalModels | None) -> Reloader:
+    """Reloads on SIGHUP and on a router's CloudGateway.Reload (``stratus fleet reload --cloud``)."""
+    reloader = Reloader(models)
+    fpb_grpc.add_CloudGatewayServicer_to_server(
+        GatewayServicer(reloader, client_token=settings.client_token, mutual_tls=settings.tls.mutual), server
+    )
+    with contextlib.suppress(NotImplementedError, AttributeError):  # no SIGHUP off POSIX
+        asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, reloader.on_hangup)
+    return reloader
+
+
 @contextlib.asynccontextmanager
-async def _data_plane(settings: CloudSettings, metrics: Metrics, name: str) -> AsyncIterator[DataPlane]:
-    """The local cloud variants, with the upstream's family in front of them if there is one;
-    closed when the gateway stops."""
+async def _data_plane(
+    settings: CloudSettings, metrics: Metrics, name: str
+) -> AsyncIterator[tuple[DataPlane, LocalModels | None]]:
+    """The local cloud variants (and the models, for reloads), with the upstream's family in
+    front of them if there is one; closed when the gateway stops."""
     repository = ModelRepository.load(settings.models)
     upstream = await _upstream(settings) if settings.openai_upstream else None
     models: LocalModels | None = None
@@ -124,11 +144,11 @@ async def _data_plane(settings: CloudSettings, metrics: Metrics, name: str) -> A
         local = LocalDataPlane(models, tier=Tier.CLOUD, name=name) if models is not None else None
         if upstream is None or model is None:
             assert local is not None
-            yield local
+            yield local, models
         else:
             plane = UpstreamDataPlane(upstream, model, local=local, name=name)
             metrics.collect_with(plane.levels)
-            yield plane
+            yield plane, models
     finally:
         if upstream is not None:
             await upstream.close()

@@ -18,6 +18,7 @@ import platform
 import random
 import signal
 import socket
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,7 +35,7 @@ from stratus.local import LocalDataPlane, LocalModels
 from stratus.metrics import Metrics
 from stratus.metrics import serve as serve_metrics
 from stratus.precision import Hardware
-from stratus.process import announce
+from stratus.process import announce, process_uptime_s, start_collapsed
 from stratus.serving import (
     NO_TLS,
     Health,
@@ -164,10 +165,14 @@ class Agent:
         models: LocalModels,
         *,
         rng: random.Random | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.settings = settings
         self.models = models
         self._rng = rng or random.Random()
+        self._clock = clock
+        # When this agent's process started, on ``clock``: its Hellos say how long it has run.
+        self._started = clock() - (process_uptime_s() or 0.0)
         self.links: dict[str, Link] = {}  # by router address, while linked
         self._reload_lock = asyncio.Lock()
         self._reloads: set[asyncio.Task[None]] = set()
@@ -193,6 +198,7 @@ class Agent:
                 families=self.models.families_info(),
                 queue_limit=self.settings.queue_limit,
                 unavailable=self.models.unavailable_info(),
+                uptime_s=self._clock() - self._started,
             )
         )
 
@@ -384,12 +390,8 @@ class Agent:
 
         Reloads collapse: with one running and one waiting, another adds nothing (the waiting
         one reads the folder after the running one ends), so a burst of Reloads costs two."""
-        if len(self._reloads) >= 2:
+        if not start_collapsed(self._reloads, self.reload, name="stratus-agent-reload"):
             log.info("a reload is already waiting; this request joins it")
-            return
-        task = asyncio.create_task(self.reload(), name="stratus-agent-reload")
-        self._reloads.add(task)
-        task.add_done_callback(self._reloads.discard)
 
     async def reload(self) -> None:
         """Load and warm what changed in the models folder, then announce it to every router.

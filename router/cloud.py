@@ -25,10 +25,10 @@ from typing import Any
 
 import grpc
 
-from router.cloud_models import Found, NamedModel, generates, probe_names, routes
+from router.cloud_models import Found, NamedModel, answered_by, generates, probe_names, routes
 from stratus import codec
 from stratus.confidence import max_probability
-from stratus.errors import DeadlineExceeded, Overloaded, StratusError, Unavailable
+from stratus.errors import ConfigError, DeadlineExceeded, Overloaded, StratusError, Unavailable
 from stratus.generation import FINAL, MAX_TOKENS, TEXT_OUTPUT, Chunk
 from stratus.generation import STREAM as STREAM_PARAMETER
 from stratus.protocol import CONFIDENCE, VARIANT, set_parameter
@@ -36,6 +36,7 @@ from stratus.serving import NO_TLS, TlsSettings, check_fits, open_channel, serve
 from stratus.stats import LatencyWindow
 from stratus.status import error_from_status
 from stratus.wire import fleet_pb2 as fpb
+from stratus.wire import fleet_pb2_grpc as fpb_grpc
 from stratus.wire import inference_pb2 as pb
 from stratus.wire import inference_pb2_grpc as pb_grpc
 
@@ -58,6 +59,9 @@ STREAM_CHECK_S = 0.2
 FAMILIES_POLL_S = 0.5
 MISSING_POLL_S = 1.0
 MAX_MISSING_POLL_S = 30.0
+# And at least this often whatever changed here: a gateway reloaded with SIGHUP (rather than
+# through `stratus fleet reload --cloud`, which makes the router learn at once) is caught so.
+RELEARN_S = 30.0
 # Codes that mean the cloud cannot be reached now, not that it refused what it was asked.
 _LINK_DOWN = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED)
 UNMEASURED_MS = 5.0  # a cloud not measured yet is taken to be as cheap as a near one
@@ -162,8 +166,10 @@ class CloudLink:
         self._families = families
         self._learnt_for: frozenset[str] | None = None
         self._no_stream: str | None = None  # the server (name version) that refused the stream
+        self.server = ""  # "name version", as its ServerMetadata said when the link last opened
         self.models: dict[str, bool] = {}
         self.wire_names: dict[str, str] = {}  # a request's model -> the name the cloud serves it under
+        self.variants: dict[str, str] = {}  # a request's model -> what answers it there (fleet status)
         self.generative: dict[str, fpb.FamilyInfo] = {}  # the cloud's text models, as families
         self._generating = 0
 
@@ -233,7 +239,7 @@ class CloudLink:
         following the families that agents bring."""
         stub = pb_grpc.GRPCInferenceServiceStub(channel)
         await stub.ServerLive(pb.ServerLiveRequest(), timeout=2.0, metadata=self._headers)
-        server = await self._server(stub)
+        server = self.server = await self._server(stub)
         self._learnt_for = None
         await self._learn_models(stub)
         following = asyncio.create_task(self._follow_families(stub), name="stratus-cloud-families")
@@ -270,14 +276,15 @@ class CloudLink:
         while a family or a named model was not found there: after MISSING_POLL_S, then
         twice as long each time nothing new turns up (a server that listens before its
         models load is caught at once; one that never serves a family is asked rarely)."""
-        interval, waited = MISSING_POLL_S, 0.0
+        interval, waited, since = MISSING_POLL_S, 0.0, 0.0
         while True:
             await asyncio.sleep(FAMILIES_POLL_S)
             waited += FAMILIES_POLL_S
+            since += FAMILIES_POLL_S
             changed = frozenset(self._families()) != self._learnt_for
-            if not changed and not (self._missing() and waited >= interval):
+            if not changed and not (self._missing() and waited >= interval) and since < RELEARN_S:
                 continue
-            before, waited = self.wire_names, 0.0
+            before, waited, since = self.wire_names, 0.0, 0.0
             try:
                 await self._learn_models(stub)
             except grpc.aio.AioRpcError as exc:
@@ -308,8 +315,32 @@ class CloudLink:
                 "cloud %s serves %s", self.address, ", ".join(f"{k}->{v}" for k, v in sorted(wire.items()))
             )
         self.wire_names = wire
+        self.variants = answered_by(found, wire, names_variants=self.server.split(" ")[0] == "stratus")
         self.models = dict.fromkeys(wire, True)
         self._learnt_for = frozenset(families)
+
+    async def reload(self, *, timeout_s: float) -> fpb.ReloadResponse:
+        """Ask a Stratus cloud gateway to reload its models folder, with the link's credential."""
+        if self._channel is None:
+            raise Unavailable(f"cloud {self.address} is {self.status}")
+        stub = fpb_grpc.CloudGatewayStub(self._channel)
+        try:
+            return await stub.Reload(fpb.GatewayReloadRequest(), timeout=timeout_s, metadata=self._headers)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
+                raise ConfigError(
+                    f"cloud {self.address} ({self.server or 'unknown server'}) is not a Stratus cloud "
+                    "gateway: it has no Reload; load new models its own way"
+                ) from None
+            raise _call_error(exc, timeout_s) from None
+
+    async def learn_now(self) -> None:
+        """Learn what the cloud serves now (after it reloaded), where the link is up."""
+        if self._channel is None or self.state != "connected":
+            raise Unavailable(
+                f"cloud {self.address} is {self.status}: what it serves is learnt when it is back"
+            )
+        await self._learn_models(pb_grpc.GRPCInferenceServiceStub(self._channel))
 
     async def _listed(self, stub: pb_grpc.GRPCInferenceServiceAsyncStub) -> dict[str, bool]:
         """RepositoryIndex's names (ready or not), or none where the cloud restricts it

@@ -173,3 +173,16 @@ def routes(
                 break
             refused.append(f"{entry.name} for {family}: {reason}")
     return wire, refused
+
+
+def answered_by(found: Sequence[Found], wire: Mapping[str, str], *, names_variants: bool) -> dict[str, str]:
+    """What answers each request name at the cloud, for operators: the variant a Stratus
+    gateway's ModelMetadata names as its version (``digits`` -> ``digits-large-fp16``);
+    elsewhere the model the name is sent as (Triton's versions are numbers, not variants)."""
+    described = {entry.name: entry.metadata for entry in found}
+    answers: dict[str, str] = {}
+    for name, sent_as in wire.items():
+        metadata = described.get(sent_as)
+        versions = list(metadata.versions) if metadata is not None and names_variants else []
+        answers[name] = versions[0] if versions else sent_as
+    return answers

@@ -30,6 +30,7 @@ from typing import Protocol
 
 from router.cloud import UNMEASURED_MS, CloudLink, OnChunk
 from stratus.errors import ConfigError, Unavailable
+from stratus.stats import LatencyWindow
 from stratus.wire import fleet_pb2 as fpb
 from stratus.wire import inference_pb2 as pb
 
@@ -49,6 +50,18 @@ class CloudTier(Protocol):
     @property
     def available(self) -> bool: ...
     @property
+    def server(self) -> str: ...
+    @property
+    def transport(self) -> str: ...
+    @property
+    def in_flight(self) -> int: ...
+    @property
+    def latency(self) -> LatencyWindow: ...
+    @property
+    def wire_names(self) -> dict[str, str]: ...
+    @property
+    def variants(self) -> dict[str, str]: ...
+    @property
     def models(self) -> dict[str, bool]: ...
     @property
     def generative(self) -> dict[str, fpb.FamilyInfo]: ...
@@ -64,6 +77,8 @@ class CloudTier(Protocol):
     async def generate(
         self, request: pb.ModelInferRequest, on_chunk: OnChunk, *, timeout_s: float | None
     ) -> pb.ModelInferResponse: ...
+    async def reload(self, *, timeout_s: float) -> fpb.ReloadResponse: ...
+    async def learn_now(self) -> None: ...
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -162,6 +177,34 @@ class CloudPool:
     @property
     def in_flight(self) -> int:
         return sum(link.in_flight for link in self.links.values())
+
+    @property
+    def server(self) -> str:
+        """The gateways' servers ("stratus 0.1.0"); several only while a rolling update runs."""
+        return ", ".join(sorted({link.server for link in self.links.values() if link.server}))
+
+    @property
+    def transport(self) -> str:
+        return ", ".join(sorted({link.transport for link in self.links.values() if link.server}))
+
+    @property
+    def latency(self) -> LatencyWindow:
+        """Every gateway's recent round trips, together (what `fleet status` shows)."""
+        return LatencyWindow.merged([link.latency for link in self.links.values()])
+
+    @property
+    def wire_names(self) -> dict[str, str]:
+        return self._merged(lambda link: link.wire_names)
+
+    @property
+    def variants(self) -> dict[str, str]:
+        return self._merged(lambda link: link.variants)
+
+    def _merged(self, part: Callable[[CloudLink], dict[str, str]]) -> dict[str, str]:
+        merged: dict[str, str] = {}
+        for link in self.links.values():
+            merged.update(part(link))
+        return merged
 
     @property
     def status(self) -> str:
@@ -265,3 +308,26 @@ class CloudPool:
     ) -> pb.ModelInferResponse:
         """On one gateway (not retried: its chunks may already have reached the client)."""
         return await self.pick(request.model_name).generate(request, on_chunk, timeout_s=timeout_s)
+
+    # -- reloads ----------------------------------------------------------------------------
+    async def reload(self, *, timeout_s: float) -> fpb.ReloadResponse:
+        """Every gateway reloads its models folder; ok only if each one did."""
+        links = list(self.links.values())
+        if not links:
+            raise Unavailable(f"cloud {self.address} is {self.status}")
+        if len(links) == 1:
+            return await links[0].reload(timeout_s=timeout_s)
+        tried = await asyncio.gather(*(link.reload(timeout_s=timeout_s) for link in links), return_exceptions=True)
+        answers = [
+            answer if isinstance(answer, fpb.ReloadResponse) else fpb.ReloadResponse(ok=False, message=str(answer))
+            for answer in tried
+        ]
+        return fpb.ReloadResponse(
+            ok=all(answer.ok for answer in answers),
+            message="; ".join(f"{link.address}: {answer.message}" for link, answer in zip(links, answers, strict=True)),
+            variants=sorted({v for answer in answers for v in answer.variants}),
+        )
+
+    async def learn_now(self) -> None:
+        """Learn again from every gateway that is up (one that is down learns when back)."""
+        await asyncio.gather(*(link.learn_now() for link in self.links.values() if link.state == "connected"))

@@ -1,4 +1,4 @@
-"""The Fleet service: status for operators, a stream of changes, and Drain."""
+"""The Fleet service: status for operators, a stream of changes, Drain, reloads and rollouts."""
 
 from __future__ import annotations
 
@@ -11,13 +11,14 @@ from typing import Any
 from prometheus_client.core import Metric
 
 from router.cloud_pool import CloudTier
+from router.family_view import family_statuses
 from router.index import line_key
 from router.peers import sync_parts
-from router.registry import AgentHandle, FleetRegistry, State, shown_state
+from router.registry import MAX_RELOAD_WAIT_S, AgentHandle, FleetRegistry, State, shown_state
 from router.rollout import DEFAULT_STEPS, ArmWindow, Margins, Plan, Rollouts
 from stratus import __version__
 from stratus.auth import RouterCredentials, proof_holds, sync_proof
-from stratus.errors import InvalidInput, NotFound
+from stratus.errors import ConfigError, InvalidInput, NotFound
 from stratus.metrics import gauge
 from stratus.tiers import Tier
 from stratus.wire import fleet_pb2 as fpb
@@ -55,6 +56,8 @@ def agent_status(handle: AgentHandle, now: float) -> fpb.AgentStatus:
         variant_choices=[_variant_choice(name, info) for name, info in sorted(handle.variants.items())],
         unavailable=[f"{u.family} ({u.variant}): {u.reason}" for u in handle.unavailable],
         hardware=handle.hardware,
+        version=handle.version,
+        uptime_s=now - handle.started if handle.started is not None and handle.state != State.LOST else 0.0,
     )
 
 
@@ -136,20 +139,45 @@ def _listed_agents(registry: FleetRegistry, max_bytes: int) -> tuple[list[fpb.Ag
     return listed, 0
 
 
+def cloud_status(cloud: CloudTier | None) -> fpb.CloudStatus:
+    """The cloud link as an operator reads it: its state, server, load, round trips, models."""
+    if cloud is None:
+        return fpb.CloudStatus(state="none")
+    return fpb.CloudStatus(
+        address=cloud.address,
+        state=cloud.status,
+        server=cloud.server,
+        transport=cloud.transport if cloud.server else "",
+        in_flight=cloud.in_flight,
+        p50_ms=cloud.latency.percentile(50),
+        p99_ms=cloud.latency.percentile(99),
+        models=[
+            fpb.CloudModel(name=name, sent_as=sent_as, variant=cloud.variants.get(name, sent_as))
+            for name, sent_as in sorted(cloud.wire_names.items())
+        ],
+    )
+
+
 def fleet_status(
-    registry: FleetRegistry, cloud: CloudTier | None, *, include_agents: bool, max_bytes: int | None = None
+    registry: FleetRegistry,
+    cloud: CloudTier | None,
+    *,
+    include_agents: bool,
+    include_families: bool = False,
+    rollouts: Rollouts | None = None,
+    max_bytes: int | None = None,
 ) -> fpb.FleetStatus:
     limit = MAX_STATUS_BYTES if max_bytes is None else max_bytes
     agents, omitted = _listed_agents(registry, limit) if include_agents else ([], 0)
+    plans = rollouts.plans() if rollouts is not None else []
     return fpb.FleetStatus(
         agents=agents,
         omitted_agents=omitted,
         tiers=tier_summaries(registry),
-        cloud=fpb.CloudStatus(address=cloud.address, state=cloud.status)
-        if cloud
-        else fpb.CloudStatus(state="none"),
+        cloud=cloud_status(cloud),
         router_version=__version__,
         heartbeat_interval_s=registry.pace_s,
+        families=family_statuses(registry, cloud, plans) if include_families else [],
     )
 
 
@@ -220,9 +248,8 @@ class FleetServicer(fpb_grpc.FleetServicer):
         self._private_status = private_status  # Status, Watch and rollout status need an operator
         self._rollouts = rollouts or Rollouts(router_id="router")
         self._synced = synced  # set when a change should reach the other routers now
-        self._built: dict[
-            bool, tuple[float, fpb.FleetStatus]
-        ] = {}  # Watch's shared status, by include_agents
+        # Watch's shared status, by what it lists (include_agents, include_families)
+        self._built: dict[tuple[bool, bool], tuple[float, fpb.FleetStatus]] = {}
 
     def _authorize(self, token: str, context: Any, what: str) -> None:
         self._credentials.require_operator(token, context, what)
@@ -233,7 +260,13 @@ class FleetServicer(fpb_grpc.FleetServicer):
 
     async def Status(self, request: fpb.FleetStatusRequest, context: Any) -> fpb.FleetStatus:
         self._authorize_read(request.token, context, "Status")
-        return fleet_status(self._registry, self._cloud, include_agents=request.include_agents)
+        return fleet_status(
+            self._registry,
+            self._cloud,
+            include_agents=request.include_agents,
+            include_families=request.include_families,
+            rollouts=self._rollouts,
+        )
 
     async def Watch(self, request: fpb.FleetWatchRequest, context: Any) -> AsyncIterator[fpb.FleetEvent]:
         """A status now, then one on every change (at most every WATCH_MIN_GAP_S, changes in
@@ -242,26 +275,34 @@ class FleetServicer(fpb_grpc.FleetServicer):
         changes = self._registry.watch()
         try:
             while True:
-                yield fpb.FleetEvent(status=self._shared_status(request.include_agents))
+                yield fpb.FleetEvent(
+                    status=self._shared_status(request.include_agents, request.include_families)
+                )
                 await asyncio.sleep(WATCH_MIN_GAP_S)
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(changes.get(), timeout=self._registry.heartbeat_s)
         finally:
             self._registry.unwatch(changes)
 
-    def _shared_status(self, include_agents: bool) -> fpb.FleetStatus:
+    def _shared_status(self, include_agents: bool, include_families: bool = False) -> fpb.FleetStatus:
         """One status for every watcher that asks within half a gap: building it costs
         O(fleet), and forty watchers used to build forty every half second."""
         now = time.monotonic()
-        built = self._built.get(include_agents)
+        key = (include_agents, include_families)
+        built = self._built.get(key)
         if built is None or now - built[0] >= WATCH_MIN_GAP_S / 2:
             status = fleet_status(
-                self._registry, self._cloud, include_agents=include_agents, max_bytes=MAX_WATCH_STATUS_BYTES
+                self._registry,
+                self._cloud,
+                include_agents=include_agents,
+                include_families=include_families,
+                rollouts=self._rollouts,
+                max_bytes=MAX_WATCH_STATUS_BYTES,
             )
             # Stamped when built, not when asked: a build slower than half a gap would otherwise
             # be redone by every watcher in turn (80 watchers, 80 builds a round).
             built = (time.monotonic(), status)
-            self._built[include_agents] = built
+            self._built[key] = built
         return built[1]
 
     async def Drain(self, request: fpb.DrainRequest, context: Any) -> fpb.DrainResponse:
@@ -287,6 +328,16 @@ class FleetServicer(fpb_grpc.FleetServicer):
         if problem:
             return fpb.ReloadResponse(ok=False, message=f"agent {handle.id}: {problem}", variants=served)
         return fpb.ReloadResponse(ok=True, message=f"agent {handle.id} reloaded", variants=served)
+
+    async def ReloadCloud(self, request: fpb.CloudReloadRequest, context: Any) -> fpb.ReloadResponse:
+        self._authorize(request.token, context, "ReloadCloud")
+        if self._cloud is None:
+            raise ConfigError("this router runs without a cloud (--cloud): there is no cloud to reload")
+        timeout_s = min(request.timeout_s if request.timeout_s > 0 else 120.0, MAX_RELOAD_WAIT_S)
+        answer = await self._cloud.reload(timeout_s=timeout_s)
+        if answer.ok:
+            await self._cloud.learn_now()  # so a request for what it just loaded finds it now
+        return answer
 
     async def Rollout(self, request: fpb.RolloutRequest, context: Any) -> fpb.RolloutReply:
         action = request.action

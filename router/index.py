@@ -153,6 +153,10 @@ class AgentIndex(Generic[A]):
         counts = self._listed.get(model)
         return frozenset(counts) if counts else frozenset()
 
+    def listed(self, model: str) -> Mapping[Tier, int]:
+        """How many listed agents serve ``model`` on each tier (live: read it, do not keep it)."""
+        return self._listed.get(model) or {}
+
     def family_of(self, variant: str) -> str | None:
         return self._family.get(variant)
 

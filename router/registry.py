@@ -54,6 +54,8 @@ FORGET_LOST_S = 600.0
 # What one Hello may declare, and what the router keeps of it: ids and names are client
 # text (logged, listed, echoed), declared sizes steer how much work an agent is sent.
 NAME = re.compile(r"[A-Za-z0-9._:@-]{1,128}")
+VERSION = re.compile(r"[A-Za-z0-9.+_-]{0,64}")  # a PEP 440 version ("0.1.0", "0.2.0rc1+g3f2a"), or none
+MAX_UPTIME_S = 100 * 365 * 86400.0  # past it (or NaN, or negative) a Hello's uptime is not believed
 MAX_VARIANTS_PER_AGENT = 64  # a shipped agent has 6; 256 let one Hello hold 77 kB of names
 MAX_FAMILIES_PER_HELLO = 64
 MAX_CAPACITY = 1024
@@ -137,6 +139,8 @@ class AgentHandle:
     operator_drained: bool = False  # drained by Fleet.Drain, so Fleet.Undrain may take it back
     # What it runs on (machine, CPU, the flags its precision choice read), bounded.
     hardware: fpb.HardwareInfo = field(default_factory=fpb.HardwareInfo)
+    version: str = ""  # its Stratus version, as its Hello said
+    started: float | None = None  # when its process started, on the registry's clock; None: not said
     outbox: asyncio.Queue[fpb.RouterMessage | None] = field(default_factory=asyncio.Queue)
     state: str = State.READY
     last_heartbeat: float = 0.0
@@ -318,6 +322,8 @@ class FleetRegistry:
             unavailable=tuple(hello.unavailable),
             identity=identity,
             hardware=hardware_from_hello(hello),
+            version=hello.version,
+            started=self._started(hello),
         )
         for family in hello.families:
             self.families.setdefault(family.name, family)
@@ -337,6 +343,11 @@ class FleetRegistry:
         self._repace()
         self.changed()
         return handle
+
+    def _started(self, hello: fpb.Hello) -> float | None:
+        """When the agent's process started, from the uptime its Hello gave (None: not given)."""
+        uptime = hello.uptime_s
+        return self.now() - uptime if 0 < uptime <= MAX_UPTIME_S else None
 
     def _agreed(self, hello: fpb.Hello) -> fpb.Hello:
         """The Hello without the families it describes unlike the ready agents serving them
@@ -763,6 +774,10 @@ def check_hello_bounds(hello: fpb.Hello) -> None:
     cannot be forged or flooded through them."""
     if not NAME.fullmatch(hello.agent_id):
         raise InvalidInput(f"Hello.agent_id {hello.agent_id[:40]!r} must be 1-128 of A-Z a-z 0-9 . _ : @ -")
+    if not VERSION.fullmatch(hello.version):
+        raise InvalidInput(
+            f"Hello from {hello.agent_id}: version {hello.version[:40]!r} must be 0-64 of A-Z a-z 0-9 . + _ -"
+        )
     if len(hello.variants) > MAX_VARIANTS_PER_AGENT or len(hello.families) > MAX_FAMILIES_PER_HELLO:
         raise InvalidInput(
             f"Hello from {hello.agent_id}: {len(hello.variants)} variants and {len(hello.families)} families; "

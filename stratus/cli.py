@@ -3,6 +3,12 @@ runs only ``stratus agent`` never imports the router or the cloud gateway."""
 
 from __future__ import annotations
 
+import os
+
+from stratus.process import quiet_grpc_core
+
+quiet_grpc_core(os.environ)  # before grpc is imported below: its C core reads its settings then
+
 import argparse
 import sys
 from collections.abc import Callable, Sequence
@@ -31,8 +37,6 @@ def _role_token(args: argparse.Namespace, role: str) -> str:
     """One role's credential (agent, operator, peer, client, cloud): --ROLE-token-file, else
     STRATUS_ROLE_TOKEN, else (agents, operators, peers) the fleet token STRATUS_TOKEN. Never
     from the command line, where every user of the machine can read it."""
-    import os
-
     own = _secret(getattr(args, f"{role}_token_file", None), f"STRATUS_{role.upper()}_TOKEN")
     if own or role in ("client", "cloud"):
         return own
@@ -42,8 +46,6 @@ def _role_token(args: argparse.Namespace, role: str) -> str:
 def _secret(path: Path | None, variable: str) -> str:
     """A secret from a file (its first line) or the environment, never from the command
     line, where every user of the machine can read it."""
-    import os
-
     if path is None:
         return os.environ.get(variable, "")
     try:
@@ -203,13 +205,21 @@ def _names(text: str | None) -> list[str] | None:
 
 
 def _fleet_status(args: argparse.Namespace) -> int:
+    import math
+
     from stratus.fleetctl import show_status
 
+    if args.interval is not None and not 0 < args.interval < math.inf:
+        raise ConfigError(f"--interval is a number of seconds more than 0, not {args.interval:g}")
+    if args.interval is not None and not args.watch:
+        raise ConfigError("--interval sets how often --watch prints: give --watch too")
     return show_status(
         args.router,
         as_json=args.json,
         watch=args.watch,
         agents=args.agents,
+        families=args.families,
+        interval_s=args.interval,
         tls=_tls(args),
         token=_role_token(args, "operator"),
     )
@@ -227,6 +237,8 @@ def _fleet_drain(args: argparse.Namespace) -> int:
 def _fleet_reload(args: argparse.Namespace) -> int:
     from stratus.fleetctl import reload
 
+    if (args.agent_id is None) == (not args.cloud):
+        raise ConfigError("give an AGENT_ID, or --cloud for the router's cloud gateway (one of them)")
     return reload(
         args.router,
         args.agent_id,
@@ -573,7 +585,20 @@ def _add_servers(commands: argparse._SubParsersAction[argparse.ArgumentParser]) 
     status.add_argument("--router", required=True, help="the router's HOST:PORT")
     status.add_argument("--json", action="store_true", help="everything, every agent included, as JSON")
     status.add_argument("--agents", action="store_true", help="list every agent, not only the summary")
+    status.add_argument(
+        "--families",
+        action="store_true",
+        help="each family too: per tier its threshold, current variants and rollout; degraded or not",
+    )
     status.add_argument("--watch", action="store_true", help="print it again on every change")
+    status.add_argument(
+        "--interval",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="with --watch: a fresh status every SECONDS (after each print), changed or not, "
+        "instead of on every change",
+    )
     status.add_argument(
         "--operator-token-file",
         type=Path,
@@ -606,9 +631,16 @@ def _add_servers(commands: argparse._SubParsersAction[argparse.ArgumentParser]) 
 def _add_fleet_changes(
     sub: argparse._SubParsersAction[argparse.ArgumentParser], *others: argparse.ArgumentParser
 ) -> None:
-    reload = sub.add_parser("reload", help="load new variants from an agent's models folder, no restart")
-    reload.add_argument("agent_id")
-    reload.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for the agent")
+    reload = sub.add_parser(
+        "reload", help="load new variants from an agent's (or the cloud gateway's) models folder, no restart"
+    )
+    reload.add_argument("agent_id", nargs="?", default=None)
+    reload.add_argument(
+        "--cloud",
+        action="store_true",
+        help="the router's cloud gateway instead of an agent (the router asks it)",
+    )
+    reload.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for the answer")
     reload.set_defaults(handler=_fleet_reload)
     rollout = sub.add_parser("rollout", help="gray release of a candidate variant on one tier")
     rollout.add_argument("family")

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 import sys
+import time
+from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any
 
 import grpc
@@ -60,12 +63,53 @@ def status_json(status: fpb.FleetStatus) -> dict[str, Any]:
                 "variant_choices": list(a.variant_choices),
                 "unavailable": list(a.unavailable),
                 "last_heartbeat_s": round(a.last_heartbeat_s, 2),
+                "version": a.version or None,  # None: an agent too old to say
+                "uptime_s": round(a.uptime_s, 1) if a.uptime_s > 0 else None,
             }
             for a in status.agents
         ],
         "omitted_agents": status.omitted_agents,
-        "cloud": {"address": status.cloud.address, "state": status.cloud.state},
+        "cloud": cloud_json(status.cloud),
+        "families": [family_json(f) for f in status.families],
         "heartbeat_interval_s": status.heartbeat_interval_s,
+    }
+
+
+def cloud_json(cloud: fpb.CloudStatus) -> dict[str, Any]:
+    return {
+        "address": cloud.address,
+        "state": cloud.state,
+        "server": cloud.server or None,
+        "transport": cloud.transport or None,
+        "in_flight": cloud.in_flight,
+        "latency_ms": {"p50": round(cloud.p50_ms, 3), "p99": round(cloud.p99_ms, 3)},
+        "models": [{"name": m.name, "sent_as": m.sent_as, "variant": m.variant} for m in cloud.models],
+    }
+
+
+def family_json(family: fpb.FamilyStatus) -> dict[str, Any]:
+    return {
+        "name": family.name,
+        "kind": family.kind or "classifier",
+        "state": family.state,
+        "reason": family.reason,
+        "tiers": [
+            {
+                "tier": _TIER.get(t.tier, "unknown"),
+                "threshold": t.threshold if t.HasField("threshold") else None,
+                "current": list(t.current),
+                "ready": t.ready,
+                "listed": t.listed,
+                "rollout": {
+                    "candidate": t.candidate,
+                    "share_percent": t.candidate_percent,
+                    "state": t.rollout_state,
+                }
+                if t.candidate
+                else None,
+            }
+            for t in family.tiers
+        ],
     }
 
 
@@ -78,9 +122,23 @@ def _number(value: float, spec: str, known: bool) -> str:
     return format(value, spec) if known else "-"
 
 
+def duration(seconds: float | None) -> str:
+    """An uptime in its two largest units ("3d04h", "2h05m", "5m03s", "42s"); "-" unknown."""
+    if seconds is None:
+        return "-"
+    whole = int(seconds)
+    days, hours, minutes, secs = whole // 86400, whole // 3600 % 24, whole // 60 % 60, whole % 60
+    if days:
+        return f"{days}d{hours:02d}h"
+    if hours:
+        return f"{hours}h{minutes:02d}m"
+    return f"{minutes}m{secs:02d}s" if minutes else f"{secs}s"
+
+
 def agents_table(status: fpb.FleetStatus) -> list[str]:
     header = (
         f"{'id':<22}{'tier':<8}{'host':<14}{'arch':<9}{'runtimes':<22}{'variants':<28}{'state':<10}"
+        f"{'version':<10}{'up':>7}"
         f"{'inflight':>9}{'batch':>7}{'p50 ms':>8}{'p99 ms':>8}{'req/s':>8}{'hb s':>6}"
     )
     lines = [header, "-" * len(header)]
@@ -89,7 +147,8 @@ def agents_table(status: fpb.FleetStatus) -> list[str]:
         lines.append(
             f"{fit(a['id'], 21):<22}{a['tier']:<8}{fit(a['host'], 13):<14}{fit(a['hardware']['machine'], 8) or '-':<9}"
             f"{fit(','.join(a['runtimes']), 21):<22}"
-            f"{fit(','.join(a['variants']), 27):<28}{a['state']:<10}{a['in_flight']:>9}"
+            f"{fit(','.join(a['variants']), 27):<28}{a['state']:<10}"
+            f"{fit(a['version'] or '-', 9):<10}{duration(a['uptime_s']):>7}{a['in_flight']:>9}"
             f"{_number(a['mean_batch_size'], '.1f', served):>7}{_number(a['latency_ms']['p50'], '.2f', served):>8}"
             f"{_number(a['latency_ms']['p99'], '.2f', served):>8}{_number(a['requests_per_s'], '.1f', served):>8}"
             f"{a['last_heartbeat_s']:>6.1f}"
@@ -118,10 +177,46 @@ def status_table(status: fpb.FleetStatus) -> str:
     if not status.tiers:
         lines.append("(no agents)")
     lines.append("")
-    cloud = status.cloud
-    lines.append(f"cloud link   {cloud.address or '-'} ({cloud.state})")
+    lines += cloud_table(status.cloud)
+    if status.families:
+        lines += ["", *families_table(status.families)]
+    lines.append("")
     lines.append(f"heartbeats   every {status.heartbeat_interval_s:g} s")
     return "\n".join(lines)
+
+
+def cloud_table(cloud: fpb.CloudStatus) -> list[str]:
+    """The cloud link's row: state, server, transport, load, round trips, what it serves."""
+    if cloud.state == "none":
+        return ["cloud link   none (the router runs without --cloud)"]
+    header = f"{'cloud link':<22}{'state':<18}{'server':<18}{'transport':<10}{'inflight':>9}{'p50 ms':>8}{'p99 ms':>8}"
+    known = cloud.p50_ms > 0  # no escalation answered yet: "-", not 0.00
+    row = (
+        f"{fit(cloud.address, 21):<22}{fit(cloud.state, 17):<18}{fit(cloud.server or '-', 17):<18}"
+        f"{cloud.transport or '-':<10}{cloud.in_flight:>9}"
+        f"{_number(cloud.p50_ms, '.2f', known):>8}{_number(cloud.p99_ms, '.2f', known):>8}"
+    )
+    served = [m.name if m.variant == m.name else f"{m.name} ({m.variant})" for m in cloud.models]
+    return [header, "-" * len(header), row, f"  serves {fit(', '.join(served), 200) or 'nothing yet'}"]
+
+
+def families_table(families: Sequence[fpb.FamilyStatus]) -> list[str]:
+    """Per family: each tier's threshold, current variants, ready agents and any rollout;
+    then why each family that is not simply serving is not."""
+    header = f"{'family':<16}{'state':<13}{'tier':<8}{'threshold':>10}  {'current':<32}{'ready':>7}  rollout"
+    lines = [header, "-" * len(header)]
+    for family in families:
+        for index, t in enumerate(family.tiers or [fpb.FamilyTier()]):
+            name, state = (fit(family.name, 15), family.state) if index == 0 else ("", "")
+            threshold = _number(t.threshold, ".4f", t.HasField("threshold"))
+            ready = f"{t.ready}/{t.listed}"
+            rollout = f"{t.candidate} {t.candidate_percent:g}% {t.rollout_state}" if t.candidate else "-"
+            lines.append(
+                f"{name:<16}{state:<13}{_TIER.get(t.tier, '-'):<8}{threshold:>10}  "
+                f"{fit(','.join(t.current) or '-', 31):<32}{ready:>7}  {rollout}"
+            )
+    lines += [f"{f.name}: {f.state}: {f.reason}" for f in families if f.reason]
+    return lines
 
 
 def ready_agents(status: fpb.FleetStatus) -> int:
@@ -139,28 +234,53 @@ def show_status(
     as_json: bool,
     watch: bool,
     agents: bool = False,
+    families: bool = False,
+    interval_s: float | None = None,
     tls: TlsSettings = NO_TLS,
     token: str = "",
 ) -> int:
-    """Agents are listed with ``agents`` or in JSON; the table alone stays short at any size."""
+    """Agents and families are listed when asked for, or in JSON; the table alone stays short
+    at any size. ``watch``: on every change, or with ``interval_s`` a fresh status each time
+    that many seconds have passed since the last was printed."""
     channel, stub = _stub(router, tls)
-    include = agents or as_json
+    agents, families = agents or as_json, families or as_json
     with channel:
         if not watch:
-            status = stub.Status(fpb.FleetStatusRequest(include_agents=include, token=token), timeout=5.0)
+            status = stub.Status(_status_request(agents, families, token), timeout=5.0)
             print(json.dumps(status_json(status), indent=2) if as_json else status_table(status))
-            return 0
-        for event in stub.Watch(fpb.FleetWatchRequest(include_agents=include, token=token)):
-            if as_json:
-                print(json.dumps(status_json(event.status)), flush=True)
-            else:
-                print("\033[2J\033[H" + status_table(event.status), flush=True)
+        elif interval_s is not None:
+            fetch = partial(stub.Status, _status_request(agents, families, token), timeout=5.0)
+            _every(interval_s, fetch, _shown_as_json if as_json else _shown_as_table)
+        else:
+            asked = fpb.FleetWatchRequest(include_agents=agents, include_families=families, token=token)
+            for event in stub.Watch(asked):
+                (_shown_as_json if as_json else _shown_as_table)(event.status)
     return 0
 
 
-def drain(
-    router: str, agent_id: str, *, token: str, tls: TlsSettings = NO_TLS, action: str = "Drain"
-) -> int:
+def _status_request(agents: bool, families: bool, token: str) -> fpb.FleetStatusRequest:
+    return fpb.FleetStatusRequest(include_agents=agents, include_families=families, token=token)
+
+
+def _shown_as_json(status: fpb.FleetStatus) -> None:
+    print(json.dumps(status_json(status)), flush=True)
+
+
+def _shown_as_table(status: fpb.FleetStatus) -> None:
+    print("\033[2J\033[H" + status_table(status), flush=True)
+
+
+def _every(
+    interval_s: float, fetch: Callable[[], fpb.FleetStatus], show: Callable[[fpb.FleetStatus], None]
+) -> None:
+    """Like watch(1): fetch and show, then wait ``interval_s``, until interrupted. The wait
+    comes after each print, so two prints are never closer than ``interval_s``."""
+    while True:
+        show(fetch())
+        time.sleep(interval_s)
+
+
+def drain(router: str, agent_id: str, *, token: str, tls: TlsSettings = NO_TLS, action: str = "Drain") -> int:
     """Drain an agent, or (``action``) Undrain it, or Forget a lost or left one."""
     channel, stub = _stub(router, tls)
     with channel:
@@ -196,13 +316,20 @@ def _call_failed(exc: grpc.RpcError, address: str = "the router", tls: TlsSettin
     return 2
 
 
-def reload(router: str, agent_id: str, *, token: str, timeout_s: float, tls: TlsSettings = NO_TLS) -> int:
-    """Ask an agent (through its router) to load what changed in its models folder."""
+def reload(
+    router: str, agent_id: str | None, *, token: str, timeout_s: float, tls: TlsSettings = NO_TLS
+) -> int:
+    """Ask an agent, or (``agent_id`` None) the router's cloud gateway, through the router,
+    to load what changed in its models folder."""
     channel, stub = _stub(router, tls)
-    request = fpb.ReloadRequest(agent_id=agent_id, token=token, timeout_s=timeout_s)
     try:
         with channel:
-            response = stub.Reload(request, timeout=timeout_s + 5.0)
+            if agent_id is None:
+                asked = fpb.CloudReloadRequest(token=token, timeout_s=timeout_s)
+                response = stub.ReloadCloud(asked, timeout=timeout_s + 5.0)
+            else:
+                request = fpb.ReloadRequest(agent_id=agent_id, token=token, timeout_s=timeout_s)
+                response = stub.Reload(request, timeout=timeout_s + 5.0)
     except grpc.RpcError as exc:
         return _call_failed(exc, router, tls)
     print(response.message)

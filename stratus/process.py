@@ -11,10 +11,27 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import signal
 import sys
+import time
+from collections.abc import Callable, Coroutine, MutableMapping
+from pathlib import Path
+from typing import Any
 
 READY_PREFIX = "STRATUS READY"
+
+
+def quiet_grpc_core(environ: MutableMapping[str, str]) -> None:
+    """Keep gRPC's C core to its errors, unless the user set GRPC_VERBOSITY or GRPC_TRACE.
+
+    At its default it writes INFO lines of its own to stderr, in its own format and beside
+    Stratus's log: a failed TLS handshake (which the peer's log already says in words), or
+    "skipping fork() handlers" when a runtime forks during a reload. The C core reads these
+    variables once, when grpc is first imported: call this before that.
+    """
+    if "GRPC_VERBOSITY" not in environ and "GRPC_TRACE" not in environ:
+        environ["GRPC_VERBOSITY"] = "ERROR"
 
 
 class JsonLines(logging.Formatter):
@@ -50,7 +67,8 @@ def stop_on_signals(stop: asyncio.Event) -> None:
     """SIGTERM and SIGINT set ``stop``; the component then shuts down in its own order.
 
     SIGHUP (a closed terminal, or an operator used to agents reloading on it) is logged and
-    ignored rather than killing the process; an agent sets its own handler (a reload)."""
+    ignored rather than killing the process; agents and cloud gateways set their own handler
+    (a reload of their models folder)."""
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         with contextlib.suppress(NotImplementedError):
@@ -61,9 +79,35 @@ def stop_on_signals(stop: asyncio.Event) -> None:
 
 def _ignored_hangup() -> None:
     logging.getLogger("stratus.process").warning(
-        "SIGHUP ignored: this process has nothing to reload (agents reload their models on it); "
-        "restart it to load new variants, or stop it with SIGTERM"
+        "SIGHUP ignored: this process has nothing to reload (agents and cloud gateways reload their "
+        "models on it); stop it with SIGTERM"
     )
+
+
+def start_collapsed(
+    pending: set[asyncio.Task[Any]], make: Callable[[], Coroutine[Any, Any, Any]], *, name: str
+) -> bool:
+    """Start ``make()`` as a task unless two are pending (one running, one waiting behind it):
+    the waiting one reads the models folder after the running one ends, so a third would add
+    nothing, and a burst of SIGHUPs or Reloads costs two. False when this one joined those."""
+    if len(pending) >= 2:
+        return False
+    task = asyncio.create_task(make(), name=name)
+    pending.add(task)
+    task.add_done_callback(pending.discard)
+    return True
+
+
+def process_uptime_s() -> float | None:
+    """How long this process has run, from the kernel's record of its start (Linux); None
+    where that cannot be read. An agent reports it, so an operator sees restarts."""
+    try:
+        stat = Path("/proc/self/stat").read_text(encoding="ascii")
+        # Fields after the command name (which may hold spaces) start at field 3; starttime is 22.
+        started_ticks = int(stat.rsplit(")", 1)[1].split()[19])
+        return max(0.0, time.clock_gettime(time.CLOCK_BOOTTIME) - started_ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError, AttributeError):
+        return None
 
 
 def raise_open_files_limit() -> int:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import collections
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 
@@ -47,6 +47,17 @@ class LatencyWindow:
         ordered = sorted(samples)
         index = min(len(ordered) - 1, max(0, math.ceil(q / 100.0 * len(ordered)) - 1))
         return ordered[index]
+
+    @classmethod
+    def merged(cls, windows: Sequence[LatencyWindow]) -> LatencyWindow:
+        """One window holding the samples of several (several gateways as one cloud tier)."""
+        merged = cls(size=max([512, *(w._samples.maxlen or 0 for w in windows)]) * max(1, len(windows)))
+        for window in windows:
+            merged._samples.extend(window._samples)
+            merged.count += window.count
+        means = [w._mean for w in windows if w._mean is not None]
+        merged._mean = sum(means) / len(means) if means else None
+        return merged
 
     def summary(self) -> LatencySummary:
         return LatencySummary(

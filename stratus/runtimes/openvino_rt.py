@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib
 import queue
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any, ClassVar
 
 import numpy as np
@@ -16,6 +17,19 @@ from stratus.tiers import Tier
 
 def _openvino() -> Any:
     return importlib.import_module("openvino")
+
+
+def read_model(path: Path) -> Any:
+    """The model, read by the one frontend its format has (IR for ``.xml``, else ONNX).
+
+    ``Core.read_model`` tries every frontend on a file that does not parse, and TensorFlow's
+    writes its own parse errors to stderr ("E0000 ... text_format.cc ... GraphDef") after
+    abseil's "All log messages before absl::InitializeLog()": lines from outside Stratus's
+    log for a model that Stratus's log already says failed, and why (which this says better).
+    """
+    frontend = importlib.import_module("openvino.frontend").FrontEndManager()
+    chosen = frontend.load_by_framework("ir" if path.suffix == ".xml" else "onnx")
+    return chosen.convert(chosen.load(str(path)))
 
 
 def performance_hint(tier: Tier) -> str:
@@ -54,7 +68,7 @@ class OpenVinoRunner(ModelRunner):
             "INFERENCE_NUM_THREADS": self.options.threads_per_inference,
             "INFERENCE_PRECISION_HINT": "f32" if self.variant.precision == "FP32" else "f16",
         }
-        self._compiled = core.compile_model(core.read_model(str(self.path)), "CPU", config)
+        self._compiled = core.compile_model(read_model(self.path), "CPU", config)
         self._output_names = output_names(self._compiled.outputs, [o.name for o in self.outputs])
         # An InferRequest serves one thread at a time: keep one per executor thread.
         self._requests: queue.SimpleQueue[Any] = queue.SimpleQueue()

@@ -319,6 +319,7 @@ class Hello(_message.Message):
     QUEUE_LIMIT_FIELD_NUMBER: _builtins.int
     UNAVAILABLE_FIELD_NUMBER: _builtins.int
     HARDWARE_INFO_FIELD_NUMBER: _builtins.int
+    UPTIME_S_FIELD_NUMBER: _builtins.int
     agent_id: _builtins.str
     tier: Global___Tier.ValueType
     host: _builtins.str
@@ -331,6 +332,11 @@ class Hello(_message.Message):
     queue_limit: _builtins.int
     """How many Work items may wait beyond `capacity`; the router sends no more than
     capacity + queue_limit at once.
+    """
+    uptime_s: _builtins.float
+    """How long the agent's process had run when it sent this Hello, in seconds; 0 from an
+    older agent. Relative, like Work's budget, so the agent's and the router's clocks need
+    not agree: the router counts on from when it read the Hello.
     """
     @_builtins.property
     def runtimes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
@@ -362,10 +368,11 @@ class Hello(_message.Message):
         queue_limit: _builtins.int = ...,
         unavailable: _abc.Iterable[Global___FamilyUnavailable] | None = ...,
         hardware_info: Global___HardwareInfo | None = ...,
+        uptime_s: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["hardware_info", b"hardware_info"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_id", b"agent_id", "capacity", b"capacity", "families", b"families", "hardware", b"hardware", "hardware_info", b"hardware_info", "host", b"host", "queue_limit", b"queue_limit", "runtimes", b"runtimes", "tier", b"tier", "token", b"token", "unavailable", b"unavailable", "variants", b"variants", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_id", b"agent_id", "capacity", b"capacity", "families", b"families", "hardware", b"hardware", "hardware_info", b"hardware_info", "host", b"host", "queue_limit", b"queue_limit", "runtimes", b"runtimes", "tier", b"tier", "token", b"token", "unavailable", b"unavailable", "uptime_s", b"uptime_s", "variants", b"variants", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -818,21 +825,25 @@ class FleetStatusRequest(_message.Message):
 
     INCLUDE_AGENTS_FIELD_NUMBER: _builtins.int
     TOKEN_FIELD_NUMBER: _builtins.int
+    INCLUDE_FAMILIES_FIELD_NUMBER: _builtins.int
     include_agents: _builtins.bool
     """List every agent too; without it only the per-tier summary comes back, which stays
     small however large the fleet.
     """
     token: _builtins.str
     """The operator token, where the router keeps its status private (--private-status)."""
+    include_families: _builtins.bool
+    """Each family's view too (tiers, thresholds, current variants, degraded or not)."""
     def __init__(
         self,
         *,
         include_agents: _builtins.bool = ...,
         token: _builtins.str = ...,
+        include_families: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["include_agents", b"include_agents", "token", b"token"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["include_agents", b"include_agents", "include_families", b"include_families", "token", b"token"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -860,6 +871,8 @@ class AgentStatus(_message.Message):
     VARIANT_CHOICES_FIELD_NUMBER: _builtins.int
     UNAVAILABLE_FIELD_NUMBER: _builtins.int
     HARDWARE_FIELD_NUMBER: _builtins.int
+    VERSION_FIELD_NUMBER: _builtins.int
+    UPTIME_S_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     tier: Global___Tier.ValueType
     host: _builtins.str
@@ -875,6 +888,12 @@ class AgentStatus(_message.Message):
     """Work items that may wait beyond capacity, as the agent's Hello said."""
     mean_batch_size: _builtins.float
     """Moving mean of the items in each batch it ran for this router (1 when nothing batches)."""
+    version: _builtins.str
+    """Its Stratus version, as its Hello said ("" from an agent that sent none)."""
+    uptime_s: _builtins.float
+    """How long its process has run: its Hello's uptime_s plus the time since, on the router's
+    clock. 0 where not known: an older agent's, or one that is lost.
+    """
     @_builtins.property
     def runtimes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
     @_builtins.property
@@ -912,10 +931,12 @@ class AgentStatus(_message.Message):
         variant_choices: _abc.Iterable[_builtins.str] | None = ...,
         unavailable: _abc.Iterable[_builtins.str] | None = ...,
         hardware: Global___HardwareInfo | None = ...,
+        version: _builtins.str = ...,
+        uptime_s: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["hardware", b"hardware"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["capacity", b"capacity", "hardware", b"hardware", "host", b"host", "id", b"id", "in_flight", b"in_flight", "last_heartbeat_s", b"last_heartbeat_s", "mean_batch_size", b"mean_batch_size", "p50_ms", b"p50_ms", "p99_ms", b"p99_ms", "queue_length", b"queue_length", "queue_limit", b"queue_limit", "requests_per_s", b"requests_per_s", "runtimes", b"runtimes", "state", b"state", "tier", b"tier", "unavailable", b"unavailable", "variant_choices", b"variant_choices", "variants", b"variants"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["capacity", b"capacity", "hardware", b"hardware", "host", b"host", "id", b"id", "in_flight", b"in_flight", "last_heartbeat_s", b"last_heartbeat_s", "mean_batch_size", b"mean_batch_size", "p50_ms", b"p50_ms", "p99_ms", b"p99_ms", "queue_length", b"queue_length", "queue_limit", b"queue_limit", "requests_per_s", b"requests_per_s", "runtimes", b"runtimes", "state", b"state", "tier", b"tier", "unavailable", b"unavailable", "uptime_s", b"uptime_s", "variant_choices", b"variant_choices", "variants", b"variants", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -927,22 +948,177 @@ class CloudStatus(_message.Message):
 
     ADDRESS_FIELD_NUMBER: _builtins.int
     STATE_FIELD_NUMBER: _builtins.int
+    SERVER_FIELD_NUMBER: _builtins.int
+    TRANSPORT_FIELD_NUMBER: _builtins.int
+    IN_FLIGHT_FIELD_NUMBER: _builtins.int
+    P50_MS_FIELD_NUMBER: _builtins.int
+    P99_MS_FIELD_NUMBER: _builtins.int
+    MODELS_FIELD_NUMBER: _builtins.int
     address: _builtins.str
     state: _builtins.str
-    """"connected", "connecting", "down", or "none" when the router runs without a cloud."""
+    """"connected", "connecting", "down", "circuit open" or "circuit half-open" (its breaker,
+    while connected), or "none" when the router runs without a cloud.
+    """
+    server: _builtins.str
+    """The server as its ServerMetadata names it ("stratus 0.1.0", "triton 2.59.0"); "" before
+    the link first opened.
+    """
+    transport: _builtins.str
+    """"stream" (every escalation on one ModelStreamInfer) or "unary" (one ModelInfer each)."""
+    in_flight: _builtins.int
+    """Escalations and generations sent to it and not answered yet."""
+    p50_ms: _builtins.float
+    """Its answers' round trips as the router timed them (the last 512); 0 before any."""
+    p99_ms: _builtins.float
+    @_builtins.property
+    def models(self) -> _containers.RepeatedCompositeFieldContainer[Global___CloudModel]:
+        """What requests reach it as, as the link learnt it: families and pinned variants, by name."""
+
     def __init__(
         self,
         *,
         address: _builtins.str = ...,
         state: _builtins.str = ...,
+        server: _builtins.str = ...,
+        transport: _builtins.str = ...,
+        in_flight: _builtins.int = ...,
+        p50_ms: _builtins.float = ...,
+        p99_ms: _builtins.float = ...,
+        models: _abc.Iterable[Global___CloudModel] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "state", b"state"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "in_flight", b"in_flight", "models", b"models", "p50_ms", b"p50_ms", "p99_ms", b"p99_ms", "server", b"server", "state", b"state", "transport", b"transport"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___CloudStatus: _TypeAlias = CloudStatus  # noqa: Y015
+
+@_typing.final
+class CloudModel(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    SENT_AS_FIELD_NUMBER: _builtins.int
+    VARIANT_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """The name a request gives: a family, or a variant pinned by name."""
+    sent_as: _builtins.str
+    """The model the cloud is asked for under that name."""
+    variant: _builtins.str
+    """What answers it: the variant a Stratus cloud gateway's ModelMetadata names; elsewhere
+    (Triton, KServe) the model sent_as names.
+    """
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        sent_as: _builtins.str = ...,
+        variant: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["name", b"name", "sent_as", b"sent_as", "variant", b"variant"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CloudModel: _TypeAlias = CloudModel  # noqa: Y015
+
+@_typing.final
+class FamilyStatus(_message.Message):
+    """One family as this router routes it now: per tier its threshold and what serves it."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    KIND_FIELD_NUMBER: _builtins.int
+    TIERS_FIELD_NUMBER: _builtins.int
+    STATE_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    kind: _builtins.str
+    """"generative", or "" for a classifier."""
+    state: _builtins.str
+    """"serving"; "degraded": some unsure answers come back marked degraded, as `reason`
+    says; "unavailable": nothing ready serves it, so its requests fail.
+    """
+    reason: _builtins.str
+    @_builtins.property
+    def tiers(self) -> _containers.RepeatedCompositeFieldContainer[Global___FamilyTier]:
+        """Device, edge, then cloud: each tier with agents serving the family or a threshold for it,
+        and the cloud where it serves the family.
+        """
+
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        kind: _builtins.str = ...,
+        tiers: _abc.Iterable[Global___FamilyTier] | None = ...,
+        state: _builtins.str = ...,
+        reason: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["kind", b"kind", "name", b"name", "reason", b"reason", "state", b"state", "tiers", b"tiers"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___FamilyStatus: _TypeAlias = FamilyStatus  # noqa: Y015
+
+@_typing.final
+class FamilyTier(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TIER_FIELD_NUMBER: _builtins.int
+    THRESHOLD_FIELD_NUMBER: _builtins.int
+    CURRENT_FIELD_NUMBER: _builtins.int
+    READY_FIELD_NUMBER: _builtins.int
+    LISTED_FIELD_NUMBER: _builtins.int
+    CANDIDATE_FIELD_NUMBER: _builtins.int
+    CANDIDATE_PERCENT_FIELD_NUMBER: _builtins.int
+    ROLLOUT_STATE_FIELD_NUMBER: _builtins.int
+    tier: Global___Tier.ValueType
+    threshold: _builtins.float
+    """An answer from this tier less confident than this climbs; unset: every answer is kept."""
+    ready: _builtins.int
+    """Agents of this tier serving it: ready now, and listed (ready, draining or lost). For
+    the cloud: 1 and 1 while its link takes calls, 0 and 1 while it does not.
+    """
+    listed: _builtins.int
+    candidate: _builtins.str
+    """A rollout on this tier: its candidate, the candidate's share now and the rollout's
+    state (running, complete, promoted, rolled_back, aborted); "" where there is none.
+    """
+    candidate_percent: _builtins.float
+    rollout_state: _builtins.str
+    @_builtins.property
+    def current(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The variants serving the family's requests here now, as ready agents chose them (one
+        per precision: digits-small, digits-small-int8); at the cloud, what its metadata says.
+        """
+
+    def __init__(
+        self,
+        *,
+        tier: Global___Tier.ValueType = ...,
+        threshold: _builtins.float | None = ...,
+        current: _abc.Iterable[_builtins.str] | None = ...,
+        ready: _builtins.int = ...,
+        listed: _builtins.int = ...,
+        candidate: _builtins.str = ...,
+        candidate_percent: _builtins.float = ...,
+        rollout_state: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_threshold", b"_threshold", "threshold", b"threshold"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_threshold", b"_threshold", "candidate", b"candidate", "candidate_percent", b"candidate_percent", "current", b"current", "listed", b"listed", "ready", b"ready", "rollout_state", b"rollout_state", "threshold", b"threshold", "tier", b"tier"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__threshold: _TypeAlias = _typing.Literal["threshold"]  # noqa: Y015
+    _WhichOneofArgType__threshold: _TypeAlias = _typing.Literal["_threshold", b"_threshold"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__threshold) -> _WhichOneofReturnType__threshold | None: ...
+
+Global___FamilyTier: _TypeAlias = FamilyTier  # noqa: Y015
 
 @_typing.final
 class TierSummary(_message.Message):
@@ -994,6 +1170,7 @@ class FleetStatus(_message.Message):
     TIERS_FIELD_NUMBER: _builtins.int
     HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _builtins.int
     OMITTED_AGENTS_FIELD_NUMBER: _builtins.int
+    FAMILIES_FIELD_NUMBER: _builtins.int
     router_version: _builtins.str
     heartbeat_interval_s: _builtins.float
     """The interval the router currently asks agents to heartbeat at."""
@@ -1009,6 +1186,10 @@ class FleetStatus(_message.Message):
     def cloud(self) -> Global___CloudStatus: ...
     @_builtins.property
     def tiers(self) -> _containers.RepeatedCompositeFieldContainer[Global___TierSummary]: ...
+    @_builtins.property
+    def families(self) -> _containers.RepeatedCompositeFieldContainer[Global___FamilyStatus]:
+        """Empty unless the request asked for include_families; by name."""
+
     def __init__(
         self,
         *,
@@ -1018,10 +1199,11 @@ class FleetStatus(_message.Message):
         tiers: _abc.Iterable[Global___TierSummary] | None = ...,
         heartbeat_interval_s: _builtins.float = ...,
         omitted_agents: _builtins.int = ...,
+        families: _abc.Iterable[Global___FamilyStatus] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["cloud", b"cloud"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agents", b"agents", "cloud", b"cloud", "heartbeat_interval_s", b"heartbeat_interval_s", "omitted_agents", b"omitted_agents", "router_version", b"router_version", "tiers", b"tiers"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agents", b"agents", "cloud", b"cloud", "families", b"families", "heartbeat_interval_s", b"heartbeat_interval_s", "omitted_agents", b"omitted_agents", "router_version", b"router_version", "tiers", b"tiers"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1033,18 +1215,21 @@ class FleetWatchRequest(_message.Message):
 
     INCLUDE_AGENTS_FIELD_NUMBER: _builtins.int
     TOKEN_FIELD_NUMBER: _builtins.int
+    INCLUDE_FAMILIES_FIELD_NUMBER: _builtins.int
     include_agents: _builtins.bool
     token: _builtins.str
     """As in FleetStatusRequest."""
+    include_families: _builtins.bool
     def __init__(
         self,
         *,
         include_agents: _builtins.bool = ...,
         token: _builtins.str = ...,
+        include_families: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["include_agents", b"include_agents", "token", b"token"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["include_agents", b"include_agents", "include_families", b"include_families", "token", b"token"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1139,6 +1324,30 @@ class ReloadRequest(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ReloadRequest: _TypeAlias = ReloadRequest  # noqa: Y015
+
+@_typing.final
+class CloudReloadRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TOKEN_FIELD_NUMBER: _builtins.int
+    TIMEOUT_S_FIELD_NUMBER: _builtins.int
+    token: _builtins.str
+    """The operator token (the router then calls its cloud with its own credential)."""
+    timeout_s: _builtins.float
+    """How long to wait for the cloud gateway's answer."""
+    def __init__(
+        self,
+        *,
+        token: _builtins.str = ...,
+        timeout_s: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["timeout_s", b"timeout_s", "token", b"token"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CloudReloadRequest: _TypeAlias = CloudReloadRequest  # noqa: Y015
 
 @_typing.final
 class ReloadResponse(_message.Message):
@@ -1384,3 +1593,18 @@ class RolloutSync(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___RolloutSync: _TypeAlias = RolloutSync  # noqa: Y015
+
+@_typing.final
+class GatewayReloadRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GatewayReloadRequest: _TypeAlias = GatewayReloadRequest  # noqa: Y015

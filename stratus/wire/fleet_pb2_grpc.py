@@ -147,6 +147,11 @@ class FleetStub:
                 request_serializer=stratus_dot_v1_dot_fleet__pb2.ReloadRequest.SerializeToString,
                 response_deserializer=stratus_dot_v1_dot_fleet__pb2.ReloadResponse.FromString,
                 _registered_method=True)
+        self.ReloadCloud = channel.unary_unary(
+                '/stratus.v1.Fleet/ReloadCloud',
+                request_serializer=stratus_dot_v1_dot_fleet__pb2.CloudReloadRequest.SerializeToString,
+                response_deserializer=stratus_dot_v1_dot_fleet__pb2.ReloadResponse.FromString,
+                _registered_method=True)
         self.Rollout = channel.unary_unary(
                 '/stratus.v1.Fleet/Rollout',
                 request_serializer=stratus_dot_v1_dot_fleet__pb2.RolloutRequest.SerializeToString,
@@ -202,6 +207,14 @@ class FleetServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReloadCloud(self, request, context):
+        """Ask the router's cloud gateway to load what changed in its models folder (the router
+        calls CloudGateway.Reload with its own cloud credential), then learn what it serves.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Rollout(self, request, context):
         """Start, read, promote or abort a gray release of a candidate variant.
         """
@@ -247,6 +260,11 @@ def add_FleetServicer_to_server(servicer, server):
             'Reload': grpc.unary_unary_rpc_method_handler(
                     servicer.Reload,
                     request_deserializer=stratus_dot_v1_dot_fleet__pb2.ReloadRequest.FromString,
+                    response_serializer=stratus_dot_v1_dot_fleet__pb2.ReloadResponse.SerializeToString,
+            ),
+            'ReloadCloud': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReloadCloud,
+                    request_deserializer=stratus_dot_v1_dot_fleet__pb2.CloudReloadRequest.FromString,
                     response_serializer=stratus_dot_v1_dot_fleet__pb2.ReloadResponse.SerializeToString,
             ),
             'Rollout': grpc.unary_unary_rpc_method_handler(
@@ -434,6 +452,33 @@ class Fleet:
             _registered_method=True)
 
     @staticmethod
+    def ReloadCloud(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/stratus.v1.Fleet/ReloadCloud',
+            stratus_dot_v1_dot_fleet__pb2.CloudReloadRequest.SerializeToString,
+            stratus_dot_v1_dot_fleet__pb2.ReloadResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
     def Rollout(request,
             target,
             options=(),
@@ -477,6 +522,89 @@ class Fleet:
             '/stratus.v1.Fleet/SyncRollouts',
             stratus_dot_v1_dot_fleet__pb2.RolloutSync.SerializeToString,
             stratus_dot_v1_dot_fleet__pb2.RolloutSync.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+
+class CloudGatewayStub:
+    """A Stratus cloud gateway's own calls, beside the inference service it serves. Reload takes
+    the caller's credential as the gateway's inference calls do (its client token, or a
+    router's or operator's certificate under mutual TLS); with neither, loopback callers only.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Reload = channel.unary_unary(
+                '/stratus.v1.CloudGateway/Reload',
+                request_serializer=stratus_dot_v1_dot_fleet__pb2.GatewayReloadRequest.SerializeToString,
+                response_deserializer=stratus_dot_v1_dot_fleet__pb2.ReloadResponse.FromString,
+                _registered_method=True)
+
+
+class CloudGatewayServicer:
+    """A Stratus cloud gateway's own calls, beside the inference service it serves. Reload takes
+    the caller's credential as the gateway's inference calls do (its client token, or a
+    router's or operator's certificate under mutual TLS); with neither, loopback callers only.
+    """
+
+    def Reload(self, request, context):
+        """Re-read the models folder: load and warm what is new or changed, drop what is gone (work
+        in flight on it finishes), or keep serving as before and say why the new set failed.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_CloudGatewayServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Reload': grpc.unary_unary_rpc_method_handler(
+                    servicer.Reload,
+                    request_deserializer=stratus_dot_v1_dot_fleet__pb2.GatewayReloadRequest.FromString,
+                    response_serializer=stratus_dot_v1_dot_fleet__pb2.ReloadResponse.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'stratus.v1.CloudGateway', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('stratus.v1.CloudGateway', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class CloudGateway:
+    """A Stratus cloud gateway's own calls, beside the inference service it serves. Reload takes
+    the caller's credential as the gateway's inference calls do (its client token, or a
+    router's or operator's certificate under mutual TLS); with neither, loopback callers only.
+    """
+
+    @staticmethod
+    def Reload(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/stratus.v1.CloudGateway/Reload',
+            stratus_dot_v1_dot_fleet__pb2.GatewayReloadRequest.SerializeToString,
+            stratus_dot_v1_dot_fleet__pb2.ReloadResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -82,6 +82,10 @@ class FleetStub:
     """Drop a lost or left agent from the status now, rather than after 600 s."""
     Reload: _grpc.UnaryUnaryMultiCallable[_fleet_pb2.ReloadRequest, _fleet_pb2.ReloadResponse]
     """Load new variants from the agent's models folder without restarting it."""
+    ReloadCloud: _grpc.UnaryUnaryMultiCallable[_fleet_pb2.CloudReloadRequest, _fleet_pb2.ReloadResponse]
+    """Ask the router's cloud gateway to load what changed in its models folder (the router
+    calls CloudGateway.Reload with its own cloud credential), then learn what it serves.
+    """
     Rollout: _grpc.UnaryUnaryMultiCallable[_fleet_pb2.RolloutRequest, _fleet_pb2.RolloutReply]
     """Start, read, promote or abort a gray release of a candidate variant."""
     SyncRollouts: _grpc.UnaryUnaryMultiCallable[_fleet_pb2.RolloutSync, _fleet_pb2.RolloutSync]
@@ -101,6 +105,10 @@ class FleetAsyncStub(FleetStub):
     """Drop a lost or left agent from the status now, rather than after 600 s."""
     Reload: _aio.UnaryUnaryMultiCallable[_fleet_pb2.ReloadRequest, _fleet_pb2.ReloadResponse]  # type: ignore[assignment]
     """Load new variants from the agent's models folder without restarting it."""
+    ReloadCloud: _aio.UnaryUnaryMultiCallable[_fleet_pb2.CloudReloadRequest, _fleet_pb2.ReloadResponse]  # type: ignore[assignment]
+    """Ask the router's cloud gateway to load what changed in its models folder (the router
+    calls CloudGateway.Reload with its own cloud credential), then learn what it serves.
+    """
     Rollout: _aio.UnaryUnaryMultiCallable[_fleet_pb2.RolloutRequest, _fleet_pb2.RolloutReply]  # type: ignore[assignment]
     """Start, read, promote or abort a gray release of a candidate variant."""
     SyncRollouts: _aio.UnaryUnaryMultiCallable[_fleet_pb2.RolloutSync, _fleet_pb2.RolloutSync]  # type: ignore[assignment]
@@ -155,6 +163,16 @@ class FleetServicer(metaclass=_abc_1.ABCMeta):
         """Load new variants from the agent's models folder without restarting it."""
 
     @_abc_1.abstractmethod
+    def ReloadCloud(
+        self,
+        request: _fleet_pb2.CloudReloadRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_fleet_pb2.ReloadResponse, _abc.Awaitable[_fleet_pb2.ReloadResponse]]:
+        """Ask the router's cloud gateway to load what changed in its models folder (the router
+        calls CloudGateway.Reload with its own cloud credential), then learn what it serves.
+        """
+
+    @_abc_1.abstractmethod
     def Rollout(
         self,
         request: _fleet_pb2.RolloutRequest,
@@ -171,3 +189,49 @@ class FleetServicer(metaclass=_abc_1.ABCMeta):
         """Routers of one site exchange rollout state, so every router sends the same shares."""
 
 def add_FleetServicer_to_server(servicer: FleetServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
+
+class CloudGatewayStub:
+    """A Stratus cloud gateway's own calls, beside the inference service it serves. Reload takes
+    the caller's credential as the gateway's inference calls do (its client token, or a
+    router's or operator's certificate under mutual TLS); with neither, loopback callers only.
+    """
+
+    @_typing.overload
+    def __new__(cls, channel: _grpc.Channel) -> _Self: ...
+    @_typing.overload
+    def __new__(cls, channel: _aio.Channel) -> CloudGatewayAsyncStub: ...
+    Reload: _grpc.UnaryUnaryMultiCallable[_fleet_pb2.GatewayReloadRequest, _fleet_pb2.ReloadResponse]
+    """Re-read the models folder: load and warm what is new or changed, drop what is gone (work
+    in flight on it finishes), or keep serving as before and say why the new set failed.
+    """
+
+@_typing.type_check_only
+class CloudGatewayAsyncStub(CloudGatewayStub):
+    """A Stratus cloud gateway's own calls, beside the inference service it serves. Reload takes
+    the caller's credential as the gateway's inference calls do (its client token, or a
+    router's or operator's certificate under mutual TLS); with neither, loopback callers only.
+    """
+
+    def __init__(self, channel: _aio.Channel) -> None: ...
+    Reload: _aio.UnaryUnaryMultiCallable[_fleet_pb2.GatewayReloadRequest, _fleet_pb2.ReloadResponse]  # type: ignore[assignment]
+    """Re-read the models folder: load and warm what is new or changed, drop what is gone (work
+    in flight on it finishes), or keep serving as before and say why the new set failed.
+    """
+
+class CloudGatewayServicer(metaclass=_abc_1.ABCMeta):
+    """A Stratus cloud gateway's own calls, beside the inference service it serves. Reload takes
+    the caller's credential as the gateway's inference calls do (its client token, or a
+    router's or operator's certificate under mutual TLS); with neither, loopback callers only.
+    """
+
+    @_abc_1.abstractmethod
+    def Reload(
+        self,
+        request: _fleet_pb2.GatewayReloadRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_fleet_pb2.ReloadResponse, _abc.Awaitable[_fleet_pb2.ReloadResponse]]:
+        """Re-read the models folder: load and warm what is new or changed, drop what is gone (work
+        in flight on it finishes), or keep serving as before and say why the new set failed.
+        """
+
+def add_CloudGatewayServicer_to_server(servicer: CloudGatewayServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

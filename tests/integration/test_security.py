@@ -61,6 +61,15 @@ def test_mutual_tls_on_every_link(cluster: Cluster, pki: dict[str, TlsSettings],
     )
     _, served = infer(router, digits.held_out.x[:1], min_confidence=1.0, tls=pki["client"])
     assert served.path == (Tier.DEVICE, Tier.CLOUD)
+    # An operator reloads the cloud through the router, which asks it with its router certificate;
+    # a client's certificate may call the cloud's inference, not its Reload.
+    with open_sync_channel(router, pki["operator"]) as channel:
+        answer = fpb_grpc.FleetStub(channel).ReloadCloud(fpb.CloudReloadRequest(timeout_s=60), timeout=70)
+    assert answer.ok and "nothing changed" in answer.message, answer.message
+    with open_sync_channel(cloud.address, pki["client"]) as channel, pytest.raises(grpc.RpcError) as reload:
+        fpb_grpc.CloudGatewayStub(channel).Reload(fpb.GatewayReloadRequest(), timeout=10)
+    assert reload.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert "a router's or operator's certificate; this one is client 'client'" in (reload.value.details() or "")
     # Both servers refuse a client without a certificate, one from a rogue CA, and plaintext.
     for server in (router, cloud.address):
         for refused in ("no-cert", "intruder", "plaintext"):
