@@ -1,6 +1,6 @@
 """Generation's pure parts: confidence from token log-probabilities, the running judgement
-that cancels a hopeless answer early, chunks on the wire, generative family configs, and
-the OpenAI body's checks."""
+that cancels a hopeless answer early, chunks on the wire, the cut at stop strings,
+generative family configs, and the OpenAI body's checks."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from stratus.generation import (
     Chunk,
     GenerationMethod,
     RunningConfidence,
+    StopCut,
     Token,
     confidence_of,
 )
@@ -159,3 +160,43 @@ def test_the_cloud_link_knows_a_text_model_and_its_max_tokens_from_its_descripti
     assert _max_tokens(pb.ModelConfig(name="other")) == UNDECLARED_MAX_TOKENS
     garbled = pb.ModelConfig(parameters={"max_tokens": pb.ModelParameter(string_value="many")})
     assert _max_tokens(garbled) == UNDECLARED_MAX_TOKENS
+
+
+def cut_stream(stops: list[str], pieces: list[str]) -> tuple[list[str], list[str], bool]:
+    """What a StopCut releases after each piece (one token each), and at the end."""
+    cut = StopCut(stops)
+    released = ["".join(t.text for t in cut.feed([Token(text=p, logprob=-0.5)])) for p in pieces]
+    return released, [t.text for t in cut.finish()], cut.stopped
+
+
+def test_text_that_may_begin_a_stop_string_is_held_until_settled() -> None:
+    # "4" could begin "48": held; "9" settles it (no stop), so both go out together
+    assert cut_stream(["48"], ["1", "4", "9", "5"]) == (["1", "", "49", "5"], [], False)
+    # the stop split over two tokens: "4" held, then "48" found; neither shown, nor what follows
+    assert cut_stream(["48"], ["1", "4", "8", "7"]) == (["1", "", "", ""], [], True)
+    # a held tail that the stream ends on is released at the end
+    assert cut_stream(["48"], ["1", "4"]) == (["1", ""], ["4"], False)
+    # the stop inside one token: the token's text is cut there and the token kept
+    assert cut_stream(["\n"], ["12", "3\nX", "Y"]) == (["12", "3", ""], [], True)
+    # the earliest stop of several wins; a stop at the very start keeps nothing
+    assert cut_stream(["9", "23"], ["1", "2", "3", "9"]) == (["1", "", "", ""], [], True)
+    assert cut_stream(["ab"], ["ab", "c"]) == (["", ""], [], True)
+    # no stops: everything at once
+    assert cut_stream([], ["1", "2"]) == (["1", "2"], [], False)
+
+
+def test_a_stop_spanning_many_tokens_holds_only_what_could_begin_it() -> None:
+    cut = StopCut(["<end>"])
+    shown = [
+        t.text
+        for piece in ["a", "<", "e", "x", "<", "en", "d>", "z"]
+        for t in cut.feed([Token(text=piece, logprob=0.0)])
+    ]
+    assert shown == ["a", "<", "e", "x"] and cut.stopped  # "<ex" could not begin "<end>": released
+
+
+def test_the_confidence_of_a_cut_answer_is_of_the_tokens_kept() -> None:
+    cut = StopCut(["5"])
+    kept = [*cut.feed(tokens(-0.1)), *cut.feed([Token(text="5", logprob=-3.0)]), *cut.feed(tokens(-2.0))]
+    assert [t.logprob for t in kept] == [-0.1]
+    assert confidence_of(kept, GenerationMethod.MIN_LOGPROB) == pytest.approx(math.exp(-0.1))
