@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from router.openai_api import _oip_request
+from router.openai_requests import oip_request, options_of, settings_of
 from stratus import codec
 from stratus.errors import ConfigError, InvalidInput
 from stratus.generation import (
@@ -18,12 +18,16 @@ from stratus.generation import (
     TOKEN_LOGPROBS,
     Chunk,
     GenerationMethod,
+    GenerationParams,
     RunningConfidence,
     StopCut,
     Token,
     confidence_of,
 )
+from stratus.local_generation import read_generation
 from stratus.repository import load_family
+from stratus.sampling import FieldError
+from stratus.wire import inference_pb2 as pb
 
 
 def tokens(*logprobs: float, margin: float | None = None) -> list[Token]:
@@ -123,23 +127,44 @@ def test_generative_configs_are_refused_precisely(generative: Path, old: str, ne
         load_family(generative)
 
 
-def test_the_openai_body_becomes_a_checked_request() -> None:
+def openai_request(body: dict[str, object], limit: int = 4) -> pb.ModelInferRequest:
+    return oip_request("arith", "1+1=", settings_of(body, "arith", limit), options_of(body))
+
+
+def test_the_openai_body_becomes_a_checked_request_that_reads_back_the_same() -> None:
     body = {"max_tokens": 3, "stratus": {"min_confidence": 0.9, "max_tier": "edge"}}
-    request = _oip_request("arith", "1+1=", body, limit=4)
+    request = openai_request(body)
     assert codec.decode_request_inputs(request)["text_input"][0] == b"1+1="
     assert request.parameters["max_tokens"].int64_param == 3
     assert request.parameters["stratus.min_confidence"].double_param == 0.9
     assert request.parameters["stratus.max_tier"].string_param == "edge"
+    assert [t.name for t in request.inputs] == ["text_input"]  # nothing more asked: today's wire form
+    sampled = {"max_tokens": 2, "stop": ["\n", "9"], "temperature": 0.7, "top_p": 0.5, "seed": -3}
+    prompt, params = read_generation(openai_request(sampled), "arith", 4)
+    assert prompt == "1+1="
+    assert params == GenerationParams(max_tokens=2, stop=("\n", "9"), temperature=0.7, top_p=0.5, seed=-3)
+    for bad, param, words in [
+        ({"max_tokens": 5}, "max_tokens", "between 1 and 4"),
+        ({"max_tokens": True}, "max_tokens", "between 1 and 4"),
+        ({"temperature": 2.5}, "temperature", "from 0 to 2"),
+        ({"temperature": "hot"}, "temperature", "from 0 to 2"),
+        ({"top_p": 0}, "top_p", "above 0 up to 1"),
+        ({"seed": 1.5}, "seed", "int64"),
+        ({"seed": 1 << 63}, "seed", "int64"),
+        ({"stop": ["a", "b", "c", "d", "e"]}, "stop", "at most 4 strings"),
+        ({"stop": [1]}, "stop", "a string or a list of strings"),
+        ({"n": 2}, "n", "'n' must be 1"),
+        ({"presence_penalty": 0.5}, "presence_penalty", "not supported"),
+    ]:
+        with pytest.raises(FieldError, match=words) as refused:
+            openai_request(bad)
+        assert refused.value.param == param
     for bad, words in [
-        ({"max_tokens": 5}, "between 1 and 4"),
-        ({"max_tokens": True}, "between 1 and 4"),
-        ({"temperature": 0.5}, "greedily"),
-        ({"n": 2}, "'n' must be 1"),
         ({"stratus": {"budget_ms": "fast"}}, "must be a number"),
         ({"stratus": []}, "must be an object"),
     ]:
         with pytest.raises(InvalidInput, match=words):
-            _oip_request("arith", "1+1=", bad, limit=4)
+            openai_request(bad)
 
 
 def test_the_cloud_link_knows_a_text_model_and_its_max_tokens_from_its_description() -> None:
