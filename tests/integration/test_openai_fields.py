@@ -284,6 +284,16 @@ def test_the_open_inference_protocol_honours_tritons_sampling_parameters(fleet: 
     whole = infer(fleet, oip_request("37+48=", **device))
     assert whole.parameters["stratus.prompt_tokens"].int64_param == count("37+48=")
     assert whole.parameters["stratus.completion_tokens"].int64_param == count(text_of(whole)) + 1
+    streamed = oip_request("37+48=", **device)  # stream as Triton's BOOL input, sent raw as tritonclient does
+    codec.encode_request_inputs(
+        streamed, {"stream": np.array([True]), "exclude_input_in_output": np.array([True])}
+    )
+    with open_sync_channel(fleet.router) as channel:
+        chunks = list(
+            pb_grpc.GRPCInferenceServiceStub(channel).ModelStreamInfer(iter([streamed]), timeout=30)
+        )
+    assert len(chunks) > 1 and chunks[-1].infer_response.parameters["triton_final_response"].bool_param
+    assert "".join(text_of(c.infer_response) for c in chunks) == text_of(whole)
     client = triton.InferenceServerClient(fleet.router)  # tritonclient, as against Triton
     prompt = triton.InferInput("text_input", [1], "BYTES")
     prompt.set_data_from_numpy(np.array([b"37+48="], dtype=object))
@@ -294,6 +304,8 @@ def test_the_open_inference_protocol_honours_tritons_sampling_parameters(fleet: 
 
 
 def test_the_open_inference_protocol_refuses_what_it_does_not_honour_by_name(fleet: Fleet) -> None:
+    echoing = oip_request("1+1=")  # Triton's default off the stream: the prompt before the answer
+    codec.encode_request_inputs(echoing, {"exclude_input_in_output": np.array([False])})
     refused = [
         (with_sampling("1+1=", {"top_k": 5}), "'top_k' is not supported"),
         (with_sampling("1+1=", {"speed": "fast"}), "'speed' is not a sampling parameter"),
@@ -301,6 +313,7 @@ def test_the_open_inference_protocol_refuses_what_it_does_not_honour_by_name(fle
         (with_sampling("1+1=", {"temperature": 9}), "'temperature' must be a number from 0 to 2"),
         (oip_request("1+1=", repetition_penalty=1.2), "'repetition_penalty' is not supported"),
         (oip_request("1+1=", seed=1.5), "'seed' must be an int64"),
+        (echoing, "'exclude_input_in_output' false is not supported"),
     ]
     with open_sync_channel(fleet.router) as channel:
         stub = pb_grpc.GRPCInferenceServiceStub(channel)
