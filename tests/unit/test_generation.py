@@ -225,3 +225,18 @@ def test_the_confidence_of_a_cut_answer_is_of_the_tokens_kept() -> None:
     kept = [*cut.feed(tokens(-0.1)), *cut.feed([Token(text="5", logprob=-3.0)]), *cut.feed(tokens(-2.0))]
     assert [t.logprob for t in kept] == [-0.1]
     assert confidence_of(kept, GenerationMethod.MIN_LOGPROB) == pytest.approx(math.exp(-0.1))
+
+
+def test_the_router_cuts_a_tier_that_ignores_a_stop_string_and_judges_what_it_kept() -> None:
+    """A foreign cloud may generate past a stop string: the router's own cut shows none of
+    it, counts every token the tier made, and judges the confidence on the tokens kept."""
+    from router.generate import _Arriving
+
+    answer = _Arriving(running=RunningConfidence(GenerationMethod.MIN_LOGPROB), cut=StopCut(["48"]))
+    pieces = [("1", -0.1), ("4", -0.2), ("8", -3.0), ("7", -4.0)]
+    shown = [t for text, lp in pieces for t in answer.add([Token(text=text, logprob=lp)])]
+    shown += answer.finish()
+    assert [t.text for t in shown] == ["1"] and answer.text == "1"
+    assert answer.made == 4
+    # judged on "1" alone: not the -3.0 of the stop's token, nor the -4.0 after it
+    assert answer.running.value == pytest.approx(math.exp(-0.1))
