@@ -2,37 +2,38 @@
 
 Requests for the family (or for the upstream model's own name) go to the upstream; every
 other request goes to the gateway's local models. A prompt arrives as Triton's vLLM
-backend takes it: a BYTES input ``text_input`` of shape [1], and an optional int64
-parameter ``max_tokens``. ``infer`` answers with the whole text at once; ``generate``
-(a ModelStreamInfer request with ``stream`` true) with one response per chunk, the last
-marked ``triton_final_response``. Every answer carries the upstream's queue as
-``stratus.queue``, so a router can predict how long the cloud will take.
+backend takes it: a BYTES input ``text_input`` of shape [1], its settings as parameters
+(``max_tokens``...) or in a ``sampling_parameters`` input (:mod:`stratus.sampling`).
+``infer`` answers with the whole text at once; ``generate`` (a ModelStreamInfer request
+with ``stream`` true) with one response per chunk, the last marked
+``triton_final_response`` and carrying the upstream's token counts. Either is cut at the
+first stop string here, whatever the upstream did with it. Every answer carries the
+upstream's queue as ``stratus.queue``, so a router can predict how long the cloud will take.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Final
 
 from cloud_gateway.upstream import OpenAIUpstream
-from stratus import codec
 from stratus.errors import InvalidInput, NotFound
 from stratus.generation import (
     FINAL,
-    MAX_TOKENS,
-    TEXT_INPUT,
     TEXT_OUTPUT,
     Chunk,
     GenerationMethod,
     GenerationParams,
+    StopCut,
     Token,
     confidence_of,
 )
-from stratus.local_generation import check_prompt_size, chunk_response, generative_config, generative_metadata
+from stratus.local_generation import chunk_response, generative_config, generative_metadata, read_generation
 from stratus.metrics import Metric, gauge
-from stratus.protocol import Served, parameter_value, set_parameter
+from stratus.protocol import Served, set_parameter
 from stratus.serving import DataPlane
 from stratus.tiers import Tier
 from stratus.wire import inference_pb2 as pb
@@ -110,7 +111,9 @@ class UpstreamDataPlane(DataPlane):
             return await self._local(request.model_name).infer(request, timeout_s=timeout_s)
         prompt, params = self._parse(request)
         started = time.perf_counter()
-        chunk = await self.upstream.complete(prompt, params, timeout_s=timeout_s)
+        whole = await self.upstream.complete(prompt, params, timeout_s=timeout_s)
+        cut = StopCut(params.stop)
+        chunk = _cut_final(whole, cut.feed(whole.tokens) + cut.finish(), cut)
         response = self._response(request, chunk)
         self._served(chunk.tokens, started).write(response.parameters)
         return response
@@ -128,13 +131,21 @@ class UpstreamDataPlane(DataPlane):
     ) -> AsyncIterator[pb.ModelInferResponse]:
         started = time.perf_counter()
         tokens: list[Token] = []
+        cut = StopCut(params.stop)
         async for chunk in self.upstream.stream(prompt, params, timeout_s=timeout_s):
-            tokens.extend(chunk.tokens)
-            response = self._response(request, chunk)
-            if chunk.finish_reason is not None:  # the upstream's last event: the answer is whole
-                set_parameter(response.parameters, FINAL, True)
-                self._served(tokens, started).write(response.parameters)
+            kept = cut.feed(chunk.tokens)
+            if chunk.finish_reason is None:
+                tokens.extend(kept)
+                if kept:
+                    yield self._response(request, Chunk(tokens=kept))
+                continue
+            ending = _cut_final(chunk, kept + cut.finish(), cut)  # the upstream's last event
+            tokens.extend(ending.tokens)
+            response = self._response(request, ending)
+            set_parameter(response.parameters, FINAL, True)
+            self._served(tokens, started).write(response.parameters)
             yield response
+            return
 
     def _parse(self, request: pb.ModelInferRequest) -> tuple[str, GenerationParams]:
         wanted = [o.name for o in request.outputs if o.name != TEXT_OUTPUT]
@@ -142,9 +153,8 @@ class UpstreamDataPlane(DataPlane):
             raise InvalidInput(
                 f"model '{request.model_name}' has no output {wanted}; it gives ['{TEXT_OUTPUT}']"
             )
-        return prompt_of(request), GenerationParams(
-            max_tokens=max_tokens_of(request, self.model.max_tokens), stop=self.model.stop
-        )
+        prompt, params = read_generation(request, request.model_name, self.model.max_tokens)
+        return prompt, params.stopping_also_at(self.model.stop)
 
     def _response(self, request: pb.ModelInferRequest, chunk: Chunk) -> pb.ModelInferResponse:
         response = chunk_response(request, chunk)
@@ -176,29 +186,7 @@ class UpstreamDataPlane(DataPlane):
         ]
 
 
-def prompt_of(request: pb.ModelInferRequest) -> str:
-    """The one prompt of a request: ``text_input``, BYTES, one element, UTF-8, at most
-    MAX_PROMPT_BYTES (refused before anything is decoded)."""
-    check_prompt_size(request)
-    inputs = codec.decode_request_inputs(request)
-    if TEXT_INPUT not in inputs:
-        raise InvalidInput(f"model '{request.model_name}' needs the input '{TEXT_INPUT}' (BYTES, shape [1])")
-    array = inputs[TEXT_INPUT]
-    if array.size != 1:
-        raise InvalidInput(f"input '{TEXT_INPUT}' must hold one prompt, got shape {list(array.shape)}")
-    value = array.reshape(-1)[0]
-    try:
-        return value.decode() if isinstance(value, bytes) else str(value)
-    except UnicodeDecodeError as exc:
-        raise InvalidInput(f"input '{TEXT_INPUT}' is not UTF-8: {exc}") from None
-
-
-def max_tokens_of(request: pb.ModelInferRequest, default: int) -> int:
-    if MAX_TOKENS not in request.parameters:
-        return default
-    value = parameter_value(request.parameters[MAX_TOKENS])
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise InvalidInput(f"parameter '{MAX_TOKENS}' must be an int64, got {type(value).__name__}")
-    if not 1 <= value <= default:
-        raise InvalidInput(f"parameter '{MAX_TOKENS}' must lie between 1 and {default}, got {value}")
-    return value
+def _cut_final(chunk: Chunk, kept: tuple[Token, ...], cut: StopCut) -> Chunk:
+    """The upstream's last chunk with the tokens kept of it; "stop" where a stop string cut it."""
+    reason = "stop" if cut.stopped else chunk.finish_reason
+    return dataclasses.replace(chunk, tokens=kept, finish_reason=reason)

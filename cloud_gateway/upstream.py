@@ -1,7 +1,8 @@
 """The cloud's generative tier: a vLLM server (or any OpenAI-compatible one) behind the gateway.
 
-The gateway forwards a generative escalation to the server's ``/v1/completions`` (greedy,
-with the top-2 log-probabilities of each step) and turns its answer, whole or streamed as
+The gateway forwards a generative escalation to the server's ``/v1/completions`` (greedy
+unless the request asks for a temperature, with the top-2 log-probabilities of each step,
+and the server's token counts: ``usage``) and turns its answer, whole or streamed as
 server-sent events, into :class:`~stratus.generation.Chunk`\\ s. The server's HTTP errors
 become Stratus errors here, once. Its ``/health`` is the gateway's readiness and its
 ``vllm:num_requests_waiting``/``running`` gauges are the gateway's queue: both are polled
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import math
@@ -33,7 +35,7 @@ from stratus.errors import (
     Unauthenticated,
     Unavailable,
 )
-from stratus.generation import Chunk, GenerationParams, Token
+from stratus.generation import Chunk, GenerationParams, Token, token_count
 from stratus.stats import LatencyWindow
 
 log = logging.getLogger("stratus.upstream")
@@ -92,18 +94,36 @@ class UpstreamLoad:
 
 
 def completion_body(model: str, prompt: str, params: GenerationParams, *, stream: bool) -> dict[str, Any]:
-    """Greedy (answers must be reproducible), with each step's top-2 log-probabilities."""
+    """The request's settings, with each step's top-2 log-probabilities (vLLM's are the raw
+    model's, before temperature and top_p), and, streamed, the token counts at the end.
+    Stop strings stay in the text (vLLM's ``include_stop_str_in_output``): the gateway cuts
+    them, so that their tokens are not left behind with no text."""
     body: dict[str, Any] = {
         "model": model,
         "prompt": prompt,
         "max_tokens": params.max_tokens,
-        "temperature": 0,
+        "temperature": params.temperature,
         "logprobs": TOP_LOGPROBS,
         "stream": stream,
     }
+    if params.sampled:
+        body["top_p"] = params.top_p
+    if params.seed is not None:
+        body["seed"] = params.seed
     if params.stop:
         body["stop"] = list(params.stop)
+        body["include_stop_str_in_output"] = True
+    if stream:
+        body["stream_options"] = {"include_usage": True}
     return body
+
+
+def usage_of(data: Mapping[str, Any]) -> tuple[int | None, int | None]:
+    """(prompt tokens, completion tokens) of an answer's ``usage``, where it has one."""
+    usage = data.get("usage")
+    if not isinstance(usage, dict):
+        return None, None
+    return token_count(usage.get("prompt_tokens")), token_count(usage.get("completion_tokens"))
 
 
 def chunk_from_choice(choice: Mapping[str, Any]) -> Chunk:
@@ -350,11 +370,13 @@ class OpenAIUpstream:
         async with self._request(body, deadline) as response:
             data = await self._read(deadline, _capped(response))
         try:
-            chunk = chunk_from_choice(json.loads(data)["choices"][0])
+            answer = json.loads(data)
+            chunk = chunk_from_choice(answer["choices"][0])
         except (ValueError, KeyError, IndexError, TypeError, AttributeError) as exc:
             raise Unavailable(f"upstream answered something that is not a completion: {exc!r}") from None
         self.latency.add((self._clock() - started) * 1000.0)
-        return chunk
+        prompt_tokens, completion_tokens = usage_of(answer)
+        return dataclasses.replace(chunk, prompt_tokens=prompt_tokens, completion_tokens=completion_tokens)
 
     async def stream(
         self, prompt: str, params: GenerationParams, *, timeout_s: float | None
@@ -373,23 +395,29 @@ class OpenAIUpstream:
         self.latency.add((self._clock() - started) * 1000.0)
 
     async def _chunks(self, response: aiohttp.ClientResponse, deadline: float) -> AsyncIterator[Chunk]:
-        """Chunks up to the one with the finish reason; then the rest of the stream is read
-        (a usage event, ``[DONE]``) so that the connection can be used again."""
-        decoder, final = SseDecoder(), False
+        """Chunks up to the one with the finish reason, which is held until the stream ends
+        (``[DONE]``) so that it carries the counts of the usage event; what comes after it is
+        read (so that the connection can be used again) but not yielded."""
+        decoder, final = SseDecoder(), None
+        usage: Mapping[str, Any] = {}  # the last event with a usage
         while line := await self._read(deadline, response.content.readline()):
             data = decoder.feed(line.decode(errors="replace"))
             if data is None:
                 continue
             if data.strip() == "[DONE]":
-                if not final:  # every stream ends with a final chunk, even a server's that forgot
-                    yield Chunk(tokens=(), finish_reason="stop")
-                return
-            chunk = _event_chunk(data)
-            if chunk is not None and not final:
-                final = chunk.finish_reason is not None
+                break
+            event = _event(data)
+            usage = event if event.get("usage") else usage
+            chunk = _event_chunk(event)
+            if final is None and chunk is not None and chunk.finish_reason is None:
                 yield chunk
-        if not final:
-            raise Unavailable("upstream ended the stream before its final event")
+            elif final is None and chunk is not None:
+                final = chunk
+        else:
+            if final is None:
+                raise Unavailable("upstream ended the stream before its final event")
+        # every stream ends with a final chunk, even a server's that forgot (its [DONE] ends it)
+        yield _with_usage(final or Chunk(tokens=(), finish_reason="stop"), usage)
 
     def _deadline(self, timeout_s: float | None) -> float:
         return self._clock() + (self.settings.timeout_s if timeout_s is None else timeout_s)
@@ -445,7 +473,7 @@ async def _capped(response: aiohttp.ClientResponse) -> bytes:
     return b"".join(parts)
 
 
-def _event_chunk(data: str) -> Chunk | None:
+def _event(data: str) -> dict[str, Any]:
     try:
         event = json.loads(data)
     except ValueError:
@@ -455,5 +483,17 @@ def _event_chunk(data: str) -> Chunk | None:
     error = _error_in_event(event)
     if error is not None:
         raise error
+    return event
+
+
+def _event_chunk(event: Mapping[str, Any]) -> Chunk | None:
     choices = event.get("choices") or []
     return chunk_from_choice(choices[0]) if choices else None  # a usage-only event has none
+
+
+def _with_usage(chunk: Chunk, event: Mapping[str, Any]) -> Chunk:
+    """``chunk`` with the counts of ``event``'s usage, where it has one."""
+    prompt_tokens, completion_tokens = usage_of(event)
+    if prompt_tokens is None and completion_tokens is None:
+        return chunk
+    return dataclasses.replace(chunk, prompt_tokens=prompt_tokens, completion_tokens=completion_tokens)

@@ -27,7 +27,7 @@ from router.rollout import Plan, Rollouts, top1
 from stratus.errors import DeadlineExceeded, NotFound, Overloaded, StratusError, Unavailable
 from stratus.generation import FINAL, FINISH_REASON, Chunk
 from stratus.local import model_config
-from stratus.local_generation import chunk_response, generative_config, text_response
+from stratus.local_generation import chunk_response, generative_config, text_response, write_usage
 from stratus.metrics import RouterMetrics
 from stratus.protocol import (
     CONFIDENCE,
@@ -202,7 +202,7 @@ class RouterDataPlane(DataPlane):
         self, request: pb.ModelInferRequest, *, timeout_s: float | None, sink: Sink | None = None
     ) -> Generation:
         """A generative request through the tiers; what the client may see goes to ``sink``."""
-        from stratus.local_generation import prompt_request, read_prompt
+        from stratus.local_generation import prompt_request, read_generation
 
         started = self._clock()
         info = self.generative(request.model_name)
@@ -210,10 +210,10 @@ class RouterDataPlane(DataPlane):
             raise NotFound(f"'{request.model_name}' is not a generative model this fleet serves")
         family, pinned = self._family_of(request.model_name)
         options = RequestOptions.from_parameters(request.parameters)
-        # Checked before any tier sees it; the tiers get the checked prompt alone, never the
-        # client's message (whatever else it carried would travel on every agent's link).
-        prompt, max_tokens = read_prompt(request, family, info.max_tokens or 1)
-        checked = prompt_request(pinned or family, request.id, prompt, max_tokens)
+        # Checked before any tier sees it; the tiers get the checked prompt and settings alone,
+        # never the client's message (whatever else it carried would travel on every agent's link).
+        prompt, params = read_generation(request, family, info.max_tokens or 1)
+        checked = prompt_request(pinned or family, request.id, prompt, params)
         if pinned is not None:  # a pinned variant runs exactly there, on its own tier only
             options = _pinned_options(options, self.registry.index.tiers(pinned))
         if sink is not None and self.metrics is not None:
@@ -222,9 +222,9 @@ class RouterDataPlane(DataPlane):
             raise Overloaded(f"router request queue is full: {self.max_requests} requests in flight")
         self.active += 1
         try:
-            cascade = GenerationCascade(
-                self, info, checked, options, _budget(options.budget_ms, timeout_s), started, sink
-            )
+            budget = _budget(options.budget_ms, timeout_s)
+            stops = params.stopping_also_at(info.stop).stop
+            cascade = GenerationCascade(self, info, checked, options, budget, started, sink, stops=stops)
             result = await cascade.run()
         except StratusError as exc:
             self._count_refusal(family, exc)
@@ -755,8 +755,12 @@ def write_generation(response: pb.ModelInferResponse, result: Generation) -> Non
         timings_ms=result.timings_ms,
     ).write(response.parameters)
     set_parameter(response.parameters, FINISH_REASON, result.finish_reason)
-    for key, value in Chunk(tokens=result.tokens).parameters().items():
+    answer = Chunk(
+        tokens=result.tokens, prompt_tokens=result.prompt_tokens, completion_tokens=result.completion_tokens
+    )
+    for key, value in answer.parameters().items():
         set_parameter(response.parameters, key, value)
+    write_usage(response, answer)
 
 
 def _budget(budget_ms: float | None, timeout_s: float | None) -> float:

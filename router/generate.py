@@ -10,6 +10,13 @@ A generative request climbs like a classifier's, with three differences:
   generation is cancelled (the Cancel reaches the agent's runtime) and the request climbs;
 * nothing is merged into batches: a generation holds its agent's slot while it runs.
 
+Every tier's answer is cut at the first stop string (the family's or the request's) here
+too, text that may begin one held back until settled: Stratus's own tiers stop and cut
+there already, a foreign cloud may not. Its confidence is judged on the tokens kept. The
+answer's ``completion_tokens`` are the tokens the answering tier generated for it (as the
+tier counts them, a stop string's included), not those of the tiers it climbed past, which
+``generated`` counts per tier.
+
 When nothing above can answer, the best answer so far is returned marked degraded, as for
 classifiers; with ``--on-cloud-failure fail`` the request fails UNAVAILABLE instead.
 """
@@ -31,8 +38,10 @@ from stratus.generation import (
     Chunk,
     GenerationMethod,
     RunningConfidence,
+    StopCut,
     Token,
 )
+from stratus.local_generation import read_usage
 from stratus.protocol import CONFIDENCE, PRECISION, VARIANT, RequestOptions, parameter_value
 from stratus.tiers import Tier
 from stratus.wire import fleet_pb2 as fpb
@@ -63,6 +72,33 @@ class Generation:
     degraded: bool = False
     generated: dict[Tier, int] = field(default_factory=dict)  # tokens each tier made, cancelled ones too
     precision: str = ""  # of the variant that answered, where it is known
+    prompt_tokens: int | None = None  # the answering tier's count; None where it did not say
+    completion_tokens: int = 0  # tokens the answering tier generated for this answer
+
+
+@dataclass
+class _Arriving:
+    """One tier's answer as its tokens arrive: cut at a stop string, judged on what is kept."""
+
+    running: RunningConfidence
+    cut: StopCut
+    made: int = 0  # tokens received, kept or not
+
+    def add(self, tokens: Sequence[Token]) -> tuple[Token, ...]:
+        """The tokens now settled (to show, where this tier is final)."""
+        self.made += len(tokens)
+        kept = self.cut.feed(tokens)
+        self.running.add(kept)
+        return kept
+
+    def finish(self) -> tuple[Token, ...]:
+        kept = self.cut.finish()
+        self.running.add(kept)
+        return kept
+
+    @property
+    def text(self) -> str:
+        return "".join(t.text for t in self.running.tokens)
 
 
 class _Hopeless(Exception):
@@ -73,11 +109,12 @@ class _Hopeless(Exception):
 class GenerationCascade:
     plane: RouterDataPlane
     family: fpb.FamilyInfo
-    request: pb.ModelInferRequest  # text_input and max_tokens, checked
+    request: pb.ModelInferRequest  # text_input and the generation's settings, checked
     options: RequestOptions
     budget_ms: float
     started: float
     sink: Sink | None = None  # receives what the client may see, as it is settled
+    stops: tuple[str, ...] = ()  # the family's and the request's
     path: list[Tier] = field(default_factory=list)
     timings: dict[Tier, float] = field(default_factory=dict)
     exclude: set[str] = field(default_factory=set)
@@ -90,6 +127,9 @@ class GenerationCascade:
     @property
     def method(self) -> GenerationMethod:
         return GenerationMethod(self.family.confidence_method or GenerationMethod.MEAN_LOGPROB.value)
+
+    def _arriving(self) -> _Arriving:
+        return _Arriving(running=RunningConfidence(self.method), cut=StopCut(self.stops))
 
     def remaining_ms(self) -> float:
         return self.budget_ms - (self.plane._clock() - self.started) * 1000.0
@@ -194,45 +234,53 @@ class GenerationCascade:
     async def _on_agent(self, target: Target, remaining: float, *, final: bool, watch: bool) -> Generation:
         assert target.agent_id is not None
         handle = self.plane.registry.agents[target.agent_id]
-        running = RunningConfidence(self.method)
+        answer = self._arriving()
         threshold = self.threshold(target.tier)
         shown: asyncio.Queue[Chunk | None] = asyncio.Queue()
         work = asyncio.current_task()
 
+        def show(kept: tuple[Token, ...]) -> None:
+            if final and kept:
+                shown.put_nowait(Chunk(tokens=kept))
+
         def on_chunk(message: fpb.Chunk) -> None:
-            chunk = _from_wire(message)
-            running.add(chunk.tokens)
-            if final:
-                shown.put_nowait(chunk)
-            elif watch and running.hopeless(threshold) and work is not None:
+            show(answer.add(_from_wire(message).tokens))
+            if not final and watch and answer.running.hopeless(threshold) and work is not None:
                 work.cancel(msg="hopeless")
 
         pump = asyncio.create_task(self._pump(shown)) if final and self.sink is not None else None
+        prompt_tokens = completion_tokens = None
         try:
             result = await self.plane.registry.generate(
                 handle, self.request, budget_ms=remaining, on_chunk=on_chunk
             )
+            show(answer.finish())
+            prompt_tokens, completion_tokens = read_usage(result.response.parameters)
         except asyncio.CancelledError as exc:
             if exc.args == ("hopeless",) and asyncio.current_task() is work:
                 work.uncancel()  # type: ignore[union-attr]
                 raise _Hopeless from None
             raise
         finally:
-            self._count(target.tier, running.count)
+            completion_tokens = max(completion_tokens or 0, answer.made)
+            self._count(target.tier, completion_tokens)
             shown.put_nowait(None)
             if pump is not None:
                 await pump
+        judged_here = answer.cut.stopped or not result.confidences  # else the agent's own, on the same tokens
         return Generation(
-            text="".join(t.text for t in running.tokens),
-            tokens=tuple(running.tokens),
+            text=answer.text,
+            tokens=tuple(answer.running.tokens),
             tier=target.tier,
             agent=handle.id,
             variant=result.variant,
             precision=handle.precision_of(result.variant),
-            confidence=result.confidence if result.confidences else running.value,
-            finish_reason=_finish_reason(result.response),
+            confidence=answer.running.value if judged_here else result.confidence,
+            finish_reason="stop" if answer.cut.stopped else _finish_reason(result.response),
             path=tuple(self.path),
             timings_ms=dict(self.timings),
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
         )
 
     async def _pump(self, shown: asyncio.Queue[Chunk | None]) -> None:
@@ -244,39 +292,41 @@ class GenerationCascade:
         """The cloud streams its answer: shown as it comes when it is the final tier."""
         cloud = self.plane.cloud
         assert cloud is not None
-        running = RunningConfidence(self.method)
+        answer = self._arriving()
 
         async def on_chunk(chunk: Chunk) -> None:
-            running.add(chunk.tokens)
+            kept = answer.add(chunk.tokens)
             if final:
-                await self._show(chunk.tokens)
+                await self._show(kept)
 
+        prompt_tokens = completion_tokens = None
         try:
             response = await cloud.generate(self.request, on_chunk, timeout_s=remaining / 1000.0)
+            kept = answer.finish()
+            if final:
+                await self._show(kept)
+            prompt_tokens, completion_tokens = read_usage(response.parameters)
         finally:
-            self._count(Tier.CLOUD, running.count)
-        confidence = (
-            parameter_value(response.parameters[CONFIDENCE])
-            if CONFIDENCE in response.parameters
-            else running.value
-        )
-        variant = (
-            parameter_value(response.parameters[VARIANT])
-            if VARIANT in response.parameters
-            else self.family.name
-        )
-        precision = parameter_value(response.parameters[PRECISION]) if PRECISION in response.parameters else ""
+            completion_tokens = max(completion_tokens or 0, answer.made)
+            self._count(Tier.CLOUD, completion_tokens)
+        params = response.parameters
+        said = not answer.cut.stopped and CONFIDENCE in params  # the cloud's own, on the same tokens
+        confidence = parameter_value(params[CONFIDENCE]) if said else answer.running.value
+        variant = parameter_value(params[VARIANT]) if VARIANT in params else self.family.name
+        precision = parameter_value(params[PRECISION]) if PRECISION in params else ""
         return Generation(
-            text="".join(t.text for t in running.tokens),
-            tokens=tuple(running.tokens),
+            text=answer.text,
+            tokens=tuple(answer.running.tokens),
             tier=Tier.CLOUD,
             agent=f"cloud@{cloud.address}",
             variant=str(variant),
             precision=str(precision),
             confidence=float(confidence or 0.0),
-            finish_reason=_finish_reason(response),
+            finish_reason="stop" if answer.cut.stopped else _finish_reason(response),
             path=tuple(self.path),
             timings_ms=dict(self.timings),
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
         )
 
 

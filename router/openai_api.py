@@ -9,14 +9,19 @@ agent running it.
 
 Stratus's own options travel in the body's ``stratus`` object (the SDK's ``extra_body``):
 ``budget_ms``, ``min_confidence``, ``max_tier``, ``min_tier``; answers carry a ``stratus``
-object (tier, agent, variant, path, confidence, degraded, timings_ms). Decoding is greedy:
-``temperature`` other than 0, ``n`` other than 1, and any of ``top_p``, ``seed``, ``stop``,
-the penalties, ``logit_bias``, ``best_of``, ``echo``, ``suffix`` and ``stream_options`` asking for
-something are refused by name (``param``), not ignored. ``/health`` and ``/v1/models/{id}`` answer
-as vLLM's do. A chat
-request's prompt is its last user message (the shipped families have no chat template).
+object (tier, agent, variant, path, confidence, degraded, timings_ms, tokens per tier).
+``max_tokens``, ``stop``, ``temperature``, ``top_p`` and ``seed`` are honoured by every tier
+(:mod:`stratus.sampling`; greedy unless a temperature is given); ``n`` other than 1, the
+penalties, ``logit_bias``, ``best_of``, ``echo`` and ``suffix`` asking for something are refused
+by name (``param``), not ignored. Every answer carries ``usage`` (the answering tier's own
+counts), and a stream with ``stream_options.include_usage`` ends with a chunk of it. A
+completion's ``prompt`` may be a list of strings: one choice per prompt, each climbing on its
+own (streamed too, chunks by ``index``). ``/health`` and ``/v1/models/{id}`` answer as vLLM's
+do. A chat request's prompt is its last user message (the shipped families have no chat
+template).
 
-Errors come back in OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``,
+Bodies are read and checked by :mod:`router.openai_requests`, answers shaped by
+:mod:`router.openai_replies`; this module serves them. Errors come back in OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``,
 with the status that fits: 400 for a malformed body or a bad value, 404 for an unknown
 model, 429 when the router is full, 503 when nothing can serve, 504 past the budget.
 """
@@ -27,15 +32,14 @@ import asyncio
 import hmac
 import json
 import logging
-import time
-import uuid
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Final
 
 from aiohttp import web
 
 from router.generate import Generation
-from stratus import codec
+from router.openai_replies import Reply, model_entry
+from router.openai_requests import oip_request, options_of, prompts_of, settings_of, usage_asked
 from stratus.errors import (
     ConfigError,
     DeadlineExceeded,
@@ -47,9 +51,8 @@ from stratus.errors import (
     Unauthenticated,
     Unavailable,
 )
-from stratus.generation import MAX_TOKENS, TEXT_INPUT, Chunk
-from stratus.local_generation import text_array
-from stratus.protocol import PREFIX, set_parameter
+from stratus.generation import Chunk
+from stratus.sampling import FieldError
 from stratus.serving import is_loopback
 from stratus.wire import inference_pb2 as pb
 
@@ -67,54 +70,16 @@ _STATUS: Final[dict[type[StratusError], tuple[int, str]]] = {
     Unavailable: (503, "service_unavailable"),
     DeadlineExceeded: (504, "timeout"),
 }
-_OPTIONS: Final = {"budget_ms": float, "min_confidence": float, "max_tier": str, "min_tier": str}
 
 
 def error_body(status: int, kind: str, message: str, param: str | None = None) -> dict[str, Any]:
     return {"error": {"message": message, "type": kind, "param": param, "code": status}}
 
 
-class FieldError(InvalidInput):
-    """A bad body field, named in the error's ``param`` as OpenAI's API does."""
-
-    def __init__(self, param: str, message: str) -> None:
-        super().__init__(message)
-        self.param = param
-
-
-# Fields OpenAI's API takes that Stratus does not honour: each refused when it asks for
-# something other than its default, never silently ignored. (The tiers decode greedily, and
-# a family's stop strings come from its configuration.)
-_UNSUPPORTED: Final = {
-    "top_p": 1,
-    "presence_penalty": 0,
-    "frequency_penalty": 0,
-    "best_of": 1,
-    "echo": False,
-    "suffix": None,
-    "logit_bias": None,
-    "seed": None,
-    "stop": None,
-    "stream_options": None,
-}
-
-
 def error_of(exc: StratusError) -> tuple[int, dict[str, Any]]:
     """The HTTP status and OpenAI error body for a Stratus error."""
     status, kind = next((v for cls, v in _STATUS.items() if isinstance(exc, cls)), (500, "internal_error"))
     return status, error_body(status, kind, str(exc), getattr(exc, "param", None))
-
-
-def refuse_unsupported(body: Mapping[str, Any]) -> None:
-    for field, default in _UNSUPPORTED.items():
-        value = body.get(field, default)
-        if value == default or value in ({}, [], ""):
-            continue
-        raise FieldError(
-            field,
-            f"'{field}' is not supported by Stratus (it decodes greedily, with the family's own stop "
-            f"strings); leave it out or at {json.dumps(default)}",
-        )
 
 
 def _error_response(exc: StratusError) -> web.Response:
@@ -209,22 +174,17 @@ class OpenAiApi:
 
     async def models(self, request: web.Request) -> web.Response:
         names = [n for n in self.plane.model_names() if self.plane.generative(n) is not None]
-        return web.json_response({"object": "list", "data": [_model(n) for n in names]})
+        return web.json_response({"object": "list", "data": [model_entry(n) for n in names]})
 
     async def model(self, request: web.Request) -> web.Response:
         name = request.match_info["model"]
         if self.plane.generative(name) is None:
             raise NotFound(f"the model '{name[:128]}' does not exist or does not generate text")
-        return web.json_response(_model(name))
+        return web.json_response(model_entry(name))
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         body = await _body(request)
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1:
-            prompt = prompt[0]
-        if not isinstance(prompt, str):
-            raise FieldError("prompt", "'prompt' must be one string (one prompt per request)")
-        return await self._answer(request, body, prompt, chat=False)
+        return await self._answer(request, body, prompts_of(body.get("prompt")), chat=False)
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         body = await _body(request)
@@ -235,11 +195,11 @@ class OpenAiApi:
         content = users[-1].get("content") if users else None
         if not isinstance(content, str):
             raise FieldError("messages", "the last user message must have string 'content'")
-        return await self._answer(request, body, content, chat=True)
+        return await self._answer(request, body, [content], chat=True)
 
     # -- the shared path -------------------------------------------------------------------------
     async def _answer(
-        self, http: web.Request, body: Mapping[str, Any], prompt: str, *, chat: bool
+        self, http: web.Request, body: Mapping[str, Any], prompts: Sequence[str], *, chat: bool
     ) -> web.StreamResponse:
         model = body.get("model")
         if not isinstance(model, str) or not model:
@@ -247,143 +207,100 @@ class OpenAiApi:
         info = self.plane.generative(model)
         if info is None:
             raise NotFound(f"the model '{model}' does not exist or does not generate text")
-        oip = _oip_request(model, prompt, body, info.max_tokens)
-        reply = _Reply(model=model, chat=chat, logprobs=bool(body.get("logprobs")))
-        if body.get("stream") is True:
-            return await self._stream(http, oip, reply)
-        result = await self.plane.generate_text(oip, timeout_s=None)
-        return web.json_response(reply.whole(result))
+        params = settings_of(body, model, info.max_tokens)
+        options = options_of(body)
+        requests = [oip_request(model, prompt, params, options) for prompt in prompts]
+        stream = body.get("stream") is True
+        reply = Reply(
+            model=model,
+            chat=chat,
+            logprobs=bool(body.get("logprobs")),
+            usage_chunk=usage_asked(body, stream),
+        )
+        if stream:
+            return await self._stream(http, requests, reply)
+        works = [asyncio.create_task(self.plane.generate_text(r, timeout_s=None)) for r in requests]
+        try:
+            results = await asyncio.gather(*works)
+        finally:
+            for work in works:
+                work.cancel()  # one failed: the others are not answered, so not worth finishing
+        return web.json_response(reply.whole(results))
 
     async def _stream(
-        self, http: web.Request, oip: pb.ModelInferRequest, reply: _Reply
+        self, http: web.Request, requests: Sequence[pb.ModelInferRequest], reply: Reply
     ) -> web.StreamResponse:
-        """SSE: a lower tier's text only once accepted; the final tier's as it comes."""
-        chunks: asyncio.Queue[Chunk | None] = asyncio.Queue()
-
-        async def sink(chunk: Chunk) -> None:
-            chunks.put_nowait(chunk)
-
-        work = asyncio.create_task(self.plane.generate_text(oip, timeout_s=None, sink=sink))
-        work.add_done_callback(lambda _: chunks.put_nowait(None))
-        response: web.StreamResponse | None = None
+        """SSE: a lower tier's text only once accepted; the final tier's as it comes; each
+        prompt's chunks under its own ``index``, each ended by its own closing chunk."""
+        events: asyncio.Queue[tuple[int, Chunk | Generation | BaseException]] = asyncio.Queue()
+        works = [self._start(index, request, events) for index, request in enumerate(requests)]
         try:
-            first = await chunks.get()
-            if first is None and work.exception() is not None:
-                raise work.exception()  # type: ignore[misc]  # nothing sent yet: a plain error answer
+            index, first = await events.get()
+            if isinstance(first, BaseException):
+                raise first  # nothing sent yet: a plain error answer
             response = web.StreamResponse(
                 headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
             )
             await response.prepare(http)
             for line in reply.opening():
                 await _event(response, line)
-            chunk = first
-            while chunk is not None:
-                await _event(response, reply.piece(chunk))
-                chunk = await chunks.get()
-            try:
-                result = await work
-            except StratusError as exc:  # after the stream began: an error event, then the end
-                await _event(response, error_of(exc)[1])
-            else:
-                await _event(response, reply.closing(result))
+            results = await self._relay(response, reply, (index, first), events, len(requests))
+            if results is not None and reply.usage_chunk:
+                await _event(response, reply.usage(results))
             await response.write(b"data: [DONE]\n\n")
             await response.write_eof()
             return response
         finally:
-            work.cancel()  # the client went away: the Cancel reaches the agent
+            for work in works:
+                work.cancel()  # the client went away (or one failed): the Cancel reaches the agent
+
+    def _start(
+        self,
+        index: int,
+        request: pb.ModelInferRequest,
+        events: asyncio.Queue[tuple[int, Chunk | Generation | BaseException]],
+    ) -> asyncio.Task[Generation]:
+        """One prompt's generation, its chunks and then its outcome put on ``events``."""
+
+        async def sink(chunk: Chunk) -> None:
+            events.put_nowait((index, chunk))
+
+        work = asyncio.create_task(self.plane.generate_text(request, timeout_s=None, sink=sink))
+        work.add_done_callback(lambda done: events.put_nowait((index, _outcome(done))))
+        return work
+
+    async def _relay(
+        self,
+        response: web.StreamResponse,
+        reply: Reply,
+        event: tuple[int, Chunk | Generation | BaseException],
+        events: asyncio.Queue[tuple[int, Chunk | Generation | BaseException]],
+        count: int,
+    ) -> list[Generation] | None:
+        """Each event as its chunk until every prompt is answered (their results, in order),
+        or one fails (an error event; None)."""
+        results: dict[int, Generation] = {}
+        while True:
+            index, item = event
+            if isinstance(item, Chunk):
+                await _event(response, reply.piece(index, item))
+            elif isinstance(item, Generation):
+                results[index] = item
+                await _event(response, reply.closing(index, item, alone=count == 1))
+                if len(results) == count:
+                    return [results[i] for i in range(count)]
+            elif isinstance(item, StratusError):  # after the stream began: an error event, then the end
+                await _event(response, error_of(item)[1])
+                return None
+            else:
+                raise item
+            event = await events.get()
 
 
-class _Reply:
-    """OpenAI's response shapes, for completions or chat, whole or as SSE chunks."""
-
-    def __init__(self, *, model: str, chat: bool, logprobs: bool) -> None:
-        self.model = model
-        self.chat = chat
-        self.logprobs = logprobs
-        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
-        self.created = int(time.time())
-
-    def _head(self, kind: str) -> dict[str, Any]:
-        return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
-
-    def whole(self, result: Generation) -> dict[str, Any]:
-        choice: dict[str, Any] = {"index": 0, "finish_reason": _finish(result.finish_reason)}
-        if self.chat:
-            choice["message"] = {"role": "assistant", "content": result.text}
-            choice["logprobs"] = _chat_logprobs(result) if self.logprobs else None
-        else:
-            choice["text"] = result.text
-            choice["logprobs"] = _completion_logprobs(result) if self.logprobs else None
-        kind = "chat.completion" if self.chat else "text_completion"
-        return {**self._head(kind), "choices": [choice], "stratus": stratus_object(result)}
-
-    def opening(self) -> list[dict[str, Any]]:
-        if not self.chat:
-            return []
-        return [
-            {
-                **self._head("chat.completion.chunk"),
-                "choices": [{"index": 0, "delta": {"role": "assistant"}, "finish_reason": None}],
-            }
-        ]
-
-    def piece(self, chunk: Chunk) -> dict[str, Any]:
-        if self.chat:
-            choice = {"index": 0, "delta": {"content": chunk.text}, "finish_reason": None}
-            return {**self._head("chat.completion.chunk"), "choices": [choice]}
-        return {
-            **self._head("text_completion"),
-            "choices": [{"index": 0, "text": chunk.text, "logprobs": None, "finish_reason": None}],
-        }
-
-    def closing(self, result: Generation) -> dict[str, Any]:
-        finish = _finish(result.finish_reason)
-        if self.chat:
-            choice: dict[str, Any] = {"index": 0, "delta": {}, "finish_reason": finish}
-            kind = "chat.completion.chunk"
-        else:
-            choice = {"index": 0, "text": "", "logprobs": None, "finish_reason": finish}
-            kind = "text_completion"
-        return {**self._head(kind), "choices": [choice], "stratus": stratus_object(result)}
-
-
-def _model(name: str) -> dict[str, Any]:
-    return {"id": name, "object": "model", "created": 0, "owned_by": "stratus"}
-
-
-def stratus_object(result: Generation) -> dict[str, Any]:
-    return {
-        "tier": result.tier.label,
-        "agent": result.agent,
-        "variant": result.variant,
-        "path": [t.label for t in result.path],
-        "confidence": round(result.confidence, 6),
-        "degraded": result.degraded,
-        "timings_ms": {t.label: round(ms, 3) for t, ms in result.timings_ms.items()},
-        "tokens": {t.label: n for t, n in result.generated.items()},
-    }
-
-
-def _finish(reason: str) -> str:
-    return reason if reason in ("stop", "length") else "stop"
-
-
-def _completion_logprobs(result: Generation) -> dict[str, Any]:
-    return {
-        "tokens": [t.text for t in result.tokens],
-        "token_logprobs": [t.logprob for t in result.tokens],
-        "top_logprobs": None,
-        "text_offset": None,
-    }
-
-
-def _chat_logprobs(result: Generation) -> dict[str, Any]:
-    return {
-        "content": [
-            {"token": t.text, "logprob": t.logprob, "bytes": list(t.text.encode()), "top_logprobs": []}
-            for t in result.tokens
-        ]
-    }
+def _outcome(work: asyncio.Task[Generation]) -> Generation | BaseException:
+    if work.cancelled():
+        return asyncio.CancelledError()
+    return work.exception() or work.result()
 
 
 def check_listen(listen: str, api_key: str) -> None:
@@ -394,13 +311,6 @@ def check_listen(listen: str, api_key: str) -> None:
             f"the OpenAI API on {listen} is off loopback: give it a key "
             "(--openai-api-key-file, or STRATUS_OPENAI_API_KEY)"
         )
-
-
-def _number(key: str, value: int | float) -> float:
-    try:
-        return float(value)
-    except OverflowError:  # an integer past any double (10**400)
-        raise InvalidInput(f"'stratus.{key}' is out of range") from None
 
 
 def _host_name(host: str) -> str:
@@ -420,38 +330,6 @@ async def _body(request: web.Request) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise InvalidInput("the body must be a JSON object")
     return body
-
-
-def _oip_request(model: str, prompt: str, body: Mapping[str, Any], limit: int) -> pb.ModelInferRequest:
-    """The OpenAI body as the Open Inference Protocol request the cascade takes, checked."""
-    if body.get("n", 1) != 1:
-        raise FieldError("n", "'n' must be 1")
-    temperature = body.get("temperature", 0)
-    if not isinstance(temperature, int | float) or temperature != 0:
-        raise FieldError("temperature", "Stratus decodes greedily: 'temperature' must be 0 (or left out)")
-    refuse_unsupported(body)
-    max_tokens = body.get("max_tokens", body.get("max_completion_tokens", limit))
-    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or not 1 <= max_tokens <= limit:
-        raise FieldError(
-            "max_tokens",
-            f"'max_tokens' must be an integer between 1 and {limit} for '{model}', not {max_tokens!r}",
-        )
-    request = pb.ModelInferRequest(model_name=model, id=uuid.uuid4().hex[:16])
-    codec.encode_request_inputs(request, {TEXT_INPUT: text_array(prompt)})
-    set_parameter(request.parameters, MAX_TOKENS, max_tokens)
-    options = body.get("stratus", {})
-    if not isinstance(options, dict):
-        raise InvalidInput("'stratus' must be an object")
-    for key, value in options.items():
-        kind = _OPTIONS.get(key)
-        if kind is None:
-            raise InvalidInput(f"unknown 'stratus' option '{key}'; known: {sorted(_OPTIONS)}")
-        if kind is float and (isinstance(value, bool) or not isinstance(value, int | float)):
-            raise InvalidInput(f"'stratus.{key}' must be a number")
-        if kind is str and not isinstance(value, str):
-            raise InvalidInput(f"'stratus.{key}' must be a string")
-        set_parameter(request.parameters, f"{PREFIX}{key}", _number(key, value) if kind is float else value)
-    return request
 
 
 async def _event(response: web.StreamResponse, payload: Mapping[str, Any]) -> None:

@@ -40,6 +40,8 @@ from stratus.local_generation import (
     chunk_response,
     generative_config,
     generative_metadata,
+    read_usage,
+    write_usage,
 )
 from stratus.metrics import Metric, Metrics, ModelMetrics, gauge
 from stratus.precision import Hardware, choose_variant, load_verification, this_hardware
@@ -411,6 +413,8 @@ class LocalModels:
         done = await self.generators.generate(request, on_chunk)
         response = text_response(request, done.text)
         set_parameter(response.parameters, FINISH_REASON, done.finish_reason)
+        usage = Chunk(tokens=(), prompt_tokens=done.prompt_tokens, completion_tokens=done.completion_tokens)
+        write_usage(response, usage)
         return LocalAnswer(
             response=response,
             variant=done.variant,
@@ -775,7 +779,14 @@ class LocalDataPlane(DataPlane):
                 await asyncio.gather(task, return_exceptions=True)
         self.models.count("ok")
         reason = parameter_value(answer.response.parameters[FINISH_REASON])
-        final = chunk_response(request, Chunk(tokens=(), finish_reason=str(reason)))
+        prompt_tokens, completion_tokens = read_usage(answer.response.parameters)
+        ending = Chunk(
+            tokens=(),
+            finish_reason=str(reason),
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+        )
+        final = chunk_response(request, ending)
         set_parameter(final.parameters, FINAL, True)
         self._served(answer).write(final.parameters)
         yield final

@@ -1,9 +1,11 @@
 """Generative variants loaded on this machine, and how a prompt becomes a stream of chunks.
 
 Used beside :class:`stratus.local.LocalModels` (which owns it) by the edge agent and the
-cloud gateway. A generation runs greedily on an executor thread; each token crosses to the
-event loop as soon as it is made, so the agent can put it on its AgentLink at once, and a
-cancelled Work stops the runtime at its next token.
+cloud gateway. A generation runs on an executor thread; each token crosses to the event
+loop as soon as it is made, so the agent can put it on its AgentLink at once, and a
+cancelled Work stops the runtime at its next token. What reaches the caller is cut at the
+first stop string (the family's or the request's), text that may begin one held back
+until it is settled.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import functools
+import json
 import logging
 import threading
 import time
@@ -20,18 +23,24 @@ from dataclasses import dataclass
 from stratus import codec
 from stratus.errors import InvalidInput, ModelLoadError, NotFound, Overloaded, RuntimeUnavailable
 from stratus.generation import (
+    COMPLETION_TOKENS,
     MAX_TOKENS,
+    PROMPT_TOKENS,
+    STREAM,
     TEXT_INPUT,
     TEXT_OUTPUT,
     Chunk,
     GenerationParams,
+    StopCut,
     Token,
     confidence_of,
+    token_count,
 )
 from stratus.protocol import parameter_value, set_parameter
 from stratus.repository import FamilySpec, ModelRepository, VariantSpec
 from stratus.runtimes.base import LoadFailure, LoadOptions
-from stratus.runtimes.generative import GenerativeRunner, load_generator
+from stratus.runtimes.generative import Finished, GenerativeRunner, load_generator
+from stratus.sampling import MAX_SETTINGS_BYTES, SAMPLING_PARAMETERS, read_settings, sampling_object
 from stratus.tiers import Tier
 from stratus.wire import inference_pb2 as pb
 
@@ -42,7 +51,9 @@ OnChunk = Callable[[Chunk], Awaitable[None]]
 
 @dataclass(frozen=True, kw_only=True)
 class Generated:
-    """A finished generation: the text, its tokens, why it stopped, how sure, how long."""
+    """A finished generation: the text and its tokens (cut at a stop string), why it
+    stopped, how sure, how long, and what it cost in tokens (the prompt's, and every token
+    generated, a stop string's included)."""
 
     variant: VariantSpec
     text: str
@@ -50,6 +61,8 @@ class Generated:
     finish_reason: str
     confidence: float
     service_ms: float
+    prompt_tokens: int
+    completion_tokens: int
 
 
 # Threads for generations; how many run at once per variant is the runtime's ``parallel``
@@ -62,6 +75,9 @@ MAX_WAITING_GENERATIONS = 64
 # context is about 0.5 MiB of text), and far below what a link carries.
 MAX_PROMPT_BYTES = 1 << 20
 RETIRE_GRACE_S = 10.0  # a variant replaced by a reload keeps answering what is in flight this long
+# The inputs a generative request may have, as Triton's vLLM backend takes them (the prompt first).
+EXCLUDE_INPUT = "exclude_input_in_output"
+_TAKEN = (TEXT_INPUT, SAMPLING_PARAMETERS, STREAM, EXCLUDE_INPUT)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -230,7 +246,7 @@ class LocalGenerators:
         return self.families[variant.family], variant
 
     async def generate(self, request: pb.ModelInferRequest, on_chunk: OnChunk | None = None) -> Generated:
-        """Generate for a request (``text_input``, ``max_tokens``); chunks go to ``on_chunk``
+        """Generate for a request (``text_input``, its settings); chunks go to ``on_chunk``
         as tokens are made. Cancelling the caller stops the runtime at its next token."""
         family, variant = self.variant_for(request.model_name)
         assert family.generation is not None
@@ -245,36 +261,23 @@ class LocalGenerators:
             loop.call_soon_threadsafe(tokens.put_nowait, token)
             return not stop.is_set()
 
-        def run() -> str:
+        def run() -> Finished:
             try:
                 return self.runners[variant.name].generate(prompt, params, emit)
             finally:
                 loop.call_soon_threadsafe(tokens.put_nowait, None)
 
         started = time.perf_counter()
-        slots = self._slots[variant.name]
-        if self._waiting.get(variant.name, 0) >= MAX_WAITING_GENERATIONS:
-            raise Overloaded(
-                f"{MAX_WAITING_GENERATIONS} generations wait for {variant.name} here; retry later or elsewhere"
-            )
-        self._waiting[variant.name] = self._waiting.get(variant.name, 0) + 1
-        try:
-            await slots.acquire()  # as many at once as the runtime takes; the rest wait here
-        finally:
-            self._waiting[variant.name] -= 1
-        try:
-            future = loop.run_in_executor(self._executor, run)
-        except BaseException:
-            slots.release()
-            raise
-        future.add_done_callback(lambda _: slots.release())  # when the runtime is done, not the caller
+        future = await self._start(variant.name, run)
+        cut = StopCut(params.stop)
         produced: list[Token] = []
+        made = 0
         try:
             while (token := await tokens.get()) is not None:
-                produced.append(token)
-                if on_chunk is not None:
-                    await on_chunk(Chunk(tokens=(token,)))
-            reason = await future
+                made += 1
+                await _pass_on(cut.feed((token,)), produced, on_chunk)
+            finished = await future
+            await _pass_on(cut.finish(), produced, on_chunk)
         except BaseException:
             stop.set()  # the runtime stops at its next token
             raise
@@ -282,10 +285,33 @@ class LocalGenerators:
             variant=variant,
             text="".join(t.text for t in produced),
             tokens=tuple(produced),
-            finish_reason=reason,
+            finish_reason="stop" if cut.stopped else finished.reason,
             confidence=confidence_of(produced, family.generation.method),
             service_ms=(time.perf_counter() - started) * 1000.0,
+            prompt_tokens=finished.prompt_tokens,
+            completion_tokens=made,
         )
+
+    async def _start(self, variant: str, run: Callable[[], Finished]) -> asyncio.Future[Finished]:
+        """``run`` on the executor once one of the variant's slots is free (refused past
+        MAX_WAITING_GENERATIONS waiting); the slot is freed when the runtime is done."""
+        slots = self._slots[variant]
+        if self._waiting.get(variant, 0) >= MAX_WAITING_GENERATIONS:
+            raise Overloaded(
+                f"{MAX_WAITING_GENERATIONS} generations wait for {variant} here; retry later or elsewhere"
+            )
+        self._waiting[variant] = self._waiting.get(variant, 0) + 1
+        try:
+            await slots.acquire()  # as many at once as the runtime takes; the rest wait here
+        finally:
+            self._waiting[variant] -= 1
+        try:
+            future = asyncio.get_running_loop().run_in_executor(self._executor, run)
+        except BaseException:
+            slots.release()
+            raise
+        future.add_done_callback(lambda _: slots.release())  # when the runtime is done, not the caller
+        return future
 
     def close(self) -> None:
         self._executor.shutdown(wait=True, cancel_futures=True)
@@ -293,44 +319,51 @@ class LocalGenerators:
             runner.close()
 
 
+async def _pass_on(tokens: tuple[Token, ...], produced: list[Token], on_chunk: OnChunk | None) -> None:
+    produced.extend(tokens)
+    if on_chunk is not None and tokens:
+        await on_chunk(Chunk(tokens=tokens))
+
+
 def prompt_and_params(request: pb.ModelInferRequest, family: FamilySpec) -> tuple[str, GenerationParams]:
-    """The prompt (one ``text_input`` string) and the generation's limits, checked."""
+    """The prompt (one ``text_input`` string) and the generation's settings, checked; the
+    family's own stop strings are added to the request's."""
     assert family.generation is not None
-    prompt, max_tokens = read_prompt(request, family.name, family.generation.max_tokens)
-    return prompt, GenerationParams(max_tokens=max_tokens, stop=family.generation.stop)
+    prompt, params = read_generation(request, family.name, family.generation.max_tokens)
+    return prompt, params.stopping_also_at(family.generation.stop)
 
 
-def read_prompt(request: pb.ModelInferRequest, family: str, limit: int) -> tuple[str, int]:
-    """One prompt in ``text_input`` and ``max_tokens`` (default ``limit``) within 1..limit;
-    a prompt over MAX_PROMPT_BYTES is refused before it is decoded."""
-    if len(request.inputs) != 1 or request.inputs[0].name != TEXT_INPUT:
-        names = [t.name for t in request.inputs[:8]]
-        raise InvalidInput(f"model '{family}' takes one input '{TEXT_INPUT}' (BYTES), not {names}")
+def read_generation(request: pb.ModelInferRequest, family: str, limit: int) -> tuple[str, GenerationParams]:
+    """One prompt in ``text_input``, and the settings (:mod:`stratus.sampling`) from the
+    parameters and an optional ``sampling_parameters`` input, ``max_tokens`` within
+    1..limit; a prompt over MAX_PROMPT_BYTES is refused before it is decoded. Triton's BOOL
+    inputs ``stream`` (the servicer reads it) and ``exclude_input_in_output`` (true: what
+    Stratus answers anyway) are taken too."""
+    names = [t.name for t in request.inputs[: len(_TAKEN) + 1]]
+    if TEXT_INPUT not in names or len(set(names)) != len(request.inputs) or not set(names) <= set(_TAKEN):
+        raise InvalidInput(
+            f"model '{family}' takes the input '{TEXT_INPUT}' (BYTES), and optionally {list(_TAKEN[1:])}, not {names}"
+        )
     check_prompt_size(request)
     inputs = codec.decode_request_inputs(request)
-    if set(inputs) != {TEXT_INPUT}:
-        raise InvalidInput(f"model '{family}' takes one input '{TEXT_INPUT}' (BYTES), not {sorted(inputs)}")
-    prompts = inputs[TEXT_INPUT].reshape(-1)
-    if len(prompts) != 1:
-        raise InvalidInput(f"'{TEXT_INPUT}' must hold exactly one prompt, not {len(prompts)}")
-    raw = prompts[0]
+    if EXCLUDE_INPUT in inputs and not all(inputs[EXCLUDE_INPUT].reshape(-1)):
+        raise InvalidInput(
+            f"'{EXCLUDE_INPUT}' false is not supported: the answer is the generated text alone"
+        )
+    settings = _one_string(inputs, SAMPLING_PARAMETERS) if SAMPLING_PARAMETERS in inputs else None
+    params = read_settings(request.parameters, settings, limit=limit, model=family)
     try:
-        prompt = raw.decode("utf-8") if isinstance(raw, bytes) else str(raw)
+        return _one_string(inputs, TEXT_INPUT).decode("utf-8"), params
     except UnicodeDecodeError:
         raise InvalidInput(f"'{TEXT_INPUT}' is not UTF-8 text") from None
-    max_tokens = _int_parameter(request.parameters, MAX_TOKENS, default=limit)
-    if not 1 <= max_tokens <= limit:
-        raise InvalidInput(f"max_tokens must be between 1 and {limit} for model '{family}', not {max_tokens}")
-    return prompt, max_tokens
 
 
-def _int_parameter(parameters: Mapping[str, pb.InferParameter], key: str, *, default: int) -> int:
-    if key not in parameters:
-        return default
-    value = parameter_value(parameters[key])
-    if isinstance(value, bool) or not isinstance(value, int | float) or int(value) != value:
-        raise InvalidInput(f"parameter '{key}' must be an integer, not {value!r}")
-    return int(value)
+def _one_string(inputs: Mapping[str, codec.Array], name: str) -> bytes:
+    values = inputs[name].reshape(-1)
+    if len(values) != 1:
+        raise InvalidInput(f"'{name}' must hold exactly one string, not {len(values)}")
+    raw = values[0]
+    return raw if isinstance(raw, bytes) else str(raw).encode("utf-8")
 
 
 def text_response(request: pb.ModelInferRequest, text: str) -> pb.ModelInferResponse:
@@ -347,17 +380,40 @@ def check_prompt_size(request: pb.ModelInferRequest) -> None:
     size = sum(len(buffer) for buffer in request.raw_input_contents) or sum(
         t.ByteSize() for t in request.inputs
     )
-    if size > MAX_PROMPT_BYTES + 4:  # a BYTES element's 4-byte length prefix
+    settings = MAX_SETTINGS_BYTES + 64 if len(request.inputs) > 1 else 0  # sampling_parameters, BOOL inputs
+    if size > MAX_PROMPT_BYTES + 4 + settings:  # a BYTES element's 4-byte length prefix
         raise InvalidInput(f"the prompt is {size} bytes; at most {MAX_PROMPT_BYTES} are taken")
 
 
-def prompt_request(model: str, request_id: str, prompt: str, max_tokens: int) -> pb.ModelInferRequest:
-    """A generative request holding only a checked prompt and its max_tokens (what agents and
-    the cloud are sent)."""
+def prompt_request(
+    model: str, request_id: str, prompt: str, params: GenerationParams
+) -> pb.ModelInferRequest:
+    """A generative request holding only a checked prompt and its settings (what agents and
+    the cloud are sent): ``max_tokens`` as a parameter, the rest, where asked for, in a
+    ``sampling_parameters`` input as Triton's vLLM backend takes them."""
     request = pb.ModelInferRequest(model_name=model, id=request_id)
-    codec.encode_request_inputs(request, {TEXT_INPUT: text_array(prompt)})
-    set_parameter(request.parameters, MAX_TOKENS, max_tokens)
+    inputs = {TEXT_INPUT: text_array(prompt)}
+    settings = sampling_object(params)
+    if settings is not None:
+        inputs[SAMPLING_PARAMETERS] = text_array(json.dumps(settings))
+    codec.encode_request_inputs(request, inputs)
+    set_parameter(request.parameters, MAX_TOKENS, params.max_tokens)
     return request
+
+
+def write_usage(response: pb.ModelInferResponse, chunk: Chunk) -> None:
+    """The token counts a final chunk carries, as int64 parameters of ``response``."""
+    for key, value in chunk.usage().items():
+        set_parameter(response.parameters, key, value)
+
+
+def read_usage(parameters: Mapping[str, pb.InferParameter]) -> tuple[int | None, int | None]:
+    """(prompt tokens, completion tokens) as a final response gives them; None where it does not."""
+
+    def count(key: str) -> int | None:
+        return token_count(parameter_value(parameters[key])) if key in parameters else None
+
+    return count(PROMPT_TOKENS), count(COMPLETION_TOKENS)
 
 
 def text_array(text: str) -> codec.Array:
@@ -369,10 +425,12 @@ def text_array(text: str) -> codec.Array:
 
 def chunk_response(request: pb.ModelInferRequest, chunk: Chunk) -> pb.ModelInferResponse:
     """One streamed chunk as Triton's vLLM backend sends it: its text in ``text_output``,
-    its tokens' log-probabilities (and the finish reason, on the last) as parameters."""
+    its tokens' log-probabilities (and the finish reason and token counts, on the last) as
+    parameters."""
     response = text_response(request, chunk.text)
     for key, value in chunk.parameters().items():
         set_parameter(response.parameters, key, value)
+    write_usage(response, chunk)
     return response
 
 

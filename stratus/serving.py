@@ -22,7 +22,7 @@ from typing import Any, Final
 
 import grpc
 
-from stratus import __version__
+from stratus import __version__, codec
 from stratus.errors import ConfigError, InvalidInput, NotFound, Overloaded, StratusError
 from stratus.status import ErrorInterceptor, status_code
 from stratus.wire import inference_pb2 as pb
@@ -514,14 +514,14 @@ class _StreamSession:
 
 
 def _streams(request: pb.ModelInferRequest) -> bool:
-    """Triton's convention: a ``stream`` parameter (or BOOL input) true asks for chunks."""
+    """Triton's convention: a ``stream`` parameter (or BOOL input, typed or raw, as
+    tritonclient sends it) true asks for chunks."""
     parameter = request.parameters.get("stream")
     if parameter is not None and parameter.WhichOneof("parameter_choice") == "bool_param":
         return bool(parameter.bool_param)
-    return any(
-        t.name == "stream" and t.datatype == "BOOL" and list(t.contents.bool_contents) == [True]
-        for t in request.inputs
-    )
+    if not any(t.name == "stream" and t.datatype == "BOOL" for t in request.inputs):
+        return False
+    return bool(codec.decode_request_inputs(request)["stream"].all())
 
 
 def stream_error(request: pb.ModelInferRequest, message: str) -> pb.ModelStreamInferResponse:

@@ -1,14 +1,21 @@
 """Generative runtimes: a prompt in, tokens out, each with its log-probability.
 
 A :class:`GenerativeRunner` is a generative variant loaded into one runtime. ``generate``
-runs greedy decoding on the calling (executor) thread and hands each token to ``emit`` as
-it is produced; ``emit`` returns False to stop at once (the router cancelled the Work, or
-the answer can no longer be accepted). Runtimes, best first where both are installed:
+decodes on the calling (executor) thread and hands each token to ``emit`` as it is
+produced; ``emit`` returns False to stop at once (the router cancelled the Work, or the
+answer can no longer be accepted). Decoding is greedy unless the request asks for a
+temperature: then the runtime samples (within ``top_p``, from ``seed`` where given), and
+each token's log-probability is still the model's own (before temperature and ``top_p``),
+so a confidence means the same whether an answer was chosen or drawn. A stop string ends
+the generation once it is made; its text is still emitted (the caller cuts it, see
+:class:`~stratus.generation.StopCut`), so one split over several tokens is never lost.
+Runtimes, best first where both are installed:
 
 * ``openvino_genai`` (wheels for every platform; a GGUF file in F16): per-token
   log-probabilities of the chosen tokens, no alternatives (so no top-2 margin);
 * ``llama_cpp`` (``llama-cpp-python``, the ``llama`` extra, which compiles on install):
-  GGUF, stepped token by token from the logits, so with the top-2 margin.
+  GGUF, stepped token by token from the logits (sampled here, with numpy), so with the
+  top-2 margin.
 
 :func:`generative_order` says which comes first on each tier.
 """
@@ -18,19 +25,30 @@ from __future__ import annotations
 import abc
 import itertools
 import logging
+import secrets
 import threading
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
 from stratus.errors import InvalidInput, ModelLoadError, NotFound, RuntimeUnavailable
-from stratus.generation import GenerationParams, Token
+from stratus.generation import GenerationParams, StopCut, Token
 from stratus.repository import FamilySpec, VariantSpec
 from stratus.runtimes.base import Availability, LoadFailure, LoadOptions, RuntimeDescription, warmed_up
 from stratus.tiers import Tier
 
 Emit = Callable[[Token], bool]
 log = logging.getLogger("stratus.runtimes")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Finished:
+    """How a generation ended ("stop", "length", or "cancelled" when ``emit`` said stop),
+    and how many tokens the runtime's tokenizer made of the prompt."""
+
+    reason: str
+    prompt_tokens: int
 
 
 class GenerativeRunner(abc.ABC):
@@ -59,9 +77,8 @@ class GenerativeRunner(abc.ABC):
         return Availability(available=True)
 
     @abc.abstractmethod
-    def generate(self, prompt: str, params: GenerationParams, emit: Emit) -> str:
-        """Greedy tokens for ``prompt`` through ``emit``; the finish reason ("stop", "length",
-        or "cancelled" when ``emit`` said stop)."""
+    def generate(self, prompt: str, params: GenerationParams, emit: Emit) -> Finished:
+        """The tokens for ``prompt`` through ``emit``, up to a stop string's last token."""
 
     def describe(self) -> RuntimeDescription:
         return RuntimeDescription(
@@ -72,11 +89,6 @@ class GenerativeRunner(abc.ABC):
             kv_cache=self.kv_cache_precision,
         )
 
-    def surely_fits(self, prompt: str, params: GenerationParams) -> bool:
-        """True when the prompt fits the context whatever its tokens: a token covers at least
-        one byte of text, plus a few special tokens (BOS and the like)."""
-        return len(prompt.encode("utf-8")) + _SPECIAL_TOKENS + params.max_tokens <= self.context
-
     def check_context(self, prompt_tokens: int, params: GenerationParams) -> None:
         """Refuse a prompt that, with the tokens asked for, would not fit the context."""
         if prompt_tokens + params.max_tokens > self.context:
@@ -86,15 +98,17 @@ class GenerativeRunner(abc.ABC):
             )
 
     def tokens(self, prompt: str, params: GenerationParams) -> list[Token]:
-        """Every token of a whole generation (calibration, verification: nothing streams)."""
+        """Every token of a whole generation, cut at its stop string (calibration,
+        verification: nothing streams)."""
         made: list[Token] = []
+        cut = StopCut(params.stop)
 
         def keep(token: Token) -> bool:
-            made.append(token)
+            made.extend(cut.feed((token,)))
             return True
 
         self.generate(prompt, params, keep)
-        return made
+        return made + list(cut.finish())
 
     def warmup(self) -> None:
         self.generate("1+1=", GenerationParams(max_tokens=1), lambda token: True)
@@ -139,22 +153,29 @@ class OpenVinoGenAiRunner(GenerativeRunner):
         return _genai()
 
     def _config(self, params: GenerationParams) -> Any:
+        """Log-probabilities of the chosen tokens: with ``logprobs`` set, GenAI's sampler
+        reports the raw model's (before temperature and top_p), sampled or not."""
         config = _genai().GenerationConfig()
         config.max_new_tokens = params.max_tokens
-        config.do_sample = False
+        config.do_sample = params.sampled
+        if params.sampled:
+            config.temperature = params.temperature
+            config.top_p = params.top_p
+            config.rng_seed = _seed_of(params)  # its own generator per request, batched or not
         config.logprobs = 1
         config.apply_chat_template = False
         if params.stop:
             config.stop_strings = set(params.stop)
-            config.include_stop_str_in_output = False
+            config.include_stop_str_in_output = True  # emitted as made; the caller cuts it
         return config
 
-    def generate(self, prompt: str, params: GenerationParams, emit: Emit) -> str:
-        if not self.surely_fits(prompt, params):  # tokenizing costs about 0.5 ms here
-            self.check_context(len(self._tokenizer.encode(prompt).input_ids.data[0]), params)
-        handle = self._pipe.add_request(next(self._ids), prompt, self._config(params))
+    def generate(self, prompt: str, params: GenerationParams, emit: Emit) -> Finished:
+        """The prompt is tokenized here (as the pipeline would), for its count."""
+        ids = self._tokenizer.encode(prompt).input_ids
+        self.check_context(ids.get_size(), params)
+        handle = self._pipe.add_request(next(self._ids), ids, self._config(params))
         try:
-            return self._drive(handle, emit, params.max_tokens)
+            return Finished(reason=self._drive(handle, emit, params.max_tokens), prompt_tokens=ids.get_size())
         except BaseException:
             handle.cancel()  # dropped by the pipeline at its next step
             raise
@@ -202,9 +223,10 @@ class OpenVinoGenAiRunner(GenerativeRunner):
 
 
 class LlamaCppRunner(GenerativeRunner):
-    """llama.cpp through ``llama-cpp-python``, stepped one token at a time: greedy choice
-    from the logits, so each step gives the chosen token's log-probability and the top-2
-    margin (``first_margin`` works here). One generation at a time per variant."""
+    """llama.cpp through ``llama-cpp-python``, stepped one token at a time: each token chosen
+    here from the logits (greedily, or sampled with numpy), so each step gives the chosen
+    token's log-probability and the top-2 margin (``first_margin`` works here). One
+    generation at a time per variant."""
 
     runtime = "llama_cpp"
     formats = ("gguf",)
@@ -232,19 +254,20 @@ class LlamaCppRunner(GenerativeRunner):
     def library() -> Any:
         return _llama_cpp()
 
-    def generate(self, prompt: str, params: GenerationParams, emit: Emit) -> str:
+    def generate(self, prompt: str, params: GenerationParams, emit: Emit) -> Finished:
         prompt_ids = self._llama.tokenize(prompt.encode("utf-8"), add_bos=False, special=False)
         self.check_context(len(prompt_ids), params)
         with self._lock:
             self._llama.reset()
             self._llama.eval(prompt_ids)
-            return self._drive(emit, params)
+            return Finished(reason=self._drive(emit, params), prompt_tokens=len(prompt_ids))
 
     def _drive(self, emit: Emit, params: GenerationParams) -> str:
+        choose = _sampler(params)
         ids: list[int] = []
         text = ""
         while len(ids) < params.max_tokens:
-            token_id, token = _greedy_step(self._llama.scores[self._llama.n_tokens - 1])
+            token_id, token = choose(self._llama.scores[self._llama.n_tokens - 1])
             if token_id == self._eos:
                 return (
                     "stop"
@@ -254,12 +277,9 @@ class LlamaCppRunner(GenerativeRunner):
             ids.append(token_id)
             decoded = self._llama.detokenize(ids).decode("utf-8", "ignore")
             piece, text = decoded[len(text) :], decoded
-            stop = _stop_at(text, params.stop)
-            if stop is not None:
-                piece = piece[: max(0, len(piece) - (len(text) - stop))]
             if not emit(Token(text=piece, logprob=token.logprob, margin=token.margin)):
                 return "cancelled"
-            if stop is not None:
+            if _stop_at(text, params.stop) is not None:
                 return "stop"
             self._llama.eval([token_id])
         return "length"
@@ -308,20 +328,58 @@ def _first_line(exc: BaseException) -> str:
 
 
 _GGML_F32 = 0  # ggml's type id of float32
-_SPECIAL_TOKENS = 4  # at most this many tokens a tokenizer adds around a prompt
 _STEP_WAIT_S = 0.05  # a safety net: a waiting generation is notified when the step it waits for ends
+
+
+def _log_softmax(logits: Any) -> Any:
+    import numpy as np
+
+    values = np.asarray(logits, dtype=np.float64)
+    shifted = values - values.max()
+    return shifted - np.log(np.exp(shifted).sum())
 
 
 def _greedy_step(logits: Any) -> tuple[int, Token]:
     """The most likely next token, its log-probability, and its lead over the runner-up."""
     import numpy as np
 
-    values = np.asarray(logits, dtype=np.float64)
-    shifted = values - values.max()
-    logprobs = shifted - np.log(np.exp(shifted).sum())
+    logprobs = _log_softmax(logits)
+    return int(np.argmax(logprobs)), _scored(logprobs, int(np.argmax(logprobs)))
+
+
+def _scored(logprobs: Any, chosen: int) -> Token:
+    """The chosen token's log-probability, and the step's top-1 minus top-2 probability."""
+    import numpy as np
+
     second, first = np.partition(logprobs, -2)[-2:]
-    chosen = int(np.argmax(logprobs))
-    return chosen, Token(text="", logprob=float(first), margin=float(np.exp(first) - np.exp(second)))
+    return Token(text="", logprob=float(logprobs[chosen]), margin=float(np.exp(first) - np.exp(second)))
+
+
+def _sampled_step(logits: Any, params: GenerationParams, rng: Any) -> tuple[int, Token]:
+    """A token drawn from the logits at ``temperature``, among the fewest most likely ones
+    whose probabilities reach ``top_p``; scored by the model's own distribution."""
+    import numpy as np
+
+    weights = np.exp(_log_softmax(np.asarray(logits, dtype=np.float64) / params.temperature))
+    order = np.argsort(-weights, kind="stable")
+    kept = order[: int(np.searchsorted(np.cumsum(weights[order]), params.top_p * weights.sum())) + 1]
+    chosen = int(rng.choice(kept, p=weights[kept] / weights[kept].sum()))
+    return chosen, _scored(_log_softmax(logits), chosen)
+
+
+def _sampler(params: GenerationParams) -> Callable[[Any], tuple[int, Token]]:
+    """Each step's choice for these settings: greedy, or a draw from a generator of its own."""
+    if not params.sampled:
+        return _greedy_step
+    import numpy as np
+
+    rng = np.random.default_rng(_seed_of(params))
+    return lambda logits: _sampled_step(logits, params, rng)
+
+
+def _seed_of(params: GenerationParams) -> int:
+    """The request's seed as a runtime takes it (unsigned), or a fresh one."""
+    return params.seed % (1 << 64) if params.seed is not None else secrets.randbits(63)
 
 
 def _stop_at(text: str, stops: Sequence[str]) -> int | None:

@@ -25,6 +25,7 @@ from pathlib import Path
 import openai
 import pytest
 
+from stratus.generation import GenerationParams
 from stratus.launcher import free_port
 from stratus.local_generation import prompt_request
 from stratus.protocol import parameter_value
@@ -146,7 +147,7 @@ def test_the_gateway_passes_on_llama_cpps_log_probabilities(site: Site) -> None:
     assert isinstance(logprobs, dict)
     with open_sync_channel(site.cloud) as channel:
         response = pb_grpc.GRPCInferenceServiceStub(channel).ModelInfer(
-            prompt_request("arith", "t1", "37+48=", 4), timeout=30
+            prompt_request("arith", "t1", "37+48=", GenerationParams(max_tokens=4)), timeout=30
         )
     given = json.loads(str(parameter_value(response.parameters["stratus.token_logprobs"])))
     assert given == pytest.approx(logprobs["token_logprobs"], rel=0.05, abs=1e-6)

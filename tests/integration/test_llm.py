@@ -207,7 +207,11 @@ def test_bad_requests_get_openai_errors_and_lose_nothing(llm: LlmFleet) -> None:
         (json.dumps({**good, "model": "letters"}).encode(), 404, "'letters' does not exist"),
         (json.dumps({**good, "max_tokens": 0}).encode(), 400, "between 1 and"),
         (json.dumps({**good, "max_tokens": 10_000}).encode(), 400, "between 1 and"),
-        (json.dumps({**good, "temperature": 0.8}).encode(), 400, "greedily"),
+        (
+            json.dumps({**good, "temperature": 2.5}).encode(),
+            400,
+            "'temperature' must be a number from 0 to 2",
+        ),
         (json.dumps({**good, "prompt": "1+" * 400 + "1="}).encode(), 400, "context"),
         (json.dumps({**good, "stratus": {"max_tier": "moon"}}).encode(), 400, "moon"),
         (json.dumps({**good, "stratus": {"speed": 1}}).encode(), 400, "unknown 'stratus' option"),
@@ -216,9 +220,10 @@ def test_bad_requests_get_openai_errors_and_lose_nothing(llm: LlmFleet) -> None:
         code, answer = post(url, body)
         error = answer["error"]
         assert code == status and words in error["message"], (body[:60], code, answer)  # type: ignore[index]
-    # What Stratus does not honour is refused by name (OpenAI's `param`), never ignored.
-    for field, value in (("top_p", 0.9), ("seed", 7), ("stop", ["\n"]), ("presence_penalty", 0.5),
-                         ("stream_options", {"include_usage": True}), ("temperature", 0.7), ("n", 2)):  # fmt: skip
+    # What Stratus does not honour, or a value out of range, is refused by name (OpenAI's `param`).
+    for field, value in (("top_p", 0), ("seed", 1.5), ("stop", ["a", "b", "c", "d", "e"]), ("presence_penalty", 0.5),
+                         ("stream_options", {"include_usage": True}), ("temperature", -1), ("n", 2),
+                         ("prompt", [1, 2, 3]), ("prompt", [])):  # fmt: skip
         code, answer = post(url, json.dumps({**good, field: value}).encode())
         assert code == 400 and answer["error"]["param"] == field, (field, answer)  # type: ignore[index]
     for field, default in (("top_p", 1), ("seed", None), ("stop", []), ("presence_penalty", 0)):

@@ -1,6 +1,6 @@
 """Generation's pure parts: confidence from token log-probabilities, the running judgement
-that cancels a hopeless answer early, chunks on the wire, generative family configs, and
-the OpenAI body's checks."""
+that cancels a hopeless answer early, chunks on the wire, the cut at stop strings,
+generative family configs, and the OpenAI body's checks."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from router.openai_api import _oip_request
+from router.openai_requests import oip_request, options_of, settings_of
 from stratus import codec
 from stratus.errors import ConfigError, InvalidInput
 from stratus.generation import (
@@ -18,11 +18,16 @@ from stratus.generation import (
     TOKEN_LOGPROBS,
     Chunk,
     GenerationMethod,
+    GenerationParams,
     RunningConfidence,
+    StopCut,
     Token,
     confidence_of,
 )
+from stratus.local_generation import read_generation
 from stratus.repository import load_family
+from stratus.sampling import FieldError
+from stratus.wire import inference_pb2 as pb
 
 
 def tokens(*logprobs: float, margin: float | None = None) -> list[Token]:
@@ -122,23 +127,44 @@ def test_generative_configs_are_refused_precisely(generative: Path, old: str, ne
         load_family(generative)
 
 
-def test_the_openai_body_becomes_a_checked_request() -> None:
+def openai_request(body: dict[str, object], limit: int = 4) -> pb.ModelInferRequest:
+    return oip_request("arith", "1+1=", settings_of(body, "arith", limit), options_of(body))
+
+
+def test_the_openai_body_becomes_a_checked_request_that_reads_back_the_same() -> None:
     body = {"max_tokens": 3, "stratus": {"min_confidence": 0.9, "max_tier": "edge"}}
-    request = _oip_request("arith", "1+1=", body, limit=4)
+    request = openai_request(body)
     assert codec.decode_request_inputs(request)["text_input"][0] == b"1+1="
     assert request.parameters["max_tokens"].int64_param == 3
     assert request.parameters["stratus.min_confidence"].double_param == 0.9
     assert request.parameters["stratus.max_tier"].string_param == "edge"
+    assert [t.name for t in request.inputs] == ["text_input"]  # nothing more asked: today's wire form
+    sampled = {"max_tokens": 2, "stop": ["\n", "9"], "temperature": 0.7, "top_p": 0.5, "seed": -3}
+    prompt, params = read_generation(openai_request(sampled), "arith", 4)
+    assert prompt == "1+1="
+    assert params == GenerationParams(max_tokens=2, stop=("\n", "9"), temperature=0.7, top_p=0.5, seed=-3)
+    for bad, param, words in [
+        ({"max_tokens": 5}, "max_tokens", "between 1 and 4"),
+        ({"max_tokens": True}, "max_tokens", "between 1 and 4"),
+        ({"temperature": 2.5}, "temperature", "from 0 to 2"),
+        ({"temperature": "hot"}, "temperature", "from 0 to 2"),
+        ({"top_p": 0}, "top_p", "above 0 up to 1"),
+        ({"seed": 1.5}, "seed", "int64"),
+        ({"seed": 1 << 63}, "seed", "int64"),
+        ({"stop": ["a", "b", "c", "d", "e"]}, "stop", "at most 4 strings"),
+        ({"stop": [1]}, "stop", "a string or a list of strings"),
+        ({"n": 2}, "n", "'n' must be 1"),
+        ({"presence_penalty": 0.5}, "presence_penalty", "not supported"),
+    ]:
+        with pytest.raises(FieldError, match=words) as refused:
+            openai_request(bad)
+        assert refused.value.param == param
     for bad, words in [
-        ({"max_tokens": 5}, "between 1 and 4"),
-        ({"max_tokens": True}, "between 1 and 4"),
-        ({"temperature": 0.5}, "greedily"),
-        ({"n": 2}, "'n' must be 1"),
         ({"stratus": {"budget_ms": "fast"}}, "must be a number"),
         ({"stratus": []}, "must be an object"),
     ]:
         with pytest.raises(InvalidInput, match=words):
-            _oip_request("arith", "1+1=", bad, limit=4)
+            openai_request(bad)
 
 
 def test_the_cloud_link_knows_a_text_model_and_its_max_tokens_from_its_description() -> None:
@@ -159,3 +185,58 @@ def test_the_cloud_link_knows_a_text_model_and_its_max_tokens_from_its_descripti
     assert _max_tokens(pb.ModelConfig(name="other")) == UNDECLARED_MAX_TOKENS
     garbled = pb.ModelConfig(parameters={"max_tokens": pb.ModelParameter(string_value="many")})
     assert _max_tokens(garbled) == UNDECLARED_MAX_TOKENS
+
+
+def cut_stream(stops: list[str], pieces: list[str]) -> tuple[list[str], list[str], bool]:
+    """What a StopCut releases after each piece (one token each), and at the end."""
+    cut = StopCut(stops)
+    released = ["".join(t.text for t in cut.feed([Token(text=p, logprob=-0.5)])) for p in pieces]
+    return released, [t.text for t in cut.finish()], cut.stopped
+
+
+def test_text_that_may_begin_a_stop_string_is_held_until_settled() -> None:
+    # "4" could begin "48": held; "9" settles it (no stop), so both go out together
+    assert cut_stream(["48"], ["1", "4", "9", "5"]) == (["1", "", "49", "5"], [], False)
+    # the stop split over two tokens: "4" held, then "48" found; neither shown, nor what follows
+    assert cut_stream(["48"], ["1", "4", "8", "7"]) == (["1", "", "", ""], [], True)
+    # a held tail that the stream ends on is released at the end
+    assert cut_stream(["48"], ["1", "4"]) == (["1", ""], ["4"], False)
+    # the stop inside one token: the token's text is cut there and the token kept
+    assert cut_stream(["\n"], ["12", "3\nX", "Y"]) == (["12", "3", ""], [], True)
+    # the earliest stop of several wins; a stop at the very start keeps nothing
+    assert cut_stream(["9", "23"], ["1", "2", "3", "9"]) == (["1", "", "", ""], [], True)
+    assert cut_stream(["ab"], ["ab", "c"]) == (["", ""], [], True)
+    # no stops: everything at once
+    assert cut_stream([], ["1", "2"]) == (["1", "2"], [], False)
+
+
+def test_a_stop_spanning_many_tokens_holds_only_what_could_begin_it() -> None:
+    cut = StopCut(["<end>"])
+    shown = [
+        t.text
+        for piece in ["a", "<", "e", "x", "<", "en", "d>", "z"]
+        for t in cut.feed([Token(text=piece, logprob=0.0)])
+    ]
+    assert shown == ["a", "<", "e", "x"] and cut.stopped  # "<ex" could not begin "<end>": released
+
+
+def test_the_confidence_of_a_cut_answer_is_of_the_tokens_kept() -> None:
+    cut = StopCut(["5"])
+    kept = [*cut.feed(tokens(-0.1)), *cut.feed([Token(text="5", logprob=-3.0)]), *cut.feed(tokens(-2.0))]
+    assert [t.logprob for t in kept] == [-0.1]
+    assert confidence_of(kept, GenerationMethod.MIN_LOGPROB) == pytest.approx(math.exp(-0.1))
+
+
+def test_the_router_cuts_a_tier_that_ignores_a_stop_string_and_judges_what_it_kept() -> None:
+    """A foreign cloud may generate past a stop string: the router's own cut shows none of
+    it, counts every token the tier made, and judges the confidence on the tokens kept."""
+    from router.generate import _Arriving
+
+    answer = _Arriving(running=RunningConfidence(GenerationMethod.MIN_LOGPROB), cut=StopCut(["48"]))
+    pieces = [("1", -0.1), ("4", -0.2), ("8", -3.0), ("7", -4.0)]
+    shown = [t for text, lp in pieces for t in answer.add([Token(text=text, logprob=lp)])]
+    shown += answer.finish()
+    assert [t.text for t in shown] == ["1"] and answer.text == "1"
+    assert answer.made == 4
+    # judged on "1" alone: not the -3.0 of the stop's token, nor the -4.0 after it
+    assert answer.running.value == pytest.approx(math.exp(-0.1))

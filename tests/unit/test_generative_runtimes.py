@@ -1,6 +1,7 @@
 """The generative runtimes on the shipped arith models: each loads the GGUF files, they agree
-with each other token by token, and each honours max_tokens, stop strings, cancellation
-and the context limit. The expected answers are arithmetic's own (stratus.arith.solve)."""
+with each other token by token, and each honours max_tokens, stop strings, cancellation,
+the context limit and sampling (temperature, top_p, seed), and counts the prompt's tokens.
+The expected answers are arithmetic's own (stratus.arith.solve)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from stratus.runtimes.generative import (
     GENERATORS,
     GenerativeRunner,
     _greedy_step,
+    _sampled_step,
     _stop_at,
     generative_order,
     load_generator,
@@ -48,8 +50,12 @@ def runner(runtime: str, variant: str = "arith-large-fp16") -> GenerativeRunner:
 
 def generate(model: GenerativeRunner, prompt: str, **params: object) -> tuple[list[Token], str]:
     tokens: list[Token] = []
-    reason = model.generate(prompt, GenerationParams(**params), lambda t: tokens.append(t) or True)  # type: ignore[arg-type, func-returns-value]
-    return tokens, reason
+    finished = model.generate(prompt, GenerationParams(**params), lambda t: tokens.append(t) or True)  # type: ignore[arg-type, func-returns-value]
+    return tokens, finished.reason
+
+
+def text(tokens: list[Token]) -> str:
+    return "".join(t.text for t in tokens)
 
 
 def test_the_greedy_step_picks_the_top_token_with_its_log_probability_and_margin() -> None:
@@ -98,9 +104,8 @@ def test_each_runtime_honours_max_tokens_cancellation_and_the_context(runtime: s
     tokens, reason = generate(model, "37+48=", max_tokens=1)
     assert (len(tokens), reason) == (1, "length")
     seen: list[Token] = []
-    assert model.generate("37+48=", GenerationParams(max_tokens=4), lambda t: seen.append(t) is not None) == (
-        "cancelled"
-    )
+    cancelled = model.generate("37+48=", GenerationParams(max_tokens=4), lambda t: seen.append(t) is not None)
+    assert cancelled.reason == "cancelled"
     assert len(seen) == 1  # stopped at the first token it was told to
     with pytest.raises(InvalidInput, match="exceeds the context of 512 tokens"):
         generate(model, "1+" * 300 + "1=", max_tokens=4)
@@ -126,14 +131,77 @@ def test_the_runtimes_agree_token_by_token() -> None:
 
 
 @pytest.mark.skipif(not GENERATORS["llama_cpp"].availability().available, reason="llama_cpp is not installed")
-def test_llama_cpp_gives_the_top_two_margin_and_cuts_at_a_stop_string() -> None:
+def test_llama_cpp_gives_the_top_two_margin() -> None:
     model = runner("llama_cpp")
     tokens, _ = generate(model, "37+48=", max_tokens=4)
     assert all(t.margin is not None and 0.0 <= t.margin <= 1.0 for t in tokens)
     assert tokens[0].margin <= math.exp(tokens[0].logprob)  # type: ignore[operator]
-    answer = "".join(t.text for t in tokens)
-    cut, reason = generate(model, "37+48=", max_tokens=4, stop=(answer[1:],))
-    assert ("".join(t.text for t in cut), reason) == (answer[:1], "stop")
+
+
+@pytest.mark.parametrize("runtime", RUNTIMES)
+def test_each_runtime_stops_once_a_stop_string_is_made_and_its_tokens_are_cut(runtime: str) -> None:
+    """The stop string's tokens are emitted (the caller cuts them, one split over several
+    tokens too), and nothing is generated after them."""
+    model = runner(runtime)
+    whole, _ = generate(model, "37+48=", max_tokens=4)
+    answer = text(whole)  # "85", then the end-of-text token
+    assert len(answer) == 2
+    made, reason = generate(model, "37+48=", max_tokens=4, stop=(answer[1:],))
+    assert (text(made), reason, len(made)) == (answer, "stop", 2)  # stopped at once: no end-of-text token
+    kept = model.tokens("37+48=", GenerationParams(max_tokens=4, stop=(answer[1:],)))
+    assert [(t.text, t.logprob) for t in kept] == [(whole[0].text, pytest.approx(whole[0].logprob))]
+    spanning = model.tokens("37+48=", GenerationParams(max_tokens=4, stop=(answer,)))
+    assert spanning == []  # the stop was the whole answer, over two tokens
+
+
+@pytest.mark.parametrize("runtime", RUNTIMES)
+def test_each_runtime_counts_the_prompt_with_its_tokenizer(runtime: str) -> None:
+    import llama_cpp
+
+    vocabulary = llama_cpp.Llama(str(MODELS / "arith" / "arith-large-fp16.gguf"), vocab_only=True, verbose=False)
+    model = runner(runtime)
+    for prompt in ("37+48=", "1+1=", "99-98= "):
+        finished = model.generate(prompt, GenerationParams(max_tokens=1), lambda t: True)
+        assert finished.prompt_tokens == len(vocabulary.tokenize(prompt.encode(), add_bos=False, special=False))
+    vocabulary.close()
+
+
+def test_a_sampled_step_draws_within_top_p_and_scores_by_the_models_own_distribution() -> None:
+    logits = np.array([3.0, 2.0, 1.0, 0.0])
+    raw = logits - np.log(np.exp(logits).sum())
+    rng = np.random.default_rng(0)
+
+    def draws(**settings: float) -> list[tuple[int, Token]]:
+        params = GenerationParams(max_tokens=1, **settings)  # type: ignore[arg-type]
+        return [_sampled_step(logits, params, rng) for _ in range(400)]
+
+    nucleus = draws(temperature=1.0, top_p=0.9)  # p = .64, .24, .09, .03: the first three reach 0.9
+    assert {chosen for chosen, _ in nucleus} == {0, 1, 2}
+    assert all(token.logprob == pytest.approx(raw[chosen]) for chosen, token in nucleus)
+    assert {chosen for chosen, _ in draws(temperature=1.0, top_p=0.5)} == {0}  # the first alone reaches 0.5
+    hot = draws(temperature=100.0)  # nearly uniform: the last token is drawn too, scored as the model sees it
+    assert {chosen for chosen, _ in hot} == {0, 1, 2, 3}
+    assert all(token.logprob == pytest.approx(raw[chosen]) for chosen, token in hot)
+
+
+@pytest.mark.parametrize("runtime", RUNTIMES)
+def test_each_runtime_samples_reproducibly_from_a_seed_and_honours_top_p(runtime: str) -> None:
+    model = runner(runtime, "arith-small")
+    greedy, _ = generate(model, "zz", max_tokens=6)
+
+    def sampled(seed: int, top_p: float = 1.0) -> list[Token]:
+        return generate(model, "zz", max_tokens=6, temperature=2.0, top_p=top_p, seed=seed)[0]
+
+    answers = {seed: sampled(seed) for seed in range(8)}
+    assert all(text(sampled(seed)) == text(answer) for seed, answer in list(answers.items())[:3])
+    assert len({text(a) for a in answers.values()}) > 1  # different seeds, different draws
+    differing = [seed for seed, answer in answers.items() if text(answer) != text(greedy)]
+    # the same seeds with only the top token left to draw from: greedy's answer
+    assert differing and all(text(sampled(seed, top_p=1e-6)) == text(greedy) for seed in differing[:3])
+    # each token's log-probability is the model's own, not the heated one: the draws that
+    # begin as greedy does give its first token's log-probability
+    firsts = [a[0].logprob for a in answers.values() if a and a[0].text == greedy[0].text]
+    assert firsts and all(lp == pytest.approx(greedy[0].logprob, abs=1e-3) for lp in firsts)
 
 
 def test_verify_runs_each_generative_variant_in_each_runtime_and_grades_it(tmp_path: Path) -> None:
@@ -265,7 +333,7 @@ def test_generations_at_once_give_what_each_gives_alone(runtime: str) -> None:
 
     def one(index: int) -> list[Token] | str:
         if index % 7 == 3:  # some are cancelled after their first token
-            return model.generate(prompts[index], GenerationParams(max_tokens=4), lambda t: False)
+            return model.generate(prompts[index], GenerationParams(max_tokens=4), lambda t: False).reason
         return generate(model, prompts[index], max_tokens=4)[0]
 
     with ThreadPoolExecutor(max_workers=8) as pool:

@@ -295,7 +295,7 @@ def test_settings_are_checked() -> None:
 # --- against the fake server --------------------------------------------------------------------
 
 
-def test_a_whole_completion_is_asked_greedily_with_top2_logprobs() -> None:
+def test_a_whole_completion_is_asked_greedily_with_top2_logprobs_and_stops_kept_in_the_text() -> None:
     fake = Fake()
 
     async def scenario() -> Chunk:
@@ -310,11 +310,44 @@ def test_a_whole_completion_is_asked_greedily_with_top2_logprobs() -> None:
         "model": "arith-large",
         "prompt": "37+48=",
         "max_tokens": 3,
-        "temperature": 0,
+        "temperature": 0.0,
         "logprobs": 2,
         "stream": False,
         "stop": ["\n\n"],
+        "include_stop_str_in_output": True,  # the gateway cuts it, tokens and all
     }
+    assert (chunk.prompt_tokens, chunk.completion_tokens) == (None, None)  # this answer has no usage
+
+
+def test_sampling_settings_and_the_usage_travel_to_and_from_the_upstream() -> None:
+    fake = Fake(
+        body={**completion(), "usage": {"prompt_tokens": 6, "completion_tokens": 3, "total_tokens": 9}}
+    )
+    sampled = GenerationParams(max_tokens=3, temperature=0.7, top_p=0.9, seed=11)
+
+    async def scenario() -> tuple[Chunk, list[Chunk]]:
+        async with client(fake) as upstream:
+            whole = await upstream.complete("37+48=", sampled, timeout_s=5.0)
+            return whole, [c async for c in upstream.stream("37+48=", sampled, timeout_s=5.0)]
+
+    usage = json.dumps({"id": "c", "choices": [], "usage": {"prompt_tokens": 6, "completion_tokens": 3}})
+    fake.stream = [*(json.dumps(e) for e in events()), usage, "[DONE]"]
+    whole, streamed = run(scenario)
+    asked, streaming = fake.received
+    assert {k: asked[k] for k in ("temperature", "top_p", "seed")} == {
+        "temperature": 0.7,
+        "top_p": 0.9,
+        "seed": 11,
+    }
+    assert "stop" not in asked and "stream_options" not in asked
+    assert streaming["stream_options"] == {"include_usage": True}
+    assert (whole.prompt_tokens, whole.completion_tokens) == (6, 3)
+    # the final chunk waits for the usage event that follows it, and carries its counts
+    assert [(c.text, c.finish_reason, c.prompt_tokens) for c in streamed] == [
+        ("8", None, None),
+        ("5", None, None),
+        ("\n", "length", 6),
+    ]
 
 
 def test_a_streamed_completion_yields_chunks_until_the_finish_reason() -> None:
@@ -355,6 +388,7 @@ def test_done_without_a_finish_reason_still_ends_with_a_final_chunk() -> None:
 
     chunks = run(scenario)
     assert [(c.text, c.finish_reason) for c in chunks] == [("8", None), ("", "stop")]
+    assert chunks[-1].completion_tokens == 1  # the usage seen, whatever came first
 
 
 def test_events_after_the_final_one_are_read_but_not_yielded() -> None:
@@ -598,9 +632,14 @@ def test_generate_streams_one_response_per_chunk_the_last_final() -> None:
 @pytest.mark.parametrize(
     ("request_", "match"),
     [
-        (pb.ModelInferRequest(model_name="arith"), "needs the input 'text_input'"),
-        (prompt_request(max_tokens=1.5), "must be an int64"),
-        (prompt_request(max_tokens=0), "must lie between 1 and"),
+        (pb.ModelInferRequest(model_name="arith"), "takes the input 'text_input'"),
+        (
+            prompt_request(max_tokens=1.5),
+            "'max_tokens' must be an integer between 1 and 5 for 'arith', not 1.5",
+        ),
+        (prompt_request(max_tokens=0), "'max_tokens' must be an integer between 1 and 5"),
+        (prompt_request(temperature=9.0), "'temperature' must be a number from 0 to 2"),
+        (prompt_request(top_k=5), "'top_k' is not supported"),
     ],
 )
 def test_bad_generative_requests_are_refused_before_the_upstream_is_asked(
@@ -693,3 +732,35 @@ def test_a_stream_with_more_tokens_than_asked_is_unavailable() -> None:
 
     with pytest.raises(Unavailable, match="upstream sent 5 tokens for max_tokens 3"):
         run(scenario)
+
+
+def test_the_gateway_cuts_the_upstreams_answer_at_a_stop_string_streamed_and_whole() -> None:
+    """vLLM keeps the stop string in the text when asked to: the gateway cuts it there, the
+    stop's tokens and all, and the confidence is of the tokens kept."""
+    fake = Fake()
+    usage = json.dumps({"id": "c", "choices": [], "usage": {"prompt_tokens": 6, "completion_tokens": 3}})
+    fake.stream = [*(json.dumps(e) for e in events()), usage, "[DONE]"]
+    request = pb.ModelInferRequest(model_name="arith", id="r1")
+    codec.encode_request_inputs(
+        request,
+        {
+            "text_input": np.array([b"37+48="], dtype=object),
+            "sampling_parameters": np.array([json.dumps({"stop": ["5"]}).encode()], dtype=object),
+        },
+    )
+
+    async def scenario() -> tuple[pb.ModelInferResponse, list[pb.ModelInferResponse]]:
+        async with plane(fake) as gateway:
+            whole = await gateway.infer(request, timeout_s=5.0)
+            return whole, [r async for r in gateway.generate(request, timeout_s=None)]
+
+    whole, streamed = run(scenario)
+    assert fake.received[0]["stop"] == ["5"] and fake.received[0]["include_stop_str_in_output"] is True
+    assert text_of(whole) == "8" and params(whole)[FINISH_REASON] == "stop"
+    assert "".join(map(text_of, streamed)) == "8" and params(streamed[-1])[FINISH_REASON] == "stop"
+    for answer in (whole, streamed[-1]):
+        assert Served.read(answer.parameters).confidence == pytest.approx(math.exp(LOGPROBS[0]))
+    assert params(streamed[-1])["stratus.prompt_tokens"] == 6
+    assert (
+        params(streamed[-1])["stratus.completion_tokens"] == 3
+    )  # the upstream's count: the stop's token too

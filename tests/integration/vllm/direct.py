@@ -26,9 +26,19 @@ class Gateway:
     metrics_url: str
 
 
-def completion(url: str, model: str, prompt: str, *, max_tokens: int, timeout_s: float = 30.0) -> Any:
-    """Ask vLLM directly, as the gateway does: greedy, top-2 log-probabilities."""
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "logprobs": 2}
+def completion(
+    url: str, model: str, prompt: str, *, max_tokens: int, timeout_s: float = 30.0, **fields: Any
+) -> Any:
+    """Ask vLLM directly, as the gateway does: greedy (unless ``fields`` say otherwise),
+    top-2 log-probabilities."""
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "logprobs": 2,
+        **fields,
+    }
     request = urllib.request.Request(
         url + "/v1/completions", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
     )

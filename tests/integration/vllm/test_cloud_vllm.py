@@ -102,6 +102,47 @@ def test_model_stream_infer_streams_vllms_text_chunk_by_chunk(vllm: Vllm, gatewa
     assert {r.id for r in responses} == {f"p-{prompt[:8]}"}
 
 
+def with_settings(request: pb.ModelInferRequest, settings: dict[str, Any]) -> pb.ModelInferRequest:
+    """The request with Triton's ``sampling_parameters`` input."""
+    codec.encode_request_inputs(
+        request, {"sampling_parameters": np.array([json.dumps(settings).encode()], dtype=object)}
+    )
+    return request
+
+
+def test_usage_stop_and_sampling_reach_vllm_and_come_back_as_vllm_gives_them(
+    vllm: Vllm, gateway: Gateway
+) -> None:
+    prompt = PROMPTS[0]
+    plain = completion(vllm.url, vllm.model, prompt, max_tokens=MAX_TOKENS)
+    text = plain["choices"][0]["text"]
+    with open_sync_channel(gateway.address) as channel:
+        stub = pb_grpc.GRPCInferenceServiceStub(channel)
+
+        def ask(settings: dict[str, Any]) -> pb.ModelInferResponse:
+            request = generation_request(vllm.family, prompt, max_tokens=MAX_TOKENS)
+            return stub.ModelInfer(with_settings(request, settings) if settings else request, timeout=60)
+
+        whole = ask({})
+        stop = text[1] if len(text) > 1 else text
+        cut = ask({"stop": [stop]})
+        seeded = {"temperature": 1.5, "seed": 3}
+        drawn = [ask(seeded), ask(seeded)]
+    counts = (plain["usage"]["prompt_tokens"], plain["usage"]["completion_tokens"])
+    assert (params(whole)["stratus.prompt_tokens"], params(whole)["stratus.completion_tokens"]) == counts
+    final = stream(
+        gateway.address, generation_request(vllm.family, prompt, max_tokens=MAX_TOKENS, stream=True)
+    )[-1]
+    assert params(final.infer_response)["stratus.prompt_tokens"] == counts[0]  # the usage event's, streamed
+    direct_cut = completion(vllm.url, vllm.model, prompt, max_tokens=MAX_TOKENS, stop=[stop])["choices"][0]
+    assert text_of(cut) == direct_cut["text"] == text[: text.index(stop)]
+    assert params(cut)[FINISH_REASON] == "stop"
+    direct_draw = completion(vllm.url, vllm.model, prompt, max_tokens=MAX_TOKENS, **seeded)["choices"][0]
+    assert [text_of(d) for d in drawn] == [direct_draw["text"]] * 2
+    logprobs = json.loads(params(drawn[0])[TOKEN_LOGPROBS])
+    assert logprobs == pytest.approx(direct_draw["logprobs"]["token_logprobs"], abs=1e-5)
+
+
 def test_a_prompt_over_the_context_is_invalid_with_vllms_reason(vllm: Vllm, gateway: Gateway) -> None:
     status, reason = completion_error(vllm.url, vllm.model, TOO_LONG, max_tokens=MAX_TOKENS)
     assert status == 400
