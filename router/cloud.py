@@ -25,7 +25,7 @@ from typing import Any
 
 import grpc
 
-from router.cloud_models import Found, NamedModel, generates, probe_names, routes
+from router.cloud_models import Found, NamedModel, descriptions, generates, probe_names, routes
 from stratus import codec
 from stratus.confidence import max_probability
 from stratus.errors import DeadlineExceeded, Overloaded, StratusError, Unavailable
@@ -162,6 +162,8 @@ class CloudLink:
         self.models: dict[str, bool] = {}
         self.wire_names: dict[str, str] = {}  # a request's model -> the name the cloud serves it under
         self.generative: dict[str, fpb.FamilyInfo] = {}  # the cloud's text models, as families
+        # Each name in ``models`` as the cloud's own metadata describes it (cloud_models.descriptions).
+        self.described: dict[str, fpb.FamilyInfo] = {}
         self._generating = 0
 
     @property
@@ -294,6 +296,7 @@ class CloudLink:
                 "cloud %s serves %s", self.address, ", ".join(f"{k}->{v}" for k, v in sorted(wire.items()))
             )
         self.wire_names = wire
+        self.described = descriptions(found, wire, self.generative)
         self.models = dict.fromkeys(wire, True)
         self._learnt_for = frozenset(families)
 

@@ -173,3 +173,22 @@ def routes(
                 break
             refused.append(f"{entry.name} for {family}: {reason}")
     return wire, refused
+
+
+def descriptions(
+    found: Sequence[Found], wire: Mapping[str, str], generative: Mapping[str, fpb.FamilyInfo]
+) -> dict[str, fpb.FamilyInfo]:
+    """Each request name the cloud serves, described as the cloud describes the model it is
+    sent under (its own tensors, names, datatypes and shapes): what the router says of a
+    model only the cloud serves. Models that describe nothing are left out."""
+    by_name = {entry.name: entry for entry in found}
+    described: dict[str, fpb.FamilyInfo] = {}
+    for name, wire_name in wire.items():
+        entry = by_name.get(wire_name)
+        if entry is None or entry.metadata is None or not (entry.metadata.inputs or entry.metadata.outputs):
+            continue
+        info = generative.get(wire_name)
+        if info is None:
+            info = fpb.FamilyInfo(name=name, inputs=entry.metadata.inputs, outputs=entry.metadata.outputs)
+        described[name] = info
+    return described

@@ -158,3 +158,4 @@ def test_only_the_current_line_answers_for_its_family(tmp_path: Path, models_dir
         assert models.variant_for("digits")[1].name == "digits-medium-v2"
     finally:
         models.close()
+
