@@ -362,6 +362,21 @@ class LocalModels:
             raise Unavailable(f"model '{model_name}' could not be loaded here: {missing.reason}")
         raise NotFound(f"model '{model_name}' is not served here; serving {self.model_names()}")
 
+    def follow(self, family: str, tier: Tier, line: str) -> bool:
+        """Answer ``family``'s requests on ``tier`` with ``line`` (in the precision chosen for
+        it here) from now on, as a router serves it after a promoted rollout; False, changing
+        nothing, where that line is not loaded here (its file is not in this folder)."""
+        loaded = [
+            name
+            for name in sorted(self.served)
+            if (v := self.variants[name]).family == family and v.tier is tier and (v.parent or v.name) == line
+        ]
+        if not loaded:
+            return False
+        others = {n for n in self.current if self.variants[n].family == family and self.variants[n].tier is tier}
+        self.current = (self.current - others) | {loaded[0]}
+        return True
+
     def _child_serving(self, line: str) -> VariantSpec | None:
         """The lower-precision variant served here in place of FP32 variant ``line``: its
         name keeps working whatever precision the hardware chose."""

@@ -324,3 +324,21 @@ def test_statistics_through_the_router_count_each_model_as_sent(  # type: ignore
         cloud = delta(stats_of(fleet.cloud.address, model), cloud_before)
         assert cloud["execution_count"] == at_cloud and cloud["fail.count"] == 0  # refused at the router
 
+
+def test_sdk_tiers_bound_where_it_answers_as_the_routers_do(router: str, digits, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    x = digits.held_out.x[:4]
+    with Client(MODELS, router=router, cache_dir=tmp_path) as client:
+        skipped = client.infer("digits", x, min_tier="edge", min_confidence=0.0)
+        assert skipped.path == (Tier.EDGE,) and skipped.agent == "edge-1" and not skipped.degraded
+        assert set(skipped.item_tiers) == {Tier.EDGE}
+        assert skipped.outputs["probabilities"].shape == (4, 10)
+        held = client.infer("digits", x, max_tier=Tier.EDGE, min_confidence=1.0)  # nothing is that sure
+        assert held.path == (Tier.DEVICE, Tier.EDGE) and held.tier is Tier.EDGE and not held.degraded
+        assert held.reason.startswith("stratus.max_tier=edge: ") and "below the edge threshold" in held.reason
+        local = client.infer("digits", x, max_tier="device", min_confidence=1.0)
+        assert local.path == (Tier.DEVICE,) and local.agent == "sdk" and not local.degraded
+        assert local.reason.startswith("stratus.max_tier=device: ") and "below the device threshold" in local.reason
+    from .cluster import infer
+
+    _, served = infer(router, x, max_tier="edge", min_confidence=1.0)
+    assert held.reason == served.reason and held.item_tiers == served.item_tiers  # said alike
