@@ -99,12 +99,12 @@ class UpstreamDataPlane(DataPlane):
     def model_metadata(self, name: str) -> pb.ModelMetadataResponse:
         if not self._serves(name):
             return self._local(name).model_metadata(name)
-        return generative_metadata(name, self.model.variant, PLATFORM)
+        return generative_metadata(name, PLATFORM)
 
     def model_config(self, name: str) -> pb.ModelConfig:
         if not self._serves(name):
             return self._local(name).model_config(name)
-        return generative_config(name, PLATFORM, self.model.max_tokens)
+        return generative_config(name, PLATFORM, self.model.max_tokens, variant=self.model.variant)
 
     async def infer(self, request: pb.ModelInferRequest, *, timeout_s: float | None) -> pb.ModelInferResponse:
         if not self._serves(request.model_name):

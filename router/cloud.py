@@ -25,7 +25,7 @@ from typing import Any
 
 import grpc
 
-from router.cloud_models import Found, NamedModel, answered_by, generates, probe_names, routes
+from router.cloud_models import Found, NamedModel, answered_by, descriptions, generates, probe_names, routes
 from stratus import codec
 from stratus.confidence import max_probability
 from stratus.errors import ConfigError, DeadlineExceeded, Overloaded, StratusError, Unavailable
@@ -171,6 +171,8 @@ class CloudLink:
         self.wire_names: dict[str, str] = {}  # a request's model -> the name the cloud serves it under
         self.variants: dict[str, str] = {}  # a request's model -> what answers it there (fleet status)
         self.generative: dict[str, fpb.FamilyInfo] = {}  # the cloud's text models, as families
+        # Each name in ``models`` as the cloud's own metadata describes it (cloud_models.descriptions).
+        self.described: dict[str, fpb.FamilyInfo] = {}
         self._generating = 0
 
     @property
@@ -315,9 +317,25 @@ class CloudLink:
                 "cloud %s serves %s", self.address, ", ".join(f"{k}->{v}" for k, v in sorted(wire.items()))
             )
         self.wire_names = wire
-        self.variants = answered_by(found, wire, names_variants=self.server.split(" ")[0] == "stratus")
+        self.described = descriptions(found, wire, self.generative)
+        self.variants = answered_by(wire, await self._variants(stub, set(wire.values())))
         self.models = dict.fromkeys(wire, True)
         self._learnt_for = frozenset(families)
+
+    async def _variants(self, stub: pb_grpc.GRPCInferenceServiceAsyncStub, names: set[str]) -> dict[str, str]:
+        """The variant a Stratus gateway answers each model with (its ModelConfig's
+        ``stratus.variant``); nothing from other servers, which name no variants."""
+        if self.server.split(" ")[0] != "stratus":
+            return {}
+        configs = await asyncio.gather(
+            *(stub.ModelConfig(pb.ModelConfigRequest(name=n), timeout=2.0, metadata=self._headers) for n in sorted(names)),
+            return_exceptions=True,
+        )
+        return {
+            name: config.config.parameters[VARIANT].string_value
+            for name, config in zip(sorted(names), configs, strict=True)
+            if isinstance(config, pb.ModelConfigResponse) and VARIANT in config.config.parameters
+        }
 
     async def reload(self, *, timeout_s: float) -> fpb.ReloadResponse:
         """Ask a Stratus cloud gateway to reload its models folder, with the link's credential."""

@@ -175,14 +175,27 @@ def routes(
     return wire, refused
 
 
-def answered_by(found: Sequence[Found], wire: Mapping[str, str], *, names_variants: bool) -> dict[str, str]:
+def answered_by(wire: Mapping[str, str], variants: Mapping[str, str]) -> dict[str, str]:
     """What answers each request name at the cloud, for operators: the variant a Stratus
-    gateway's ModelMetadata names as its version (``digits`` -> ``digits-large-fp16``);
+    gateway's ModelConfig names (``stratus.variant``: ``digits`` -> ``digits-large-fp16``);
     elsewhere the model the name is sent as (Triton's versions are numbers, not variants)."""
-    described = {entry.name: entry.metadata for entry in found}
-    answers: dict[str, str] = {}
-    for name, sent_as in wire.items():
-        metadata = described.get(sent_as)
-        versions = list(metadata.versions) if metadata is not None and names_variants else []
-        answers[name] = versions[0] if versions else sent_as
-    return answers
+    return {name: variants.get(sent_as, sent_as) for name, sent_as in wire.items()}
+
+
+def descriptions(
+    found: Sequence[Found], wire: Mapping[str, str], generative: Mapping[str, fpb.FamilyInfo]
+) -> dict[str, fpb.FamilyInfo]:
+    """Each request name the cloud serves, described as the cloud describes the model it is
+    sent under (its own tensors, names, datatypes and shapes): what the router says of a
+    model only the cloud serves. Models that describe nothing are left out."""
+    by_name = {entry.name: entry for entry in found}
+    described: dict[str, fpb.FamilyInfo] = {}
+    for name, wire_name in wire.items():
+        entry = by_name.get(wire_name)
+        if entry is None or entry.metadata is None or not (entry.metadata.inputs or entry.metadata.outputs):
+            continue
+        info = generative.get(wire_name)
+        if info is None:
+            info = fpb.FamilyInfo(name=name, inputs=entry.metadata.inputs, outputs=entry.metadata.outputs)
+        described[name] = info
+    return described

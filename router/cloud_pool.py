@@ -26,7 +26,7 @@ import random
 import socket
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 from router.cloud import UNMEASURED_MS, CloudLink, OnChunk
 from stratus.errors import ConfigError, Unavailable
@@ -39,6 +39,7 @@ log = logging.getLogger("stratus.router.cloud")
 DNS_REFRESH_S = 15.0  # how soon a new cloud pod gets traffic, at the latest
 DNS_RETRY_S = 1.0  # while a name resolves to nothing
 
+_Value = TypeVar("_Value")
 Resolver = Callable[[str, int], Awaitable[list[str]]]
 
 
@@ -65,6 +66,8 @@ class CloudTier(Protocol):
     def models(self) -> dict[str, bool]: ...
     @property
     def generative(self) -> dict[str, fpb.FamilyInfo]: ...
+    @property
+    def described(self) -> dict[str, fpb.FamilyInfo]: ...
     @property
     def predicted_ms(self) -> float: ...
     @property
@@ -163,10 +166,12 @@ class CloudPool:
 
     @property
     def generative(self) -> dict[str, fpb.FamilyInfo]:
-        merged: dict[str, fpb.FamilyInfo] = {}
-        for link in self.links.values():
-            merged.update(link.generative)
-        return merged
+        return self._merged(lambda link: link.generative)
+
+    @property
+    def described(self) -> dict[str, fpb.FamilyInfo]:
+        """Each name the cloud serves, as a gateway that serves it describes it."""
+        return self._merged(lambda link: link.described)
 
     @property
     def predicted_ms(self) -> float:
@@ -200,8 +205,9 @@ class CloudPool:
     def variants(self) -> dict[str, str]:
         return self._merged(lambda link: link.variants)
 
-    def _merged(self, part: Callable[[CloudLink], dict[str, str]]) -> dict[str, str]:
-        merged: dict[str, str] = {}
+    def _merged(self, part: Callable[[CloudLink], dict[str, _Value]]) -> dict[str, _Value]:
+        """One mapping from every gateway's (they serve the same folder, bar a rolling update)."""
+        merged: dict[str, _Value] = {}
         for link in self.links.values():
             merged.update(part(link))
         return merged

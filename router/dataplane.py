@@ -23,19 +23,32 @@ from router.generate import Generation, GenerationCascade, Sink
 from router.index import line_key
 from router.policy import Attempt, CloudView, FleetSnapshot, NoTarget, Target, choose, settled, top_tier
 from router.registry import FleetRegistry
-from router.rollout import Plan, Rollouts, top1
+from router.rollout import PROMOTED, Plan, Rollouts, top1
 from stratus.errors import DeadlineExceeded, NotFound, Overloaded, StratusError, Unavailable
 from stratus.generation import FINAL, FINISH_REASON, Chunk
 from stratus.local import model_config
-from stratus.local_generation import chunk_response, generative_config, text_response, write_usage
+from stratus.local_generation import (
+    chunk_response,
+    generative_config,
+    generative_metadata,
+    text_response,
+    write_usage,
+)
 from stratus.metrics import RouterMetrics
 from stratus.protocol import (
+    COMPUTE_MS,
     CONFIDENCE,
+    CONFIG_CURRENT,
+    CONFIG_VARIANTS,
+    MODEL_VERSION,
     PRECISION,
+    QUEUE_MS,
     VARIANT,
     RequestOptions,
     Served,
+    held_reason,
     parameter_value,
+    reported_ms,
     set_parameter,
 )
 from stratus.repository import FamilySpec, TensorSpec
@@ -63,6 +76,8 @@ class Answer:
     confidences: tuple[float, ...]
     elapsed_ms: float
     precision: str = ""  # of the variant that answered, where it is known
+    queue_ms: float = 0.0  # of elapsed_ms, waiting for a slot (where the tier said so)
+    compute_ms: float = 0.0  # ... and running in a runtime
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -129,13 +144,25 @@ class RouterDataPlane(DataPlane):
         return self.cloud is not None and self.cloud.available
 
     def model_names(self) -> list[str]:
-        names = {*self.registry.families, *self.registry.index.models()}
-        if self.cloud is not None and self._cloud_takes_calls():  # listed while it can answer
-            names |= {name for name, ok in self.cloud.models.items() if ok}
-        return sorted(names)
+        """Every name a request may use: families, each variant an agent serves, and each
+        model the cloud was found to serve (listed while it is down too, as UNAVAILABLE)."""
+        families, variants = self._names()
+        return sorted({*families, *variants})
 
-    def _family_of(self, name: str) -> tuple[str, str | None]:
-        """(family, pinned variant or None); NotFound when no agent nor the cloud knows it."""
+    def knows(self, name: str) -> bool:
+        return self._resolve(name) is not None
+
+    def _names(self) -> tuple[list[str], list[str]]:
+        """(families, every other name that works), each sorted: what NOT_FOUND lists."""
+        families = set(self.registry.families)
+        others = set(self.registry.index.models())
+        if self.cloud is not None:
+            others |= {name for name, ok in self.cloud.models.items() if ok}
+        return sorted(families), sorted(others - families)
+
+    def _resolve(self, name: str) -> tuple[str, str | None] | None:
+        """(family, pinned variant or None), or None when no agent nor the cloud knows ``name``.
+        A model only the cloud serves is a family of its own here (the cloud is its one tier)."""
         if name in self.registry.families:
             return name, None
         family = self.registry.index.family_of(name)
@@ -143,12 +170,27 @@ class RouterDataPlane(DataPlane):
             return family, name
         if self.cloud is not None and self.cloud.models.get(name):
             return name, None
-        known = sorted({*self.registry.families, *self.registry.index.models()})
-        raise NotFound(f"unknown model {name[:128]!r}; the fleet serves {listing(known)}")
+        return None
+
+    def _family_of(self, name: str) -> tuple[str, str | None]:
+        """As :meth:`_resolve`; NotFound listing every name that works (families first)."""
+        resolved = self._resolve(name)
+        if resolved is None:
+            families, variants = self._names()
+            raise NotFound(f"unknown model {name[:128]!r}; the fleet serves {listing([*families, *variants])}")
+        return resolved
+
+    def _description(self, family: str) -> fpb.FamilyInfo | None:
+        """What describes ``family`` (as :meth:`_resolve` names it): its agents' description,
+        else, for a model only the cloud serves, the cloud's own metadata of it."""
+        info = self.registry.family(family)
+        if info is None and self.cloud is not None:
+            info = self.cloud.described.get(family)
+        return info
 
     def _spec(self, family: str) -> FamilySpec | None:
-        """The family as agents described it; rebuilt only when an agent's Hello changes it."""
-        info = self.registry.family(family)
+        """The family's description as a spec; rebuilt only when that description changes."""
+        info = self._description(family)
         if info is None:
             return None
         cached = self._specs.get(family)
@@ -158,33 +200,58 @@ class RouterDataPlane(DataPlane):
         return cached[1]
 
     def model_metadata(self, name: str) -> pb.ModelMetadataResponse:
+        """The family's tensors (a variant's are its family's); a model only the cloud serves,
+        the cloud's own. One version, as on every Stratus server: variants are models."""
         family, _ = self._family_of(name)
-        described = self._described_as(family)
-        # the family's, as agents describe it; else the cloud's (a generative family it alone serves)
-        info = self.registry.family(described) or self.generative(family)
-        variants = self.registry.index.variants_of(family)
-        response = pb.ModelMetadataResponse(name=name, versions=variants, platform="stratus")
+        info = self._description(family)
+        if info is not None and info.kind == "generative" and family in self.registry.families:
+            return generative_metadata(name, "stratus")  # the layout its ModelConfig says
+        response = pb.ModelMetadataResponse(name=name, versions=[MODEL_VERSION], platform="stratus")
         if info is not None:
             response.inputs.extend(info.inputs)
             response.outputs.extend(info.outputs)
         return response
 
     def model_config(self, name: str) -> pb.ModelConfig:
-        family, _ = self._family_of(name)
+        """Triton's config from the same description as the metadata; a family's also says
+        which variants may be pinned and which line each tier serves it with by default."""
+        family, pinned = self._family_of(name)
         generative = self.generative(family)
+        spec = self._spec(family)
         if generative is not None:  # with the max_tokens a request may ask for, as the cloud says it
-            return generative_config(name, "stratus", generative.max_tokens)
-        spec = self._spec(self._described_as(family))
-        if spec is None:
-            return pb.ModelConfig(name=name, platform="stratus", backend="stratus")
-        return model_config(spec, name, "stratus")
+            config = generative_config(name, "stratus", generative.max_tokens)
+        elif spec is not None:
+            config = model_config(spec, name, "stratus")
+        else:
+            config = pb.ModelConfig(name=name, platform="stratus", backend="stratus")
+        if pinned is None and family_of(family, self.registry.families) in (None, family):
+            self._describe_lines(config, family)  # a family, not a variant only the cloud serves
+        return config
 
-    def _described_as(self, name: str) -> str:
-        """The family whose description answers for ``name``: itself, or, for a variant only
-        the cloud serves (``digits-large``), the agents' family its name begins with."""
-        if name in self.registry.families or self.cloud is None or not self.cloud.models.get(name):
-            return name
-        return family_of(name, self.registry.families) or name
+    def _describe_lines(self, config: pb.ModelConfig, family: str) -> None:
+        variants = self.registry.index.variants_of(family)
+        if self.cloud is not None:
+            cloud = [n for n in self.cloud.models if n != family and family_of(n, [family]) == family]
+            variants = sorted({*variants, *cloud})
+        if variants:
+            config.parameters[CONFIG_VARIANTS].string_value = ",".join(variants)
+        for tier, line in self.current_lines(family).items():
+            config.parameters[CONFIG_CURRENT + tier.label].string_value = line
+
+    def current_lines(self, family: str) -> dict[Tier, str]:
+        """The line each agents' tier serves ``family`` with by default: a promoted rollout's
+        candidate, else the current variant of a ready agent there (its FP32 name)."""
+        lines: dict[Tier, str] = {}
+        for tier, pool in self.registry.index.pools(family).items():
+            if pool:
+                agent = pool[0]
+                variant = agent.variant_for(family)
+                info = agent.variants.get(variant)
+                lines[tier] = info.line if info is not None and info.line else variant
+        for plan in self.rollouts.plans():
+            if plan.family == family and plan.state == PROMOTED:
+                lines[plan.tier] = plan.candidate
+        return lines
 
     # -- inference ----------------------------------------------------------------------
     def generative(self, name: str) -> fpb.FamilyInfo | None:
@@ -393,6 +460,8 @@ class RouterDataPlane(DataPlane):
             confidences=part.confidences,
             elapsed_ms=(self._clock() - started) * 1000.0,
             precision=handle.precision_of(part.variant),
+            queue_ms=part.queue_ms,
+            compute_ms=part.service_ms,
         )
 
     # -- gray release ----------------------------------------------------------------------
@@ -465,6 +534,8 @@ class RouterDataPlane(DataPlane):
             confidences=(float(confidence or 0.0),) * items.items,
             elapsed_ms=(self._clock() - started) * 1000.0,
             precision=str(precision),
+            queue_ms=reported_ms(params, QUEUE_MS) or 0.0,  # a foreign cloud says neither
+            compute_ms=reported_ms(params, COMPUTE_MS) or 0.0,
         )
 
 
@@ -484,6 +555,8 @@ class _Cascade:
         self.answers: list[Answer] = []
         self.path: list[Tier] = []
         self.timings: dict[Tier, float] = {}
+        self.queue_ms = 0.0  # summed over the answers kept, as each tier measured it
+        self.compute_ms = 0.0
         self.exclude: set[str] = set()
         self.above: Tier | None = None
         self.problem: StratusError | None = None
@@ -588,10 +661,7 @@ class _Cascade:
         higher = top_tier(snapshot, Tier.CLOUD)
         family, tier = self.job.family, answer.tier.label
         if higher is not None and higher > answer.tier:
-            self.reason = (
-                f"stratus.max_tier={options.max_tier.label}: {short} item(s) below the {tier} threshold "
-                "were not sent higher"
-            )
+            self.reason = held_reason(options.max_tier, short, answer.tier)
             return
         self.nowhere_higher = True
         self.reason = (
@@ -633,6 +703,8 @@ class _Cascade:
         self.answers.append(answer)
         self.path.append(answer.tier)
         self.timings[answer.tier] = self.timings.get(answer.tier, 0.0) + answer.elapsed_ms
+        self.queue_ms += answer.queue_ms
+        self.compute_ms += answer.compute_ms
         for row, item in enumerate(self.pending):
             self.best[item] = (answer, row)
         self.pending = [item for item, ok in zip(self.pending, accepted, strict=True) if not ok]
@@ -692,6 +764,8 @@ class _Cascade:
             timings_ms=self.timings,
             item_tiers=tiers,
             reason=self.reason,
+            queue_ms=self.queue_ms,
+            compute_ms=self.compute_ms,
         ).write(response.parameters)
         return response
 
@@ -728,11 +802,25 @@ DEFAULT_BUDGET_MS = 30_000.0
 RETURN_MARGIN_MS = 5.0
 
 
-def listing(names: Sequence[str], most: int = 20) -> str:
-    """Names for an error message: the first ``most``, and how many more (a message travels in
-    gRPC metadata, whose limit a fleet of thousands of names would pass)."""
-    shown = ", ".join(names[:most])
-    return f"[{shown}]" if len(names) <= most else f"[{shown}, and {len(names) - most} more]"
+# What NOT_FOUND lists, at most, in characters of names: its message travels in gRPC
+# metadata (8 KiB by default), which a fleet of thousands of names would pass.
+MAX_LISTED_CHARS = 1024
+
+
+def listing(names: Sequence[str], most_chars: int = MAX_LISTED_CHARS) -> str:
+    """Names for an error message, in order, while they fit in ``most_chars``; then how many
+    more there are, and where to find them all."""
+    shown: list[str] = []
+    size = 0
+    for name in names:
+        size += len(name) + 2
+        if size > most_chars:
+            break
+        shown.append(name)
+    if len(shown) == len(names):
+        return f"[{', '.join(shown)}]"
+    more = f"and {len(names) - len(shown)} more (RepositoryIndex lists them all)"
+    return f"[{', '.join([*shown, more])}]"
 
 
 def _pinned_options(options: RequestOptions, tiers: frozenset[Tier]) -> RequestOptions:

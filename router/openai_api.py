@@ -173,7 +173,9 @@ class OpenAiApi:
         return web.json_response({"status": "ok" if ready else "unavailable"}, status=200 if ready else 503)
 
     async def models(self, request: web.Request) -> web.Response:
-        names = [n for n in self.plane.model_names() if self.plane.generative(n) is not None]
+        """The generative models that can answer now (vLLM lists what it serves)."""
+        plane = self.plane
+        names = [n for n in plane.model_names() if plane.generative(n) is not None and plane.model_ready(n)]
         return web.json_response({"object": "list", "data": [model_entry(n) for n in names]})
 
     async def model(self, request: web.Request) -> web.Response:

@@ -104,6 +104,7 @@ class Part:
 
     inputs: Tensors
     deadline: float  # on the registry's clock
+    queued_at: float = 0.0  # on the registry's clock: when it began to wait for the agent
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -114,6 +115,8 @@ class PartAnswer:
     confidences: tuple[float, ...]
     variant: str
     batch_size: int
+    queue_ms: float = 0.0  # waiting here for the agent, then at the agent for a slot
+    service_ms: float = 0.0  # the agent running the batch that held these items
 
 
 @dataclass(eq=False)
@@ -696,7 +699,7 @@ class FleetRegistry:
         key = inputs.batch_key(handle.variant_for(variant), outputs)
         return await handle.batcher.submit(
             key,
-            Part(inputs=inputs, deadline=deadline),
+            Part(inputs=inputs, deadline=deadline, queued_at=now),
             size=inputs.items,
             latest_start=deadline - run_ms / 1000.0,
             timeout_s=budget_ms / 1000.0,
@@ -737,7 +740,8 @@ class FleetRegistry:
         finally:
             handle.pending.pop(request_id, None)
         handle.learn(result, (self.now() - sent) * 1000.0)
-        return split_result(handle, result, batch.sizes)
+        waited_ms = [(sent - p.queued_at) * 1000.0 for p in batch.payloads]
+        return split_result(handle, result, batch.sizes, waited_ms)
 
     # -- reads -------------------------------------------------------------------------------
     def snapshot(self, model: str, cloud: CloudView | None) -> FleetSnapshot:
@@ -811,13 +815,21 @@ def _check_hello_variants(hello: fpb.Hello) -> None:
         raise InvalidInput(f"Hello from {hello.agent_id}: no variants")
 
 
+def _duration(ms: float) -> float:
+    """A time an agent reported, as statistics may add it up: NaN, infinite or negative is 0."""
+    return ms if math.isfinite(ms) and ms > 0 else 0.0
+
+
 def _confidence(value: float) -> float:
     """An agent's confidence as the policy may compare it: within [0, 1], NaN as 0 (unsure)."""
     return 0.0 if math.isnan(value) else min(1.0, max(0.0, value))
 
 
-def split_result(handle: AgentHandle, result: fpb.Result, sizes: Sequence[int]) -> list[PartAnswer]:
-    """A Work's Result, back into one answer (or one error) per merged request, in order."""
+def split_result(
+    handle: AgentHandle, result: fpb.Result, sizes: Sequence[int], waited_ms: Sequence[float] = ()
+) -> list[PartAnswer]:
+    """A Work's Result, back into one answer (or one error) per merged request, in order;
+    ``waited_ms``: how long each request waited here before the Work left."""
     if result.WhichOneof("outcome") == "error":
         raise error_from_status(status_for(result.error.code), f"agent {handle.id}: {result.error.message}")
     outputs = Tensors.from_response(result.response)
@@ -836,6 +848,10 @@ def split_result(handle: AgentHandle, result: fpb.Result, sizes: Sequence[int]) 
             confidences=tuple(confidences[start:stop]),
             variant=result.variant,
             batch_size=result.batch_size,
+            queue_ms=_duration(waited) + _duration(result.queue_ms),
+            service_ms=_duration(result.service_ms),
         )
-        for start, stop in split_counts(total, sizes)
+        for (start, stop), waited in zip(
+            split_counts(total, sizes), list(waited_ms) or [0.0] * len(sizes), strict=True
+        )
     ]

@@ -45,7 +45,7 @@ from stratus.local_generation import (
 )
 from stratus.metrics import Metric, Metrics, ModelMetrics, gauge
 from stratus.precision import Hardware, choose_variant, load_verification, this_hardware
-from stratus.protocol import BATCH_SIZE, Served, parameter_value, set_parameter
+from stratus.protocol import BATCH_SIZE, MODEL_VERSION, VARIANT, Served, parameter_value, set_parameter
 from stratus.repository import FamilySpec, ModelRepository, VariantSpec
 from stratus.runtimes import LoadFailure, LoadOptions, ModelRunner, load_runner
 from stratus.serving import DataPlane, tensor_metadata
@@ -363,6 +363,21 @@ class LocalModels:
         if missing is not None:
             raise Unavailable(f"model '{model_name}' could not be loaded here: {missing.reason}")
         raise NotFound(f"model '{model_name}' is not served here; serving {self.model_names()}")
+
+    def follow(self, family: str, tier: Tier, line: str) -> bool:
+        """Answer ``family``'s requests on ``tier`` with ``line`` (in the precision chosen for
+        it here) from now on, as a router serves it after a promoted rollout; False, changing
+        nothing, where that line is not loaded here (its file is not in this folder)."""
+        loaded = [
+            name
+            for name in sorted(self.served)
+            if (v := self.variants[name]).family == family and v.tier is tier and (v.parent or v.name) == line
+        ]
+        if not loaded:
+            return False
+        others = {n for n in self.current if self.variants[n].family == family and self.variants[n].tier is tier}
+        self.current = (self.current - others) | {loaded[0]}
+        return True
 
     def _child_serving(self, line: str) -> VariantSpec | None:
         """The lower-precision variant served here in place of FP32 variant ``line``: its
@@ -724,10 +739,10 @@ class LocalDataPlane(DataPlane):
     def model_metadata(self, name: str) -> pb.ModelMetadataResponse:
         family, variant = self.models.variant_for(name)
         if family.generative:
-            return generative_metadata(name, variant.name, self._runtime(variant.name))
+            return generative_metadata(name, self._runtime(variant.name))
         return pb.ModelMetadataResponse(
             name=name,
-            versions=[variant.name],
+            versions=[MODEL_VERSION],
             platform=self._runtime(variant.name),
             inputs=tensor_metadata(family.inputs),
             outputs=tensor_metadata(family.outputs),
@@ -737,8 +752,11 @@ class LocalDataPlane(DataPlane):
         family, variant = self.models.variant_for(name)
         if family.generative:
             assert family.generation is not None
-            return generative_config(name, self._runtime(variant.name), family.generation.max_tokens)
-        return model_config(family, name, self._runtime(variant.name))
+            max_tokens = family.generation.max_tokens
+            return generative_config(name, self._runtime(variant.name), max_tokens, variant=variant.name)
+        config = model_config(family, name, self._runtime(variant.name))
+        config.parameters[VARIANT].string_value = variant.name  # the variant that answers ``name`` here
+        return config
 
     def _runtime(self, variant: str) -> str:
         generators = self.models.generators
@@ -800,6 +818,8 @@ class LocalDataPlane(DataPlane):
             confidence=answer.confidence,
             path=(self.tier,),
             timings_ms={self.tier: answer.service_ms},
+            queue_ms=answer.queue_ms,
+            compute_ms=answer.service_ms,
         )
 
     async def infer(self, request: pb.ModelInferRequest, *, timeout_s: float | None) -> pb.ModelInferResponse:

@@ -36,7 +36,7 @@ from stratus.generation import (
     confidence_of,
     token_count,
 )
-from stratus.protocol import parameter_value, set_parameter
+from stratus.protocol import MODEL_VERSION, VARIANT, parameter_value, set_parameter
 from stratus.repository import FamilySpec, ModelRepository, VariantSpec
 from stratus.runtimes.base import LoadFailure, LoadOptions
 from stratus.runtimes.generative import Finished, GenerativeRunner, load_generator
@@ -434,24 +434,27 @@ def chunk_response(request: pb.ModelInferRequest, chunk: Chunk) -> pb.ModelInfer
     return response
 
 
-def generative_metadata(name: str, version: str, platform: str) -> pb.ModelMetadataResponse:
+def generative_metadata(name: str, platform: str) -> pb.ModelMetadataResponse:
     """ModelMetadata of a generative model: one prompt in, text out (Triton's vLLM layout)."""
     tensor = pb.ModelMetadataResponse.TensorMetadata
     return pb.ModelMetadataResponse(
         name=name,
-        versions=[version],
+        versions=[MODEL_VERSION],
         platform=platform,
         inputs=[tensor(name=TEXT_INPUT, datatype="BYTES", shape=[1])],
         outputs=[tensor(name=TEXT_OUTPUT, datatype="BYTES", shape=[-1])],
     )
 
 
-def generative_config(name: str, platform: str, max_tokens: int) -> pb.ModelConfig:
+def generative_config(name: str, platform: str, max_tokens: int, *, variant: str = "") -> pb.ModelConfig:
     """ModelConfig of a generative model: one prompt per request, no batch dimension, and
     the most tokens a request may ask for (a router that learns the family from here
-    checks requests against it)."""
+    checks requests against it); ``variant``: the one that answers ``name`` here."""
+    parameters = {MAX_TOKENS: pb.ModelParameter(string_value=str(max_tokens))}
+    if variant:
+        parameters[VARIANT] = pb.ModelParameter(string_value=variant)
     return pb.ModelConfig(
-        parameters={MAX_TOKENS: pb.ModelParameter(string_value=str(max_tokens))},
+        parameters=parameters,
         name=name,
         platform=platform,
         backend=platform,

@@ -9,7 +9,11 @@ child where the hardware chose one), ``stratus.precision`` (its FP32, FP16 or IN
 (the tier that answered each item of the batch, in order: ``device,cloud,device``;
 ``stratus.tier`` is the highest of them), and ``stratus.reason`` where items were answered
 below their tier's threshold without climbing (no tier above serves the family: then the
-answer is also degraded; or ``stratus.max_tier`` kept them: then it is not). Parameters of the wrong type
+answer is also degraded; or ``stratus.max_tier`` kept them: then it is not). ``stratus.queue_ms``
+and ``stratus.compute_ms`` (doubles) say where the request's time went where it was measured: waiting
+for a slot (the router's queue for an agent, the agent's or the gateway's own), and running in a
+runtime (the batches that held its items), summed over the tiers it ran on; every server's
+ModelStatistics adds them up as Triton's ``queue`` and ``compute_infer``. Parameters of the wrong type
 are refused by name, since a budget silently ignored is a promise silently broken.
 """
 
@@ -43,9 +47,21 @@ DEGRADED = "stratus.degraded"
 TIMINGS = "stratus.timings_ms"
 ITEM_TIERS = "stratus.item_tiers"
 REASON = "stratus.reason"
+QUEUE_MS = "stratus.queue_ms"
+COMPUTE_MS = "stratus.compute_ms"
 # Where models run (an agent's --serve endpoint, the cloud gateway): items in the batch
 # this request ran in, its own and those of requests merged with it.
 BATCH_SIZE = "stratus.batch_size"
+
+# Every Stratus model has one version: a family's variants are models of their own, by name
+# (``digits-large``), not versions of the family. "" asks for the latest, as in Triton.
+MODEL_VERSION = "1"
+# ModelConfig parameters (string values): the variant a name runs as on a server that runs
+# models (``stratus.variant``, as in answers); on a router, a family's variants that may be
+# pinned, comma-separated, and the line each tier serves it with by default (a promoted
+# rollout's candidate, else its agents' current variant): ``stratus.current.device``.
+CONFIG_VARIANTS = "stratus.variants"
+CONFIG_CURRENT = "stratus.current."
 
 ParameterValue = bool | int | float | str
 
@@ -80,6 +96,21 @@ class RequestOptions:
     max_tier: Tier = Tier.CLOUD
     min_tier: Tier = Tier.DEVICE
 
+    def __post_init__(self) -> None:
+        """The same bounds whoever builds the options: the router from a request's
+        parameters, the SDK from its caller's arguments."""
+        budget, confidence = self.budget_ms, self.min_confidence
+        if budget is not None and not 0 < budget <= MAX_BUDGET_MS:
+            raise InvalidInput(
+                f"parameter '{BUDGET_MS}' must lie in (0, {MAX_BUDGET_MS:g}] ms, got {budget:g}"
+            )
+        if confidence is not None and not 0.0 <= confidence <= 1.0:
+            raise InvalidInput(f"parameter '{MIN_CONFIDENCE}' must lie between 0 and 1, got {confidence}")
+        if self.min_tier > self.max_tier:
+            raise InvalidInput(
+                f"'{MIN_TIER}' ({self.min_tier.label}) is above '{MAX_TIER}' ({self.max_tier.label})"
+            )
+
     @classmethod
     def from_parameters(cls, parameters: Mapping[str, pb.InferParameter]) -> RequestOptions:
         unknown = [k for k in parameters if k.startswith(PREFIX) and k not in KNOWN_REQUEST]
@@ -87,25 +118,12 @@ class RequestOptions:
             raise InvalidInput(
                 f"unknown request parameter(s) {sorted(unknown)}; known: {list(KNOWN_REQUEST)}"
             )
-        budget = _number(parameters, BUDGET_MS)
-        if budget is not None and not 0 < budget <= MAX_BUDGET_MS:
-            raise InvalidInput(
-                f"parameter '{BUDGET_MS}' must lie in (0, {MAX_BUDGET_MS:g}] ms, got {budget:g}"
-            )
-        confidence = _number(parameters, MIN_CONFIDENCE)
-        if confidence is not None and not 0.0 <= confidence <= 1.0:
-            raise InvalidInput(f"parameter '{MIN_CONFIDENCE}' must lie between 0 and 1, got {confidence}")
-        options = cls(
-            budget_ms=budget,
-            min_confidence=confidence,
+        return cls(
+            budget_ms=_number(parameters, BUDGET_MS),
+            min_confidence=_number(parameters, MIN_CONFIDENCE),
             max_tier=_tier(parameters, MAX_TIER, Tier.CLOUD),
             min_tier=_tier(parameters, MIN_TIER, Tier.DEVICE),
         )
-        if options.min_tier > options.max_tier:
-            raise InvalidInput(
-                f"'{MIN_TIER}' ({options.min_tier.label}) is above '{MAX_TIER}' ({options.max_tier.label})"
-            )
-        return options
 
     def write(self, parameters: Mapping[str, pb.InferParameter]) -> None:
         """The inverse of ``from_parameters``, for clients (the SDK, benchmarks)."""
@@ -117,6 +135,12 @@ class RequestOptions:
             set_parameter(parameters, MAX_TIER, self.max_tier.label)
         if self.min_tier is not Tier.DEVICE:
             set_parameter(parameters, MIN_TIER, self.min_tier.label)
+
+
+def held_reason(max_tier: Tier, items: int, tier: Tier) -> str:
+    """``stratus.reason`` when ``stratus.max_tier`` kept unsure items on ``tier`` (not degraded:
+    the client asked for it); the router and the SDK say it alike."""
+    return f"{MAX_TIER}={max_tier.label}: {items} item(s) below the {tier.label} threshold were not sent higher"
 
 
 def _number(parameters: Mapping[str, pb.InferParameter], key: str) -> float | None:
@@ -156,6 +180,9 @@ class Served:
     item_tiers: Sequence[Tier] = ()
     precision: str = ""  # the answering variant's; empty where a foreign server did not say
     reason: str = ""  # why unsure items stayed where they were answered; empty when none did
+    # Where the time went, where it was measured (None: not, e.g. a foreign cloud's share).
+    queue_ms: float | None = None
+    compute_ms: float | None = None
 
     def write(self, parameters: Mapping[str, pb.InferParameter]) -> None:
         set_parameter(parameters, TIER, self.tier.label)
@@ -174,6 +201,9 @@ class Served:
             set_parameter(parameters, ITEM_TIERS, ",".join(t.label for t in self.item_tiers))
         if self.reason:
             set_parameter(parameters, REASON, self.reason)
+        for key, ms in ((QUEUE_MS, self.queue_ms), (COMPUTE_MS, self.compute_ms)):
+            if ms is not None:
+                set_parameter(parameters, key, float(ms))
 
     @classmethod
     def read(cls, parameters: Mapping[str, pb.InferParameter]) -> Served:
@@ -199,4 +229,15 @@ class Served:
             item_tiers=tuple(Tier.parse(t) for t in str(get(ITEM_TIERS) or "").split(",") if t),
             precision=str(get(PRECISION) or ""),
             reason=str(get(REASON) or ""),
+            queue_ms=reported_ms(parameters, QUEUE_MS),
+            compute_ms=reported_ms(parameters, COMPUTE_MS),
         )
+
+
+def reported_ms(parameters: Mapping[str, pb.InferParameter], key: str) -> float | None:
+    """A duration another server reported; anything but a number from 0 to the longest budget
+    (no request runs longer) is none, so a peer's nonsense never reaches a statistic."""
+    value = parameter_value(parameters[key]) if key in parameters else None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= MAX_BUDGET_MS:
+        return None
+    return float(value)

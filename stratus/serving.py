@@ -24,6 +24,7 @@ import grpc
 
 from stratus import __version__, codec
 from stratus.errors import ConfigError, InvalidInput, NotFound, Overloaded, StratusError
+from stratus.protocol import COMPUTE_MS, MODEL_VERSION, QUEUE_MS, reported_ms
 from stratus.status import ErrorInterceptor, status_code
 from stratus.wire import inference_pb2 as pb
 from stratus.wire import inference_pb2_grpc as pb_grpc
@@ -226,6 +227,10 @@ class DataPlane(abc.ABC):
     def model_names(self) -> list[str]:
         """Every family and variant served, for RepositoryIndex."""
 
+    def knows(self, name: str) -> bool:
+        """Whether ``name`` is a model here, ready now or not (statistics are kept for those)."""
+        return self.model_ready(name)
+
     @abc.abstractmethod
     async def infer(self, request: pb.ModelInferRequest, *, timeout_s: float | None) -> pb.ModelInferResponse:
         """Answer one request or raise a StratusError; ``timeout_s`` is the caller's deadline."""
@@ -284,6 +289,22 @@ class ClientLimits:
                 del self.held[client]
 
 
+def check_version(name: str, version: str) -> None:
+    """NOT_FOUND for a version other than the one every model has, naming it."""
+    if version not in ("", MODEL_VERSION):
+        raise NotFound(
+            f"model '{name[:128]}' has no version {version[:32]!r}: every model here has one version, "
+            f"'{MODEL_VERSION}' (a family's variants are models of their own, by name)"
+        )
+
+
+def version_ready(plane: DataPlane, name: str, version: str) -> bool:
+    return version in ("", MODEL_VERSION) and plane.model_ready(name)
+
+
+_UINT64_MAX: Final = 2**64 - 1  # the statistics' fields are uint64
+
+
 @dataclass
 class _ModelCounts:
     succeeded: int = 0
@@ -292,53 +313,77 @@ class _ModelCounts:
     failed_ns: int = 0
     items: int = 0
     last_ms: int = 0
+    queued: int = 0  # answers that said how long they waited, and how long that was
+    queue_ns: int = 0
+    computed: int = 0  # ... and how long they ran
+    compute_ns: int = 0
+
+    def succeed(self, elapsed_ns: int, items: int, response: pb.ModelInferResponse) -> None:
+        self.succeeded += 1
+        self.succeeded_ns += elapsed_ns
+        self.items += items
+        self.last_ms = int(time.time() * 1000)
+        queue_ms = reported_ms(response.parameters, QUEUE_MS)
+        if queue_ms is not None:
+            self.queued += 1
+            self.queue_ns += int(queue_ms * 1e6)
+        compute_ms = reported_ms(response.parameters, COMPUTE_MS)
+        if compute_ms is not None:
+            self.computed += 1
+            self.compute_ns += int(compute_ms * 1e6)
 
 
 class Statistics:
-    """Triton's ModelStatistics for every server: requests answered and failed per model (as
-    the client named it), their time from arrival to answer, and items answered. Only names
-    the data plane serves are kept, so a client sending made-up names grows nothing."""
+    """Triton's ModelStatistics for every server, per model as the client named it: requests
+    answered (``execution_count``, ``success``) and failed (``fail``) with their time from
+    arrival to answer, items answered (``inference_count``), and, from what each answer says
+    (``stratus.queue_ms``, ``stratus.compute_ms``), time waiting for a slot (``queue``) and
+    running (``compute_infer``). Only names the data plane knows are kept, so a client sending
+    made-up names grows nothing."""
 
     def __init__(self, plane: DataPlane) -> None:
         self._plane = plane
         self._counts: dict[str, _ModelCounts] = {}
 
-    def record(self, request: pb.ModelInferRequest, started_ns: int, ok: bool) -> None:
+    def record(self, request: pb.ModelInferRequest, started_ns: int, response: pb.ModelInferResponse | None) -> None:
+        """One request's outcome: ``response`` is its (last) answer, None when it failed."""
         name = request.model_name
         counts = self._counts.get(name)
         if counts is None:
-            if not self._plane.model_ready(name):
+            if not self._plane.knows(name):
                 return
             counts = self._counts[name] = _ModelCounts()
         elapsed = time.perf_counter_ns() - started_ns
-        if ok:
-            counts.succeeded += 1
-            counts.succeeded_ns += elapsed
-            shape = request.inputs[0].shape if request.inputs else ()
-            counts.items += int(shape[0]) if shape else 1
-            counts.last_ms = int(time.time() * 1000)
-        else:
+        if response is None:
             counts.failed += 1
             counts.failed_ns += elapsed
+            return
+        shape = request.inputs[0].shape if request.inputs else ()
+        counts.succeed(elapsed, int(shape[0]) if shape else 1, response)
 
-    def response(self, name: str) -> pb.ModelStatisticsResponse:
-        if name and name not in self._counts and not self._plane.model_ready(name):
-            raise NotFound(f"no model '{name}' is served here")
-        names = [name] if name else sorted(self._counts)
+    def response(self, name: str, version: str = "") -> pb.ModelStatisticsResponse:
+        if name and name not in self._counts and not self._plane.knows(name):
+            raise NotFound(f"no model '{name[:128]}' is served here")
+        check_version(name, version)
+        names = [name] if name else sorted({*self._counts, *self._plane.model_names()})
         answer = pb.ModelStatisticsResponse()
         for model in names:
             counts = self._counts.get(model, _ModelCounts())
             stats = answer.model_stats.add(
                 name=model,
-                version="1",
+                version=MODEL_VERSION,
                 last_inference=counts.last_ms,
                 inference_count=counts.items,
                 execution_count=counts.succeeded,
             )
-            stats.inference_stats.success.count = counts.succeeded
-            stats.inference_stats.success.ns = counts.succeeded_ns
-            stats.inference_stats.fail.count = counts.failed
-            stats.inference_stats.fail.ns = counts.failed_ns
+            inference = stats.inference_stats
+            for duration, count, ns in (
+                (inference.success, counts.succeeded, counts.succeeded_ns),
+                (inference.fail, counts.failed, counts.failed_ns),
+                (inference.queue, counts.queued, counts.queue_ns),
+                (inference.compute_infer, counts.computed, counts.compute_ns),
+            ):
+                duration.count, duration.ns = count, min(ns, _UINT64_MAX)
         return answer
 
 
@@ -355,7 +400,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         return pb.ServerReadyResponse(ready=self._plane.ready())
 
     async def ModelReady(self, request: pb.ModelReadyRequest, context: Any) -> pb.ModelReadyResponse:
-        return pb.ModelReadyResponse(ready=self._plane.model_ready(request.name))
+        return pb.ModelReadyResponse(ready=version_ready(self._plane, request.name, request.version))
 
     async def ServerMetadata(
         self, request: pb.ServerMetadataRequest, context: Any
@@ -363,10 +408,14 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         return pb.ServerMetadataResponse(name="stratus", version=__version__, extensions=EXTENSIONS)
 
     async def ModelMetadata(self, request: pb.ModelMetadataRequest, context: Any) -> pb.ModelMetadataResponse:
-        return self._plane.model_metadata(request.name)
+        metadata = self._plane.model_metadata(request.name)
+        check_version(request.name, request.version)
+        return metadata
 
     async def ModelConfig(self, request: pb.ModelConfigRequest, context: Any) -> pb.ModelConfigResponse:
-        return pb.ModelConfigResponse(config=self._plane.model_config(request.name))
+        config = self._plane.model_config(request.name)
+        check_version(request.name, request.version)
+        return pb.ModelConfigResponse(config=config)
 
     async def RepositoryIndex(
         self, request: pb.RepositoryIndexRequest, context: Any
@@ -375,23 +424,23 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         for name in self._plane.model_names():
             ready = self._plane.model_ready(name)
             if ready or not request.ready:
-                index.models.add(name=name, version="1", state="READY" if ready else "UNAVAILABLE")
+                index.models.add(name=name, version=MODEL_VERSION, state="READY" if ready else "UNAVAILABLE")
         return index
 
     async def ModelInfer(self, request: pb.ModelInferRequest, context: Any) -> pb.ModelInferResponse:
-        started, ok = time.perf_counter_ns(), False
+        started, response = time.perf_counter_ns(), None
         try:
+            check_version(request.model_name, request.model_version)
             with self._limits.hold(context.peer()):
                 response = await self._plane.infer(request, timeout_s=context.time_remaining())
-            ok = True
             return response
         finally:
-            self.statistics.record(request, started, ok)
+            self.statistics.record(request, started, response)
 
     async def ModelStatistics(
         self, request: pb.ModelStatisticsRequest, context: Any
     ) -> pb.ModelStatisticsResponse:
-        return self.statistics.response(request.name)
+        return self.statistics.response(request.name, request.version)
 
     async def ModelStreamInfer(
         self, request_iterator: AsyncIterator[pb.ModelInferRequest], context: Any
@@ -445,7 +494,7 @@ class _StreamSession:
         plane: DataPlane,
         requests: AsyncIterator[pb.ModelInferRequest],
         hold: Callable[[], contextlib.AbstractContextManager[None]] = contextlib.nullcontext,
-        record: Callable[[pb.ModelInferRequest, int, bool], None] | None = None,
+        record: Callable[[pb.ModelInferRequest, int, pb.ModelInferResponse | None], None] | None = None,
     ) -> None:
         self._plane = plane
         self._requests = requests
@@ -491,17 +540,20 @@ class _StreamSession:
             self._outbox.put_nowait(self._DONE)
 
     async def _answer(self, request: pb.ModelInferRequest, size: int) -> None:
-        started, ok = time.perf_counter_ns(), False
+        started, answered = time.perf_counter_ns(), None
         try:
+            check_version(request.model_name, request.model_version)
             with self._hold():
                 if _streams(request):  # decoupled: many responses, the last marked final
+                    last = None
                     async for chunk in self._plane.generate(request, timeout_s=None):
                         self._outbox.put_nowait(pb.ModelStreamInferResponse(infer_response=chunk))
-                    ok = True
+                        last = chunk
+                    answered = last if last is not None else pb.ModelInferResponse()
                     return
                 response = await self._plane.infer(request, timeout_s=None)
                 self._outbox.put_nowait(pb.ModelStreamInferResponse(infer_response=response))
-            ok = True
+            answered = response
         except StratusError as exc:
             self._outbox.put_nowait(stream_error(request, f"{status_code(exc).name}: {exc}"))
         except Exception as exc:  # one bad request must not end the stream for the others
@@ -509,7 +561,7 @@ class _StreamSession:
             self._outbox.put_nowait(stream_error(request, f"INTERNAL: {type(exc).__name__}: {exc}"))
         finally:
             if self._record is not None:
-                self._record(request, started, ok)
+                self._record(request, started, answered)
             self._outbox.put_nowait(_Answered(size))
 
 

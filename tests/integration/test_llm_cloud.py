@@ -73,7 +73,9 @@ def test_the_gateway_serves_the_large_variant_whole_and_streamed(fleet: CloudFle
         index = stub.RepositoryIndex(pb.RepositoryIndexRequest(ready=True), timeout=5)
         assert {"arith", "arith-large"} <= {m.name for m in index.models}
         metadata = stub.ModelMetadata(pb.ModelMetadataRequest(name="arith"), timeout=5)
-        assert (metadata.platform, metadata.versions) == ("openvino_genai", ["arith-large-fp16"])
+        assert (metadata.platform, metadata.versions) == ("openvino_genai", ["1"])
+        config = stub.ModelConfig(pb.ModelConfigRequest(name="arith"), timeout=5).config
+        assert config.parameters["stratus.variant"].string_value == "arith-large-fp16"
         assert [(t.name, t.datatype) for t in metadata.inputs] == [("text_input", "BYTES")]
         right = 0
         for prompt in PROMPTS:

@@ -178,3 +178,31 @@ def test_routers_share_rollout_state_and_keep_it_across_a_restart(
             aborted.revision,
             list(aborted.history),
         ), restarted
+
+
+def test_the_sdk_answers_with_the_line_a_promoted_rollout_made_current(
+    cluster: Cluster, models: Path, tmp_path: Path, digits
+) -> None:  # type: ignore[no-untyped-def]
+    from edge_agent.sdk import Client
+    from stratus.tiers import Tier
+
+    from .cluster import MODELS
+
+    router = cluster.router().address
+    cluster.agent("device-1", router, "--models", str(models))
+    wait_until(lambda: ready_count(router) == 1, timeout_s=60)
+    x = digits.held_out.x[:1]
+    with (
+        Client(models, router=router, cache_dir=tmp_path, precision="fp32") as holding,  # has the candidate
+        Client(MODELS, router=router, cache_dir=tmp_path, precision="fp32") as lacking,  # the shipped folder
+    ):
+        assert holding.wait_ready(timeout_s=10) and lacking.wait_ready(timeout_s=10)
+        assert holding.current_lines()["digits"] == "digits-small"  # the agents' current, as family.toml says
+        start(router, "digits-small-v2", steps=[100])  # complete at once, but not current until promoted
+        assert holding.follow_router()["digits"] == "digits-small"
+        steer(router, fpb.ROLLOUT_ACTION_PROMOTE)
+        assert holding.follow_router()["digits"] == "digits-small-v2"
+        answered = holding.infer("digits", x, min_confidence=0.0)
+        assert (answered.variant, answered.path, answered.agent) == ("digits-small-v2", (Tier.DEVICE,), "sdk")
+        assert lacking.follow_router()["digits"] == "digits-small"  # it has no such file: keeps its own
+        assert lacking.infer("digits", x, min_confidence=0.0).variant == "digits-small"

@@ -8,6 +8,7 @@ import pytest
 from router.cloud_models import (
     Found,
     NamedModel,
+    descriptions,
     family_of,
     mismatch,
     parse_cloud_models,
@@ -173,3 +174,20 @@ def test_nothing_fits_means_the_cloud_does_not_serve_the_family() -> None:
     families = {"digits": digits_family(), "defects": fpb.FamilyInfo(name="defects")}
     wire, _ = routes([Found(name="other", metadata=metadata("other"))], families, ())
     assert wire == {"other": "other"}
+
+
+def test_each_name_the_cloud_serves_is_described_as_the_cloud_describes_its_model() -> None:
+    """Its own tensors, not the family's: a foreign cloud's shapes (here [-1, -1]) stand."""
+    loose = [Tensor(name="input", datatype="FP32", shape=[-1, -1])]
+    found = [
+        Found(name="digits-large", metadata=metadata("digits-large", inputs=loose)),
+        Found(name="opaque", metadata=pb.ModelMetadataResponse(name="opaque")),  # describes nothing
+        Found(name="silent", metadata=None),
+    ]
+    wire = {"digits": "digits-large", "digits-large": "digits-large", "opaque": "opaque", "silent": "silent"}
+    text = fpb.FamilyInfo(name="digits-large", kind="generative")  # as CloudLink learns a text model
+    described = descriptions(found, wire, {})
+    assert set(described) == {"digits", "digits-large"}
+    assert [list(t.shape) for t in described["digits-large"].inputs] == [[-1, -1]]
+    assert described["digits"].name == "digits" and described["digits-large"].outputs[0].name == "probabilities"
+    assert descriptions(found, wire, {"digits-large": text})["digits-large"] is text

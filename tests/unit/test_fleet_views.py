@@ -10,7 +10,7 @@ import pytest
 
 from cloud_gateway.reload import what_changed
 from router.cloud import CloudLink
-from router.cloud_models import Found, answered_by
+from router.cloud_models import answered_by
 from router.family_view import DEGRADED, SERVING, UNAVAILABLE, TierSeen, family_statuses, judge
 from router.fleet_service import agent_status, cloud_status
 from router.rollout import Rollouts
@@ -19,7 +19,6 @@ from stratus.fleetctl import cloud_table, duration, families_table, family_json,
 from stratus.process import process_uptime_s, quiet_grpc_core
 from stratus.tiers import Tier
 from stratus.wire import fleet_pb2 as fpb
-from stratus.wire import inference_pb2 as pb
 
 from .test_index import Clock, hello, registry
 
@@ -198,14 +197,13 @@ def test_the_families_table_cuts_long_names_and_explains_what_is_not_serving() -
     assert lines[-1] == "a-family-with-a-long-name: degraded: no tier above edge serves it"
 
 
-def test_the_cloud_names_the_variant_only_where_its_metadata_means_one() -> None:
-    metadata = pb.ModelMetadataResponse(name="digits", versions=["digits-large-fp16"])
-    found = [Found(name="digits", metadata=metadata)]
-    assert answered_by(found, {"digits": "digits"}, names_variants=True) == {"digits": "digits-large-fp16"}
-    triton = [
-        Found(name="digits-large", metadata=pb.ModelMetadataResponse(name="digits-large", versions=["1"]))
-    ]
-    assert answered_by(triton, {"digits": "digits-large"}, names_variants=False) == {"digits": "digits-large"}
+def test_the_cloud_names_the_variant_where_its_config_does() -> None:
+    wire = {"digits": "digits", "digits-large": "digits-large"}
+    assert answered_by(wire, {"digits": "digits-large-fp16"}) == {
+        "digits": "digits-large-fp16",
+        "digits-large": "digits-large",  # a name nothing was learnt for: what it is sent as
+    }
+    assert answered_by({"digits": "digits-large"}, {}) == {"digits": "digits-large"}  # Triton
 
 
 def test_a_reload_says_what_it_added_removed_and_reloaded() -> None:

@@ -173,7 +173,7 @@ def test_the_cloud_link_knows_a_text_model_and_its_max_tokens_from_its_descripti
     from stratus.local_generation import generative_config, generative_metadata
     from stratus.wire import inference_pb2 as pb
 
-    assert _generates(generative_metadata("arith", "arith-large-fp16", "openvino_genai"))
+    assert _generates(generative_metadata("arith", "openvino_genai"))
     tensor = pb.ModelMetadataResponse.TensorMetadata
     classifier = pb.ModelMetadataResponse(
         name="digits",

@@ -158,3 +158,28 @@ def test_only_the_current_line_answers_for_its_family(tmp_path: Path, models_dir
         assert models.variant_for("digits")[1].name == "digits-medium-v2"
     finally:
         models.close()
+
+
+def test_a_family_follows_a_line_it_has_and_keeps_its_own_otherwise(tmp_path: Path) -> None:
+    """What the SDK does with a router's promoted rollout: the candidate answers the family
+    from then on where this folder holds it; a line it lacks changes nothing."""
+    import shutil
+
+    root = tmp_path / "models"
+    shutil.copytree(Path(__file__).resolve().parents[2] / "models" / "digits", root / "digits")
+    shutil.copy(root / "digits" / "digits-small.onnx", root / "digits" / "digits-small-v2.onnx")
+    with (root / "digits" / "family.toml").open("a") as config:
+        config.write('\n[[variants]]\nname = "digits-small-v2"\ntier = "device"\nfiles = { onnx = "digits-small-v2.onnx" }\n')
+    models = LocalModels(
+        ModelRepository.load(root), LocalSettings(tier=Tier.DEVICE, precision="fp32", cache_dir=tmp_path)
+    )
+    try:
+        assert models.variant_for("digits")[1].name == "digits-small"  # family.toml's current
+        assert not models.follow("digits", Tier.DEVICE, "digits-small-v9")
+        assert models.variant_for("digits")[1].name == "digits-small"
+        assert not models.follow("digits", Tier.EDGE, "digits-small-v2")  # not a line of that tier here
+        assert models.follow("digits", Tier.DEVICE, "digits-small-v2")
+        assert models.variant_for("digits")[1].name == "digits-small-v2"
+        assert models.variant_for("digits-small")[1].name == "digits-small"  # still pinnable by name
+    finally:
+        models.close()

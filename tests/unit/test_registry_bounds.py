@@ -69,9 +69,14 @@ def test_reported_confidences_are_clamped_to_what_the_policy_compares() -> None:
 
 
 def test_error_messages_list_a_bounded_number_of_names() -> None:
-    names = [f"m{i:03}" for i in range(300)]
-    assert listing(names) == "[" + ", ".join(names[:20]) + ", and 280 more]"
+    names = [f"m{i:03}" for i in range(300)]  # 6 characters each, with the ", " after it
+    shown = 1024 // 6
+    assert listing(names) == (
+        "[" + ", ".join(names[:shown]) + f", and {300 - shown} more (RepositoryIndex lists them all)]"
+    )
     assert listing(names[:3]) == "[m000, m001, m002]"
+    assert listing(["x" * 2000, "short"]) == "[and 2 more (RepositoryIndex lists them all)]"
+    assert len(listing([f"{'n' * 127}{i}" for i in range(5000)])) < 1024 + 64
 
 
 def test_an_agent_that_describes_one_family_differently_still_serves_the_others() -> None:
