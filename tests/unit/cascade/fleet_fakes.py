@@ -265,7 +265,14 @@ class FakeCloud(CloudLink):
 class Fleet:
     """A real registry and data plane, with fake agents and perhaps a fake cloud."""
 
-    def __init__(self, *, fail_without_cloud: bool = False, max_requests: int = 4096) -> None:
+    def __init__(
+        self,
+        *,
+        family: fpb.FamilyInfo | None = None,
+        fail_without_cloud: bool = False,
+        max_requests: int = 4096,
+    ) -> None:
+        self.family = family or classifier_family()  # what agents serve unless told otherwise
         self.clock = Clock()
         self.metrics = RouterMetrics(Metrics())
         self.registry = FleetRegistry(clock=self.clock, metrics=self.metrics)
@@ -302,7 +309,7 @@ class Fleet:
         **behaviour: object,
     ) -> FakeAgent:
         """Join an agent as its Hello would: one variant of the family on its tier."""
-        info = family or classifier_family()
+        info = family or self.family
         hello = fpb.Hello(
             agent_id=agent_id,
             tier=_WIRE_TIER[tier],
@@ -349,6 +356,13 @@ async def fill(agent: FakeAgent, ask: Awaitable[object]) -> asyncio.Task[object]
     raise AssertionError(f"{agent.handle.id} holds {agent.handle.in_flight} of {agent.handle.limit} items")
 
 
+async def release(task: asyncio.Task[object]) -> None:
+    """Cancel a request left holding an agent, and wait for it to end."""
+    task.cancel()
+    with contextlib.suppress(BaseException):
+        await task
+
+
 @contextlib.asynccontextmanager
 async def fleet(**settings: object) -> AsyncIterator[Fleet]:
     built = Fleet(**settings)  # type: ignore[arg-type]
@@ -376,6 +390,11 @@ def prompt(*, model: str = TEXT_FAMILY, **options: object) -> pb.ModelInferReque
 def scores(response: pb.ModelInferResponse) -> list[int]:
     """Which tier answered each item, as ``MARK[tier] + key``, in the request's order."""
     return [int(v) for v in codec.decode_response_outputs(response)[OUTPUT].reshape(-1)]
+
+
+def text_of(response: pb.ModelInferResponse) -> str:
+    (value,) = codec.decode_response_outputs(response)[TEXT_OUTPUT].reshape(-1)
+    return bytes(value).decode("utf-8")
 
 
 def served(response: pb.ModelInferResponse) -> Served:

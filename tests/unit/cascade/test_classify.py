@@ -7,7 +7,6 @@ items climb, what it says and counts), so that moving the climb out of the data 
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 
@@ -17,7 +16,7 @@ import pytest
 from stratus.errors import DeadlineExceeded, NotFound, Overloaded, Unavailable
 from stratus.tiers import Tier
 
-from .fleet_fakes import FAMILY, MARK, Fleet, classify, confidences, fill, fleet, scores, served
+from .fleet_fakes import FAMILY, MARK, Fleet, classify, confidences, fill, fleet, release, scores, served
 
 DEVICE, EDGE, CLOUD = Tier.DEVICE, Tier.EDGE, Tier.CLOUD
 
@@ -32,13 +31,6 @@ async def three_tiers(
         built.agent("e1", EDGE, confidence=confidences({}, edge), latency_ms=3.0)
         built.with_cloud(confidence=cloud)
         yield built
-
-
-async def held(task: asyncio.Task[object]) -> None:
-    """Cancel a request left holding an agent, and wait for it to end."""
-    task.cancel()
-    with contextlib.suppress(BaseException):
-        await task
 
 
 # -- where an answer comes from ----------------------------------------------------------------
@@ -206,7 +198,7 @@ async def test_on_cloud_failure_fail_degrades_where_the_cloud_was_not_the_way_up
         said = served(await f.plane.infer(asked, timeout_s=None))
         assert (said.tier, said.path, said.degraded) == (DEVICE, (DEVICE,), True)
         assert f.count("degraded_answers", family=FAMILY, reason="overloaded") == 1
-        await held(holder)
+        await release(holder)
 
 
 # -- what the client asks for --------------------------------------------------------------------------
@@ -276,7 +268,7 @@ async def test_every_agent_full_is_refused_as_overloaded() -> None:
         holder = await fill(device, f.plane.infer(classify([9]), timeout_s=None))
         with pytest.raises(Overloaded, match="every device agent serving 'toy' has a full work queue"):
             await f.plane.infer(classify([1]), timeout_s=None)
-        await held(holder)
+        await release(holder)
         assert device.cancels == [device.works[0].request_id]  # the held Work was called off
 
 
