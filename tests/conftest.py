@@ -46,30 +46,47 @@ def no_leaked_threads() -> Iterator[None]:
     """Fail any test that starts a thread and does not stop it (python-zeroconf's guard)."""
     before = set(threading.enumerate())
     yield
+    still = leaked_threads(before)
+    assert not still, f"threads leaked: {still}"
+
+
+def leaked_threads(before: set[threading.Thread], wait_s: float = 2.0) -> list[str]:
+    """Threads started since ``before`` and still running after ``wait_s`` to end (one that
+    is ending as the test returns, a closed executor's last worker, is given the time)."""
     leaked = [t for t in threading.enumerate() if t not in before and t.is_alive()]
     for thread in leaked:
-        thread.join(timeout=2.0)
-    still = [t.name for t in leaked if t.is_alive()]
-    assert not still, f"threads leaked: {still}"
+        thread.join(timeout=wait_s)
+    return [t.name for t in leaked if t.is_alive()]
 
 
 @pytest.fixture(autouse=True)
 def no_leaked_tasks(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
     """Fail any test whose event loop still had tasks pending when its main coroutine ended.
 
-    ``asyncio.run`` cancels such tasks in silence; this records them first. A component
-    owns its tasks and ends them when it closes, so none should be left."""
+    ``asyncio.run`` cancels such tasks in silence, and a loop a test runs by hand is closed
+    over them just as silently; this records them first. A component owns its tasks and
+    ends them when it closes, so none should be left."""
     leaked: list[str] = []
     cancel_all = asyncio.runners._cancel_all_tasks  # type: ignore[attr-defined]
+    close = asyncio.BaseEventLoop.close
 
     def recorded(loop: asyncio.AbstractEventLoop) -> None:
-        pending = [task for task in asyncio.all_tasks(loop) if not task.done()]
-        leaked.extend(repr(task.get_coro()) for task in pending if not _grpc_internal(task))
+        leaked.extend(_pending(loop))
         cancel_all(loop)
 
+    def closing(loop: asyncio.BaseEventLoop) -> None:
+        leaked.extend(_pending(loop))  # after asyncio.run's own cancelling: none of those again
+        close(loop)
+
     monkeypatch.setattr(asyncio.runners, "_cancel_all_tasks", recorded)
+    monkeypatch.setattr(asyncio.BaseEventLoop, "close", closing)
     yield leaked
-    assert not leaked, f"tasks left pending when asyncio.run returned: {leaked}"
+    assert not leaked, f"tasks left pending when their loop ended: {leaked}"
+
+
+def _pending(loop: asyncio.AbstractEventLoop) -> list[str]:
+    pending = [task for task in asyncio.all_tasks(loop) if not task.done()]
+    return [repr(task.get_coro()) for task in pending if not _grpc_internal(task)]
 
 
 def _grpc_internal(task: asyncio.Task[object]) -> bool:
