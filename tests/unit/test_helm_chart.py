@@ -58,7 +58,7 @@ if (sys.platform, platform.machine()) not in HELM_WHEELS:
         f"helm-python-sdk has no wheel for this platform ({sys.platform} {platform.machine()})",
         allow_module_level=True,
     )
-import helm_python as helm  # noqa: E402 (after the platform check)
+from tests.unit import helm_worker as helm  # noqa: E402 (after the platform check)
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"

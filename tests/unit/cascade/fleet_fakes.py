@@ -29,7 +29,7 @@ from router.dataplane import RouterDataPlane
 from router.registry import AgentHandle, FleetRegistry
 from stratus import codec
 from stratus.errors import StratusError
-from stratus.generation import FINAL, FINISH_REASON, TEXT_INPUT, TEXT_OUTPUT, Chunk, Token
+from stratus.generation import FINAL, FINISH_REASON, TEXT_INPUT, TEXT_OUTPUT, Chunk, GenerationParams, Token
 from stratus.local_generation import prompt_request, text_response
 from stratus.metrics import Metrics, RouterMetrics
 from stratus.protocol import CONFIDENCE, VARIANT, RequestOptions, Served, set_parameter
@@ -382,7 +382,7 @@ def classify(keys: Sequence[int], *, model: str = FAMILY, **options: object) -> 
 
 
 def prompt(*, model: str = TEXT_FAMILY, **options: object) -> pb.ModelInferRequest:
-    request = prompt_request(model, "gen-1", "2+2=", 8)
+    request = prompt_request(model, "gen-1", "2+2=", GenerationParams(max_tokens=8))
     RequestOptions(**options).write(request.parameters)  # type: ignore[arg-type]
     return request
 
