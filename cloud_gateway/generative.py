@@ -18,7 +18,7 @@ from typing import Final
 
 from cloud_gateway.upstream import OpenAIUpstream
 from stratus import codec
-from stratus.errors import InvalidInput, NotFound
+from stratus.errors import InvalidInput, NotFound, StratusError
 from stratus.generation import (
     FINAL,
     MAX_TOKENS,
@@ -31,7 +31,7 @@ from stratus.generation import (
     confidence_of,
 )
 from stratus.local_generation import check_prompt_size, chunk_response, generative_config, generative_metadata
-from stratus.metrics import Metric, gauge
+from stratus.metrics import GenerationTiming, Metric, ModelMetrics, counted, gauge, outcome_of
 from stratus.protocol import Served, parameter_value, set_parameter
 from stratus.serving import DataPlane
 from stratus.tiers import Tier
@@ -70,11 +70,13 @@ class UpstreamDataPlane(DataPlane):
         *,
         local: DataPlane | None,
         name: str,
+        recorder: ModelMetrics | None = None,
     ) -> None:
         self.upstream = upstream
         self.model = model
         self.local = local
         self.name = name
+        self.recorder = recorder
 
     def _serves(self, name: str) -> bool:
         return name in (self.model.family, self.model.variant)
@@ -108,9 +110,14 @@ class UpstreamDataPlane(DataPlane):
     async def infer(self, request: pb.ModelInferRequest, *, timeout_s: float | None) -> pb.ModelInferResponse:
         if not self._serves(request.model_name):
             return await self._local(request.model_name).infer(request, timeout_s=timeout_s)
-        prompt, params = self._parse(request)
-        started = time.perf_counter()
-        chunk = await self.upstream.complete(prompt, params, timeout_s=timeout_s)
+        with counted(self._count):
+            prompt, params = self._parse(request)
+            started, made = time.perf_counter(), 0
+            try:
+                chunk = await self.upstream.complete(prompt, params, timeout_s=timeout_s)
+                made = len(chunk.tokens)
+            finally:  # the whole text comes at once: no first token to time apart
+                self._record(started, None, made)
         response = self._response(request, chunk)
         self._served(chunk.tokens, started).write(response.parameters)
         return response
@@ -120,21 +127,47 @@ class UpstreamDataPlane(DataPlane):
     ) -> AsyncIterator[pb.ModelInferResponse]:
         if not self._serves(request.model_name):
             return self._local(request.model_name).generate(request, timeout_s=timeout_s)
-        prompt, params = self._parse(request)  # a bad request is refused before anything is sent
+        try:
+            prompt, params = self._parse(request)  # a bad request is refused before anything is sent
+        except StratusError as exc:
+            self._count(outcome_of(exc))
+            raise
         return self._generate(request, prompt, params, timeout_s)
 
     async def _generate(
         self, request: pb.ModelInferRequest, prompt: str, params: GenerationParams, timeout_s: float | None
     ) -> AsyncIterator[pb.ModelInferResponse]:
         started = time.perf_counter()
+        first: float | None = None
         tokens: list[Token] = []
-        async for chunk in self.upstream.stream(prompt, params, timeout_s=timeout_s):
-            tokens.extend(chunk.tokens)
-            response = self._response(request, chunk)
-            if chunk.finish_reason is not None:  # the upstream's last event: the answer is whole
-                set_parameter(response.parameters, FINAL, True)
-                self._served(tokens, started).write(response.parameters)
-            yield response
+        try:
+            with counted(self._count):
+                async for chunk in self.upstream.stream(prompt, params, timeout_s=timeout_s):
+                    if first is None and chunk.tokens:
+                        first = time.perf_counter() - started
+                    tokens.extend(chunk.tokens)
+                    response = self._response(request, chunk)
+                    if chunk.finish_reason is not None:  # the upstream's last event: the answer is whole
+                        set_parameter(response.parameters, FINAL, True)
+                        self._served(tokens, started).write(response.parameters)
+                    yield response
+        finally:
+            self._record(started, first, len(tokens))
+
+    def _count(self, outcome: str) -> None:
+        if self.recorder is not None:
+            self.recorder.count_work(self.model.family, self.model.variant, outcome)
+
+    def _record(self, started: float, first_token_s: float | None, tokens: int) -> None:
+        """One generation's times and tokens; its queue is the upstream's own, not known here."""
+        if self.recorder is not None:
+            timing = GenerationTiming(
+                queued_s=None,
+                first_token_s=first_token_s,
+                running_s=time.perf_counter() - started,
+                tokens=tokens,
+            )
+            self.recorder.record_generation(self.model.family, self.model.variant, timing)
 
     def _parse(self, request: pb.ModelInferRequest) -> tuple[str, GenerationParams]:
         wanted = [o.name for o in request.outputs if o.name != TEXT_OUTPUT]
