@@ -29,7 +29,7 @@ from stratus.auth import check_endpoint, insecure_warning
 from stratus.batching import DEFAULT_MAX_BATCH, DEFAULT_MAX_DELAY_S
 from stratus.errors import NotFound
 from stratus.local import LocalDataPlane, LocalModels, LocalSettings
-from stratus.metrics import Metrics
+from stratus.metrics import Metrics, ModelMetrics
 from stratus.metrics import serve as serve_metrics
 from stratus.precision import Hardware
 from stratus.process import announce, stop_on_signals
@@ -146,7 +146,10 @@ async def _data_plane(
             assert local is not None
             yield local, models
         else:
-            plane = UpstreamDataPlane(upstream, model, local=local, name=name)
+            recorder = models.recorder if models is not None else None
+            plane = UpstreamDataPlane(
+                upstream, model, local=local, name=name, recorder=recorder or ModelMetrics(metrics)
+            )
             metrics.collect_with(plane.levels)
             yield plane, models
     finally:

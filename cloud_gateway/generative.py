@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Final
 
 from cloud_gateway.upstream import OpenAIUpstream
-from stratus.errors import InvalidInput, NotFound
+from stratus.errors import InvalidInput, NotFound, StratusError
 from stratus.generation import (
     FINAL,
     TEXT_OUTPUT,
@@ -31,8 +31,13 @@ from stratus.generation import (
     Token,
     confidence_of,
 )
-from stratus.local_generation import chunk_response, generative_config, generative_metadata, read_generation
-from stratus.metrics import Metric, gauge
+from stratus.local_generation import (
+    chunk_response,
+    generative_config,
+    generative_metadata,
+    read_generation,
+)
+from stratus.metrics import GenerationTiming, Metric, ModelMetrics, counted, gauge, outcome_of
 from stratus.protocol import Served, set_parameter
 from stratus.serving import DataPlane
 from stratus.tiers import Tier
@@ -71,11 +76,13 @@ class UpstreamDataPlane(DataPlane):
         *,
         local: DataPlane | None,
         name: str,
+        recorder: ModelMetrics | None = None,
     ) -> None:
         self.upstream = upstream
         self.model = model
         self.local = local
         self.name = name
+        self.recorder = recorder
 
     def _serves(self, name: str) -> bool:
         return name in (self.model.family, self.model.variant)
@@ -109,11 +116,16 @@ class UpstreamDataPlane(DataPlane):
     async def infer(self, request: pb.ModelInferRequest, *, timeout_s: float | None) -> pb.ModelInferResponse:
         if not self._serves(request.model_name):
             return await self._local(request.model_name).infer(request, timeout_s=timeout_s)
-        prompt, params = self._parse(request)
-        started = time.perf_counter()
-        whole = await self.upstream.complete(prompt, params, timeout_s=timeout_s)
-        cut = StopCut(params.stop)
-        chunk = _cut_final(whole, cut.feed(whole.tokens) + cut.finish(), cut)
+        with counted(self._count):
+            prompt, params = self._parse(request)
+            started, made = time.perf_counter(), 0
+            try:
+                whole = await self.upstream.complete(prompt, params, timeout_s=timeout_s)
+                cut = StopCut(params.stop)
+                chunk = _cut_final(whole, cut.feed(whole.tokens) + cut.finish(), cut)
+                made = len(chunk.tokens)
+            finally:  # the whole text comes at once: no first token to time apart
+                self._record(started, None, made)
         response = self._response(request, chunk)
         self._served(chunk.tokens, started).write(response.parameters)
         return response
@@ -123,29 +135,55 @@ class UpstreamDataPlane(DataPlane):
     ) -> AsyncIterator[pb.ModelInferResponse]:
         if not self._serves(request.model_name):
             return self._local(request.model_name).generate(request, timeout_s=timeout_s)
-        prompt, params = self._parse(request)  # a bad request is refused before anything is sent
+        try:
+            prompt, params = self._parse(request)  # a bad request is refused before anything is sent
+        except StratusError as exc:
+            self._count(outcome_of(exc))
+            raise
         return self._generate(request, prompt, params, timeout_s)
 
     async def _generate(
         self, request: pb.ModelInferRequest, prompt: str, params: GenerationParams, timeout_s: float | None
     ) -> AsyncIterator[pb.ModelInferResponse]:
         started = time.perf_counter()
+        first: float | None = None
         tokens: list[Token] = []
         cut = StopCut(params.stop)
-        async for chunk in self.upstream.stream(prompt, params, timeout_s=timeout_s):
-            kept = cut.feed(chunk.tokens)
-            if chunk.finish_reason is None:
-                tokens.extend(kept)
-                if kept:
-                    yield self._response(request, Chunk(tokens=kept))
-                continue
-            ending = _cut_final(chunk, kept + cut.finish(), cut)  # the upstream's last event
-            tokens.extend(ending.tokens)
-            response = self._response(request, ending)
-            set_parameter(response.parameters, FINAL, True)
-            self._served(tokens, started).write(response.parameters)
-            yield response
-            return
+        try:
+            with counted(self._count):
+                async for chunk in self.upstream.stream(prompt, params, timeout_s=timeout_s):
+                    kept = cut.feed(chunk.tokens)
+                    if first is None and kept:
+                        first = time.perf_counter() - started
+                    if chunk.finish_reason is None:
+                        tokens.extend(kept)
+                        if kept:
+                            yield self._response(request, Chunk(tokens=kept))
+                        continue
+                    ending = _cut_final(chunk, kept + cut.finish(), cut)  # the upstream's last event
+                    tokens.extend(ending.tokens)
+                    response = self._response(request, ending)
+                    set_parameter(response.parameters, FINAL, True)
+                    self._served(tokens, started).write(response.parameters)
+                    yield response
+                    return
+        finally:
+            self._record(started, first, len(tokens))
+
+    def _count(self, outcome: str) -> None:
+        if self.recorder is not None:
+            self.recorder.count_work(self.model.family, self.model.variant, outcome)
+
+    def _record(self, started: float, first_token_s: float | None, tokens: int) -> None:
+        """One generation's times and tokens; its queue is the upstream's own, not known here."""
+        if self.recorder is not None:
+            timing = GenerationTiming(
+                queued_s=None,
+                first_token_s=first_token_s,
+                running_s=time.perf_counter() - started,
+                tokens=tokens,
+            )
+            self.recorder.record_generation(self.model.family, self.model.variant, timing)
 
     def _parse(self, request: pb.ModelInferRequest) -> tuple[str, GenerationParams]:
         wanted = [o.name for o in request.outputs if o.name != TEXT_OUTPUT]

@@ -36,6 +36,7 @@ from stratus.metrics import Metrics
 from stratus.metrics import serve as serve_metrics
 from stratus.precision import Hardware
 from stratus.process import announce, process_uptime_s, start_collapsed
+from stratus.repository import VariantSpec
 from stratus.serving import (
     NO_TLS,
     Health,
@@ -422,8 +423,9 @@ class Agent:
 
     async def _serve(self, work: fpb.Work, outbox: asyncio.Queue[fpb.AgentMessage | None]) -> None:
         result = fpb.Result(request_id=work.request_id)
+        ran: VariantSpec | None = None
         try:
-            await self._run(work, result, outbox)
+            ran = await self._run(work, result, outbox)
         except asyncio.CancelledError:
             result.error.CopyFrom(
                 fpb.Error(code=grpc.StatusCode.CANCELLED.value[0], message="cancelled by the router")
@@ -435,14 +437,15 @@ class Agent:
             result.error.CopyFrom(
                 fpb.Error(code=grpc.StatusCode.INTERNAL.value[0], message=f"{type(exc).__name__}: {exc}")
             )
-        self.models.count(_outcome(result))
+        self.models.count(_outcome(result), work.request.model_name, ran)
         outbox.put_nowait(fpb.AgentMessage(result=result))
 
     async def _run(
         self, work: fpb.Work, result: fpb.Result, outbox: asyncio.Queue[fpb.AgentMessage | None]
-    ) -> None:
+    ) -> VariantSpec:
         """Run the Work's items (maybe in one batch with other Work) within its budget; a
-        generative Work sends its tokens as Chunks while it runs, then the Result."""
+        generative Work sends its tokens as Chunks while it runs, then the Result. Returns
+        the variant that ran."""
         budget_s = work.budget_ms / 1000.0 if work.budget_ms > 0 else None
 
         async def send(chunk: Chunk) -> None:
@@ -465,6 +468,7 @@ class Agent:
         result.service_ms = answer.service_ms
         result.queue_ms = answer.queue_ms
         result.batch_size = answer.batch_size
+        return answer.variant
 
 
 def _wire_chunk(request_id: str, chunk: Chunk) -> fpb.Chunk:

@@ -262,7 +262,7 @@ def _cloud_link(settings: RouterSettings, registry: FleetRegistry) -> CloudPool 
             server_name=server_name,
         )
 
-    return CloudPool(settings.cloud, link)
+    return CloudPool(settings.cloud, link, named=named)
 
 
 async def _start_extras(

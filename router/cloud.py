@@ -176,6 +176,11 @@ class CloudLink:
         self._generating = 0
 
     @property
+    def named(self) -> tuple[NamedModel, ...]:
+        """The models ``--cloud-models`` named, with the family each answers where it says."""
+        return self._named
+
+    @property
     def available(self) -> bool:
         return self.state == "connected" and self.breaker.allows() and self.in_flight < self.max_pending
 

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
 from router.cloud import UNMEASURED_MS, CloudLink, OnChunk
+from router.cloud_models import NamedModel
 from stratus.errors import ConfigError, Unavailable
 from stratus.stats import LatencyWindow
 from stratus.wire import fleet_pb2 as fpb
@@ -68,6 +69,8 @@ class CloudTier(Protocol):
     def generative(self) -> dict[str, fpb.FamilyInfo]: ...
     @property
     def described(self) -> dict[str, fpb.FamilyInfo]: ...
+    @property
+    def named(self) -> tuple[NamedModel, ...]: ...
     @property
     def predicted_ms(self) -> float: ...
     @property
@@ -138,6 +141,7 @@ class CloudPool:
         rng: random.Random | None = None,
         resolve: Resolver = resolve_addresses,
         refresh_s: float = DNS_REFRESH_S,
+        named: Sequence[NamedModel] = (),
     ) -> None:
         self.address = spec
         self.target = CloudTarget.parse(spec)
@@ -145,6 +149,7 @@ class CloudPool:
         self._rng = rng or random.Random()
         self._resolve = resolve
         self._refresh_s = refresh_s
+        self._named = tuple(named)
         self.links: dict[str, CloudLink] = {}
         self._retired: list[CloudLink] = []
         self._task: asyncio.Task[None] | None = None
@@ -167,6 +172,11 @@ class CloudPool:
     @property
     def generative(self) -> dict[str, fpb.FamilyInfo]:
         return self._merged(lambda link: link.generative)
+
+    @property
+    def named(self) -> tuple[NamedModel, ...]:
+        """What ``--cloud-models`` named (the same for every gateway)."""
+        return self._named
 
     @property
     def described(self) -> dict[str, fpb.FamilyInfo]:

@@ -34,7 +34,7 @@ from stratus.local_generation import (
     text_response,
     write_usage,
 )
-from stratus.metrics import RouterMetrics
+from stratus.metrics import UNKNOWN, RouterMetrics
 from stratus.protocol import (
     COMPUTE_MS,
     CONFIDENCE,
@@ -88,6 +88,7 @@ class Job:
     asked_for: str  # the model name the client used
     family: str
     pinned: str | None
+    label: str  # the family its metrics count it under (a variant only the cloud serves: its family's)
     options: RequestOptions
     inputs: Tensors
     outputs: tuple[str, ...]  # requested outputs; empty: all
@@ -283,8 +284,9 @@ class RouterDataPlane(DataPlane):
         checked = prompt_request(pinned or family, request.id, prompt, params)
         if pinned is not None:  # a pinned variant runs exactly there, on its own tier only
             options = _pinned_options(options, self.registry.index.tiers(pinned))
+        label = self._family_label(request.model_name)
         if sink is not None and self.metrics is not None:
-            sink = self._timing_first_text(sink, family, started)
+            sink = self._timing_first_text(sink, label, started)
         if self.active >= self.max_requests:
             raise Overloaded(f"router request queue is full: {self.max_requests} requests in flight")
         self.active += 1
@@ -294,12 +296,12 @@ class RouterDataPlane(DataPlane):
             cascade = GenerationCascade(self, info, checked, options, budget, started, sink, stops=stops)
             result = await cascade.run()
         except StratusError as exc:
-            self._count_refusal(family, exc)
+            self._count_refusal(label, exc)
             raise
         finally:
             self.active -= 1
-        self._count_answer(family, result.tier.label, result.degraded, started)
-        self._count_generation(family, result)
+        self._count_answer(label, result.tier.label, result.degraded, started)
+        self._count_generation(label, result)
         return result
 
     def _timing_first_text(self, sink: Sink, family: str, started: float) -> Sink:
@@ -394,11 +396,16 @@ class RouterDataPlane(DataPlane):
             self.metrics.duration.labels(family).observe(self._clock() - started)
 
     def _family_label(self, name: str) -> str:
-        """The family a request names, or "unknown": metric labels stay a bounded set."""
+        """The family a request names, or "unknown": metric labels stay a bounded set. A
+        variant counts under its family, whether agents serve it or only the cloud does
+        (``digits-large``: "digits"), never as a family of its own."""
         try:
-            return self._family_of(name)[0]
+            family, _ = self._family_of(name)
         except NotFound:
-            return "unknown"
+            return UNKNOWN
+        if family in self.registry.families or self.cloud is None:
+            return family
+        return family_of(family, self.registry.families, self.cloud.named) or family
 
     def _job(self, request: pb.ModelInferRequest, timeout_s: float | None) -> Job:
         """Check everything a request says against the family's description, without decoding."""
@@ -420,6 +427,7 @@ class RouterDataPlane(DataPlane):
             asked_for=request.model_name,
             family=family,
             pinned=pinned,
+            label=self._family_label(request.model_name),
             options=options,
             inputs=inputs,
             outputs=tuple(outputs) if request.outputs else (),
@@ -685,17 +693,17 @@ class _Cascade:
             options = self.job.options
             lower = [t for t in tiers if options.min_tier <= t < tier]
             if lower:
-                metrics.escalations.labels(self.job.family, min(lower).label, tier.label, "too_slow").inc()
+                metrics.escalations.labels(self.job.label, min(lower).label, tier.label, "too_slow").inc()
             return
         left, reason = self.climb
         if tier > left:
-            metrics.escalations.labels(self.job.family, left.label, tier.label, reason).inc()
+            metrics.escalations.labels(self.job.label, left.label, tier.label, reason).inc()
 
     def _record(self, answer: Answer, accepted: Sequence[bool]) -> None:
         """Keep each sent item's newest answer; only the unsure items stay pending."""
         metrics = self.plane.metrics
         if metrics is not None:
-            family, tier = self.job.family, answer.tier.label
+            family, tier = self.job.label, answer.tier.label
             metrics.tier_duration.labels(family, tier).observe(answer.elapsed_ms / 1000.0)
             histogram = metrics.confidence.labels(family, tier)
             for value in answer.confidences:
@@ -749,7 +757,7 @@ class _Cascade:
         self.tier_label = max(tiers, default=self.answers[-1].tier).label
         if degraded and self.plane.metrics is not None:
             reason = _STOPPED.get(type(self.problem), "no_higher_tier") if self.problem else "no_higher_tier"
-            self.plane.metrics.degraded.labels(job.family, reason).inc()
+            self.plane.metrics.degraded.labels(job.label, reason).inc()
         last = max(self.answers, key=lambda a: a.tier)
         response = pb.ModelInferResponse(model_name=job.asked_for, id=job.id)
         self._outputs().write_response(response, raw=job.raw)

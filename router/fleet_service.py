@@ -90,6 +90,7 @@ def fleet_levels(registry: FleetRegistry, cloud: CloudTier | None) -> list[Metri
         gauge("stratus_router_agent_queued_items", "Items waiting in the router for each agent.",
               ["agent"], queued),
     ]  # fmt: skip
+    families.append(calibrated_shares(registry))
     if cloud is not None:
         current = cloud.circuit
         families.append(
@@ -101,6 +102,23 @@ def fleet_levels(registry: FleetRegistry, cloud: CloudTier | None) -> list[Metri
             )
         )
     return families
+
+
+def calibrated_shares(registry: FleetRegistry) -> Metric:
+    """Each family's calibrated cloud share, as its agents' family.toml records it: the
+    baseline the cloud-share alert compares the live share with. A family whose thresholds
+    were never calibrated has no sample, so no alert."""
+    return gauge(
+        "stratus_router_family_calibrated_cloud_share",
+        "Share of the calibration split that reached the cloud at the family's thresholds "
+        "(stratus models calibrate).",
+        ["family"],
+        [
+            ([name], info.calibrated_cloud_share)
+            for name, info in sorted(registry.families.items())
+            if info.HasField("calibrated_cloud_share")
+        ],
+    )
 
 
 def tier_summaries(registry: FleetRegistry) -> list[fpb.TierSummary]:

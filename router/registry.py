@@ -390,7 +390,9 @@ class FleetRegistry:
                 del self.families[family.name]
                 continue
             differs = [
-                f for f in ("inputs", "outputs", "thresholds") if getattr(known, f) != getattr(family, f)
+                f
+                for f in ("inputs", "outputs", "thresholds", "calibrated_cloud_share")
+                if getattr(known, f) != getattr(family, f)
             ]
             conflicts[family.name] = (
                 f"differs from the one ready agents serve ({', '.join(differs)} differ); refused until they leave"
@@ -797,6 +799,13 @@ def check_hello_bounds(hello: fpb.Hello) -> None:
         raise InvalidInput(
             f"Hello from {hello.agent_id}: model name {bad[:40]!r} must be 1-128 of A-Z a-z 0-9 . _ : @ -"
         )
+    for family in hello.families:
+        share = family.calibrated_cloud_share
+        if family.HasField("calibrated_cloud_share") and not 0.0 <= share <= 1.0:  # NaN fails too
+            raise InvalidInput(
+                f"Hello from {hello.agent_id}: family {family.name}'s calibrated_cloud_share {share} "
+                "must lie between 0 and 1"
+            )
 
 
 def items_that_fit(key: BatchKey) -> int:

@@ -46,7 +46,7 @@ from stratus.codec import Array
 from stratus.confidence import ConfidenceMethod, confidence
 from stratus.datasets import Split, dataset_for
 from stratus.errors import ConfigError
-from stratus.repository import FamilySpec, VariantSpec, write_thresholds
+from stratus.repository import CalibrationRecord, FamilySpec, VariantSpec, write_thresholds
 from stratus.runtimes import LoadOptions, load_runner
 from stratus.tiers import Tier
 
@@ -356,8 +356,23 @@ class Calibration:
     held_out: Outcome
     table: str
     data: LabelledData
+    goal: str  # "target_accuracy 0.985" or "max_escalation 0.04", as recorded beside the thresholds
     # What the user should act on (also printed to stderr by the command).
     warnings: tuple[str, ...] = ()
+
+    def record(self) -> CalibrationRecord:
+        """What is written beside the thresholds: the goal, and what they gave where chosen."""
+        return CalibrationRecord(
+            goal=self.goal,
+            data=self.data.calibration_name,
+            accuracy=self.calibration.accuracy,
+            cloud_share=cloud_share(self.tiers, self.calibration),
+        )
+
+
+def cloud_share(tiers: Sequence[Tier], outcome: Outcome) -> float:
+    """The share of requests that reached the cloud tier (none when the family has no cloud tier)."""
+    return outcome.reached[tiers.index(Tier.CLOUD)] if Tier.CLOUD in tiers else 0.0
 
 
 def sweep_table(scores: Sequence[TierScores], chosen: Sequence[float]) -> str:
@@ -411,8 +426,10 @@ def choose(
     """Thresholds for the goal, chosen on ``scores``; the outcome on the report split too."""
     if target_accuracy is not None:
         chosen = for_target_accuracy(scores, target_accuracy)
+        goal = f"target_accuracy {target_accuracy:g}"
     else:
         chosen = for_max_escalation(scores, float(max_escalation or 0.0))
+        goal = f"max_escalation {float(max_escalation or 0.0):g}"
     held_out = report()
     thresholds = {s.tier: t for s, t in zip(scores, chosen, strict=False)}
     on_report = cascade(held_out, chosen)
@@ -428,6 +445,7 @@ def choose(
         held_out=on_report,
         table=sweep_table(scores, chosen),
         data=data,
+        goal=goal,
         warnings=(warning,) if warning else (),
     )
 
@@ -477,7 +495,8 @@ def describe(result: Calibration) -> str:
 
 
 def write(family: FamilySpec, result: Calibration) -> None:
-    write_thresholds(family.source, result.thresholds)
+    """The thresholds, and what they gave on the calibration split (the router's baseline)."""
+    write_thresholds(family.source, result.thresholds, result.record())
 
 
 # ---------------------------------------------------------------------------------------------

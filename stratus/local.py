@@ -10,6 +10,7 @@ reason enough to ask a bigger model about the batch.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Mapping, Sequence
@@ -43,14 +44,13 @@ from stratus.local_generation import (
     read_usage,
     write_usage,
 )
-from stratus.metrics import Metric, Metrics, ModelMetrics, gauge
+from stratus.metrics import UNKNOWN, Metric, Metrics, ModelMetrics, counted, gauge
 from stratus.precision import Hardware, choose_variant, load_verification, this_hardware
 from stratus.protocol import BATCH_SIZE, MODEL_VERSION, VARIANT, Served, parameter_value, set_parameter
 from stratus.repository import FamilySpec, ModelRepository, VariantSpec
 from stratus.runtimes import LoadFailure, LoadOptions, ModelRunner, load_runner
 from stratus.serving import DataPlane, tensor_metadata
 from stratus.stats import LatencyWindow
-from stratus.status import status_code
 from stratus.tensors import MAX_REQUEST_ITEMS, answer_raw, check_request_metadata
 from stratus.tiers import Tier
 from stratus.wire import fleet_pb2
@@ -140,7 +140,7 @@ class LocalModels:
         self.metrics = metrics
         self.recorder = ModelMetrics(metrics) if metrics is not None else None
         chosen = _select(repository, settings)
-        self.generators = _generators(repository, settings)
+        self.generators = _generators(repository, settings, self.recorder)
         if not chosen and not (self.generators and (self.generators.variants or self.generators.unavailable)):
             raise NotFound(f"no variants to load (tier={settings.tier}, variants={settings.variants})")
         self.runners: dict[str, ModelRunner] = {}
@@ -326,16 +326,33 @@ class LocalModels:
             runner.close()
 
     def _levels(self) -> list[Metric]:
-        """Queue depth and items running, read at each scrape."""
+        """Queue depth and items running (and generations waiting and running), read at each scrape."""
         return [
             gauge("stratus_queue_items", "Items waiting for a runtime slot here.", [], [([], self.batcher.waiting_items)]),
             gauge("stratus_in_flight_items", "Items running in a runtime here.", [], [([], self.batcher.running_items)]),
+            *(self.generators.levels() if self.generators is not None else ()),
         ]  # fmt: skip
 
-    def count(self, outcome: str) -> None:
-        """One request answered here (Work from a router or a direct call): ok, or its error."""
+    def count(self, outcome: str, model_name: str, ran: VariantSpec | None = None) -> None:
+        """One request answered here (Work from a router or a direct call): ok, or its error;
+        under the family and variant that ran (``ran``), or would have run ``model_name``."""
         if self.recorder is not None:
-            self.recorder.work.labels(outcome).inc()
+            self.recorder.count_work(*self.work_labels(model_name, ran), outcome)
+
+    def work_labels(self, model_name: str, ran: VariantSpec | None = None) -> tuple[str, str]:
+        """(family, variant) as the model files name them, never as the request did: a
+        pinned variant counts under its family, and a name not in the files as ``unknown``,
+        so the labels stay as few as the files' variants."""
+        if ran is not None:
+            return ran.family, ran.name
+        with contextlib.suppress(StratusError):
+            family, variant = self.variant_for(model_name)
+            return family.name, variant.name
+        try:
+            family, pinned = self.repository.resolve(model_name)
+        except NotFound:
+            return UNKNOWN, UNKNOWN
+        return family.name, pinned.name if pinned is not None else UNKNOWN
 
     def max_batch(self, variant: str) -> int:
         """What this variant may merge: the setting, where its runtime takes a dynamic batch."""
@@ -528,6 +545,7 @@ class LocalModels:
                     outputs=tensor_metadata(f.outputs),
                     thresholds={t.label: v for t, v in f.thresholds.items()},
                     cloud_variants=cloud_variants(f),
+                    calibrated_cloud_share=calibrated_cloud_share(f),
                 )
                 for f in self.families.values()
                 if f.name in served
@@ -622,7 +640,9 @@ def _select(repository: ModelRepository, settings: LocalSettings) -> list[_Chose
     return chosen
 
 
-def _generators(repository: ModelRepository, settings: LocalSettings) -> LocalGenerators | None:
+def _generators(
+    repository: ModelRepository, settings: LocalSettings, recorder: ModelMetrics | None
+) -> LocalGenerators | None:
     """The generative variants of the same tier (or among the named variants), if any."""
     if not any(f.generative for f in repository.families.values()):
         return None
@@ -638,6 +658,7 @@ def _generators(repository: ModelRepository, settings: LocalSettings) -> LocalGe
         options=options,
         runtimes=list(settings.runtimes) if settings.runtimes else None,
         emulated_extra_ms=settings.emulated_extra_ms,
+        recorder=recorder,
     )
 
 
@@ -654,7 +675,14 @@ def _family_info(family: FamilySpec) -> fleet_pb2.FamilyInfo:
         max_tokens=family.generation.max_tokens,
         stop=family.generation.stop,
         cloud_variants=cloud_variants(family),
+        calibrated_cloud_share=calibrated_cloud_share(family),
     )
+
+
+def calibrated_cloud_share(family: FamilySpec) -> float | None:
+    """What calibrate recorded the thresholds send to the cloud; None (the field stays unset,
+    and the router exports no baseline) for thresholds never calibrated."""
+    return family.calibration.cloud_share if family.calibration is not None else None
 
 
 def cloud_variants(family: FamilySpec) -> list[str]:
@@ -782,20 +810,14 @@ class LocalDataPlane(DataPlane):
         task = asyncio.create_task(self.models.generate(request, on_chunk))
         task.add_done_callback(lambda _: chunks.put_nowait(None))
         try:
-            while (chunk := await chunks.get()) is not None:
-                yield chunk_response(request, chunk)
-            answer = await task
-        except StratusError as exc:
-            self.models.count(status_code(exc).name.lower())
-            raise
-        except (asyncio.CancelledError, GeneratorExit):  # the caller went away: stop generating
-            self.models.count("cancelled")
-            raise
-        finally:
+            with counted(lambda outcome: self.models.count(outcome, request.model_name)):
+                while (chunk := await chunks.get()) is not None:
+                    yield chunk_response(request, chunk)
+                answer = await task
+        finally:  # the caller went away (cancelled, or stopped reading): stop generating
             if not task.done():
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
-        self.models.count("ok")
         reason = parameter_value(answer.response.parameters[FINISH_REASON])
         prompt_tokens, completion_tokens = read_usage(answer.response.parameters)
         ending = Chunk(
@@ -825,16 +847,12 @@ class LocalDataPlane(DataPlane):
     async def infer(self, request: pb.ModelInferRequest, *, timeout_s: float | None) -> pb.ModelInferResponse:
         """Answered within the caller's deadline, or DEADLINE_EXCEEDED: a request whose caller
         has given up holds no slot or queue place here."""
-        try:
+        with counted(lambda outcome: self.models.count(outcome, request.model_name)):
             try:
                 async with asyncio.timeout(timeout_s):
                     answer = await self.models.answer(request)
             except TimeoutError:
                 raise DeadlineExceeded(f"no answer within the caller's deadline ({timeout_s:g} s)") from None
-        except StratusError as exc:
-            self.models.count(status_code(exc).name.lower())
-            raise
-        self.models.count("ok")
         self._served(answer).write(answer.response.parameters)
         set_parameter(answer.response.parameters, BATCH_SIZE, answer.batch_size)
         return answer.response

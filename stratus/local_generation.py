@@ -36,6 +36,7 @@ from stratus.generation import (
     confidence_of,
     token_count,
 )
+from stratus.metrics import GenerationTiming, Metric, ModelMetrics, gauge
 from stratus.protocol import MODEL_VERSION, VARIANT, parameter_value, set_parameter
 from stratus.repository import FamilySpec, ModelRepository, VariantSpec
 from stratus.runtimes.base import LoadFailure, LoadOptions
@@ -106,6 +107,34 @@ def _stamp(variant: VariantSpec) -> _Stamp:
     return variant, variant.file_stamps()
 
 
+class _Clock:
+    """When a generation arrived, got its slot, and made its first token."""
+
+    def __init__(self) -> None:
+        self.arrived = time.perf_counter()
+        self.slot: float | None = None
+        self.first: float | None = None
+
+    def started(self) -> None:
+        self.slot = time.perf_counter()
+
+    def token(self) -> None:
+        if self.first is None:
+            self.first = time.perf_counter()
+
+    def since_arrival_s(self) -> float:
+        return time.perf_counter() - self.arrived
+
+    def timing(self, tokens: int) -> GenerationTiming:
+        slot = self.slot if self.slot is not None else self.arrived
+        return GenerationTiming(
+            queued_s=slot - self.arrived,
+            first_token_s=None if self.first is None else self.first - self.arrived,
+            running_s=time.perf_counter() - slot,
+            tokens=tokens,
+        )
+
+
 class LocalGenerators:
     """The generative lines of one tier (or named variants), each in its runtime here."""
 
@@ -118,8 +147,10 @@ class LocalGenerators:
         options: LoadOptions,
         runtimes: list[str] | None = None,
         emulated_extra_ms: float = 0.0,
+        recorder: ModelMetrics | None = None,
     ) -> None:
         self.emulated_extra_ms = emulated_extra_ms  # tests and benchmarks: a slower device, per token
+        self.recorder = recorder
         self._tier, self._names, self._options, self._runtimes = tier, variants, options, runtimes
         self.families: dict[str, FamilySpec] = {}
         self.variants: dict[str, VariantSpec] = {}
@@ -129,6 +160,7 @@ class LocalGenerators:
         self._stamps: dict[str, _Stamp] = {}
         self._slots: dict[str, asyncio.Semaphore] = {}
         self._waiting: dict[str, int] = {}  # generations waiting for a slot, by variant
+        self._running: dict[str, int] = {}  # generations in their runtime, by variant
         # Every runtime that refused a file (counted by the owner's metrics), and the lines
         # that no runtime here could load, by family: those families are not ready here.
         self.load_failures: list[LoadFailure] = []
@@ -267,51 +299,76 @@ class LocalGenerators:
             finally:
                 loop.call_soon_threadsafe(tokens.put_nowait, None)
 
-        started = time.perf_counter()
+        clock = _Clock()
         future = await self._start(variant.name, run)
+        clock.started()
         cut = StopCut(params.stop)
         produced: list[Token] = []
         made = 0
         try:
             while (token := await tokens.get()) is not None:
                 made += 1
+                clock.token()
                 await _pass_on(cut.feed((token,)), produced, on_chunk)
             finished = await future
             await _pass_on(cut.finish(), produced, on_chunk)
         except BaseException:
             stop.set()  # the runtime stops at its next token
             raise
+        finally:
+            self._record(variant, clock, made)  # what the runtime made, kept or cut
         return Generated(
             variant=variant,
             text="".join(t.text for t in produced),
             tokens=tuple(produced),
             finish_reason="stop" if cut.stopped else finished.reason,
             confidence=confidence_of(produced, family.generation.method),
-            service_ms=(time.perf_counter() - started) * 1000.0,
+            service_ms=clock.since_arrival_s() * 1000.0,
             prompt_tokens=finished.prompt_tokens,
             completion_tokens=made,
         )
 
-    async def _start(self, variant: str, run: Callable[[], Finished]) -> asyncio.Future[Finished]:
-        """``run`` on the executor once one of the variant's slots is free (refused past
-        MAX_WAITING_GENERATIONS waiting); the slot is freed when the runtime is done."""
-        slots = self._slots[variant]
-        if self._waiting.get(variant, 0) >= MAX_WAITING_GENERATIONS:
+    async def _start(self, name: str, run: Callable[[], Finished]) -> asyncio.Future[Finished]:
+        """``run`` on the executor once one of the variant's slots is free; past
+        MAX_WAITING_GENERATIONS waiting, RESOURCE_EXHAUSTED. The slot is held until the
+        runtime is done, not the caller."""
+        if self._waiting.get(name, 0) >= MAX_WAITING_GENERATIONS:
             raise Overloaded(
-                f"{MAX_WAITING_GENERATIONS} generations wait for {variant} here; retry later or elsewhere"
+                f"{MAX_WAITING_GENERATIONS} generations wait for {name} here; retry later or elsewhere"
             )
-        self._waiting[variant] = self._waiting.get(variant, 0) + 1
+        slots = self._slots[name]
+        self._waiting[name] = self._waiting.get(name, 0) + 1
         try:
             await slots.acquire()  # as many at once as the runtime takes; the rest wait here
         finally:
-            self._waiting[variant] -= 1
+            self._waiting[name] -= 1
         try:
             future = asyncio.get_running_loop().run_in_executor(self._executor, run)
         except BaseException:
             slots.release()
             raise
-        future.add_done_callback(lambda _: slots.release())  # when the runtime is done, not the caller
+        self._running[name] = self._running.get(name, 0) + 1
+        future.add_done_callback(lambda _: self._finished(name, slots))
         return future
+
+    def _finished(self, name: str, slots: asyncio.Semaphore) -> None:
+        self._running[name] -= 1
+        slots.release()
+
+    def _record(self, variant: VariantSpec, clock: _Clock, tokens: int) -> None:
+        if self.recorder is not None:
+            self.recorder.record_generation(variant.family, variant.name, clock.timing(tokens))
+
+    def levels(self) -> list[Metric]:
+        """Generations waiting for a slot and running, per variant, read at each scrape."""
+        labels = ["family", "variant"]
+        loaded = sorted(self.variants.items())
+        waiting = [([v.family, name], float(self._waiting.get(name, 0))) for name, v in loaded]
+        running = [([v.family, name], float(self._running.get(name, 0))) for name, v in loaded]
+        return [
+            gauge("stratus_generation_waiting", "Generations waiting for one of their variant's slots here.", labels, waiting),
+            gauge("stratus_generation_running", "Generations running in their runtime here.", labels, running),
+        ]  # fmt: skip
 
     def close(self) -> None:
         self._executor.shutdown(wait=True, cancel_futures=True)

@@ -9,6 +9,9 @@ time by a collector, so it costs nothing between scrapes.
 
 Names start with ``stratus_``, use base units (seconds, bytes), counters end in ``_total``;
 labels are bounded sets (family, variant, tier, agent, outcome, reason), never request ids.
+A ``family`` or ``variant`` label names what the process's model files (or the fleet's Hellos)
+define, never a name a client sent: a request for a variant is counted under the variant's
+family, and a name nothing here serves as ``unknown``.
 The exposition is prometheus-client's; ``serve`` only answers HTTP GETs with it.
 """
 
@@ -17,10 +20,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import platform
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
+import grpc
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
     CollectorRegistry,
@@ -32,7 +38,23 @@ from prometheus_client import (
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-__all__ = ["Metric", "Metrics", "ModelMetrics", "RouterMetrics", "bound_port", "gauge", "serve"]
+from stratus import __version__
+from stratus.errors import StratusError
+from stratus.status import status_code
+
+__all__ = [
+    "UNKNOWN",
+    "GenerationTiming",
+    "Metric",
+    "Metrics",
+    "ModelMetrics",
+    "RouterMetrics",
+    "bound_port",
+    "counted",
+    "gauge",
+    "outcome_of",
+    "serve",
+]
 
 log = logging.getLogger("stratus.metrics")
 
@@ -42,10 +64,13 @@ LATENCY_BUCKETS: Final = (
 )  # fmt: skip
 BATCH_BUCKETS: Final = (1, 2, 4, 8, 16, 32, 64, 128)
 CONFIDENCE_BUCKETS: Final = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.98, 0.99, 0.995, 0.999, 1.0)
+# The family or variant label of a request for a name that nothing here serves.
+UNKNOWN: Final = "unknown"
 
 
 class Metrics:
-    """A process's registry, with what every Stratus process exports (its memory)."""
+    """A process's registry, with what every Stratus process exports: its memory, and what
+    it is built from (so a dashboard can tell a fleet mid-upgrade from a fleet that drifted)."""
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
@@ -55,6 +80,13 @@ class Metrics:
             registry=self.registry,
         )
         memory.set_function(resident_bytes)
+        build = Gauge(
+            "stratus_build_info",
+            "1, labelled with the Stratus version, Python, gRPC and the machine this process runs.",
+            ["version", "python", "grpc", "machine"],
+            registry=self.registry,
+        )
+        build.labels(__version__, platform.python_version(), grpc.__version__, platform.machine()).set(1)
 
     def text(self) -> bytes:
         return generate_latest(self.registry)
@@ -170,6 +202,18 @@ class RouterMetrics:
         )
 
 
+@dataclass(frozen=True, kw_only=True)
+class GenerationTiming:
+    """One generation's times, from its arrival at this process. ``queued_s`` and
+    ``first_token_s`` are None where they are not known (an upstream server's own queue; a
+    generation that made no token, or answered whole)."""
+
+    queued_s: float | None
+    first_token_s: float | None
+    running_s: float  # from its slot (or the upstream call) to its last token
+    tokens: int
+
+
 class ModelMetrics:
     """What a process that runs models records (agents, the cloud gateway)."""
 
@@ -192,8 +236,9 @@ class ModelMetrics:
         )
         self.work = Counter(
             "stratus_work",
-            "Requests (Work from a router, or direct calls) by outcome: ok or the gRPC status.",
-            ["outcome"],
+            "Requests (Work from a router, or direct calls) by family, the variant that ran (or "
+            "would have), and outcome: ok, cancelled or the gRPC status.",
+            ["family", "variant", "outcome"],
             registry=r,
         )
         self.load_failures = Counter(
@@ -202,6 +247,70 @@ class ModelMetrics:
             ["variant", "runtime"],
             registry=r,
         )
+        self._generation_metrics(r)
+
+    def _generation_metrics(self, r: CollectorRegistry) -> None:
+        labels = ["family", "variant"]
+        self.first_token = Histogram(
+            "stratus_generation_first_token_seconds",
+            "Time from a generative request's arrival here to its first token (waiting for a slot included).",
+            labels,
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.generated_tokens = Counter(
+            "stratus_generation_tokens",
+            "Tokens generated here, whatever became of them (a generation cancelled keeps those it made).",
+            labels,
+            registry=r,
+        )
+        self.generation = Histogram(
+            "stratus_generation_duration_seconds",
+            "Time each generation ran, from its slot to its last token: tokens per second is "
+            "rate(stratus_generation_tokens_total) / rate(stratus_generation_duration_seconds_sum).",
+            labels,
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.generation_queue = Histogram(
+            "stratus_generation_queue_seconds",
+            "Time each generation waited for one of its variant's slots.",
+            labels,
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+
+    def count_work(self, family: str, variant: str, outcome: str) -> None:
+        self.work.labels(family, variant, outcome).inc()
+
+    def record_generation(self, family: str, variant: str, timing: GenerationTiming) -> None:
+        if timing.queued_s is not None:
+            self.generation_queue.labels(family, variant).observe(timing.queued_s)
+        if timing.first_token_s is not None:
+            self.first_token.labels(family, variant).observe(timing.first_token_s)
+        self.generation.labels(family, variant).observe(timing.running_s)
+        if timing.tokens:
+            self.generated_tokens.labels(family, variant).inc(timing.tokens)
+
+
+def outcome_of(error: StratusError) -> str:
+    """A failed request's outcome label: its gRPC status, as ``deadline_exceeded``."""
+    return status_code(error).name.lower()
+
+
+@contextlib.contextmanager
+def counted(count: Callable[[str], None]) -> Iterator[None]:
+    """Count one request once, by how it ended: ok, cancelled (the caller went away), or its
+    error's gRPC status; the error itself goes on to the caller."""
+    try:
+        yield
+    except StratusError as exc:
+        count(outcome_of(exc))
+        raise
+    except (asyncio.CancelledError, GeneratorExit):
+        count("cancelled")
+        raise
+    count("ok")
 
 
 def gauge(

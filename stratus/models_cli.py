@@ -13,6 +13,7 @@ from stratus.confidence import ConfidenceMethod
 from stratus.errors import ConfigError
 
 if TYPE_CHECKING:
+    from stratus.calibrate import Calibration
     from stratus.datasets import Split
     from stratus.repository import FamilySpec, ModelRepository
     from stratus.verify import DataSource
@@ -92,9 +93,16 @@ def _models_calibrate(args: argparse.Namespace) -> int:
     print(calibrate.describe(result))
     _warn(result.warnings)
     if not args.dry_run:
-        calibrate.write(family, result)
-        print(f"wrote thresholds to {family.source}")
+        _write_calibration(family, result)
     return 0
+
+
+def _write_calibration(family: FamilySpec, result: Calibration) -> None:
+    from stratus import calibrate
+
+    calibrate.write(family, result)
+    share = result.record().cloud_share
+    print(f"wrote thresholds and the calibrated cloud share ({share:.1%}) to {family.source}")
 
 
 def _calibrate_generative(family: FamilySpec, args: argparse.Namespace) -> int:
@@ -112,8 +120,7 @@ def _calibrate_generative(family: FamilySpec, args: argparse.Namespace) -> int:
     )
     print(calibrate.describe(result))
     if not args.dry_run:
-        calibrate.write(family, result)
-        print(f"wrote thresholds to {family.source}")
+        _write_calibration(family, result)
     return 0
 
 

@@ -31,6 +31,10 @@ KINDS: Final = ("classifier", "generative")
 PRECISIONS: Final = ("FP32", "FP16", "INT8")
 # The classifier runtimes a variant's ``runtimes`` key may name (``stratus.runtimes.RUNNERS``).
 RUNTIMES: Final = ("litert", "openvino", "onnxruntime", "tensorrt")
+# The top-level tables a family.toml may hold.
+TABLES: Final = {
+    "family", "inputs", "outputs", "confidence", "thresholds", "calibration", "variants", "current", "generation",
+}  # fmt: skip
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -112,6 +116,18 @@ class VariantSpec:
 
 
 @dataclass(frozen=True, kw_only=True)
+class CalibrationRecord:
+    """What ``stratus models calibrate`` measured for the thresholds it wrote, on the split it
+    chose them on. Kept beside them so that what the cascade promised travels with the family:
+    the router exports ``cloud_share`` as the baseline of the cloud-share alert."""
+
+    goal: str  # "target_accuracy 0.985" or "max_escalation 0.04"
+    data: str  # the split the thresholds were chosen on, in words
+    accuracy: float  # the cascade's accuracy on it
+    cloud_share: float  # the share of its examples that reached the cloud tier
+
+
+@dataclass(frozen=True, kw_only=True)
 class FamilySpec:
     name: str
     description: str
@@ -128,6 +144,9 @@ class FamilySpec:
     current: Mapping[Tier, str] = field(default_factory=dict)
     # Set for a generative family (kind = "generative"): prompts in, text out.
     generation: GenerationSpec | None = None
+    # What the thresholds gave when calibrated; None for thresholds set by hand (or before
+    # calibrate recorded it): such a family has no calibrated cloud share, and no alert on it.
+    calibration: CalibrationRecord | None = None
 
     @property
     def generative(self) -> bool:
@@ -284,11 +303,7 @@ def load_family(path: Path) -> FamilySpec:
         raise ConfigError(f"{path}: not valid TOML: {exc}") from None
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read: {exc.strerror}") from None
-    reader.unknown_keys(
-        data,
-        {"family", "inputs", "outputs", "confidence", "thresholds", "variants", "current", "generation"},
-        "",
-    )
+    reader.unknown_keys(data, TABLES, "")
     head = reader.get(data, "family", dict, "")
     name = reader.get(head, "name", str, "family")
     reader.unknown_keys(head, {"name", "description", "max_accuracy_drop", "kind"}, "family")
@@ -309,6 +324,7 @@ def load_family(path: Path) -> FamilySpec:
         source=path,
         max_accuracy_drop=_fraction(reader, head, "max_accuracy_drop", "family", 0.01),
         current=_current(reader, data, variants),
+        calibration=_calibration(reader, data),
     )
 
 
@@ -348,6 +364,7 @@ def _generative_family(
         source=path,
         max_accuracy_drop=_fraction(reader, head, "max_accuracy_drop", "family", 0.01),
         current=_current(reader, data, variants),
+        calibration=_calibration(reader, data),
         generation=GenerationSpec(
             max_tokens=max_tokens, stop=tuple(stop), method=GenerationMethod(method), context=context
         ),
@@ -403,6 +420,20 @@ def _thresholds(reader: _Reader, data: Mapping[str, Any]) -> dict[Tier, float]:
     for key in table:
         thresholds[_tier(reader, key, f"thresholds.{key}")] = _fraction(reader, table, key, "thresholds")
     return thresholds
+
+
+def _calibration(reader: _Reader, data: Mapping[str, Any]) -> CalibrationRecord | None:
+    """The ``[calibration]`` table calibrate writes with the thresholds, if there is one."""
+    if "calibration" not in data:
+        return None
+    table = reader.get(data, "calibration", dict, "")
+    reader.unknown_keys(table, {"goal", "data", "accuracy", "cloud_share"}, "calibration")
+    return CalibrationRecord(
+        goal=reader.get(table, "goal", str, "calibration"),
+        data=reader.get(table, "data", str, "calibration"),
+        accuracy=_fraction(reader, table, "accuracy", "calibration"),
+        cloud_share=_fraction(reader, table, "cloud_share", "calibration"),
+    )
 
 
 def _tier(reader: _Reader, text: str, key: str) -> Tier:
@@ -552,10 +583,16 @@ def _temperature(reader: _Reader, item: Mapping[str, Any], where: str) -> float:
     return value
 
 
-def write_thresholds(path: Path, thresholds: Mapping[Tier, float]) -> None:
-    """Replace the ``[thresholds]`` table of a family config, keeping the rest of the file."""
-    text = path.read_text(encoding="utf-8")
+def write_thresholds(
+    path: Path, thresholds: Mapping[Tier, float], calibration: CalibrationRecord | None = None
+) -> None:
+    """Replace the ``[thresholds]`` table of a family config, and the ``[calibration]`` table
+    that says what they gave (dropped when ``calibration`` is None: it would describe other
+    thresholds), keeping the rest of the file."""
+    text = _without_table(path.read_text(encoding="utf-8"), "calibration")
     body = "".join(f"{tier.label} = {value:.4f}\n" for tier, value in sorted(thresholds.items()))
+    if calibration is not None:
+        body += "\n" + _calibration_table(calibration)
     section = re.compile(r"^\[thresholds\]\n(?:(?!\[).*\n?)*", re.MULTILINE)
     if section.search(text):
         text = section.sub(lambda _: "[thresholds]\n" + body + "\n", text, count=1)
@@ -563,6 +600,30 @@ def write_thresholds(path: Path, thresholds: Mapping[Tier, float]) -> None:
         text = text.rstrip("\n") + "\n\n[thresholds]\n" + body
     load_family_text_check(path, text)
     path.write_text(text, encoding="utf-8")
+
+
+def _calibration_table(record: CalibrationRecord) -> str:
+    return (
+        "# Written with [thresholds] by `stratus models calibrate`: what they gave on the split they\n"
+        "# were chosen on. The router exports cloud_share (stratus_router_family_calibrated_cloud_share).\n"
+        "[calibration]\n"
+        f"goal = {_toml_string(record.goal)}\n"
+        f"data = {_toml_string(record.data)}\n"
+        f"accuracy = {record.accuracy:.4f}\n"
+        f"cloud_share = {record.cloud_share:.4f}\n"
+    )
+
+
+def _toml_string(text: str) -> str:
+    """A TOML basic string: quotes, backslashes and control characters escaped."""
+    escaped = text.replace("\\", "\\\\").replace('"', '\\"')
+    return '"' + "".join(c if c.isprintable() else f"\\u{ord(c):04x}" for c in escaped) + '"'
+
+
+def _without_table(text: str, name: str) -> str:
+    """``text`` without the table ``[name]`` and the comment lines just above it."""
+    table = re.compile(rf"(?:^#.*\n)*^\[{name}\]\n(?:(?![\[#]).*\n?)*", re.MULTILINE)
+    return table.sub("", text, count=1)
 
 
 def load_family_text_check(path: Path, text: str) -> None:

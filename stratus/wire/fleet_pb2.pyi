@@ -211,6 +211,7 @@ class FamilyInfo(_message.Message):
     MAX_TOKENS_FIELD_NUMBER: _builtins.int
     STOP_FIELD_NUMBER: _builtins.int
     CLOUD_VARIANTS_FIELD_NUMBER: _builtins.int
+    CALIBRATED_CLOUD_SHARE_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     kind: _builtins.str
     """"generative" for a family that answers prompts with text; empty for a classifier."""
@@ -219,6 +220,12 @@ class FamilyInfo(_message.Message):
     the most tokens a request may ask for, and its stop strings.
     """
     max_tokens: _builtins.int
+    calibrated_cloud_share: _builtins.float
+    """The share of the calibration split that reached the cloud at these thresholds, as
+    `stratus models calibrate` recorded it (family.toml's [calibration] cloud_share); unset
+    for thresholds that were never calibrated. The router exports it as
+    stratus_router_family_calibrated_cloud_share, the cloud-share alert's baseline.
+    """
     @_builtins.property
     def inputs(self) -> _containers.RepeatedCompositeFieldContainer[_inference_pb2.ModelMetadataResponse.TensorMetadata]: ...
     @_builtins.property
@@ -247,12 +254,15 @@ class FamilyInfo(_message.Message):
         max_tokens: _builtins.int = ...,
         stop: _abc.Iterable[_builtins.str] | None = ...,
         cloud_variants: _abc.Iterable[_builtins.str] | None = ...,
+        calibrated_cloud_share: _builtins.float | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_calibrated_cloud_share", b"_calibrated_cloud_share", "calibrated_cloud_share", b"calibrated_cloud_share"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cloud_variants", b"cloud_variants", "confidence_method", b"confidence_method", "inputs", b"inputs", "kind", b"kind", "max_tokens", b"max_tokens", "name", b"name", "outputs", b"outputs", "stop", b"stop", "thresholds", b"thresholds"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_calibrated_cloud_share", b"_calibrated_cloud_share", "calibrated_cloud_share", b"calibrated_cloud_share", "cloud_variants", b"cloud_variants", "confidence_method", b"confidence_method", "inputs", b"inputs", "kind", b"kind", "max_tokens", b"max_tokens", "name", b"name", "outputs", b"outputs", "stop", b"stop", "thresholds", b"thresholds"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__calibrated_cloud_share: _TypeAlias = _typing.Literal["calibrated_cloud_share"]  # noqa: Y015
+    _WhichOneofArgType__calibrated_cloud_share: _TypeAlias = _typing.Literal["_calibrated_cloud_share", b"_calibrated_cloud_share"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__calibrated_cloud_share) -> _WhichOneofReturnType__calibrated_cloud_share | None: ...
 
 Global___FamilyInfo: _TypeAlias = FamilyInfo  # noqa: Y015
 

@@ -546,6 +546,7 @@ family_infos = st.builds(
     confidence_method=st.sampled_from(["", "mean_logprob", "nope"]),
     max_tokens=uint32s,
     stop=st.lists(texts, max_size=2),
+    calibrated_cloud_share=st.none() | doubles,
 )
 hardware_infos = st.builds(
     fpb.HardwareInfo,

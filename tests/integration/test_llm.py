@@ -27,6 +27,7 @@ from stratus.wire import inference_pb2_grpc as pb_grpc
 
 from .cluster import MODELS, Cluster, fleet_status, ready_count, wait_until
 from .test_metrics import count, samples, scrape
+from .test_metrics import value as sample_value
 
 LLM_MODELS = ["--models", str(MODELS)]
 PROMPTS = ["37+48=", "12+5=", "90-45=", "7+8=", "66-6="]
@@ -257,12 +258,40 @@ def test_a_client_that_goes_away_cancels_the_generation_on_the_agent(llm: LlmFle
         with urllib.request.urlopen(request, timeout=30) as response:  # closed even on failure
             first = response.readline()  # the first token's event, then hang up
         assert first.startswith(b"data: ")
-        counted = lambda: count(samples(scrape(metrics)), "stratus_work_total", outcome="cancelled")  # noqa: E731
+        small = {"family": "arith", "variant": "arith-small"}
+        counted = lambda: count(samples(scrape(metrics)), "stratus_work_total", **small, outcome="cancelled")  # noqa: E731
         wait_until(lambda: counted() == 1, timeout_s=10)
         # cancelled, not finished: the slow device never completed the generation
-        assert count(samples(scrape(metrics)), "stratus_work_total", outcome="ok") == 0
+        after = samples(scrape(metrics))
+        assert count(after, "stratus_work_total", **small, outcome="ok") == 0
+        # the tokens it made before the Cancel reached it are counted, and their time
+        assert sample_value(after, "stratus_generation_duration_seconds_count", **small) == 1
+        assert sample_value(after, "stratus_generation_tokens_total", **small) >= 1
     finally:
         cluster.stop_all()
+
+
+def test_the_device_agent_times_each_generation_and_counts_its_tokens(llm: LlmFleet) -> None:
+    """Per generative variant, as the agent saw them: one first token, one wait for a slot
+    and one generation per prompt; as many tokens as the router says the device made."""
+    small = {"family": "arith", "variant": "arith-small"}
+    before = samples(scrape(llm.device_metrics))
+    made = [complete(llm, p, min_confidence=0.0, max_tier="device")[1]["tokens"] for p in PROMPTS]
+    after = samples(scrape(llm.device_metrics))
+
+    def grew(name: str, **labels: str) -> float:
+        return sample_value(after, name, **labels) - count(before, name, **labels)
+
+    assert grew("stratus_work_total", **small, outcome="ok") == len(PROMPTS)
+    assert grew("stratus_generation_tokens_total", **small) == sum(m["device"] for m in made)  # type: ignore[index]
+    for histogram in ("first_token", "queue", "duration"):
+        assert grew(f"stratus_generation_{histogram}_seconds_count", **small) == len(PROMPTS), histogram
+    first = grew("stratus_generation_first_token_seconds_sum", **small)
+    assert 0 < first < grew("stratus_generation_duration_seconds_sum", **small) + grew(
+        "stratus_generation_queue_seconds_sum", **small
+    )  # the first token comes before the last, counted from arrival
+    assert sample_value(after, "stratus_generation_waiting", **small) == 0  # levels, read at the scrape
+    assert sample_value(after, "stratus_generation_running", **small) == 0
 
 
 def test_the_demo_grades_generated_answers_through_the_router(llm: LlmFleet) -> None:

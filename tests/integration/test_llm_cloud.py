@@ -159,9 +159,14 @@ def test_a_client_that_goes_away_cancels_the_generation_in_the_cloud(tmp_path: P
         with urllib.request.urlopen(request, timeout=30) as response:  # closed even on failure
             first = response.readline()  # the first token's event, then hang up
         assert first.startswith(b"data: ") and b'"tier": "cloud"' not in first
-        counted = lambda: count(samples(scrape(metrics)), "stratus_work_total", outcome="cancelled")  # noqa: E731
+        large = {"family": "arith", "variant": "arith-large-fp16"}  # the cloud line's GGUF child runs here
+        counted = lambda: count(samples(scrape(metrics)), "stratus_work_total", **large, outcome="cancelled")  # noqa: E731
         wait_until(lambda: counted() == 1, timeout_s=10)
-        assert count(samples(scrape(metrics)), "stratus_work_total", outcome="ok") == 0
+        assert count(samples(scrape(metrics)), "stratus_work_total", **large, outcome="ok") == 0
+        # the cloud timed the generation it stopped: its first token (which the client read) and its run
+        timed = lambda: count(samples(scrape(metrics)), "stratus_generation_duration_seconds_count", **large)  # noqa: E731
+        wait_until(lambda: timed() == 1, timeout_s=10)
+        assert count(samples(scrape(metrics)), "stratus_generation_first_token_seconds_count", **large) == 1
     finally:
         cluster.stop_all()
 

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import platform
 import shutil
 import subprocess
 import urllib.request
+from importlib import metadata
 
 import grpc
 import numpy as np
@@ -12,8 +14,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from stratus.launcher import free_port
+from stratus.repository import ModelRepository
 
-from .cluster import Cluster, fleet_status, infer, ready_count, wait_until
+from .cluster import MODELS, Cluster, fleet_status, infer, ready_count, wait_until
 from .expected import served_for
 
 
@@ -67,35 +70,87 @@ def scraped(cluster: Cluster, digits) -> dict[str, str]:  # type: ignore[no-unty
         infer(router, row[None, :], min_confidence=1.0)  # climbs to the cloud
     with pytest.raises(grpc.RpcError):
         infer(router, np.zeros((1, 63), np.float32))  # refused: wrong shape
+    for row in digits.held_out.x[:3]:
+        infer(router, row[None, :], model="digits-large")  # pinned: only the cloud serves it
+    for row in digits.held_out.x[:2]:
+        infer(router, row[None, :], model="digits-small", min_confidence=0.0)  # pinned to the device
+    with pytest.raises(grpc.RpcError):
+        infer(cloud, digits.held_out.x[:1], model="no-such-model")  # straight to the cloud: not found
     return {role: scrape(address) for role, address in where.items()}
 
 
 def test_each_process_counts_what_happened(scraped: dict[str, str]) -> None:
     router = samples(scraped["router"])
-    assert value(router, "stratus_router_requests_total", family="digits", tier="device", outcome="ok") == 20
-    assert value(router, "stratus_router_requests_total", family="digits", tier="cloud", outcome="ok") == 5
+    assert value(router, "stratus_router_requests_total", family="digits", tier="device", outcome="ok") == 22
+    assert value(router, "stratus_router_requests_total", family="digits", tier="cloud", outcome="ok") == 8
     refused = {"family": "digits", "tier": "none", "outcome": "invalid_argument"}
     assert value(router, "stratus_router_requests_total", **refused) == 1
-    assert total(router, "stratus_router_requests_total") == 26  # and nothing else was counted
+    assert total(router, "stratus_router_requests_total") == 31  # and nothing else was counted
     assert value(router, "stratus_router_refusals_total", reason="invalid_argument") == 1
     climbs = {"from_tier": "device", "to_tier": "edge", "reason": "unsure"}
     assert value(router, "stratus_router_escalations_total", family="digits", **climbs) == 5
-    assert value(router, "stratus_router_tier_duration_seconds_count", family="digits", tier="cloud") == 5
-    assert value(router, "stratus_router_confidence_count", family="digits", tier="device") == 25
+    assert value(router, "stratus_router_tier_duration_seconds_count", family="digits", tier="cloud") == 8
+    assert value(router, "stratus_router_confidence_count", family="digits", tier="device") == 27
     assert value(router, "stratus_router_agents", tier="device", state="ready") == 1
     assert value(router, "stratus_router_cloud_breaker", state="closed") == 1
-    assert value(router, "stratus_router_batch_items_count") == 30  # 25 device + 5 edge Works
+    assert value(router, "stratus_router_batch_items_count") == 32  # 27 device + 5 edge Works
 
     device = samples(scraped["device"])
     small = served_for("digits-small")
     runs = {"variant": small.name, "runtime": "litert", "precision": small.precision}
-    assert value(device, "stratus_inference_duration_seconds_count", **runs) == 25
-    assert value(device, "stratus_work_total", outcome="ok") == 25
+    assert value(device, "stratus_inference_duration_seconds_count", **runs) == 27
+    assert value(device, "stratus_work_total", family="digits", variant=small.name, outcome="ok") == 27
+    assert total(device, "stratus_work_total") == 27
     assert value(device, "stratus_process_resident_memory_bytes") > 20e6
 
     cloud = samples(scraped["cloud"])
-    assert value(cloud, "stratus_work_total", outcome="ok") == 5
+    large = served_for("digits-large").name
+    assert value(cloud, "stratus_work_total", family="digits", variant=large, outcome="ok") == 8
+    assert value(cloud, "stratus_work_total", family="unknown", variant="unknown", outcome="not_found") == 1
+    assert total(cloud, "stratus_work_total") == 9
     assert value(cloud, "stratus_queue_items") == 0
+
+
+def labels_of(found: Samples, name: str, label: str) -> set[str]:
+    return {dict(labels)[label] for sample, labels in found if sample == name}
+
+
+def test_a_pinned_variant_counts_under_its_family_never_as_one(scraped: dict[str, str]) -> None:
+    """Requests naming digits-large (the cloud's) and digits-small (the device's) are digits
+    requests in every family label; variant labels name only what the model files hold."""
+    router = samples(scraped["router"])
+    for name in ("stratus_router_requests_total", "stratus_router_tier_duration_seconds_count",
+                 "stratus_router_confidence_count"):  # fmt: skip
+        assert labels_of(router, name, "family") == {"digits"}, name
+    repository = ModelRepository.load(MODELS)
+    variants = {v.name for f in repository.families.values() for v in f.variants}
+    for role in ("device", "cloud"):
+        found = samples(scraped[role])
+        assert labels_of(found, "stratus_work_total", "family") <= {*repository.families, "unknown"}, role
+        assert labels_of(found, "stratus_work_total", "variant") <= {*variants, "unknown"}, role
+
+
+def test_every_process_says_what_it_is_built_from(scraped: dict[str, str]) -> None:
+    built = {
+        "version": metadata.version("stratus-router"),
+        "python": platform.python_version(),
+        "grpc": grpc.__version__,
+        "machine": platform.machine(),
+    }
+    for role, text in scraped.items():
+        assert value(samples(text), "stratus_build_info", **built) == 1, role
+
+
+def test_the_router_exports_each_familys_calibrated_cloud_share(scraped: dict[str, str]) -> None:
+    """From the agents' family.toml files ([calibration] cloud_share), which
+    stratus:calibrated_cloud_share (deploy/prometheus/rules.yml) reads."""
+    router = samples(scraped["router"])
+    repository = ModelRepository.load(MODELS)
+    for name in ("digits", "defects"):
+        record = repository.family(name).calibration
+        assert record is not None
+        share = value(router, "stratus_router_family_calibrated_cloud_share", family=name)
+        assert share == pytest.approx(record.cloud_share), name
 
 
 @pytest.mark.skipif(

@@ -17,6 +17,7 @@ from stratus.confidence import ConfidenceMethod
 from stratus.errors import ConfigError
 from stratus.importer import ImportOptions, ImportResult, import_model
 from stratus.repository import FamilySpec, ModelRepository, load_family
+from stratus.tiers import Tier
 
 from .test_importer import linear_onnx
 
@@ -214,6 +215,14 @@ def test_written_thresholds_reproduce_the_printed_shares(
         assert again.reached == outcome.reached and again.accuracy == outcome.accuracy
         shares = ", ".join(f"{t.label} {r:.1%}" for t, r in zip(tiers, again.reached, strict=True))
         assert f"{name:<12} accuracy {again.accuracy:.4f}; requests reaching: {shares}" in printed
+        if name == "calibration":  # what is recorded beside the thresholds, as the router will export it
+            assert written.calibration is not None and Tier.CLOUD in tiers
+            assert written.calibration.cloud_share == round(again.reached[tiers.index(Tier.CLOUD)], 4)
+            assert written.calibration.accuracy == round(again.accuracy, 4)
+            assert written.calibration.data == data.calibration_name
+    assert written.calibration.goal == (
+        f"target_accuracy {top - 0.02:g}" if goal == "target_accuracy" else "max_escalation 0.3"
+    )
     if goal == "target_accuracy":
         assert result.calibration.accuracy >= top - 0.02
     else:

@@ -767,7 +767,7 @@ def mount_target(compose: Doc, service: str, source: str) -> str:
 
 def test_prometheus_scrapes_every_stratus_process(compose: Doc) -> None:
     config = yaml.safe_load((DEPLOY / "prometheus" / "prometheus.yml").read_text())
-    assert config["global"]["scrape_interval"] == "5s"
+    assert config["global"]["scrape_interval"] == "30s"
     assert config["rule_files"] == ["/etc/prometheus/rules.yml"]
     assert mount_target(compose, "prometheus", "./prometheus/rules.yml") == "/etc/prometheus/rules.yml"
     assert (

@@ -11,7 +11,7 @@ import pytest
 from router import registry as registry_module
 from router.dataplane import listing
 from router.registry import FORGET_LOST_S, MAX_WATCHERS, split_result
-from stratus.errors import Overloaded
+from stratus.errors import InvalidInput, Overloaded
 from stratus.tiers import Tier
 from stratus.wire import fleet_pb2 as fpb
 
@@ -122,3 +122,54 @@ def test_a_watch_lists_less_than_a_status(monkeypatch: pytest.MonkeyPatch) -> No
     watched = fleet_service.FleetServicer(reg, None)._shared_status(include_agents=True)
     assert (len(watched.agents), watched.omitted_agents) == (2, 4)
     assert len(fleet_service.fleet_status(reg, None, include_agents=True).agents) == 6  # Status lists all
+
+
+def calibrated(reg: registry_module.FleetRegistry) -> dict[str, float]:
+    """The router's calibrated-share gauge, as a scrape would read it."""
+    from router.fleet_service import calibrated_shares
+
+    return {sample.labels["family"]: sample.value for sample in calibrated_shares(reg).samples}
+
+
+def test_each_familys_calibrated_cloud_share_is_exported_as_its_agents_said() -> None:
+    """Only families whose Hello carries a share have a sample: one never calibrated has no
+    baseline, so no cloud-share alert; the share leaves with the family's last agent."""
+    clock = Clock()
+    reg = registry(clock)
+    with_share = hello("d1")
+    with_share.families[0].calibrated_cloud_share = 0.0159
+    uncalibrated = hello("d2", variant="defects-small")
+    uncalibrated.variants[0].family = uncalibrated.families[0].name = "defects"
+    first = reg.register(with_share, peer="t")
+    reg.register(uncalibrated, peer="t")
+    assert calibrated(reg) == {"digits": 0.0159}
+    zero = hello("d3", variant="letters-small")
+    zero.variants[0].family = zero.families[0].name = "letters"
+    zero.families[0].calibrated_cloud_share = 0.0  # nothing reached the cloud: a share, not none
+    reg.register(zero, peer="t")
+    assert calibrated(reg) == {"digits": 0.0159, "letters": 0.0}
+    reg.lose(first, "gone")
+    clock.now += FORGET_LOST_S + 1
+    reg.check_heartbeats()
+    assert calibrated(reg) == {"letters": 0.0}
+
+
+@pytest.mark.parametrize("share", [math.nan, 1.5, -0.01])
+def test_a_calibrated_share_that_is_no_share_is_refused(share: float) -> None:
+    bad = hello("d1")
+    bad.families[0].calibrated_cloud_share = share
+    with pytest.raises(InvalidInput, match=r"digits's calibrated_cloud_share .* must lie between 0 and 1"):
+        registry().register(bad, peer="t")
+
+
+def test_an_agent_whose_calibration_differs_is_refused_saying_so() -> None:
+    reg = registry()
+    first = hello("first")
+    first.families[0].calibrated_cloud_share = 0.02
+    reg.register(first, peer="t")
+    other = hello("second")
+    other.families[0].calibrated_cloud_share = 0.05
+    other.variants.add(name="defects-small", family="defects")
+    other.families.add(name="defects", thresholds={"device": 0.8})
+    (refused,) = reg.register(other, peer="t").unavailable
+    assert "(calibrated_cloud_share differ)" in refused.reason

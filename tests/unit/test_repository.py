@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from stratus.errors import ConfigError, InvalidInput, NotFound
-from stratus.repository import ModelRepository, load_family, write_thresholds
+from stratus.repository import CalibrationRecord, ModelRepository, load_family, write_thresholds
 from stratus.tiers import Tier
 
 
@@ -150,6 +150,10 @@ def family_copy(tmp_path: Path, models_dir: Path) -> Path:
         ("temperature = ", "temperature = -", "variants[0].temperature", "must be a positive number"),
         ('name = "digits"', 'nmae = "digits"', "family.name", "is missing"),
         ('name = "digits-medium"', 'name = "digits-small"', "variants", "listed more than once"),
+        ("cloud_share = 0.0159", "cloud_share = 1.59", "calibration.cloud_share", "must lie between 0 and 1"),
+        ("cloud_share = 0.0159", 'cloud_share = "1.6%"', "calibration.cloud_share", "must be a float"),
+        ("cloud_share = 0.0159", "cloud_shares = 0", "calibration.cloud_shares", "is not a known setting"),
+        ('goal = "max_escalation 0.04"\n', "", "calibration.goal", "is missing"),
     ],
 )
 def test_malformed_config_names_file_key_and_problem(
@@ -178,6 +182,34 @@ def test_write_thresholds_replaces_only_the_table(family_copy: Path) -> None:
     after = family_copy.read_text()
     assert after.split("[thresholds]")[0] == before.split("[thresholds]")[0]
     assert after.split("[[variants]]", 1)[1] == before.split("[[variants]]", 1)[1]
+
+
+def test_the_calibration_record_is_read_and_rewritten_with_the_thresholds(family_copy: Path) -> None:
+    """calibrate writes what its thresholds gave beside them; a second calibration replaces
+    it (one table, the rest of the file untouched); thresholds written without a record
+    drop it, since it would describe other thresholds."""
+    recorded = load_family(family_copy).calibration
+    assert recorded == CalibrationRecord(
+        goal="max_escalation 0.04",
+        data="the bundled calibration split (315 examples)",
+        accuracy=0.9841,
+        cloud_share=0.0159,
+    )
+    before = family_copy.read_text()
+    again = CalibrationRecord(
+        goal="target_accuracy 0.99", data='a "quoted" file\\name', accuracy=0.99, cloud_share=0.25
+    )
+    write_thresholds(family_copy, {Tier.DEVICE: 0.8, Tier.EDGE: 0.7}, again)
+    write_thresholds(family_copy, {Tier.DEVICE: 0.8, Tier.EDGE: 0.7}, again)
+    rewritten = load_family(family_copy)
+    assert rewritten.calibration == again and rewritten.thresholds == {Tier.DEVICE: 0.8, Tier.EDGE: 0.7}
+    after = family_copy.read_text()
+    assert after.count("[calibration]") == 1 and after.count("# Written with [thresholds]") == 1
+    assert after.split("[thresholds]")[0] == before.split("[thresholds]")[0]
+    assert after.split("[[variants]]", 1)[1] == before.split("[[variants]]", 1)[1]
+    write_thresholds(family_copy, {Tier.DEVICE: 0.8, Tier.EDGE: 0.7})
+    assert load_family(family_copy).calibration is None
+    assert "[calibration]" not in family_copy.read_text() and "# Written with" not in family_copy.read_text()
 
 
 def test_empty_repository_is_refused(tmp_path: Path) -> None:

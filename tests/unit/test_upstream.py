@@ -53,6 +53,7 @@ from stratus.generation import (
     GenerationParams,
     Token,
 )
+from stratus.metrics import Metrics, ModelMetrics
 from stratus.protocol import Served, parameter_value, set_parameter
 from stratus.serving import DataPlane
 from stratus.wire import inference_pb2 as pb
@@ -583,10 +584,10 @@ def text_of(message: pb.ModelInferResponse) -> str:
 
 
 @asynccontextmanager
-async def plane(fake: Fake) -> AsyncIterator[UpstreamDataPlane]:
+async def plane(fake: Fake, recorder: ModelMetrics | None = None) -> AsyncIterator[UpstreamDataPlane]:
     async with client(fake) as upstream:
         model = GenerativeModel(family="arith", variant="arith-large", max_tokens=5)
-        yield UpstreamDataPlane(upstream, model, local=Local(), name="cloud-test")
+        yield UpstreamDataPlane(upstream, model, local=Local(), name="cloud-test", recorder=recorder)
 
 
 def test_infer_answers_the_whole_text_with_confidence_logprobs_and_queue() -> None:
@@ -764,3 +765,61 @@ def test_the_gateway_cuts_the_upstreams_answer_at_a_stop_string_streamed_and_who
     assert (
         params(streamed[-1])["stratus.completion_tokens"] == 3
     )  # the upstream's count: the stop's token too
+
+
+Exported = dict[tuple[str, frozenset[tuple[str, str]]], float]
+
+
+def exported(recorder: ModelMetrics) -> Exported:
+    return {
+        (sample.name, frozenset(sample.labels.items())): sample.value
+        for family in recorder.metrics.registry.collect()
+        for sample in family.samples
+    }
+
+
+def arith(name: str, got: Exported, **labels: str) -> float:
+    """The sample of the upstream's family and model (a missing one fails, not 0)."""
+    return got[(name, frozenset({"family": "arith", "variant": "arith-large", **labels}.items()))]
+
+
+def test_the_upstreams_generations_are_counted_and_timed_under_its_family_and_model() -> None:
+    """A whole answer, a streamed one (its first token timed) and a refused request: each
+    counted once in stratus_work_total, the 3 tokens of each answer in the token count."""
+    recorder = ModelMetrics(Metrics())
+
+    async def scenario() -> None:
+        async with plane(Fake(), recorder) as gateway:
+            await gateway.infer(prompt_request(max_tokens=3), timeout_s=5.0)
+            [r async for r in gateway.generate(prompt_request(model="arith-large"), timeout_s=None)]
+            with pytest.raises(InvalidInput):
+                gateway.generate(prompt_request(max_tokens=0), timeout_s=None)
+
+    run(scenario)
+    got = exported(recorder)
+    assert arith("stratus_work_total", got, outcome="ok") == 2
+    assert arith("stratus_work_total", got, outcome="invalid_argument") == 1
+    assert arith("stratus_generation_tokens_total", got) == 2 * len(TOKENS)
+    assert arith("stratus_generation_duration_seconds_count", got) == 2
+    assert arith("stratus_generation_first_token_seconds_count", got) == 1  # the streamed one only
+    first = arith("stratus_generation_first_token_seconds_sum", got)
+    assert 0 < first <= arith("stratus_generation_duration_seconds_sum", got)
+    assert not any(name.startswith("stratus_generation_queue_seconds") and n for (name, _), n in got.items())
+
+
+def test_an_upstream_failure_is_counted_as_its_status() -> None:
+    recorder = ModelMetrics(Metrics())
+
+    async def scenario() -> None:
+        async with plane(Fake(status=429, body={"object": "error", "message": "busy"}), recorder) as gateway:
+            with pytest.raises(StratusError):
+                await gateway.infer(prompt_request(), timeout_s=5.0)
+            with pytest.raises(StratusError):
+                [r async for r in gateway.generate(prompt_request(), timeout_s=None)]
+
+    run(scenario)
+    got = exported(recorder)
+    failed = [(dict(labels)["outcome"], n) for (name, labels), n in got.items() if name == "stratus_work_total"]
+    assert failed == [("resource_exhausted", 2)]  # 429: vLLM is full
+    assert arith("stratus_generation_duration_seconds_count", got) == 2  # timed, though nothing came
+    assert not any(name == "stratus_generation_tokens_total" for name, _ in got)
