@@ -11,7 +11,7 @@ held-out split, which is only reported for information.
   expensive one); within that, the cascade with the highest *expected* accuracy (the mean
   confidence of the tier that answers each request), then the highest counted accuracy,
   then the most conservative (highest) thresholds. Confidences are temperature-scaled
-  per variant (temperatures fitted on this same split by ``models/build.py``), so they
+  per variant (temperatures fitted on this same split by ``models/build/``), so they
   estimate the chance of being right; on a few hundred examples the counted accuracy moves
   in steps of one or two examples, which is noise when the tiers' models are close.
 

@@ -14,7 +14,7 @@ variant of a family, for one tier:
    formats the tier's runtimes prefer where a converter exists here: ONNX and ``.tflite``
    to OpenVINO IR (where OpenVINO runs the file) with FP32 weights (``Core.read_model`` + ``save_model``; not
    ``convert_model``, which leaves OpenBLAS threads spinning in this process, see
-   ``models/build.py``). Nothing converts IR or ``.tflite`` to ONNX here;
+   ``models/build/onnx_files.py``). Nothing converts IR or ``.tflite`` to ONNX here;
 3. ``family.toml`` is created (``[family]``, ``[[inputs]]``, ``[[outputs]]``,
    ``[confidence]``, ``[thresholds]`` (empty), ``[current]``, ``[[variants]]``) or extended
    (a ``[[variants]]`` block appended; the tier's ``[current]`` entry written where the file

@@ -354,7 +354,7 @@ def _verify_generative(family: FamilySpec, cache: Path, skipped: dict[str, str])
 def record_family(
     family: FamilySpec, *, cache_dir: Path, data: DataSource = bundled_held_out
 ) -> VerifyReport:
-    """Verify one family and write its record: the last step of ``models/build.py``."""
+    """Verify one family and write its record: the last step of ``models/build/``."""
     availability = available_runtimes()
     usable = {name for name, status in availability.items() if status.available}
     rows = verify_family(family, _or_synthetic(family, data(family)), usable, cache_dir)

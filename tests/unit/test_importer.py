@@ -344,6 +344,6 @@ def test_a_second_variant_for_digits_is_verified_on_its_bundled_data(
     after = load_family(config)
     assert after.variants[:-1] == before.variants  # the others untouched, in order
     assert after.thresholds == before.thresholds and after.confidence == before.confidence
-    # fitted on the bundled calibration split, as models/build.py fitted digits-small's own
+    # fitted on the bundled calibration split, as models/build/ fitted digits-small's own
     assert result.variant.temperature == before.variant("digits-small").temperature != 1.0
     assert any("temperature" in note and "calibration split" in note for note in result.notes)
