@@ -27,7 +27,7 @@ def build_family(family: Family, recipes: Sequence[Recipe], jobs: int) -> None:
     ]
     write_family(family, built)
     from stratus.repository import load_family
-    from stratus.verify import format_report, record_family
+    from stratus.tools.verify.classifier import format_report, record_family
 
     with tempfile.TemporaryDirectory(prefix="stratus-build-") as cache:
         print(format_report(record_family(load_family(family.folder / "family.toml"), cache_dir=Path(cache))))

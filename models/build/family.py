@@ -10,7 +10,7 @@ from typing import Protocol
 
 import numpy as np
 
-from stratus.datasets import Split, Splits
+from stratus.tools.datasets import Split, Splits
 
 OUTPUT = "probabilities"
 OPSET = 17

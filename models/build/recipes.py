@@ -7,7 +7,7 @@ from pathlib import Path
 from models import cnn
 from models.build.family import Family, Recipe
 from models.build.train import TrainCnn, TrainMlp
-from stratus.datasets import DEFECT_SIDE, defects_splits, digits_splits
+from stratus.tools.datasets import DEFECT_SIDE, defects_splits, digits_splits
 
 DIGITS_RECIPES = (
     Recipe("digits-small", "device", TrainMlp((128,), 1e-1, True), ("tflite", "onnx", "openvino"), ("INT8",)),

@@ -21,7 +21,7 @@ from models.build.quantize import (
     write_tflite_int8,
 )
 from models.build.tflite_files import write_tflite, write_tflite_cnn
-from stratus.datasets import DEFECT_SIDE, Split
+from stratus.tools.datasets import DEFECT_SIDE, Split
 
 # ---------------------------------------------------------------------------------------------
 # digits: multi-layer perceptrons (scikit-learn)

@@ -16,7 +16,7 @@ import numpy as np
 from models.build.family import OUTPUT, Built, Family, Model, Recipe, _chunks
 from models.build.onnx_files import write_onnx_fp16, write_openvino
 from stratus import confidence
-from stratus.datasets import Split, Splits
+from stratus.tools.datasets import Split, Splits
 
 
 def onnx_probabilities(path: Path, family: Family, x: np.ndarray) -> np.ndarray:

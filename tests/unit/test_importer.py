@@ -14,9 +14,9 @@ from onnx import TensorProto, helper, numpy_helper, save
 
 from stratus.confidence import ConfidenceMethod
 from stratus.errors import ConfigError
-from stratus.importer import ImportOptions, ImportResult, import_model, with_current_entry
 from stratus.repository import ModelRepository, load_family
 from stratus.tiers import Tier
+from stratus.tools.importer import ImportOptions, ImportResult, import_model, with_current_entry
 
 FEATURES, CLASSES = 6, 4
 
@@ -304,7 +304,7 @@ def test_a_refusal_after_the_files_were_placed_removes_what_it_made(tmp_path: Pa
 
 def test_synthetic_inputs_follow_the_input_spec(tmp_path: Path) -> None:
     """Verify without labels feeds what the model takes: an INT64 input gets integers."""
-    from stratus.verify import synthetic_inputs
+    from stratus.tools.verify.classifier import synthetic_inputs
 
     family = load_family(_config(tmp_path, datatype="INT64", shape=[-1, 3, 2]))
     first = synthetic_inputs(family, 5)

@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from stratus.datasets import dataset_for
 from stratus.precision import format_record, load_verification
 from stratus.repository import FamilySpec, ModelRepository, load_family
 from stratus.runtimes import available_runtimes
-from stratus.verify import (
+from stratus.tools.datasets import dataset_for
+from stratus.tools.verify.classifier import (
     TOLERANCE,
     VerifyReport,
     VerifyRow,

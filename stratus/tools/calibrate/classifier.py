@@ -18,7 +18,7 @@ held-out split, which is only reported for information.
 Thresholds are chosen on each tier's current FP32 variant; its lower-precision children
 share them, as they are served only when they agree with it (``models verify``).
 
-Labelled data: a shipped family's bundled splits by default (``stratus.datasets``), or a
+Labelled data: a shipped family's bundled splits by default (``stratus.tools.datasets``), or a
 ``.npz`` file (``--data``) holding one array named after the family's input and
 ``labels`` (int, one class per example), for any classification family. The file is split
 once, stratified by label with a fixed seed: ``CALIBRATION_SHARE`` of each class for
@@ -44,11 +44,11 @@ import numpy.typing as npt
 from stratus import codec
 from stratus.codec import Array
 from stratus.confidence import ConfidenceMethod, confidence
-from stratus.datasets import Split, dataset_for
 from stratus.errors import ConfigError
 from stratus.repository import FamilySpec, VariantSpec, write_thresholds
 from stratus.runtimes import LoadOptions, load_runner
 from stratus.tiers import Tier
+from stratus.tools.datasets import Split, dataset_for
 
 Floats = npt.NDArray[np.float64]
 Bools = npt.NDArray[np.bool_]

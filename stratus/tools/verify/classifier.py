@@ -33,7 +33,6 @@ from typing import Any
 import numpy as np
 
 from stratus.codec import Array, numpy_dtype
-from stratus.datasets import Split, dataset_for
 from stratus.errors import ConfigError
 from stratus.precision import (
     VariantRecord,
@@ -46,6 +45,7 @@ from stratus.precision import (
 )
 from stratus.repository import FamilySpec, ModelRepository, VariantSpec
 from stratus.runtimes import RUNNERS, Choice, LoadOptions, ModelRunner, available_runtimes, open_runner
+from stratus.tools.datasets import Split, dataset_for
 
 TOLERANCE = 1e-4
 FP16_TOLERANCE = 5e-3
@@ -76,7 +76,7 @@ class VerifyRow:
     kind: str = "classifier"  # or "generative": agreement is judged on what a client would get
     # Generative: the share of prompts the runtimes must serve alike, and how far this
     # runtime's accuracy lies below the best runtime's for the same file (at most the
-    # family's max_accuracy_drop; see stratus.verify_generative).
+    # family's max_accuracy_drop; see stratus.tools.verify.generative).
     required_agreement: float = TEXT_AGREEMENT
     accuracy_gap: float | None = None
     max_accuracy_gap: float = 0.01
@@ -329,7 +329,7 @@ def verify(
 
 def _verify_generative(family: FamilySpec, cache: Path, skipped: dict[str, str]) -> list[VerifyRow]:
     """A generative family on its bundled held-out prompts, in every generative runtime here."""
-    from stratus.verify_generative import (
+    from stratus.tools.verify.generative import (
         bundled_prompts_held_out,
         usable_generators,
         verify_generative_family,

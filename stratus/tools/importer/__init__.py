@@ -19,7 +19,7 @@ variant of a family, for one tier:
    ``[confidence]``, ``[thresholds]`` (empty), ``[current]``, ``[[variants]]``) or extended
    (a ``[[variants]]`` block appended; the tier's ``[current]`` entry written where the file
    names none);
-4. the new variant is verified (``stratus.verify``) in every runtime here, on the report
+4. the new variant is verified (``stratus.tools.verify.classifier``) in every runtime here, on the report
    part of ``--data FILE.npz``, else a shipped family's bundled held-out split, else on
    synthetic inputs (accuracy then not measured).
 
@@ -57,10 +57,9 @@ from typing import Any, Final
 
 import numpy as np
 
-from stratus import calibrate, codec
+from stratus import codec
 from stratus.codec import Array
 from stratus.confidence import TEMPERATURE_GRID, ConfidenceMethod, fit_temperature
-from stratus.datasets import Split, dataset_for
 from stratus.errors import ConfigError, InvalidInput, StratusError
 from stratus.repository import (
     CONFIG_NAME,
@@ -81,7 +80,9 @@ from stratus.runtimes import (
 )
 from stratus.runtimes.base import warmed_up
 from stratus.tiers import Tier
-from stratus.verify import (
+from stratus.tools.calibrate import classifier
+from stratus.tools.datasets import Split, dataset_for
+from stratus.tools.verify.classifier import (
     VerifyReport,
     bundled_held_out,
     excluded_runtimes,
@@ -688,7 +689,7 @@ def _import(plan: _Plan, staged: _Staged, options: ImportOptions, cache: Path) -
         runtimes=plan.runtimes.recorded,
     )
     probe = _probe_family(options, plan.interface, variant, plan.existing, staged.folder)
-    labelled = calibrate.load_npz(probe, options.data) if options.data is not None else None
+    labelled = classifier.load_npz(probe, options.data) if options.data is not None else None
     existing = plan.existing
     original = existing.source.read_text(encoding="utf-8") if existing is not None else None
     logits, why = _output_kind(probe, variant, options.logits, labelled, cache)
@@ -831,7 +832,7 @@ def _output_kind(
     family: FamilySpec,
     variant: VariantSpec,
     flag: bool | None,
-    labelled: calibrate.LabelledData | None,
+    labelled: classifier.LabelledData | None,
     cache: Path,
 ) -> tuple[bool, str]:
     """(whether the output is logits, why we think so)."""
@@ -850,7 +851,7 @@ def _output_kind(
 
 
 def _fit_temperature(
-    family: FamilySpec, variant: VariantSpec, labelled: calibrate.LabelledData | None, cache: Path
+    family: FamilySpec, variant: VariantSpec, labelled: classifier.LabelledData | None, cache: Path
 ) -> tuple[VariantSpec, str, list[str]]:
     """The variant with its temperature fitted on a calibration split: the calibration part
     of --data, else a shipped family's bundled one; unchanged (1.0) without labels.
@@ -911,7 +912,7 @@ def looks_like_probabilities(output: Array) -> bool:
     )
 
 
-def _held_out(family: FamilySpec, labelled: calibrate.LabelledData | None) -> tuple[Split | None, str | None]:
+def _held_out(family: FamilySpec, labelled: classifier.LabelledData | None) -> tuple[Split | None, str | None]:
     """What verify measures accuracy on: the report part of --data, else a shipped family's
     bundled held-out split (when it fits the input), else nothing (synthetic inputs)."""
     if labelled is not None:
