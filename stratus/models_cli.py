@@ -24,7 +24,8 @@ def _default_cache() -> Path:
 
 def _models_verify(args: argparse.Namespace) -> int:
     from stratus.repository import ModelRepository
-    from stratus.tools.verify.classifier import format_report, verify
+    from stratus.tools.verify import verify
+    from stratus.tools.verify.report import format_report
 
     repository = ModelRepository.load(args.dir)
     report = verify(

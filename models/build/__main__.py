@@ -27,7 +27,8 @@ def build_family(family: Family, recipes: Sequence[Recipe], jobs: int) -> None:
     ]
     write_family(family, built)
     from stratus.repository import load_family
-    from stratus.tools.verify.classifier import format_report, record_family
+    from stratus.tools.verify.classifier import record_family
+    from stratus.tools.verify.report import format_report
 
     with tempfile.TemporaryDirectory(prefix="stratus-build-") as cache:
         print(format_report(record_family(load_family(family.folder / "family.toml"), cache_dir=Path(cache))))

@@ -138,12 +138,12 @@ def test_llama_cpp_gives_the_top_two_margin_and_cuts_at_a_stop_string() -> None:
 
 def test_verify_runs_each_generative_variant_in_each_runtime_and_grades_it(tmp_path: Path) -> None:
     from stratus.tools.datasets import Split
-    from stratus.tools.verify.classifier import VerifyReport, format_report
     from stratus.tools.verify.generative import (
         bundled_prompts_held_out,
         usable_generators,
         verify_generative_family,
     )
+    from stratus.tools.verify.report import VerifyReport, format_report
 
     family = ModelRepository.load(MODELS).family("arith")
     held_out = bundled_prompts_held_out(family)

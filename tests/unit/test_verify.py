@@ -12,15 +12,8 @@ from stratus.precision import format_record, load_verification
 from stratus.repository import FamilySpec, ModelRepository, load_family
 from stratus.runtimes import available_runtimes
 from stratus.tools.datasets import dataset_for
-from stratus.tools.verify.classifier import (
-    TOLERANCE,
-    VerifyReport,
-    VerifyRow,
-    build_record,
-    format_report,
-    record_state,
-    verify_family,
-)
+from stratus.tools.verify.classifier import build_record, record_state, verify_family
+from stratus.tools.verify.report import TOLERANCE, VerifyReport, VerifyRow, format_report
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,7 @@ variant of a family, for one tier:
    ``[confidence]``, ``[thresholds]`` (empty), ``[current]``, ``[[variants]]``) or extended
    (a ``[[variants]]`` block appended; the tier's ``[current]`` entry written where the file
    names none);
-4. the new variant is verified (``stratus.tools.verify.classifier``) in every runtime here, on the report
+4. the new variant is verified (``stratus.tools.verify``) in every runtime here, on the report
    part of ``--data FILE.npz``, else a shipped family's bundled held-out split, else on
    synthetic inputs (accuracy then not measured).
 
@@ -83,13 +83,12 @@ from stratus.tiers import Tier
 from stratus.tools.calibrate import classifier
 from stratus.tools.datasets import Split, dataset_for
 from stratus.tools.verify.classifier import (
-    VerifyReport,
     bundled_held_out,
     excluded_runtimes,
-    format_report,
     synthetic_inputs,
     verify_family,
 )
+from stratus.tools.verify.report import VerifyReport, format_report
 
 EXTENSIONS: Final = {".onnx": "onnx", ".tflite": "tflite", ".xml": "openvino"}
 SUFFIXES: Final = {"onnx": ".onnx", "tflite": ".tflite", "openvino": ".xml"}

@@ -16,7 +16,7 @@ runtimes serve arith alike on 100% of prompts on an AMX CPU. Before OpenVINO Gen
 asked for F32 arithmetic, that CPU's bf16 default served arith-small alike on 86.6%; with
 an F16 KV cache (the fallback where a plugin refuses F32) 99.0%.
 
-Rows reuse :class:`stratus.tools.verify.classifier.VerifyRow`: ``accuracy`` is exact-match on the held-out
+Rows reuse :class:`stratus.tools.verify.report.VerifyRow`: ``accuracy`` is exact-match on the held-out
 prompts, ``runtime_agreement`` the lowest share of prompts served alike by another
 runtime, ``accuracy_gap`` how far its accuracy lies below the best runtime's,
 ``max_abs_diff`` the largest confidence difference on identical answers, ``latency_ms``
@@ -37,7 +37,7 @@ from stratus.repository import FamilySpec, VariantSpec
 from stratus.runtimes.base import LoadOptions
 from stratus.runtimes.generative import GENERATORS, GenerativeRunner, generative_order
 from stratus.tools.datasets import Split
-from stratus.tools.verify.classifier import VerifyRow
+from stratus.tools.verify.report import VerifyRow
 
 
 @dataclass
