@@ -47,7 +47,7 @@ def _models_verify(args: argparse.Namespace) -> int:
 def _held_out(repository: ModelRepository, pairs: list[str]) -> DataSource:
     """``--data FAMILY=FILE.npz``: that family's accuracy on the file's report part (the
     examples ``calibrate --data`` does not choose thresholds on); the others as before."""
-    from stratus.tools.calibrate import classifier
+    from stratus.tools.calibrate import labelled_data
     from stratus.tools.verify.classifier import bundled_held_out
 
     files = {}
@@ -57,7 +57,7 @@ def _held_out(repository: ModelRepository, pairs: list[str]) -> DataSource:
             raise ConfigError(f"--data {pair}: expected FAMILY=FILE.npz")
         files[repository.family(name).name] = Path(path)
     held_out = {
-        name: classifier.load_npz(repository.family(name), path).report for name, path in files.items()
+        name: labelled_data.load_npz(repository.family(name), path).report for name, path in files.items()
     }
 
     def source(family: FamilySpec) -> Split | None:
@@ -69,14 +69,14 @@ def _held_out(repository: ModelRepository, pairs: list[str]) -> DataSource:
 
 def _models_calibrate(args: argparse.Namespace) -> int:
     from stratus.repository import ModelRepository
-    from stratus.tools.calibrate import classifier
+    from stratus.tools.calibrate import classifier, labelled_data
 
     if args.compare_methods and args.target_accuracy is None:
         raise ConfigError("--compare-methods needs --target-accuracy")
     family = ModelRepository.load(args.dir).family(args.family)
     if family.generative:
         return _calibrate_generative(family, args)
-    data = classifier.load_npz(family, args.data) if args.data is not None else classifier.bundled_data(family)
+    data = labelled_data.load_npz(family, args.data) if args.data is not None else labelled_data.bundled_data(family)
     if args.compare_methods:
         results = classifier.compare_methods(
             family, cache=args.cache_dir, target_accuracy=args.target_accuracy, data=data

@@ -15,7 +15,7 @@ from stratus.cli import main
 from stratus.confidence import ConfidenceMethod
 from stratus.errors import ConfigError
 from stratus.repository import FamilySpec, ModelRepository, load_family
-from stratus.tools.calibrate import classifier
+from stratus.tools.calibrate import classifier, labelled_data
 from stratus.tools.importer import ImportOptions, ImportResult, import_model
 
 from .test_importer import linear_onnx
@@ -136,30 +136,30 @@ def test_bad_files_are_refused_precisely(
     path = tmp_path / "bad.npz"
     np.savez(path, **content())
     with pytest.raises(ConfigError, match=rf"bad\.npz: {message}"):
-        classifier.load_npz(family_of(user[0]), path)
+        labelled_data.load_npz(family_of(user[0]), path)
 
 
 def test_what_is_not_a_npz_archive_is_refused(user: tuple[Path, Path, Path], tmp_path: Path) -> None:
     family = family_of(user[0])
     with pytest.raises(ConfigError, match=r"nothing\.npz: no such file"):
-        classifier.load_npz(family, tmp_path / "nothing.npz")
+        labelled_data.load_npz(family, tmp_path / "nothing.npz")
     np.save(tmp_path / "single.npy", np.zeros(3))
     with pytest.raises(ConfigError, match=r"single\.npy: holds a single array, not a \.npz archive"):
-        classifier.load_npz(family, tmp_path / "single.npy")
+        labelled_data.load_npz(family, tmp_path / "single.npy")
     (tmp_path / "text.npz").write_text("labels,x\n")
     with pytest.raises(ConfigError, match=r"text\.npz: not a readable \.npz archive"):
-        classifier.load_npz(family, tmp_path / "text.npz")
+        labelled_data.load_npz(family, tmp_path / "text.npz")
 
 
 def test_the_split_is_stratified_disjoint_and_repeatable() -> None:
     labels = np.repeat(np.arange(3), [50, 30, 7])
-    first, second = classifier.stratified_split(labels, 0.6, 0)
+    first, second = labelled_data.stratified_split(labels, 0.6, 0)
     assert len(np.intersect1d(first, second)) == 0
     assert sorted([*first, *second]) == list(range(len(labels)))
     assert [int((labels[first] == c).sum()) for c in range(3)] == [30, 18, 4]  # 60% of 50, 30 and 7
-    again = classifier.stratified_split(labels, 0.6, 0)
+    again = labelled_data.stratified_split(labels, 0.6, 0)
     assert np.array_equal(first, again[0]) and np.array_equal(second, again[1])
-    other = classifier.stratified_split(labels, 0.6, 1)
+    other = labelled_data.stratified_split(labels, 0.6, 1)
     assert not np.array_equal(first, other[0])
 
 
@@ -174,7 +174,7 @@ def test_import_measured_accuracy_on_the_report_part(
     """The fixture imported with --data: what verify reported is each model's accuracy on the
     report part, counted here with onnxruntime straight from the source file."""
     root, npz, _cache, results = imported
-    report = classifier.load_npz(family_of(root), npz).report
+    report = labelled_data.load_npz(family_of(root), npz).report
     for tier, result in results.items():
         assert result.labelled is not None and "the report part of --data" in result.labelled
         session = onnxruntime.InferenceSession(str(npz.parent / f"{tier}.onnx"))
@@ -192,7 +192,7 @@ def test_written_thresholds_reproduce_the_printed_shares(
 ) -> None:
     root, npz, cache = user
     family = family_of(root)
-    data = classifier.load_npz(family, npz)
+    data = labelled_data.load_npz(family, npz)
     top = everything_to_the_top(family, data.calibration, cache)
     kwargs = {"target_accuracy": top - 0.02} if goal == "target_accuracy" else {"max_escalation": 0.3}
     result = classifier.calibrate(family, cache=cache, data=data, **kwargs)  # type: ignore[arg-type]
@@ -225,7 +225,7 @@ def test_the_output_says_which_split_chooses_and_which_is_reported(
 ) -> None:
     root, npz, cache = user
     labels = np.load(npz)["labels"]
-    first, second = classifier.stratified_split(labels, classifier.CALIBRATION_SHARE, classifier.SPLIT_SEED)
+    first, second = labelled_data.stratified_split(labels, labelled_data.CALIBRATION_SHARE, labelled_data.SPLIT_SEED)
     before = (root / "user" / "family.toml").read_text()
     args = ["models", "calibrate", "user", "--dir", str(root), "--data", str(npz), "--cache-dir", str(cache)]
     assert main([*args, "--max-escalation", "0.5", "--dry-run"]) == 0
@@ -245,7 +245,7 @@ def test_the_output_says_which_split_chooses_and_which_is_reported(
 def test_compare_methods_reports_each_method_and_writes_nothing(user: tuple[Path, Path, Path]) -> None:
     root, npz, cache = user
     family = family_of(root)
-    data = classifier.load_npz(family, npz)
+    data = labelled_data.load_npz(family, npz)
     target = everything_to_the_top(family, data.calibration, cache) - 0.03
     before = family.source.read_text()
     results = classifier.compare_methods(family, cache=cache, target_accuracy=target, data=data)
@@ -271,7 +271,7 @@ def test_verify_measures_accuracy_on_the_report_part_of_data(
 ) -> None:
     root, npz, cache = user
     family = family_of(root)
-    report = classifier.load_npz(family, npz).report
+    report = labelled_data.load_npz(family, npz).report
     expected = {s.variant: float(s.correct.mean()) for s in classifier.tier_scores(family, report, cache)}
     assert main(["models", "verify", str(root), "--json", "--data", f"user={npz}"]) == 0
     rows = json.loads(capsys.readouterr().out)["variants"]

@@ -214,7 +214,7 @@ def test_calibrated_cloud_share_is_recorded_per_family(repository, tmp_path: Pat
     the split the rule's comment names (digits: its held-out split; defects: calibration),
     to the rule's three decimals. Arith's (17.0%) takes 8 s of generation to measure, so only
     its presence is checked here."""
-    from stratus.tools.calibrate import classifier
+    from stratus.tools.calibrate import classifier, labelled_data
 
     calibrated = [rule for rule in load_rules() if rule.get("record") == "stratus:calibrated_cloud_share"]
     recorded = {
@@ -225,7 +225,7 @@ def test_calibrated_cloud_share_is_recorded_per_family(repository, tmp_path: Pat
     for name, split in (("digits", "report"), ("defects", "calibration")):
         family = repository.family(name)
         tiers = sorted({v.tier for v in family.variants})
-        data = getattr(classifier.bundled_data(family), split)
+        data = getattr(labelled_data.bundled_data(family), split)
         outcome = classifier.cascade(
             classifier.tier_scores(family, data, tmp_path), [family.thresholds[t] for t in tiers[:-1]]
         )

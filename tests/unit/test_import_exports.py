@@ -20,7 +20,7 @@ from stratus.runtimes.openvino_rt import output_names
 from stratus.runtimes.ort import dense_probabilities, is_probability_map
 from stratus.tiers import Tier
 from stratus.tools import importer
-from stratus.tools.calibrate import classifier
+from stratus.tools.calibrate import classifier, labelled_data
 from stratus.tools.datasets import Split
 from stratus.tools.importer import ImportOptions, import_model, temperature_warning
 from tests import exports
@@ -83,7 +83,7 @@ def test_the_default_zipmap_export_is_served_by_onnxruntime_in_class_order(
 
 
 def _report_part(npz: Path, family: Any) -> tuple[np.ndarray, np.ndarray]:
-    split = classifier.load_npz(family, npz).report
+    split = labelled_data.load_npz(family, npz).report
     return split.x, split.y
 
 
@@ -353,7 +353,7 @@ def test_calibrate_warns_when_the_report_split_misses_the_target() -> None:
         _scores(Tier.CLOUD, [1.0] * 150, [True] * 150),
     ]
     split = Split(np.zeros((1, 1), np.float32), np.zeros(1, np.int64))
-    data = classifier.LabelledData(split, split, "100 calibration examples", "the other 150")
+    data = labelled_data.LabelledData(split, split, "100 calibration examples", "the other 150")
     result = classifier.choose(
         on_calibration, lambda: on_report, data, target_accuracy=0.88, max_escalation=None
     )

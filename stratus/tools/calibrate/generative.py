@@ -26,15 +26,8 @@ from stratus.repository import FamilySpec, VariantSpec
 from stratus.runtimes.base import LoadOptions
 from stratus.runtimes.generative import GenerativeRunner, load_generator
 from stratus.tiers import Tier
-from stratus.tools.calibrate.classifier import (
-    CALIBRATION_SHARE,
-    MIN_EXAMPLES,
-    SPLIT_SEED,
-    Calibration,
-    LabelledData,
-    TierScores,
-    choose,
-)
+from stratus.tools.calibrate.classifier import Calibration, TierScores, choose
+from stratus.tools.calibrate.labelled_data import CALIBRATION_SHARE, MIN_EXAMPLES, SPLIT_SEED, LabelledData
 from stratus.tools.datasets import Split
 
 

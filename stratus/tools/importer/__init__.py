@@ -80,7 +80,7 @@ from stratus.runtimes import (
 )
 from stratus.runtimes.base import warmed_up
 from stratus.tiers import Tier
-from stratus.tools.calibrate import classifier
+from stratus.tools.calibrate import labelled_data
 from stratus.tools.datasets import Split, dataset_for
 from stratus.tools.verify.classifier import (
     bundled_held_out,
@@ -688,7 +688,7 @@ def _import(plan: _Plan, staged: _Staged, options: ImportOptions, cache: Path) -
         runtimes=plan.runtimes.recorded,
     )
     probe = _probe_family(options, plan.interface, variant, plan.existing, staged.folder)
-    labelled = classifier.load_npz(probe, options.data) if options.data is not None else None
+    labelled = labelled_data.load_npz(probe, options.data) if options.data is not None else None
     existing = plan.existing
     original = existing.source.read_text(encoding="utf-8") if existing is not None else None
     logits, why = _output_kind(probe, variant, options.logits, labelled, cache)
@@ -831,7 +831,7 @@ def _output_kind(
     family: FamilySpec,
     variant: VariantSpec,
     flag: bool | None,
-    labelled: classifier.LabelledData | None,
+    labelled: labelled_data.LabelledData | None,
     cache: Path,
 ) -> tuple[bool, str]:
     """(whether the output is logits, why we think so)."""
@@ -850,7 +850,7 @@ def _output_kind(
 
 
 def _fit_temperature(
-    family: FamilySpec, variant: VariantSpec, labelled: classifier.LabelledData | None, cache: Path
+    family: FamilySpec, variant: VariantSpec, labelled: labelled_data.LabelledData | None, cache: Path
 ) -> tuple[VariantSpec, str, list[str]]:
     """The variant with its temperature fitted on a calibration split: the calibration part
     of --data, else a shipped family's bundled one; unchanged (1.0) without labels.
@@ -911,7 +911,7 @@ def looks_like_probabilities(output: Array) -> bool:
     )
 
 
-def _held_out(family: FamilySpec, labelled: classifier.LabelledData | None) -> tuple[Split | None, str | None]:
+def _held_out(family: FamilySpec, labelled: labelled_data.LabelledData | None) -> tuple[Split | None, str | None]:
     """What verify measures accuracy on: the report part of --data, else a shipped family's
     bundled held-out split (when it fits the input), else nothing (synthetic inputs)."""
     if labelled is not None:
