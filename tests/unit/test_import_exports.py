@@ -19,10 +19,10 @@ from stratus.runtimes import LoadOptions, candidates, load_runner
 from stratus.runtimes.openvino_rt import output_names
 from stratus.runtimes.ort import dense_probabilities, is_probability_map
 from stratus.tiers import Tier
-from stratus.tools import importer
 from stratus.tools.calibrate import classifier, labelled_data
 from stratus.tools.datasets import Split
-from stratus.tools.importer import ImportOptions, import_model, temperature_warning
+from stratus.tools.importer import ImportOptions, import_model, stage
+from stratus.tools.importer.probe import temperature_warning
 from tests import exports
 from tests.unit.test_importer import random_linear
 
@@ -278,7 +278,7 @@ def test_an_unexpected_error_inside_the_import_is_a_config_error(
     def crash(*_: Any) -> Any:
         raise KeyError("probabilities")
 
-    monkeypatch.setattr(importer, "_output_kind", crash)
+    monkeypatch.setattr(stage, "_output_kind", crash)
     root = tmp_path / "repo"
     with pytest.raises(
         ConfigError, match=r"a\.onnx: cannot import it: KeyError: 'probabilities' \(nothing was"

@@ -16,7 +16,8 @@ from stratus.confidence import ConfidenceMethod
 from stratus.errors import ConfigError
 from stratus.repository import ModelRepository, load_family
 from stratus.tiers import Tier
-from stratus.tools.importer import ImportOptions, ImportResult, import_model, with_current_entry
+from stratus.tools.importer import ImportOptions, ImportResult, import_model
+from stratus.tools.importer.family_toml import with_current_entry
 
 FEATURES, CLASSES = 6, 4
 
