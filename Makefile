@@ -85,7 +85,7 @@ proto: $(INSTALLED)
 # Rebuild the committed digits and defects models (from scikit-learn's digits and a seeded
 # generator); `.venv-vllm/bin/python models/build_llm.py` rebuilds models/arith.
 models: $(INSTALLED)
-	$(BIN)/python models/build.py
+	$(BIN)/python -m models.build
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis

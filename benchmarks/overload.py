@@ -28,10 +28,10 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from loadgen import QUIET, OpenLoop, launch_agent, make_requests, rss_mb  # noqa: E402
 
-from stratus.datasets import digits_splits  # noqa: E402
 from stratus.demo import wait_for_agents  # noqa: E402
 from stratus.launcher import launch  # noqa: E402
 from stratus.protocol import set_parameter  # noqa: E402
+from stratus.tools.datasets import digits_splits  # noqa: E402
 
 
 async def capacity(address: str, requests: list, seconds: float = 5.0) -> float:  # type: ignore[type-arg]

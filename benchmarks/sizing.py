@@ -46,7 +46,7 @@ from fleet_scale import cpu_seconds, idle_cpu, start_router  # noqa: E402
 from loadgen import MODELS, OpenLoop, launch_agent, make_requests, rss_mb  # noqa: E402
 
 from stratus import codec  # noqa: E402
-from stratus.datasets import digits_splits  # noqa: E402
+from stratus.tools.datasets import digits_splits  # noqa: E402
 from stratus.demo import wait_for_agents  # noqa: E402
 from stratus.generation import TEXT_INPUT  # noqa: E402
 from stratus.launcher import free_port, launch  # noqa: E402

@@ -36,7 +36,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))
 
-from stratus.arith import arith_splits, grade  # noqa: E402
+from stratus.tools.arith import arith_splits, grade  # noqa: E402
 
 FAMILY = HERE / "arith"
 VARIANTS = ("arith-small", "arith-medium", "arith-large")

@@ -1,4 +1,4 @@
-"""A small convolutional network and its trainer, in numpy: what ``build.py`` trains the
+"""A small convolutional network and its trainer, in numpy: what ``models/build/`` trains the
 ``defects`` family with.
 
 Torch or TensorFlow would pull in hundreds of megabytes (CUDA wheels included) for three

@@ -96,7 +96,7 @@ def confidence(
 
 
 # The range fit_temperature searches; a fit at either end may be the end, not the best
-# (``stratus.importer.temperature_warning`` says so).
+# (``stratus.tools.importer.probe.temperature_warning`` says so).
 TEMPERATURE_GRID: Final = (0.25, 4.0)
 
 

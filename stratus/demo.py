@@ -27,7 +27,6 @@ import grpc
 import numpy as np
 
 from stratus import codec
-from stratus.datasets import Split, dataset_for, digits_splits
 from stratus.errors import Unavailable
 from stratus.fleetctl import ready_agents, status_json, status_table
 from stratus.launcher import Launched, launch
@@ -35,6 +34,7 @@ from stratus.protocol import Served
 from stratus.repository import ModelRepository
 from stratus.serving import grpc_options
 from stratus.tiers import Tier
+from stratus.tools.datasets import Split, dataset_for, digits_splits
 from stratus.wire import fleet_pb2 as fpb
 from stratus.wire import fleet_pb2_grpc as fpb_grpc
 from stratus.wire import inference_pb2 as pb
@@ -286,8 +286,8 @@ def through_generation(router: str, models: Path, count: int = ARITH_PROMPTS) ->
     families = ModelRepository.load(models).families
     if "arith" not in families:
         return None
-    from stratus.arith import arith_splits, grade
     from stratus.local_generation import text_array
+    from stratus.tools.arith import arith_splits, grade
 
     tiers, correct, latency, degraded = [], [], [], 0
     with grpc.insecure_channel(router, options=grpc_options()) as channel:

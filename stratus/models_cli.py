@@ -13,10 +13,10 @@ from stratus.confidence import ConfidenceMethod
 from stratus.errors import ConfigError
 
 if TYPE_CHECKING:
-    from stratus.calibrate import Calibration
-    from stratus.datasets import Split
+    from stratus.tools.calibrate.classifier import Calibration
     from stratus.repository import FamilySpec, ModelRepository
-    from stratus.verify import DataSource
+    from stratus.tools.datasets import Split
+    from stratus.tools.verify.classifier import DataSource
 
 
 def _default_cache() -> Path:
@@ -25,7 +25,8 @@ def _default_cache() -> Path:
 
 def _models_verify(args: argparse.Namespace) -> int:
     from stratus.repository import ModelRepository
-    from stratus.verify import format_report, verify
+    from stratus.tools.verify import verify
+    from stratus.tools.verify.report import format_report
 
     repository = ModelRepository.load(args.dir)
     report = verify(
@@ -47,8 +48,8 @@ def _models_verify(args: argparse.Namespace) -> int:
 def _held_out(repository: ModelRepository, pairs: list[str]) -> DataSource:
     """``--data FAMILY=FILE.npz``: that family's accuracy on the file's report part (the
     examples ``calibrate --data`` does not choose thresholds on); the others as before."""
-    from stratus import calibrate
-    from stratus.verify import bundled_held_out
+    from stratus.tools.calibrate import labelled_data
+    from stratus.tools.verify.classifier import bundled_held_out
 
     files = {}
     for pair in pairs:
@@ -57,7 +58,7 @@ def _held_out(repository: ModelRepository, pairs: list[str]) -> DataSource:
             raise ConfigError(f"--data {pair}: expected FAMILY=FILE.npz")
         files[repository.family(name).name] = Path(path)
     held_out = {
-        name: calibrate.load_npz(repository.family(name), path).report for name, path in files.items()
+        name: labelled_data.load_npz(repository.family(name), path).report for name, path in files.items()
     }
 
     def source(family: FamilySpec) -> Split | None:
@@ -68,29 +69,29 @@ def _held_out(repository: ModelRepository, pairs: list[str]) -> DataSource:
 
 
 def _models_calibrate(args: argparse.Namespace) -> int:
-    from stratus import calibrate
     from stratus.repository import ModelRepository
+    from stratus.tools.calibrate import classifier, labelled_data
 
     if args.compare_methods and args.target_accuracy is None:
         raise ConfigError("--compare-methods needs --target-accuracy")
     family = ModelRepository.load(args.dir).family(args.family)
     if family.generative:
         return _calibrate_generative(family, args)
-    data = calibrate.load_npz(family, args.data) if args.data is not None else calibrate.bundled_data(family)
+    data = labelled_data.load_npz(family, args.data) if args.data is not None else labelled_data.bundled_data(family)
     if args.compare_methods:
-        results = calibrate.compare_methods(
+        results = classifier.compare_methods(
             family, cache=args.cache_dir, target_accuracy=args.target_accuracy, data=data
         )
-        print(calibrate.describe_comparison(results, family=family, target=args.target_accuracy, data=data))
+        print(classifier.describe_comparison(results, family=family, target=args.target_accuracy, data=data))
         return 0
-    result = calibrate.calibrate(
+    result = classifier.calibrate(
         family,
         cache=args.cache_dir,
         target_accuracy=args.target_accuracy,
         max_escalation=args.max_escalation,
         data=data,
     )
-    print(calibrate.describe(result))
+    print(classifier.describe(result))
     _warn(result.warnings)
     if not args.dry_run:
         _write_calibration(family, result)
@@ -98,16 +99,16 @@ def _models_calibrate(args: argparse.Namespace) -> int:
 
 
 def _write_calibration(family: FamilySpec, result: Calibration) -> None:
-    from stratus import calibrate
+    from stratus.tools.calibrate import classifier
 
-    calibrate.write(family, result)
+    classifier.write(family, result)
     share = result.record().cloud_share
     print(f"wrote thresholds and the calibrated cloud share ({share:.1%}) to {family.source}")
 
 
 def _calibrate_generative(family: FamilySpec, args: argparse.Namespace) -> int:
-    from stratus import calibrate
-    from stratus.calibrate_generative import calibrate_generative
+    from stratus.tools.calibrate import classifier
+    from stratus.tools.calibrate.generative import calibrate_generative
 
     if args.compare_methods:
         raise ConfigError("--compare-methods is for classifier families")
@@ -118,14 +119,14 @@ def _calibrate_generative(family: FamilySpec, args: argparse.Namespace) -> int:
         max_escalation=args.max_escalation,
         data_file=args.data,
     )
-    print(calibrate.describe(result))
+    print(classifier.describe(result))
     if not args.dry_run:
         _write_calibration(family, result)
     return 0
 
 
 def _models_import(args: argparse.Namespace) -> int:
-    from stratus.importer import ImportOptions, describe, import_model
+    from stratus.tools.importer import ImportOptions, describe, import_model
 
     options = ImportOptions(
         family=args.family,

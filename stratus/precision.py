@@ -7,7 +7,7 @@ AVX512-FP16/AMX-FP16, ARMv8.2 half precision) and where it was measured to lose 
 held-out accuracy than the family allows (``max_accuracy_drop``).
 
 Agents hold no labelled data, so that measurement travels as a committed *verification
-record* beside ``family.toml`` (``verified.toml``, written by ``models/build.py`` and
+record* beside ``family.toml`` (``verified.toml``, written by ``models/build/`` and
 ``stratus models verify --record``): per variant, each file's SHA-256, the held-out
 accuracy, the drop against its parent, the top-1 agreement with it and whether it is within
 tolerance. A lower-precision variant with no record, a stale one (a file's hash differs) or
@@ -341,7 +341,7 @@ def _parse_record(data: Mapping[str, Any], path: Path) -> VerificationRecord:
 def format_record(record: VerificationRecord) -> str:
     """The record as TOML, in a fixed order with rounded figures, so rewrites diff cleanly."""
     lines = [
-        "# Written by models/build.py and `stratus models verify --record`; do not edit by hand.",
+        "# Written by models/build/ and `stratus models verify --record`; do not edit by hand.",
         "# Held-out figures are the lowest over the runtimes listed; agents trust a lower-precision",
         "# variant only while every file hash below still matches (see stratus/precision.py).",
         "",

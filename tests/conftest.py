@@ -30,7 +30,7 @@ def repository():  # type: ignore[no-untyped-def]
 
 @pytest.fixture(scope="session")
 def digits():  # type: ignore[no-untyped-def]
-    from stratus.datasets import digits_splits
+    from stratus.tools.datasets import digits_splits
 
     return digits_splits()
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from stratus.datasets import Split, digits_splits
+from stratus.tools.datasets import Split, digits_splits
 
 FEATURES = 64
 

@@ -16,7 +16,7 @@ import numpy as np
 
 from stratus.precision import choose_variant, load_verification, this_hardware
 from stratus.repository import ModelRepository, VariantSpec
-from stratus.verify import FP16_TOLERANCE
+from stratus.tools.verify.report import FP16_TOLERANCE
 
 from .cluster import MODELS
 

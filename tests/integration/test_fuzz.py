@@ -378,7 +378,7 @@ def answer(address: str, rows: np.ndarray) -> list[int]:
 
 @pytest.fixture(scope="module")
 def site(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Site]:
-    from stratus.datasets import digits_splits
+    from stratus.tools.datasets import digits_splits
 
     cluster = Cluster(tmp_path_factory.mktemp("fuzz"))
     try:

@@ -17,11 +17,11 @@ import numpy as np
 import pytest
 import tritonclient.grpc as triton
 
-from stratus import calibrate
 from stratus.confidence import confidence
 from stratus.protocol import Served
 from stratus.repository import FamilySpec, load_family
 from stratus.tiers import Tier
+from stratus.tools.calibrate import labelled_data
 from tests import exports
 
 from .cluster import QUIET, Cluster, fleet_status, ready_count, wait_until
@@ -58,7 +58,7 @@ def imported(root: Path, family: str, files: dict[str, Path], npz: Path, target:
 
 
 def _report(family: FamilySpec, npz: Path) -> tuple[np.ndarray, np.ndarray]:
-    split = calibrate.load_npz(family, npz).report
+    split = labelled_data.load_npz(family, npz).report
     return split.x, split.y
 
 
@@ -70,7 +70,7 @@ def _target(device: np.ndarray, cloud: np.ndarray, y: np.ndarray) -> float:
 
 
 def _calibration(family: FamilySpec, npz: Path) -> tuple[np.ndarray, np.ndarray]:
-    split = calibrate.load_npz(family, npz).calibration
+    split = labelled_data.load_npz(family, npz).calibration
     return split.x, split.y
 
 

@@ -1,7 +1,7 @@
 """A CPU-only cloud: the gateway runs the generative family's large variant itself (through
 its FP16 GGUF file, on OpenVINO GenAI) with no vLLM, and streams what it generates.
 
-Answers are graded against arithmetic itself (stratus.arith.solve), never against what a
+Answers are graded against arithmetic itself (stratus.tools.arith.solve), never against what a
 model said before; where text is compared, it is one path's answer against another's."""
 
 from __future__ import annotations
@@ -17,11 +17,11 @@ import openai
 import pytest
 
 from stratus import codec
-from stratus.arith import solve
 from stratus.launcher import free_port
 from stratus.protocol import Served
 from stratus.repository import ModelRepository
 from stratus.serving import open_sync_channel
+from stratus.tools.arith import solve
 from stratus.wire import inference_pb2 as pb
 from stratus.wire import inference_pb2_grpc as pb_grpc
 

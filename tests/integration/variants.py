@@ -10,7 +10,7 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from stratus.importer import ImportOptions, import_model
+from stratus.tools.importer import ImportOptions, import_model
 
 from .cluster import MODELS
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from stratus.arith import (
+from stratus.tools.arith import (
     CALIBRATION_SIZE,
     HELD_OUT_SIZE,
     MAX_ANSWER_CHARS,

@@ -5,16 +5,16 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from stratus.calibrate import (
+from stratus.confidence import ConfidenceMethod, confidence, margin, max_probability, softmax, tempered
+from stratus.errors import ConfigError
+from stratus.tiers import Tier
+from stratus.tools.calibrate.classifier import (
     TierScores,
     candidate_thresholds,
     cascade,
     for_max_escalation,
     for_target_accuracy,
 )
-from stratus.confidence import ConfidenceMethod, confidence, margin, max_probability, softmax, tempered
-from stratus.errors import ConfigError
-from stratus.tiers import Tier
 
 
 def scores() -> list[TierScores]:

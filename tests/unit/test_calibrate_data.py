@@ -11,13 +11,13 @@ import numpy as np
 import onnxruntime
 import pytest
 
-from stratus import calibrate
 from stratus.cli import main
 from stratus.confidence import ConfidenceMethod
 from stratus.errors import ConfigError
-from stratus.importer import ImportOptions, ImportResult, import_model
 from stratus.repository import FamilySpec, ModelRepository, load_family
 from stratus.tiers import Tier
+from stratus.tools.calibrate import classifier, labelled_data
+from stratus.tools.importer import ImportOptions, ImportResult, import_model
 
 from .test_importer import linear_onnx
 
@@ -77,8 +77,8 @@ def family_of(root: Path) -> FamilySpec:
     return ModelRepository.load(root).family("user")
 
 
-def everything_to_the_top(family: FamilySpec, split: calibrate.Split, cache: Path) -> float:
-    return float(calibrate.tier_scores(family, split, cache)[-1].correct.mean())
+def everything_to_the_top(family: FamilySpec, split: classifier.Split, cache: Path) -> float:
+    return float(classifier.tier_scores(family, split, cache)[-1].correct.mean())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -137,30 +137,30 @@ def test_bad_files_are_refused_precisely(
     path = tmp_path / "bad.npz"
     np.savez(path, **content())
     with pytest.raises(ConfigError, match=rf"bad\.npz: {message}"):
-        calibrate.load_npz(family_of(user[0]), path)
+        labelled_data.load_npz(family_of(user[0]), path)
 
 
 def test_what_is_not_a_npz_archive_is_refused(user: tuple[Path, Path, Path], tmp_path: Path) -> None:
     family = family_of(user[0])
     with pytest.raises(ConfigError, match=r"nothing\.npz: no such file"):
-        calibrate.load_npz(family, tmp_path / "nothing.npz")
+        labelled_data.load_npz(family, tmp_path / "nothing.npz")
     np.save(tmp_path / "single.npy", np.zeros(3))
     with pytest.raises(ConfigError, match=r"single\.npy: holds a single array, not a \.npz archive"):
-        calibrate.load_npz(family, tmp_path / "single.npy")
+        labelled_data.load_npz(family, tmp_path / "single.npy")
     (tmp_path / "text.npz").write_text("labels,x\n")
     with pytest.raises(ConfigError, match=r"text\.npz: not a readable \.npz archive"):
-        calibrate.load_npz(family, tmp_path / "text.npz")
+        labelled_data.load_npz(family, tmp_path / "text.npz")
 
 
 def test_the_split_is_stratified_disjoint_and_repeatable() -> None:
     labels = np.repeat(np.arange(3), [50, 30, 7])
-    first, second = calibrate.stratified_split(labels, 0.6, 0)
+    first, second = labelled_data.stratified_split(labels, 0.6, 0)
     assert len(np.intersect1d(first, second)) == 0
     assert sorted([*first, *second]) == list(range(len(labels)))
     assert [int((labels[first] == c).sum()) for c in range(3)] == [30, 18, 4]  # 60% of 50, 30 and 7
-    again = calibrate.stratified_split(labels, 0.6, 0)
+    again = labelled_data.stratified_split(labels, 0.6, 0)
     assert np.array_equal(first, again[0]) and np.array_equal(second, again[1])
-    other = calibrate.stratified_split(labels, 0.6, 1)
+    other = labelled_data.stratified_split(labels, 0.6, 1)
     assert not np.array_equal(first, other[0])
 
 
@@ -175,7 +175,7 @@ def test_import_measured_accuracy_on_the_report_part(
     """The fixture imported with --data: what verify reported is each model's accuracy on the
     report part, counted here with onnxruntime straight from the source file."""
     root, npz, _cache, results = imported
-    report = calibrate.load_npz(family_of(root), npz).report
+    report = labelled_data.load_npz(family_of(root), npz).report
     for tier, result in results.items():
         assert result.labelled is not None and "the report part of --data" in result.labelled
         session = onnxruntime.InferenceSession(str(npz.parent / f"{tier}.onnx"))
@@ -193,14 +193,14 @@ def test_written_thresholds_reproduce_the_printed_shares(
 ) -> None:
     root, npz, cache = user
     family = family_of(root)
-    data = calibrate.load_npz(family, npz)
+    data = labelled_data.load_npz(family, npz)
     top = everything_to_the_top(family, data.calibration, cache)
     kwargs = {"target_accuracy": top - 0.02} if goal == "target_accuracy" else {"max_escalation": 0.3}
-    result = calibrate.calibrate(family, cache=cache, data=data, **kwargs)  # type: ignore[arg-type]
-    printed = calibrate.describe(result)
+    result = classifier.calibrate(family, cache=cache, data=data, **kwargs)  # type: ignore[arg-type]
+    printed = classifier.describe(result)
     before = family.source.read_text()
     try:
-        calibrate.write(family, result)
+        classifier.write(family, result)
         written = load_family(family.source)
     finally:
         family.source.write_text(before)
@@ -211,7 +211,7 @@ def test_written_thresholds_reproduce_the_printed_shares(
         (data.calibration, result.calibration, "calibration"),
         (data.report, result.held_out, "report"),
     ):
-        again = calibrate.cascade(calibrate.tier_scores(written, split, cache), chosen)
+        again = classifier.cascade(classifier.tier_scores(written, split, cache), chosen)
         assert again.reached == outcome.reached and again.accuracy == outcome.accuracy
         shares = ", ".join(f"{t.label} {r:.1%}" for t, r in zip(tiers, again.reached, strict=True))
         assert f"{name:<12} accuracy {again.accuracy:.4f}; requests reaching: {shares}" in printed
@@ -234,7 +234,7 @@ def test_the_output_says_which_split_chooses_and_which_is_reported(
 ) -> None:
     root, npz, cache = user
     labels = np.load(npz)["labels"]
-    first, second = calibrate.stratified_split(labels, calibrate.CALIBRATION_SHARE, calibrate.SPLIT_SEED)
+    first, second = labelled_data.stratified_split(labels, labelled_data.CALIBRATION_SHARE, labelled_data.SPLIT_SEED)
     before = (root / "user" / "family.toml").read_text()
     args = ["models", "calibrate", "user", "--dir", str(root), "--data", str(npz), "--cache-dir", str(cache)]
     assert main([*args, "--max-escalation", "0.5", "--dry-run"]) == 0
@@ -254,20 +254,20 @@ def test_the_output_says_which_split_chooses_and_which_is_reported(
 def test_compare_methods_reports_each_method_and_writes_nothing(user: tuple[Path, Path, Path]) -> None:
     root, npz, cache = user
     family = family_of(root)
-    data = calibrate.load_npz(family, npz)
+    data = labelled_data.load_npz(family, npz)
     target = everything_to_the_top(family, data.calibration, cache) - 0.03
     before = family.source.read_text()
-    results = calibrate.compare_methods(family, cache=cache, target_accuracy=target, data=data)
+    results = classifier.compare_methods(family, cache=cache, target_accuracy=target, data=data)
     assert [r.method for r in results] == list(ConfidenceMethod)
-    calibration = calibrate.tier_outputs(family, data.calibration, cache)
+    calibration = classifier.tier_outputs(family, data.calibration, cache)
     for r in results:
         assert r.thresholds is not None and r.calibration is not None and r.report is not None
-        scores = calibrate.scored(family, calibration, data.calibration.y, r.method)
-        again = calibrate.cascade(scores, list(r.thresholds.values()))
+        scores = classifier.scored(family, calibration, data.calibration.y, r.method)
+        again = classifier.cascade(scores, list(r.thresholds.values()))
         assert again == r.calibration and again.accuracy >= target
     shares = {r.method: r.calibration.reached[-1] for r in results if r.calibration}
     assert len(set(shares.values())) > 1  # the methods do differ on this family
-    out = calibrate.describe_comparison(results, family=family, target=target, data=data)
+    out = classifier.describe_comparison(results, family=family, target=target, data=data)
     for r in results:
         assert r.calibration is not None and r.report is not None
         assert f"{r.method.value:<13}{r.calibration.reached[-1]:>16.1%}{r.calibration.accuracy:>11.4f}" in out
@@ -280,8 +280,8 @@ def test_verify_measures_accuracy_on_the_report_part_of_data(
 ) -> None:
     root, npz, cache = user
     family = family_of(root)
-    report = calibrate.load_npz(family, npz).report
-    expected = {s.variant: float(s.correct.mean()) for s in calibrate.tier_scores(family, report, cache)}
+    report = labelled_data.load_npz(family, npz).report
+    expected = {s.variant: float(s.correct.mean()) for s in classifier.tier_scores(family, report, cache)}
     assert main(["models", "verify", str(root), "--json", "--data", f"user={npz}"]) == 0
     rows = json.loads(capsys.readouterr().out)["variants"]
     assert {r["name"] for r in rows} == set(expected)

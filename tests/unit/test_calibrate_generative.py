@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from stratus.arith import arith_splits, solve
-from stratus.calibrate import cascade, describe, write
-from stratus.calibrate_generative import calibrate_generative, generative_scores, load_prompts
 from stratus.errors import ConfigError
 from stratus.repository import ModelRepository, load_family
+from stratus.tools.arith import arith_splits, solve
+from stratus.tools.calibrate.classifier import cascade, describe, write
+from stratus.tools.calibrate.generative import calibrate_generative, generative_scores, load_prompts
 
 MODELS = Path(__file__).resolve().parents[2] / "models"
 

@@ -1,4 +1,4 @@
-"""The numpy CNN trainer of ``models/build.py``: its gradients against central differences,
+"""The numpy CNN trainer of ``models/build/``: its gradients against central differences,
 and the folding of batch normalisation into the exported convolutions."""
 
 from __future__ import annotations

@@ -9,7 +9,9 @@ import sys
 import numpy as np
 import pytest
 
-from stratus.datasets import (
+from stratus.errors import ConfigError
+from stratus.repository import ModelRepository
+from stratus.tools.datasets import (
     DEFECT_CLASSES,
     DEFECT_SPLITS,
     Split,
@@ -17,8 +19,6 @@ from stratus.datasets import (
     dataset_for,
     defect_images,
 )
-from stratus.errors import ConfigError
-from stratus.repository import ModelRepository
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +74,7 @@ def test_unknown_families_have_no_data() -> None:
 
 def test_the_defects_data_needs_no_scikit_learn() -> None:
     code = (
-        "import sys; from stratus.datasets import defect_images; defect_images(8, 0); "
+        "import sys; from stratus.tools.datasets import defect_images; defect_images(8, 0); "
         "assert 'sklearn' not in sys.modules, 'sklearn imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

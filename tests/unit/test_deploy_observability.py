@@ -232,15 +232,15 @@ def test_committed_families_record_what_their_thresholds_send_to_the_cloud(  # t
     """Each shipped family's [calibration] is what its committed thresholds give on its
     calibration split, measured again here (arith's takes 40 s of generation: only its
     presence is checked)."""
-    from stratus import calibrate
+    from stratus.tools.calibrate import classifier, labelled_data
 
     for name in ("digits", "defects"):
         family = repository.family(name)
         assert family.calibration is not None, name
         tiers = family.tiers()
-        data = calibrate.bundled_data(family)
-        outcome = calibrate.cascade(
-            calibrate.tier_scores(family, data.calibration, tmp_path),
+        data = labelled_data.bundled_data(family)
+        outcome = classifier.cascade(
+            classifier.tier_scores(family, data.calibration, tmp_path),
             [family.thresholds[t] for t in tiers[:-1]],
         )
         assert family.calibration.cloud_share == pytest.approx(outcome.reached[-1], abs=0.00005), name

@@ -1,7 +1,7 @@
 """The generative runtimes on the shipped arith models: each loads the GGUF files, they agree
 with each other token by token, and each honours max_tokens, stop strings, cancellation,
 the context limit and sampling (temperature, top_p, seed), and counts the prompt's tokens.
-The expected answers are arithmetic's own (stratus.arith.solve)."""
+The expected answers are arithmetic's own (stratus.tools.arith.solve)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from stratus.arith import solve
 from stratus.errors import InvalidInput, ModelLoadError, NotFound
 from stratus.generation import GenerationParams, Token
 from stratus.repository import ModelRepository
@@ -27,6 +26,7 @@ from stratus.runtimes.generative import (
     load_generator,
 )
 from stratus.tiers import Tier
+from stratus.tools.arith import solve
 
 MODELS = Path(__file__).resolve().parents[2] / "models"
 PROMPTS = ["37+48=", "90-45=", "12+5=", "81-19="]
@@ -205,13 +205,13 @@ def test_each_runtime_samples_reproducibly_from_a_seed_and_honours_top_p(runtime
 
 
 def test_verify_runs_each_generative_variant_in_each_runtime_and_grades_it(tmp_path: Path) -> None:
-    from stratus.datasets import Split
-    from stratus.verify import VerifyReport, format_report
-    from stratus.verify_generative import (
+    from stratus.tools.datasets import Split
+    from stratus.tools.verify.generative import (
         bundled_prompts_held_out,
         usable_generators,
         verify_generative_family,
     )
+    from stratus.tools.verify.report import VerifyReport, format_report
 
     family = ModelRepository.load(MODELS).family("arith")
     held_out = bundled_prompts_held_out(family)
@@ -274,7 +274,7 @@ def test_the_plugins_own_refusal_of_an_f32_cache_falls_back_on_a_bf16_cpu() -> N
 
 
 def test_prompts_both_runtimes_escalate_are_served_alike_whatever_their_text() -> None:
-    from stratus.verify_generative import _served_alike
+    from stratus.tools.verify.generative import _served_alike
 
     assert _served_alike("85", "86", 0.1, 0.2, threshold=0.5)  # both climb: the tier above answers
     assert not _served_alike("85", "86", 0.9, 0.8, threshold=0.5)  # both accept different text
@@ -325,7 +325,7 @@ def test_generations_at_once_give_what_each_gives_alone(runtime: str) -> None:
     either way each thread gets exactly its own answer, and a cancel stops only its own."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from stratus.arith import arith_splits
+    from stratus.tools.arith import arith_splits
 
     model = runner(runtime, "arith-medium")
     prompts = [p for p, _ in arith_splits().held_out[:48]]
@@ -355,8 +355,8 @@ def test_a_burst_of_requests_through_local_generators_answers_each_alike(
     every request gets its own answer, as it would alone."""
     import asyncio
 
-    from stratus.arith import arith_splits
     from stratus.local_generation import LocalGenerators
+    from stratus.tools.arith import arith_splits
     from stratus.wire import inference_pb2 as pb
 
     repository = ModelRepository.load(MODELS)

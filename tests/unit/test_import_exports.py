@@ -13,15 +13,16 @@ import onnx
 import pytest
 from onnx import TensorProto, helper
 
-from stratus import calibrate, importer
-from stratus.datasets import Split
 from stratus.errors import ConfigError
-from stratus.importer import ImportOptions, import_model, temperature_warning
 from stratus.repository import load_family
 from stratus.runtimes import LoadOptions, candidates, load_runner
 from stratus.runtimes.openvino_rt import output_names
 from stratus.runtimes.ort import dense_probabilities, is_probability_map
 from stratus.tiers import Tier
+from stratus.tools.calibrate import classifier, labelled_data
+from stratus.tools.datasets import Split
+from stratus.tools.importer import ImportOptions, import_model, stage
+from stratus.tools.importer.probe import temperature_warning
 from tests import exports
 from tests.unit.test_importer import random_linear
 
@@ -82,7 +83,7 @@ def test_the_default_zipmap_export_is_served_by_onnxruntime_in_class_order(
 
 
 def _report_part(npz: Path, family: Any) -> tuple[np.ndarray, np.ndarray]:
-    split = calibrate.load_npz(family, npz).report
+    split = labelled_data.load_npz(family, npz).report
     return split.x, split.y
 
 
@@ -277,7 +278,7 @@ def test_an_unexpected_error_inside_the_import_is_a_config_error(
     def crash(*_: Any) -> Any:
         raise KeyError("probabilities")
 
-    monkeypatch.setattr(importer, "_output_kind", crash)
+    monkeypatch.setattr(stage, "_output_kind", crash)
     root = tmp_path / "repo"
     with pytest.raises(
         ConfigError, match=r"a\.onnx: cannot import it: KeyError: 'probabilities' \(nothing was"
@@ -335,8 +336,8 @@ def test_a_temperature_at_the_edge_of_its_range_is_warned_about(
     assert "stratus models calibrate --data FILE.npz" in done.stderr
 
 
-def _scores(tier: Tier, confidence: list[float], correct: list[bool]) -> calibrate.TierScores:
-    return calibrate.TierScores(tier, tier.label, np.array(confidence), np.array(correct))
+def _scores(tier: Tier, confidence: list[float], correct: list[bool]) -> classifier.TierScores:
+    return classifier.TierScores(tier, tier.label, np.array(confidence), np.array(correct))
 
 
 def test_calibrate_warns_when_the_report_split_misses_the_target() -> None:
@@ -352,8 +353,8 @@ def test_calibrate_warns_when_the_report_split_misses_the_target() -> None:
         _scores(Tier.CLOUD, [1.0] * 150, [True] * 150),
     ]
     split = Split(np.zeros((1, 1), np.float32), np.zeros(1, np.int64))
-    data = calibrate.LabelledData(split, split, "100 calibration examples", "the other 150")
-    result = calibrate.choose(
+    data = labelled_data.LabelledData(split, split, "100 calibration examples", "the other 150")
+    result = classifier.choose(
         on_calibration, lambda: on_report, data, target_accuracy=0.88, max_escalation=None
     )
     assert result.thresholds == {Tier.DEVICE: 0.0}
@@ -362,8 +363,8 @@ def test_calibrate_warns_when_the_report_split_misses_the_target() -> None:
     assert warning.startswith("the report split's accuracy 0.8467 is below the target 0.8800")
     assert "A threshold of 0 (device) means that tier never escalates" in warning
     assert "--target-accuracy 0.92" in warning
-    assert "warning: the report split's accuracy 0.8467" in calibrate.describe(result)
-    fine = calibrate.choose(
+    assert "warning: the report split's accuracy 0.8467" in classifier.describe(result)
+    fine = classifier.choose(
         on_calibration, lambda: on_calibration, data, target_accuracy=0.88, max_escalation=None
     )
     assert fine.warnings == ()

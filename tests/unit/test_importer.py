@@ -14,9 +14,10 @@ from onnx import TensorProto, helper, numpy_helper, save
 
 from stratus.confidence import ConfidenceMethod
 from stratus.errors import ConfigError
-from stratus.importer import ImportOptions, ImportResult, import_model, with_current_entry
 from stratus.repository import ModelRepository, load_family
 from stratus.tiers import Tier
+from stratus.tools.importer import ImportOptions, ImportResult, import_model
+from stratus.tools.importer.family_toml import with_current_entry
 
 FEATURES, CLASSES = 6, 4
 
@@ -304,7 +305,7 @@ def test_a_refusal_after_the_files_were_placed_removes_what_it_made(tmp_path: Pa
 
 def test_synthetic_inputs_follow_the_input_spec(tmp_path: Path) -> None:
     """Verify without labels feeds what the model takes: an INT64 input gets integers."""
-    from stratus.verify import synthetic_inputs
+    from stratus.tools.verify.classifier import synthetic_inputs
 
     family = load_family(_config(tmp_path, datatype="INT64", shape=[-1, 3, 2]))
     first = synthetic_inputs(family, 5)
@@ -344,6 +345,6 @@ def test_a_second_variant_for_digits_is_verified_on_its_bundled_data(
     after = load_family(config)
     assert after.variants[:-1] == before.variants  # the others untouched, in order
     assert after.thresholds == before.thresholds and after.confidence == before.confidence
-    # fitted on the bundled calibration split, as models/build.py fitted digits-small's own
+    # fitted on the bundled calibration split, as models/build/ fitted digits-small's own
     assert result.variant.temperature == before.variant("digits-small").temperature != 1.0
     assert any("temperature" in note and "calibration split" in note for note in result.notes)

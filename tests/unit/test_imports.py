@@ -31,8 +31,6 @@ APPS = ("router", "edge_agent", "cloud_gateway")
 KNOWN_CYCLES = {
     frozenset({"router.dataplane", "router.generate"}): "issue 19 step 3: GenerationCascade "
     "reaches into RouterDataPlane; a CascadeContext protocol opens the cycle",
-    frozenset({"stratus.verify", "stratus.verify_generative"}): "issue 19 step 3: VerifyRow and "
-    "VerifyReport move to a report module both import",
     frozenset({"stratus.auth", "stratus.serving"}): "issue 19 step 3 (not in the review: came with "
     "stratus/auth.py after it): serving imports auth's BearerTokenInterceptor and auth serving's "
     "is_loopback and TlsSettings, each lazily, so neither is below the other",

@@ -8,19 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from stratus.datasets import dataset_for
 from stratus.precision import format_record, load_verification
 from stratus.repository import FamilySpec, ModelRepository, load_family
 from stratus.runtimes import available_runtimes
-from stratus.verify import (
-    TOLERANCE,
-    VerifyReport,
-    VerifyRow,
-    build_record,
-    format_report,
-    record_state,
-    verify_family,
-)
+from stratus.tools.datasets import dataset_for
+from stratus.tools.verify.classifier import build_record, record_state, verify_family
+from stratus.tools.verify.report import TOLERANCE, VerifyReport, VerifyRow, format_report
 
 
 @pytest.fixture(scope="module")

@@ -3,10 +3,10 @@
 Each tier's current variant answers every prompt greedily, here, in the runtime an agent
 would use; an answer is right when its text (stripped) equals the expected one, and its
 confidence is the family's method over its tokens' log-probabilities. From there the
-thresholds are chosen exactly as for a classifier (:func:`stratus.calibrate.for_target_accuracy`
+thresholds are chosen exactly as for a classifier (:func:`stratus.tools.calibrate.classifier.for_target_accuracy`
 and friends), on the calibration prompts, and reported on the held-out ones.
 
-The shipped ``arith`` family brings its own prompts (:mod:`stratus.arith`); any other
+The shipped ``arith`` family brings its own prompts (:mod:`stratus.tools.arith`); any other
 family takes ``--data FILE.jsonl``: one ``{"prompt": ..., "answer": ...}`` object per line,
 split once with a fixed seed, ``CALIBRATION_SHARE`` for choosing and the rest reported.
 """
@@ -19,30 +19,23 @@ from pathlib import Path
 
 import numpy as np
 
-from stratus.calibrate import (
-    CALIBRATION_SHARE,
-    MIN_EXAMPLES,
-    SPLIT_SEED,
-    Calibration,
-    LabelledData,
-    TierScores,
-    choose,
-)
 from stratus.codec import Array
-from stratus.datasets import Split
 from stratus.errors import ConfigError, NotFound, RuntimeUnavailable
 from stratus.generation import GenerationParams, confidence_of
 from stratus.repository import FamilySpec, VariantSpec
 from stratus.runtimes.base import LoadOptions
 from stratus.runtimes.generative import GenerativeRunner, load_generator
 from stratus.tiers import Tier
+from stratus.tools.calibrate.classifier import Calibration, TierScores, choose
+from stratus.tools.calibrate.labelled_data import CALIBRATION_SHARE, MIN_EXAMPLES, SPLIT_SEED, LabelledData
+from stratus.tools.datasets import Split
 
 
 def bundled_prompts(family: FamilySpec) -> LabelledData:
     """A shipped generative family's calibration and held-out prompts, with their answers."""
     if family.name != "arith":
         raise ConfigError(f"no bundled labelled prompts for generative family '{family.name}' (only 'arith')")
-    from stratus.arith import arith_splits
+    from stratus.tools.arith import arith_splits
 
     splits = arith_splits()
 

@@ -23,17 +23,14 @@ record; without it, a missing or stale record is reported.
 from __future__ import annotations
 
 import statistics
-import tempfile
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
 from stratus.codec import Array, numpy_dtype
-from stratus.datasets import Split, dataset_for
 from stratus.errors import ConfigError
 from stratus.precision import (
     VariantRecord,
@@ -44,91 +41,12 @@ from stratus.precision import (
     variant_files,
     write_verification,
 )
-from stratus.repository import FamilySpec, ModelRepository, VariantSpec
+from stratus.repository import FamilySpec, VariantSpec
 from stratus.runtimes import RUNNERS, Choice, LoadOptions, ModelRunner, available_runtimes, open_runner
+from stratus.tools.datasets import Split, dataset_for
+from stratus.tools.verify.report import VerifyReport, VerifyRow
 
-TOLERANCE = 1e-4
-FP16_TOLERANCE = 5e-3
-INT8_AGREEMENT = 0.99
-TEXT_AGREEMENT = 0.99  # generative, by default: 1 - the family's max_accuracy_drop (see verify_generative)
 LATENCY_RUNS = {1: 25, 32: 10}
-
-
-@dataclass(frozen=True, kw_only=True)
-class VerifyRow:
-    """One (variant, runtime, format): how right, how close to its parent, how big, how fast."""
-
-    name: str
-    tier: str
-    precision: str
-    runtime: str
-    format: str
-    accuracy: float | None
-    max_abs_diff: float  # largest output difference against the variant's other runtimes
-    runtime_agreement: float  # lowest top-1 agreement with the variant's other runtimes
-    parent: str | None = None
-    agreement: float | None = None  # top-1 agreement with the FP32 parent
-    accuracy_drop: float | None = None  # parent's accuracy minus this one's
-    within_tolerance: bool = True
-    size_kib: float = 0.0
-    latency_ms: dict[str, float] = field(default_factory=dict)  # {"b1": .., "b32": ..}, medians
-    error: str | None = None
-    kind: str = "classifier"  # or "generative": agreement is judged on what a client would get
-    # Generative: the share of prompts the runtimes must serve alike, and how far this
-    # runtime's accuracy lies below the best runtime's for the same file (at most the
-    # family's max_accuracy_drop; see stratus.verify_generative).
-    required_agreement: float = TEXT_AGREEMENT
-    accuracy_gap: float | None = None
-    max_accuracy_gap: float = 0.01
-    kv_cache: str = ""  # a generative runtime's KV-cache precision as loaded here
-
-    def to_json(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @property
-    def runtimes_agree(self) -> bool:
-        if self.kind == "generative":
-            gap_ok = self.accuracy_gap is None or self.accuracy_gap <= self.max_accuracy_gap + 1e-9
-            return self.runtime_agreement >= self.required_agreement - 1e-9 and gap_ok
-        if self.precision == "INT8":
-            return self.runtime_agreement >= INT8_AGREEMENT
-        return self.max_abs_diff <= (FP16_TOLERANCE if self.precision == "FP16" else TOLERANCE)
-
-    @property
-    def failed(self) -> bool:
-        """A real problem: the file does not run, or runtimes give different answers."""
-        return self.error is not None or not self.runtimes_agree
-
-    @property
-    def status(self) -> str:
-        if self.error is not None:
-            return self.error
-        if not self.runtimes_agree and self.kind == "generative":
-            if self.runtime_agreement < self.required_agreement - 1e-9:
-                return (
-                    f"runtimes disagree: served alike on {self.runtime_agreement:.1%} of prompts "
-                    f"< {self.required_agreement:.1%}"
-                )
-            return (
-                f"runtimes disagree: accuracy {self.accuracy_gap or 0.0:.3f} below another runtime's "
-                f"> {self.max_accuracy_gap:.3f}"
-            )
-        if not self.runtimes_agree:
-            return "runtimes disagree"
-        if not self.within_tolerance:
-            return f"outside tolerance (drop {self.accuracy_drop or 0.0:.4f})"
-        return f"ok (kv cache {self.kv_cache})" if self.kv_cache else "ok"
-
-
-@dataclass(frozen=True, kw_only=True)
-class VerifyReport:
-    rows: tuple[VerifyRow, ...]
-    skipped: dict[str, str]
-    records: dict[str, str] = field(default_factory=dict)  # family -> state of its record
-
-    @property
-    def ok(self) -> bool:
-        return bool(self.rows) and not any(r.failed for r in self.rows)
 
 
 @dataclass
@@ -297,64 +215,10 @@ def verify_family(family: FamilySpec, data: Split, usable: set[str], cache: Path
     return rows
 
 
-def verify(
-    repository: ModelRepository,
-    *,
-    cache_dir: Path | None = None,
-    record: bool = False,
-    data: DataSource = bundled_held_out,
-) -> VerifyReport:
-    """Verify every family; with ``record``, (re)write each family's verification record.
-
-    ``data`` gives a family's labelled held-out examples, or None: such a family is run on
-    synthetic inputs instead (agreement, size and latency; accuracy is not measured).
-    """
-    availability = available_runtimes()
-    usable = {name for name, status in availability.items() if status.available}
-    skipped = {name: status.reason for name, status in availability.items() if not status.available}
-    rows: list[VerifyRow] = []
-    records: dict[str, str] = {}
-    with tempfile.TemporaryDirectory(prefix="stratus-verify-") as scratch:
-        cache = cache_dir or Path(scratch)
-        for family in repository.families.values():
-            if family.generative:
-                rows += _verify_generative(family, cache, skipped)
-                continue
-            family_rows = verify_family(family, _or_synthetic(family, data(family)), usable, cache)
-            skipped.update(excluded_runtimes(family, usable))
-            rows += family_rows
-            records[family.name] = _write_record(family, family_rows) if record else record_state(family)
-    return VerifyReport(rows=tuple(rows), skipped=skipped, records=records)
-
-
-def _verify_generative(family: FamilySpec, cache: Path, skipped: dict[str, str]) -> list[VerifyRow]:
-    """A generative family on its bundled held-out prompts, in every generative runtime here."""
-    from stratus.verify_generative import (
-        bundled_prompts_held_out,
-        usable_generators,
-        verify_generative_family,
-    )
-
-    usable, unusable = usable_generators()
-    skipped.update(unusable)
-    prompts = bundled_prompts_held_out(family)
-    if prompts is None:
-        skipped[f"family {family.name}"] = "no labelled prompts ship with it (only arith's do)"
-        return []
-    rows = verify_generative_family(family, prompts, usable, cache)
-    for variant in family.variants:
-        if not any(row.name == variant.name for row in rows):
-            skipped[f"variant {variant.name}"] = (
-                f"no generative runtime here reads its files ({', '.join(sorted(variant.files))}); "
-                "vLLM serves a Hugging Face folder"
-            )
-    return rows
-
-
 def record_family(
     family: FamilySpec, *, cache_dir: Path, data: DataSource = bundled_held_out
 ) -> VerifyReport:
-    """Verify one family and write its record: the last step of ``models/build.py``."""
+    """Verify one family and write its record: the last step of ``models/build/``."""
     availability = available_runtimes()
     usable = {name for name, status in availability.items() if status.available}
     rows = verify_family(family, _or_synthetic(family, data(family)), usable, cache_dir)
@@ -441,39 +305,3 @@ def record_state(family: FamilySpec) -> str:
     if stale:
         return f"stale: {'; '.join(stale)} (run `stratus models verify --record`)"
     return f"fresh: {record_path(family)}"
-
-
-# ---------------------------------------------------------------------------------------------
-# The table
-# ---------------------------------------------------------------------------------------------
-
-
-def _cell(value: float | None, pattern: str) -> str:
-    return format(value, pattern) if value is not None else "-"
-
-
-def format_report(report: VerifyReport) -> str:
-    header = (
-        f"{'variant':<21}{'tier':<7}{'prec':<6}{'runtime':<15}{'format':<9}{'accuracy':>9}{'drop':>8}"
-        f"{'agree':>8}{'KiB':>7}{'b1 ms':>8}{'b32 ms':>8}{'max|diff|':>10}{'rt-agree':>9}  status"
-    )
-    lines = [header, "-" * len(header)]
-    for row in report.rows:
-        lines.append(
-            f"{row.name:<21}{row.tier:<7}{row.precision:<6}{row.runtime:<15}{row.format:<9}"
-            f"{_cell(row.accuracy, '.4f'):>9}{_cell(row.accuracy_drop, '.4f'):>8}{_cell(row.agreement, '.4f'):>8}"
-            f"{row.size_kib:>7.1f}{_cell(row.latency_ms.get('b1'), '.3f'):>8}{_cell(row.latency_ms.get('b32'), '.3f'):>8}"
-            f"{row.max_abs_diff:>10.2e}{row.runtime_agreement:>9.4f}  {row.status}"
-        )
-    lines += [f"skipped {runtime}: {reason}" for runtime, reason in report.skipped.items()]
-    lines += [f"record of {family}: {state}" for family, state in report.records.items()]
-    outside = sorted({r.name for r in report.rows if not r.within_tolerance and not r.failed})
-    if outside:
-        lines.append(f"outside tolerance (reported, never served): {', '.join(outside)}")
-    lines.append(
-        f"verdict: {'PASS' if report.ok else 'FAIL'} (runtimes of a variant agree: FP32 within {TOLERANCE:g}, "
-        f"FP16 within {FP16_TOLERANCE:g}, INT8 top-1 on >= {INT8_AGREEMENT:.0%} of items; generative: the same "
-        f"escalation decision, and the same text where accepted, on >= 1 - max_accuracy_drop of prompts, "
-        f"and accuracy within max_accuracy_drop of the best runtime's)"
-    )
-    return "\n".join(lines)

@@ -16,7 +16,7 @@ runtimes serve arith alike on 100% of prompts on an AMX CPU. Before OpenVINO Gen
 asked for F32 arithmetic, that CPU's bf16 default served arith-small alike on 86.6%; with
 an F16 KV cache (the fallback where a plugin refuses F32) 99.0%.
 
-Rows reuse :class:`stratus.verify.VerifyRow`: ``accuracy`` is exact-match on the held-out
+Rows reuse :class:`stratus.tools.verify.report.VerifyRow`: ``accuracy`` is exact-match on the held-out
 prompts, ``runtime_agreement`` the lowest share of prompts served alike by another
 runtime, ``accuracy_gap`` how far its accuracy lies below the best runtime's,
 ``max_abs_diff`` the largest confidence difference on identical answers, ``latency_ms``
@@ -31,13 +31,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from stratus.datasets import Split
 from stratus.errors import ConfigError
 from stratus.generation import GenerationParams, Token, confidence_of
 from stratus.repository import FamilySpec, VariantSpec
 from stratus.runtimes.base import LoadOptions
 from stratus.runtimes.generative import GENERATORS, GenerativeRunner, generative_order
-from stratus.verify import VerifyRow
+from stratus.tools.datasets import Split
+from stratus.tools.verify.report import VerifyRow
 
 
 @dataclass
@@ -68,7 +68,7 @@ def usable_generators() -> tuple[set[str], dict[str, str]]:
 
 def bundled_prompts_held_out(family: FamilySpec) -> Split | None:
     """A shipped generative family's held-out prompts and answers; None for any other."""
-    from stratus.calibrate_generative import bundled_prompts
+    from stratus.tools.calibrate.generative import bundled_prompts
 
     try:
         return bundled_prompts(family).report
