@@ -34,14 +34,15 @@ import itertools
 import math
 import zipfile
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Final
+from typing import Any, Final
 
 import numpy as np
 import numpy.typing as npt
 
 from stratus import codec
+from stratus.audit_config import TierCalibration, describe_figures, tier_figures, write_tier_accuracy
 from stratus.codec import Array
 from stratus.confidence import ConfidenceMethod, confidence
 from stratus.datasets import Split, dataset_for
@@ -71,6 +72,8 @@ class TierScores:
     variant: str
     confidence: Floats
     correct: Bools
+    # Each example's answer (class, or stripped text): agreement with the top tier is read from it.
+    answers: npt.NDArray[Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -207,6 +210,7 @@ def scored(
                 temperature=r.variant.temperature,
             ).astype(np.float64),
             r.outputs.argmax(axis=1) == labels,
+            r.outputs.argmax(axis=1),
         )
         for r in results
     ]
@@ -358,6 +362,8 @@ class Calibration:
     data: LabelledData
     # What the user should act on (also printed to stderr by the command).
     warnings: tuple[str, ...] = ()
+    # Per tier, the calibration split's items the thresholds settle there ([tier_accuracy]).
+    per_tier: dict[Tier, TierCalibration] = field(default_factory=dict)
 
 
 def sweep_table(scores: Sequence[TierScores], chosen: Sequence[float]) -> str:
@@ -429,6 +435,7 @@ def choose(
         table=sweep_table(scores, chosen),
         data=data,
         warnings=(warning,) if warning else (),
+        per_tier=tier_figures(scores, chosen),
     )
 
 
@@ -471,6 +478,7 @@ def describe(result: Calibration) -> str:
             f"chosen thresholds: {chosen}",
             _outcome_line("calibration", result.tiers, result.calibration),
             _outcome_line("report", result.tiers, result.held_out),
+            *describe_figures(result.per_tier),
             *(f"warning: {warning}" for warning in result.warnings),
         ]
     )
@@ -478,6 +486,7 @@ def describe(result: Calibration) -> str:
 
 def write(family: FamilySpec, result: Calibration) -> None:
     write_thresholds(family.source, result.thresholds)
+    write_tier_accuracy(family.source, result.per_tier)
 
 
 # ---------------------------------------------------------------------------------------------

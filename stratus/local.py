@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from stratus import codec
+from stratus.audit_config import family_info_fields
 from stratus.batching import DEFAULT_MAX_BATCH, DEFAULT_MAX_DELAY_S, Batch, Batcher, BatchKey, split_counts
 from stratus.codec import Array
 from stratus.confidence import confidence
@@ -509,6 +510,7 @@ class LocalModels:
                     outputs=tensor_metadata(f.outputs),
                     thresholds={t.label: v for t, v in f.thresholds.items()},
                     cloud_variants=cloud_variants(f),
+                    **family_info_fields(f),
                 )
                 for f in self.families.values()
                 if f.name in served
@@ -635,6 +637,7 @@ def _family_info(family: FamilySpec) -> fleet_pb2.FamilyInfo:
         max_tokens=family.generation.max_tokens,
         stop=family.generation.stop,
         cloud_variants=cloud_variants(family),
+        **family_info_fields(family),
     )
 
 

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Final
 
 from stratus import codec
+from stratus.audit_config import AuditSpec, TierCalibration, parse_audit, parse_tier_accuracy
 from stratus.codec import Array
 from stratus.confidence import ConfidenceMethod
 from stratus.errors import ConfigError, InvalidInput, NotFound
@@ -128,6 +129,10 @@ class FamilySpec:
     current: Mapping[Tier, str] = field(default_factory=dict)
     # Set for a generative family (kind = "generative"): prompts in, text out.
     generation: GenerationSpec | None = None
+    # [audit] and [tier_accuracy] (stratus.audit_config): how answers are audited against
+    # the top tier, and each tier's figures as calibrated.
+    audit: AuditSpec = field(default_factory=AuditSpec)
+    tier_accuracy: Mapping[Tier, TierCalibration] = field(default_factory=dict)
 
     @property
     def generative(self) -> bool:
@@ -286,7 +291,8 @@ def load_family(path: Path) -> FamilySpec:
         raise ConfigError(f"{path}: cannot read: {exc.strerror}") from None
     reader.unknown_keys(
         data,
-        {"family", "inputs", "outputs", "confidence", "thresholds", "variants", "current", "generation"},
+        {"family", "inputs", "outputs", "confidence", "thresholds", "variants", "current", "generation"}
+        | {"audit", "tier_accuracy"},
         "",
     )
     head = reader.get(data, "family", dict, "")
@@ -309,6 +315,8 @@ def load_family(path: Path) -> FamilySpec:
         source=path,
         max_accuracy_drop=_fraction(reader, head, "max_accuracy_drop", "family", 0.01),
         current=_current(reader, data, variants),
+        audit=parse_audit(reader, data, generative=False),
+        tier_accuracy=parse_tier_accuracy(reader, data),
     )
 
 
@@ -351,6 +359,8 @@ def _generative_family(
         generation=GenerationSpec(
             max_tokens=max_tokens, stop=tuple(stop), method=GenerationMethod(method), context=context
         ),
+        audit=parse_audit(reader, data, generative=True),
+        tier_accuracy=parse_tier_accuracy(reader, data),
     )
 
 
