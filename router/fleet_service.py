@@ -10,6 +10,8 @@ from typing import Any
 
 from prometheus_client.core import Metric
 
+from router.accuracy import accuracy_reply
+from router.audit import Auditor
 from router.cloud_pool import CloudTier
 from router.index import line_key
 from router.peers import sync_parts
@@ -17,7 +19,7 @@ from router.registry import AgentHandle, FleetRegistry, State, shown_state
 from router.rollout import DEFAULT_STEPS, ArmWindow, Margins, Plan, Rollouts
 from stratus import __version__
 from stratus.auth import RouterCredentials, proof_holds, sync_proof
-from stratus.errors import InvalidInput, NotFound
+from stratus.errors import ConfigError, InvalidInput, NotFound
 from stratus.metrics import gauge
 from stratus.tiers import Tier
 from stratus.wire import fleet_pb2 as fpb
@@ -213,7 +215,9 @@ class FleetServicer(fpb_grpc.FleetServicer):
         private_status: bool = False,
         rollouts: Rollouts | None = None,
         synced: asyncio.Event | None = None,
+        audits: Auditor | None = None,
     ) -> None:
+        self._audits = audits
         self._registry = registry
         self._cloud = cloud
         self._credentials = credentials or RouterCredentials()
@@ -263,6 +267,12 @@ class FleetServicer(fpb_grpc.FleetServicer):
             built = (time.monotonic(), status)
             self._built[include_agents] = built
         return built[1]
+
+    async def Accuracy(self, request: fpb.AccuracyRequest, context: Any) -> fpb.AccuracyReply:
+        self._authorize_read(request.token, context, "Accuracy")
+        if self._audits is None:
+            raise ConfigError("this router runs no audits")
+        return accuracy_reply(self._audits, request.family, include_agents=request.include_agents)
 
     async def Drain(self, request: fpb.DrainRequest, context: Any) -> fpb.DrainResponse:
         self._authorize(request.token, context, "Drain")
