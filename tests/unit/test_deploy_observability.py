@@ -36,6 +36,7 @@ COUNTERS = {
     "stratus_router_rollout_requests",
     "stratus_router_rollout_rollbacks",
     "stratus_router_generated_tokens",
+    "stratus_router_audits",
 }
 HISTOGRAMS = {
     "stratus_router_request_duration_seconds",
@@ -56,6 +57,11 @@ GAUGES = {
     "stratus_process_resident_memory_bytes",
     "stratus_router_rollout_share_percent",
     "stratus_upstream_requests",
+    "stratus_router_audit_agreement",
+    "stratus_router_audit_agreement_lower",
+    "stratus_router_audit_agreement_upper",
+    "stratus_router_audit_window_audits",
+    "stratus_router_audit_calibrated_agreement",
 }
 # The series names Prometheus stores: counters end in _total; a classic histogram has no series
 # under its own name, only _bucket, _sum and _count.
@@ -277,6 +283,8 @@ def test_dashboard_has_the_panels_operators_need() -> None:
         "batch sizes",
         "generated tokens",
         "time to first text",
+        "live agreement with the top tier against the calibrated line",
+        "audits by outcome",
     ):
         assert wanted in titles, wanted
 
@@ -309,6 +317,9 @@ def test_family_labelled_panels_follow_the_family_variable() -> None:
         "stratus:calibrated_cloud_share",
         "stratus_router_generated_tokens_total",
         "stratus_router_first_text_seconds_bucket",
+        "stratus_router_audit_agreement",
+        "stratus_router_audit_calibrated_agreement",
+        "stratus_router_audits_total",
     }
     used = 0
     for title, query in queries(load_dashboard()):
