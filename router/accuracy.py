@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from router.agreement import MARGIN, MIN_AUDITS, AuditKey, Estimate, total, verdict
-from router.audit import Auditor
+from router.audit import Auditor, calibrated_top
 from stratus.errors import NotFound
 from stratus.tiers import Tier
 from stratus.wire import fleet_pb2 as fpb
@@ -45,6 +45,7 @@ def accuracy_reply(
     live = auditor.book.estimates(family)
     tiers = sorted({t for t in auditor.registry.index.tiers(family) if t < top} | {k.tier for k in live})
     calibrated = {Tier.parse(name): figures for name, figures in info.calibrated.items()}
+    lines = auditor.calibrated_lines(info)
     reply = fpb.AccuracyReply(
         family=family,
         top_tier=wire_tier(top),
@@ -55,32 +56,29 @@ def accuracy_reply(
         dropped=auditor.dropped,
         share=auditor.share_of(info),
     )
+    if (calibrated_against := calibrated_top(info)) is not None:
+        reply.calibrated_top_tier = wire_tier(calibrated_against)
     escalated = auditor.escalated.estimates(family)
     for tier in tiers:
-        line = _agreement(calibrated.get(tier))
         mine = [e for k, e in live.items() if k.tier is tier]
         row = fpb.TierAccuracy(
             tier=wire_tier(tier),
             variants=sorted({k.variant for k in live if k.tier is tier}),
             live=estimate_info(total(mine)),
-            verdict=verdict(total(mine), line, margin=margin, min_audits=min_audits),
+            verdict=verdict(total(mine), lines.get(tier), margin=margin, min_audits=min_audits),
             escalated=estimate_info(total(e for k, e in escalated.items() if k.tier is tier)),
         )
         if tier in calibrated:
             row.calibrated.CopyFrom(calibrated[tier])
         reply.tiers.append(row)
     if include_agents:
-        reply.agents.extend(_agent_rows(live, calibrated, margin=margin, min_audits=min_audits))
+        reply.agents.extend(_agent_rows(live, lines, margin=margin, min_audits=min_audits))
     return reply
-
-
-def _agreement(figures: fpb.TierCalibration | None) -> float | None:
-    return figures.agreement if figures is not None and figures.HasField("agreement") else None
 
 
 def _agent_rows(
     live: Mapping[AuditKey, Estimate],
-    calibrated: Mapping[Tier, fpb.TierCalibration],
+    lines: Mapping[Tier, float],
     *,
     margin: float,
     min_audits: int,
@@ -92,9 +90,7 @@ def _agent_rows(
             tier=wire_tier(key.tier),
             variant=key.variant,
             live=estimate_info(estimate),
-            verdict=verdict(
-                estimate, _agreement(calibrated.get(key.tier)), margin=margin, min_audits=min_audits
-            ),
+            verdict=verdict(estimate, lines.get(key.tier), margin=margin, min_audits=min_audits),
         )
         for key, estimate in ranked
     ]

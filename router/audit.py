@@ -227,6 +227,18 @@ class Auditor:
         tiers = self.registry.index.tiers(family)
         return max(tiers) if tiers else None
 
+    def calibrated_lines(self, info: fpb.FamilyInfo) -> dict[Tier, float]:
+        """Each tier's calibrated agreement, where it was measured against the tier audits ask
+        now: a fleet without the cloud audits against the edge, which calibration did not."""
+        top = calibrated_top(info)
+        if top is None or top != self.top_of(info.name):
+            return {}
+        return {
+            Tier.parse(name): figures.agreement
+            for name, figures in info.calibrated.items()
+            if figures.HasField("agreement")
+        }
+
     def share_of(self, info: fpb.FamilyInfo) -> float:
         return info.audit.share if info.audit.HasField("share") else self.policy.share
 
@@ -437,6 +449,12 @@ class Auditor:
             self.metrics.audits.labels(audit.key.family, audit.key.tier.label, DROPPED).inc(audit.items)
 
 
+def calibrated_top(info: fpb.FamilyInfo) -> Tier | None:
+    """The top tier the family's figures were calibrated against: the highest one they list."""
+    tiers = [Tier.parse(name) for name in info.calibrated]
+    return max(tiers) if tiers else None
+
+
 def _key(family: str, answer: Generation) -> AuditKey:
     return AuditKey(family, answer.tier, answer.variant, answer.agent)
 
@@ -450,10 +468,9 @@ def audit_levels(auditor: Auditor) -> list[Metric]:
     rows = [(list(labels), total(estimates)) for labels, estimates in sorted(grouped.items())]
     labels = ["family", "tier", "variant"]
     calibrated = [
-        ([name, tier], figures.agreement)
+        ([name, tier.label], line)
         for name, info in sorted(auditor.registry.families.items())
-        for tier, figures in sorted(info.calibrated.items())
-        if figures.HasField("agreement")
+        for tier, line in sorted(auditor.calibrated_lines(info).items())
     ]
     return [
         gauge("stratus_router_audit_agreement", "Share of audited items a tier answered as the top tier did, "
@@ -465,5 +482,6 @@ def audit_levels(auditor: Auditor) -> list[Metric]:
         gauge("stratus_router_audit_window_audits", "Audits behind the agreement estimate (the window's).",
               labels, [(k, float(e.audits)) for k, e in rows]),
         gauge("stratus_router_audit_calibrated_agreement", "A tier's agreement with the top tier on the "
-              "calibration split ([tier_accuracy] in family.toml).", ["family", "tier"], calibrated),
+              "calibration split ([tier_accuracy] in family.toml), where audits ask that top tier.",
+              ["family", "tier"], calibrated),
     ]  # fmt: skip

@@ -41,6 +41,7 @@ def accuracy_json(reply: fpb.AccuracyReply) -> dict[str, Any]:
     return {
         "family": reply.family,
         "top_tier": _tier(reply.top_tier),
+        "calibrated_top_tier": _tier(reply.calibrated_top_tier) if reply.calibrated_top_tier else None,
         "share": reply.share,
         "margin": reply.margin,
         "min_audits": reply.min_audits,
@@ -97,6 +98,12 @@ def accuracy_table(reply: fpb.AccuracyReply) -> str:
         lines.append(
             f"{row['tier']:<8}{','.join(row['variants']) or '-':<26}{_share(calibrated.get('accuracy')):>8}"
             f"{_share(calibrated.get('agreement')):>8}{_live(row['live'])}  {row['verdict']:<16}{biased}"
+        )
+    calibrated_against = found["calibrated_top_tier"]
+    if calibrated_against not in (None, found["top_tier"]):
+        lines.append(
+            f"(calibrated against the {calibrated_against} tier, but audits here ask the {found['top_tier']} "
+            "tier: no verdict)"
         )
     if not found["tiers"]:
         lines.append(f"(nothing below the {found['top_tier']} tier serves {found['family']})")

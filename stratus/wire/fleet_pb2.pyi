@@ -1645,6 +1645,7 @@ class AccuracyReply(_message.Message):
     AGENTS_FIELD_NUMBER: _builtins.int
     DROPPED_FIELD_NUMBER: _builtins.int
     SHARE_FIELD_NUMBER: _builtins.int
+    CALIBRATED_TOP_TIER_FIELD_NUMBER: _builtins.int
     family: _builtins.str
     top_tier: Global___Tier.ValueType
     """The tier audits ask: the cloud where it serves the family, else the highest agent tier."""
@@ -1661,6 +1662,11 @@ class AccuracyReply(_message.Message):
     or the top tier failed them), and the audit share in force for the family.
     """
     share: _builtins.float
+    calibrated_top_tier: Global___Tier.ValueType
+    """The top tier the family was calibrated against (the highest tier in [tier_accuracy]).
+    Where it is not top_tier (a fleet without the cloud), the calibrated agreement does not
+    apply: the verdicts say "not calibrated".
+    """
     @_builtins.property
     def tiers(self) -> _containers.RepeatedCompositeFieldContainer[Global___TierAccuracy]:
         """Device first; tiers below the top only."""
@@ -1684,10 +1690,11 @@ class AccuracyReply(_message.Message):
         agents: _abc.Iterable[Global___AgentAccuracy] | None = ...,
         dropped: _builtins.int = ...,
         share: _builtins.float = ...,
+        calibrated_top_tier: Global___Tier.ValueType = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agents", b"agents", "dropped", b"dropped", "family", b"family", "margin", b"margin", "min_audits", b"min_audits", "share", b"share", "tiers", b"tiers", "top_tier", b"top_tier", "window_audits", b"window_audits", "window_s", b"window_s"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agents", b"agents", "calibrated_top_tier", b"calibrated_top_tier", "dropped", b"dropped", "family", b"family", "margin", b"margin", "min_audits", b"min_audits", "share", b"share", "tiers", b"tiers", "top_tier", b"top_tier", "window_audits", b"window_audits", "window_s", b"window_s"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -21,6 +21,7 @@ def hello(name: str, tier: int, variant: str) -> fpb.Hello:
     message.variants.add(name=variant, family="digits", current=True, line=variant)
     family = message.families.add(name="digits", thresholds={"device": 0.7, "edge": 0.7})
     family.calibrated["device"].CopyFrom(fpb.TierCalibration(accuracy=0.99, agreement=0.995, items=309))
+    family.calibrated["edge"].CopyFrom(fpb.TierCalibration(accuracy=0.97, items=6))  # the top, calibrated
     return message
 
 
@@ -42,7 +43,8 @@ def fleet() -> Auditor:
 
 def test_one_row_per_tier_below_the_top_with_its_calibration_estimate_and_verdict() -> None:
     reply = accuracy_reply(fleet(), "digits", include_agents=False)
-    assert reply.top_tier == fpb.TIER_EDGE and reply.dropped == 7 and not reply.agents
+    assert reply.top_tier == reply.calibrated_top_tier == fpb.TIER_EDGE
+    assert reply.dropped == 7 and not reply.agents
     (device,) = reply.tiers
     assert list(device.variants) == ["digits-small"]
     assert (device.live.audits, device.live.agreed) == (303, 242)
@@ -66,6 +68,21 @@ def test_a_tier_without_calibrated_figures_is_not_judged() -> None:
     reply = accuracy_reply(audits, "digits", include_agents=True)
     assert reply.tiers[0].verdict == NOT_CALIBRATED and not reply.tiers[0].HasField("calibrated")
     assert {a.verdict for a in reply.agents} == {NOT_CALIBRATED}
+
+
+def test_figures_calibrated_against_another_top_tier_are_shown_but_not_judged() -> None:
+    """Calibrated with the cloud on top, audited in a fleet whose top is the edge: the edge's
+    answers are not what the calibrated agreement measured."""
+    audits = fleet()
+    calibrated = audits.registry.families["digits"].calibrated
+    calibrated["cloud"].CopyFrom(fpb.TierCalibration(accuracy=0.9, items=5))
+    reply = accuracy_reply(audits, "digits", include_agents=True)
+    assert reply.calibrated_top_tier == fpb.TIER_CLOUD and reply.top_tier == fpb.TIER_EDGE
+    assert reply.tiers[0].verdict == NOT_CALIBRATED and reply.tiers[0].calibrated.agreement == pytest.approx(
+        0.995
+    )
+    assert {a.verdict for a in reply.agents} == {NOT_CALIBRATED}
+    assert "calibrated against the cloud tier, but audits here ask the edge tier" in accuracy_table(reply)
 
 
 def test_an_unknown_family_is_not_found() -> None:

@@ -119,6 +119,9 @@ def digits_info() -> fpb.FamilyInfo:
     info = fpb.FamilyInfo(name="digits", thresholds={"device": 0.7, "edge": 0.7})
     info.outputs.add(name="probabilities", datatype="FP32", shape=[-1, CLASSES])
     info.calibrated["device"].CopyFrom(fpb.TierCalibration(accuracy=0.99, agreement=0.995, items=300))
+    info.calibrated["cloud"].CopyFrom(
+        fpb.TierCalibration(accuracy=0.9, items=10)
+    )  # calibrated with the cloud on top
     return info
 
 
@@ -456,7 +459,8 @@ def test_generative_answers_are_audited_with_the_familys_comparator() -> None:
 
 
 def test_levels_sum_agents_per_variant_and_carry_the_calibrated_line() -> None:
-    audits, _, _ = auditor(None)
+    pool, _ = cloud_pool()
+    audits, _, _ = auditor(pool)
     for agent, agreed in (("device-1", True), ("device-2", False), ("device-2", True)):
         audits.book.add(AuditKey("digits", Tier.DEVICE, "digits-small", agent), agreed)
     found = {
@@ -475,3 +479,10 @@ def test_levels_sum_agents_per_variant_and_carry_the_calibrated_line() -> None:
     calibrated = (("family", "digits"), ("tier", "device"))
     assert found[("stratus_router_audit_calibrated_agreement", calibrated)] == pytest.approx(0.995)
     assert not any("agent" in dict(labels) for _, labels in found)  # agents only in the CLI
+    edge_top, _, _ = auditor(None)  # no cloud: audits ask the edge, calibration asked the cloud
+    edge_top.registry.register(edge_hello("edge-1"), peer="test")
+    assert not [
+        f
+        for f in audit_levels(edge_top)
+        if f.name == "stratus_router_audit_calibrated_agreement" and f.samples
+    ]
