@@ -41,7 +41,7 @@ from router.policy import Target, accepts
 from router.registry import FleetRegistry
 from stratus import codec
 from stratus.audit_config import EXACT, NUMBER
-from stratus.errors import ConfigError
+from stratus.errors import ConfigError, StratusError
 from stratus.generation import Chunk
 from stratus.metrics import Metric, RouterMetrics, gauge
 from stratus.tensors import Tensors
@@ -192,14 +192,17 @@ class Auditor:
     dropped: int = 0
 
     def __post_init__(self) -> None:
-        window = {"max_audits": self.policy.window_audits, "max_age_s": self.policy.window_s}
-        self.book = AgreementBook(clock=self.clock, **window)  # type: ignore[arg-type]
-        self.escalated = AgreementBook(clock=self.clock, **window)  # type: ignore[arg-type]
+        self.book = self._new_book()  # the unbiased estimate
+        self.escalated = self._new_book()  # the biased sample escalations carry, kept apart
         self.sampler = Sampler(rng=self.rng, clock=self.clock)
         self._queue: deque[Audit] = deque()
         self._wakeup = asyncio.Event()
         self._workers: list[asyncio.Task[None]] = []
         self._ids = itertools.count(1)
+
+    def _new_book(self) -> AgreementBook:
+        policy = self.policy
+        return AgreementBook(max_audits=policy.window_audits, max_age_s=policy.window_s, clock=self.clock)
 
     # -- life --------------------------------------------------------------------------------
     def start(self) -> None:
@@ -319,15 +322,8 @@ class Auditor:
         compare = info.audit.compare or EXACT
         if top is None:
             return
-        same = COMPARATORS.get(compare, same_text)
-        for lower in climbed:
-            if (
-                result.tier == top
-                and not result.degraded
-                and lower.tier < top
-                and lower.finish_reason != "cancelled"
-            ):
-                self.escalated.add(_key(info.name, lower), same(lower.text, result.text))
+        if result.tier == top and not result.degraded:
+            self._note_generated_climbs(info.name, result, climbed, COMPARATORS.get(compare, same_text))
         threshold = info.thresholds.get(result.tier.label)
         own = threshold is None or result.confidence >= threshold
         if result.tier >= top or result.degraded or not own:
@@ -340,6 +336,14 @@ class Auditor:
                 Audit(key=_key(info.name, result), top=top, queued_at=self.clock(), prompt=asked,
                       text=result.text, compare=compare)
             )  # fmt: skip
+
+    def _note_generated_climbs(
+        self, family: str, result: Generation, climbed: Sequence[Generation], same: Callable[[str, str], bool]
+    ) -> None:
+        """The biased sample: each whole unsure answer that climbed, against the top tier's."""
+        for lower in climbed:
+            if lower.tier < result.tier and lower.finish_reason != "cancelled":
+                self.escalated.add(_key(family, lower), same(lower.text, result.text))
 
     # -- the background -----------------------------------------------------------------------------
     def _enqueue(self, audit: Audit) -> None:
@@ -366,10 +370,11 @@ class Auditor:
                 continue
             try:
                 await self._audit(audit, target)
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # a worker outlives any one audit
+            except StratusError as exc:
                 self._drop(audit, f"the {audit.top.label} tier failed it: {exc}")
+            except Exception:  # a bug: said, and the worker outlives it
+                log.exception("an audit of %s failed", audit.key.family)
+                self._drop(audit, "an unexpected error")
 
     def _spare(self, audit: Audit) -> Target | None:
         """Where the audit may go now without taking room from client work; None: nowhere."""
@@ -380,7 +385,7 @@ class Auditor:
                 return None
             return Target(tier=Tier.CLOUD, agent_id=None)
         pool = self.registry.index.pools(audit.key.family).get(audit.top, ())
-        drawn = self.rng.sample(list(pool), min(DRAWS, len(pool))) if len(pool) > DRAWS else list(pool)
+        drawn = [pool[self.rng.randrange(len(pool))] for _ in range(DRAWS)] if len(pool) > DRAWS else pool
         idle = [a for a in drawn if a.ready and a.in_flight < a.capacity]  # a slot is free
         return Target(tier=audit.top, agent_id=min(idle, key=lambda a: a.in_flight).id) if idle else None
 
