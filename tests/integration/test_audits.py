@@ -5,6 +5,7 @@ device agent whose model swaps classes last, with an agreement near its true acc
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -143,3 +144,23 @@ def test_audits_reach_the_cloud_and_rank_a_broken_agent_last(
     table = accuracy(router, "--agents")
     assert table.returncode == 0, table.stderr
     assert table.stdout.rstrip().splitlines()[-1].startswith("device-bad")
+
+
+def test_accuracy_is_read_with_the_status_role(cluster: Cluster, tmp_path: Path) -> None:
+    """Behind --private-status, as Status is: the operator token opens it; an unknown family is
+    then a clear NOT_FOUND, not an empty table."""
+    token = tmp_path / "operator.token"
+    token.write_text("operator-secret\n")
+    router = cluster.router("--private-status", "--operator-token-file", str(token)).address
+    base = {k: v for k, v in os.environ.items() if not k.startswith("STRATUS_")}
+
+    def asked(secret: str) -> subprocess.CompletedProcess[str]:
+        command = [sys.executable, "-m", "stratus.cli", "fleet", "accuracy", "digits", "--router", router]
+        env = {**base, "STRATUS_OPERATOR_TOKEN": secret}
+        return subprocess.run(command, capture_output=True, text=True, timeout=30, env=env, check=False)
+
+    refused = asked("wrong")
+    assert refused.returncode == 2 and "Accuracy needs the operator token" in refused.stderr, refused.stderr
+    unknown = asked("operator-secret")
+    assert unknown.returncode == 2, unknown.stdout
+    assert unknown.stderr.strip() == "stratus: error: NOT_FOUND: no agent serves a family 'digits'"
