@@ -193,11 +193,13 @@ def tier_figures(scores: Sequence[TierScores], thresholds: Sequence[float]) -> d
 
 
 def describe_figures(figures: Mapping[Tier, TierCalibration]) -> list[str]:
-    """One line per tier, as ``models calibrate`` prints them."""
+    """One line per tier, as ``models calibrate`` prints them (and writes them: rounded down)."""
     lines = []
     for tier, f in sorted(figures.items()):
-        agreement = f", agreement with the top tier {f.agreement:.4f}" if f.agreement is not None else ""
-        lines.append(f"settled on {tier.label:<7}{f.items:>6} items, accuracy {f.accuracy:.4f}{agreement}")
+        agreement = f", agreement with the top tier {_floor(f.agreement)}" if f.agreement is not None else ""
+        lines.append(
+            f"settled on {tier.label:<7}{f.items:>6} items, accuracy {_floor(f.accuracy)}{agreement}"
+        )
     return lines
 
 
