@@ -8,11 +8,12 @@ import logging
 import random
 import socket
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
 
+from router.audit import Auditor, AuditPolicy, audit_levels
 from router.cloud import CloudLink
 from router.cloud_models import parse_cloud_models, parse_header
 from router.cloud_pool import CloudPool, CloudTarget
@@ -106,6 +107,10 @@ class RouterSettings:
     # ("NAME" or "FAMILY=NAME", comma-separated), and gRPC metadata sent on every call to it.
     cloud_models: str | None = None
     cloud_headers: tuple[tuple[str, str], ...] = ()
+    # Background audits (router/audit.py): the share of the items settled below a family's
+    # top tier also asked of it, and at most this many a second per family; a family's
+    # [audit] table overrides both.
+    audit: AuditPolicy = field(default_factory=AuditPolicy)
 
     def __post_init__(self) -> None:
         parse_cloud_models(self.cloud_models)  # a bad entry stops the router before it serves
@@ -163,6 +168,8 @@ async def serve(settings: RouterSettings, stop: asyncio.Event | None = None) -> 
     metrics.collect_with(lambda: fleet_levels(registry, cloud))
     if cloud is not None:
         cloud.start()
+    audits = Auditor(registry, cloud, policy=settings.audit, metrics=recorder)
+    metrics.collect_with(lambda: audit_levels(audits))
     plane = RouterDataPlane(
         registry,
         cloud,
@@ -171,6 +178,7 @@ async def serve(settings: RouterSettings, stop: asyncio.Event | None = None) -> 
         max_requests=settings.max_requests,
         metrics=recorder,
         rollouts=rollouts,
+        audits=audits,
     )
     server = create_server(
         keepalive_s=settings.keepalive_s,
@@ -197,6 +205,7 @@ async def serve(settings: RouterSettings, stop: asyncio.Event | None = None) -> 
         private_status=settings.private_status,
         rollouts=rollouts,
         synced=synced,
+        audits=audits,
     )
     fpb_grpc.add_FleetServicer_to_server(fleet, server)
     health = Health(server, plane.ready)
@@ -206,7 +215,8 @@ async def serve(settings: RouterSettings, stop: asyncio.Event | None = None) -> 
     await server.start()
     await health.start()
     host = settings.listen.rsplit(":", 1)[0]
-    closers = await _start_extras(settings, plane, metrics, name=name, host=host, port=port)
+    closers = [audits.close, *await _start_extras(settings, plane, metrics, name=name, host=host, port=port)]
+    audits.start()
     watchdog = asyncio.create_task(_watch_heartbeats(registry), name="stratus-heartbeat-watchdog")
     warning = insecure_warning(
         "the router",

@@ -190,6 +190,10 @@ class CloudLink:
         return len(self._pending) + self._generating
 
     @property
+    def capacity(self) -> int:
+        return self.max_pending
+
+    @property
     def predicted_ms(self) -> float:
         """What the next call should take: the measured mean, or a near cloud's until measured."""
         return self.latency.mean_ms or UNMEASURED_MS

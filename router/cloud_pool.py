@@ -77,6 +77,8 @@ class CloudTier(Protocol):
     def status(self) -> str: ...
     @property
     def circuit(self) -> str: ...
+    @property
+    def capacity(self) -> int: ...  # calls it may hold at once (audits measure their room by it)
     def start(self) -> None: ...
     async def close(self) -> None: ...
     async def infer(self, request: pb.ModelInferRequest, *, timeout_s: float | None) -> pb.ModelInferResponse: ...
@@ -221,6 +223,11 @@ class CloudPool:
         for link in self.links.values():
             merged.update(part(link))
         return merged
+
+    @property
+    def capacity(self) -> int:
+        """Calls the gateways that take calls now may hold at once."""
+        return sum(link.max_pending for link in self.links.values() if link.available)
 
     @property
     def status(self) -> str:

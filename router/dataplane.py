@@ -16,6 +16,7 @@ import random
 import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from router.cloud_models import family_of
 from router.cloud_pool import CloudTier
@@ -58,6 +59,9 @@ from stratus.tensors import Tensors, answer_raw, check_inputs, check_request_met
 from stratus.tiers import Tier
 from stratus.wire import fleet_pb2 as fpb
 from stratus.wire import inference_pb2 as pb
+
+if TYPE_CHECKING:
+    from router.audit import Auditor
 
 log = logging.getLogger("stratus.router")
 
@@ -114,8 +118,10 @@ class RouterDataPlane(DataPlane):
         max_requests: int = 4096,
         metrics: RouterMetrics | None = None,
         rollouts: Rollouts | None = None,
+        audits: Auditor | None = None,
     ) -> None:
         self.metrics = metrics
+        self.audits = audits  # samples settled answers for the top tier to check (router/audit.py)
         self.rollouts = rollouts or Rollouts(router_id="router")
         self._shadows: set[asyncio.Task[None]] = set()
         self.stopping = False  # set on SIGTERM: not ready, finishing what is in flight
@@ -300,6 +306,10 @@ class RouterDataPlane(DataPlane):
             raise
         finally:
             self.active -= 1
+        if self.audits is not None:  # sampled once the answer is on its way
+            asyncio.get_running_loop().call_soon(
+                self.audits.generated, info, checked, result, cascade.climbed
+            )
         self._count_answer(label, result.tier.label, result.degraded, started)
         self._count_generation(label, result)
         return result
@@ -381,6 +391,8 @@ class RouterDataPlane(DataPlane):
         except StratusError as exc:
             self._count_refusal(family, exc)
             raise
+        if self.audits is not None:  # sampled once the answer is on its way
+            asyncio.get_running_loop().call_soon(self.audits.classified, cascade)
         self._count_answer(family, cascade.tier_label, cascade.degraded, started)
         return response
 
@@ -561,6 +573,7 @@ class _Cascade:
         self.pending = list(range(job.inputs.items))
         self.best: dict[int, tuple[Answer, int]] = {}  # item -> (answer, its row there)
         self.answers: list[Answer] = []
+        self.sent: list[list[int]] = []  # per answer, the items its rows answer (for audits)
         self.path: list[Tier] = []
         self.timings: dict[Tier, float] = {}
         self.queue_ms = 0.0  # summed over the answers kept, as each tier measured it
@@ -709,6 +722,7 @@ class _Cascade:
             for value in answer.confidences:
                 histogram.observe(value)
         self.answers.append(answer)
+        self.sent.append(list(self.pending))
         self.path.append(answer.tier)
         self.timings[answer.tier] = self.timings.get(answer.tier, 0.0) + answer.elapsed_ms
         self.queue_ms += answer.queue_ms

@@ -10,6 +10,8 @@ from typing import Any
 
 from prometheus_client.core import Metric
 
+from router.accuracy import accuracy_reply
+from router.audit import Auditor
 from router.cloud_pool import CloudTier
 from router.family_view import family_statuses
 from router.index import line_key
@@ -259,7 +261,9 @@ class FleetServicer(fpb_grpc.FleetServicer):
         private_status: bool = False,
         rollouts: Rollouts | None = None,
         synced: asyncio.Event | None = None,
+        audits: Auditor | None = None,
     ) -> None:
+        self._audits = audits
         self._registry = registry
         self._cloud = cloud
         self._credentials = credentials or RouterCredentials()
@@ -322,6 +326,12 @@ class FleetServicer(fpb_grpc.FleetServicer):
             built = (time.monotonic(), status)
             self._built[key] = built
         return built[1]
+
+    async def Accuracy(self, request: fpb.AccuracyRequest, context: Any) -> fpb.AccuracyReply:
+        self._authorize_read(request.token, context, "Accuracy")
+        if self._audits is None:
+            raise ConfigError("this router runs no audits")
+        return accuracy_reply(self._audits, request.family, include_agents=request.include_agents)
 
     async def Drain(self, request: fpb.DrainRequest, context: Any) -> fpb.DrainResponse:
         self._authorize(request.token, context, "Drain")

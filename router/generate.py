@@ -120,6 +120,7 @@ class GenerationCascade:
     exclude: set[str] = field(default_factory=set)
     problem: StratusError | None = None
     generated: dict[Tier, int] = field(default_factory=dict)
+    climbed: list[Generation] = field(default_factory=list)  # unsure answers climbed past (for audits)
 
     def _count(self, tier: Tier, tokens: int) -> None:
         self.generated[tier] = self.generated.get(tier, 0) + tokens
@@ -171,6 +172,7 @@ class GenerationCascade:
                 if not final:
                     await self._show(answer.tokens)  # held until now: accepted, so shown
                 return dataclasses.replace(answer, generated=dict(self.generated))
+            self.climbed.append(answer)
             best = answer if best is None or answer.tier >= best.tier else best
         if best is None:
             raise self.problem or DeadlineExceeded(

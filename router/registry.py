@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 from router.index import AgentIndex, line_key
 from router.policy import CloudView, FleetSnapshot
+from stratus.audit_config import check_family_info
 from stratus.batching import DEFAULT_MAX_DELAY_S, Batch, Batcher, BatchKey, split_counts
 from stratus.codec import numpy_dtype
 from stratus.errors import (
@@ -789,6 +790,8 @@ def check_hello_bounds(hello: fpb.Hello) -> None:
             f"Hello from {hello.agent_id}: {len(hello.variants)} variants and {len(hello.families)} families; "
             f"at most {MAX_VARIANTS_PER_AGENT} and {MAX_FAMILIES_PER_HELLO}"
         )
+    for family in hello.families:
+        check_family_info(hello.agent_id, family)
     names = (
         [v.name for v in hello.variants]
         + [v.family for v in hello.variants]

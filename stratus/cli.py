@@ -71,6 +71,7 @@ def _add_tls(parser: argparse.ArgumentParser) -> None:
 
 def _router(args: argparse.Namespace) -> int:
     from router.app import RouterSettings, serve
+    from router.audit import AuditPolicy
     from stratus.process import configure_logging, run
 
     configure_logging(args.log_level, args.log_format)
@@ -102,6 +103,7 @@ def _router(args: argparse.Namespace) -> int:
         openai_hosts=tuple(args.openai_host),
         cloud_models=args.cloud_models,
         cloud_headers=tuple(args.cloud_header),
+        audit=AuditPolicy(share=args.audit_share, max_per_s=args.audit_max_per_s),
     )
     run(serve(settings))
     return 0
@@ -220,6 +222,19 @@ def _fleet_status(args: argparse.Namespace) -> int:
         agents=args.agents,
         families=args.families,
         interval_s=args.interval,
+        tls=_tls(args),
+        token=_role_token(args, "operator"),
+    )
+
+
+def _fleet_accuracy(args: argparse.Namespace) -> int:
+    from stratus.fleet_accuracy import show_accuracy
+
+    return show_accuracy(
+        args.router,
+        args.family,
+        agents=args.agents,
+        as_json=args.json,
         tls=_tls(args),
         token=_role_token(args, "operator"),
     )
@@ -389,8 +404,25 @@ def _add_router(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -
         help="HTTP/2 ping interval on every link; a frozen agent is lost within this plus 1 s",
     )
     _add_batch_delay(router)
+    _add_audits(router)
     router.set_defaults(handler=_router)
     return router
+
+
+def _add_audits(router: argparse.ArgumentParser) -> None:
+    router.add_argument(
+        "--audit-share",
+        type=_share,
+        default=0.01,
+        help="share of the items settled below a family's top tier also asked of it in the background, "
+        "to estimate each tier's live accuracy (a family's [audit] share overrides it; 0: none)",
+    )
+    router.add_argument(
+        "--audit-max-per-s",
+        type=float,
+        default=10.0,
+        help="most items audited a second per family (a family's [audit] max_per_s overrides it)",
+    )
 
 
 def _add_exposure(parser: argparse.ArgumentParser, what: str) -> None:
@@ -665,13 +697,25 @@ def _add_fleet_changes(
     steer.add_argument("--abort", action="store_true", help="back to 0%% now")
     rollout.add_argument("--json", action="store_true", help="the rollouts as JSON")
     rollout.set_defaults(handler=_fleet_rollout)
-    for parser in (*others, reload, rollout):
+    accuracy = _add_fleet_accuracy(sub)
+    for parser in (*others, reload, rollout, accuracy):
         _add_tls(parser)
-    for parser in (reload, rollout):
+    for parser in (reload, rollout, accuracy):
         parser.add_argument("--router", required=True, help="the router's HOST:PORT")
         parser.add_argument(
             "--operator-token-file", type=Path, default=None, help="default: $STRATUS_OPERATOR_TOKEN"
         )
+
+
+def _add_fleet_accuracy(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> argparse.ArgumentParser:
+    accuracy = sub.add_parser(
+        "accuracy", help="each tier's live agreement with the top tier (audits) against its calibration"
+    )
+    accuracy.add_argument("family")
+    accuracy.add_argument("--agents", action="store_true", help="rank the agents too, the surely worst last")
+    accuracy.add_argument("--json", action="store_true", help="the same as JSON")
+    accuracy.set_defaults(handler=_fleet_accuracy)
+    return accuracy
 
 
 def _share(text: str) -> float:

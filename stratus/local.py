@@ -16,11 +16,12 @@ import time
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from stratus import codec
+from stratus.audit_config import calibration_info
 from stratus.batching import DEFAULT_MAX_BATCH, DEFAULT_MAX_DELAY_S, Batch, Batcher, BatchKey, split_counts
 from stratus.codec import Array
 from stratus.confidence import confidence
@@ -546,6 +547,7 @@ class LocalModels:
                     thresholds={t.label: v for t, v in f.thresholds.items()},
                     cloud_variants=cloud_variants(f),
                     calibrated_cloud_share=calibrated_cloud_share(f),
+                    **family_info_fields(f),
                 )
                 for f in self.families.values()
                 if f.name in served
@@ -676,6 +678,7 @@ def _family_info(family: FamilySpec) -> fleet_pb2.FamilyInfo:
         stop=family.generation.stop,
         cloud_variants=cloud_variants(family),
         calibrated_cloud_share=calibrated_cloud_share(family),
+        **family_info_fields(family),
     )
 
 
@@ -881,3 +884,14 @@ def model_config(family: FamilySpec, name: str, backend: str) -> pb.ModelConfig:
             for s in family.outputs
         ],
     )
+
+
+def family_info_fields(family: FamilySpec) -> dict[str, Any]:
+    """The FamilyInfo fields for a family's audits (keyword arguments of its constructor)."""
+    audit = fleet_pb2.AuditSettings(compare=family.audit.compare)
+    if family.audit.share is not None:
+        audit.share = family.audit.share
+    if family.audit.max_per_s is not None:
+        audit.max_per_s = family.audit.max_per_s
+    calibrated = {tier.label: calibration_info(f) for tier, f in family.tier_accuracy.items()}
+    return {"audit": audit, "calibrated": calibrated}

@@ -200,6 +200,13 @@ class RouterMetrics:
             ["family", "tier", "reason"],
             registry=r,
         )
+        self.audits = Counter(
+            "stratus_router_audits",
+            "Items settled below the top tier and asked of it too, by outcome: agreed, disagreed, "
+            "or dropped (no spare capacity there, a full audit queue, or the top tier failed it).",
+            ["family", "tier", "outcome"],
+            registry=r,
+        )
 
 
 @dataclass(frozen=True, kw_only=True)

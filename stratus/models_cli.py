@@ -13,8 +13,8 @@ from stratus.confidence import ConfidenceMethod
 from stratus.errors import ConfigError
 
 if TYPE_CHECKING:
-    from stratus.tools.calibrate.classifier import Calibration
     from stratus.repository import FamilySpec, ModelRepository
+    from stratus.tools.calibrate.classifier import Calibration
     from stratus.tools.datasets import Split
     from stratus.tools.verify.classifier import DataSource
 

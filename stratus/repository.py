@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Final
 
 from stratus import codec
+from stratus.audit_config import AuditSpec, TierCalibration, parse_audit, parse_tier_accuracy
 from stratus.codec import Array
 from stratus.confidence import ConfidenceMethod
 from stratus.errors import ConfigError, InvalidInput, NotFound
@@ -147,6 +148,10 @@ class FamilySpec:
     # What the thresholds gave when calibrated; None for thresholds set by hand (or before
     # calibrate recorded it): such a family has no calibrated cloud share, and no alert on it.
     calibration: CalibrationRecord | None = None
+    # [audit] and [tier_accuracy] (stratus.audit_config): how answers are audited against
+    # the top tier, and each tier's figures as calibrated.
+    audit: AuditSpec = field(default_factory=AuditSpec)
+    tier_accuracy: Mapping[Tier, TierCalibration] = field(default_factory=dict)
 
     @property
     def generative(self) -> bool:
@@ -303,7 +308,7 @@ def load_family(path: Path) -> FamilySpec:
         raise ConfigError(f"{path}: not valid TOML: {exc}") from None
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read: {exc.strerror}") from None
-    reader.unknown_keys(data, TABLES, "")
+    reader.unknown_keys(data, TABLES | {"audit", "tier_accuracy"}, "")
     head = reader.get(data, "family", dict, "")
     name = reader.get(head, "name", str, "family")
     reader.unknown_keys(head, {"name", "description", "max_accuracy_drop", "kind"}, "family")
@@ -325,6 +330,8 @@ def load_family(path: Path) -> FamilySpec:
         max_accuracy_drop=_fraction(reader, head, "max_accuracy_drop", "family", 0.01),
         current=_current(reader, data, variants),
         calibration=_calibration(reader, data),
+        audit=parse_audit(reader, data, generative=False),
+        tier_accuracy=parse_tier_accuracy(reader, data),
     )
 
 
@@ -368,6 +375,8 @@ def _generative_family(
         generation=GenerationSpec(
             max_tokens=max_tokens, stop=tuple(stop), method=GenerationMethod(method), context=context
         ),
+        audit=parse_audit(reader, data, generative=True),
+        tier_accuracy=parse_tier_accuracy(reader, data),
     )
 
 

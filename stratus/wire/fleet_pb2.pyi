@@ -202,6 +202,27 @@ class FamilyInfo(_message.Message):
         def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
         def WhichOneof(self, oneof_group: _Never) -> None: ...
 
+    @_typing.final
+    class CalibratedEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        @_builtins.property
+        def value(self) -> Global___TierCalibration: ...
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: Global___TierCalibration | None = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _typing.Literal["value", b"value"]  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     NAME_FIELD_NUMBER: _builtins.int
     INPUTS_FIELD_NUMBER: _builtins.int
     OUTPUTS_FIELD_NUMBER: _builtins.int
@@ -212,6 +233,8 @@ class FamilyInfo(_message.Message):
     STOP_FIELD_NUMBER: _builtins.int
     CLOUD_VARIANTS_FIELD_NUMBER: _builtins.int
     CALIBRATED_CLOUD_SHARE_FIELD_NUMBER: _builtins.int
+    AUDIT_FIELD_NUMBER: _builtins.int
+    CALIBRATED_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     kind: _builtins.str
     """"generative" for a family that answers prompts with text; empty for a classifier."""
@@ -242,6 +265,16 @@ class FamilyInfo(_message.Message):
         asks a cloud about when the cloud does not list its models (PyTriton, KServe).
         """
 
+    @_builtins.property
+    def audit(self) -> Global___AuditSettings:
+        """family.toml's [audit]: which answers settled below the top tier are also asked of it."""
+
+    @_builtins.property
+    def calibrated(self) -> _containers.MessageMap[_builtins.str, Global___TierCalibration]:
+        """family.toml's [tier_accuracy], keyed by tier name: what `stratus models calibrate`
+        measured for the items its thresholds settle on each tier.
+        """
+
     def __init__(
         self,
         *,
@@ -255,16 +288,86 @@ class FamilyInfo(_message.Message):
         stop: _abc.Iterable[_builtins.str] | None = ...,
         cloud_variants: _abc.Iterable[_builtins.str] | None = ...,
         calibrated_cloud_share: _builtins.float | None = ...,
+        audit: Global___AuditSettings | None = ...,
+        calibrated: _abc.Mapping[_builtins.str, Global___TierCalibration] | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_calibrated_cloud_share", b"_calibrated_cloud_share", "calibrated_cloud_share", b"calibrated_cloud_share"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_calibrated_cloud_share", b"_calibrated_cloud_share", "audit", b"audit", "calibrated_cloud_share", b"calibrated_cloud_share"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_calibrated_cloud_share", b"_calibrated_cloud_share", "calibrated_cloud_share", b"calibrated_cloud_share", "cloud_variants", b"cloud_variants", "confidence_method", b"confidence_method", "inputs", b"inputs", "kind", b"kind", "max_tokens", b"max_tokens", "name", b"name", "outputs", b"outputs", "stop", b"stop", "thresholds", b"thresholds"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_calibrated_cloud_share", b"_calibrated_cloud_share", "audit", b"audit", "calibrated", b"calibrated", "calibrated_cloud_share", b"calibrated_cloud_share", "cloud_variants", b"cloud_variants", "confidence_method", b"confidence_method", "inputs", b"inputs", "kind", b"kind", "max_tokens", b"max_tokens", "name", b"name", "outputs", b"outputs", "stop", b"stop", "thresholds", b"thresholds"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__calibrated_cloud_share: _TypeAlias = _typing.Literal["calibrated_cloud_share"]  # noqa: Y015
     _WhichOneofArgType__calibrated_cloud_share: _TypeAlias = _typing.Literal["_calibrated_cloud_share", b"_calibrated_cloud_share"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType__calibrated_cloud_share) -> _WhichOneofReturnType__calibrated_cloud_share | None: ...
 
 Global___FamilyInfo: _TypeAlias = FamilyInfo  # noqa: Y015
+
+@_typing.final
+class AuditSettings(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SHARE_FIELD_NUMBER: _builtins.int
+    MAX_PER_S_FIELD_NUMBER: _builtins.int
+    COMPARE_FIELD_NUMBER: _builtins.int
+    share: _builtins.float
+    """The share of such items audited (unset: the router's --audit-share), at most max_per_s
+    items a second (unset: the router's --audit-max-per-s).
+    """
+    max_per_s: _builtins.float
+    compare: _builtins.str
+    """How two answers are compared: "top1" (classifiers), "exact" (text, stripped) or "number"
+    (text read as numbers); empty: top1 for a classifier, exact for a generative family.
+    """
+    def __init__(
+        self,
+        *,
+        share: _builtins.float | None = ...,
+        max_per_s: _builtins.float | None = ...,
+        compare: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_max_per_s", b"_max_per_s", "_share", b"_share", "max_per_s", b"max_per_s", "share", b"share"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_max_per_s", b"_max_per_s", "_share", b"_share", "compare", b"compare", "max_per_s", b"max_per_s", "share", b"share"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__max_per_s: _TypeAlias = _typing.Literal["max_per_s"]  # noqa: Y015
+    _WhichOneofArgType__max_per_s: _TypeAlias = _typing.Literal["_max_per_s", b"_max_per_s"]  # noqa: Y015
+    _WhichOneofReturnType__share: _TypeAlias = _typing.Literal["share"]  # noqa: Y015
+    _WhichOneofArgType__share: _TypeAlias = _typing.Literal["_share", b"_share"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__max_per_s) -> _WhichOneofReturnType__max_per_s | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__share) -> _WhichOneofReturnType__share | None: ...
+
+Global___AuditSettings: _TypeAlias = AuditSettings  # noqa: Y015
+
+@_typing.final
+class TierCalibration(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ACCURACY_FIELD_NUMBER: _builtins.int
+    AGREEMENT_FIELD_NUMBER: _builtins.int
+    ITEMS_FIELD_NUMBER: _builtins.int
+    accuracy: _builtins.float
+    """Of the calibration split's items settled on this tier: the share right, the share the
+    top tier answered alike (unset on the top tier itself), and how many items that was.
+    """
+    agreement: _builtins.float
+    items: _builtins.int
+    def __init__(
+        self,
+        *,
+        accuracy: _builtins.float = ...,
+        agreement: _builtins.float | None = ...,
+        items: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_agreement", b"_agreement", "agreement", b"agreement"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_agreement", b"_agreement", "accuracy", b"accuracy", "agreement", b"agreement", "items", b"items"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__agreement: _TypeAlias = _typing.Literal["agreement"]  # noqa: Y015
+    _WhichOneofArgType__agreement: _TypeAlias = _typing.Literal["_agreement", b"_agreement"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__agreement) -> _WhichOneofReturnType__agreement | None: ...
+
+Global___TierCalibration: _TypeAlias = TierCalibration  # noqa: Y015
 
 @_typing.final
 class HardwareInfo(_message.Message):
@@ -1618,3 +1721,215 @@ class GatewayReloadRequest(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___GatewayReloadRequest: _TypeAlias = GatewayReloadRequest  # noqa: Y015
+
+@_typing.final
+class AccuracyRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    FAMILY_FIELD_NUMBER: _builtins.int
+    INCLUDE_AGENTS_FIELD_NUMBER: _builtins.int
+    TOKEN_FIELD_NUMBER: _builtins.int
+    family: _builtins.str
+    include_agents: _builtins.bool
+    """Each agent's own agreement too."""
+    token: _builtins.str
+    """As in FleetStatusRequest."""
+    def __init__(
+        self,
+        *,
+        family: _builtins.str = ...,
+        include_agents: _builtins.bool = ...,
+        token: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["family", b"family", "include_agents", b"include_agents", "token", b"token"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AccuracyRequest: _TypeAlias = AccuracyRequest  # noqa: Y015
+
+@_typing.final
+class AgreementEstimate(_message.Message):
+    """Audits of one tier (or one agent) in the sliding window: how many, how many agreed with
+    the top tier, the share, and its 95% Wilson interval.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    AUDITS_FIELD_NUMBER: _builtins.int
+    AGREED_FIELD_NUMBER: _builtins.int
+    AGREEMENT_FIELD_NUMBER: _builtins.int
+    LOWER_FIELD_NUMBER: _builtins.int
+    UPPER_FIELD_NUMBER: _builtins.int
+    audits: _builtins.int
+    agreed: _builtins.int
+    agreement: _builtins.float
+    lower: _builtins.float
+    upper: _builtins.float
+    def __init__(
+        self,
+        *,
+        audits: _builtins.int = ...,
+        agreed: _builtins.int = ...,
+        agreement: _builtins.float = ...,
+        lower: _builtins.float = ...,
+        upper: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agreed", b"agreed", "agreement", b"agreement", "audits", b"audits", "lower", b"lower", "upper", b"upper"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AgreementEstimate: _TypeAlias = AgreementEstimate  # noqa: Y015
+
+@_typing.final
+class TierAccuracy(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TIER_FIELD_NUMBER: _builtins.int
+    VARIANTS_FIELD_NUMBER: _builtins.int
+    CALIBRATED_FIELD_NUMBER: _builtins.int
+    LIVE_FIELD_NUMBER: _builtins.int
+    VERDICT_FIELD_NUMBER: _builtins.int
+    ESCALATED_FIELD_NUMBER: _builtins.int
+    tier: Global___Tier.ValueType
+    verdict: _builtins.str
+    """"in line", "drifted" or "too few audits" (see AccuracyReply)."""
+    @_builtins.property
+    def variants(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The variants whose answers were audited on this tier."""
+
+    @_builtins.property
+    def calibrated(self) -> Global___TierCalibration:
+        """What calibration measured here; unset where the family's files record nothing."""
+
+    @_builtins.property
+    def live(self) -> Global___AgreementEstimate:
+        """Unbiased: a random share of the items settled here, asked of the top tier too."""
+
+    @_builtins.property
+    def escalated(self) -> Global___AgreementEstimate:
+        """Biased, kept apart: the unsure items that climbed from here to the top tier anyway,
+        this tier's answer against the top tier's. Reported, never mixed into `live`.
+        """
+
+    def __init__(
+        self,
+        *,
+        tier: Global___Tier.ValueType = ...,
+        variants: _abc.Iterable[_builtins.str] | None = ...,
+        calibrated: Global___TierCalibration | None = ...,
+        live: Global___AgreementEstimate | None = ...,
+        verdict: _builtins.str = ...,
+        escalated: Global___AgreementEstimate | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["calibrated", b"calibrated", "escalated", b"escalated", "live", b"live"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["calibrated", b"calibrated", "escalated", b"escalated", "live", b"live", "tier", b"tier", "variants", b"variants", "verdict", b"verdict"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TierAccuracy: _TypeAlias = TierAccuracy  # noqa: Y015
+
+@_typing.final
+class AgentAccuracy(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    AGENT_FIELD_NUMBER: _builtins.int
+    TIER_FIELD_NUMBER: _builtins.int
+    VARIANT_FIELD_NUMBER: _builtins.int
+    LIVE_FIELD_NUMBER: _builtins.int
+    VERDICT_FIELD_NUMBER: _builtins.int
+    agent: _builtins.str
+    tier: Global___Tier.ValueType
+    variant: _builtins.str
+    verdict: _builtins.str
+    @_builtins.property
+    def live(self) -> Global___AgreementEstimate: ...
+    def __init__(
+        self,
+        *,
+        agent: _builtins.str = ...,
+        tier: Global___Tier.ValueType = ...,
+        variant: _builtins.str = ...,
+        live: Global___AgreementEstimate | None = ...,
+        verdict: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["live", b"live"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent", b"agent", "live", b"live", "tier", b"tier", "variant", b"variant", "verdict", b"verdict"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AgentAccuracy: _TypeAlias = AgentAccuracy  # noqa: Y015
+
+@_typing.final
+class AccuracyReply(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    FAMILY_FIELD_NUMBER: _builtins.int
+    TOP_TIER_FIELD_NUMBER: _builtins.int
+    MARGIN_FIELD_NUMBER: _builtins.int
+    MIN_AUDITS_FIELD_NUMBER: _builtins.int
+    WINDOW_AUDITS_FIELD_NUMBER: _builtins.int
+    WINDOW_S_FIELD_NUMBER: _builtins.int
+    TIERS_FIELD_NUMBER: _builtins.int
+    AGENTS_FIELD_NUMBER: _builtins.int
+    DROPPED_FIELD_NUMBER: _builtins.int
+    SHARE_FIELD_NUMBER: _builtins.int
+    CALIBRATED_TOP_TIER_FIELD_NUMBER: _builtins.int
+    family: _builtins.str
+    top_tier: Global___Tier.ValueType
+    """The tier audits ask: the cloud where it serves the family, else the highest agent tier."""
+    margin: _builtins.float
+    """drifted: the interval's upper bound is below calibrated agreement - margin; in line: its
+    lower bound is at or above it; too few audits: under min_audits, or the interval straddles it.
+    """
+    min_audits: _builtins.int
+    window_audits: _builtins.int
+    """The sliding window: at most this many audits per agent and variant, none older than this."""
+    window_s: _builtins.float
+    dropped: _builtins.int
+    """Audits dropped so far by this router (no spare capacity at the top tier, a full queue,
+    or the top tier failed them), and the audit share in force for the family.
+    """
+    share: _builtins.float
+    calibrated_top_tier: Global___Tier.ValueType
+    """The top tier the family was calibrated against (the highest tier in [tier_accuracy]).
+    Where it is not top_tier (a fleet without the cloud), the calibrated agreement does not
+    apply: the verdicts say "not calibrated".
+    """
+    @_builtins.property
+    def tiers(self) -> _containers.RepeatedCompositeFieldContainer[Global___TierAccuracy]:
+        """Device first; tiers below the top only."""
+
+    @_builtins.property
+    def agents(self) -> _containers.RepeatedCompositeFieldContainer[Global___AgentAccuracy]:
+        """With include_agents: one row per agent and variant, ranked by the upper bound of their
+        interval, highest first, so the agent that is surely worst comes last.
+        """
+
+    def __init__(
+        self,
+        *,
+        family: _builtins.str = ...,
+        top_tier: Global___Tier.ValueType = ...,
+        margin: _builtins.float = ...,
+        min_audits: _builtins.int = ...,
+        window_audits: _builtins.int = ...,
+        window_s: _builtins.float = ...,
+        tiers: _abc.Iterable[Global___TierAccuracy] | None = ...,
+        agents: _abc.Iterable[Global___AgentAccuracy] | None = ...,
+        dropped: _builtins.int = ...,
+        share: _builtins.float = ...,
+        calibrated_top_tier: Global___Tier.ValueType = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agents", b"agents", "calibrated_top_tier", b"calibrated_top_tier", "dropped", b"dropped", "family", b"family", "margin", b"margin", "min_audits", b"min_audits", "share", b"share", "tiers", b"tiers", "top_tier", b"top_tier", "window_audits", b"window_audits", "window_s", b"window_s"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AccuracyReply: _TypeAlias = AccuracyReply  # noqa: Y015

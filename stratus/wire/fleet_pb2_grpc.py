@@ -162,6 +162,11 @@ class FleetStub:
                 request_serializer=stratus_dot_v1_dot_fleet__pb2.RolloutSync.SerializeToString,
                 response_deserializer=stratus_dot_v1_dot_fleet__pb2.RolloutSync.FromString,
                 _registered_method=True)
+        self.Accuracy = channel.unary_unary(
+                '/stratus.v1.Fleet/Accuracy',
+                request_serializer=stratus_dot_v1_dot_fleet__pb2.AccuracyRequest.SerializeToString,
+                response_deserializer=stratus_dot_v1_dot_fleet__pb2.AccuracyReply.FromString,
+                _registered_method=True)
 
 
 class FleetServicer:
@@ -229,6 +234,14 @@ class FleetServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Accuracy(self, request, context):
+        """How well each tier of a family agrees with its top tier now (background audits), beside
+        what calibration measured: is the cascade still as accurate as it was calibrated to be?
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_FleetServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -276,6 +289,11 @@ def add_FleetServicer_to_server(servicer, server):
                     servicer.SyncRollouts,
                     request_deserializer=stratus_dot_v1_dot_fleet__pb2.RolloutSync.FromString,
                     response_serializer=stratus_dot_v1_dot_fleet__pb2.RolloutSync.SerializeToString,
+            ),
+            'Accuracy': grpc.unary_unary_rpc_method_handler(
+                    servicer.Accuracy,
+                    request_deserializer=stratus_dot_v1_dot_fleet__pb2.AccuracyRequest.FromString,
+                    response_serializer=stratus_dot_v1_dot_fleet__pb2.AccuracyReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -522,6 +540,33 @@ class Fleet:
             '/stratus.v1.Fleet/SyncRollouts',
             stratus_dot_v1_dot_fleet__pb2.RolloutSync.SerializeToString,
             stratus_dot_v1_dot_fleet__pb2.RolloutSync.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Accuracy(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/stratus.v1.Fleet/Accuracy',
+            stratus_dot_v1_dot_fleet__pb2.AccuracyRequest.SerializeToString,
+            stratus_dot_v1_dot_fleet__pb2.AccuracyReply.FromString,
             options,
             channel_credentials,
             insecure,

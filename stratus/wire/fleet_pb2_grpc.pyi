@@ -90,6 +90,10 @@ class FleetStub:
     """Start, read, promote or abort a gray release of a candidate variant."""
     SyncRollouts: _grpc.UnaryUnaryMultiCallable[_fleet_pb2.RolloutSync, _fleet_pb2.RolloutSync]
     """Routers of one site exchange rollout state, so every router sends the same shares."""
+    Accuracy: _grpc.UnaryUnaryMultiCallable[_fleet_pb2.AccuracyRequest, _fleet_pb2.AccuracyReply]
+    """How well each tier of a family agrees with its top tier now (background audits), beside
+    what calibration measured: is the cascade still as accurate as it was calibrated to be?
+    """
 
 @_typing.type_check_only
 class FleetAsyncStub(FleetStub):
@@ -113,6 +117,10 @@ class FleetAsyncStub(FleetStub):
     """Start, read, promote or abort a gray release of a candidate variant."""
     SyncRollouts: _aio.UnaryUnaryMultiCallable[_fleet_pb2.RolloutSync, _fleet_pb2.RolloutSync]  # type: ignore[assignment]
     """Routers of one site exchange rollout state, so every router sends the same shares."""
+    Accuracy: _aio.UnaryUnaryMultiCallable[_fleet_pb2.AccuracyRequest, _fleet_pb2.AccuracyReply]  # type: ignore[assignment]
+    """How well each tier of a family agrees with its top tier now (background audits), beside
+    what calibration measured: is the cascade still as accurate as it was calibrated to be?
+    """
 
 class FleetServicer(metaclass=_abc_1.ABCMeta):
     """Operators' view of the fleet. Status and Watch read; Drain changes the fleet."""
@@ -187,6 +195,16 @@ class FleetServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_fleet_pb2.RolloutSync, _abc.Awaitable[_fleet_pb2.RolloutSync]]:
         """Routers of one site exchange rollout state, so every router sends the same shares."""
+
+    @_abc_1.abstractmethod
+    def Accuracy(
+        self,
+        request: _fleet_pb2.AccuracyRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_fleet_pb2.AccuracyReply, _abc.Awaitable[_fleet_pb2.AccuracyReply]]:
+        """How well each tier of a family agrees with its top tier now (background audits), beside
+        what calibration measured: is the cascade still as accurate as it was calibrated to be?
+        """
 
 def add_FleetServicer_to_server(servicer: FleetServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
 

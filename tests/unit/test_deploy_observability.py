@@ -38,6 +38,7 @@ COUNTERS = {
     "stratus_router_rollout_rollbacks",
     "stratus_router_generated_tokens",
     "stratus_generation_tokens",
+    "stratus_router_audits",
 }
 HISTOGRAMS = {
     "stratus_router_request_duration_seconds",
@@ -65,6 +66,11 @@ GAUGES = {
     "stratus_router_family_calibrated_cloud_share",
     "stratus_generation_waiting",
     "stratus_generation_running",
+    "stratus_router_audit_agreement",
+    "stratus_router_audit_agreement_lower",
+    "stratus_router_audit_agreement_upper",
+    "stratus_router_audit_window_audits",
+    "stratus_router_audit_calibrated_agreement",
 }
 # The series names Prometheus stores: counters end in _total; a classic histogram has no series
 # under its own name, only _bucket, _sum and _count.
@@ -344,6 +350,8 @@ def test_dashboard_has_the_panels_operators_need() -> None:
         "generations waiting",
         "work by family and variant",
         "version",
+        "live agreement with the top tier against the calibrated line",
+        "audits by outcome",
     ):
         assert wanted in titles, wanted
 
@@ -380,6 +388,9 @@ def test_family_labelled_panels_follow_the_family_variable() -> None:
         "stratus_generation_tokens_total",
         "stratus_generation_waiting",
         "stratus_generation_queue_seconds_bucket",
+        "stratus_router_audit_agreement",
+        "stratus_router_audit_calibrated_agreement",
+        "stratus_router_audits_total",
     }
     used = 0
     for title, query in queries(load_dashboard()):

@@ -33,13 +33,14 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Final
+from typing import Any, Final
 
 import numpy as np
 import numpy.typing as npt
 
+from stratus.audit_config import TierCalibration
 from stratus.codec import Array
 from stratus.confidence import ConfidenceMethod, confidence
 from stratus.errors import ConfigError
@@ -47,6 +48,7 @@ from stratus.repository import CalibrationRecord, FamilySpec, VariantSpec, write
 from stratus.runtimes import LoadOptions, load_runner
 from stratus.tiers import Tier
 from stratus.tools.calibrate.labelled_data import LabelledData, bundled_data
+from stratus.tools.calibrate.tier_accuracy import describe_figures, tier_figures, write_tier_accuracy
 from stratus.tools.datasets import Split
 
 Floats = npt.NDArray[np.float64]
@@ -64,6 +66,8 @@ class TierScores:
     variant: str
     confidence: Floats
     correct: Bools
+    # Each example's answer (class, or stripped text): agreement with the top tier is read from it.
+    answers: npt.NDArray[Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -200,6 +204,7 @@ def scored(
                 temperature=r.variant.temperature,
             ).astype(np.float64),
             r.outputs.argmax(axis=1) == labels,
+            r.outputs.argmax(axis=1),
         )
         for r in results
     ]
@@ -221,6 +226,8 @@ class Calibration:
     goal: str  # "target_accuracy 0.985" or "max_escalation 0.04", as recorded beside the thresholds
     # What the user should act on (also printed to stderr by the command).
     warnings: tuple[str, ...] = ()
+    # Per tier, the calibration split's items the thresholds settle there ([tier_accuracy]).
+    per_tier: dict[Tier, TierCalibration] = field(default_factory=dict)
 
     def record(self) -> CalibrationRecord:
         """What is written beside the thresholds: the goal, and what they gave where chosen."""
@@ -309,6 +316,7 @@ def choose(
         data=data,
         goal=goal,
         warnings=(warning,) if warning else (),
+        per_tier=tier_figures(scores, chosen),
     )
 
 
@@ -351,14 +359,17 @@ def describe(result: Calibration) -> str:
             f"chosen thresholds: {chosen}",
             _outcome_line("calibration", result.tiers, result.calibration),
             _outcome_line("report", result.tiers, result.held_out),
+            *describe_figures(result.per_tier),
             *(f"warning: {warning}" for warning in result.warnings),
         ]
     )
 
 
 def write(family: FamilySpec, result: Calibration) -> None:
-    """The thresholds, and what they gave on the calibration split (the router's baseline)."""
+    """The thresholds, and what they gave on the calibration split (the router's baseline),
+    and each tier's figures (the audits' calibrated line)."""
     write_thresholds(family.source, result.thresholds, result.record())
+    write_tier_accuracy(family.source, result.per_tier)
 
 
 # ---------------------------------------------------------------------------------------------

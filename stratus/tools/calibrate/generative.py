@@ -101,16 +101,18 @@ def generative_scores(family: FamilySpec, split: Split, cache: Path) -> list[Tie
     scores = []
     for tier in tiers:
         variant, runner = _runnable(family, tier, cache)
-        confidences, correct = [], []
+        confidences, correct, texts = [], [], []
         try:
             for prompt, answer in zip(split.x, split.y, strict=True):
                 tokens = runner.tokens(str(prompt), params)
                 text = "".join(t.text for t in tokens)
                 confidences.append(confidence_of(tokens, family.generation.method))
                 correct.append(text.strip() == str(answer).strip())
+                texts.append(text.strip())
         finally:
             runner.close()
-        scores.append(TierScores(tier, variant.name, np.array(confidences), np.array(correct)))
+        answers = np.array(texts, dtype=object)
+        scores.append(TierScores(tier, variant.name, np.array(confidences), np.array(correct), answers))
     return scores
 
 

@@ -1,0 +1,492 @@
+"""Audits: a random share of the answers settled below a family's top tier, asked of it too.
+
+A tier's confidence threshold was chosen for an accuracy on the calibration split; nothing on
+the request path says whether it still holds (a dirty lens, a shifted input, a bad model file).
+So the router samples items that settled below the family's top tier *by their own confidence*
+(each with probability ``share``, at most ``max_per_s`` a second per family), asks the top tier
+the same question in the background, and compares the two answers: top-1 class for a
+classifier; the text for a generative family (exactly, stripped, or as numbers). Each outcome
+lands in an :class:`~router.agreement.AgreementBook` keyed by (family, tier, variant, agent).
+
+An audit never delays the client (the answer has gone back before it is queued) and never
+displaces client traffic: it waits in a bounded queue (the oldest is dropped when it is full),
+one of ``workers`` background tasks takes it, and it is sent only while the top tier has spare
+capacity: the cloud under ``cloud_spare`` of its links' capacity busy, or a top-tier agent with
+a free slot. Otherwise it is dropped (and counted): audits are the first thing load sheds.
+
+Escalated items give a second sample for free: an unsure item that climbed to the top tier
+anyway carries both answers. That sample is biased (unsure items only) and is kept in a book
+of its own, reported beside the unbiased estimate, never mixed into it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import math
+import random
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Final, Protocol
+
+import numpy as np
+
+from router.agreement import WINDOW_AUDITS, WINDOW_S, AgreementBook, AuditKey, Estimate, total
+from router.cloud_pool import CloudTier
+from router.generate import Generation
+from router.policy import Target, accepts
+from router.registry import FleetRegistry
+from stratus import codec
+from stratus.audit_config import EXACT, NUMBER
+from stratus.errors import ConfigError, StratusError
+from stratus.generation import Chunk
+from stratus.metrics import Metric, RouterMetrics, gauge
+from stratus.tensors import Tensors
+from stratus.tiers import Tier
+from stratus.wire import fleet_pb2 as fpb
+from stratus.wire import inference_pb2 as pb
+
+if TYPE_CHECKING:
+    from router.dataplane import Answer, Job
+
+log = logging.getLogger("stratus.audit")
+
+AGREED: Final = "agreed"
+DISAGREED: Final = "disagreed"
+DROPPED: Final = "dropped"
+# Agents of the top tier drawn when looking for one with a free slot (a bounded look, whatever
+# the tier's size).
+DRAWS: Final = 4
+
+
+@dataclass(frozen=True, kw_only=True)
+class AuditPolicy:
+    """The router's audit settings; a family's ``[audit]`` overrides share and max_per_s."""
+
+    share: float = 0.01
+    max_per_s: float = 10.0
+    queue_limit: int = 256
+    workers: int = 2
+    # Audits go to the cloud only while fewer than this share of its capacity is in flight.
+    cloud_spare: float = 0.25
+    timeout_s: float = 5.0
+    # An audit that waited longer than this is dropped: it would describe a stale fleet.
+    max_wait_s: float = 10.0
+    window_audits: int = WINDOW_AUDITS
+    window_s: float = WINDOW_S
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.share <= 1.0 or not 0.0 < self.cloud_spare <= 1.0:
+            raise ConfigError("--audit-share and the cloud's spare share lie between 0 and 1")
+        if self.max_per_s < 0 or self.queue_limit < 1 or self.workers < 1 or self.timeout_s <= 0:
+            raise ConfigError("--audit-max-per-s must not be negative; audits need a queue and a worker")
+
+
+class TokenBucket:
+    """At most ``rate`` takes a second on average, ``max(1, rate)`` at once."""
+
+    def __init__(self, rate: float, clock: Callable[[], float]) -> None:
+        self.rate = rate
+        self.burst = max(1.0, rate) if rate > 0 else 0.0
+        self._tokens = self.burst
+        self._clock = clock
+        self._at = clock()
+
+    def take(self) -> bool:
+        now = self._clock()
+        self._tokens = min(self.burst, self._tokens + (now - self._at) * self.rate)
+        self._at = now
+        if self._tokens < 1.0:
+            return False
+        self._tokens -= 1.0
+        return True
+
+
+class Sampler:
+    """Which items are audited: each with probability ``share``, and per family no more than
+    its bucket lets through (the bucket follows a family's rate when it changes)."""
+
+    def __init__(self, *, rng: random.Random, clock: Callable[[], float]) -> None:
+        self._rng = rng
+        self._clock = clock
+        self._buckets: dict[str, TokenBucket] = {}
+
+    def draw(self, family: str, share: float, max_per_s: float) -> bool:
+        if share <= 0.0 or self._rng.random() >= share:
+            return False
+        bucket = self._buckets.get(family)
+        if bucket is None or bucket.rate != max_per_s:
+            bucket = self._buckets[family] = TokenBucket(max_per_s, self._clock)
+        return bucket.take()
+
+
+def same_text(lower: str, top: str) -> bool:
+    return lower.strip() == top.strip()
+
+
+def same_number(lower: str, top: str) -> bool:
+    """Equal as numbers ("85" and "85.0"); text that is not a number must match exactly."""
+    try:
+        return math.isclose(float(lower.strip()), float(top.strip()), rel_tol=1e-9, abs_tol=1e-12)
+    except ValueError:
+        return same_text(lower, top)
+
+
+COMPARATORS: Final[dict[str, Callable[[str, str], bool]]] = {EXACT: same_text, NUMBER: same_number}
+
+
+def top1(tensors: Tensors, output: str) -> np.ndarray[Any, Any] | None:
+    """Each item's highest-scoring class in ``output``; None where it holds no scores."""
+    if output not in tensors.names():
+        return None
+    raw = tensors.get(output)
+    if not raw.fixed_size or len(raw.shape) < 2 or not raw.items:
+        return None
+    values = np.frombuffer(raw.data, dtype=codec.numpy_dtype(raw.datatype))
+    best: np.ndarray[Any, Any] = values.reshape(raw.shape[0], -1).argmax(axis=1)
+    return best
+
+
+@dataclass(frozen=True, kw_only=True)
+class Audit:
+    """One lower tier's answer waiting to be asked of the top tier: a classifier's items (with
+    the classes the lower tier chose), or a prompt (with the text it gave)."""
+
+    key: AuditKey
+    top: Tier
+    queued_at: float
+    inputs: Tensors | None = None
+    output: str = ""
+    classes: tuple[int, ...] = ()
+    prompt: pb.ModelInferRequest | None = None
+    text: str = ""
+    compare: str = EXACT
+
+    @property
+    def items(self) -> int:
+        return len(self.classes) if self.inputs is not None else 1
+
+
+class CascadeView(Protocol):
+    """What an audit reads of a classifier request's climb (``router.dataplane._Cascade``)."""
+
+    job: Job
+    answers: list[Answer]
+    best: dict[int, tuple[Answer, int]]
+    sent: list[list[int]]  # per answer, the items its rows stand for
+
+
+@dataclass
+class Auditor:
+    """Samples settled answers, audits them in the background, keeps the agreement books."""
+
+    registry: FleetRegistry
+    cloud: CloudTier | None
+    policy: AuditPolicy = field(default_factory=AuditPolicy)
+    metrics: RouterMetrics | None = None
+    rng: random.Random = field(default_factory=random.Random)
+    clock: Callable[[], float] = time.monotonic
+    dropped: int = 0
+
+    def __post_init__(self) -> None:
+        self.book = self._new_book()  # the unbiased estimate
+        self.escalated = self._new_book()  # the biased sample escalations carry, kept apart
+        self.sampler = Sampler(rng=self.rng, clock=self.clock)
+        self._queue: deque[Audit] = deque()
+        self._wakeup = asyncio.Event()
+        self._workers: list[asyncio.Task[None]] = []
+        self._ids = itertools.count(1)
+
+    def _new_book(self) -> AgreementBook:
+        policy = self.policy
+        return AgreementBook(max_audits=policy.window_audits, max_age_s=policy.window_s, clock=self.clock)
+
+    # -- life --------------------------------------------------------------------------------
+    def start(self) -> None:
+        self._workers = [
+            asyncio.create_task(self._work(), name=f"stratus-audit-{i}") for i in range(self.policy.workers)
+        ]
+
+    async def close(self) -> None:
+        """Cancel the workers (an audit in flight is abandoned) and wait for them."""
+        for worker in self._workers:
+            worker.cancel()
+        await asyncio.gather(*self._workers, return_exceptions=True)
+        self._workers = []
+        self._queue.clear()
+
+    @property
+    def queued(self) -> int:
+        return len(self._queue)
+
+    # -- what a family asks for ------------------------------------------------------------------
+    def top_of(self, family: str) -> Tier | None:
+        """The tier audits ask: the cloud where it serves the family, else its highest agent tier."""
+        if self.cloud is not None and self.cloud.models.get(family, False):
+            return Tier.CLOUD
+        tiers = self.registry.index.tiers(family)
+        return max(tiers) if tiers else None
+
+    def calibrated_lines(self, info: fpb.FamilyInfo) -> dict[Tier, float]:
+        """Each tier's calibrated agreement, where it was measured against the tier audits ask
+        now: a fleet without the cloud audits against the edge, which calibration did not."""
+        top = calibrated_top(info)
+        if top is None or top != self.top_of(info.name):
+            return {}
+        return {
+            Tier.parse(name): figures.agreement
+            for name, figures in info.calibrated.items()
+            if figures.HasField("agreement")
+        }
+
+    def share_of(self, info: fpb.FamilyInfo) -> float:
+        return info.audit.share if info.audit.HasField("share") else self.policy.share
+
+    def rate_of(self, info: fpb.FamilyInfo) -> float:
+        return info.audit.max_per_s if info.audit.HasField("max_per_s") else self.policy.max_per_s
+
+    # -- offered by the cascades, after the client's answer is built -----------------------------
+    def classified(self, view: CascadeView) -> None:
+        """Sample the items of a classifier request that settled below the top tier."""
+        family = view.job.family
+        info = self.registry.family(family)
+        top = self.top_of(family)
+        if info is None or info.kind == "generative" or not info.outputs or top is None:
+            return
+        output = info.outputs[0].name
+        self._note_climbs(view, top, output)
+        chosen = self._sampled_items(view, info, top, output)
+        for answer, pairs in chosen.values():
+            classes = top1(answer.outputs, output)
+            if classes is None:
+                continue
+            self._enqueue(
+                Audit(
+                    key=AuditKey(family, answer.tier, answer.variant, answer.agent),
+                    top=top,
+                    queued_at=self.clock(),
+                    inputs=view.job.inputs.take([item for item, _ in pairs]),
+                    output=output,
+                    classes=tuple(int(classes[row]) for _, row in pairs),
+                )
+            )
+
+    def _sampled_items(
+        self, view: CascadeView, info: fpb.FamilyInfo, top: Tier, output: str
+    ) -> dict[int, tuple[Answer, list[tuple[int, int]]]]:
+        """(item, row) pairs drawn for audit, grouped by the answer that settled them."""
+        thresholds = self.registry.thresholds(info.name)
+        share, rate = self.share_of(info), self.rate_of(info)
+        chosen: dict[int, tuple[Answer, list[tuple[int, int]]]] = {}
+        if share <= 0.0:
+            return chosen
+        for item, (answer, row) in sorted(view.best.items()):
+            own = accepts(answer.confidences[row], answer.tier, thresholds=thresholds, min_confidence=None)
+            if answer.tier >= top or not own or output not in answer.outputs.names():
+                continue
+            if self.sampler.draw(info.name, share, rate):
+                chosen.setdefault(id(answer), (answer, []))[1].append((item, row))
+        return chosen
+
+    def _note_climbs(self, view: CascadeView, top: Tier, output: str) -> None:
+        """The free, biased sample: an unsure item's lower answer against the top tier's."""
+        classes: dict[int, np.ndarray[Any, Any] | None] = {}
+
+        def of(answer: Answer) -> np.ndarray[Any, Any] | None:
+            if id(answer) not in classes:
+                classes[id(answer)] = top1(answer.outputs, output)
+            return classes[id(answer)]
+
+        for answer, items in zip(view.answers, view.sent, strict=False):
+            for row, item in enumerate(items):
+                final, final_row = view.best[item]
+                if answer.tier >= top or final is answer or final.tier != top:
+                    continue
+                mine, theirs = of(answer), of(final)
+                if mine is not None and theirs is not None:
+                    key = AuditKey(view.job.family, answer.tier, answer.variant, answer.agent)
+                    self.escalated.add(key, bool(mine[row] == theirs[final_row]))
+
+    def generated(
+        self,
+        info: fpb.FamilyInfo,
+        prompt: pb.ModelInferRequest,
+        result: Generation,
+        climbed: Sequence[Generation],
+    ) -> None:
+        """Sample a generative answer settled below the top tier (and note the climbs)."""
+        top = self.top_of(info.name)
+        compare = info.audit.compare or EXACT
+        if top is None:
+            return
+        if result.tier == top and not result.degraded:
+            self._note_generated_climbs(info.name, result, climbed, COMPARATORS.get(compare, same_text))
+        threshold = info.thresholds.get(result.tier.label)
+        own = threshold is None or result.confidence >= threshold
+        if result.tier >= top or result.degraded or not own:
+            return
+        if self.sampler.draw(info.name, self.share_of(info), self.rate_of(info)):
+            asked = pb.ModelInferRequest()
+            asked.CopyFrom(prompt)
+            asked.model_name = info.name
+            self._enqueue(
+                Audit(key=_key(info.name, result), top=top, queued_at=self.clock(), prompt=asked,
+                      text=result.text, compare=compare)
+            )  # fmt: skip
+
+    def _note_generated_climbs(
+        self, family: str, result: Generation, climbed: Sequence[Generation], same: Callable[[str, str], bool]
+    ) -> None:
+        """The biased sample: each whole unsure answer that climbed, against the top tier's."""
+        for lower in climbed:
+            if lower.tier < result.tier and lower.finish_reason != "cancelled":
+                self.escalated.add(_key(family, lower), same(lower.text, result.text))
+
+    # -- the background -----------------------------------------------------------------------------
+    def _enqueue(self, audit: Audit) -> None:
+        if len(self._queue) >= self.policy.queue_limit:
+            self._drop(self._queue.popleft(), "the audit queue is full")
+        self._queue.append(audit)
+        self._wakeup.set()
+
+    async def _next(self) -> Audit:
+        while not self._queue:
+            self._wakeup.clear()
+            await self._wakeup.wait()
+        return self._queue.popleft()
+
+    async def _work(self) -> None:
+        while True:
+            audit = await self._next()
+            if self.clock() - audit.queued_at > self.policy.max_wait_s:
+                self._drop(audit, "it waited too long")
+                continue
+            target = self._spare(audit)
+            if target is None:
+                self._drop(audit, f"the {audit.top.label} tier has no spare capacity")
+                continue
+            try:
+                await self._audit(audit, target)
+            except StratusError as exc:
+                self._drop(audit, f"the {audit.top.label} tier failed it: {exc}")
+            except Exception:  # a bug: said, and the worker outlives it
+                log.exception("an audit of %s failed", audit.key.family)
+                self._drop(audit, "an unexpected error")
+
+    def _spare(self, audit: Audit) -> Target | None:
+        """Where the audit may go now without taking room from client work; None: nowhere."""
+        if audit.top is Tier.CLOUD:
+            cloud = self.cloud
+            room = cloud is not None and cloud.available
+            if cloud is None or not room or cloud.in_flight + 1 > cloud.capacity * self.policy.cloud_spare:
+                return None
+            return Target(tier=Tier.CLOUD, agent_id=None)
+        pool = self.registry.index.pools(audit.key.family).get(audit.top, ())
+        drawn = [pool[self.rng.randrange(len(pool))] for _ in range(DRAWS)] if len(pool) > DRAWS else pool
+        idle = [a for a in drawn if a.ready and a.in_flight < a.capacity]  # a slot is free
+        return Target(tier=audit.top, agent_id=min(idle, key=lambda a: a.in_flight).id) if idle else None
+
+    async def _audit(self, audit: Audit, target: Target) -> None:
+        if audit.inputs is not None:
+            classes = await self._classes(audit, target)
+            if classes is None or len(classes) != audit.items:
+                self._drop(audit, "the top tier's answer holds no classes to compare")
+                return
+            for mine, theirs in zip(audit.classes, classes, strict=True):
+                self._record(audit.key, mine == int(theirs))
+            return
+        text = await self._text(audit, target)
+        self._record(audit.key, COMPARATORS.get(audit.compare, same_text)(audit.text, text))
+
+    async def _classes(self, audit: Audit, target: Target) -> np.ndarray[Any, Any] | None:
+        assert audit.inputs is not None
+        family = audit.key.family
+        if target.agent_id is None:
+            assert self.cloud is not None
+            request = pb.ModelInferRequest(model_name=family, id=f"audit-{next(self._ids)}")
+            request.outputs.add(name=audit.output)
+            audit.inputs.write_request(request)
+            response = await self.cloud.infer(request, timeout_s=self.policy.timeout_s)
+            return top1(Tensors.from_response(response), audit.output)
+        handle = self.registry.agents[target.agent_id]
+        part = await self.registry.submit(
+            handle,
+            audit.inputs,
+            variant=family,
+            outputs=(audit.output,),
+            budget_ms=self.policy.timeout_s * 1000,
+        )
+        return top1(part.outputs, audit.output)
+
+    async def _text(self, audit: Audit, target: Target) -> str:
+        assert audit.prompt is not None
+        parts: list[str] = []
+        if target.agent_id is None:
+            assert self.cloud is not None
+
+            async def on_chunk(chunk: Chunk) -> None:
+                parts.append(chunk.text)
+
+            await self.cloud.generate(audit.prompt, on_chunk, timeout_s=self.policy.timeout_s)
+            return "".join(parts)
+        handle = self.registry.agents[target.agent_id]
+        await self.registry.generate(
+            handle,
+            audit.prompt,
+            budget_ms=self.policy.timeout_s * 1000,
+            on_chunk=lambda c: parts.append(c.text),
+        )
+        return "".join(parts)
+
+    # -- what was learnt -----------------------------------------------------------------------------
+    def _record(self, key: AuditKey, agreed: bool) -> None:
+        self.book.add(key, agreed)
+        if self.metrics is not None:
+            self.metrics.audits.labels(key.family, key.tier.label, AGREED if agreed else DISAGREED).inc()
+
+    def _drop(self, audit: Audit, why: str) -> None:
+        self.dropped += audit.items
+        log.debug("audit of %s (%s) dropped: %s", audit.key.family, audit.key.agent, why)
+        if self.metrics is not None:
+            self.metrics.audits.labels(audit.key.family, audit.key.tier.label, DROPPED).inc(audit.items)
+
+
+def calibrated_top(info: fpb.FamilyInfo) -> Tier | None:
+    """The top tier the family's figures were calibrated against: the highest one they list."""
+    tiers = [Tier.parse(name) for name in info.calibrated]
+    return max(tiers) if tiers else None
+
+
+def _key(family: str, answer: Generation) -> AuditKey:
+    return AuditKey(family, answer.tier, answer.variant, answer.agent)
+
+
+def audit_levels(auditor: Auditor) -> list[Metric]:
+    """What Prometheus reads at each scrape: per (family, tier, variant), the live agreement
+    with its Wilson bounds and the audits behind it; per (family, tier), the calibrated line."""
+    grouped: dict[tuple[str, str, str], list[Estimate]] = {}
+    for key, estimate in auditor.book.estimates().items():
+        grouped.setdefault((key.family, key.tier.label, key.variant), []).append(estimate)
+    rows = [(list(labels), total(estimates)) for labels, estimates in sorted(grouped.items())]
+    labels = ["family", "tier", "variant"]
+    calibrated = [
+        ([name, tier.label], line)
+        for name, info in sorted(auditor.registry.families.items())
+        for tier, line in sorted(auditor.calibrated_lines(info).items())
+    ]
+    return [
+        gauge("stratus_router_audit_agreement", "Share of audited items a tier answered as the top tier did, "
+              "over the audit window.", labels, [(k, e.agreement) for k, e in rows]),
+        gauge("stratus_router_audit_agreement_lower", "Lower bound of the audit agreement's 95% Wilson interval.",
+              labels, [(k, e.interval[0]) for k, e in rows]),
+        gauge("stratus_router_audit_agreement_upper", "Upper bound of the audit agreement's 95% Wilson interval.",
+              labels, [(k, e.interval[1]) for k, e in rows]),
+        gauge("stratus_router_audit_window_audits", "Audits behind the agreement estimate (the window's).",
+              labels, [(k, float(e.audits)) for k, e in rows]),
+        gauge("stratus_router_audit_calibrated_agreement", "A tier's agreement with the top tier on the "
+              "calibration split ([tier_accuracy] in family.toml), where audits ask that top tier.",
+              ["family", "tier"], calibrated),
+    ]  # fmt: skip
