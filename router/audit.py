@@ -35,8 +35,8 @@ from typing import TYPE_CHECKING, Any, Final, Protocol
 import numpy as np
 
 from router.agreement import WINDOW_AUDITS, WINDOW_S, AgreementBook, AuditKey, Estimate, total
+from router.cascade.generate import Generation
 from router.cloud_pool import CloudTier
-from router.generate import Generation
 from router.policy import Target, accepts
 from router.registry import FleetRegistry
 from stratus import codec

@@ -18,9 +18,9 @@ from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from router.cascade.generate import Generation, GenerationCascade, Sink
 from router.cloud_models import family_of
 from router.cloud_pool import CloudTier
-from router.generate import Generation, GenerationCascade, Sink
 from router.index import line_key
 from router.policy import Attempt, CloudView, FleetSnapshot, NoTarget, Target, choose, settled, top_tier
 from router.registry import FleetRegistry

@@ -2,7 +2,7 @@
 
 Served with aiohttp on the router's own event loop (``stratus router --openai HOST:PORT``),
 in the shapes vLLM uses, so the ``openai`` SDK works unchanged. Requests go through the
-same generation cascade as Open Inference Protocol ones (:mod:`router.generate`): a lower
+same generation cascade as Open Inference Protocol ones (:mod:`router.cascade.generate`): a lower
 tier's answer is held until accepted, the final tier streams straight through (SSE,
 ``data: [DONE]`` at the end), and a client that goes away cancels the generation on the
 agent running it.
@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any, Final
 
 from aiohttp import web
 
-from router.generate import Generation
+from router.cascade.generate import Generation
 from router.openai_replies import Reply, model_entry
 from router.openai_requests import oip_request, options_of, prompts_of, settings_of, usage_asked
 from stratus.errors import (

@@ -12,7 +12,7 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
-from router.generate import Generation
+from router.cascade.generate import Generation
 from stratus.generation import Chunk
 
 

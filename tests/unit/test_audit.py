@@ -20,10 +20,10 @@ from router.audit import (
     same_number,
     same_text,
 )
+from router.cascade.generate import Generation
 from router.cloud import CloudLink, OnChunk
 from router.cloud_pool import CloudPool
 from router.dataplane import Answer, Job
-from router.generate import Generation
 from router.registry import FleetRegistry
 from stratus import codec
 from stratus.errors import ConfigError

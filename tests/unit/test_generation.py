@@ -230,7 +230,7 @@ def test_the_confidence_of_a_cut_answer_is_of_the_tokens_kept() -> None:
 def test_the_router_cuts_a_tier_that_ignores_a_stop_string_and_judges_what_it_kept() -> None:
     """A foreign cloud may generate past a stop string: the router's own cut shows none of
     it, counts every token the tier made, and judges the confidence on the tokens kept."""
-    from router.generate import _Arriving
+    from router.cascade.generate import _Arriving
 
     answer = _Arriving(running=RunningConfidence(GenerationMethod.MIN_LOGPROB), cut=StopCut(["48"]))
     pieces = [("1", -0.1), ("4", -0.2), ("8", -3.0), ("7", -4.0)]
