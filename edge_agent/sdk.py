@@ -35,6 +35,7 @@ import numpy as np
 
 from stratus import codec
 from stratus.codec import Array
+from stratus.confidence import threshold_for
 from stratus.discovery import discover_all
 from stratus.errors import ConfigError, StratusError, Unavailable
 from stratus.local import LocalModels, LocalSettings
@@ -91,9 +92,7 @@ class _Local:
 
     def unsure(self, min_confidence: float | None) -> Array:
         """Indices of the items this tier's answer does not settle."""
-        threshold = (
-            min_confidence if min_confidence is not None else self.family.thresholds.get(self.variant.tier)
-        )
+        threshold = threshold_for(self.variant.tier, self.family.thresholds, min_confidence)  # the router's rule
         if threshold is None:
             return np.empty(0, dtype=np.int64)
         return np.flatnonzero(self.confidences < threshold)

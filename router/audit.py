@@ -37,10 +37,11 @@ import numpy as np
 from router.agreement import WINDOW_AUDITS, WINDOW_S, AgreementBook, AuditKey, Estimate, total
 from router.cascade.generate import Generation
 from router.cloud_pool import CloudTier
-from router.policy import Target, accepts
+from router.policy import Target
 from router.registry import FleetRegistry
 from stratus import codec
 from stratus.audit_config import EXACT, NUMBER
+from stratus.confidence import accepts
 from stratus.errors import ConfigError, StratusError
 from stratus.generation import Chunk
 from stratus.metrics import Metric, RouterMetrics, gauge
@@ -50,7 +51,7 @@ from stratus.wire import fleet_pb2 as fpb
 from stratus.wire import inference_pb2 as pb
 
 if TYPE_CHECKING:
-    from router.dataplane import Answer, Job
+    from router.cascade.classify import Answer, Job
 
 log = logging.getLogger("stratus.audit")
 
@@ -171,7 +172,7 @@ class Audit:
 
 
 class CascadeView(Protocol):
-    """What an audit reads of a classifier request's climb (``router.dataplane._Cascade``)."""
+    """What an audit reads of a classifier request's climb (``router.cascade.classify.ClassifyCascade``)."""
 
     job: Job
     answers: list[Answer]

@@ -10,22 +10,22 @@ can answer in time, the best answer so far is returned marked ``stratus.degraded
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import random
 import time
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
+from typing import TYPE_CHECKING, Any
 
+from router.cascade.classify import ClassifyCascade, Job
+from router.cascade.common import pinned_options, request_budget
 from router.cascade.generate import Generation, GenerationCascade, Sink
 from router.cloud_models import family_of
 from router.cloud_pool import CloudTier
-from router.index import line_key
-from router.policy import Attempt, CloudView, FleetSnapshot, NoTarget, Target, choose, settled, top_tier
+from router.obs import observer_for
+from router.policy import CloudView, FleetSnapshot
 from router.registry import FleetRegistry
-from router.rollout import PROMOTED, Plan, Rollouts, top1
-from stratus.errors import DeadlineExceeded, NotFound, Overloaded, StratusError, Unavailable
+from router.rollout import PROMOTED, Rollouts
+from stratus.errors import NotFound, Overloaded, StratusError
 from stratus.generation import FINAL, FINISH_REASON, Chunk
 from stratus.local import model_config
 from stratus.local_generation import (
@@ -37,24 +37,15 @@ from stratus.local_generation import (
 )
 from stratus.metrics import UNKNOWN, RouterMetrics
 from stratus.protocol import (
-    COMPUTE_MS,
-    CONFIDENCE,
     CONFIG_CURRENT,
     CONFIG_VARIANTS,
     MODEL_VERSION,
-    PRECISION,
-    QUEUE_MS,
-    VARIANT,
     RequestOptions,
     Served,
-    held_reason,
-    parameter_value,
-    reported_ms,
     set_parameter,
 )
 from stratus.repository import FamilySpec, TensorSpec
 from stratus.serving import DataPlane
-from stratus.status import status_code
 from stratus.tensors import Tensors, answer_raw, check_inputs, check_request_metadata, requested_outputs
 from stratus.tiers import Tier
 from stratus.wire import fleet_pb2 as fpb
@@ -64,46 +55,6 @@ if TYPE_CHECKING:
     from router.audit import Auditor
 
 log = logging.getLogger("stratus.router")
-
-# Errors after which another agent (or tier) may still succeed, within what budget is left.
-_RETRYABLE = (Unavailable, Overloaded, DeadlineExceeded)
-
-
-@dataclass(frozen=True, kw_only=True)
-class Answer:
-    """One tier's answer for the items it was sent."""
-
-    tier: Tier
-    agent: str
-    variant: str
-    outputs: Tensors
-    confidences: tuple[float, ...]
-    elapsed_ms: float
-    precision: str = ""  # of the variant that answered, where it is known
-    queue_ms: float = 0.0  # of elapsed_ms, waiting for a slot (where the tier said so)
-    compute_ms: float = 0.0  # ... and running in a runtime
-
-
-@dataclass(frozen=True, kw_only=True)
-class Job:
-    """One client request, checked and converted once at the boundary."""
-
-    id: str
-    asked_for: str  # the model name the client used
-    family: str
-    pinned: str | None
-    label: str  # the family its metrics count it under (a variant only the cloud serves: its family's)
-    options: RequestOptions
-    inputs: Tensors
-    outputs: tuple[str, ...]  # requested outputs; empty: all
-    raw: bool  # answer with raw buffers (else typed contents, as the client sent)
-    budget_ms: float
-    started: float
-
-    @property
-    def model(self) -> str:
-        """What agents and the cloud are asked to run."""
-        return self.pinned or self.family
 
 
 class RouterDataPlane(DataPlane):
@@ -120,7 +71,7 @@ class RouterDataPlane(DataPlane):
         rollouts: Rollouts | None = None,
         audits: Auditor | None = None,
     ) -> None:
-        self.metrics = metrics
+        self.observer = observer_for(metrics)  # every metric the request path records
         self.audits = audits  # samples settled answers for the top tier to check (router/audit.py)
         self.rollouts = rollouts or Rollouts(router_id="router")
         self._shadows: set[asyncio.Task[None]] = set()
@@ -131,7 +82,7 @@ class RouterDataPlane(DataPlane):
         self.registry = registry
         self.cloud = cloud
         self.fail_without_cloud = fail_without_cloud
-        self._rng = rng or random.Random()
+        self.rng = rng or random.Random()
         self._clock = clock
         self._specs: dict[str, tuple[fpb.FamilyInfo, FamilySpec]] = {}
 
@@ -289,17 +240,19 @@ class RouterDataPlane(DataPlane):
         prompt, params = read_generation(request, family, info.max_tokens or 1)
         checked = prompt_request(pinned or family, request.id, prompt, params)
         if pinned is not None:  # a pinned variant runs exactly there, on its own tier only
-            options = _pinned_options(options, self.registry.index.tiers(pinned))
+            options = pinned_options(options, self.registry.index.tiers(pinned))
         label = self._family_label(request.model_name)
-        if sink is not None and self.metrics is not None:
+        if sink is not None:
             sink = self._timing_first_text(sink, label, started)
         if self.active >= self.max_requests:
             raise Overloaded(f"router request queue is full: {self.max_requests} requests in flight")
         self.active += 1
         try:
-            budget = _budget(options.budget_ms, timeout_s)
+            budget = request_budget(options.budget_ms, timeout_s)
             stops = params.stopping_also_at(info.stop).stop
-            cascade = GenerationCascade(self, info, checked, options, budget, started, sink, stops=stops)
+            cascade = GenerationCascade(
+                self, info, checked, options, budget, started, sink, stops=stops, label=label
+            )
             result = await cascade.run()
         except StratusError as exc:
             self._count_refusal(label, exc)
@@ -320,26 +273,21 @@ class RouterDataPlane(DataPlane):
 
         async def timed(chunk: Chunk) -> None:
             nonlocal seen
-            if not seen and chunk.text and self.metrics is not None:
+            if not seen and chunk.text:
                 seen = True
-                self.metrics.first_text.labels(family).observe(self._clock() - started)
+                self.observer.first_text(family, self._clock() - started)
             await sink(chunk)
 
         return timed
 
     def _count_generation(self, family: str, result: Generation) -> None:
         """Tokens each tier made, answered or discarded; escalations and each tier's time."""
-        if self.metrics is None:
-            return
         for tier, made in result.generated.items():
             answered = len(result.tokens) if tier is result.tier else 0
             for fate, count in (("answered", answered), ("discarded", made - answered)):
-                if count > 0:
-                    self.metrics.generated_tokens.labels(family, tier.label, fate).inc(count)
-        for lower, higher in itertools.pairwise(result.path):
-            self.metrics.escalations.labels(family, lower.label, higher.label, "unsure").inc()
+                self.observer.tokens(family, tier, fate, count)
         for tier, ms in result.timings_ms.items():
-            self.metrics.tier_duration.labels(family, tier.label).observe(ms / 1000.0)
+            self.observer.tier_time(family, tier, ms)
 
     async def _infer_text(
         self, request: pb.ModelInferRequest, timeout_s: float | None
@@ -384,7 +332,7 @@ class RouterDataPlane(DataPlane):
                 raise Overloaded(f"router request queue is full: {self.max_requests} requests in flight")
             self.active += 1
             try:
-                cascade = _Cascade(self, self._job(request, timeout_s))
+                cascade = ClassifyCascade(self, self._job(request, timeout_s))
                 response = await cascade.run()
             finally:
                 self.active -= 1
@@ -397,15 +345,10 @@ class RouterDataPlane(DataPlane):
         return response
 
     def _count_refusal(self, family: str, exc: StratusError) -> None:
-        if self.metrics is not None:
-            reason = status_code(exc).name.lower()
-            self.metrics.requests.labels(family, "none", reason).inc()
-            self.metrics.refusals.labels(reason).inc()
+        self.observer.refused(family, exc)
 
     def _count_answer(self, family: str, tier: str, degraded: bool, started: float) -> None:
-        if self.metrics is not None:
-            self.metrics.requests.labels(family, tier, "degraded" if degraded else "ok").inc()
-            self.metrics.duration.labels(family).observe(self._clock() - started)
+        self.observer.answered(family, tier, degraded=degraded, seconds=self._clock() - started)
 
     def _family_label(self, name: str) -> str:
         """The family a request names, or "unknown": metric labels stay a bounded set. A
@@ -444,7 +387,7 @@ class RouterDataPlane(DataPlane):
             inputs=inputs,
             outputs=tuple(outputs) if request.outputs else (),
             raw=answer_raw(request, datatypes),
-            budget_ms=_budget(options.budget_ms, timeout_s),
+            budget_ms=request_budget(options.budget_ms, timeout_s),
             started=started,
         )
 
@@ -458,370 +401,21 @@ class RouterDataPlane(DataPlane):
             )
         return self.registry.snapshot(model, cloud)
 
-    async def dispatch(
-        self, target: Target, job: Job, items: Tensors, remaining_ms: float, *, model: str | None = None
-    ) -> Answer:
-        """Send items to the chosen agent or to the cloud; the answer holds one row per item.
+    def now(self) -> float:
+        return self._clock()
 
-        ``model`` is what the agent is asked for when it is not the job's own (a rollout's
-        line key)."""
-        started = self._clock()
-        if target.agent_id is None:
-            return await self._ask_cloud(job, items, remaining_ms, started)
-        handle = self.registry.agents[target.agent_id]
-        part = await self.registry.submit(
-            handle, items, variant=model or job.model, outputs=job.outputs, budget_ms=remaining_ms
-        )
-        return Answer(
-            tier=target.tier,
-            agent=handle.id,
-            variant=part.variant,
-            outputs=part.outputs,
-            confidences=part.confidences,
-            elapsed_ms=(self._clock() - started) * 1000.0,
-            precision=handle.precision_of(part.variant),
-            queue_ms=part.queue_ms,
-            compute_ms=part.service_ms,
-        )
-
-    # -- gray release ----------------------------------------------------------------------
-    def candidate_target(self, plan: Plan, attempt: Attempt) -> Target | None:
-        """An agent of the rollout's tier that serves its candidate and can take the items."""
-        key = line_key(plan.candidate)
-        narrowed = Attempt(
-            model=key,
-            remaining_ms=attempt.remaining_ms,
-            items=attempt.items,
-            min_tier=plan.tier,
-            max_tier=plan.tier,
-            exclude=attempt.exclude,
-        )
-        target = choose(narrowed, self.snapshot(key), self._rng)
-        return None if isinstance(target, NoTarget) else target
-
-    def record_arm(
-        self, plan: Plan, *, candidate: bool, answer: Answer | None, accepted: Sequence[bool], items: int
-    ) -> None:
-        latency = answer.elapsed_ms if answer is not None else 0.0
-        unsure = sum(1 for ok in accepted if not ok)
-        self.rollouts.record(
-            plan, candidate=candidate, ok=answer is not None, latency_ms=latency, items=items, unsure=unsure
-        )
-        if self.metrics is not None:
-            arm = "candidate" if candidate else "current"
-            outcome = "ok" if answer is not None else "error"
-            self.metrics.rollout_requests.labels(plan.family, plan.tier.label, arm, outcome).inc()
-
-    def shadow(self, plan: Plan, job: Job, attempt: Attempt, items: Tensors, answer: Answer) -> None:
-        """Mirror items the current variant answered to the candidate, in the background;
-        its answers are only compared (top-1 agreement), never returned."""
-        target = self.candidate_target(plan, attempt)
-        if target is None or len(self._shadows) >= MAX_SHADOWS:
-            return
-
-        async def mirror() -> None:
-            try:
-                budget_ms = attempt.remaining_ms or DEFAULT_BUDGET_MS
-                mirrored = await self.dispatch(target, job, items, budget_ms, model=line_key(plan.candidate))
-            except StratusError:
-                return
-            mine, theirs = top1(answer.outputs), top1(mirrored.outputs)
-            if mine is not None and theirs is not None and mine.shape == theirs.shape:
-                self.rollouts.record_shadow(plan, int((mine == theirs).sum()), len(mine))
-
-        task = asyncio.create_task(mirror(), name="stratus-shadow")
+    def background(self, work: Callable[[], Coroutine[Any, Any, None]]) -> bool:
+        """Run ``work`` beside the requests (a shadow), at most MAX_SHADOWS at once."""
+        if len(self._shadows) >= MAX_SHADOWS:
+            return False
+        task = asyncio.create_task(work(), name="stratus-shadow")
         self._shadows.add(task)
         task.add_done_callback(self._shadows.discard)
+        return True
 
-    async def _ask_cloud(self, job: Job, items: Tensors, remaining_ms: float, started: float) -> Answer:
-        assert self.cloud is not None
-        request = pb.ModelInferRequest(model_name=job.model, id=job.id)
-        request.outputs.extend(pb.ModelInferRequest.InferRequestedOutputTensor(name=n) for n in job.outputs)
-        items.write_request(request)
-        response = await self.cloud.infer(request, timeout_s=remaining_ms / 1000.0)
-        params = response.parameters
-        confidence = parameter_value(params[CONFIDENCE]) if CONFIDENCE in params else 1.0
-        variant = parameter_value(params[VARIANT]) if VARIANT in params else job.model
-        precision = parameter_value(params[PRECISION]) if PRECISION in params else ""
-        outputs = Tensors.from_response(response)
-        if outputs.items != items.items:
-            raise Unavailable(f"the cloud answered {outputs.items} items for {items.items}")
-        return Answer(
-            tier=Tier.CLOUD,
-            agent=f"cloud@{self.cloud.address}",
-            variant=str(variant),
-            outputs=outputs,
-            confidences=(float(confidence or 0.0),) * items.items,
-            elapsed_ms=(self._clock() - started) * 1000.0,
-            precision=str(precision),
-            queue_ms=reported_ms(params, QUEUE_MS) or 0.0,  # a foreign cloud says neither
-            compute_ms=reported_ms(params, COMPUTE_MS) or 0.0,
-        )
-
-
-class _Cascade:
-    """One request's climb through the tiers, item by item.
-
-    Every item starts on the lowest tier that fits. After each answer, the items whose own
-    confidence meets that tier's threshold are settled there; only the unsure ones climb,
-    as a smaller batch. The response holds every item's answer in the original order.
-    """
-
-    def __init__(self, plane: RouterDataPlane, job: Job) -> None:
-        self.plane = plane
-        self.job = job
-        self.pending = list(range(job.inputs.items))
-        self.best: dict[int, tuple[Answer, int]] = {}  # item -> (answer, its row there)
-        self.answers: list[Answer] = []
-        self.sent: list[list[int]] = []  # per answer, the items its rows answer (for audits)
-        self.path: list[Tier] = []
-        self.timings: dict[Tier, float] = {}
-        self.queue_ms = 0.0  # summed over the answers kept, as each tier measured it
-        self.compute_ms = 0.0
-        self.exclude: set[str] = set()
-        self.above: Tier | None = None
-        self.problem: StratusError | None = None
-        self.degraded = False
-        self.tier_label = "none"
-        self.climb: tuple[Tier, str] | None = None  # the tier left last, and why
-        self.reason = ""  # why unsure items were answered where they were (stratus.reason)
-        self.nowhere_higher = False  # ... because no tier above serves the family: degraded
-
-    def remaining_ms(self) -> float:
-        return self.job.budget_ms - (self.plane._clock() - self.job.started) * 1000.0
-
-    async def run(self) -> pb.ModelInferResponse:
-        job = self.job
-        thresholds = self.plane.registry.thresholds(job.family)
-        while (self.pending or not self.answers) and (remaining := self.remaining_ms()) > 0:
-            snapshot = self.plane.snapshot(job.model)
-            attempt = Attempt(
-                model=job.model,
-                remaining_ms=remaining,
-                items=max(1, len(self.pending)),
-                min_tier=job.options.min_tier,
-                max_tier=job.options.max_tier,
-                above=self.above,
-                exclude=frozenset(self.exclude),
-            )
-            target = choose(attempt, snapshot, self.plane._rng)
-            arm: tuple[Plan, bool] | None = None
-            if not isinstance(target, NoTarget) and job.pinned is None and target.agent_id is not None:
-                target, arm = self._arm(target, attempt)
-            if isinstance(target, NoTarget):
-                # A failure met on the way up explains more than "nothing is left to try".
-                kind = Overloaded if target.full else DeadlineExceeded if target.too_slow else Unavailable
-                if self.problem is None:
-                    self.problem = kind(target.reason)
-                break
-            self._note_climb(target.tier, snapshot.tiers)
-            model = line_key(arm[0].candidate) if arm is not None and arm[1] else None
-            items = len(self.pending)
-            answer = await self._try(target, remaining, model)
-            if answer is None:
-                if arm is not None:
-                    self.plane.record_arm(arm[0], candidate=arm[1], answer=None, accepted=(), items=items)
-                self.climb = (target.tier, "failed")
-                continue
-            accepted = self._accepted(answer, snapshot, thresholds)
-            if arm is not None:
-                self.plane.record_arm(arm[0], candidate=arm[1], answer=answer, accepted=accepted, items=items)
-                if not arm[1] and self.plane.rollouts.shadow_wanted(arm[0]):
-                    sent = self.job.inputs.take(self.pending)
-                    self.plane.shadow(arm[0], job, attempt, sent, answer)
-            self._record(answer, accepted)
-            self.above = answer.tier
-            self.climb = (answer.tier, "unsure")
-        if not self.pending and self.answers:
-            return self._respond(degraded=self.nowhere_higher)
-        if self.answers:
-            if self.plane.fail_without_cloud and self.plane.cloud is not None and self._needed_cloud():
-                raise Unavailable(
-                    f"the cloud is unavailable ({self.plane.cloud.status}) and the router runs with "
-                    f"--on-cloud-failure fail; {len(self.pending)} item(s) were still unsure"
-                )
-            return self._respond(degraded=True)
-        if self.problem is None:
-            self.problem = DeadlineExceeded(
-                f"budget of {job.budget_ms:.1f} ms ran out before any tier answered"
-            )
-        raise self.problem
-
-    def _accepted(
-        self, answer: Answer, snapshot: FleetSnapshot, thresholds: Mapping[Tier, float]
-    ) -> list[bool]:
-        """Which items of ``answer`` stop climbing: each sure one, or all of a final answer."""
-        job = self.job
-        top = top_tier(snapshot, job.options.max_tier)
-        final = job.pinned is not None or top is None or answer.tier >= top
-        if final and job.pinned is None and answer.tier < Tier.CLOUD:  # nothing is above the cloud
-            self._note_short(answer, snapshot, thresholds)
-        return settled(
-            answer.confidences,
-            answer.tier,
-            final=final,
-            thresholds=thresholds,
-            min_confidence=job.options.min_confidence,
-        )
-
-    def _note_short(self, answer: Answer, snapshot: FleetSnapshot, thresholds: Mapping[Tier, float]) -> None:
-        """A final answer with items below its tier's threshold: never silently wrong. Where no
-        tier above serves the family (no cloud variant, no such agents), the answer is degraded
-        and the router says so once in its log; where ``stratus.max_tier`` kept the items, the
-        answer says so (the client asked for it)."""
-        options = self.job.options
-        short = settled(
-            answer.confidences,
-            answer.tier,
-            final=False,
-            thresholds=thresholds,
-            min_confidence=options.min_confidence,
-        ).count(False)
-        if not short:
-            return
-        higher = top_tier(snapshot, Tier.CLOUD)
-        family, tier = self.job.family, answer.tier.label
-        if higher is not None and higher > answer.tier:
-            self.reason = held_reason(options.max_tier, short, answer.tier)
-            return
-        self.nowhere_higher = True
-        self.reason = (
-            f"no tier above {tier} serves '{family}': {short} item(s) stayed below the {tier} threshold"
-        )
-        if family not in self.plane.warned_short:
-            self.plane.warned_short.add(family)
-            log.warning(
-                "%s: unsure answers are degraded (no tier above %s serves it: give the cloud a variant "
-                "of it, or agents of a higher tier)",
-                family,
-                tier,
-            )
-
-    def _note_climb(self, tier: Tier, tiers: frozenset[Tier]) -> None:
-        """Count a climb: after an unsure answer or a failure, or past a tier too slow to try."""
-        metrics = self.plane.metrics
-        if metrics is None:
-            return
-        if self.climb is None:  # the first try: any lower tier the model has was skipped
-            options = self.job.options
-            lower = [t for t in tiers if options.min_tier <= t < tier]
-            if lower:
-                metrics.escalations.labels(self.job.label, min(lower).label, tier.label, "too_slow").inc()
-            return
-        left, reason = self.climb
-        if tier > left:
-            metrics.escalations.labels(self.job.label, left.label, tier.label, reason).inc()
-
-    def _record(self, answer: Answer, accepted: Sequence[bool]) -> None:
-        """Keep each sent item's newest answer; only the unsure items stay pending."""
-        metrics = self.plane.metrics
-        if metrics is not None:
-            family, tier = self.job.label, answer.tier.label
-            metrics.tier_duration.labels(family, tier).observe(answer.elapsed_ms / 1000.0)
-            histogram = metrics.confidence.labels(family, tier)
-            for value in answer.confidences:
-                histogram.observe(value)
-        self.answers.append(answer)
-        self.sent.append(list(self.pending))
-        self.path.append(answer.tier)
-        self.timings[answer.tier] = self.timings.get(answer.tier, 0.0) + answer.elapsed_ms
-        self.queue_ms += answer.queue_ms
-        self.compute_ms += answer.compute_ms
-        for row, item in enumerate(self.pending):
-            self.best[item] = (answer, row)
-        self.pending = [item for item, ok in zip(self.pending, accepted, strict=True) if not ok]
-
-    def _needed_cloud(self) -> bool:
-        """The climb stopped below a cloud that serves the model and was not refused by max_tier."""
-        assert self.plane.cloud is not None
-        cloud_serves = self.plane.cloud.models.get(self.job.model, False)
-        return cloud_serves and self.job.options.max_tier >= Tier.CLOUD and Tier.CLOUD not in self.path
-
-    def _arm(self, target: Target, attempt: Attempt) -> tuple[Target, tuple[Plan, bool] | None]:
-        """Under a rollout on the target's tier, the step's share goes to the candidate
-        (on an agent that serves it); the rest, and any the candidate cannot take, stay."""
-        drawn = self.plane.rollouts.arm(self.job.family, target.tier)
-        if drawn is None:
-            return target, None
-        plan, to_candidate = drawn
-        if to_candidate:
-            chosen = self.plane.candidate_target(plan, attempt)
-            if chosen is not None:
-                return chosen, (plan, True)
-        return target, (plan, False)
-
-    async def _try(self, target: Target, remaining: float, model: str | None = None) -> Answer | None:
-        # Keep a little of the budget for the way back, so a late tier times out here
-        # and the best answer so far still reaches the client before its deadline.
-        allowed = remaining - min(RETURN_MARGIN_MS, remaining * 0.1)
-        items = self.job.inputs.take(self.pending)
-        try:
-            return await self.plane.dispatch(target, self.job, items, allowed, model=model)
-        except _RETRYABLE as exc:
-            log.info("%s failed for %r: %s", target.agent_id or "cloud", self.job.id[:64], exc)
-            self.exclude.add(target.agent_id or "cloud")
-            self.problem = exc
-            return None
-
-    def _respond(self, *, degraded: bool) -> pb.ModelInferResponse:
-        job = self.job
-        items = range(job.inputs.items)
-        tiers = [self.best[i][0].tier for i in items]
-        self.degraded = degraded
-        self.tier_label = max(tiers, default=self.answers[-1].tier).label
-        if degraded and self.plane.metrics is not None:
-            reason = _STOPPED.get(type(self.problem), "no_higher_tier") if self.problem else "no_higher_tier"
-            self.plane.metrics.degraded.labels(job.label, reason).inc()
-        last = max(self.answers, key=lambda a: a.tier)
-        response = pb.ModelInferResponse(model_name=job.asked_for, id=job.id)
-        self._outputs().write_response(response, raw=job.raw)
-        Served(
-            tier=max(tiers, default=last.tier),
-            agent=last.agent,
-            variant=last.variant,
-            precision=last.precision,
-            confidence=min((self.best[i][0].confidences[self.best[i][1]] for i in items), default=1.0),
-            path=self.path,
-            degraded=degraded,
-            timings_ms=self.timings,
-            item_tiers=tiers,
-            reason=self.reason,
-            queue_ms=self.queue_ms,
-            compute_ms=self.compute_ms,
-        ).write(response.parameters)
-        return response
-
-    def _outputs(self) -> Tensors:
-        """Every item's row from the answer that settled it, in the request's order."""
-        if len(self.answers) == 1:
-            return self.answers[0].outputs
-        runs: list[Tensors] = []
-        start = 0
-        count = self.job.inputs.items
-        while start < count:  # consecutive items answered by consecutive rows of one answer
-            answer, row = self.best[start]
-            stop = start + 1
-            while stop < count and self.best[stop][0] is answer and self.best[stop][1] == row + stop - start:
-                stop += 1
-            runs.append(answer.outputs.rows(row, row + stop - start))
-            start = stop
-        return Tensors.join(runs)
-
-
-# Why a climb stopped below the tier an answer needed, as the degraded counter says it.
-_STOPPED: dict[type[StratusError], str] = {
-    Overloaded: "overloaded",
-    DeadlineExceeded: "too_slow",
-    Unavailable: "unavailable",
-}
 
 # Shadow requests in flight at once, at most: mirroring must never crowd out real work.
 MAX_SHADOWS = 64
-# A request with neither a budget nor a deadline still ends: nothing waits forever on a
-# peer that stopped answering without dropping its link.
-DEFAULT_BUDGET_MS = 30_000.0
-# At most this much of a request's remaining budget is kept back for answering the client.
-RETURN_MARGIN_MS = 5.0
 
 
 # What NOT_FOUND lists, at most, in characters of names: its message travels in gRPC
@@ -845,13 +439,6 @@ def listing(names: Sequence[str], most_chars: int = MAX_LISTED_CHARS) -> str:
     return f"[{', '.join([*shown, more])}]"
 
 
-def _pinned_options(options: RequestOptions, tiers: frozenset[Tier]) -> RequestOptions:
-    if not tiers:
-        return options
-    tier = min(tiers)
-    return RequestOptions(budget_ms=options.budget_ms, min_confidence=0.0, min_tier=tier, max_tier=tier)
-
-
 def write_generation(response: pb.ModelInferResponse, result: Generation) -> None:
     """Where the text came from and how sure, as response parameters (``stratus.*``)."""
     Served(
@@ -871,12 +458,6 @@ def write_generation(response: pb.ModelInferResponse, result: Generation) -> Non
     for key, value in answer.parameters().items():
         set_parameter(response.parameters, key, value)
     write_usage(response, answer)
-
-
-def _budget(budget_ms: float | None, timeout_s: float | None) -> float:
-    """The tighter of the client's ``stratus.budget_ms`` and its gRPC deadline."""
-    limits = [b for b in (budget_ms, timeout_s * 1000.0 if timeout_s is not None else None) if b is not None]
-    return min(limits) if limits else DEFAULT_BUDGET_MS
 
 
 def family_spec(info: fpb.FamilyInfo) -> FamilySpec:

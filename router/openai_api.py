@@ -33,11 +33,11 @@ import hmac
 import json
 import logging
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Final
+from typing import Any, Final
 
 from aiohttp import web
 
-from router.cascade.generate import Generation
+from router.cascade.generate import Generation, TextGenerator
 from router.openai_replies import Reply, model_entry
 from router.openai_requests import oip_request, options_of, prompts_of, settings_of, usage_asked
 from stratus.errors import (
@@ -55,9 +55,6 @@ from stratus.generation import Chunk
 from stratus.sampling import FieldError
 from stratus.serving import is_loopback
 from stratus.wire import inference_pb2 as pb
-
-if TYPE_CHECKING:
-    from router.dataplane import RouterDataPlane
 
 log = logging.getLogger("stratus.openai")
 
@@ -95,7 +92,7 @@ class OpenAiApi:
     page can post ``text/plain`` anywhere without a CORS check, so that refusal, with the
     ``Host`` allow-list against DNS rebinding, keeps browsers out."""
 
-    def __init__(self, plane: RouterDataPlane, *, api_key: str = "", hosts: Sequence[str] = ()) -> None:
+    def __init__(self, plane: TextGenerator, *, api_key: str = "", hosts: Sequence[str] = ()) -> None:
         self.plane = plane
         self._api_key = api_key
         self._hosts = frozenset(h.lower() for h in hosts)

@@ -17,10 +17,13 @@ the smallest share of requests at the top tier for a target accuracy.
 from __future__ import annotations
 
 import enum
+from collections.abc import Mapping, Sequence
 from typing import Any, Final
 
 import numpy as np
 import numpy.typing as npt
+
+from stratus.tiers import Tier
 
 FloatArray = npt.NDArray[np.floating[Any]]
 
@@ -124,3 +127,40 @@ def fit_temperature(
         if nll < best_nll - 1e-12:
             best_nll, best_t = nll, float(temperature)
     return best_t
+
+
+# -- the accept rule: one for the router's cascades, its audits and the SDK --------------------
+
+
+def threshold_for(tier: Tier, thresholds: Mapping[Tier, float], min_confidence: float | None) -> float | None:
+    """The confidence an answer from ``tier`` needs to stop climbing: the request's
+    ``min_confidence`` when it gave one, else the family's threshold for the tier; None
+    (anything is accepted) where the family has none for it."""
+    return min_confidence if min_confidence is not None else thresholds.get(tier)
+
+
+def accepts(
+    confidence: float,
+    tier: Tier,
+    *,
+    thresholds: Mapping[Tier, float],
+    min_confidence: float | None,
+) -> bool:
+    """Whether an answer from ``tier`` is confident enough to stop climbing."""
+    threshold = threshold_for(tier, thresholds, min_confidence)
+    return threshold is None or confidence >= threshold
+
+
+def settled(
+    confidences: Sequence[float],
+    tier: Tier,
+    *,
+    final: bool,
+    thresholds: Mapping[Tier, float],
+    min_confidence: float | None,
+) -> list[bool]:
+    """Which items of an answer from ``tier`` stop climbing: all of a final answer, else
+    each item whose own confidence meets the threshold. Unsure items climb alone."""
+    if final:
+        return [True] * len(confidences)
+    return [accepts(c, tier, thresholds=thresholds, min_confidence=min_confidence) for c in confidences]

@@ -29,10 +29,23 @@ import logging
 import math
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-from router.policy import Attempt, FleetSnapshot, NoTarget, Target, choose, top_tier
-from stratus.errors import DeadlineExceeded, Overloaded, StratusError, Unavailable
+from router.cascade.common import CascadeContext, cloud_facts
+from router.policy import FleetSnapshot, Target
+from router.policy.climb import (
+    ClimbState,
+    Degrade,
+    Dispatch,
+    Fail,
+    after_answer,
+    after_failure,
+    finish,
+    next_action,
+    retryable,
+)
+from stratus.confidence import accepts, threshold_for
+from stratus.errors import StratusError
 from stratus.generation import (
     FINISH_REASON,
     Chunk,
@@ -47,13 +60,28 @@ from stratus.tiers import Tier
 from stratus.wire import fleet_pb2 as fpb
 from stratus.wire import inference_pb2 as pb
 
-if TYPE_CHECKING:
-    from router.dataplane import RouterDataPlane
-
 log = logging.getLogger("stratus.generate")
 
 Sink = Callable[[Chunk], Awaitable[None]]
-_RETRYABLE = (Unavailable, Overloaded, DeadlineExceeded)
+
+
+class TextGenerator(Protocol):
+    """What serves generative requests, as the OpenAI API needs it (the router's data plane):
+    that API depends on this, never on the data plane itself."""
+
+    def ready(self) -> bool: ...
+
+    def model_names(self) -> list[str]: ...
+
+    def model_ready(self, name: str) -> bool: ...
+
+    def generative(self, name: str) -> fpb.FamilyInfo | None:
+        """The family's description when ``name`` is a generative model, else None."""
+        ...
+
+    async def generate_text(
+        self, request: pb.ModelInferRequest, *, timeout_s: float | None, sink: Sink | None = None
+    ) -> Generation: ...
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -107,7 +135,9 @@ class _Hopeless(Exception):
 
 @dataclass
 class GenerationCascade:
-    plane: RouterDataPlane
+    """Performs one generative request's climb; :mod:`router.policy.climb` decides it."""
+
+    context: CascadeContext
     family: fpb.FamilyInfo
     request: pb.ModelInferRequest  # text_input and the generation's settings, checked
     options: RequestOptions
@@ -115,10 +145,11 @@ class GenerationCascade:
     started: float
     sink: Sink | None = None  # receives what the client may see, as it is settled
     stops: tuple[str, ...] = ()  # the family's and the request's
+    label: str = ""  # the family its metrics count it under
     path: list[Tier] = field(default_factory=list)
     timings: dict[Tier, float] = field(default_factory=dict)
-    exclude: set[str] = field(default_factory=set)
-    problem: StratusError | None = None
+    state: ClimbState = field(default_factory=ClimbState)
+    thresholds: dict[Tier, float] = field(init=False)  # the family's, by tier
     generated: dict[Tier, int] = field(default_factory=dict)
     climbed: list[Generation] = field(default_factory=list)  # unsure answers climbed past (for audits)
 
@@ -132,59 +163,62 @@ class GenerationCascade:
     def _arriving(self) -> _Arriving:
         return _Arriving(running=RunningConfidence(self.method), cut=StopCut(self.stops))
 
-    def remaining_ms(self) -> float:
-        return self.budget_ms - (self.plane._clock() - self.started) * 1000.0
+    def __post_init__(self) -> None:
+        self.state.min_tier, self.state.max_tier = self.options.min_tier, self.options.max_tier
+        self.thresholds = {Tier.parse(k): v for k, v in self.family.thresholds.items()}
 
-    def threshold(self, tier: Tier) -> float:
-        if self.options.min_confidence is not None:
-            return self.options.min_confidence
-        return float(self.family.thresholds.get(tier.label, 0.0))
+    def remaining_ms(self) -> float:
+        return self.budget_ms - (self.context.now() - self.started) * 1000.0
+
+    def accepts(self, answer: Generation) -> bool:
+        return accepts(
+            answer.confidence,
+            answer.tier,
+            thresholds=self.thresholds,
+            min_confidence=self.options.min_confidence,
+        )
 
     async def run(self) -> Generation:
         best: Generation | None = None
-        above: Tier | None = None
+        model = self.request.model_name  # the family, or a pinned variant
         while (remaining := self.remaining_ms()) > 0:
-            model = self.request.model_name  # the family, or a pinned variant
-            snapshot = self.plane.snapshot(model)
-            attempt = Attempt(
-                model=model,
-                remaining_ms=remaining,
-                min_tier=self.options.min_tier,
-                max_tier=self.options.max_tier,
-                above=above,
-                exclude=frozenset(self.exclude),
-            )
-            target = choose(attempt, snapshot, self.plane._rng)
-            if isinstance(target, NoTarget):
-                if self.problem is None:
-                    kind = Overloaded if target.full else DeadlineExceeded if target.too_slow else Unavailable
-                    self.problem = kind(target.reason)
+            snapshot = self.context.snapshot(model)
+            action = next_action(self.state, self.state.attempt(model, remaining), snapshot, self.context.rng)
+            if not isinstance(action, Dispatch):
                 break
-            top = top_tier(snapshot, self.options.max_tier)
-            final = top is None or target.tier >= top
-            answer = await self._try(
-                target, remaining, final=final, watch=self._can_climb(snapshot, target.tier)
-            )
+            answer = await self._step(action, snapshot, remaining)
             if answer is None:
                 continue
-            above = answer.tier
-            if final or answer.confidence >= self.threshold(answer.tier):
-                if not final:
+            if action.final or self.accepts(answer):
+                if not action.final:
                     await self._show(answer.tokens)  # held until now: accepted, so shown
                 return dataclasses.replace(answer, generated=dict(self.generated))
             self.climbed.append(answer)
             best = answer if best is None or answer.tier >= best.tier else best
-        if best is None:
-            raise self.problem or DeadlineExceeded(
-                f"budget of {self.budget_ms:.1f} ms ran out before any tier answered"
-            )
-        if self.plane.fail_without_cloud and self.plane.cloud is not None and Tier.CLOUD not in self.path:
-            raise Unavailable(
-                f"the cloud is unavailable ({self.plane.cloud.status}) and the router runs with "
-                "--on-cloud-failure fail; the answer was still unsure"
-            )
+        end = finish(
+            self.state,
+            answered=best is not None,
+            unsure="the answer was still unsure" if best is not None else "",
+            budget_ms=self.budget_ms,
+            cloud=cloud_facts(self.context, model),
+        )
+        if best is None or not isinstance(end, Degrade):
+            assert isinstance(end, Fail)
+            raise end.error
         await self._show(best.tokens)
         return dataclasses.replace(best, degraded=True, generated=dict(self.generated))
+
+    async def _step(self, action: Dispatch, snapshot: FleetSnapshot, remaining: float) -> Generation | None:
+        """Generate on the tier the climb chose; None when it failed (the climb retries)."""
+        target = action.target
+        if action.escalation is not None:
+            step = action.escalation
+            self.context.observer.escalated(self.label, step.left, step.to, step.reason)
+        watch = self._can_climb(snapshot, target.tier)
+        answer = await self._try(target, remaining, final=action.final, watch=watch)
+        if answer is not None:
+            after_answer(self.state, answer.tier)
+        return answer
 
     def _can_climb(self, snapshot: FleetSnapshot, tier: Tier) -> bool:
         """Something above ``tier`` could take the request now: only then is a lower tier's
@@ -200,7 +234,7 @@ class GenerationCascade:
 
     async def _try(self, target: Target, remaining: float, *, final: bool, watch: bool) -> Generation | None:
         self.path.append(target.tier)
-        started = self.plane._clock()
+        started = self.context.now()
         try:
             if target.agent_id is None:
                 answer = await self._on_cloud(remaining, final=final)
@@ -209,14 +243,15 @@ class GenerationCascade:
         except _Hopeless:
             log.debug("%s: %s answer gave up early", self.request.id, target.tier.label)
             answer = None
-        except _RETRYABLE as exc:
+        except StratusError as exc:
+            if not retryable(exc):
+                raise
             log.info("%s failed a generation: %s", target.agent_id or "cloud", exc)
-            self.exclude.add(target.agent_id or "cloud")
-            self.problem = exc
+            after_failure(self.state, target, exc)
             self.path.pop()
             return None
         finally:
-            elapsed = (self.plane._clock() - started) * 1000.0
+            elapsed = (self.context.now() - started) * 1000.0
             self.timings[target.tier] = self.timings.get(target.tier, 0.0) + elapsed
         if answer is not None:
             return dataclasses.replace(answer, timings_ms=dict(self.timings), generated=dict(self.generated))
@@ -235,9 +270,9 @@ class GenerationCascade:
 
     async def _on_agent(self, target: Target, remaining: float, *, final: bool, watch: bool) -> Generation:
         assert target.agent_id is not None
-        handle = self.plane.registry.agents[target.agent_id]
+        handle = self.context.registry.agents[target.agent_id]
         answer = self._arriving()
-        threshold = self.threshold(target.tier)
+        threshold = threshold_for(target.tier, self.thresholds, self.options.min_confidence)
         shown: asyncio.Queue[Chunk | None] = asyncio.Queue()
         work = asyncio.current_task()
 
@@ -247,13 +282,14 @@ class GenerationCascade:
 
         def on_chunk(message: fpb.Chunk) -> None:
             show(answer.add(_from_wire(message).tokens))
-            if not final and watch and answer.running.hopeless(threshold) and work is not None:
+            gone = threshold is not None and answer.running.hopeless(threshold)
+            if not final and watch and gone and work is not None:
                 work.cancel(msg="hopeless")
 
         pump = asyncio.create_task(self._pump(shown)) if final and self.sink is not None else None
         prompt_tokens = completion_tokens = None
         try:
-            result = await self.plane.registry.generate(
+            result = await self.context.registry.generate(
                 handle, self.request, budget_ms=remaining, on_chunk=on_chunk
             )
             show(answer.finish())
@@ -292,7 +328,7 @@ class GenerationCascade:
 
     async def _on_cloud(self, remaining: float, *, final: bool) -> Generation:
         """The cloud streams its answer: shown as it comes when it is the final tier."""
-        cloud = self.plane.cloud
+        cloud = self.context.cloud
         assert cloud is not None
         answer = self._arriving()
 

@@ -251,30 +251,3 @@ def top_tier(snapshot: FleetSnapshot, max_tier: Tier) -> Tier | None:
         tiers.add(Tier.CLOUD)
     eligible = [t for t in tiers if t <= max_tier]
     return max(eligible) if eligible else None
-
-
-def settled(
-    confidences: Sequence[float],
-    tier: Tier,
-    *,
-    final: bool,
-    thresholds: Mapping[Tier, float],
-    min_confidence: float | None,
-) -> list[bool]:
-    """Which items of an answer from ``tier`` stop climbing: all of a final answer, else
-    each item whose own confidence meets the threshold. Unsure items climb alone."""
-    if final:
-        return [True] * len(confidences)
-    return [accepts(c, tier, thresholds=thresholds, min_confidence=min_confidence) for c in confidences]
-
-
-def accepts(
-    confidence: float,
-    tier: Tier,
-    *,
-    thresholds: Mapping[Tier, float],
-    min_confidence: float | None,
-) -> bool:
-    """Whether an answer from ``tier`` is confident enough to stop climbing."""
-    threshold = min_confidence if min_confidence is not None else thresholds.get(tier)
-    return threshold is None or confidence >= threshold

@@ -20,10 +20,10 @@ from router.audit import (
     same_number,
     same_text,
 )
+from router.cascade.classify import Answer, Job
 from router.cascade.generate import Generation
 from router.cloud import CloudLink, OnChunk
 from router.cloud_pool import CloudPool
-from router.dataplane import Answer, Job
 from router.registry import FleetRegistry
 from stratus import codec
 from stratus.errors import ConfigError
@@ -127,7 +127,7 @@ def digits_info() -> fpb.FamilyInfo:
 
 @dataclass
 class View:
-    """A classifier request's climb, as router.dataplane._Cascade holds it."""
+    """A classifier request's climb, as router.cascade.classify.ClassifyCascade holds it."""
 
     job: Job
     answers: list[Answer] = field(default_factory=list)

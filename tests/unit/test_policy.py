@@ -17,12 +17,11 @@ from router.policy import (
     FleetSnapshot,
     NoTarget,
     Target,
-    accepts,
     choose,
     predicted_ms,
-    settled,
     top_tier,
 )
+from stratus.confidence import accepts, settled
 from stratus.tiers import Tier
 
 

@@ -2,9 +2,10 @@
 ``generate_text``: lower tiers' tokens held until accepted, the final tier streamed,
 hopeless lower runs cancelled.
 
-Characterization, as test_classify.py. Thresholds: 0.5 on device and edge. Where today's
-behaviour is one of the divergences issue 19 names, the test says what is right and is
-marked ``xfail(strict=True)``: it turns into a failure (to remove the mark) once fixed.
+Characterization, as test_classify.py. Thresholds: 0.5 on device and edge. The tests of
+the two divergences issue 19 named (``--on-cloud-failure fail`` where the cloud was not the
+way up, and the escalation metric's reason) failed before the climb was one pure rule set
+(router/policy/climb.py) and pass since.
 """
 
 from __future__ import annotations
@@ -52,11 +53,6 @@ async def streamed(
             texts.append(text_of(response))
     assert final is not None
     return texts, {key: parameter_value(value) for key, value in final.parameters.items()}
-
-
-def divergence(reason: str, raises: type[BaseException] = AssertionError) -> pytest.MarkDecorator:
-    """A test of the right behaviour where today's is a divergence issue 19 step 5 fixes."""
-    return pytest.mark.xfail(strict=True, raises=raises, reason=f"issue 19 step 5: {reason}")
 
 
 # -- sure answers ---------------------------------------------------------------------------------
@@ -178,11 +174,6 @@ async def test_on_cloud_failure_fail_refuses_and_shows_nothing() -> None:
         assert f.count("refusals", reason="unavailable") == 1
 
 
-@divergence(
-    "the generative cascade raises 'the cloud is unavailable' under "
-    "--on-cloud-failure fail where the classifier's degrades (the cloud was not the way up)",
-    Unavailable,
-)
 @pytest.mark.parametrize("cloud_serves", [True, False], ids=["max_tier=edge", "cloud lacks family"])
 async def test_on_cloud_failure_fail_degrades_where_the_cloud_was_not_the_way_up(cloud_serves: bool) -> None:
     """As test_classify's test of the same name: an unsure device answer whose edge is full."""
@@ -241,10 +232,6 @@ async def test_a_generation_whose_every_agent_is_full_is_refused_as_overloaded()
 # -- the escalation metric --------------------------------------------------------------------------------
 
 
-@divergence(
-    "the generative cascade counts every climb as 'unsure' and none past "
-    "a failure; the classifier's counts 'failed'"
-)
 async def test_a_climb_after_a_failure_is_counted_as_failed() -> None:
     async with text_fleet() as f:
         f.agent("d1", DEVICE, error=grpc.StatusCode.UNAVAILABLE)
@@ -253,9 +240,6 @@ async def test_a_climb_after_a_failure_is_counted_as_failed() -> None:
         assert f.climbs(DEVICE, EDGE, "failed", family=TEXT_FAMILY) == 1
 
 
-@divergence(
-    "the generative cascade does not count a tier skipped as too slow; the classifier's counts 'too_slow'"
-)
 async def test_a_tier_too_slow_for_the_budget_is_counted_as_too_slow() -> None:
     async with text_fleet() as f:
         f.agent("d1", DEVICE)

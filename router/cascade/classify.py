@@ -1,0 +1,429 @@
+"""The classifier cascade: one request's climb through the tiers, item by item.
+
+Every item starts on the lowest tier that fits. After each answer, the items whose own
+confidence meets that tier's threshold are settled there; only the unsure ones climb, as a
+smaller batch. The response holds every item's answer in the original order. Where to go
+next and how the climb ends are :mod:`router.policy.climb`'s to decide; this module sends
+the items (to an agent, the cloud, or a rollout's candidate) and builds the response.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from router.cascade.common import DEFAULT_BUDGET_MS, CascadeContext, allowed_ms, cloud_facts
+from router.index import line_key
+from router.policy import Attempt, FleetSnapshot, NoTarget, Target, choose, top_tier
+from router.policy.climb import (
+    Accept,
+    ClimbState,
+    Degrade,
+    Dispatch,
+    after_answer,
+    after_failure,
+    finish,
+    next_action,
+    retryable,
+)
+from router.rollout import Plan, top1
+from stratus.confidence import settled
+from stratus.errors import DeadlineExceeded, Overloaded, StratusError, Unavailable
+from stratus.protocol import (
+    COMPUTE_MS,
+    CONFIDENCE,
+    PRECISION,
+    QUEUE_MS,
+    VARIANT,
+    RequestOptions,
+    Served,
+    held_reason,
+    parameter_value,
+    reported_ms,
+)
+from stratus.tensors import Tensors
+from stratus.tiers import Tier
+from stratus.wire import inference_pb2 as pb
+
+log = logging.getLogger("stratus.router")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Answer:
+    """One tier's answer for the items it was sent."""
+
+    tier: Tier
+    agent: str
+    variant: str
+    outputs: Tensors
+    confidences: tuple[float, ...]
+    elapsed_ms: float
+    precision: str = ""  # of the variant that answered, where it is known
+    queue_ms: float = 0.0  # of elapsed_ms, waiting for a slot (where the tier said so)
+    compute_ms: float = 0.0  # ... and running in a runtime
+
+
+@dataclass(frozen=True, kw_only=True)
+class Job:
+    """One client request, checked and converted once at the boundary."""
+
+    id: str
+    asked_for: str  # the model name the client used
+    family: str
+    pinned: str | None
+    label: str  # the family its metrics count it under (a variant only the cloud serves: its family's)
+    options: RequestOptions
+    inputs: Tensors
+    outputs: tuple[str, ...]  # requested outputs; empty: all
+    raw: bool  # answer with raw buffers (else typed contents, as the client sent)
+    budget_ms: float
+    started: float
+
+    @property
+    def model(self) -> str:
+        """What agents and the cloud are asked to run."""
+        return self.pinned or self.family
+
+
+@dataclass(frozen=True, kw_only=True)
+class Arm:
+    """The rollout arm a step's items went to: the candidate's, or the current line's."""
+
+    plan: Plan
+    candidate: bool
+
+
+class ClassifyCascade:
+    """Performs one classifier request's climb; :mod:`router.policy.climb` decides it."""
+
+    def __init__(self, context: CascadeContext, job: Job) -> None:
+        self.context = context
+        self.job = job
+        self.pending = list(range(job.inputs.items))
+        self.best: dict[int, tuple[Answer, int]] = {}  # item -> (answer, its row there)
+        self.answers: list[Answer] = []
+        self.sent: list[list[int]] = []  # per answer, the items its rows answer (for audits)
+        self.path: list[Tier] = []
+        self.timings: dict[Tier, float] = {}
+        self.queue_ms = 0.0  # summed over the answers kept, as each tier measured it
+        self.compute_ms = 0.0
+        self.state = ClimbState(min_tier=job.options.min_tier, max_tier=job.options.max_tier)
+        self.degraded = False
+        self.tier_label = "none"
+        self.reason = ""  # why unsure items were answered where they were (stratus.reason)
+        self.nowhere_higher = False  # ... because no tier above serves the family: degraded
+
+    def remaining_ms(self) -> float:
+        return self.job.budget_ms - (self.context.now() - self.job.started) * 1000.0
+
+    async def run(self) -> pb.ModelInferResponse:
+        job = self.job
+        thresholds = self.context.registry.thresholds(job.family)
+        while (self.pending or not self.answers) and (remaining := self.remaining_ms()) > 0:
+            snapshot = self.context.snapshot(job.model)
+            attempt = self.state.attempt(job.model, remaining, max(1, len(self.pending)))
+            action = next_action(
+                self.state, attempt, snapshot, self.context.rng, pinned=job.pinned is not None
+            )
+            if not isinstance(action, Dispatch):
+                break
+            await self._step(action, attempt, snapshot, thresholds, remaining)
+        unsure = f"{len(self.pending)} item(s) were still unsure" if self.pending else ""
+        end = finish(
+            self.state,
+            answered=bool(self.answers),
+            unsure=unsure,
+            budget_ms=job.budget_ms,
+            cloud=cloud_facts(self.context, job.model),
+        )
+        if isinstance(end, Accept):
+            return self._respond(degraded=self.nowhere_higher)
+        if isinstance(end, Degrade):
+            return self._respond(degraded=True)
+        raise end.error
+
+    async def _step(
+        self,
+        action: Dispatch,
+        attempt: Attempt,
+        snapshot: FleetSnapshot,
+        thresholds: Mapping[Tier, float],
+        remaining: float,
+    ) -> None:
+        """Send the unsure items where the climb said (or to a rollout's arm on that tier)."""
+        target, arm = action.target, None
+        if self.job.pinned is None and target.agent_id is not None:
+            target, arm = self._arm(target, attempt)
+        if action.escalation is not None:
+            step = action.escalation
+            self.context.observer.escalated(self.job.label, step.left, step.to, step.reason)
+        model = line_key(arm.plan.candidate) if arm is not None and arm.candidate else None
+        items = len(self.pending)
+        answer = await self._try(target, remaining, model)
+        if answer is None:
+            if arm is not None:
+                record_arm(self.context, arm, answer=None, accepted=(), items=items)
+            return
+        accepted = self._accepted(answer, snapshot, thresholds, final=action.final)
+        if arm is not None:
+            record_arm(self.context, arm, answer=answer, accepted=accepted, items=items)
+            if not arm.candidate and self.context.rollouts.shadow_wanted(arm.plan):
+                sent = self.job.inputs.take(self.pending)
+                shadow(self.context, arm.plan, self.job, attempt=attempt, items=sent, answer=answer)
+        self._record(answer, accepted)
+        after_answer(self.state, answer.tier)
+
+    def _accepted(
+        self, answer: Answer, snapshot: FleetSnapshot, thresholds: Mapping[Tier, float], *, final: bool
+    ) -> list[bool]:
+        """Which items of ``answer`` stop climbing: each sure one, or all of a final answer."""
+        job = self.job
+        if final and job.pinned is None and answer.tier < Tier.CLOUD:  # nothing is above the cloud
+            self._note_short(answer, snapshot, thresholds)
+        return settled(
+            answer.confidences,
+            answer.tier,
+            final=final,
+            thresholds=thresholds,
+            min_confidence=job.options.min_confidence,
+        )
+
+    def _note_short(self, answer: Answer, snapshot: FleetSnapshot, thresholds: Mapping[Tier, float]) -> None:
+        """A final answer with items below its tier's threshold: never silently wrong. Where no
+        tier above serves the family (no cloud variant, no such agents), the answer is degraded
+        and the router says so once in its log; where ``stratus.max_tier`` kept the items, the
+        answer says so (the client asked for it)."""
+        options = self.job.options
+        short = settled(
+            answer.confidences,
+            answer.tier,
+            final=False,
+            thresholds=thresholds,
+            min_confidence=options.min_confidence,
+        ).count(False)
+        if not short:
+            return
+        higher = top_tier(snapshot, Tier.CLOUD)
+        family, tier = self.job.family, answer.tier.label
+        if higher is not None and higher > answer.tier:
+            self.reason = held_reason(options.max_tier, short, answer.tier)
+            return
+        self.nowhere_higher = True
+        self.reason = (
+            f"no tier above {tier} serves '{family}': {short} item(s) stayed below the {tier} threshold"
+        )
+        if family not in self.context.warned_short:
+            self.context.warned_short.add(family)
+            log.warning(
+                "%s: unsure answers are degraded (no tier above %s serves it: give the cloud a variant "
+                "of it, or agents of a higher tier)",
+                family,
+                tier,
+            )
+
+    def _record(self, answer: Answer, accepted: Sequence[bool]) -> None:
+        """Keep each sent item's newest answer; only the unsure items stay pending."""
+        self.context.observer.tier_answered(
+            self.job.label, answer.tier, answer.elapsed_ms, answer.confidences
+        )
+        self.answers.append(answer)
+        self.sent.append(list(self.pending))
+        self.path.append(answer.tier)
+        self.timings[answer.tier] = self.timings.get(answer.tier, 0.0) + answer.elapsed_ms
+        self.queue_ms += answer.queue_ms
+        self.compute_ms += answer.compute_ms
+        for row, item in enumerate(self.pending):
+            self.best[item] = (answer, row)
+        self.pending = [item for item, ok in zip(self.pending, accepted, strict=True) if not ok]
+
+    def _arm(self, target: Target, attempt: Attempt) -> tuple[Target, Arm | None]:
+        """Under a rollout on the target's tier, the step's share goes to the candidate
+        (on an agent that serves it); the rest, and any the candidate cannot take, stay."""
+        drawn = self.context.rollouts.arm(self.job.family, target.tier)
+        if drawn is None:
+            return target, None
+        plan, to_candidate = drawn
+        if to_candidate:
+            chosen = candidate_target(self.context, plan, attempt)
+            if chosen is not None:
+                return chosen, Arm(plan=plan, candidate=True)
+        return target, Arm(plan=plan, candidate=False)
+
+    async def _try(self, target: Target, remaining: float, model: str | None = None) -> Answer | None:
+        items = self.job.inputs.take(self.pending)
+        try:
+            return await dispatch(self.context, target, self.job, items, allowed_ms(remaining), model=model)
+        except StratusError as exc:
+            if not retryable(exc):
+                raise
+            log.info("%s failed for %r: %s", target.agent_id or "cloud", self.job.id[:64], exc)
+            after_failure(self.state, target, exc)
+            return None
+
+    def _respond(self, *, degraded: bool) -> pb.ModelInferResponse:
+        job = self.job
+        items = range(job.inputs.items)
+        tiers = [self.best[i][0].tier for i in items]
+        self.degraded = degraded
+        self.tier_label = max(tiers, default=self.answers[-1].tier).label
+        if degraded:
+            problem = self.state.problem
+            reason = _STOPPED.get(type(problem), "no_higher_tier") if problem else "no_higher_tier"
+            self.context.observer.degraded(job.label, reason)
+        last = max(self.answers, key=lambda a: a.tier)
+        response = pb.ModelInferResponse(model_name=job.asked_for, id=job.id)
+        self._outputs().write_response(response, raw=job.raw)
+        Served(
+            tier=max(tiers, default=last.tier),
+            agent=last.agent,
+            variant=last.variant,
+            precision=last.precision,
+            confidence=min((self.best[i][0].confidences[self.best[i][1]] for i in items), default=1.0),
+            path=self.path,
+            degraded=degraded,
+            timings_ms=self.timings,
+            item_tiers=tiers,
+            reason=self.reason,
+            queue_ms=self.queue_ms,
+            compute_ms=self.compute_ms,
+        ).write(response.parameters)
+        return response
+
+    def _outputs(self) -> Tensors:
+        """Every item's row from the answer that settled it, in the request's order."""
+        if len(self.answers) == 1:
+            return self.answers[0].outputs
+        runs: list[Tensors] = []
+        start = 0
+        count = self.job.inputs.items
+        while start < count:  # consecutive items answered by consecutive rows of one answer
+            answer, row = self.best[start]
+            stop = start + 1
+            while stop < count and self.best[stop][0] is answer and self.best[stop][1] == row + stop - start:
+                stop += 1
+            runs.append(answer.outputs.rows(row, row + stop - start))
+            start = stop
+        return Tensors.join(runs)
+
+
+# Why a climb stopped below the tier an answer needed, as the degraded counter says it.
+_STOPPED: dict[type[StratusError], str] = {
+    Overloaded: "overloaded",
+    DeadlineExceeded: "too_slow",
+    Unavailable: "unavailable",
+}
+
+
+async def dispatch(
+    context: CascadeContext,
+    target: Target,
+    job: Job,
+    items: Tensors,
+    remaining_ms: float,
+    *,
+    model: str | None = None,
+) -> Answer:
+    """Send items to the chosen agent or to the cloud; the answer holds one row per item.
+
+    ``model`` is what the agent is asked for when it is not the job's own (a rollout's
+    line key)."""
+    started = context.now()
+    if target.agent_id is None:
+        return await _ask_cloud(context, job, items, remaining_ms, started)
+    handle = context.registry.agents[target.agent_id]
+    part = await context.registry.submit(
+        handle, items, variant=model or job.model, outputs=job.outputs, budget_ms=remaining_ms
+    )
+    return Answer(
+        tier=target.tier,
+        agent=handle.id,
+        variant=part.variant,
+        outputs=part.outputs,
+        confidences=part.confidences,
+        elapsed_ms=(context.now() - started) * 1000.0,
+        precision=handle.precision_of(part.variant),
+        queue_ms=part.queue_ms,
+        compute_ms=part.service_ms,
+    )
+
+
+async def _ask_cloud(
+    context: CascadeContext, job: Job, items: Tensors, remaining_ms: float, started: float
+) -> Answer:
+    cloud = context.cloud
+    assert cloud is not None
+    request = pb.ModelInferRequest(model_name=job.model, id=job.id)
+    request.outputs.extend(pb.ModelInferRequest.InferRequestedOutputTensor(name=n) for n in job.outputs)
+    items.write_request(request)
+    response = await cloud.infer(request, timeout_s=remaining_ms / 1000.0)
+    params = response.parameters
+    confidence = parameter_value(params[CONFIDENCE]) if CONFIDENCE in params else 1.0
+    variant = parameter_value(params[VARIANT]) if VARIANT in params else job.model
+    precision = parameter_value(params[PRECISION]) if PRECISION in params else ""
+    outputs = Tensors.from_response(response)
+    if outputs.items != items.items:
+        raise Unavailable(f"the cloud answered {outputs.items} items for {items.items}")
+    return Answer(
+        tier=Tier.CLOUD,
+        agent=f"cloud@{cloud.address}",
+        variant=str(variant),
+        outputs=outputs,
+        confidences=(float(confidence or 0.0),) * items.items,
+        elapsed_ms=(context.now() - started) * 1000.0,
+        precision=str(precision),
+        queue_ms=reported_ms(params, QUEUE_MS) or 0.0,  # a foreign cloud says neither
+        compute_ms=reported_ms(params, COMPUTE_MS) or 0.0,
+    )
+
+
+# -- gray release ----------------------------------------------------------------------------
+
+
+def candidate_target(context: CascadeContext, plan: Plan, attempt: Attempt) -> Target | None:
+    """An agent of the rollout's tier that serves its candidate and can take the items."""
+    key = line_key(plan.candidate)
+    narrowed = Attempt(
+        model=key,
+        remaining_ms=attempt.remaining_ms,
+        items=attempt.items,
+        min_tier=plan.tier,
+        max_tier=plan.tier,
+        exclude=attempt.exclude,
+    )
+    target = choose(narrowed, context.snapshot(key), context.rng)
+    return None if isinstance(target, NoTarget) else target
+
+
+def record_arm(
+    context: CascadeContext, arm: Arm, *, answer: Answer | None, accepted: Sequence[bool], items: int
+) -> None:
+    latency = answer.elapsed_ms if answer is not None else 0.0
+    unsure = sum(1 for ok in accepted if not ok)
+    plan = arm.plan
+    context.rollouts.record(
+        plan, candidate=arm.candidate, ok=answer is not None, latency_ms=latency, items=items, unsure=unsure
+    )
+    context.observer.rollout_request(plan.family, plan.tier, candidate=arm.candidate, ok=answer is not None)
+
+
+def shadow(
+    context: CascadeContext, plan: Plan, job: Job, *, attempt: Attempt, items: Tensors, answer: Answer
+) -> None:
+    """Mirror items the current variant answered to the candidate, in the background;
+    its answers are only compared (top-1 agreement), never returned."""
+    target = candidate_target(context, plan, attempt)
+    if target is None:
+        return
+
+    async def mirror() -> None:
+        try:
+            budget_ms = attempt.remaining_ms or DEFAULT_BUDGET_MS
+            mirrored = await dispatch(context, target, job, items, budget_ms, model=line_key(plan.candidate))
+        except StratusError:
+            return
+        mine, theirs = top1(answer.outputs), top1(mirrored.outputs)
+        if mine is not None and theirs is not None and mine.shape == theirs.shape:
+            context.rollouts.record_shadow(plan, int((mine == theirs).sum()), len(mine))
+
+    context.background(mirror)

@@ -1,0 +1,95 @@
+"""What both cascades share: the narrow view of the router they run in, and the budget.
+
+A cascade performs the climb that :mod:`router.policy.climb` decides. It needs the fleet
+(the registry and the cloud), a clock, a random source, the snapshot of a model and an
+observer, not the data plane itself: :class:`CascadeContext` is that view, which
+:class:`router.dataplane.RouterDataPlane` satisfies, so the cascades never import it.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Coroutine
+from typing import Any, Protocol
+
+from router.cloud_pool import CloudTier
+from router.obs import RouterObserver
+from router.policy import FleetSnapshot
+from router.policy.climb import CloudFacts
+from router.registry import FleetRegistry
+from router.rollout import Rollouts
+from stratus.protocol import RequestOptions
+from stratus.tiers import Tier
+
+# A request with neither a budget nor a deadline still ends: nothing waits forever on a
+# peer that stopped answering without dropping its link.
+DEFAULT_BUDGET_MS = 30_000.0
+# At most this much of a request's remaining budget is kept back for answering the client.
+RETURN_MARGIN_MS = 5.0
+
+
+class CascadeContext(Protocol):
+    """The router as a cascade sees it."""
+
+    @property
+    def registry(self) -> FleetRegistry: ...
+
+    @property
+    def cloud(self) -> CloudTier | None: ...
+
+    @property
+    def rollouts(self) -> Rollouts: ...
+
+    @property
+    def observer(self) -> RouterObserver: ...
+
+    @property
+    def fail_without_cloud(self) -> bool: ...
+
+    @property
+    def rng(self) -> random.Random: ...
+
+    @property
+    def warned_short(self) -> set[str]:
+        """Families whose unsure answers had nowhere higher to go (logged once each)."""
+        ...
+
+    def now(self) -> float:
+        """The router's clock, in seconds."""
+        ...
+
+    def snapshot(self, model: str) -> FleetSnapshot: ...
+
+    def background(self, work: Callable[[], Coroutine[Any, Any, None]]) -> bool:
+        """Run ``work`` beside the request (a shadow); False when too many already run."""
+        ...
+
+
+def cloud_facts(context: CascadeContext, model: str) -> CloudFacts | None:
+    """What the climb's end needs to know of the cloud, where there is one."""
+    cloud = context.cloud
+    if cloud is None:
+        return None
+    return CloudFacts(
+        serves=cloud.models.get(model, False), status=cloud.status, fail_without=context.fail_without_cloud
+    )
+
+
+def request_budget(budget_ms: float | None, timeout_s: float | None) -> float:
+    """The tighter of the client's ``stratus.budget_ms`` and its gRPC deadline."""
+    limits = [b for b in (budget_ms, timeout_s * 1000.0 if timeout_s is not None else None) if b is not None]
+    return min(limits) if limits else DEFAULT_BUDGET_MS
+
+
+def allowed_ms(remaining_ms: float) -> float:
+    """What a tier may take of the remaining budget: a little is kept for the way back, so a
+    late tier times out here and the best answer so far still reaches the client in time."""
+    return remaining_ms - min(RETURN_MARGIN_MS, remaining_ms * 0.1)
+
+
+def pinned_options(options: RequestOptions, tiers: frozenset[Tier]) -> RequestOptions:
+    """A pinned variant's request: exactly its tier, and whatever it answers."""
+    if not tiers:
+        return options
+    tier = min(tiers)
+    return RequestOptions(budget_ms=options.budget_ms, min_confidence=0.0, min_tier=tier, max_tier=tier)
