@@ -5,6 +5,10 @@ and climbs while the answer's confidence is below that tier's threshold and a hi
 tier still fits the remaining budget. A request naming a variant runs exactly there. A
 failed or lost agent means retry elsewhere on the same tier or climb; when nothing above
 can answer in time, the best answer so far is returned marked ``stratus.degraded``.
+
+This module admits requests (or refuses them past ``max_requests``), resolves the names they
+use and answers metadata. The climb's rules are :mod:`router.policy.climb`'s; the cascades
+in :mod:`router.cascade` perform them, through this plane as their ``CascadeContext``.
 """
 
 from __future__ import annotations
