@@ -24,6 +24,7 @@ from router.openai_api import OpenAiApi, check_listen
 from router.peers import RolloutPeers
 from router.registry import FleetRegistry
 from router.rollout import ROLLED_BACK, Plan, Rollouts
+from router.thresholds import ThresholdPushes, state_path_beside
 from stratus.auth import AgentTokens, RouterCredentials, check_exposure, insecure_warning
 from stratus.batching import DEFAULT_MAX_DELAY_S
 from stratus.discovery import Advertisement
@@ -164,6 +165,7 @@ async def serve(settings: RouterSettings, stop: asyncio.Event | None = None) -> 
         max_batch_delay_s=settings.max_batch_delay_s,
         metrics=recorder,
     )
+    pushes = _threshold_pushes(settings, registry)
     cloud = _cloud_link(settings, registry)
     metrics.collect_with(lambda: fleet_levels(registry, cloud))
     if cloud is not None:
@@ -206,12 +208,14 @@ async def serve(settings: RouterSettings, stop: asyncio.Event | None = None) -> 
         rollouts=rollouts,
         synced=synced,
         audits=audits,
+        pushes=pushes,
     )
     fpb_grpc.add_FleetServicer_to_server(fleet, server)
     health = Health(server, plane.ready)
     port = bind(server, settings.listen, settings.tls)
     name = settings.name or f"router-{socket.gethostname()}-{port}"
     rollouts.router_id = name
+    pushes.router_id = name
     await server.start()
     await health.start()
     host = settings.listen.rsplit(":", 1)[0]
@@ -224,7 +228,7 @@ async def serve(settings: RouterSettings, stop: asyncio.Event | None = None) -> 
         tls=settings.tls.cert is not None,
         callers_authenticated=credentials.callers_authenticated,
     )
-    sharing = _share_rollouts(settings, rollouts, synced)
+    sharing = _share_rollouts(settings, rollouts, synced, pushes)
     log.info("router listening on %s:%d (cloud: %s)", host, port, settings.cloud or "none")
     announce("router", f"{host}:{port}")
     await stop.wait()
@@ -305,11 +309,21 @@ def _rollouts(settings: RouterSettings, metrics: Metrics, recorder: RouterMetric
     return rollouts
 
 
+def _threshold_pushes(settings: RouterSettings, registry: FleetRegistry) -> ThresholdPushes:
+    """The pushed thresholds (kept beside the rollout state), in force before any agent links."""
+    pushes = ThresholdPushes(router_id=settings.name, state_path=state_path_beside(settings.rollout_state))
+    pushes.listeners.append(registry.override_thresholds)
+    for family in pushes.families():
+        registry.override_thresholds(family, pushes.in_force(family))
+    return pushes
+
+
 def _share_rollouts(
-    settings: RouterSettings, rollouts: Rollouts, synced: asyncio.Event
+    settings: RouterSettings, rollouts: Rollouts, synced: asyncio.Event, pushes: ThresholdPushes
 ) -> asyncio.Task[None] | None:
     """Every change reaches the peers at once (and all state every SYNC_S)."""
     rollouts.listeners.append(lambda plan, why: synced.set())
+    pushes.listeners.append(lambda family, thresholds: synced.set())
     if not settings.peers:
         return None
     peers = RolloutPeers(
@@ -318,6 +332,7 @@ def _share_rollouts(
         tls=settings.tls,
         token=settings.peer_token or settings.token,
         changed=synced,
+        pushes=pushes,
     )
     return asyncio.create_task(peers.run(), name="stratus-rollout-peers")
 

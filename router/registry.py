@@ -291,6 +291,10 @@ class FleetRegistry:
         self._linked = 0  # agents not lost
         self._ids = itertools.count(1)
         self._watchers: set[asyncio.Queue[None]] = set()
+        # Thresholds pushed fleet-wide (router/thresholds.py) win over the Hellos'; ``_own`` keeps
+        # each family as its agents describe it, for when a push is reverted.
+        self._pushed: dict[str, dict[str, float]] = {}
+        self._own: dict[str, fpb.FamilyInfo] = {}
 
     def now(self) -> float:
         return self._clock()
@@ -330,7 +334,8 @@ class FleetRegistry:
             started=self._started(hello),
         )
         for family in hello.families:
-            self.families.setdefault(family.name, family)
+            if family.name not in self.families:
+                self._learn(family)
         self.attach_batcher(handle)
         self.agents[handle.id] = handle
         self.index.add(handle)
@@ -385,7 +390,7 @@ class FleetRegistry:
         conflicts: dict[str, str] = {}
         for family in hello.families:
             known = self.families.get(family.name)
-            if known is None or known == family:
+            if known is None or known == self._served(family):
                 continue
             if not self.index.serves(family.name):  # nobody serves the old description now
                 del self.families[family.name]
@@ -428,7 +433,7 @@ class FleetRegistry:
         handle.announce({v.name: v for v in hello.variants})
         handle.unavailable = tuple(hello.unavailable)
         for family in hello.families:
-            self.families[family.name] = family
+            self._learn(family)
         self._readd(handle, ready)
         log.info("agent %s reloaded: variants %s", handle.id, sorted(handle.variants))
         self._settle_reloads(handle, "")
@@ -753,6 +758,40 @@ class FleetRegistry:
 
     def family(self, name: str) -> fpb.FamilyInfo | None:
         return self.families.get(name)
+
+    def override_thresholds(self, family: str, thresholds: Mapping[Tier, float]) -> None:
+        """Serve ``family`` with ``thresholds`` from now on, whatever its agents' Hellos say
+        (empty: their own again). Its calibrated cloud share no longer describes the
+        thresholds in force, so the baseline is dropped while a push holds."""
+        if thresholds:
+            self._pushed[family] = {tier.label: value for tier, value in thresholds.items()}
+        else:
+            self._pushed.pop(family, None)
+        own = self._own.get(family)
+        if own is not None and family in self.families:
+            self.families[family] = self._served(own)
+        self.changed()
+
+    def own_thresholds(self, family: str) -> Mapping[Tier, float]:
+        """The thresholds the agents' Hellos gave ``family`` (the first ready agent's)."""
+        own = self._own.get(family)
+        return {Tier.parse(k): v for k, v in own.thresholds.items()} if own else {}
+
+    def _learn(self, family: fpb.FamilyInfo) -> None:
+        self._own[family.name] = family
+        self.families[family.name] = self._served(family)
+
+    def _served(self, family: fpb.FamilyInfo) -> fpb.FamilyInfo:
+        """The family as this fleet serves it: with the pushed thresholds, where there are."""
+        pushed = self._pushed.get(family.name)
+        if pushed is None:
+            return family
+        served = fpb.FamilyInfo()
+        served.CopyFrom(family)
+        served.thresholds.clear()
+        served.thresholds.update(pushed)
+        served.ClearField("calibrated_cloud_share")
+        return served
 
     def thresholds(self, family: str) -> Mapping[Tier, float]:
         info = self.families.get(family)
