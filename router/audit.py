@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any, Final, Protocol
 import numpy as np
 
 from router.agreement import WINDOW_AUDITS, WINDOW_S, AgreementBook, AuditKey, Estimate, total
+from router.audit_rows import RowBook, TierAnswer
 from router.cloud_pool import CloudTier
 from router.generate import Generation
 from router.policy import Target, accepts
@@ -164,6 +165,8 @@ class Audit:
     prompt: pb.ModelInferRequest | None = None
     text: str = ""
     compare: str = EXACT
+    # Per item, what each tier it visited said (router/audit_rows.py): a row once the top answers.
+    visited: tuple[tuple[TierAnswer, ...], ...] = ()
 
     @property
     def items(self) -> int:
@@ -195,6 +198,8 @@ class Auditor:
         self.book = self._new_book()  # the unbiased estimate
         self.escalated = self._new_book()  # the biased sample escalations carry, kept apart
         self.sampler = Sampler(rng=self.rng, clock=self.clock)
+        self.rows = RowBook(clock=self.clock)  # what a threshold suggestion is chosen on
+        self._climbed = Sampler(rng=self.rng, clock=self.clock)  # rows of items that climbed anyway
         self._queue: deque[Audit] = deque()
         self._wakeup = asyncio.Event()
         self._workers: list[asyncio.Task[None]] = []
@@ -258,6 +263,8 @@ class Auditor:
             return
         output = info.outputs[0].name
         self._note_climbs(view, top, output)
+        visited = visits(view, output)
+        self._climbed_rows(view, info, top, visited)
         chosen = self._sampled_items(view, info, top, output)
         for answer, pairs in chosen.values():
             classes = top1(answer.outputs, output)
@@ -271,8 +278,22 @@ class Auditor:
                     inputs=view.job.inputs.take([item for item, _ in pairs]),
                     output=output,
                     classes=tuple(int(classes[row]) for _, row in pairs),
+                    visited=tuple(visited.get(item, ()) for item, _ in pairs),
                 )
             )
+
+    def _climbed_rows(
+        self, view: CascadeView, info: fpb.FamilyInfo, top: Tier, visited: dict[int, tuple[TierAnswer, ...]]
+    ) -> None:
+        """Rows of the items that climbed to the top tier, drawn with the audits' share: they
+        carry every answer already, so they cost nothing, and without them the rows would hold
+        only the items the thresholds settled (a biased sample of the traffic)."""
+        share, rate = self.share_of(info), self.rate_of(info)
+        for _, answers in sorted(visited.items()):
+            lower = tuple(a for a in answers if a.tier < top)
+            final = next((a for a in answers if a.tier == top), None)
+            if final is not None and lower and self._climbed.draw(info.name, share, rate):
+                self.rows.add(view.job.family, lower, top, final.answer)
 
     def _sampled_items(
         self, view: CascadeView, info: fpb.FamilyInfo, top: Tier, output: str
@@ -397,6 +418,8 @@ class Auditor:
                 return
             for mine, theirs in zip(audit.classes, classes, strict=True):
                 self._record(audit.key, mine == int(theirs))
+            for lower, theirs in zip(audit.visited, classes, strict=False):
+                self.rows.add(audit.key.family, lower, audit.top, int(theirs))
             return
         text = await self._text(audit, target)
         self._record(audit.key, COMPARATORS.get(audit.compare, same_text)(audit.text, text))
@@ -452,6 +475,19 @@ class Auditor:
         log.debug("audit of %s (%s) dropped: %s", audit.key.family, audit.key.agent, why)
         if self.metrics is not None:
             self.metrics.audits.labels(audit.key.family, audit.key.tier.label, DROPPED).inc(audit.items)
+
+
+def visits(view: CascadeView, output: str) -> dict[int, tuple[TierAnswer, ...]]:
+    """Per item, each tier's answer on it, bottom first (a tier asked twice: its last answer)."""
+    seen: dict[int, dict[Tier, TierAnswer]] = {}
+    for answer, items in zip(view.answers, view.sent, strict=False):
+        classes = top1(answer.outputs, output)
+        if classes is None or len(classes) != len(items) or len(answer.confidences) != len(items):
+            continue
+        for row, item in enumerate(items):
+            said = TierAnswer(answer.tier, float(answer.confidences[row]), int(classes[row]))
+            seen.setdefault(item, {})[answer.tier] = said
+    return {item: tuple(by_tier[t] for t in sorted(by_tier)) for item, by_tier in seen.items()}
 
 
 def calibrated_top(info: fpb.FamilyInfo) -> Tier | None:

@@ -439,7 +439,8 @@ class FleetServicer(fpb_grpc.FleetServicer):
     async def Thresholds(self, request: fpb.ThresholdsRequest, context: Any) -> fpb.ThresholdsReply:
         if request.action == fpb.THRESHOLDS_ACTION_STATUS:
             self._authorize_read(request.token, context, "threshold status")
-            return steer(self._pushes, self._registry, request)
+            rows = self._audits.rows.rows if self._audits is not None else None
+            return steer(self._pushes, self._registry, request, rows)
         self._authorize(request.token, context, "pushing thresholds")
         answer = steer(self._pushes, self._registry, request)
         if self._synced is not None:

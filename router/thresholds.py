@@ -22,11 +22,12 @@ import json
 import logging
 import math
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final, Protocol
 
+from router.audit_rows import Row
 from router.rollout import write_whole
 from stratus.errors import ConfigError, InvalidInput, NotFound
 from stratus.tiers import Tier
@@ -312,12 +313,19 @@ class FamilyThresholds(Protocol):
 
 
 def steer(
-    pushes: ThresholdPushes, registry: FamilyThresholds, request: fpb.ThresholdsRequest
+    pushes: ThresholdPushes,
+    registry: FamilyThresholds,
+    request: fpb.ThresholdsRequest,
+    rows: Callable[[str], Sequence[Row]] | None = None,
 ) -> fpb.ThresholdsReply:
-    """Read, apply or revert ``request.family``'s pushed thresholds; the reply says what is in force."""
+    """Read, apply or revert ``request.family``'s pushed thresholds; the reply says what is in
+    force (and, asked for, the audit rows a suggestion is chosen on)."""
     family, action = request.family, request.action
     if action == fpb.THRESHOLDS_ACTION_STATUS:
-        return reply(pushes, registry, family)
+        answer = reply(pushes, registry, family)
+        if request.include_rows and rows is not None:
+            answer.rows.extend(row.to_wire() for row in rows(family))
+        return answer
     if registry.family(family) is None:
         raise NotFound(f"no agent serves a family '{family}'")
     author, why = request.author or "operator", request.reason or "no reason given"

@@ -1994,6 +1994,7 @@ class ThresholdsRequest(_message.Message):
     REASON_FIELD_NUMBER: _builtins.int
     TOKEN_FIELD_NUMBER: _builtins.int
     EXPECTED_VERSION_FIELD_NUMBER: _builtins.int
+    INCLUDE_ROWS_FIELD_NUMBER: _builtins.int
     family: _builtins.str
     action: Global___ThresholdsAction.ValueType
     author: _builtins.str
@@ -2003,6 +2004,8 @@ class ThresholdsRequest(_message.Message):
     """As in FleetStatusRequest."""
     expected_version: _builtins.int
     """With APPLY or REVERT: refuse unless this is the version in force (0: whatever is)."""
+    include_rows: _builtins.bool
+    """With STATUS: the audit rows too (router/audit_rows.py), for `--suggest`."""
     @_builtins.property
     def thresholds(self) -> _containers.ScalarMap[_builtins.str, _builtins.float]:
         """With APPLY: each tier's threshold by tier name ("device", "edge"), each in [0, 1]."""
@@ -2017,14 +2020,72 @@ class ThresholdsRequest(_message.Message):
         reason: _builtins.str = ...,
         token: _builtins.str = ...,
         expected_version: _builtins.int = ...,
+        include_rows: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["action", b"action", "author", b"author", "expected_version", b"expected_version", "family", b"family", "reason", b"reason", "thresholds", b"thresholds", "token", b"token"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["action", b"action", "author", b"author", "expected_version", b"expected_version", "family", b"family", "include_rows", b"include_rows", "reason", b"reason", "thresholds", b"thresholds", "token", b"token"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ThresholdsRequest: _TypeAlias = ThresholdsRequest  # noqa: Y015
+
+@_typing.final
+class TierAnswer(_message.Message):
+    """One tier's answer on an audited item."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TIER_FIELD_NUMBER: _builtins.int
+    CONFIDENCE_FIELD_NUMBER: _builtins.int
+    ANSWER_FIELD_NUMBER: _builtins.int
+    tier: _builtins.str
+    confidence: _builtins.float
+    answer: _builtins.int
+    def __init__(
+        self,
+        *,
+        tier: _builtins.str = ...,
+        confidence: _builtins.float = ...,
+        answer: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["answer", b"answer", "confidence", b"confidence", "tier", b"tier"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TierAnswer: _TypeAlias = TierAnswer  # noqa: Y015
+
+@_typing.final
+class AuditRow(_message.Message):
+    """One audited item: what the tiers below the top said (bottom first), and the top tier's
+    class, which is the label a suggestion is chosen against.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TIERS_FIELD_NUMBER: _builtins.int
+    TOP_TIER_FIELD_NUMBER: _builtins.int
+    LABEL_FIELD_NUMBER: _builtins.int
+    top_tier: _builtins.str
+    label: _builtins.int
+    @_builtins.property
+    def tiers(self) -> _containers.RepeatedCompositeFieldContainer[Global___TierAnswer]: ...
+    def __init__(
+        self,
+        *,
+        tiers: _abc.Iterable[Global___TierAnswer] | None = ...,
+        top_tier: _builtins.str = ...,
+        label: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["label", b"label", "tiers", b"tiers", "top_tier", b"top_tier"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AuditRow: _TypeAlias = AuditRow  # noqa: Y015
 
 @_typing.final
 class ThresholdVersion(_message.Message):
@@ -2139,6 +2200,7 @@ class ThresholdsReply(_message.Message):
     IN_FORCE_FIELD_NUMBER: _builtins.int
     AGENTS_FIELD_NUMBER: _builtins.int
     MESSAGE_FIELD_NUMBER: _builtins.int
+    ROWS_FIELD_NUMBER: _builtins.int
     family: _builtins.str
     message: _builtins.str
     @_builtins.property
@@ -2151,6 +2213,10 @@ class ThresholdsReply(_message.Message):
 
     @_builtins.property
     def agents(self) -> _containers.ScalarMap[_builtins.str, _builtins.float]: ...
+    @_builtins.property
+    def rows(self) -> _containers.RepeatedCompositeFieldContainer[Global___AuditRow]:
+        """With include_rows: this router's audit rows of the family, oldest first."""
+
     def __init__(
         self,
         *,
@@ -2159,10 +2225,11 @@ class ThresholdsReply(_message.Message):
         in_force: _abc.Mapping[_builtins.str, _builtins.float] | None = ...,
         agents: _abc.Mapping[_builtins.str, _builtins.float] | None = ...,
         message: _builtins.str = ...,
+        rows: _abc.Iterable[Global___AuditRow] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agents", b"agents", "family", b"family", "history", b"history", "in_force", b"in_force", "message", b"message"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agents", b"agents", "family", b"family", "history", b"history", "in_force", b"in_force", "message", b"message", "rows", b"rows"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
