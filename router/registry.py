@@ -761,7 +761,7 @@ class FleetRegistry:
 
     def override_thresholds(self, family: str, thresholds: Mapping[Tier, float]) -> None:
         """Serve ``family`` with ``thresholds`` from now on, whatever its agents' Hellos say
-        (empty: their own again). Its calibrated cloud share no longer describes the
+        (a tier not named keeps theirs; empty: their own again). Its calibrated cloud share no longer describes the
         thresholds in force, so the baseline is dropped while a push holds."""
         if thresholds:
             self._pushed[family] = {tier.label: value for tier, value in thresholds.items()}
@@ -788,8 +788,7 @@ class FleetRegistry:
             return family
         served = fpb.FamilyInfo()
         served.CopyFrom(family)
-        served.thresholds.clear()
-        served.thresholds.update(pushed)
+        served.thresholds.update(pushed)  # a tier the push does not name keeps the agents' threshold
         served.ClearField("calibrated_cloud_share")
         return served
 

@@ -20,6 +20,7 @@ import grpc
 from stratus import __version__
 from stratus.certs import add_parser as add_certs
 from stratus.errors import ConfigError, StratusError
+from stratus.fleet_thresholds import add_parser as add_thresholds_parser
 from stratus.models_cli import add_models
 from stratus.serving import TlsSettings
 
@@ -238,6 +239,12 @@ def _fleet_accuracy(args: argparse.Namespace) -> int:
         tls=_tls(args),
         token=_role_token(args, "operator"),
     )
+
+
+def _fleet_thresholds(args: argparse.Namespace) -> int:
+    from stratus.fleet_thresholds import asked_from, run_thresholds
+
+    return run_thresholds(args.router, asked_from(args), tls=_tls(args), token=_role_token(args, "operator"))
 
 
 def _fleet_drain(args: argparse.Namespace) -> int:
@@ -698,9 +705,11 @@ def _add_fleet_changes(
     rollout.add_argument("--json", action="store_true", help="the rollouts as JSON")
     rollout.set_defaults(handler=_fleet_rollout)
     accuracy = _add_fleet_accuracy(sub)
-    for parser in (*others, reload, rollout, accuracy):
+    thresholds = add_thresholds_parser(sub)
+    thresholds.set_defaults(handler=_fleet_thresholds)
+    for parser in (*others, reload, rollout, accuracy, thresholds):
         _add_tls(parser)
-    for parser in (reload, rollout, accuracy):
+    for parser in (reload, rollout, accuracy, thresholds):
         parser.add_argument("--router", required=True, help="the router's HOST:PORT")
         parser.add_argument(
             "--operator-token-file", type=Path, default=None, help="default: $STRATUS_OPERATOR_TOKEN"

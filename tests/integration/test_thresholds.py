@@ -1,0 +1,110 @@
+"""A fleet-wide threshold push through real routers and agents: ``stratus fleet thresholds
+--apply`` on one router is in force on its peer too, changes which tier answers each item
+(a device threshold of 1.0 sends up every item the device is not certain of), survives a
+restart of both routers, and ``--revert`` brings the agents' own thresholds back."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from stratus.serving import open_sync_channel
+from stratus.tiers import Tier
+from stratus.wire import fleet_pb2 as fpb
+from stratus.wire import fleet_pb2_grpc as fpb_grpc
+
+from .cluster import Cluster, infer, ready_count, wait_until
+from .test_rollout import _free_ports
+
+ITEMS = 40
+
+
+def status(router: str) -> fpb.ThresholdsReply:
+    with open_sync_channel(router) as channel:
+        request = fpb.ThresholdsRequest(family="digits", action=fpb.THRESHOLDS_ACTION_STATUS)
+        reply: fpb.ThresholdsReply = fpb_grpc.FleetStub(channel).Thresholds(request, timeout=10)
+    return reply
+
+
+def version(router: str) -> int:
+    history = status(router).history
+    return history[-1].version if history else 0
+
+
+def cli(router: str, *args: str) -> str:
+    done = subprocess.run(
+        [sys.executable, "-m", "stratus.cli", "fleet", "thresholds", "digits", "--router", router, *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def item_tiers(router: str, x: np.ndarray) -> list[Tier]:
+    _, served = infer(router, x)
+    return list(served.item_tiers)
+
+
+def device_confidences(router: str, x: np.ndarray) -> list[float]:
+    """Each item's own device confidence (asked alone, kept on the device)."""
+    return [infer(router, x[i : i + 1], max_tier="device")[1].confidence for i in range(len(x))]
+
+
+def test_a_push_reaches_both_routers_changes_the_answers_survives_restarts_and_reverts(  # type: ignore[no-untyped-def]
+    cluster: Cluster, tmp_path: Path, digits
+) -> None:
+    a, b = (f"127.0.0.1:{port}" for port in _free_ports(2))
+    state_a, state_b = tmp_path / "a" / "rollouts.json", tmp_path / "b" / "rollouts.json"
+
+    def routers(tag: str) -> None:
+        cluster.router(
+            "--peers", f"{a},{b}", "--rollout-state", str(state_a), role=f"router-a{tag}", listen=a
+        )
+        cluster.router("--peers", a, "--rollout-state", str(state_b), role=f"router-b{tag}", listen=b)
+
+    routers("")
+    cluster.agent("device-1", f"{a},{b}")
+    cluster.agent("edge-1", f"{a},{b}", tier="edge")
+    linked = lambda: ready_count(a) == 2 and ready_count(b) == 2  # noqa: E731
+    wait_until(linked, timeout_s=90)
+    x = digits.held_out.x[:ITEMS]
+    own = status(a).agents["device"]
+    sure = device_confidences(a, x)
+    settled_before = [Tier.DEVICE if c >= own else Tier.EDGE for c in sure]
+    climbing = [Tier.DEVICE if c >= 1.0 else Tier.EDGE for c in sure]
+    assert settled_before.count(Tier.DEVICE) > climbing.count(Tier.DEVICE), "no item would change tier"
+    assert item_tiers(a, x) == settled_before == item_tiers(b, x)
+
+    pushed = cli(a, "--apply", "device=1.0", "--reason", "every item to the edge")
+    assert "pushed version 1 in force" in pushed and "device=1 by" in pushed, pushed
+    wait_until(lambda: version(b) == 1, timeout_s=10)
+    for router in (a, b):
+        now = status(router)
+        assert now.in_force["device"] == 1.0 and now.agents["device"] == own
+        assert now.in_force["edge"] == now.agents["edge"]  # a tier the push does not name keeps its own
+        assert item_tiers(router, x) == climbing, router
+
+    for launched in ("router-a", "router-b"):
+        cluster.latest(launched).stop()
+    routers("2")  # each from its own state file; the agents link again
+    wait_until(linked, timeout_s=90)
+    for router in (a, b):
+        assert version(router) == 1 and item_tiers(router, x) == climbing, router
+
+    reverted = cli(b, "--revert", "--reason", "back to calibration")
+    assert "pushed version 2 in force" in reverted and "(the agents' own)" in reverted, reverted
+    wait_until(lambda: version(a) == 2, timeout_s=10)
+    for router in (a, b):
+        assert dict(status(router).in_force) == dict(status(router).agents)
+        assert item_tiers(router, x) == settled_before, router
+    history = status(a).history
+    assert [(v.version, dict(v.thresholds), v.base, v.reason) for v in history] == [
+        (1, {"device": 1.0}, 0, "every item to the edge"),
+        (2, {}, 0, "back to calibration"),
+    ]
