@@ -24,7 +24,7 @@ from router.openai_api import OpenAiApi, check_listen
 from router.peers import RolloutPeers
 from router.registry import FleetRegistry
 from router.rollout import ROLLED_BACK, Plan, Rollouts
-from router.thresholds import ThresholdPushes, state_path_beside
+from router.thresholds import ThresholdPushes, state_path_beside, threshold_levels
 from stratus.auth import AgentTokens, RouterCredentials, check_exposure, insecure_warning
 from stratus.batching import DEFAULT_MAX_DELAY_S
 from stratus.discovery import Advertisement
@@ -166,6 +166,7 @@ async def serve(settings: RouterSettings, stop: asyncio.Event | None = None) -> 
         metrics=recorder,
     )
     pushes = _threshold_pushes(settings, registry)
+    metrics.collect_with(lambda: threshold_levels(pushes, registry))
     cloud = _cloud_link(settings, registry)
     metrics.collect_with(lambda: fleet_levels(registry, cloud))
     if cloud is not None:

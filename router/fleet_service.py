@@ -18,7 +18,7 @@ from router.index import line_key
 from router.peers import sync_parts
 from router.registry import MAX_RELOAD_WAIT_S, AgentHandle, FleetRegistry, State, shown_state
 from router.rollout import DEFAULT_STEPS, ArmWindow, Margins, Plan, Rollouts
-from router.thresholds import ThresholdPushes, steer
+from router.thresholds import ThresholdPushes, steer, to_wire
 from stratus import __version__
 from stratus.auth import RouterCredentials, proof_holds, sync_proof
 from stratus.errors import ConfigError, InvalidInput, NotFound
@@ -334,7 +334,11 @@ class FleetServicer(fpb_grpc.FleetServicer):
         self._authorize_read(request.token, context, "Accuracy")
         if self._audits is None:
             raise ConfigError("this router runs no audits")
-        return accuracy_reply(self._audits, request.family, include_agents=request.include_agents)
+        reply = accuracy_reply(self._audits, request.family, include_agents=request.include_agents)
+        record = self._pushes.record(request.family)
+        if record is not None:
+            reply.pushed.CopyFrom(to_wire(record.current))
+        return reply
 
     async def Drain(self, request: fpb.DrainRequest, context: Any) -> fpb.DrainResponse:
         self._authorize(request.token, context, "Drain")

@@ -30,6 +30,7 @@ from typing import Any, Final, Protocol
 from router.audit_rows import Row
 from router.rollout import write_whole
 from stratus.errors import ConfigError, InvalidInput, NotFound
+from stratus.metrics import Metric, gauge
 from stratus.tiers import Tier
 from stratus.wire import fleet_pb2 as fpb
 
@@ -373,3 +374,19 @@ def to_wire(version: Version) -> fpb.ThresholdVersion:
         origin=version.origin,
         base=version.base,
     )
+
+
+def threshold_levels(pushes: ThresholdPushes, registry: FamilyThresholds) -> list[Metric]:
+    """What Prometheus reads at each scrape: each family's pushed version (it only grows, so
+    its increase counts the changes) and each tier's threshold in force on this router."""
+    families = pushes.families()
+    in_force = [
+        ([f, tier.label], value) for f in families for tier, value in sorted(registry.thresholds(f).items())
+    ]
+    versions = [([f], float(record.current.version)) for f in families if (record := pushes.record(f))]
+    return [
+        gauge("stratus_router_threshold_version", "The pushed threshold version in force for a family "
+              "(stratus fleet thresholds; its increase counts pushes and reverts).", ["family"], versions),
+        gauge("stratus_router_threshold", "A tier's escalation threshold in force for a family where a "
+              "push holds (the agents' own for tiers the push does not name).", ["family", "tier"], in_force),
+    ]  # fmt: skip

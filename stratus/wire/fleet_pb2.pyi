@@ -1909,6 +1909,7 @@ class AccuracyReply(_message.Message):
     DROPPED_FIELD_NUMBER: _builtins.int
     SHARE_FIELD_NUMBER: _builtins.int
     CALIBRATED_TOP_TIER_FIELD_NUMBER: _builtins.int
+    PUSHED_FIELD_NUMBER: _builtins.int
     family: _builtins.str
     top_tier: Global___Tier.ValueType
     """The tier audits ask: the cloud where it serves the family, else the highest agent tier."""
@@ -1940,6 +1941,10 @@ class AccuracyReply(_message.Message):
         interval, highest first, so the agent that is surely worst comes last.
         """
 
+    @_builtins.property
+    def pushed(self) -> Global___ThresholdVersion:
+        """The family's pushed thresholds in force (router/thresholds.py); unset: its agents' own."""
+
     def __init__(
         self,
         *,
@@ -1954,10 +1959,11 @@ class AccuracyReply(_message.Message):
         dropped: _builtins.int = ...,
         share: _builtins.float = ...,
         calibrated_top_tier: Global___Tier.ValueType = ...,
+        pushed: Global___ThresholdVersion | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["pushed", b"pushed"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agents", b"agents", "calibrated_top_tier", b"calibrated_top_tier", "dropped", b"dropped", "family", b"family", "margin", b"margin", "min_audits", b"min_audits", "share", b"share", "tiers", b"tiers", "top_tier", b"top_tier", "window_audits", b"window_audits", "window_s", b"window_s"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agents", b"agents", "calibrated_top_tier", b"calibrated_top_tier", "dropped", b"dropped", "family", b"family", "margin", b"margin", "min_audits", b"min_audits", "pushed", b"pushed", "share", b"share", "tiers", b"tiers", "top_tier", b"top_tier", "window_audits", b"window_audits", "window_s", b"window_s"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

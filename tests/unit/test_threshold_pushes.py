@@ -18,6 +18,8 @@ from router.thresholds import (
     pushable,
     state_path_beside,
     steer,
+    threshold_levels,
+    to_wire,
 )
 from stratus.errors import ConfigError, InvalidInput, NotFound
 from stratus.tiers import Tier
@@ -149,3 +151,25 @@ def test_steer_refuses_an_unknown_family_and_reports_what_is_in_force() -> None:
     assert [v.version for v in answer.history] == [1] and "version 1 in force" in answer.message
     with pytest.raises(NotFound):
         steer(book, reg, fpb.ThresholdsRequest(family="other", action=fpb.THRESHOLDS_ACTION_APPLY))
+
+
+def test_the_version_and_thresholds_in_force_are_exported_and_shown_with_the_accuracy() -> None:
+    from stratus.fleet_accuracy import accuracy_table
+
+    reg = FleetRegistry()
+    reg.register(hello("d1", threshold=0.5), peer="t")
+    book = pushes()
+    book.listeners.append(reg.override_thresholds)
+    book.apply("digits", {DEVICE: 0.8}, author="ana", reason="one")
+    book.apply("digits", {DEVICE: 0.9}, author="ana", reason="drift on line 3")
+    version, in_force = threshold_levels(book, reg)
+    assert [(s.labels, s.value) for s in version.samples] == [({"family": "digits"}, 2.0)]
+    assert [(s.labels, s.value) for s in in_force.samples] == [({"family": "digits", "tier": "device"}, 0.9)]
+    record = book.record("digits")
+    assert record is not None
+    reply = fpb.AccuracyReply(family="digits", top_tier=fpb.TIER_EDGE, pushed=to_wire(record.current))
+    assert (
+        "thresholds: pushed version 2 in force (device=0.9), by ana on a: drift on line 3"
+        in accuracy_table(reply)
+    )
+    assert "pushed version" not in accuracy_table(fpb.AccuracyReply(family="digits", top_tier=fpb.TIER_EDGE))
