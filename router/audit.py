@@ -405,10 +405,14 @@ class Auditor:
             if cloud is None or not room or cloud.in_flight + 1 > cloud.capacity * self.policy.cloud_spare:
                 return None
             return Target(tier=Tier.CLOUD, agent_id=None)
-        pool = self.registry.index.pools(audit.key.family).get(audit.top, ())
+        return self._spare_agent(audit.key.family, audit.top)
+
+    def _spare_agent(self, family: str, tier: Tier) -> Target | None:
+        """An agent of ``tier`` serving ``family`` with a free slot, from a bounded draw."""
+        pool = self.registry.index.pools(family).get(tier, ())
         drawn = [pool[self.rng.randrange(len(pool))] for _ in range(DRAWS)] if len(pool) > DRAWS else pool
         idle = [a for a in drawn if a.ready and a.in_flight < a.capacity]  # a slot is free
-        return Target(tier=audit.top, agent_id=min(idle, key=lambda a: a.in_flight).id) if idle else None
+        return Target(tier=tier, agent_id=min(idle, key=lambda a: a.in_flight).id) if idle else None
 
     async def _audit(self, audit: Audit, target: Target) -> None:
         if audit.inputs is not None:
@@ -418,11 +422,38 @@ class Auditor:
                 return
             for mine, theirs in zip(audit.classes, classes, strict=True):
                 self._record(audit.key, mine == int(theirs))
-            for lower, theirs in zip(audit.visited, classes, strict=False):
+            visited = await self._between(audit)
+            for lower, theirs in zip(visited, classes, strict=False):
                 self.rows.add(audit.key.family, lower, audit.top, int(theirs))
             return
         text = await self._text(audit, target)
         self._record(audit.key, COMPARATORS.get(audit.compare, same_text)(audit.text, text))
+
+    async def _between(self, audit: Audit) -> tuple[tuple[TierAnswer, ...], ...]:
+        """The items' visits with each tier between theirs and the top asked too (only where an
+        agent there has a free slot): a row needs every tier below the top. Nothing where one
+        cannot be asked (the agreement is kept; the rows are not)."""
+        family, visited = audit.key.family, list(audit.visited)
+        for tier in (t for t in self.registry.index.tiers(family) if audit.key.tier < t < audit.top):
+            target = self._spare_agent(family, tier)
+            if target is None or target.agent_id is None or audit.inputs is None:
+                return ()
+            try:
+                part = await self.registry.submit(
+                    self.registry.agents[target.agent_id], audit.inputs, variant=family,
+                    outputs=(audit.output,), budget_ms=self.policy.timeout_s * 1000,
+                )  # fmt: skip
+            except StratusError as exc:
+                log.debug("audit row of %s: the %s tier failed it: %s", family, tier.label, exc)
+                return ()
+            classes = top1(part.outputs, audit.output)
+            if classes is None or len(classes) != len(visited) or len(part.confidences) != len(visited):
+                return ()
+            visited = [
+                (*v, TierAnswer(tier, float(c), int(k)))
+                for v, c, k in zip(visited, part.confidences, classes, strict=True)
+            ]
+        return tuple(visited)
 
     async def _classes(self, audit: Audit, target: Target) -> np.ndarray[Any, Any] | None:
         assert audit.inputs is not None

@@ -8,6 +8,8 @@ label), and the two must choose the same thresholds."""
 
 from __future__ import annotations
 
+import asyncio
+
 import numpy as np
 import pytest
 
@@ -132,3 +134,52 @@ def test_the_recorded_goal_is_read() -> None:
     assert goal_of("max_escalation 0.04") == (None, 0.04)
     with pytest.raises(ConfigError):
         goal_of("cheapest 1")
+
+
+def test_an_item_settled_on_the_device_is_asked_of_the_edge_too_so_its_row_holds_every_tier() -> None:
+    from tests.unit.test_audit import answer_work, edge_hello
+
+    async def body() -> None:
+        pool, link = cloud_pool()
+        audits, _, registry = auditor(pool, share=1.0, max_per_s=1e9)
+        registry.register(edge_hello("edge-1"), peer="test")
+        seen: list[str] = []
+        fake = asyncio.create_task(answer_work(registry, "edge-1", [4, 5], seen))
+        audits.start()
+        view = View(job(2))
+        truth = link.classes(codec.decode_request_inputs(pool_request(view))["input"])
+        view.answered(answer(Tier.DEVICE, [4, 6], [0.9, 0.8]), [0, 1])
+        audits.classified(view)
+        await settle(audits, lambda: len(audits.rows.rows("digits")) == 2)
+        await audits.close()
+        registry.agents["edge-1"].outbox.put_nowait(None)
+        await fake
+        rows = [r.to_wire() for r in audits.rows.rows("digits")]
+        assert seen == ["edge-1"]
+        assert [[(a.tier, a.answer) for a in r.tiers] for r in rows] == [
+            [("device", 4), ("edge", 4)],
+            [("device", 6), ("edge", 5)],
+        ]
+        assert [r.label for r in rows] == truth and {r.top_tier for r in rows} == {"cloud"}
+        assert len(audit_scores(rows, min_rows=2)) == 3  # device, edge and the top
+
+    run(body)
+
+
+def test_without_a_free_edge_slot_the_agreement_is_kept_and_the_incomplete_row_is_not() -> None:
+    from tests.unit.test_audit import edge_hello
+
+    async def body() -> None:
+        pool, _ = cloud_pool()
+        audits, _, registry = auditor(pool, share=1.0, max_per_s=1e9)
+        registry.register(edge_hello("edge-1"), peer="test")
+        registry.agents["edge-1"].capacity = 0
+        audits.start()
+        view = View(job(2))
+        view.answered(answer(Tier.DEVICE, [4, 6], [0.9, 0.8]), [0, 1])
+        audits.classified(view)
+        await settle(audits, lambda: bool(audits.book.estimates()))
+        await audits.close()
+        assert audits.rows.rows("digits") == []
+
+    run(body)
