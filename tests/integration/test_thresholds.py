@@ -56,6 +56,20 @@ def device_confidences(router: str, x: np.ndarray) -> list[float]:
     return [infer(router, x[i : i + 1], max_tier="device")[1].confidence for i in range(len(x))]
 
 
+def sdk_tiers(router: str, x: np.ndarray, cache: Path, *, threshold: float) -> None:
+    """An SDK on the device answers here what the router's threshold for its tier settles, and
+    sends the rest up: each item's tier follows from its own local confidence."""
+    from edge_agent.sdk import Client
+
+    from .cluster import MODELS
+
+    with Client(MODELS, router=router, cache_dir=cache, precision="fp32") as client:
+        assert client.wait_ready(timeout_s=10)
+        local = [client.infer("digits", x[i : i + 1], max_tier="device").confidence for i in range(len(x))]
+        expected = [Tier.DEVICE if c >= threshold else Tier.EDGE for c in local]
+        assert list(client.infer("digits", x).item_tiers) == expected, threshold
+
+
 def test_a_push_reaches_both_routers_changes_the_answers_survives_restarts_and_reverts(  # type: ignore[no-untyped-def]
     cluster: Cluster, tmp_path: Path, digits
 ) -> None:
@@ -89,6 +103,7 @@ def test_a_push_reaches_both_routers_changes_the_answers_survives_restarts_and_r
         assert now.in_force["device"] == 1.0 and now.agents["device"] == own
         assert now.in_force["edge"] == now.agents["edge"]  # a tier the push does not name keeps its own
         assert item_tiers(router, x) == climbing, router
+    sdk_tiers(b, x, tmp_path, threshold=1.0)  # the SDK judges its own answers by the push too
 
     for launched in ("router-a", "router-b"):
         cluster.latest(launched).stop()
@@ -103,6 +118,7 @@ def test_a_push_reaches_both_routers_changes_the_answers_survives_restarts_and_r
     for router in (a, b):
         assert dict(status(router).in_force) == dict(status(router).agents)
         assert item_tiers(router, x) == settled_before, router
+    sdk_tiers(a, x, tmp_path, threshold=own)
     history = status(a).history
     assert [(v.version, dict(v.thresholds), v.base, v.reason) for v in history] == [
         (1, {"device": 1.0}, 0, "every item to the edge"),
