@@ -24,6 +24,7 @@ from router.openai_api import OpenAiApi, check_listen
 from router.peers import RolloutPeers
 from router.registry import FleetRegistry
 from router.rollout import ROLLED_BACK, Plan, Rollouts
+from router.threshold_auto import AutoPolicy, AutoThresholds, auto_levels
 from router.thresholds import ThresholdPushes, state_path_beside, threshold_levels
 from stratus.auth import AgentTokens, RouterCredentials, check_exposure, insecure_warning
 from stratus.batching import DEFAULT_MAX_DELAY_S
@@ -112,6 +113,9 @@ class RouterSettings:
     # top tier also asked of it, and at most this many a second per family; a family's
     # [audit] table overrides both.
     audit: AuditPolicy = field(default_factory=AuditPolicy)
+    # --auto-thresholds: families whose thresholds step toward the audits' suggestion by
+    # themselves (router/threshold_auto.py); none by default.
+    auto_thresholds: AutoPolicy = field(default_factory=AutoPolicy)
 
     def __post_init__(self) -> None:
         parse_cloud_models(self.cloud_models)  # a bad entry stops the router before it serves
@@ -230,12 +234,13 @@ async def serve(settings: RouterSettings, stop: asyncio.Event | None = None) -> 
         callers_authenticated=credentials.callers_authenticated,
     )
     sharing = _share_rollouts(settings, rollouts, synced, pushes)
+    stepping = _auto_thresholds(settings, pushes, registry, audits, metrics)
     log.info("router listening on %s:%d (cloud: %s)", host, port, settings.cloud or "none")
     announce("router", f"{host}:{port}")
     await stop.wait()
     log.info("stopping: not ready now, finishing %d request(s) in flight", plane.active)
     await _shut_down(plane, registry, server, health, settings.drain_timeout_s)
-    await _close_the_rest([watchdog, warning, sharing], closers, cloud)
+    await _close_the_rest([watchdog, warning, sharing, stepping], closers, cloud)
     log.info("stopped")
 
 
@@ -317,6 +322,21 @@ def _threshold_pushes(settings: RouterSettings, registry: FleetRegistry) -> Thre
     for family in pushes.families():
         registry.override_thresholds(family, pushes.in_force(family))
     return pushes
+
+
+def _auto_thresholds(
+    settings: RouterSettings,
+    pushes: ThresholdPushes,
+    registry: FleetRegistry,
+    audits: Auditor,
+    metrics: Metrics,
+) -> asyncio.Task[None] | None:
+    """The --auto-thresholds controller, where a family asks for one."""
+    if not settings.auto_thresholds.goals:
+        return None
+    auto = AutoThresholds(settings.auto_thresholds, pushes, registry, audits.rows.rows)
+    metrics.collect_with(lambda: auto_levels(auto))
+    return asyncio.create_task(auto.run(), name="stratus-auto-thresholds")
 
 
 def _share_rollouts(
