@@ -124,3 +124,61 @@ def test_a_push_reaches_both_routers_changes_the_answers_survives_restarts_and_r
         (1, {"device": 1.0}, 0, "every item to the edge"),
         (2, {}, 0, "back to calibration"),
     ]
+
+
+def test_a_suggestion_from_real_audits_is_pushed_and_a_recalibrated_agent_then_joins(  # type: ignore[no-untyped-def]
+    cluster: Cluster, tmp_path: Path, digits
+) -> None:
+    from stratus.tools.calibrate.from_audits import suggest
+
+    from .variants import copy_digits
+
+    cloud = cluster.cloud().address
+    router = cluster.router("--cloud", cloud, "--audit-share", "1", "--audit-max-per-s", "10000").address
+    cluster.agent("device-1", router)
+    cluster.agent("edge-1", router, tier="edge")
+    wait_until(lambda: ready_count(router) == 2, timeout_s=90)
+
+    def rows() -> list[fpb.AuditRow]:
+        return list(status_with_rows(router).rows)
+
+    x = digits.held_out.x
+    for batch in range(60):  # audits that find no free slot are dropped: send until 200 rows are kept
+        start = (batch * 20) % (len(x) - 20)
+        infer(router, x[start : start + 20])
+        if batch % 5 == 4 and len(rows()) >= 200:
+            break
+    wait_until(lambda: len(rows()) >= 200, timeout_s=30)
+    counts = [len(rows())]
+
+    def steady() -> bool:  # the audits still queued have finished: the rows no longer change
+        counts.append(len(rows()))
+        return counts[-1] == counts[-2]
+
+    wait_until(steady, timeout_s=30, interval_s=1.0)
+    assert {r.top_tier for r in rows()} == {"cloud"}
+    assert all([a.tier for a in r.tiers] == ["device", "edge"] for r in rows())  # the edge asked too
+
+    shown = cli(router, "--suggest", "--target-accuracy", "0.97")
+    assert "suggested" in shown and "audit rows" in shown and version(router) == 0, shown
+    expected = suggest(rows(), target_accuracy=0.97).thresholds
+    cli(router, "--suggest", "--apply", "--target-accuracy", "0.97")
+    pushed = status(router)
+    assert pushed.history[-1].reason == "suggested from the audits"
+    assert {t: v for t, v in pushed.in_force.items() if t in ("device", "edge")} == {
+        tier.label: value for tier, value in expected.items()
+    }
+
+    recalibrated = copy_digits(tmp_path / "recalibrated")
+    toml = recalibrated / "digits" / "family.toml"
+    toml.write_text(toml.read_text().replace("[thresholds]\ndevice = ", "[thresholds]\ndevice = 0.1\n# was "))
+    cluster.agent("device-2", router, "--models", str(recalibrated))
+    wait_until(lambda: ready_count(router) == 3, timeout_s=90)  # not refused: the push wins
+    assert status(router).in_force["device"] == pushed.in_force["device"]
+
+
+def status_with_rows(router: str) -> fpb.ThresholdsReply:
+    with open_sync_channel(router) as channel:
+        request = fpb.ThresholdsRequest(family="digits", include_rows=True)
+        reply: fpb.ThresholdsReply = fpb_grpc.FleetStub(channel).Thresholds(request, timeout=10)
+    return reply
