@@ -31,9 +31,12 @@ SYNC_S = 1.0
 CALL_TIMEOUT_S = 2.0
 
 
-def sync_parts(message: fpb.RolloutSync) -> tuple[str, str, str]:
-    """What a rollout sync's proof covers: who sent it and everything it says."""
-    return message.router_id, message.state_json, message.thresholds_json
+def sync_parts(message: fpb.RolloutSync) -> tuple[str, ...]:
+    """What a rollout sync's proof covers: who sent it and everything it says. The pushed
+    thresholds only where there are some, so a router from before them still checks the
+    proofs of a site that pushed none."""
+    extra = (message.thresholds_json,) if message.thresholds_json else ()
+    return (message.router_id, message.state_json, *extra)
 
 
 class RolloutPeers:

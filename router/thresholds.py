@@ -252,6 +252,9 @@ class ThresholdPushes:
             listener(record.family, record.current.thresholds)
 
     def to_json(self) -> str:
+        """The records as JSON; empty where there are none (a peer sync then says nothing of them)."""
+        if not self._records:
+            return ""
         records = [self._records[f].to_json() for f in sorted(self._records)]
         return json.dumps({"version": FORMAT_VERSION, "thresholds": records}, sort_keys=True)
 
