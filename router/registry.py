@@ -394,6 +394,7 @@ class FleetRegistry:
                 continue
             if not self.index.serves(family.name):  # nobody serves the old description now
                 del self.families[family.name]
+                self._own.pop(family.name, None)
                 continue
             differs = [
                 f
@@ -778,17 +779,25 @@ class FleetRegistry:
         return {Tier.parse(k): v for k, v in own.thresholds.items()} if own else {}
 
     def _learn(self, family: fpb.FamilyInfo) -> None:
-        self._own[family.name] = family
+        if family.name not in self._pushed or family.name not in self._own:
+            self._own[family.name] = family
         self.families[family.name] = self._served(family)
 
     def _served(self, family: fpb.FamilyInfo) -> fpb.FamilyInfo:
-        """The family as this fleet serves it: with the pushed thresholds, where there are."""
+        """The family as this fleet serves it. Under a push: the pushed thresholds over the
+        first agent's (a recalibrated agent's own thresholds and calibration figures are not
+        the fleet's, so they are not held against it), and no calibrated cloud share."""
         pushed = self._pushed.get(family.name)
         if pushed is None:
             return family
+        base = self._own.get(family.name, family)
         served = fpb.FamilyInfo()
         served.CopyFrom(family)
-        served.thresholds.update(pushed)  # a tier the push does not name keeps the agents' threshold
+        served.thresholds.clear()
+        served.thresholds.update({**base.thresholds, **pushed})
+        served.ClearField("calibrated")
+        for tier, figures in base.calibrated.items():
+            served.calibrated[tier].CopyFrom(figures)
         served.ClearField("calibrated_cloud_share")
         return served
 

@@ -16,7 +16,7 @@ from stratus.tiers import Tier
 from stratus.wire import fleet_pb2 as fpb
 from stratus.wire import fleet_pb2_grpc as fpb_grpc
 
-from .cluster import Cluster, infer, ready_count, wait_until
+from .cluster import Cluster, fleet_status, infer, ready_count, wait_until
 from .test_rollout import _free_ports
 
 ITEMS = 40
@@ -171,10 +171,16 @@ def test_a_suggestion_from_real_audits_is_pushed_and_a_recalibrated_agent_then_j
 
     recalibrated = copy_digits(tmp_path / "recalibrated")
     toml = recalibrated / "digits" / "family.toml"
-    toml.write_text(toml.read_text().replace("[thresholds]\ndevice = ", "[thresholds]\ndevice = 0.1\n# was "))
+    text = toml.read_text().replace("[thresholds]\ndevice = ", "[thresholds]\ndevice = 0.1\n# was ")
+    text = text.replace("cloud_share = 0.0159", "cloud_share = 0.2")  # calibrate rewrites all three
+    toml.write_text(
+        text.replace("accuracy = 0.9935, agreement = 0.9967", "accuracy = 0.95, agreement = 0.96")
+    )
     cluster.agent("device-2", router, "--models", str(recalibrated))
     wait_until(lambda: ready_count(router) == 3, timeout_s=90)  # not refused: the push wins
     assert status(router).in_force["device"] == pushed.in_force["device"]
+    (joined,) = [a for a in fleet_status(router).agents if a.id == "device-2"]
+    assert any(v.startswith("digits-small") for v in joined.variants) and not joined.unavailable, joined
 
 
 def status_with_rows(router: str) -> fpb.ThresholdsReply:

@@ -185,3 +185,31 @@ def test_a_sync_without_pushes_is_proved_as_before_them_and_one_with_pushes_cove
     book.apply("digits", {DEVICE: 0.8}, author="ana", reason="one")
     carrying = fpb.RolloutSync(router_id="a", state_json="{}", thresholds_json=book.to_json())
     assert sync_parts(carrying) == ("a", "{}", book.to_json())
+
+
+def recalibrated(name: str) -> fpb.Hello:
+    """An agent whose folder was recalibrated: other thresholds, figures and cloud share."""
+    made = hello(name, threshold=0.8)
+    family = made.families[0]
+    family.thresholds["edge"] = 0.65
+    family.calibrated["device"].CopyFrom(fpb.TierCalibration(accuracy=0.97, agreement=0.98, items=300))
+    family.calibrated_cloud_share = 0.07
+    return made
+
+
+def test_a_recalibrated_agent_is_refused_without_a_push_and_joins_under_one() -> None:
+    reg = FleetRegistry()
+    first = hello("d1", threshold=0.5)
+    first.families[0].thresholds["edge"] = 0.6
+    reg.register(first, peer="t")
+    with pytest.raises(InvalidInput, match="refused until they leave"):
+        reg.register(recalibrated("d2"), peer="t")
+    reg.override_thresholds("digits", {DEVICE: 0.9})
+    joined = reg.register(recalibrated("d3"), peer="t")
+    assert not joined.unavailable
+    # the pushed tier, the first agents' other tier; and no calibrated baseline while the push holds
+    assert reg.thresholds("digits") == {DEVICE: 0.9, EDGE: 0.6}
+    info = reg.family("digits")
+    assert info is not None and not info.HasField("calibrated_cloud_share") and not info.calibrated
+    reg.override_thresholds("digits", {})
+    assert reg.thresholds("digits") == {DEVICE: 0.5, EDGE: 0.6}
