@@ -39,7 +39,7 @@ from stratus.confidence import threshold_for
 from stratus.discovery import discover_all
 from stratus.errors import ConfigError, StratusError, Unavailable
 from stratus.local import LocalModels, LocalSettings
-from stratus.protocol import CONFIG_CURRENT, RequestOptions, Served, held_reason
+from stratus.protocol import CONFIG_CURRENT, CONFIG_THRESHOLD, RequestOptions, Served, held_reason
 from stratus.repository import FamilySpec, ModelRepository, VariantSpec
 from stratus.serving import NO_TLS, TlsSettings, open_channel, open_sync_channel
 from stratus.tiers import Tier
@@ -85,6 +85,7 @@ class _Local:
     outputs: dict[str, Array]
     confidences: Array  # one per item
     ms: float
+    pushed: float | None = None  # the router's threshold for this tier, where it said one
 
     @property
     def confidence(self) -> float:
@@ -92,7 +93,10 @@ class _Local:
 
     def unsure(self, min_confidence: float | None) -> Array:
         """Indices of the items this tier's answer does not settle."""
-        threshold = threshold_for(self.variant.tier, self.family.thresholds, min_confidence)  # the router's rule
+        thresholds = dict(self.family.thresholds)
+        if self.pushed is not None:  # the router's pushed threshold wins over the folder's
+            thresholds[self.variant.tier] = self.pushed
+        threshold = threshold_for(self.variant.tier, thresholds, min_confidence)  # the router's rule
         if threshold is None:
             return np.empty(0, dtype=np.int64)
         return np.flatnonzero(self.confidences < threshold)
@@ -150,6 +154,7 @@ class Client:
         self.name = name
         self._follow_at = 0.0  # when the local variants are next checked against the router's
         self._missing: dict[str, str] = {}  # family -> a line the router serves that is not here
+        self._thresholds: dict[str, float] = {}  # family -> the router's threshold for its tier here
 
     def wait_ready(self, timeout_s: float = 10.0) -> bool:
         """Whether a router answered ready within ``timeout_s`` (zeroconf looked up first with
@@ -238,6 +243,7 @@ class Client:
 
     def _follow(self, config: pb.ModelConfig, *, family: str) -> None:
         tier = self._models.variant_for(family)[1].tier
+        self._follow_threshold(config, family=family, tier=tier)
         wanted = config.parameters.get(CONFIG_CURRENT + tier.label)
         if wanted is None or not wanted.string_value or wanted.string_value == self.current_lines()[family]:
             return
@@ -250,6 +256,21 @@ class Client:
                 "%s: the router serves the %s tier with %s, which %s does not hold: answering with %s here",
                 family, tier.label, line, self._models.repository.root, self.current_lines()[family],
             )  # fmt: skip
+
+    def _follow_threshold(self, config: pb.ModelConfig, *, family: str, tier: Tier) -> None:
+        """Judge this tier's answers by the threshold the router uses for it (a fleet-wide push
+        wins over this folder's family.toml), where the router says one."""
+        said = config.parameters.get(CONFIG_THRESHOLD + tier.label)
+        try:
+            value = float(said.string_value) if said is not None else None
+        except ValueError:
+            value = None
+        if value is None or not 0.0 <= value <= 1.0:
+            self._thresholds.pop(family, None)
+            return
+        if self._thresholds.get(family) != value:
+            log.info("%s: judging %s answers here by the router's threshold %g", family, tier.label, value)
+        self._thresholds[family] = value
 
     def _follow_due(self) -> bool:
         return self._router is not None and time.monotonic() >= self._follow_at
@@ -377,8 +398,9 @@ class Client:
         ms = (time.perf_counter() - started) * 1000.0
         scores = self._models.score(call.family, call.variant, outputs)
         return _Local(
-            family=call.family, variant=call.variant, inputs=call.inputs, outputs=outputs, confidences=scores, ms=ms
-        )
+            family=call.family, variant=call.variant, inputs=call.inputs, outputs=outputs, confidences=scores, ms=ms,
+            pushed=self._thresholds.get(call.family.name),
+        )  # fmt: skip
 
     def _settled(self, call: _Call, local: _Local, unsure: Array) -> InferResult | None:
         """The local answer where nothing climbs: every item sure, no router, or the caller's

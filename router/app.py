@@ -24,6 +24,8 @@ from router.openai_api import OpenAiApi, check_listen
 from router.peers import RolloutPeers
 from router.registry import FleetRegistry
 from router.rollout import ROLLED_BACK, Plan, Rollouts
+from router.threshold_auto import AutoPolicy, AutoThresholds, auto_levels
+from router.thresholds import ThresholdPushes, state_path_beside, threshold_levels
 from stratus.auth import AgentTokens, RouterCredentials, check_exposure, insecure_warning
 from stratus.batching import DEFAULT_MAX_DELAY_S
 from stratus.discovery import Advertisement
@@ -111,6 +113,9 @@ class RouterSettings:
     # top tier also asked of it, and at most this many a second per family; a family's
     # [audit] table overrides both.
     audit: AuditPolicy = field(default_factory=AuditPolicy)
+    # --auto-thresholds: families whose thresholds step toward the audits' suggestion by
+    # themselves (router/threshold_auto.py); none by default.
+    auto_thresholds: AutoPolicy = field(default_factory=AutoPolicy)
 
     def __post_init__(self) -> None:
         parse_cloud_models(self.cloud_models)  # a bad entry stops the router before it serves
@@ -164,6 +169,8 @@ async def serve(settings: RouterSettings, stop: asyncio.Event | None = None) -> 
         max_batch_delay_s=settings.max_batch_delay_s,
         metrics=recorder,
     )
+    pushes = _threshold_pushes(settings, registry)
+    metrics.collect_with(lambda: threshold_levels(pushes, registry))
     cloud = _cloud_link(settings, registry)
     metrics.collect_with(lambda: fleet_levels(registry, cloud))
     if cloud is not None:
@@ -206,12 +213,14 @@ async def serve(settings: RouterSettings, stop: asyncio.Event | None = None) -> 
         rollouts=rollouts,
         synced=synced,
         audits=audits,
+        pushes=pushes,
     )
     fpb_grpc.add_FleetServicer_to_server(fleet, server)
     health = Health(server, plane.ready)
     port = bind(server, settings.listen, settings.tls)
     name = settings.name or f"router-{socket.gethostname()}-{port}"
     rollouts.router_id = name
+    pushes.router_id = name
     await server.start()
     await health.start()
     host = settings.listen.rsplit(":", 1)[0]
@@ -224,13 +233,14 @@ async def serve(settings: RouterSettings, stop: asyncio.Event | None = None) -> 
         tls=settings.tls.cert is not None,
         callers_authenticated=credentials.callers_authenticated,
     )
-    sharing = _share_rollouts(settings, rollouts, synced)
+    sharing = _share_rollouts(settings, rollouts, synced, pushes)
+    stepping = _auto_thresholds(settings, pushes, registry, audits, metrics)
     log.info("router listening on %s:%d (cloud: %s)", host, port, settings.cloud or "none")
     announce("router", f"{host}:{port}")
     await stop.wait()
     log.info("stopping: not ready now, finishing %d request(s) in flight", plane.active)
     await _shut_down(plane, registry, server, health, settings.drain_timeout_s)
-    await _close_the_rest([watchdog, warning, sharing], closers, cloud)
+    await _close_the_rest([watchdog, warning, sharing, stepping], closers, cloud)
     log.info("stopped")
 
 
@@ -305,11 +315,36 @@ def _rollouts(settings: RouterSettings, metrics: Metrics, recorder: RouterMetric
     return rollouts
 
 
+def _threshold_pushes(settings: RouterSettings, registry: FleetRegistry) -> ThresholdPushes:
+    """The pushed thresholds (kept beside the rollout state), in force before any agent links."""
+    pushes = ThresholdPushes(router_id=settings.name, state_path=state_path_beside(settings.rollout_state))
+    pushes.listeners.append(registry.override_thresholds)
+    for family in pushes.families():
+        registry.override_thresholds(family, pushes.in_force(family))
+    return pushes
+
+
+def _auto_thresholds(
+    settings: RouterSettings,
+    pushes: ThresholdPushes,
+    registry: FleetRegistry,
+    audits: Auditor,
+    metrics: Metrics,
+) -> asyncio.Task[None] | None:
+    """The --auto-thresholds controller, where a family asks for one."""
+    if not settings.auto_thresholds.goals:
+        return None
+    auto = AutoThresholds(settings.auto_thresholds, pushes, registry, audits.rows.rows)
+    metrics.collect_with(lambda: auto_levels(auto))
+    return asyncio.create_task(auto.run(), name="stratus-auto-thresholds")
+
+
 def _share_rollouts(
-    settings: RouterSettings, rollouts: Rollouts, synced: asyncio.Event
+    settings: RouterSettings, rollouts: Rollouts, synced: asyncio.Event, pushes: ThresholdPushes
 ) -> asyncio.Task[None] | None:
     """Every change reaches the peers at once (and all state every SYNC_S)."""
     rollouts.listeners.append(lambda plan, why: synced.set())
+    pushes.listeners.append(lambda family, thresholds: synced.set())
     if not settings.peers:
         return None
     peers = RolloutPeers(
@@ -318,6 +353,7 @@ def _share_rollouts(
         tls=settings.tls,
         token=settings.peer_token or settings.token,
         changed=synced,
+        pushes=pushes,
     )
     return asyncio.create_task(peers.run(), name="stratus-rollout-peers")
 

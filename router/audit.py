@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any, Final, Protocol
 import numpy as np
 
 from router.agreement import WINDOW_AUDITS, WINDOW_S, AgreementBook, AuditKey, Estimate, total
+from router.audit_rows import RowBook, TierAnswer
 from router.cascade.generate import Generation
 from router.cloud_pool import CloudTier
 from router.policy import Target
@@ -165,6 +166,8 @@ class Audit:
     prompt: pb.ModelInferRequest | None = None
     text: str = ""
     compare: str = EXACT
+    # Per item, what each tier it visited said (router/audit_rows.py): a row once the top answers.
+    visited: tuple[tuple[TierAnswer, ...], ...] = ()
 
     @property
     def items(self) -> int:
@@ -196,6 +199,8 @@ class Auditor:
         self.book = self._new_book()  # the unbiased estimate
         self.escalated = self._new_book()  # the biased sample escalations carry, kept apart
         self.sampler = Sampler(rng=self.rng, clock=self.clock)
+        self.rows = RowBook(clock=self.clock)  # what a threshold suggestion is chosen on
+        self._climbed = Sampler(rng=self.rng, clock=self.clock)  # rows of items that climbed anyway
         self._queue: deque[Audit] = deque()
         self._wakeup = asyncio.Event()
         self._workers: list[asyncio.Task[None]] = []
@@ -259,6 +264,8 @@ class Auditor:
             return
         output = info.outputs[0].name
         self._note_climbs(view, top, output)
+        visited = visits(view, output)
+        self._climbed_rows(view, info, top, visited)
         chosen = self._sampled_items(view, info, top, output)
         for answer, pairs in chosen.values():
             classes = top1(answer.outputs, output)
@@ -272,8 +279,22 @@ class Auditor:
                     inputs=view.job.inputs.take([item for item, _ in pairs]),
                     output=output,
                     classes=tuple(int(classes[row]) for _, row in pairs),
+                    visited=tuple(visited.get(item, ()) for item, _ in pairs),
                 )
             )
+
+    def _climbed_rows(
+        self, view: CascadeView, info: fpb.FamilyInfo, top: Tier, visited: dict[int, tuple[TierAnswer, ...]]
+    ) -> None:
+        """Rows of the items that climbed to the top tier, drawn with the audits' share: they
+        carry every answer already, so they cost nothing, and without them the rows would hold
+        only the items the thresholds settled (a biased sample of the traffic)."""
+        share, rate = self.share_of(info), self.rate_of(info)
+        for _, answers in sorted(visited.items()):
+            lower = tuple(a for a in answers if a.tier < top)
+            final = next((a for a in answers if a.tier == top), None)
+            if final is not None and lower and self._climbed.draw(info.name, share, rate):
+                self.rows.add(view.job.family, lower, top, final.answer)
 
     def _sampled_items(
         self, view: CascadeView, info: fpb.FamilyInfo, top: Tier, output: str
@@ -385,10 +406,14 @@ class Auditor:
             if cloud is None or not room or cloud.in_flight + 1 > cloud.capacity * self.policy.cloud_spare:
                 return None
             return Target(tier=Tier.CLOUD, agent_id=None)
-        pool = self.registry.index.pools(audit.key.family).get(audit.top, ())
+        return self._spare_agent(audit.key.family, audit.top)
+
+    def _spare_agent(self, family: str, tier: Tier) -> Target | None:
+        """An agent of ``tier`` serving ``family`` with a free slot, from a bounded draw."""
+        pool = self.registry.index.pools(family).get(tier, ())
         drawn = [pool[self.rng.randrange(len(pool))] for _ in range(DRAWS)] if len(pool) > DRAWS else pool
         idle = [a for a in drawn if a.ready and a.in_flight < a.capacity]  # a slot is free
-        return Target(tier=audit.top, agent_id=min(idle, key=lambda a: a.in_flight).id) if idle else None
+        return Target(tier=tier, agent_id=min(idle, key=lambda a: a.in_flight).id) if idle else None
 
     async def _audit(self, audit: Audit, target: Target) -> None:
         if audit.inputs is not None:
@@ -398,9 +423,38 @@ class Auditor:
                 return
             for mine, theirs in zip(audit.classes, classes, strict=True):
                 self._record(audit.key, mine == int(theirs))
+            visited = await self._between(audit)
+            for lower, theirs in zip(visited, classes, strict=False):
+                self.rows.add(audit.key.family, lower, audit.top, int(theirs))
             return
         text = await self._text(audit, target)
         self._record(audit.key, COMPARATORS.get(audit.compare, same_text)(audit.text, text))
+
+    async def _between(self, audit: Audit) -> tuple[tuple[TierAnswer, ...], ...]:
+        """The items' visits with each tier between theirs and the top asked too (only where an
+        agent there has a free slot): a row needs every tier below the top. Nothing where one
+        cannot be asked (the agreement is kept; the rows are not)."""
+        family, visited = audit.key.family, list(audit.visited)
+        for tier in (t for t in self.registry.index.tiers(family) if audit.key.tier < t < audit.top):
+            target = self._spare_agent(family, tier)
+            if target is None or target.agent_id is None or audit.inputs is None:
+                return ()
+            try:
+                part = await self.registry.submit(
+                    self.registry.agents[target.agent_id], audit.inputs, variant=family,
+                    outputs=(audit.output,), budget_ms=self.policy.timeout_s * 1000,
+                )  # fmt: skip
+            except StratusError as exc:
+                log.debug("audit row of %s: the %s tier failed it: %s", family, tier.label, exc)
+                return ()
+            classes = top1(part.outputs, audit.output)
+            if classes is None or len(classes) != len(visited) or len(part.confidences) != len(visited):
+                return ()
+            visited = [
+                (*v, TierAnswer(tier, float(c), int(k)))
+                for v, c, k in zip(visited, part.confidences, classes, strict=True)
+            ]
+        return tuple(visited)
 
     async def _classes(self, audit: Audit, target: Target) -> np.ndarray[Any, Any] | None:
         assert audit.inputs is not None
@@ -453,6 +507,19 @@ class Auditor:
         log.debug("audit of %s (%s) dropped: %s", audit.key.family, audit.key.agent, why)
         if self.metrics is not None:
             self.metrics.audits.labels(audit.key.family, audit.key.tier.label, DROPPED).inc(audit.items)
+
+
+def visits(view: CascadeView, output: str) -> dict[int, tuple[TierAnswer, ...]]:
+    """Per item, each tier's answer on it, bottom first (a tier asked twice: its last answer)."""
+    seen: dict[int, dict[Tier, TierAnswer]] = {}
+    for answer, items in zip(view.answers, view.sent, strict=False):
+        classes = top1(answer.outputs, output)
+        if classes is None or len(classes) != len(items) or len(answer.confidences) != len(items):
+            continue
+        for row, item in enumerate(items):
+            said = TierAnswer(answer.tier, float(answer.confidences[row]), int(classes[row]))
+            seen.setdefault(item, {})[answer.tier] = said
+    return {item: tuple(by_tier[t] for t in sorted(by_tier)) for item, by_tier in seen.items()}
 
 
 def calibrated_top(info: fpb.FamilyInfo) -> Tier | None:

@@ -42,6 +42,7 @@ from stratus.local_generation import (
 from stratus.metrics import UNKNOWN, RouterMetrics
 from stratus.protocol import (
     CONFIG_CURRENT,
+    CONFIG_THRESHOLD,
     CONFIG_VARIANTS,
     MODEL_VERSION,
     RequestOptions,
@@ -199,6 +200,8 @@ class RouterDataPlane(DataPlane):
             config.parameters[CONFIG_VARIANTS].string_value = ",".join(variants)
         for tier, line in self.current_lines(family).items():
             config.parameters[CONFIG_CURRENT + tier.label].string_value = line
+        for tier, threshold in self.registry.thresholds(family).items():
+            config.parameters[CONFIG_THRESHOLD + tier.label].string_value = repr(float(threshold))
 
     def current_lines(self, family: str) -> dict[Tier, str]:
         """The line each agents' tier serves ``family`` with by default: a promoted rollout's

@@ -18,6 +18,7 @@ from router.index import line_key
 from router.peers import sync_parts
 from router.registry import MAX_RELOAD_WAIT_S, AgentHandle, FleetRegistry, State, shown_state
 from router.rollout import DEFAULT_STEPS, ArmWindow, Margins, Plan, Rollouts
+from router.thresholds import ThresholdPushes, steer, to_wire
 from stratus import __version__
 from stratus.auth import RouterCredentials, proof_holds, sync_proof
 from stratus.errors import ConfigError, InvalidInput, NotFound
@@ -262,8 +263,10 @@ class FleetServicer(fpb_grpc.FleetServicer):
         rollouts: Rollouts | None = None,
         synced: asyncio.Event | None = None,
         audits: Auditor | None = None,
+        pushes: ThresholdPushes | None = None,
     ) -> None:
         self._audits = audits
+        self._pushes = pushes or ThresholdPushes(router_id="router")
         self._registry = registry
         self._cloud = cloud
         self._credentials = credentials or RouterCredentials()
@@ -331,7 +334,11 @@ class FleetServicer(fpb_grpc.FleetServicer):
         self._authorize_read(request.token, context, "Accuracy")
         if self._audits is None:
             raise ConfigError("this router runs no audits")
-        return accuracy_reply(self._audits, request.family, include_agents=request.include_agents)
+        reply = accuracy_reply(self._audits, request.family, include_agents=request.include_agents)
+        record = self._pushes.record(request.family)
+        if record is not None:
+            reply.pushed.CopyFrom(to_wire(record.current))
+        return reply
 
     async def Drain(self, request: fpb.DrainRequest, context: Any) -> fpb.DrainResponse:
         self._authorize(request.token, context, "Drain")
@@ -433,6 +440,17 @@ class FleetServicer(fpb_grpc.FleetServicer):
         current = sorted(self._current_lines(plan.family, plan.tier) - {plan.candidate})
         return rollout_status(self._rollouts, plan, ",".join(current))
 
+    async def Thresholds(self, request: fpb.ThresholdsRequest, context: Any) -> fpb.ThresholdsReply:
+        if request.action == fpb.THRESHOLDS_ACTION_STATUS:
+            self._authorize_read(request.token, context, "threshold status")
+            rows = self._audits.rows.rows if self._audits is not None else None
+            return steer(self._pushes, self._registry, request, rows)
+        self._authorize(request.token, context, "pushing thresholds")
+        answer = steer(self._pushes, self._registry, request)
+        if self._synced is not None:
+            self._synced.set()
+        return answer
+
     async def SyncRollouts(self, request: fpb.RolloutSync, context: Any) -> fpb.RolloutSync:
         """A peer router's rollouts in, ours out: both keep the newest record of each."""
         peer_token = self._credentials.peer_token
@@ -440,7 +458,12 @@ class FleetServicer(fpb_grpc.FleetServicer):
         self._credentials.require_peer(proven, context, "SyncRollouts")
         if request.router_id != self._rollouts.router_id:
             self._rollouts.merge_json(request.state_json)
-        answer = fpb.RolloutSync(router_id=self._rollouts.router_id, state_json=self._rollouts.to_json())
+            self._pushes.merge_json(request.thresholds_json)
+        answer = fpb.RolloutSync(
+            router_id=self._rollouts.router_id,
+            state_json=self._rollouts.to_json(),
+            thresholds_json=self._pushes.to_json(),
+        )
         if peer_token:  # our proof answers theirs: the caller learns it reached a real peer
             answer.token = sync_proof(peer_token, request.token, *sync_parts(answer))
         return answer

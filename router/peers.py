@@ -17,6 +17,7 @@ import logging
 import grpc
 
 from router.rollout import Rollouts
+from router.thresholds import ThresholdPushes
 from stratus.auth import proof_holds, sync_proof
 from stratus.discovery import addresses_of, server_name_of
 from stratus.errors import StratusError
@@ -30,9 +31,12 @@ SYNC_S = 1.0
 CALL_TIMEOUT_S = 2.0
 
 
-def sync_parts(message: fpb.RolloutSync) -> tuple[str, str]:
-    """What a rollout sync's proof covers: who sent it and everything it says."""
-    return message.router_id, message.state_json
+def sync_parts(message: fpb.RolloutSync) -> tuple[str, ...]:
+    """What a rollout sync's proof covers: who sent it and everything it says. The pushed
+    thresholds only where there are some, so a router from before them still checks the
+    proofs of a site that pushed none."""
+    extra = (message.thresholds_json,) if message.thresholds_json else ()
+    return (message.router_id, message.state_json, *extra)
 
 
 class RolloutPeers:
@@ -48,8 +52,10 @@ class RolloutPeers:
         tls: TlsSettings = NO_TLS,
         token: str = "",
         changed: asyncio.Event | None = None,
+        pushes: ThresholdPushes | None = None,
     ) -> None:
         self.rollouts = rollouts
+        self.pushes = pushes or ThresholdPushes(router_id=rollouts.router_id)
         self.peers = peers
         self.tls = tls
         self.token = token
@@ -81,7 +87,11 @@ class RolloutPeers:
         if channel is None:
             named = server_name_options(server_name_of(self.peers), self.tls)
             channel = self._channels[address] = open_channel(address, self.tls, extra_options=named)
-        mine = fpb.RolloutSync(router_id=self.rollouts.router_id, state_json=self.rollouts.to_json())
+        mine = fpb.RolloutSync(
+            router_id=self.rollouts.router_id,
+            state_json=self.rollouts.to_json(),
+            thresholds_json=self.pushes.to_json(),
+        )
         if self.token:
             mine.token = sync_proof(self.token, *sync_parts(mine))
         try:
@@ -97,5 +107,6 @@ class RolloutPeers:
             return
         try:
             self.rollouts.merge_json(theirs.state_json)
+            self.pushes.merge_json(theirs.thresholds_json)
         except StratusError as exc:
             log.warning("peer %s sent rollout state this router cannot read: %s", address, exc)

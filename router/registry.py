@@ -291,6 +291,10 @@ class FleetRegistry:
         self._linked = 0  # agents not lost
         self._ids = itertools.count(1)
         self._watchers: set[asyncio.Queue[None]] = set()
+        # Thresholds pushed fleet-wide (router/thresholds.py) win over the Hellos'; ``_own`` keeps
+        # each family as its agents describe it, for when a push is reverted.
+        self._pushed: dict[str, dict[str, float]] = {}
+        self._own: dict[str, fpb.FamilyInfo] = {}
 
     def now(self) -> float:
         return self._clock()
@@ -330,7 +334,8 @@ class FleetRegistry:
             started=self._started(hello),
         )
         for family in hello.families:
-            self.families.setdefault(family.name, family)
+            if family.name not in self.families:
+                self._learn(family)
         self.attach_batcher(handle)
         self.agents[handle.id] = handle
         self.index.add(handle)
@@ -385,10 +390,11 @@ class FleetRegistry:
         conflicts: dict[str, str] = {}
         for family in hello.families:
             known = self.families.get(family.name)
-            if known is None or known == family:
+            if known is None or known == self._served(family):
                 continue
             if not self.index.serves(family.name):  # nobody serves the old description now
                 del self.families[family.name]
+                self._own.pop(family.name, None)
                 continue
             differs = [
                 f
@@ -428,7 +434,7 @@ class FleetRegistry:
         handle.announce({v.name: v for v in hello.variants})
         handle.unavailable = tuple(hello.unavailable)
         for family in hello.families:
-            self.families[family.name] = family
+            self._learn(family)
         self._readd(handle, ready)
         log.info("agent %s reloaded: variants %s", handle.id, sorted(handle.variants))
         self._settle_reloads(handle, "")
@@ -753,6 +759,47 @@ class FleetRegistry:
 
     def family(self, name: str) -> fpb.FamilyInfo | None:
         return self.families.get(name)
+
+    def override_thresholds(self, family: str, thresholds: Mapping[Tier, float]) -> None:
+        """Serve ``family`` with ``thresholds`` from now on, whatever its agents' Hellos say
+        (a tier not named keeps theirs; empty: their own again). Its calibrated cloud share no longer describes the
+        thresholds in force, so the baseline is dropped while a push holds."""
+        if thresholds:
+            self._pushed[family] = {tier.label: value for tier, value in thresholds.items()}
+        else:
+            self._pushed.pop(family, None)
+        own = self._own.get(family)
+        if own is not None and family in self.families:
+            self.families[family] = self._served(own)
+        self.changed()
+
+    def own_thresholds(self, family: str) -> Mapping[Tier, float]:
+        """The thresholds the agents' Hellos gave ``family`` (the first ready agent's)."""
+        own = self._own.get(family)
+        return {Tier.parse(k): v for k, v in own.thresholds.items()} if own else {}
+
+    def _learn(self, family: fpb.FamilyInfo) -> None:
+        if family.name not in self._pushed or family.name not in self._own:
+            self._own[family.name] = family
+        self.families[family.name] = self._served(family)
+
+    def _served(self, family: fpb.FamilyInfo) -> fpb.FamilyInfo:
+        """The family as this fleet serves it. Under a push: the pushed thresholds over the
+        first agent's (a recalibrated agent's own thresholds and calibration figures are not
+        the fleet's, so they are not held against it), and no calibrated cloud share."""
+        pushed = self._pushed.get(family.name)
+        if pushed is None:
+            return family
+        base = self._own.get(family.name, family)
+        served = fpb.FamilyInfo()
+        served.CopyFrom(family)
+        served.thresholds.clear()
+        served.thresholds.update({**base.thresholds, **pushed})
+        served.ClearField("calibrated")
+        for tier, figures in base.calibrated.items():
+            served.calibrated[tier].CopyFrom(figures)
+        served.ClearField("calibrated_cloud_share")
+        return served
 
     def thresholds(self, family: str) -> Mapping[Tier, float]:
         info = self.families.get(family)

@@ -556,11 +556,15 @@ class Rollouts:
 
     def _persist(self) -> None:
         """Write the plans atomically: a crash mid-write leaves the previous file."""
-        if self.state_path is None:
-            return
-        self.state_path.parent.mkdir(parents=True, exist_ok=True)
-        # A new file of our own (O_EXCL), never one a link in a shared folder points at.
-        fd, scratch = tempfile.mkstemp(prefix=f".{self.state_path.name}.", dir=self.state_path.parent)
-        with os.fdopen(fd, "w", encoding="utf-8") as out:
-            out.write(self.to_json())
-        os.replace(scratch, self.state_path)
+        if self.state_path is not None:
+            write_whole(self.state_path, self.to_json())
+
+
+def write_whole(path: Path, text: str) -> None:
+    """Write atomically: a crash mid-write leaves the previous file. A new file of our own
+    (O_EXCL), never one a link in a shared folder points at."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, scratch = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    with os.fdopen(fd, "w", encoding="utf-8") as out:
+        out.write(text)
+    os.replace(scratch, path)

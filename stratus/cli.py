@@ -20,6 +20,7 @@ import grpc
 from stratus import __version__
 from stratus.certs import add_parser as add_certs
 from stratus.errors import ConfigError, StratusError
+from stratus.fleet_thresholds import add_parser as add_thresholds_parser
 from stratus.models_cli import add_models
 from stratus.serving import TlsSettings
 
@@ -72,6 +73,7 @@ def _add_tls(parser: argparse.ArgumentParser) -> None:
 def _router(args: argparse.Namespace) -> int:
     from router.app import RouterSettings, serve
     from router.audit import AuditPolicy
+    from router.threshold_auto import AutoPolicy, parse_goals
     from stratus.process import configure_logging, run
 
     configure_logging(args.log_level, args.log_format)
@@ -104,6 +106,12 @@ def _router(args: argparse.Namespace) -> int:
         cloud_models=args.cloud_models,
         cloud_headers=tuple(args.cloud_header),
         audit=AuditPolicy(share=args.audit_share, max_per_s=args.audit_max_per_s),
+        auto_thresholds=AutoPolicy(
+            goals=parse_goals(args.auto_thresholds or ""),
+            max_step=args.auto_max_step,
+            max_cloud_share=args.auto_max_cloud_share,
+            interval_s=args.auto_interval,
+        ),
     )
     run(serve(settings))
     return 0
@@ -238,6 +246,12 @@ def _fleet_accuracy(args: argparse.Namespace) -> int:
         tls=_tls(args),
         token=_role_token(args, "operator"),
     )
+
+
+def _fleet_thresholds(args: argparse.Namespace) -> int:
+    from stratus.fleet_thresholds import asked_from, run_thresholds
+
+    return run_thresholds(args.router, asked_from(args), tls=_tls(args), token=_role_token(args, "operator"))
 
 
 def _fleet_drain(args: argparse.Namespace) -> int:
@@ -423,6 +437,18 @@ def _add_audits(router: argparse.ArgumentParser) -> None:
         default=10.0,
         help="most items audited a second per family (a family's [audit] max_per_s overrides it)",
     )
+    router.add_argument(
+        "--auto-thresholds",
+        default=None,
+        metavar="FAMILY=GOAL:VALUE,...",
+        help="step these families' thresholds toward what the audits suggest (digits=target_accuracy:0.98 "
+        "or digits=max_escalation:0.05), upward only, bounded (router/threshold_auto.py); off by default",
+    )
+    router.add_argument("--auto-max-step", type=_share, default=0.02, help="most a threshold moves per interval")
+    router.add_argument(
+        "--auto-max-cloud-share", type=_share, default=0.25, help="no step sends more than this share to the cloud"
+    )
+    router.add_argument("--auto-interval", type=float, default=60.0, help="seconds between steps")
 
 
 def _add_exposure(parser: argparse.ArgumentParser, what: str) -> None:
@@ -698,9 +724,11 @@ def _add_fleet_changes(
     rollout.add_argument("--json", action="store_true", help="the rollouts as JSON")
     rollout.set_defaults(handler=_fleet_rollout)
     accuracy = _add_fleet_accuracy(sub)
-    for parser in (*others, reload, rollout, accuracy):
+    thresholds = add_thresholds_parser(sub)
+    thresholds.set_defaults(handler=_fleet_thresholds)
+    for parser in (*others, reload, rollout, accuracy, thresholds):
         _add_tls(parser)
-    for parser in (reload, rollout, accuracy):
+    for parser in (reload, rollout, accuracy, thresholds):
         parser.add_argument("--router", required=True, help="the router's HOST:PORT")
         parser.add_argument(
             "--operator-token-file", type=Path, default=None, help="default: $STRATUS_OPERATOR_TOKEN"

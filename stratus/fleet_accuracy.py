@@ -47,6 +47,7 @@ def accuracy_json(reply: fpb.AccuracyReply) -> dict[str, Any]:
         "min_audits": reply.min_audits,
         "window": {"audits": reply.window_audits, "seconds": reply.window_s},
         "dropped": reply.dropped,
+        "pushed": _pushed(reply),
         "tiers": [
             {
                 "tier": _tier(row.tier),
@@ -68,6 +69,20 @@ def accuracy_json(reply: fpb.AccuracyReply) -> dict[str, Any]:
             }
             for a in reply.agents
         ],
+    }
+
+
+def _pushed(reply: fpb.AccuracyReply) -> dict[str, Any] | None:
+    """The thresholds a push holds in force (stratus fleet thresholds), if one does."""
+    if not reply.HasField("pushed"):
+        return None
+    pushed = reply.pushed
+    return {
+        "version": pushed.version,
+        "thresholds": dict(pushed.thresholds),
+        "author": pushed.author,
+        "reason": pushed.reason,
+        "origin": pushed.origin,
     }
 
 
@@ -113,6 +128,13 @@ def accuracy_table(reply: fpb.AccuracyReply) -> str:
         f"lower bound is at or above it; too few audits: under {found['min_audits']}, or the interval straddles it",
         f"dropped so far: {found['dropped']} audits (no spare capacity at the top tier, a full queue, or a failed call)",
     ]
+    pushed = found["pushed"]
+    if pushed is not None:
+        named = ",".join(f"{t}={v:g}" for t, v in sorted(pushed["thresholds"].items())) or "the agents' own"
+        lines.append(
+            f"thresholds: pushed version {pushed['version']} in force ({named}), by {pushed['author']} on "
+            f"{pushed['origin']}: {pushed['reason']} (stratus fleet thresholds {found['family']})"
+        )
     if found["agents"]:
         lines += ["", "agents, the surely worst last (ranked by the interval's upper bound)", _AGENT_HEADER]
         lines += [

@@ -62,6 +62,9 @@ MODEL_VERSION = "1"
 # rollout's candidate, else its agents' current variant): ``stratus.current.device``.
 CONFIG_VARIANTS = "stratus.variants"
 CONFIG_CURRENT = "stratus.current."
+# ... and each tier's escalation threshold in force there (a fleet-wide push, else the agents'),
+# which the SDK judges its own answers by.
+CONFIG_THRESHOLD = "stratus.threshold."
 
 ParameterValue = bool | int | float | str
 

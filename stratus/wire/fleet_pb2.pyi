@@ -84,6 +84,29 @@ ROLLOUT_ACTION_PROMOTE: RolloutAction.ValueType  # 2
 ROLLOUT_ACTION_ABORT: RolloutAction.ValueType  # 3
 Global___RolloutAction: _TypeAlias = RolloutAction  # noqa: Y015
 
+class _ThresholdsAction:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _ThresholdsActionEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ThresholdsAction.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    THRESHOLDS_ACTION_STATUS: _ThresholdsAction.ValueType  # 0
+    THRESHOLDS_ACTION_APPLY: _ThresholdsAction.ValueType  # 1
+    THRESHOLDS_ACTION_REVERT: _ThresholdsAction.ValueType  # 2
+    """Back to what was in force before the current version (the agents' own thresholds when
+    the current version was the first), as a new version.
+    """
+
+class ThresholdsAction(_ThresholdsAction, metaclass=_ThresholdsActionEnumTypeWrapper): ...
+
+THRESHOLDS_ACTION_STATUS: ThresholdsAction.ValueType  # 0
+THRESHOLDS_ACTION_APPLY: ThresholdsAction.ValueType  # 1
+THRESHOLDS_ACTION_REVERT: ThresholdsAction.ValueType  # 2
+"""Back to what was in force before the current version (the agents' own thresholds when
+the current version was the first), as a new version.
+"""
+Global___ThresholdsAction: _TypeAlias = ThresholdsAction  # noqa: Y015
+
 @_typing.final
 class VariantInfo(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
@@ -1686,11 +1709,16 @@ class RolloutSync(_message.Message):
     ROUTER_ID_FIELD_NUMBER: _builtins.int
     STATE_JSON_FIELD_NUMBER: _builtins.int
     TOKEN_FIELD_NUMBER: _builtins.int
+    THRESHOLDS_JSON_FIELD_NUMBER: _builtins.int
     router_id: _builtins.str
     state_json: _builtins.str
     token: _builtins.str
     """With a peer token: "v1:MS:HMAC", a proof over this message that the sender holds the
     token (an answer's proof also covers the request's), never the token itself.
+    """
+    thresholds_json: _builtins.str
+    """The fleet-wide threshold overrides (router/thresholds.py), exchanged beside the rollouts
+    and covered by the same proof.
     """
     def __init__(
         self,
@@ -1698,10 +1726,11 @@ class RolloutSync(_message.Message):
         router_id: _builtins.str = ...,
         state_json: _builtins.str = ...,
         token: _builtins.str = ...,
+        thresholds_json: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["router_id", b"router_id", "state_json", b"state_json", "token", b"token"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["router_id", b"router_id", "state_json", b"state_json", "thresholds_json", b"thresholds_json", "token", b"token"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1880,6 +1909,7 @@ class AccuracyReply(_message.Message):
     DROPPED_FIELD_NUMBER: _builtins.int
     SHARE_FIELD_NUMBER: _builtins.int
     CALIBRATED_TOP_TIER_FIELD_NUMBER: _builtins.int
+    PUSHED_FIELD_NUMBER: _builtins.int
     family: _builtins.str
     top_tier: Global___Tier.ValueType
     """The tier audits ask: the cloud where it serves the family, else the highest agent tier."""
@@ -1911,6 +1941,10 @@ class AccuracyReply(_message.Message):
         interval, highest first, so the agent that is surely worst comes last.
         """
 
+    @_builtins.property
+    def pushed(self) -> Global___ThresholdVersion:
+        """The family's pushed thresholds in force (router/thresholds.py); unset: its agents' own."""
+
     def __init__(
         self,
         *,
@@ -1925,11 +1959,284 @@ class AccuracyReply(_message.Message):
         dropped: _builtins.int = ...,
         share: _builtins.float = ...,
         calibrated_top_tier: Global___Tier.ValueType = ...,
+        pushed: Global___ThresholdVersion | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["pushed", b"pushed"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agents", b"agents", "calibrated_top_tier", b"calibrated_top_tier", "dropped", b"dropped", "family", b"family", "margin", b"margin", "min_audits", b"min_audits", "share", b"share", "tiers", b"tiers", "top_tier", b"top_tier", "window_audits", b"window_audits", "window_s", b"window_s"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agents", b"agents", "calibrated_top_tier", b"calibrated_top_tier", "dropped", b"dropped", "family", b"family", "margin", b"margin", "min_audits", b"min_audits", "pushed", b"pushed", "share", b"share", "tiers", b"tiers", "top_tier", b"top_tier", "window_audits", b"window_audits", "window_s", b"window_s"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___AccuracyReply: _TypeAlias = AccuracyReply  # noqa: Y015
+
+@_typing.final
+class ThresholdsRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class ThresholdsEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.float
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.float = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    FAMILY_FIELD_NUMBER: _builtins.int
+    ACTION_FIELD_NUMBER: _builtins.int
+    THRESHOLDS_FIELD_NUMBER: _builtins.int
+    AUTHOR_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    TOKEN_FIELD_NUMBER: _builtins.int
+    EXPECTED_VERSION_FIELD_NUMBER: _builtins.int
+    INCLUDE_ROWS_FIELD_NUMBER: _builtins.int
+    family: _builtins.str
+    action: Global___ThresholdsAction.ValueType
+    author: _builtins.str
+    """Who asks and why, recorded with the version."""
+    reason: _builtins.str
+    token: _builtins.str
+    """As in FleetStatusRequest."""
+    expected_version: _builtins.int
+    """With APPLY or REVERT: refuse unless this is the version in force (0: whatever is)."""
+    include_rows: _builtins.bool
+    """With STATUS: the audit rows too (router/audit_rows.py), for `--suggest`."""
+    @_builtins.property
+    def thresholds(self) -> _containers.ScalarMap[_builtins.str, _builtins.float]:
+        """With APPLY: each tier's threshold by tier name ("device", "edge"), each in [0, 1]."""
+
+    def __init__(
+        self,
+        *,
+        family: _builtins.str = ...,
+        action: Global___ThresholdsAction.ValueType = ...,
+        thresholds: _abc.Mapping[_builtins.str, _builtins.float] | None = ...,
+        author: _builtins.str = ...,
+        reason: _builtins.str = ...,
+        token: _builtins.str = ...,
+        expected_version: _builtins.int = ...,
+        include_rows: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["action", b"action", "author", b"author", "expected_version", b"expected_version", "family", b"family", "include_rows", b"include_rows", "reason", b"reason", "thresholds", b"thresholds", "token", b"token"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ThresholdsRequest: _TypeAlias = ThresholdsRequest  # noqa: Y015
+
+@_typing.final
+class TierAnswer(_message.Message):
+    """One tier's answer on an audited item."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TIER_FIELD_NUMBER: _builtins.int
+    CONFIDENCE_FIELD_NUMBER: _builtins.int
+    ANSWER_FIELD_NUMBER: _builtins.int
+    tier: _builtins.str
+    confidence: _builtins.float
+    answer: _builtins.int
+    def __init__(
+        self,
+        *,
+        tier: _builtins.str = ...,
+        confidence: _builtins.float = ...,
+        answer: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["answer", b"answer", "confidence", b"confidence", "tier", b"tier"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TierAnswer: _TypeAlias = TierAnswer  # noqa: Y015
+
+@_typing.final
+class AuditRow(_message.Message):
+    """One audited item: what the tiers below the top said (bottom first), and the top tier's
+    class, which is the label a suggestion is chosen against.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TIERS_FIELD_NUMBER: _builtins.int
+    TOP_TIER_FIELD_NUMBER: _builtins.int
+    LABEL_FIELD_NUMBER: _builtins.int
+    top_tier: _builtins.str
+    label: _builtins.int
+    @_builtins.property
+    def tiers(self) -> _containers.RepeatedCompositeFieldContainer[Global___TierAnswer]: ...
+    def __init__(
+        self,
+        *,
+        tiers: _abc.Iterable[Global___TierAnswer] | None = ...,
+        top_tier: _builtins.str = ...,
+        label: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["label", b"label", "tiers", b"tiers", "top_tier", b"top_tier"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AuditRow: _TypeAlias = AuditRow  # noqa: Y015
+
+@_typing.final
+class ThresholdVersion(_message.Message):
+    """One version of a family's pushed thresholds."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class ThresholdsEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.float
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.float = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    VERSION_FIELD_NUMBER: _builtins.int
+    THRESHOLDS_FIELD_NUMBER: _builtins.int
+    AUTHOR_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    UPDATED_FIELD_NUMBER: _builtins.int
+    ORIGIN_FIELD_NUMBER: _builtins.int
+    BASE_FIELD_NUMBER: _builtins.int
+    version: _builtins.int
+    author: _builtins.str
+    reason: _builtins.str
+    updated: _builtins.float
+    """Unix time of the change, and the router that made it."""
+    origin: _builtins.str
+    base: _builtins.int
+    """The version whose thresholds this one replaced (0: the agents' own)."""
+    @_builtins.property
+    def thresholds(self) -> _containers.ScalarMap[_builtins.str, _builtins.float]:
+        """Empty: the agents' own thresholds are in force (a revert of the first version)."""
+
+    def __init__(
+        self,
+        *,
+        version: _builtins.int = ...,
+        thresholds: _abc.Mapping[_builtins.str, _builtins.float] | None = ...,
+        author: _builtins.str = ...,
+        reason: _builtins.str = ...,
+        updated: _builtins.float = ...,
+        origin: _builtins.str = ...,
+        base: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["author", b"author", "base", b"base", "origin", b"origin", "reason", b"reason", "thresholds", b"thresholds", "updated", b"updated", "version", b"version"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ThresholdVersion: _TypeAlias = ThresholdVersion  # noqa: Y015
+
+@_typing.final
+class ThresholdsReply(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class InForceEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.float
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.float = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    @_typing.final
+    class AgentsEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.float
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.float = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    FAMILY_FIELD_NUMBER: _builtins.int
+    HISTORY_FIELD_NUMBER: _builtins.int
+    IN_FORCE_FIELD_NUMBER: _builtins.int
+    AGENTS_FIELD_NUMBER: _builtins.int
+    MESSAGE_FIELD_NUMBER: _builtins.int
+    ROWS_FIELD_NUMBER: _builtins.int
+    family: _builtins.str
+    message: _builtins.str
+    @_builtins.property
+    def history(self) -> _containers.RepeatedCompositeFieldContainer[Global___ThresholdVersion]:
+        """Oldest first; the last is the version in force. Empty: never pushed."""
+
+    @_builtins.property
+    def in_force(self) -> _containers.ScalarMap[_builtins.str, _builtins.float]:
+        """What this router's cascade uses now, and what the agents' Hellos said."""
+
+    @_builtins.property
+    def agents(self) -> _containers.ScalarMap[_builtins.str, _builtins.float]: ...
+    @_builtins.property
+    def rows(self) -> _containers.RepeatedCompositeFieldContainer[Global___AuditRow]:
+        """With include_rows: this router's audit rows of the family, oldest first."""
+
+    def __init__(
+        self,
+        *,
+        family: _builtins.str = ...,
+        history: _abc.Iterable[Global___ThresholdVersion] | None = ...,
+        in_force: _abc.Mapping[_builtins.str, _builtins.float] | None = ...,
+        agents: _abc.Mapping[_builtins.str, _builtins.float] | None = ...,
+        message: _builtins.str = ...,
+        rows: _abc.Iterable[Global___AuditRow] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agents", b"agents", "family", b"family", "history", b"history", "in_force", b"in_force", "message", b"message", "rows", b"rows"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ThresholdsReply: _TypeAlias = ThresholdsReply  # noqa: Y015

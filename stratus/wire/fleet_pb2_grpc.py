@@ -167,6 +167,11 @@ class FleetStub:
                 request_serializer=stratus_dot_v1_dot_fleet__pb2.AccuracyRequest.SerializeToString,
                 response_deserializer=stratus_dot_v1_dot_fleet__pb2.AccuracyReply.FromString,
                 _registered_method=True)
+        self.Thresholds = channel.unary_unary(
+                '/stratus.v1.Fleet/Thresholds',
+                request_serializer=stratus_dot_v1_dot_fleet__pb2.ThresholdsRequest.SerializeToString,
+                response_deserializer=stratus_dot_v1_dot_fleet__pb2.ThresholdsReply.FromString,
+                _registered_method=True)
 
 
 class FleetServicer:
@@ -242,6 +247,14 @@ class FleetServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Thresholds(self, request, context):
+        """A family's escalation thresholds pushed to every router of the site at once, versioned:
+        read, apply or revert (router/thresholds.py). Applying and reverting need an operator.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_FleetServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -294,6 +307,11 @@ def add_FleetServicer_to_server(servicer, server):
                     servicer.Accuracy,
                     request_deserializer=stratus_dot_v1_dot_fleet__pb2.AccuracyRequest.FromString,
                     response_serializer=stratus_dot_v1_dot_fleet__pb2.AccuracyReply.SerializeToString,
+            ),
+            'Thresholds': grpc.unary_unary_rpc_method_handler(
+                    servicer.Thresholds,
+                    request_deserializer=stratus_dot_v1_dot_fleet__pb2.ThresholdsRequest.FromString,
+                    response_serializer=stratus_dot_v1_dot_fleet__pb2.ThresholdsReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -567,6 +585,33 @@ class Fleet:
             '/stratus.v1.Fleet/Accuracy',
             stratus_dot_v1_dot_fleet__pb2.AccuracyRequest.SerializeToString,
             stratus_dot_v1_dot_fleet__pb2.AccuracyReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Thresholds(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/stratus.v1.Fleet/Thresholds',
+            stratus_dot_v1_dot_fleet__pb2.ThresholdsRequest.SerializeToString,
+            stratus_dot_v1_dot_fleet__pb2.ThresholdsReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -94,6 +94,10 @@ class FleetStub:
     """How well each tier of a family agrees with its top tier now (background audits), beside
     what calibration measured: is the cascade still as accurate as it was calibrated to be?
     """
+    Thresholds: _grpc.UnaryUnaryMultiCallable[_fleet_pb2.ThresholdsRequest, _fleet_pb2.ThresholdsReply]
+    """A family's escalation thresholds pushed to every router of the site at once, versioned:
+    read, apply or revert (router/thresholds.py). Applying and reverting need an operator.
+    """
 
 @_typing.type_check_only
 class FleetAsyncStub(FleetStub):
@@ -120,6 +124,10 @@ class FleetAsyncStub(FleetStub):
     Accuracy: _aio.UnaryUnaryMultiCallable[_fleet_pb2.AccuracyRequest, _fleet_pb2.AccuracyReply]  # type: ignore[assignment]
     """How well each tier of a family agrees with its top tier now (background audits), beside
     what calibration measured: is the cascade still as accurate as it was calibrated to be?
+    """
+    Thresholds: _aio.UnaryUnaryMultiCallable[_fleet_pb2.ThresholdsRequest, _fleet_pb2.ThresholdsReply]  # type: ignore[assignment]
+    """A family's escalation thresholds pushed to every router of the site at once, versioned:
+    read, apply or revert (router/thresholds.py). Applying and reverting need an operator.
     """
 
 class FleetServicer(metaclass=_abc_1.ABCMeta):
@@ -204,6 +212,16 @@ class FleetServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_fleet_pb2.AccuracyReply, _abc.Awaitable[_fleet_pb2.AccuracyReply]]:
         """How well each tier of a family agrees with its top tier now (background audits), beside
         what calibration measured: is the cascade still as accurate as it was calibrated to be?
+        """
+
+    @_abc_1.abstractmethod
+    def Thresholds(
+        self,
+        request: _fleet_pb2.ThresholdsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_fleet_pb2.ThresholdsReply, _abc.Awaitable[_fleet_pb2.ThresholdsReply]]:
+        """A family's escalation thresholds pushed to every router of the site at once, versioned:
+        read, apply or revert (router/thresholds.py). Applying and reverting need an operator.
         """
 
 def add_FleetServicer_to_server(servicer: FleetServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -51,6 +51,11 @@ def test_each_role_needs_its_own_token(cluster: Cluster, tmp_path: Path) -> None
     drained = fleet(address, "drain", "dev-1", env={**base, "STRATUS_OPERATOR_TOKEN": TOKENS["operator"]})
     assert drained.returncode == 0, drained.stderr
     wait_until(lambda: [a.state for a in fleet_status(address).agents] == [fpb.AGENT_STATE_DRAINING])
+    push = ("thresholds", "digits", "--apply", "device=0.9")
+    unpushed = fleet(address, *push, env={**base, "STRATUS_OPERATOR_TOKEN": TOKENS["agent"]})
+    assert unpushed.returncode != 0 and "pushing thresholds needs the operator token" in unpushed.stderr
+    pushed = fleet(address, *push, env={**base, "STRATUS_OPERATOR_TOKEN": TOKENS["operator"]})
+    assert pushed.returncode == 0 and "pushed version 1 in force" in pushed.stdout, pushed.stderr
 
     with grpc.insecure_channel(address) as channel:
         stub = fpb_grpc.FleetStub(channel)

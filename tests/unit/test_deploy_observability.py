@@ -71,6 +71,8 @@ GAUGES = {
     "stratus_router_audit_agreement_upper",
     "stratus_router_audit_window_audits",
     "stratus_router_audit_calibrated_agreement",
+    "stratus_router_threshold_version",
+    "stratus_router_threshold",
 }
 # The series names Prometheus stores: counters end in _total; a classic histogram has no series
 # under its own name, only _bucket, _sum and _count.

@@ -1,0 +1,214 @@
+"""``--auto-thresholds``: a router that moves a family's thresholds toward what its audits suggest.
+
+Off by default, and per family. Every ``interval_s`` the controller asks calibrate's chooser
+(``stratus.tools.calibrate.from_audits``) for the family's goal on this router's audit rows,
+and pushes one bounded step toward it (``stratus fleet thresholds`` versions, author "auto",
+so every step is logged, shared with the peers, shown in ``fleet accuracy`` and undone by
+``--revert``):
+
+* each threshold moves at most ``max_step`` per interval;
+* only upward (more escalation, so more accuracy at more cost): a suggestion to *lower* a
+  threshold is held for an operator, who approves it by pushing it
+  (``stratus fleet thresholds FAMILY --suggest --apply``);
+* never to where the audit rows say the share of requests reaching the cloud would pass
+  ``max_cloud_share`` (the step is then not taken, and counted as capped).
+
+Each interval's outcome per family is counted (``stratus_router_threshold_auto_total``).
+Enable it on one router of a site: each router judges its own rows, and two controllers
+would step the same family twice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Final
+
+from prometheus_client.core import CounterMetricFamily
+
+from router.audit_rows import Row
+from router.thresholds import FamilyThresholds, ThresholdPushes
+from stratus.errors import ConfigError
+from stratus.metrics import Metric
+from stratus.tiers import Tier
+
+log = logging.getLogger("stratus.thresholds.auto")
+
+STEPPED: Final = "stepped"
+HELD: Final = "held_for_approval"  # the suggestion lowers a threshold: an operator's call
+CAPPED: Final = "capped"  # the step would send more than max_cloud_share to the cloud
+IN_LINE: Final = "in_line"  # the thresholds in force are the suggestion
+WAITING: Final = "waiting"  # no suggestion yet (too few rows, or none that reaches the goal)
+GOALS: Final = ("target_accuracy", "max_escalation")
+
+
+@dataclass(frozen=True, kw_only=True)
+class AutoPolicy:
+    """Which families step by themselves, toward which goal, how far and how often."""
+
+    goals: Mapping[str, str] = field(default_factory=dict)  # family -> "target_accuracy 0.98"
+    max_step: float = 0.02
+    max_cloud_share: float = 0.25
+    interval_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.max_step <= 1.0 or not 0.0 <= self.max_cloud_share <= 1.0:
+            raise ConfigError("--auto-max-step lies in (0, 1] and --auto-max-cloud-share in [0, 1]")
+        if self.interval_s <= 0:
+            raise ConfigError("--auto-interval is a number of seconds above 0")
+        for family, goal in self.goals.items():
+            name, _, value = goal.partition(" ")
+            if name not in GOALS or not _share(value):
+                raise ConfigError(
+                    f"--auto-thresholds {family}: '{goal}' is not target_accuracy A or max_escalation S"
+                )
+
+
+def _share(text: str) -> bool:
+    try:
+        return 0.0 <= float(text) <= 1.0
+    except ValueError:
+        return False
+
+
+def parse_goals(text: str) -> dict[str, str]:
+    """``digits=target_accuracy:0.98,defects=max_escalation:0.05`` as goals by family."""
+    goals: dict[str, str] = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        family, _, goal = part.partition("=")
+        name, _, value = goal.partition(":")
+        if not family or not value:
+            raise ConfigError(
+                f"--auto-thresholds: '{part}' is not FAMILY=target_accuracy:A or FAMILY=max_escalation:S"
+            )
+        goals[family] = f"{name} {value}"
+    return goals
+
+
+@dataclass(frozen=True, kw_only=True)
+class Step:
+    """One interval's decision for a family: what to push (None: nothing) and why."""
+
+    outcome: str
+    thresholds: dict[Tier, float] | None = None
+    reason: str = ""
+
+
+def plan_step(
+    current: Mapping[Tier, float],
+    suggested: Mapping[Tier, float],
+    *,
+    max_step: float,
+    max_cloud_share: float,
+    cloud_share: Callable[[Mapping[Tier, float]], float],
+) -> Step:
+    """Each threshold at most ``max_step`` toward the suggestion, upward only; none past the
+    cloud share cap (``cloud_share`` predicts it for thresholds, from the audit rows)."""
+    stepped = dict(current)
+    lowered = [tier for tier, value in suggested.items() if value < current.get(tier, 0.0) - 1e-9]
+    for tier, value in suggested.items():
+        now = current.get(tier, 0.0)
+        if value > now + 1e-9:
+            stepped[tier] = round(min(value, now + max_step), 4)
+    if stepped == dict(current):
+        held = ", ".join(f"{t.label} {current.get(t, 0.0):.4f} -> {suggested[t]:.4f}" for t in lowered)
+        return (
+            Step(outcome=HELD, reason=f"lower thresholds wait for an operator: {held}")
+            if lowered
+            else Step(outcome=IN_LINE)
+        )
+    share = cloud_share(stepped)
+    if share > max_cloud_share + 1e-12:
+        return Step(
+            outcome=CAPPED, reason=f"the step would send {share:.1%} to the cloud, past {max_cloud_share:.1%}"
+        )
+    moved = ", ".join(
+        f"{t.label} {current.get(t, 0.0):.4f} -> {v:.4f}" for t, v in stepped.items() if v != current.get(t)
+    )
+    return Step(outcome=STEPPED, thresholds=stepped, reason=f"auto step: {moved}")
+
+
+class AutoThresholds:
+    """The background controller; ``counts`` by (family, outcome) for the metric."""
+
+    def __init__(
+        self,
+        policy: AutoPolicy,
+        pushes: ThresholdPushes,
+        registry: FamilyThresholds,
+        rows: Callable[[str], Sequence[Row]],
+    ) -> None:
+        self.policy = policy
+        self._pushes = pushes
+        self._registry = registry
+        self._rows = rows
+        self.counts: Counter[tuple[str, str]] = Counter()
+
+    async def run(self) -> None:
+        while True:
+            await asyncio.sleep(self.policy.interval_s)
+            for family in sorted(self.policy.goals):
+                self.step_once(family)
+
+    def step_once(self, family: str) -> Step:
+        """Look at the audits once and take (or not) one step; the outcome is counted."""
+        step = self._decide(family)
+        self.counts[(family, step.outcome)] += 1
+        if step.thresholds is not None:
+            self._pushes.apply(
+                family,
+                step.thresholds,
+                author="auto",
+                reason=f"{step.reason} (toward {self.policy.goals[family]})",
+            )
+        elif step.reason:  # held or capped: the operator's to see; waiting: every interval until rows come
+            log.log(
+                logging.DEBUG if step.outcome == WAITING else logging.INFO,
+                "thresholds of %s: %s",
+                family,
+                step.reason,
+            )
+        return step
+
+    def _decide(self, family: str) -> Step:
+        from stratus.tools.calibrate.classifier import cascade
+        from stratus.tools.calibrate.from_audits import audit_scores, goal_of, suggest
+
+        rows = [row.to_wire() for row in self._rows(family)]
+        target, share = goal_of(self.policy.goals[family])
+        try:
+            suggestion = suggest(rows, target_accuracy=target, max_escalation=share)
+        except ConfigError as exc:
+            return Step(outcome=WAITING, reason=str(exc))
+        scores = audit_scores(rows)
+        below = [s.tier for s in scores[:-1]]
+        top = scores[-1].tier
+
+        def cloud_share(thresholds: Mapping[Tier, float]) -> float:
+            reached = cascade(scores, [thresholds.get(t, 0.0) for t in below]).reached
+            return reached[-1] if top is Tier.CLOUD else 0.0
+
+        current = {t: v for t, v in self._registry.thresholds(family).items() if t in below}
+        return plan_step(
+            current,
+            suggestion.thresholds,
+            max_step=self.policy.max_step,
+            max_cloud_share=self.policy.max_cloud_share,
+            cloud_share=cloud_share,
+        )
+
+
+def auto_levels(auto: AutoThresholds) -> list[Metric]:
+    """Each family's controller outcomes so far, by outcome."""
+    counter = CounterMetricFamily(
+        "stratus_router_threshold_auto",
+        "Intervals of the --auto-thresholds controller per family, by outcome (stepped, held_for_approval, "
+        "capped, in_line, waiting).",
+        labels=["family", "outcome"],
+    )
+    for (family, outcome), count in sorted(auto.counts.items()):
+        counter.add_metric([family, outcome], float(count))
+    return [counter]

@@ -1,0 +1,395 @@
+"""Fleet-wide threshold pushes: a family's escalation thresholds, versioned, on every router.
+
+The agents' Hellos carry each family's thresholds (family.toml); before this a recalibrated
+family was refused on a router until the last agent serving the old thresholds reloaded.
+An operator's push (``stratus fleet thresholds FAMILY --apply``) makes a new *version* of the
+family's thresholds, with who, when and why: the router's cascade uses it instead of the
+Hellos' at once (``FleetRegistry.override_thresholds``), agents announcing other thresholds
+are no longer refused for it, and ``--revert`` makes a new version holding what was in
+force before the current one (walking back one version per revert; past the first, the
+agents' own thresholds again).
+
+Versions only grow: the other routers of the site get the record with the peers' rollout
+sync (``router/peers.py``, under the same proof) and keep, per family, the one with the
+highest version (then the latest change, then the router id, so two routers that changed
+the same version at once still agree). The records are written to a file beside the rollout
+state on every change, so a restarted router applies them before its first agent links.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Final, Protocol
+
+from router.audit_rows import Row
+from router.rollout import write_whole
+from stratus.errors import ConfigError, InvalidInput, NotFound
+from stratus.metrics import Metric, gauge
+from stratus.tiers import Tier
+from stratus.wire import fleet_pb2 as fpb
+
+log = logging.getLogger("stratus.thresholds")
+
+FORMAT_VERSION: Final = 1
+# Bounds on a record, wherever it comes from (an operator, a peer, the state file).
+MAX_HISTORY: Final = 50
+MAX_TEXT: Final = 1000
+MAX_FAMILIES: Final = 256
+MAX_VERSION: Final = 2**53
+# How far past ours a peer's version may be and still be adopted (each change adds 1).
+MAX_VERSION_JUMP: Final = 1000
+
+Thresholds = Mapping[Tier, float]
+Listener = Callable[[str, Thresholds], None]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Version:
+    """One version of a family's pushed thresholds. Empty ``thresholds``: the agents' own."""
+
+    version: int
+    thresholds: Thresholds
+    author: str = ""
+    reason: str = ""
+    updated: float = 0.0  # unix time of the change, where it was made
+    origin: str = ""  # the router that made it
+    base: int = 0  # the version whose thresholds this one replaced (0: the agents' own)
+
+    def __post_init__(self) -> None:
+        """Checked whoever made it: a bad record from a peer or a file must not reach the cascade."""
+        if not 1 <= self.version <= MAX_VERSION or not 0 <= self.base < self.version:
+            raise InvalidInput(f"threshold version {self.version} (base {self.base}) is out of bounds")
+        check_thresholds(self.thresholds)
+        if any(len(text) > MAX_TEXT for text in (self.author, self.reason, self.origin)):
+            raise InvalidInput(
+                f"a threshold version's author, reason and origin are at most {MAX_TEXT} characters"
+            )
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "version": self.version,
+            "thresholds": {tier.label: value for tier, value in sorted(self.thresholds.items())},
+            "author": self.author,
+            "reason": self.reason,
+            "updated": self.updated,
+            "origin": self.origin,
+            "base": self.base,
+        }
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Version:
+        return cls(
+            version=int(data["version"]),
+            thresholds=parse_thresholds(data.get("thresholds", {})),
+            author=str(data.get("author", "")),
+            reason=str(data.get("reason", "")),
+            updated=float(data.get("updated", 0.0)),
+            origin=str(data.get("origin", "")),
+            base=int(data.get("base", 0)),
+        )
+
+
+def check_thresholds(thresholds: Thresholds) -> None:
+    """Each value a share in [0, 1]: the cascade compares confidences with it."""
+    for tier, value in thresholds.items():
+        if not isinstance(tier, Tier) or not math.isfinite(value) or not 0.0 <= value <= 1.0:
+            raise InvalidInput(f"the {getattr(tier, 'label', tier)} threshold {value!r} is not in [0, 1]")
+
+
+def parse_thresholds(named: Mapping[str, float]) -> dict[Tier, float]:
+    """Thresholds by tier name ("device", "edge") as the wire and the file spell them."""
+    try:
+        parsed = {Tier.parse(str(name)): float(value) for name, value in named.items()}
+    except (ValueError, TypeError) as exc:
+        raise InvalidInput(f"thresholds name a tier (device, edge, cloud) and a number: {exc}") from None
+    check_thresholds(parsed)
+    return parsed
+
+
+def labelled(thresholds: Thresholds) -> dict[str, float]:
+    return {tier.label: value for tier, value in sorted(thresholds.items())}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Record:
+    """A family's versions, oldest first; the last is in force."""
+
+    family: str
+    history: tuple[Version, ...]
+
+    def __post_init__(self) -> None:
+        if not self.history or len(self.history) > MAX_HISTORY or len(self.family) > MAX_TEXT:
+            raise InvalidInput(f"a threshold record holds 1 to {MAX_HISTORY} versions of a named family")
+        versions = [v.version for v in self.history]
+        if versions != sorted(set(versions)):
+            raise InvalidInput(f"threshold versions of '{self.family}' must rise: {versions}")
+
+    @property
+    def current(self) -> Version:
+        return self.history[-1]
+
+    def rank(self) -> tuple[int, float, str]:
+        """Which of two records of one family wins: later version, then later change, then origin."""
+        return (self.current.version, self.current.updated, self.current.origin)
+
+    def find(self, version: int) -> Version | None:
+        return next((v for v in self.history if v.version == version), None)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"family": self.family, "history": [v.to_json() for v in self.history]}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Record:
+        try:
+            return cls(
+                family=str(data["family"]), history=tuple(Version.from_json(v) for v in data["history"])
+            )
+        except (KeyError, TypeError, ValueError, InvalidInput) as exc:
+            raise ConfigError(f"a threshold record is malformed: {type(exc).__name__}: {exc}") from None
+
+
+class ThresholdPushes:
+    """The pushed thresholds one router applies, persists and shares. Owned by its event loop;
+    ``listeners`` are told (family, thresholds in force; empty: the agents' own) of every change."""
+
+    def __init__(
+        self,
+        *,
+        router_id: str,
+        state_path: Path | None = None,
+        wall_clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.router_id = router_id
+        self.state_path = state_path
+        self._wall = wall_clock
+        self._records: dict[str, Record] = {}
+        self.listeners: list[Listener] = []
+        if state_path is not None and state_path.exists():
+            try:
+                self.merge_json(state_path.read_text(encoding="utf-8"), persist=False)
+            except ConfigError as exc:
+                raise ConfigError(f"{state_path}: {exc}") from None
+
+    # -- operator actions ------------------------------------------------------------------
+    def apply(
+        self, family: str, thresholds: Thresholds, *, author: str, reason: str, expected: int = 0
+    ) -> Version:
+        """A new version holding ``thresholds``, in force on this router at once."""
+        if not thresholds:
+            raise InvalidInput("a push names at least one tier's threshold (for example device=0.9)")
+        current = self._current(family, expected)
+        base = current.version if current is not None else 0
+        return self._add(family, dict(thresholds), author=author, reason=reason, base=base)
+
+    def revert(self, family: str, *, author: str, reason: str, expected: int = 0) -> Version:
+        """A new version holding what was in force before the current one."""
+        current = self._current(family, expected)
+        if current is None or (current.base == 0 and not current.thresholds):
+            raise InvalidInput(f"'{family}' runs on its agents' own thresholds: there is nothing to revert")
+        if current.base == 0:
+            return self._add(family, {}, author=author, reason=reason, base=0)
+        before = self._records[family].find(current.base)
+        if before is None:
+            raise InvalidInput(
+                f"version {current.base} of '{family}' is past the {MAX_HISTORY} kept: apply the thresholds wanted"
+            )
+        return self._add(family, dict(before.thresholds), author=author, reason=reason, base=before.base)
+
+    # -- reads ---------------------------------------------------------------------------------
+    def record(self, family: str) -> Record | None:
+        return self._records.get(family)
+
+    def in_force(self, family: str) -> Thresholds:
+        """The pushed thresholds of ``family``; empty where its agents' own apply."""
+        record = self._records.get(family)
+        return record.current.thresholds if record is not None else {}
+
+    def families(self) -> list[str]:
+        return sorted(self._records)
+
+    # -- changes, persistence and peers --------------------------------------------------------
+    def _current(self, family: str, expected: int) -> Version | None:
+        record = self._records.get(family)
+        current = record.current if record is not None else None
+        version = current.version if current is not None else 0
+        if expected and expected != version:
+            raise InvalidInput(
+                f"'{family}' is at threshold version {version}, not {expected}: someone changed it; read it again"
+            )
+        if current is None and family not in self._records and len(self._records) >= MAX_FAMILIES:
+            raise InvalidInput(f"{MAX_FAMILIES} families have pushed thresholds already, the most kept")
+        return current
+
+    def _add(
+        self, family: str, thresholds: dict[Tier, float], *, author: str, reason: str, base: int
+    ) -> Version:
+        record = self._records.get(family)
+        history = record.history if record is not None else ()
+        version = Version(
+            version=(history[-1].version if history else 0) + 1,
+            thresholds=thresholds,
+            author=author[:MAX_TEXT],
+            reason=reason[:MAX_TEXT],
+            updated=self._wall(),
+            origin=self.router_id,
+            base=base,
+        )
+        self._adopt(Record(family=family, history=(*history, version)[-MAX_HISTORY:]))
+        log.info("thresholds of %s: version %d %s by %s: %s", family, version.version,
+                 labelled(thresholds) or "(the agents' own)", author, reason)  # fmt: skip
+        self._persist()
+        return version
+
+    def _adopt(self, record: Record) -> None:
+        self._records[record.family] = record
+        for listener in self.listeners:
+            listener(record.family, record.current.thresholds)
+
+    def to_json(self) -> str:
+        """The records as JSON; empty where there are none (a peer sync then says nothing of them)."""
+        if not self._records:
+            return ""
+        records = [self._records[f].to_json() for f in sorted(self._records)]
+        return json.dumps({"version": FORMAT_VERSION, "thresholds": records}, sort_keys=True)
+
+    def merge_json(self, text: str, *, persist: bool = True) -> bool:
+        """Adopt every record newer than ours; True when anything changed."""
+        try:
+            data = json.loads(text) if text else {}
+            records = [Record.from_json(r) for r in data.get("thresholds", [])]
+        except (json.JSONDecodeError, AttributeError) as exc:
+            raise ConfigError(f"threshold state is not valid: {exc}") from None
+        return self.merge(records, persist=persist)
+
+    def merge(self, records: Iterable[Record], *, persist: bool = True) -> bool:
+        changed = False
+        for record in records:
+            if self._adoptable(record):
+                self._adopt(record)
+                changed = True
+        if changed and persist:
+            self._persist()
+        return changed
+
+    def _adoptable(self, record: Record) -> bool:
+        mine = self._records.get(record.family)
+        if mine is None and len(self._records) >= MAX_FAMILIES:
+            log.warning("thresholds of %r not adopted: %d families kept already", record.family, MAX_FAMILIES)
+            return False
+        ours = mine.current.version if mine is not None else 0
+        if record.current.version > ours + MAX_VERSION_JUMP:
+            log.warning("thresholds of %r not adopted: version %d jumps past ours by more than %d",
+                        record.family, record.current.version, MAX_VERSION_JUMP)  # fmt: skip
+            return False
+        return mine is None or record.rank() > mine.rank()
+
+    def _persist(self) -> None:
+        if self.state_path is not None:
+            write_whole(self.state_path, self.to_json())
+
+
+def state_path_beside(rollout_state: Path | None) -> Path | None:
+    """Where the pushed thresholds are kept: beside the rollout state (``--rollout-state``)."""
+    if rollout_state is None:
+        return None
+    return rollout_state.with_name(f"{rollout_state.stem}.thresholds.json")
+
+
+# ---------------------------------------------------------------------------------------------
+# The Fleet service's Thresholds call (authorised by the servicer)
+# ---------------------------------------------------------------------------------------------
+
+
+class FamilyThresholds(Protocol):
+    """What a push reads of the registry (``router.registry.FleetRegistry``)."""
+
+    def family(self, name: str) -> fpb.FamilyInfo | None: ...
+
+    def thresholds(self, family: str) -> Mapping[Tier, float]: ...
+
+    def own_thresholds(self, family: str) -> Mapping[Tier, float]: ...
+
+
+def steer(
+    pushes: ThresholdPushes,
+    registry: FamilyThresholds,
+    request: fpb.ThresholdsRequest,
+    rows: Callable[[str], Sequence[Row]] | None = None,
+) -> fpb.ThresholdsReply:
+    """Read, apply or revert ``request.family``'s pushed thresholds; the reply says what is in
+    force (and, asked for, the audit rows a suggestion is chosen on)."""
+    family, action = request.family, request.action
+    if action == fpb.THRESHOLDS_ACTION_STATUS:
+        answer = reply(pushes, registry, family)
+        if request.include_rows and rows is not None:
+            answer.rows.extend(row.to_wire() for row in rows(family))
+        return answer
+    if registry.family(family) is None:
+        raise NotFound(f"no agent serves a family '{family}'")
+    author, why = request.author or "operator", request.reason or "no reason given"
+    if action == fpb.THRESHOLDS_ACTION_APPLY:
+        version = pushes.apply(
+            family, pushable(request.thresholds), author=author, reason=why, expected=request.expected_version
+        )
+    elif action == fpb.THRESHOLDS_ACTION_REVERT:
+        version = pushes.revert(family, author=author, reason=why, expected=request.expected_version)
+    else:
+        raise InvalidInput(f"unknown thresholds action {action}")
+    shown = labelled(version.thresholds) or "the agents' own"
+    return reply(pushes, registry, family, f"version {version.version} in force: {shown}")
+
+
+def pushable(named: Mapping[str, float]) -> dict[Tier, float]:
+    """A push's thresholds: tiers below the cloud (the top tier always answers)."""
+    thresholds = parse_thresholds(named)
+    if Tier.CLOUD in thresholds:
+        raise InvalidInput("the cloud tier answers whatever its confidence: push device and edge thresholds")
+    return thresholds
+
+
+def reply(
+    pushes: ThresholdPushes, registry: FamilyThresholds, family: str, message: str = ""
+) -> fpb.ThresholdsReply:
+    record = pushes.record(family)
+    history = record.history if record is not None else ()
+    return fpb.ThresholdsReply(
+        family=family,
+        history=[to_wire(v) for v in history],
+        in_force=labelled(registry.thresholds(family)),
+        agents=labelled(registry.own_thresholds(family)),
+        message=message,
+    )
+
+
+def to_wire(version: Version) -> fpb.ThresholdVersion:
+    return fpb.ThresholdVersion(
+        version=version.version,
+        thresholds=labelled(version.thresholds),
+        author=version.author,
+        reason=version.reason,
+        updated=version.updated,
+        origin=version.origin,
+        base=version.base,
+    )
+
+
+def threshold_levels(pushes: ThresholdPushes, registry: FamilyThresholds) -> list[Metric]:
+    """What Prometheus reads at each scrape: each family's pushed version (it only grows, so
+    its increase counts the changes) and each tier's threshold in force on this router."""
+    families = pushes.families()
+    in_force = [
+        ([f, tier.label], value) for f in families for tier, value in sorted(registry.thresholds(f).items())
+    ]
+    versions = [([f], float(record.current.version)) for f in families if (record := pushes.record(f))]
+    return [
+        gauge("stratus_router_threshold_version", "The pushed threshold version in force for a family "
+              "(stratus fleet thresholds; its increase counts pushes and reverts).", ["family"], versions),
+        gauge("stratus_router_threshold", "A tier's escalation threshold in force for a family where a "
+              "push holds (the agents' own for tiers the push does not name).", ["family", "tier"], in_force),
+    ]  # fmt: skip

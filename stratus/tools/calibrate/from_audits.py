@@ -1,0 +1,115 @@
+"""Thresholds suggested from the fleet's audits, by calibrate's own chooser.
+
+The router keeps audit rows (``router/audit_rows.py``): an unbiased share of the traffic, each
+item with every lower tier's confidence and class, labelled with the top tier's class. Those
+rows are a labelled split like calibrate's, with one difference: the label *is* the top tier's
+answer, so the top tier is right on every row, and its confidence of agreeing with itself is 1.
+:func:`audit_scores` turns them into calibrate's :class:`TierScores`, and :func:`suggest` runs
+``for_target_accuracy`` or ``for_max_escalation`` on them unchanged: the accuracy it targets is
+agreement with the top tier, which is what the audits measure and what ``[tier_accuracy]``
+records as ``agreement``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Final
+
+import numpy as np
+
+from stratus.errors import ConfigError
+from stratus.tiers import Tier
+from stratus.tools.calibrate.classifier import (
+    Outcome,
+    TierScores,
+    cascade,
+    for_max_escalation,
+    for_target_accuracy,
+)
+from stratus.wire import fleet_pb2 as fpb
+
+# Fewer rows than this and the counted accuracy moves in steps of a percent: no suggestion.
+MIN_ROWS: Final = 200
+
+
+@dataclass(frozen=True, kw_only=True)
+class Suggestion:
+    thresholds: dict[Tier, float]
+    goal: str
+    rows: int
+    outcome: Outcome  # on the rows, with the suggested thresholds
+    tiers: tuple[Tier, ...]  # bottom first, as ``outcome.reached``
+
+
+def audit_scores(rows: Sequence[fpb.AuditRow], *, min_rows: int = MIN_ROWS) -> list[TierScores]:
+    """Calibrate's per-tier scores from audit rows, the top tier's class as the label."""
+    if not rows:
+        raise ConfigError(f"no audit rows yet: a suggestion needs at least {min_rows}")
+    top = rows[-1].top_tier
+    rows = [r for r in rows if r.top_tier == top]  # audits asked another top before the fleet changed
+    lower = sorted({Tier.parse(a.tier) for r in rows for a in r.tiers})
+    incomplete = sum(1 for r in rows if len(r.tiers) != len(lower))
+    if incomplete:
+        raise ConfigError(
+            f"{incomplete} of {len(rows)} audit rows lack a tier below the {top} tier (items that settled "
+            "low were not asked of every tier between): a suggestion needs each row to hold every tier"
+        )
+    if len(rows) < min_rows:
+        raise ConfigError(
+            f"{len(rows)} audit rows so far; a suggestion needs at least {min_rows}: wait for more audits, "
+            "or raise the family's [audit] share"
+        )
+    labels = np.array([r.label for r in rows])
+    scores = [_tier_scores(tier, [r.tiers[i] for r in rows], labels) for i, tier in enumerate(lower)]
+    ones = np.ones(len(rows))
+    return [*scores, TierScores(Tier.parse(top), "audits", ones, np.ones(len(rows), dtype=bool), labels)]
+
+
+def _tier_scores(tier: Tier, answers: Sequence[fpb.TierAnswer], labels: np.ndarray) -> TierScores:
+    if any(Tier.parse(a.tier) is not tier for a in answers):
+        raise ConfigError("audit rows list their tiers bottom first, each once")
+    classes = np.array([a.answer for a in answers])
+    confidence = np.array([a.confidence for a in answers], dtype=np.float64)
+    return TierScores(tier, "audits", confidence, classes == labels, classes)
+
+
+def suggest(
+    rows: Sequence[fpb.AuditRow],
+    *,
+    target_accuracy: float | None = None,
+    max_escalation: float | None = None,
+    min_rows: int = MIN_ROWS,
+) -> Suggestion:
+    """The thresholds calibrate would choose for the goal, on the audit rows."""
+    if (target_accuracy is None) == (max_escalation is None):
+        raise ConfigError("give exactly one goal: --target-accuracy or --max-escalation")
+    scores = audit_scores(rows, min_rows=min_rows)
+    if target_accuracy is not None:
+        chosen, goal = for_target_accuracy(scores, target_accuracy), f"target_accuracy {target_accuracy:g}"
+    else:
+        share = float(max_escalation or 0.0)
+        chosen, goal = for_max_escalation(scores, share), f"max_escalation {share:g}"
+    return Suggestion(
+        thresholds={s.tier: t for s, t in zip(scores, chosen, strict=False)},
+        goal=goal,
+        rows=len(scores[0].correct),
+        outcome=cascade(scores, chosen),
+        tiers=tuple(s.tier for s in scores),
+    )
+
+
+def goal_of(recorded: str) -> tuple[float | None, float | None]:
+    """(target_accuracy, max_escalation) from ``[calibration] goal`` ("target_accuracy 0.985")."""
+    name, _, value = recorded.partition(" ")
+    try:
+        number = float(value)
+    except ValueError:
+        raise ConfigError(
+            f"[calibration] goal '{recorded}' is not 'target_accuracy A' or 'max_escalation S'"
+        ) from None
+    if name == "target_accuracy":
+        return number, None
+    if name == "max_escalation":
+        return None, number
+    raise ConfigError(f"[calibration] goal '{recorded}' is not 'target_accuracy A' or 'max_escalation S'")

@@ -1,0 +1,215 @@
+"""Fleet-wide threshold pushes: versions only grow, a revert walks back one version, peers
+and the state file keep the newest record, and the registry serves the pushed thresholds
+(an agent announcing other ones is no longer refused for them)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from router.registry import FleetRegistry
+from router.thresholds import (
+    MAX_VERSION_JUMP,
+    Record,
+    ThresholdPushes,
+    Version,
+    pushable,
+    state_path_beside,
+    steer,
+    threshold_levels,
+    to_wire,
+)
+from stratus.errors import ConfigError, InvalidInput, NotFound
+from stratus.tiers import Tier
+from stratus.wire import fleet_pb2 as fpb
+from tests.unit.test_index import hello
+
+DEVICE, EDGE = Tier.DEVICE, Tier.EDGE
+
+
+def pushes(router_id: str = "a", state: Path | None = None, now: float = 1000.0) -> ThresholdPushes:
+    return ThresholdPushes(router_id=router_id, state_path=state, wall_clock=lambda: now)
+
+
+def test_versions_grow_and_each_says_who_why_and_what_it_replaced() -> None:
+    book = pushes()
+    first = book.apply("digits", {DEVICE: 0.8}, author="ana", reason="recalibrated")
+    second = book.apply("digits", {DEVICE: 0.95, EDGE: 0.7}, author="bo", reason="drift")
+    assert (first.version, first.base, second.version, second.base) == (1, 0, 2, 1)
+    assert (second.author, second.reason, second.origin, second.updated) == ("bo", "drift", "a", 1000.0)
+    assert book.in_force("digits") == {DEVICE: 0.95, EDGE: 0.7}
+
+
+def test_revert_walks_back_one_version_each_time_then_to_the_agents_own() -> None:
+    book = pushes()
+    book.apply("digits", {DEVICE: 0.8}, author="ana", reason="one")
+    book.apply("digits", {DEVICE: 0.9}, author="ana", reason="two")
+    back = book.revert("digits", author="bo", reason="too many climbs")
+    assert (back.version, dict(back.thresholds), back.base) == (3, {DEVICE: 0.8}, 0)
+    again = book.revert("digits", author="bo", reason="back to calibration")
+    assert (again.version, dict(again.thresholds)) == (4, {})
+    assert book.in_force("digits") == {}
+    with pytest.raises(InvalidInput, match="nothing to revert"):
+        book.revert("digits", author="bo", reason="once more")
+
+
+def test_a_stale_expected_version_is_refused() -> None:
+    book = pushes()
+    book.apply("digits", {DEVICE: 0.8}, author="ana", reason="one")
+    with pytest.raises(InvalidInput, match="at threshold version 1, not 3"):
+        book.apply("digits", {DEVICE: 0.9}, author="bo", reason="late", expected=3)
+    assert book.apply("digits", {DEVICE: 0.9}, author="bo", reason="read", expected=1).version == 2
+
+
+@pytest.mark.parametrize(
+    "named", [{"device": 1.5}, {"device": -0.1}, {"device": float("nan")}, {"moon": 0.5}]
+)
+def test_thresholds_outside_zero_to_one_or_of_no_tier_are_refused(named: dict[str, float]) -> None:
+    with pytest.raises(InvalidInput):
+        pushable(named)
+
+
+def test_the_cloud_threshold_is_not_pushed() -> None:
+    with pytest.raises(InvalidInput, match="cloud tier answers"):
+        pushable({"cloud": 0.5})
+
+
+def test_peers_keep_the_newest_record_and_tell_their_listeners() -> None:
+    a, b = pushes("a"), pushes("b")
+    told: list[tuple[str, dict[Tier, float]]] = []
+    b.listeners.append(lambda family, thresholds: told.append((family, dict(thresholds))))
+    a.apply("digits", {DEVICE: 0.8}, author="ana", reason="one")
+    assert b.merge_json(a.to_json())
+    assert told == [("digits", {DEVICE: 0.8})]
+    b.apply("digits", {DEVICE: 0.6}, author="bo", reason="two")
+    assert not b.merge_json(a.to_json())  # older: ignored
+    assert a.merge_json(b.to_json()) and a.in_force("digits") == {DEVICE: 0.6}
+
+
+def test_a_record_jumping_far_past_ours_is_not_adopted() -> None:
+    far = MAX_VERSION_JUMP + 5
+    record = Record(family="digits", history=(Version(version=far, thresholds={DEVICE: 0.1}),))
+    book = pushes()
+    assert not book.merge([record])
+    assert book.in_force("digits") == {}
+
+
+def test_a_malformed_record_from_a_peer_or_a_file_is_refused() -> None:
+    bad = {"thresholds": [{"family": "digits", "history": [{"version": 1, "thresholds": {"device": 7}}]}]}
+    with pytest.raises(ConfigError, match="malformed"):
+        pushes().merge_json(json.dumps(bad))
+    with pytest.raises(ConfigError, match="not valid"):
+        pushes().merge_json("{not json")
+
+
+def test_the_state_file_brings_the_pushes_back_after_a_restart(tmp_path: Path) -> None:
+    state = state_path_beside(tmp_path / "rollouts.json")
+    assert state == tmp_path / "rollouts.thresholds.json"
+    pushes("a", state).apply("digits", {DEVICE: 0.85}, author="ana", reason="one")
+    restarted = pushes("a", state)
+    record = restarted.record("digits")
+    assert (
+        record is not None and record.current.version == 1 and restarted.in_force("digits") == {DEVICE: 0.85}
+    )
+
+
+def test_the_registry_serves_the_pushed_thresholds_and_its_agents_own_after_a_revert() -> None:
+    reg = FleetRegistry()
+    reg.register(hello("d1", threshold=0.5), peer="t")
+    reg.override_thresholds("digits", {DEVICE: 1.0})
+    assert reg.thresholds("digits") == {DEVICE: 1.0}
+    info = reg.family("digits")
+    assert info is not None and dict(info.thresholds) == {"device": 1.0}  # what every cascade reads
+    assert reg.own_thresholds("digits") == {DEVICE: 0.5}
+    reg.override_thresholds("digits", {})
+    assert reg.thresholds("digits") == {DEVICE: 0.5}
+
+
+def test_an_agent_with_other_thresholds_is_refused_without_a_push_and_served_with_one() -> None:
+    reg = FleetRegistry()
+    reg.register(hello("d1", threshold=0.5), peer="t")
+    with pytest.raises(InvalidInput, match="thresholds differ"):
+        reg.register(hello("d2", threshold=0.7), peer="t")
+    reg.override_thresholds("digits", {DEVICE: 0.9})
+    served = reg.register(hello("d3", threshold=0.7), peer="t")
+    assert not served.unavailable
+    assert reg.thresholds("digits") == {DEVICE: 0.9}
+
+
+def test_steer_refuses_an_unknown_family_and_reports_what_is_in_force() -> None:
+    reg = FleetRegistry()
+    reg.register(hello("d1", threshold=0.5), peer="t")
+    book = pushes()
+    book.listeners.append(reg.override_thresholds)
+    apply = fpb.ThresholdsRequest(
+        family="digits", action=fpb.THRESHOLDS_ACTION_APPLY, thresholds={"device": 0.75}
+    )
+    answer = steer(book, reg, apply)
+    assert dict(answer.in_force) == {"device": 0.75} and dict(answer.agents) == {"device": 0.5}
+    assert [v.version for v in answer.history] == [1] and "version 1 in force" in answer.message
+    with pytest.raises(NotFound):
+        steer(book, reg, fpb.ThresholdsRequest(family="other", action=fpb.THRESHOLDS_ACTION_APPLY))
+
+
+def test_the_version_and_thresholds_in_force_are_exported_and_shown_with_the_accuracy() -> None:
+    from stratus.fleet_accuracy import accuracy_table
+
+    reg = FleetRegistry()
+    reg.register(hello("d1", threshold=0.5), peer="t")
+    book = pushes()
+    book.listeners.append(reg.override_thresholds)
+    book.apply("digits", {DEVICE: 0.8}, author="ana", reason="one")
+    book.apply("digits", {DEVICE: 0.9}, author="ana", reason="drift on line 3")
+    version, in_force = threshold_levels(book, reg)
+    assert [(s.labels, s.value) for s in version.samples] == [({"family": "digits"}, 2.0)]
+    assert [(s.labels, s.value) for s in in_force.samples] == [({"family": "digits", "tier": "device"}, 0.9)]
+    record = book.record("digits")
+    assert record is not None
+    reply = fpb.AccuracyReply(family="digits", top_tier=fpb.TIER_EDGE, pushed=to_wire(record.current))
+    assert (
+        "thresholds: pushed version 2 in force (device=0.9), by ana on a: drift on line 3"
+        in accuracy_table(reply)
+    )
+    assert "pushed version" not in accuracy_table(fpb.AccuracyReply(family="digits", top_tier=fpb.TIER_EDGE))
+
+
+def test_a_sync_without_pushes_is_proved_as_before_them_and_one_with_pushes_covers_them() -> None:
+    from router.peers import sync_parts
+
+    book = pushes()
+    assert book.to_json() == ""
+    plain = fpb.RolloutSync(router_id="a", state_json="{}", thresholds_json=book.to_json())
+    assert sync_parts(plain) == ("a", "{}")  # what a router from before pushes proves
+    book.apply("digits", {DEVICE: 0.8}, author="ana", reason="one")
+    carrying = fpb.RolloutSync(router_id="a", state_json="{}", thresholds_json=book.to_json())
+    assert sync_parts(carrying) == ("a", "{}", book.to_json())
+
+
+def recalibrated(name: str) -> fpb.Hello:
+    """An agent whose folder was recalibrated: other thresholds, figures and cloud share."""
+    made = hello(name, threshold=0.8)
+    family = made.families[0]
+    family.thresholds["edge"] = 0.65
+    family.calibrated["device"].CopyFrom(fpb.TierCalibration(accuracy=0.97, agreement=0.98, items=300))
+    family.calibrated_cloud_share = 0.07
+    return made
+
+
+def test_a_recalibrated_agent_is_refused_without_a_push_and_joins_under_one() -> None:
+    reg = FleetRegistry()
+    first = hello("d1", threshold=0.5)
+    first.families[0].thresholds["edge"] = 0.6
+    reg.register(first, peer="t")
+    with pytest.raises(InvalidInput, match="refused until they leave"):
+        reg.register(recalibrated("d2"), peer="t")
+    reg.override_thresholds("digits", {DEVICE: 0.9})
+    joined = reg.register(recalibrated("d3"), peer="t")
+    assert not joined.unavailable
+    # the pushed tier, the first agents' other tier; and no calibrated baseline while the push holds
+    assert reg.thresholds("digits") == {DEVICE: 0.9, EDGE: 0.6}
+    info = reg.family("digits")
+    assert info is not None and not info.HasField("calibrated_cloud_share") and not info.calibrated
+    reg.override_thresholds("digits", {})
+    assert reg.thresholds("digits") == {DEVICE: 0.5, EDGE: 0.6}

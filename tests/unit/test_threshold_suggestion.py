@@ -1,0 +1,185 @@
+"""A threshold suggestion from the audits equals what calibrate chooses on the same items.
+
+The rows come from the real auditor: a request's items settle on the device or climb to a
+(canned) cloud; every item is drawn (share 1), the settled ones are asked of the cloud, and
+the rows go over the wire as ``ThresholdsReply.rows`` do. Calibrate's chooser is then run on
+the same items built the way calibrate builds a labelled split (the cloud's class as the
+label), and the two must choose the same thresholds."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from router.audit_rows import RowBook, TierAnswer
+from stratus import codec
+from stratus.errors import ConfigError
+from stratus.tiers import Tier
+from stratus.tools.calibrate.classifier import TierScores, for_max_escalation, for_target_accuracy
+from stratus.tools.calibrate.from_audits import audit_scores, goal_of, suggest
+from stratus.wire import fleet_pb2 as fpb
+from tests.unit.test_audit import CLASSES, View, answer, auditor, cloud_pool, job, pool_request, run, settle
+
+ITEMS = 300
+DEVICE_THRESHOLD = 0.7  # digits_info()'s: what decides which items climbed
+
+
+def device_answers(truth: list[int]) -> tuple[list[int], list[float]]:
+    """A device that is unsure where it is more often wrong: a calibrated-looking tier."""
+    rng = np.random.default_rng(7)
+    confidences = rng.uniform(0.3, 1.0, len(truth))
+    wrong = rng.uniform(0.0, 1.0, len(truth)) > confidences
+    classes = [(t + 1) % CLASSES if bad else t for t, bad in zip(truth, wrong, strict=True)]
+    return classes, [float(round(c, 4)) for c in confidences]
+
+
+def audited_rows() -> tuple[list[fpb.AuditRow], list[int], list[int], list[float]]:
+    """Every item of one request as a row, through the auditor; and what calibrate would see."""
+    rows: list[fpb.AuditRow] = []
+
+    async def body() -> None:
+        pool, link = cloud_pool()
+        audits, _, _ = auditor(pool, share=1.0, max_per_s=1e9)
+        audits.start()
+        view = View(job(ITEMS))
+        truth.extend(link.classes(codec.decode_request_inputs(pool_request(view))["input"]))
+        classes, confidences = device_answers(truth)
+        mine.extend(classes)
+        sure.extend(confidences)
+        view.answered(answer(Tier.DEVICE, classes, confidences), list(range(ITEMS)))
+        climbed = [i for i in range(ITEMS) if confidences[i] < DEVICE_THRESHOLD]
+        view.answered(answer(Tier.CLOUD, [truth[i] for i in climbed], [1.0] * len(climbed), "cloud"), climbed)
+        audits.classified(view)
+        await settle(audits, lambda: len(audits.rows.rows("digits")) == ITEMS)
+        await audits.close()
+        rows.extend(
+            fpb.AuditRow.FromString(r.to_wire().SerializeToString()) for r in audits.rows.rows("digits")
+        )
+
+    truth: list[int] = []
+    mine: list[int] = []
+    sure: list[float] = []
+    run(body)
+    return rows, truth, mine, sure
+
+
+def calibrate_scores(truth: list[int], mine: list[int], sure: list[float]) -> list[TierScores]:
+    """The same items as a labelled split for calibrate: the top tier's class is the label."""
+    labels = np.array(truth)
+    device = TierScores(Tier.DEVICE, "digits-small", np.array(sure), np.array(mine) == labels, np.array(mine))
+    cloud = TierScores(Tier.CLOUD, "digits-large", np.ones(ITEMS), np.ones(ITEMS, dtype=bool), labels)
+    return [device, cloud]
+
+
+def test_the_auditor_keeps_every_drawn_item_as_a_row_labelled_by_the_top_tier() -> None:
+    rows, truth, mine, sure = audited_rows()
+    assert len(rows) == ITEMS
+    by_device = sorted((r.tiers[0].confidence, r.tiers[0].answer, r.label) for r in rows)
+    assert by_device == sorted(zip(sure, mine, truth, strict=True))
+    assert {r.top_tier for r in rows} == {"cloud"} and all(len(r.tiers) == 1 for r in rows)
+
+
+@pytest.mark.parametrize("target", [0.9, 0.95, 0.98])
+def test_the_suggestion_for_a_target_accuracy_is_calibrates_choice(target: float) -> None:
+    rows, truth, mine, sure = audited_rows()
+    expected = for_target_accuracy(calibrate_scores(truth, mine, sure), target)
+    suggested = suggest(rows, target_accuracy=target)
+    assert suggested.thresholds == {Tier.DEVICE: expected[0]}
+    assert suggested.outcome.accuracy >= target and suggested.rows == ITEMS
+
+
+@pytest.mark.parametrize("share", [0.1, 0.3])
+def test_the_suggestion_for_a_cloud_share_is_calibrates_choice(share: float) -> None:
+    rows, truth, mine, sure = audited_rows()
+    expected = for_max_escalation(calibrate_scores(truth, mine, sure), share)
+    suggested = suggest(rows, max_escalation=share)
+    assert suggested.thresholds == {Tier.DEVICE: expected[0]}
+    assert suggested.outcome.reached[-1] <= share
+
+
+def test_too_few_rows_are_refused_saying_how_many_are_needed() -> None:
+    book = RowBook()
+    for i in range(10):
+        book.add("digits", (TierAnswer(Tier.DEVICE, 0.8, i % 3),), Tier.CLOUD, i % 3)
+    rows = [r.to_wire() for r in book.rows("digits")]
+    with pytest.raises(ConfigError, match="10 audit rows so far; a suggestion needs at least 200"):
+        suggest(rows, target_accuracy=0.9)
+    with pytest.raises(ConfigError, match="no audit rows yet"):
+        suggest([], target_accuracy=0.9)
+
+
+def test_rows_missing_an_intermediate_tier_are_refused() -> None:
+    full = fpb.AuditRow(
+        tiers=[fpb.TierAnswer(tier="device", confidence=0.5), fpb.TierAnswer(tier="edge", confidence=0.6)],
+        top_tier="cloud",
+    )
+    settled_low = fpb.AuditRow(tiers=[fpb.TierAnswer(tier="device", confidence=0.9)], top_tier="cloud")
+    with pytest.raises(ConfigError, match="1 of 2 audit rows lack a tier below the cloud tier"):
+        audit_scores([full, settled_low], min_rows=1)
+
+
+def test_old_rows_leave_the_book() -> None:
+    now = [0.0]
+    book = RowBook(max_age_s=10.0, clock=lambda: now[0])
+    book.add("digits", (TierAnswer(Tier.DEVICE, 0.8, 1),), Tier.CLOUD, 1)
+    now[0] = 11.0
+    book.add("digits", (TierAnswer(Tier.DEVICE, 0.7, 2),), Tier.CLOUD, 2)
+    assert [r.label for r in book.rows("digits")] == [2]
+
+
+def test_the_recorded_goal_is_read() -> None:
+    assert goal_of("target_accuracy 0.985") == (0.985, None)
+    assert goal_of("max_escalation 0.04") == (None, 0.04)
+    with pytest.raises(ConfigError):
+        goal_of("cheapest 1")
+
+
+def test_an_item_settled_on_the_device_is_asked_of_the_edge_too_so_its_row_holds_every_tier() -> None:
+    from tests.unit.test_audit import answer_work, edge_hello
+
+    async def body() -> None:
+        pool, link = cloud_pool()
+        audits, _, registry = auditor(pool, share=1.0, max_per_s=1e9)
+        registry.register(edge_hello("edge-1"), peer="test")
+        seen: list[str] = []
+        fake = asyncio.create_task(answer_work(registry, "edge-1", [4, 5], seen))
+        audits.start()
+        view = View(job(2))
+        truth = link.classes(codec.decode_request_inputs(pool_request(view))["input"])
+        view.answered(answer(Tier.DEVICE, [4, 6], [0.9, 0.8]), [0, 1])
+        audits.classified(view)
+        await settle(audits, lambda: len(audits.rows.rows("digits")) == 2)
+        await audits.close()
+        registry.agents["edge-1"].outbox.put_nowait(None)
+        await fake
+        rows = [r.to_wire() for r in audits.rows.rows("digits")]
+        assert seen == ["edge-1"]
+        assert [[(a.tier, a.answer) for a in r.tiers] for r in rows] == [
+            [("device", 4), ("edge", 4)],
+            [("device", 6), ("edge", 5)],
+        ]
+        assert [r.label for r in rows] == truth and {r.top_tier for r in rows} == {"cloud"}
+        assert len(audit_scores(rows, min_rows=2)) == 3  # device, edge and the top
+
+    run(body)
+
+
+def test_without_a_free_edge_slot_the_agreement_is_kept_and_the_incomplete_row_is_not() -> None:
+    from tests.unit.test_audit import edge_hello
+
+    async def body() -> None:
+        pool, _ = cloud_pool()
+        audits, _, registry = auditor(pool, share=1.0, max_per_s=1e9)
+        registry.register(edge_hello("edge-1"), peer="test")
+        registry.agents["edge-1"].capacity = 0
+        audits.start()
+        view = View(job(2))
+        view.answered(answer(Tier.DEVICE, [4, 6], [0.9, 0.8]), [0, 1])
+        audits.classified(view)
+        await settle(audits, lambda: bool(audits.book.estimates()))
+        await audits.close()
+        assert audits.rows.rows("digits") == []
+
+    run(body)
