@@ -70,8 +70,9 @@ def _add_tls(parser: argparse.ArgumentParser) -> None:
 
 
 def _router(args: argparse.Namespace) -> int:
-    from router.app import RouterSettings, serve
+    from router.app import serve
     from router.audit import AuditPolicy
+    from router.settings import OnCloudFailure, RouterSettings
     from stratus.process import configure_logging, run
 
     configure_logging(args.log_level, args.log_format)
@@ -89,7 +90,7 @@ def _router(args: argparse.Namespace) -> int:
         private_status=args.private_status,
         max_requests_per_client=args.max_requests_per_client,
         tls=_tls(args),
-        on_cloud_failure=args.on_cloud_failure,
+        on_cloud_failure=OnCloudFailure(args.on_cloud_failure),
         max_heartbeats_per_s=args.max_heartbeats_per_s,
         admit_per_s=args.admit_per_s,
         hello_timeout_s=args.hello_timeout_s,
@@ -110,20 +111,22 @@ def _router(args: argparse.Namespace) -> int:
 
 
 def _cloud(args: argparse.Namespace) -> int:
-    from cloud_gateway.app import CloudSettings, serve
+    from cloud_gateway.app import serve
+    from cloud_gateway.settings import CloudSettings
+    from stratus.precision import Precision
     from stratus.process import configure_logging, run
 
     configure_logging(args.log_level, args.log_format)
     settings = CloudSettings(
         listen=args.listen,
         models=args.models,
-        variants=_names(args.variants),
+        variants=_tuple(_names(args.variants)),
         concurrency=args.concurrency,
         queue_limit=args.queue_limit,
         max_batch=args.max_batch,
         max_batch_delay_s=args.max_batch_delay_us / 1e6,
         cache_dir=args.cache_dir,
-        precision=args.precision,
+        precision=Precision(args.precision) if args.precision else None,
         hardware=_hardware(),
         emulated_extra_ms=args.emulate_slow_ms,
         tls=_tls(args),
@@ -134,7 +137,7 @@ def _cloud(args: argparse.Namespace) -> int:
         openai_upstream=args.openai_upstream,
         upstream_model=args.upstream_model,
         upstream_family=args.upstream_family,
-        runtimes=_names(args.runtimes),
+        runtimes=_tuple(_names(args.runtimes)),
     )
     run(serve(settings))
     return 0
@@ -143,7 +146,8 @@ def _cloud(args: argparse.Namespace) -> int:
 def _agent(args: argparse.Namespace) -> int:
     import asyncio
 
-    from edge_agent.agent import AgentSettings, default_name, load_models, run_agent
+    from edge_agent.agent import load_models, run_agent
+    from edge_agent.settings import AgentSettings, default_name
     from stratus.metrics import Metrics
     from stratus.process import configure_logging, run, stop_on_signals
     from stratus.tiers import Tier
@@ -154,7 +158,7 @@ def _agent(args: argparse.Namespace) -> int:
         tier=tier,
         router=args.router,
         name=args.name or default_name(tier),
-        capacity=args.concurrency,
+        concurrency=args.concurrency,
         queue_limit=args.queue_limit,
         serve=args.serve,
         token=_role_token(args, "agent"),
@@ -200,6 +204,10 @@ RUNTIMES_HELP = (
     "(classifiers and generative models each use the ones of their kind; a family none can run "
     "is not served)"
 )
+
+
+def _tuple(names: list[str] | None) -> tuple[str, ...] | None:
+    return tuple(names) if names is not None else None
 
 
 def _names(text: str | None) -> list[str] | None:
