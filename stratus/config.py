@@ -29,7 +29,7 @@ import typing
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar
 
 from stratus.errors import ConfigError
 
@@ -112,15 +112,22 @@ class Sources:
     environ: Mapping[str, str]
     flags: Flags
     read_secrets: bool
+    partial: bool
 
 
 @dataclass(frozen=True)
-class Loaded:
-    """Built settings, and where each setting came from (for ``stratus config check``)."""
+class Loaded(Generic[T]):
+    """Built settings (``None`` where ``partial`` left a required one unset), and where each
+    setting came from and how ``stratus config check`` shows it."""
 
-    settings: Any
+    settings: T | None
     origins: dict[str, str]
     shown: dict[str, str]
+
+    @property
+    def built(self) -> T:
+        assert self.settings is not None, "only a partial load leaves settings unbuilt"
+        return self.settings
 
 
 def read_file(path: Path) -> dict[str, Any]:
@@ -148,73 +155,99 @@ def load(
     flags: Flags = NO_FLAGS,
     given: Mapping[str, object] | None = None,
     read_secrets: bool = True,
-) -> Loaded:
+    partial: bool = False,
+) -> Loaded[T]:
     """``cls`` built from its defaults, ``file``'s ``[role]`` table, ``STRATUS_ROLE_*`` in
     ``environ`` and ``flags``, strongest last; ``given`` holds its :func:`outside` fields.
-    With ``read_secrets`` false, no credential file is opened (``config check``)."""
+    With ``read_secrets`` false, no credential file is opened; with ``partial``, a required
+    setting left unset is reported, not refused (``config check``: flags may give it)."""
     table = read_file(file).get(role, {}) if file is not None else {}
-    sources = Sources(role, table, file, environ if environ is not None else {}, flags, read_secrets)
-    origins: dict[str, str] = {}
-    shown: dict[str, str] = {}
-    kwargs = _fields(cls, sources, (), table, origins=origins, shown=shown)
+    sources = Sources(role, table, file, environ if environ is not None else {}, flags, read_secrets, partial)
+    walk = _Walk(sources)
+    kwargs = _fields(walk, cls, (), table)
     kwargs.update(given or {})
+    if "required" in walk.origins.values():
+        return Loaded(None, walk.origins, walk.shown)
     try:
         built = cls(**kwargs)
     except (TypeError, ValueError) as exc:  # a dataclass's own cross-field check
         raise ConfigError(f"{role} settings: {exc}") from None
-    return Loaded(built, origins, shown)
+    return Loaded(built, walk.origins, walk.shown)
 
 
-def _fields(
-    cls: type[Any],
-    sources: Sources,
-    path: tuple[str, ...],
-    table: Mapping[str, Any],
-    *,
-    origins: dict[str, str],
-    shown: dict[str, str],
-) -> dict[str, Any]:
+@dataclass
+class _Walk:
+    """One load: its sources, and each setting's origin and shown value as they are read."""
+
+    sources: Sources
+    origins: dict[str, str] = dataclasses.field(default_factory=dict)
+    shown: dict[str, str] = dataclasses.field(default_factory=dict)
+
+
+def _fields(walk: _Walk, cls: type[Any], path: tuple[str, ...], table: Mapping[str, Any]) -> dict[str, Any]:
+    """``cls``'s keyword arguments from ``table`` and the other sources (those given only)."""
     hints = typing.get_type_hints(cls)
     specs = [f for f in dataclasses.fields(cls) if not f.metadata.get(_OUTSIDE)]
-    _refuse_unknown(specs, hints, sources, path, table)
+    _refuse_unknown(specs, walk.sources, path, table)
     kwargs: dict[str, Any] = {}
     for spec in specs:
         key = (*path, spec.name)
         name = ".".join(key)
         if _SECRET in spec.metadata:
-            value, origins[name], shown[name] = _secret(spec, key, sources, table)
-            kwargs[spec.name] = value
+            kwargs[spec.name], walk.origins[name], walk.shown[name] = _secret(spec, key, walk.sources, table)
         elif dataclasses.is_dataclass(hints[spec.name]):
-            nested = table.get(spec.name, {})
-            if not isinstance(nested, dict):
-                raise ConfigError(f"{_in_file(sources, key)}: must be a table ([{sources.role}.{name}])")
-            kwargs[spec.name] = hints[spec.name](
-                **_fields(hints[spec.name], sources, key, nested, origins=origins, shown=shown)
-            )
+            kwargs[spec.name] = _nested(walk, hints[spec.name], key, table.get(spec.name, {}))
+        elif (found := _strongest(spec, hints[spec.name], key, walk.sources, table)) is not None:
+            kwargs[spec.name], walk.origins[name] = found
+            walk.shown[name] = show_value(kwargs[spec.name])
+        elif _required(spec):
+            _missing(walk, key)
         else:
-            found = _strongest(spec, hints[spec.name], key, sources, table)
-            if found is not None:
-                kwargs[spec.name], origins[name] = found
-            elif _required(spec):
-                raise ConfigError(
-                    f"{sources.role} needs {name}: give --{'-'.join(key).replace('_', '-')}, "
-                    f"${'STRATUS_' + sources.role.upper() + '_' + '_'.join(key).upper()} or {name} in [{sources.role}]"
-                )
-            else:
-                origins[name] = "default"
-            shown[name] = _show(kwargs.get(spec.name, _default(spec)))
+            walk.origins[name], walk.shown[name] = "default", show_value(_default(spec))
     return kwargs
+
+
+def _missing(walk: _Walk, key: tuple[str, ...]) -> None:
+    """A required setting no source gives: refused, or (``partial``) reported as unset."""
+    name, role = ".".join(key), walk.sources.role
+    if walk.sources.partial:
+        walk.origins[name], walk.shown[name] = "required", "(not set: a flag must give it)"
+        return
+    dest = "_".join(key)
+    flag = walk.sources.flags.names.get(dest, f"--{dest.replace('_', '-')}")
+    raise ConfigError(f"{role} needs {name}: give {flag}, ${_variable(role, dest)} or {name} in [{role}]")
+
+
+def _variable(role: str, dest: str) -> str:
+    return f"STRATUS_{role}_{dest}".upper()
+
+
+def _nested(walk: _Walk, cls: type[Any], path: tuple[str, ...], table: object) -> Any:
+    """A nested dataclass (``tls``, ``audit``): its own table, built and checked as one."""
+    sources = walk.sources
+    if not isinstance(table, dict):
+        raise ConfigError(f"{_in_file(sources, path)}: must be a table ([{sources.role}.{'.'.join(path)}])")
+    kwargs = _fields(walk, cls, path, table)
+    try:
+        return cls(**kwargs)
+    except ConfigError as exc:
+        raise ConfigError(f"{sources.role}.{'.'.join(path)}: {exc}") from None
 
 
 def _refuse_unknown(
     specs: Sequence[dataclasses.Field[Any]],
-    hints: Mapping[str, Any],
     sources: Sources,
     path: tuple[str, ...],
     table: Mapping[str, Any],
 ) -> None:
     known = {f"{f.name}_file" if _SECRET in f.metadata else f.name for f in specs}
+    secrets = {f.name for f in specs if _SECRET in f.metadata}
     for key in table:
+        if key in secrets:
+            raise ConfigError(
+                f"{_in_file(sources, (*path, key))}: a credential is never written in the file: "
+                f"give {key}_file, the path of a file that holds it"
+            )
         if key not in known:
             raise ConfigError(f"{_in_file(sources, (*path, key))}: unknown setting")
 
@@ -224,7 +257,7 @@ def _strongest(
 ) -> tuple[Any, str] | None:
     """The value of the strongest source that sets the field, coerced and checked."""
     dest = "_".join(key)
-    variable = f"STRATUS_{sources.role}_{dest}".upper()
+    variable = _variable(sources.role, dest)
     candidates = (
         (sources.flags.values.get(dest), sources.flags.names.get(dest, f"--{dest.replace('_', '-')}")),
         (sources.environ.get(variable), f"${variable}"),
@@ -276,20 +309,36 @@ def _in_file(sources: Sources, key: tuple[str, ...]) -> str:
 
 
 def _coerce(raw: Any, kind: Any, where: str, item: Callable[[str], Any] | None) -> Any:
-    """``raw`` (TOML value, variable text or flag value) as a ``kind``, or a one-line error."""
+    """``raw`` (TOML value, variable text or flag value) as a ``kind``, or a one-line error.
+    Text is parsed only where it came as text (a variable, a flag): a file says what it means
+    (``concurrency = 2``, not ``"2"``)."""
     args = typing.get_args(kind)
     if typing.get_origin(kind) in (typing.Union, types.UnionType):
         return _coerce(raw, next(a for a in args if a is not type(None)), where, item)
     if typing.get_origin(kind) in (tuple, Sequence) or kind is tuple:
         return _items(raw, args[0] if args else str, where, item)
     try:
+        if _in_a_file(where) and kind in (bool, int, float) and not _native(raw, kind):
+            raise TypeError(type(raw).__name__)
         return _scalar(raw, kind)
     except (TypeError, ValueError, KeyError):
         raise ConfigError(f"{where}: {_expected(kind)}, not {raw!r}") from None
 
 
+def _native(raw: Any, kind: type) -> bool:
+    """Whether a TOML value already is a ``kind``: an int is a float, but no bool a number."""
+    if kind is bool or isinstance(raw, bool):
+        return kind is bool and isinstance(raw, bool)
+    return isinstance(raw, int) if kind is int else isinstance(raw, (int, float))
+
+
+def _in_a_file(where: str) -> bool:
+    return not where.startswith(("$", "-"))
+
+
 def _items(raw: Any, kind: Any, where: str, item: Callable[[str], Any] | None) -> tuple[Any, ...]:
-    texts = [t.strip() for t in raw.split(",") if t.strip()] if isinstance(raw, str) else raw
+    text = isinstance(raw, str) and not _in_a_file(where)
+    texts = [t.strip() for t in raw.split(",") if t.strip()] if text else raw
     if not isinstance(texts, (list, tuple)):
         raise ConfigError(f"{where}: a list, not {raw!r}")
     if item is None:
@@ -302,7 +351,7 @@ def _items(raw: Any, kind: Any, where: str, item: Callable[[str], Any] | None) -
 
 def _scalar(raw: Any, kind: Any) -> Any:
     if isinstance(kind, type) and issubclass(kind, enum.Enum):
-        return raw if isinstance(raw, kind) else kind(str(raw).strip().lower())
+        return raw if isinstance(raw, kind) else _member(kind, str(raw))
     if kind is bool:
         return _boolean(raw)
     if kind in (int, float) and isinstance(raw, bool):
@@ -316,6 +365,18 @@ def _scalar(raw: Any, kind: Any) -> Any:
     if kind is str:
         return raw if isinstance(raw, str) else _refuse(raw)
     raise TypeError(f"no loader for {kind}")
+
+
+def _member(kind: type[enum.Enum], text: str) -> enum.Enum:
+    for member in kind:
+        if text.strip().lower() == _label(member):
+            return member
+    raise ValueError(text)
+
+
+def _label(member: enum.Enum) -> str:
+    """How files, variables and flags spell a member: its value, or a number's name."""
+    return member.value if isinstance(member.value, str) else member.name.lower()
 
 
 def _boolean(raw: Any) -> bool:
@@ -335,7 +396,7 @@ def _refuse(raw: Any) -> Any:
 
 def _expected(kind: Any) -> str:
     if isinstance(kind, type) and issubclass(kind, enum.Enum):
-        return "one of " + ", ".join(str(m.value) for m in kind)
+        return "one of " + ", ".join(_label(m) for m in kind)
     return {
         bool: "true or false",
         int: "a whole number",
@@ -357,11 +418,13 @@ def _default(spec: dataclasses.Field[Any]) -> Any:
     return None
 
 
-def _show(value: Any) -> str:
+def show_value(value: Any) -> str:
     if isinstance(value, enum.Enum):
-        return str(value.value)
+        return _label(value)
     if isinstance(value, tuple):
-        return ",".join(_show(v) if not isinstance(v, tuple) else "=".join(v) for v in value) or "(none)"
+        return ",".join(show_value(v) if not isinstance(v, tuple) else "=".join(v) for v in value) or "(none)"
+    if value == "":
+        return '""'
     return "(none)" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
 
 
