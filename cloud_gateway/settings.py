@@ -12,6 +12,12 @@ from stratus.precision import Hardware, Precision
 from stratus.serving import MAX_REQUESTS_PER_CLIENT, NO_TLS, TlsSettings
 
 
+def _http_url(url: str | None) -> str | None:
+    if url is None or url.startswith(("http://", "https://")):
+        return None
+    return f"is an http:// or https:// URL, not {url!r}"
+
+
 @dataclass(frozen=True, kw_only=True)
 class CloudSettings:
     listen: str = "127.0.0.1:8002"
@@ -35,7 +41,7 @@ class CloudSettings:
     # Inference requests one client address may have in flight (0: no limit).
     max_requests_per_client: int = setting(MAX_REQUESTS_PER_CLIENT, check=not_negative)
     # An OpenAI-compatible server (vLLM) that generates for one family; None: no such family.
-    openai_upstream: str | None = None
+    openai_upstream: str | None = setting(None, check=_http_url)
     upstream_model: str | None = None  # its model name; None: the first it lists
     upstream_family: str | None = None  # the family served from it; None: the model's name
 
