@@ -237,3 +237,16 @@ def test_config_check_refuses_a_file_with_no_role(tmp_path: Path) -> None:
         check(write(tmp_path, "# nothing\n"))
     with pytest.raises(ConfigError, match="cannot read"):
         check(tmp_path / "missing.toml")
+
+
+def test_a_tokens_flag_beats_its_variable_beats_the_files_key(tmp_path: Path) -> None:
+    in_flag, in_file = tmp_path / "flag.token", tmp_path / "file.token"
+    in_flag.write_text("from-flag\n", encoding="utf-8")
+    in_file.write_text("from-file\n", encoding="utf-8")
+    path = write(tmp_path, f"[router]\npeer_token_file = '{in_file}'\n")
+    environ = {"STRATUS_PEER_TOKEN": "from-variable"}
+    assert load(RouterSettings, "router", file=path).built.peer_token == "from-file"
+    assert load(RouterSettings, "router", file=path, environ=environ).built.peer_token == "from-variable"
+    args = server_args("router", "--peer-token-file", str(in_flag))
+    loaded = load(RouterSettings, "router", file=path, environ=environ, flags=flags(args))
+    assert (loaded.built.peer_token, loaded.origins["peer_token"]) == ("from-flag", "--peer-token-file")
