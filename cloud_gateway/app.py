@@ -16,32 +16,26 @@ import dataclasses
 import logging
 import signal
 import socket
-from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
-from pathlib import Path
+from collections.abc import AsyncIterator
 
 import grpc
 
 from cloud_gateway.generative import GenerativeModel, UpstreamDataPlane
 from cloud_gateway.reload import GatewayServicer, Reloader
+from cloud_gateway.settings import CloudSettings
 from cloud_gateway.upstream import OpenAIUpstream, UpstreamSettings, served_model
 from stratus.auth import check_endpoint, insecure_warning
-from stratus.batching import DEFAULT_MAX_BATCH, DEFAULT_MAX_DELAY_S
 from stratus.errors import NotFound
 from stratus.local import LocalDataPlane, LocalModels, LocalSettings
 from stratus.metrics import Metrics, ModelMetrics
 from stratus.metrics import serve as serve_metrics
-from stratus.precision import Hardware
 from stratus.process import announce, stop_on_signals
 from stratus.repository import ModelRepository
 from stratus.serving import (
-    MAX_REQUESTS_PER_CLIENT,
-    NO_TLS,
     ClientLimits,
     DataPlane,
     Health,
     InferenceServicer,
-    TlsSettings,
     bind,
     create_server,
 )
@@ -50,33 +44,6 @@ from stratus.wire import fleet_pb2_grpc as fpb_grpc
 from stratus.wire import inference_pb2_grpc as pb_grpc
 
 log = logging.getLogger("stratus.cloud")
-
-
-@dataclass(frozen=True, kw_only=True)
-class CloudSettings:
-    listen: str
-    models: Path
-    variants: Sequence[str] | None = None
-    concurrency: int = 2
-    queue_limit: int = 256
-    max_batch: int = DEFAULT_MAX_BATCH
-    max_batch_delay_s: float = DEFAULT_MAX_DELAY_S
-    precision: str | None = None
-    hardware: Hardware | None = None
-    emulated_extra_ms: float = 0.0  # benchmarks and tests only
-    metrics: str | None = None  # HOST:PORT for Prometheus's /metrics; None: not served
-    cache_dir: Path = Path.home() / ".cache" / "stratus"
-    runtimes: Sequence[str] | None = None
-    name: str = ""
-    tls: TlsSettings = NO_TLS
-    # Callers must send "authorization: Bearer CLIENT_TOKEN" (the router: --cloud-token-file).
-    client_token: str = ""
-    insecure: bool = False  # listen off loopback without TLS and client authentication
-    max_requests_per_client: int = MAX_REQUESTS_PER_CLIENT
-    # An OpenAI-compatible server (vLLM) that generates for one family; None: no such family.
-    openai_upstream: str | None = None
-    upstream_model: str | None = None  # its model name; None: the first it lists
-    upstream_family: str | None = None  # the family served from it; None: the model's name
 
 
 async def serve(settings: CloudSettings, stop: asyncio.Event | None = None) -> None:

@@ -25,8 +25,9 @@ from pathlib import Path
 
 import grpc
 
+from edge_agent.settings import SERVE, AgentSettings
 from stratus import __version__
-from stratus.auth import check_endpoint, clients_authenticated, insecure_warning
+from stratus.auth import insecure_warning
 from stratus.discovery import DNS_PREFIX, discover_all, resolve_all
 from stratus.errors import ConfigError, DeadlineExceeded, StratusError
 from stratus.generation import Chunk
@@ -38,13 +39,10 @@ from stratus.precision import Hardware
 from stratus.process import announce, process_uptime_s, start_collapsed
 from stratus.repository import VariantSpec
 from stratus.serving import (
-    NO_TLS,
     Health,
     InferenceServicer,
-    TlsSettings,
     bind,
     create_server,
-    is_loopback,
     open_channel,
     server_name_options,
 )
@@ -56,78 +54,11 @@ from stratus.wire import inference_pb2_grpc as pb_grpc
 
 log = logging.getLogger("stratus.agent")
 
-SERVE = "the agent's --serve endpoint"
 # With --router auto or dns:NAME:PORT, how often to look for routers that joined since.
 REDISCOVER_S = 30.0
 
 
 _TIERS = {Tier.DEVICE: fpb.TIER_DEVICE, Tier.EDGE: fpb.TIER_EDGE, Tier.CLOUD: fpb.TIER_CLOUD}
-
-
-@dataclass(frozen=True, kw_only=True)
-class AgentSettings:
-    tier: Tier
-    router: str  # host:port[,host:port...]; "auto" (zeroconf); or dns:NAME:PORT (every address)
-    name: str
-    capacity: int = 4
-    queue_limit: int = 64
-    heartbeat_s: float = 1.0
-    serve: str | None = None
-    token: str = ""
-    backoff_initial_s: float = 0.2
-    # Capped so that a returning router has its whole fleet back within a few seconds.
-    backoff_max_s: float = 2.0
-    drain_timeout_s: float = 30.0
-    tls: TlsSettings = NO_TLS
-    metrics: str | None = None  # HOST:PORT for Prometheus's /metrics; None: not served
-    # --serve's callers must send "authorization: Bearer CLIENT_TOKEN"; empty: not asked.
-    client_token: str = ""
-    # Plaintext links to routers off this machine, zeroconf without a CA, and --serve off
-    # loopback without TLS and client authentication.
-    insecure: bool = False
-
-    def __post_init__(self) -> None:
-        if self.capacity < 1 or self.heartbeat_s <= 0 or self.backoff_initial_s <= 0:
-            raise ValueError("capacity, heartbeat_s and backoff_initial_s must be positive")
-        self.check_links()  # before any model loads: a refused setting costs nothing
-        if self.serve:
-            check_endpoint(
-                SERVE, self.serve, self.tls, client_token=self.client_token, insecure=self.insecure
-            )
-
-    @property
-    def serve_authenticated(self) -> bool:
-        return clients_authenticated(self.tls, self.client_token)
-
-    def check_links(self) -> None:
-        """Refuse links that would hand the token, and every input, to whoever answers: zeroconf
-        without a CA to verify the router's certificate, or plaintext to another machine."""
-        if self.insecure:
-            return
-        if self.router == "auto" and self.tls.ca is None:
-            raise ConfigError(
-                "--router auto dials whatever advertises _stratus._tcp: give --tls-ca, so the agent "
-                "verifies the router's certificate before it sends anything, or --insecure"
-            )
-        if self.router == "auto" or self.router.startswith(DNS_PREFIX):
-            return  # each address found is checked as it is dialled (may_dial)
-        for address in self.router.split(","):
-            if address.strip() and not self.may_dial(address.strip()):
-                raise ConfigError(
-                    f"router {address.strip()} is not on this machine: the link, and the agent's "
-                    "token, would cross the network in plaintext; give --tls-ca (and --tls-cert, "
-                    "--tls-key for mutual TLS), or --insecure"
-                )
-
-    def may_dial(self, address: str) -> bool:
-        return self.insecure or self.tls.enabled or is_loopback(address.rsplit(":", 1)[0])
-
-
-def default_name(tier: Tier) -> str:
-    """The host name and the tier (``pi-7-device``): stable across restarts, so a restarted
-    agent is the same agent to the router, its metrics and its alerts; two agents of one tier
-    on one host need ``--name``."""
-    return f"{socket.gethostname().split('.')[0]}-{tier.label}"
 
 
 class Backoff:
@@ -193,7 +124,7 @@ class Agent:
                 hardware_info=hardware_to_wire(self.models.hardware),
                 runtimes=sorted({info.runtime for info in self.models.variants_info()}),
                 variants=self.models.variants_info(),
-                capacity=self.settings.capacity,
+                capacity=self.settings.concurrency,
                 token=self.settings.token,
                 version=__version__,
                 families=self.models.families_info(),

@@ -22,7 +22,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from edge_agent.agent import Agent, AgentSettings, load_models
+from edge_agent.agent import Agent, load_models
+from edge_agent.settings import AgentSettings
 from stratus.local import LocalModels
 from stratus.process import announce, configure_logging, raise_open_files_limit, run, stop_on_signals
 from stratus.tiers import Tier
@@ -55,7 +56,7 @@ class SimulatedFleet:
             tier=self.tier,
             router=self.router,
             name=name,
-            capacity=self.capacity,
+            concurrency=self.capacity,
             queue_limit=self.queue_limit,
         )
 

@@ -8,15 +8,13 @@ import logging
 import random
 import socket
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
-from pathlib import Path
 
 import grpc
 
-from router.audit import Auditor, AuditPolicy, audit_levels
+from router.audit import Auditor, audit_levels
 from router.cloud import CloudLink
-from router.cloud_models import parse_cloud_models, parse_header
-from router.cloud_pool import CloudPool, CloudTarget
+from router.cloud_models import parse_cloud_models
+from router.cloud_pool import CloudPool
 from router.dataplane import RouterDataPlane
 from router.fleet_service import FleetServicer, fleet_levels, rollout_levels
 from router.link import AdmissionGate, AgentLinkServicer
@@ -24,21 +22,18 @@ from router.openai_api import OpenAiApi, check_listen
 from router.peers import RolloutPeers
 from router.registry import FleetRegistry
 from router.rollout import ROLLED_BACK, Plan, Rollouts
-from router.threshold_auto import AutoPolicy, AutoThresholds, auto_levels
+from router.settings import OnCloudFailure, RouterSettings
+from router.threshold_auto import AutoThresholds, auto_levels
 from router.thresholds import ThresholdPushes, state_path_beside, threshold_levels
-from stratus.auth import AgentTokens, RouterCredentials, check_exposure, insecure_warning
-from stratus.batching import DEFAULT_MAX_DELAY_S
+from stratus.auth import insecure_warning
 from stratus.discovery import Advertisement
 from stratus.metrics import Metrics, RouterMetrics
 from stratus.metrics import serve as serve_metrics
 from stratus.process import announce, raise_open_files_limit, stop_on_signals
 from stratus.serving import (
-    MAX_REQUESTS_PER_CLIENT,
-    NO_TLS,
     ClientLimits,
     Health,
     InferenceServicer,
-    TlsSettings,
     bind,
     create_server,
 )
@@ -50,100 +45,6 @@ log = logging.getLogger("stratus.router")
 # On SIGTERM, how long the router keeps serving after turning not-ready, so that clients
 # and load balancers that watch its health stop sending before it refuses new calls.
 NOTICE_S = 1.0
-
-
-@dataclass(frozen=True, kw_only=True)
-class RouterSettings:
-    listen: str
-    cloud: str | None = None
-    advertise: bool = True
-    heartbeat_s: float = 1.0
-    # Heartbeats the whole fleet may send per second; the interval doubles past it. Each
-    # costs the router about 0.2 ms of Python: 100/s is 2% of a core.
-    max_heartbeats_per_s: float = 100.0
-    # Agents admitted per second after a restart, and how many Hellos may wait in line.
-    admit_per_s: float = 500.0
-    admit_waiting: int = 4096
-    # How long a new AgentLink may stay silent before its Hello (an agent sends it at once).
-    hello_timeout_s: float = 10.0
-    # HTTP/2 keepalive on every link: a peer that stops answering pings (dead, frozen,
-    # unplugged) is lost within keepalive_s + keepalive_timeout_s, at any fleet size.
-    keepalive_s: float = 2.0
-    keepalive_timeout_s: float = 1.0
-    token: str = ""  # one token for every role, where a role has none of its own
-    # Each role's own credential: agents' Hellos, operators' changes (drain, reload,
-    # rollouts), and peer routers' rollout sync (sent and checked). Empty: the fleet token.
-    agent_token: str = ""
-    operator_token: str = ""
-    peer_token: str = ""
-    # Per-agent tokens (AGENT_ID TOKEN lines): each id bound to its own token.
-    agent_tokens_file: Path | None = None
-    # Inference callers must send "authorization: Bearer CLIENT_TOKEN"; empty: not asked.
-    client_token: str = ""
-    # Sent to the cloud gateway as "authorization: Bearer CLOUD_TOKEN" (its --client-token-file).
-    cloud_token: str = ""
-    # Listen off loopback without TLS and caller authentication (warned about every minute).
-    insecure: bool = False
-    # Status, Watch and rollout status need the operator role too.
-    private_status: bool = False
-    max_requests_per_client: int = MAX_REQUESTS_PER_CLIENT
-    name: str = ""
-    tls: TlsSettings = NO_TLS
-    on_cloud_failure: str = "degrade"  # or "fail": UNAVAILABLE instead of a degraded answer
-    max_requests: int = 4096
-    # Longest a batch for a busy agent waits for more requests before it is sent anyway.
-    max_batch_delay_s: float = DEFAULT_MAX_DELAY_S
-    metrics: str | None = None  # HOST:PORT for Prometheus's /metrics; None: not served
-    # On SIGTERM: how long requests in flight may take to finish before the router exits.
-    drain_timeout_s: float = 20.0
-    # Where rollout state is kept across restarts; None: in memory only.
-    rollout_state: Path | None = None
-    # The other routers of this site (host:port,... or dns:NAME:PORT), to share rollouts with.
-    peers: str | None = None
-    # HOST:PORT for the OpenAI API (/v1/completions, /v1/chat/completions); None: not served.
-    openai: str | None = None
-    # Its API key (required off loopback), and Host names it answers besides loopback's.
-    openai_api_key: str = ""
-    openai_hosts: tuple[str, ...] = ()
-    # A cloud that is not a Stratus gateway: the models it serves the families with
-    # ("NAME" or "FAMILY=NAME", comma-separated), and gRPC metadata sent on every call to it.
-    cloud_models: str | None = None
-    cloud_headers: tuple[tuple[str, str], ...] = ()
-    # Background audits (router/audit.py): the share of the items settled below a family's
-    # top tier also asked of it, and at most this many a second per family; a family's
-    # [audit] table overrides both.
-    audit: AuditPolicy = field(default_factory=AuditPolicy)
-    # --auto-thresholds: families whose thresholds step toward the audits' suggestion by
-    # themselves (router/threshold_auto.py); none by default.
-    auto_thresholds: AutoPolicy = field(default_factory=AutoPolicy)
-
-    def __post_init__(self) -> None:
-        parse_cloud_models(self.cloud_models)  # a bad entry stops the router before it serves
-        if self.cloud:
-            CloudTarget.parse(self.cloud)
-        for key, value in self.cloud_headers:
-            parse_header(f"{key}={value}")
-
-    def credentials(self) -> RouterCredentials:
-        return RouterCredentials(
-            mutual_tls=self.tls.mutual,
-            agent_token=self.agent_token or self.token,
-            agent_tokens=AgentTokens(self.agent_tokens_file) if self.agent_tokens_file else None,
-            operator_token=self.operator_token or self.token,
-            peer_token=self.peer_token or self.token,
-        )
-
-    def check_exposure(self, credentials: RouterCredentials) -> None:
-        """Off loopback: TLS, and credentials for agents and operators, or --insecure."""
-        check_exposure(
-            "the router",
-            self.listen,
-            tls=self.tls.cert is not None,
-            callers_authenticated=credentials.callers_authenticated,
-            insecure=self.insecure,
-            needs="credentials for agents and operators (--tls-ca for mutual TLS, or "
-            "--agent-token-file/--agent-tokens-file and --operator-token-file)",
-        )
 
 
 async def _watch_heartbeats(registry: FleetRegistry) -> None:
@@ -181,7 +82,7 @@ async def serve(settings: RouterSettings, stop: asyncio.Event | None = None) -> 
         registry,
         cloud,
         rng=random.Random(),
-        fail_without_cloud=settings.on_cloud_failure == "fail",
+        fail_without_cloud=settings.on_cloud_failure is OnCloudFailure.FAIL,
         max_requests=settings.max_requests,
         metrics=recorder,
         rollouts=rollouts,

@@ -21,10 +21,11 @@ would step the same family twice.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Final
 
 from prometheus_client.core import CounterMetricFamily
@@ -49,7 +50,8 @@ GOALS: Final = ("target_accuracy", "max_escalation")
 class AutoPolicy:
     """Which families step by themselves, toward which goal, how far and how often."""
 
-    goals: Mapping[str, str] = field(default_factory=dict)  # family -> "target_accuracy 0.98"
+    # --auto-thresholds as given: "digits=target_accuracy:0.98,defects=max_escalation:0.05".
+    goals: str = ""
     max_step: float = 0.02
     max_cloud_share: float = 0.25
     interval_s: float = 60.0
@@ -59,12 +61,18 @@ class AutoPolicy:
             raise ConfigError("--auto-max-step lies in (0, 1] and --auto-max-cloud-share in [0, 1]")
         if self.interval_s <= 0:
             raise ConfigError("--auto-interval is a number of seconds above 0")
-        for family, goal in self.goals.items():
+        for family, goal in self.by_family.items():
             name, _, value = goal.partition(" ")
             if name not in GOALS or not _share(value):
                 raise ConfigError(
                     f"--auto-thresholds {family}: '{goal}' is not target_accuracy A or max_escalation S"
                 )
+
+
+    @functools.cached_property
+    def by_family(self) -> dict[str, str]:
+        """Each family's goal, as calibrate writes it ("target_accuracy 0.98")."""
+        return parse_goals(self.goals)
 
 
 def _share(text: str) -> bool:
@@ -150,7 +158,7 @@ class AutoThresholds:
     async def run(self) -> None:
         while True:
             await asyncio.sleep(self.policy.interval_s)
-            for family in sorted(self.policy.goals):
+            for family in sorted(self.policy.by_family):
                 self.step_once(family)
 
     def step_once(self, family: str) -> Step:
@@ -162,7 +170,7 @@ class AutoThresholds:
                 family,
                 step.thresholds,
                 author="auto",
-                reason=f"{step.reason} (toward {self.policy.goals[family]})",
+                reason=f"{step.reason} (toward {self.policy.by_family[family]})",
             )
         elif step.reason:  # held or capped: the operator's to see; waiting: every interval until rows come
             log.log(
@@ -178,7 +186,7 @@ class AutoThresholds:
         from stratus.tools.calibrate.from_audits import audit_scores, goal_of, suggest
 
         rows = [row.to_wire() for row in self._rows(family)]
-        target, share = goal_of(self.policy.goals[family])
+        target, share = goal_of(self.policy.by_family[family])
         try:
             suggestion = suggest(rows, target_accuracy=target, max_escalation=share)
         except ConfigError as exc:

@@ -13,12 +13,13 @@ import argparse
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
 
 from stratus import __version__
 from stratus.certs import add_parser as add_certs
+from stratus.config_cli import add_config_check, settings_class
 from stratus.errors import ConfigError, StratusError
 from stratus.fleet_thresholds import add_parser as add_thresholds_parser
 from stratus.models_cli import add_models
@@ -28,6 +29,7 @@ if TYPE_CHECKING:
     from stratus.precision import Hardware
 
 Handler = Callable[[argparse.Namespace], int]
+T = TypeVar("T")
 
 
 def _default_cache() -> Path:
@@ -59,130 +61,70 @@ def _tls(args: argparse.Namespace) -> TlsSettings:
     return TlsSettings(cert=args.tls_cert, key=args.tls_key, ca=args.tls_ca)
 
 
-def _add_tls(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--tls-cert", type=Path, default=None, help="this process's certificate (PEM)")
-    parser.add_argument("--tls-key", type=Path, default=None, help="its private key (PEM)")
-    parser.add_argument(
-        "--tls-ca",
-        type=Path,
-        default=None,
-        help="CA that peers' certificates must chain to; on a server this turns on mutual TLS",
-    )
+def _add_tls(parser: argparse.ArgumentParser, role: str | None = None) -> None:
+    """TLS flags; on a server (``role``) they are its settings' ``tls.cert``, ``tls.key``, ``tls.ca``."""
+    for name, what in (
+        ("cert", "this process's certificate (PEM)"),
+        ("key", "its private key (PEM)"),
+        ("ca", "CA that peers' certificates must chain to; on a server this turns on mutual TLS"),
+    ):
+        action = parser.add_argument(f"--tls-{name}", type=Path, default=None, help=what)
+        if role is not None:
+            action.setting = (role, f"tls.{name}")  # type: ignore[attr-defined]
+
+
+def _flag_names(parser: argparse.ArgumentParser) -> dict[str, str]:
+    """Each setting's flag, by the setting's dest, to name it in errors."""
+    names = {}
+    for action in parser._actions:
+        setting = getattr(action, "setting", None)
+        if setting is not None:
+            names[setting[1].replace(".", "_")] = action.option_strings[0]
+    return names
 
 
 def _router(args: argparse.Namespace) -> int:
-    from router.app import RouterSettings, serve
-    from router.audit import AuditPolicy
-    from router.threshold_auto import AutoPolicy, parse_goals
+    from router.app import serve
+    from router.settings import RouterSettings
     from stratus.process import configure_logging, run
 
     configure_logging(args.log_level, args.log_format)
-    settings = RouterSettings(
-        listen=args.listen,
-        cloud=args.cloud,
-        advertise=not args.no_advertise,
-        agent_token=_role_token(args, "agent"),
-        agent_tokens_file=args.agent_tokens_file,
-        operator_token=_role_token(args, "operator"),
-        peer_token=_role_token(args, "peer"),
-        client_token=_role_token(args, "client"),
-        cloud_token=_role_token(args, "cloud"),
-        insecure=args.insecure,
-        private_status=args.private_status,
-        max_requests_per_client=args.max_requests_per_client,
-        tls=_tls(args),
-        on_cloud_failure=args.on_cloud_failure,
-        max_heartbeats_per_s=args.max_heartbeats_per_s,
-        admit_per_s=args.admit_per_s,
-        hello_timeout_s=args.hello_timeout_s,
-        keepalive_s=args.keepalive_s,
-        max_batch_delay_s=args.max_batch_delay_us / 1e6,
-        metrics=args.metrics,
-        rollout_state=args.rollout_state,
-        peers=args.peers,
-        openai=args.openai,
-        openai_api_key=_secret(args.openai_api_key_file, "STRATUS_OPENAI_API_KEY"),
-        openai_hosts=tuple(args.openai_host),
-        cloud_models=args.cloud_models,
-        cloud_headers=tuple(args.cloud_header),
-        audit=AuditPolicy(share=args.audit_share, max_per_s=args.audit_max_per_s),
-        auto_thresholds=AutoPolicy(
-            goals=parse_goals(args.auto_thresholds or ""),
-            max_step=args.auto_max_step,
-            max_cloud_share=args.auto_max_cloud_share,
-            interval_s=args.auto_interval,
-        ),
-    )
-    run(serve(settings))
+    run(serve(_settings(args, RouterSettings, "router")))
     return 0
 
 
 def _cloud(args: argparse.Namespace) -> int:
-    from cloud_gateway.app import CloudSettings, serve
+    from cloud_gateway.app import serve
+    from cloud_gateway.settings import CloudSettings
     from stratus.process import configure_logging, run
 
     configure_logging(args.log_level, args.log_format)
-    settings = CloudSettings(
-        listen=args.listen,
-        models=args.models,
-        variants=_names(args.variants),
-        concurrency=args.concurrency,
-        queue_limit=args.queue_limit,
-        max_batch=args.max_batch,
-        max_batch_delay_s=args.max_batch_delay_us / 1e6,
-        cache_dir=args.cache_dir,
-        precision=args.precision,
-        hardware=_hardware(),
-        emulated_extra_ms=args.emulate_slow_ms,
-        tls=_tls(args),
-        client_token=_role_token(args, "client"),
-        insecure=args.insecure,
-        max_requests_per_client=args.max_requests_per_client,
-        metrics=args.metrics,
-        openai_upstream=args.openai_upstream,
-        upstream_model=args.upstream_model,
-        upstream_family=args.upstream_family,
-        runtimes=_names(args.runtimes),
-    )
-    run(serve(settings))
+    run(serve(_settings(args, CloudSettings, "cloud", hardware=_hardware())))
     return 0
 
 
 def _agent(args: argparse.Namespace) -> int:
     import asyncio
 
-    from edge_agent.agent import AgentSettings, default_name, load_models, run_agent
+    from edge_agent.agent import load_models, run_agent
+    from edge_agent.settings import AgentSettings
     from stratus.metrics import Metrics
     from stratus.process import configure_logging, run, stop_on_signals
-    from stratus.tiers import Tier
 
     configure_logging(args.log_level, args.log_format)
-    tier = Tier.parse(args.tier)
-    settings = AgentSettings(
-        tier=tier,
-        router=args.router,
-        name=args.name or default_name(tier),
-        capacity=args.concurrency,
-        queue_limit=args.queue_limit,
-        serve=args.serve,
-        token=_role_token(args, "agent"),
-        tls=_tls(args),
-        metrics=args.metrics,
-        client_token=_role_token(args, "client"),
-        insecure=args.insecure,
-    )
+    settings = _settings(args, AgentSettings, "agent", hardware=_hardware())
     models = load_models(
-        args.models,
-        tier=tier,
-        variants=_names(args.variants),
-        concurrency=args.concurrency,
-        queue_limit=args.queue_limit,
-        runtimes=_names(args.runtimes),
-        cache_dir=args.cache_dir,
-        max_batch=args.max_batch,
-        precision=args.precision,
-        hardware=_hardware(),
-        emulated_extra_ms=args.emulate_slow_ms,
+        settings.models,
+        tier=settings.tier,
+        variants=_list(settings.variants),
+        concurrency=settings.concurrency,
+        queue_limit=settings.queue_limit,
+        runtimes=_list(settings.runtimes),
+        cache_dir=settings.cache_dir,
+        max_batch=settings.max_batch,
+        precision=settings.precision,
+        hardware=settings.hardware,
+        emulated_extra_ms=settings.emulated_extra_ms,
         metrics=Metrics(),
     )
 
@@ -193,6 +135,22 @@ def _agent(args: argparse.Namespace) -> int:
 
     run(main())
     return 0
+
+
+def _settings(args: argparse.Namespace, cls: type[T], role: str, **given: object) -> T:
+    """A server's settings: its dataclass's defaults, then ``--config``'s ``[role]`` table,
+    then ``STRATUS_ROLE_*``, then the flags given (stratus/config.py)."""
+    from stratus.config import Flags, load
+
+    values = dict(vars(args))
+    if values.get("max_batch_delay_us") is not None:
+        values["max_batch_delay_s"] = values["max_batch_delay_us"] / 1e6
+    flags = Flags(values, args.flag_names)
+    return load(cls, role, file=args.config, environ=os.environ, flags=flags, given=given).built
+
+
+def _list(names: tuple[str, ...] | None) -> list[str] | None:
+    return list(names) if names is not None else None
 
 
 def _hardware() -> Hardware:
@@ -208,10 +166,6 @@ RUNTIMES_HELP = (
     "(classifiers and generative models each use the ones of their kind; a family none can run "
     "is not served)"
 )
-
-
-def _names(text: str | None) -> list[str] | None:
-    return [n.strip() for n in text.split(",") if n.strip()] if text else None
 
 
 def _fleet_status(args: argparse.Namespace) -> int:
@@ -319,18 +273,49 @@ def _demo(args: argparse.Namespace) -> int:
     return run_demo(models=args.models, as_json=args.json, sdk_factory=sdk)
 
 
+def _option(parser: argparse.ArgumentParser, role: str, field: str, *flags: str, **kwargs: Any) -> None:
+    """A flag for one field of a role's settings, its dest the field's name (``tls.cert``:
+    ``tls_cert``). Not given, it is ``None``, so that the config file, the ``STRATUS_*``
+    variables and the dataclass's one default apply; its help shows that default."""
+    if kwargs.get("action") not in ("store_true", "store_const"):
+        kwargs.setdefault("metavar", flags[0].lstrip("-").replace("-", "_").upper())
+    action = parser.add_argument(*flags, dest=field.replace(".", "_"), default=None, **kwargs)
+    action.setting = (role, field)  # type: ignore[attr-defined]
+
+
+def _add_config(parser: argparse.ArgumentParser, role: str) -> None:
+    parser.add_argument(
+        "--config",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help=f"a TOML file whose [{role}] table holds settings; STRATUS_{role.upper()}_* variables "
+        "and flags win over it (README, Configuration; check it with `stratus config check FILE`)",
+    )
+
+
 def _add_router(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> argparse.ArgumentParser:
     router = commands.add_parser("router", help="run the router (edge gateway)")
-    router.add_argument("--listen", default="127.0.0.1:8001", help="HOST:PORT for OIP, AgentLink and Fleet")
-    router.add_argument(
+    _option(router, "router", "listen", "--listen", help="HOST:PORT for OIP, AgentLink and Fleet")
+    _option(
+        router,
+        "router",
+        "cloud",
         "--cloud",
-        default=None,
         help="the cloud gateway: HOST:PORT, several (A:PORT,B:PORT), or dns:///NAME:PORT for every "
         "address NAME resolves to (a headless Service), re-resolved every 15 s; each call goes to "
         "the less busy of two",
     )
     _add_cloud_link(router)
-    router.add_argument("--no-advertise", action="store_true", help="do not advertise over zeroconf")
+    _option(
+        router,
+        "router",
+        "advertise",
+        "--no-advertise",
+        action="store_const",
+        const=False,
+        help="do not advertise over zeroconf",
+    )
     for role, what in (
         ("agent", "agents' Hellos must carry (one for all)"),
         ("operator", "drain, reload and rollout changes must carry"),
@@ -339,129 +324,175 @@ def _add_router(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -
         ("cloud", "this router sends the cloud gateway as 'authorization: Bearer TOKEN'"),
     ):
         fallback = ", else $STRATUS_TOKEN" if role in ("agent", "operator", "peer") else ""
-        router.add_argument(
+        _option(
+            router,
+            "router",
+            f"{role}_token_file",
             f"--{role}-token-file",
             type=Path,
-            default=None,
             help=f"the token {what} (default: $STRATUS_{role.upper()}_TOKEN{fallback})",
         )
-    router.add_argument(
+    _option(
+        router,
+        "router",
+        "agent_tokens_file",
         "--agent-tokens-file",
         type=Path,
-        default=None,
         metavar="FILE",
         help="per-agent tokens, 'AGENT_ID TOKEN' lines (re-read when changed): binds each id to "
         "its own token, so one can be revoked",
     )
-    router.add_argument(
+    _option(
+        router,
+        "router",
+        "private_status",
         "--private-status",
         action="store_true",
         help="fleet status, watch and rollout status need the operator role too",
     )
-    _add_exposure(router, "the router")
-    router.add_argument(
+    _add_exposure(router, "router", "the router")
+    _option(
+        router,
+        "router",
+        "on_cloud_failure",
         "--on-cloud-failure",
         choices=["degrade", "fail"],
-        default="degrade",
         help="when an escalation needs the cloud and it is away: degraded answer, or UNAVAILABLE",
     )
-    router.add_argument(
+    _option(
+        router,
+        "router",
+        "max_heartbeats_per_s",
         "--max-heartbeats-per-s",
         type=float,
-        default=100.0,
         help="heartbeats the whole fleet may send a second; agents are asked to slow down past it",
     )
-    router.add_argument(
+    _option(
+        router,
+        "router",
+        "admit_per_s",
         "--admit-per-s",
         type=float,
-        default=500.0,
         help="agents admitted a second (a restart's reconnect storm)",
     )
-    router.add_argument(
+    _option(
+        router,
+        "router",
+        "hello_timeout_s",
         "--hello-timeout-s",
         type=float,
-        default=10.0,
-        help="seconds a new AgentLink may stay silent before its Hello (default 10)",
+        help="seconds a new AgentLink may stay silent before its Hello",
     )
-    router.add_argument(
+    _option(
+        router,
+        "router",
+        "rollout_state",
         "--rollout-state",
         type=Path,
-        default=None,
         metavar="FILE",
         help="keep rollout state here, so it survives a restart (default: in memory only)",
     )
-    router.add_argument(
-        "--openai", default=None, metavar="HOST:PORT", help="serve the OpenAI API (generative families) here"
-    )
-    router.add_argument(
-        "--openai-api-key-file",
-        type=Path,
-        default=None,
-        help="the OpenAI API's key, as clients send it (Authorization: Bearer KEY); required off "
-        "loopback; default: STRATUS_OPENAI_API_KEY",
-    )
-    router.add_argument(
-        "--openai-host",
-        action="append",
-        default=[],
-        help="a Host name the keyless (loopback) OpenAI API answers besides loopback's (repeatable)",
-    )
-    router.add_argument(
+    _add_openai(router)
+    _option(
+        router,
+        "router",
+        "peers",
         "--peers",
-        default=None,
         help="the site's other routers (HOST:PORT,... or dns:NAME:PORT), to share rollouts with",
     )
-    router.add_argument(
+    _option(
+        router,
+        "router",
+        "keepalive_s",
         "--keepalive-s",
         type=float,
-        default=2.0,
-        help="HTTP/2 ping interval on every link; a frozen agent is lost within this plus 1 s",
+        help="HTTP/2 ping interval on every link; a frozen agent is lost within this plus keepalive_timeout_s",
     )
-    _add_batch_delay(router)
+    _add_batch_delay(router, "router")
     _add_audits(router)
     router.set_defaults(handler=_router)
     return router
 
 
+def _add_openai(router: argparse.ArgumentParser) -> None:
+    _option(
+        router,
+        "router",
+        "openai",
+        "--openai",
+        metavar="HOST:PORT",
+        help="serve the OpenAI API (generative families) here",
+    )
+    _option(
+        router,
+        "router",
+        "openai_api_key_file",
+        "--openai-api-key-file",
+        type=Path,
+        help="the OpenAI API's key, as clients send it (Authorization: Bearer KEY); required off "
+        "loopback; default: STRATUS_OPENAI_API_KEY",
+    )
+    _option(
+        router,
+        "router",
+        "openai_hosts",
+        "--openai-host",
+        action="append",
+        help="a Host name the keyless (loopback) OpenAI API answers besides loopback's (repeatable)",
+    )
+
+
 def _add_audits(router: argparse.ArgumentParser) -> None:
-    router.add_argument(
+    _option(
+        router,
+        "router",
+        "audit.share",
         "--audit-share",
         type=_share,
-        default=0.01,
         help="share of the items settled below a family's top tier also asked of it in the background, "
         "to estimate each tier's live accuracy (a family's [audit] share overrides it; 0: none)",
     )
-    router.add_argument(
+    _option(
+        router,
+        "router",
+        "audit.max_per_s",
         "--audit-max-per-s",
         type=float,
-        default=10.0,
         help="most items audited a second per family (a family's [audit] max_per_s overrides it)",
     )
-    router.add_argument(
+    _option(
+        router,
+        "router",
+        "auto_thresholds.goals",
         "--auto-thresholds",
-        default=None,
         metavar="FAMILY=GOAL:VALUE,...",
         help="step these families' thresholds toward what the audits suggest (digits=target_accuracy:0.98 "
         "or digits=max_escalation:0.05), upward only, bounded (router/threshold_auto.py); off by default",
     )
-    router.add_argument("--auto-max-step", type=_share, default=0.02, help="most a threshold moves per interval")
-    router.add_argument(
-        "--auto-max-cloud-share", type=_share, default=0.25, help="no step sends more than this share to the cloud"
-    )
-    router.add_argument("--auto-interval", type=float, default=60.0, help="seconds between steps")
+    _option(router, "router", "auto_thresholds.max_step", "--auto-max-step", type=_share,
+            help="most a threshold moves per interval")  # fmt: skip
+    _option(router, "router", "auto_thresholds.max_cloud_share", "--auto-max-cloud-share", type=_share,
+            help="no step sends more than this share to the cloud")  # fmt: skip
+    _option(router, "router", "auto_thresholds.interval_s", "--auto-interval", type=float,
+            help="seconds between steps")  # fmt: skip
 
 
-def _add_exposure(parser: argparse.ArgumentParser, what: str) -> None:
-    parser.add_argument(
+def _add_exposure(parser: argparse.ArgumentParser, role: str, what: str) -> None:
+    _option(
+        parser,
+        role,
+        "insecure",
         "--insecure",
         action="store_true",
         help=f"let {what} run off loopback without TLS or caller authentication (warned about "
         "every minute): anyone who reaches it can use it and read its traffic",
     )
-    parser.add_argument(
+    _option(
+        parser,
+        role,
+        "max_requests_per_client",
         "--max-requests-per-client",
         type=int,
-        default=1024,
         help="inference requests one client address may have in flight (0: no limit)",
     )
 
@@ -487,18 +518,22 @@ def _cloud_models(text: str) -> str:
 
 def _add_cloud_link(router: argparse.ArgumentParser) -> None:
     """How to reach a cloud that is not a Stratus gateway (Triton, KServe, MLServer)."""
-    router.add_argument(
+    _option(
+        router,
+        "router",
+        "cloud_models",
         "--cloud-models",
-        default=None,
         type=_cloud_models,
         metavar="NAME,...",
         help="models the cloud serves the families with, NAME or FAMILY=NAME (e.g. digits-large); "
         "found by ModelReady/ModelMetadata where the cloud does not list them",
     )
-    router.add_argument(
+    _option(
+        router,
+        "router",
+        "cloud_headers",
         "--cloud-header",
         action="append",
-        default=[],
         type=_cloud_header,
         metavar="KEY=VALUE",
         help="gRPC metadata sent on every call to the cloud (repeatable), e.g. "
@@ -506,60 +541,101 @@ def _add_cloud_link(router: argparse.ArgumentParser) -> None:
     )
 
 
-def _add_batch_delay(parser: argparse.ArgumentParser) -> None:
+def _add_batch_delay(parser: argparse.ArgumentParser, role: str) -> None:
     parser.add_argument(
         "--max-batch-delay-us",
         type=float,
-        default=500.0,
-        help="longest a batch waits for more requests while its target is busy (never when idle)",
-    )
+        default=None,
+        help="longest a batch waits for more requests while its target is busy (never when idle); "
+        f"max_batch_delay_s in [{role}]",
+    ).setting = (role, "max_batch_delay_s")  # type: ignore[attr-defined]
 
 
-def _add_max_batch(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
+def _add_models(parser: argparse.ArgumentParser, role: str, which: str) -> None:
+    """What a cloud gateway or an agent serves, and how its runtimes batch."""
+    _option(parser, role, "models", "--models", type=Path, help="the models folder")
+    _option(parser, role, "variants", "--variants", help=f"comma-separated (default: {which})")
+    _option(parser, role, "runtimes", "--runtimes", help=RUNTIMES_HELP)
+    _option(parser, role, "concurrency", "--concurrency", type=int, help="runtime calls at once")
+    _option(
+        parser,
+        role,
+        "max_batch",
         "--max-batch",
         type=int,
-        default=32,
         help="most items merged into one runtime call; 1 turns batching off",
+    )
+    _option(parser, role, "cache_dir", "--cache-dir", type=Path, help="runtime caches")
+    _option(
+        parser,
+        role,
+        "precision",
+        "--precision",
+        type=str.lower,
+        choices=["fp32", "fp16", "int8"],
+        help="serve this precision of each family (default: the fastest this CPU runs natively "
+        "within the family's accuracy tolerance)",
+    )
+    _option(
+        parser,
+        role,
+        "emulated_extra_ms",
+        "--emulate-slow-ms",
+        type=float,
+        help="benchmarks and tests: add this much to each runtime call, as slower hardware would",
     )
 
 
 def _add_upstream(cloud: argparse.ArgumentParser) -> None:
-    cloud.add_argument(
+    _option(
+        cloud,
+        "cloud",
+        "openai_upstream",
         "--openai-upstream",
-        default=None,
         metavar="URL",
         help="an OpenAI-compatible server (vLLM), e.g. http://127.0.0.1:8000, that generates for one family",
     )
-    cloud.add_argument(
-        "--upstream-model", default=None, metavar="NAME", help="its model (default: the first it lists)"
+    _option(
+        cloud,
+        "cloud",
+        "upstream_model",
+        "--upstream-model",
+        metavar="NAME",
+        help="its model (default: the first it lists)",
     )
-    cloud.add_argument(
-        "--upstream-family", default=None, metavar="NAME", help="the family it serves (default: its model)"
+    _option(
+        cloud,
+        "cloud",
+        "upstream_family",
+        "--upstream-family",
+        metavar="NAME",
+        help="the family it serves (default: its model)",
     )
 
 
 def _add_cloud(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> argparse.ArgumentParser:
     cloud = commands.add_parser("cloud", help="run the cloud gateway")
-    cloud.add_argument("--listen", default="127.0.0.1:8002", help="HOST:PORT for the escalation API")
-    cloud.add_argument("--models", type=Path, default=Path("models"), help="the models folder")
-    cloud.add_argument("--runtimes", default=None, help=RUNTIMES_HELP)
-    cloud.add_argument("--variants", default=None, help="comma-separated (default: the cloud variants)")
-    cloud.add_argument("--concurrency", type=int, default=2, help="runtime calls at once")
-    cloud.add_argument(
-        "--queue-limit", type=int, default=256, help="items that may wait beyond those running"
+    _option(cloud, "cloud", "listen", "--listen", help="HOST:PORT for the escalation API")
+    _add_models(cloud, "cloud", "the cloud variants")
+    _option(
+        cloud,
+        "cloud",
+        "queue_limit",
+        "--queue-limit",
+        type=int,
+        help="items that may wait beyond those running",
     )
-    _add_max_batch(cloud)
-    _add_batch_delay(cloud)
-    cloud.add_argument("--cache-dir", type=Path, default=_default_cache(), help="runtime caches")
-    cloud.add_argument(
+    _add_batch_delay(cloud, "cloud")
+    _option(
+        cloud,
+        "cloud",
+        "client_token_file",
         "--client-token-file",
         type=Path,
-        default=None,
         help="callers (the router: --cloud-token-file) must send 'authorization: Bearer TOKEN' "
         "(default: $STRATUS_CLIENT_TOKEN)",
     )
-    _add_exposure(cloud, "the cloud gateway")
+    _add_exposure(cloud, "cloud", "the cloud gateway")
     _add_upstream(cloud)
     cloud.set_defaults(handler=_cloud)
     return cloud
@@ -567,76 +643,86 @@ def _add_cloud(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 
 def _add_agent(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> argparse.ArgumentParser:
     agent = commands.add_parser("agent", help="run an edge agent")
-    agent.add_argument(
-        "--tier", choices=["device", "edge"], required=True, help="which tier this agent serves"
+    _option(
+        agent,
+        "agent",
+        "tier",
+        "--tier",
+        choices=["device", "edge"],
+        help="which tier this agent serves (required: here, or tier in [agent])",
     )
-    agent.add_argument("--models", type=Path, default=Path("models"), help="the models folder")
-    agent.add_argument("--variants", default=None, help="comma-separated (default: the tier's variants)")
-    agent.add_argument(
+    _add_models(agent, "agent", "the tier's variants")
+    _option(
+        agent,
+        "agent",
+        "router",
         "--router",
-        required=True,
         help="HOST:PORT[,HOST:PORT...] (a link to each), dns:NAME:PORT (every address NAME resolves "
-        "to, e.g. a headless Service), or auto (every router zeroconf finds; needs --tls-ca)",
+        "to, e.g. a headless Service), or auto (every router zeroconf finds; needs --tls-ca); "
+        "required: here, or router in [agent]",
     )
-    agent.add_argument("--name", default=None, help="the agent's id (default: HOSTNAME-TIER)")
-    agent.add_argument("--concurrency", type=int, default=2, help="runtime calls at once")
-    agent.add_argument(
-        "--queue-limit", type=int, default=64, help="work items that may wait beyond those running"
+    _option(agent, "agent", "name", "--name", help="the agent's id (default: HOSTNAME-TIER)")
+    _option(
+        agent,
+        "agent",
+        "queue_limit",
+        "--queue-limit",
+        type=int,
+        help="work items that may wait beyond those running",
     )
-    _add_max_batch(agent)
-    agent.add_argument("--serve", default=None, help="also serve the inference API on HOST:PORT")
-    agent.add_argument("--runtimes", default=None, help=RUNTIMES_HELP)
-    agent.add_argument(
+    _option(agent, "agent", "serve", "--serve", help="also serve the inference API on HOST:PORT")
+    _option(
+        agent,
+        "agent",
+        "token_file",
         "--agent-token-file",
         type=Path,
-        default=None,
         help="this agent's token, from a file (default: $STRATUS_AGENT_TOKEN, else $STRATUS_TOKEN)",
     )
-    agent.add_argument(
+    _option(
+        agent,
+        "agent",
+        "client_token_file",
         "--client-token-file",
         type=Path,
-        default=None,
         help="--serve's callers must send 'authorization: Bearer TOKEN' (default: $STRATUS_CLIENT_TOKEN)",
     )
-    agent.add_argument(
+    _option(
+        agent,
+        "agent",
+        "insecure",
         "--insecure",
         action="store_true",
         help="allow plaintext links to routers on other machines, zeroconf without --tls-ca, and "
         "--serve off loopback without TLS and client authentication",
     )
-    agent.add_argument("--cache-dir", type=Path, default=_default_cache(), help="runtime caches")
     agent.set_defaults(handler=_agent)
     return agent
 
 
 def _add_servers(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    router = _add_router(commands)
-    cloud = _add_cloud(commands)
-    agent = _add_agent(commands)
-    for parser in (cloud, agent):
-        parser.add_argument(
-            "--precision",
-            type=str.lower,
-            choices=["fp32", "fp16", "int8"],
-            default=None,
-            help="serve this precision of each family (default: the fastest this CPU runs natively "
-            "within the family's accuracy tolerance)",
-        )
-        parser.add_argument(
-            "--emulate-slow-ms",
-            type=float,
-            default=0.0,
-            help="benchmarks and tests: add this much to each runtime call, as slower hardware would",
-        )
-    for parser in (router, cloud, agent):
+    servers = {"router": _add_router(commands), "cloud": _add_cloud(commands), "agent": _add_agent(commands)}
+    for role, parser in servers.items():
         parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
         parser.add_argument(
             "--log-format", choices=["text", "json"], default="text", help="json: one object per line"
         )
-        parser.add_argument(
-            "--metrics", default=None, metavar="HOST:PORT", help="serve Prometheus metrics at /metrics here"
+        _option(
+            parser,
+            role,
+            "metrics",
+            "--metrics",
+            metavar="HOST:PORT",
+            help="serve Prometheus metrics at /metrics here",
         )
-        _add_tls(parser)
+        _add_tls(parser, role)
+        _add_config(parser, role)
+        parser.set_defaults(flag_names=_flag_names(parser))
+    add_config_check(commands)
+    _add_fleet(commands)
+
+
+def _add_fleet(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     fleet = commands.add_parser("fleet", help="see and steer the fleet")
     sub = fleet.add_subparsers(dest="fleet_command", required=True)
     status = sub.add_parser("status", help="agents, tiers and the cloud link")
@@ -758,10 +844,23 @@ class _Help(argparse.HelpFormatter):
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
+        setting = getattr(action, "setting", None)
+        if setting is not None and "default" not in text:
+            return text + _setting_default(*setting)
         shown = action.default not in (None, False, argparse.SUPPRESS, [])
         if shown and action.option_strings and "default" not in text:
             text += " (default: %(default)s)"
         return text
+
+
+def _setting_default(role: str, field: str) -> str:
+    """`` (default: X)`` for a setting's flag, X its dataclass's one default."""
+    from stratus.config import default_of, show_value
+
+    default = default_of(settings_class(role), field)
+    if default is None or default is False or default in ((), ""):
+        return ""
+    return f" (default: {show_value(default)})".replace("%", "%%")
 
 
 def _use_help(parser: argparse.ArgumentParser) -> None:

@@ -20,6 +20,7 @@ imports neither scikit-learn nor any runtime.
 
 from __future__ import annotations
 
+import enum
 import hashlib
 import os
 import platform
@@ -36,6 +37,16 @@ from stratus.tiers import Tier
 RECORD_NAME: Final = "verified.toml"
 # Fewer bits first: without measurements, that is the order of expected speed.
 BY_SPEED: Final = ("INT8", "FP16", "FP32")
+
+
+class Precision(enum.StrEnum):
+    """A precision an operator may pin (``--precision``); a str, as the variants' records spell
+    it in upper case."""
+
+    FP32 = "fp32"
+    FP16 = "fp16"
+    INT8 = "int8"
+
 
 # CPU flags (as /proc/cpuinfo spells them) that give native arithmetic for a precision.
 _X86_INT8: Final = ("avx512_vnni", "avx512vnni", "avx_vnni", "avxvnni", "amx_int8")

@@ -161,7 +161,8 @@ def test_operator_calls_from_another_machine_need_a_credential(cluster: Cluster)
         ),
         (
             ["agent", "--tier", "device", "--models", str(MODELS)],
-            "the following arguments are required: --router",
+            # --router may come from --config's [agent] table or $STRATUS_AGENT_ROUTER too
+            "agent needs router: give --router, $STRATUS_AGENT_ROUTER or router in [agent]",
         ),
     ],
 )

@@ -8,7 +8,8 @@ import grpc
 import numpy as np
 import pytest
 
-from edge_agent.agent import Agent, AgentSettings, Link
+from edge_agent.agent import Agent, Link
+from edge_agent.settings import AgentSettings
 from router.registry import FleetRegistry
 from stratus import codec
 from stratus.errors import DeadlineExceeded

@@ -29,6 +29,10 @@ import yaml
 
 from stratus import certs, probe
 from stratus.cli import build_parser
+from stratus.config import Flags, load
+from stratus.config_cli import check as config_check
+from stratus.config_cli import settings_class
+from stratus.errors import ConfigError
 from stratus.serving import Health
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -396,6 +400,96 @@ def check_args_ports_and_probes(
                 assert service["spec"].get("clusterIP") == "None", f"{host} is not headless"
 
 
+CONFIG_FILE = "/etc/stratus/config/stratus.toml"
+
+
+def config_file_text(configs: list[Doc]) -> str:
+    """The roles' settings file, from the ConfigMap that holds it (stratus-config)."""
+    (text,) = [c["data"]["stratus.toml"] for c in configs if "stratus.toml" in c.get("data", {})]
+    return str(text)
+
+
+def check_config_file(text: str, tmp_path: Path) -> Path:
+    """The file passes `stratus config check`, with a table for every role, and holds no credential."""
+    path = tmp_path / "stratus.toml"
+    path.write_text(text, encoding="utf-8")
+    report = config_check(path)
+    assert [line for line in report.splitlines() if line.startswith("[")] == [
+        "[router]",
+        "[cloud]",
+        "[agent]",
+    ]
+    assert not [
+        k for table in tomllib.loads(text).values() for k in table if "token" in k and "file" not in k
+    ]
+    return path
+
+
+def check_container_config(
+    pod: Doc, container: Doc, args: argparse.Namespace, env: dict[str, str], config: Path, tmp_path: Path
+) -> None:
+    """The container reads the file from a read-only mount of the ConfigMap, no variable in its
+    env overrides a setting unseen, and its flags over the file load into valid settings."""
+    assert str(args.config) == CONFIG_FILE, f"`stratus {args.command}` without --config {CONFIG_FILE}"
+    volumes = {v["name"]: v for v in pod.get("volumes", [])}
+    (mount,) = [
+        m for m in container["volumeMounts"] if CONFIG_FILE.startswith(m["mountPath"].rstrip("/") + "/")
+    ]
+    assert mount.get("readOnly") is True, "the settings file is mounted writable"
+    assert "configMap" in volumes[mount["name"]], f"{CONFIG_FILE} is not from a ConfigMap"
+    for variable in env:
+        assert not variable.startswith(f"STRATUS_{args.command.upper()}_") or variable.endswith("_ADDRESS"), (
+            f"${variable} would override the settings file, unseen"
+        )
+    check_loads(args, config, tmp_path)
+
+
+def check_loads(args: argparse.Namespace, config: Path, tmp_path: Path) -> None:
+    """The command's flags over the file load into valid settings through the real loader; its
+    TLS paths stand for files the deployment mounts, so stand-ins are made here."""
+    values = dict(vars(args))
+    for flag in TLS_FLAGS:
+        (tmp_path / flag).touch()
+        values[flag] = tmp_path / flag
+    flags = Flags(values, args.flag_names)
+    loaded = load(settings_class(args.command), args.command, file=config, flags=flags, read_secrets=False)
+    assert loaded.settings is not None
+
+
+def test_the_settings_file_passes_config_check(tmp_path: Path) -> None:
+    check_config_file(config_file_text(of_kind("ConfigMap")), tmp_path)
+
+
+@pytest.mark.parametrize("item", STRATUS_CONTAINERS, ids=container_id)
+def test_stratus_container_reads_the_settings_file_from_its_configmap(
+    item: tuple[Doc, Doc], tmp_path: Path
+) -> None:
+    workload, container = item
+    config = check_config_file(config_file_text(of_kind("ConfigMap")), tmp_path)
+    env = container_env(container)
+    args = parse(expand(container["args"], env))
+    check_container_config(workload["spec"]["template"]["spec"], container, args, env, config, tmp_path)
+
+
+def test_the_settings_checks_catch_a_bad_file_and_a_missing_mount(tmp_path: Path) -> None:
+    """The checks above can fail: a misspelt key, and a container that does not mount the file."""
+    text = config_file_text(of_kind("ConfigMap")).replace("max_batch = 32", "max_batches = 32", 1)
+    with pytest.raises(ConfigError, match=r"agent|cloud"):
+        check_config_file(text, tmp_path)
+    workload, container = STRATUS_CONTAINERS[0]
+    config = check_config_file(config_file_text(of_kind("ConfigMap")), tmp_path)
+    env = container_env(container)
+    args = parse(expand(container["args"], env))
+    unmounted = {**container, "volumeMounts": [m for m in container["volumeMounts"] if m["name"] != "config"]}
+    pod = workload["spec"]["template"]["spec"]
+    with pytest.raises(ValueError):  # no mount holds the file: the unpacking above fails
+        check_container_config(pod, unmounted, args, env, config, tmp_path)
+    with pytest.raises(AssertionError, match="would override the settings file"):
+        check_container_config(
+            pod, container, args, {**env, f"STRATUS_{args.command.upper()}_X": "1"}, config, tmp_path
+        )
+
+
 @pytest.mark.parametrize("item", STRATUS_CONTAINERS, ids=container_id)
 def test_stratus_container_speaks_mutual_tls_with_its_roles_secret(item: tuple[Doc, Doc]) -> None:
     """--tls-cert, --tls-key and --tls-ca (the CA makes the server require client certificates)
@@ -628,6 +722,18 @@ def test_compose_stratus_services_build_the_deploy_image(compose: Doc) -> None:
         assert context == ROOT, f"{name}: build context {context}"
         assert (context / build["dockerfile"]) == DEPLOY / "Dockerfile"
         assert "entrypoint" not in service, f"{name}: the image's ENTRYPOINT is stratus"
+
+
+def test_compose_services_read_its_settings_file(compose: Doc, tmp_path: Path) -> None:
+    """deploy/stratus.toml passes `stratus config check`; each Stratus service mounts it where its
+    --config points, and its command over the file loads into valid settings."""
+    path = check_config_file((DEPLOY / "stratus.toml").read_text(encoding="utf-8"), tmp_path)
+    assert compose["configs"]["stratus"]["file"] == "./stratus.toml"
+    for name, args in stratus_services(compose).items():
+        assert str(args.config) == CONFIG_FILE, f"{name} without --config {CONFIG_FILE}"
+        targets = {c["target"]: c["source"] for c in compose["services"][name]["configs"]}
+        assert targets.get(CONFIG_FILE) == "stratus", f"{name} does not mount the settings file"
+        check_loads(args, path, tmp_path)
 
 
 def test_compose_runs_the_whole_site(compose: Doc) -> None:

@@ -24,6 +24,7 @@ import re
 import shlex
 import shutil
 import sys
+import tomllib
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -39,8 +40,11 @@ from tests.unit.test_deploy_manifests import (
     agent_name_fits,
     certs_parser,
     check_args_ports_and_probes,
+    check_config_file,
+    check_container_config,
     check_every_pod_behind,
     check_services_select_pods,
+    config_file_text,
     container_env,
     dialled,
     expand,
@@ -670,6 +674,22 @@ def test_agents_run_as_the_kind_asked_and_name_themselves_by_it(site: Site) -> N
         assert agents["spec"]["template"]["spec"]["nodeSelector"] == {"stratus.dev/edge-agent": "true"}
     else:
         assert args.name == f"{certificate}.<pod_name>" and env["POD_NAME"] == "metadata.name"
+
+
+def test_every_container_reads_the_settings_file_and_it_passes_config_check(
+    site: Site, tmp_path: Path
+) -> None:
+    """The chart's stratus.toml (from the values) passes `stratus config check`; every Stratus
+    container mounts it from its ConfigMap and loads its flags over it into valid settings."""
+    config = check_config_file(config_file_text(site.of_kind("ConfigMap")), tmp_path)
+    tables = tomllib.loads(config.read_text(encoding="utf-8"))
+    values = site.values
+    assert tables["router"]["private_status"] is values.get("router", {}).get("privateStatus", True)
+    assert tables["cloud"]["concurrency"] == values.get("cloud", {}).get("concurrency", 2)
+    configs = {c["metadata"]["name"]: dict(c["data"]) for c in site.of_kind("ConfigMap")}
+    for workload, container, args in site.containers():
+        env = container_env(container, configs)
+        check_container_config(workload["spec"]["template"]["spec"], container, args, env, config, tmp_path)
 
 
 def test_models_come_from_the_image_or_the_volume_given(site: Site) -> None:

@@ -64,7 +64,7 @@ def test_goals_and_bounds_are_checked() -> None:
         with pytest.raises(ConfigError):
             parse_goals(bad)
     with pytest.raises(ConfigError):
-        AutoPolicy(goals={"digits": "cheapest 0.5"})
+        AutoPolicy(goals="digits=cheapest:0.5")
     with pytest.raises(ConfigError):
         AutoPolicy(max_step=0.0)
 
@@ -79,7 +79,7 @@ def controller(goal: str, **policy: float) -> tuple[AutoThresholds, ThresholdPus
     registry.register(hello("d1", threshold=0.5), peer="t")
     pushes = ThresholdPushes(router_id="a")
     pushes.listeners.append(registry.override_thresholds)
-    auto = AutoThresholds(AutoPolicy(goals={"digits": goal}, **policy), pushes, registry, lambda family: rows)
+    auto = AutoThresholds(AutoPolicy(goals=f"digits={goal.replace(' ', ':')}", **policy), pushes, registry, lambda family: rows)
     return auto, pushes, registry
 
 
@@ -112,7 +112,7 @@ def test_without_enough_rows_the_controller_waits() -> None:
     registry = FleetRegistry()
     pushes = ThresholdPushes(router_id="a")
     auto = AutoThresholds(
-        AutoPolicy(goals={"digits": "target_accuracy 0.9"}), pushes, registry, lambda family: []
+        AutoPolicy(goals="digits=target_accuracy:0.9"), pushes, registry, lambda family: []
     )
     step = auto.step_once("digits")
     assert step.outcome == WAITING and "no audit rows yet" in step.reason

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from cloud_gateway.app import CloudSettings, _generative_model, upstream_family
+from cloud_gateway.app import _generative_model, upstream_family
+from cloud_gateway.settings import CloudSettings
 from cloud_gateway.upstream import OpenAIUpstream, UpstreamSettings
 from stratus.repository import ModelRepository
 

@@ -1,0 +1,120 @@
+"""The router's settings: each default written once, here; loaded by :mod:`stratus.config`
+from ``[router]`` in ``--config FILE``, ``STRATUS_ROUTER_*`` and the flags."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from router.audit import AuditPolicy
+from router.cloud_models import parse_cloud_models, parse_header
+from router.cloud_pool import CloudTarget
+from router.threshold_auto import AutoPolicy
+from stratus.auth import AgentTokens, RouterCredentials, check_exposure
+from stratus.batching import DEFAULT_MAX_DELAY_S
+from stratus.config import at_least_one, not_negative, positive, secret, setting, validate
+from stratus.serving import MAX_REQUESTS_PER_CLIENT, NO_TLS, TlsSettings
+
+
+class OnCloudFailure(enum.Enum):
+    """What an escalation that needs the cloud gets while the cloud is away."""
+
+    DEGRADE = "degrade"  # the best answer below, marked degraded
+    FAIL = "fail"  # UNAVAILABLE
+
+
+@dataclass(frozen=True, kw_only=True)
+class RouterSettings:
+    listen: str = "127.0.0.1:8001"
+    cloud: str | None = None
+    advertise: bool = True
+    heartbeat_s: float = setting(1.0, check=positive)
+    # Heartbeats the whole fleet may send per second; the interval doubles past it. Each
+    # costs the router about 0.2 ms of Python: 100/s is 2% of a core.
+    max_heartbeats_per_s: float = setting(100.0, check=positive)
+    # Agents admitted per second after a restart, and how many Hellos may wait in line.
+    admit_per_s: float = setting(500.0, check=positive)
+    admit_waiting: int = setting(4096, check=at_least_one)
+    # How long a new AgentLink may stay silent before its Hello (an agent sends it at once).
+    hello_timeout_s: float = setting(10.0, check=positive)
+    # HTTP/2 keepalive on every link: a peer that stops answering pings (dead, frozen,
+    # unplugged) is lost within keepalive_s + keepalive_timeout_s, at any fleet size.
+    keepalive_s: float = setting(2.0, check=positive)
+    keepalive_timeout_s: float = setting(1.0, check=positive)
+    token: str = secret("STRATUS_TOKEN")  # one token for every role, where a role has none of its own
+    # Each role's own credential: agents' Hellos, operators' changes (drain, reload,
+    # rollouts), and peer routers' rollout sync (sent and checked). Empty: the fleet token.
+    agent_token: str = secret("STRATUS_AGENT_TOKEN")
+    operator_token: str = secret("STRATUS_OPERATOR_TOKEN")
+    peer_token: str = secret("STRATUS_PEER_TOKEN")
+    # Per-agent tokens (AGENT_ID TOKEN lines): each id bound to its own token.
+    agent_tokens_file: Path | None = None
+    # Inference callers must send "authorization: Bearer CLIENT_TOKEN"; empty: not asked.
+    client_token: str = secret("STRATUS_CLIENT_TOKEN")
+    # Sent to the cloud gateway as "authorization: Bearer CLOUD_TOKEN" (its --client-token-file).
+    cloud_token: str = secret("STRATUS_CLOUD_TOKEN")
+    # Listen off loopback without TLS and caller authentication (warned about every minute).
+    insecure: bool = False
+    # Status, Watch and rollout status need the operator role too.
+    private_status: bool = False
+    # Inference requests one client address may have in flight (0: no limit).
+    max_requests_per_client: int = setting(MAX_REQUESTS_PER_CLIENT, check=not_negative)
+    name: str = ""
+    tls: TlsSettings = NO_TLS
+    on_cloud_failure: OnCloudFailure = OnCloudFailure.DEGRADE
+    max_requests: int = setting(4096, check=at_least_one)
+    # Longest a batch for a busy agent waits for more requests before it is sent anyway.
+    max_batch_delay_s: float = setting(DEFAULT_MAX_DELAY_S, check=not_negative)
+    metrics: str | None = None  # HOST:PORT for Prometheus's /metrics; None: not served
+    # On SIGTERM: how long requests in flight may take to finish before the router exits.
+    drain_timeout_s: float = setting(20.0, check=not_negative)
+    # Where rollout state is kept across restarts; None: in memory only.
+    rollout_state: Path | None = None
+    # The other routers of this site (host:port,... or dns:NAME:PORT), to share rollouts with.
+    peers: str | None = None
+    # HOST:PORT for the OpenAI API (/v1/completions, /v1/chat/completions); None: not served.
+    openai: str | None = None
+    # Its API key (required off loopback), and Host names it answers besides loopback's.
+    openai_api_key: str = secret("STRATUS_OPENAI_API_KEY")
+    openai_hosts: tuple[str, ...] = ()
+    # A cloud that is not a Stratus gateway: the models it serves the families with
+    # ("NAME" or "FAMILY=NAME", comma-separated), and gRPC metadata sent on every call to it.
+    cloud_models: str | None = None
+    cloud_headers: tuple[tuple[str, str], ...] = setting((), item=parse_header)
+    # Background audits (router/audit.py): the share of the items settled below a family's
+    # top tier also asked of it, and at most this many a second per family; a family's
+    # [audit] table overrides both.
+    audit: AuditPolicy = field(default_factory=AuditPolicy)
+    # --auto-thresholds: families whose thresholds step toward the audits' suggestion by
+    # themselves (router/threshold_auto.py); none by default.
+    auto_thresholds: AutoPolicy = field(default_factory=AutoPolicy)
+
+    def __post_init__(self) -> None:
+        validate(self)
+        parse_cloud_models(self.cloud_models)  # a bad entry stops the router before it serves
+        if self.cloud:
+            CloudTarget.parse(self.cloud)
+        for key, value in self.cloud_headers:
+            parse_header(f"{key}={value}")
+
+    def credentials(self) -> RouterCredentials:
+        return RouterCredentials(
+            mutual_tls=self.tls.mutual,
+            agent_token=self.agent_token or self.token,
+            agent_tokens=AgentTokens(self.agent_tokens_file) if self.agent_tokens_file else None,
+            operator_token=self.operator_token or self.token,
+            peer_token=self.peer_token or self.token,
+        )
+
+    def check_exposure(self, credentials: RouterCredentials) -> None:
+        """Off loopback: TLS, and credentials for agents and operators, or --insecure."""
+        check_exposure(
+            "the router",
+            self.listen,
+            tls=self.tls.cert is not None,
+            callers_authenticated=credentials.callers_authenticated,
+            insecure=self.insecure,
+            needs="credentials for agents and operators (--tls-ca for mutual TLS, or "
+            "--agent-token-file/--agent-tokens-file and --operator-token-file)",
+        )
