@@ -14,6 +14,7 @@ from pathlib import Path
 import grpc
 
 from router.audit import Auditor, AuditPolicy, audit_levels
+from router.capture_hook import CaptureHook, CaptureSettings
 from router.cloud import CloudLink
 from router.cloud_models import parse_cloud_models, parse_header
 from router.cloud_pool import CloudPool, CloudTarget
@@ -111,6 +112,8 @@ class RouterSettings:
     # top tier also asked of it, and at most this many a second per family; a family's
     # [audit] table overrides both.
     audit: AuditPolicy = field(default_factory=AuditPolicy)
+    # --capture: audited and escalated items of the families named, as Parquet (router/capture_hook.py).
+    capture: CaptureSettings | None = None
 
     def __post_init__(self) -> None:
         parse_cloud_models(self.cloud_models)  # a bad entry stops the router before it serves
@@ -168,7 +171,8 @@ async def serve(settings: RouterSettings, stop: asyncio.Event | None = None) -> 
     metrics.collect_with(lambda: fleet_levels(registry, cloud))
     if cloud is not None:
         cloud.start()
-    audits = Auditor(registry, cloud, policy=settings.audit, metrics=recorder)
+    capture = CaptureHook(settings.capture, recorder) if settings.capture is not None else None
+    audits = Auditor(registry, cloud, policy=settings.audit, metrics=recorder, capture=capture)
     metrics.collect_with(lambda: audit_levels(audits))
     plane = RouterDataPlane(
         registry,
@@ -215,7 +219,8 @@ async def serve(settings: RouterSettings, stop: asyncio.Event | None = None) -> 
     await server.start()
     await health.start()
     host = settings.listen.rsplit(":", 1)[0]
-    closers = [audits.close, *await _start_extras(settings, plane, metrics, name=name, host=host, port=port)]
+    closers: list[Callable[[], Awaitable[None]]] = [audits.close, *([capture.close] if capture else [])]
+    closers += await _start_extras(settings, plane, metrics, name=name, host=host, port=port)
     audits.start()
     watchdog = asyncio.create_task(_watch_heartbeats(registry), name="stratus-heartbeat-watchdog")
     warning = insecure_warning(

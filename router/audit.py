@@ -44,12 +44,14 @@ from stratus.audit_config import EXACT, NUMBER
 from stratus.errors import ConfigError, StratusError
 from stratus.generation import Chunk
 from stratus.metrics import Metric, RouterMetrics, gauge
+from stratus.protocol import CONFIDENCE, VARIANT, parameter_value
 from stratus.tensors import Tensors
 from stratus.tiers import Tier
 from stratus.wire import fleet_pb2 as fpb
 from stratus.wire import inference_pb2 as pb
 
 if TYPE_CHECKING:
+    from router.capture_hook import CaptureHook
     from router.dataplane import Answer, Job
 
 log = logging.getLogger("stratus.audit")
@@ -161,13 +163,26 @@ class Audit:
     inputs: Tensors | None = None
     output: str = ""
     classes: tuple[int, ...] = ()
+    confidences: tuple[float, ...] = ()  # the lower tier's, per item (for capture)
     prompt: pb.ModelInferRequest | None = None
     text: str = ""
     compare: str = EXACT
+    request_id: str = ""
 
     @property
     def items(self) -> int:
         return len(self.classes) if self.inputs is not None else 1
+
+
+@dataclass(frozen=True, kw_only=True)
+class Reference:
+    """The top tier's answer to an audit: what is compared, and what capture keeps as the label."""
+
+    variant: str
+    agent: str
+    confidences: tuple[float, ...]
+    classes: tuple[int, ...] = ()
+    text: str = ""
 
 
 class CascadeView(Protocol):
@@ -190,6 +205,7 @@ class Auditor:
     rng: random.Random = field(default_factory=random.Random)
     clock: Callable[[], float] = time.monotonic
     dropped: int = 0
+    capture: CaptureHook | None = None  # --capture: audited and escalated items kept as Parquet
 
     def __post_init__(self) -> None:
         self.book = self._new_book()  # the unbiased estimate
@@ -258,6 +274,8 @@ class Auditor:
             return
         output = info.outputs[0].name
         self._note_climbs(view, top, output)
+        if self.capture is not None and self.capture.wants(family):
+            self.capture.escalated(view, top, output)
         chosen = self._sampled_items(view, info, top, output)
         for answer, pairs in chosen.values():
             classes = top1(answer.outputs, output)
@@ -271,6 +289,8 @@ class Auditor:
                     inputs=view.job.inputs.take([item for item, _ in pairs]),
                     output=output,
                     classes=tuple(int(classes[row]) for _, row in pairs),
+                    confidences=tuple(answer.confidences[row] for _, row in pairs),
+                    request_id=view.job.id,
                 )
             )
 
@@ -324,6 +344,8 @@ class Auditor:
             return
         if result.tier == top and not result.degraded:
             self._note_generated_climbs(info.name, result, climbed, COMPARATORS.get(compare, same_text))
+            if self.capture is not None and self.capture.wants(info.name):
+                self.capture.escalated_text(info.name, prompt, result, climbed)
         threshold = info.thresholds.get(result.tier.label)
         own = threshold is None or result.confidence >= threshold
         if result.tier >= top or result.degraded or not own:
@@ -334,7 +356,7 @@ class Auditor:
             asked.model_name = info.name
             self._enqueue(
                 Audit(key=_key(info.name, result), top=top, queued_at=self.clock(), prompt=asked,
-                      text=result.text, compare=compare)
+                      text=result.text, compare=compare, confidences=(result.confidence,), request_id=prompt.id)
             )  # fmt: skip
 
     def _note_generated_climbs(
@@ -390,18 +412,23 @@ class Auditor:
         return Target(tier=audit.top, agent_id=min(idle, key=lambda a: a.in_flight).id) if idle else None
 
     async def _audit(self, audit: Audit, target: Target) -> None:
+        capture = self.capture if self.capture is not None and self.capture.wants(audit.key.family) else None
         if audit.inputs is not None:
-            classes = await self._classes(audit, target)
-            if classes is None or len(classes) != audit.items:
+            reference = await self._classes(audit, target)
+            if reference is None or len(reference.classes) != audit.items:
                 self._drop(audit, "the top tier's answer holds no classes to compare")
                 return
-            for mine, theirs in zip(audit.classes, classes, strict=True):
-                self._record(audit.key, mine == int(theirs))
+            for mine, theirs in zip(audit.classes, reference.classes, strict=True):
+                self._record(audit.key, mine == theirs)
+            if capture is not None:
+                capture.audited(audit, reference)
             return
-        text = await self._text(audit, target)
-        self._record(audit.key, COMPARATORS.get(audit.compare, same_text)(audit.text, text))
+        reference = await self._text(audit, target)
+        self._record(audit.key, COMPARATORS.get(audit.compare, same_text)(audit.text, reference.text))
+        if capture is not None:
+            capture.audited_text(audit, reference)
 
-    async def _classes(self, audit: Audit, target: Target) -> np.ndarray[Any, Any] | None:
+    async def _classes(self, audit: Audit, target: Target) -> Reference | None:
         assert audit.inputs is not None
         family = audit.key.family
         if target.agent_id is None:
@@ -410,7 +437,11 @@ class Auditor:
             request.outputs.add(name=audit.output)
             audit.inputs.write_request(request)
             response = await self.cloud.infer(request, timeout_s=self.policy.timeout_s)
-            return top1(Tensors.from_response(response), audit.output)
+            confidence, variant = _reported(response, family)
+            classes = top1(Tensors.from_response(response), audit.output)
+            return None if classes is None else Reference(
+                variant=variant, agent=f"cloud@{self.cloud.address}", confidences=(confidence,) * len(classes),
+                classes=tuple(int(c) for c in classes))  # fmt: skip
         handle = self.registry.agents[target.agent_id]
         part = await self.registry.submit(
             handle,
@@ -419,9 +450,12 @@ class Auditor:
             outputs=(audit.output,),
             budget_ms=self.policy.timeout_s * 1000,
         )
-        return top1(part.outputs, audit.output)
+        classes = top1(part.outputs, audit.output)
+        return None if classes is None else Reference(
+            variant=part.variant, agent=handle.id, confidences=part.confidences,
+            classes=tuple(int(c) for c in classes))  # fmt: skip
 
-    async def _text(self, audit: Audit, target: Target) -> str:
+    async def _text(self, audit: Audit, target: Target) -> Reference:
         assert audit.prompt is not None
         parts: list[str] = []
         if target.agent_id is None:
@@ -430,16 +464,19 @@ class Auditor:
             async def on_chunk(chunk: Chunk) -> None:
                 parts.append(chunk.text)
 
-            await self.cloud.generate(audit.prompt, on_chunk, timeout_s=self.policy.timeout_s)
-            return "".join(parts)
+            response = await self.cloud.generate(audit.prompt, on_chunk, timeout_s=self.policy.timeout_s)
+            confidence, variant = _reported(response, audit.key.family)
+            return Reference(variant=variant, agent=f"cloud@{self.cloud.address}", confidences=(confidence,),
+                             text="".join(parts))  # fmt: skip
         handle = self.registry.agents[target.agent_id]
-        await self.registry.generate(
+        result = await self.registry.generate(
             handle,
             audit.prompt,
             budget_ms=self.policy.timeout_s * 1000,
             on_chunk=lambda c: parts.append(c.text),
         )
-        return "".join(parts)
+        return Reference(variant=result.variant, agent=handle.id, confidences=(result.confidence,),
+                         text="".join(parts))  # fmt: skip
 
     # -- what was learnt -----------------------------------------------------------------------------
     def _record(self, key: AuditKey, agreed: bool) -> None:
@@ -458,6 +495,14 @@ def calibrated_top(info: fpb.FamilyInfo) -> Tier | None:
     """The top tier the family's figures were calibrated against: the highest one they list."""
     tiers = [Tier.parse(name) for name in info.calibrated]
     return max(tiers) if tiers else None
+
+
+def _reported(response: pb.ModelInferResponse, family: str) -> tuple[float, str]:
+    """The confidence and variant a cloud answer names (NaN and the family where it does not)."""
+    params = response.parameters
+    confidence = parameter_value(params[CONFIDENCE]) if CONFIDENCE in params else None
+    variant = parameter_value(params[VARIANT]) if VARIANT in params else None
+    return float(confidence) if isinstance(confidence, int | float) else math.nan, str(variant or family)
 
 
 def _key(family: str, answer: Generation) -> AuditKey:

@@ -24,6 +24,7 @@ from stratus.models_cli import add_models
 from stratus.serving import TlsSettings
 
 if TYPE_CHECKING:
+    from router.capture_hook import CaptureSettings
     from stratus.precision import Hardware
 
 Handler = Callable[[argparse.Namespace], int]
@@ -104,6 +105,7 @@ def _router(args: argparse.Namespace) -> int:
         cloud_models=args.cloud_models,
         cloud_headers=tuple(args.cloud_header),
         audit=AuditPolicy(share=args.audit_share, max_per_s=args.audit_max_per_s),
+        capture=_capture(args),
     )
     run(serve(settings))
     return 0
@@ -405,8 +407,38 @@ def _add_router(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -
     )
     _add_batch_delay(router)
     _add_audits(router)
+    _add_capture(router)
     router.set_defaults(handler=_router)
     return router
+
+
+def _capture(args: argparse.Namespace) -> CaptureSettings | None:
+    """``--capture DIR`` and its limits; the families must be named (capture is opt-in)."""
+    from router.capture_hook import CaptureSettings
+    from stratus.capture import CaptureLimits
+
+    if args.capture is None:
+        if args.capture_families:
+            raise ConfigError("--capture-families needs --capture DIR (the folder to write to)")
+        return None
+    limits = CaptureLimits(max_file_bytes=args.capture_file_bytes, max_file_age_s=args.capture_file_age_s,
+                           max_total_bytes=args.capture_max_bytes)  # fmt: skip
+    return CaptureSettings(folder=args.capture, families=frozenset(_names(args.capture_families) or ()),
+                           limits=limits)  # fmt: skip
+
+
+def _add_capture(router: argparse.ArgumentParser) -> None:
+    router.add_argument("--capture", type=Path, default=None, metavar="DIR",
+                        help="write audited and escalated items of the --capture-families as Parquet files "
+                        "here (off by default: inputs may be sensitive)")  # fmt: skip
+    router.add_argument("--capture-families", default=None, metavar="F1,F2",
+                        help="the families --capture writes (required with it: no family is captured unnamed)")
+    router.add_argument("--capture-max-bytes", type=int, default=1 << 30,
+                        help="the capture folder's total size; past it the oldest files are deleted")
+    router.add_argument("--capture-file-bytes", type=int, default=64 << 20,
+                        help="a capture file is closed (and made visible) at this size")
+    router.add_argument("--capture-file-age-s", type=float, default=300.0,
+                        help="... or at this age, whichever comes first")  # fmt: skip
 
 
 def _add_audits(router: argparse.ArgumentParser) -> None:
