@@ -51,7 +51,6 @@ from stratus.wire import fleet_pb2 as fpb
 from stratus.wire import inference_pb2 as pb
 
 if TYPE_CHECKING:
-    from router.capture_hook import CaptureHook
     from router.dataplane import Answer, Job
 
 log = logging.getLogger("stratus.audit")
@@ -194,6 +193,19 @@ class CascadeView(Protocol):
     sent: list[list[int]]  # per answer, the items its rows stand for
 
 
+class Capture(Protocol):
+    """Where audited and escalated items go under ``--capture`` (router/capture_hook.py's
+    CaptureHook; a protocol here, so that the auditor does not import what imports it)."""
+
+    def wants(self, family: str) -> bool: ...
+    def audited(self, audit: Audit, reference: Reference) -> None: ...
+    def audited_text(self, audit: Audit, reference: Reference) -> None: ...
+    def escalated(self, view: CascadeView, top: Tier, output: str) -> None: ...
+    def escalated_text(
+        self, family: str, prompt: pb.ModelInferRequest, result: Generation, climbed: Sequence[Generation]
+    ) -> None: ...
+
+
 @dataclass
 class Auditor:
     """Samples settled answers, audits them in the background, keeps the agreement books."""
@@ -205,7 +217,7 @@ class Auditor:
     rng: random.Random = field(default_factory=random.Random)
     clock: Callable[[], float] = time.monotonic
     dropped: int = 0
-    capture: CaptureHook | None = None  # --capture: audited and escalated items kept as Parquet
+    capture: Capture | None = None  # --capture: audited and escalated items kept as Parquet
 
     def __post_init__(self) -> None:
         self.book = self._new_book()  # the unbiased estimate

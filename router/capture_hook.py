@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
@@ -32,7 +32,7 @@ from stratus.tiers import Tier
 from stratus.wire import inference_pb2 as pb
 
 if TYPE_CHECKING:
-    from router.audit import Audit, CascadeView, Reference  # its module imports this one only to type
+    from router.audit import Audit, CascadeView, Reference
     from router.dataplane import Answer
     from router.generate import Generation
 
@@ -62,6 +62,17 @@ class CaptureSettings:
             raise ConfigError(
                 "--capture-max-bytes, --capture-file-bytes and --capture-file-age-s must be positive"
             )
+
+
+def capture_settings(
+    folder: Path | None, families: Sequence[str], limits: CaptureLimits
+) -> CaptureSettings | None:
+    """``--capture`` and its flags: None when off; families are named with it, and only with it."""
+    if folder is None:
+        if families:
+            raise ConfigError("--capture-families needs --capture DIR (the folder to write to)")
+        return None
+    return CaptureSettings(folder=folder, families=frozenset(families), limits=limits)
 
 
 class CaptureHook:

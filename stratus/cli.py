@@ -24,7 +24,6 @@ from stratus.models_cli import add_models
 from stratus.serving import TlsSettings
 
 if TYPE_CHECKING:
-    from router.capture_hook import CaptureSettings
     from stratus.precision import Hardware
 
 Handler = Callable[[argparse.Namespace], int]
@@ -73,6 +72,8 @@ def _add_tls(parser: argparse.ArgumentParser) -> None:
 def _router(args: argparse.Namespace) -> int:
     from router.app import RouterSettings, serve
     from router.audit import AuditPolicy
+    from router.capture_hook import capture_settings
+    from stratus.capture import CaptureLimits
     from stratus.process import configure_logging, run
 
     configure_logging(args.log_level, args.log_format)
@@ -105,7 +106,15 @@ def _router(args: argparse.Namespace) -> int:
         cloud_models=args.cloud_models,
         cloud_headers=tuple(args.cloud_header),
         audit=AuditPolicy(share=args.audit_share, max_per_s=args.audit_max_per_s),
-        capture=_capture(args),
+        capture=capture_settings(
+            args.capture,
+            _names(args.capture_families) or [],
+            CaptureLimits(
+                max_file_bytes=args.capture_file_bytes,
+                max_file_age_s=args.capture_file_age_s,
+                max_total_bytes=args.capture_max_bytes,
+            ),
+        ),
     )
     run(serve(settings))
     return 0
@@ -410,21 +419,6 @@ def _add_router(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -
     _add_capture(router)
     router.set_defaults(handler=_router)
     return router
-
-
-def _capture(args: argparse.Namespace) -> CaptureSettings | None:
-    """``--capture DIR`` and its limits; the families must be named (capture is opt-in)."""
-    from router.capture_hook import CaptureSettings
-    from stratus.capture import CaptureLimits
-
-    if args.capture is None:
-        if args.capture_families:
-            raise ConfigError("--capture-families needs --capture DIR (the folder to write to)")
-        return None
-    limits = CaptureLimits(max_file_bytes=args.capture_file_bytes, max_file_age_s=args.capture_file_age_s,
-                           max_total_bytes=args.capture_max_bytes)  # fmt: skip
-    return CaptureSettings(folder=args.capture, families=frozenset(_names(args.capture_families) or ()),
-                           limits=limits)  # fmt: skip
 
 
 def _add_capture(router: argparse.ArgumentParser) -> None:
