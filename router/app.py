@@ -12,6 +12,7 @@ from collections.abc import Awaitable, Callable
 import grpc
 
 from router.audit import Auditor, audit_levels
+from router.capture_hook import CaptureHook
 from router.cloud import CloudLink
 from router.cloud_models import parse_cloud_models
 from router.cloud_pool import CloudPool
@@ -76,7 +77,7 @@ async def serve(settings: RouterSettings, stop: asyncio.Event | None = None) -> 
     metrics.collect_with(lambda: fleet_levels(registry, cloud))
     if cloud is not None:
         cloud.start()
-    audits = Auditor(registry, cloud, policy=settings.audit, metrics=recorder)
+    audits, capture = _auditor(settings, registry, cloud, recorder)
     metrics.collect_with(lambda: audit_levels(audits))
     plane = RouterDataPlane(
         registry,
@@ -125,7 +126,8 @@ async def serve(settings: RouterSettings, stop: asyncio.Event | None = None) -> 
     await server.start()
     await health.start()
     host = settings.listen.rsplit(":", 1)[0]
-    closers = [audits.close, *await _start_extras(settings, plane, metrics, name=name, host=host, port=port)]
+    closers: list[Callable[[], Awaitable[None]]] = [audits.close, *([capture.close] if capture else [])]
+    closers += await _start_extras(settings, plane, metrics, name=name, host=host, port=port)
     audits.start()
     watchdog = asyncio.create_task(_watch_heartbeats(registry), name="stratus-heartbeat-watchdog")
     warning = insecure_warning(
@@ -160,6 +162,15 @@ async def _close_the_rest(
             await close()
     if cloud is not None:
         await cloud.close()
+
+
+def _auditor(
+    settings: RouterSettings, registry: FleetRegistry, cloud: CloudPool | None, recorder: RouterMetrics
+) -> tuple[Auditor, CaptureHook | None]:
+    """The background audits, and where they keep items under --capture."""
+    wanted = settings.capture.resolved()
+    capture = CaptureHook(wanted, recorder) if wanted is not None else None
+    return Auditor(registry, cloud, policy=settings.audit, metrics=recorder, capture=capture), capture
 
 
 def _cloud_link(settings: RouterSettings, registry: FleetRegistry) -> CloudPool | None:

@@ -46,6 +46,7 @@ from stratus.confidence import accepts
 from stratus.errors import ConfigError, StratusError
 from stratus.generation import Chunk
 from stratus.metrics import Metric, RouterMetrics, gauge
+from stratus.protocol import CONFIDENCE, VARIANT, parameter_value
 from stratus.tensors import Tensors
 from stratus.tiers import Tier
 from stratus.wire import fleet_pb2 as fpb
@@ -163,15 +164,28 @@ class Audit:
     inputs: Tensors | None = None
     output: str = ""
     classes: tuple[int, ...] = ()
+    confidences: tuple[float, ...] = ()  # the lower tier's, per item (for capture)
     prompt: pb.ModelInferRequest | None = None
     text: str = ""
     compare: str = EXACT
     # Per item, what each tier it visited said (router/audit_rows.py): a row once the top answers.
     visited: tuple[tuple[TierAnswer, ...], ...] = ()
+    request_id: str = ""
 
     @property
     def items(self) -> int:
         return len(self.classes) if self.inputs is not None else 1
+
+
+@dataclass(frozen=True, kw_only=True)
+class Reference:
+    """The top tier's answer to an audit: what is compared, and what capture keeps as the label."""
+
+    variant: str
+    agent: str
+    confidences: tuple[float, ...]
+    classes: tuple[int, ...] = ()
+    text: str = ""
 
 
 class CascadeView(Protocol):
@@ -181,6 +195,19 @@ class CascadeView(Protocol):
     answers: list[Answer]
     best: dict[int, tuple[Answer, int]]
     sent: list[list[int]]  # per answer, the items its rows stand for
+
+
+class Capture(Protocol):
+    """Where audited and escalated items go under ``--capture`` (router/capture_hook.py's
+    CaptureHook; a protocol here, so that the auditor does not import what imports it)."""
+
+    def wants(self, family: str) -> bool: ...
+    def audited(self, audit: Audit, reference: Reference) -> None: ...
+    def audited_text(self, audit: Audit, reference: Reference) -> None: ...
+    def escalated(self, view: CascadeView, top: Tier, output: str) -> None: ...
+    def escalated_text(
+        self, family: str, prompt: pb.ModelInferRequest, result: Generation, climbed: Sequence[Generation]
+    ) -> None: ...
 
 
 @dataclass
@@ -194,6 +221,7 @@ class Auditor:
     rng: random.Random = field(default_factory=random.Random)
     clock: Callable[[], float] = time.monotonic
     dropped: int = 0
+    capture: Capture | None = None  # --capture: audited and escalated items kept as Parquet
 
     def __post_init__(self) -> None:
         self.book = self._new_book()  # the unbiased estimate
@@ -266,6 +294,8 @@ class Auditor:
         self._note_climbs(view, top, output)
         visited = visits(view, output)
         self._climbed_rows(view, info, top, visited)
+        if self.capture is not None and self.capture.wants(family):
+            self.capture.escalated(view, top, output)
         chosen = self._sampled_items(view, info, top, output)
         for answer, pairs in chosen.values():
             classes = top1(answer.outputs, output)
@@ -280,6 +310,8 @@ class Auditor:
                     output=output,
                     classes=tuple(int(classes[row]) for _, row in pairs),
                     visited=tuple(visited.get(item, ()) for item, _ in pairs),
+                    confidences=tuple(answer.confidences[row] for _, row in pairs),
+                    request_id=view.job.id,
                 )
             )
 
@@ -346,6 +378,8 @@ class Auditor:
             return
         if result.tier == top and not result.degraded:
             self._note_generated_climbs(info.name, result, climbed, COMPARATORS.get(compare, same_text))
+            if self.capture is not None and self.capture.wants(info.name):
+                self.capture.escalated_text(info.name, prompt, result, climbed)
         threshold = info.thresholds.get(result.tier.label)
         own = threshold is None or result.confidence >= threshold
         if result.tier >= top or result.degraded or not own:
@@ -356,7 +390,7 @@ class Auditor:
             asked.model_name = info.name
             self._enqueue(
                 Audit(key=_key(info.name, result), top=top, queued_at=self.clock(), prompt=asked,
-                      text=result.text, compare=compare)
+                      text=result.text, compare=compare, confidences=(result.confidence,), request_id=prompt.id)
             )  # fmt: skip
 
     def _note_generated_climbs(
@@ -416,19 +450,24 @@ class Auditor:
         return Target(tier=tier, agent_id=min(idle, key=lambda a: a.in_flight).id) if idle else None
 
     async def _audit(self, audit: Audit, target: Target) -> None:
+        capture = self.capture if self.capture is not None and self.capture.wants(audit.key.family) else None
         if audit.inputs is not None:
-            classes = await self._classes(audit, target)
-            if classes is None or len(classes) != audit.items:
+            reference = await self._classes(audit, target)
+            if reference is None or len(reference.classes) != audit.items:
                 self._drop(audit, "the top tier's answer holds no classes to compare")
                 return
-            for mine, theirs in zip(audit.classes, classes, strict=True):
-                self._record(audit.key, mine == int(theirs))
+            for mine, theirs in zip(audit.classes, reference.classes, strict=True):
+                self._record(audit.key, mine == theirs)
+            if capture is not None:
+                capture.audited(audit, reference)
             visited = await self._between(audit)
-            for lower, theirs in zip(visited, classes, strict=False):
+            for lower, theirs in zip(visited, reference.classes, strict=False):
                 self.rows.add(audit.key.family, lower, audit.top, int(theirs))
             return
-        text = await self._text(audit, target)
-        self._record(audit.key, COMPARATORS.get(audit.compare, same_text)(audit.text, text))
+        reference = await self._text(audit, target)
+        self._record(audit.key, COMPARATORS.get(audit.compare, same_text)(audit.text, reference.text))
+        if capture is not None:
+            capture.audited_text(audit, reference)
 
     async def _between(self, audit: Audit) -> tuple[tuple[TierAnswer, ...], ...]:
         """The items' visits with each tier between theirs and the top asked too (only where an
@@ -456,7 +495,7 @@ class Auditor:
             ]
         return tuple(visited)
 
-    async def _classes(self, audit: Audit, target: Target) -> np.ndarray[Any, Any] | None:
+    async def _classes(self, audit: Audit, target: Target) -> Reference | None:
         assert audit.inputs is not None
         family = audit.key.family
         if target.agent_id is None:
@@ -465,7 +504,11 @@ class Auditor:
             request.outputs.add(name=audit.output)
             audit.inputs.write_request(request)
             response = await self.cloud.infer(request, timeout_s=self.policy.timeout_s)
-            return top1(Tensors.from_response(response), audit.output)
+            confidence, variant = _reported(response, family)
+            classes = top1(Tensors.from_response(response), audit.output)
+            return None if classes is None else Reference(
+                variant=variant, agent=f"cloud@{self.cloud.address}", confidences=(confidence,) * len(classes),
+                classes=tuple(int(c) for c in classes))  # fmt: skip
         handle = self.registry.agents[target.agent_id]
         part = await self.registry.submit(
             handle,
@@ -474,9 +517,12 @@ class Auditor:
             outputs=(audit.output,),
             budget_ms=self.policy.timeout_s * 1000,
         )
-        return top1(part.outputs, audit.output)
+        classes = top1(part.outputs, audit.output)
+        return None if classes is None else Reference(
+            variant=part.variant, agent=handle.id, confidences=part.confidences,
+            classes=tuple(int(c) for c in classes))  # fmt: skip
 
-    async def _text(self, audit: Audit, target: Target) -> str:
+    async def _text(self, audit: Audit, target: Target) -> Reference:
         assert audit.prompt is not None
         parts: list[str] = []
         if target.agent_id is None:
@@ -485,16 +531,19 @@ class Auditor:
             async def on_chunk(chunk: Chunk) -> None:
                 parts.append(chunk.text)
 
-            await self.cloud.generate(audit.prompt, on_chunk, timeout_s=self.policy.timeout_s)
-            return "".join(parts)
+            response = await self.cloud.generate(audit.prompt, on_chunk, timeout_s=self.policy.timeout_s)
+            confidence, variant = _reported(response, audit.key.family)
+            return Reference(variant=variant, agent=f"cloud@{self.cloud.address}", confidences=(confidence,),
+                             text="".join(parts))  # fmt: skip
         handle = self.registry.agents[target.agent_id]
-        await self.registry.generate(
+        result = await self.registry.generate(
             handle,
             audit.prompt,
             budget_ms=self.policy.timeout_s * 1000,
             on_chunk=lambda c: parts.append(c.text),
         )
-        return "".join(parts)
+        return Reference(variant=result.variant, agent=handle.id, confidences=(result.confidence,),
+                         text="".join(parts))  # fmt: skip
 
     # -- what was learnt -----------------------------------------------------------------------------
     def _record(self, key: AuditKey, agreed: bool) -> None:
@@ -526,6 +575,14 @@ def calibrated_top(info: fpb.FamilyInfo) -> Tier | None:
     """The top tier the family's figures were calibrated against: the highest one they list."""
     tiers = [Tier.parse(name) for name in info.calibrated]
     return max(tiers) if tiers else None
+
+
+def _reported(response: pb.ModelInferResponse, family: str) -> tuple[float, str]:
+    """The confidence and variant a cloud answer names (NaN and the family where it does not)."""
+    params = response.parameters
+    confidence = parameter_value(params[CONFIDENCE]) if CONFIDENCE in params else None
+    variant = parameter_value(params[VARIANT]) if VARIANT in params else None
+    return float(confidence) if isinstance(confidence, int | float) else math.nan, str(variant or family)
 
 
 def _key(family: str, answer: Generation) -> AuditKey:

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from router.audit import AuditPolicy
+from router.capture_hook import CaptureOptions
 from router.cloud_models import parse_cloud_models, parse_header
 from router.cloud_pool import CloudTarget
 from router.threshold_auto import AutoPolicy
@@ -89,6 +90,8 @@ class RouterSettings:
     # --auto-thresholds: families whose thresholds step toward the audits' suggestion by
     # themselves (router/threshold_auto.py); none by default.
     auto_thresholds: AutoPolicy = field(default_factory=AutoPolicy)
+    # --capture: audited and escalated items of the families named, as Parquet (router/capture_hook.py).
+    capture: CaptureOptions = field(default_factory=CaptureOptions)
 
     def __post_init__(self) -> None:
         validate(self)

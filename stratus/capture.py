@@ -116,7 +116,7 @@ class CaptureWriter:
         folder: Path,
         limits: CaptureLimits = CaptureLimits(),
         *,
-        on_drop: Callable[[str], None] = lambda reason: None,
+        on_drop: Callable[[str, str], None] = lambda family, reason: None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         import pyarrow  # noqa: F401  (a missing extra fails at start, not at the first item)
@@ -141,7 +141,7 @@ class CaptureWriter:
             self._queue.put_nowait(item)
         except queue.Full:
             self.dropped += 1
-            self._on_drop("queue full")
+            self._on_drop(item.family, "queue full")
             return False
         return True
 
@@ -185,7 +185,8 @@ class CaptureWriter:
             self.written += len(rows)
         except OSError as exc:  # a full disk: drop these, keep serving
             self.dropped += len(rows)
-            self._on_drop("write failed")
+            for row in rows:
+                self._on_drop(row["family"], "write failed")
             log.warning("capture %s: could not write %d items (%s)", self.folder, len(rows), exc)
         return current
 

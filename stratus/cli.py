@@ -410,6 +410,7 @@ def _add_router(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -
     )
     _add_batch_delay(router, "router")
     _add_audits(router)
+    _add_capture(router)
     router.set_defaults(handler=_router)
     return router
 
@@ -440,6 +441,20 @@ def _add_openai(router: argparse.ArgumentParser) -> None:
         action="append",
         help="a Host name the keyless (loopback) OpenAI API answers besides loopback's (repeatable)",
     )
+
+
+def _add_capture(router: argparse.ArgumentParser) -> None:
+    _option(router, "router", "capture.folder", "--capture", type=Path, metavar="DIR",
+            help="write audited and escalated items of the --capture-families as Parquet files "
+            "here (off by default: inputs may be sensitive)")  # fmt: skip
+    _option(router, "router", "capture.families", "--capture-families", metavar="F1,F2",
+            help="the families --capture writes (required with it: no family is captured unnamed)")  # fmt: skip
+    _option(router, "router", "capture.max_bytes", "--capture-max-bytes", type=int,
+            help="the capture folder's total size; past it the oldest files are deleted")  # fmt: skip
+    _option(router, "router", "capture.file_bytes", "--capture-file-bytes", type=int,
+            help="a capture file is closed (and made visible) at this size")  # fmt: skip
+    _option(router, "router", "capture.file_age_s", "--capture-file-age-s", type=float,
+            help="... or at this age, whichever comes first")  # fmt: skip
 
 
 def _add_audits(router: argparse.ArgumentParser) -> None:

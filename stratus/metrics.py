@@ -207,6 +207,18 @@ class RouterMetrics:
             ["family", "tier", "outcome"],
             registry=r,
         )
+        self.captured = Counter(
+            "stratus_router_captured",
+            "Items handed to --capture's writer, by source: audit (an unbiased sample) or escalated.",
+            ["family", "source"],
+            registry=r,
+        )
+        self.capture_dropped = Counter(
+            "stratus_router_capture_dropped",
+            "Items --capture did not keep, by reason: queue full (the writer is behind) or write failed.",
+            ["family", "reason"],
+            registry=r,
+        )
 
 
 @dataclass(frozen=True, kw_only=True)

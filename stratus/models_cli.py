@@ -30,7 +30,10 @@ def _models_verify(args: argparse.Namespace) -> int:
 
     repository = ModelRepository.load(args.dir)
     report = verify(
-        repository, cache_dir=args.cache_dir, record=args.record, data=_held_out(repository, args.data)
+        repository,
+        cache_dir=args.cache_dir,
+        record=args.record,
+        data=_held_out(repository, args.data, data_source=args.data_source),
     )
     if args.json:
         payload = {
@@ -45,20 +48,17 @@ def _models_verify(args: argparse.Namespace) -> int:
     return 0 if report.ok else 1
 
 
-def _held_out(repository: ModelRepository, pairs: list[str]) -> DataSource:
-    """``--data FAMILY=FILE.npz``: that family's accuracy on the file's report part (the
-    examples ``calibrate --data`` does not choose thresholds on); the others as before."""
+def _held_out(repository: ModelRepository, pairs: list[str], *, data_source: str) -> DataSource:
+    """``--data FAMILY=FILE.npz`` (or ``FAMILY=DIR``, a capture folder): that family's accuracy
+    on the data's report part (the examples ``calibrate --data`` does not choose thresholds on);
+    ``--data DIR``: so for each family the folder holds items of; the others as before."""
     from stratus.tools.calibrate import labelled_data
     from stratus.tools.verify.classifier import bundled_held_out
 
-    files = {}
-    for pair in pairs:
-        name, _, path = pair.partition("=")
-        if not path:
-            raise ConfigError(f"--data {pair}: expected FAMILY=FILE.npz")
-        files[repository.family(name).name] = Path(path)
+    files = _data_paths(repository, pairs, data_source)
     held_out = {
-        name: labelled_data.load_npz(repository.family(name), path).report for name, path in files.items()
+        name: labelled_data.load_labelled(repository.family(name), path, source=data_source).report
+        for name, path in files.items()
     }
 
     def source(family: FamilySpec) -> Split | None:
@@ -66,6 +66,39 @@ def _held_out(repository: ModelRepository, pairs: list[str]) -> DataSource:
         return split if split is not None else bundled_held_out(family)
 
     return source
+
+
+def _data_paths(repository: ModelRepository, pairs: list[str], source: str) -> dict[str, Path]:
+    """Each ``--data`` entry, as family -> path; a bare capture folder names every classifier
+    family it holds items of (and none at all is an error, not a silent no-op)."""
+    files = {}
+    for pair in pairs:
+        name, _, path = pair.partition("=")
+        if not path and Path(name).is_dir():
+            found = _captured_families(repository, Path(name), source)
+            files.update(dict.fromkeys(found, Path(name)))
+            continue
+        if not path:
+            raise ConfigError(f"--data {pair}: expected FAMILY=FILE.npz, FAMILY=DIR or a capture folder DIR")
+        files[repository.family(name).name] = Path(path)
+    return files
+
+
+def _captured_families(repository: ModelRepository, folder: Path, source: str) -> list[str]:
+    from stratus.tools.calibrate import labelled_data
+
+    found = []
+    for family in repository.families.values():
+        if family.generative:
+            continue
+        try:
+            labelled_data.captured_arrays(family, folder, source)
+        except ConfigError:
+            continue
+        found.append(family.name)
+    if not found:
+        raise ConfigError(f"--data {folder}: holds no captured {source} items of any classifier family here")
+    return found
 
 
 def _models_calibrate(args: argparse.Namespace) -> int:
@@ -77,7 +110,11 @@ def _models_calibrate(args: argparse.Namespace) -> int:
     family = ModelRepository.load(args.dir).family(args.family)
     if family.generative:
         return _calibrate_generative(family, args)
-    data = labelled_data.load_npz(family, args.data) if args.data is not None else labelled_data.bundled_data(family)
+    data = (
+        labelled_data.load_labelled(family, args.data, source=args.data_source)
+        if args.data is not None
+        else labelled_data.bundled_data(family)
+    )
     if args.compare_methods:
         results = classifier.compare_methods(
             family, cache=args.cache_dir, target_accuracy=args.target_accuracy, data=data
@@ -185,8 +222,10 @@ def add_models(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         action="append",
         default=[],
         metavar="FAMILY=FILE.npz",
-        help="labelled data for a family without bundled data (its report part is used)",
+        help="labelled data for a family without bundled data (its report part is used): FAMILY=FILE.npz, "
+        "FAMILY=DIR or DIR, a router's --capture folder (labels: the top tier's answers)",
     )
+    _add_data_source(verify)
     verify.set_defaults(handler=_models_verify)
     calibrate = sub.add_parser("calibrate", help="pick each tier's escalation threshold")
     calibrate.add_argument("family")
@@ -210,8 +249,9 @@ def add_models(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         type=Path,
         help="labelled data: for a classifier, an .npz with an array named after the family's input "
         'and \'labels\' (int); for a generative family, JSON Lines of {"prompt": ..., "answer": ...}; '
-        "default: the family's bundled data",
+        "or a router's --capture folder (labels: the top tier's answers); default: the family's bundled data",
     )
+    _add_data_source(calibrate)
     calibrate.add_argument(
         "--compare-methods",
         action="store_true",
@@ -220,6 +260,16 @@ def add_models(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     calibrate.add_argument("--cache-dir", type=Path, default=_default_cache(), help="runtime caches")
     calibrate.set_defaults(handler=_models_calibrate)
     _add_import(sub)
+
+
+def _add_data_source(command: argparse.ArgumentParser) -> None:
+    command.add_argument(
+        "--data-source",
+        choices=("audit", "escalated", "all"),
+        default="audit",
+        help="a capture folder's items: audit (an unbiased sample, the default), escalated (unsure "
+        "items only: biased towards hard cases) or all",
+    )
 
 
 def _add_import(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

@@ -77,12 +77,12 @@ def test_files_rotate_by_size_and_the_oldest_go_past_the_cap(tmp_path: Path) -> 
 
 
 def test_a_full_queue_drops_and_counts_without_waiting(tmp_path: Path) -> None:
-    dropped: list[str] = []
-    writer = CaptureWriter(tmp_path, CaptureLimits(queue_items=4), on_drop=dropped.append)
+    dropped: list[tuple[str, str]] = []
+    writer = CaptureWriter(tmp_path, CaptureLimits(queue_items=4), on_drop=lambda *why: dropped.append(why))
     offered = [writer.offer(item(n)) for n in range(2000)]  # a blocking hand-over would drop none
     writer.close()
     assert offered.count(False) == writer.dropped == len(dropped) > 0
-    assert set(dropped) == {"queue full"}
+    assert set(dropped) == {("digits", "queue full")}
     assert writer.written + writer.dropped == 2000
 
 

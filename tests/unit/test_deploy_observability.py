@@ -39,6 +39,8 @@ COUNTERS = {
     "stratus_router_generated_tokens",
     "stratus_generation_tokens",
     "stratus_router_audits",
+    "stratus_router_captured",
+    "stratus_router_capture_dropped",
 }
 HISTOGRAMS = {
     "stratus_router_request_duration_seconds",

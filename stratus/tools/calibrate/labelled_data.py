@@ -1,5 +1,6 @@
 """The labelled data ``stratus models calibrate`` (and ``verify --data``, ``import --data``)
-reads: a shipped family's bundled splits, or a ``.npz`` file checked against the family and
+reads: a shipped family's bundled splits, a ``.npz`` file, or a folder the router captured
+into (``--capture``, labels being the top tier's answers); checked against the family and
 split once, stratified by label with a fixed seed."""
 
 from __future__ import annotations
@@ -28,6 +29,9 @@ CALIBRATION_SHARE: Final = 0.6
 SPLIT_SEED: Final = 0
 MIN_EXAMPLES: Final = 20
 LABELS: Final = "labels"
+# Which captured items a folder gives: audits are an unbiased sample of what settled below the
+# top tier; escalated items are the unsure ones only (biased towards the hard cases).
+SOURCES: Final = ("audit", "escalated", "all")
 
 
 @dataclass(frozen=True)
@@ -56,11 +60,37 @@ def bundled_data(family: FamilySpec) -> LabelledData:
     )
 
 
+def load_labelled(family: FamilySpec, path: Path, *, source: str = "audit") -> LabelledData:
+    """``--data PATH``: a capture folder (its ``source`` items) or a labelled .npz file."""
+    if path.is_dir():
+        return _split(checked(family, path, captured_arrays(family, path, source)), path)
+    return load_npz(family, path)
+
+
+def captured_arrays(family: FamilySpec, folder: Path, source: str) -> dict[str, Array]:
+    """A capture folder's items of the family as arrays, ``labels`` being the top tier's answers."""
+    from stratus.capture import read_dataset
+
+    if source not in SOURCES:
+        raise ConfigError(f"--data-source {source}: expected one of {', '.join(SOURCES)}")
+    try:
+        inputs, labels = read_dataset(folder, family.name, source=None if source == "all" else source)
+    except FileNotFoundError:
+        raise ConfigError(
+            f"{folder}: holds no captured {'' if source == 'all' else source + ' '}items of '{family.name}' "
+            f"(a router writes them with --capture {folder} --capture-families {family.name})"
+        ) from None
+    return {**inputs, LABELS: labels}
+
+
 def load_npz(
     family: FamilySpec, path: Path, *, share: float = CALIBRATION_SHARE, seed: int = SPLIT_SEED
 ) -> LabelledData:
     """A labelled .npz file, checked against the family, split stratified by label."""
-    whole = read_npz(family, path)
+    return _split(read_npz(family, path), path, share=share, seed=seed)
+
+
+def _split(whole: Split, path: Path, *, share: float = CALIBRATION_SHARE, seed: int = SPLIT_SEED) -> LabelledData:
     first, second = stratified_split(whole.y, share, seed)
     if not len(second):
         raise ConfigError(f"{path}: too few examples per class to hold any out for the report")
@@ -75,13 +105,18 @@ def load_npz(
 
 def read_npz(family: FamilySpec, path: Path) -> Split:
     """The examples of a .npz file: one array named after the family's (single) input, and
-    ``labels``; anything that does not fit the family is refused, naming the array."""
+    ``labels``."""
+    return checked(family, path, _npz_arrays(path))
+
+
+def checked(family: FamilySpec, path: Path, arrays: dict[str, Array]) -> Split:
+    """The examples in ``arrays`` (from ``path``); anything that does not fit the family is
+    refused, naming the array."""
     if len(family.inputs) != 1:
         raise ConfigError(
             f"{path}: family '{family.name}' has {len(family.inputs)} inputs; "
             "labelled data is read for single-input families only"
         )
-    arrays = _npz_arrays(path)
     spec = family.inputs[0]
     for name, what in ((spec.name, "the family's input"), (LABELS, "the class of each example")):
         if name not in arrays:
