@@ -28,7 +28,9 @@ from cloud_gateway.upstream import OpenAIUpstream, UpstreamSettings, served_mode
 from stratus.auth import check_endpoint, insecure_warning
 from stratus.batching import DEFAULT_MAX_BATCH, DEFAULT_MAX_DELAY_S
 from stratus.errors import NotFound
-from stratus.local import LocalDataPlane, LocalModels, LocalSettings
+from stratus.local import LocalModels
+from stratus.local_dataplane import LocalDataPlane
+from stratus.local_loading import LocalSettings
 from stratus.metrics import Metrics, ModelMetrics
 from stratus.metrics import serve as serve_metrics
 from stratus.precision import Hardware

@@ -31,7 +31,9 @@ from stratus.auth import check_endpoint, clients_authenticated, insecure_warning
 from stratus.discovery import DNS_PREFIX, discover_all, resolve_all
 from stratus.errors import ConfigError, StratusError
 from stratus.hardware import to_wire as hardware_to_wire
-from stratus.local import LocalDataPlane, LocalModels
+from stratus.local import LocalModels
+from stratus.local_dataplane import LocalDataPlane
+from stratus.local_fleet import families_info, unavailable_info, variants_info
 from stratus.metrics import Metrics
 from stratus.metrics import serve as serve_metrics
 from stratus.precision import Hardware
@@ -157,14 +159,14 @@ class Agent:
                 host=socket.gethostname(),
                 hardware=f"{platform.machine()} {self.models.hardware.model}".strip(),
                 hardware_info=hardware_to_wire(self.models.hardware),
-                runtimes=sorted({info.runtime for info in self.models.variants_info()}),
-                variants=self.models.variants_info(),
+                runtimes=sorted({info.runtime for info in variants_info(self.models)}),
+                variants=variants_info(self.models),
                 capacity=self.settings.capacity,
                 token=self.settings.token,
                 version=__version__,
-                families=self.models.families_info(),
+                families=families_info(self.models),
                 queue_limit=self.settings.queue_limit,
-                unavailable=self.models.unavailable_info(),
+                unavailable=unavailable_info(self.models),
                 uptime_s=self._clock() - self._started,
             )
         )
@@ -335,7 +337,7 @@ def load_models(
     emulated_extra_ms: float = 0.0,
     metrics: Metrics | None = None,
 ) -> LocalModels:
-    from stratus.local import LocalSettings
+    from stratus.local_loading import LocalSettings
     from stratus.repository import ModelRepository
 
     return LocalModels(

@@ -37,7 +37,8 @@ from stratus import codec
 from stratus.codec import Array
 from stratus.discovery import discover_all
 from stratus.errors import ConfigError, StratusError, Unavailable
-from stratus.local import LocalModels, LocalSettings
+from stratus.local import LocalModels
+from stratus.local_loading import LocalSettings
 from stratus.protocol import CONFIG_CURRENT, RequestOptions, Served, held_reason
 from stratus.repository import FamilySpec, ModelRepository, VariantSpec
 from stratus.serving import NO_TLS, TlsSettings, open_channel, open_sync_channel

@@ -27,7 +27,7 @@ from router.registry import FleetRegistry
 from router.rollout import PROMOTED, Plan, Rollouts, top1
 from stratus.errors import DeadlineExceeded, NotFound, Overloaded, StratusError, Unavailable
 from stratus.generation import FINAL, FINISH_REASON, Chunk
-from stratus.local import model_config
+from stratus.local_dataplane import model_config
 from stratus.local_generation import (
     chunk_response,
     generative_config,

@@ -154,7 +154,8 @@ def test_an_agent_links_to_every_router_a_lookup_gives(cluster: Cluster, tmp_pat
     test_discovery.py resolves one with a stand-in resolver); the agent's side is given
     the two routers' addresses as a lookup would, and must link to both."""
     from edge_agent.agent import Agent, AgentSettings
-    from stratus.local import LocalModels, LocalSettings
+    from stratus.local import LocalModels
+    from stratus.local_loading import LocalSettings
     from stratus.repository import ModelRepository
     from stratus.tiers import Tier
 

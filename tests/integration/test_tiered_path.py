@@ -13,7 +13,8 @@ import pytest
 
 from stratus import codec
 from stratus.demo import Fleet, through_gateway
-from stratus.local import LocalModels, LocalSettings
+from stratus.local import LocalModels
+from stratus.local_loading import LocalSettings
 from stratus.protocol import Served, set_parameter
 from stratus.repository import ModelRepository
 from stratus.serving import grpc_options
