@@ -48,12 +48,13 @@ from router.peers import sync_parts  # noqa: E402
 from router.registry import MAX_VARIANTS_PER_AGENT  # noqa: E402
 from stratus import codec  # noqa: E402
 from stratus.auth import sync_proof  # noqa: E402
+from stratus.channels import MAX_MESSAGE_BYTES, MAX_STREAMS_PER_CONNECTION, grpc_options  # noqa: E402
 from stratus.demo import wait_for_agents  # noqa: E402
 from stratus.generation import MAX_TOKENS, TEXT_INPUT  # noqa: E402
 from stratus.launcher import Launched, free_port, launch  # noqa: E402
 from stratus.local_generation import MAX_PROMPT_BYTES  # noqa: E402
 from stratus.protocol import MAX_BUDGET_MS, set_parameter  # noqa: E402
-from stratus.serving import MAX_MESSAGE_BYTES, MAX_STREAMS_PER_CONNECTION, STREAM_WINDOW, grpc_options  # noqa: E402
+from stratus.serving import STREAM_WINDOW  # noqa: E402
 from stratus.tools.datasets import digits_splits  # noqa: E402
 from stratus.wire import fleet_pb2 as fpb  # noqa: E402
 from stratus.wire import fleet_pb2_grpc as fpb_grpc  # noqa: E402

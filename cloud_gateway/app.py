@@ -27,7 +27,9 @@ from cloud_gateway.reload import GatewayServicer, Reloader
 from cloud_gateway.upstream import OpenAIUpstream, UpstreamSettings, served_model
 from stratus.auth import check_endpoint, insecure_warning
 from stratus.batching import DEFAULT_MAX_BATCH, DEFAULT_MAX_DELAY_S
+from stratus.channels import NO_TLS, TlsSettings, bind, create_server
 from stratus.errors import NotFound
+from stratus.health import Health
 from stratus.local import LocalModels
 from stratus.local_dataplane import LocalDataPlane
 from stratus.local_loading import LocalSettings
@@ -36,17 +38,7 @@ from stratus.metrics import serve as serve_metrics
 from stratus.precision import Hardware
 from stratus.process import announce, stop_on_signals
 from stratus.repository import ModelRepository
-from stratus.serving import (
-    MAX_REQUESTS_PER_CLIENT,
-    NO_TLS,
-    ClientLimits,
-    DataPlane,
-    Health,
-    InferenceServicer,
-    TlsSettings,
-    bind,
-    create_server,
-)
+from stratus.serving import MAX_REQUESTS_PER_CLIENT, ClientLimits, DataPlane, InferenceServicer
 from stratus.tiers import Tier
 from stratus.wire import fleet_pb2_grpc as fpb_grpc
 from stratus.wire import inference_pb2_grpc as pb_grpc

@@ -28,9 +28,11 @@ from edge_agent.link import Link, describe, stay_linked
 from edge_agent.work import serve_work
 from stratus import __version__
 from stratus.auth import check_endpoint, clients_authenticated, insecure_warning
+from stratus.channels import NO_TLS, TlsSettings, bind, create_server, is_loopback
 from stratus.discovery import DNS_PREFIX, discover_all, resolve_all
 from stratus.errors import ConfigError, StratusError
 from stratus.hardware import to_wire as hardware_to_wire
+from stratus.health import Health
 from stratus.local import LocalModels
 from stratus.local_dataplane import LocalDataPlane
 from stratus.local_fleet import families_info, unavailable_info, variants_info
@@ -38,15 +40,7 @@ from stratus.metrics import Metrics
 from stratus.metrics import serve as serve_metrics
 from stratus.precision import Hardware
 from stratus.process import announce, process_uptime_s, start_collapsed
-from stratus.serving import (
-    NO_TLS,
-    Health,
-    InferenceServicer,
-    TlsSettings,
-    bind,
-    create_server,
-    is_loopback,
-)
+from stratus.serving import InferenceServicer
 from stratus.tiers import Tier
 from stratus.wire import fleet_pb2 as fpb
 from stratus.wire import inference_pb2_grpc as pb_grpc

@@ -34,6 +34,7 @@ import grpc
 import numpy as np
 
 from stratus import codec
+from stratus.channels import NO_TLS, TlsSettings, open_channel, open_sync_channel
 from stratus.codec import Array
 from stratus.discovery import discover_all
 from stratus.errors import ConfigError, StratusError, Unavailable
@@ -41,7 +42,6 @@ from stratus.local import LocalModels
 from stratus.local_loading import LocalSettings
 from stratus.protocol import CONFIG_CURRENT, RequestOptions, Served, held_reason
 from stratus.repository import FamilySpec, ModelRepository, VariantSpec
-from stratus.serving import NO_TLS, TlsSettings, open_channel, open_sync_channel
 from stratus.tiers import Tier
 from stratus.wire import inference_pb2 as pb
 from stratus.wire import inference_pb2_grpc as pb_grpc

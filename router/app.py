@@ -26,20 +26,13 @@ from router.registry import FleetRegistry
 from router.rollout import ROLLED_BACK, Plan, Rollouts
 from stratus.auth import AgentTokens, RouterCredentials, check_exposure, insecure_warning
 from stratus.batching import DEFAULT_MAX_DELAY_S
+from stratus.channels import NO_TLS, TlsSettings, bind, create_server
 from stratus.discovery import Advertisement
+from stratus.health import Health
 from stratus.metrics import Metrics, RouterMetrics
 from stratus.metrics import serve as serve_metrics
 from stratus.process import announce, raise_open_files_limit, stop_on_signals
-from stratus.serving import (
-    MAX_REQUESTS_PER_CLIENT,
-    NO_TLS,
-    ClientLimits,
-    Health,
-    InferenceServicer,
-    TlsSettings,
-    bind,
-    create_server,
-)
+from stratus.serving import MAX_REQUESTS_PER_CLIENT, ClientLimits, InferenceServicer
 from stratus.wire import fleet_pb2_grpc as fpb_grpc
 from stratus.wire import inference_pb2_grpc as pb_grpc
 

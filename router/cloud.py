@@ -27,12 +27,12 @@ import grpc
 
 from router.cloud_models import Found, NamedModel, answered_by, descriptions, generates, probe_names, routes
 from stratus import codec
+from stratus.channels import NO_TLS, TlsSettings, check_fits, open_channel, server_name_options
 from stratus.confidence import max_probability
 from stratus.errors import ConfigError, DeadlineExceeded, Overloaded, StratusError, Unavailable
 from stratus.generation import FINAL, MAX_TOKENS, TEXT_OUTPUT, Chunk
 from stratus.generation import STREAM as STREAM_PARAMETER
 from stratus.protocol import CONFIDENCE, VARIANT, set_parameter
-from stratus.serving import NO_TLS, TlsSettings, check_fits, open_channel, server_name_options
 from stratus.stats import LatencyWindow
 from stratus.status import error_from_status
 from stratus.wire import fleet_pb2 as fpb

@@ -19,9 +19,9 @@ import grpc
 
 from stratus import __version__
 from stratus.certs import add_parser as add_certs
+from stratus.channels import TlsSettings
 from stratus.errors import ConfigError, StratusError
 from stratus.models_cli import add_models
-from stratus.serving import TlsSettings
 
 if TYPE_CHECKING:
     from stratus.precision import Hardware

@@ -27,12 +27,12 @@ import grpc
 import numpy as np
 
 from stratus import codec
+from stratus.channels import grpc_options
 from stratus.errors import Unavailable
 from stratus.fleetctl import ready_agents, status_json, status_table
 from stratus.launcher import Launched, launch
 from stratus.protocol import Served
 from stratus.repository import ModelRepository
-from stratus.serving import grpc_options
 from stratus.tiers import Tier
 from stratus.tools.datasets import Split, dataset_for, digits_splits
 from stratus.wire import fleet_pb2 as fpb

@@ -13,7 +13,7 @@ import grpc
 import numpy as np
 
 from edge_agent.sdk import Client
-from stratus.serving import grpc_options
+from stratus.channels import grpc_options
 from stratus.wire import inference_pb2_grpc as pb_grpc
 
 from .cluster import MODELS, Cluster, ready_count, request, wait_until

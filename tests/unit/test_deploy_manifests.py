@@ -29,7 +29,7 @@ import yaml
 
 from stratus import certs, probe
 from stratus.cli import build_parser
-from stratus.serving import Health
+from stratus.health import Health
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"

@@ -32,8 +32,8 @@ KNOWN_CYCLES = {
     frozenset({"router.audit", "router.dataplane", "router.generate"}): "issue 19 steps 3 and 5: "
     "GenerationCascade reaches into RouterDataPlane (a CascadeContext protocol opens that), and "
     "the auditor reads the cascades' Answer, Job and Generation, which move out with the climb",
-    frozenset({"stratus.auth", "stratus.serving"}): "issue 19 step 3 (not in the review: came with "
-    "stratus/auth.py after it): serving imports auth's BearerTokenInterceptor and auth serving's "
+    frozenset({"stratus.auth", "stratus.channels"}): "issue 19 step 3 (not in the review: came with "
+    "stratus/auth.py after it): channels imports auth's BearerTokenInterceptor and auth channels' "
     "is_loopback and TlsSettings, each lazily, so neither is below the other",
 }
 # Modules DESIGN keeps off the wire: pure decisions and domain types.
