@@ -168,7 +168,7 @@ def test_the_openai_body_becomes_a_checked_request_that_reads_back_the_same() ->
 
 
 def test_the_cloud_link_knows_a_text_model_and_its_max_tokens_from_its_description() -> None:
-    from router.cloud import UNDECLARED_MAX_TOKENS, _max_tokens
+    from router.cloud_catalog import UNDECLARED_MAX_TOKENS, _max_tokens
     from router.cloud_models import generates as _generates
     from stratus.local_generation import generative_config, generative_metadata
     from stratus.wire import inference_pb2 as pb
