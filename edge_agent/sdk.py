@@ -38,10 +38,11 @@ from stratus.channels import NO_TLS, TlsSettings, open_channel, open_sync_channe
 from stratus.codec import Array
 from stratus.discovery import discover_all
 from stratus.errors import ConfigError, StratusError, Unavailable
+from stratus.family_spec import FamilySpec, VariantSpec
 from stratus.local import LocalModels
 from stratus.local_loading import LocalSettings
 from stratus.protocol import CONFIG_CURRENT, RequestOptions, Served, held_reason
-from stratus.repository import FamilySpec, ModelRepository, VariantSpec
+from stratus.repository import ModelRepository
 from stratus.tiers import Tier
 from stratus.wire import inference_pb2 as pb
 from stratus.wire import inference_pb2_grpc as pb_grpc

@@ -11,9 +11,9 @@ import math
 import grpc
 
 from stratus.errors import DeadlineExceeded, StratusError
+from stratus.family_spec import VariantSpec
 from stratus.generation import Chunk
 from stratus.local import LocalModels
-from stratus.repository import VariantSpec
 from stratus.status import status_code, status_for
 from stratus.wire import fleet_pb2 as fpb
 

@@ -26,6 +26,7 @@ from router.policy import Attempt, CloudView, FleetSnapshot, NoTarget, Target, c
 from router.registry import FleetRegistry
 from router.rollout import PROMOTED, Plan, Rollouts, top1
 from stratus.errors import DeadlineExceeded, NotFound, Overloaded, StratusError, Unavailable
+from stratus.family_spec import FamilySpec, TensorSpec
 from stratus.generation import FINAL, FINISH_REASON, Chunk
 from stratus.local_dataplane import model_config
 from stratus.local_generation import (
@@ -52,7 +53,6 @@ from stratus.protocol import (
     reported_ms,
     set_parameter,
 )
-from stratus.repository import FamilySpec, TensorSpec
 from stratus.serving import DataPlane
 from stratus.status import status_code
 from stratus.tensors import Tensors, answer_raw, check_inputs, check_request_metadata, requested_outputs
@@ -884,7 +884,7 @@ def family_spec(info: fpb.FamilyInfo) -> FamilySpec:
     from pathlib import Path
 
     from stratus.confidence import ConfidenceMethod
-    from stratus.repository import ConfidenceSpec
+    from stratus.family_spec import ConfidenceSpec
 
     def specs(items: object) -> tuple[TensorSpec, ...]:
         return tuple(TensorSpec(name=t.name, datatype=t.datatype, shape=tuple(t.shape)) for t in items)  # type: ignore[attr-defined]

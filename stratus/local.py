@@ -33,6 +33,7 @@ from stratus.errors import (
     Unavailable,
 )
 from stratus.executor import BoundedExecutor
+from stratus.family_spec import FamilySpec, VariantSpec
 from stratus.generation import FINISH_REASON, Chunk
 from stratus.local_generation import (
     RETIRE_GRACE_S,
@@ -50,7 +51,7 @@ from stratus.local_loading import (
 from stratus.metrics import UNKNOWN, Metric, Metrics, ModelMetrics, gauge
 from stratus.precision import Hardware, this_hardware
 from stratus.protocol import set_parameter
-from stratus.repository import FamilySpec, ModelRepository, VariantSpec
+from stratus.repository import ModelRepository
 from stratus.runtimes import LoadFailure, ModelRunner
 from stratus.stats import LatencyWindow
 from stratus.tensors import answer_raw, check_request_metadata

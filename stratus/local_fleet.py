@@ -7,9 +7,9 @@ from __future__ import annotations
 from typing import Any
 
 from stratus.audit_config import calibration_info
+from stratus.family_spec import FamilySpec
 from stratus.local import LocalModels
 from stratus.local_generation import LocalGenerators
-from stratus.repository import FamilySpec
 from stratus.serving import tensor_metadata
 from stratus.tiers import Tier
 from stratus.wire import fleet_pb2

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 from stratus import codec
 from stratus.errors import InvalidInput, ModelLoadError, NotFound, Overloaded, RuntimeUnavailable
+from stratus.family_spec import FamilySpec, VariantSpec
 from stratus.generation import (
     COMPLETION_TOKENS,
     MAX_TOKENS,
@@ -38,7 +39,7 @@ from stratus.generation import (
 )
 from stratus.metrics import GenerationTiming, Metric, ModelMetrics, gauge
 from stratus.protocol import MODEL_VERSION, VARIANT, parameter_value, set_parameter
-from stratus.repository import FamilySpec, ModelRepository, VariantSpec
+from stratus.repository import ModelRepository
 from stratus.runtimes.base import LoadFailure, LoadOptions
 from stratus.runtimes.generative import Finished, GenerativeRunner, load_generator
 from stratus.sampling import MAX_SETTINGS_BYTES, SAMPLING_PARAMETERS, read_settings, sampling_object

@@ -13,10 +13,11 @@ from typing import TYPE_CHECKING
 
 from stratus.batching import DEFAULT_MAX_BATCH, DEFAULT_MAX_DELAY_S
 from stratus.errors import ModelLoadError, RuntimeUnavailable, StratusError
+from stratus.family_spec import FamilySpec, VariantSpec
 from stratus.local_generation import NotLoaded
 from stratus.metrics import ModelMetrics
 from stratus.precision import Hardware, choose_variant, load_verification, this_hardware
-from stratus.repository import FamilySpec, ModelRepository, VariantSpec
+from stratus.repository import ModelRepository
 from stratus.runtimes import LoadFailure, LoadOptions, ModelRunner, load_runner
 from stratus.tiers import Tier
 
