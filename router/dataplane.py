@@ -24,7 +24,8 @@ from router.generate import Generation, GenerationCascade, Sink
 from router.index import line_key
 from router.policy import Attempt, CloudView, FleetSnapshot, NoTarget, Target, choose, settled, top_tier
 from router.registry import FleetRegistry
-from router.rollout import PROMOTED, Plan, Rollouts, top1
+from router.rollout import PROMOTED, Plan, Rollouts
+from router.rollout_judge import top1
 from stratus.errors import DeadlineExceeded, NotFound, Overloaded, StratusError, Unavailable
 from stratus.family_spec import FamilySpec, TensorSpec
 from stratus.generation import FINAL, FINISH_REASON, Chunk
