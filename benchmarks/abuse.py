@@ -52,9 +52,9 @@ from stratus.channels import MAX_MESSAGE_BYTES, MAX_STREAMS_PER_CONNECTION, grpc
 from stratus.demo import wait_for_agents  # noqa: E402
 from stratus.generation import MAX_TOKENS, TEXT_INPUT  # noqa: E402
 from stratus.launcher import Launched, free_port, launch  # noqa: E402
-from stratus.local_generation import MAX_PROMPT_BYTES  # noqa: E402
 from stratus.protocol import MAX_BUDGET_MS, set_parameter  # noqa: E402
 from stratus.serving import STREAM_WINDOW  # noqa: E402
+from stratus.text_wire import MAX_PROMPT_BYTES  # noqa: E402
 from stratus.tools.datasets import digits_splits  # noqa: E402
 from stratus.wire import fleet_pb2 as fpb  # noqa: E402
 from stratus.wire import fleet_pb2_grpc as fpb_grpc  # noqa: E402

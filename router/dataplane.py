@@ -30,13 +30,6 @@ from stratus.errors import DeadlineExceeded, NotFound, Overloaded, StratusError,
 from stratus.family_spec import FamilySpec, TensorSpec
 from stratus.generation import FINAL, FINISH_REASON, Chunk
 from stratus.local_dataplane import model_config
-from stratus.local_generation import (
-    chunk_response,
-    generative_config,
-    generative_metadata,
-    text_response,
-    write_usage,
-)
 from stratus.metrics import UNKNOWN, RouterMetrics
 from stratus.protocol import (
     COMPUTE_MS,
@@ -57,6 +50,13 @@ from stratus.protocol import (
 from stratus.serving import DataPlane
 from stratus.status import status_code
 from stratus.tensors import Tensors, answer_raw, check_inputs, check_request_metadata, requested_outputs
+from stratus.text_wire import (
+    chunk_response,
+    generative_config,
+    generative_metadata,
+    text_response,
+    write_usage,
+)
 from stratus.tiers import Tier
 from stratus.wire import fleet_pb2 as fpb
 from stratus.wire import inference_pb2 as pb
@@ -277,7 +277,7 @@ class RouterDataPlane(DataPlane):
         self, request: pb.ModelInferRequest, *, timeout_s: float | None, sink: Sink | None = None
     ) -> Generation:
         """A generative request through the tiers; what the client may see goes to ``sink``."""
-        from stratus.local_generation import prompt_request, read_generation
+        from stratus.text_wire import prompt_request, read_generation
 
         started = self._clock()
         info = self.generative(request.model_name)

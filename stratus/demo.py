@@ -286,7 +286,7 @@ def through_generation(router: str, models: Path, count: int = ARITH_PROMPTS) ->
     families = ModelRepository.load(models).families
     if "arith" not in families:
         return None
-    from stratus.local_generation import text_array
+    from stratus.text_wire import text_array
     from stratus.tools.arith import arith_splits, grade
 
     tiers, correct, latency, degraded = [], [], [], 0

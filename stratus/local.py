@@ -35,11 +35,7 @@ from stratus.errors import (
 from stratus.executor import BoundedExecutor
 from stratus.family_spec import FamilySpec, VariantSpec
 from stratus.generation import FINISH_REASON, Chunk
-from stratus.local_generation import (
-    RETIRE_GRACE_S,
-    NotLoaded,
-    write_usage,
-)
+from stratus.local_generation import RETIRE_GRACE_S, NotLoaded
 from stratus.local_loading import (
     Chosen,
     LocalSettings,
@@ -55,6 +51,7 @@ from stratus.repository import ModelRepository
 from stratus.runtimes import LoadFailure, ModelRunner
 from stratus.stats import LatencyWindow
 from stratus.tensors import answer_raw, check_request_metadata
+from stratus.text_wire import text_response, write_usage
 from stratus.tiers import Tier
 from stratus.wire import inference_pb2 as pb
 
@@ -369,8 +366,6 @@ class LocalModels:
 
     async def generate(self, request: pb.ModelInferRequest, on_chunk: OnChunk | None = None) -> LocalAnswer:
         """A generative request: its text (and each chunk to ``on_chunk`` as it is made)."""
-        from stratus.local_generation import text_response
-
         assert self.generators is not None
         done = await self.generators.generate(request, on_chunk)
         response = text_response(request, done.text)

@@ -11,11 +11,11 @@ from stratus.errors import DeadlineExceeded
 from stratus.family_spec import FamilySpec
 from stratus.generation import FINAL, FINISH_REASON, Chunk
 from stratus.local import LocalAnswer, LocalModels
-from stratus.local_generation import chunk_response, generative_config, generative_metadata, read_usage
 from stratus.metrics import counted
 from stratus.protocol import BATCH_SIZE, MODEL_VERSION, VARIANT, Served, parameter_value, set_parameter
 from stratus.serving import DataPlane, tensor_metadata
 from stratus.tensors import MAX_REQUEST_ITEMS
+from stratus.text_wire import chunk_response, generative_config, generative_metadata, read_usage
 from stratus.tiers import Tier
 from stratus.wire import inference_pb2 as pb
 
