@@ -21,9 +21,9 @@ import grpc
 import numpy as np
 
 from stratus import codec, demo
+from stratus.channels import grpc_options
 from stratus.launcher import Launched
 from stratus.protocol import DEGRADED, parameter_value, set_parameter
-from stratus.serving import grpc_options
 from stratus.wire import inference_pb2 as pb
 from stratus.wire import inference_pb2_grpc as pb_grpc
 

@@ -25,20 +25,17 @@ from cloud_gateway.reload import GatewayServicer, Reloader
 from cloud_gateway.settings import CloudSettings
 from cloud_gateway.upstream import OpenAIUpstream, UpstreamSettings, served_model
 from stratus.auth import check_endpoint, insecure_warning
+from stratus.channels import bind, create_server
 from stratus.errors import NotFound
-from stratus.local import LocalDataPlane, LocalModels, LocalSettings
+from stratus.health import Health
+from stratus.local import LocalModels
+from stratus.local_dataplane import LocalDataPlane
+from stratus.local_loading import LocalSettings
 from stratus.metrics import Metrics, ModelMetrics
 from stratus.metrics import serve as serve_metrics
 from stratus.process import announce, stop_on_signals
 from stratus.repository import ModelRepository
-from stratus.serving import (
-    ClientLimits,
-    DataPlane,
-    Health,
-    InferenceServicer,
-    bind,
-    create_server,
-)
+from stratus.serving import ClientLimits, DataPlane, InferenceServicer
 from stratus.tiers import Tier
 from stratus.wire import fleet_pb2_grpc as fpb_grpc
 from stratus.wire import inference_pb2_grpc as pb_grpc

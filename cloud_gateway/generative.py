@@ -31,15 +31,10 @@ from stratus.generation import (
     Token,
     confidence_of,
 )
-from stratus.local_generation import (
-    chunk_response,
-    generative_config,
-    generative_metadata,
-    read_generation,
-)
 from stratus.metrics import GenerationTiming, Metric, ModelMetrics, counted, gauge, outcome_of
 from stratus.protocol import Served, set_parameter
 from stratus.serving import DataPlane
+from stratus.text_wire import chunk_response, generative_config, generative_metadata, read_generation
 from stratus.tiers import Tier
 from stratus.wire import inference_pb2 as pb
 

@@ -13,43 +13,36 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 import platform
 import random
 import signal
 import socket
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import grpc
 
+from edge_agent.link import Link, describe, stay_linked
 from edge_agent.settings import SERVE, AgentSettings
+from edge_agent.work import serve_work
 from stratus import __version__
 from stratus.auth import insecure_warning
+from stratus.channels import bind, create_server
 from stratus.discovery import DNS_PREFIX, discover_all, resolve_all
-from stratus.errors import ConfigError, DeadlineExceeded, StratusError
-from stratus.generation import Chunk
+from stratus.errors import ConfigError, StratusError
 from stratus.hardware import to_wire as hardware_to_wire
-from stratus.local import LocalDataPlane, LocalModels
+from stratus.health import Health
+from stratus.local import LocalModels
+from stratus.local_dataplane import LocalDataPlane
+from stratus.local_fleet import families_info, unavailable_info, variants_info
 from stratus.metrics import Metrics
 from stratus.metrics import serve as serve_metrics
 from stratus.precision import Hardware
 from stratus.process import announce, process_uptime_s, start_collapsed
-from stratus.repository import VariantSpec
-from stratus.serving import (
-    Health,
-    InferenceServicer,
-    bind,
-    create_server,
-    open_channel,
-    server_name_options,
-)
-from stratus.status import status_code, status_for
+from stratus.serving import InferenceServicer
 from stratus.tiers import Tier
 from stratus.wire import fleet_pb2 as fpb
-from stratus.wire import fleet_pb2_grpc as fpb_grpc
 from stratus.wire import inference_pb2_grpc as pb_grpc
 
 log = logging.getLogger("stratus.agent")
@@ -61,33 +54,6 @@ REDISCOVER_S = 30.0
 _TIERS = {Tier.DEVICE: fpb.TIER_DEVICE, Tier.EDGE: fpb.TIER_EDGE, Tier.CLOUD: fpb.TIER_CLOUD}
 
 
-class Backoff:
-    """Exponential backoff with full jitter; ``reset`` after a healthy session."""
-
-    def __init__(self, *, initial_s: float, max_s: float, rng: random.Random) -> None:
-        self._initial, self._max, self._rng = initial_s, max_s, rng
-        self._attempt = 0
-
-    def next_delay(self) -> float:
-        ceiling = min(self._max, self._initial * (2**self._attempt))
-        self._attempt += 1
-        return self._rng.uniform(ceiling / 2, ceiling)
-
-    def reset(self) -> None:
-        self._attempt = 0
-
-
-@dataclass(eq=False)
-class Link:
-    """One router link's own state: an agent holds one per router and serves them all."""
-
-    address: str
-    outbox: asyncio.Queue[fpb.AgentMessage | None] = field(default_factory=asyncio.Queue)
-    work: dict[str, asyncio.Task[None]] = field(default_factory=dict)  # by the router's request id
-    received: int = 0  # RouterMessages read on this link, the Welcome included
-    interval: float = 1.0  # the heartbeat pace this router asks for
-    beat_now: asyncio.Event = field(default_factory=asyncio.Event)
-    reported: dict[str, int] = field(default_factory=dict)  # samples per variant at the last heartbeat
 
 
 class Agent:
@@ -122,14 +88,14 @@ class Agent:
                 host=socket.gethostname(),
                 hardware=f"{platform.machine()} {self.models.hardware.model}".strip(),
                 hardware_info=hardware_to_wire(self.models.hardware),
-                runtimes=sorted({info.runtime for info in self.models.variants_info()}),
-                variants=self.models.variants_info(),
+                runtimes=sorted({info.runtime for info in variants_info(self.models)}),
+                variants=variants_info(self.models),
                 capacity=self.settings.concurrency,
                 token=self.settings.token,
                 version=__version__,
-                families=self.models.families_info(),
+                families=families_info(self.models),
                 queue_limit=self.settings.queue_limit,
-                unavailable=self.models.unavailable_info(),
+                unavailable=unavailable_info(self.models),
                 uptime_s=self._clock() - self._started,
             )
         )
@@ -171,10 +137,10 @@ class Agent:
             await self._link_found_routers(stop, lambda: resolve_all(name, int(port)), server_name=name)
         else:
             addresses = [a.strip() for a in self.settings.router.split(",") if a.strip()]
-            await asyncio.gather(*(self._stay_linked(address, stop) for address in addresses))
+            await asyncio.gather(*(stay_linked(self, address, stop, self._rng) for address in addresses))
             if not stop.is_set():  # every link gave up: nothing here is a router
                 raise ConfigError(f"none of {', '.join(addresses)} is a Stratus router (see the log)")
-        await self._finish_work()
+        await self.finish_work()
 
     async def _link_found_routers(
         self, stop: asyncio.Event, find: Callable[[], Awaitable[list[str]]], server_name: str | None = None
@@ -187,135 +153,17 @@ class Agent:
                 for address in await find():
                     if address not in tasks or tasks[address].done():
                         tasks[address] = asyncio.create_task(
-                            self._stay_linked(address, stop, server_name), name=f"stratus-link-{address}"
+                            stay_linked(self, address, stop, self._rng, server_name),
+                            name=f"stratus-link-{address}",
                         )
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), timeout=REDISCOVER_S if tasks else 1.0)
         await asyncio.gather(*tasks.values(), return_exceptions=True)
 
-    async def _stay_linked(self, address: str, stop: asyncio.Event, server_name: str | None = None) -> None:
-        """One router: link, serve, and re-link with backoff whenever the link breaks.
-        ``server_name``: what the router's certificate names, where ``address`` is an IP found
-        for it (dns:NAME)."""
-        backoff = Backoff(
-            initial_s=self.settings.backoff_initial_s, max_s=self.settings.backoff_max_s, rng=self._rng
-        )
-        if not self.settings.may_dial(address):
-            log.error(
-                "not linking to router %s: it is not on this machine and the link has no TLS "
-                "(give --tls-ca, or --insecure)",
-                address,
-            )
-            return
-        while not stop.is_set():
-            try:
-                await self._session(address, stop, backoff, server_name)
-            except grpc.aio.AioRpcError as exc:
-                if exc.code() == grpc.StatusCode.UNIMPLEMENTED:  # retrying would never change that
-                    log.error(
-                        "%s is not a Stratus router (it has no AgentLink service: a cloud gateway, or "
-                        "an agent's --serve port?); not linking to it",
-                        address,
-                    )
-                    return
-                log.warning("link to router %s lost: %s", address, _describe(exc))
-            except (StratusError, ConnectionError) as exc:
-                log.warning("link to router %s lost: %s", address, _describe(exc))
-            except Exception:  # an agent must outlive any one link, whatever broke it
-                log.exception("link to router %s failed unexpectedly", address)
-            if stop.is_set():
-                break
-            delay = backoff.next_delay()
-            log.info("reconnecting to %s in %.2f s", address, delay)
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), timeout=delay)
-
-    async def _session(
-        self, address: str, stop: asyncio.Event, backoff: Backoff, server_name: str | None = None
-    ) -> None:
-        link = Link(address=address)
-        link.outbox.put_nowait(self.hello())
-        tls = self.settings.tls
-        async with open_channel(address, tls, extra_options=server_name_options(server_name, tls)) as channel:
-            call = fpb_grpc.AgentLinkStub(channel).Connect(_drain_queue(link.outbox))
-            try:
-                welcome = await call.read()
-                if not isinstance(welcome, fpb.RouterMessage) or not welcome.HasField("welcome"):
-                    raise ConnectionError("router closed the link without a Welcome")
-            except BaseException:  # refused: end what gRPC reads the link from, or its task
-                link.outbox.put_nowait(None)  # outlives the loop ("Task was destroyed ...")
-                await _ended(call)
-                raise
-            log.info("linked to router %s as %s", address, welcome.welcome.agent_id)
-            link.received = 1  # the Welcome; counts restart with every link
-            backoff.reset()
-            link.interval = welcome.welcome.heartbeat_interval_s or self.settings.heartbeat_s
-            self.links[address] = link
-            tasks = [
-                asyncio.create_task(self._heartbeats(link), name="stratus-agent-heartbeat"),
-                asyncio.create_task(self._receive(call, link), name="stratus-agent-receive"),
-                asyncio.create_task(stop.wait(), name="stratus-agent-stop"),
-            ]
-            try:
-                done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-                if stop.is_set():
-                    await self._say_goodbye(link)
-                    call.cancel()
-                else:
-                    for task in done:
-                        task.result()  # re-raise why the link ended
-            finally:
-                for task in tasks:
-                    task.cancel()
-                await asyncio.gather(*tasks, return_exceptions=True)
-                link.outbox.put_nowait(None)
-                if self.links.get(address) is link:
-                    del self.links[address]
-                await _ended(call)
-
-    async def _say_goodbye(self, link: Link) -> None:
-        """Draining: tell the router, then let in-flight work finish and report."""
-        log.info("stopping: draining the link to %s, finishing %d work item(s)", link.address, len(link.work))
-        link.outbox.put_nowait(fpb.AgentMessage(draining=fpb.Draining(reason="agent stopping")))
-        await self._finish_work()
-        await asyncio.sleep(0.05)  # let the last Results leave before the stream closes
-
-    async def _finish_work(self) -> None:
+    async def finish_work(self) -> None:
         running = [task for link in self.links.values() for task in link.work.values()]
         if running:
             await asyncio.wait(running, timeout=self.settings.drain_timeout_s)
-
-    async def _heartbeats(self, link: Link) -> None:
-        """Every interval, and at once when the router sets a new pace."""
-        while True:
-            link.beat_now.clear()
-            link.outbox.put_nowait(self.heartbeat(link))
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(link.beat_now.wait(), timeout=link.interval)
-
-    async def _receive(
-        self, call: grpc.aio.StreamStreamCall[fpb.AgentMessage, fpb.RouterMessage], link: Link
-    ) -> None:
-        while (message := await call.read()) is not grpc.aio.EOF:
-            assert isinstance(message, fpb.RouterMessage)
-            link.received += 1
-            kind = message.WhichOneof("kind")
-            if kind == "work":
-                self._accept(message.work, link)
-            elif kind == "cancel":
-                task = link.work.get(message.cancel.request_id)
-                if task is not None:
-                    task.cancel()
-            elif kind == "pace":
-                link.interval = message.pace.heartbeat_interval_s or self.settings.heartbeat_s
-                link.beat_now.set()
-            elif kind == "drain":
-                link.outbox.put_nowait(
-                    fpb.AgentMessage(draining=fpb.Draining(reason=message.drain.reason or "drained"))
-                )
-            elif kind == "reload":
-                self.start_reload()
-        raise ConnectionError("router ended the link")
 
     def start_reload(self) -> None:
         """A router's Reload, or SIGHUP: reload in the background; the link keeps serving.
@@ -336,7 +184,7 @@ class Agent:
                 served = await self.models.reload()
             except Exception as exc:  # any failure to load must leave the agent serving
                 log.error("reload failed; still serving %s: %s", sorted(self.models.served), exc)
-                failed = fpb.AgentMessage(reload_failed=fpb.ReloadFailed(message=_describe(exc)))
+                failed = fpb.AgentMessage(reload_failed=fpb.ReloadFailed(message=describe(exc)))
                 for link in self.links.values():
                     link.outbox.put_nowait(failed)
                 return
@@ -344,96 +192,16 @@ class Agent:
             for link in self.links.values():
                 link.outbox.put_nowait(self.hello())
 
-    def _accept(self, work: fpb.Work, link: Link) -> None:
+    def accept(self, work: fpb.Work, link: Link) -> None:
         if work.request_id in link.work:
             log.warning("duplicate work id %s ignored", work.request_id)
             return
-        task = asyncio.create_task(self._serve(work, link.outbox), name=f"stratus-work-{work.request_id}")
+        task = asyncio.create_task(
+            serve_work(self.models, self.settings.name, work, link.outbox),
+            name=f"stratus-work-{work.request_id}",
+        )
         link.work[work.request_id] = task
         task.add_done_callback(lambda _: link.work.pop(work.request_id, None))
-
-    async def _serve(self, work: fpb.Work, outbox: asyncio.Queue[fpb.AgentMessage | None]) -> None:
-        result = fpb.Result(request_id=work.request_id)
-        ran: VariantSpec | None = None
-        try:
-            ran = await self._run(work, result, outbox)
-        except asyncio.CancelledError:
-            result.error.CopyFrom(
-                fpb.Error(code=grpc.StatusCode.CANCELLED.value[0], message="cancelled by the router")
-            )
-        except StratusError as exc:
-            result.error.CopyFrom(fpb.Error(code=status_code(exc).value[0], message=str(exc)))
-        except Exception as exc:
-            log.exception("work %s failed", work.request_id)
-            result.error.CopyFrom(
-                fpb.Error(code=grpc.StatusCode.INTERNAL.value[0], message=f"{type(exc).__name__}: {exc}")
-            )
-        self.models.count(_outcome(result), work.request.model_name, ran)
-        outbox.put_nowait(fpb.AgentMessage(result=result))
-
-    async def _run(
-        self, work: fpb.Work, result: fpb.Result, outbox: asyncio.Queue[fpb.AgentMessage | None]
-    ) -> VariantSpec:
-        """Run the Work's items (maybe in one batch with other Work) within its budget; a
-        generative Work sends its tokens as Chunks while it runs, then the Result. Returns
-        the variant that ran."""
-        budget_s = work.budget_ms / 1000.0 if work.budget_ms > 0 else None
-
-        async def send(chunk: Chunk) -> None:
-            outbox.put_nowait(fpb.AgentMessage(chunk=_wire_chunk(work.request_id, chunk)))
-
-        try:
-            async with asyncio.timeout(budget_s):
-                if self.models.generates(work.request.model_name):
-                    answer = await self.models.generate(work.request, send)
-                else:
-                    answer = await self.models.answer(work.request)
-        except TimeoutError:
-            raise DeadlineExceeded(
-                f"agent {self.settings.name}: budget of {work.budget_ms:.1f} ms ran out"
-            ) from None
-        result.variant = answer.variant.name
-        result.response.CopyFrom(answer.response)
-        result.confidence = answer.confidence
-        result.confidences.extend(answer.confidences)
-        result.service_ms = answer.service_ms
-        result.queue_ms = answer.queue_ms
-        result.batch_size = answer.batch_size
-        return answer.variant
-
-
-def _wire_chunk(request_id: str, chunk: Chunk) -> fpb.Chunk:
-    return fpb.Chunk(
-        request_id=request_id,
-        text=chunk.text,
-        logprobs=[t.logprob for t in chunk.tokens],
-        margins=[math.nan if t.margin is None else t.margin for t in chunk.tokens],
-    )
-
-
-def _outcome(result: fpb.Result) -> str:
-    if result.WhichOneof("outcome") != "error":
-        return "ok"
-    return status_for(result.error.code).name.lower()
-
-
-async def _ended(call: grpc.aio.StreamStreamCall[fpb.AgentMessage, fpb.RouterMessage]) -> None:
-    """Wait for the call to be over (cancelled, or ended by either side), so that none of
-    gRPC's tasks for it is still pending when the channel closes and the loop moves on."""
-    call.cancel()
-    with contextlib.suppress(grpc.aio.AioRpcError, asyncio.CancelledError):
-        await call.code()
-
-
-async def _drain_queue(outbox: asyncio.Queue[fpb.AgentMessage | None]) -> AsyncIterator[fpb.AgentMessage]:
-    while (message := await outbox.get()) is not None:
-        yield message
-
-
-def _describe(exc: BaseException) -> str:
-    if isinstance(exc, grpc.aio.AioRpcError):
-        return f"{exc.code().name}: {exc.details()}"
-    return f"{type(exc).__name__}: {exc}"
 
 
 async def serve_locally(models: LocalModels, settings: AgentSettings) -> tuple[grpc.aio.Server, str, Health]:
@@ -498,7 +266,7 @@ def load_models(
     emulated_extra_ms: float = 0.0,
     metrics: Metrics | None = None,
 ) -> LocalModels:
-    from stratus.local import LocalSettings
+    from stratus.local_loading import LocalSettings
     from stratus.repository import ModelRepository
 
     return LocalModels(

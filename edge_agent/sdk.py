@@ -23,83 +23,44 @@ where it has not, it keeps its own and logs why.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
-import numpy as np
 
-from stratus import codec
+from edge_agent.sdk_calls import (
+    Call,
+    Failed,
+    InferResult,
+    LocalRun,
+    escalation,
+    merged_answer,
+    remote_answer,
+)
+from edge_agent.sdk_routers import Routers, status_of
+from stratus.channels import NO_TLS, TlsSettings
 from stratus.codec import Array
-from stratus.confidence import threshold_for
-from stratus.discovery import discover_all
-from stratus.errors import ConfigError, StratusError, Unavailable
-from stratus.local import LocalModels, LocalSettings
-from stratus.protocol import CONFIG_CURRENT, CONFIG_THRESHOLD, RequestOptions, Served, held_reason
-from stratus.repository import FamilySpec, ModelRepository, VariantSpec
-from stratus.serving import NO_TLS, TlsSettings, open_channel, open_sync_channel
+from stratus.errors import ConfigError
+from stratus.local import LocalModels
+from stratus.local_loading import LocalSettings
+from stratus.protocol import CONFIG_CURRENT, CONFIG_THRESHOLD, RequestOptions, held_reason
+from stratus.repository import ModelRepository
 from stratus.tiers import Tier
 from stratus.wire import inference_pb2 as pb
 from stratus.wire import inference_pb2_grpc as pb_grpc
 
+__all__ = ["Client", "InferResult"]
+
 log = logging.getLogger("stratus.sdk")
 
-# After a failed attempt to reach the router, answer locally for this long before retrying.
-RETRY_ROUTER_AFTER_S = 5.0
 # How often the local variants are checked against what the router serves (at the next call).
 FOLLOW_EVERY_S = 30.0
 # The longest a check may wait for a router's answer (it runs inside a call when due).
 FOLLOW_TIMEOUT_S = 1.0
 TierArg = Tier | str | None
 _UNREACHED = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
-
-
-@dataclass(frozen=True, kw_only=True)
-class InferResult:
-    """One answer: ``outputs`` by name, ``confidence`` (the least sure item's), ``tier`` (the
-    highest tier that answered an item), ``path`` (the tiers tried, in order), ``item_tiers``
-    (the tier of each item), ``degraded`` (an unsure item came back from the device because
-    no router answered), and the ``variant`` and ``agent`` of the highest tier's answer."""
-
-    outputs: dict[str, Array]
-    confidence: float
-    tier: Tier
-    path: tuple[Tier, ...]
-    timings_ms: dict[Tier, float] = field(default_factory=dict)
-    degraded: bool = False
-    variant: str = ""
-    agent: str = ""
-    item_tiers: tuple[Tier, ...] = ()  # the tier that answered each item, in order
-    reason: str = ""  # why unsure items stayed where they were answered (stratus.reason)
-
-
-@dataclass(frozen=True, kw_only=True)
-class _Local:
-    family: FamilySpec
-    variant: VariantSpec
-    inputs: dict[str, Array]
-    outputs: dict[str, Array]
-    confidences: Array  # one per item
-    ms: float
-    pushed: float | None = None  # the router's threshold for this tier, where it said one
-
-    @property
-    def confidence(self) -> float:
-        return float(self.confidences.min()) if self.confidences.size else 1.0
-
-    def unsure(self, min_confidence: float | None) -> Array:
-        """Indices of the items this tier's answer does not settle."""
-        thresholds = dict(self.family.thresholds)
-        if self.pushed is not None:  # the router's pushed threshold wins over the folder's
-            thresholds[self.variant.tier] = self.pushed
-        threshold = threshold_for(self.variant.tier, thresholds, min_confidence)  # the router's rule
-        if threshold is None:
-            return np.empty(0, dtype=np.int64)
-        return np.flatnonzero(self.confidences < threshold)
 
 
 class Client:
@@ -150,7 +111,7 @@ class Client:
         )
         self._models = LocalModels(ModelRepository.load(models), settings)
         self._router = router
-        self._routers = _Routers(router, discover_timeout_s=discover_timeout_s, tls=tls)
+        self._routers = Routers(router, discover_timeout_s=discover_timeout_s, tls=tls)
         self.name = name
         self._follow_at = 0.0  # when the local variants are next checked against the router's
         self._missing: dict[str, str] = {}  # family -> a line the router serves that is not here
@@ -238,7 +199,7 @@ class Client:
     def _unanswered(self, address: str, exc: grpc.RpcError) -> None:
         """A router that cannot be reached is skipped for a while (the next family's look
         and the next escalation go elsewhere); one that answered an error was reached."""
-        if _status(exc)[0] in _UNREACHED:
+        if status_of(exc)[0] in _UNREACHED:
             self._routers.failed(address)
 
     def _follow(self, config: pb.ModelConfig, *, family: str) -> None:
@@ -294,20 +255,20 @@ class Client:
             model, x, budget_ms=budget_ms, min_confidence=min_confidence, max_tier=max_tier, min_tier=min_tier
         )
         if not call.local:
-            return _remote(call, self._send(call, call.request()))
+            return remote_answer(call, self._send(call, call.request()))
         local = self._run_locally(call)
         unsure = local.unsure(call.options.min_confidence)
         settled = self._settled(call, local, unsure)
         if settled is not None:
             return settled
-        response = self._send(call, _escalation(call, local, unsure=unsure))
-        if isinstance(response, _Failed):
+        response = self._send(call, escalation(call, local, unsure=unsure))
+        if isinstance(response, Failed):
             return self._local_result(local, degraded=True)
-        return _merge(local, unsure, response)
+        return merged_answer(local, unsure, response)
 
-    def _send(self, call: _Call, request: pb.ModelInferRequest) -> pb.ModelInferResponse | _Failed:
+    def _send(self, call: Call, request: pb.ModelInferRequest) -> pb.ModelInferResponse | Failed:
         """The first router's answer, trying each in turn; what went wrong where none answered."""
-        failed = _Failed(self._router)
+        failed = Failed(self._router)
         for address in self._routers.to_try():
             stub = pb_grpc.GRPCInferenceServiceStub(self._routers.channel(address))
             try:
@@ -340,19 +301,19 @@ class Client:
             model, x, budget_ms=budget_ms, min_confidence=min_confidence, max_tier=max_tier, min_tier=min_tier
         )
         if not call.local:
-            return _remote(call, await self._asend(call, call.request()))
+            return remote_answer(call, await self._asend(call, call.request()))
         local = await self._models.executor.run(self._run_locally, call)
         unsure = local.unsure(call.options.min_confidence)
         settled = self._settled(call, local, unsure)
         if settled is not None:
             return settled
-        response = await self._asend(call, _escalation(call, local, unsure=unsure))
-        if isinstance(response, _Failed):
+        response = await self._asend(call, escalation(call, local, unsure=unsure))
+        if isinstance(response, Failed):
             return self._local_result(local, degraded=True)
-        return _merge(local, unsure, response)
+        return merged_answer(local, unsure, response)
 
-    async def _asend(self, call: _Call, request: pb.ModelInferRequest) -> pb.ModelInferResponse | _Failed:
-        failed = _Failed(self._router)
+    async def _asend(self, call: Call, request: pb.ModelInferRequest) -> pb.ModelInferResponse | Failed:
+        failed = Failed(self._router)
         for address in await self._routers.ato_try():
             stub = pb_grpc.GRPCInferenceServiceStub(self._routers.achannel(address))
             try:
@@ -377,7 +338,7 @@ class Client:
         min_confidence: float | None,
         max_tier: TierArg,
         min_tier: TierArg,
-    ) -> _Call:
+    ) -> Call:
         """The call checked before any hop: its options, and its inputs against the family."""
         options = RequestOptions(
             budget_ms=budget_ms,
@@ -388,21 +349,21 @@ class Client:
         family, variant = self._models.variant_for(model)
         inputs = dict(x) if isinstance(x, Mapping) else {family.inputs[0].name: x}
         family.check_inputs(inputs)
-        return _Call(
+        return Call(
             model=model, family=family, variant=variant, inputs=inputs, options=options, started=time.perf_counter()
         )
 
-    def _run_locally(self, call: _Call) -> _Local:
+    def _run_locally(self, call: Call) -> LocalRun:
         started = time.perf_counter()
         outputs = self._models.runners[call.variant.name].infer(call.inputs)
         ms = (time.perf_counter() - started) * 1000.0
         scores = self._models.score(call.family, call.variant, outputs)
-        return _Local(
+        return LocalRun(
             family=call.family, variant=call.variant, inputs=call.inputs, outputs=outputs, confidences=scores, ms=ms,
             pushed=self._thresholds.get(call.family.name),
         )  # fmt: skip
 
-    def _settled(self, call: _Call, local: _Local, unsure: Array) -> InferResult | None:
+    def _settled(self, call: Call, local: LocalRun, unsure: Array) -> InferResult | None:
         """The local answer where nothing climbs: every item sure, no router, or the caller's
         ``max_tier`` at this tier (then ``reason`` says how many items it kept, as the router's)."""
         max_tier = call.options.max_tier
@@ -413,7 +374,7 @@ class Client:
             return self._local_result(local, degraded=False)
         return None
 
-    def _local_result(self, local: _Local, *, degraded: bool, reason: str = "") -> InferResult:
+    def _local_result(self, local: LocalRun, *, degraded: bool, reason: str = "") -> InferResult:
         tier = local.variant.tier
         return InferResult(
             outputs=local.outputs,
@@ -443,215 +404,9 @@ class Client:
         self.close()
 
 
-class _Routers:
-    """The routers a client escalates to: the last that answered first, then the others.
-
-    A router that fails a call goes to the back of the line for RETRY_ROUTER_AFTER_S; the
-    call goes on to the next (an inference can be asked again), and only when none answers
-    does the client return its own answer marked degraded. ``auto`` finds every router
-    with zeroconf.
-    """
-
-    def __init__(self, router: str | None, *, discover_timeout_s: float, tls: TlsSettings) -> None:
-        self._auto = router == "auto"
-        self._addresses = (
-            [] if router in (None, "auto") else [a.strip() for a in router.split(",") if a.strip()]
-        )
-        self._discover_timeout_s = discover_timeout_s
-        self._tls = tls
-        self._skip_until: dict[str, float] = {}
-        self._looked_until = 0.0
-        self._channels: dict[str, grpc.Channel] = {}
-        self._achannels: dict[str, grpc.aio.Channel] = {}
-
-    def _ordered(self) -> list[str]:
-        """Routers that have not failed lately first, then those that have, oldest failure first:
-        a recent failure moves a router back, it never stops it from being tried at all."""
-        now = time.monotonic()
-        fresh = [a for a in self._addresses if self._skip_until.get(a, 0.0) <= now]
-        stale = sorted((a for a in self._addresses if a not in fresh), key=lambda a: self._skip_until[a])
-        return fresh + stale
-
-    def fresh(self) -> list[str]:
-        """Routers known now that have not failed lately (no look-up, no waiting)."""
-        now = time.monotonic()
-        return [a for a in self._addresses if self._skip_until.get(a, 0.0) <= now]
-
-    def to_try(self) -> list[str]:
-        if self._auto and not self._ordered() and time.monotonic() >= self._looked_until:
-            self._found(asyncio.run(self._discover()))
-        return self._ordered()
-
-    async def ato_try(self) -> list[str]:
-        if self._auto and not self._ordered() and time.monotonic() >= self._looked_until:
-            self._found(await self._discover())
-        return self._ordered()
-
-    async def _discover(self) -> list[str]:
-        try:
-            return await discover_all(timeout_s=self._discover_timeout_s)
-        except StratusError:
-            return []
-
-    def _found(self, addresses: list[str]) -> None:
-        self._looked_until = time.monotonic() + RETRY_ROUTER_AFTER_S
-        self._addresses = addresses
-        self._skip_until.clear()
-
-    def look_again(self) -> None:
-        """With ``auto`` and no router found yet, browse again at the next call."""
-        if self._auto and not self._addresses:
-            self._looked_until = 0.0
-
-    def failed(self, address: str) -> None:
-        self._skip_until[address] = time.monotonic() + RETRY_ROUTER_AFTER_S
-
-    def answered(self, address: str) -> None:
-        if self._addresses and self._addresses[0] != address:
-            self._addresses.remove(address)
-            self._addresses.insert(0, address)
-
-    def channel(self, address: str) -> grpc.Channel:
-        if address not in self._channels:
-            self._channels[address] = open_sync_channel(address, self._tls)
-        return self._channels[address]
-
-    def achannel(self, address: str) -> grpc.aio.Channel:
-        if address not in self._achannels:
-            self._achannels[address] = open_channel(address, self._tls)
-        return self._achannels[address]
-
-    def close(self) -> None:
-        for channel in self._channels.values():
-            channel.close()
-        self._channels.clear()
-
-    async def aclose(self) -> None:
-        for channel in self._achannels.values():
-            await channel.close()
-        self._achannels.clear()
-
-
-@dataclass(frozen=True, kw_only=True)
-class _Call:
-    """One call, checked: the local variant that would answer, the inputs and the options."""
-
-    model: str
-    family: FamilySpec
-    variant: VariantSpec
-    inputs: dict[str, Array]
-    options: RequestOptions
-    started: float
-
-    @property
-    def local(self) -> bool:
-        """Whether the caller's tiers allow the local variant's (a min_tier above it skips it)."""
-        return self.options.min_tier <= self.variant.tier <= self.options.max_tier
-
-    def remaining_ms(self) -> float | None:
-        budget = self.options.budget_ms
-        return None if budget is None else max(0.1, budget - (time.perf_counter() - self.started) * 1000.0)
-
-    def timeout_s(self) -> float:
-        remaining = self.remaining_ms()
-        return 30.0 if remaining is None else max(0.001, remaining / 1000.0)
-
-    def request(self, rows: Array | None = None, *, min_tier: Tier | None = None) -> pb.ModelInferRequest:
-        """The call for the router: every item (or ``rows``), with what is left of its budget."""
-        request = pb.ModelInferRequest(model_name=self.model)
-        inputs = self.inputs if rows is None else {name: array[rows] for name, array in self.inputs.items()}
-        codec.encode_request_inputs(request, inputs)
-        options = self.options
-        RequestOptions(
-            budget_ms=self.remaining_ms(),
-            min_confidence=options.min_confidence,
-            max_tier=options.max_tier,
-            min_tier=max(options.min_tier, min_tier or Tier.DEVICE),
-        ).write(request.parameters)
-        return request
-
-
-class _Failed:
-    """Why no router answered a call: each one's error, for the caller when nothing else can answer."""
-
-    def __init__(self, router: str | None) -> None:
-        self.router = router
-        self.errors: list[str] = []
-
-    def add(self, address: str, exc: grpc.RpcError) -> None:
-        code, details = _status(exc)
-        self.errors.append(f"{address}: {code.name if code is not None else type(exc).__name__}: {details}")
-
-    def error(self, call: _Call) -> Unavailable:
-        skipped = f"min_tier={call.options.min_tier.label} skips the {call.variant.tier.label} model here"
-        if call.options.max_tier < call.variant.tier:
-            skipped = f"max_tier={call.options.max_tier.label} is below the {call.variant.tier.label} model here"
-        if self.router is None:
-            return Unavailable(f"{skipped}, and this client has no router")
-        return Unavailable(f"{skipped}, and no router answered ({'; '.join(self.errors) or 'none found'})")
-
-
-def _status(exc: grpc.RpcError) -> tuple[grpc.StatusCode | None, str]:
-    """A failed call's code and details: the synchronous and the asyncio errors both have them
-    (as methods), though only the first is typed a ``grpc.Call``."""
-    code, details = getattr(exc, "code", None), getattr(exc, "details", None)
-    return (code() if callable(code) else None), (str(details()) if callable(details) else str(exc))
-
-
 def _tier(value: TierArg, default: Tier) -> Tier:
     if value is None:
         return default
     return value if isinstance(value, Tier) else Tier.parse(value)
 
 
-def _escalation(call: _Call, local: _Local, *, unsure: Array) -> pb.ModelInferRequest:
-    """The unsure items only, for the tiers above this one."""
-    return call.request(unsure, min_tier=Tier(min(local.variant.tier + 1, Tier.CLOUD)))
-
-
-def _remote(call: _Call, response: pb.ModelInferResponse | _Failed) -> InferResult:
-    """The router's answer for the whole call (the local model skipped); Unavailable when none came."""
-    if isinstance(response, _Failed):
-        raise response.error(call)
-    served = Served.read(response.parameters)
-    return InferResult(
-        outputs=codec.decode_response_outputs(response),
-        confidence=served.confidence,
-        tier=served.tier,
-        path=tuple(served.path),
-        timings_ms=dict(served.timings_ms or {}),
-        degraded=served.degraded,
-        variant=served.variant,
-        agent=served.agent,
-        item_tiers=tuple(served.item_tiers),
-        reason=served.reason,
-    )
-
-
-def _merge(local: _Local, unsure: Array, response: pb.ModelInferResponse) -> InferResult:
-    """The router's answers for the unsure items, each in its place among the local ones."""
-    served = Served.read(response.parameters)
-    remote = codec.decode_response_outputs(response)
-    outputs = {}
-    for name, array in local.outputs.items():
-        merged = array.copy()
-        merged[unsure] = remote[name]
-        outputs[name] = merged
-    tiers = [local.variant.tier] * len(local.confidences)
-    remote_tiers = served.item_tiers or (served.tier,) * len(unsure)
-    for index, tier in zip(unsure.tolist(), remote_tiers, strict=True):
-        tiers[index] = tier
-    settled = np.delete(local.confidences, unsure)
-    timings = {local.variant.tier: local.ms, **(served.timings_ms or {})}
-    return InferResult(
-        outputs=outputs,
-        confidence=min(served.confidence, float(settled.min()) if settled.size else 1.0),
-        tier=max(tiers),
-        path=(local.variant.tier, *served.path),
-        timings_ms=timings,
-        degraded=served.degraded,
-        variant=served.variant,
-        agent=served.agent,
-        item_tiers=tuple(tiers),
-        reason=served.reason,
-    )

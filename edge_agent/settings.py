@@ -9,11 +9,11 @@ from pathlib import Path
 
 from stratus.auth import check_endpoint, clients_authenticated
 from stratus.batching import DEFAULT_MAX_BATCH
+from stratus.channels import NO_TLS, TlsSettings, is_loopback
 from stratus.config import at_least_one, not_negative, outside, positive, secret, setting, validate
 from stratus.discovery import DNS_PREFIX
 from stratus.errors import ConfigError
 from stratus.precision import Hardware, Precision
-from stratus.serving import NO_TLS, TlsSettings, is_loopback
 from stratus.tiers import Tier
 
 SERVE = "the agent's --serve endpoint"

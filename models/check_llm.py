@@ -132,7 +132,7 @@ def reference(path: Path, family: Path) -> None:
     from transformers import LlamaForCausalLM
 
     sys.path.insert(0, str(HERE))
-    from build_llm import greedy, make_tokenizer
+    from llm_decode import greedy, make_tokenizer
 
     torch.set_num_threads(1)
     tokenizer = make_tokenizer()

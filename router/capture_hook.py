@@ -25,9 +25,9 @@ from router.audit import top1
 from stratus import codec
 from stratus.capture import CapturedItem, CaptureLimits, CaptureWriter, TierAnswer
 from stratus.errors import ConfigError
-from stratus.local_generation import read_generation
 from stratus.metrics import RouterMetrics
 from stratus.tensors import Tensors
+from stratus.text_wire import read_generation
 from stratus.tiers import Tier
 from stratus.wire import inference_pb2 as pb
 

@@ -20,19 +20,21 @@ import itertools
 import logging
 import random
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
 from typing import Any
 
 import grpc
 
-from router.cloud_models import Found, NamedModel, answered_by, descriptions, generates, probe_names, routes
+from router.cloud_breaker import CircuitBreaker
+from router.cloud_catalog import LINK_DOWN, CloudCatalog, Families, Headers
+from router.cloud_models import NamedModel
 from stratus import codec
+from stratus.channels import NO_TLS, TlsSettings, check_fits, open_channel, server_name_options
 from stratus.confidence import max_probability
 from stratus.errors import ConfigError, DeadlineExceeded, Overloaded, StratusError, Unavailable
-from stratus.generation import FINAL, MAX_TOKENS, TEXT_OUTPUT, Chunk
+from stratus.generation import FINAL, TEXT_OUTPUT, Chunk
 from stratus.generation import STREAM as STREAM_PARAMETER
 from stratus.protocol import CONFIDENCE, VARIANT, set_parameter
-from stratus.serving import NO_TLS, TlsSettings, check_fits, open_channel, server_name_options
 from stratus.stats import LatencyWindow
 from stratus.status import error_from_status
 from stratus.wire import fleet_pb2 as fpb
@@ -43,8 +45,6 @@ from stratus.wire import inference_pb2_grpc as pb_grpc
 log = logging.getLogger("stratus.cloud-link")
 
 OnChunk = Callable[[Chunk], Awaitable[None]]
-Families = Callable[[], Mapping[str, fpb.FamilyInfo]]
-Headers = tuple[tuple[str, str], ...]
 STREAM = "stream"
 UNARY = "unary"
 # Servers whose ModelStreamInfer is not the protocol's: MLServer's answers ModelInferResponse
@@ -54,18 +54,7 @@ OWN_STREAM = frozenset({"mlserver"})
 # How long a new stream may take to be refused (UNIMPLEMENTED comes at once); a server that
 # sends its headers with its first answer (Triton) is taken to accept it.
 STREAM_CHECK_S = 0.2
-# How often the link looks for families that agents brought since it last learnt, and for
-# models it was told of but did not find (a server that listens before its models load).
-FAMILIES_POLL_S = 0.5
-MISSING_POLL_S = 1.0
-MAX_MISSING_POLL_S = 30.0
-# And at least this often whatever changed here: a gateway reloaded with SIGHUP (rather than
-# through `stratus fleet reload --cloud`, which makes the router learn at once) is caught so.
-RELEARN_S = 30.0
-# Codes that mean the cloud cannot be reached now, not that it refused what it was asked.
-_LINK_DOWN = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED)
 UNMEASURED_MS = 5.0  # a cloud not measured yet is taken to be as cheap as a near one
-UNDECLARED_MAX_TOKENS = 16  # a text model whose config names no max_tokens: OpenAI's default
 
 # How fast the channel to the cloud redials after losing it: gRPC's defaults (1 s, growing
 # to 120 s) would keep escalations degraded long after the gateway is back.
@@ -76,64 +65,7 @@ RECONNECT_OPTIONS = (
 )
 
 
-class CircuitBreaker:
-    """Fail fast while the cloud keeps failing; probe it now and then to see it recover.
-
-    Closed: calls flow. After ``threshold`` consecutive failures (errors or timeouts) it
-    opens: calls are refused at once, so escalations answer degraded instead of piling up
-    behind a cloud that is away. After a cooldown (doubling, capped) it is half-open: one
-    probe call may pass; its success closes the breaker, its failure opens it again.
-    """
-
-    def __init__(
-        self,
-        *,
-        threshold: int = 5,
-        cooldown_s: float = 1.0,
-        max_cooldown_s: float = 30.0,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
-        self.threshold = threshold
-        self._base_cooldown = cooldown_s
-        self._max_cooldown = max_cooldown_s
-        self._cooldown = cooldown_s
-        self._clock = clock
-        self.failures = 0
-        self.opened_at: float | None = None
-        self.probing = False
-
-    @property
-    def state(self) -> str:
-        if self.opened_at is None:
-            return "closed"
-        if self._clock() - self.opened_at < self._cooldown:
-            return "open"
-        return "half-open"
-
-    def allows(self) -> bool:
-        state = self.state
-        return state == "closed" or (state == "half-open" and not self.probing)
-
-    def before_call(self) -> None:
-        if self.state == "half-open":
-            self.probing = True
-
-    def success(self) -> None:
-        self.failures = 0
-        self.opened_at = None
-        self.probing = False
-        self._cooldown = self._base_cooldown
-
-    def failure(self) -> None:
-        self.failures += 1
-        if self.state == "half-open" or self.failures >= self.threshold:
-            if self.opened_at is not None:
-                self._cooldown = min(self._cooldown * 2, self._max_cooldown)
-            self.opened_at = self._clock()
-            self.probing = False
-
-
-class CloudLink:
+class CloudLink(CloudCatalog):
     def __init__(
         self,
         address: str,
@@ -270,7 +202,7 @@ class CloudLink:
                 pb.ServerMetadataRequest(), timeout=2.0, metadata=self._headers
             )
         except grpc.aio.AioRpcError as exc:
-            if exc.code() in _LINK_DOWN:
+            if exc.code() in LINK_DOWN:
                 raise
             return "unknown"
         return f"{metadata.name or 'unknown'} {metadata.version}".strip()
@@ -280,71 +212,6 @@ class CloudLink:
         self.state = "connected"
         self.breaker.success()  # a fresh link to a live cloud: stop failing fast
         log.info("cloud link to %s connected (%s)", self.address, transport)
-
-    # -- what the cloud serves ---------------------------------------------------------------
-    async def _follow_families(self, stub: pb_grpc.GRPCInferenceServiceAsyncStub) -> None:
-        """Learn again when agents have brought families the last learning did not know, or
-        while a family or a named model was not found there: after MISSING_POLL_S, then
-        twice as long each time nothing new turns up (a server that listens before its
-        models load is caught at once; one that never serves a family is asked rarely)."""
-        interval, waited, since = MISSING_POLL_S, 0.0, 0.0
-        while True:
-            await asyncio.sleep(FAMILIES_POLL_S)
-            waited += FAMILIES_POLL_S
-            since += FAMILIES_POLL_S
-            changed = frozenset(self._families()) != self._learnt_for
-            if not changed and not (self._missing() and waited >= interval) and since < RELEARN_S:
-                continue
-            before, waited, since = self.wire_names, 0.0, 0.0
-            try:
-                await self._learn_models(stub)
-            except grpc.aio.AioRpcError as exc:
-                log.info("cloud %s: learning its models again failed (%s)", self.address, exc.code().name)
-            same = self.wire_names == before and not changed
-            interval = min(interval * 2, MAX_MISSING_POLL_S) if same else MISSING_POLL_S
-
-    def _missing(self) -> bool:
-        wanted = {*self._families(), *(entry.name for entry in self._named)}
-        return not wanted <= set(self.wire_names)
-
-    async def _learn_models(self, stub: pb_grpc.GRPCInferenceServiceAsyncStub) -> None:
-        """What the cloud serves for each family, and which of it generates text (so that a
-        router with no agent for a generative family still serves it, the OpenAI API too)."""
-        families = dict(self._families())
-        listed = await self._listed(stub)
-        # All at once: over a slow link to the cloud, one round trip per model in turn adds up.
-        probed = await asyncio.gather(
-            *(self._probe(stub, name, listed) for name in probe_names(families, self._named, listed))
-        )
-        found = [entry for entry in probed if entry is not None]
-        wire, refused = routes(found, families, self._named)
-        self.generative = await self._generative(stub, found)
-        if wire != self.wire_names or self._learnt_for is None:  # said once per change
-            for reason in refused:
-                log.warning("cloud %s: passed over %s", self.address, reason)
-            log.info(
-                "cloud %s serves %s", self.address, ", ".join(f"{k}->{v}" for k, v in sorted(wire.items()))
-            )
-        self.wire_names = wire
-        self.described = descriptions(found, wire, self.generative)
-        self.variants = answered_by(wire, await self._variants(stub, set(wire.values())))
-        self.models = dict.fromkeys(wire, True)
-        self._learnt_for = frozenset(families)
-
-    async def _variants(self, stub: pb_grpc.GRPCInferenceServiceAsyncStub, names: set[str]) -> dict[str, str]:
-        """The variant a Stratus gateway answers each model with (its ModelConfig's
-        ``stratus.variant``); nothing from other servers, which name no variants."""
-        if self.server.split(" ")[0] != "stratus":
-            return {}
-        configs = await asyncio.gather(
-            *(stub.ModelConfig(pb.ModelConfigRequest(name=n), timeout=2.0, metadata=self._headers) for n in sorted(names)),
-            return_exceptions=True,
-        )
-        return {
-            name: config.config.parameters[VARIANT].string_value
-            for name, config in zip(sorted(names), configs, strict=True)
-            if isinstance(config, pb.ModelConfigResponse) and VARIANT in config.config.parameters
-        }
 
     async def reload(self, *, timeout_s: float) -> fpb.ReloadResponse:
         """Ask a Stratus cloud gateway to reload its models folder, with the link's credential."""
@@ -368,78 +235,6 @@ class CloudLink:
                 f"cloud {self.address} is {self.status}: what it serves is learnt when it is back"
             )
         await self._learn_models(pb_grpc.GRPCInferenceServiceStub(self._channel))
-
-    async def _listed(self, stub: pb_grpc.GRPCInferenceServiceAsyncStub) -> dict[str, bool]:
-        """RepositoryIndex's names (ready or not), or none where the cloud restricts it
-        (PyTriton without its token) or has none (KServe)."""
-        try:
-            index = await stub.RepositoryIndex(
-                pb.RepositoryIndexRequest(ready=True), timeout=2.0, metadata=self._headers
-            )
-        except grpc.aio.AioRpcError as exc:
-            if exc.code() in _LINK_DOWN and "restricted" not in (exc.details() or ""):
-                raise
-            log.info("cloud %s: no repository index (%s: %s)", self.address, exc.code().name, exc.details())
-            return {}
-        return {model.name: model.state == "READY" for model in index.models}
-
-    async def _probe(
-        self, stub: pb_grpc.GRPCInferenceServiceAsyncStub, name: str, listed: Mapping[str, bool]
-    ) -> Found | None:
-        """A model the cloud listed as ready, or says is ready, with its description."""
-        if not (listed.get(name) or await self._ready(stub, name)):
-            return None
-        return Found(name=name, metadata=await self._metadata(stub, name))
-
-    async def _ready(self, stub: pb_grpc.GRPCInferenceServiceAsyncStub, name: str) -> bool:
-        """ModelReady; a model the cloud does not know (NOT_FOUND, or MLServer's UNKNOWN) is not."""
-        try:
-            answer = await stub.ModelReady(
-                pb.ModelReadyRequest(name=name), timeout=2.0, metadata=self._headers
-            )
-        except grpc.aio.AioRpcError as exc:
-            if exc.code() in _LINK_DOWN:
-                raise
-            return False
-        return bool(answer.ready)
-
-    async def _metadata(
-        self, stub: pb_grpc.GRPCInferenceServiceAsyncStub, name: str
-    ) -> pb.ModelMetadataResponse | None:
-        try:
-            return await stub.ModelMetadata(
-                pb.ModelMetadataRequest(name=name), timeout=2.0, metadata=self._headers
-            )
-        except grpc.aio.AioRpcError as exc:  # a server that will not describe a model
-            if exc.code() in _LINK_DOWN:
-                raise
-            log.info("cloud %s: no description of %s (%s)", self.address, name, exc.code().name)
-            return None
-
-    async def _generative(
-        self, stub: pb_grpc.GRPCInferenceServiceAsyncStub, found: Sequence[Found]
-    ) -> dict[str, fpb.FamilyInfo]:
-        """The cloud's text models as families, with the max_tokens their configs declare."""
-        text = [entry for entry in found if entry.metadata is not None and generates(entry.metadata)]
-        described = await asyncio.gather(*(self._text_family(stub, entry) for entry in text))
-        return {info.name: info for info in described}
-
-    async def _text_family(self, stub: pb_grpc.GRPCInferenceServiceAsyncStub, entry: Found) -> fpb.FamilyInfo:
-        assert entry.metadata is not None
-        try:
-            config = await stub.ModelConfig(
-                pb.ModelConfigRequest(name=entry.name), timeout=2.0, metadata=self._headers
-            )
-            max_tokens = _max_tokens(config.config)
-        except grpc.aio.AioRpcError:
-            max_tokens = UNDECLARED_MAX_TOKENS
-        return fpb.FamilyInfo(
-            name=entry.name,
-            inputs=entry.metadata.inputs,
-            outputs=entry.metadata.outputs,
-            kind="generative",
-            max_tokens=max_tokens,
-        )
 
     # -- transports ------------------------------------------------------------------------
     async def _serve_stream(
@@ -676,17 +471,6 @@ def _stream_error(message: str) -> StratusError:
     code_name, _, text = message.partition(": ")
     code = getattr(grpc.StatusCode, code_name, grpc.StatusCode.UNKNOWN)
     return error_from_status(code, f"cloud: {text or message}")
-
-
-def _max_tokens(config: pb.ModelConfig) -> int:
-    """The ``max_tokens`` a generative model's config declares (a Stratus cloud gateway
-    does); otherwise OpenAI's default for completions, 16."""
-    parameter = config.parameters.get(MAX_TOKENS)
-    try:
-        declared = int(parameter.string_value) if parameter is not None else 0
-    except ValueError:
-        declared = 0
-    return declared if declared > 0 else UNDECLARED_MAX_TOKENS
 
 
 def _is_final(response: pb.ModelInferResponse) -> bool:

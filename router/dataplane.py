@@ -30,15 +30,9 @@ from router.policy import CloudView, FleetSnapshot
 from router.registry import FleetRegistry
 from router.rollout import PROMOTED, Rollouts
 from stratus.errors import NotFound, Overloaded, StratusError
+from stratus.family_spec import FamilySpec, TensorSpec
 from stratus.generation import FINAL, FINISH_REASON, Chunk
-from stratus.local import model_config
-from stratus.local_generation import (
-    chunk_response,
-    generative_config,
-    generative_metadata,
-    text_response,
-    write_usage,
-)
+from stratus.local_dataplane import model_config
 from stratus.metrics import UNKNOWN, RouterMetrics
 from stratus.protocol import (
     CONFIG_CURRENT,
@@ -49,9 +43,15 @@ from stratus.protocol import (
     Served,
     set_parameter,
 )
-from stratus.repository import FamilySpec, TensorSpec
 from stratus.serving import DataPlane
 from stratus.tensors import Tensors, answer_raw, check_inputs, check_request_metadata, requested_outputs
+from stratus.text_wire import (
+    chunk_response,
+    generative_config,
+    generative_metadata,
+    text_response,
+    write_usage,
+)
 from stratus.tiers import Tier
 from stratus.wire import fleet_pb2 as fpb
 from stratus.wire import inference_pb2 as pb
@@ -234,7 +234,7 @@ class RouterDataPlane(DataPlane):
         self, request: pb.ModelInferRequest, *, timeout_s: float | None, sink: Sink | None = None
     ) -> Generation:
         """A generative request through the tiers; what the client may see goes to ``sink``."""
-        from stratus.local_generation import prompt_request, read_generation
+        from stratus.text_wire import prompt_request, read_generation
 
         started = self._clock()
         info = self.generative(request.model_name)
@@ -472,7 +472,7 @@ def family_spec(info: fpb.FamilyInfo) -> FamilySpec:
     from pathlib import Path
 
     from stratus.confidence import ConfidenceMethod
-    from stratus.repository import ConfidenceSpec
+    from stratus.family_spec import ConfidenceSpec
 
     def specs(items: object) -> tuple[TensorSpec, ...]:
         return tuple(TensorSpec(name=t.name, datatype=t.datatype, shape=tuple(t.shape)) for t in items)  # type: ignore[attr-defined]

@@ -17,7 +17,8 @@ from router.family_view import family_statuses
 from router.index import line_key
 from router.peers import sync_parts
 from router.registry import MAX_RELOAD_WAIT_S, AgentHandle, FleetRegistry, State, shown_state
-from router.rollout import DEFAULT_STEPS, ArmWindow, Margins, Plan, Rollouts
+from router.rollout import DEFAULT_STEPS, Plan, Rollouts
+from router.rollout_judge import ArmWindow, Margins
 from router.thresholds import ThresholdPushes, steer, to_wire
 from stratus import __version__
 from stratus.auth import RouterCredentials, proof_holds, sync_proof

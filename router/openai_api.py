@@ -40,6 +40,7 @@ from aiohttp import web
 from router.cascade.generate import Generation, TextGenerator
 from router.openai_replies import Reply, model_entry
 from router.openai_requests import oip_request, options_of, prompts_of, settings_of, usage_asked
+from stratus.channels import is_loopback
 from stratus.errors import (
     ConfigError,
     DeadlineExceeded,
@@ -53,7 +54,6 @@ from stratus.errors import (
 )
 from stratus.generation import Chunk
 from stratus.sampling import FieldError
-from stratus.serving import is_loopback
 from stratus.wire import inference_pb2 as pb
 
 log = logging.getLogger("stratus.openai")

@@ -13,9 +13,9 @@ from typing import Any, Final
 
 from stratus.errors import InvalidInput
 from stratus.generation import MAX_TOKENS, GenerationParams
-from stratus.local_generation import prompt_request
 from stratus.protocol import PREFIX, set_parameter
 from stratus.sampling import SETTINGS, FieldError, settings_from
+from stratus.text_wire import prompt_request
 from stratus.wire import inference_pb2 as pb
 
 _OPTIONS: Final = {"budget_ms": float, "min_confidence": float, "max_tier": str, "min_tier": str}

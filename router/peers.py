@@ -19,9 +19,9 @@ import grpc
 from router.rollout import Rollouts
 from router.thresholds import ThresholdPushes
 from stratus.auth import proof_holds, sync_proof
+from stratus.channels import NO_TLS, TlsSettings, open_channel, server_name_options
 from stratus.discovery import addresses_of, server_name_of
 from stratus.errors import StratusError
-from stratus.serving import NO_TLS, TlsSettings, open_channel, server_name_options
 from stratus.wire import fleet_pb2 as fpb
 from stratus.wire import fleet_pb2_grpc as fpb_grpc
 

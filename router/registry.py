@@ -26,6 +26,7 @@ from router.index import AgentIndex, line_key
 from router.policy import CloudView, FleetSnapshot
 from stratus.audit_config import check_family_info
 from stratus.batching import DEFAULT_MAX_DELAY_S, Batch, Batcher, BatchKey, split_counts
+from stratus.channels import MAX_WORK_BYTES, check_fits
 from stratus.codec import numpy_dtype
 from stratus.errors import (
     ConfigError,
@@ -39,7 +40,6 @@ from stratus.errors import (
 from stratus.hardware import describe as describe_hardware
 from stratus.hardware import from_hello as hardware_from_hello
 from stratus.metrics import RouterMetrics
-from stratus.serving import MAX_WORK_BYTES, check_fits
 from stratus.stats import LatencyWindow, RateMeter, ServiceCurve, SizeWindow
 from stratus.status import error_from_status, status_for
 from stratus.tensors import Tensors

@@ -26,10 +26,8 @@ judges the requests it sees; the first decision made anywhere is the one all ado
 
 from __future__ import annotations
 
-import bisect
 import json
 import logging
-import math
 import os
 import random
 import tempfile
@@ -39,11 +37,8 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Final
 
-import numpy as np
-
-from stratus import codec
+from router.rollout_judge import ArmWindow, Margins, judge
 from stratus.errors import ConfigError, InvalidInput, NotFound
-from stratus.tensors import Tensors
 from stratus.tiers import Tier
 
 log = logging.getLogger("stratus.rollout")
@@ -55,8 +50,6 @@ ROLLED_BACK: Final = "rolled_back"
 ABORTED: Final = "aborted"
 STATES: Final = (RUNNING, COMPLETE, PROMOTED, ROLLED_BACK, ABORTED)
 DEFAULT_STEPS: Final = (5.0, 25.0, 50.0, 100.0)
-# Latencies kept per arm and step: enough for a stable p99, bounded memory.
-WINDOW_LATENCIES: Final = 20_000
 # Judging sorts the window; at most this often per rollout, however busy the router.
 JUDGE_EVERY_S: Final = 0.05
 FORMAT_VERSION: Final = 1
@@ -70,23 +63,6 @@ MAX_PLANS: Final = 256
 # How far past ours a record's revision may be and still be adopted: each change adds 1, so
 # honest routers stay far inside it, and a record cannot win every later merge by a huge one.
 MAX_REVISION_JUMP: Final = 1000
-
-
-@dataclass(frozen=True, kw_only=True)
-class Margins:
-    """How much worse than the current variant a candidate may be and still advance."""
-
-    max_error_increase: float = 0.01
-    max_p99_ratio: float = 1.5
-    # Below a few milliseconds a ratio alone would judge scheduler noise.
-    p99_slack_ms: float = 2.0
-    max_unsure_increase: float = 0.05
-
-    def __post_init__(self) -> None:
-        if not 0 <= self.max_error_increase <= 1 or not 0 <= self.max_unsure_increase <= 1:
-            raise InvalidInput("error and unsure margins are shares between 0 and 1")
-        if self.max_p99_ratio < 1 or self.p99_slack_ms < 0:
-            raise InvalidInput("the p99 ratio must be at least 1 and its slack not negative")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -190,140 +166,6 @@ def check_steps(steps: Sequence[float]) -> tuple[float, ...]:
     if any(not 0 < s <= 100 for s in values) or list(values) != sorted(set(values)):
         raise InvalidInput(f"steps {list(values)} must rise strictly, each above 0 and at most 100")
     return values
-
-
-# ---------------------------------------------------------------------------------------------
-# One step's evidence, and the verdict
-# ---------------------------------------------------------------------------------------------
-
-
-@dataclass
-class ArmWindow:
-    """What one variant did in the current step: requests, errors, latency, unsure items."""
-
-    requests: int = 0
-    errors: int = 0
-    items: int = 0
-    unsure: int = 0
-    latencies_ms: list[float] = field(default_factory=list)  # sorted
-
-    def add(self, *, ok: bool, latency_ms: float, items: int, unsure: int) -> None:
-        self.requests += 1
-        if not ok:
-            self.errors += 1
-            return
-        self.items += items
-        self.unsure += unsure
-        if len(self.latencies_ms) < WINDOW_LATENCIES:
-            bisect.insort(self.latencies_ms, latency_ms)
-
-    @property
-    def error_share(self) -> float:
-        return self.errors / self.requests if self.requests else 0.0
-
-    @property
-    def unsure_share(self) -> float:
-        return self.unsure / self.items if self.items else 0.0
-
-    @property
-    def p99_ms(self) -> float:
-        values = self.latencies_ms
-        return values[min(len(values) - 1, int(0.99 * len(values)))] if values else 0.0
-
-
-@dataclass(frozen=True)
-class Verdict:
-    action: str  # "wait", "advance" or "rollback"
-    reason: str
-
-
-def judge(current: ArmWindow, candidate: ArmWindow, *, min_requests: int, margins: Margins) -> Verdict:
-    """The candidate against the current variant over one window (pure)."""
-    if current.requests < min_requests or candidate.requests < min_requests:
-        return Verdict(
-            "wait",
-            f"{candidate.requests} candidate and {current.requests} current requests of {min_requests} each",
-        )
-    if worse_beyond(candidate.errors, candidate.requests, current.errors, current.requests) > (
-        margins.max_error_increase
-    ):
-        return Verdict(
-            "rollback",
-            f"errors {candidate.error_share:.1%} vs {current.error_share:.1%} "
-            f"(margin {margins.max_error_increase:.1%})",
-        )
-    slower = _slower(current, candidate, margins)
-    if slower:
-        return Verdict("rollback", slower)
-    if worse_beyond(candidate.unsure, candidate.items, current.unsure, current.items) > (
-        margins.max_unsure_increase
-    ):
-        return Verdict(
-            "rollback",
-            f"unsure {candidate.unsure_share:.1%} vs {current.unsure_share:.1%} "
-            f"(margin {margins.max_unsure_increase:.1%})",
-        )
-    return Verdict(
-        "advance",
-        f"no worse over {candidate.requests}/{current.requests} requests: errors "
-        f"{candidate.error_share:.1%} vs {current.error_share:.1%}, p99 {candidate.p99_ms:.1f} vs "
-        f"{current.p99_ms:.1f} ms, unsure {candidate.unsure_share:.1%} vs {current.unsure_share:.1%}",
-    )
-
-
-# The share of requests a p99 leaves out: a candidate must surely exceed the current
-# variant's slow share by more than this before its tail counts as slower.
-TAIL_SHARE: Final = 0.01
-# One-sided 95% normal quantile.
-_Z = 1.645
-
-
-def worse_beyond(bad_a: int, n_a: int, bad_b: int, n_b: int) -> float:
-    """How much A's share of bad outcomes surely exceeds B's: the lower end of a one-sided
-    95% interval for the difference (Wald, with a continuity floor so 0/n is not certain)."""
-    if n_a == 0 or n_b == 0:
-        return 0.0
-    p_a, p_b = bad_a / n_a, bad_b / n_b
-    noise = math.sqrt(max(p_a * (1 - p_a), 0.25 / n_a) / n_a + max(p_b * (1 - p_b), 0.25 / n_b) / n_b)
-    return (p_a - p_b) - _Z * noise
-
-
-def _slower(current: ArmWindow, candidate: ArmWindow, margins: Margins) -> str:
-    """Why the candidate's tail is slower beyond the margin, or "".
-
-    A p99 read from a few hundred requests is the second or third slowest of them: noise.
-    So the p99 is judged by what it means: the share of requests slower than the current
-    variant's p99 times ``max_p99_ratio`` (or plus ``p99_slack_ms``). A candidate no slower
-    has about as few of those as the current one (under 1%); it is rolled back when its
-    share is surely more than TAIL_SHARE larger, which a slower tail shows at once and a
-    like one, a few unlucky requests apart, does not.
-    """
-    limit = max(current.p99_ms * margins.max_p99_ratio, current.p99_ms + margins.p99_slack_ms)
-    mine, theirs = _count_above(current.latencies_ms, limit), _count_above(candidate.latencies_ms, limit)
-    if worse_beyond(theirs, len(candidate.latencies_ms), mine, len(current.latencies_ms)) <= TAIL_SHARE:
-        return ""
-    share = theirs / len(candidate.latencies_ms)
-    return (
-        f"p99 {candidate.p99_ms:.1f} ms vs {current.p99_ms:.1f} ms: {share:.1%} of its requests took "
-        f"over {limit:.1f} ms (the current p99 x {margins.max_p99_ratio:g}, or + {margins.p99_slack_ms:g} ms)"
-    )
-
-
-def _count_above(sorted_values: list[float], limit: float) -> int:
-    return len(sorted_values) - bisect.bisect_right(sorted_values, limit)
-
-
-def top1(tensors: Tensors) -> np.ndarray[Any, Any] | None:
-    """Each item's highest-scoring class in the first output, for shadow agreement."""
-    names = tensors.names()
-    if not names:
-        return None
-    raw = tensors.get(names[0])
-    if not raw.fixed_size or len(raw.shape) < 2:
-        return None
-    values = np.frombuffer(raw.data, dtype=codec.numpy_dtype(raw.datatype))
-    best: np.ndarray[Any, Any] = values.reshape(raw.shape[0], -1).argmax(axis=1)
-    return best
 
 
 # ---------------------------------------------------------------------------------------------

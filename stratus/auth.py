@@ -34,7 +34,7 @@ import grpc
 from stratus.errors import ConfigError, PermissionDenied, Unauthenticated
 
 if TYPE_CHECKING:
-    from stratus.serving import TlsSettings
+    from stratus.channels import TlsSettings
 
 log = logging.getLogger("stratus.auth")
 
@@ -312,7 +312,7 @@ def check_exposure(
 
     Loopback needs nothing (a demo keeps working with no set-up); anything else needs TLS and
     caller authentication (``needs`` says which flags give it), or ``--insecure``."""
-    from stratus.serving import is_loopback
+    from stratus.channels import is_loopback
 
     host = listen.rsplit(":", 1)[0]
     if insecure or is_loopback(host):
@@ -340,7 +340,7 @@ async def warn_insecure_forever(what: str, listen: str, interval_s: float = INSE
 
 
 def exposed_insecurely(listen: str, *, tls: bool, callers_authenticated: bool) -> bool:
-    from stratus.serving import is_loopback
+    from stratus.channels import is_loopback
 
     return not is_loopback(listen.rsplit(":", 1)[0]) and not (tls and callers_authenticated)
 

@@ -19,11 +19,11 @@ import grpc
 
 from stratus import __version__
 from stratus.certs import add_parser as add_certs
+from stratus.channels import TlsSettings
 from stratus.config_cli import add_config_check, settings_class
 from stratus.errors import ConfigError, StratusError
 from stratus.fleet_thresholds import add_parser as add_thresholds_parser
 from stratus.models_cli import add_models
-from stratus.serving import TlsSettings
 
 if TYPE_CHECKING:
     from stratus.precision import Hardware

@@ -27,12 +27,12 @@ import grpc
 import numpy as np
 
 from stratus import codec
+from stratus.channels import grpc_options
 from stratus.errors import Unavailable
 from stratus.fleetctl import ready_agents, status_json, status_table
 from stratus.launcher import Launched, launch
 from stratus.protocol import Served
 from stratus.repository import ModelRepository
-from stratus.serving import grpc_options
 from stratus.tiers import Tier
 from stratus.tools.datasets import Split, dataset_for, digits_splits
 from stratus.wire import fleet_pb2 as fpb
@@ -286,7 +286,7 @@ def through_generation(router: str, models: Path, count: int = ARITH_PROMPTS) ->
     families = ModelRepository.load(models).families
     if "arith" not in families:
         return None
-    from stratus.local_generation import text_array
+    from stratus.text_wire import text_array
     from stratus.tools.arith import arith_splits, grade
 
     tiers, correct, latency, degraded = [], [], [], 0

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from stratus.serving import NO_TLS, TlsSettings, open_sync_channel
+from stratus.channels import NO_TLS, TlsSettings, open_sync_channel
 from stratus.wire import fleet_pb2 as fpb
 from stratus.wire import fleet_pb2_grpc as fpb_grpc
 

@@ -21,8 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from stratus.channels import NO_TLS, TlsSettings, open_sync_channel
 from stratus.errors import ConfigError
-from stratus.serving import NO_TLS, TlsSettings, open_sync_channel
 from stratus.wire import fleet_pb2 as fpb
 from stratus.wire import fleet_pb2_grpc as fpb_grpc
 

@@ -11,8 +11,8 @@ from typing import Any
 
 import grpc
 
+from stratus.channels import NO_TLS, TlsSettings, open_sync_channel
 from stratus.hardware import describe as describe_hardware
-from stratus.serving import NO_TLS, TlsSettings, open_sync_channel
 from stratus.wire import fleet_pb2 as fpb
 from stratus.wire import fleet_pb2_grpc as fpb_grpc
 

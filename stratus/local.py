@@ -1,4 +1,6 @@
-"""Models loaded on this machine, and the data plane that serves them.
+"""Models loaded on this machine, served: the data plane over them is in
+``stratus.local_dataplane``, choosing and loading them in ``stratus.local_loading``, and
+what a Hello says about them in ``stratus.local_fleet``.
 
 Used by the edge agent (for Work from the router and for its local ``--serve``
 endpoint), the cloud gateway and the on-device SDK: decode and check the request, run
@@ -13,60 +15,53 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from stratus import codec
-from stratus.audit_config import calibration_info
-from stratus.batching import DEFAULT_MAX_BATCH, DEFAULT_MAX_DELAY_S, Batch, Batcher, BatchKey, split_counts
+from stratus.batching import Batch, Batcher, BatchKey, split_counts
 from stratus.codec import Array
 from stratus.confidence import confidence
 from stratus.errors import (
-    DeadlineExceeded,
     InvalidInput,
     ModelLoadError,
     NotFound,
-    RuntimeUnavailable,
     StratusError,
     Unavailable,
 )
 from stratus.executor import BoundedExecutor
-from stratus.generation import FINAL, FINISH_REASON, Chunk
-from stratus.local_generation import (
-    RETIRE_GRACE_S,
-    NotLoaded,
-    chunk_response,
-    generative_config,
-    generative_metadata,
-    read_usage,
-    write_usage,
+from stratus.family_spec import FamilySpec, VariantSpec
+from stratus.generation import FINISH_REASON, Chunk
+from stratus.local_generation import RETIRE_GRACE_S, NotLoaded
+from stratus.local_loading import (
+    Chosen,
+    LocalSettings,
+    load_at_start,
+    load_generators,
+    load_variant,
+    select_variants,
 )
-from stratus.metrics import UNKNOWN, Metric, Metrics, ModelMetrics, counted, gauge
-from stratus.precision import Hardware, choose_variant, load_verification, this_hardware
-from stratus.protocol import BATCH_SIZE, MODEL_VERSION, VARIANT, Served, parameter_value, set_parameter
-from stratus.repository import FamilySpec, ModelRepository, VariantSpec
-from stratus.runtimes import LoadFailure, LoadOptions, ModelRunner, load_runner
-from stratus.serving import DataPlane, tensor_metadata
+from stratus.metrics import UNKNOWN, Metric, Metrics, ModelMetrics, gauge
+from stratus.precision import Hardware, this_hardware
+from stratus.protocol import set_parameter
+from stratus.repository import ModelRepository
+from stratus.runtimes import LoadFailure, ModelRunner
 from stratus.stats import LatencyWindow
-from stratus.tensors import MAX_REQUEST_ITEMS, answer_raw, check_request_metadata
+from stratus.tensors import answer_raw, check_request_metadata
+from stratus.text_wire import text_response, write_usage
 from stratus.tiers import Tier
-from stratus.wire import fleet_pb2
 from stratus.wire import inference_pb2 as pb
 
 log = logging.getLogger("stratus.models")
 
 if TYPE_CHECKING:
-    from stratus.local_generation import LocalGenerators, OnChunk
+    from stratus.local_generation import OnChunk
 
-# The most of a load failure's reason an agent's Hello carries.
-_REASON_CHARS = 1000
 # Calls between two looks at whether a variant is fast enough to run on the event loop.
 INLINE_REVIEW = 64
-# How long a variant that a reload replaced keeps answering work already addressed to it.
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -94,35 +89,6 @@ class _Part:
     batch_size: int
 
 
-@dataclass(frozen=True, kw_only=True)
-class LocalSettings:
-    """Which variants to load, how wide the inference executor is, and how requests batch."""
-
-    tier: Tier | None = None
-    variants: Sequence[str] | None = None
-    cache_dir: Path = Path.home() / ".cache" / "stratus"
-    concurrency: int = 2
-    queue_limit: int = 64
-    runtimes: Sequence[str] | None = None
-    executor_name: str = "stratus-infer"
-    # Requests merged into one runtime call while every slot is busy; 1 turns batching off.
-    max_batch: int = DEFAULT_MAX_BATCH
-    max_batch_delay_s: float = DEFAULT_MAX_DELAY_S
-    # Which precision of each family to serve: None picks the fastest that this CPU runs
-    # natively and that the family's verification record vouches for; "fp32" etc. forces.
-    precision: str | None = None
-    hardware: Hardware | None = None  # None: read from this machine's CPU flags
-    # A variant whose recent p90 runtime call is under this runs on the event loop, not a
-    # thread (the hand-over would cost more than the call); 0: always a thread.
-    inline_below_ms: float = 0.2
-    # Benchmarks only: hold each inference this much longer, to emulate a slower device.
-    emulated_extra_ms: float = 0.0
-
-    def __post_init__(self) -> None:
-        if self.concurrency < 1 or self.queue_limit < 0 or self.max_batch < 1 or self.max_batch_delay_s < 0:
-            raise ValueError("concurrency and max_batch must be >= 1, queue_limit and delay >= 0")
-
-
 class LocalModels:
     """Variants loaded into their best runtimes here, warmed up before first use.
 
@@ -140,8 +106,8 @@ class LocalModels:
         self.repository = repository
         self.metrics = metrics
         self.recorder = ModelMetrics(metrics) if metrics is not None else None
-        chosen = _select(repository, settings)
-        self.generators = _generators(repository, settings, self.recorder)
+        chosen = select_variants(repository, settings)
+        self.generators = load_generators(repository, settings, self.recorder)
         if not chosen and not (self.generators and (self.generators.variants or self.generators.unavailable)):
             raise NotFound(f"no variants to load (tier={settings.tier}, variants={settings.variants})")
         self.runners: dict[str, ModelRunner] = {}
@@ -159,7 +125,11 @@ class LocalModels:
         # no runtime here could load: those are not ready here, and say why.
         self.load_failures: list[LoadFailure] = []
         self.unavailable: dict[str, NotLoaded] = {}
-        loaded = [pair for c in chosen if (pair := self._load_at_start(c)) is not None]
+        loaded = [
+            pair
+            for c in chosen
+            if (pair := load_at_start(c, settings, self.load_failures, self.unavailable)) is not None
+        ]
         self._install([c for c, _ in loaded], {c.variant.name: runner for c, runner in loaded})
         self._count_load_failures()
         if not self.runners and not (self.generators and self.generators.runners):
@@ -188,52 +158,6 @@ class LocalModels:
         assert self.settings.hardware is not None  # set in __init__
         return self.settings.hardware
 
-    def _load(self, chosen: _Chosen) -> ModelRunner:
-        options = LoadOptions(
-            tier=chosen.variant.tier, cache_dir=self.settings.cache_dir, concurrency=self.settings.concurrency
-        )
-        return load_runner(
-            chosen.family,
-            chosen.variant,
-            options,
-            runtimes=self.settings.runtimes,
-            failures=self.load_failures,
-        )
-
-    def _load_at_start(self, chosen: _Chosen) -> tuple[_Chosen, ModelRunner] | None:
-        """The chosen variant loaded; where no runtime here loads a lower-precision child,
-        its FP32 parent; where nothing loads, None, with the family marked unavailable (a
-        current variant) so the rest of the process still serves."""
-        try:
-            return chosen, self._load(chosen)
-        except (ModelLoadError, RuntimeUnavailable) as exc:
-            failed = str(exc)
-        parent = chosen.variant.parent
-        if parent is not None and self.settings.variants is None:
-            fallback = _Chosen(
-                chosen.family,
-                chosen.family.variant(parent),
-                f"fp32: {chosen.variant.name} did not load ({failed})",
-                current=chosen.current,
-            )
-            log.warning(
-                "%s: %s did not load, serving %s instead: %s",
-                chosen.family.name,
-                chosen.variant.name,
-                parent,
-                failed,
-            )
-            try:
-                return fallback, self._load(fallback)
-            except (ModelLoadError, RuntimeUnavailable) as exc:
-                failed = f"{failed}; {parent}: {exc}"
-        if chosen.current:
-            self.unavailable[chosen.family.name] = NotLoaded(
-                family=chosen.family.name, variant=chosen.variant.name, reason=failed
-            )
-        log.error("%s: not serving %s: %s", chosen.family.name, chosen.variant.name, failed)
-        return None
-
     def _count_load_failures(self) -> None:
         """Each refusal once: in the log, and in ``stratus_model_load_failures_total``."""
         failures = [*self.load_failures, *(self.generators.load_failures if self.generators else ())]
@@ -261,7 +185,7 @@ class LocalModels:
             self.generators.variants[name].family == family for name in self.generators.current
         )
 
-    def _install(self, chosen: Sequence[_Chosen], runners: Mapping[str, ModelRunner]) -> None:
+    def _install(self, chosen: Sequence[Chosen], runners: Mapping[str, ModelRunner]) -> None:
         """Serve exactly ``chosen`` from now on; variants left out stay loaded but retiring."""
         for c in chosen:
             name = c.variant.name
@@ -288,7 +212,7 @@ class LocalModels:
         it was and raises, saying why.
         """
         repository = ModelRepository.load(self.repository.root)
-        chosen = _select(repository, self.settings)
+        chosen = select_variants(repository, self.settings)
         if not chosen and self.generators is None:
             raise NotFound(f"no variants to load from {self.repository.root}")
         loop = asyncio.get_running_loop()
@@ -301,7 +225,9 @@ class LocalModels:
                     runners[name] = self.runners[name]
                     continue
                 log.info("loading %s (%s) from %s", name, c.variant.precision, self.repository.root)
-                runners[name] = await loop.run_in_executor(None, self._load, c)
+                runners[name] = await loop.run_in_executor(
+                    None, load_variant, c, self.settings, self.load_failures
+                )
                 fresh.append(runners[name])
             if self.generators is not None:
                 await self.generators.reload(repository)  # all or nothing, like the rest
@@ -440,8 +366,6 @@ class LocalModels:
 
     async def generate(self, request: pb.ModelInferRequest, on_chunk: OnChunk | None = None) -> LocalAnswer:
         """A generative request: its text (and each chunk to ``on_chunk`` as it is made)."""
-        from stratus.local_generation import text_response
-
         assert self.generators is not None
         done = await self.generators.generate(request, on_chunk)
         response = text_response(request, done.text)
@@ -534,54 +458,6 @@ class LocalModels:
             time.sleep(self.settings.emulated_extra_ms / 1000.0)  # on an executor thread, like real compute
         return outputs, (time.perf_counter() - started) * 1000.0
 
-    def families_info(self) -> list[fleet_pb2.FamilyInfo]:
-        served = {self.variants[name].family for name in self.served}
-        generative = list(self.generators.families.values()) if self.generators is not None else []
-        return [
-            *map(_family_info, generative),
-            *[
-                fleet_pb2.FamilyInfo(
-                    name=f.name,
-                    inputs=tensor_metadata(f.inputs),
-                    outputs=tensor_metadata(f.outputs),
-                    thresholds={t.label: v for t, v in f.thresholds.items()},
-                    cloud_variants=cloud_variants(f),
-                    calibrated_cloud_share=calibrated_cloud_share(f),
-                    **family_info_fields(f),
-                )
-                for f in self.families.values()
-                if f.name in served
-            ],
-        ]
-
-    def variants_info(self) -> list[fleet_pb2.VariantInfo]:
-        infos = []
-        for name in sorted(self.served):
-            described = self.runners[name].describe()
-            infos.append(
-                fleet_pb2.VariantInfo(
-                    name=name,
-                    family=self.variants[name].family,
-                    runtime=described.runtime,
-                    device=described.device,
-                    precision=self.variants[name].precision,
-                    dynamic_batch=described.dynamic_batch,
-                    max_batch=self.max_batch(name),
-                    chosen_because=self.reasons.get(name, ""),
-                    line=self.variants[name].parent or name,
-                    current=name in self.current,
-                )
-            )
-        if self.generators is not None:
-            infos += _generator_infos(self.generators)
-        return infos
-
-    def unavailable_info(self) -> list[fleet_pb2.FamilyUnavailable]:
-        return [  # bounded: a Hello is checked against a size limit at the router
-            fleet_pb2.FamilyUnavailable(family=n.family, variant=n.variant, reason=n.reason[:_REASON_CHARS])
-            for n in self.unavailable_families().values()
-        ]
-
     def close(self) -> None:
         if self.generators is not None:
             self.generators.close()
@@ -589,138 +465,6 @@ class LocalModels:
         self.executor.shutdown(wait=True)
         for runner in self.runners.values():
             runner.close()
-
-
-def _select(repository: ModelRepository, settings: LocalSettings) -> list[_Chosen]:
-    """Named variants as they are; otherwise, per family and tier, every line (the current
-    variant and any other FP32 variant, a rollout's candidate) in its best precision here."""
-    if settings.variants:
-        chosen = []
-        for name in settings.variants:
-            variant = repository.variant(name)
-            family = repository.family(variant.family)
-            if family.generative:
-                continue
-            current = family.current.get(variant.tier) == (variant.parent or variant.name)
-            chosen.append(_Chosen(family, variant, "named", current=current))
-        return chosen
-    hardware = settings.hardware or this_hardware()
-    chosen = []
-    for family in repository.families.values():
-        if family.generative:
-            continue  # LocalGenerators loads those
-        tiers = [settings.tier] if settings.tier is not None else family.tiers()
-        for tier in tiers:
-            for line in family.lines(tier):
-                current = line.name == family.current.get(tier)
-                try:
-                    choice = choose_variant(
-                        family,
-                        tier,
-                        hardware=hardware,
-                        record=load_verification(family),
-                        override=settings.precision,
-                        line=line,
-                    )
-                except StratusError as exc:
-                    if current:
-                        raise
-                    log.warning("%s on %s: not serving %s: %s", family.name, tier.label, line.name, exc)
-                    continue
-                role = "current" if current else "not current"
-                only = choice.variant.runtimes
-                log.info(
-                    "%s on %s: %s, %s (%s)%s",
-                    family.name,
-                    tier.label,
-                    choice.variant.name,
-                    role,
-                    choice.reason,
-                    f"; runtimes {', '.join(only)} only (family.toml)" if only else "",
-                )
-                chosen.append(_Chosen(family, choice.variant, choice.reason, current=current))
-    return chosen
-
-
-def _generators(
-    repository: ModelRepository, settings: LocalSettings, recorder: ModelMetrics | None
-) -> LocalGenerators | None:
-    """The generative variants of the same tier (or among the named variants), if any."""
-    if not any(f.generative for f in repository.families.values()):
-        return None
-    from stratus.local_generation import LocalGenerators
-
-    options = LoadOptions(
-        tier=settings.tier or Tier.CLOUD, cache_dir=settings.cache_dir, concurrency=settings.concurrency
-    )
-    return LocalGenerators(
-        repository,
-        tier=settings.tier,
-        variants=list(settings.variants) if settings.variants else None,
-        options=options,
-        runtimes=list(settings.runtimes) if settings.runtimes else None,
-        emulated_extra_ms=settings.emulated_extra_ms,
-        recorder=recorder,
-    )
-
-
-def _family_info(family: FamilySpec) -> fleet_pb2.FamilyInfo:
-    """A generative family as the router needs it: its tensors, thresholds and limits."""
-    assert family.generation is not None
-    return fleet_pb2.FamilyInfo(
-        name=family.name,
-        inputs=tensor_metadata(family.inputs),
-        outputs=tensor_metadata(family.outputs),
-        thresholds={t.label: v for t, v in family.thresholds.items()},
-        kind="generative",
-        confidence_method=family.generation.method.value,
-        max_tokens=family.generation.max_tokens,
-        stop=family.generation.stop,
-        cloud_variants=cloud_variants(family),
-        calibrated_cloud_share=calibrated_cloud_share(family),
-        **family_info_fields(family),
-    )
-
-
-def calibrated_cloud_share(family: FamilySpec) -> float | None:
-    """What calibrate recorded the thresholds send to the cloud; None (the field stays unset,
-    and the router exports no baseline) for thresholds never calibrated."""
-    return family.calibration.cloud_share if family.calibration is not None else None
-
-
-def cloud_variants(family: FamilySpec) -> list[str]:
-    """The family's cloud-tier variants, its current line first, then that line's children."""
-    current = family.current.get(Tier.CLOUD)
-    names = [v.name for v in family.variants_for(Tier.CLOUD)]
-    return sorted(names, key=lambda n: (n != current, not n.startswith(f"{current}-"), n))
-
-
-def _generator_infos(generators: LocalGenerators) -> list[fleet_pb2.VariantInfo]:
-    return [
-        fleet_pb2.VariantInfo(
-            name=name,
-            family=variant.family,
-            runtime=generators.runners[name].runtime,
-            device="CPU",
-            precision=variant.precision,
-            kv_cache=generators.runners[name].kv_cache_precision,
-            max_batch=1,
-            chosen_because="generative"
-            if generators.lines[name] == name
-            else f"generative: the {variant.precision} file of {generators.lines[name]}",
-            line=generators.lines[name],
-            current=name in generators.current,
-        )
-        for name, variant in sorted(generators.variants.items())
-    ]
-
-
-@dataclass(frozen=True)
-class _Chosen:
-    family: FamilySpec
-    variant: VariantSpec
-    reason: str
-    current: bool = True
 
 
 def _requested_outputs(request: pb.ModelInferRequest, family: FamilySpec) -> list[str]:
@@ -748,150 +492,3 @@ def _key(variant: str, inputs: Mapping[str, Array], outputs: Sequence[str]) -> B
 
 def _join(members: Sequence[Mapping[str, Array]]) -> dict[str, Array]:
     return {name: np.concatenate([m[name] for m in members]) for name in members[0]}
-
-
-class LocalDataPlane(DataPlane):
-    """Serves the variants loaded here: the cloud gateway, and an agent's ``--serve``."""
-
-    def __init__(self, models: LocalModels, *, tier: Tier, name: str) -> None:
-        self.models = models
-        self.tier = tier
-        self.name = name
-
-    def ready(self) -> bool:
-        return bool(self.models.runners) or bool(self.models.generators and self.models.generators.runners)
-
-    def model_ready(self, name: str) -> bool:
-        return name in self.models.model_names()
-
-    def model_names(self) -> list[str]:
-        return self.models.model_names()
-
-    def model_metadata(self, name: str) -> pb.ModelMetadataResponse:
-        family, variant = self.models.variant_for(name)
-        if family.generative:
-            return generative_metadata(name, self._runtime(variant.name))
-        return pb.ModelMetadataResponse(
-            name=name,
-            versions=[MODEL_VERSION],
-            platform=self._runtime(variant.name),
-            inputs=tensor_metadata(family.inputs),
-            outputs=tensor_metadata(family.outputs),
-        )
-
-    def model_config(self, name: str) -> pb.ModelConfig:
-        family, variant = self.models.variant_for(name)
-        if family.generative:
-            assert family.generation is not None
-            max_tokens = family.generation.max_tokens
-            return generative_config(name, self._runtime(variant.name), max_tokens, variant=variant.name)
-        config = model_config(family, name, self._runtime(variant.name))
-        config.parameters[VARIANT].string_value = variant.name  # the variant that answers ``name`` here
-        return config
-
-    def _runtime(self, variant: str) -> str:
-        generators = self.models.generators
-        if generators is not None and variant in generators.runners:
-            return generators.runners[variant].runtime
-        return self.models.runners[variant].describe().runtime
-
-    def generate(
-        self, request: pb.ModelInferRequest, *, timeout_s: float | None
-    ) -> AsyncIterator[pb.ModelInferResponse]:
-        if not self.models.generates(request.model_name):
-            return super().generate(request, timeout_s=timeout_s)
-        return self._generate(request)
-
-    async def _generate(self, request: pb.ModelInferRequest) -> AsyncIterator[pb.ModelInferResponse]:
-        """Each token as a response as soon as it is made, then a final one with the finish
-        reason and who answered; a caller that stops reading stops the generation."""
-        chunks: asyncio.Queue[Chunk | None] = asyncio.Queue()
-
-        async def on_chunk(chunk: Chunk) -> None:
-            chunks.put_nowait(chunk)
-
-        task = asyncio.create_task(self.models.generate(request, on_chunk))
-        task.add_done_callback(lambda _: chunks.put_nowait(None))
-        try:
-            with counted(lambda outcome: self.models.count(outcome, request.model_name)):
-                while (chunk := await chunks.get()) is not None:
-                    yield chunk_response(request, chunk)
-                answer = await task
-        finally:  # the caller went away (cancelled, or stopped reading): stop generating
-            if not task.done():
-                task.cancel()
-                await asyncio.gather(task, return_exceptions=True)
-        reason = parameter_value(answer.response.parameters[FINISH_REASON])
-        prompt_tokens, completion_tokens = read_usage(answer.response.parameters)
-        ending = Chunk(
-            tokens=(),
-            finish_reason=str(reason),
-            prompt_tokens=prompt_tokens,
-            completion_tokens=completion_tokens,
-        )
-        final = chunk_response(request, ending)
-        set_parameter(final.parameters, FINAL, True)
-        self._served(answer).write(final.parameters)
-        yield final
-
-    def _served(self, answer: LocalAnswer) -> Served:
-        return Served(
-            tier=self.tier,
-            agent=self.name,
-            variant=answer.variant.name,
-            precision=answer.variant.precision,
-            confidence=answer.confidence,
-            path=(self.tier,),
-            timings_ms={self.tier: answer.service_ms},
-            queue_ms=answer.queue_ms,
-            compute_ms=answer.service_ms,
-        )
-
-    async def infer(self, request: pb.ModelInferRequest, *, timeout_s: float | None) -> pb.ModelInferResponse:
-        """Answered within the caller's deadline, or DEADLINE_EXCEEDED: a request whose caller
-        has given up holds no slot or queue place here."""
-        with counted(lambda outcome: self.models.count(outcome, request.model_name)):
-            try:
-                async with asyncio.timeout(timeout_s):
-                    answer = await self.models.answer(request)
-            except TimeoutError:
-                raise DeadlineExceeded(f"no answer within the caller's deadline ({timeout_s:g} s)") from None
-        self._served(answer).write(answer.response.parameters)
-        set_parameter(answer.response.parameters, BATCH_SIZE, answer.batch_size)
-        return answer.response
-
-
-_TYPE_NAMES = {"BOOL": "TYPE_BOOL", "BYTES": "TYPE_STRING"}
-
-
-def model_config(family: FamilySpec, name: str, backend: str) -> pb.ModelConfig:
-    """Triton's ModelConfig for a family: dims without the batch dimension."""
-
-    def data_type(datatype: str) -> pb.DataType.ValueType:
-        return pb.DataType.Value(_TYPE_NAMES.get(datatype, f"TYPE_{datatype}"))
-
-    return pb.ModelConfig(
-        name=name,
-        platform=backend,
-        backend=backend,
-        max_batch_size=MAX_REQUEST_ITEMS,
-        input=[
-            pb.ModelInput(name=s.name, data_type=data_type(s.datatype), dims=s.shape[1:])
-            for s in family.inputs
-        ],
-        output=[
-            pb.ModelOutput(name=s.name, data_type=data_type(s.datatype), dims=s.shape[1:])
-            for s in family.outputs
-        ],
-    )
-
-
-def family_info_fields(family: FamilySpec) -> dict[str, Any]:
-    """The FamilyInfo fields for a family's audits (keyword arguments of its constructor)."""
-    audit = fleet_pb2.AuditSettings(compare=family.audit.compare)
-    if family.audit.share is not None:
-        audit.share = family.audit.share
-    if family.audit.max_per_s is not None:
-        audit.max_per_s = family.audit.max_per_s
-    calibrated = {tier.label: calibration_info(f) for tier, f in family.tier_accuracy.items()}
-    return {"audit": audit, "calibrated": calibrated}

@@ -13,7 +13,8 @@ from stratus.confidence import ConfidenceMethod
 from stratus.errors import ConfigError
 
 if TYPE_CHECKING:
-    from stratus.repository import FamilySpec, ModelRepository
+    from stratus.family_spec import FamilySpec
+    from stratus.repository import ModelRepository
     from stratus.tools.calibrate.classifier import Calibration
     from stratus.tools.datasets import Split
     from stratus.tools.verify.classifier import DataSource

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any, Final
 
 from stratus.errors import ConfigError, NotFound
-from stratus.repository import FamilySpec, VariantSpec
+from stratus.family_spec import FamilySpec, VariantSpec
 from stratus.tiers import Tier
 
 RECORD_NAME: Final = "verified.toml"

@@ -22,7 +22,7 @@ from typing import Final
 from stratus import codec
 from stratus.batching import BatchKey
 from stratus.errors import InvalidInput
-from stratus.repository import TensorSpec
+from stratus.family_spec import TensorSpec
 from stratus.wire import inference_pb2 as pb
 
 

@@ -27,7 +27,8 @@ from router.policy.climb import (
     next_action,
     retryable,
 )
-from router.rollout import Plan, top1
+from router.rollout import Plan
+from router.rollout_judge import top1
 from stratus.confidence import settled
 from stratus.errors import DeadlineExceeded, Overloaded, StratusError, Unavailable
 from stratus.protocol import (

@@ -54,8 +54,8 @@ from stratus.generation import (
     StopCut,
     Token,
 )
-from stratus.local_generation import read_usage
 from stratus.protocol import CONFIDENCE, PRECISION, VARIANT, RequestOptions, parameter_value
+from stratus.text_wire import read_usage
 from stratus.tiers import Tier
 from stratus.wire import fleet_pb2 as fpb
 from stratus.wire import inference_pb2 as pb

@@ -18,7 +18,7 @@ from typing import ClassVar, Protocol, TypeVar
 import numpy as np
 
 from stratus.codec import Array
-from stratus.repository import TensorSpec, VariantSpec
+from stratus.family_spec import TensorSpec, VariantSpec
 from stratus.tiers import Tier
 
 

@@ -33,8 +33,8 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from stratus.errors import InvalidInput, ModelLoadError, NotFound, RuntimeUnavailable
+from stratus.family_spec import FamilySpec, VariantSpec
 from stratus.generation import GenerationParams, StopCut, Token
-from stratus.repository import FamilySpec, VariantSpec
 from stratus.runtimes.base import Availability, LoadFailure, LoadOptions, RuntimeDescription, warmed_up
 from stratus.tiers import Tier
 

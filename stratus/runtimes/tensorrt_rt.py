@@ -25,7 +25,7 @@ import numpy as np
 
 from stratus.codec import Array, numpy_dtype
 from stratus.errors import InvalidInput, ModelLoadError, RuntimeUnavailable
-from stratus.repository import TensorSpec
+from stratus.family_spec import TensorSpec
 from stratus.runtimes.base import Availability, ModelRunner, RuntimeDescription
 from stratus.runtimes.ort import file_digest
 

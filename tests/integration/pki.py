@@ -13,7 +13,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from stratus.serving import TlsSettings
+from stratus.channels import TlsSettings
 
 
 def _name(common: str) -> x509.Name:

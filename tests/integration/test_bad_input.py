@@ -18,9 +18,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from router.registry import MISSED_HEARTBEATS
+from stratus.channels import grpc_options
 from stratus.launcher import Launched
 from stratus.protocol import set_parameter
-from stratus.serving import grpc_options
 from stratus.wire import fleet_pb2 as fpb
 from stratus.wire import inference_pb2 as pb
 from stratus.wire import inference_pb2_grpc as pb_grpc

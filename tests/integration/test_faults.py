@@ -17,9 +17,9 @@ import pytest
 
 from edge_agent.sdk import Client
 from router.cloud import RECONNECT_OPTIONS
+from stratus.channels import grpc_options
 from stratus.launcher import free_port
 from stratus.protocol import Served
-from stratus.serving import grpc_options
 from stratus.tiers import Tier
 from stratus.wire import fleet_pb2 as fpb
 from stratus.wire import inference_pb2_grpc as pb_grpc

@@ -36,9 +36,9 @@ from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
 from stratus import codec
+from stratus.channels import grpc_options
 from stratus.launcher import Launched
 from stratus.protocol import set_parameter
-from stratus.serving import grpc_options
 from stratus.wire import fleet_pb2 as fpb
 from stratus.wire import inference_pb2 as pb
 from stratus.wire import inference_pb2_grpc as pb_grpc

@@ -16,9 +16,9 @@ import grpc
 import numpy as np
 import pytest
 
+from stratus.channels import open_sync_channel
 from stratus.discovery import discover_all
 from stratus.launcher import Launched
-from stratus.serving import open_sync_channel
 from stratus.tensors import MAX_REQUEST_ITEMS
 from stratus.tiers import Tier
 from stratus.wire import fleet_pb2 as fpb

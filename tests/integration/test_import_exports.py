@@ -18,8 +18,9 @@ import pytest
 import tritonclient.grpc as triton
 
 from stratus.confidence import confidence
+from stratus.family_spec import FamilySpec
 from stratus.protocol import Served
-from stratus.repository import FamilySpec, load_family
+from stratus.repository import load_family
 from stratus.tiers import Tier
 from stratus.tools.calibrate import labelled_data
 from tests import exports

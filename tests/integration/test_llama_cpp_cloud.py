@@ -25,11 +25,11 @@ from pathlib import Path
 import openai
 import pytest
 
+from stratus.channels import open_sync_channel
 from stratus.generation import GenerationParams
 from stratus.launcher import free_port
-from stratus.local_generation import prompt_request
 from stratus.protocol import parameter_value
-from stratus.serving import open_sync_channel
+from stratus.text_wire import prompt_request
 from stratus.wire import inference_pb2_grpc as pb_grpc
 
 from .cluster import MODELS, Cluster, ready_count, wait_until

@@ -22,8 +22,8 @@ import openai
 import pytest
 
 from stratus import codec
+from stratus.channels import open_sync_channel
 from stratus.launcher import free_port
-from stratus.serving import open_sync_channel
 from stratus.wire import inference_pb2 as pb
 from stratus.wire import inference_pb2_grpc as pb_grpc
 

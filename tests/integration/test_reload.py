@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from stratus import codec
-from stratus.serving import open_sync_channel
+from stratus.channels import open_sync_channel
 from stratus.wire import fleet_pb2 as fpb
 from stratus.wire import fleet_pb2_grpc as fpb_grpc
 from stratus.wire import inference_pb2_grpc as pb_grpc

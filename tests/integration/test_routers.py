@@ -13,7 +13,7 @@ import grpc
 import numpy as np
 
 from edge_agent.sdk import Client
-from stratus.serving import grpc_options
+from stratus.channels import grpc_options
 from stratus.wire import inference_pb2_grpc as pb_grpc
 
 from .cluster import MODELS, Cluster, ready_count, request, wait_until
@@ -155,7 +155,8 @@ def test_an_agent_links_to_every_router_a_lookup_gives(cluster: Cluster, tmp_pat
     the two routers' addresses as a lookup would, and must link to both."""
     from edge_agent.agent import Agent
     from edge_agent.settings import AgentSettings
-    from stratus.local import LocalModels, LocalSettings
+    from stratus.local import LocalModels
+    from stratus.local_loading import LocalSettings
     from stratus.repository import ModelRepository
     from stratus.tiers import Tier
 

@@ -15,8 +15,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from stratus import codec
+from stratus.channels import grpc_options
 from stratus.launcher import free_port
-from stratus.serving import STREAM_WINDOW, STREAM_WINDOW_BYTES, grpc_options
+from stratus.serving import STREAM_WINDOW, STREAM_WINDOW_BYTES
 from stratus.tensors import MAX_REQUEST_ITEMS
 from stratus.wire import fleet_pb2 as fpb
 from stratus.wire import fleet_pb2_grpc as fpb_grpc

@@ -12,11 +12,12 @@ import numpy as np
 import pytest
 
 from stratus import codec
+from stratus.channels import grpc_options
 from stratus.demo import Fleet, through_gateway
-from stratus.local import LocalModels, LocalSettings
+from stratus.local import LocalModels
+from stratus.local_loading import LocalSettings
 from stratus.protocol import Served, set_parameter
 from stratus.repository import ModelRepository
-from stratus.serving import grpc_options
 from stratus.tiers import Tier
 from stratus.wire import inference_pb2 as pb
 from stratus.wire import inference_pb2_grpc as pb_grpc

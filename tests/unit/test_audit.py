@@ -28,10 +28,10 @@ from router.registry import FleetRegistry
 from stratus import codec
 from stratus.errors import ConfigError
 from stratus.generation import Chunk, GenerationParams, Token
-from stratus.local_generation import prompt_request
 from stratus.metrics import Metrics, RouterMetrics
 from stratus.protocol import RequestOptions
 from stratus.tensors import Tensors
+from stratus.text_wire import prompt_request
 from stratus.tiers import Tier
 from stratus.wire import fleet_pb2 as fpb
 from stratus.wire import inference_pb2 as pb

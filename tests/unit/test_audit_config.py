@@ -11,7 +11,7 @@ import pytest
 
 from stratus.audit_config import TierCalibration, check_family_info
 from stratus.errors import ConfigError, InvalidInput
-from stratus.local import family_info_fields
+from stratus.local_fleet import family_info_fields
 from stratus.repository import load_family
 from stratus.tiers import Tier
 from stratus.tools.calibrate.classifier import TierScores

@@ -14,7 +14,8 @@ import pytest
 from stratus.cli import main
 from stratus.confidence import ConfidenceMethod
 from stratus.errors import ConfigError
-from stratus.repository import FamilySpec, ModelRepository, load_family
+from stratus.family_spec import FamilySpec
+from stratus.repository import ModelRepository, load_family
 from stratus.tiers import Tier
 from stratus.tools.calibrate import classifier, labelled_data
 from stratus.tools.importer import ImportOptions, ImportResult, import_model

@@ -8,7 +8,8 @@ import grpc
 import numpy as np
 import pytest
 
-from edge_agent.agent import Agent, Link
+from edge_agent.agent import Agent
+from edge_agent.link import Link, receive
 from edge_agent.settings import AgentSettings
 from router.registry import FleetRegistry
 from stratus import codec
@@ -62,7 +63,7 @@ def test_cancel_from_the_router_stops_running_work_and_reports_it() -> None:
         link = Link(address="router")
         agent.links[link.address] = link
         stream = RouterStream()
-        reader = asyncio.create_task(agent._receive(stream, link))  # type: ignore[arg-type]
+        reader = asyncio.create_task(receive(agent, stream, link))  # type: ignore[arg-type]
         work = fpb.Work(request_id="w1", request=pb.ModelInferRequest(model_name="digits"))
         stream.messages.put_nowait(fpb.RouterMessage(work=work))
         await asyncio.wait_for(models.started.wait(), 2)
@@ -83,7 +84,7 @@ def test_work_past_its_budget_is_dropped_with_deadline_exceeded() -> None:
     async def scenario() -> fpb.Result:
         agent = agent_with(SlowModels())
         link = Link(address="router")
-        agent._accept(fpb.Work(request_id="w2", request=pb.ModelInferRequest(), budget_ms=20.0), link)
+        agent.accept(fpb.Work(request_id="w2", request=pb.ModelInferRequest(), budget_ms=20.0), link)
         message = await asyncio.wait_for(link.outbox.get(), 2)
         assert message is not None
         return message.result

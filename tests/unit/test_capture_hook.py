@@ -13,7 +13,7 @@ from stratus import codec
 from stratus.capture import read_rows
 from stratus.cli import main
 from stratus.errors import ConfigError
-from stratus.local_generation import text_array
+from stratus.text_wire import text_array
 from stratus.tiers import Tier
 from stratus.wire import inference_pb2 as pb
 

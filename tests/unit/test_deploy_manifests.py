@@ -33,7 +33,7 @@ from stratus.config import Flags, load
 from stratus.config_cli import check as config_check
 from stratus.config_cli import settings_class
 from stratus.errors import ConfigError
-from stratus.serving import Health
+from stratus.health import Health
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"

@@ -24,9 +24,9 @@ from stratus.generation import (
     Token,
     confidence_of,
 )
-from stratus.local_generation import read_generation
 from stratus.repository import load_family
 from stratus.sampling import FieldError
+from stratus.text_wire import read_generation
 from stratus.wire import inference_pb2 as pb
 
 
@@ -168,9 +168,9 @@ def test_the_openai_body_becomes_a_checked_request_that_reads_back_the_same() ->
 
 
 def test_the_cloud_link_knows_a_text_model_and_its_max_tokens_from_its_description() -> None:
-    from router.cloud import UNDECLARED_MAX_TOKENS, _max_tokens
+    from router.cloud_catalog import UNDECLARED_MAX_TOKENS, _max_tokens
     from router.cloud_models import generates as _generates
-    from stratus.local_generation import generative_config, generative_metadata
+    from stratus.text_wire import generative_config, generative_metadata
     from stratus.wire import inference_pb2 as pb
 
     assert _generates(generative_metadata("arith", "openvino_genai"))

@@ -371,7 +371,7 @@ def test_a_burst_of_requests_through_local_generators_answers_each_alike(
 
     def request(prompt: str) -> pb.ModelInferRequest:
         from stratus import codec
-        from stratus.local_generation import text_array
+        from stratus.text_wire import text_array
 
         message = pb.ModelInferRequest(model_name="arith")
         codec.encode_request_inputs(message, {"text_input": text_array(prompt)})

@@ -6,9 +6,9 @@ import pytest
 
 from router.registry import items_that_fit
 from stratus.batching import BatchKey
+from stratus.channels import MAX_MESSAGE_BYTES, MAX_WORK_BYTES, check_fits
 from stratus.codec import checked_shape
 from stratus.errors import InvalidInput
-from stratus.serving import MAX_MESSAGE_BYTES, MAX_WORK_BYTES, check_fits
 
 
 def key(*inputs: tuple[str, str, tuple[int, ...]]) -> BatchKey:

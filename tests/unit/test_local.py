@@ -12,7 +12,9 @@ import pytest
 
 from stratus import codec
 from stratus.errors import ConfigError
-from stratus.local import INLINE_REVIEW, LocalModels, LocalSettings
+from stratus.local import INLINE_REVIEW, LocalModels
+from stratus.local_fleet import variants_info
+from stratus.local_loading import LocalSettings
 from stratus.repository import ModelRepository
 from stratus.tiers import Tier
 from stratus.wire import inference_pb2 as pb
@@ -145,7 +147,7 @@ def test_only_the_current_line_answers_for_its_family(tmp_path: Path, models_dir
         assert models.served == {"digits-medium", "digits-medium-v2"}
         assert models.current == {"digits-medium"}
         assert models.variant_for("digits")[1].name == "digits-medium"
-        lines = {info.name: (info.line, info.current) for info in models.variants_info()}
+        lines = {info.name: (info.line, info.current) for info in variants_info(models)}
         assert lines == {
             "digits-medium": ("digits-medium", True),
             "digits-medium-v2": ("digits-medium-v2", False),

@@ -10,6 +10,7 @@ import pytest
 
 from stratus import precision
 from stratus.errors import ConfigError, NotFound
+from stratus.family_spec import FamilySpec
 from stratus.precision import (
     Hardware,
     VerificationRecord,
@@ -23,7 +24,7 @@ from stratus.precision import (
     load_verification,
     this_hardware,
 )
-from stratus.repository import FamilySpec, ModelRepository, load_family
+from stratus.repository import ModelRepository, load_family
 from stratus.tiers import Tier
 
 AVX2 = ["fpu", "sse4_2", "avx", "avx2", "fma", "f16c"]

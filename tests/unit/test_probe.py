@@ -16,7 +16,7 @@ import grpc
 import pytest
 
 from stratus.certs import Identity, issue
-from stratus.serving import Health
+from stratus.health import Health
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -8,19 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from router.rollout import (
-    ABORTED,
-    COMPLETE,
-    PROMOTED,
-    ROLLED_BACK,
-    RUNNING,
-    ArmWindow,
-    Margins,
-    Rollouts,
-    check_steps,
-    judge,
-    worse_beyond,
-)
+from router.rollout import ABORTED, COMPLETE, PROMOTED, ROLLED_BACK, RUNNING, Rollouts, check_steps
+from router.rollout_judge import ArmWindow, Margins, judge, worse_beyond
 from stratus.errors import ConfigError, InvalidInput, NotFound
 from stratus.tiers import Tier
 

@@ -211,7 +211,8 @@ def test_an_agent_that_runs_litert_never_imports_the_other_runtimes(tmp_path: Pa
     script = f"""
 import sys
 from pathlib import Path
-from stratus.local import LocalModels, LocalSettings
+from stratus.local import LocalModels
+from stratus.local_loading import LocalSettings
 from stratus.repository import ModelRepository
 from stratus.tiers import Tier
 models = LocalModels(ModelRepository.load({str(Path(__file__).parents[2] / "models")!r}),

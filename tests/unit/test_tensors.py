@@ -7,7 +7,7 @@ import pytest
 
 from stratus import codec
 from stratus.errors import InvalidInput
-from stratus.repository import TensorSpec
+from stratus.family_spec import TensorSpec
 from stratus.stats import ServiceCurve
 from stratus.tensors import Tensors, check_inputs
 from stratus.wire import inference_pb2 as pb

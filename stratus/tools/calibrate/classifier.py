@@ -44,7 +44,8 @@ from stratus.audit_config import TierCalibration
 from stratus.codec import Array
 from stratus.confidence import ConfidenceMethod, confidence
 from stratus.errors import ConfigError
-from stratus.repository import CalibrationRecord, FamilySpec, VariantSpec, write_thresholds
+from stratus.family_spec import CalibrationRecord, FamilySpec, VariantSpec
+from stratus.family_writer import write_thresholds
 from stratus.runtimes import LoadOptions, load_runner
 from stratus.tiers import Tier
 from stratus.tools.calibrate.labelled_data import LabelledData, bundled_data

@@ -21,8 +21,8 @@ import numpy as np
 
 from stratus.codec import Array
 from stratus.errors import ConfigError, NotFound, RuntimeUnavailable
+from stratus.family_spec import FamilySpec, VariantSpec
 from stratus.generation import GenerationParams, confidence_of
-from stratus.repository import FamilySpec, VariantSpec
 from stratus.runtimes.base import LoadOptions
 from stratus.runtimes.generative import GenerativeRunner, load_generator
 from stratus.tiers import Tier

@@ -18,7 +18,7 @@ import numpy.typing as npt
 from stratus import codec
 from stratus.codec import Array
 from stratus.errors import ConfigError
-from stratus.repository import FamilySpec
+from stratus.family_spec import FamilySpec
 from stratus.tools.datasets import Split, dataset_for
 
 Indices = npt.NDArray[np.intp]

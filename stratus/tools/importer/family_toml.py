@@ -8,11 +8,7 @@ import tomllib
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from stratus.repository import (
-    FamilySpec,
-    TensorSpec,
-    VariantSpec,
-)
+from stratus.family_spec import FamilySpec, TensorSpec, VariantSpec
 from stratus.tiers import Tier
 
 

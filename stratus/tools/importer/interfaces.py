@@ -14,10 +14,7 @@ import numpy as np
 
 from stratus import codec
 from stratus.errors import ConfigError, StratusError
-from stratus.repository import (
-    FamilySpec,
-    TensorSpec,
-)
+from stratus.family_spec import FamilySpec, TensorSpec
 
 EXTENSIONS: Final = {".onnx": "onnx", ".tflite": "tflite", ".xml": "openvino"}
 

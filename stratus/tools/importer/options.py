@@ -11,12 +11,8 @@ from typing import Final
 
 from stratus.confidence import ConfidenceMethod
 from stratus.errors import ConfigError, InvalidInput
-from stratus.repository import (
-    CONFIG_NAME,
-    FamilySpec,
-    VariantSpec,
-    load_family,
-)
+from stratus.family_spec import FamilySpec, VariantSpec
+from stratus.repository import CONFIG_NAME, load_family
 from stratus.tiers import Tier
 from stratus.tools.verify.report import VerifyReport
 

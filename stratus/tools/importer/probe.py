@@ -14,12 +14,8 @@ import numpy as np
 from stratus.codec import Array
 from stratus.confidence import TEMPERATURE_GRID, ConfidenceMethod, fit_temperature
 from stratus.errors import ConfigError, InvalidInput
-from stratus.repository import (
-    CONFIG_NAME,
-    ConfidenceSpec,
-    FamilySpec,
-    VariantSpec,
-)
+from stratus.family_spec import ConfidenceSpec, FamilySpec, VariantSpec
+from stratus.repository import CONFIG_NAME
 from stratus.runtimes import (
     RUNNERS,
     Choice,

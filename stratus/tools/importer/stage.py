@@ -12,12 +12,8 @@ from pathlib import Path
 from typing import Final
 
 from stratus.errors import ConfigError, InvalidInput
-from stratus.repository import (
-    CONFIG_NAME,
-    FamilySpec,
-    VariantSpec,
-    load_family,
-)
+from stratus.family_spec import FamilySpec, VariantSpec
+from stratus.repository import CONFIG_NAME, load_family
 from stratus.runtimes import (
     available_runtimes,
 )

@@ -7,7 +7,8 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
-from stratus.repository import FamilySpec, ModelRepository
+from stratus.family_spec import FamilySpec
+from stratus.repository import ModelRepository
 from stratus.runtimes import available_runtimes
 from stratus.tools.verify.classifier import (
     DataSource,

@@ -32,6 +32,7 @@ import numpy as np
 
 from stratus.codec import Array, numpy_dtype
 from stratus.errors import ConfigError
+from stratus.family_spec import FamilySpec, VariantSpec
 from stratus.precision import (
     VariantRecord,
     VerificationRecord,
@@ -41,7 +42,6 @@ from stratus.precision import (
     variant_files,
     write_verification,
 )
-from stratus.repository import FamilySpec, VariantSpec
 from stratus.runtimes import RUNNERS, Choice, LoadOptions, ModelRunner, available_runtimes, open_runner
 from stratus.tools.datasets import Split, dataset_for
 from stratus.tools.verify.report import VerifyReport, VerifyRow

@@ -1,0 +1,89 @@
+"""One Work, answered: run it on the local models within its budget and send back the
+Result (and, for generative Work, its Chunks as they come). Kept apart from the link so
+that what an answer is does not depend on how it travels."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+
+import grpc
+
+from stratus.errors import DeadlineExceeded, StratusError
+from stratus.family_spec import VariantSpec
+from stratus.generation import Chunk
+from stratus.local import LocalModels
+from stratus.status import status_code, status_for
+from stratus.wire import fleet_pb2 as fpb
+
+log = logging.getLogger("stratus.agent")
+
+Outbox = asyncio.Queue[fpb.AgentMessage | None]
+
+
+async def serve_work(models: LocalModels, agent_name: str, work: fpb.Work, outbox: Outbox) -> None:
+    """Answer ``work`` and put its Result in ``outbox``, whatever happened: an error, a
+    cancel from the router and a bug each become the Result's error, so the router never
+    waits on Work that silently died."""
+    result = fpb.Result(request_id=work.request_id)
+    ran: VariantSpec | None = None
+    try:
+        ran = await _run(models, agent_name, work, result, outbox)
+    except asyncio.CancelledError:
+        result.error.CopyFrom(
+            fpb.Error(code=grpc.StatusCode.CANCELLED.value[0], message="cancelled by the router")
+        )
+    except StratusError as exc:
+        result.error.CopyFrom(fpb.Error(code=status_code(exc).value[0], message=str(exc)))
+    except Exception as exc:
+        log.exception("work %s failed", work.request_id)
+        result.error.CopyFrom(
+            fpb.Error(code=grpc.StatusCode.INTERNAL.value[0], message=f"{type(exc).__name__}: {exc}")
+        )
+    models.count(_outcome(result), work.request.model_name, ran)
+    outbox.put_nowait(fpb.AgentMessage(result=result))
+
+
+async def _run(
+    models: LocalModels, agent_name: str, work: fpb.Work, result: fpb.Result, outbox: Outbox
+) -> VariantSpec:
+    """Run the Work's items (maybe in one batch with other Work) within its budget; a
+    generative Work sends its tokens as Chunks while it runs, then the Result. Returns
+    the variant that ran."""
+    budget_s = work.budget_ms / 1000.0 if work.budget_ms > 0 else None
+
+    async def send(chunk: Chunk) -> None:
+        outbox.put_nowait(fpb.AgentMessage(chunk=_wire_chunk(work.request_id, chunk)))
+
+    try:
+        async with asyncio.timeout(budget_s):
+            if models.generates(work.request.model_name):
+                answer = await models.generate(work.request, send)
+            else:
+                answer = await models.answer(work.request)
+    except TimeoutError:
+        raise DeadlineExceeded(f"agent {agent_name}: budget of {work.budget_ms:.1f} ms ran out") from None
+    result.variant = answer.variant.name
+    result.response.CopyFrom(answer.response)
+    result.confidence = answer.confidence
+    result.confidences.extend(answer.confidences)
+    result.service_ms = answer.service_ms
+    result.queue_ms = answer.queue_ms
+    result.batch_size = answer.batch_size
+    return answer.variant
+
+
+def _wire_chunk(request_id: str, chunk: Chunk) -> fpb.Chunk:
+    return fpb.Chunk(
+        request_id=request_id,
+        text=chunk.text,
+        logprobs=[t.logprob for t in chunk.tokens],
+        margins=[math.nan if t.margin is None else t.margin for t in chunk.tokens],
+    )
+
+
+def _outcome(result: fpb.Result) -> str:
+    if result.WhichOneof("outcome") != "error":
+        return "ok"
+    return status_for(result.error.code).name.lower()
