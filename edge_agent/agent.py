@@ -27,6 +27,7 @@ import grpc
 
 from stratus import __version__
 from stratus.auth import check_endpoint, clients_authenticated, insecure_warning
+from stratus.convert.fleet import wire_tier
 from stratus.discovery import DNS_PREFIX, discover_all, resolve_all
 from stratus.errors import ConfigError, DeadlineExceeded, StratusError
 from stratus.generation import Chunk
@@ -59,9 +60,6 @@ log = logging.getLogger("stratus.agent")
 SERVE = "the agent's --serve endpoint"
 # With --router auto or dns:NAME:PORT, how often to look for routers that joined since.
 REDISCOVER_S = 30.0
-
-
-_TIERS = {Tier.DEVICE: fpb.TIER_DEVICE, Tier.EDGE: fpb.TIER_EDGE, Tier.CLOUD: fpb.TIER_CLOUD}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -187,7 +185,7 @@ class Agent:
         return fpb.AgentMessage(
             hello=fpb.Hello(
                 agent_id=self.settings.name,
-                tier=_TIERS[self.settings.tier],
+                tier=wire_tier(self.settings.tier),
                 host=socket.gethostname(),
                 hardware=f"{platform.machine()} {self.models.hardware.model}".strip(),
                 hardware_info=hardware_to_wire(self.models.hardware),

@@ -70,7 +70,6 @@ MAX_WATCHERS = 64
 MAX_OUTBOX = 4096
 # Longest a Reload call waits for its agent (the caller chooses less, never more).
 MAX_RELOAD_WAIT_S = 600.0
-_TIERS: dict[int, Tier] = {fpb.TIER_DEVICE: Tier.DEVICE, fpb.TIER_EDGE: Tier.EDGE, fpb.TIER_CLOUD: Tier.CLOUD}
 
 
 def shown_state(handle: AgentHandle) -> str:
@@ -82,12 +81,6 @@ class State:
     READY = "ready"
     DRAINING = "draining"
     LOST = "lost"
-
-
-def tier_of(value: int) -> Tier:
-    if value not in _TIERS:
-        raise ValueError(f"unknown tier {value}")
-    return _TIERS[value]
 
 
 def pace_for(agents: int, *, base_s: float, max_per_s: float) -> float:
@@ -314,7 +307,7 @@ class FleetRegistry:
             self._forget(previous)
         handle = AgentHandle(
             id=hello.agent_id,
-            tier=tier_of(hello.tier),
+            tier=Tier.from_wire(hello.tier),
             host=hello.host,
             peer=peer,
             runtimes=tuple(hello.runtimes),
@@ -413,7 +406,7 @@ class FleetRegistry:
         agent to its new names at once. A Hello this fleet would refuse leaves the agent
         registered as it was, and says why, to the operator who asked for the reload.
         """
-        if hello.agent_id != handle.id or tier_of(hello.tier) is not handle.tier:
+        if hello.agent_id != handle.id or Tier.from_wire(hello.tier) is not handle.tier:
             raise InvalidInput(f"a reload may not change the agent's name or tier ({handle.id})")
         ready = handle.ready
         self.index.forget(handle)  # its old names, so only other agents count in the check
