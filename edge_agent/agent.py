@@ -27,6 +27,7 @@ import grpc
 
 from stratus import __version__
 from stratus.auth import check_endpoint, clients_authenticated, insecure_warning
+from stratus.convert.errors import error_to_wire, wire_error, wire_error_label
 from stratus.convert.fleet import wire_tier
 from stratus.discovery import DNS_PREFIX, discover_all, resolve_all
 from stratus.errors import ConfigError, DeadlineExceeded, StratusError
@@ -49,7 +50,6 @@ from stratus.serving import (
     open_channel,
     server_name_options,
 )
-from stratus.status import status_code, status_for
 from stratus.tiers import Tier
 from stratus.wire import fleet_pb2 as fpb
 from stratus.wire import fleet_pb2_grpc as fpb_grpc
@@ -425,16 +425,12 @@ class Agent:
         try:
             ran = await self._run(work, result, outbox)
         except asyncio.CancelledError:
-            result.error.CopyFrom(
-                fpb.Error(code=grpc.StatusCode.CANCELLED.value[0], message="cancelled by the router")
-            )
+            result.error.CopyFrom(wire_error(grpc.StatusCode.CANCELLED, "cancelled by the router"))
         except StratusError as exc:
-            result.error.CopyFrom(fpb.Error(code=status_code(exc).value[0], message=str(exc)))
+            result.error.CopyFrom(error_to_wire(exc))
         except Exception as exc:
             log.exception("work %s failed", work.request_id)
-            result.error.CopyFrom(
-                fpb.Error(code=grpc.StatusCode.INTERNAL.value[0], message=f"{type(exc).__name__}: {exc}")
-            )
+            result.error.CopyFrom(error_to_wire(exc))
         self.models.count(_outcome(result), work.request.model_name, ran)
         outbox.put_nowait(fpb.AgentMessage(result=result))
 
@@ -481,7 +477,7 @@ def _wire_chunk(request_id: str, chunk: Chunk) -> fpb.Chunk:
 def _outcome(result: fpb.Result) -> str:
     if result.WhichOneof("outcome") != "error":
         return "ok"
-    return status_for(result.error.code).name.lower()
+    return wire_error_label(result.error)
 
 
 async def _ended(call: grpc.aio.StreamStreamCall[fpb.AgentMessage, fpb.RouterMessage]) -> None:

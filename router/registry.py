@@ -27,6 +27,7 @@ from router.policy import CloudView, FleetSnapshot
 from stratus.audit_config import check_family_info
 from stratus.batching import DEFAULT_MAX_DELAY_S, Batch, Batcher, BatchKey, split_counts
 from stratus.codec import numpy_dtype
+from stratus.convert.errors import error_from_wire
 from stratus.errors import (
     ConfigError,
     DeadlineExceeded,
@@ -41,7 +42,6 @@ from stratus.hardware import from_hello as hardware_from_hello
 from stratus.metrics import RouterMetrics
 from stratus.serving import MAX_WORK_BYTES, check_fits
 from stratus.stats import LatencyWindow, RateMeter, ServiceCurve, SizeWindow
-from stratus.status import error_from_status, status_for
 from stratus.tensors import Tensors
 from stratus.tiers import Tier
 from stratus.wire import fleet_pb2 as fpb
@@ -649,9 +649,7 @@ class FleetRegistry:
             handle.chunks.pop(request_id, None)
         handle.link_ms.add(max(0.0, (self.now() - sent) * 1000.0 - result.service_ms))
         if result.WhichOneof("outcome") == "error":
-            raise error_from_status(
-                status_for(result.error.code), f"agent {handle.id}: {result.error.message}"
-            )
+            raise error_from_wire(result.error, f"agent {handle.id}")
         return result
 
     def attach_batcher(self, handle: AgentHandle) -> None:
@@ -836,7 +834,7 @@ def split_result(
     """A Work's Result, back into one answer (or one error) per merged request, in order;
     ``waited_ms``: how long each request waited here before the Work left."""
     if result.WhichOneof("outcome") == "error":
-        raise error_from_status(status_for(result.error.code), f"agent {handle.id}: {result.error.message}")
+        raise error_from_wire(result.error, f"agent {handle.id}")
     outputs = Tensors.from_response(result.response)
     total = sum(sizes)
     if outputs.items != total or (not outputs.splittable and len(sizes) > 1):

@@ -26,7 +26,6 @@ from cloud_gateway.upstream import (
     UpstreamLoad,
     UpstreamSettings,
     chunk_from_choice,
-    error_for_status,
     error_message,
     margin,
     parse_metrics,
@@ -39,9 +38,7 @@ from stratus.errors import (
     InvalidInput,
     NotFound,
     Overloaded,
-    PermissionDenied,
     StratusError,
-    Unauthenticated,
     Unavailable,
 )
 from stratus.generation import (
@@ -263,28 +260,6 @@ def test_error_bodies_give_the_servers_own_message() -> None:
     assert error_message(json.dumps({"object": "error", "message": "old style", "code": 400})) == "old style"
     assert error_message(b"Internal Server Error") == "Internal Server Error"
     assert error_message(b"") == "(no message)"
-
-
-@pytest.mark.parametrize(
-    ("status", "kind"),
-    [
-        (400, InvalidInput),
-        (422, InvalidInput),
-        (401, Unauthenticated),
-        (403, PermissionDenied),
-        (404, NotFound),
-        (408, DeadlineExceeded),
-        (429, Overloaded),
-        (503, Overloaded),
-        (500, Unavailable),
-        (502, Unavailable),
-        (504, DeadlineExceeded),
-    ],
-)
-def test_http_statuses_map_to_stratus_errors(status: int, kind: type[StratusError]) -> None:
-    error = error_for_status(status, "why")
-    assert type(error) is kind
-    assert "why" in str(error) and str(status) in str(error)
 
 
 def test_settings_are_checked() -> None:
