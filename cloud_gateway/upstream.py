@@ -27,6 +27,7 @@ import aiohttp
 
 from stratus.convert.errors import error_from_http
 from stratus.errors import (
+    ConfigError,
     DeadlineExceeded,
     StratusError,
     Unavailable,
@@ -64,9 +65,9 @@ class UpstreamSettings:
 
     def __post_init__(self) -> None:
         if not self.url.startswith(("http://", "https://")):
-            raise ValueError(f"upstream URL must start with http:// or https://, got {self.url!r}")
+            raise ConfigError(f"upstream URL must start with http:// or https://, got {self.url!r}")
         if min(self.timeout_s, self.connect_timeout_s, self.poll_interval_s, self.poll_timeout_s) <= 0:
-            raise ValueError("upstream timeouts and poll interval must be > 0")
+            raise ConfigError("upstream timeouts and poll interval must be > 0")
 
     @property
     def base(self) -> str:

@@ -86,7 +86,7 @@ class AgentSettings:
 
     def __post_init__(self) -> None:
         if self.capacity < 1 or self.heartbeat_s <= 0 or self.backoff_initial_s <= 0:
-            raise ValueError("capacity, heartbeat_s and backoff_initial_s must be positive")
+            raise ConfigError("capacity, heartbeat_s and backoff_initial_s must be positive")
         self.check_links()  # before any model loads: a refused setting costs nothing
         if self.serve:
             check_endpoint(

@@ -26,6 +26,7 @@ from stratus.batching import DEFAULT_MAX_BATCH, DEFAULT_MAX_DELAY_S, Batch, Batc
 from stratus.codec import Array
 from stratus.confidence import confidence
 from stratus.errors import (
+    ConfigError,
     DeadlineExceeded,
     InvalidInput,
     ModelLoadError,
@@ -120,7 +121,7 @@ class LocalSettings:
 
     def __post_init__(self) -> None:
         if self.concurrency < 1 or self.queue_limit < 0 or self.max_batch < 1 or self.max_batch_delay_s < 0:
-            raise ValueError("concurrency and max_batch must be >= 1, queue_limit and delay >= 0")
+            raise ConfigError("concurrency and max_batch must be >= 1, queue_limit and delay >= 0")
 
 
 class LocalModels:

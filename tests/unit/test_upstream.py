@@ -34,6 +34,7 @@ from cloud_gateway.upstream import (
 )
 from stratus import codec
 from stratus.errors import (
+    ConfigError,
     DeadlineExceeded,
     InvalidInput,
     NotFound,
@@ -263,7 +264,7 @@ def test_error_bodies_give_the_servers_own_message() -> None:
 
 
 def test_settings_are_checked() -> None:
-    with pytest.raises(ValueError, match="http"):
+    with pytest.raises(ConfigError, match="http"):
         UpstreamSettings(url="127.0.0.1:8000", model="m")
     assert UpstreamSettings(url="http://h:1/v1/", model="m").base == "http://h:1"
 
