@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 import platform
 import random
 import signal
@@ -28,7 +27,7 @@ import grpc
 from stratus import __version__
 from stratus.auth import check_endpoint, clients_authenticated, insecure_warning
 from stratus.convert.errors import error_to_wire, wire_error, wire_error_label
-from stratus.convert.fleet import wire_tier
+from stratus.convert.fleet import chunk_to_wire, wire_tier
 from stratus.discovery import DNS_PREFIX, discover_all, resolve_all
 from stratus.errors import ConfigError, DeadlineExceeded, StratusError
 from stratus.generation import Chunk
@@ -443,7 +442,7 @@ class Agent:
         budget_s = work.budget_ms / 1000.0 if work.budget_ms > 0 else None
 
         async def send(chunk: Chunk) -> None:
-            outbox.put_nowait(fpb.AgentMessage(chunk=_wire_chunk(work.request_id, chunk)))
+            outbox.put_nowait(fpb.AgentMessage(chunk=chunk_to_wire(work.request_id, chunk)))
 
         try:
             async with asyncio.timeout(budget_s):
@@ -463,15 +462,6 @@ class Agent:
         result.queue_ms = answer.queue_ms
         result.batch_size = answer.batch_size
         return answer.variant
-
-
-def _wire_chunk(request_id: str, chunk: Chunk) -> fpb.Chunk:
-    return fpb.Chunk(
-        request_id=request_id,
-        text=chunk.text,
-        logprobs=[t.logprob for t in chunk.tokens],
-        margins=[math.nan if t.margin is None else t.margin for t in chunk.tokens],
-    )
 
 
 def _outcome(result: fpb.Result) -> str:

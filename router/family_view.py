@@ -97,7 +97,7 @@ def seen_tiers(
 ) -> list[TierSeen]:
     """Each tier with agents serving ``family`` or a threshold for it, and the cloud where it
     serves the family, lowest first."""
-    thresholds = {Tier.parse(name): value for name, value in info.thresholds.items()} if info else {}
+    thresholds = registry.thresholds(family)  # a family only the cloud serves has none
     listed = registry.index.listed(family)
     tiers = [
         agent_tier(registry, family, tier, thresholds.get(tier))

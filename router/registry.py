@@ -28,6 +28,7 @@ from stratus.audit_config import check_family_info
 from stratus.batching import DEFAULT_MAX_DELAY_S, Batch, Batcher, BatchKey, split_counts
 from stratus.codec import numpy_dtype
 from stratus.convert.errors import error_from_wire
+from stratus.convert.fleet import thresholds_from_wire
 from stratus.errors import (
     ConfigError,
     DeadlineExceeded,
@@ -280,6 +281,7 @@ class FleetRegistry:
         self._clock = clock
         self.agents: dict[str, AgentHandle] = {}
         self.families: dict[str, fpb.FamilyInfo] = {}
+        self._thresholds: dict[str, Mapping[Tier, float]] = {}  # each family's, read at its Hello
         self.index: AgentIndex[AgentHandle] = AgentIndex()
         self._linked = 0  # agents not lost
         self._ids = itertools.count(1)
@@ -323,7 +325,8 @@ class FleetRegistry:
             started=self._started(hello),
         )
         for family in hello.families:
-            self.families.setdefault(family.name, family)
+            if family.name not in self.families:
+                self.describe(family)
         self.attach_batcher(handle)
         self.agents[handle.id] = handle
         self.index.add(handle)
@@ -381,7 +384,7 @@ class FleetRegistry:
             if known is None or known == family:
                 continue
             if not self.index.serves(family.name):  # nobody serves the old description now
-                del self.families[family.name]
+                self._undescribe(family.name)
                 continue
             differs = [
                 f
@@ -421,7 +424,7 @@ class FleetRegistry:
         handle.announce({v.name: v for v in hello.variants})
         handle.unavailable = tuple(hello.unavailable)
         for family in hello.families:
-            self.families[family.name] = family
+            self.describe(family)
         self._readd(handle, ready)
         log.info("agent %s reloaded: variants %s", handle.id, sorted(handle.variants))
         self._settle_reloads(handle, "")
@@ -497,7 +500,7 @@ class FleetRegistry:
             self.index.forget(handle)
             for family in {info.family for info in handle.variants.values()}:
                 if not self.index.tiers(family) and not self.index.variants_of(family):
-                    self.families.pop(family, None)
+                    self._undescribe(family)
 
     def _forget_oldest_lost(self) -> None:
         """Keep at most MAX_LOST lost agents listed: agents that join and leave in bulk must
@@ -746,8 +749,17 @@ class FleetRegistry:
         return self.families.get(name)
 
     def thresholds(self, family: str) -> Mapping[Tier, float]:
-        info = self.families.get(family)
-        return {Tier.parse(k): v for k, v in info.thresholds.items()} if info else {}
+        return self._thresholds.get(family, {})
+
+    def describe(self, family: fpb.FamilyInfo) -> None:
+        """Route ``family`` by this description, its thresholds read once, here (a Hello's
+        were checked by check_hello_bounds; InvalidInput for a key that names no tier)."""
+        self.families[family.name] = family
+        self._thresholds[family.name] = thresholds_from_wire(family.thresholds, f"family {family.name!r}")
+
+    def _undescribe(self, name: str) -> None:
+        self.families.pop(name, None)
+        self._thresholds.pop(name, None)
 
     def watch(self) -> asyncio.Queue[None]:
         """A queue told of each change; RESOURCE_EXHAUSTED past MAX_WATCHERS at once."""
@@ -783,6 +795,7 @@ def check_hello_bounds(hello: fpb.Hello) -> None:
         )
     for family in hello.families:
         check_family_info(hello.agent_id, family)
+        thresholds_from_wire(family.thresholds, f"Hello from {hello.agent_id}: family {family.name[:40]!r}")
     names = (
         [v.name for v in hello.variants]
         + [v.family for v in hello.variants]

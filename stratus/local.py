@@ -25,6 +25,7 @@ from stratus.audit_config import calibration_info
 from stratus.batching import DEFAULT_MAX_BATCH, DEFAULT_MAX_DELAY_S, Batch, Batcher, BatchKey, split_counts
 from stratus.codec import Array
 from stratus.confidence import confidence
+from stratus.convert.fleet import thresholds_to_wire
 from stratus.errors import (
     ConfigError,
     DeadlineExceeded,
@@ -545,7 +546,7 @@ class LocalModels:
                     name=f.name,
                     inputs=tensor_metadata(f.inputs),
                     outputs=tensor_metadata(f.outputs),
-                    thresholds={t.label: v for t, v in f.thresholds.items()},
+                    thresholds=thresholds_to_wire(f.thresholds),
                     cloud_variants=cloud_variants(f),
                     calibrated_cloud_share=calibrated_cloud_share(f),
                     **family_info_fields(f),
@@ -672,7 +673,7 @@ def _family_info(family: FamilySpec) -> fleet_pb2.FamilyInfo:
         name=family.name,
         inputs=tensor_metadata(family.inputs),
         outputs=tensor_metadata(family.outputs),
-        thresholds={t.label: v for t, v in family.thresholds.items()},
+        thresholds=thresholds_to_wire(family.thresholds),
         kind="generative",
         confidence_method=family.generation.method.value,
         max_tokens=family.generation.max_tokens,

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping
+
 from stratus.errors import InvalidInput
+from stratus.generation import Chunk
 from stratus.tiers import Tier
 from stratus.wire import fleet_pb2 as fpb
 
@@ -20,3 +24,26 @@ def tier_label(value: int, unknown: str = "unknown") -> str:
         return Tier.from_wire(value).label
     except InvalidInput:
         return unknown
+
+
+def thresholds_from_wire(thresholds: Mapping[str, float], where: str) -> dict[Tier, float]:
+    """FamilyInfo.thresholds, keyed on the wire by tier label, read once at the Hello that
+    brings them; a key that names no tier refuses the Hello, saying ``where``."""
+    try:
+        return {Tier.parse(name): value for name, value in thresholds.items()}
+    except InvalidInput as exc:
+        raise InvalidInput(f"{where}: thresholds: {exc}") from None
+
+
+def thresholds_to_wire(thresholds: Mapping[Tier, float]) -> dict[str, float]:
+    return {tier.label: value for tier, value in thresholds.items()}
+
+
+def chunk_to_wire(request_id: str, chunk: Chunk) -> fpb.Chunk:
+    """A generative Work's tokens so far; a margin the runtime did not give travels as NaN."""
+    return fpb.Chunk(
+        request_id=request_id,
+        text=chunk.text,
+        logprobs=[t.logprob for t in chunk.tokens],
+        margins=[math.nan if t.margin is None else t.margin for t in chunk.tokens],
+    )

@@ -1,11 +1,20 @@
-"""Tiers cross the wire without a table: Tier's numbers are fleet.proto's."""
+"""fleet.proto's tiers, thresholds and chunks cross the wire as they are."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
-from stratus.convert.fleet import tier_label, wire_tier
+from stratus.convert.fleet import (
+    chunk_to_wire,
+    thresholds_from_wire,
+    thresholds_to_wire,
+    tier_label,
+    wire_tier,
+)
 from stratus.errors import InvalidInput
+from stratus.generation import Chunk, Token
 from stratus.tiers import Tier
 from stratus.wire import fleet_pb2 as fpb
 
@@ -41,3 +50,23 @@ def test_operators_see_unknown_tiers_named_so() -> None:
     assert tier_label(fpb.TIER_EDGE) == "edge"
     assert tier_label(fpb.TIER_UNSPECIFIED) == "unknown"
     assert tier_label(9, unknown="-") == "-"
+
+
+def test_thresholds_cross_keyed_by_tier_label() -> None:
+    thresholds = {Tier.DEVICE: 0.8, Tier.CLOUD: 0.5}
+    assert thresholds_to_wire(thresholds) == {"device": 0.8, "cloud": 0.5}
+    assert thresholds_from_wire({"device": 0.8, "cloud": 0.5}, "here") == thresholds
+
+
+def test_a_threshold_for_no_tier_says_where_it_came_from() -> None:
+    with pytest.raises(InvalidInput, match=r"^Hello from a1: thresholds: unknown tier 'sky'"):
+        thresholds_from_wire({"edge": 0.5, "sky": 0.5}, "Hello from a1")
+
+
+def test_a_chunk_crosses_with_its_text_log_probabilities_and_margins() -> None:
+    chunk = Chunk(
+        tokens=(Token(text="4", logprob=-0.1, margin=2.5), Token(text="2", logprob=-0.3, margin=None))
+    )
+    sent = chunk_to_wire("w1", chunk)
+    assert (sent.request_id, sent.text, list(sent.logprobs)) == ("w1", "42", [-0.1, -0.3])
+    assert sent.margins[0] == 2.5 and math.isnan(sent.margins[1])  # a margin not given is NaN
