@@ -25,14 +25,11 @@ from typing import Any, Final, TypeVar
 
 import aiohttp
 
+from stratus.convert.errors import error_from_http
 from stratus.errors import (
+    ConfigError,
     DeadlineExceeded,
-    InvalidInput,
-    NotFound,
-    Overloaded,
-    PermissionDenied,
     StratusError,
-    Unauthenticated,
     Unavailable,
 )
 from stratus.generation import Chunk, GenerationParams, Token, token_count
@@ -68,9 +65,9 @@ class UpstreamSettings:
 
     def __post_init__(self) -> None:
         if not self.url.startswith(("http://", "https://")):
-            raise ValueError(f"upstream URL must start with http:// or https://, got {self.url!r}")
+            raise ConfigError(f"upstream URL must start with http:// or https://, got {self.url!r}")
         if min(self.timeout_s, self.connect_timeout_s, self.poll_interval_s, self.poll_timeout_s) <= 0:
-            raise ValueError("upstream timeouts and poll interval must be > 0")
+            raise ConfigError("upstream timeouts and poll interval must be > 0")
 
     @property
     def base(self) -> str:
@@ -235,19 +232,6 @@ def error_message(body: bytes | str) -> str:
     return text.strip()[:2000]
 
 
-def error_for_status(status: int, message: str) -> StratusError:
-    """An HTTP status from the server as the Stratus error a caller can act on."""
-    text = f"upstream HTTP {status}: {message}"
-    if status in (429, 503):
-        return Overloaded(text)
-    if status in (408, 504):
-        return DeadlineExceeded(text)
-    if status >= 500:
-        return Unavailable(text)
-    kinds: dict[int, type[StratusError]] = {401: Unauthenticated, 403: PermissionDenied, 404: NotFound}
-    return kinds.get(status, InvalidInput)(text)
-
-
 def _error_in_event(data: Mapping[str, Any]) -> StratusError | None:
     """vLLM reports an error that happens after a stream began as one more event."""
     error = data.get("error")
@@ -255,7 +239,7 @@ def _error_in_event(data: Mapping[str, Any]) -> StratusError | None:
         return None
     code = error.get("code") if isinstance(error, dict) else None
     status = code if isinstance(code, int) else 500
-    return error_for_status(status, error_message(json.dumps(data)))
+    return error_from_http(status, error_message(json.dumps(data)))
 
 
 async def served_model(url: str, *, timeout_s: float = 10.0) -> str:
@@ -268,7 +252,7 @@ async def served_model(url: str, *, timeout_s: float = 10.0) -> str:
             session.get(base + "/v1/models") as response,
         ):
             if response.status != 200:
-                raise error_for_status(response.status, error_message(await _capped(response)))
+                raise error_from_http(response.status, error_message(await _capped(response)))
             models = (await response.json())["data"]
             return str(models[0]["id"])
     except (aiohttp.ClientError, TimeoutError, OSError) as exc:
@@ -433,7 +417,7 @@ class OpenAIUpstream:
                 deadline, stack.enter_async_context(self.session.post(url, json=body))
             )
             if response.status != 200:
-                raise error_for_status(
+                raise error_from_http(
                     response.status, error_message(await self._read(deadline, _capped(response)))
                 )
             yield response

@@ -29,6 +29,7 @@ from edge_agent.work import serve_work
 from stratus import __version__
 from stratus.auth import insecure_warning
 from stratus.channels import bind, create_server
+from stratus.convert.fleet import wire_tier
 from stratus.discovery import DNS_PREFIX, discover_all, resolve_all
 from stratus.errors import ConfigError, StratusError
 from stratus.hardware import to_wire as hardware_to_wire
@@ -49,9 +50,6 @@ log = logging.getLogger("stratus.agent")
 
 # With --router auto or dns:NAME:PORT, how often to look for routers that joined since.
 REDISCOVER_S = 30.0
-
-
-_TIERS = {Tier.DEVICE: fpb.TIER_DEVICE, Tier.EDGE: fpb.TIER_EDGE, Tier.CLOUD: fpb.TIER_CLOUD}
 
 
 
@@ -84,7 +82,7 @@ class Agent:
         return fpb.AgentMessage(
             hello=fpb.Hello(
                 agent_id=self.settings.name,
-                tier=_TIERS[self.settings.tier],
+                tier=wire_tier(self.settings.tier),
                 host=socket.gethostname(),
                 hardware=f"{platform.machine()} {self.models.hardware.model}".strip(),
                 hardware_info=hardware_to_wire(self.models.hardware),

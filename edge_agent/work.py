@@ -6,15 +6,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 
 import grpc
 
+from stratus.convert.errors import error_to_wire, wire_error, wire_error_label
+from stratus.convert.fleet import chunk_to_wire
 from stratus.errors import DeadlineExceeded, StratusError
 from stratus.family_spec import VariantSpec
 from stratus.generation import Chunk
 from stratus.local import LocalModels
-from stratus.status import status_code, status_for
 from stratus.wire import fleet_pb2 as fpb
 
 log = logging.getLogger("stratus.agent")
@@ -31,16 +31,12 @@ async def serve_work(models: LocalModels, agent_name: str, work: fpb.Work, outbo
     try:
         ran = await _run(models, agent_name, work, result, outbox)
     except asyncio.CancelledError:
-        result.error.CopyFrom(
-            fpb.Error(code=grpc.StatusCode.CANCELLED.value[0], message="cancelled by the router")
-        )
+        result.error.CopyFrom(wire_error(grpc.StatusCode.CANCELLED, "cancelled by the router"))
     except StratusError as exc:
-        result.error.CopyFrom(fpb.Error(code=status_code(exc).value[0], message=str(exc)))
+        result.error.CopyFrom(error_to_wire(exc))
     except Exception as exc:
         log.exception("work %s failed", work.request_id)
-        result.error.CopyFrom(
-            fpb.Error(code=grpc.StatusCode.INTERNAL.value[0], message=f"{type(exc).__name__}: {exc}")
-        )
+        result.error.CopyFrom(error_to_wire(exc))
     models.count(_outcome(result), work.request.model_name, ran)
     outbox.put_nowait(fpb.AgentMessage(result=result))
 
@@ -54,7 +50,7 @@ async def _run(
     budget_s = work.budget_ms / 1000.0 if work.budget_ms > 0 else None
 
     async def send(chunk: Chunk) -> None:
-        outbox.put_nowait(fpb.AgentMessage(chunk=_wire_chunk(work.request_id, chunk)))
+        outbox.put_nowait(fpb.AgentMessage(chunk=chunk_to_wire(work.request_id, chunk)))
 
     try:
         async with asyncio.timeout(budget_s):
@@ -74,16 +70,7 @@ async def _run(
     return answer.variant
 
 
-def _wire_chunk(request_id: str, chunk: Chunk) -> fpb.Chunk:
-    return fpb.Chunk(
-        request_id=request_id,
-        text=chunk.text,
-        logprobs=[t.logprob for t in chunk.tokens],
-        margins=[math.nan if t.margin is None else t.margin for t in chunk.tokens],
-    )
-
-
 def _outcome(result: fpb.Result) -> str:
     if result.WhichOneof("outcome") != "error":
         return "ok"
-    return status_for(result.error.code).name.lower()
+    return wire_error_label(result.error)

@@ -13,14 +13,10 @@ from collections.abc import Mapping
 
 from router.agreement import MARGIN, MIN_AUDITS, AuditKey, Estimate, total, verdict
 from router.audit import Auditor, calibrated_top
+from stratus.convert.fleet import wire_tier
 from stratus.errors import NotFound
 from stratus.tiers import Tier
 from stratus.wire import fleet_pb2 as fpb
-
-
-def wire_tier(tier: Tier) -> fpb.Tier.ValueType:
-    """The wire's name for a tier: TIER_ and the tier's own (no table to keep in step)."""
-    return fpb.Tier.Value(f"TIER_{tier.name}")
 
 
 def estimate_info(estimate: Estimate) -> fpb.AgreementEstimate:

@@ -31,12 +31,12 @@ from router.cloud_models import NamedModel
 from stratus import codec
 from stratus.channels import NO_TLS, TlsSettings, check_fits, open_channel, server_name_options
 from stratus.confidence import max_probability
+from stratus.convert.errors import error_from_call, error_from_stream
 from stratus.errors import ConfigError, DeadlineExceeded, Overloaded, StratusError, Unavailable
 from stratus.generation import FINAL, TEXT_OUTPUT, Chunk
 from stratus.generation import STREAM as STREAM_PARAMETER
 from stratus.protocol import CONFIDENCE, VARIANT, set_parameter
 from stratus.stats import LatencyWindow
-from stratus.status import error_from_status
 from stratus.wire import fleet_pb2 as fpb
 from stratus.wire import fleet_pb2_grpc as fpb_grpc
 from stratus.wire import inference_pb2 as pb
@@ -396,7 +396,7 @@ class CloudLink(CloudCatalog):
         try:
             async for message in call:
                 if message.error_message:
-                    raise _stream_error(message.error_message)
+                    raise error_from_stream(message, "cloud")
                 response = message.infer_response
                 params = {k: v.string_param for k, v in response.parameters.items() if v.string_param}
                 chunk = Chunk.from_parts(_text_output(response), params, final=False)
@@ -435,7 +435,7 @@ class CloudLink(CloudCatalog):
             self._pending.pop(wire_id, None)
         self.latency.add((loop.time() - started) * 1000.0)
         if message.error_message:
-            raise _stream_error(message.error_message)
+            raise error_from_stream(message, "cloud")
         return message.infer_response
 
 
@@ -457,7 +457,7 @@ async def _refused_at_once(call: Any) -> bool:
 def _call_error(exc: grpc.aio.AioRpcError, timeout_s: float | None) -> StratusError:
     if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
         return DeadlineExceeded(f"cloud did not finish within {(timeout_s or 0) * 1000:.1f} ms")
-    return error_from_status(exc.code(), f"cloud: {exc.details()}")
+    return error_from_call(exc, "cloud")
 
 
 def _described(exc: Exception) -> str:
@@ -466,11 +466,6 @@ def _described(exc: Exception) -> str:
     return str(exc)
 
 
-def _stream_error(message: str) -> StratusError:
-    """A streamed error ("CODE: text", as the gateway writes it) as the error it names."""
-    code_name, _, text = message.partition(": ")
-    code = getattr(grpc.StatusCode, code_name, grpc.StatusCode.UNKNOWN)
-    return error_from_status(code, f"cloud: {text or message}")
 
 
 def _is_final(response: pb.ModelInferResponse) -> bool:

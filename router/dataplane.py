@@ -29,6 +29,7 @@ from router.obs import observer_for
 from router.policy import CloudView, FleetSnapshot
 from router.registry import FleetRegistry
 from router.rollout import PROMOTED, Rollouts
+from stratus.convert.fleet import thresholds_from_wire
 from stratus.errors import NotFound, Overloaded, StratusError
 from stratus.family_spec import FamilySpec, TensorSpec
 from stratus.generation import FINAL, FINISH_REASON, Chunk
@@ -488,7 +489,7 @@ def family_spec(info: fpb.FamilyInfo) -> FamilySpec:
             method=ConfidenceMethod.MAX_SOFTMAX,
             apply_softmax=False,
         ),
-        thresholds={Tier.parse(k): v for k, v in info.thresholds.items()},
+        thresholds=thresholds_from_wire(info.thresholds, f"family {info.name!r}"),
         variants=(),
         source=Path("<agent>"),
     )

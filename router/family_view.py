@@ -17,13 +17,13 @@ from router.cloud_models import family_of
 from router.cloud_pool import CloudTier
 from router.registry import FleetRegistry
 from router.rollout import Plan
+from stratus.convert.fleet import wire_tier
 from stratus.tiers import Tier
 from stratus.wire import fleet_pb2 as fpb
 
 SERVING = "serving"
 DEGRADED = "degraded"
 UNAVAILABLE = "unavailable"
-_WIRE_TIERS = {Tier.DEVICE: fpb.TIER_DEVICE, Tier.EDGE: fpb.TIER_EDGE, Tier.CLOUD: fpb.TIER_CLOUD}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -97,7 +97,7 @@ def seen_tiers(
 ) -> list[TierSeen]:
     """Each tier with agents serving ``family`` or a threshold for it, and the cloud where it
     serves the family, lowest first."""
-    thresholds = {Tier.parse(name): value for name, value in info.thresholds.items()} if info else {}
+    thresholds = registry.thresholds(family)  # a family only the cloud serves has none
     listed = registry.index.listed(family)
     tiers = [
         agent_tier(registry, family, tier, thresholds.get(tier))
@@ -116,7 +116,7 @@ def family_status(
     status = fpb.FamilyStatus(name=name, kind=kind, state=state, reason=reason)
     for seen in tiers:
         row = status.tiers.add(
-            tier=_WIRE_TIERS[seen.tier], current=seen.current, ready=seen.ready, listed=seen.listed
+            tier=wire_tier(seen.tier), current=seen.current, ready=seen.ready, listed=seen.listed
         )
         if seen.threshold is not None:
             row.threshold = seen.threshold

@@ -22,6 +22,7 @@ from router.rollout_judge import ArmWindow, Margins
 from router.thresholds import ThresholdPushes, steer, to_wire
 from stratus import __version__
 from stratus.auth import RouterCredentials, proof_holds, sync_proof
+from stratus.convert.fleet import wire_tier
 from stratus.errors import ConfigError, InvalidInput, NotFound
 from stratus.metrics import gauge
 from stratus.tiers import Tier
@@ -34,7 +35,6 @@ _STATES = {
     State.LOST: fpb.AGENT_STATE_LOST,
     "left": fpb.AGENT_STATE_LEFT,
 }
-_TIERS = {1: fpb.TIER_DEVICE, 2: fpb.TIER_EDGE, 3: fpb.TIER_CLOUD}
 
 
 def agent_status(handle: AgentHandle, now: float) -> fpb.AgentStatus:
@@ -43,7 +43,7 @@ def agent_status(handle: AgentHandle, now: float) -> fpb.AgentStatus:
     p99 = max((e.p99_ms for e in estimates), default=0.0)
     return fpb.AgentStatus(
         id=handle.id,
-        tier=_TIERS[int(handle.tier)],
+        tier=wire_tier(handle.tier),
         host=handle.host,
         runtimes=handle.runtimes,
         variants=sorted(handle.variants),
@@ -129,7 +129,7 @@ def tier_summaries(registry: FleetRegistry) -> list[fpb.TierSummary]:
     """Agents counted by tier and state: what an operator reads first, at any fleet size."""
     summaries: dict[Tier, fpb.TierSummary] = {}
     for handle in registry.agents.values():
-        summary = summaries.setdefault(handle.tier, fpb.TierSummary(tier=_TIERS[int(handle.tier)]))
+        summary = summaries.setdefault(handle.tier, fpb.TierSummary(tier=wire_tier(handle.tier)))
         state = shown_state(handle)
         setattr(summary, state, getattr(summary, state) + 1)
         summary.in_flight += handle.in_flight
@@ -223,7 +223,7 @@ def rollout_status(rollouts: Rollouts, plan: Plan, current: str) -> fpb.RolloutS
     mine, theirs, shadow_items, shadow_agreed = rollouts.evidence(plan.family, plan.tier)
     return fpb.RolloutStatus(
         family=plan.family,
-        tier=_TIERS[int(plan.tier)],
+        tier=wire_tier(plan.tier),
         candidate=plan.candidate,
         state=plan.state,
         share_percent=plan.share,
@@ -471,7 +471,7 @@ class FleetServicer(fpb_grpc.FleetServicer):
 
 
 def _tier(value: int) -> Tier:
-    for tier, wire in _TIERS.items():
-        if wire == value:
-            return Tier(tier)
-    raise InvalidInput("a rollout names its tier: device or edge")
+    try:
+        return Tier.from_wire(value)
+    except InvalidInput:
+        raise InvalidInput("a rollout names its tier: device or edge") from None

@@ -22,7 +22,7 @@ from typing import Any
 from router.registry import AgentHandle, FleetRegistry, check_hello_bounds
 from stratus import __version__
 from stratus.auth import RouterCredentials
-from stratus.errors import DeadlineExceeded, InvalidInput, Overloaded, StratusError
+from stratus.errors import ConfigError, DeadlineExceeded, InvalidInput, Overloaded, StratusError
 from stratus.wire import fleet_pb2 as fpb
 from stratus.wire import fleet_pb2_grpc as fpb_grpc
 
@@ -44,7 +44,7 @@ class AdmissionGate:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if rate_per_s <= 0 or burst < 1 or max_waiting < 0:
-            raise ValueError("rate_per_s and burst must be positive, max_waiting >= 0")
+            raise ConfigError("rate_per_s and burst must be positive, max_waiting >= 0")
         self.rate_per_s = rate_per_s
         self.burst = burst
         self.max_waiting = max_waiting

@@ -11,9 +11,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
+from stratus.convert.errors import error_label
 from stratus.errors import StratusError
 from stratus.metrics import RouterMetrics
-from stratus.status import status_code
 from stratus.tiers import Tier
 
 
@@ -91,7 +91,7 @@ class MetricsObserver:
         self.metrics.duration.labels(family).observe(seconds)
 
     def refused(self, family: str, error: StratusError) -> None:
-        reason = status_code(error).name.lower()
+        reason = error_label(error)
         self.metrics.requests.labels(family, "none", reason).inc()
         self.metrics.refusals.labels(reason).inc()
 

@@ -33,7 +33,7 @@ import hmac
 import json
 import logging
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import Any, Final
+from typing import Any
 
 from aiohttp import web
 
@@ -41,32 +41,18 @@ from router.cascade.generate import Generation, TextGenerator
 from router.openai_replies import Reply, model_entry
 from router.openai_requests import oip_request, options_of, prompts_of, settings_of, usage_asked
 from stratus.channels import is_loopback
+from stratus.convert.errors import http_status
 from stratus.errors import (
     ConfigError,
-    DeadlineExceeded,
     InvalidInput,
     NotFound,
-    Overloaded,
-    PermissionDenied,
     StratusError,
-    Unauthenticated,
-    Unavailable,
 )
 from stratus.generation import Chunk
 from stratus.sampling import FieldError
 from stratus.wire import inference_pb2 as pb
 
 log = logging.getLogger("stratus.openai")
-
-_STATUS: Final[dict[type[StratusError], tuple[int, str]]] = {
-    InvalidInput: (400, "invalid_request_error"),
-    NotFound: (404, "not_found_error"),
-    Unauthenticated: (401, "authentication_error"),
-    PermissionDenied: (403, "permission_error"),
-    Overloaded: (429, "rate_limit_error"),
-    Unavailable: (503, "service_unavailable"),
-    DeadlineExceeded: (504, "timeout"),
-}
 
 
 def error_body(status: int, kind: str, message: str, param: str | None = None) -> dict[str, Any]:
@@ -75,7 +61,7 @@ def error_body(status: int, kind: str, message: str, param: str | None = None) -
 
 def error_of(exc: StratusError) -> tuple[int, dict[str, Any]]:
     """The HTTP status and OpenAI error body for a Stratus error."""
-    status, kind = next((v for cls, v in _STATUS.items() if isinstance(exc, cls)), (500, "internal_error"))
+    status, kind = http_status(exc)
     return status, error_body(status, kind, str(exc), getattr(exc, "param", None))
 
 

@@ -28,6 +28,8 @@ from stratus.audit_config import check_family_info
 from stratus.batching import DEFAULT_MAX_DELAY_S, Batch, Batcher, BatchKey, split_counts
 from stratus.channels import MAX_WORK_BYTES, check_fits
 from stratus.codec import numpy_dtype
+from stratus.convert.errors import error_from_wire
+from stratus.convert.fleet import thresholds_from_wire
 from stratus.errors import (
     ConfigError,
     DeadlineExceeded,
@@ -41,7 +43,6 @@ from stratus.hardware import describe as describe_hardware
 from stratus.hardware import from_hello as hardware_from_hello
 from stratus.metrics import RouterMetrics
 from stratus.stats import LatencyWindow, RateMeter, ServiceCurve, SizeWindow
-from stratus.status import error_from_status, status_for
 from stratus.tensors import Tensors
 from stratus.tiers import Tier
 from stratus.wire import fleet_pb2 as fpb
@@ -70,7 +71,6 @@ MAX_WATCHERS = 64
 MAX_OUTBOX = 4096
 # Longest a Reload call waits for its agent (the caller chooses less, never more).
 MAX_RELOAD_WAIT_S = 600.0
-_TIERS: dict[int, Tier] = {fpb.TIER_DEVICE: Tier.DEVICE, fpb.TIER_EDGE: Tier.EDGE, fpb.TIER_CLOUD: Tier.CLOUD}
 
 
 def shown_state(handle: AgentHandle) -> str:
@@ -82,12 +82,6 @@ class State:
     READY = "ready"
     DRAINING = "draining"
     LOST = "lost"
-
-
-def tier_of(value: int) -> Tier:
-    if value not in _TIERS:
-        raise ValueError(f"unknown tier {value}")
-    return _TIERS[value]
 
 
 def pace_for(agents: int, *, base_s: float, max_per_s: float) -> float:
@@ -287,6 +281,7 @@ class FleetRegistry:
         self._clock = clock
         self.agents: dict[str, AgentHandle] = {}
         self.families: dict[str, fpb.FamilyInfo] = {}
+        self._thresholds: dict[str, Mapping[Tier, float]] = {}  # each family's, read at its Hello
         self.index: AgentIndex[AgentHandle] = AgentIndex()
         self._linked = 0  # agents not lost
         self._ids = itertools.count(1)
@@ -318,7 +313,7 @@ class FleetRegistry:
             self._forget(previous)
         handle = AgentHandle(
             id=hello.agent_id,
-            tier=tier_of(hello.tier),
+            tier=Tier.from_wire(hello.tier),
             host=hello.host,
             peer=peer,
             runtimes=tuple(hello.runtimes),
@@ -393,7 +388,7 @@ class FleetRegistry:
             if known is None or known == self._served(family):
                 continue
             if not self.index.serves(family.name):  # nobody serves the old description now
-                del self.families[family.name]
+                self._undescribe(family.name)
                 self._own.pop(family.name, None)
                 continue
             differs = [
@@ -419,7 +414,7 @@ class FleetRegistry:
         agent to its new names at once. A Hello this fleet would refuse leaves the agent
         registered as it was, and says why, to the operator who asked for the reload.
         """
-        if hello.agent_id != handle.id or tier_of(hello.tier) is not handle.tier:
+        if hello.agent_id != handle.id or Tier.from_wire(hello.tier) is not handle.tier:
             raise InvalidInput(f"a reload may not change the agent's name or tier ({handle.id})")
         ready = handle.ready
         self.index.forget(handle)  # its old names, so only other agents count in the check
@@ -510,7 +505,7 @@ class FleetRegistry:
             self.index.forget(handle)
             for family in {info.family for info in handle.variants.values()}:
                 if not self.index.tiers(family) and not self.index.variants_of(family):
-                    self.families.pop(family, None)
+                    self._undescribe(family)
 
     def _forget_oldest_lost(self) -> None:
         """Keep at most MAX_LOST lost agents listed: agents that join and leave in bulk must
@@ -662,9 +657,7 @@ class FleetRegistry:
             handle.chunks.pop(request_id, None)
         handle.link_ms.add(max(0.0, (self.now() - sent) * 1000.0 - result.service_ms))
         if result.WhichOneof("outcome") == "error":
-            raise error_from_status(
-                status_for(result.error.code), f"agent {handle.id}: {result.error.message}"
-            )
+            raise error_from_wire(result.error, f"agent {handle.id}")
         return result
 
     def attach_batcher(self, handle: AgentHandle) -> None:
@@ -770,7 +763,7 @@ class FleetRegistry:
             self._pushed.pop(family, None)
         own = self._own.get(family)
         if own is not None and family in self.families:
-            self.families[family] = self._served(own)
+            self.describe(self._served(own))
         self.changed()
 
     def own_thresholds(self, family: str) -> Mapping[Tier, float]:
@@ -781,7 +774,7 @@ class FleetRegistry:
     def _learn(self, family: fpb.FamilyInfo) -> None:
         if family.name not in self._pushed or family.name not in self._own:
             self._own[family.name] = family
-        self.families[family.name] = self._served(family)
+        self.describe(self._served(family))
 
     def _served(self, family: fpb.FamilyInfo) -> fpb.FamilyInfo:
         """The family as this fleet serves it. Under a push: the pushed thresholds over the
@@ -802,8 +795,17 @@ class FleetRegistry:
         return served
 
     def thresholds(self, family: str) -> Mapping[Tier, float]:
-        info = self.families.get(family)
-        return {Tier.parse(k): v for k, v in info.thresholds.items()} if info else {}
+        return self._thresholds.get(family, {})
+
+    def describe(self, family: fpb.FamilyInfo) -> None:
+        """Route ``family`` by this description, its thresholds read once, here (a Hello's
+        were checked by check_hello_bounds; InvalidInput for a key that names no tier)."""
+        self.families[family.name] = family
+        self._thresholds[family.name] = thresholds_from_wire(family.thresholds, f"family {family.name!r}")
+
+    def _undescribe(self, name: str) -> None:
+        self.families.pop(name, None)
+        self._thresholds.pop(name, None)
 
     def watch(self) -> asyncio.Queue[None]:
         """A queue told of each change; RESOURCE_EXHAUSTED past MAX_WATCHERS at once."""
@@ -839,6 +841,7 @@ def check_hello_bounds(hello: fpb.Hello) -> None:
         )
     for family in hello.families:
         check_family_info(hello.agent_id, family)
+        thresholds_from_wire(family.thresholds, f"Hello from {hello.agent_id}: family {family.name[:40]!r}")
     names = (
         [v.name for v in hello.variants]
         + [v.family for v in hello.variants]
@@ -890,7 +893,7 @@ def split_result(
     """A Work's Result, back into one answer (or one error) per merged request, in order;
     ``waited_ms``: how long each request waited here before the Work left."""
     if result.WhichOneof("outcome") == "error":
-        raise error_from_status(status_for(result.error.code), f"agent {handle.id}: {result.error.message}")
+        raise error_from_wire(result.error, f"agent {handle.id}")
     outputs = Tensors.from_response(result.response)
     total = sum(sizes)
     if outputs.items != total or (not outputs.splittable and len(sizes) > 1):

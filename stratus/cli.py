@@ -232,6 +232,7 @@ def _fleet_reload(args: argparse.Namespace) -> int:
 
 
 def _fleet_rollout(args: argparse.Namespace) -> int:
+    from stratus.convert.fleet import wire_tier
     from stratus.fleetctl import rollout
     from stratus.tiers import Tier
     from stratus.wire import fleet_pb2 as fpb
@@ -246,12 +247,11 @@ def _fleet_rollout(args: argparse.Namespace) -> int:
         raise ConfigError("give --candidate VARIANT to start a rollout, or --status, --promote or --abort")
     if action != fpb.ROLLOUT_ACTION_STATUS and not args.tier:
         raise ConfigError("give --tier device or --tier edge")
-    tiers = {Tier.DEVICE: fpb.TIER_DEVICE, Tier.EDGE: fpb.TIER_EDGE, Tier.CLOUD: fpb.TIER_CLOUD}
     request = fpb.RolloutRequest(
         action=action,
         token=_role_token(args, "operator"),
         family=args.family,
-        tier=tiers[Tier.parse(args.tier)] if args.tier else fpb.TIER_UNSPECIFIED,
+        tier=wire_tier(Tier.parse(args.tier) if args.tier else None),
         candidate=args.candidate or "",
         steps=[float(s) for s in args.steps.split(",")] if args.steps else [],
         min_requests=args.min_requests,

@@ -7,13 +7,9 @@ import json
 from typing import Any
 
 from stratus.channels import NO_TLS, TlsSettings, open_sync_channel
+from stratus.convert.fleet import tier_label
 from stratus.wire import fleet_pb2 as fpb
 from stratus.wire import fleet_pb2_grpc as fpb_grpc
-
-
-def _tier(value: fpb.Tier.ValueType) -> str:
-    """``device`` for TIER_DEVICE (the wire's names, without a table to keep in step)."""
-    return fpb.Tier.Name(value).removeprefix("TIER_").lower() if value in fpb.Tier.values() else "unknown"
 
 
 def _estimate(estimate: fpb.AgreementEstimate) -> dict[str, Any]:
@@ -40,8 +36,8 @@ def _calibrated(row: fpb.TierAccuracy) -> dict[str, Any] | None:
 def accuracy_json(reply: fpb.AccuracyReply) -> dict[str, Any]:
     return {
         "family": reply.family,
-        "top_tier": _tier(reply.top_tier),
-        "calibrated_top_tier": _tier(reply.calibrated_top_tier) if reply.calibrated_top_tier else None,
+        "top_tier": tier_label(reply.top_tier),
+        "calibrated_top_tier": tier_label(reply.calibrated_top_tier) if reply.calibrated_top_tier else None,
         "share": reply.share,
         "margin": reply.margin,
         "min_audits": reply.min_audits,
@@ -50,7 +46,7 @@ def accuracy_json(reply: fpb.AccuracyReply) -> dict[str, Any]:
         "pushed": _pushed(reply),
         "tiers": [
             {
-                "tier": _tier(row.tier),
+                "tier": tier_label(row.tier),
                 "variants": list(row.variants),
                 "calibrated": _calibrated(row),
                 "live": _estimate(row.live),
@@ -62,7 +58,7 @@ def accuracy_json(reply: fpb.AccuracyReply) -> dict[str, Any]:
         "agents": [
             {
                 "agent": a.agent,
-                "tier": _tier(a.tier),
+                "tier": tier_label(a.tier),
                 "variant": a.variant,
                 "live": _estimate(a.live),
                 "verdict": a.verdict,

@@ -12,11 +12,11 @@ from typing import Any
 import grpc
 
 from stratus.channels import NO_TLS, TlsSettings, open_sync_channel
+from stratus.convert.fleet import tier_label
 from stratus.hardware import describe as describe_hardware
 from stratus.wire import fleet_pb2 as fpb
 from stratus.wire import fleet_pb2_grpc as fpb_grpc
 
-_TIER = {fpb.TIER_DEVICE: "device", fpb.TIER_EDGE: "edge", fpb.TIER_CLOUD: "cloud"}
 _STATE = {
     fpb.AGENT_STATE_READY: "ready",
     fpb.AGENT_STATE_DRAINING: "draining",
@@ -29,7 +29,7 @@ def status_json(status: fpb.FleetStatus) -> dict[str, Any]:
     return {
         "tiers": [
             {
-                "tier": _TIER.get(t.tier, "unknown"),
+                "tier": tier_label(t.tier),
                 "ready": t.ready,
                 "draining": t.draining,
                 "lost": t.lost,
@@ -42,7 +42,7 @@ def status_json(status: fpb.FleetStatus) -> dict[str, Any]:
         "agents": [
             {
                 "id": a.id,
-                "tier": _TIER.get(a.tier, "unknown"),
+                "tier": tier_label(a.tier),
                 "host": a.host,
                 "hardware": {
                     "machine": a.hardware.machine,
@@ -95,7 +95,7 @@ def family_json(family: fpb.FamilyStatus) -> dict[str, Any]:
         "reason": family.reason,
         "tiers": [
             {
-                "tier": _TIER.get(t.tier, "unknown"),
+                "tier": tier_label(t.tier),
                 "threshold": t.threshold if t.HasField("threshold") else None,
                 "current": list(t.current),
                 "ready": t.ready,
@@ -212,7 +212,7 @@ def families_table(families: Sequence[fpb.FamilyStatus]) -> list[str]:
             ready = f"{t.ready}/{t.listed}"
             rollout = f"{t.candidate} {t.candidate_percent:g}% {t.rollout_state}" if t.candidate else "-"
             lines.append(
-                f"{name:<16}{state:<13}{_TIER.get(t.tier, '-'):<8}{threshold:>10}  "
+                f"{name:<16}{state:<13}{tier_label(t.tier, '-'):<8}{threshold:>10}  "
                 f"{fit(','.join(t.current) or '-', 31):<32}{ready:>7}  {rollout}"
             )
     lines += [f"{f.name}: {f.state}: {f.reason}" for f in families if f.reason]
@@ -349,7 +349,7 @@ def rollout_json(status: fpb.RolloutStatus) -> dict[str, Any]:
 
     return {
         "family": status.family,
-        "tier": _TIER.get(status.tier, "unknown"),
+        "tier": tier_label(status.tier),
         "candidate": status.candidate,
         "state": status.state,
         "share_percent": status.share_percent,

@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from stratus.audit_config import calibration_info
+from stratus.convert.fleet import thresholds_to_wire
 from stratus.family_spec import FamilySpec
 from stratus.local import LocalModels
 from stratus.local_generation import LocalGenerators
@@ -28,7 +29,7 @@ def families_info(models: LocalModels) -> list[fleet_pb2.FamilyInfo]:
                 name=f.name,
                 inputs=tensor_metadata(f.inputs),
                 outputs=tensor_metadata(f.outputs),
-                thresholds={t.label: v for t, v in f.thresholds.items()},
+                thresholds=thresholds_to_wire(f.thresholds),
                 cloud_variants=cloud_variants(f),
                 calibrated_cloud_share=calibrated_cloud_share(f),
                 **family_info_fields(f),
@@ -76,7 +77,7 @@ def _family_info(family: FamilySpec) -> fleet_pb2.FamilyInfo:
         name=family.name,
         inputs=tensor_metadata(family.inputs),
         outputs=tensor_metadata(family.outputs),
-        thresholds={t.label: v for t, v in family.thresholds.items()},
+        thresholds=thresholds_to_wire(family.thresholds),
         kind="generative",
         confidence_method=family.generation.method.value,
         max_tokens=family.generation.max_tokens,

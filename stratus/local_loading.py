@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from stratus.batching import DEFAULT_MAX_BATCH, DEFAULT_MAX_DELAY_S
-from stratus.errors import ModelLoadError, RuntimeUnavailable, StratusError
+from stratus.errors import ConfigError, ModelLoadError, RuntimeUnavailable, StratusError
 from stratus.family_spec import FamilySpec, VariantSpec
 from stratus.local_generation import NotLoaded
 from stratus.metrics import ModelMetrics
@@ -53,7 +53,7 @@ class LocalSettings:
 
     def __post_init__(self) -> None:
         if self.concurrency < 1 or self.queue_limit < 0 or self.max_batch < 1 or self.max_batch_delay_s < 0:
-            raise ValueError("concurrency and max_batch must be >= 1, queue_limit and delay >= 0")
+            raise ConfigError("concurrency and max_batch must be >= 1, queue_limit and delay >= 0")
 
 
 @dataclass(frozen=True)

@@ -39,8 +39,8 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from stratus import __version__
+from stratus.convert.errors import error_label
 from stratus.errors import StratusError
-from stratus.status import status_code
 
 __all__ = [
     "UNKNOWN",
@@ -314,7 +314,7 @@ class ModelMetrics:
 
 def outcome_of(error: StratusError) -> str:
     """A failed request's outcome label: its gRPC status, as ``deadline_exceeded``."""
-    return status_code(error).name.lower()
+    return error_label(error)
 
 
 @contextlib.contextmanager

@@ -21,9 +21,9 @@ from typing import Any, Final
 
 from stratus import __version__, codec
 from stratus.channels import MAX_MESSAGE_BYTES
+from stratus.convert.errors import stream_error
 from stratus.errors import InvalidInput, NotFound, Overloaded, StratusError
 from stratus.protocol import COMPUTE_MS, MODEL_VERSION, QUEUE_MS, reported_ms
-from stratus.status import status_code
 from stratus.wire import inference_pb2 as pb
 from stratus.wire import inference_pb2_grpc as pb_grpc
 
@@ -384,10 +384,10 @@ class _StreamSession:
                 self._outbox.put_nowait(pb.ModelStreamInferResponse(infer_response=response))
             answered = response
         except StratusError as exc:
-            self._outbox.put_nowait(stream_error(request, f"{status_code(exc).name}: {exc}"))
+            self._outbox.put_nowait(stream_error(request, exc))
         except Exception as exc:  # one bad request must not end the stream for the others
             log.exception("unexpected error in a streamed request")
-            self._outbox.put_nowait(stream_error(request, f"INTERNAL: {type(exc).__name__}: {exc}"))
+            self._outbox.put_nowait(stream_error(request, exc))
         finally:
             if self._record is not None:
                 self._record(request, started, answered)
@@ -403,14 +403,6 @@ def _streams(request: pb.ModelInferRequest) -> bool:
     if not any(t.name == "stream" and t.datatype == "BOOL" for t in request.inputs):
         return False
     return bool(codec.decode_request_inputs(request)["stream"].all())
-
-
-def stream_error(request: pb.ModelInferRequest, message: str) -> pb.ModelStreamInferResponse:
-    """A streamed error keeps the request's id and model, so a multiplexing peer can match it."""
-    return pb.ModelStreamInferResponse(
-        error_message=message,
-        infer_response=pb.ModelInferResponse(id=request.id, model_name=request.model_name),
-    )
 
 
 def tensor_metadata(specs: Sequence[Any]) -> list[pb.ModelMetadataResponse.TensorMetadata]:

@@ -1,8 +1,9 @@
 """Where Stratus errors become gRPC statuses: one interceptor for every server.
 
 Servicers raise :mod:`stratus.errors`; this interceptor turns each into the status it
-names, with its message. Anything else is a bug: it is logged with its traceback and the
-peer gets INTERNAL naming the exception, and the server keeps serving everyone else.
+names, with its message (:mod:`stratus.convert.errors` converts errors for every wire).
+Anything else is a bug: it is logged with its traceback and the peer gets INTERNAL naming
+the exception, and the server keeps serving everyone else.
 """
 
 from __future__ import annotations
@@ -14,59 +15,20 @@ from typing import Any
 
 import grpc
 
+from stratus.convert.errors import status_of
 from stratus.errors import StratusError
+
+__all__ = ["ErrorInterceptor"]
 
 log = logging.getLogger("stratus.status")
 
 
-def status_code(error: StratusError) -> grpc.StatusCode:
-    code: grpc.StatusCode = getattr(grpc.StatusCode, error.status_name)
-    return code
-
-
-def status_for(code: int) -> grpc.StatusCode:
-    """The StatusCode for a numeric code carried in a message (an agent's Result)."""
-    for status in grpc.StatusCode:
-        if status.value[0] == code:
-            return status
-    return grpc.StatusCode.UNKNOWN
-
-
-# Longest message from a peer's error passed on: an agent's 70 KB message used to become
-# trailing metadata past gRPC's limit, and the client got RESOURCE_EXHAUSTED about that instead.
-MAX_PEER_MESSAGE = 1024
-
-
-def error_from_status(code: grpc.StatusCode, message: str) -> StratusError:
-    """The inverse mapping, for errors that crossed a hop (agent -> router -> client).
-
-    A code the request cannot have caused (OK, UNKNOWN, INTERNAL, CANCELLED, a number gRPC
-    does not know) says the hop failed, not the request: UNAVAILABLE, which fails over."""
-    from stratus import errors
-
-    if len(message) > MAX_PEER_MESSAGE:
-        message = f"{message[:MAX_PEER_MESSAGE]}... ({len(message)} characters)"
-
-    for kind in (
-        errors.InvalidInput,
-        errors.NotFound,
-        errors.Unavailable,
-        errors.Overloaded,
-        errors.DeadlineExceeded,
-        errors.Unauthenticated,
-        errors.PermissionDenied,
-        errors.ConfigError,
-    ):
-        if kind.status_name == code.name:
-            return kind(message)
-    return errors.Unavailable(f"{message} ({code.name})")
-
-
 def _status_of(exc: Exception) -> tuple[grpc.StatusCode, str]:
+    code, message = status_of(exc)
     if isinstance(exc, StratusError):
-        return status_code(exc), str(exc)
+        return code, message
     log.exception("unexpected error serving a call")
-    return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"
+    return code, f"internal error: {message}"
 
 
 # Each wrapper aborts after its ``except`` block, with the request dropped: an abort raised

@@ -26,7 +26,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import math
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -45,6 +44,7 @@ from router.policy.climb import (
     retryable,
 )
 from stratus.confidence import accepts, threshold_for
+from stratus.convert.fleet import chunk_from_wire, thresholds_from_wire
 from stratus.errors import StratusError
 from stratus.generation import (
     FINISH_REASON,
@@ -165,7 +165,7 @@ class GenerationCascade:
 
     def __post_init__(self) -> None:
         self.state.min_tier, self.state.max_tier = self.options.min_tier, self.options.max_tier
-        self.thresholds = {Tier.parse(k): v for k, v in self.family.thresholds.items()}
+        self.thresholds = thresholds_from_wire(self.family.thresholds, f"family {self.family.name!r}")
 
     def remaining_ms(self) -> float:
         return self.budget_ms - (self.context.now() - self.started) * 1000.0
@@ -281,7 +281,7 @@ class GenerationCascade:
                 shown.put_nowait(Chunk(tokens=kept))
 
         def on_chunk(message: fpb.Chunk) -> None:
-            show(answer.add(_from_wire(message).tokens))
+            show(answer.add(chunk_from_wire(message).tokens))
             gone = threshold is not None and answer.running.hopeless(threshold)
             if not final and watch and gone and work is not None:
                 work.cancel(msg="hopeless")
@@ -366,19 +366,6 @@ class GenerationCascade:
             prompt_tokens=prompt_tokens,
             completion_tokens=completion_tokens,
         )
-
-
-def _from_wire(message: fpb.Chunk) -> Chunk:
-    margins = list(message.margins)
-    tokens = tuple(
-        Token(
-            text=message.text if index == 0 else "",
-            logprob=logprob,
-            margin=None if index >= len(margins) or math.isnan(margins[index]) else margins[index],
-        )
-        for index, logprob in enumerate(message.logprobs)
-    )
-    return Chunk(tokens=tokens or (Token(text=message.text, logprob=0.0),))
 
 
 def _finish_reason(response: pb.ModelInferResponse) -> str:

@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 
 from router.registry import MISSED_HEARTBEATS
 from stratus.channels import grpc_options
+from stratus.convert.errors import wire_error
 from stratus.launcher import Launched
 from stratus.protocol import set_parameter
 from stratus.wire import fleet_pb2 as fpb
@@ -274,7 +275,7 @@ def test_an_unknown_result_is_ignored_and_the_peer_still_gets_work(lone: Launche
         client.start()
         work = peer.receive()  # the router still routes to it, on the same link
         assert work.HasField("work"), work
-        failed = fpb.Error(code=grpc.StatusCode.INTERNAL.value[0], message="stray-peer cannot run it")
+        failed = wire_error(grpc.StatusCode.INTERNAL, "stray-peer cannot run it")
         peer.send(fpb.AgentMessage(result=fpb.Result(request_id=work.work.request_id, error=failed)))
         client.join(timeout=15)
         assert not client.is_alive(), "the client's request never ended"

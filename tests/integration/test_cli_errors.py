@@ -63,3 +63,23 @@ def test_an_agent_pointed_at_a_cloud_gateway_says_so_and_stops(cluster: Cluster)
 def test_a_bad_cloud_address_is_one_line() -> None:
     line = one_line(stratus("router", "--listen", "127.0.0.1:0", "--no-advertise", "--cloud", "a:1,b"))
     assert line == "stratus: error: --cloud 'a:1,b': 'b' is not HOST:PORT"
+
+
+@pytest.mark.parametrize(
+    ("args", "why"),
+    [
+        (["agent", "--tier", "device", "--router", "127.0.0.1:1", "--concurrency", "0"], "capacity"),
+        (["agent", "--tier", "device", "--router", "127.0.0.1:1", "--queue-limit", "-1"], "queue_limit"),
+        (["cloud", "--listen", "127.0.0.1:0", "--concurrency", "0"], "concurrency and max_batch"),
+        (
+            ["cloud", "--listen", "127.0.0.1:0", "--openai-upstream", "ftp://u", "--upstream-model", "m"],
+            "http://",
+        ),
+        (["router", "--listen", "127.0.0.1:0", "--no-advertise", "--admit-per-s", "0"], "rate_per_s"),
+    ],
+)
+def test_a_setting_out_of_range_is_one_line(args: list[str], why: str) -> None:
+    """Settings refuse themselves with a ConfigError, which the CLI prints as one line."""
+    extra = ["--models", str(MODELS)] if args[0] in ("agent", "cloud") else []
+    line = one_line(stratus(*args, *extra))
+    assert line.startswith("stratus: error: ") and why in line, line

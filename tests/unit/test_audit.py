@@ -159,7 +159,7 @@ def auditor(
     cloud: CloudPool | None, *, clock: Clock | None = None, **policy: float
 ) -> tuple[Auditor, RouterMetrics, FleetRegistry]:
     registry = FleetRegistry()
-    registry.families["digits"] = digits_info()
+    registry.describe(digits_info())
     recorder = RouterMetrics(Metrics())
     made = Auditor(
         registry, cloud, policy=AuditPolicy(**policy), metrics=recorder, rng=random.Random(3),  # type: ignore[arg-type]
@@ -429,7 +429,7 @@ def test_generative_answers_are_audited_with_the_familys_comparator() -> None:
         pool, link = cloud_pool()
         audits, recorder, registry = auditor(pool, share=1.0, max_per_s=1000.0)
         info = arith_info()
-        registry.families["arith"] = info
+        registry.describe(info)
         audits.start()
         prompt = prompt_request("arith", "c1", "37+48=", GenerationParams(max_tokens=4))
         audits.generated(info, prompt, generation(Tier.DEVICE, "85", 0.95), [])

@@ -173,3 +173,28 @@ def test_an_agent_whose_calibration_differs_is_refused_saying_so() -> None:
     other.families.add(name="defects", thresholds={"device": 0.8})
     (refused,) = reg.register(other, peer="t").unavailable
     assert "(calibrated_cloud_share differ)" in refused.reason
+
+
+def test_thresholds_are_read_once_at_the_hello_and_leave_with_the_family() -> None:
+    clock = Clock()
+    reg = registry(clock)
+    agent = reg.register(hello("d1", threshold=0.75), peer="t")
+    assert reg.thresholds("digits") == {Tier.DEVICE: 0.75}
+    reg.lose(agent, "gone")
+    clock.now += FORGET_LOST_S + 1
+    reg.check_heartbeats()
+    assert reg.thresholds("digits") == {}
+
+
+def test_a_reload_brings_its_thresholds_when_no_other_agent_holds_the_family() -> None:
+    reg = registry()
+    agent = reg.register(hello("d1", threshold=0.75), peer="t")
+    reg.reannounce(agent, hello("d1", threshold=0.5))
+    assert reg.thresholds("digits") == {Tier.DEVICE: 0.5}
+
+
+def test_a_hello_with_a_threshold_for_no_tier_is_refused() -> None:
+    sky = hello("d1")
+    sky.families[0].thresholds["sky"] = 0.5
+    with pytest.raises(InvalidInput, match="Hello from d1: family 'digits': thresholds: unknown tier 'sky'"):
+        registry().register(sky, peer="t")
