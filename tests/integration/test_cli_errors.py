@@ -68,18 +68,19 @@ def test_a_bad_cloud_address_is_one_line() -> None:
 @pytest.mark.parametrize(
     ("args", "why"),
     [
-        (["agent", "--tier", "device", "--router", "127.0.0.1:1", "--concurrency", "0"], "capacity"),
-        (["agent", "--tier", "device", "--router", "127.0.0.1:1", "--queue-limit", "-1"], "queue_limit"),
-        (["cloud", "--listen", "127.0.0.1:0", "--concurrency", "0"], "concurrency and max_batch"),
+        (["agent", "--tier", "device", "--router", "127.0.0.1:1", "--concurrency", "0"], "--concurrency: must be at least 1, not 0"),
+        (["agent", "--tier", "device", "--router", "127.0.0.1:1", "--queue-limit", "-1"], "--queue-limit: must not be negative, not -1"),
+        (["cloud", "--listen", "127.0.0.1:0", "--concurrency", "0"], "--concurrency: must be at least 1"),
         (
             ["cloud", "--listen", "127.0.0.1:0", "--openai-upstream", "ftp://u", "--upstream-model", "m"],
-            "http://",
+            "--openai-upstream: is an http:// or https:// URL, not 'ftp://u'",
         ),
-        (["router", "--listen", "127.0.0.1:0", "--no-advertise", "--admit-per-s", "0"], "rate_per_s"),
+        (["router", "--listen", "127.0.0.1:0", "--no-advertise", "--admit-per-s", "0"], "--admit-per-s: must be more than 0"),
     ],
 )
 def test_a_setting_out_of_range_is_one_line(args: list[str], why: str) -> None:
-    """Settings refuse themselves with a ConfigError, which the CLI prints as one line."""
+    """Settings refuse themselves with a ConfigError naming the flag, which the CLI prints as
+    one line (the settings loader, stratus/config.py)."""
     extra = ["--models", str(MODELS)] if args[0] in ("agent", "cloud") else []
     line = one_line(stratus(*args, *extra))
     assert line.startswith("stratus: error: ") and why in line, line
