@@ -773,7 +773,7 @@ class FleetRegistry:
 
     def _learn(self, family: fpb.FamilyInfo) -> None:
         if family.name not in self._pushed or family.name not in self._own:
-            self._own[family.name] = family
+            self._own[family.name] = _detached(family)
         self.describe(self._served(family))
 
     def _served(self, family: fpb.FamilyInfo) -> fpb.FamilyInfo:
@@ -917,3 +917,10 @@ def split_result(
             split_counts(total, sizes), list(waited_ms) or [0.0] * len(sizes), strict=True
         )
     ]
+
+
+def _detached(family: fpb.FamilyInfo) -> fpb.FamilyInfo:
+    """A copy of a Hello's FamilyInfo: kept as is, a sub-message keeps its whole Hello alive."""
+    kept = fpb.FamilyInfo()
+    kept.CopyFrom(family)
+    return kept

@@ -762,8 +762,9 @@ class LinkCase:
     follow: list[fpb.AgentMessage]
 
 
-SAFE_FIELDS = ["host", "hardware", "hardware_info", "runtimes", "capacity", "queue_limit", "token", "version", "unavailable"]
-RISKY_FIELDS = ["tier", "variants", "families"]
+# A Hello's version is checked now (0-64 of A-Z a-z 0-9 . + _ -): a random one may refuse it.
+SAFE_FIELDS = ["host", "hardware", "hardware_info", "runtimes", "capacity", "queue_limit", "token", "unavailable"]
+RISKY_FIELDS = ["tier", "variants", "families", "version"]
 
 
 def borrow(hello: fpb.Hello, donor: fpb.Hello, fields: list[str]) -> None:
