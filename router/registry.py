@@ -800,7 +800,7 @@ class FleetRegistry:
     def describe(self, family: fpb.FamilyInfo) -> None:
         """Route ``family`` by this description, its thresholds read once, here (a Hello's
         were checked by check_hello_bounds; InvalidInput for a key that names no tier)."""
-        self.families[family.name] = family
+        self.families[family.name] = _detached(family)
         self._thresholds[family.name] = thresholds_from_wire(family.thresholds, f"family {family.name!r}")
 
     def _undescribe(self, name: str) -> None:
