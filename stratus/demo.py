@@ -121,7 +121,9 @@ def launch_agent(
     )
 
 
-def start_fleet(models: Path, log_dir: Path, *, devices: int = 2, edges: int = 1) -> Fleet:
+def start_fleet(
+    models: Path, log_dir: Path, *, devices: int = 2, edges: int = 1, router_args: Sequence[str] = ()
+) -> Fleet:
     """The started fleet; when any part fails to start, what had started is stopped first."""
     common = ["--log-level", "WARNING"]
     started: list[Launched] = []
@@ -133,7 +135,8 @@ def start_fleet(models: Path, log_dir: Path, *, devices: int = 2, edges: int = 1
         )
         started.append(cloud)
         router = launch(
-            ["router", "--listen", "127.0.0.1:0", "--cloud", cloud.address, "--no-advertise", *common],
+            ["router", "--listen", "127.0.0.1:0", "--cloud", cloud.address, "--no-advertise", *common]
+            + list(router_args),
             role="router",
             log_dir=log_dir,
         )

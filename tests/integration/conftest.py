@@ -21,7 +21,9 @@ MODELS = Path(__file__).resolve().parents[2] / "models"
 
 @pytest.fixture(scope="session")
 def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
-    fleet = start_fleet(MODELS, tmp_path_factory.mktemp("fleet-logs"))
+    # Audits off: tests on this fleet count exactly what reaches the cloud (ModelStatistics,
+    # metrics); audits are tested on fleets of their own (test_audits.py).
+    fleet = start_fleet(MODELS, tmp_path_factory.mktemp("fleet-logs"), router_args=("--audit-share", "0"))
     yield fleet
     codes = fleet.stop()
     assert all(code == 0 for code in codes.values()), f"unclean shutdown: {codes}"
