@@ -134,9 +134,9 @@ def start_fleet(
             log_dir=log_dir,
         )
         started.append(cloud)
+        args = ["router", "--listen", "127.0.0.1:0", "--cloud", cloud.address, "--no-advertise", *common]
         router = launch(
-            ["router", "--listen", "127.0.0.1:0", "--cloud", cloud.address, "--no-advertise", *common]
-            + list(router_args),
+            [*args, *router_args],
             role="router",
             log_dir=log_dir,
         )
