@@ -15,6 +15,7 @@ from stratus import codec
 from stratus.tiers import Tier
 
 from .conftest import MODELS
+from .expected import served_for
 
 
 def test_tritonclient_health_and_metadata(router: str) -> None:
@@ -261,7 +262,7 @@ def test_not_found_lists_every_name_that_works_as_the_index_does(router: str, di
     pinned = client.infer("digits-large", [x]).get_response().parameters  # ... and pinned, it answers
     assert (pinned["stratus.tier"].string_param, pinned["stratus.variant"].string_param) == (
         "cloud",
-        "digits-large-fp16",  # the cloud's hardware chose its FP16 child (models/digits/verified.toml)
+        served_for("digits-large").name,  # the precision this hardware serves (FP16 where it can)
     )
     for name in (n for n in listed if n.startswith("digits") and index[n] == "READY"):  # each works pinned
         answer = client.infer(name, [x])
