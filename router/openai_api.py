@@ -47,6 +47,7 @@ from stratus.errors import (
     InvalidInput,
     NotFound,
     StratusError,
+    drop_frames,
 )
 from stratus.generation import Chunk
 from stratus.sampling import FieldError
@@ -112,7 +113,9 @@ class OpenAiApi:
         try:
             return await handler(request)
         except StratusError as exc:
-            return _error_response(exc)
+            answer = _error_response(exc)
+            drop_frames(exc)
+            return answer
         except web.HTTPException as exc:
             return web.json_response(
                 error_body(exc.status, "invalid_request_error", exc.reason or "bad request"),

@@ -74,3 +74,19 @@ class PermissionDenied(StratusError):
     """Credentials are valid but do not allow this call."""
 
     status_name = "PERMISSION_DENIED"
+
+
+def drop_frames(exc: BaseException) -> None:
+    """Forget the frames an error answered to a client was raised through.
+
+    Called where an error has become its wire answer: a traceback holds every frame it
+    passed, and a frame that holds the error back (a failed task it awaited, the error in a
+    local) makes a reference cycle, so the request in those frames (megabytes, parsed)
+    waited for a garbage collection; protobuf's memory does not count towards when one runs.
+    """
+    seen: set[int] = set()
+    error: BaseException | None = exc
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        error.__traceback__ = None
+        error = error.__cause__ or error.__context__

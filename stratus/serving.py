@@ -22,7 +22,7 @@ from typing import Any, Final
 from stratus import __version__, codec
 from stratus.channels import MAX_MESSAGE_BYTES
 from stratus.convert.errors import stream_error
-from stratus.errors import InvalidInput, NotFound, Overloaded, StratusError
+from stratus.errors import InvalidInput, NotFound, Overloaded, StratusError, drop_frames
 from stratus.protocol import COMPUTE_MS, MODEL_VERSION, QUEUE_MS, reported_ms
 from stratus.wire import inference_pb2 as pb
 from stratus.wire import inference_pb2_grpc as pb_grpc
@@ -385,9 +385,11 @@ class _StreamSession:
             answered = response
         except StratusError as exc:
             self._outbox.put_nowait(stream_error(request, exc))
+            drop_frames(exc)
         except Exception as exc:  # one bad request must not end the stream for the others
             log.exception("unexpected error in a streamed request")
             self._outbox.put_nowait(stream_error(request, exc))
+            drop_frames(exc)
         finally:
             if self._record is not None:
                 self._record(request, started, answered)
