@@ -36,6 +36,8 @@ import numpy as np
 
 from router.agreement import WINDOW_AUDITS, WINDOW_S, AgreementBook, AuditKey, Estimate, total
 from router.audit_rows import RowBook, TierAnswer
+from router.backends.base import Backend, Classified
+from router.backends.cloud import CloudBackend
 from router.cascade.generate import Generation
 from router.cloud_pool import CloudTier
 from router.policy import Target
@@ -44,9 +46,7 @@ from stratus import codec
 from stratus.audit_config import EXACT, NUMBER
 from stratus.confidence import accepts
 from stratus.errors import ConfigError, StratusError
-from stratus.generation import Chunk
 from stratus.metrics import Metric, RouterMetrics, gauge
-from stratus.protocol import CONFIDENCE, VARIANT, parameter_value
 from stratus.tensors import Tensors
 from stratus.tiers import Tier
 from stratus.wire import fleet_pb2 as fpb
@@ -233,6 +233,7 @@ class Auditor:
         self._wakeup = asyncio.Event()
         self._workers: list[asyncio.Task[None]] = []
         self._ids = itertools.count(1)
+        self._cloud_target = CloudBackend(self.cloud) if self.cloud is not None else None
 
     def _new_book(self) -> AgreementBook:
         policy = self.policy
@@ -432,24 +433,24 @@ class Auditor:
                 log.exception("an audit of %s failed", audit.key.family)
                 self._drop(audit, "an unexpected error")
 
-    def _spare(self, audit: Audit) -> Target | None:
+    def _spare(self, audit: Audit) -> Target[Backend] | None:
         """Where the audit may go now without taking room from client work; None: nowhere."""
         if audit.top is Tier.CLOUD:
-            cloud = self.cloud
-            room = cloud is not None and cloud.available
+            cloud = self._cloud_target
+            room = cloud is not None and cloud.ready
             if cloud is None or not room or cloud.in_flight + 1 > cloud.capacity * self.policy.cloud_spare:
                 return None
-            return Target(tier=Tier.CLOUD, agent_id=None)
+            return Target(tier=Tier.CLOUD, candidate=cloud)
         return self._spare_agent(audit.key.family, audit.top)
 
-    def _spare_agent(self, family: str, tier: Tier) -> Target | None:
+    def _spare_agent(self, family: str, tier: Tier) -> Target[Backend] | None:
         """An agent of ``tier`` serving ``family`` with a free slot, from a bounded draw."""
         pool = self.registry.index.pools(family).get(tier, ())
         drawn = [pool[self.rng.randrange(len(pool))] for _ in range(DRAWS)] if len(pool) > DRAWS else pool
         idle = [a for a in drawn if a.ready and a.in_flight < a.capacity]  # a slot is free
-        return Target(tier=tier, agent_id=min(idle, key=lambda a: a.in_flight).id) if idle else None
+        return Target(tier=tier, candidate=min(idle, key=lambda a: a.in_flight)) if idle else None
 
-    async def _audit(self, audit: Audit, target: Target) -> None:
+    async def _audit(self, audit: Audit, target: Target[Backend]) -> None:
         capture = self.capture if self.capture is not None and self.capture.wants(audit.key.family) else None
         if audit.inputs is not None:
             reference = await self._classes(audit, target)
@@ -476,13 +477,10 @@ class Auditor:
         family, visited = audit.key.family, list(audit.visited)
         for tier in (t for t in self.registry.index.tiers(family) if audit.key.tier < t < audit.top):
             target = self._spare_agent(family, tier)
-            if target is None or target.agent_id is None or audit.inputs is None:
+            if target is None or audit.inputs is None:
                 return ()
             try:
-                part = await self.registry.submit(
-                    self.registry.agents[target.agent_id], audit.inputs, variant=family,
-                    outputs=(audit.output,), budget_ms=self.policy.timeout_s * 1000,
-                )  # fmt: skip
+                part = await self._ask(target, audit, audit.inputs)
             except StratusError as exc:
                 log.debug("audit row of %s: the %s tier failed it: %s", family, tier.label, exc)
                 return ()
@@ -495,55 +493,39 @@ class Auditor:
             ]
         return tuple(visited)
 
-    async def _classes(self, audit: Audit, target: Target) -> Reference | None:
-        assert audit.inputs is not None
-        family = audit.key.family
-        if target.agent_id is None:
-            assert self.cloud is not None
-            request = pb.ModelInferRequest(model_name=family, id=f"audit-{next(self._ids)}")
-            request.outputs.add(name=audit.output)
-            audit.inputs.write_request(request)
-            response = await self.cloud.infer(request, timeout_s=self.policy.timeout_s)
-            confidence, variant = _reported(response, family)
-            classes = top1(Tensors.from_response(response), audit.output)
-            return None if classes is None else Reference(
-                variant=variant, agent=f"cloud@{self.cloud.address}", confidences=(confidence,) * len(classes),
-                classes=tuple(int(c) for c in classes))  # fmt: skip
-        handle = self.registry.agents[target.agent_id]
-        part = await self.registry.submit(
-            handle,
-            audit.inputs,
-            variant=family,
+    async def _ask(self, target: Target[Backend], audit: Audit, inputs: Tensors) -> Classified:
+        return await target.candidate.classify(
+            inputs,
+            model=audit.key.family,
             outputs=(audit.output,),
+            request_id=f"audit-{next(self._ids)}",
             budget_ms=self.policy.timeout_s * 1000,
         )
-        classes = top1(part.outputs, audit.output)
-        return None if classes is None else Reference(
-            variant=part.variant, agent=handle.id, confidences=part.confidences,
-            classes=tuple(int(c) for c in classes))  # fmt: skip
 
-    async def _text(self, audit: Audit, target: Target) -> Reference:
+    async def _classes(self, audit: Audit, target: Target[Backend]) -> Reference | None:
+        assert audit.inputs is not None
+        answered = await self._ask(target, audit, audit.inputs)
+        classes = top1(answered.outputs, audit.output)
+        if classes is None:
+            return None
+        said = answered.confidences if answered.said_confidence else (math.nan,) * len(classes)
+        return Reference(
+            variant=answered.variant,
+            agent=answered.agent,
+            confidences=said,
+            classes=tuple(int(c) for c in classes),
+        )
+
+    async def _text(self, audit: Audit, target: Target[Backend]) -> Reference:
         assert audit.prompt is not None
         parts: list[str] = []
-        if target.agent_id is None:
-            assert self.cloud is not None
-
-            async def on_chunk(chunk: Chunk) -> None:
-                parts.append(chunk.text)
-
-            response = await self.cloud.generate(audit.prompt, on_chunk, timeout_s=self.policy.timeout_s)
-            confidence, variant = _reported(response, audit.key.family)
-            return Reference(variant=variant, agent=f"cloud@{self.cloud.address}", confidences=(confidence,),
-                             text="".join(parts))  # fmt: skip
-        handle = self.registry.agents[target.agent_id]
-        result = await self.registry.generate(
-            handle,
-            audit.prompt,
-            budget_ms=self.policy.timeout_s * 1000,
-            on_chunk=lambda c: parts.append(c.text),
+        generated = await target.candidate.generate(
+            audit.prompt, lambda chunk: parts.append(chunk.text), budget_ms=self.policy.timeout_s * 1000
         )
-        return Reference(variant=result.variant, agent=handle.id, confidences=(result.confidence,),
-                         text="".join(parts))  # fmt: skip
+        confidence = math.nan if generated.confidence is None else generated.confidence
+        return Reference(
+            variant=generated.variant, agent=generated.agent, confidences=(confidence,), text="".join(parts)
+        )
 
     # -- what was learnt -----------------------------------------------------------------------------
     def _record(self, key: AuditKey, agreed: bool) -> None:
@@ -575,14 +557,6 @@ def calibrated_top(info: fpb.FamilyInfo) -> Tier | None:
     """The top tier the family's figures were calibrated against: the highest one they list."""
     tiers = [Tier.parse(name) for name in info.calibrated]
     return max(tiers) if tiers else None
-
-
-def _reported(response: pb.ModelInferResponse, family: str) -> tuple[float, str]:
-    """The confidence and variant a cloud answer names (NaN and the family where it does not)."""
-    params = response.parameters
-    confidence = parameter_value(params[CONFIDENCE]) if CONFIDENCE in params else None
-    variant = parameter_value(params[VARIANT]) if VARIANT in params else None
-    return float(confidence) if isinstance(confidence, int | float) else math.nan, str(variant or family)
 
 
 def _key(family: str, answer: Generation) -> AuditKey:

@@ -20,13 +20,15 @@ import time
 from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from typing import TYPE_CHECKING, Any
 
+from router.backends.base import Backend
+from router.backends.cloud import CloudBackend
 from router.cascade.classify import ClassifyCascade, Job
 from router.cascade.common import pinned_options, request_budget
 from router.cascade.generate import Generation, GenerationCascade, Sink
 from router.cloud_models import family_of
 from router.cloud_pool import CloudTier
 from router.obs import observer_for
-from router.policy import CloudView, FleetSnapshot
+from router.policy import FleetSnapshot
 from router.registry import FleetRegistry
 from router.rollout import PROMOTED, Rollouts
 from stratus.convert.fleet import thresholds_from_wire
@@ -86,11 +88,26 @@ class RouterDataPlane(DataPlane):
         self.max_requests = max_requests
         self.active = 0
         self.registry = registry
+        self._cloud_backend: CloudBackend | None = None
         self.cloud = cloud
         self.fail_without_cloud = fail_without_cloud
         self.rng = rng or random.Random()
         self._clock = clock
         self._specs: dict[str, tuple[fpb.FamilyInfo, FamilySpec]] = {}
+
+    @property
+    def cloud(self) -> CloudTier | None:
+        """The cloud link or pool, if the router has one."""
+        return self._cloud_backend.cloud if self._cloud_backend is not None else None
+
+    @cloud.setter
+    def cloud(self, cloud: CloudTier | None) -> None:
+        self._cloud_backend = CloudBackend(cloud) if cloud is not None else None
+
+    @property
+    def cloud_backend(self) -> CloudBackend | None:
+        """The cloud as a target, beside the agents."""
+        return self._cloud_backend
 
     # -- health and metadata ---------------------------------------------------------
     def ready(self) -> bool:
@@ -400,15 +417,11 @@ class RouterDataPlane(DataPlane):
             started=started,
         )
 
-    def snapshot(self, model: str) -> FleetSnapshot:
-        cloud = None
-        if self.cloud is not None:
-            cloud = CloudView(
-                available=self.cloud.available,
-                serves=self.cloud.models.get(model, False),
-                predicted_ms=self.cloud.predicted_ms,
-            )
-        return self.registry.snapshot(model, cloud)
+    def snapshot(self, model: str) -> FleetSnapshot[Backend]:
+        """The targets for ``model``: its agents, and the cloud (up or down) when it serves it."""
+        cloud = self._cloud_backend
+        serves = cloud is not None and cloud.cloud.models.get(model, False)
+        return self.registry.snapshot(model, cloud if serves else None)
 
     def now(self) -> float:
         return self._clock()

@@ -22,14 +22,15 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from router.backends.base import Backend, Classified, Generated, OnChunk
 from router.index import AgentIndex, line_key
-from router.policy import CloudView, FleetSnapshot
+from router.policy import FleetSnapshot
 from stratus.audit_config import check_family_info
 from stratus.batching import DEFAULT_MAX_DELAY_S, Batch, Batcher, BatchKey, split_counts
 from stratus.channels import MAX_WORK_BYTES, check_fits
 from stratus.codec import numpy_dtype
 from stratus.convert.errors import error_from_wire
-from stratus.convert.fleet import thresholds_from_wire
+from stratus.convert.fleet import chunk_from_wire, thresholds_from_wire
 from stratus.errors import (
     ConfigError,
     DeadlineExceeded,
@@ -118,9 +119,10 @@ class PartAnswer:
 class AgentHandle:
     """One agent as the router sees it; its outbox feeds its AgentLink stream.
 
-    It is also what the policy reads (:class:`router.policy.Candidate`): its estimates
-    are kept current as results arrive, not recomputed per request. Its batcher owns the
-    queue of requests waiting for it and merges them into Work while it is busy.
+    It is a backend (:class:`router.backends.base.Backend`) like the cloud: what the policy
+    reads (its estimates are kept current as results arrive, not recomputed per request),
+    and what the cascades ask, through its registry, which sends the Work. Its batcher owns
+    the queue of requests waiting for it and merges them into Work while it is busy.
     """
 
     id: str
@@ -159,6 +161,7 @@ class AgentHandle:
     unavailable: tuple[fpb.FamilyUnavailable, ...] = ()
     reloads: list[asyncio.Future[str]] = field(default_factory=list)  # waiting for its next Hello
     chunks: dict[str, Callable[[fpb.Chunk], None]] = field(default_factory=dict)  # generations, by Work id
+    fleet: FleetRegistry | None = field(default=None, repr=False)  # sends its Work; set when it joins
 
     def __post_init__(self) -> None:
         self.announce(self.variants)
@@ -253,6 +256,35 @@ class AgentHandle:
         for estimate in estimates:
             self.latency[estimate.variant] = estimate
 
+    async def classify(
+        self, items: Tensors, *, model: str, outputs: Sequence[str], request_id: str, budget_ms: float
+    ) -> Classified:
+        """Queue the items for this agent (maybe merged into one Work with others')."""
+        assert self.fleet is not None, f"agent {self.id} has not joined a registry"
+        part = await self.fleet.submit(self, items, variant=model, outputs=outputs, budget_ms=budget_ms)
+        return Classified(
+            agent=self.id,
+            variant=part.variant,
+            outputs=part.outputs,
+            confidences=part.confidences,
+            precision=self.precision_of(part.variant),
+            queue_ms=part.queue_ms,
+            compute_ms=part.service_ms,
+        )
+
+    async def generate(self, request: pb.ModelInferRequest, on_chunk: OnChunk, *, budget_ms: float) -> Generated:
+        assert self.fleet is not None, f"agent {self.id} has not joined a registry"
+        result = await self.fleet.generate(
+            self, request, budget_ms=budget_ms, on_chunk=lambda message: on_chunk(chunk_from_wire(message))
+        )
+        return Generated(
+            agent=self.id,
+            variant=result.variant,
+            response=result.response,
+            confidence=result.confidence if result.confidences else None,
+            precision=self.precision_of(result.variant),
+        )
+
     def fail_pending(self, reason: str) -> None:
         error = Unavailable(f"agent {self.id} {reason}")
         for future in self.pending.values():
@@ -327,6 +359,7 @@ class FleetRegistry:
             hardware=hardware_from_hello(hello),
             version=hello.version,
             started=self._started(hello),
+            fleet=self,
         )
         for family in hello.families:
             if family.name not in self.families:
@@ -746,9 +779,15 @@ class FleetRegistry:
         return split_result(handle, result, batch.sizes, waited_ms)
 
     # -- reads -------------------------------------------------------------------------------
-    def snapshot(self, model: str, cloud: CloudView | None) -> FleetSnapshot:
-        """What the policy needs for one model: constant cost, whatever the fleet's size."""
-        return FleetSnapshot(pools=self.index.pools(model), tiers=self.index.tiers(model), cloud=cloud)
+    def snapshot(self, model: str, cloud: Backend | None = None) -> FleetSnapshot[Backend]:
+        """What the policy needs for one model, ``cloud`` with it when the cloud serves it:
+        constant cost, whatever the fleet's size."""
+        pools: Mapping[Tier, Sequence[Backend]] = self.index.pools(model)
+        tiers = self.index.tiers(model)
+        if cloud is not None:
+            pools = {**pools, Tier.CLOUD: (cloud,)}
+            tiers = tiers | {Tier.CLOUD}
+        return FleetSnapshot(pools=pools, tiers=tiers)
 
     def family(self, name: str) -> fpb.FamilyInfo | None:
         return self.families.get(name)

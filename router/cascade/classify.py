@@ -13,6 +13,7 @@ import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from router.backends.base import Backend
 from router.cascade.common import DEFAULT_BUDGET_MS, CascadeContext, allowed_ms, cloud_facts
 from router.index import line_key
 from router.policy import Attempt, FleetSnapshot, NoTarget, Target, choose, top_tier
@@ -32,16 +33,9 @@ from router.rollout_judge import top1
 from stratus.confidence import settled
 from stratus.errors import DeadlineExceeded, Overloaded, StratusError, Unavailable
 from stratus.protocol import (
-    COMPUTE_MS,
-    CONFIDENCE,
-    PRECISION,
-    QUEUE_MS,
-    VARIANT,
     RequestOptions,
     Served,
     held_reason,
-    parameter_value,
-    reported_ms,
 )
 from stratus.tensors import Tensors
 from stratus.tiers import Tier
@@ -146,15 +140,15 @@ class ClassifyCascade:
 
     async def _step(
         self,
-        action: Dispatch,
+        action: Dispatch[Backend],
         attempt: Attempt,
-        snapshot: FleetSnapshot,
+        snapshot: FleetSnapshot[Backend],
         thresholds: Mapping[Tier, float],
         remaining: float,
     ) -> None:
         """Send the unsure items where the climb said (or to a rollout's arm on that tier)."""
         target, arm = action.target, None
-        if self.job.pinned is None and target.agent_id is not None:
+        if self.job.pinned is None:  # the tiers with rollouts (never the cloud's) draw an arm
             target, arm = self._arm(target, attempt)
         if action.escalation is not None:
             step = action.escalation
@@ -176,7 +170,7 @@ class ClassifyCascade:
         after_answer(self.state, answer.tier)
 
     def _accepted(
-        self, answer: Answer, snapshot: FleetSnapshot, thresholds: Mapping[Tier, float], *, final: bool
+        self, answer: Answer, snapshot: FleetSnapshot[Backend], thresholds: Mapping[Tier, float], *, final: bool
     ) -> list[bool]:
         """Which items of ``answer`` stop climbing: each sure one, or all of a final answer."""
         job = self.job
@@ -190,7 +184,7 @@ class ClassifyCascade:
             min_confidence=job.options.min_confidence,
         )
 
-    def _note_short(self, answer: Answer, snapshot: FleetSnapshot, thresholds: Mapping[Tier, float]) -> None:
+    def _note_short(self, answer: Answer, snapshot: FleetSnapshot[Backend], thresholds: Mapping[Tier, float]) -> None:
         """A final answer with items below its tier's threshold: never silently wrong. Where no
         tier above serves the family (no cloud variant, no such agents), the answer is degraded
         and the router says so once in its log; where ``stratus.max_tier`` kept the items, the
@@ -238,7 +232,7 @@ class ClassifyCascade:
             self.best[item] = (answer, row)
         self.pending = [item for item, ok in zip(self.pending, accepted, strict=True) if not ok]
 
-    def _arm(self, target: Target, attempt: Attempt) -> tuple[Target, Arm | None]:
+    def _arm(self, target: Target[Backend], attempt: Attempt) -> tuple[Target[Backend], Arm | None]:
         """Under a rollout on the target's tier, the step's share goes to the candidate
         (on an agent that serves it); the rest, and any the candidate cannot take, stay."""
         drawn = self.context.rollouts.arm(self.job.family, target.tier)
@@ -251,14 +245,14 @@ class ClassifyCascade:
                 return chosen, Arm(plan=plan, candidate=True)
         return target, Arm(plan=plan, candidate=False)
 
-    async def _try(self, target: Target, remaining: float, model: str | None = None) -> Answer | None:
+    async def _try(self, target: Target[Backend], remaining: float, model: str | None = None) -> Answer | None:
         items = self.job.inputs.take(self.pending)
         try:
             return await dispatch(self.context, target, self.job, items, allowed_ms(remaining), model=model)
         except StratusError as exc:
             if not retryable(exc):
                 raise
-            log.info("%s failed for %r: %s", target.agent_id or "cloud", self.job.id[:64], exc)
+            log.info("%s failed for %r: %s", target.id, self.job.id[:64], exc)
             after_failure(self.state, target, exc)
             return None
 
@@ -318,70 +312,37 @@ _STOPPED: dict[type[StratusError], str] = {
 
 async def dispatch(
     context: CascadeContext,
-    target: Target,
+    target: Target[Backend],
     job: Job,
     items: Tensors,
     remaining_ms: float,
     *,
     model: str | None = None,
 ) -> Answer:
-    """Send items to the chosen agent or to the cloud; the answer holds one row per item.
-
-    ``model`` is what the agent is asked for when it is not the job's own (a rollout's
-    line key)."""
+    """Send items to the chosen target (an agent or the cloud); the answer holds one row per
+    item. ``model`` is what the target is asked for when it is not the job's own (a
+    rollout's line key)."""
     started = context.now()
-    if target.agent_id is None:
-        return await _ask_cloud(context, job, items, remaining_ms, started)
-    handle = context.registry.agents[target.agent_id]
-    part = await context.registry.submit(
-        handle, items, variant=model or job.model, outputs=job.outputs, budget_ms=remaining_ms
+    answered = await target.candidate.classify(
+        items, model=model or job.model, outputs=job.outputs, request_id=job.id, budget_ms=remaining_ms
     )
     return Answer(
         tier=target.tier,
-        agent=handle.id,
-        variant=part.variant,
-        outputs=part.outputs,
-        confidences=part.confidences,
+        agent=answered.agent,
+        variant=answered.variant,
+        outputs=answered.outputs,
+        confidences=answered.confidences,
         elapsed_ms=(context.now() - started) * 1000.0,
-        precision=handle.precision_of(part.variant),
-        queue_ms=part.queue_ms,
-        compute_ms=part.service_ms,
-    )
-
-
-async def _ask_cloud(
-    context: CascadeContext, job: Job, items: Tensors, remaining_ms: float, started: float
-) -> Answer:
-    cloud = context.cloud
-    assert cloud is not None
-    request = pb.ModelInferRequest(model_name=job.model, id=job.id)
-    request.outputs.extend(pb.ModelInferRequest.InferRequestedOutputTensor(name=n) for n in job.outputs)
-    items.write_request(request)
-    response = await cloud.infer(request, timeout_s=remaining_ms / 1000.0)
-    params = response.parameters
-    confidence = parameter_value(params[CONFIDENCE]) if CONFIDENCE in params else 1.0
-    variant = parameter_value(params[VARIANT]) if VARIANT in params else job.model
-    precision = parameter_value(params[PRECISION]) if PRECISION in params else ""
-    outputs = Tensors.from_response(response)
-    if outputs.items != items.items:
-        raise Unavailable(f"the cloud answered {outputs.items} items for {items.items}")
-    return Answer(
-        tier=Tier.CLOUD,
-        agent=f"cloud@{cloud.address}",
-        variant=str(variant),
-        outputs=outputs,
-        confidences=(float(confidence or 0.0),) * items.items,
-        elapsed_ms=(context.now() - started) * 1000.0,
-        precision=str(precision),
-        queue_ms=reported_ms(params, QUEUE_MS) or 0.0,  # a foreign cloud says neither
-        compute_ms=reported_ms(params, COMPUTE_MS) or 0.0,
+        precision=answered.precision,
+        queue_ms=answered.queue_ms,
+        compute_ms=answered.compute_ms,
     )
 
 
 # -- gray release ----------------------------------------------------------------------------
 
 
-def candidate_target(context: CascadeContext, plan: Plan, attempt: Attempt) -> Target | None:
+def candidate_target(context: CascadeContext, plan: Plan, attempt: Attempt) -> Target[Backend] | None:
     """An agent of the rollout's tier that serves its candidate and can take the items."""
     key = line_key(plan.candidate)
     narrowed = Attempt(

@@ -12,6 +12,7 @@ import random
 from collections.abc import Callable, Coroutine
 from typing import Any, Protocol
 
+from router.backends.base import Backend
 from router.cloud_pool import CloudTier
 from router.obs import RouterObserver
 from router.policy import FleetSnapshot
@@ -58,7 +59,7 @@ class CascadeContext(Protocol):
         """The router's clock, in seconds."""
         ...
 
-    def snapshot(self, model: str) -> FleetSnapshot: ...
+    def snapshot(self, model: str) -> FleetSnapshot[Backend]: ...
 
     def background(self, work: Callable[[], Coroutine[Any, Any, None]]) -> bool:
         """Run ``work`` beside the request (a shadow); False when too many already run."""

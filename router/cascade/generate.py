@@ -30,6 +30,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from router.backends.base import Backend
 from router.cascade.common import CascadeContext, cloud_facts
 from router.policy import FleetSnapshot, Target
 from router.policy.climb import (
@@ -44,7 +45,7 @@ from router.policy.climb import (
     retryable,
 )
 from stratus.confidence import accepts, threshold_for
-from stratus.convert.fleet import chunk_from_wire, thresholds_from_wire
+from stratus.convert.fleet import thresholds_from_wire
 from stratus.errors import StratusError
 from stratus.generation import (
     FINISH_REASON,
@@ -54,7 +55,7 @@ from stratus.generation import (
     StopCut,
     Token,
 )
-from stratus.protocol import CONFIDENCE, PRECISION, VARIANT, RequestOptions, parameter_value
+from stratus.protocol import RequestOptions
 from stratus.text_wire import read_usage
 from stratus.tiers import Tier
 from stratus.wire import fleet_pb2 as fpb
@@ -208,7 +209,7 @@ class GenerationCascade:
         await self._show(best.tokens)
         return dataclasses.replace(best, degraded=True, generated=dict(self.generated))
 
-    async def _step(self, action: Dispatch, snapshot: FleetSnapshot, remaining: float) -> Generation | None:
+    async def _step(self, action: Dispatch[Backend], snapshot: FleetSnapshot[Backend], remaining: float) -> Generation | None:
         """Generate on the tier the climb chose; None when it failed (the climb retries)."""
         target = action.target
         if action.escalation is not None:
@@ -220,33 +221,30 @@ class GenerationCascade:
             after_answer(self.state, answer.tier)
         return answer
 
-    def _can_climb(self, snapshot: FleetSnapshot, tier: Tier) -> bool:
+    def _can_climb(self, snapshot: FleetSnapshot[Backend], tier: Tier) -> bool:
         """Something above ``tier`` could take the request now: only then is a lower tier's
         generation worth cancelling early (else its answer, however unsure, is the best)."""
-        if any(t > tier and t <= self.options.max_tier for t, pool in snapshot.pools.items() if pool):
-            return True
-        cloud = snapshot.cloud
-        return bool(cloud and cloud.available and cloud.serves and tier < Tier.CLOUD <= self.options.max_tier)
+        return any(
+            tier < t <= self.options.max_tier and any(target.ready for target in pool)
+            for t, pool in snapshot.pools.items()
+        )
 
     async def _show(self, tokens: Sequence[Token]) -> None:
         if self.sink is not None and tokens:
             await self.sink(Chunk(tokens=tuple(tokens)))
 
-    async def _try(self, target: Target, remaining: float, *, final: bool, watch: bool) -> Generation | None:
+    async def _try(self, target: Target[Backend], remaining: float, *, final: bool, watch: bool) -> Generation | None:
         self.path.append(target.tier)
         started = self.context.now()
         try:
-            if target.agent_id is None:
-                answer = await self._on_cloud(remaining, final=final)
-            else:
-                answer = await self._on_agent(target, remaining, final=final, watch=watch)
+            answer = await self._run(target, remaining, final=final, watch=watch)
         except _Hopeless:
             log.debug("%s: %s answer gave up early", self.request.id, target.tier.label)
             answer = None
         except StratusError as exc:
             if not retryable(exc):
                 raise
-            log.info("%s failed a generation: %s", target.agent_id or "cloud", exc)
+            log.info("%s failed a generation: %s", target.id, exc)
             after_failure(self.state, target, exc)
             self.path.pop()
             return None
@@ -259,7 +257,7 @@ class GenerationCascade:
             text="",
             tokens=(),
             tier=target.tier,
-            agent=target.agent_id or "cloud",
+            agent=target.id,
             variant="",
             confidence=0.0,
             finish_reason="cancelled",
@@ -268,9 +266,9 @@ class GenerationCascade:
             generated=dict(self.generated),
         )
 
-    async def _on_agent(self, target: Target, remaining: float, *, final: bool, watch: bool) -> Generation:
-        assert target.agent_id is not None
-        handle = self.context.registry.agents[target.agent_id]
+    async def _run(self, target: Target[Backend], remaining: float, *, final: bool, watch: bool) -> Generation:
+        """Generate on ``target``: its chunks shown as they come when it is the final tier;
+        cancelled once hopeless when ``watch`` (something above could still take it)."""
         answer = self._arriving()
         threshold = threshold_for(target.tier, self.thresholds, self.options.min_confidence)
         shown: asyncio.Queue[Chunk | None] = asyncio.Queue()
@@ -280,8 +278,8 @@ class GenerationCascade:
             if final and kept:
                 shown.put_nowait(Chunk(tokens=kept))
 
-        def on_chunk(message: fpb.Chunk) -> None:
-            show(answer.add(chunk_from_wire(message).tokens))
+        def on_chunk(chunk: Chunk) -> None:
+            show(answer.add(chunk.tokens))
             gone = threshold is not None and answer.running.hopeless(threshold)
             if not final and watch and gone and work is not None:
                 work.cancel(msg="hopeless")
@@ -289,9 +287,7 @@ class GenerationCascade:
         pump = asyncio.create_task(self._pump(shown)) if final and self.sink is not None else None
         prompt_tokens = completion_tokens = None
         try:
-            result = await self.context.registry.generate(
-                handle, self.request, budget_ms=remaining, on_chunk=on_chunk
-            )
+            result = await target.candidate.generate(self.request, on_chunk, budget_ms=remaining)
             show(answer.finish())
             prompt_tokens, completion_tokens = read_usage(result.response.parameters)
         except asyncio.CancelledError as exc:
@@ -305,15 +301,16 @@ class GenerationCascade:
             shown.put_nowait(None)
             if pump is not None:
                 await pump
-        judged_here = answer.cut.stopped or not result.confidences  # else the agent's own, on the same tokens
+        # The target's own confidence is of the same tokens, unless a stop string cut them.
+        own = None if answer.cut.stopped else result.confidence
         return Generation(
             text=answer.text,
             tokens=tuple(answer.running.tokens),
             tier=target.tier,
-            agent=handle.id,
+            agent=result.agent,
             variant=result.variant,
-            precision=handle.precision_of(result.variant),
-            confidence=answer.running.value if judged_here else result.confidence,
+            precision=result.precision,
+            confidence=answer.running.value if own is None else own,
             finish_reason="stop" if answer.cut.stopped else _finish_reason(result.response),
             path=tuple(self.path),
             timings_ms=dict(self.timings),
@@ -325,47 +322,6 @@ class GenerationCascade:
         assert self.sink is not None
         while (chunk := await shown.get()) is not None:
             await self.sink(chunk)
-
-    async def _on_cloud(self, remaining: float, *, final: bool) -> Generation:
-        """The cloud streams its answer: shown as it comes when it is the final tier."""
-        cloud = self.context.cloud
-        assert cloud is not None
-        answer = self._arriving()
-
-        async def on_chunk(chunk: Chunk) -> None:
-            kept = answer.add(chunk.tokens)
-            if final:
-                await self._show(kept)
-
-        prompt_tokens = completion_tokens = None
-        try:
-            response = await cloud.generate(self.request, on_chunk, timeout_s=remaining / 1000.0)
-            kept = answer.finish()
-            if final:
-                await self._show(kept)
-            prompt_tokens, completion_tokens = read_usage(response.parameters)
-        finally:
-            completion_tokens = max(completion_tokens or 0, answer.made)
-            self._count(Tier.CLOUD, completion_tokens)
-        params = response.parameters
-        said = not answer.cut.stopped and CONFIDENCE in params  # the cloud's own, on the same tokens
-        confidence = parameter_value(params[CONFIDENCE]) if said else answer.running.value
-        variant = parameter_value(params[VARIANT]) if VARIANT in params else self.family.name
-        precision = parameter_value(params[PRECISION]) if PRECISION in params else ""
-        return Generation(
-            text=answer.text,
-            tokens=tuple(answer.running.tokens),
-            tier=Tier.CLOUD,
-            agent=f"cloud@{cloud.address}",
-            variant=str(variant),
-            precision=str(precision),
-            confidence=float(confidence or 0.0),
-            finish_reason="stop" if answer.cut.stopped else _finish_reason(response),
-            path=tuple(self.path),
-            timings_ms=dict(self.timings),
-            prompt_tokens=prompt_tokens,
-            completion_tokens=completion_tokens,
-        )
 
 
 def _finish_reason(response: pb.ModelInferResponse) -> str:

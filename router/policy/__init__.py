@@ -12,7 +12,9 @@ asks where to go, and does the going. Rules, in order:
    (power of two choices), which spreads load without herding onto one "best" agent.
 
 The snapshot holds, per tier, the ready agents that serve the model, straight from the
-router's index; a decision draws from it and so costs the same at any fleet size.
+router's index, and the cloud (when it serves the model) as one more candidate on
+``Tier.CLOUD``: every target is chosen by the same rules. A decision draws from the pools
+and so costs the same at any fleet size.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from __future__ import annotations
 import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Generic, Protocol, TypeVar
 
 from stratus.tiers import Tier
 
@@ -30,7 +32,8 @@ DRAWS = 8
 
 
 class Candidate(Protocol):
-    """The router's narrow view of one agent: enough to predict and compare, nothing else."""
+    """The router's narrow view of one target (an agent, or the cloud): enough to predict and
+    compare, nothing else."""
 
     @property
     def id(self) -> str: ...
@@ -49,7 +52,8 @@ class Candidate(Protocol):
 
     @property
     def limit(self) -> int:
-        """Most Work it may hold at once (capacity + queue); 0: no limit."""
+        """Most Work it may hold at once (capacity + queue); 0: no limit (the cloud's queue
+        is the gateway's, which refuses for itself)."""
         ...
 
     @property
@@ -96,25 +100,21 @@ def idle_ms(agent: Candidate, model: str, items: int = 1) -> float:
     return agent.rtt_ms + run_ms(agent, model, items)
 
 
-@dataclass(frozen=True, kw_only=True)
-class CloudView:
-    available: bool
-    serves: bool  # the cloud serves the attempt's model
-    predicted_ms: float = 5.0
+C = TypeVar("C", bound=Candidate)
 
 
 @dataclass(frozen=True, kw_only=True)
-class FleetSnapshot:
+class FleetSnapshot(Generic[C]):
     """What the fleet has for one model, read from the index at one instant.
 
-    ``pools`` holds the ready agents serving the model, by tier; ``tiers`` every tier with
-    a listed agent for it (ready, draining or lost), which is what decides whether an
-    answer is final. Neither grows a decision's cost with the size of the fleet.
+    ``pools`` holds the targets serving the model, by tier: the ready agents, and the cloud
+    (ready or not) when it serves the model. ``tiers`` holds every tier with a listed target
+    (an agent ready, draining or lost; the cloud, up or down), which is what decides whether
+    an answer is final. Neither grows a decision's cost with the size of the fleet.
     """
 
-    pools: Mapping[Tier, Sequence[Candidate]]
+    pools: Mapping[Tier, Sequence[C]]
     tiers: frozenset[Tier] = frozenset()
-    cloud: CloudView | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -131,9 +131,15 @@ class Attempt:
 
 
 @dataclass(frozen=True, kw_only=True)
-class Target:
+class Target(Generic[C]):
+    """The chosen target: an agent, or the cloud, alike."""
+
     tier: Tier
-    agent_id: str | None  # None: the cloud gateway
+    candidate: C
+
+    @property
+    def id(self) -> str:
+        return self.candidate.id
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -163,27 +169,17 @@ def usable(agent: Candidate, attempt: Attempt) -> bool:
     return _open(agent, attempt) and _fits(predicted_ms(agent, attempt.model, attempt.items), attempt)
 
 
-def choose(attempt: Attempt, snapshot: FleetSnapshot, rng: random.Random) -> Target | NoTarget:
+def choose(attempt: Attempt, snapshot: FleetSnapshot[C], rng: random.Random) -> Target[C] | NoTarget:
     for tier in sorted(snapshot.pools):
         if not _tier_allowed(tier, attempt):
             continue
         pick = two_choices(snapshot.pools[tier], attempt, rng)
         if pick is not None:
-            return Target(tier=tier, agent_id=pick.id)
-    cloud = snapshot.cloud
-    cloud_eligible = (
-        cloud is not None
-        and cloud.available
-        and cloud.serves
-        and _tier_allowed(Tier.CLOUD, attempt)
-        and "cloud" not in attempt.exclude
-    )
-    if cloud is not None and cloud_eligible and _fits(cloud.predicted_ms, attempt):
-        return Target(tier=Tier.CLOUD, agent_id=None)
-    return _why_not(attempt, snapshot, cloud_eligible=cloud_eligible)
+            return Target(tier=tier, candidate=pick)
+    return _why_not(attempt, snapshot)
 
 
-def two_choices(pool: Sequence[Candidate], attempt: Attempt, rng: random.Random) -> Candidate | None:
+def two_choices(pool: Sequence[C], attempt: Attempt, rng: random.Random) -> C | None:
     """Power of two choices among the usable agents: the less loaded (then faster) of two.
 
     Two usable agents are drawn at random (rejection sampling keeps the draw uniform over
@@ -195,7 +191,7 @@ def two_choices(pool: Sequence[Candidate], attempt: Attempt, rng: random.Random)
     size = len(pool)
     if size == 0:
         return None
-    drawn: dict[str, Candidate] = {}
+    drawn: dict[str, C] = {}
     if size > DRAWS:
         for _ in range(DRAWS):
             agent = pool[rng.randrange(size)]
@@ -210,8 +206,10 @@ def two_choices(pool: Sequence[Candidate], attempt: Attempt, rng: random.Random)
     return min(pair, key=lambda a: (load(a), predicted_ms(a, attempt.model, attempt.items)))
 
 
-def _why_not(attempt: Attempt, snapshot: FleetSnapshot, *, cloud_eligible: bool) -> NoTarget:
-    """The most useful reason nothing was chosen."""
+def _why_not(attempt: Attempt, snapshot: FleetSnapshot[C]) -> NoTarget:
+    """The most useful reason nothing was chosen: every target's queue full; queues too long
+    for the budget (though a target would fit it idle, so waiting helps); or a budget too
+    tight for any target even idle."""
     model = attempt.model
     seen = [
         a
@@ -221,11 +219,11 @@ def _why_not(attempt: Attempt, snapshot: FleetSnapshot, *, cloud_eligible: bool)
         if a.ready and a.id not in attempt.exclude
     ]
     open_agents = [a for a in seen if not full(a)]
-    if seen and not open_agents and not cloud_eligible:
+    if seen and not open_agents:
         tiers = "/".join(sorted({a.tier.label for a in seen}))
         return NoTarget(reason=f"every {tiers} agent serving '{model}' has a full work queue", full=True)
     queued_out = [a for a in open_agents if _fits(idle_ms(a, model, attempt.items), attempt)]
-    if queued_out and not cloud_eligible:
+    if queued_out:
         best = min(predicted_ms(a, model, attempt.items) for a in queued_out)
         tiers = "/".join(sorted({a.tier.label for a in queued_out}))
         return NoTarget(
@@ -233,21 +231,18 @@ def _why_not(attempt: Attempt, snapshot: FleetSnapshot, *, cloud_eligible: bool)
             f"{attempt.remaining_ms:.1f} ms (shortest predicted wait and run: {best:.1f} ms)",
             full=True,
         )
-    if open_agents or cloud_eligible:
+    if open_agents:
         return NoTarget(
             reason=f"no tier can answer '{model}' within {attempt.remaining_ms:.1f} ms", too_slow=True
         )
     return NoTarget(reason=f"nothing in the fleet above the tiers tried can serve '{model}'")
 
 
-def top_tier(snapshot: FleetSnapshot, max_tier: Tier) -> Tier | None:
+def top_tier(snapshot: FleetSnapshot[C], max_tier: Tier) -> Tier | None:
     """The highest tier the fleet has for the model, reachable now or not.
 
     An answer from it is final. Below it, an unsure answer climbs; if nothing above is
     reachable (agents lost or draining, the cloud away) the answer comes back degraded.
     """
-    tiers = set(snapshot.tiers)
-    if snapshot.cloud is not None and snapshot.cloud.serves:
-        tiers.add(Tier.CLOUD)
-    eligible = [t for t in tiers if t <= max_tier]
+    eligible = [t for t in snapshot.tiers if t <= max_tier]
     return max(eligible) if eligible else None

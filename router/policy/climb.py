@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
+from typing import Generic
 
-from router.policy import Attempt, FleetSnapshot, NoTarget, Target, choose, top_tier
+from router.policy import Attempt, C, FleetSnapshot, NoTarget, Target, choose, top_tier
 from stratus.errors import DeadlineExceeded, Overloaded, StratusError, Unavailable
 from stratus.tiers import Tier
 
@@ -34,7 +35,7 @@ class ClimbState:
     min_tier: Tier = Tier.DEVICE
     max_tier: Tier = Tier.CLOUD
     above: Tier | None = None  # only tiers above the last one that answered
-    exclude: set[str] = field(default_factory=set)  # agents (and "cloud") that failed this request
+    exclude: set[str] = field(default_factory=set)  # the targets (by id) that failed this request
     problem: StratusError | None = None  # the last failure met, which explains a climb that ends empty
     left: tuple[Tier, str] | None = None  # the tier left last, and why
     answered: list[Tier] = field(default_factory=list)  # the tiers whose answers were kept
@@ -61,11 +62,11 @@ class Escalation:
 
 
 @dataclass(frozen=True, kw_only=True)
-class Dispatch:
+class Dispatch(Generic[C]):
     """Send the request (its unsure items) to ``target``; ``final``: nothing above may be
     reached after it, so its answer settles everything it is sent."""
 
-    target: Target
+    target: Target[C]
     final: bool
     escalation: Escalation | None = None
 
@@ -97,15 +98,15 @@ def retryable(error: StratusError) -> bool:
     return isinstance(error, _RETRYABLE)
 
 
-def is_final(tier: Tier, snapshot: FleetSnapshot, max_tier: Tier, *, pinned: bool = False) -> bool:
+def is_final(tier: Tier, snapshot: FleetSnapshot[C], max_tier: Tier, *, pinned: bool = False) -> bool:
     """An answer from ``tier`` is final: pinned, or from the highest tier the request may reach."""
     top = top_tier(snapshot, max_tier)
     return pinned or top is None or tier >= top
 
 
 def next_action(
-    state: ClimbState, attempt: Attempt, snapshot: FleetSnapshot, rng: random.Random, *, pinned: bool = False
-) -> Dispatch | Stop:
+    state: ClimbState, attempt: Attempt, snapshot: FleetSnapshot[C], rng: random.Random, *, pinned: bool = False
+) -> Dispatch[C] | Stop:
     """Where the attempt goes next, or Stop (keeping why nothing could take it)."""
     target = choose(attempt, snapshot, rng)
     if isinstance(target, NoTarget):
@@ -139,9 +140,9 @@ def after_answer(state: ClimbState, tier: Tier) -> None:
     state.answered.append(tier)
 
 
-def after_failure(state: ClimbState, target: Target, error: StratusError) -> None:
+def after_failure(state: ClimbState, target: Target[C], error: StratusError) -> None:
     """``target`` failed (retryably): try elsewhere, never there again for this request."""
-    state.exclude.add(target.agent_id or "cloud")
+    state.exclude.add(target.id)
     state.problem = error
     state.left = (target.tier, FAILED)
 

@@ -104,7 +104,7 @@ def test_unsure_answers_are_degraded_where_the_cloud_was_not_the_way_up(
 
 def test_a_climb_without_an_answer_fails_with_the_last_failure_met() -> None:
     state = ClimbState()
-    after_failure(state, Target(tier=EDGE, agent_id="e1"), Overloaded("e1 is full"))
+    after_failure(state, Target(tier=EDGE, candidate=Agent(id="e1", tier=EDGE)), Overloaded("e1 is full"))
     ended = end(state, answered=False)
     assert isinstance(ended, Fail) and str(ended.error) == "e1 is full"
 
@@ -132,7 +132,7 @@ def test_a_climb_after_an_answer_is_unsure_and_after_a_failure_failed() -> None:
     assert escalation(state, EDGE, frozenset({DEVICE, EDGE})) == Escalation(
         left=DEVICE, to=EDGE, reason=UNSURE
     )
-    after_failure(state, Target(tier=EDGE, agent_id="e1"), Unavailable("lost"))
+    after_failure(state, Target(tier=EDGE, candidate=Agent(id="e1", tier=EDGE)), Unavailable("lost"))
     assert escalation(state, CLOUD, frozenset({DEVICE, EDGE})) == Escalation(
         left=EDGE, to=CLOUD, reason=FAILED
     )
@@ -149,9 +149,9 @@ def test_only_errors_another_target_may_not_repeat_are_retried() -> None:
 
 def test_a_failed_target_is_never_tried_again_for_the_request() -> None:
     state = ClimbState()
-    after_failure(state, Target(tier=CLOUD, agent_id=None), Unavailable("down"))
-    after_failure(state, Target(tier=EDGE, agent_id="e1"), Unavailable("lost"))
-    assert state.attempt("digits", 50.0).exclude == frozenset({"cloud", "e1"})
+    after_failure(state, Target(tier=CLOUD, candidate=Agent(id="cloud@gw:8002", tier=CLOUD)), Unavailable("down"))
+    after_failure(state, Target(tier=EDGE, candidate=Agent(id="e1", tier=EDGE)), Unavailable("lost"))
+    assert state.attempt("digits", 50.0).exclude == frozenset({"cloud@gw:8002", "e1"})
 
 
 def test_nothing_to_try_stops_the_climb_and_keeps_why() -> None:
@@ -164,7 +164,7 @@ def test_nothing_to_try_stops_the_climb_and_keeps_why() -> None:
 
 def test_a_failure_met_on_the_way_explains_more_than_an_empty_fleet() -> None:
     state = ClimbState()
-    after_failure(state, Target(tier=DEVICE, agent_id="d1"), DeadlineExceeded("d1 timed out"))
+    after_failure(state, Target(tier=DEVICE, candidate=Agent(id="d1", tier=DEVICE)), DeadlineExceeded("d1 timed out"))
     assert (
         next_action(state, state.attempt("digits", 50.0), FleetSnapshot(pools={}), random.Random(1)) == Stop()
     )
@@ -178,7 +178,7 @@ def test_a_dispatch_to_the_highest_tier_the_request_may_reach_is_final() -> None
     )
     state = ClimbState(max_tier=EDGE)
     action = next_action(state, state.attempt("digits", 50.0), snapshot, random.Random(1))
-    assert action == Dispatch(target=Target(tier=DEVICE, agent_id="d1"), final=False)
+    assert action == Dispatch(target=Target(tier=DEVICE, candidate=Agent(id="d1", tier=DEVICE)), final=False)
     assert is_final(EDGE, snapshot, EDGE) and not is_final(DEVICE, snapshot, EDGE)
     assert is_final(DEVICE, snapshot, EDGE, pinned=True)
     assert is_final(DEVICE, snapshot, DEVICE)  # max_tier keeps the request on the device

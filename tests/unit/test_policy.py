@@ -13,7 +13,7 @@ from router.index import AgentIndex
 from router.policy import (
     DRAWS,
     Attempt,
-    CloudView,
+    Candidate,
     FleetSnapshot,
     NoTarget,
     Target,
@@ -70,49 +70,69 @@ def agent(
     )
 
 
+@dataclass(frozen=True, kw_only=True)
+class CloudCandidate:
+    """The cloud as the router's CloudBackend shows it to the policy: no queue limit, and its
+    link's round trip as the whole prediction."""
+
+    id: str = "cloud@gateway:8002"
+    tier: Tier = Tier.CLOUD
+    ready: bool = True
+    in_flight: int = 0
+    capacity: int = 64
+    limit: int = 0
+    rtt_ms: float = 8.0
+
+    def max_batch(self, model: str) -> int:
+        return 1 << 20
+
+    def cost_ms(self, model: str, items: int) -> float:
+        return 0.0
+
+
 @dataclass(frozen=True)
 class Fleet:
     """Agents as the router's index holds them, plus the cloud: a snapshot per model."""
 
     agents: tuple[AgentView, ...]
-    cloud: CloudView | None = None
+    cloud: CloudCandidate | None = None
     cloud_models: frozenset[str] = frozenset({"digits", "digits-large"})
 
-    def snapshot(self, model: str) -> FleetSnapshot:
+    def snapshot(self, model: str) -> FleetSnapshot[Candidate]:
         index: AgentIndex[AgentView] = AgentIndex()
         for a in self.agents:
             index.add(a)
             if a.ready:
                 index.ready(a)
-        cloud = None
-        if self.cloud is not None:
-            cloud = CloudView(
-                available=self.cloud.available, serves=model in self.cloud_models, predicted_ms=8.0
-            )
-        return FleetSnapshot(pools=index.pools(model), tiers=index.tiers(model), cloud=cloud)
+        pools: dict[Tier, list[Candidate]] = {t: list(p) for t, p in index.pools(model).items()}
+        tiers = set(index.tiers(model))
+        if self.cloud is not None and model in self.cloud_models:  # as RouterDataPlane.snapshot
+            pools[Tier.CLOUD] = [self.cloud]
+            tiers.add(Tier.CLOUD)
+        return FleetSnapshot(pools=pools, tiers=frozenset(tiers))
 
 
-CLOUD = CloudView(available=True, serves=True, predicted_ms=8.0)
+CLOUD = CloudCandidate()
 FLEET = Fleet(
     agents=(agent("d1", Tier.DEVICE), agent("d2", Tier.DEVICE), agent("e1", Tier.EDGE, service=3.0)),
     cloud=CLOUD,
 )
 
 
-def pick(attempt: Attempt, fleet: Fleet = FLEET, seed: int = 0) -> Target | NoTarget:
+def pick(attempt: Attempt, fleet: Fleet = FLEET, seed: int = 0) -> Target[Candidate] | NoTarget:
     return choose(attempt, fleet.snapshot(attempt.model), random.Random(seed))
 
 
 def test_starts_on_the_lowest_tier_that_fits() -> None:
     target = pick(Attempt(model="digits", remaining_ms=None))
-    assert isinstance(target, Target) and target.tier is Tier.DEVICE and target.agent_id in {"d1", "d2"}
+    assert isinstance(target, Target) and target.tier is Tier.DEVICE and target.id in {"d1", "d2"}
 
 
 def test_climbs_above_the_tier_already_tried_and_ends_at_the_cloud() -> None:
     edge = pick(Attempt(model="digits", remaining_ms=None, above=Tier.DEVICE))
-    assert isinstance(edge, Target) and edge.agent_id == "e1"
+    assert isinstance(edge, Target) and edge.id == "e1"
     cloud = pick(Attempt(model="digits", remaining_ms=None, above=Tier.EDGE))
-    assert isinstance(cloud, Target) and cloud.tier is Tier.CLOUD and cloud.agent_id is None
+    assert isinstance(cloud, Target) and cloud.tier is Tier.CLOUD and cloud.id == CLOUD.id
     nothing = pick(Attempt(model="digits", remaining_ms=None, above=Tier.CLOUD))
     assert isinstance(nothing, NoTarget) and not nothing.too_slow
 
@@ -123,7 +143,7 @@ def test_skips_a_tier_that_cannot_meet_the_budget() -> None:
     )
     # d1 predicts 0.5 + 2 waves x 5 + 5 = 15.5 ms; e1 predicts 1.5 ms.
     target = pick(Attempt(model="digits", remaining_ms=10.0), busy)
-    assert isinstance(target, Target) and target.agent_id == "e1"
+    assert isinstance(target, Target) and target.id == "e1"
     too_tight = pick(Attempt(model="digits", remaining_ms=0.2), busy)
     assert isinstance(too_tight, NoTarget) and too_tight.too_slow
 
@@ -134,23 +154,23 @@ def test_respects_tier_bounds_exclusions_and_readiness() -> None:
     from_edge = pick(Attempt(model="digits", remaining_ms=None, min_tier=Tier.EDGE))
     assert isinstance(from_edge, Target) and from_edge.tier is Tier.EDGE
     excluded = pick(Attempt(model="digits", remaining_ms=None, exclude=frozenset({"d1"})))
-    assert isinstance(excluded, Target) and excluded.agent_id == "d2"
+    assert isinstance(excluded, Target) and excluded.id == "d2"
     draining = Fleet(agents=(agent("d1", Tier.DEVICE, ready=False), agent("e1", Tier.EDGE)))
-    assert pick(Attempt(model="digits", remaining_ms=None), draining).agent_id == "e1"  # type: ignore[union-attr]
+    assert pick(Attempt(model="digits", remaining_ms=None), draining).id == "e1"  # type: ignore[union-attr]
 
 
 def test_a_pinned_variant_only_goes_where_it_is_served() -> None:
     target = pick(Attempt(model="d2-v", remaining_ms=None))
-    assert isinstance(target, Target) and target.agent_id == "d2"
+    assert isinstance(target, Target) and target.id == "d2"
     cloud = pick(Attempt(model="digits-large", remaining_ms=None))
-    assert isinstance(cloud, Target) and cloud.agent_id is None
+    assert isinstance(cloud, Target) and cloud.id == CLOUD.id
     assert isinstance(pick(Attempt(model="nothing", remaining_ms=None)), NoTarget)
 
 
 def test_power_of_two_choices_prefers_the_less_loaded_agent() -> None:
     agents = tuple(agent(f"d{i}", Tier.DEVICE, in_flight=i) for i in range(4))
     picks = Counter(
-        pick(Attempt(model="digits", remaining_ms=None), Fleet(agents), seed).agent_id  # type: ignore[union-attr]
+        pick(Attempt(model="digits", remaining_ms=None), Fleet(agents), seed).id  # type: ignore[union-attr]
         for seed in range(400)
     )
     assert picks["d3"] == 0  # the most loaded agent never wins a pair
@@ -180,13 +200,27 @@ def test_queues_too_long_for_the_budget_are_overload_not_a_missed_deadline() -> 
     assert isinstance(hopeless, NoTarget) and hopeless.too_slow and not hopeless.full
 
 
+def test_the_cloud_is_judged_by_the_same_rule_as_any_agent() -> None:
+    """A cloud too slow for the budget does not hide queues that are the reason: idle, d1
+    would fit, so the answer says to wait (overload), as it does without a cloud."""
+    busy = Fleet((agent("d1", Tier.DEVICE, in_flight=8, service=5.0, capacity=1),), cloud=CLOUD)
+    queued = pick(Attempt(model="digits", remaining_ms=7.0), busy)  # the cloud's round trip: 8 ms
+    assert isinstance(queued, NoTarget) and queued.full and "work queues are too long" in queued.reason
+    hopeless = pick(Attempt(model="digits", remaining_ms=2.0), busy)
+    assert isinstance(hopeless, NoTarget) and hopeless.too_slow
+    reachable = pick(Attempt(model="digits", remaining_ms=9.0), busy)
+    assert isinstance(reachable, Target) and reachable.id == CLOUD.id
+    down = pick(Attempt(model="digits", remaining_ms=9.0), Fleet(busy.agents, cloud=CloudCandidate(ready=False)))
+    assert isinstance(down, NoTarget) and down.full  # a cloud that is down takes nothing
+
+
 def test_two_choices_are_drawn_only_among_usable_agents_of_a_large_pool() -> None:
     """Among 1,000 agents of which four are usable, every pick is one of the four."""
     crowd = [agent(f"d{i}", Tier.DEVICE, in_flight=4, capacity=1) for i in range(996)]  # 4 waves: too slow
     usable = [agent(f"u{i}", Tier.DEVICE, in_flight=i) for i in range(4)]
     snapshot = Fleet((*crowd[:500], *usable, *crowd[500:])).snapshot("digits")
     picks = Counter(
-        choose(Attempt(model="digits", remaining_ms=3.0), snapshot, random.Random(seed)).agent_id  # type: ignore[union-attr]
+        choose(Attempt(model="digits", remaining_ms=3.0), snapshot, random.Random(seed)).id  # type: ignore[union-attr]
         for seed in range(300)
     )
     assert set(picks) <= {"u0", "u1", "u2"} and picks["u0"] > picks["u2"]  # u3 (most loaded) never wins
@@ -195,10 +229,10 @@ def test_two_choices_are_drawn_only_among_usable_agents_of_a_large_pool() -> Non
 def test_draws_skip_agents_that_are_not_ready_even_when_a_pool_holds_them() -> None:
     pool = [agent(f"d{i}", Tier.DEVICE, ready=i == 7) for i in range(20)]
     snapshot = FleetSnapshot(pools={Tier.DEVICE: pool}, tiers=frozenset({Tier.DEVICE}))
-    picks = {
+    picks = [
         choose(Attempt(model="digits", remaining_ms=None), snapshot, random.Random(s)) for s in range(50)
-    }
-    assert picks == {Target(tier=Tier.DEVICE, agent_id="d7")}
+    ]
+    assert {(t.tier, t.id) for t in picks} == {(Tier.DEVICE, "d7")}  # type: ignore[union-attr]
 
 
 def test_a_decision_reads_a_few_agents_whatever_the_size_of_the_tier() -> None:

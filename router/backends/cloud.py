@@ -1,0 +1,114 @@
+"""The cloud tier as a backend: one more candidate for the policy, on ``Tier.CLOUD``.
+
+The cloud is one gateway or a pool of them (:mod:`router.cloud_pool` spreads calls over
+the pool itself), so the router sees it as one target: ready while it takes calls, with
+no queue limit of its own (a gateway refuses for itself when full), and with the moving
+round-trip estimate of its link as the whole of its predicted latency.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from router.backends.base import Classified, Generated, OnChunk
+from router.cloud_pool import CloudTier
+from stratus.errors import Unavailable
+from stratus.generation import Chunk
+from stratus.protocol import (
+    COMPUTE_MS,
+    CONFIDENCE,
+    PRECISION,
+    QUEUE_MS,
+    VARIANT,
+    parameter_value,
+    reported_ms,
+)
+from stratus.tensors import MAX_REQUEST_ITEMS, Tensors
+from stratus.tiers import Tier
+from stratus.wire import inference_pb2 as pb
+
+
+class CloudBackend:
+    """The cloud link (or pool), as the policy and the cascades see every target."""
+
+    def __init__(self, cloud: CloudTier) -> None:
+        self.cloud = cloud
+
+    @property
+    def id(self) -> str:
+        return f"cloud@{self.cloud.address}"
+
+    @property
+    def tier(self) -> Tier:
+        return Tier.CLOUD
+
+    @property
+    def ready(self) -> bool:
+        return self.cloud.available
+
+    @property
+    def in_flight(self) -> int:
+        return self.cloud.in_flight
+
+    @property
+    def capacity(self) -> int:
+        return max(1, self.cloud.capacity)
+
+    @property
+    def limit(self) -> int:
+        return 0
+
+    @property
+    def rtt_ms(self) -> float:
+        """The link's moving round trip, the gateway's run included: all the policy predicts."""
+        return self.cloud.predicted_ms
+
+    def max_batch(self, model: str) -> int:
+        return MAX_REQUEST_ITEMS
+
+    def cost_ms(self, model: str, items: int) -> float:
+        return 0.0  # inside rtt_ms: the link measures whole round trips
+
+    async def classify(
+        self, items: Tensors, *, model: str, outputs: Sequence[str], request_id: str, budget_ms: float
+    ) -> Classified:
+        request = pb.ModelInferRequest(model_name=model, id=request_id)
+        request.outputs.extend(pb.ModelInferRequest.InferRequestedOutputTensor(name=n) for n in outputs)
+        items.write_request(request)
+        response = await self.cloud.infer(request, timeout_s=budget_ms / 1000.0)
+        params = response.parameters
+        said = CONFIDENCE in params
+        confidence = parameter_value(params[CONFIDENCE]) if said else 1.0
+        answered = Tensors.from_response(response)
+        if answered.items != items.items:
+            raise Unavailable(f"the cloud answered {answered.items} items for {items.items}")
+        return Classified(
+            agent=self.id,
+            variant=_named(params, VARIANT, model),
+            outputs=answered,
+            confidences=(float(confidence or 0.0),) * items.items,
+            said_confidence=said,
+            precision=_named(params, PRECISION, ""),
+            queue_ms=reported_ms(params, QUEUE_MS) or 0.0,  # a foreign cloud says neither
+            compute_ms=reported_ms(params, COMPUTE_MS) or 0.0,
+        )
+
+    async def generate(self, request: pb.ModelInferRequest, on_chunk: OnChunk, *, budget_ms: float) -> Generated:
+        async def deliver(chunk: Chunk) -> None:
+            on_chunk(chunk)
+
+        response = await self.cloud.generate(request, deliver, timeout_s=budget_ms / 1000.0)
+        params = response.parameters
+        confidence = parameter_value(params[CONFIDENCE]) if CONFIDENCE in params else None
+        return Generated(
+            agent=self.id,
+            variant=_named(params, VARIANT, request.model_name),
+            response=response,
+            confidence=float(confidence or 0.0) if confidence is not None else None,
+            precision=_named(params, PRECISION, ""),
+        )
+
+
+def _named(params: Mapping[str, pb.InferParameter], key: str, default: str) -> str:
+    """A string parameter of the cloud's answer, or ``default`` where it names none."""
+    return str(parameter_value(params[key])) if key in params else default
