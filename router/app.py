@@ -298,5 +298,5 @@ async def _shut_down(
     if plane.active:
         log.warning("stopping with %d requests still in flight after %.0f s", plane.active, grace_s)
     for handle in list(registry.agents.values()):
-        handle.outbox.put_nowait(None)
+        handle.work.outbox.put_nowait(None)
     await stopped

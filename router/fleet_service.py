@@ -83,9 +83,9 @@ def fleet_levels(registry: FleetRegistry, cloud: CloudTier | None) -> list[Metri
     for handle in registry.agents.values():
         key = (handle.tier.label, shown_state(handle))
         states[key] = states.get(key, 0) + 1
-        if handle.state != State.LOST and handle.batcher is not None:
-            in_flight.append(([handle.id], float(handle.batcher.running_items)))
-            queued.append(([handle.id], float(handle.batcher.waiting_items)))
+        if handle.state != State.LOST:
+            in_flight.append(([handle.id], float(handle.work.batcher.running_items)))
+            queued.append(([handle.id], float(handle.work.batcher.waiting_items)))
     families = [
         gauge("stratus_router_agents", "Agents by tier and state.", ["tier", "state"],
               [([tier, state], float(n)) for (tier, state), n in sorted(states.items())]),

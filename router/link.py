@@ -124,7 +124,7 @@ class AgentLinkServicer(fpb_grpc.AgentLinkServicer):
                 )
             )
             handle.sent = 1
-            while (message := await handle.outbox.get()) is not None:
+            while (message := await handle.work.outbox.get()) is not None:
                 yield message
                 handle.sent += 1
         finally:

@@ -16,21 +16,18 @@ import asyncio
 import contextlib
 import itertools
 import logging
-import math
 import re
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from router.backends.agent import AgentWork, WorkSettings
 from router.backends.base import Backend, Classified, Generated, OnChunk
 from router.index import AgentIndex, line_key
 from router.policy import FleetSnapshot
 from stratus.audit_config import check_family_info
-from stratus.batching import DEFAULT_MAX_DELAY_S, Batch, Batcher, BatchKey, split_counts
-from stratus.channels import MAX_WORK_BYTES, check_fits
-from stratus.codec import numpy_dtype
-from stratus.convert.errors import error_from_wire
-from stratus.convert.fleet import chunk_from_wire, thresholds_from_wire
+from stratus.batching import DEFAULT_MAX_DELAY_S
+from stratus.convert.fleet import thresholds_from_wire
 from stratus.errors import (
     ConfigError,
     DeadlineExceeded,
@@ -38,7 +35,6 @@ from stratus.errors import (
     NotFound,
     Overloaded,
     PermissionDenied,
-    Unavailable,
 )
 from stratus.hardware import describe as describe_hardware
 from stratus.hardware import from_hello as hardware_from_hello
@@ -68,8 +64,6 @@ MAX_BATCH = 1024
 MAX_LOST = 4096
 # Fleet.Watch calls open at once (each holds a stream and is sent the fleet's status).
 MAX_WATCHERS = 64
-# Messages that may wait for an agent's stream before the agent counts as not reading.
-MAX_OUTBOX = 4096
 # Longest a Reload call waits for its agent (the caller chooses less, never more).
 MAX_RELOAD_WAIT_S = 600.0
 
@@ -94,35 +88,15 @@ def pace_for(agents: int, *, base_s: float, max_per_s: float) -> float:
     return pace
 
 
-@dataclass(frozen=True, kw_only=True)
-class Part:
-    """One request's items, waiting for an agent: checked raw tensors and their deadline."""
-
-    inputs: Tensors
-    deadline: float  # on the registry's clock
-    queued_at: float = 0.0  # on the registry's clock: when it began to wait for the agent
-
-
-@dataclass(frozen=True, kw_only=True)
-class PartAnswer:
-    """An agent's answer for one request's items."""
-
-    outputs: Tensors
-    confidences: tuple[float, ...]
-    variant: str
-    batch_size: int
-    queue_ms: float = 0.0  # waiting here for the agent, then at the agent for a slot
-    service_ms: float = 0.0  # the agent running the batch that held these items
-
-
 @dataclass(eq=False)
 class AgentHandle:
-    """One agent as the router sees it; its outbox feeds its AgentLink stream.
+    """One agent as the router sees it: who it is, its state, its estimates.
 
     It is a backend (:class:`router.backends.base.Backend`) like the cloud: what the policy
     reads (its estimates are kept current as results arrive, not recomputed per request),
-    and what the cascades ask, through its registry, which sends the Work. Its batcher owns
-    the queue of requests waiting for it and merges them into Work while it is busy.
+    and what the cascades ask. Its ``work`` (:class:`router.backends.agent.AgentWork`) is
+    the transport: the outbox its AgentLink stream writes, the Work out on the link, and
+    the batcher that merges requests into Work while it is busy.
     """
 
     id: str
@@ -141,7 +115,6 @@ class AgentHandle:
     hardware: fpb.HardwareInfo = field(default_factory=fpb.HardwareInfo)
     version: str = ""  # its Stratus version, as its Hello said
     started: float | None = None  # when its process started, on the registry's clock; None: not said
-    outbox: asyncio.Queue[fpb.RouterMessage | None] = field(default_factory=asyncio.Queue)
     state: str = State.READY
     last_heartbeat: float = 0.0
     lost_at: float = 0.0
@@ -149,19 +122,16 @@ class AgentHandle:
     latency: dict[str, fpb.LatencyEstimate] = field(default_factory=dict)
     curves: dict[str, ServiceCurve] = field(default_factory=dict)  # per variant
     link_ms: LatencyWindow = field(default_factory=LatencyWindow)  # round trip less the agent's time
-    pending: dict[str, asyncio.Future[fpb.Result]] = field(default_factory=dict)
     completions: RateMeter = field(default_factory=RateMeter)
     batch_sizes: SizeWindow = field(default_factory=SizeWindow)  # items per batch it ran
     sent: int = 0  # RouterMessages written to the link, the Welcome included
     last_received: int = 0  # the agent's read count at its previous heartbeat
     unread_beats: int = 0  # consecutive heartbeats with messages unread and no reading progress
-    batcher: Batcher[Part, PartAnswer] | None = None
 
     # Families it could not load (no runtime there opened their files), as its Hello said.
     unavailable: tuple[fpb.FamilyUnavailable, ...] = ()
     reloads: list[asyncio.Future[str]] = field(default_factory=list)  # waiting for its next Hello
-    chunks: dict[str, Callable[[fpb.Chunk], None]] = field(default_factory=dict)  # generations, by Work id
-    fleet: FleetRegistry | None = field(default=None, repr=False)  # sends its Work; set when it joins
+    work: AgentWork = field(init=False, repr=False)  # its transport: set by the registry as it joins
 
     def __post_init__(self) -> None:
         self.announce(self.variants)
@@ -209,9 +179,11 @@ class AgentHandle:
 
     @property
     def in_flight(self) -> int:
-        """Items waiting in the router for this agent, or sent to it and not yet answered
-        (a generation counts as one item while it runs)."""
-        return (self.batcher.items if self.batcher is not None else 0) + len(self.chunks)
+        return self.work.in_flight
+
+    @property
+    def lost(self) -> bool:
+        return self.state == State.LOST
 
     @property
     def limit(self) -> int:
@@ -260,39 +232,12 @@ class AgentHandle:
         self, items: Tensors, *, model: str, outputs: Sequence[str], request_id: str, budget_ms: float
     ) -> Classified:
         """Queue the items for this agent (maybe merged into one Work with others')."""
-        assert self.fleet is not None, f"agent {self.id} has not joined a registry"
-        part = await self.fleet.submit(self, items, variant=model, outputs=outputs, budget_ms=budget_ms)
-        return Classified(
-            agent=self.id,
-            variant=part.variant,
-            outputs=part.outputs,
-            confidences=part.confidences,
-            precision=self.precision_of(part.variant),
-            queue_ms=part.queue_ms,
-            compute_ms=part.service_ms,
+        return await self.work.classify(
+            items, model=model, outputs=outputs, request_id=request_id, budget_ms=budget_ms
         )
 
     async def generate(self, request: pb.ModelInferRequest, on_chunk: OnChunk, *, budget_ms: float) -> Generated:
-        assert self.fleet is not None, f"agent {self.id} has not joined a registry"
-        result = await self.fleet.generate(
-            self, request, budget_ms=budget_ms, on_chunk=lambda message: on_chunk(chunk_from_wire(message))
-        )
-        return Generated(
-            agent=self.id,
-            variant=result.variant,
-            response=result.response,
-            confidence=result.confidence if result.confidences else None,
-            precision=self.precision_of(result.variant),
-        )
-
-    def fail_pending(self, reason: str) -> None:
-        error = Unavailable(f"agent {self.id} {reason}")
-        for future in self.pending.values():
-            if not future.done():
-                future.set_exception(error)
-        self.pending.clear()
-        if self.batcher is not None:
-            self.batcher.close(error)
+        return await self.work.generate(request, on_chunk, budget_ms=budget_ms)
 
 
 class FleetRegistry:
@@ -359,12 +304,11 @@ class FleetRegistry:
             hardware=hardware_from_hello(hello),
             version=hello.version,
             started=self._started(hello),
-            fleet=self,
         )
+        handle.work = AgentWork(handle, self._work_settings(handle))
         for family in hello.families:
             if family.name not in self.families:
                 self._learn(family)
-        self.attach_batcher(handle)
         self.agents[handle.id] = handle
         self.index.add(handle)
         self.index.ready(handle)
@@ -491,7 +435,7 @@ class FleetRegistry:
             raise NotFound(f"no linked agent '{agent_id}'")
         waiter: asyncio.Future[str] = asyncio.get_running_loop().create_future()
         if not handle.reloads:  # one Reload on the link at a time: later callers wait for it
-            handle.outbox.put_nowait(fpb.RouterMessage(reload=fpb.Reload()))
+            handle.work.outbox.put_nowait(fpb.RouterMessage(reload=fpb.Reload()))
         handle.reloads.append(waiter)
         try:
             async with asyncio.timeout(min(timeout_s, MAX_RELOAD_WAIT_S)):
@@ -520,9 +464,9 @@ class FleetRegistry:
         handle.lost_at = self.now()
         self.index.unready(handle)
         self._linked -= 1
-        handle.fail_pending(reason)
+        handle.work.fail(reason)
         self._settle_reloads(handle, f"agent lost: {reason}")
-        handle.outbox.put_nowait(None)
+        handle.work.outbox.put_nowait(None)
         if handle.left:
             log.info("agent %s left (it drained first): %s", handle.id, reason)
         else:
@@ -562,7 +506,7 @@ class FleetRegistry:
         handle = self.agents.get(agent_id)
         if handle is None or handle.state == State.LOST:
             raise NotFound(f"no linked agent '{agent_id}'")
-        handle.outbox.put_nowait(fpb.RouterMessage(drain=fpb.Drain(reason="drained by operator")))
+        handle.work.outbox.put_nowait(fpb.RouterMessage(drain=fpb.Drain(reason="drained by operator")))
         handle.operator_drained = True
         self.draining(handle)
         return handle
@@ -629,154 +573,28 @@ class FleetRegistry:
         for handle in self.agents.values():
             if handle.state == State.LOST:
                 continue
-            handle.outbox.put_nowait(message)
+            handle.work.outbox.put_nowait(message)
             handle.heartbeat_s = pace
             if not slower:  # time silence from the new pace, not from the old, longer gap
                 handle.last_heartbeat = max(handle.last_heartbeat, now)
 
     # -- work ------------------------------------------------------------------------------
     def result(self, handle: AgentHandle, result: fpb.Result) -> None:
-        future = handle.pending.pop(result.request_id, None)
-        if future is None:
-            log.debug("result for unknown or finished request %s from %s", result.request_id, handle.id)
-            return
-        handle.completions.add(max(1, len(result.confidences)))
-        if not future.done():
-            future.set_result(result)
+        if handle.work.result(result):
+            handle.completions.add(max(1, len(result.confidences)))
 
     def chunk(self, handle: AgentHandle, chunk: fpb.Chunk) -> None:
-        deliver = handle.chunks.get(chunk.request_id)
-        if deliver is not None:
-            deliver(chunk)
+        handle.work.chunk(chunk)
 
-    async def generate(
-        self,
-        handle: AgentHandle,
-        request: pb.ModelInferRequest,
-        *,
-        budget_ms: float,
-        on_chunk: Callable[[fpb.Chunk], None],
-    ) -> fpb.Result:
-        """One generative Work, not batched: its Chunks go to ``on_chunk`` as they arrive,
-        then its Result. Cancelling the caller sends Cancel, which stops the agent's runtime."""
-        if handle.outbox.qsize() >= MAX_OUTBOX:
-            self.lose(handle, f"not reading its link ({MAX_OUTBOX} messages waiting)")
-            raise Unavailable(f"agent {handle.id} is not reading its link")
-        request_id = f"g{next(self._ids)}"
-        message = fpb.RouterMessage()
-        message.work.request_id = request_id
-        message.work.request.CopyFrom(request)
-        message.work.request.model_name = handle.variant_for(request.model_name)
-        message.work.budget_ms = budget_ms
-        check_fits(message.ByteSize(), "this generation's Work")
-        if handle.state == State.LOST:
-            raise Unavailable(f"agent {handle.id} was lost before its Work could be sent")
-        future: asyncio.Future[fpb.Result] = asyncio.get_running_loop().create_future()
-        handle.pending[request_id] = future
-        handle.chunks[request_id] = on_chunk
-        handle.outbox.put_nowait(message)
-        sent = self.now()
-        try:
-            async with asyncio.timeout(budget_ms / 1000.0):
-                result = await future
-        except TimeoutError:
-            handle.outbox.put_nowait(fpb.RouterMessage(cancel=fpb.Cancel(request_id=request_id)))
-            raise DeadlineExceeded(f"agent {handle.id} did not finish within {budget_ms:.1f} ms") from None
-        except asyncio.CancelledError:
-            handle.outbox.put_nowait(fpb.RouterMessage(cancel=fpb.Cancel(request_id=request_id)))
-            raise
-        finally:
-            handle.pending.pop(request_id, None)
-            handle.chunks.pop(request_id, None)
-        handle.link_ms.add(max(0.0, (self.now() - sent) * 1000.0 - result.service_ms))
-        if result.WhichOneof("outcome") == "error":
-            raise error_from_wire(result.error, f"agent {handle.id}")
-        return result
-
-    def attach_batcher(self, handle: AgentHandle) -> None:
-        """The queue in front of one agent.
-
-        At most two Works per slot are out at once: one running and one ready behind it,
-        so the agent never idles between batches while everything else waits here, where
-        it can still merge into bigger batches (fewer messages, fewer runtime calls).
-        """
-
-        async def run(batch: Batch[Part, PartAnswer]) -> list[PartAnswer]:
-            return await self._send_work(handle, batch)
-
-        handle.batcher = Batcher(
-            run,
-            slots=handle.capacity,
-            depth=handle.capacity + min(handle.capacity, max(0, handle.queue_limit)),
-            max_batch=lambda key: min(handle.max_batch(key.variant), items_that_fit(key)),
-            max_delay_s=self.max_batch_delay_s,
-            queue_limit=max(1, handle.limit),
-            name=f"agent {handle.id}",
+    def _work_settings(self, handle: AgentHandle) -> WorkSettings:
+        metrics = self.metrics
+        return WorkSettings(
             clock=self._clock,
+            ids=self._ids,
+            max_batch_delay_s=self.max_batch_delay_s,
+            on_batch=metrics.batch_items.observe if metrics is not None else lambda items: None,
+            on_stuck=lambda reason: self.lose(handle, reason),
         )
-
-    async def submit(
-        self, handle: AgentHandle, inputs: Tensors, *, variant: str, outputs: Sequence[str], budget_ms: float
-    ) -> PartAnswer:
-        """Queue items for an agent (maybe merged with others) and wait for their answer.
-
-        The items leave the queue by their slack: the latest moment a batch holding them
-        can still start and finish inside the budget, as this agent's estimates say.
-        """
-        assert handle.batcher is not None
-        check_fits(inputs.nbytes, f"a Work of {inputs.items} items")
-        if handle.outbox.qsize() >= MAX_OUTBOX:
-            self.lose(handle, f"not reading its link ({MAX_OUTBOX} messages waiting)")
-            raise Unavailable(f"agent {handle.id} is not reading its link")
-        now = self.now()
-        deadline = now + budget_ms / 1000.0
-        run_ms = handle.rtt_ms + handle.cost_ms(variant, inputs.items)
-        key = inputs.batch_key(handle.variant_for(variant), outputs)
-        return await handle.batcher.submit(
-            key,
-            Part(inputs=inputs, deadline=deadline, queued_at=now),
-            size=inputs.items,
-            latest_start=deadline - run_ms / 1000.0,
-            timeout_s=budget_ms / 1000.0,
-        )
-
-    async def _send_work(self, handle: AgentHandle, batch: Batch[Part, PartAnswer]) -> list[PartAnswer]:
-        """One Work for a batch: send, wait for its Result (or the last member's deadline), split."""
-        request_id = f"r{next(self._ids)}"
-        message = fpb.RouterMessage()  # built in place: a message passed to a constructor is copied
-        work = message.work
-        work.request_id = request_id
-        request = work.request
-        request.model_name = batch.key.variant
-        request.id = request_id
-        for name in batch.key.outputs:
-            request.outputs.add(name=name)
-        Tensors.join([p.inputs for p in batch.payloads]).write_request(request)
-        sent = self.now()
-        budget_ms = max(1.0, (max(p.deadline for p in batch.payloads) - sent) * 1000.0)
-        work.budget_ms = budget_ms
-        check_fits(message.ByteSize(), f"a Work of {batch.size} items")  # never one the link cannot carry
-        if self.metrics is not None:
-            self.metrics.batch_items.observe(batch.size)
-        if handle.state == State.LOST:  # its link is gone: nothing put on it would ever be answered
-            raise Unavailable(f"agent {handle.id} was lost before its Work could be sent")
-        future: asyncio.Future[fpb.Result] = asyncio.get_running_loop().create_future()
-        handle.pending[request_id] = future
-        handle.outbox.put_nowait(message)
-        try:
-            async with asyncio.timeout(budget_ms / 1000.0):
-                result = await future
-        except TimeoutError:
-            handle.outbox.put_nowait(fpb.RouterMessage(cancel=fpb.Cancel(request_id=request_id)))
-            raise DeadlineExceeded(f"agent {handle.id} did not answer within {budget_ms:.1f} ms") from None
-        except asyncio.CancelledError:  # every member gave up
-            handle.outbox.put_nowait(fpb.RouterMessage(cancel=fpb.Cancel(request_id=request_id)))
-            raise
-        finally:
-            handle.pending.pop(request_id, None)
-        handle.learn(result, (self.now() - sent) * 1000.0)
-        waited_ms = [(sent - p.queued_at) * 1000.0 for p in batch.payloads]
-        return split_result(handle, result, batch.sizes, waited_ms)
 
     # -- reads -------------------------------------------------------------------------------
     def snapshot(self, model: str, cloud: Backend | None = None) -> FleetSnapshot[Backend]:
@@ -900,62 +718,9 @@ def check_hello_bounds(hello: fpb.Hello) -> None:
             )
 
 
-def items_that_fit(key: BatchKey) -> int:
-    """How many items of this shape one Work may carry: the batcher never merges past it
-    (600 KB images at --max-batch 32 would otherwise make a Work no link carries)."""
-    per_item = sum(
-        math.prod(shape) * numpy_dtype(datatype).itemsize
-        for _, datatype, shape in key.inputs
-        if datatype != "BYTES"
-    )
-    return max(1, MAX_WORK_BYTES // per_item) if per_item else MAX_WORK_BYTES
-
-
 def _check_hello_variants(hello: fpb.Hello) -> None:
     if not hello.variants:
         raise InvalidInput(f"Hello from {hello.agent_id}: no variants")
-
-
-def _duration(ms: float) -> float:
-    """A time an agent reported, as statistics may add it up: NaN, infinite or negative is 0."""
-    return ms if math.isfinite(ms) and ms > 0 else 0.0
-
-
-def _confidence(value: float) -> float:
-    """An agent's confidence as the policy may compare it: within [0, 1], NaN as 0 (unsure)."""
-    return 0.0 if math.isnan(value) else min(1.0, max(0.0, value))
-
-
-def split_result(
-    handle: AgentHandle, result: fpb.Result, sizes: Sequence[int], waited_ms: Sequence[float] = ()
-) -> list[PartAnswer]:
-    """A Work's Result, back into one answer (or one error) per merged request, in order;
-    ``waited_ms``: how long each request waited here before the Work left."""
-    if result.WhichOneof("outcome") == "error":
-        raise error_from_wire(result.error, f"agent {handle.id}")
-    outputs = Tensors.from_response(result.response)
-    total = sum(sizes)
-    if outputs.items != total or (not outputs.splittable and len(sizes) > 1):
-        raise Unavailable(f"agent {handle.id} answered {outputs.items} items for a batch of {total}")
-    confidences = [
-        _confidence(c)
-        for c in (
-            list(result.confidences) if len(result.confidences) == total else [result.confidence] * total
-        )
-    ]
-    return [
-        PartAnswer(
-            outputs=outputs.rows(start, stop),
-            confidences=tuple(confidences[start:stop]),
-            variant=result.variant,
-            batch_size=result.batch_size,
-            queue_ms=_duration(waited) + _duration(result.queue_ms),
-            service_ms=_duration(result.service_ms),
-        )
-        for (start, stop), waited in zip(
-            split_counts(total, sizes), list(waited_ms) or [0.0] * len(sizes), strict=True
-        )
-    ]
 
 
 def _detached(family: fpb.FamilyInfo) -> fpb.FamilyInfo:

@@ -365,7 +365,7 @@ def edge_hello(name: str) -> fpb.Hello:
 
 async def answer_work(registry: FleetRegistry, name: str, classes: list[int], seen: list[str]) -> None:
     handle = registry.agents[name]
-    while (message := await handle.outbox.get()) is not None:
+    while (message := await handle.work.outbox.get()) is not None:
         if message.WhichOneof("kind") != "work":
             continue
         seen.append(name)
@@ -383,7 +383,7 @@ def test_without_a_cloud_audits_go_to_an_idle_top_tier_agent() -> None:
         for name in ("edge-busy", "edge-idle"):
             registry.register(edge_hello(name), peer="test")
         busy = registry.agents["edge-busy"]
-        busy.chunks["held"] = lambda chunk: None  # a generation holds its one slot
+        busy.work.chunks["held"] = lambda chunk: None  # a generation holds its one slot
         seen: list[str] = []
         fake = asyncio.create_task(answer_work(registry, "edge-idle", [4, 5], seen))
         audits.start()
@@ -395,14 +395,14 @@ def test_without_a_cloud_audits_go_to_an_idle_top_tier_agent() -> None:
         assert audits.book.estimates() == {
             AuditKey("digits", Tier.DEVICE, "digits-device", "device-1"): Estimate(2, 1)
         }
-        busy.chunks.clear()
-        registry.agents["edge-idle"].chunks["held"] = lambda chunk: None
+        busy.work.chunks.clear()
+        registry.agents["edge-idle"].work.chunks["held"] = lambda chunk: None
         busy.capacity = 0  # now neither has a free slot: the audit is dropped
         audits.classified(view)
         await settle(audits, lambda: audits.dropped == 2)
         assert counted(recorder, "dropped") == 2 and seen == ["edge-idle"]
         await audits.close()
-        registry.agents["edge-idle"].outbox.put_nowait(None)
+        registry.agents["edge-idle"].work.outbox.put_nowait(None)
         await fake
 
     run(body)

@@ -114,18 +114,18 @@ def test_a_cancelled_request_sends_cancel_to_its_agent() -> None:
         registry = FleetRegistry()
         handle = registry.register(hello(), peer="test")
         task = asyncio.create_task(
-            registry.submit(handle, one_item(), variant="digits", outputs=(), budget_ms=30_000.0)
+            handle.work.submit(one_item(), variant="digits", outputs=(), budget_ms=30_000.0)
         )
         await asyncio.sleep(0.01)
         task.cancel()  # the client went away
         with pytest.raises(asyncio.CancelledError):
             await task
         kinds = []
-        while not handle.outbox.empty():
-            message = handle.outbox.get_nowait()
+        while not handle.work.outbox.empty():
+            message = handle.work.outbox.get_nowait()
             assert message is not None
             kinds.append(message.WhichOneof("kind"))
-        assert not handle.pending
+        assert not handle.work.pending
         return kinds
 
     assert asyncio.run(scenario()) == ["work", "cancel"]
@@ -136,9 +136,9 @@ def test_a_request_past_its_budget_cancels_the_work_and_says_so() -> None:
         registry = FleetRegistry()
         handle = registry.register(hello(), peer="test")
         with pytest.raises(DeadlineExceeded, match=r"did not answer within \d{1,2}\.\d ms"):
-            await registry.submit(handle, one_item(), variant="digits", outputs=(), budget_ms=20.0)
+            await handle.work.submit(one_item(), variant="digits", outputs=(), budget_ms=20.0)
         await asyncio.sleep(0.01)  # the Work's own task sends the Cancel as it unwinds
-        return [m.WhichOneof("kind") for m in (handle.outbox.get_nowait(), handle.outbox.get_nowait()) if m]
+        return [m.WhichOneof("kind") for m in (handle.work.outbox.get_nowait(), handle.work.outbox.get_nowait()) if m]
 
     assert asyncio.run(scenario()) == ["work", "cancel"]
 
@@ -148,7 +148,7 @@ def test_losing_an_agent_fails_its_pending_requests_at_once() -> None:
         registry = FleetRegistry()
         handle = registry.register(hello(), peer="test")
         task = asyncio.create_task(
-            registry.submit(handle, one_item(), variant="digits", outputs=(), budget_ms=30_000.0)
+            handle.work.submit(one_item(), variant="digits", outputs=(), budget_ms=30_000.0)
         )
         await asyncio.sleep(0.01)
         registry.lose(handle, "stream broke")

@@ -181,11 +181,11 @@ def test_pace_doubles_with_the_fleet_and_every_linked_agent_is_told() -> None:
     second = reg.register(hello("d2"), peer="t")
     third = reg.register(hello("d3"), peer="t")  # 3 agents at 1 s would be 3/s: 2 s
     assert reg.pace_s == 2.0 and all(h.heartbeat_s == 2.0 for h in (first, second, third))
-    paces = [m.pace.heartbeat_interval_s for m in first.outbox._queue if m is not None and m.HasField("pace")]  # type: ignore[attr-defined]
+    paces = [m.pace.heartbeat_interval_s for m in first.work.outbox._queue if m is not None and m.HasField("pace")]  # type: ignore[attr-defined]
     assert paces == [2.0]
     reg.lose(third, "gone")  # two agents again: back to 1 s, and the survivors are told
     assert reg.pace_s == 1.0 and first.heartbeat_s == 1.0
-    paces = [m.pace.heartbeat_interval_s for m in first.outbox._queue if m is not None and m.HasField("pace")]  # type: ignore[attr-defined]
+    paces = [m.pace.heartbeat_interval_s for m in first.work.outbox._queue if m is not None and m.HasField("pace")]  # type: ignore[attr-defined]
     assert paces == [2.0, 1.0]
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from router.registry import items_that_fit
+from router.backends.agent import items_that_fit
 from stratus.batching import BatchKey
 from stratus.channels import MAX_MESSAGE_BYTES, MAX_WORK_BYTES, check_fits
 from stratus.codec import checked_shape

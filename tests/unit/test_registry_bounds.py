@@ -9,8 +9,9 @@ import math
 import pytest
 
 from router import registry as registry_module
+from router.backends.agent import split_result
 from router.dataplane import listing
-from router.registry import FORGET_LOST_S, MAX_WATCHERS, split_result
+from router.registry import FORGET_LOST_S, MAX_WATCHERS
 from stratus.errors import InvalidInput, Overloaded
 from stratus.tiers import Tier
 from stratus.wire import fleet_pb2 as fpb
@@ -64,7 +65,7 @@ def test_reported_confidences_are_clamped_to_what_the_policy_compares() -> None:
     result = fpb.Result(request_id="r1", variant="digits-small", confidences=[math.nan, 7.0, -1.0, 0.5])
     result.response.outputs.add(name="probabilities", datatype="FP32", shape=[4, 1])
     result.response.raw_output_contents.append(b"\0" * 16)
-    (part,) = split_result(handle, result, [4])
+    (part,) = split_result(handle.id, result, [4])
     assert part.confidences == (0.0, 1.0, 0.0, 0.5)
 
 

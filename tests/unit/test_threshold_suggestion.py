@@ -152,7 +152,7 @@ def test_an_item_settled_on_the_device_is_asked_of_the_edge_too_so_its_row_holds
         audits.classified(view)
         await settle(audits, lambda: len(audits.rows.rows("digits")) == 2)
         await audits.close()
-        registry.agents["edge-1"].outbox.put_nowait(None)
+        registry.agents["edge-1"].work.outbox.put_nowait(None)
         await fake
         rows = [r.to_wire() for r in audits.rows.rows("digits")]
         assert seen == ["edge-1"]

@@ -138,7 +138,7 @@ class FakeAgent:
         self.registry.heartbeat(self.handle, fpb.Heartbeat(latency=[estimate]))
 
     async def _read(self) -> None:
-        while (message := await self.handle.outbox.get()) is not None:
+        while (message := await self.handle.work.outbox.get()) is not None:
             kind = message.WhichOneof("kind")
             if kind == "work":
                 self.works.append(message.work)
