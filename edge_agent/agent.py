@@ -29,7 +29,7 @@ from edge_agent.work import serve_work
 from stratus import __version__
 from stratus.auth import insecure_warning
 from stratus.channels import bind, create_server
-from stratus.convert.fleet import wire_tier
+from stratus.convert.fleet import latency_to_wire, wire_tier
 from stratus.discovery import DNS_PREFIX, discover_all, resolve_all
 from stratus.errors import ConfigError, StratusError
 from stratus.hardware import to_wire as hardware_to_wire
@@ -106,12 +106,7 @@ class Agent:
             if link.reported.get(name) == window.count:
                 continue
             link.reported[name] = window.count
-            s = window.summary()
-            latency.append(
-                fpb.LatencyEstimate(
-                    variant=name, mean_ms=s.mean_ms, p50_ms=s.p50_ms, p99_ms=s.p99_ms, count=s.count
-                )
-            )
+            latency.append(latency_to_wire(name, window.summary()))
         return fpb.AgentMessage(
             heartbeat=fpb.Heartbeat(
                 in_flight=self.in_flight,

@@ -27,7 +27,7 @@ from router.index import AgentIndex, line_key
 from router.policy import FleetSnapshot
 from stratus.audit_config import check_family_info
 from stratus.batching import DEFAULT_MAX_DELAY_S
-from stratus.convert.fleet import thresholds_from_wire
+from stratus.convert.fleet import latency_from_wire, thresholds_from_wire
 from stratus.errors import (
     ConfigError,
     DeadlineExceeded,
@@ -39,7 +39,7 @@ from stratus.errors import (
 from stratus.hardware import describe as describe_hardware
 from stratus.hardware import from_hello as hardware_from_hello
 from stratus.metrics import RouterMetrics
-from stratus.stats import LatencyWindow, RateMeter, ServiceCurve, SizeWindow
+from stratus.stats import LatencySummary, LatencyWindow, RateMeter, ServiceCurve, SizeWindow
 from stratus.tensors import Tensors
 from stratus.tiers import Tier
 from stratus.wire import fleet_pb2 as fpb
@@ -119,7 +119,7 @@ class AgentHandle:
     last_heartbeat: float = 0.0
     lost_at: float = 0.0
     reported_queue: int = 0
-    latency: dict[str, fpb.LatencyEstimate] = field(default_factory=dict)
+    latency: dict[str, LatencySummary] = field(default_factory=dict)  # per variant, as its heartbeats said
     curves: dict[str, ServiceCurve] = field(default_factory=dict)  # per variant
     link_ms: LatencyWindow = field(default_factory=LatencyWindow)  # round trip less the agent's time
     completions: RateMeter = field(default_factory=RateMeter)
@@ -224,9 +224,11 @@ class AgentHandle:
         self.link_ms.add(max(0.0, round_trip_ms - result.service_ms - result.queue_ms))
 
     def update_latency(self, estimates: Iterable[fpb.LatencyEstimate]) -> None:
-        """Merge what changed (for status, and as the estimate before any Result)."""
+        """Merge what changed (for status, and as the estimate before any Result); read into
+        figures, as a kept sub-message would keep its whole heartbeat alive."""
         for estimate in estimates:
-            self.latency[estimate.variant] = estimate
+            if estimate.variant in self.variants:  # another name is nothing it serves
+                self.latency[estimate.variant] = latency_from_wire(estimate)
 
     async def classify(
         self, items: Tensors, *, model: str, outputs: Sequence[str], request_id: str, budget_ms: float

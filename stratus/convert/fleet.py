@@ -7,6 +7,7 @@ from collections.abc import Mapping
 
 from stratus.errors import InvalidInput
 from stratus.generation import Chunk, Token
+from stratus.stats import LatencySummary
 from stratus.tiers import Tier
 from stratus.wire import fleet_pb2 as fpb
 
@@ -37,6 +38,31 @@ def thresholds_from_wire(thresholds: Mapping[str, float], where: str) -> dict[Ti
 
 def thresholds_to_wire(thresholds: Mapping[Tier, float]) -> dict[str, float]:
     return {tier.label: value for tier, value in thresholds.items()}
+
+
+def latency_to_wire(variant: str, summary: LatencySummary) -> fpb.LatencyEstimate:
+    return fpb.LatencyEstimate(
+        variant=variant,
+        mean_ms=summary.mean_ms,
+        p50_ms=summary.p50_ms,
+        p99_ms=summary.p99_ms,
+        count=summary.count,
+    )
+
+
+def latency_from_wire(estimate: fpb.LatencyEstimate) -> LatencySummary:
+    """A heartbeat's estimate for one variant, as figures the router may add and compare: a
+    time that is NaN, infinite or negative reads as 0 (unknown)."""
+    return LatencySummary(
+        mean_ms=_time(estimate.mean_ms),
+        p50_ms=_time(estimate.p50_ms),
+        p99_ms=_time(estimate.p99_ms),
+        count=estimate.count,
+    )
+
+
+def _time(ms: float) -> float:
+    return ms if math.isfinite(ms) and ms > 0 else 0.0
 
 
 def chunk_to_wire(request_id: str, chunk: Chunk) -> fpb.Chunk:

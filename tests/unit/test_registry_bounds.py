@@ -199,3 +199,23 @@ def test_a_hello_with_a_threshold_for_no_tier_is_refused() -> None:
     sky.families[0].thresholds["sky"] = 0.5
     with pytest.raises(InvalidInput, match="Hello from d1: family 'digits': thresholds: unknown tier 'sky'"):
         registry().register(sky, peer="t")
+
+
+def test_heartbeat_latency_is_kept_as_figures_for_served_variants_only() -> None:
+    """A heartbeat's estimates become numbers the policy may add (NaN, infinite and negative
+    times read as unknown), and names the agent does not serve are not kept: a peer sending
+    a new name in every heartbeat would otherwise grow its handle without bound."""
+    reg = registry()
+    handle = reg.register(hello("d1"), peer="t")
+    beat = fpb.Heartbeat(received=1)
+    beat.latency.add(variant="digits-small", mean_ms=math.nan, p50_ms=math.inf, p99_ms=-3.0, count=5)
+    beat.latency.extend(fpb.LatencyEstimate(variant=f"made-up-{i}", mean_ms=1.0) for i in range(50))
+    reg.heartbeat(handle, beat)
+    assert list(handle.latency) == ["digits-small"]
+    figures = handle.latency["digits-small"]
+    assert (figures.mean_ms, figures.p50_ms, figures.p99_ms, figures.count) == (0.0, 0.0, 0.0, 5)
+    assert handle.cost_ms("digits", 3) == 3.0  # an unknown mean: 1 ms an item, as before any Result
+    beat = fpb.Heartbeat(received=2)
+    beat.latency.add(variant="digits-small", mean_ms=2.5, p50_ms=2.0, p99_ms=9.0, count=6)
+    reg.heartbeat(handle, beat)
+    assert handle.cost_ms("digits", 2) == 5.0
