@@ -7,9 +7,9 @@ import socket
 from dataclasses import dataclass
 from pathlib import Path
 
-from stratus.auth import check_endpoint, clients_authenticated
+from stratus.auth import check_endpoint, clients_authenticated, is_loopback
 from stratus.batching import DEFAULT_MAX_BATCH
-from stratus.channels import NO_TLS, TlsSettings, is_loopback
+from stratus.channels import NO_TLS, TlsSettings
 from stratus.config import at_least_one, not_negative, outside, positive, secret, setting, validate
 from stratus.discovery import DNS_PREFIX
 from stratus.errors import ConfigError

@@ -40,7 +40,7 @@ from aiohttp import web
 from router.cascade.generate import Generation, TextGenerator
 from router.openai_replies import Reply, model_entry
 from router.openai_requests import oip_request, options_of, prompts_of, settings_of, usage_asked
-from stratus.channels import is_loopback
+from stratus.auth import is_loopback
 from stratus.convert.errors import http_status
 from stratus.errors import (
     ConfigError,

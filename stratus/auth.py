@@ -21,20 +21,18 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import hmac
+import ipaddress
 import logging
 import re
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Final, NamedTuple
+from typing import Any, Final, NamedTuple, Protocol
 
 import grpc
 
 from stratus.errors import ConfigError, PermissionDenied, Unauthenticated
-
-if TYPE_CHECKING:
-    from stratus.channels import TlsSettings
 
 log = logging.getLogger("stratus.auth")
 
@@ -81,6 +79,26 @@ def caller_certificate(context: Any) -> CertIdentity | None:
     except (AttributeError, RuntimeError):
         return None
     return spiffe_identity(auth_context or {})
+
+
+class EndpointTls(Protocol):
+    """What the exposure checks read of an endpoint's TLS (:class:`stratus.channels.TlsSettings`)."""
+
+    @property
+    def cert(self) -> Path | None: ...
+    @property
+    def mutual(self) -> bool: ...
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (``localhost``, or an address, brackets allowed) is this machine's loopback."""
+    host = host.strip("[]").lower()
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def is_loopback_peer(peer: str) -> bool:
@@ -312,8 +330,6 @@ def check_exposure(
 
     Loopback needs nothing (a demo keeps working with no set-up); anything else needs TLS and
     caller authentication (``needs`` says which flags give it), or ``--insecure``."""
-    from stratus.channels import is_loopback
-
     host = listen.rsplit(":", 1)[0]
     if insecure or is_loopback(host):
         return
@@ -340,8 +356,6 @@ async def warn_insecure_forever(what: str, listen: str, interval_s: float = INSE
 
 
 def exposed_insecurely(listen: str, *, tls: bool, callers_authenticated: bool) -> bool:
-    from stratus.channels import is_loopback
-
     return not is_loopback(listen.rsplit(":", 1)[0]) and not (tls and callers_authenticated)
 
 
@@ -354,12 +368,12 @@ def insecure_warning(
     return asyncio.create_task(warn_insecure_forever(what, listen), name="stratus-insecure-warning")
 
 
-def clients_authenticated(tls: TlsSettings, client_token: str) -> bool:
+def clients_authenticated(tls: EndpointTls, client_token: str) -> bool:
     """An inference endpoint's callers prove who they are: mutual TLS, or the client token."""
     return tls.mutual or bool(client_token)
 
 
-def check_endpoint(what: str, listen: str, tls: TlsSettings, *, client_token: str, insecure: bool) -> bool:
+def check_endpoint(what: str, listen: str, tls: EndpointTls, *, client_token: str, insecure: bool) -> bool:
     """An inference endpoint (the cloud gateway, an agent's ``--serve``): off loopback it
     needs TLS and client authentication (mutual TLS or a client token), or ``--insecure``.
     Whether its callers are authenticated."""

@@ -4,7 +4,6 @@ refuse and time out alike."""
 
 from __future__ import annotations
 
-import ipaddress
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -12,6 +11,7 @@ from typing import Any, Final
 
 import grpc
 
+from stratus.auth import BearerTokenInterceptor
 from stratus.errors import ConfigError, InvalidInput
 from stratus.status import ErrorInterceptor
 
@@ -21,17 +21,6 @@ MAX_MESSAGE_BYTES: Final = 16 * 1024 * 1024
 # MAX_MESSAGE_BYTES ends the whole stream and every call on it, so a request that would
 # build one is refused alone, before it is sent.
 MAX_WORK_BYTES: Final = MAX_MESSAGE_BYTES - 64 * 1024
-
-
-def is_loopback(host: str) -> bool:
-    """Whether ``host`` (``localhost``, or an address, brackets allowed) is this machine's loopback."""
-    host = host.strip("[]").lower()
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def check_fits(size: int, what: str) -> None:
@@ -126,8 +115,6 @@ def create_server(
 ) -> grpc.aio.Server:
     """A server with Stratus's limits; with ``client_token``, inference calls need it as
     ``authorization: Bearer TOKEN`` (the other services check their own credentials)."""
-    from stratus.auth import BearerTokenInterceptor
-
     guards: list[grpc.aio.ServerInterceptor] = [BearerTokenInterceptor(client_token)] if client_token else []
     options = [
         *grpc_options(keepalive_s=keepalive_s, keepalive_timeout_s=keepalive_timeout_s),

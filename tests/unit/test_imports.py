@@ -21,18 +21,9 @@ from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("stratus", "router", "edge_agent", "cloud_gateway")
 APPS = ("router", "edge_agent", "cloud_gateway")
-# Cycles known today, each with the step of issue 19 that opens it. An entry is removed when
-# its cycle is gone (its test below then passes, which a strict xfail reports as a failure).
-KNOWN_CYCLES = {
-    frozenset({"stratus.auth", "stratus.channels"}): "issue 19 step 3 (not in the review: came with "
-    "stratus/auth.py after it): channels imports auth's BearerTokenInterceptor and auth channels' "
-    "is_loopback and TlsSettings, each lazily, so neither is below the other",
-}
 # Modules DESIGN keeps off the wire: pure decisions and domain types.
 OFF_THE_WIRE = ("router.policy", "router.policy.climb", "stratus.tiers", "stratus.errors", "stratus.batching", "stratus.generation")
 
@@ -188,26 +179,13 @@ def test_no_cycle_among_the_imports_that_run_at_import_time() -> None:
     assert not found, "import cycles:\n  " + "\n\n  ".join(described(part, edges) for part in found)
 
 
-def test_no_import_cycle_but_the_known_ones() -> None:
+def test_no_import_cycle_at_all() -> None:
+    """Lazy and TYPE_CHECKING imports count: a module imported only inside a function, or
+    only for its types, still belongs above or below the other (issue 19 opened the last
+    three cycles: router dataplane/generate, verify/verify_generative, auth/channels)."""
     edges = all_imports()
-    new = [part for part in cycles(_graph(edges)) if part not in KNOWN_CYCLES]
-    assert not new, "new import cycles (lazy and TYPE_CHECKING imports count):\n  " + "\n\n  ".join(
-        described(part, edges) for part in new
-    )
-
-
-@pytest.mark.parametrize(
-    "known",
-    [
-        pytest.param(part, marks=pytest.mark.xfail(strict=True, reason=why))
-        for part, why in KNOWN_CYCLES.items()
-    ],
-    ids=["<->".join(sorted(part)) for part in KNOWN_CYCLES],
-)
-def test_a_known_cycle_is_gone(known: frozenset[str]) -> None:
-    """Fails while the cycle is there (xfail); once it is gone, remove it from KNOWN_CYCLES."""
-    edges = all_imports()
-    assert not any(known <= part for part in cycles(_graph(edges))), described(known, edges)
+    found = cycles(_graph(edges))
+    assert not found, "import cycles:\n  " + "\n\n  ".join(described(part, edges) for part in found)
 
 
 def test_stratus_imports_no_app_but_the_cli_lazily() -> None:
