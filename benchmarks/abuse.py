@@ -70,7 +70,7 @@ from abuse_requests import (  # noqa: E402
     f21_huge_budget,
 )
 
-from stratus.demo import wait_for_agents  # noqa: E402
+from stratus.cli.demo import wait_for_agents  # noqa: E402
 
 # ---------------------------------------------------------------------------------------------
 # The fleet

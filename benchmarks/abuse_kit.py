@@ -15,9 +15,9 @@ import aiohttp
 import grpc
 from abuse_fleet import AGENTS, INFER, Fleet, aio
 
-from stratus.channels import grpc_options
-from stratus.generation import MAX_TOKENS, TEXT_INPUT
-from stratus.protocol import set_parameter
+from stratus.convert.parameters import set_parameter
+from stratus.families.generation import MAX_TOKENS, TEXT_INPUT
+from stratus.serving.channels import grpc_options
 from stratus.wire import fleet_pb2 as fpb
 from stratus.wire import fleet_pb2_grpc as fpb_grpc
 from stratus.wire import inference_pb2 as pb

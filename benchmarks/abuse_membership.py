@@ -17,10 +17,10 @@ from abuse_kit import Context, Outcome, codes, digits_hello, fleet_status, hello
 
 from router.peers import sync_parts
 from router.registry import MAX_VARIANTS_PER_AGENT
-from stratus import codec
-from stratus.auth import sync_proof
-from stratus.channels import MAX_STREAMS_PER_CONNECTION
-from stratus.launcher import launch
+from stratus.convert import codec
+from stratus.devtools.launcher import launch
+from stratus.serving.auth import sync_proof
+from stratus.serving.channels import MAX_STREAMS_PER_CONNECTION
 from stratus.wire import fleet_pb2 as fpb
 from stratus.wire import fleet_pb2_grpc as fpb_grpc
 from stratus.wire import inference_pb2 as pb

@@ -17,11 +17,11 @@ import numpy as np
 from abuse_fleet import aio
 from abuse_kit import Context, Outcome, codes, http, padded_to, prompt_request, raw_infer, repeat, serves
 
-from stratus import codec
-from stratus.channels import MAX_MESSAGE_BYTES, MAX_STREAMS_PER_CONNECTION
-from stratus.protocol import MAX_BUDGET_MS, set_parameter
-from stratus.serving import STREAM_WINDOW
-from stratus.text_wire import MAX_PROMPT_BYTES
+from stratus.convert import codec
+from stratus.convert.parameters import MAX_BUDGET_MS, set_parameter
+from stratus.convert.text import MAX_PROMPT_BYTES
+from stratus.serving.channels import MAX_MESSAGE_BYTES, MAX_STREAMS_PER_CONNECTION
+from stratus.serving.servicer import STREAM_WINDOW
 from stratus.wire import inference_pb2 as pb
 from stratus.wire import inference_pb2_grpc as pb_grpc
 

@@ -34,8 +34,8 @@ from loadgen import MODELS, QUIET, drive, launch_agent  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 from stratus import codec  # noqa: E402
-from stratus.demo import wait_for_agents  # noqa: E402
-from stratus.launcher import Launched, free_port, launch  # noqa: E402
+from stratus.cli.demo import wait_for_agents  # noqa: E402
+from stratus.devtools.launcher import Launched, free_port, launch  # noqa: E402
 from stratus.process import new_event_loop  # noqa: E402
 from stratus.tools.datasets import digits_splits  # noqa: E402
 from stratus.wire import inference_pb2 as pb  # noqa: E402

@@ -41,11 +41,11 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from loadgen import QUIET, Run, drive, launch_agent  # noqa: E402
 
 from stratus import codec  # noqa: E402
-from stratus.channels import grpc_options  # noqa: E402
-from stratus.demo import wait_for_agents  # noqa: E402
-from stratus.launcher import Launched, launch  # noqa: E402
+from stratus.cli.demo import wait_for_agents  # noqa: E402
+from stratus.convert.parameters import BATCH_SIZE, parameter_value  # noqa: E402
+from stratus.devtools.launcher import Launched, launch  # noqa: E402
 from stratus.process import new_event_loop  # noqa: E402
-from stratus.protocol import BATCH_SIZE, parameter_value  # noqa: E402
+from stratus.serving.channels import grpc_options  # noqa: E402
 from stratus.wire import fleet_pb2 as fpb  # noqa: E402
 from stratus.wire import fleet_pb2_grpc as fpb_grpc  # noqa: E402
 from stratus.wire import inference_pb2 as pb  # noqa: E402

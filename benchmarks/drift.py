@@ -66,11 +66,11 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 
 from router.agreement import MARGIN, MIN_AUDITS, wilson  # noqa: E402
 from stratus import codec  # noqa: E402
-from stratus.channels import grpc_options  # noqa: E402
-from stratus.confidence import tempered  # noqa: E402
-from stratus.demo import PathReport, launch_agent, through_gateway, wait_for_agents  # noqa: E402
-from stratus.launcher import Launched, free_port, launch  # noqa: E402
-from stratus.protocol import Served  # noqa: E402
+from stratus.cli.demo import PathReport, launch_agent, through_gateway, wait_for_agents  # noqa: E402
+from stratus.convert.parameters import Served  # noqa: E402
+from stratus.devtools.launcher import Launched, free_port, launch  # noqa: E402
+from stratus.families.confidence import tempered  # noqa: E402
+from stratus.serving.channels import grpc_options  # noqa: E402
 from stratus.tools.datasets import DEFECT_CLASSES, Split, defects_splits  # noqa: E402
 from stratus.wire import inference_pb2 as pb  # noqa: E402
 from stratus.wire import inference_pb2_grpc as pb_grpc  # noqa: E402

@@ -25,8 +25,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from loadgen import OpenLoop, launch_agent, make_requests, print_phases, run_phases  # noqa: E402
 
-from stratus.demo import wait_for_agents  # noqa: E402
-from stratus.launcher import Launched, free_port, launch  # noqa: E402
+from stratus.cli.demo import wait_for_agents  # noqa: E402
+from stratus.devtools.launcher import Launched, free_port, launch  # noqa: E402
 from stratus.tools.datasets import digits_splits  # noqa: E402
 
 MODELS = ROOT / "models"

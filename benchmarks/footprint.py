@@ -40,8 +40,8 @@ from types import ModuleType  # noqa: E402
 from loadgen import launch_agent  # noqa: E402
 
 from stratus import codec  # noqa: E402
-from stratus.channels import grpc_options  # noqa: E402
-from stratus.launcher import Launched, launch  # noqa: E402
+from stratus.devtools.launcher import Launched, launch  # noqa: E402
+from stratus.serving.channels import grpc_options  # noqa: E402
 from stratus.wire import fleet_pb2 as fpb  # noqa: E402
 from stratus.wire import fleet_pb2_grpc as fpb_grpc  # noqa: E402
 from stratus.wire import inference_pb2 as pb  # noqa: E402

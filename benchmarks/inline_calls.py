@@ -21,9 +21,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from stratus import codec  # noqa: E402
-from stratus.local import LocalModels  # noqa: E402
-from stratus.local_loading import LocalSettings  # noqa: E402
-from stratus.repository import ModelRepository  # noqa: E402
+from stratus.execution.loading import LocalSettings  # noqa: E402
+from stratus.execution.models import LocalModels  # noqa: E402
+from stratus.families.repository import ModelRepository  # noqa: E402
 from stratus.wire import inference_pb2 as pb  # noqa: E402
 
 

@@ -33,8 +33,8 @@ sys.path.insert(0, str(ROOT / "scripts"))
 import openai  # noqa: E402
 import vllm_env  # noqa: E402
 
-from stratus.demo import launch_agent, wait_for_agents  # noqa: E402
-from stratus.launcher import Launched, free_port, launch  # noqa: E402
+from stratus.cli.demo import launch_agent, wait_for_agents  # noqa: E402
+from stratus.devtools.launcher import Launched, free_port, launch  # noqa: E402
 from stratus.tools.arith import arith_splits, grade  # noqa: E402
 
 QUIET = ["--log-level", "WARNING"]

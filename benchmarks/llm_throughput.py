@@ -22,8 +22,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from stratus.generation import GenerationParams  # noqa: E402
-from stratus.repository import ModelRepository  # noqa: E402
+from stratus.families.generation import GenerationParams  # noqa: E402
+from stratus.families.repository import ModelRepository  # noqa: E402
 from stratus.runtimes.base import LoadOptions  # noqa: E402
 from stratus.runtimes.generative import GENERATORS, GenerativeRunner, load_generator  # noqa: E402
 from stratus.tools.arith import arith_splits  # noqa: E402

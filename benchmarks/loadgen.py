@@ -20,10 +20,11 @@ from typing import Any
 import grpc
 import numpy as np
 
-from stratus import codec, demo
-from stratus.channels import grpc_options
-from stratus.launcher import Launched
-from stratus.protocol import DEGRADED, parameter_value, set_parameter
+from stratus.cli import demo
+from stratus.convert import codec
+from stratus.convert.parameters import DEGRADED, parameter_value, set_parameter
+from stratus.devtools.launcher import Launched
+from stratus.serving.channels import grpc_options
 from stratus.wire import inference_pb2 as pb
 from stratus.wire import inference_pb2_grpc as pb_grpc
 

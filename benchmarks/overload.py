@@ -28,9 +28,9 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from loadgen import QUIET, OpenLoop, launch_agent, make_requests, rss_mb  # noqa: E402
 
-from stratus.demo import wait_for_agents  # noqa: E402
-from stratus.launcher import launch  # noqa: E402
-from stratus.protocol import set_parameter  # noqa: E402
+from stratus.cli.demo import wait_for_agents  # noqa: E402
+from stratus.convert.parameters import set_parameter  # noqa: E402
+from stratus.devtools.launcher import launch  # noqa: E402
 from stratus.tools.datasets import digits_splits  # noqa: E402
 
 

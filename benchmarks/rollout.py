@@ -35,9 +35,9 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from loadgen import QUIET, OpenLoop, Tally, make_requests  # noqa: E402
 
-from stratus.channels import open_sync_channel  # noqa: E402
-from stratus.demo import launch_agent, wait_for_agents  # noqa: E402
-from stratus.launcher import launch  # noqa: E402
+from stratus.cli.demo import launch_agent, wait_for_agents  # noqa: E402
+from stratus.devtools.launcher import launch  # noqa: E402
+from stratus.serving.channels import open_sync_channel  # noqa: E402
 from stratus.tools.datasets import digits_splits  # noqa: E402
 from stratus.wire import fleet_pb2 as fpb  # noqa: E402
 from stratus.wire import fleet_pb2_grpc as fpb_grpc  # noqa: E402

@@ -18,9 +18,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from stratus import codec
-from stratus.protocol import Served
-from stratus.serving import open_sync_channel
+from stratus.convert import codec
+from stratus.convert.parameters import Served
+from stratus.serving.servicer import open_sync_channel
 from stratus.wire import inference_pb2 as pb
 from stratus.wire import inference_pb2_grpc as pb_grpc
 

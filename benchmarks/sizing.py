@@ -46,13 +46,13 @@ from fleet_scale import cpu_seconds, idle_cpu, start_router  # noqa: E402
 from loadgen import MODELS, OpenLoop, launch_agent, make_requests, rss_mb  # noqa: E402
 
 from stratus import codec  # noqa: E402
-from stratus.channels import grpc_options  # noqa: E402
-from stratus.demo import wait_for_agents  # noqa: E402
-from stratus.generation import TEXT_INPUT  # noqa: E402
-from stratus.launcher import free_port, launch  # noqa: E402
+from stratus.cli.demo import wait_for_agents  # noqa: E402
+from stratus.convert.parameters import set_parameter  # noqa: E402
+from stratus.devtools.launcher import free_port, launch  # noqa: E402
+from stratus.families.generation import TEXT_INPUT  # noqa: E402
+from stratus.families.repository import ModelRepository  # noqa: E402
 from stratus.process import new_event_loop  # noqa: E402
-from stratus.protocol import set_parameter  # noqa: E402
-from stratus.repository import ModelRepository  # noqa: E402
+from stratus.serving.channels import grpc_options  # noqa: E402
 from stratus.tools.datasets import digits_splits  # noqa: E402
 from stratus.wire import inference_pb2 as pb  # noqa: E402
 from stratus.wire import inference_pb2_grpc as pb_grpc  # noqa: E402

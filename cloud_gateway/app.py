@@ -24,18 +24,18 @@ from cloud_gateway.generative import GenerativeModel, UpstreamDataPlane
 from cloud_gateway.reload import GatewayServicer, Reloader
 from cloud_gateway.settings import CloudSettings
 from cloud_gateway.upstream import OpenAIUpstream, UpstreamSettings, served_model
-from stratus.auth import check_endpoint, insecure_warning
-from stratus.channels import bind, create_server
 from stratus.errors import NotFound
-from stratus.health import Health
-from stratus.local import LocalModels
-from stratus.local_dataplane import LocalDataPlane
-from stratus.local_loading import LocalSettings
-from stratus.metrics import Metrics, ModelMetrics
-from stratus.metrics import serve as serve_metrics
+from stratus.execution.dataplane import LocalDataPlane
+from stratus.execution.loading import LocalSettings
+from stratus.execution.models import LocalModels
+from stratus.families.repository import ModelRepository
+from stratus.obs.metrics import Metrics, ModelMetrics
+from stratus.obs.metrics import serve as serve_metrics
 from stratus.process import announce, stop_on_signals
-from stratus.repository import ModelRepository
-from stratus.serving import ClientLimits, DataPlane, InferenceServicer
+from stratus.serving.auth import check_endpoint, insecure_warning
+from stratus.serving.channels import bind, create_server
+from stratus.serving.health import Health
+from stratus.serving.servicer import ClientLimits, DataPlane, InferenceServicer
 from stratus.tiers import Tier
 from stratus.wire import fleet_pb2_grpc as fpb_grpc
 from stratus.wire import inference_pb2_grpc as pb_grpc

@@ -3,7 +3,7 @@
 Requests for the family (or for the upstream model's own name) go to the upstream; every
 other request goes to the gateway's local models. A prompt arrives as Triton's vLLM
 backend takes it: a BYTES input ``text_input`` of shape [1], its settings as parameters
-(``max_tokens``...) or in a ``sampling_parameters`` input (:mod:`stratus.sampling`).
+(``max_tokens``...) or in a ``sampling_parameters`` input (:mod:`stratus.families.sampling`).
 ``infer`` answers with the whole text at once; ``generate`` (a ModelStreamInfer request
 with ``stream`` true) with one response per chunk, the last marked
 ``triton_final_response`` and carrying the upstream's token counts. Either is cut at the
@@ -20,8 +20,10 @@ from dataclasses import dataclass
 from typing import Final
 
 from cloud_gateway.upstream import OpenAIUpstream
+from stratus.convert.parameters import Served, set_parameter
+from stratus.convert.text import chunk_response, generative_config, generative_metadata, read_generation
 from stratus.errors import InvalidInput, NotFound, StratusError
-from stratus.generation import (
+from stratus.families.generation import (
     FINAL,
     TEXT_OUTPUT,
     Chunk,
@@ -31,10 +33,8 @@ from stratus.generation import (
     Token,
     confidence_of,
 )
-from stratus.metrics import GenerationTiming, Metric, ModelMetrics, counted, gauge, outcome_of
-from stratus.protocol import Served, set_parameter
-from stratus.serving import DataPlane
-from stratus.text_wire import chunk_response, generative_config, generative_metadata, read_generation
+from stratus.obs.metrics import GenerationTiming, Metric, ModelMetrics, counted, gauge, outcome_of
+from stratus.serving.servicer import DataPlane
 from stratus.tiers import Tier
 from stratus.wire import inference_pb2 as pb
 

@@ -3,7 +3,7 @@
 On SIGHUP (as agents reload) or a router's ``CloudGateway.Reload`` (``stratus fleet reload
 --cloud``), it re-reads the folder, loads and warms new or changed variants, and stops
 announcing those gone; work in flight on a replaced variant finishes on it
-(:meth:`stratus.local.LocalModels.reload`). A folder that no longer loads leaves the old set
+(:meth:`stratus.execution.models.LocalModels.reload`). A folder that no longer loads leaves the old set
 serving. Either way one log line says what changed, or why nothing did.
 """
 
@@ -13,10 +13,10 @@ import asyncio
 import logging
 from typing import Any
 
-from stratus.auth import caller_certificate, is_loopback_peer, same_secret
 from stratus.errors import ConfigError, PermissionDenied, Unauthenticated
-from stratus.local import LocalModels
+from stratus.execution.models import LocalModels
 from stratus.process import start_collapsed
+from stratus.serving.auth import caller_certificate, is_loopback_peer, same_secret
 from stratus.wire import fleet_pb2 as fpb
 from stratus.wire import fleet_pb2_grpc as fpb_grpc
 

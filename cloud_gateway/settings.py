@@ -6,11 +6,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from stratus.batching import DEFAULT_MAX_BATCH, DEFAULT_MAX_DELAY_S
-from stratus.channels import NO_TLS, TlsSettings
 from stratus.config import at_least_one, not_negative, outside, secret, setting, validate
-from stratus.precision import Hardware, Precision
-from stratus.serving import MAX_REQUESTS_PER_CLIENT
+from stratus.families.precision import Hardware, Precision
+from stratus.sched.batching import DEFAULT_MAX_BATCH, DEFAULT_MAX_DELAY_S
+from stratus.serving.channels import NO_TLS, TlsSettings
+from stratus.serving.servicer import MAX_REQUESTS_PER_CLIENT
 
 
 def _http_url(url: str | None) -> str | None:

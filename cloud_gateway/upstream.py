@@ -3,7 +3,7 @@
 The gateway forwards a generative escalation to the server's ``/v1/completions`` (greedy
 unless the request asks for a temperature, with the top-2 log-probabilities of each step,
 and the server's token counts: ``usage``) and turns its answer, whole or streamed as
-server-sent events, into :class:`~stratus.generation.Chunk`\\ s. The server's HTTP errors
+server-sent events, into :class:`~stratus.families.generation.Chunk`\\ s. The server's HTTP errors
 become Stratus errors here, once. Its ``/health`` is the gateway's readiness and its
 ``vllm:num_requests_waiting``/``running`` gauges are the gateway's queue: both are polled
 every second, so readiness is answered without I/O.
@@ -32,8 +32,8 @@ from stratus.errors import (
     StratusError,
     Unavailable,
 )
-from stratus.generation import Chunk, GenerationParams, Token, token_count
-from stratus.stats import LatencyWindow
+from stratus.families.generation import Chunk, GenerationParams, Token, token_count
+from stratus.obs.stats import LatencyWindow
 
 log = logging.getLogger("stratus.upstream")
 _T = TypeVar("_T")

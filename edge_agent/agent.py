@@ -27,21 +27,21 @@ from edge_agent.link import Link, describe, stay_linked
 from edge_agent.settings import SERVE, AgentSettings
 from edge_agent.work import serve_work
 from stratus import __version__
-from stratus.auth import insecure_warning
-from stratus.channels import bind, create_server
 from stratus.convert.fleet import latency_to_wire, wire_tier
-from stratus.discovery import DNS_PREFIX, discover_all, resolve_all
+from stratus.convert.hardware import to_wire as hardware_to_wire
 from stratus.errors import ConfigError, StratusError
-from stratus.hardware import to_wire as hardware_to_wire
-from stratus.health import Health
-from stratus.local import LocalModels
-from stratus.local_dataplane import LocalDataPlane
-from stratus.local_fleet import families_info, unavailable_info, variants_info
-from stratus.metrics import Metrics
-from stratus.metrics import serve as serve_metrics
-from stratus.precision import Hardware
+from stratus.execution.dataplane import LocalDataPlane
+from stratus.execution.describe import families_info, unavailable_info, variants_info
+from stratus.execution.models import LocalModels
+from stratus.families.precision import Hardware
+from stratus.obs.metrics import Metrics
+from stratus.obs.metrics import serve as serve_metrics
 from stratus.process import announce, process_uptime_s, start_collapsed
-from stratus.serving import InferenceServicer
+from stratus.serving.auth import insecure_warning
+from stratus.serving.channels import bind, create_server
+from stratus.serving.discovery import DNS_PREFIX, discover_all, resolve_all
+from stratus.serving.health import Health
+from stratus.serving.servicer import InferenceServicer
 from stratus.tiers import Tier
 from stratus.wire import fleet_pb2 as fpb
 from stratus.wire import inference_pb2_grpc as pb_grpc
@@ -259,8 +259,8 @@ def load_models(
     emulated_extra_ms: float = 0.0,
     metrics: Metrics | None = None,
 ) -> LocalModels:
-    from stratus.local_loading import LocalSettings
-    from stratus.repository import ModelRepository
+    from stratus.execution.loading import LocalSettings
+    from stratus.families.repository import ModelRepository
 
     return LocalModels(
         ModelRepository.load(models_dir),

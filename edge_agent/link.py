@@ -15,8 +15,8 @@ from typing import Protocol
 
 import grpc
 
-from stratus.channels import TlsSettings, open_channel, server_name_options
 from stratus.errors import StratusError
+from stratus.serving.channels import TlsSettings, open_channel, server_name_options
 from stratus.wire import fleet_pb2 as fpb
 from stratus.wire import fleet_pb2_grpc as fpb_grpc
 

@@ -40,13 +40,13 @@ from edge_agent.sdk_calls import (
     remote_answer,
 )
 from edge_agent.sdk_routers import Routers, status_of
-from stratus.channels import NO_TLS, TlsSettings
-from stratus.codec import Array
+from stratus.convert.codec import Array
+from stratus.convert.parameters import CONFIG_CURRENT, CONFIG_THRESHOLD, RequestOptions, held_reason
 from stratus.errors import ConfigError
-from stratus.local import LocalModels
-from stratus.local_loading import LocalSettings
-from stratus.protocol import CONFIG_CURRENT, CONFIG_THRESHOLD, RequestOptions, held_reason
-from stratus.repository import ModelRepository
+from stratus.execution.loading import LocalSettings
+from stratus.execution.models import LocalModels
+from stratus.families.repository import ModelRepository
+from stratus.serving.channels import NO_TLS, TlsSettings
 from stratus.tiers import Tier
 from stratus.wire import inference_pb2 as pb
 from stratus.wire import inference_pb2_grpc as pb_grpc

@@ -11,12 +11,12 @@ import grpc
 import numpy as np
 
 from edge_agent.sdk_routers import status_of
-from stratus import codec
-from stratus.codec import Array
-from stratus.confidence import threshold_for
+from stratus.convert import codec
+from stratus.convert.codec import Array
+from stratus.convert.parameters import RequestOptions, Served
 from stratus.errors import Unavailable
-from stratus.family_spec import FamilySpec, VariantSpec
-from stratus.protocol import RequestOptions, Served
+from stratus.families.confidence import threshold_for
+from stratus.families.spec import FamilySpec, VariantSpec
 from stratus.tiers import Tier
 from stratus.wire import inference_pb2 as pb
 

@@ -9,9 +9,9 @@ import time
 
 import grpc
 
-from stratus.channels import TlsSettings, open_channel, open_sync_channel
-from stratus.discovery import discover_all
 from stratus.errors import StratusError
+from stratus.serving.channels import TlsSettings, open_channel, open_sync_channel
+from stratus.serving.discovery import discover_all
 
 # After a failed attempt to reach the router, answer locally for this long before retrying.
 RETRY_ROUTER_AFTER_S = 5.0

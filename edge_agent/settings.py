@@ -7,13 +7,13 @@ import socket
 from dataclasses import dataclass
 from pathlib import Path
 
-from stratus.auth import check_endpoint, clients_authenticated, is_loopback
-from stratus.batching import DEFAULT_MAX_BATCH
-from stratus.channels import NO_TLS, TlsSettings
 from stratus.config import at_least_one, not_negative, outside, positive, secret, setting, validate
-from stratus.discovery import DNS_PREFIX
 from stratus.errors import ConfigError
-from stratus.precision import Hardware, Precision
+from stratus.families.precision import Hardware, Precision
+from stratus.sched.batching import DEFAULT_MAX_BATCH
+from stratus.serving.auth import check_endpoint, clients_authenticated, is_loopback
+from stratus.serving.channels import NO_TLS, TlsSettings
+from stratus.serving.discovery import DNS_PREFIX
 from stratus.tiers import Tier
 
 SERVE = "the agent's --serve endpoint"

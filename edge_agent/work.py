@@ -12,9 +12,9 @@ import grpc
 from stratus.convert.errors import error_to_wire, wire_error, wire_error_label
 from stratus.convert.fleet import chunk_to_wire
 from stratus.errors import DeadlineExceeded, StratusError
-from stratus.family_spec import VariantSpec
-from stratus.generation import Chunk
-from stratus.local import LocalModels
+from stratus.execution.models import LocalModels
+from stratus.families.generation import Chunk
+from stratus.families.spec import VariantSpec
 from stratus.wire import fleet_pb2 as fpb
 
 log = logging.getLogger("stratus.agent")

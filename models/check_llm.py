@@ -61,7 +61,7 @@ def measure(entry: dict[str, Any], name: str) -> float:
         return math.exp(min(logprobs))
     if name == "first_margin":
         return float(entry["margins"][0])
-    if name == "sequence_prob":  # the probability of the whole answer: not in stratus.generation (yet)
+    if name == "sequence_prob":  # the probability of the whole answer: not in stratus.families.generation (yet)
         return math.exp(sum(logprobs))
     return math.exp(logprobs[0])  # first_prob: what first_margin falls back to without alternatives
 

@@ -26,14 +26,14 @@ from router.rollout import ROLLED_BACK, Plan, Rollouts
 from router.settings import OnCloudFailure, RouterSettings
 from router.threshold_auto import AutoThresholds, auto_levels
 from router.thresholds import ThresholdPushes, state_path_beside, threshold_levels
-from stratus.auth import insecure_warning
-from stratus.channels import bind, create_server
-from stratus.discovery import Advertisement
-from stratus.health import Health
-from stratus.metrics import Metrics, RouterMetrics
-from stratus.metrics import serve as serve_metrics
+from stratus.obs.metrics import Metrics, RouterMetrics
+from stratus.obs.metrics import serve as serve_metrics
 from stratus.process import announce, raise_open_files_limit, stop_on_signals
-from stratus.serving import ClientLimits, InferenceServicer
+from stratus.serving.auth import insecure_warning
+from stratus.serving.channels import bind, create_server
+from stratus.serving.discovery import Advertisement
+from stratus.serving.health import Health
+from stratus.serving.servicer import ClientLimits, InferenceServicer
 from stratus.wire import fleet_pb2_grpc as fpb_grpc
 from stratus.wire import inference_pb2_grpc as pb_grpc
 

@@ -42,12 +42,12 @@ from router.cascade.generate import Generation
 from router.cloud_pool import CloudTier
 from router.policy import Target
 from router.registry import FleetRegistry
-from stratus import codec
-from stratus.audit_config import EXACT, NUMBER
-from stratus.confidence import accepts
+from stratus.convert import codec
+from stratus.convert.tensors import Tensors
 from stratus.errors import ConfigError, StratusError
-from stratus.metrics import Metric, RouterMetrics, gauge
-from stratus.tensors import Tensors
+from stratus.families.audit import EXACT, NUMBER
+from stratus.families.confidence import accepts
+from stratus.obs.metrics import Metric, RouterMetrics, gauge
 from stratus.tiers import Tier
 from stratus.wire import fleet_pb2 as fpb
 from stratus.wire import inference_pb2 as pb

@@ -2,8 +2,8 @@
 
 The auditor (router/audit.py) already holds, for an audited item and for an item that
 climbed to the top tier, its inputs (or its prompt) and every tier's answer. This hook turns
-such an item into a :class:`~stratus.capture.CapturedItem` and hands it to the
-:class:`~stratus.capture.CaptureWriter`, which writes Parquet on a thread of its own: the hook
+such an item into a :class:`~stratus.obs.capture.CapturedItem` and hands it to the
+:class:`~stratus.obs.capture.CaptureWriter`, which writes Parquet on a thread of its own: the hook
 never waits on a disk, and an item the writer cannot take is dropped and counted.
 
 Capture is off unless asked for, and then only for the families named (``--capture-families``):
@@ -22,12 +22,12 @@ from typing import TYPE_CHECKING, Any, Final
 import numpy as np
 
 from router.audit import top1
-from stratus import codec
-from stratus.capture import CapturedItem, CaptureLimits, CaptureWriter, TierAnswer
+from stratus.convert import codec
+from stratus.convert.tensors import Tensors
+from stratus.convert.text import read_generation
 from stratus.errors import ConfigError
-from stratus.metrics import RouterMetrics
-from stratus.tensors import Tensors
-from stratus.text_wire import read_generation
+from stratus.obs.capture import CapturedItem, CaptureLimits, CaptureWriter, TierAnswer
+from stratus.obs.metrics import RouterMetrics
 from stratus.tiers import Tier
 from stratus.wire import inference_pb2 as pb
 

@@ -28,15 +28,15 @@ import grpc
 from router.cloud_breaker import CircuitBreaker
 from router.cloud_catalog import LINK_DOWN, CloudCatalog, Families, Headers
 from router.cloud_models import NamedModel
-from stratus import codec
-from stratus.channels import NO_TLS, TlsSettings, check_fits, open_channel, server_name_options
-from stratus.confidence import max_probability
+from stratus.convert import codec
 from stratus.convert.errors import error_from_call, error_from_stream
+from stratus.convert.parameters import CONFIDENCE, VARIANT, set_parameter
 from stratus.errors import ConfigError, DeadlineExceeded, Overloaded, StratusError, Unavailable
-from stratus.generation import FINAL, TEXT_OUTPUT, Chunk
-from stratus.generation import STREAM as STREAM_PARAMETER
-from stratus.protocol import CONFIDENCE, VARIANT, set_parameter
-from stratus.stats import LatencyWindow
+from stratus.families.confidence import max_probability
+from stratus.families.generation import FINAL, TEXT_OUTPUT, Chunk
+from stratus.families.generation import STREAM as STREAM_PARAMETER
+from stratus.obs.stats import LatencyWindow
+from stratus.serving.channels import NO_TLS, TlsSettings, check_fits, open_channel, server_name_options
 from stratus.wire import fleet_pb2 as fpb
 from stratus.wire import fleet_pb2_grpc as fpb_grpc
 from stratus.wire import inference_pb2 as pb

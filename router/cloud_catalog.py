@@ -13,8 +13,8 @@ from collections.abc import Callable, Mapping, Sequence
 import grpc
 
 from router.cloud_models import Found, NamedModel, answered_by, descriptions, generates, probe_names, routes
-from stratus.generation import MAX_TOKENS
-from stratus.protocol import VARIANT
+from stratus.convert.parameters import VARIANT
+from stratus.families.generation import MAX_TOKENS
 from stratus.wire import fleet_pb2 as fpb
 from stratus.wire import inference_pb2 as pb
 from stratus.wire import inference_pb2_grpc as pb_grpc

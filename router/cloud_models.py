@@ -18,7 +18,7 @@ import re
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from stratus.generation import TEXT_INPUT, TEXT_OUTPUT
+from stratus.families.generation import TEXT_INPUT, TEXT_OUTPUT
 from stratus.wire import fleet_pb2 as fpb
 from stratus.wire import inference_pb2 as pb
 

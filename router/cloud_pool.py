@@ -31,7 +31,7 @@ from typing import Protocol, TypeVar
 from router.cloud import UNMEASURED_MS, CloudLink, OnChunk
 from router.cloud_models import NamedModel
 from stratus.errors import ConfigError, Unavailable
-from stratus.stats import LatencyWindow
+from stratus.obs.stats import LatencyWindow
 from stratus.wire import fleet_pb2 as fpb
 from stratus.wire import inference_pb2 as pb
 

@@ -32,12 +32,7 @@ from router.policy import FleetSnapshot
 from router.registry import FleetRegistry
 from router.rollout import PROMOTED, Rollouts
 from stratus.convert.fleet import thresholds_from_wire
-from stratus.errors import NotFound, Overloaded, StratusError
-from stratus.family_spec import FamilySpec, TensorSpec
-from stratus.generation import FINAL, FINISH_REASON, Chunk
-from stratus.local_dataplane import model_config
-from stratus.metrics import UNKNOWN, RouterMetrics
-from stratus.protocol import (
+from stratus.convert.parameters import (
     CONFIG_CURRENT,
     CONFIG_THRESHOLD,
     CONFIG_VARIANTS,
@@ -46,15 +41,26 @@ from stratus.protocol import (
     Served,
     set_parameter,
 )
-from stratus.serving import DataPlane
-from stratus.tensors import Tensors, answer_raw, check_inputs, check_request_metadata, requested_outputs
-from stratus.text_wire import (
+from stratus.convert.tensors import (
+    Tensors,
+    answer_raw,
+    check_inputs,
+    check_request_metadata,
+    requested_outputs,
+)
+from stratus.convert.text import (
     chunk_response,
     generative_config,
     generative_metadata,
     text_response,
     write_usage,
 )
+from stratus.errors import NotFound, Overloaded, StratusError
+from stratus.execution.dataplane import model_config
+from stratus.families.generation import FINAL, FINISH_REASON, Chunk
+from stratus.families.spec import FamilySpec, TensorSpec
+from stratus.obs.metrics import UNKNOWN, RouterMetrics
+from stratus.serving.servicer import DataPlane
 from stratus.tiers import Tier
 from stratus.wire import fleet_pb2 as fpb
 from stratus.wire import inference_pb2 as pb
@@ -252,7 +258,7 @@ class RouterDataPlane(DataPlane):
         self, request: pb.ModelInferRequest, *, timeout_s: float | None, sink: Sink | None = None
     ) -> Generation:
         """A generative request through the tiers; what the client may see goes to ``sink``."""
-        from stratus.text_wire import prompt_request, read_generation
+        from stratus.convert.text import prompt_request, read_generation
 
         started = self._clock()
         info = self.generative(request.model_name)
@@ -486,8 +492,8 @@ def family_spec(info: fpb.FamilyInfo) -> FamilySpec:
     """A FamilySpec rebuilt from what an agent said, for input checks and metadata."""
     from pathlib import Path
 
-    from stratus.confidence import ConfidenceMethod
-    from stratus.family_spec import ConfidenceSpec
+    from stratus.families.confidence import ConfidenceMethod
+    from stratus.families.spec import ConfidenceSpec
 
     def specs(items: object) -> tuple[TensorSpec, ...]:
         return tuple(TensorSpec(name=t.name, datatype=t.datatype, shape=tuple(t.shape)) for t in items)  # type: ignore[attr-defined]

@@ -21,10 +21,10 @@ from router.rollout import DEFAULT_STEPS, Plan, Rollouts
 from router.rollout_judge import ArmWindow, Margins
 from router.thresholds import ThresholdPushes, steer, to_wire
 from stratus import __version__
-from stratus.auth import RouterCredentials, proof_holds, sync_proof
 from stratus.convert.fleet import wire_tier
 from stratus.errors import ConfigError, InvalidInput, NotFound
-from stratus.metrics import gauge
+from stratus.obs.metrics import gauge
+from stratus.serving.auth import RouterCredentials, proof_holds, sync_proof
 from stratus.tiers import Tier
 from stratus.wire import fleet_pb2 as fpb
 from stratus.wire import fleet_pb2_grpc as fpb_grpc

@@ -21,8 +21,8 @@ from typing import Any
 
 from router.registry import AgentHandle, FleetRegistry, check_hello_bounds
 from stratus import __version__
-from stratus.auth import RouterCredentials
 from stratus.errors import ConfigError, DeadlineExceeded, InvalidInput, Overloaded, StratusError
+from stratus.serving.auth import RouterCredentials
 from stratus.wire import fleet_pb2 as fpb
 from stratus.wire import fleet_pb2_grpc as fpb_grpc
 

@@ -13,7 +13,7 @@ from typing import Protocol
 
 from stratus.convert.errors import error_label
 from stratus.errors import StratusError
-from stratus.metrics import RouterMetrics
+from stratus.obs.metrics import RouterMetrics
 from stratus.tiers import Tier
 
 
@@ -81,7 +81,7 @@ class NullObserver:
 
 
 class MetricsObserver:
-    """Records each event in the router's Prometheus metrics (stratus/metrics.py)."""
+    """Records each event in the router's Prometheus metrics (stratus/obs/metrics.py)."""
 
     def __init__(self, metrics: RouterMetrics) -> None:
         self.metrics = metrics

@@ -11,7 +11,7 @@ Stratus's own options travel in the body's ``stratus`` object (the SDK's ``extra
 ``budget_ms``, ``min_confidence``, ``max_tier``, ``min_tier``; answers carry a ``stratus``
 object (tier, agent, variant, path, confidence, degraded, timings_ms, tokens per tier).
 ``max_tokens``, ``stop``, ``temperature``, ``top_p`` and ``seed`` are honoured by every tier
-(:mod:`stratus.sampling`; greedy unless a temperature is given); ``n`` other than 1, the
+(:mod:`stratus.families.sampling`; greedy unless a temperature is given); ``n`` other than 1, the
 penalties, ``logit_bias``, ``best_of``, ``echo`` and ``suffix`` asking for something are refused
 by name (``param``), not ignored. Every answer carries ``usage`` (the answering tier's own
 counts), and a stream with ``stream_options.include_usage`` ends with a chunk of it. A
@@ -40,7 +40,6 @@ from aiohttp import web
 from router.cascade.generate import Generation, TextGenerator
 from router.openai_replies import Reply, model_entry
 from router.openai_requests import oip_request, options_of, prompts_of, settings_of, usage_asked
-from stratus.auth import is_loopback
 from stratus.convert.errors import http_status
 from stratus.errors import (
     ConfigError,
@@ -49,8 +48,9 @@ from stratus.errors import (
     StratusError,
     drop_frames,
 )
-from stratus.generation import Chunk
-from stratus.sampling import FieldError
+from stratus.families.generation import Chunk
+from stratus.families.sampling import FieldError
+from stratus.serving.auth import is_loopback
 from stratus.wire import inference_pb2 as pb
 
 log = logging.getLogger("stratus.openai")

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from router.cascade.generate import Generation
-from stratus.generation import Chunk
+from stratus.families.generation import Chunk
 
 
 class Reply:

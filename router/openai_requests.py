@@ -1,5 +1,5 @@
 """The OpenAI API's request bodies, read and checked: the prompts, the generation's settings
-(:mod:`stratus.sampling`, the same rules as over the Open Inference Protocol), the
+(:mod:`stratus.families.sampling`, the same rules as over the Open Inference Protocol), the
 ``stream_options``, Stratus's own ``stratus`` options, and each prompt as the Open Inference
 Protocol request the cascade takes. Whatever is not honoured is refused by name (``param``).
 """
@@ -11,11 +11,11 @@ import uuid
 from collections.abc import Mapping
 from typing import Any, Final
 
+from stratus.convert.parameters import PREFIX, set_parameter
+from stratus.convert.text import prompt_request
 from stratus.errors import InvalidInput
-from stratus.generation import MAX_TOKENS, GenerationParams
-from stratus.protocol import PREFIX, set_parameter
-from stratus.sampling import SETTINGS, FieldError, settings_from
-from stratus.text_wire import prompt_request
+from stratus.families.generation import MAX_TOKENS, GenerationParams
+from stratus.families.sampling import SETTINGS, FieldError, settings_from
 from stratus.wire import inference_pb2 as pb
 
 _OPTIONS: Final = {"budget_ms": float, "min_confidence": float, "max_tier": str, "min_tier": str}

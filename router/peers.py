@@ -18,10 +18,10 @@ import grpc
 
 from router.rollout import Rollouts
 from router.thresholds import ThresholdPushes
-from stratus.auth import proof_holds, sync_proof
-from stratus.channels import NO_TLS, TlsSettings, open_channel, server_name_options
-from stratus.discovery import addresses_of, server_name_of
 from stratus.errors import StratusError
+from stratus.serving.auth import proof_holds, sync_proof
+from stratus.serving.channels import NO_TLS, TlsSettings, open_channel, server_name_options
+from stratus.serving.discovery import addresses_of, server_name_of
 from stratus.wire import fleet_pb2 as fpb
 from stratus.wire import fleet_pb2_grpc as fpb_grpc
 

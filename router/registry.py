@@ -25,9 +25,10 @@ from router.backends.agent import AgentWork, WorkSettings
 from router.backends.base import Backend, Classified, Generated, OnChunk
 from router.index import AgentIndex, line_key
 from router.policy import FleetSnapshot
-from stratus.audit_config import check_family_info
-from stratus.batching import DEFAULT_MAX_DELAY_S
 from stratus.convert.fleet import latency_from_wire, thresholds_from_wire
+from stratus.convert.hardware import describe as describe_hardware
+from stratus.convert.hardware import from_hello as hardware_from_hello
+from stratus.convert.tensors import Tensors
 from stratus.errors import (
     ConfigError,
     DeadlineExceeded,
@@ -36,11 +37,10 @@ from stratus.errors import (
     Overloaded,
     PermissionDenied,
 )
-from stratus.hardware import describe as describe_hardware
-from stratus.hardware import from_hello as hardware_from_hello
-from stratus.metrics import RouterMetrics
-from stratus.stats import LatencySummary, LatencyWindow, RateMeter, ServiceCurve, SizeWindow
-from stratus.tensors import Tensors
+from stratus.families.audit import check_family_info
+from stratus.obs.metrics import RouterMetrics
+from stratus.obs.stats import LatencySummary, LatencyWindow, RateMeter, ServiceCurve, SizeWindow
+from stratus.sched.batching import DEFAULT_MAX_DELAY_S
 from stratus.tiers import Tier
 from stratus.wire import fleet_pb2 as fpb
 from stratus.wire import inference_pb2 as pb
@@ -108,7 +108,7 @@ class AgentHandle:
     capacity: int
     queue_limit: int
     heartbeat_s: float
-    identity: str = "anonymous"  # the credential that holds the id (stratus.auth)
+    identity: str = "anonymous"  # the credential that holds the id (stratus.serving.auth)
     left: bool = False  # gone after draining (a goodbye), as status and metrics report it
     operator_drained: bool = False  # drained by Fleet.Drain, so Fleet.Undrain may take it back
     # What it runs on (machine, CPU, the flags its precision choice read), bounded.
@@ -277,7 +277,7 @@ class FleetRegistry:
     def register(self, hello: fpb.Hello, peer: str, identity: str = "anonymous") -> AgentHandle:
         """Admit an agent. An id already linked is replaced only by the identity that holds it
         (the agent reconnected before we noticed); another identity is refused, so a stranger
-        cannot knock an agent off its link (see :class:`stratus.auth.RouterCredentials`)."""
+        cannot knock an agent off its link (see :class:`stratus.serving.auth.RouterCredentials`)."""
         check_hello_bounds(hello)
         previous = self.agents.get(hello.agent_id)
         if previous is not None and previous.state != State.LOST and previous.identity != identity:

@@ -12,9 +12,9 @@ from typing import Any, Final
 
 import numpy as np
 
-from stratus import codec
+from stratus.convert import codec
+from stratus.convert.tensors import Tensors
 from stratus.errors import InvalidInput
-from stratus.tensors import Tensors
 
 # Latencies kept per arm and step: enough for a stable p99, bounded memory.
 WINDOW_LATENCIES: Final = 20_000

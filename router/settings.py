@@ -12,11 +12,11 @@ from router.capture_hook import CaptureOptions
 from router.cloud_models import parse_cloud_models, parse_header
 from router.cloud_pool import CloudTarget
 from router.threshold_auto import AutoPolicy
-from stratus.auth import AgentTokens, RouterCredentials, check_exposure
-from stratus.batching import DEFAULT_MAX_DELAY_S
-from stratus.channels import NO_TLS, TlsSettings
 from stratus.config import at_least_one, not_negative, positive, secret, setting, validate
-from stratus.serving import MAX_REQUESTS_PER_CLIENT
+from stratus.sched.batching import DEFAULT_MAX_DELAY_S
+from stratus.serving.auth import AgentTokens, RouterCredentials, check_exposure
+from stratus.serving.channels import NO_TLS, TlsSettings
+from stratus.serving.servicer import MAX_REQUESTS_PER_CLIENT
 
 
 class OnCloudFailure(enum.Enum):

@@ -33,7 +33,7 @@ from prometheus_client.core import CounterMetricFamily
 from router.audit_rows import Row
 from router.thresholds import FamilyThresholds, ThresholdPushes
 from stratus.errors import ConfigError
-from stratus.metrics import Metric
+from stratus.obs.metrics import Metric
 from stratus.tiers import Tier
 
 log = logging.getLogger("stratus.thresholds.auto")

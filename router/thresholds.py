@@ -30,7 +30,7 @@ from typing import Any, Final, Protocol
 from router.audit_rows import Row
 from router.rollout import write_whole
 from stratus.errors import ConfigError, InvalidInput, NotFound
-from stratus.metrics import Metric, gauge
+from stratus.obs.metrics import Metric, gauge
 from stratus.tiers import Tier
 from stratus.wire import fleet_pb2 as fpb
 

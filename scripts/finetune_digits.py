@@ -22,7 +22,7 @@ from models.build.family import Family
 from models.build.onnx_files import write_onnx
 from models.build.recipes import DIGITS_RECIPES
 from models.build.train import Mlp
-from stratus.capture import read_dataset
+from stratus.obs.capture import read_dataset
 from stratus.tools.datasets import Split, digits_splits
 
 DEVICE_RECIPE = "digits-small"

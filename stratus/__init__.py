@@ -1,4 +1,25 @@
-"""Stratus: serve each inference request on the cheapest tier that answers it well in time."""
+"""Stratus: serve each inference request on the cheapest tier that answers it well in time.
+
+What every tier shares, cut by role; each layer imports only from the ones above it in this
+list (``tests/unit/test_imports.py`` holds it to that):
+
+* core: ``errors`` (the one exception tree), ``tiers``, ``config`` (TOML < ``STRATUS_*`` <
+  flags), ``process`` (logging, signals, the READY line), ``wire/`` (generated stubs only);
+* the wire boundary, ``convert/`` (each wire concept converted in one module: tensors and the
+  codec, ``stratus.*`` parameters, text requests, errors, fleet messages, hardware), and the
+  domain, ``families/`` (a family's description, repository, confidence, generation,
+  precision, sampling);
+* machinery: ``sched/`` (the batcher, the bounded executor), ``obs/`` (metrics, latency
+  estimates, capture), ``runtimes/`` (one contract, one file per runtime), ``execution/``
+  (models loaded and run here, and their data plane), ``serving/`` (the inference servicer,
+  servers and channels, the error interceptor, health, credentials, discovery);
+* front: ``cli/`` (the ``stratus`` command), ``tools/`` (offline model tooling: import,
+  calibrate, verify), ``devtools/`` (harness for the demo, tests and benchmarks), and
+  ``probe`` (the health probe Kubernetes runs as ``python -m stratus.probe``; its path is
+  kept for the pod specs already deployed).
+
+The apps (``router/``, ``cloud_gateway/``, ``edge_agent/``) sit above all of it.
+"""
 
 from importlib import metadata
 

@@ -16,7 +16,7 @@ its own variables (``STRATUS_AGENT_TOKEN``), as before. Values are coerced to th
 type and checked by the field's check; a bad one raises :class:`ConfigError` naming where
 it came from (``stratus.toml:router.keepalive_s``, ``$STRATUS_ROUTER_KEEPALIVE_S``,
 ``--keepalive-s``), so the CLI prints one line, not a traceback. Adding a setting is adding
-a field; a flag for it is one ``_option(...)`` in ``stratus/cli.py`` (an argparse option whose
+a field; a flag for it is one ``_option(...)`` in ``stratus/cli/main.py`` (an argparse option whose
 dest is the field's name and whose default is ``None``), with no wiring: the loader finds it.
 """
 

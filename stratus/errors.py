@@ -2,7 +2,7 @@
 
 Every error a caller can act on derives from :class:`StratusError` and names the gRPC
 status it becomes; the mapping to a wire status happens once, in
-:mod:`stratus.status`, so servicers raise domain errors and never build statuses.
+:mod:`stratus.serving.interceptor`, so servicers raise domain errors and never build statuses.
 """
 
 from __future__ import annotations

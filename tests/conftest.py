@@ -23,7 +23,7 @@ def models_dir() -> Path:
 
 @pytest.fixture(scope="session")
 def repository():  # type: ignore[no-untyped-def]
-    from stratus.repository import ModelRepository
+    from stratus.families.repository import ModelRepository
 
     return ModelRepository.load(MODELS)
 

@@ -41,7 +41,7 @@ Lower precisions keep the family's FP32 input and output tensors:
   OpenVINO IR compressed to FP16.
 
 Each variant's ``temperature`` is fitted on the calibration split (see
-``stratus.confidence.tempered``). The ``.tflite`` files are written directly with the
+``stratus.families.confidence.tempered``). The ``.tflite`` files are written directly with the
 TFLite flatbuffer schema (no TensorFlow), with a dynamic batch dimension declared in
 ``shape_signature``. Run with ``make models``.
 """

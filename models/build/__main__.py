@@ -26,7 +26,7 @@ def build_family(family: Family, recipes: Sequence[Recipe], jobs: int) -> None:
         for variant in build(family, recipe, model, splits)
     ]
     write_family(family, built)
-    from stratus.repository import load_family
+    from stratus.families.repository import load_family
     from stratus.tools.verify.classifier import record_family
     from stratus.tools.verify.report import format_report
 

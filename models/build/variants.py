@@ -15,7 +15,7 @@ import numpy as np
 
 from models.build.family import OUTPUT, Built, Family, Model, Recipe, _chunks
 from models.build.onnx_files import write_onnx_fp16, write_openvino
-from stratus import confidence
+from stratus.families import confidence
 from stratus.tools.datasets import Split, Splits
 
 

@@ -2,7 +2,7 @@
 
 :class:`AgentWork` is the transport half of an agent the router holds: its outbox (what
 its AgentLink stream writes), the Work it was sent and waits on, the generations whose
-Chunks it relays, and the :class:`~stratus.batching.Batcher` that merges requests into
+Chunks it relays, and the :class:`~stratus.sched.batching.Batcher` that merges requests into
 Work while the agent is busy. The agent's identity, state and estimates stay on its
 handle (:class:`router.registry.AgentHandle`), which answers the policy; the handle's
 ``classify`` and ``generate`` come here. Membership (joining, heartbeats, losing) is the
@@ -19,14 +19,14 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from router.backends.base import Classified, Generated, OnChunk
-from stratus.batching import Batch, Batcher, BatchKey, split_counts
-from stratus.channels import MAX_WORK_BYTES, check_fits
-from stratus.codec import numpy_dtype
+from stratus.convert.codec import numpy_dtype
 from stratus.convert.errors import error_from_wire
 from stratus.convert.fleet import chunk_from_wire
+from stratus.convert.tensors import Tensors
 from stratus.errors import DeadlineExceeded, Unavailable
-from stratus.stats import LatencyWindow
-from stratus.tensors import Tensors
+from stratus.obs.stats import LatencyWindow
+from stratus.sched.batching import Batch, Batcher, BatchKey, split_counts
+from stratus.serving.channels import MAX_WORK_BYTES, check_fits
 from stratus.wire import fleet_pb2 as fpb
 from stratus.wire import inference_pb2 as pb
 

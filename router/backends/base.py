@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from router.policy import Candidate
-from stratus.generation import Chunk
-from stratus.tensors import Tensors
+from stratus.convert.tensors import Tensors
+from stratus.families.generation import Chunk
 from stratus.wire import inference_pb2 as pb
 
 # Called with each chunk of a generation as it arrives (on the router's loop; never blocks).

@@ -12,9 +12,7 @@ from collections.abc import Mapping, Sequence
 
 from router.backends.base import Classified, Generated, OnChunk
 from router.cloud_pool import CloudTier
-from stratus.errors import Unavailable
-from stratus.generation import Chunk
-from stratus.protocol import (
+from stratus.convert.parameters import (
     COMPUTE_MS,
     CONFIDENCE,
     PRECISION,
@@ -23,7 +21,9 @@ from stratus.protocol import (
     parameter_value,
     reported_ms,
 )
-from stratus.tensors import MAX_REQUEST_ITEMS, Tensors
+from stratus.convert.tensors import MAX_REQUEST_ITEMS, Tensors
+from stratus.errors import Unavailable
+from stratus.families.generation import Chunk
 from stratus.tiers import Tier
 from stratus.wire import inference_pb2 as pb
 

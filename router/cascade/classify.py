@@ -30,14 +30,14 @@ from router.policy.climb import (
 )
 from router.rollout import Plan
 from router.rollout_judge import top1
-from stratus.confidence import settled
-from stratus.errors import DeadlineExceeded, Overloaded, StratusError, Unavailable
-from stratus.protocol import (
+from stratus.convert.parameters import (
     RequestOptions,
     Served,
     held_reason,
 )
-from stratus.tensors import Tensors
+from stratus.convert.tensors import Tensors
+from stratus.errors import DeadlineExceeded, Overloaded, StratusError, Unavailable
+from stratus.families.confidence import settled
 from stratus.tiers import Tier
 from stratus.wire import inference_pb2 as pb
 

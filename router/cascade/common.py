@@ -19,7 +19,7 @@ from router.policy import FleetSnapshot
 from router.policy.climb import CloudFacts
 from router.registry import FleetRegistry
 from router.rollout import Rollouts
-from stratus.protocol import RequestOptions
+from stratus.convert.parameters import RequestOptions
 from stratus.tiers import Tier
 
 # A request with neither a budget nor a deadline still ends: nothing waits forever on a

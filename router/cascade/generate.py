@@ -44,10 +44,12 @@ from router.policy.climb import (
     next_action,
     retryable,
 )
-from stratus.confidence import accepts, threshold_for
 from stratus.convert.fleet import thresholds_from_wire
+from stratus.convert.parameters import RequestOptions
+from stratus.convert.text import read_usage
 from stratus.errors import StratusError
-from stratus.generation import (
+from stratus.families.confidence import accepts, threshold_for
+from stratus.families.generation import (
     FINISH_REASON,
     Chunk,
     GenerationMethod,
@@ -55,8 +57,6 @@ from stratus.generation import (
     StopCut,
     Token,
 )
-from stratus.protocol import RequestOptions
-from stratus.text_wire import read_usage
 from stratus.tiers import Tier
 from stratus.wire import fleet_pb2 as fpb
 from stratus.wire import inference_pb2 as pb

@@ -1,6 +1,6 @@
 """Where a Stratus error meets a wire, both ways, and nowhere else.
 
-An error leaves as a gRPC status (the interceptor, :mod:`stratus.status`), as an agent's
+An error leaves as a gRPC status (the interceptor, :mod:`stratus.serving.interceptor`), as an agent's
 ``fpb.Error``, as a streamed error (a ``ModelStreamInferResponse`` that cannot end the
 stream other requests share), or as an HTTP status; it comes back from each of those the
 same way, so a failure on an agent or a cloud reaches the client as the error it was.

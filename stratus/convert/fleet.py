@@ -6,8 +6,8 @@ import math
 from collections.abc import Mapping
 
 from stratus.errors import InvalidInput
-from stratus.generation import Chunk, Token
-from stratus.stats import LatencySummary
+from stratus.families.generation import Chunk, Token
+from stratus.obs.stats import LatencySummary
 from stratus.tiers import Tier
 from stratus.wire import fleet_pb2 as fpb
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from stratus.errors import ModelLoadError, NotFound, RuntimeUnavailable, StratusError
-from stratus.family_spec import FamilySpec, VariantSpec
+from stratus.families.spec import FamilySpec, VariantSpec
 from stratus.runtimes.base import (
     Availability,
     LoadFailure,

@@ -8,7 +8,7 @@ temperature: then the runtime samples (within ``top_p``, from ``seed`` where giv
 each token's log-probability is still the model's own (before temperature and ``top_p``),
 so a confidence means the same whether an answer was chosen or drawn. A stop string ends
 the generation once it is made; its text is still emitted (the caller cuts it, see
-:class:`~stratus.generation.StopCut`), so one split over several tokens is never lost.
+:class:`~stratus.families.generation.StopCut`), so one split over several tokens is never lost.
 Runtimes, best first where both are installed:
 
 * ``openvino_genai`` (wheels for every platform; a GGUF file in F16): per-token
@@ -33,8 +33,8 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from stratus.errors import InvalidInput, ModelLoadError, NotFound, RuntimeUnavailable
-from stratus.family_spec import FamilySpec, VariantSpec
-from stratus.generation import GenerationParams, StopCut, Token
+from stratus.families.generation import GenerationParams, StopCut, Token
+from stratus.families.spec import FamilySpec, VariantSpec
 from stratus.runtimes.base import Availability, LoadFailure, LoadOptions, RuntimeDescription, warmed_up
 from stratus.tiers import Tier
 

@@ -23,9 +23,9 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from stratus.codec import Array, numpy_dtype
+from stratus.convert.codec import Array, numpy_dtype
 from stratus.errors import InvalidInput, ModelLoadError, RuntimeUnavailable
-from stratus.family_spec import TensorSpec
+from stratus.families.spec import TensorSpec
 from stratus.runtimes.base import Availability, ModelRunner, RuntimeDescription
 from stratus.runtimes.ort import file_digest
 

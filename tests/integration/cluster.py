@@ -9,10 +9,10 @@ from pathlib import Path
 import grpc
 import numpy as np
 
-from stratus import codec
-from stratus.channels import NO_TLS, TlsSettings, open_sync_channel
-from stratus.launcher import Launched, launch
-from stratus.protocol import Served, set_parameter
+from stratus.convert import codec
+from stratus.convert.parameters import Served, set_parameter
+from stratus.devtools.launcher import Launched, launch
+from stratus.serving.channels import NO_TLS, TlsSettings, open_sync_channel
 from stratus.wire import fleet_pb2 as fpb
 from stratus.wire import fleet_pb2_grpc as fpb_grpc
 from stratus.wire import inference_pb2 as pb

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from stratus.demo import Fleet, start_fleet
+from stratus.cli.demo import Fleet, start_fleet
 
 from .cluster import Cluster
 from .pki import pki  # noqa: F401 (a fixture: the test fleet's certificates)

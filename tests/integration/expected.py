@@ -14,9 +14,9 @@ import functools
 
 import numpy as np
 
-from stratus.family_spec import VariantSpec
-from stratus.precision import choose_variant, load_verification, this_hardware
-from stratus.repository import ModelRepository
+from stratus.families.precision import choose_variant, load_verification, this_hardware
+from stratus.families.repository import ModelRepository
+from stratus.families.spec import VariantSpec
 from stratus.tools.verify.report import FP16_TOLERANCE
 
 from .cluster import MODELS

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 import grpc
 import numpy as np
 
-from stratus.channels import open_sync_channel
-from stratus.protocol import Served
+from stratus.convert.parameters import Served
+from stratus.serving.channels import open_sync_channel
 from stratus.tiers import Tier
 from stratus.wire import inference_pb2_grpc as pb_grpc
 

@@ -13,7 +13,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from stratus.channels import TlsSettings
+from stratus.serving.channels import TlsSettings
 
 
 def _name(common: str) -> x509.Name:

@@ -9,7 +9,7 @@ import sys
 import tarfile
 from pathlib import Path
 
-from stratus.launcher import launch
+from stratus.devtools.launcher import launch
 
 from .cluster import Cluster, fleet_status, infer, ready_count, wait_until
 

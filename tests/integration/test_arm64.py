@@ -24,8 +24,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from stratus import codec
-from stratus.launcher import Launched
+from stratus.convert import codec
+from stratus.devtools.launcher import Launched
 from tests.scripts import load
 
 from .cluster import Cluster, fleet_status, infer, ready_count, wait_until

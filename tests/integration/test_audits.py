@@ -17,8 +17,8 @@ import onnxruntime
 import pytest
 from onnx import helper, numpy_helper
 
-from stratus.channels import open_sync_channel
-from stratus.launcher import free_port
+from stratus.devtools.launcher import free_port
+from stratus.serving.channels import open_sync_channel
 from stratus.tiers import Tier
 from stratus.wire import inference_pb2 as pb
 from stratus.wire import inference_pb2_grpc as pb_grpc

@@ -18,10 +18,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from router.registry import MISSED_HEARTBEATS
-from stratus.channels import grpc_options
 from stratus.convert.errors import wire_error
-from stratus.launcher import Launched
-from stratus.protocol import set_parameter
+from stratus.convert.parameters import set_parameter
+from stratus.devtools.launcher import Launched
+from stratus.serving.channels import grpc_options
 from stratus.wire import fleet_pb2 as fpb
 from stratus.wire import inference_pb2 as pb
 from stratus.wire import inference_pb2_grpc as pb_grpc

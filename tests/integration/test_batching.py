@@ -11,9 +11,9 @@ import asyncio
 import grpc
 import numpy as np
 
-from stratus import codec
-from stratus.channels import grpc_options
-from stratus.protocol import BATCH_SIZE, Served, parameter_value, set_parameter
+from stratus.convert import codec
+from stratus.convert.parameters import BATCH_SIZE, Served, parameter_value, set_parameter
+from stratus.serving.channels import grpc_options
 from stratus.tiers import Tier
 from stratus.wire import inference_pb2 as pb
 from stratus.wire import inference_pb2_grpc as pb_grpc

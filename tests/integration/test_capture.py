@@ -12,11 +12,11 @@ from pathlib import Path
 import numpy as np
 import pyarrow.parquet as pq
 
-from stratus import codec
-from stratus.capture import PARTIAL, captured_files, read_rows
-from stratus.channels import open_sync_channel
-from stratus.launcher import free_port
-from stratus.protocol import Served
+from stratus.convert import codec
+from stratus.convert.parameters import Served
+from stratus.devtools.launcher import free_port
+from stratus.obs.capture import PARTIAL, captured_files, read_rows
+from stratus.serving.channels import open_sync_channel
 from stratus.tiers import Tier
 from stratus.tools.datasets import Splits
 from stratus.wire import inference_pb2_grpc as pb_grpc

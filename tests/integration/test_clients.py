@@ -11,7 +11,7 @@ import pytest
 import tritonclient.grpc as triton
 
 from edge_agent.sdk import Client
-from stratus import codec
+from stratus.convert import codec
 from stratus.tiers import Tier
 
 from .conftest import MODELS

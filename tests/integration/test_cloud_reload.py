@@ -13,7 +13,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from stratus.launcher import Launched
+from stratus.devtools.launcher import Launched
 from stratus.wire import fleet_pb2 as fpb
 from stratus.wire import fleet_pb2_grpc as fpb_grpc
 

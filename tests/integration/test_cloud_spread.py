@@ -8,7 +8,7 @@ import signal
 
 import numpy as np
 
-from stratus.channels import open_sync_channel
+from stratus.serving.channels import open_sync_channel
 from stratus.tiers import Tier
 from stratus.wire import inference_pb2 as pb
 from stratus.wire import inference_pb2_grpc as pb_grpc

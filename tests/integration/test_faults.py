@@ -17,9 +17,9 @@ import pytest
 
 from edge_agent.sdk import Client
 from router.cloud import RECONNECT_OPTIONS
-from stratus.channels import grpc_options
-from stratus.launcher import free_port
-from stratus.protocol import Served
+from stratus.convert.parameters import Served
+from stratus.devtools.launcher import free_port
+from stratus.serving.channels import grpc_options
 from stratus.tiers import Tier
 from stratus.wire import fleet_pb2 as fpb
 from stratus.wire import inference_pb2_grpc as pb_grpc
@@ -193,7 +193,7 @@ def test_on_cloud_failure_fail_answers_unavailable(cluster: Cluster, digits) -> 
 
 def test_slow_cloud_answers_inside_the_budget_and_the_breaker_opens(cluster: Cluster, digits) -> None:  # type: ignore[no-untyped-def]
     cloud = cluster.cloud()
-    slow = cluster.start("netem", ["--target", cloud.address, "--delay-ms", "400"], module="stratus.netem")
+    slow = cluster.start("netem", ["--target", cloud.address, "--delay-ms", "400"], module="stratus.devtools.netem")
     router = cluster.router("--cloud", slow.address).address
     cluster.agent("dev-1", router)
     wait_until(
@@ -224,7 +224,7 @@ def test_slow_cloud_answers_inside_the_budget_and_the_breaker_opens(cluster: Clu
 def test_cloud_cut_while_escalations_are_in_flight(cluster: Cluster, digits) -> None:  # type: ignore[no-untyped-def]
     cloud = cluster.cloud()
     # 100 ms each way: an escalation spends 200 ms on the wire, so some are always in flight.
-    link = cluster.start("netem", ["--target", cloud.address, "--delay-ms", "100"], module="stratus.netem")
+    link = cluster.start("netem", ["--target", cloud.address, "--delay-ms", "100"], module="stratus.devtools.netem")
     router = cluster.router("--cloud", link.address).address
     cluster.agent("dev-1", router)
     wait_until(

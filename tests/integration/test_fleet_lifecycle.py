@@ -17,13 +17,14 @@ import numpy as np
 import pytest
 
 from edge_agent.sdk import Client
-from stratus import codec, demo
-from stratus.channels import TlsSettings, grpc_options, open_sync_channel
-from stratus.demo import wait_for_agents
-from stratus.discovery import discover
+from stratus.cli import demo
+from stratus.cli.demo import wait_for_agents
+from stratus.convert import codec
+from stratus.convert.parameters import Served
+from stratus.devtools.launcher import Launched, launch
 from stratus.errors import ConfigError, Unavailable
-from stratus.launcher import Launched, launch
-from stratus.protocol import Served
+from stratus.serving.channels import TlsSettings, grpc_options, open_sync_channel
+from stratus.serving.discovery import discover
 from stratus.tiers import Tier
 from stratus.wire import fleet_pb2 as fpb
 from stratus.wire import fleet_pb2_grpc as fpb_grpc

@@ -14,7 +14,7 @@ from importlib import metadata
 
 import numpy as np
 
-from stratus.launcher import Launched
+from stratus.devtools.launcher import Launched
 
 from .cluster import MODELS, Cluster, fleet_status, infer, ready_count, wait_until
 from .pki import tls_args

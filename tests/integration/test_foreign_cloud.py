@@ -25,7 +25,7 @@ import grpc
 import numpy as np
 import pytest
 
-from stratus.channels import open_sync_channel
+from stratus.serving.channels import open_sync_channel
 from stratus.tiers import Tier
 from stratus.wire import inference_pb2 as pb
 from stratus.wire import inference_pb2_grpc as pb_grpc

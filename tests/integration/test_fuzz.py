@@ -35,10 +35,10 @@ import pytest
 from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
-from stratus import codec
-from stratus.channels import grpc_options
-from stratus.launcher import Launched
-from stratus.protocol import set_parameter
+from stratus.convert import codec
+from stratus.convert.parameters import set_parameter
+from stratus.devtools.launcher import Launched
+from stratus.serving.channels import grpc_options
 from stratus.wire import fleet_pb2 as fpb
 from stratus.wire import inference_pb2 as pb
 from stratus.wire import inference_pb2_grpc as pb_grpc
@@ -48,7 +48,7 @@ from .cluster import Cluster, fleet_status, ready_count, wait_until
 ROOT = Path(__file__).resolve().parents[2]
 AGENTS = {"dev-1": "device", "edge-1": "edge"}
 
-# The statuses Stratus gives on purpose (stratus/errors.py, mapped once in stratus/status.py),
+# The statuses Stratus gives on purpose (stratus/errors.py, mapped once in stratus/serving/interceptor.py),
 # less INTERNAL (a bug, by its definition there) and the credential codes (this router takes
 # no token, so UNAUTHENTICATED or PERMISSION_DENIED would be wrong here). gRPC itself adds
 # RESOURCE_EXHAUSTED for a message over the limit. OUT_OF_RANGE is mapped nowhere in Stratus;

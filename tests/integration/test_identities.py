@@ -16,10 +16,10 @@ import grpc
 import numpy as np
 import pytest
 
-from stratus.channels import open_sync_channel
-from stratus.discovery import discover_all
-from stratus.launcher import Launched
-from stratus.tensors import MAX_REQUEST_ITEMS
+from stratus.convert.tensors import MAX_REQUEST_ITEMS
+from stratus.devtools.launcher import Launched
+from stratus.serving.channels import open_sync_channel
+from stratus.serving.discovery import discover_all
 from stratus.tiers import Tier
 from stratus.wire import fleet_pb2 as fpb
 from stratus.wire import fleet_pb2_grpc as fpb_grpc

@@ -17,10 +17,10 @@ import numpy as np
 import pytest
 import tritonclient.grpc as triton
 
-from stratus.confidence import confidence
-from stratus.family_spec import FamilySpec
-from stratus.protocol import Served
-from stratus.repository import load_family
+from stratus.convert.parameters import Served
+from stratus.families.confidence import confidence
+from stratus.families.repository import load_family
+from stratus.families.spec import FamilySpec
 from stratus.tiers import Tier
 from stratus.tools.calibrate import labelled_data
 from tests import exports

@@ -25,11 +25,11 @@ from pathlib import Path
 import openai
 import pytest
 
-from stratus.channels import open_sync_channel
-from stratus.generation import GenerationParams
-from stratus.launcher import free_port
-from stratus.protocol import parameter_value
-from stratus.text_wire import prompt_request
+from stratus.convert.parameters import parameter_value
+from stratus.convert.text import prompt_request
+from stratus.devtools.launcher import free_port
+from stratus.families.generation import GenerationParams
+from stratus.serving.channels import open_sync_channel
 from stratus.wire import inference_pb2_grpc as pb_grpc
 
 from .cluster import MODELS, Cluster, ready_count, wait_until

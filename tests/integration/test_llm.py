@@ -18,10 +18,10 @@ import numpy as np
 import openai
 import pytest
 
-from stratus import codec
-from stratus.channels import open_sync_channel
-from stratus.launcher import free_port
-from stratus.protocol import Served, set_parameter
+from stratus.convert import codec
+from stratus.convert.parameters import Served, set_parameter
+from stratus.devtools.launcher import free_port
+from stratus.serving.channels import open_sync_channel
 from stratus.wire import inference_pb2 as pb
 from stratus.wire import inference_pb2_grpc as pb_grpc
 
@@ -295,7 +295,7 @@ def test_the_device_agent_times_each_generation_and_counts_its_tokens(llm: LlmFl
 
 
 def test_the_demo_grades_generated_answers_through_the_router(llm: LlmFleet) -> None:
-    from stratus.demo import through_generation
+    from stratus.cli.demo import through_generation
 
     report = through_generation(llm.router, MODELS, count=20)
     assert report is not None and report.requests == 20 and report.degraded == 0

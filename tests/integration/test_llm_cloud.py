@@ -16,11 +16,11 @@ import grpc
 import openai
 import pytest
 
-from stratus import codec
-from stratus.channels import open_sync_channel
-from stratus.launcher import free_port
-from stratus.protocol import Served
-from stratus.repository import ModelRepository
+from stratus.convert import codec
+from stratus.convert.parameters import Served
+from stratus.devtools.launcher import free_port
+from stratus.families.repository import ModelRepository
+from stratus.serving.channels import open_sync_channel
 from stratus.tools.arith import solve
 from stratus.wire import inference_pb2 as pb
 from stratus.wire import inference_pb2_grpc as pb_grpc

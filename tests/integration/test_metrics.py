@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from stratus.launcher import free_port
-from stratus.repository import ModelRepository
+from stratus.devtools.launcher import free_port
+from stratus.families.repository import ModelRepository
 
 from .cluster import MODELS, Cluster, fleet_status, infer, ready_count, wait_until
 from .expected import served_for

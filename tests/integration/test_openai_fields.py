@@ -21,9 +21,9 @@ import numpy as np
 import openai
 import pytest
 
-from stratus import codec
-from stratus.channels import open_sync_channel
-from stratus.launcher import free_port
+from stratus.convert import codec
+from stratus.devtools.launcher import free_port
+from stratus.serving.channels import open_sync_channel
 from stratus.wire import inference_pb2 as pb
 from stratus.wire import inference_pb2_grpc as pb_grpc
 

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from stratus.devtools.launcher import free_port
 from stratus.errors import Unavailable
-from stratus.launcher import free_port
 
 from .cluster import Cluster, wait_until
 

@@ -8,8 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from stratus import codec
-from stratus.channels import open_sync_channel
+from stratus.convert import codec
+from stratus.serving.channels import open_sync_channel
 from stratus.wire import fleet_pb2 as fpb
 from stratus.wire import fleet_pb2_grpc as fpb_grpc
 from stratus.wire import inference_pb2_grpc as pb_grpc
@@ -78,7 +78,7 @@ def test_agent_reloads_a_generative_family_and_serves_the_new_current_variant(
 ) -> None:
     import shutil
 
-    from stratus.protocol import Served
+    from stratus.convert.parameters import Served
 
     from .test_llm import oip_request
 

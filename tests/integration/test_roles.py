@@ -12,7 +12,7 @@ import grpc
 import pytest
 
 from router.peers import sync_parts
-from stratus.auth import proof_holds, sync_proof
+from stratus.serving.auth import proof_holds, sync_proof
 from stratus.wire import fleet_pb2 as fpb
 from stratus.wire import fleet_pb2_grpc as fpb_grpc
 

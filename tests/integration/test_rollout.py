@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from stratus.channels import open_sync_channel
-from stratus.launcher import free_port
+from stratus.devtools.launcher import free_port
+from stratus.serving.channels import open_sync_channel
 from stratus.wire import fleet_pb2 as fpb
 from stratus.wire import fleet_pb2_grpc as fpb_grpc
 

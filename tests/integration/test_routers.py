@@ -13,7 +13,7 @@ import grpc
 import numpy as np
 
 from edge_agent.sdk import Client
-from stratus.channels import grpc_options
+from stratus.serving.channels import grpc_options
 from stratus.wire import inference_pb2_grpc as pb_grpc
 
 from .cluster import MODELS, Cluster, ready_count, request, wait_until
@@ -140,7 +140,7 @@ def test_the_health_service_follows_readiness_and_liveness_stays_up(cluster: Clu
 
 
 def test_an_agent_links_to_a_router_named_by_dns(cluster: Cluster) -> None:
-    from stratus.discovery import resolve_all
+    from stratus.serving.discovery import resolve_all
 
     router = cluster.router().address
     host, port = router.rsplit(":", 1)
@@ -155,9 +155,9 @@ def test_an_agent_links_to_every_router_a_lookup_gives(cluster: Cluster, tmp_pat
     the two routers' addresses as a lookup would, and must link to both."""
     from edge_agent.agent import Agent
     from edge_agent.settings import AgentSettings
-    from stratus.local import LocalModels
-    from stratus.local_loading import LocalSettings
-    from stratus.repository import ModelRepository
+    from stratus.execution.loading import LocalSettings
+    from stratus.execution.models import LocalModels
+    from stratus.families.repository import ModelRepository
     from stratus.tiers import Tier
 
     routers = [cluster.router(role=f"router-{n}").address for n in "ab"]

@@ -7,8 +7,8 @@ from pathlib import Path
 import grpc
 import pytest
 
-from stratus.channels import NO_TLS, TlsSettings, open_sync_channel
-from stratus.launcher import Launched
+from stratus.devtools.launcher import Launched
+from stratus.serving.channels import NO_TLS, TlsSettings, open_sync_channel
 from stratus.tiers import Tier
 from stratus.wire import fleet_pb2 as fpb
 from stratus.wire import fleet_pb2_grpc as fpb_grpc

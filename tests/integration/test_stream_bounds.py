@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from stratus import codec
-from stratus.channels import grpc_options
-from stratus.launcher import free_port
-from stratus.serving import STREAM_WINDOW, STREAM_WINDOW_BYTES
-from stratus.tensors import MAX_REQUEST_ITEMS
+from stratus.convert import codec
+from stratus.convert.tensors import MAX_REQUEST_ITEMS
+from stratus.devtools.launcher import free_port
+from stratus.serving.channels import grpc_options
+from stratus.serving.servicer import STREAM_WINDOW, STREAM_WINDOW_BYTES
 from stratus.wire import fleet_pb2 as fpb
 from stratus.wire import fleet_pb2_grpc as fpb_grpc
 from stratus.wire import inference_pb2 as pb

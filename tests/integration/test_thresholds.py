@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from stratus.channels import open_sync_channel
+from stratus.serving.channels import open_sync_channel
 from stratus.tiers import Tier
 from stratus.wire import fleet_pb2 as fpb
 from stratus.wire import fleet_pb2_grpc as fpb_grpc

@@ -11,13 +11,13 @@ import grpc
 import numpy as np
 import pytest
 
-from stratus import codec
-from stratus.channels import grpc_options
-from stratus.demo import Fleet, through_gateway
-from stratus.local import LocalModels
-from stratus.local_loading import LocalSettings
-from stratus.protocol import Served, set_parameter
-from stratus.repository import ModelRepository
+from stratus.cli.demo import Fleet, through_gateway
+from stratus.convert import codec
+from stratus.convert.parameters import Served, set_parameter
+from stratus.execution.loading import LocalSettings
+from stratus.execution.models import LocalModels
+from stratus.families.repository import ModelRepository
+from stratus.serving.channels import grpc_options
 from stratus.tiers import Tier
 from stratus.wire import inference_pb2 as pb
 from stratus.wire import inference_pb2_grpc as pb_grpc

@@ -10,8 +10,8 @@ from router.accuracy import accuracy_reply
 from router.agreement import DRIFTED, IN_LINE, NOT_CALIBRATED, TOO_FEW, AuditKey
 from router.audit import Auditor
 from router.registry import FleetRegistry
+from stratus.cli.accuracy import accuracy_json, accuracy_table
 from stratus.errors import NotFound
-from stratus.fleet_accuracy import accuracy_json, accuracy_table
 from stratus.tiers import Tier
 from stratus.wire import fleet_pb2 as fpb
 

@@ -25,13 +25,13 @@ from router.cascade.generate import Generation
 from router.cloud import CloudLink, OnChunk
 from router.cloud_pool import CloudPool
 from router.registry import FleetRegistry
-from stratus import codec
+from stratus.convert import codec
+from stratus.convert.parameters import RequestOptions
+from stratus.convert.tensors import Tensors
+from stratus.convert.text import prompt_request
 from stratus.errors import ConfigError
-from stratus.generation import Chunk, GenerationParams, Token
-from stratus.metrics import Metrics, RouterMetrics
-from stratus.protocol import RequestOptions
-from stratus.tensors import Tensors
-from stratus.text_wire import prompt_request
+from stratus.families.generation import Chunk, GenerationParams, Token
+from stratus.obs.metrics import Metrics, RouterMetrics
 from stratus.tiers import Tier
 from stratus.wire import fleet_pb2 as fpb
 from stratus.wire import inference_pb2 as pb

@@ -9,10 +9,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from stratus.audit_config import TierCalibration, check_family_info
 from stratus.errors import ConfigError, InvalidInput
-from stratus.local_fleet import family_info_fields
-from stratus.repository import load_family
+from stratus.execution.describe import family_info_fields
+from stratus.families.audit import TierCalibration, check_family_info
+from stratus.families.repository import load_family
 from stratus.tiers import Tier
 from stratus.tools.calibrate.classifier import TierScores
 from stratus.tools.calibrate.tier_accuracy import tier_figures, write_tier_accuracy

@@ -1,4 +1,4 @@
-"""Who may do what (stratus.auth): the pure rules, with the gRPC context reduced to what they read."""
+"""Who may do what (stratus.serving.auth): the pure rules, with the gRPC context reduced to what they read."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from stratus.auth import (
+from stratus.errors import ConfigError, Overloaded, PermissionDenied, Unauthenticated
+from stratus.serving.auth import (
     AgentTokens,
     CertIdentity,
     RouterCredentials,
@@ -19,8 +20,7 @@ from stratus.auth import (
     spiffe_identity,
     sync_proof,
 )
-from stratus.errors import ConfigError, Overloaded, PermissionDenied, Unauthenticated
-from stratus.serving import ClientLimits, client_of
+from stratus.serving.servicer import ClientLimits, client_of
 
 AGENT_TOKEN = "a-long-agent-token-0001"
 

@@ -8,8 +8,8 @@ from collections.abc import Sequence
 import numpy as np
 import pytest
 
-from stratus.batching import Batch, Batcher, BatchKey, Member, plan, split_counts
 from stratus.errors import DeadlineExceeded, InvalidInput, Overloaded, StratusError
+from stratus.sched.batching import Batch, Batcher, BatchKey, Member, plan, split_counts
 
 KEY = BatchKey(variant="v", inputs=(("x", "FP32", (4,)),))
 OTHER_SHAPE = BatchKey(variant="v", inputs=(("x", "FP32", (8,)),))

@@ -5,8 +5,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from stratus.confidence import ConfidenceMethod, confidence, margin, max_probability, softmax, tempered
 from stratus.errors import ConfigError
+from stratus.families.confidence import (
+    ConfidenceMethod,
+    confidence,
+    margin,
+    max_probability,
+    softmax,
+    tempered,
+)
 from stratus.tiers import Tier
 from stratus.tools.calibrate.classifier import (
     TierScores,

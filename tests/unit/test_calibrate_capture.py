@@ -10,9 +10,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from stratus.capture import CapturedItem, CaptureWriter, TierAnswer
-from stratus.cli import main
+from stratus.cli.main import main
 from stratus.errors import ConfigError
+from stratus.obs.capture import CapturedItem, CaptureWriter, TierAnswer
 from stratus.tools.calibrate import classifier, labelled_data
 from stratus.tools.datasets import Split
 

@@ -11,11 +11,11 @@ import numpy as np
 import onnxruntime
 import pytest
 
-from stratus.cli import main
-from stratus.confidence import ConfidenceMethod
+from stratus.cli.main import main
 from stratus.errors import ConfigError
-from stratus.family_spec import FamilySpec
-from stratus.repository import ModelRepository, load_family
+from stratus.families.confidence import ConfidenceMethod
+from stratus.families.repository import ModelRepository, load_family
+from stratus.families.spec import FamilySpec
 from stratus.tiers import Tier
 from stratus.tools.calibrate import classifier, labelled_data
 from stratus.tools.importer import ImportOptions, ImportResult, import_model

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from stratus.errors import ConfigError
-from stratus.repository import ModelRepository, load_family
+from stratus.families.repository import ModelRepository, load_family
 from stratus.tools.arith import arith_splits, solve
 from stratus.tools.calibrate.classifier import cascade, describe, write
 from stratus.tools.calibrate.generative import calibrate_generative, generative_scores, load_prompts

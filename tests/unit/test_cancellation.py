@@ -12,10 +12,10 @@ from edge_agent.agent import Agent
 from edge_agent.link import Link, receive
 from edge_agent.settings import AgentSettings
 from router.registry import FleetRegistry
-from stratus import codec
+from stratus.convert import codec
+from stratus.convert.tensors import Tensors
 from stratus.errors import DeadlineExceeded
-from stratus.local import LocalAnswer, LocalModels
-from stratus.tensors import Tensors
+from stratus.execution.models import LocalAnswer, LocalModels
 from stratus.tiers import Tier
 from stratus.wire import fleet_pb2 as fpb
 from stratus.wire import inference_pb2 as pb

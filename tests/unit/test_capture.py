@@ -13,7 +13,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from stratus.capture import (
+from stratus.obs.capture import (
     PARTIAL,
     CapturedItem,
     CaptureLimits,
@@ -101,7 +101,7 @@ KEEP_WRITING = textwrap.dedent(
     from pathlib import Path
     sys.path.insert(0, sys.argv[2])
     from tests.unit.test_capture import item
-    from stratus.capture import CaptureLimits, CaptureWriter
+    from stratus.obs.capture import CaptureLimits, CaptureWriter
     writer = CaptureWriter(Path(sys.argv[1]), CaptureLimits(max_file_bytes=30_000))
     n = 0
     while True:

@@ -9,11 +9,11 @@ import pytest
 
 from router.capture_hook import CaptureHook, CaptureSettings
 from router.cascade.generate import Generation
-from stratus import codec
-from stratus.capture import read_rows
-from stratus.cli import main
+from stratus.cli.main import main
+from stratus.convert import codec
+from stratus.convert.text import text_array
 from stratus.errors import ConfigError
-from stratus.text_wire import text_array
+from stratus.obs.capture import read_rows
 from stratus.tiers import Tier
 from stratus.wire import inference_pb2 as pb
 

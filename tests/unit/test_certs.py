@@ -20,9 +20,9 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509 import verification
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from stratus.auth import spiffe_identity
-from stratus.certs import Identity, add_parser, issue
+from stratus.cli.certs import Identity, add_parser, issue
 from stratus.errors import ConfigError
+from stratus.serving.auth import spiffe_identity
 
 HOSTS = ["router-a", "cloud.example.internal", "10.1.2.3"]
 
@@ -240,7 +240,7 @@ def test_bad_hosts_and_days_are_refused(tmp_path: Path) -> None:
 
 
 def test_stratus_certs_is_a_subcommand_of_stratus(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from stratus.cli import main
+    from stratus.cli.main import main
 
     out = tmp_path / "certs"
     assert main(["certs", "--out", str(out), "--operator", "alice"]) == 0

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Iterator
 
-from stratus.cli import build_parser
+from stratus.cli.main import build_parser
 
 
 def commands(

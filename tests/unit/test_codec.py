@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from stratus import codec
+from stratus.convert import codec
 from stratus.errors import InvalidInput
 from stratus.wire import inference_pb2 as pb
 

@@ -9,9 +9,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from stratus.confidence import ConfidenceMethod, confidence, margin, normalized_entropy, softmax
-from stratus.local import LocalModels
-from stratus.repository import load_family
+from stratus.execution.models import LocalModels
+from stratus.families.confidence import ConfidenceMethod, confidence, margin, normalized_entropy, softmax
+from stratus.families.repository import load_family
 
 
 def test_entropy_is_one_for_a_sure_answer_and_zero_for_a_uniform_one() -> None:

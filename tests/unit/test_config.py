@@ -12,11 +12,11 @@ import pytest
 from cloud_gateway.settings import CloudSettings
 from edge_agent.settings import AgentSettings
 from router.settings import OnCloudFailure, RouterSettings
-from stratus.cli import _settings, build_parser, main
+from stratus.cli.config import check
+from stratus.cli.main import _settings, build_parser, main
 from stratus.config import Flags, load
-from stratus.config_cli import check
 from stratus.errors import ConfigError
-from stratus.precision import Precision
+from stratus.families.precision import Precision
 from stratus.tiers import Tier
 
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from stratus.errors import ConfigError
-from stratus.repository import ModelRepository
+from stratus.families.repository import ModelRepository
 from stratus.tools.datasets import (
     DEFECT_CLASSES,
     DEFECT_SPLITS,

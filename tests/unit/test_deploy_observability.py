@@ -442,7 +442,7 @@ def collector_gauges() -> set[str]:
 
 
 def test_the_whitelist_is_what_the_code_registers() -> None:
-    from stratus.metrics import Metrics, ModelMetrics, RouterMetrics
+    from stratus.obs.metrics import Metrics, ModelMetrics, RouterMetrics
 
     metrics = Metrics()
     RouterMetrics(metrics)

@@ -6,7 +6,7 @@ import asyncio
 import socket
 from typing import Any
 
-from stratus.discovery import addresses_of, resolve_all
+from stratus.serving.discovery import addresses_of, resolve_all
 
 
 class TwoRouterLoop(asyncio.SelectorEventLoop):

@@ -14,8 +14,8 @@ from router.cloud_models import answered_by
 from router.family_view import DEGRADED, SERVING, UNAVAILABLE, TierSeen, family_statuses, judge
 from router.fleet_service import agent_status, cloud_status
 from router.rollout import Rollouts
+from stratus.cli.fleet import cloud_table, duration, families_table, family_json, status_json
 from stratus.errors import InvalidInput
-from stratus.fleetctl import cloud_table, duration, families_table, family_json, status_json
 from stratus.process import process_uptime_s, quiet_grpc_core
 from stratus.tiers import Tier
 from stratus.wire import fleet_pb2 as fpb

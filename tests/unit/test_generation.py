@@ -11,9 +11,10 @@ from pathlib import Path
 import pytest
 
 from router.openai_requests import oip_request, options_of, settings_of
-from stratus import codec
+from stratus.convert import codec
+from stratus.convert.text import read_generation
 from stratus.errors import ConfigError, InvalidInput
-from stratus.generation import (
+from stratus.families.generation import (
     FINISH_REASON,
     TOKEN_LOGPROBS,
     Chunk,
@@ -24,9 +25,8 @@ from stratus.generation import (
     Token,
     confidence_of,
 )
-from stratus.repository import load_family
-from stratus.sampling import FieldError
-from stratus.text_wire import read_generation
+from stratus.families.repository import load_family
+from stratus.families.sampling import FieldError
 from stratus.wire import inference_pb2 as pb
 
 
@@ -170,7 +170,7 @@ def test_the_openai_body_becomes_a_checked_request_that_reads_back_the_same() ->
 def test_the_cloud_link_knows_a_text_model_and_its_max_tokens_from_its_description() -> None:
     from router.cloud_catalog import UNDECLARED_MAX_TOKENS, _max_tokens
     from router.cloud_models import generates as _generates
-    from stratus.text_wire import generative_config, generative_metadata
+    from stratus.convert.text import generative_config, generative_metadata
     from stratus.wire import inference_pb2 as pb
 
     assert _generates(generative_metadata("arith", "openvino_genai"))

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 from stratus.errors import InvalidInput, ModelLoadError, NotFound
-from stratus.generation import GenerationParams, Token
-from stratus.repository import ModelRepository
+from stratus.families.generation import GenerationParams, Token
+from stratus.families.repository import ModelRepository
 from stratus.runtimes.base import LoadOptions
 from stratus.runtimes.generative import (
     GENERATORS,
@@ -256,7 +256,7 @@ def test_the_plugins_own_refusal_of_an_f32_cache_falls_back_on_a_bf16_cpu() -> N
     elsewhere f32 opens. This is why the runner asks for F32 arithmetic as well."""
     import openvino_genai as genai
 
-    from stratus.precision import cpu_flags
+    from stratus.families.precision import cpu_flags
     from stratus.runtimes.generative import open_with_kv_cache
 
     path = MODELS / "arith" / "arith-small.gguf"
@@ -355,7 +355,7 @@ def test_a_burst_of_requests_through_local_generators_answers_each_alike(
     every request gets its own answer, as it would alone."""
     import asyncio
 
-    from stratus.local_generation import LocalGenerators
+    from stratus.execution.generators import LocalGenerators
     from stratus.tools.arith import arith_splits
     from stratus.wire import inference_pb2 as pb
 
@@ -370,8 +370,8 @@ def test_a_burst_of_requests_through_local_generators_answers_each_alike(
     prompts = [p for p, _ in arith_splits().held_out[:24]]
 
     def request(prompt: str) -> pb.ModelInferRequest:
-        from stratus import codec
-        from stratus.text_wire import text_array
+        from stratus.convert import codec
+        from stratus.convert.text import text_array
 
         message = pb.ModelInferRequest(model_name="arith")
         codec.encode_request_inputs(message, {"text_input": text_array(prompt)})

@@ -34,7 +34,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from stratus import auth, certs
+from stratus.cli import certs
+from stratus.serving import auth
 from tests.unit.test_deploy_manifests import (
     K8S_VERSION,
     agent_name_fits,
@@ -422,7 +423,7 @@ def test_containers_speak_mutual_tls_with_their_roles_secret(site: Site) -> None
 
 def test_certificates_carry_each_roles_spiffe_id_and_the_names_dialled(site: Site) -> None:
     """With cert-manager: each container's Secret is a Certificate's, whose one URI SAN is
-    spiffe://<domain>/<role>/<name> (what stratus.auth reads); an agent's --name fits it; the
+    spiffe://<domain>/<role>/<name> (what stratus.serving.auth reads); an agent's --name fits it; the
     server certificates carry every name their clients dial and the probes' 127.0.0.1."""
     certificates = {c["spec"]["secretName"]: c for c in site.of_kind("Certificate")}
     if site.values.get("tls", {}).get("source") != "certManager":

@@ -14,7 +14,7 @@ import pytest
 from onnx import TensorProto, helper
 
 from stratus.errors import ConfigError
-from stratus.repository import load_family
+from stratus.families.repository import load_family
 from stratus.runtimes import LoadOptions, candidates, load_runner
 from stratus.runtimes.openvino_rt import output_names
 from stratus.runtimes.ort import dense_probabilities, is_probability_map

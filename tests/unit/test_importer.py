@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 from onnx import TensorProto, helper, numpy_helper, save
 
-from stratus.confidence import ConfidenceMethod
 from stratus.errors import ConfigError
-from stratus.repository import ModelRepository, load_family
+from stratus.families.confidence import ConfidenceMethod
+from stratus.families.repository import ModelRepository, load_family
 from stratus.tiers import Tier
 from stratus.tools.importer import ImportOptions, ImportResult, import_model
 from stratus.tools.importer.family_toml import with_current_entry

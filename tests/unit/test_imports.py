@@ -2,7 +2,7 @@
 a layer, as DESIGN.md lays them out ("The parts and where they live").
 
 * ``stratus/`` is what every tier shares and imports none of the three apps, except
-  ``stratus/cli.py``, lazily, one subcommand each.
+  ``stratus/cli/main.py``, lazily, one subcommand each.
 * The three apps (``router``, ``edge_agent``, ``cloud_gateway``) never import each other.
 * ``stratus/wire`` holds generated stubs only, which import nothing hand-written; the
   domain modules that DESIGN keeps free of the wire (the pure routing policy, tiers, the
@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("stratus", "router", "edge_agent", "cloud_gateway")
 APPS = ("router", "edge_agent", "cloud_gateway")
 # Modules DESIGN keeps off the wire: pure decisions and domain types.
-OFF_THE_WIRE = ("router.policy", "router.policy.climb", "stratus.tiers", "stratus.errors", "stratus.batching", "stratus.generation")
+OFF_THE_WIRE = ("router.policy", "router.policy.climb", "stratus.tiers", "stratus.errors", "stratus.sched.batching", "stratus.families.generation")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -168,7 +168,7 @@ def test_the_scan_sees_the_kinds_of_import_it_tells_apart() -> None:
     at_import = {(e.source, e.target) for e in edges if e.at_import}
     lazy = {(e.source, e.target) for e in edges if e.lazy}
     typing = {(e.source, e.target) for e in edges if e.typing}
-    assert ("router.link", "router.registry") in at_import and ("stratus.cli", "router.app") in lazy
+    assert ("router.link", "router.registry") in at_import and ("stratus.cli.main", "router.app") in lazy
     assert ("router.dataplane", "router.audit") in typing - at_import
     assert {"stratus.wire.fleet_pb2", "router.cloud"} <= set(modules())
 
@@ -194,7 +194,7 @@ def test_stratus_imports_no_app_but_the_cli_lazily() -> None:
         for edge in all_imports()
         if edge.source.split(".")[0] == "stratus"
         and edge.target.split(".")[0] in APPS
-        and not (edge.source == "stratus.cli" and edge.lazy)
+        and not (edge.source == "stratus.cli.main" and edge.lazy)
     ]
     assert not upward, "stratus/ imports an app:\n  " + _offending(upward)
 
@@ -246,3 +246,55 @@ def _reachable(graph: Mapping[str, set[str]], start: str) -> set[str]:
             seen.add(nxt)
             todo.append(nxt)
     return seen
+
+
+# stratus/ by role (its map is in stratus/__init__.py): each module's layer, by the longest
+# prefix that names it. A module imports from its own layer or the ones below, never above.
+LAYERS = {
+    "stratus": 0,  # the package itself (its version)
+    "stratus.errors": 0,
+    "stratus.tiers": 0,
+    "stratus.config": 0,
+    "stratus.process": 0,
+    "stratus.wire": 0,
+    "stratus.convert": 1,
+    "stratus.families": 1,
+    "stratus.sched": 1,  # the queue owners serve no one: the boundary computes their batch keys
+    "stratus.obs.stats": 1,  # pure estimates, which the boundary reads heartbeats into
+    "stratus.obs": 2,
+    "stratus.runtimes": 2,
+    "stratus.execution": 2,
+    "stratus.serving": 2,
+    "stratus.cli": 3,
+    "stratus.tools": 3,
+    "stratus.devtools": 3,
+    "stratus.probe": 3,
+}
+LAYER_NAMES = ("core", "domain, boundary and queues", "machinery", "front")
+
+
+def layer_of(module: str) -> int:
+    parts = module.split(".")
+    for end in range(len(parts), 0, -1):
+        prefix = ".".join(parts[:end])
+        if prefix in LAYERS:
+            return LAYERS[prefix]
+    raise AssertionError(f"{module} is in no layer of stratus/: add it to LAYERS and the map")
+
+
+def test_every_module_of_stratus_has_a_layer() -> None:
+    for name in modules():
+        if name.split(".")[0] == "stratus":
+            layer_of(name)
+
+
+def test_no_module_of_stratus_imports_from_a_layer_above_it() -> None:
+    """Lazy and TYPE_CHECKING imports count too."""
+    upward = [
+        f"{edge} ({LAYER_NAMES[layer_of(edge.source)]} -> {LAYER_NAMES[layer_of(edge.target)]})"
+        for edge in all_imports()
+        if edge.source.split(".")[0] == "stratus"
+        and edge.target.split(".")[0] == "stratus"
+        and layer_of(edge.target) > layer_of(edge.source)
+    ]
+    assert not upward, "imports up a layer of stratus/:\n  " + "\n  ".join(upward)

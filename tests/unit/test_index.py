@@ -13,7 +13,7 @@ from router.link import AdmissionGate
 from router.policy import Attempt, Target, choose
 from router.registry import FORGET_LOST_S, MISSED_HEARTBEATS, FleetRegistry, pace_for
 from stratus.errors import InvalidInput, Overloaded
-from stratus.stats import RateMeter
+from stratus.obs.stats import RateMeter
 from stratus.tiers import Tier
 from stratus.wire import fleet_pb2 as fpb
 from stratus.wire import inference_pb2 as pb

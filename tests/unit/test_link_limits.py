@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 
 from router.backends.agent import items_that_fit
-from stratus.batching import BatchKey
-from stratus.channels import MAX_MESSAGE_BYTES, MAX_WORK_BYTES, check_fits
-from stratus.codec import checked_shape
+from stratus.convert.codec import checked_shape
 from stratus.errors import InvalidInput
+from stratus.sched.batching import BatchKey
+from stratus.serving.channels import MAX_MESSAGE_BYTES, MAX_WORK_BYTES, check_fits
 
 
 def key(*inputs: tuple[str, str, tuple[int, ...]]) -> BatchKey:

@@ -10,12 +10,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from stratus import codec
+from stratus.convert import codec
 from stratus.errors import ConfigError
-from stratus.local import INLINE_REVIEW, LocalModels
-from stratus.local_fleet import variants_info
-from stratus.local_loading import LocalSettings
-from stratus.repository import ModelRepository
+from stratus.execution.describe import variants_info
+from stratus.execution.loading import LocalSettings
+from stratus.execution.models import INLINE_REVIEW, LocalModels
+from stratus.families.repository import ModelRepository
 from stratus.tiers import Tier
 from stratus.wire import inference_pb2 as pb
 
@@ -65,9 +65,9 @@ def test_reload_loads_what_changed_and_retires_what_was_replaced(
 ) -> None:
     import shutil
 
-    import stratus.local
+    import stratus.execution.models
 
-    monkeypatch.setattr(stratus.local, "RETIRE_GRACE_S", 0.2)
+    monkeypatch.setattr(stratus.execution.models, "RETIRE_GRACE_S", 0.2)
     root = tmp_path / "models"
     shutil.copytree(models_dir / "digits", root / "digits")
     settings = LocalSettings(tier=Tier.EDGE, runtimes=["onnxruntime"], cache_dir=tmp_path, precision="fp32")

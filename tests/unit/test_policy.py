@@ -21,7 +21,7 @@ from router.policy import (
     predicted_ms,
     top_tier,
 )
-from stratus.confidence import accepts, settled
+from stratus.families.confidence import accepts, settled
 from stratus.tiers import Tier
 
 

@@ -8,10 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from stratus import precision
 from stratus.errors import ConfigError, NotFound
-from stratus.family_spec import FamilySpec
-from stratus.precision import (
+from stratus.families import precision
+from stratus.families.precision import (
     Hardware,
     VerificationRecord,
     arm_hwcap_flags,
@@ -24,7 +23,8 @@ from stratus.precision import (
     load_verification,
     this_hardware,
 )
-from stratus.repository import ModelRepository, load_family
+from stratus.families.repository import ModelRepository, load_family
+from stratus.families.spec import FamilySpec
 from stratus.tiers import Tier
 
 AVX2 = ["fpu", "sse4_2", "avx", "avx2", "fma", "f16c"]

@@ -15,8 +15,8 @@ from pathlib import Path
 import grpc
 import pytest
 
-from stratus.certs import Identity, issue
-from stratus.health import Health
+from stratus.cli.certs import Identity, issue
+from stratus.serving.health import Health
 
 ROOT = Path(__file__).resolve().parents[2]
 

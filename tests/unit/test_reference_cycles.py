@@ -17,8 +17,8 @@ from collections.abc import AsyncIterator, Iterator
 import pytest
 
 from stratus.errors import StratusError, drop_frames
-from stratus.local_dataplane import LocalDataPlane
-from stratus.serving import DataPlane, _StreamSession
+from stratus.execution.dataplane import LocalDataPlane
+from stratus.serving.servicer import DataPlane, _StreamSession
 from stratus.tiers import Tier
 from stratus.wire import inference_pb2 as pb
 

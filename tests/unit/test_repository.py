@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 from stratus.errors import ConfigError, InvalidInput, NotFound
-from stratus.family_spec import CalibrationRecord
-from stratus.family_writer import write_thresholds
-from stratus.repository import ModelRepository, load_family
+from stratus.families.repository import ModelRepository, load_family
+from stratus.families.spec import CalibrationRecord
+from stratus.families.writer import write_thresholds
 from stratus.tiers import Tier
 
 

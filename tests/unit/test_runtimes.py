@@ -10,8 +10,7 @@ import numpy as np
 import pytest
 
 from stratus.errors import NotFound, Overloaded, RuntimeUnavailable
-from stratus.executor import BoundedExecutor
-from stratus.repository import ModelRepository
+from stratus.families.repository import ModelRepository
 from stratus.runtimes import (
     RUNNERS,
     Availability,
@@ -21,6 +20,7 @@ from stratus.runtimes import (
     open_runner,
     preference,
 )
+from stratus.sched.executor import BoundedExecutor
 from stratus.tiers import Tier
 
 CPU_CHOICES = [("litert", "tflite"), ("openvino", "openvino"), ("openvino", "onnx"), ("onnxruntime", "onnx")]
@@ -211,9 +211,9 @@ def test_an_agent_that_runs_litert_never_imports_the_other_runtimes(tmp_path: Pa
     script = f"""
 import sys
 from pathlib import Path
-from stratus.local import LocalModels
-from stratus.local_loading import LocalSettings
-from stratus.repository import ModelRepository
+from stratus.execution.models import LocalModels
+from stratus.execution.loading import LocalSettings
+from stratus.families.repository import ModelRepository
 from stratus.tiers import Tier
 models = LocalModels(ModelRepository.load({str(Path(__file__).parents[2] / "models")!r}),
     LocalSettings(tier=Tier.DEVICE, runtimes=["litert"], cache_dir=Path({str(tmp_path)!r})))

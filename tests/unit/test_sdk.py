@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from edge_agent.sdk import Client
+from stratus.convert.parameters import RequestOptions
 from stratus.errors import InvalidInput, Unavailable
-from stratus.protocol import RequestOptions
 from stratus.tiers import Tier
 
 MODELS = Path(__file__).resolve().parents[2] / "models"

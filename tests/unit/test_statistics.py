@@ -6,9 +6,9 @@ import time
 
 import pytest
 
+from stratus.convert.parameters import COMPUTE_MS, QUEUE_MS, reported_ms, set_parameter
 from stratus.errors import NotFound
-from stratus.protocol import COMPUTE_MS, QUEUE_MS, reported_ms, set_parameter
-from stratus.serving import DataPlane, Statistics, check_version, version_ready
+from stratus.serving.servicer import DataPlane, Statistics, check_version, version_ready
 from stratus.wire import inference_pb2 as pb
 
 

@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 
 from stratus.errors import InvalidInput
-from stratus.family_spec import TensorSpec
+from stratus.families.spec import TensorSpec
 from stratus.runtimes.tensorrt_rt import (
     BatchProfile,
     GpuIdentity,

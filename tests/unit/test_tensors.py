@@ -5,11 +5,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from stratus import codec
+from stratus.convert import codec
+from stratus.convert.tensors import Tensors, check_inputs
 from stratus.errors import InvalidInput
-from stratus.family_spec import TensorSpec
-from stratus.stats import ServiceCurve
-from stratus.tensors import Tensors, check_inputs
+from stratus.families.spec import TensorSpec
+from stratus.obs.stats import ServiceCurve
 from stratus.wire import inference_pb2 as pb
 
 SPEC = (TensorSpec(name="input", datatype="FP32", shape=(-1, 4)),)

@@ -154,7 +154,7 @@ def test_steer_refuses_an_unknown_family_and_reports_what_is_in_force() -> None:
 
 
 def test_the_version_and_thresholds_in_force_are_exported_and_shown_with_the_accuracy() -> None:
-    from stratus.fleet_accuracy import accuracy_table
+    from stratus.cli.accuracy import accuracy_table
 
     reg = FleetRegistry()
     reg.register(hello("d1", threshold=0.5), peer="t")

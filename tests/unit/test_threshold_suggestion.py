@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from router.audit_rows import RowBook, TierAnswer
-from stratus import codec
+from stratus.convert import codec
 from stratus.errors import ConfigError
 from stratus.tiers import Tier
 from stratus.tools.calibrate.classifier import TierScores, for_max_escalation, for_target_accuracy

@@ -32,7 +32,8 @@ from cloud_gateway.upstream import (
     served_model,
     token_texts,
 )
-from stratus import codec
+from stratus.convert import codec
+from stratus.convert.parameters import Served, parameter_value, set_parameter
 from stratus.errors import (
     ConfigError,
     DeadlineExceeded,
@@ -42,7 +43,7 @@ from stratus.errors import (
     StratusError,
     Unavailable,
 )
-from stratus.generation import (
+from stratus.families.generation import (
     FINAL,
     FINISH_REASON,
     TOKEN_LOGPROBS,
@@ -51,9 +52,8 @@ from stratus.generation import (
     GenerationParams,
     Token,
 )
-from stratus.metrics import Metrics, ModelMetrics
-from stratus.protocol import Served, parameter_value, set_parameter
-from stratus.serving import DataPlane
+from stratus.obs.metrics import Metrics, ModelMetrics
+from stratus.serving.servicer import DataPlane
 from stratus.wire import inference_pb2 as pb
 
 # --- canned vLLM answers ------------------------------------------------------------------------

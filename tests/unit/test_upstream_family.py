@@ -10,7 +10,7 @@ import pytest
 from cloud_gateway.app import _generative_model, upstream_family
 from cloud_gateway.settings import CloudSettings
 from cloud_gateway.upstream import OpenAIUpstream, UpstreamSettings
-from stratus.repository import ModelRepository
+from stratus.families.repository import ModelRepository
 
 MODELS = Path(__file__).resolve().parents[2] / "models"
 pytestmark = pytest.mark.skipif(

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from stratus.family_spec import FamilySpec
-from stratus.precision import format_record, load_verification
-from stratus.repository import ModelRepository, load_family
+from stratus.families.precision import format_record, load_verification
+from stratus.families.repository import ModelRepository, load_family
+from stratus.families.spec import FamilySpec
 from stratus.runtimes import available_runtimes
 from stratus.tools.datasets import dataset_for
 from stratus.tools.verify.classifier import build_record, record_state, verify_family

@@ -40,12 +40,12 @@ from typing import Any, Final
 import numpy as np
 import numpy.typing as npt
 
-from stratus.audit_config import TierCalibration
-from stratus.codec import Array
-from stratus.confidence import ConfidenceMethod, confidence
+from stratus.convert.codec import Array
 from stratus.errors import ConfigError
-from stratus.family_spec import CalibrationRecord, FamilySpec, VariantSpec
-from stratus.family_writer import write_thresholds
+from stratus.families.audit import TierCalibration
+from stratus.families.confidence import ConfidenceMethod, confidence
+from stratus.families.spec import CalibrationRecord, FamilySpec, VariantSpec
+from stratus.families.writer import write_thresholds
 from stratus.runtimes import LoadOptions, load_runner
 from stratus.tiers import Tier
 from stratus.tools.calibrate.labelled_data import LabelledData, bundled_data

@@ -19,10 +19,10 @@ from pathlib import Path
 
 import numpy as np
 
-from stratus.codec import Array
+from stratus.convert.codec import Array
 from stratus.errors import ConfigError, NotFound, RuntimeUnavailable
-from stratus.family_spec import FamilySpec, VariantSpec
-from stratus.generation import GenerationParams, confidence_of
+from stratus.families.generation import GenerationParams, confidence_of
+from stratus.families.spec import FamilySpec, VariantSpec
 from stratus.runtimes.base import LoadOptions
 from stratus.runtimes.generative import GenerativeRunner, load_generator
 from stratus.tiers import Tier

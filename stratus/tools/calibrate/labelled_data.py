@@ -15,10 +15,10 @@ from typing import Final
 import numpy as np
 import numpy.typing as npt
 
-from stratus import codec
-from stratus.codec import Array
+from stratus.convert import codec
+from stratus.convert.codec import Array
 from stratus.errors import ConfigError
-from stratus.family_spec import FamilySpec
+from stratus.families.spec import FamilySpec
 from stratus.tools.datasets import Split, dataset_for
 
 Indices = npt.NDArray[np.intp]
@@ -69,7 +69,7 @@ def load_labelled(family: FamilySpec, path: Path, *, source: str = "audit") -> L
 
 def captured_arrays(family: FamilySpec, folder: Path, source: str) -> dict[str, Array]:
     """A capture folder's items of the family as arrays, ``labels`` being the top tier's answers."""
-    from stratus.capture import read_dataset
+    from stratus.obs.capture import read_dataset
 
     if source not in SOURCES:
         raise ConfigError(f"--data-source {source}: expected one of {', '.join(SOURCES)}")

@@ -1,6 +1,6 @@
 """What ``stratus models calibrate`` records of each tier for the audits: of the calibration
 split's items the thresholds settle on each tier, how many, the share right and the share the
-top tier answered alike (family.toml's ``[tier_accuracy]``, read by stratus.audit_config)."""
+top tier answered alike (family.toml's ``[tier_accuracy]``, read by stratus.families.audit)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from stratus.audit_config import TABLE, TierCalibration
-from stratus.repository import load_family_text_check
+from stratus.families.audit import TABLE, TierCalibration
+from stratus.families.repository import load_family_text_check
 from stratus.tiers import Tier
 
 

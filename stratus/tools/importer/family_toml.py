@@ -8,7 +8,7 @@ import tomllib
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from stratus.family_spec import FamilySpec, TensorSpec, VariantSpec
+from stratus.families.spec import FamilySpec, TensorSpec, VariantSpec
 from stratus.tiers import Tier
 
 

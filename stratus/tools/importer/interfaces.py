@@ -12,9 +12,9 @@ from typing import Any, Final
 
 import numpy as np
 
-from stratus import codec
+from stratus.convert import codec
 from stratus.errors import ConfigError, StratusError
-from stratus.family_spec import FamilySpec, TensorSpec
+from stratus.families.spec import FamilySpec, TensorSpec
 
 EXTENSIONS: Final = {".onnx": "onnx", ".tflite": "tflite", ".xml": "openvino"}
 

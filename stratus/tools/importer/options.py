@@ -9,10 +9,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
-from stratus.confidence import ConfidenceMethod
 from stratus.errors import ConfigError, InvalidInput
-from stratus.family_spec import FamilySpec, VariantSpec
-from stratus.repository import CONFIG_NAME, load_family
+from stratus.families.confidence import ConfidenceMethod
+from stratus.families.repository import CONFIG_NAME, load_family
+from stratus.families.spec import FamilySpec, VariantSpec
 from stratus.tiers import Tier
 from stratus.tools.verify.report import VerifyReport
 

@@ -11,11 +11,11 @@ from typing import Final
 
 import numpy as np
 
-from stratus.codec import Array
-from stratus.confidence import TEMPERATURE_GRID, ConfidenceMethod, fit_temperature
+from stratus.convert.codec import Array
 from stratus.errors import ConfigError, InvalidInput
-from stratus.family_spec import ConfidenceSpec, FamilySpec, VariantSpec
-from stratus.repository import CONFIG_NAME
+from stratus.families.confidence import TEMPERATURE_GRID, ConfidenceMethod, fit_temperature
+from stratus.families.repository import CONFIG_NAME
+from stratus.families.spec import ConfidenceSpec, FamilySpec, VariantSpec
 from stratus.runtimes import (
     RUNNERS,
     Choice,

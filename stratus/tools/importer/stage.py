@@ -12,8 +12,8 @@ from pathlib import Path
 from typing import Final
 
 from stratus.errors import ConfigError, InvalidInput
-from stratus.family_spec import FamilySpec, VariantSpec
-from stratus.repository import CONFIG_NAME, load_family
+from stratus.families.repository import CONFIG_NAME, load_family
+from stratus.families.spec import FamilySpec, VariantSpec
 from stratus.runtimes import (
     available_runtimes,
 )

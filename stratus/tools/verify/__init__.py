@@ -7,8 +7,8 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
-from stratus.family_spec import FamilySpec
-from stratus.repository import ModelRepository
+from stratus.families.repository import ModelRepository
+from stratus.families.spec import FamilySpec
 from stratus.runtimes import available_runtimes
 from stratus.tools.verify.classifier import (
     DataSource,

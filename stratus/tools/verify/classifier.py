@@ -15,7 +15,7 @@ compared, with a check that fits the precision:
 A lower-precision variant is also compared with its FP32 parent: held-out accuracy drop
 and top-1 agreement. One that loses more than the family's ``max_accuracy_drop`` is
 reported as outside tolerance; that is a correct finding, not a failure, and such a
-variant is never served (see :mod:`stratus.precision`). The verdict fails only when a
+variant is never served (see :mod:`stratus.families.precision`). The verdict fails only when a
 runtime errs or runtimes disagree. ``record=True`` writes each family's verification
 record; without it, a missing or stale record is reported.
 """
@@ -30,10 +30,9 @@ from pathlib import Path
 
 import numpy as np
 
-from stratus.codec import Array, numpy_dtype
+from stratus.convert.codec import Array, numpy_dtype
 from stratus.errors import ConfigError
-from stratus.family_spec import FamilySpec, VariantSpec
-from stratus.precision import (
+from stratus.families.precision import (
     VariantRecord,
     VerificationRecord,
     file_sha256,
@@ -42,6 +41,7 @@ from stratus.precision import (
     variant_files,
     write_verification,
 )
+from stratus.families.spec import FamilySpec, VariantSpec
 from stratus.runtimes import RUNNERS, Choice, LoadOptions, ModelRunner, available_runtimes, open_runner
 from stratus.tools.datasets import Split, dataset_for
 from stratus.tools.verify.report import VerifyReport, VerifyRow

@@ -32,8 +32,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from stratus.errors import ConfigError
-from stratus.family_spec import FamilySpec, VariantSpec
-from stratus.generation import GenerationParams, Token, confidence_of
+from stratus.families.generation import GenerationParams, Token, confidence_of
+from stratus.families.spec import FamilySpec, VariantSpec
 from stratus.runtimes.base import LoadOptions
 from stratus.runtimes.generative import GENERATORS, GenerativeRunner, generative_order
 from stratus.tools.datasets import Split

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from stratus.launcher import free_port
+from stratus.devtools.launcher import free_port
 from tests.integration.cluster import Cluster
 from tests.integration.vllm.direct import Gateway, Vllm, completion
 from tests.scripts import load

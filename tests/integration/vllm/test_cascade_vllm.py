@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import openai
 import pytest
 
-from stratus.launcher import free_port
+from stratus.devtools.launcher import free_port
 from tests.integration.cluster import Cluster, ready_count, wait_until
 from tests.integration.vllm.direct import Gateway, Vllm, completion
 from tests.integration.vllm.test_cloud_vllm import gateway_stops_serving

@@ -12,10 +12,10 @@ import grpc
 import numpy as np
 import pytest
 
-from stratus import codec
-from stratus.channels import open_sync_channel
-from stratus.generation import FINAL, FINISH_REASON, TOKEN_LOGPROBS, TOKEN_MARGINS
-from stratus.protocol import Served, parameter_value, set_parameter
+from stratus.convert import codec
+from stratus.convert.parameters import Served, parameter_value, set_parameter
+from stratus.families.generation import FINAL, FINISH_REASON, TOKEN_LOGPROBS, TOKEN_MARGINS
+from stratus.serving.channels import open_sync_channel
 from stratus.wire import inference_pb2 as pb
 from stratus.wire import inference_pb2_grpc as pb_grpc
 from tests.integration.cluster import wait_until

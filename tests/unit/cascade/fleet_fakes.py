@@ -27,12 +27,20 @@ import numpy as np
 from router.cloud import CloudLink, OnChunk
 from router.dataplane import RouterDataPlane
 from router.registry import AgentHandle, FleetRegistry
-from stratus import codec
+from stratus.convert import codec
+from stratus.convert.parameters import CONFIDENCE, VARIANT, RequestOptions, Served, set_parameter
+from stratus.convert.text import prompt_request, text_response
 from stratus.errors import StratusError
-from stratus.generation import FINAL, FINISH_REASON, TEXT_INPUT, TEXT_OUTPUT, Chunk, GenerationParams, Token
-from stratus.metrics import Metrics, RouterMetrics
-from stratus.protocol import CONFIDENCE, VARIANT, RequestOptions, Served, set_parameter
-from stratus.text_wire import prompt_request, text_response
+from stratus.families.generation import (
+    FINAL,
+    FINISH_REASON,
+    TEXT_INPUT,
+    TEXT_OUTPUT,
+    Chunk,
+    GenerationParams,
+    Token,
+)
+from stratus.obs.metrics import Metrics, RouterMetrics
 from stratus.tiers import Tier
 from stratus.wire import fleet_pb2 as fpb
 from stratus.wire import inference_pb2 as pb

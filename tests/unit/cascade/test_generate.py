@@ -15,9 +15,9 @@ import contextlib
 import grpc
 import pytest
 
+from stratus.convert.parameters import parameter_value
 from stratus.errors import Overloaded, Unavailable
-from stratus.generation import FINAL, FINISH_REASON, Chunk
-from stratus.protocol import parameter_value
+from stratus.families.generation import FINAL, FINISH_REASON, Chunk
 from stratus.tiers import Tier
 from stratus.wire import inference_pb2 as pb
 

@@ -21,7 +21,7 @@ from stratus.convert.errors import (
     wire_error,
     wire_error_label,
 )
-from stratus.sampling import FieldError
+from stratus.families.sampling import FieldError
 from stratus.wire import inference_pb2 as pb
 
 # What each error is once it crossed a hop: FAILED_PRECONDITION reads as ConfigError (a

@@ -14,7 +14,7 @@ from stratus.convert.fleet import (
     wire_tier,
 )
 from stratus.errors import InvalidInput
-from stratus.generation import Chunk, Token
+from stratus.families.generation import Chunk, Token
 from stratus.tiers import Tier
 from stratus.wire import fleet_pb2 as fpb
 

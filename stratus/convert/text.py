@@ -1,0 +1,173 @@
+"""Generative requests and responses in the Open Inference Protocol, as Triton's vLLM
+backend has them: one prompt in ``text_input`` (and optional ``sampling_parameters``), text
+out in ``text_output``, streamed chunk by chunk with token log-probabilities and counts as
+parameters. Read and written here for every server and client of a text model."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+
+from stratus.convert import codec
+from stratus.convert.parameters import MODEL_VERSION, VARIANT, parameter_value, set_parameter
+from stratus.errors import InvalidInput
+from stratus.families.generation import (
+    COMPLETION_TOKENS,
+    MAX_TOKENS,
+    PROMPT_TOKENS,
+    STREAM,
+    TEXT_INPUT,
+    TEXT_OUTPUT,
+    Chunk,
+    GenerationParams,
+    token_count,
+)
+from stratus.families.sampling import MAX_SETTINGS_BYTES, SAMPLING_PARAMETERS, read_settings, sampling_object
+from stratus.families.spec import FamilySpec
+from stratus.wire import inference_pb2 as pb
+
+# The longest prompt taken, in UTF-8 bytes: far more than any context here holds (a 128k-token
+# context is about 0.5 MiB of text), and far below what a link carries.
+MAX_PROMPT_BYTES = 1 << 20
+# The inputs a generative request may have, as Triton's vLLM backend takes them (the prompt first).
+EXCLUDE_INPUT = "exclude_input_in_output"
+_TAKEN = (TEXT_INPUT, SAMPLING_PARAMETERS, STREAM, EXCLUDE_INPUT)
+
+
+def prompt_and_params(request: pb.ModelInferRequest, family: FamilySpec) -> tuple[str, GenerationParams]:
+    """The prompt (one ``text_input`` string) and the generation's settings, checked; the
+    family's own stop strings are added to the request's."""
+    assert family.generation is not None
+    prompt, params = read_generation(request, family.name, family.generation.max_tokens)
+    return prompt, params.stopping_also_at(family.generation.stop)
+
+
+def read_generation(request: pb.ModelInferRequest, family: str, limit: int) -> tuple[str, GenerationParams]:
+    """One prompt in ``text_input``, and the settings (:mod:`stratus.families.sampling`) from the
+    parameters and an optional ``sampling_parameters`` input, ``max_tokens`` within
+    1..limit; a prompt over MAX_PROMPT_BYTES is refused before it is decoded. Triton's BOOL
+    inputs ``stream`` (the servicer reads it) and ``exclude_input_in_output`` (true: what
+    Stratus answers anyway) are taken too."""
+    names = [t.name for t in request.inputs[: len(_TAKEN) + 1]]
+    if TEXT_INPUT not in names or len(set(names)) != len(request.inputs) or not set(names) <= set(_TAKEN):
+        raise InvalidInput(
+            f"model '{family}' takes the input '{TEXT_INPUT}' (BYTES), and optionally {list(_TAKEN[1:])}, not {names}"
+        )
+    check_prompt_size(request)
+    inputs = codec.decode_request_inputs(request)
+    if EXCLUDE_INPUT in inputs and not all(inputs[EXCLUDE_INPUT].reshape(-1)):
+        raise InvalidInput(
+            f"'{EXCLUDE_INPUT}' false is not supported: the answer is the generated text alone"
+        )
+    settings = _one_string(inputs, SAMPLING_PARAMETERS) if SAMPLING_PARAMETERS in inputs else None
+    params = read_settings(request.parameters, settings, limit=limit, model=family)
+    try:
+        return _one_string(inputs, TEXT_INPUT).decode("utf-8"), params
+    except UnicodeDecodeError:
+        raise InvalidInput(f"'{TEXT_INPUT}' is not UTF-8 text") from None
+
+
+def _one_string(inputs: Mapping[str, codec.Array], name: str) -> bytes:
+    values = inputs[name].reshape(-1)
+    if len(values) != 1:
+        raise InvalidInput(f"'{name}' must hold exactly one string, not {len(values)}")
+    raw = values[0]
+    return raw if isinstance(raw, bytes) else str(raw).encode("utf-8")
+
+
+def text_response(request: pb.ModelInferRequest, text: str) -> pb.ModelInferResponse:
+    """``text_output`` in the form the client sent its input: raw bytes (as tritonclient
+    does and expects back) or typed contents."""
+    response = pb.ModelInferResponse(model_name=request.model_name, id=request.id)
+    raw = bool(request.raw_input_contents)
+    codec.encode_response_outputs(response, {TEXT_OUTPUT: text_array(text)}, raw=raw)
+    return response
+
+
+def check_prompt_size(request: pb.ModelInferRequest) -> None:
+    """Refuse a prompt over MAX_PROMPT_BYTES before it is decoded (or tokenized)."""
+    size = sum(len(buffer) for buffer in request.raw_input_contents) or sum(
+        t.ByteSize() for t in request.inputs
+    )
+    settings = MAX_SETTINGS_BYTES + 64 if len(request.inputs) > 1 else 0  # sampling_parameters, BOOL inputs
+    if size > MAX_PROMPT_BYTES + 4 + settings:  # a BYTES element's 4-byte length prefix
+        raise InvalidInput(f"the prompt is {size} bytes; at most {MAX_PROMPT_BYTES} are taken")
+
+
+def prompt_request(
+    model: str, request_id: str, prompt: str, params: GenerationParams
+) -> pb.ModelInferRequest:
+    """A generative request holding only a checked prompt and its settings (what agents and
+    the cloud are sent): ``max_tokens`` as a parameter, the rest, where asked for, in a
+    ``sampling_parameters`` input as Triton's vLLM backend takes them."""
+    request = pb.ModelInferRequest(model_name=model, id=request_id)
+    inputs = {TEXT_INPUT: text_array(prompt)}
+    settings = sampling_object(params)
+    if settings is not None:
+        inputs[SAMPLING_PARAMETERS] = text_array(json.dumps(settings))
+    codec.encode_request_inputs(request, inputs)
+    set_parameter(request.parameters, MAX_TOKENS, params.max_tokens)
+    return request
+
+
+def write_usage(response: pb.ModelInferResponse, chunk: Chunk) -> None:
+    """The token counts a final chunk carries, as int64 parameters of ``response``."""
+    for key, value in chunk.usage().items():
+        set_parameter(response.parameters, key, value)
+
+
+def read_usage(parameters: Mapping[str, pb.InferParameter]) -> tuple[int | None, int | None]:
+    """(prompt tokens, completion tokens) as a final response gives them; None where it does not."""
+
+    def count(key: str) -> int | None:
+        return token_count(parameter_value(parameters[key])) if key in parameters else None
+
+    return count(PROMPT_TOKENS), count(COMPLETION_TOKENS)
+
+
+def text_array(text: str) -> codec.Array:
+    """One string as the BYTES tensor the Open Inference Protocol carries."""
+    import numpy as np
+
+    return np.array([text.encode("utf-8")], dtype=object)
+
+
+def chunk_response(request: pb.ModelInferRequest, chunk: Chunk) -> pb.ModelInferResponse:
+    """One streamed chunk as Triton's vLLM backend sends it: its text in ``text_output``,
+    its tokens' log-probabilities (and the finish reason and token counts, on the last) as
+    parameters."""
+    response = text_response(request, chunk.text)
+    for key, value in chunk.parameters().items():
+        set_parameter(response.parameters, key, value)
+    write_usage(response, chunk)
+    return response
+
+
+def generative_metadata(name: str, platform: str) -> pb.ModelMetadataResponse:
+    """ModelMetadata of a generative model: one prompt in, text out (Triton's vLLM layout)."""
+    tensor = pb.ModelMetadataResponse.TensorMetadata
+    return pb.ModelMetadataResponse(
+        name=name,
+        versions=[MODEL_VERSION],
+        platform=platform,
+        inputs=[tensor(name=TEXT_INPUT, datatype="BYTES", shape=[1])],
+        outputs=[tensor(name=TEXT_OUTPUT, datatype="BYTES", shape=[-1])],
+    )
+
+
+def generative_config(name: str, platform: str, max_tokens: int, *, variant: str = "") -> pb.ModelConfig:
+    """ModelConfig of a generative model: one prompt per request, no batch dimension, and
+    the most tokens a request may ask for (a router that learns the family from here
+    checks requests against it); ``variant``: the one that answers ``name`` here."""
+    parameters = {MAX_TOKENS: pb.ModelParameter(string_value=str(max_tokens))}
+    if variant:
+        parameters[VARIANT] = pb.ModelParameter(string_value=variant)
+    return pb.ModelConfig(
+        parameters=parameters,
+        name=name,
+        platform=platform,
+        backend=platform,
+        max_batch_size=0,
+        input=[pb.ModelInput(name=TEXT_INPUT, data_type=pb.DataType.TYPE_STRING, dims=[1])],
+        output=[pb.ModelOutput(name=TEXT_OUTPUT, data_type=pb.DataType.TYPE_STRING, dims=[-1])],
+    )

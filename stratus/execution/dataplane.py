@@ -1,0 +1,164 @@
+"""The data plane over the models loaded here: the cloud gateway's, and an agent's
+``--serve`` endpoint. It turns ``LocalModels``' answers into inference responses that say
+who answered (tier, agent, variant, timings), and streams generative ones token by token."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+from stratus.convert.parameters import (
+    BATCH_SIZE,
+    MODEL_VERSION,
+    VARIANT,
+    Served,
+    parameter_value,
+    set_parameter,
+)
+from stratus.convert.tensors import MAX_REQUEST_ITEMS
+from stratus.convert.text import chunk_response, generative_config, generative_metadata, read_usage
+from stratus.errors import DeadlineExceeded
+from stratus.execution.models import LocalAnswer, LocalModels
+from stratus.families.generation import FINAL, FINISH_REASON, Chunk
+from stratus.families.spec import FamilySpec
+from stratus.obs.metrics import counted
+from stratus.serving.servicer import DataPlane, tensor_metadata
+from stratus.tiers import Tier
+from stratus.wire import inference_pb2 as pb
+
+
+class LocalDataPlane(DataPlane):
+    """Serves the variants loaded here: the cloud gateway, and an agent's ``--serve``."""
+
+    def __init__(self, models: LocalModels, *, tier: Tier, name: str) -> None:
+        self.models = models
+        self.tier = tier
+        self.name = name
+
+    def ready(self) -> bool:
+        return bool(self.models.runners) or bool(self.models.generators and self.models.generators.runners)
+
+    def model_ready(self, name: str) -> bool:
+        return name in self.models.model_names()
+
+    def model_names(self) -> list[str]:
+        return self.models.model_names()
+
+    def model_metadata(self, name: str) -> pb.ModelMetadataResponse:
+        family, variant = self.models.variant_for(name)
+        if family.generative:
+            return generative_metadata(name, self._runtime(variant.name))
+        return pb.ModelMetadataResponse(
+            name=name,
+            versions=[MODEL_VERSION],
+            platform=self._runtime(variant.name),
+            inputs=tensor_metadata(family.inputs),
+            outputs=tensor_metadata(family.outputs),
+        )
+
+    def model_config(self, name: str) -> pb.ModelConfig:
+        family, variant = self.models.variant_for(name)
+        if family.generative:
+            assert family.generation is not None
+            max_tokens = family.generation.max_tokens
+            return generative_config(name, self._runtime(variant.name), max_tokens, variant=variant.name)
+        config = model_config(family, name, self._runtime(variant.name))
+        config.parameters[VARIANT].string_value = variant.name  # the variant that answers ``name`` here
+        return config
+
+    def _runtime(self, variant: str) -> str:
+        generators = self.models.generators
+        if generators is not None and variant in generators.runners:
+            return generators.runners[variant].runtime
+        return self.models.runners[variant].describe().runtime
+
+    def generate(
+        self, request: pb.ModelInferRequest, *, timeout_s: float | None
+    ) -> AsyncIterator[pb.ModelInferResponse]:
+        if not self.models.generates(request.model_name):
+            return super().generate(request, timeout_s=timeout_s)
+        return self._generate(request)
+
+    async def _generate(self, request: pb.ModelInferRequest) -> AsyncIterator[pb.ModelInferResponse]:
+        """Each token as a response as soon as it is made, then a final one with the finish
+        reason and who answered; a caller that stops reading stops the generation."""
+        chunks: asyncio.Queue[Chunk | None] = asyncio.Queue()
+
+        async def on_chunk(chunk: Chunk) -> None:
+            chunks.put_nowait(chunk)
+
+        task = asyncio.create_task(self.models.generate(request, on_chunk))
+        task.add_done_callback(lambda _: chunks.put_nowait(None))
+        try:
+            with counted(lambda outcome: self.models.count(outcome, request.model_name)):
+                while (chunk := await chunks.get()) is not None:
+                    yield chunk_response(request, chunk)
+                answer = await task
+        finally:  # the caller went away (cancelled, or stopped reading): stop generating
+            if not task.done():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+            del task  # else a failed task's traceback holds this frame, which holds the task
+        reason = parameter_value(answer.response.parameters[FINISH_REASON])
+        prompt_tokens, completion_tokens = read_usage(answer.response.parameters)
+        ending = Chunk(
+            tokens=(),
+            finish_reason=str(reason),
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+        )
+        final = chunk_response(request, ending)
+        set_parameter(final.parameters, FINAL, True)
+        self._served(answer).write(final.parameters)
+        yield final
+
+    def _served(self, answer: LocalAnswer) -> Served:
+        return Served(
+            tier=self.tier,
+            agent=self.name,
+            variant=answer.variant.name,
+            precision=answer.variant.precision,
+            confidence=answer.confidence,
+            path=(self.tier,),
+            timings_ms={self.tier: answer.service_ms},
+            queue_ms=answer.queue_ms,
+            compute_ms=answer.service_ms,
+        )
+
+    async def infer(self, request: pb.ModelInferRequest, *, timeout_s: float | None) -> pb.ModelInferResponse:
+        """Answered within the caller's deadline, or DEADLINE_EXCEEDED: a request whose caller
+        has given up holds no slot or queue place here."""
+        with counted(lambda outcome: self.models.count(outcome, request.model_name)):
+            try:
+                async with asyncio.timeout(timeout_s):
+                    answer = await self.models.answer(request)
+            except TimeoutError:
+                raise DeadlineExceeded(f"no answer within the caller's deadline ({timeout_s:g} s)") from None
+        self._served(answer).write(answer.response.parameters)
+        set_parameter(answer.response.parameters, BATCH_SIZE, answer.batch_size)
+        return answer.response
+
+
+_TYPE_NAMES = {"BOOL": "TYPE_BOOL", "BYTES": "TYPE_STRING"}
+
+
+def model_config(family: FamilySpec, name: str, backend: str) -> pb.ModelConfig:
+    """Triton's ModelConfig for a family: dims without the batch dimension."""
+
+    def data_type(datatype: str) -> pb.DataType.ValueType:
+        return pb.DataType.Value(_TYPE_NAMES.get(datatype, f"TYPE_{datatype}"))
+
+    return pb.ModelConfig(
+        name=name,
+        platform=backend,
+        backend=backend,
+        max_batch_size=MAX_REQUEST_ITEMS,
+        input=[
+            pb.ModelInput(name=s.name, data_type=data_type(s.datatype), dims=s.shape[1:])
+            for s in family.inputs
+        ],
+        output=[
+            pb.ModelOutput(name=s.name, data_type=data_type(s.datatype), dims=s.shape[1:])
+            for s in family.outputs
+        ],
+    )

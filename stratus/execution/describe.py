@@ -1,0 +1,132 @@
+"""What an agent's Hello says about the models loaded here: each family (tensors,
+thresholds, audits, calibration, cloud variants) and each variant (runtime, precision,
+line, why it was chosen), and the families that could not be loaded, in fleet.proto's types."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from stratus.convert.fleet import thresholds_to_wire
+from stratus.execution.generators import LocalGenerators
+from stratus.execution.models import LocalModels
+from stratus.families.audit import calibration_info
+from stratus.families.spec import FamilySpec
+from stratus.serving.servicer import tensor_metadata
+from stratus.tiers import Tier
+from stratus.wire import fleet_pb2
+
+# The most of a load failure's reason an agent's Hello carries.
+_REASON_CHARS = 1000
+
+
+def families_info(models: LocalModels) -> list[fleet_pb2.FamilyInfo]:
+    served = {models.variants[name].family for name in models.served}
+    generative = list(models.generators.families.values()) if models.generators is not None else []
+    return [
+        *map(_family_info, generative),
+        *[
+            fleet_pb2.FamilyInfo(
+                name=f.name,
+                inputs=tensor_metadata(f.inputs),
+                outputs=tensor_metadata(f.outputs),
+                thresholds=thresholds_to_wire(f.thresholds),
+                cloud_variants=cloud_variants(f),
+                calibrated_cloud_share=calibrated_cloud_share(f),
+                **family_info_fields(f),
+            )
+            for f in models.families.values()
+            if f.name in served
+        ],
+    ]
+
+
+def variants_info(models: LocalModels) -> list[fleet_pb2.VariantInfo]:
+    infos = []
+    for name in sorted(models.served):
+        described = models.runners[name].describe()
+        infos.append(
+            fleet_pb2.VariantInfo(
+                name=name,
+                family=models.variants[name].family,
+                runtime=described.runtime,
+                device=described.device,
+                precision=models.variants[name].precision,
+                dynamic_batch=described.dynamic_batch,
+                max_batch=models.max_batch(name),
+                chosen_because=models.reasons.get(name, ""),
+                line=models.variants[name].parent or name,
+                current=name in models.current,
+            )
+        )
+    if models.generators is not None:
+        infos += _generator_infos(models.generators)
+    return infos
+
+
+def unavailable_info(models: LocalModels) -> list[fleet_pb2.FamilyUnavailable]:
+    return [  # bounded: a Hello is checked against a size limit at the router
+        fleet_pb2.FamilyUnavailable(family=n.family, variant=n.variant, reason=n.reason[:_REASON_CHARS])
+        for n in models.unavailable_families().values()
+    ]
+
+
+def _family_info(family: FamilySpec) -> fleet_pb2.FamilyInfo:
+    """A generative family as the router needs it: its tensors, thresholds and limits."""
+    assert family.generation is not None
+    return fleet_pb2.FamilyInfo(
+        name=family.name,
+        inputs=tensor_metadata(family.inputs),
+        outputs=tensor_metadata(family.outputs),
+        thresholds=thresholds_to_wire(family.thresholds),
+        kind="generative",
+        confidence_method=family.generation.method.value,
+        max_tokens=family.generation.max_tokens,
+        stop=family.generation.stop,
+        cloud_variants=cloud_variants(family),
+        calibrated_cloud_share=calibrated_cloud_share(family),
+        **family_info_fields(family),
+    )
+
+
+def calibrated_cloud_share(family: FamilySpec) -> float | None:
+    """What calibrate recorded the thresholds send to the cloud; None (the field stays unset,
+    and the router exports no baseline) for thresholds never calibrated."""
+    return family.calibration.cloud_share if family.calibration is not None else None
+
+
+def cloud_variants(family: FamilySpec) -> list[str]:
+    """The family's cloud-tier variants, its current line first, then that line's children."""
+    current = family.current.get(Tier.CLOUD)
+    names = [v.name for v in family.variants_for(Tier.CLOUD)]
+    return sorted(names, key=lambda n: (n != current, not n.startswith(f"{current}-"), n))
+
+
+def _generator_infos(generators: LocalGenerators) -> list[fleet_pb2.VariantInfo]:
+    return [
+        fleet_pb2.VariantInfo(
+            name=name,
+            family=variant.family,
+            runtime=generators.runners[name].runtime,
+            device="CPU",
+            precision=variant.precision,
+            kv_cache=generators.runners[name].kv_cache_precision,
+            max_batch=1,
+            chosen_because="generative"
+            if generators.lines[name] == name
+            else f"generative: the {variant.precision} file of {generators.lines[name]}",
+            line=generators.lines[name],
+            current=name in generators.current,
+        )
+        for name, variant in sorted(generators.variants.items())
+    ]
+
+
+def family_info_fields(family: FamilySpec) -> dict[str, Any]:
+    """The FamilyInfo fields for a family's audits (keyword arguments of its constructor)."""
+    audit = fleet_pb2.AuditSettings(compare=family.audit.compare)
+    if family.audit.share is not None:
+        audit.share = family.audit.share
+    if family.audit.max_per_s is not None:
+        audit.max_per_s = family.audit.max_per_s
+    calibrated = {tier.label: calibration_info(f) for tier, f in family.tier_accuracy.items()}
+    return {"audit": audit, "calibrated": calibrated}

@@ -1,0 +1,494 @@
+"""Models loaded on this machine, served: the data plane over them is in
+``stratus.execution.dataplane``, choosing and loading them in ``stratus.execution.loading``, and
+what a Hello says about them in ``stratus.execution.describe``.
+
+Used by the edge agent (for Work from the router and for its local ``--serve``
+endpoint), the cloud gateway and the on-device SDK: decode and check the request, run
+the variant on the bounded executor, compute the confidence as the family config says,
+encode the answer. A batch's confidence is its least confident item: one unsure item is
+reason enough to ask a bigger model about the batch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from stratus.convert import codec
+from stratus.convert.codec import Array
+from stratus.convert.parameters import set_parameter
+from stratus.convert.tensors import answer_raw, check_request_metadata
+from stratus.convert.text import text_response, write_usage
+from stratus.errors import (
+    InvalidInput,
+    ModelLoadError,
+    NotFound,
+    StratusError,
+    Unavailable,
+)
+from stratus.execution.generators import RETIRE_GRACE_S, NotLoaded
+from stratus.execution.loading import (
+    Chosen,
+    LocalSettings,
+    load_at_start,
+    load_generators,
+    load_variant,
+    select_variants,
+)
+from stratus.families.confidence import confidence
+from stratus.families.generation import FINISH_REASON, Chunk
+from stratus.families.precision import Hardware, this_hardware
+from stratus.families.repository import ModelRepository
+from stratus.families.spec import FamilySpec, VariantSpec
+from stratus.obs.metrics import UNKNOWN, Metric, Metrics, ModelMetrics, gauge
+from stratus.obs.stats import LatencyWindow
+from stratus.runtimes import LoadFailure, ModelRunner
+from stratus.sched.batching import Batch, Batcher, BatchKey, split_counts
+from stratus.sched.executor import BoundedExecutor
+from stratus.tiers import Tier
+from stratus.wire import inference_pb2 as pb
+
+log = logging.getLogger("stratus.models")
+
+if TYPE_CHECKING:
+    from stratus.execution.generators import OnChunk
+
+# Calls between two looks at whether a variant is fast enough to run on the event loop.
+INLINE_REVIEW = 64
+
+
+@dataclass(frozen=True, kw_only=True)
+class LocalAnswer:
+    response: pb.ModelInferResponse
+    variant: VariantSpec
+    confidences: tuple[float, ...]  # one per item, in order
+    service_ms: float  # running the batch this request ran in
+    queue_ms: float  # waiting for a slot
+    batch_size: int  # items in that batch
+
+    @property
+    def confidence(self) -> float:
+        """The least confident item's: one unsure item is reason to look again."""
+        return min(self.confidences, default=1.0)
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Part:
+    """One member's share of a batch that ran."""
+
+    outputs: dict[str, Array]
+    confidences: Array
+    service_ms: float
+    batch_size: int
+
+
+class LocalModels:
+    """Variants loaded into their best runtimes here, warmed up before first use.
+
+    One :class:`~stratus.sched.batching.Batcher` owns the queue in front of the runtimes: it
+    admits up to ``queue_limit`` waiting requests, runs ``concurrency`` batches at once on
+    the executor's threads, and merges requests that wait for a slot.
+    """
+
+    def __init__(
+        self, repository: ModelRepository, settings: LocalSettings, *, metrics: Metrics | None = None
+    ) -> None:
+        # Read once: the choice at start, each reload's and the agent's Hello see one CPU.
+        self.settings = settings if settings.hardware else replace(settings, hardware=this_hardware())
+        settings = self.settings
+        self.repository = repository
+        self.metrics = metrics
+        self.recorder = ModelMetrics(metrics) if metrics is not None else None
+        chosen = select_variants(repository, settings)
+        self.generators = load_generators(repository, settings, self.recorder)
+        if not chosen and not (self.generators and (self.generators.variants or self.generators.unavailable)):
+            raise NotFound(f"no variants to load (tier={settings.tier}, variants={settings.variants})")
+        self.runners: dict[str, ModelRunner] = {}
+        self.latency: dict[str, LatencyWindow] = {}
+        self.reasons: dict[str, str] = {}
+        self.variants: dict[str, VariantSpec] = {}  # loaded, including any still retiring
+        self.families: dict[str, FamilySpec] = {}
+        self.served: set[str] = set()  # the variants announced: not retiring
+        self.current: set[str] = set()  # served variants that answer their family's requests
+        self._stamps: dict[str, tuple[VariantSpec, tuple[tuple[int, int], ...]]] = {}
+        self._dynamic_batch: dict[str, bool] = {}
+        self._runtime: dict[str, str] = {}
+        self._inline: set[str] = set()  # variants fast enough to run on the event loop
+        # Every runtime that refused a file, and the families (by name) whose current variant
+        # no runtime here could load: those are not ready here, and say why.
+        self.load_failures: list[LoadFailure] = []
+        self.unavailable: dict[str, NotLoaded] = {}
+        loaded = [
+            pair
+            for c in chosen
+            if (pair := load_at_start(c, settings, self.load_failures, self.unavailable)) is not None
+        ]
+        self._install([c for c, _ in loaded], {c.variant.name: runner for c, runner in loaded})
+        self._count_load_failures()
+        if not self.runners and not (self.generators and self.generators.runners):
+            raise ModelLoadError(
+                f"nothing could be loaded here: {self.unavailable_reasons() or 'no variants'}"
+            )
+        # Each thread may have one closed batch ready behind the one it runs, so it never
+        # waits on the event loop between batches; the batcher holds everything else.
+        workers = settings.concurrency
+        self.executor = BoundedExecutor(name=settings.executor_name, workers=workers, queue_limit=workers)
+        self.batcher: Batcher[dict[str, Array], _Part] = Batcher(
+            self._run_batch,
+            slots=workers,
+            depth=2 * workers,
+            max_batch=lambda key: self.max_batch(key.variant),
+            max_delay_s=settings.max_batch_delay_s,
+            queue_limit=settings.queue_limit,
+            name=settings.executor_name,
+        )
+        if metrics is not None:
+            metrics.collect_with(self._levels)
+
+    @property
+    def hardware(self) -> Hardware:
+        """The CPU the precision choice read (the agent says so in its Hello)."""
+        assert self.settings.hardware is not None  # set in __init__
+        return self.settings.hardware
+
+    def _count_load_failures(self) -> None:
+        """Each refusal once: in the log, and in ``stratus_model_load_failures_total``."""
+        failures = [*self.load_failures, *(self.generators.load_failures if self.generators else ())]
+        for failure in failures:
+            log.warning("%s: %s refused it: %s", failure.variant, failure.runtime, failure.reason)
+            if self.recorder is not None:
+                self.recorder.load_failures.labels(failure.variant, failure.runtime).inc()
+
+    def unavailable_families(self) -> dict[str, NotLoaded]:
+        """Families meant to be served here that no runtime could load (classifiers and
+        generative ones), unless another of their variants serves them here after all."""
+        generative = self.generators.unavailable if self.generators is not None else {}
+        found = {**self.unavailable, **generative}
+        return {name: why for name, why in found.items() if not self._family_served(name)}
+
+    def unavailable_reasons(self) -> str:
+        return "; ".join(
+            f"{n.family} ({n.variant}): {n.reason}" for n in self.unavailable_families().values()
+        )
+
+    def _family_served(self, family: str) -> bool:
+        if any(self.variants[name].family == family for name in self.current):
+            return True
+        return self.generators is not None and any(
+            self.generators.variants[name].family == family for name in self.generators.current
+        )
+
+    def _install(self, chosen: Sequence[Chosen], runners: Mapping[str, ModelRunner]) -> None:
+        """Serve exactly ``chosen`` from now on; variants left out stay loaded but retiring."""
+        for c in chosen:
+            name = c.variant.name
+            if self.runners.get(name) is not runners[name]:
+                self.runners[name] = runners[name]
+                self.latency[name] = LatencyWindow()
+                self._inline.discard(name)
+                described = runners[name].describe()
+                self._dynamic_batch[name] = described.dynamic_batch
+                self._runtime[name] = described.runtime
+            self.variants[name] = c.variant
+            self.families[c.family.name] = c.family
+            self.reasons[name] = c.reason
+            self._stamps[name] = (c.variant, c.variant.file_stamps())
+        self.served = {c.variant.name for c in chosen}
+        self.current = {c.variant.name for c in chosen if c.current}
+
+    async def reload(self) -> list[str]:
+        """Re-read the models folder; load and warm what is new or changed, then serve it.
+
+        Nothing in flight is lost: a variant that is no longer chosen stops being announced
+        at once but keeps answering the work already addressed to it for RETIRE_GRACE_S.
+        A folder that no longer loads, or a variant that fails to load, leaves everything as
+        it was and raises, saying why.
+        """
+        repository = ModelRepository.load(self.repository.root)
+        chosen = select_variants(repository, self.settings)
+        if not chosen and self.generators is None:
+            raise NotFound(f"no variants to load from {self.repository.root}")
+        loop = asyncio.get_running_loop()
+        runners: dict[str, ModelRunner] = {}
+        fresh: list[ModelRunner] = []
+        try:
+            for c in chosen:
+                name = c.variant.name
+                if name in self.runners and self._stamps.get(name) == (c.variant, c.variant.file_stamps()):
+                    runners[name] = self.runners[name]
+                    continue
+                log.info("loading %s (%s) from %s", name, c.variant.precision, self.repository.root)
+                runners[name] = await loop.run_in_executor(
+                    None, load_variant, c, self.settings, self.load_failures
+                )
+                fresh.append(runners[name])
+            if self.generators is not None:
+                await self.generators.reload(repository)  # all or nothing, like the rest
+        except Exception:
+            for runner in fresh:
+                runner.close()
+            raise
+        replaced = {n: r for n, r in self.runners.items() if runners.get(n) is not r}
+        self.repository = repository
+        self._install(chosen, runners)
+        for name, runner in replaced.items():
+            loop.call_later(RETIRE_GRACE_S, self._retire, name, runner)
+        served = sorted({*self.served, *(self.generators.variants if self.generators else ())})
+        log.info("reloaded: serving %s", served)
+        return served
+
+    def _retire(self, name: str, runner: ModelRunner) -> None:
+        """Close a runner replaced by a reload once its grace is over (unless it came back)."""
+        if self.runners.get(name) is runner and name not in self.served:
+            del self.runners[name], self.variants[name]
+            self.latency.pop(name, None)
+        if self.runners.get(name) is not runner:
+            runner.close()
+
+    def _levels(self) -> list[Metric]:
+        """Queue depth and items running (and generations waiting and running), read at each scrape."""
+        return [
+            gauge("stratus_queue_items", "Items waiting for a runtime slot here.", [], [([], self.batcher.waiting_items)]),
+            gauge("stratus_in_flight_items", "Items running in a runtime here.", [], [([], self.batcher.running_items)]),
+            *(self.generators.levels() if self.generators is not None else ()),
+        ]  # fmt: skip
+
+    def count(self, outcome: str, model_name: str, ran: VariantSpec | None = None) -> None:
+        """One request answered here (Work from a router or a direct call): ok, or its error;
+        under the family and variant that ran (``ran``), or would have run ``model_name``."""
+        if self.recorder is not None:
+            self.recorder.count_work(*self.work_labels(model_name, ran), outcome)
+
+    def work_labels(self, model_name: str, ran: VariantSpec | None = None) -> tuple[str, str]:
+        """(family, variant) as the model files name them, never as the request did: a
+        pinned variant counts under its family, and a name not in the files as ``unknown``,
+        so the labels stay as few as the files' variants."""
+        if ran is not None:
+            return ran.family, ran.name
+        with contextlib.suppress(StratusError):
+            family, variant = self.variant_for(model_name)
+            return family.name, variant.name
+        try:
+            family, pinned = self.repository.resolve(model_name)
+        except NotFound:
+            return UNKNOWN, UNKNOWN
+        return family.name, pinned.name if pinned is not None else UNKNOWN
+
+    def max_batch(self, variant: str) -> int:
+        """What this variant may merge: the setting, where its runtime takes a dynamic batch."""
+        return self.settings.max_batch if self._dynamic_batch.get(variant, False) else 1
+
+    def generates(self, model_name: str) -> bool:
+        return self.generators is not None and self.generators.serves(model_name)
+
+    def variant_for(self, model_name: str) -> tuple[FamilySpec, VariantSpec]:
+        """A family resolves to its highest-tier current variant here; a variant to itself
+        (one retiring after a reload still answers the work already addressed to it)."""
+        if model_name in self.variants:
+            variant = self.variants[model_name]
+            return self.families[variant.family], variant
+        child = self._child_serving(model_name)
+        if child is not None:
+            return self.families[child.family], child
+        family = self.families.get(model_name)
+        local = [v for v in family.variants if v.name in self.current] if family else []
+        if family is not None and local:
+            return family, max(local, key=lambda v: v.tier)
+        if self.generators is not None and self.generators.serves(model_name):
+            return self.generators.variant_for(model_name)
+        missing = self.unavailable_families().get(model_name)
+        if missing is not None:
+            raise Unavailable(f"model '{model_name}' could not be loaded here: {missing.reason}")
+        raise NotFound(f"model '{model_name}' is not served here; serving {self.model_names()}")
+
+    def follow(self, family: str, tier: Tier, line: str) -> bool:
+        """Answer ``family``'s requests on ``tier`` with ``line`` (in the precision chosen for
+        it here) from now on, as a router serves it after a promoted rollout; False, changing
+        nothing, where that line is not loaded here (its file is not in this folder)."""
+        loaded = [
+            name
+            for name in sorted(self.served)
+            if (v := self.variants[name]).family == family and v.tier is tier and (v.parent or v.name) == line
+        ]
+        if not loaded:
+            return False
+        others = {n for n in self.current if self.variants[n].family == family and self.variants[n].tier is tier}
+        self.current = (self.current - others) | {loaded[0]}
+        return True
+
+    def _child_serving(self, line: str) -> VariantSpec | None:
+        """The lower-precision variant served here in place of FP32 variant ``line``: its
+        name keeps working whatever precision the hardware chose."""
+        children = [self.variants[n] for n in self.served if self.variants[n].parent == line]
+        return min(children, key=lambda v: v.name not in self.current) if children else None
+
+    def model_names(self) -> list[str]:
+        """The families with a current variant here, every variant served, and the FP32
+        name of each line served through a lower-precision child."""
+        families = {self.variants[name].family for name in self.current}
+        lines = {self.variants[name].parent for name in self.served} - {None}
+        names = {*families, *self.served, *(line for line in lines if line is not None)}
+        if self.generators is not None:
+            names |= {v.family for n, v in self.generators.variants.items() if n in self.generators.current}
+            names |= set(self.generators.variants) | set(self.generators.lines.values())
+        return sorted(names)
+
+    async def answer(self, request: pb.ModelInferRequest) -> LocalAnswer:
+        """Decode once, check, wait for a slot (maybe sharing a batch), run, encode."""
+        if self.generators is not None and self.generators.serves(request.model_name):
+            return await self.generate(request)
+        family, variant = self.variant_for(request.model_name)
+        check_request_metadata(family.name, family.inputs, request)  # before decoding anything
+        inputs = codec.decode_request_inputs(request)
+        family.check_inputs(inputs)
+        wanted = _requested_outputs(request, family)
+        size = next(iter(inputs.values())).shape[0] if inputs else 0
+        started = time.perf_counter()
+        part = await self.batcher.submit(_key(variant.name, inputs, wanted), inputs, size=size)
+        waited_ms = (time.perf_counter() - started) * 1000.0 - part.service_ms
+        response = pb.ModelInferResponse(model_name=request.model_name, id=request.id)
+        codec.encode_response_outputs(response, part.outputs, raw=_answer_raw(request, part.outputs))
+        return LocalAnswer(
+            response=response,
+            variant=variant,
+            confidences=tuple(float(c) for c in part.confidences),
+            service_ms=part.service_ms,
+            queue_ms=max(0.0, waited_ms),
+            batch_size=part.batch_size,
+        )
+
+    async def generate(self, request: pb.ModelInferRequest, on_chunk: OnChunk | None = None) -> LocalAnswer:
+        """A generative request: its text (and each chunk to ``on_chunk`` as it is made)."""
+        assert self.generators is not None
+        done = await self.generators.generate(request, on_chunk)
+        response = text_response(request, done.text)
+        set_parameter(response.parameters, FINISH_REASON, done.finish_reason)
+        usage = Chunk(tokens=(), prompt_tokens=done.prompt_tokens, completion_tokens=done.completion_tokens)
+        write_usage(response, usage)
+        return LocalAnswer(
+            response=response,
+            variant=done.variant,
+            confidences=(done.confidence,),
+            service_ms=done.service_ms,
+            queue_ms=0.0,
+            batch_size=1,
+        )
+
+    async def _run_batch(self, batch: Batch[dict[str, Array], _Part]) -> list[_Part]:
+        """On the executor; or right here when this variant's calls are known to be tiny.
+
+        Handing a call to a thread and back costs two wake-ups and a GIL hand-over, which
+        for a model that runs in tens of microseconds is most of the request. Once a
+        variant's recent p90 is under ``inline_below_ms``, its batches run on the event loop,
+        which they hold for less than that; a variant that slows down goes back to a thread.
+        """
+        if batch.key.variant in self._inline:
+            return self._infer_batch(batch.key, batch.payloads, batch.sizes)
+        return await self.executor.run(self._infer_batch, batch.key, batch.payloads, batch.sizes)
+
+    def _judge_inline(self, variant: str) -> None:
+        """Every INLINE_REVIEW calls: may this variant run on the event loop?"""
+        window = self.latency[variant]
+        if window.count % INLINE_REVIEW:
+            return
+        # p90, not p99: a call that a busy machine happened to preempt is not the call's cost
+        recent = window.percentile(90, last=INLINE_REVIEW)
+        fast = self.settings.inline_below_ms > 0 and recent < self.settings.inline_below_ms
+        if fast:
+            self._inline.add(variant)
+        else:
+            self._inline.discard(variant)
+
+    def _infer_batch(
+        self, key: BatchKey, members: Sequence[Mapping[str, Array]], sizes: Sequence[int]
+    ) -> list[_Part]:
+        """On an executor thread: join the members' inputs, run once, split per member."""
+        variant = self.variants[key.variant]
+        family = self.families[variant.family]
+        joined = members[0] if len(members) == 1 else _join(members)
+        outputs, service_ms = self._timed_infer(key.variant, joined)
+        self.latency[key.variant].add(service_ms)
+        self._judge_inline(key.variant)
+        if self.recorder is not None:
+            labels = (key.variant, self._runtime[key.variant], variant.precision)
+            self.recorder.inference.labels(*labels).observe(service_ms / 1000.0)
+            self.recorder.batch_items.labels(key.variant).observe(sum(sizes))
+        scores = self.score(family, variant, outputs)
+        wanted = key.outputs or tuple(s.name for s in family.outputs)
+        total = sum(sizes)
+        return [
+            _Part(
+                outputs={name: outputs[name][start:stop] for name in wanted},
+                confidences=scores[start:stop],
+                service_ms=service_ms,
+                batch_size=total,
+            )
+            for start, stop in split_counts(total, sizes)
+        ]
+
+    @staticmethod
+    def score(family: FamilySpec, variant: VariantSpec, outputs: Mapping[str, Array]) -> Array:
+        """Each item's confidence, as the family says, at the variant's fitted temperature."""
+        spec = family.confidence
+        return confidence(
+            outputs[spec.output],
+            method=spec.method,
+            apply_softmax=spec.apply_softmax,
+            temperature=variant.temperature,
+        )
+
+    def _timed_infer(self, variant: str, inputs: Mapping[str, Array]) -> tuple[dict[str, Array], float]:
+        started = time.perf_counter()
+        batch = next(iter(inputs.values())).shape[0]
+        if batch == 0:
+            family = self.families[self.variants[variant].family]
+            outputs = {
+                s.name: np.zeros((0, *s.shape[1:]), codec.numpy_dtype(s.datatype)) for s in family.outputs
+            }
+        else:
+            outputs = self.runners[variant].infer(inputs)
+        if self.settings.emulated_extra_ms:
+            time.sleep(self.settings.emulated_extra_ms / 1000.0)  # on an executor thread, like real compute
+        return outputs, (time.perf_counter() - started) * 1000.0
+
+    def close(self) -> None:
+        if self.generators is not None:
+            self.generators.close()
+        self.batcher.close(Unavailable("the models here are shutting down"))
+        self.executor.shutdown(wait=True)
+        for runner in self.runners.values():
+            runner.close()
+
+
+def _requested_outputs(request: pb.ModelInferRequest, family: FamilySpec) -> list[str]:
+    known = [s.name for s in family.outputs]
+    wanted = [o.name for o in request.outputs] or known
+    for name in wanted:
+        if name not in known:
+            raise InvalidInput(f"model '{family.name}' has no output '{name}'; it gives {known}")
+    return wanted
+
+
+def _answer_raw(request: pb.ModelInferRequest, outputs: Mapping[str, Array]) -> bool:
+    return answer_raw(request, (codec.datatype_of(a) for a in outputs.values()))
+
+
+def _key(variant: str, inputs: Mapping[str, Array], outputs: Sequence[str]) -> BatchKey:
+    """Requests share a batch only with the same variant, per-item input shapes and outputs."""
+    return BatchKey(
+        variant=variant,
+        inputs=tuple((name, a.dtype.str, tuple(a.shape[1:])) for name, a in inputs.items()),
+        outputs=tuple(outputs),
+        batchable=all(a.ndim > 0 and a.dtype.kind not in "OSU" for a in inputs.values()),
+    )
+
+
+def _join(members: Sequence[Mapping[str, Array]]) -> dict[str, Array]:
+    return {name: np.concatenate([m[name] for m in members]) for name in members[0]}

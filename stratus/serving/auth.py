@@ -1,0 +1,413 @@
+"""Who a caller is, and what each role may do.
+
+A Stratus fleet has five roles: ``agent`` (joins a router over an AgentLink), ``operator``
+(drains, reloads, rollout changes; reads a private status), ``router`` (a peer's rollout sync,
+a router's calls to the cloud), ``cloud`` (a cloud gateway's server identity) and ``client``
+(inference callers). A caller proves its role one of two ways:
+
+* **mutual TLS**: its certificate chains to the fleet CA and carries a SPIFFE id
+  ``spiffe://<trust domain>/<role>/<name>`` (``stratus certs`` writes such certificates); an
+  agent's id is its certificate's name, or ``<name>.<suffix>`` for a pool of agents sharing one
+  certificate (a DaemonSet);
+* **tokens**: one per role from a file or the environment, and per-agent tokens from a file of
+  ``AGENT_ID TOKEN`` lines, which binds each id to its own token.
+
+With neither configured, a server listens on loopback only (or with ``--insecure``), and the
+mutating Fleet calls are taken only from callers on the router's own machine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import ipaddress
+import logging
+import re
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Final, NamedTuple, Protocol
+
+import grpc
+
+from stratus.errors import ConfigError, PermissionDenied, Unauthenticated
+
+log = logging.getLogger("stratus.auth")
+
+ROLES: Final = frozenset({"agent", "operator", "router", "cloud", "client"})
+NAME_PATTERN: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+TRUST_DOMAIN_PATTERN: Final = re.compile(r"[a-z0-9._-]{1,255}")  # SPIFFE's trust-domain charset
+INSECURE_WARNING_S: Final = 60.0
+
+
+class CertIdentity(NamedTuple):
+    """A caller's identity as its certificate states it."""
+
+    role: str
+    name: str
+
+    def __str__(self) -> str:
+        return f"{self.role} {self.name!r}"
+
+
+def spiffe_identity(auth_context: Mapping[str, Sequence[bytes]]) -> CertIdentity | None:
+    """(role, name) from a gRPC peer's ``peer_spiffe_id``, in any trust domain; None when the
+    peer has none, more than one, or one that is not ``spiffe://<td>/<role>/<name>`` with a
+    known role and a valid name."""
+    values = auth_context.get("peer_spiffe_id") or ()
+    if len(values) != 1:
+        return None
+    try:
+        text = values[0].decode("ascii")
+    except UnicodeDecodeError:
+        return None
+    parts = text.removeprefix("spiffe://").split("/") if text.startswith("spiffe://") else []
+    if len(parts) != 3:
+        return None
+    domain, role, name = parts
+    if TRUST_DOMAIN_PATTERN.fullmatch(domain) and role in ROLES and NAME_PATTERN.fullmatch(name):
+        return CertIdentity(role, name)
+    return None
+
+
+def caller_certificate(context: Any) -> CertIdentity | None:
+    """The caller's certificate identity on a mutual-TLS server, else None."""
+    try:
+        auth_context = context.auth_context()
+    except (AttributeError, RuntimeError):
+        return None
+    return spiffe_identity(auth_context or {})
+
+
+class EndpointTls(Protocol):
+    """What the exposure checks read of an endpoint's TLS (:class:`stratus.serving.channels.TlsSettings`)."""
+
+    @property
+    def cert(self) -> Path | None: ...
+    @property
+    def mutual(self) -> bool: ...
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (``localhost``, or an address, brackets allowed) is this machine's loopback."""
+    host = host.strip("[]").lower()
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def is_loopback_peer(peer: str) -> bool:
+    """Whether a gRPC peer string (``ipv4:127.0.0.1:5000``, ``ipv6:[::1]:5000``, ``unix:...``)
+    is on this machine."""
+    if peer.startswith(("unix:", "unix-abstract:")):
+        return True
+    if peer.startswith("ipv4:"):
+        return peer[5:].startswith("127.")
+    if peer.startswith("ipv6:"):
+        host = peer[5:].rsplit(":", 1)[0].strip("[]").lower()
+        return host in ("::1", "0:0:0:0:0:0:0:1") or host.startswith("::ffff:127.")
+    return False
+
+
+def same_secret(presented: str, expected: str) -> bool:
+    """Constant-time comparison (over digests, so lengths leak nothing either)."""
+    return hmac.compare_digest(
+        hashlib.sha256(presented.encode()).digest(), hashlib.sha256(expected.encode()).digest()
+    )
+
+
+def id_fits_certificate(agent_id: str, name: str) -> bool:
+    """An agent certificate named N holds the id N, and the pool ids ``N.<suffix>``."""
+    return agent_id == name or agent_id.startswith(f"{name}.")
+
+
+class AgentTokens:
+    """Per-agent tokens: a file of ``AGENT_ID TOKEN`` lines (``#`` comments, blank lines).
+
+    The file is read again whenever it changes, so revoking an agent is deleting its line,
+    with no restart. A file that stops parsing keeps the last good table (and says why once).
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._stamp: tuple[int, int] | None = None
+        self._tokens: dict[str, str] = {}
+        self._refresh(strict=True)
+
+    def token_for(self, agent_id: str) -> str | None:
+        self._refresh(strict=False)
+        return self._tokens.get(agent_id)
+
+    def _refresh(self, *, strict: bool) -> None:
+        try:
+            stat = self.path.stat()
+            stamp = (stat.st_mtime_ns, stat.st_size)
+            if stamp == self._stamp:
+                return
+            tokens = parse_agent_tokens(self.path.read_text(encoding="utf-8"), self.path)
+        except (OSError, ConfigError) as exc:
+            if strict:
+                raise ConfigError(f"agent tokens file {self.path}: {exc}") from None
+            if self._stamp is not None:
+                log.error("agent tokens file %s unreadable, keeping the last good one: %s", self.path, exc)
+                self._stamp = None
+            return
+        self._stamp, self._tokens = stamp, tokens
+
+
+def parse_agent_tokens(text: str, path: Path) -> dict[str, str]:
+    tokens: dict[str, str] = {}
+    for number, line in enumerate(text.splitlines(), start=1):
+        fields = line.split("#", 1)[0].split()
+        if not fields:
+            continue
+        if len(fields) != 2 or not NAME_PATTERN.fullmatch(fields[0]):
+            raise ConfigError(f"{path}:{number}: expected 'AGENT_ID TOKEN'")
+        if len(fields[1]) < 16:
+            raise ConfigError(f"{path}:{number}: the token of {fields[0]!r} is shorter than 16 characters")
+        if fields[0] in tokens:
+            raise ConfigError(f"{path}:{number}: {fields[0]!r} is listed twice")
+        tokens[fields[0]] = fields[1]
+    return tokens
+
+
+@dataclass(frozen=True, kw_only=True)
+class RouterCredentials:
+    """What a router checks agents, operators and peers against.
+
+    ``mutual_tls``: the router's server asks every caller for a certificate from the fleet CA,
+    so roles and agent ids come from certificates. Where both a certificate and a token are
+    configured for a role, a caller needs both.
+    """
+
+    mutual_tls: bool = False
+    agent_token: str = ""
+    agent_tokens: AgentTokens | None = None
+    operator_token: str = ""
+    peer_token: str = ""
+
+    @property
+    def agents_authenticated(self) -> bool:
+        return self.mutual_tls or bool(self.agent_token) or self.agent_tokens is not None
+
+    @property
+    def operators_authenticated(self) -> bool:
+        return self.mutual_tls or bool(self.operator_token)
+
+    @property
+    def callers_authenticated(self) -> bool:
+        """What a router off loopback needs: agents and operators both prove who they are."""
+        return self.agents_authenticated and self.operators_authenticated
+
+    def agent_identity(self, agent_id: str, token: str, context: Any) -> str:
+        """Who holds ``agent_id`` on this link: ``cert:NAME``, ``token:ID`` (a per-agent token),
+        ``fleet-token`` or ``anonymous``. A link never takes over an id another identity holds,
+        so an id is only as bound as its credential: a shared token or none binds nothing."""
+        identity = "anonymous"
+        if self.mutual_tls:
+            cert = self._certificate(context, "an agent")
+            if cert.role != "agent":
+                raise PermissionDenied(f"a {cert} certificate cannot join as an agent")
+            if not id_fits_certificate(agent_id, cert.name):
+                raise PermissionDenied(
+                    f"agent id {agent_id!r} does not match its certificate's name {cert.name!r} "
+                    f"(it may be {cert.name!r} or '{cert.name}.SUFFIX')"
+                )
+            identity = f"cert:{cert.name}"
+        own = self.agent_tokens.token_for(agent_id) if self.agent_tokens is not None else None
+        if own is not None:
+            if not same_secret(token, own):
+                raise Unauthenticated(f"the token of agent {agent_id!r} is missing or wrong")
+            return identity if self.mutual_tls else f"token:{agent_id}"
+        if self.agent_token:
+            if not same_secret(token, self.agent_token):
+                raise Unauthenticated("the agent token is missing or wrong")
+            return identity if self.mutual_tls else "fleet-token"
+        if self.agent_tokens is not None and not self.mutual_tls:
+            raise Unauthenticated(f"agent {agent_id!r} has no token in the router's agent tokens file")
+        return identity
+
+    def require_operator(self, token: str, context: Any, what: str) -> None:
+        """An operator: its certificate's role, or the operator token."""
+        cert = caller_certificate(context)
+        if cert is not None and cert.role == "operator":
+            return
+        if self.operator_token:
+            if not same_secret(token, self.operator_token):
+                raise Unauthenticated(f"{what} needs the operator token")
+            return
+        self._refuse_without_credential(cert, context, what, "operator", "--operator-token-file")
+
+    def require_peer(self, token_ok: bool | None, context: Any, what: str) -> None:
+        """A peer router: its certificate's role, or (with a peer token) proof that it holds
+        the token (``token_ok``, checked by the caller against the message)."""
+        cert = caller_certificate(context)
+        if cert is not None and cert.role == "router":
+            return
+        if self.peer_token:
+            if not token_ok:
+                raise Unauthenticated(f"{what} needs proof of the peer token")
+            return
+        self._refuse_without_credential(cert, context, what, "router", "--peer-token-file")
+
+    def _refuse_without_credential(
+        self, cert: CertIdentity | None, context: Any, what: str, role: str, flag: str
+    ) -> None:
+        if self.mutual_tls:
+            shown = f"this certificate is a {cert}'s" if cert else "this certificate has no Stratus identity"
+            raise PermissionDenied(f"{what} needs the {role} role; {shown}")
+        self._loopback_only(context, what, flag)
+
+    @staticmethod
+    def _loopback_only(context: Any, what: str, flag: str) -> None:
+        peer = context.peer() if context is not None else ""
+        if not is_loopback_peer(peer):
+            raise PermissionDenied(
+                f"{what} from {peer}: this router has no credential for it, so only callers on its "
+                f"own machine may do it; give it {flag} or mutual TLS"
+            )
+
+    @staticmethod
+    def _certificate(context: Any, who: str) -> CertIdentity:
+        cert = caller_certificate(context)
+        if cert is None:
+            raise PermissionDenied(
+                f"{who} needs a certificate with a Stratus identity (spiffe://<domain>/<role>/<name>, "
+                "as `stratus certs` writes)"
+            )
+        return cert
+
+
+class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
+    """Inference calls need ``authorization: Bearer TOKEN`` (liveness, readiness and health do
+    not: probes carry no secrets and learn nothing)."""
+
+    OPEN: Final = frozenset(
+        {
+            "/inference.GRPCInferenceService/ServerLive",
+            "/inference.GRPCInferenceService/ServerReady",
+            "/grpc.health.v1.Health/Check",
+            "/grpc.health.v1.Health/Watch",
+        }
+    )
+
+    def __init__(self, token: str, *, guarded_prefix: str = "/inference.GRPCInferenceService/") -> None:
+        self._expected = f"Bearer {token}"
+        self._prefix = guarded_prefix
+
+    async def intercept_service(self, continuation: Any, handler_call_details: Any) -> Any:
+        method = handler_call_details.method
+        if method.startswith(self._prefix) and method not in self.OPEN:
+            presented = dict(handler_call_details.invocation_metadata or ()).get("authorization", "")
+            if not isinstance(presented, str) or not same_secret(presented, self._expected):
+                return _refusal(method)
+        return await continuation(handler_call_details)
+
+
+def _refusal(method: str) -> grpc.RpcMethodHandler[Any, Any]:
+    message = f"{method.rsplit('/', 1)[-1]} needs 'authorization: Bearer TOKEN' (the client token)"
+
+    async def refuse_unary(request: Any, context: Any) -> None:
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+
+    async def refuse_stream(request_iterator: Any, context: Any) -> None:
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+
+    if method.endswith("StreamInfer"):
+        return grpc.stream_stream_rpc_method_handler(refuse_stream)
+    return grpc.unary_unary_rpc_method_handler(refuse_unary)
+
+
+def check_exposure(
+    what: str, listen: str, *, tls: bool, callers_authenticated: bool, insecure: bool, needs: str
+) -> None:
+    """Refuse to serve plaintext or unauthenticated on an address others can reach.
+
+    Loopback needs nothing (a demo keeps working with no set-up); anything else needs TLS and
+    caller authentication (``needs`` says which flags give it), or ``--insecure``."""
+    host = listen.rsplit(":", 1)[0]
+    if insecure or is_loopback(host):
+        return
+    missing = [
+        m for m, ok in (("TLS (--tls-cert, --tls-key)", tls), (needs, callers_authenticated)) if not ok
+    ]
+    if missing:
+        raise ConfigError(
+            f"{what} would listen on {listen} without {' and '.join(missing)}: anyone who reaches it "
+            "could use it. Give those (see `stratus certs`), listen on 127.0.0.1, or accept the risk "
+            "with --insecure"
+        )
+
+
+async def warn_insecure_forever(what: str, listen: str, interval_s: float = INSECURE_WARNING_S) -> None:
+    """With ``--insecure`` on a reachable address, a warning every minute, so nobody forgets."""
+    while True:
+        log.warning(
+            "%s on %s runs with --insecure: traffic may be plaintext and callers unauthenticated",
+            what,
+            listen,
+        )
+        await asyncio.sleep(interval_s)
+
+
+def exposed_insecurely(listen: str, *, tls: bool, callers_authenticated: bool) -> bool:
+    return not is_loopback(listen.rsplit(":", 1)[0]) and not (tls and callers_authenticated)
+
+
+def insecure_warning(
+    what: str, listen: str, *, tls: bool, callers_authenticated: bool
+) -> asyncio.Task[None] | None:
+    """The every-minute warning, where a server listens off loopback under --insecure."""
+    if not exposed_insecurely(listen, tls=tls, callers_authenticated=callers_authenticated):
+        return None
+    return asyncio.create_task(warn_insecure_forever(what, listen), name="stratus-insecure-warning")
+
+
+def clients_authenticated(tls: EndpointTls, client_token: str) -> bool:
+    """An inference endpoint's callers prove who they are: mutual TLS, or the client token."""
+    return tls.mutual or bool(client_token)
+
+
+def check_endpoint(what: str, listen: str, tls: EndpointTls, *, client_token: str, insecure: bool) -> bool:
+    """An inference endpoint (the cloud gateway, an agent's ``--serve``): off loopback it
+    needs TLS and client authentication (mutual TLS or a client token), or ``--insecure``.
+    Whether its callers are authenticated."""
+    authenticated = clients_authenticated(tls, client_token)
+    check_exposure(
+        what,
+        listen,
+        tls=tls.cert is not None,
+        callers_authenticated=authenticated,
+        insecure=insecure,
+        needs="client authentication (--tls-ca for mutual TLS, or --client-token-file)",
+    )
+    return authenticated
+
+
+def sync_proof(token: str, *parts: str, at_ms: int | None = None) -> str:
+    """A proof of the peer token over a message, never the token itself: ``v1:MS:HMAC``.
+    Both sides of a rollout sync prove it, so neither sends its secret to an impostor."""
+    at = int(time.time() * 1000) if at_ms is None else at_ms
+    digest = hmac.new(token.encode(), "\x00".join((str(at), *parts)).encode(), hashlib.sha256)
+    return f"v1:{at}:{digest.hexdigest()}"
+
+
+SYNC_PROOF_MAX_AGE_MS: Final = 60_000
+
+
+def proof_holds(token: str, proof: str, *parts: str) -> bool:
+    """Whether ``proof`` is :func:`sync_proof` of ``parts`` under ``token``, made within the
+    last minute (older ones are replays)."""
+    try:
+        version, at, _ = proof.split(":", 2)
+        at_ms = int(at)
+    except ValueError:
+        return False
+    if version != "v1" or abs(time.time() * 1000 - at_ms) > SYNC_PROOF_MAX_AGE_MS:
+        return False
+    return same_secret(proof, sync_proof(token, *parts, at_ms=at_ms))

@@ -1,0 +1,415 @@
+"""The one inference servicer (how servers and channels are built is ``stratus.serving.channels``;
+the health service is ``stratus.serving.health``).
+
+``InferenceServicer`` speaks the Open Inference Protocol and does nothing but convert and
+delegate to a :class:`DataPlane`: the router's (which routes across the fleet), the cloud
+gateway's and an agent's local endpoint (which run models here). Errors are raised as
+:mod:`stratus.errors` and mapped to statuses once, by :class:`~stratus.serving.interceptor.ErrorInterceptor`.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import contextlib
+import functools
+import logging
+import time
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Final
+
+from stratus import __version__
+from stratus.convert import codec
+from stratus.convert.errors import stream_error
+from stratus.convert.parameters import COMPUTE_MS, MODEL_VERSION, QUEUE_MS, reported_ms
+from stratus.errors import InvalidInput, NotFound, Overloaded, StratusError, drop_frames
+from stratus.serving.channels import MAX_MESSAGE_BYTES
+from stratus.wire import inference_pb2 as pb
+from stratus.wire import inference_pb2_grpc as pb_grpc
+
+log = logging.getLogger("stratus.serving")
+
+# Requests one ModelStreamInfer stream may have in flight before its reader waits.
+STREAM_WINDOW: Final = 256
+# ... and bytes of requests (two full-size messages), whichever runs out first.
+STREAM_WINDOW_BYTES: Final = 2 * MAX_MESSAGE_BYTES
+EXTENSIONS: Final = ("model_configuration", "stratus_tiers")
+
+
+class DataPlane(abc.ABC):
+    """What a server that answers inference requests must provide."""
+
+    @abc.abstractmethod
+    def ready(self) -> bool: ...
+
+    @abc.abstractmethod
+    def model_ready(self, name: str) -> bool: ...
+
+    @abc.abstractmethod
+    def model_metadata(self, name: str) -> pb.ModelMetadataResponse:
+        """Raise NotFound for a model nothing here knows."""
+
+    @abc.abstractmethod
+    def model_config(self, name: str) -> pb.ModelConfig: ...
+
+    @abc.abstractmethod
+    def model_names(self) -> list[str]:
+        """Every family and variant served, for RepositoryIndex."""
+
+    def knows(self, name: str) -> bool:
+        """Whether ``name`` is a model here, ready now or not (statistics are kept for those)."""
+        return self.model_ready(name)
+
+    @abc.abstractmethod
+    async def infer(self, request: pb.ModelInferRequest, *, timeout_s: float | None) -> pb.ModelInferResponse:
+        """Answer one request or raise a StratusError; ``timeout_s`` is the caller's deadline."""
+
+    def generate(
+        self, request: pb.ModelInferRequest, *, timeout_s: float | None
+    ) -> AsyncIterator[pb.ModelInferResponse]:
+        """A generative request answered as it is produced (see :mod:`stratus.families.generation`):
+        one response per chunk of tokens, the last with ``triton_final_response`` true.
+
+        A ModelStreamInfer request whose ``stream`` parameter is true comes here; a data
+        plane with no generative model refuses it."""
+        raise InvalidInput(f"model '{request.model_name}' does not generate text here")
+
+
+# Requests one client (one peer address) may have in flight on a server at once, so that no
+# single client takes every slot (a router's cloud link holds at most 512 at the cloud).
+MAX_REQUESTS_PER_CLIENT: Final = 1024
+
+
+def client_of(peer: str) -> str:
+    """A gRPC peer without its port: ``ipv4:10.0.0.7:51234`` is client ``ipv4:10.0.0.7``."""
+    if peer.startswith(("ipv4:", "ipv6:")):
+        return peer.rsplit(":", 1)[0]
+    return peer
+
+
+class ClientLimits:
+    """Requests in flight per client; past ``per_client`` a client's new ones are refused
+    with RESOURCE_EXHAUSTED while everyone else's go on. 0 turns the limit off."""
+
+    def __init__(self, per_client: int = MAX_REQUESTS_PER_CLIENT) -> None:
+        self.per_client = per_client
+        self.held: dict[str, int] = {}
+
+    @contextlib.contextmanager
+    def hold(self, peer: str) -> Iterator[None]:
+        if self.per_client <= 0:
+            yield
+            return
+        client = client_of(peer)
+        count = self.held.get(client, 0)
+        if count >= self.per_client:
+            raise Overloaded(
+                f"this client has {count} requests in flight here, the most one client may; "
+                "wait for answers before sending more"
+            )
+        self.held[client] = count + 1
+        try:
+            yield
+        finally:
+            left = self.held[client] - 1
+            if left:
+                self.held[client] = left
+            else:
+                del self.held[client]
+
+
+def check_version(name: str, version: str) -> None:
+    """NOT_FOUND for a version other than the one every model has, naming it."""
+    if version not in ("", MODEL_VERSION):
+        raise NotFound(
+            f"model '{name[:128]}' has no version {version[:32]!r}: every model here has one version, "
+            f"'{MODEL_VERSION}' (a family's variants are models of their own, by name)"
+        )
+
+
+def version_ready(plane: DataPlane, name: str, version: str) -> bool:
+    return version in ("", MODEL_VERSION) and plane.model_ready(name)
+
+
+_UINT64_MAX: Final = 2**64 - 1  # the statistics' fields are uint64
+
+
+@dataclass
+class _ModelCounts:
+    succeeded: int = 0
+    succeeded_ns: int = 0
+    failed: int = 0
+    failed_ns: int = 0
+    items: int = 0
+    last_ms: int = 0
+    queued: int = 0  # answers that said how long they waited, and how long that was
+    queue_ns: int = 0
+    computed: int = 0  # ... and how long they ran
+    compute_ns: int = 0
+
+    def succeed(self, elapsed_ns: int, items: int, response: pb.ModelInferResponse) -> None:
+        self.succeeded += 1
+        self.succeeded_ns += elapsed_ns
+        self.items += items
+        self.last_ms = int(time.time() * 1000)
+        queue_ms = reported_ms(response.parameters, QUEUE_MS)
+        if queue_ms is not None:
+            self.queued += 1
+            self.queue_ns += int(queue_ms * 1e6)
+        compute_ms = reported_ms(response.parameters, COMPUTE_MS)
+        if compute_ms is not None:
+            self.computed += 1
+            self.compute_ns += int(compute_ms * 1e6)
+
+
+class Statistics:
+    """Triton's ModelStatistics for every server, per model as the client named it: requests
+    answered (``execution_count``, ``success``) and failed (``fail``) with their time from
+    arrival to answer, items answered (``inference_count``), and, from what each answer says
+    (``stratus.queue_ms``, ``stratus.compute_ms``), time waiting for a slot (``queue``) and
+    running (``compute_infer``). Only names the data plane knows are kept, so a client sending
+    made-up names grows nothing."""
+
+    def __init__(self, plane: DataPlane) -> None:
+        self._plane = plane
+        self._counts: dict[str, _ModelCounts] = {}
+
+    def record(self, request: pb.ModelInferRequest, started_ns: int, response: pb.ModelInferResponse | None) -> None:
+        """One request's outcome: ``response`` is its (last) answer, None when it failed."""
+        name = request.model_name
+        counts = self._counts.get(name)
+        if counts is None:
+            if not self._plane.knows(name):
+                return
+            counts = self._counts[name] = _ModelCounts()
+        elapsed = time.perf_counter_ns() - started_ns
+        if response is None:
+            counts.failed += 1
+            counts.failed_ns += elapsed
+            return
+        shape = request.inputs[0].shape if request.inputs else ()
+        counts.succeed(elapsed, int(shape[0]) if shape else 1, response)
+
+    def response(self, name: str, version: str = "") -> pb.ModelStatisticsResponse:
+        if name and name not in self._counts and not self._plane.knows(name):
+            raise NotFound(f"no model '{name[:128]}' is served here")
+        check_version(name, version)
+        names = [name] if name else sorted({*self._counts, *self._plane.model_names()})
+        answer = pb.ModelStatisticsResponse()
+        for model in names:
+            counts = self._counts.get(model, _ModelCounts())
+            stats = answer.model_stats.add(
+                name=model,
+                version=MODEL_VERSION,
+                last_inference=counts.last_ms,
+                inference_count=counts.items,
+                execution_count=counts.succeeded,
+            )
+            inference = stats.inference_stats
+            for duration, count, ns in (
+                (inference.success, counts.succeeded, counts.succeeded_ns),
+                (inference.fail, counts.failed, counts.failed_ns),
+                (inference.queue, counts.queued, counts.queue_ns),
+                (inference.compute_infer, counts.computed, counts.compute_ns),
+            ):
+                duration.count, duration.ns = count, min(ns, _UINT64_MAX)
+        return answer
+
+
+class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
+    def __init__(self, plane: DataPlane, *, limits: ClientLimits | None = None) -> None:
+        self._plane = plane
+        self._limits = limits or ClientLimits()
+        self.statistics = Statistics(plane)
+
+    async def ServerLive(self, request: pb.ServerLiveRequest, context: Any) -> pb.ServerLiveResponse:
+        return pb.ServerLiveResponse(live=True)
+
+    async def ServerReady(self, request: pb.ServerReadyRequest, context: Any) -> pb.ServerReadyResponse:
+        return pb.ServerReadyResponse(ready=self._plane.ready())
+
+    async def ModelReady(self, request: pb.ModelReadyRequest, context: Any) -> pb.ModelReadyResponse:
+        return pb.ModelReadyResponse(ready=version_ready(self._plane, request.name, request.version))
+
+    async def ServerMetadata(
+        self, request: pb.ServerMetadataRequest, context: Any
+    ) -> pb.ServerMetadataResponse:
+        return pb.ServerMetadataResponse(name="stratus", version=__version__, extensions=EXTENSIONS)
+
+    async def ModelMetadata(self, request: pb.ModelMetadataRequest, context: Any) -> pb.ModelMetadataResponse:
+        metadata = self._plane.model_metadata(request.name)
+        check_version(request.name, request.version)
+        return metadata
+
+    async def ModelConfig(self, request: pb.ModelConfigRequest, context: Any) -> pb.ModelConfigResponse:
+        config = self._plane.model_config(request.name)
+        check_version(request.name, request.version)
+        return pb.ModelConfigResponse(config=config)
+
+    async def RepositoryIndex(
+        self, request: pb.RepositoryIndexRequest, context: Any
+    ) -> pb.RepositoryIndexResponse:
+        index = pb.RepositoryIndexResponse()
+        for name in self._plane.model_names():
+            ready = self._plane.model_ready(name)
+            if ready or not request.ready:
+                index.models.add(name=name, version=MODEL_VERSION, state="READY" if ready else "UNAVAILABLE")
+        return index
+
+    async def ModelInfer(self, request: pb.ModelInferRequest, context: Any) -> pb.ModelInferResponse:
+        started, response = time.perf_counter_ns(), None
+        try:
+            check_version(request.model_name, request.model_version)
+            with self._limits.hold(context.peer()):
+                response = await self._plane.infer(request, timeout_s=context.time_remaining())
+            return response
+        finally:
+            self.statistics.record(request, started, response)
+
+    async def ModelStatistics(
+        self, request: pb.ModelStatisticsRequest, context: Any
+    ) -> pb.ModelStatisticsResponse:
+        return self.statistics.response(request.name, request.version)
+
+    async def ModelStreamInfer(
+        self, request_iterator: AsyncIterator[pb.ModelInferRequest], context: Any
+    ) -> AsyncIterator[pb.ModelStreamInferResponse]:
+        """Requests on one stream run concurrently; each answer carries its request's id."""
+        hold = functools.partial(self._limits.hold, context.peer())
+        async with _StreamSession(self._plane, request_iterator, hold, self.statistics.record) as session:
+            async for response in session.responses():
+                yield response
+
+
+@dataclass(frozen=True)
+class _Answered:
+    """An outbox entry after a request's last response: its window slot (and its bytes) are
+    free once every response before it has been written."""
+
+    size: int
+
+
+class ByteWindow:
+    """Bytes of requests one stream may have read and not yet answered: the count window alone
+    let 256 requests of 1 MiB each (a client that never reads) hold 256 MiB per stream."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.held = 0
+        self._freed = asyncio.Event()
+
+    async def acquire(self, size: int) -> None:
+        while self.held and self.held + size > self.limit:  # one request always fits alone
+            self._freed.clear()
+            await self._freed.wait()
+        self.held += size
+
+    def release(self, size: int) -> None:
+        self.held -= size
+        self._freed.set()
+
+
+class _StreamSession:
+    """One ModelStreamInfer stream: a reader task, one task per request, an ordered outbox.
+
+    At most STREAM_WINDOW requests are read ahead of what has been written back: a slot is
+    freed only when its answer has gone out, so a client that sends and never reads holds
+    STREAM_WINDOW answers in memory at most, not every answer it asked for."""
+
+    _DONE: Final = None
+
+    def __init__(
+        self,
+        plane: DataPlane,
+        requests: AsyncIterator[pb.ModelInferRequest],
+        hold: Callable[[], contextlib.AbstractContextManager[None]] = contextlib.nullcontext,
+        record: Callable[[pb.ModelInferRequest, int, pb.ModelInferResponse | None], None] | None = None,
+    ) -> None:
+        self._plane = plane
+        self._requests = requests
+        self._hold = hold  # the client's share of the server (ClientLimits)
+        self._record = record  # Statistics.record
+        self._outbox: asyncio.Queue[pb.ModelStreamInferResponse | _Answered | None] = asyncio.Queue()
+        self._window = asyncio.Semaphore(STREAM_WINDOW)
+        self._bytes = ByteWindow(STREAM_WINDOW_BYTES)
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._reader: asyncio.Task[None] | None = None
+
+    async def __aenter__(self) -> _StreamSession:
+        self._reader = asyncio.create_task(self._read(), name="stratus-stream-reader")
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        for task in [*self._tasks, *([self._reader] if self._reader else [])]:
+            task.cancel()
+        await asyncio.gather(*self._tasks, *([self._reader] if self._reader else []), return_exceptions=True)
+
+    async def responses(self) -> AsyncIterator[pb.ModelStreamInferResponse]:
+        while (item := await self._outbox.get()) is not self._DONE:
+            if isinstance(item, _Answered):
+                self._window.release()  # every response of that request has been written
+                self._bytes.release(item.size)
+                continue
+            assert item is not None
+            yield item
+        if self._reader is not None:
+            await self._reader  # re-raise a broken request stream
+
+    async def _read(self) -> None:
+        try:
+            async for request in self._requests:
+                await self._window.acquire()
+                size = request.ByteSize()
+                await self._bytes.acquire(size)
+                task = asyncio.create_task(self._answer(request, size))
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+        finally:
+            self._outbox.put_nowait(self._DONE)
+
+    async def _answer(self, request: pb.ModelInferRequest, size: int) -> None:
+        started, answered = time.perf_counter_ns(), None
+        try:
+            check_version(request.model_name, request.model_version)
+            with self._hold():
+                if _streams(request):  # decoupled: many responses, the last marked final
+                    last = None
+                    async for chunk in self._plane.generate(request, timeout_s=None):
+                        self._outbox.put_nowait(pb.ModelStreamInferResponse(infer_response=chunk))
+                        last = chunk
+                    answered = last if last is not None else pb.ModelInferResponse()
+                    return
+                response = await self._plane.infer(request, timeout_s=None)
+                self._outbox.put_nowait(pb.ModelStreamInferResponse(infer_response=response))
+            answered = response
+        except StratusError as exc:
+            self._outbox.put_nowait(stream_error(request, exc))
+            drop_frames(exc)
+        except Exception as exc:  # one bad request must not end the stream for the others
+            log.exception("unexpected error in a streamed request")
+            self._outbox.put_nowait(stream_error(request, exc))
+            drop_frames(exc)
+        finally:
+            if self._record is not None:
+                self._record(request, started, answered)
+            self._outbox.put_nowait(_Answered(size))
+
+
+def _streams(request: pb.ModelInferRequest) -> bool:
+    """Triton's convention: a ``stream`` parameter (or BOOL input, typed or raw, as
+    tritonclient sends it) true asks for chunks."""
+    parameter = request.parameters.get("stream")
+    if parameter is not None and parameter.WhichOneof("parameter_choice") == "bool_param":
+        return bool(parameter.bool_param)
+    if not any(t.name == "stream" and t.datatype == "BOOL" for t in request.inputs):
+        return False
+    return bool(codec.decode_request_inputs(request)["stream"].all())
+
+
+def tensor_metadata(specs: Sequence[Any]) -> list[pb.ModelMetadataResponse.TensorMetadata]:
+    return [
+        pb.ModelMetadataResponse.TensorMetadata(name=s.name, datatype=s.datatype, shape=s.shape)
+        for s in specs
+    ]
