@@ -7,7 +7,7 @@ gateway path, as any gRPC client would), through the on-device SDK, and pinned t
 pinned to ``defects-large``; prints per path the share answered on each tier, accuracy
 and p50/p99 latency, then the fleet status; and shuts everything down.
 
-The SDK is handed in by ``stratus.cli.main`` (it lives in ``edge_agent``, which ``stratus``
+The SDK is handed in by ``stratus.cli.fleet_commands`` (it lives in ``edge_agent``, which ``stratus``
 does not import).
 """
 

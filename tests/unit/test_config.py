@@ -13,7 +13,8 @@ from cloud_gateway.settings import CloudSettings
 from edge_agent.settings import AgentSettings
 from router.settings import OnCloudFailure, RouterSettings
 from stratus.cli.config import check
-from stratus.cli.main import _settings, build_parser, main
+from stratus.cli.main import build_parser, main
+from stratus.cli.options import settings_of
 from stratus.config import Flags, load
 from stratus.errors import ConfigError
 from stratus.families.precision import Precision
@@ -72,7 +73,7 @@ def test_nested_tables_variables_and_flags(tmp_path: Path) -> None:
 def test_enums_tuples_and_units_come_typed(tmp_path: Path) -> None:
     path = write(tmp_path, "[router]\non_cloud_failure = 'fail'\nopenai_hosts = ['a', 'b']\n")
     args = server_args("router", "--max-batch-delay-us", "250", "--cloud-header", "x-k=v")
-    settings = _settings(argparse.Namespace(**{**vars(args), "config": path}), RouterSettings, "router")
+    settings = settings_of(argparse.Namespace(**{**vars(args), "config": path}), RouterSettings, "router")
     assert settings.on_cloud_failure is OnCloudFailure.FAIL
     assert settings.openai_hosts == ("a", "b")
     assert settings.max_batch_delay_s == pytest.approx(250e-6)

@@ -1,0 +1,261 @@
+"""``stratus router``: its flags (one per field of RouterSettings) and its start; the router's
+app is imported only when it starts."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from stratus.cli.options import add_batch_delay, add_exposure, option, settings_of, share
+
+
+def _router(args: argparse.Namespace) -> int:
+    from router.app import serve
+    from router.settings import RouterSettings
+    from stratus.process import configure_logging, run
+
+    configure_logging(args.log_level, args.log_format)
+    run(serve(settings_of(args, RouterSettings, "router")))
+    return 0
+
+
+def add_router(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> argparse.ArgumentParser:
+    router = commands.add_parser("router", help="run the router (edge gateway)")
+    option(router, "router", "listen", "--listen", help="HOST:PORT for OIP, AgentLink and Fleet")
+    option(
+        router,
+        "router",
+        "cloud",
+        "--cloud",
+        help="the cloud gateway: HOST:PORT, several (A:PORT,B:PORT), or dns:///NAME:PORT for every "
+        "address NAME resolves to (a headless Service), re-resolved every 15 s; each call goes to "
+        "the less busy of two",
+    )
+    _add_cloud_link(router)
+    option(
+        router,
+        "router",
+        "advertise",
+        "--no-advertise",
+        action="store_const",
+        const=False,
+        help="do not advertise over zeroconf",
+    )
+    for role, what in (
+        ("agent", "agents' Hellos must carry (one for all)"),
+        ("operator", "drain, reload and rollout changes must carry"),
+        ("peer", "proves rollout syncs with the other routers, both ways"),
+        ("client", "inference callers must send as 'authorization: Bearer TOKEN'"),
+        ("cloud", "this router sends the cloud gateway as 'authorization: Bearer TOKEN'"),
+    ):
+        fallback = ", else $STRATUS_TOKEN" if role in ("agent", "operator", "peer") else ""
+        option(
+            router,
+            "router",
+            f"{role}_token_file",
+            f"--{role}-token-file",
+            type=Path,
+            help=f"the token {what} (default: $STRATUS_{role.upper()}_TOKEN{fallback})",
+        )
+    option(
+        router,
+        "router",
+        "agent_tokens_file",
+        "--agent-tokens-file",
+        type=Path,
+        metavar="FILE",
+        help="per-agent tokens, 'AGENT_ID TOKEN' lines (re-read when changed): binds each id to "
+        "its own token, so one can be revoked",
+    )
+    option(
+        router,
+        "router",
+        "private_status",
+        "--private-status",
+        action="store_true",
+        help="fleet status, watch and rollout status need the operator role too",
+    )
+    add_exposure(router, "router", "the router")
+    option(
+        router,
+        "router",
+        "on_cloud_failure",
+        "--on-cloud-failure",
+        choices=["degrade", "fail"],
+        help="when an escalation needs the cloud and it is away: degraded answer, or UNAVAILABLE",
+    )
+    option(
+        router,
+        "router",
+        "max_heartbeats_per_s",
+        "--max-heartbeats-per-s",
+        type=float,
+        help="heartbeats the whole fleet may send a second; agents are asked to slow down past it",
+    )
+    option(
+        router,
+        "router",
+        "admit_per_s",
+        "--admit-per-s",
+        type=float,
+        help="agents admitted a second (a restart's reconnect storm)",
+    )
+    option(
+        router,
+        "router",
+        "hello_timeout_s",
+        "--hello-timeout-s",
+        type=float,
+        help="seconds a new AgentLink may stay silent before its Hello",
+    )
+    option(
+        router,
+        "router",
+        "rollout_state",
+        "--rollout-state",
+        type=Path,
+        metavar="FILE",
+        help="keep rollout state here, so it survives a restart (default: in memory only)",
+    )
+    _add_openai(router)
+    option(
+        router,
+        "router",
+        "peers",
+        "--peers",
+        help="the site's other routers (HOST:PORT,... or dns:NAME:PORT), to share rollouts with",
+    )
+    option(
+        router,
+        "router",
+        "keepalive_s",
+        "--keepalive-s",
+        type=float,
+        help="HTTP/2 ping interval on every link; a frozen agent is lost within this plus keepalive_timeout_s",
+    )
+    add_batch_delay(router, "router")
+    _add_audits(router)
+    _add_capture(router)
+    router.set_defaults(handler=_router)
+    return router
+
+
+def _add_openai(router: argparse.ArgumentParser) -> None:
+    option(
+        router,
+        "router",
+        "openai",
+        "--openai",
+        metavar="HOST:PORT",
+        help="serve the OpenAI API (generative families) here",
+    )
+    option(
+        router,
+        "router",
+        "openai_api_key_file",
+        "--openai-api-key-file",
+        type=Path,
+        help="the OpenAI API's key, as clients send it (Authorization: Bearer KEY); required off "
+        "loopback; default: STRATUS_OPENAI_API_KEY",
+    )
+    option(
+        router,
+        "router",
+        "openai_hosts",
+        "--openai-host",
+        action="append",
+        help="a Host name the keyless (loopback) OpenAI API answers besides loopback's (repeatable)",
+    )
+
+
+def _add_capture(router: argparse.ArgumentParser) -> None:
+    option(router, "router", "capture.folder", "--capture", type=Path, metavar="DIR",
+            help="write audited and escalated items of the --capture-families as Parquet files "
+            "here (off by default: inputs may be sensitive)")  # fmt: skip
+    option(router, "router", "capture.families", "--capture-families", metavar="F1,F2",
+            help="the families --capture writes (required with it: no family is captured unnamed)")  # fmt: skip
+    option(router, "router", "capture.max_bytes", "--capture-max-bytes", type=int,
+            help="the capture folder's total size; past it the oldest files are deleted")  # fmt: skip
+    option(router, "router", "capture.file_bytes", "--capture-file-bytes", type=int,
+            help="a capture file is closed (and made visible) at this size")  # fmt: skip
+    option(router, "router", "capture.file_age_s", "--capture-file-age-s", type=float,
+            help="... or at this age, whichever comes first")  # fmt: skip
+
+
+def _add_audits(router: argparse.ArgumentParser) -> None:
+    option(
+        router,
+        "router",
+        "audit.share",
+        "--audit-share",
+        type=share,
+        help="share of the items settled below a family's top tier also asked of it in the background, "
+        "to estimate each tier's live accuracy (a family's [audit] share overrides it; 0: none)",
+    )
+    option(
+        router,
+        "router",
+        "audit.max_per_s",
+        "--audit-max-per-s",
+        type=float,
+        help="most items audited a second per family (a family's [audit] max_per_s overrides it)",
+    )
+    option(
+        router,
+        "router",
+        "auto_thresholds.goals",
+        "--auto-thresholds",
+        metavar="FAMILY=GOAL:VALUE,...",
+        help="step these families' thresholds toward what the audits suggest (digits=target_accuracy:0.98 "
+        "or digits=max_escalation:0.05), upward only, bounded (router/threshold_auto.py); off by default",
+    )
+    option(router, "router", "auto_thresholds.max_step", "--auto-max-step", type=share,
+            help="most a threshold moves per interval")  # fmt: skip
+    option(router, "router", "auto_thresholds.max_cloud_share", "--auto-max-cloud-share", type=share,
+            help="no step sends more than this share to the cloud")  # fmt: skip
+    option(router, "router", "auto_thresholds.interval_s", "--auto-interval", type=float,
+            help="seconds between steps")  # fmt: skip
+
+
+def _cloud_header(text: str) -> tuple[str, str]:
+    from router.cloud_models import parse_header
+
+    try:
+        return parse_header(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _cloud_models(text: str) -> str:
+    from router.cloud_models import parse_cloud_models
+
+    try:
+        parse_cloud_models(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
+def _add_cloud_link(router: argparse.ArgumentParser) -> None:
+    """How to reach a cloud that is not a Stratus gateway (Triton, KServe, MLServer)."""
+    option(
+        router,
+        "router",
+        "cloud_models",
+        "--cloud-models",
+        type=_cloud_models,
+        metavar="NAME,...",
+        help="models the cloud serves the families with, NAME or FAMILY=NAME (e.g. digits-large); "
+        "found by ModelReady/ModelMetadata where the cloud does not list them",
+    )
+    option(
+        router,
+        "router",
+        "cloud_headers",
+        "--cloud-header",
+        action="append",
+        type=_cloud_header,
+        metavar="KEY=VALUE",
+        help="gRPC metadata sent on every call to the cloud (repeatable), e.g. "
+        "triton-grpc-protocol-triton-access-token=TOKEN or authorization='Bearer TOKEN'",
+    )
