@@ -15,8 +15,8 @@ import numpy as np
 from abuse_fleet import HELLO_TIMEOUT_S, aio, role_args
 from abuse_kit import Context, Outcome, codes, digits_hello, fleet_status, hello_once, ready_after, repeat
 
+from router.hello import MAX_VARIANTS_PER_AGENT
 from router.peers import sync_parts
-from router.registry import MAX_VARIANTS_PER_AGENT
 from stratus.convert import codec
 from stratus.devtools.launcher import launch
 from stratus.serving.auth import sync_proof

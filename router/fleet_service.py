@@ -11,12 +11,13 @@ from typing import Any
 from prometheus_client.core import Metric
 
 from router.accuracy import accuracy_reply
+from router.agent_handle import AgentHandle, State, shown_state
 from router.audit import Auditor
 from router.cloud_pool import CloudTier
 from router.family_view import family_statuses
 from router.index import line_key
 from router.peers import sync_parts
-from router.registry import MAX_RELOAD_WAIT_S, AgentHandle, FleetRegistry, State, shown_state
+from router.registry import MAX_RELOAD_WAIT_S, FleetRegistry
 from router.rollout import DEFAULT_STEPS, Plan, Rollouts
 from router.rollout_judge import ArmWindow, Margins
 from router.thresholds import ThresholdPushes, steer, to_wire

@@ -19,7 +19,9 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from router.registry import AgentHandle, FleetRegistry, check_hello_bounds
+from router.agent_handle import AgentHandle
+from router.hello import check_hello_bounds
+from router.registry import FleetRegistry
 from stratus import __version__
 from stratus.errors import ConfigError, DeadlineExceeded, InvalidInput, Overloaded, StratusError
 from stratus.serving.auth import RouterCredentials

@@ -24,9 +24,10 @@ from dataclasses import dataclass, field
 import grpc
 import numpy as np
 
+from router.agent_handle import AgentHandle
 from router.cloud import CloudLink, OnChunk
 from router.dataplane import RouterDataPlane
-from router.registry import AgentHandle, FleetRegistry
+from router.registry import FleetRegistry
 from stratus.convert import codec
 from stratus.convert.parameters import CONFIDENCE, VARIANT, RequestOptions, Served, set_parameter
 from stratus.convert.text import prompt_request, text_response

@@ -1,0 +1,190 @@
+"""One agent as the router holds it: who it is, its state, what it serves, its estimates.
+
+The handle is what the policy reads and the cascades ask (:class:`router.backends.base.Backend`);
+its transport is its ``work`` (:class:`router.backends.agent.AgentWork`); the registry
+(:mod:`router.registry`) creates both when the agent says Hello and changes the state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from router.backends.agent import AgentWork
+from router.backends.base import Classified, Generated, OnChunk
+from router.index import line_key
+from stratus.convert.fleet import latency_from_wire
+from stratus.convert.tensors import Tensors
+from stratus.obs.stats import LatencySummary, LatencyWindow, RateMeter, ServiceCurve, SizeWindow
+from stratus.tiers import Tier
+from stratus.wire import fleet_pb2 as fpb
+from stratus.wire import inference_pb2 as pb
+
+# Most items one agent may say it runs as one batch (a Hello's max_batch is clamped to it).
+MAX_BATCH = 1024
+
+
+class State:
+    READY = "ready"
+    DRAINING = "draining"
+    LOST = "lost"
+
+
+def shown_state(handle: AgentHandle) -> str:
+    """The state status and metrics report: a gone agent that drained first has ``left``."""
+    return "left" if handle.state == State.LOST and handle.left else handle.state
+
+
+@dataclass(eq=False)
+class AgentHandle:
+    """One agent as the router sees it: who it is, its state, its estimates.
+
+    It is a backend (:class:`router.backends.base.Backend`) like the cloud: what the policy
+    reads (its estimates are kept current as results arrive, not recomputed per request),
+    and what the cascades ask. Its ``work`` (:class:`router.backends.agent.AgentWork`) is
+    the transport: the outbox its AgentLink stream writes, the Work out on the link, and
+    the batcher that merges requests into Work while it is busy.
+    """
+
+    id: str
+    tier: Tier
+    host: str
+    peer: str
+    runtimes: tuple[str, ...]
+    variants: dict[str, fpb.VariantInfo]
+    capacity: int
+    queue_limit: int
+    heartbeat_s: float
+    identity: str = "anonymous"  # the credential that holds the id (stratus.serving.auth)
+    left: bool = False  # gone after draining (a goodbye), as status and metrics report it
+    operator_drained: bool = False  # drained by Fleet.Drain, so Fleet.Undrain may take it back
+    # What it runs on (machine, CPU, the flags its precision choice read), bounded.
+    hardware: fpb.HardwareInfo = field(default_factory=fpb.HardwareInfo)
+    version: str = ""  # its Stratus version, as its Hello said
+    started: float | None = None  # when its process started, on the registry's clock; None: not said
+    state: str = State.READY
+    last_heartbeat: float = 0.0
+    lost_at: float = 0.0
+    reported_queue: int = 0
+    latency: dict[str, LatencySummary] = field(default_factory=dict)  # per variant, as its heartbeats said
+    curves: dict[str, ServiceCurve] = field(default_factory=dict)  # per variant
+    link_ms: LatencyWindow = field(default_factory=LatencyWindow)  # round trip less the agent's time
+    completions: RateMeter = field(default_factory=RateMeter)
+    batch_sizes: SizeWindow = field(default_factory=SizeWindow)  # items per batch it ran
+    sent: int = 0  # RouterMessages written to the link, the Welcome included
+    last_received: int = 0  # the agent's read count at its previous heartbeat
+    unread_beats: int = 0  # consecutive heartbeats with messages unread and no reading progress
+
+    # Families it could not load (no runtime there opened their files), as its Hello said.
+    unavailable: tuple[fpb.FamilyUnavailable, ...] = ()
+    reloads: list[asyncio.Future[str]] = field(default_factory=list)  # waiting for its next Hello
+    work: AgentWork = field(init=False, repr=False)  # its transport: set by the registry as it joins
+
+    def __post_init__(self) -> None:
+        self.announce(self.variants)
+
+    def announce(self, variants: dict[str, fpb.VariantInfo]) -> None:
+        """What the agent serves: said by its Hello, and again by a Hello after a reload.
+
+        A family's requests go to its current variant; each line (current or not) is also
+        reachable by its line key, for a rollout's share. An agent older than lines (no
+        ``line`` set) serves every variant as current, as it always did.
+        """
+        self.variants = variants
+        self._variant_of: dict[str, str] = {}
+        self._families = {name: info.family for name, info in variants.items()}
+        names = set(variants)
+        for name, info in variants.items():
+            if info.family and (info.current or not info.line):
+                self._variant_of[info.family] = name
+                names.add(info.family)
+            if info.line:
+                self._variant_of[line_key(info.line)] = name
+                names.add(line_key(info.line))
+            if info.line and info.line not in variants:
+                # The FP32 name answers for whichever precision this agent's hardware chose,
+                # so clients that pin "digits-medium" keep working on an INT8 agent.
+                self._variant_of[info.line] = name
+                self._families[info.line] = info.family
+                names.add(info.line)
+        self._model_names = frozenset(names)
+        self._max_batch = {name: min(max(1, info.max_batch), MAX_BATCH) for name, info in variants.items()}
+        self._limit = (self.capacity + self.queue_limit) * max(self._max_batch.values(), default=1)
+
+    @property
+    def variant_families(self) -> Mapping[str, str]:
+        """Each variant it serves, and each FP32 line it serves through a child, by family."""
+        return self._families
+
+    @property
+    def model_names(self) -> frozenset[str]:
+        return self._model_names
+
+    @property
+    def ready(self) -> bool:
+        return self.state == State.READY
+
+    @property
+    def in_flight(self) -> int:
+        return self.work.in_flight
+
+    @property
+    def lost(self) -> bool:
+        return self.state == State.LOST
+
+    @property
+    def limit(self) -> int:
+        """Items the router may hold for it: its slots and queue, each a Work of up to a batch."""
+        return self._limit
+
+    @property
+    def rtt_ms(self) -> float:
+        """The link's share of a round trip: what the agent did not spend queueing or running."""
+        return max(0.05, self.link_ms.mean_ms or 0.5)
+
+    def variant_for(self, model: str) -> str:
+        """The variant this agent runs for a family (or the variant itself)."""
+        return self._variant_of.get(model, model)
+
+    def precision_of(self, variant: str) -> str:
+        info = self.variants.get(variant)
+        return (info.precision or "FP32") if info is not None else ""
+
+    def max_batch(self, model: str) -> int:
+        return self._max_batch.get(self._variant_of.get(model, model), 1)
+
+    def cost_ms(self, model: str, items: int) -> float:
+        """Expected time to run a batch of ``items``: learnt per batch size, else the heartbeat's mean."""
+        variant = self.variant_for(model)
+        curve = self.curves.get(variant)
+        if curve is not None and curve.known:
+            return curve.estimate(items)
+        reported = self.latency.get(variant)
+        return (reported.mean_ms if reported is not None and reported.mean_ms > 0 else 1.0) * max(1, items)
+
+    def learn(self, result: fpb.Result, round_trip_ms: float) -> None:
+        """What a Result teaches: the batch's service time by its size, and the link's cost."""
+        if result.batch_size > 0:
+            self.batch_sizes.add(result.batch_size)
+        if result.batch_size > 0 and result.service_ms > 0:
+            self.curves.setdefault(result.variant, ServiceCurve()).add(result.batch_size, result.service_ms)
+        self.link_ms.add(max(0.0, round_trip_ms - result.service_ms - result.queue_ms))
+
+    def update_latency(self, estimates: Iterable[fpb.LatencyEstimate]) -> None:
+        """Merge what changed (for status, and as the estimate before any Result); read into
+        figures, as a kept sub-message would keep its whole heartbeat alive."""
+        for estimate in estimates:
+            if estimate.variant in self.variants:  # another name is nothing it serves
+                self.latency[estimate.variant] = latency_from_wire(estimate)
+
+    async def classify(
+        self, items: Tensors, *, model: str, outputs: Sequence[str], request_id: str, budget_ms: float
+    ) -> Classified:
+        """Queue the items for this agent (maybe merged into one Work with others')."""
+        return await self.work.classify(
+            items, model=model, outputs=outputs, request_id=request_id, budget_ms=budget_ms
+        )
+
+    async def generate(self, request: pb.ModelInferRequest, on_chunk: OnChunk, *, budget_ms: float) -> Generated:
+        return await self.work.generate(request, on_chunk, budget_ms=budget_ms)
