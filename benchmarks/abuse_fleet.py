@@ -20,8 +20,8 @@ import grpc
 
 ROOT = Path(__file__).resolve().parent.parent
 
-from stratus import codec  # noqa: E402
 from stratus.cli.demo import wait_for_agents  # noqa: E402
+from stratus.convert import codec  # noqa: E402
 from stratus.devtools.launcher import Launched, free_port, launch  # noqa: E402
 from stratus.serving.channels import grpc_options  # noqa: E402
 from stratus.tools.datasets import digits_splits  # noqa: E402

@@ -33,8 +33,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from loadgen import MODELS, QUIET, drive, launch_agent  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
-from stratus import codec  # noqa: E402
 from stratus.cli.demo import wait_for_agents  # noqa: E402
+from stratus.convert import codec  # noqa: E402
 from stratus.devtools.launcher import Launched, free_port, launch  # noqa: E402
 from stratus.process import new_event_loop  # noqa: E402
 from stratus.tools.datasets import digits_splits  # noqa: E402

@@ -40,8 +40,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from loadgen import QUIET, Run, drive, launch_agent  # noqa: E402
 
-from stratus import codec  # noqa: E402
 from stratus.cli.demo import wait_for_agents  # noqa: E402
+from stratus.convert import codec  # noqa: E402
 from stratus.convert.parameters import BATCH_SIZE, parameter_value  # noqa: E402
 from stratus.devtools.launcher import Launched, launch  # noqa: E402
 from stratus.process import new_event_loop  # noqa: E402

@@ -37,8 +37,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from stratus import codec  # noqa: E402
 from stratus.cli.demo import wait_for_agents  # noqa: E402
+from stratus.convert import codec  # noqa: E402
 from stratus.devtools.launcher import Launched, free_port, launch  # noqa: E402
 from stratus.serving.channels import grpc_options  # noqa: E402
 from stratus.wire import fleet_pb2 as fpb  # noqa: E402

@@ -39,7 +39,7 @@ from types import ModuleType  # noqa: E402
 
 from loadgen import launch_agent  # noqa: E402
 
-from stratus import codec  # noqa: E402
+from stratus.convert import codec  # noqa: E402
 from stratus.devtools.launcher import Launched, launch  # noqa: E402
 from stratus.serving.channels import grpc_options  # noqa: E402
 from stratus.wire import fleet_pb2 as fpb  # noqa: E402

@@ -36,8 +36,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from loadgen import QUIET, launch_agent  # noqa: E402
 
-from stratus import codec  # noqa: E402
 from stratus.cli.demo import wait_for_agents  # noqa: E402
+from stratus.convert import codec  # noqa: E402
 from stratus.convert.parameters import Served, set_parameter  # noqa: E402
 from stratus.devtools.launcher import Launched, launch  # noqa: E402
 from stratus.serving.channels import grpc_options  # noqa: E402

@@ -20,7 +20,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from stratus import codec  # noqa: E402
+from stratus.convert import codec  # noqa: E402
 from stratus.execution.loading import LocalSettings  # noqa: E402
 from stratus.execution.models import LocalModels  # noqa: E402
 from stratus.families.repository import ModelRepository  # noqa: E402

@@ -26,8 +26,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from loadgen import QUIET, drive, launch_agent  # noqa: E402
 
-from stratus import codec  # noqa: E402
 from stratus.cli.demo import wait_for_agents  # noqa: E402
+from stratus.convert import codec  # noqa: E402
 from stratus.devtools.launcher import free_port, launch  # noqa: E402
 from stratus.process import new_event_loop  # noqa: E402
 from stratus.wire import inference_pb2 as pb  # noqa: E402

@@ -20,7 +20,7 @@ import numpy as np
 
 from stratus.convert import codec
 from stratus.convert.parameters import Served
-from stratus.serving.servicer import open_sync_channel
+from stratus.serving.channels import open_sync_channel
 from stratus.wire import inference_pb2 as pb
 from stratus.wire import inference_pb2_grpc as pb_grpc
 

@@ -45,8 +45,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from fleet_scale import cpu_seconds, idle_cpu, start_router  # noqa: E402
 from loadgen import MODELS, OpenLoop, launch_agent, make_requests, rss_mb  # noqa: E402
 
-from stratus import codec  # noqa: E402
 from stratus.cli.demo import wait_for_agents  # noqa: E402
+from stratus.convert import codec  # noqa: E402
 from stratus.convert.parameters import set_parameter  # noqa: E402
 from stratus.devtools.launcher import free_port, launch  # noqa: E402
 from stratus.families.generation import TEXT_INPUT  # noqa: E402
