@@ -111,11 +111,12 @@ def run_thresholds(router: str, asked: Asked, *, tls: TlsSettings = NO_TLS, toke
         )
         suggested = _suggestion(status, asked) if asked.suggest else None
         changed = _change(stub, status, asked, suggested, token)
-    shown = changed or status
+    shown = changed or status  # a change's reply carries no rows: the suggestion's count is kept
+    rows = len(status.rows)
     if asked.as_json:
-        print(json.dumps(thresholds_json(shown, suggested), indent=2))
+        print(json.dumps(thresholds_json(shown, suggested, rows=rows), indent=2))
     else:
-        print(thresholds_table(shown, suggested))
+        print(thresholds_table(shown, suggested, rows=rows))
     return 0
 
 
@@ -175,14 +176,15 @@ def _when(unix: float) -> str:
 
 
 def thresholds_json(
-    reply: fpb.ThresholdsReply, suggested: Mapping[str, float] | None = None
+    reply: fpb.ThresholdsReply, suggested: Mapping[str, float] | None = None, *, rows: int | None = None
 ) -> dict[str, Any]:
+    """``rows``: the audit rows the suggestion was chosen on (default: those in ``reply``)."""
     return {
         "family": reply.family,
         "in_force": dict(reply.in_force),
         "agents": dict(reply.agents),
         "suggested": dict(suggested) if suggested is not None else None,
-        "audit_rows": len(reply.rows),
+        "audit_rows": len(reply.rows) if rows is None else rows,
         "message": reply.message,
         "history": [
             {
@@ -194,8 +196,10 @@ def thresholds_json(
     }  # fmt: skip
 
 
-def thresholds_table(reply: fpb.ThresholdsReply, suggested: Mapping[str, float] | None = None) -> str:
-    found = thresholds_json(reply, suggested)
+def thresholds_table(
+    reply: fpb.ThresholdsReply, suggested: Mapping[str, float] | None = None, *, rows: int | None = None
+) -> str:
+    found = thresholds_json(reply, suggested, rows=rows)
     current = found["history"][-1]["version"] if found["history"] else 0
     lines = [
         f"{found['family']}: "

@@ -162,7 +162,8 @@ def test_a_suggestion_from_real_audits_is_pushed_and_a_recalibrated_agent_then_j
     shown = cli(router, "--suggest", "--target-accuracy", "0.97")
     assert "suggested" in shown and "audit rows" in shown and version(router) == 0, shown
     expected = suggest(rows(), target_accuracy=0.97).thresholds
-    cli(router, "--suggest", "--apply", "--target-accuracy", "0.97")
+    applied = cli(router, "--suggest", "--apply", "--target-accuracy", "0.97")
+    assert f"(suggested on {len(rows())} audit rows of this router)" in applied, applied  # not 0
     pushed = status(router)
     assert pushed.history[-1].reason == "suggested from the audits"
     assert {t: v for t, v in pushed.in_force.items() if t in ("device", "edge")} == {
