@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Final
 
 import numpy as np
 
-from router.audit import top1
+from router.audit_sampling import top1
 from stratus.convert import codec
 from stratus.convert.tensors import Tensors
 from stratus.convert.text import read_generation
@@ -32,7 +32,8 @@ from stratus.tiers import Tier
 from stratus.wire import inference_pb2 as pb
 
 if TYPE_CHECKING:
-    from router.audit import Audit, CascadeView, Reference
+    from router.audit import CascadeView
+    from router.audit_sampling import Audit, Reference
     from router.cascade.classify import Answer
     from router.cascade.generate import Generation
 

@@ -24,21 +24,20 @@ from router.backends.base import Backend
 from router.backends.cloud import CloudBackend
 from router.cascade.classify import ClassifyCascade, Job
 from router.cascade.common import pinned_options, request_budget
-from router.cascade.generate import Generation, GenerationCascade, Sink
+from router.cascade.generate import Generation, GenerationCascade, Sink, write_generation
 from router.cloud_models import family_of
 from router.cloud_pool import CloudTier
 from router.obs import observer_for
 from router.policy import FleetSnapshot
 from router.registry import FleetRegistry
 from router.rollout import PROMOTED, Rollouts
-from stratus.convert.fleet import thresholds_from_wire
+from stratus.convert.fleet import family_spec_from_wire
 from stratus.convert.parameters import (
     CONFIG_CURRENT,
     CONFIG_THRESHOLD,
     CONFIG_VARIANTS,
     MODEL_VERSION,
     RequestOptions,
-    Served,
     set_parameter,
 )
 from stratus.convert.tensors import (
@@ -53,12 +52,11 @@ from stratus.convert.text import (
     generative_config,
     generative_metadata,
     text_response,
-    write_usage,
 )
 from stratus.errors import NotFound, Overloaded, StratusError
 from stratus.execution.dataplane import model_config
-from stratus.families.generation import FINAL, FINISH_REASON, Chunk
-from stratus.families.spec import FamilySpec, TensorSpec
+from stratus.families.generation import FINAL, Chunk
+from stratus.families.spec import FamilySpec
 from stratus.obs.metrics import UNKNOWN, RouterMetrics
 from stratus.serving.servicer import DataPlane
 from stratus.tiers import Tier
@@ -182,7 +180,7 @@ class RouterDataPlane(DataPlane):
             return None
         cached = self._specs.get(family)
         if cached is None or cached[0] is not info:
-            cached = (info, family_spec(info))
+            cached = (info, family_spec_from_wire(info))
             self._specs[family] = cached
         return cached[1]
 
@@ -465,51 +463,3 @@ def listing(names: Sequence[str], most_chars: int = MAX_LISTED_CHARS) -> str:
         return f"[{', '.join(shown)}]"
     more = f"and {len(names) - len(shown)} more (RepositoryIndex lists them all)"
     return f"[{', '.join([*shown, more])}]"
-
-
-def write_generation(response: pb.ModelInferResponse, result: Generation) -> None:
-    """Where the text came from and how sure, as response parameters (``stratus.*``)."""
-    Served(
-        tier=result.tier,
-        agent=result.agent,
-        variant=result.variant,
-        precision=result.precision,
-        confidence=result.confidence,
-        path=result.path,
-        degraded=result.degraded,
-        timings_ms=result.timings_ms,
-    ).write(response.parameters)
-    set_parameter(response.parameters, FINISH_REASON, result.finish_reason)
-    answer = Chunk(
-        tokens=result.tokens, prompt_tokens=result.prompt_tokens, completion_tokens=result.completion_tokens
-    )
-    for key, value in answer.parameters().items():
-        set_parameter(response.parameters, key, value)
-    write_usage(response, answer)
-
-
-def family_spec(info: fpb.FamilyInfo) -> FamilySpec:
-    """A FamilySpec rebuilt from what an agent said, for input checks and metadata."""
-    from pathlib import Path
-
-    from stratus.families.confidence import ConfidenceMethod
-    from stratus.families.spec import ConfidenceSpec
-
-    def specs(items: object) -> tuple[TensorSpec, ...]:
-        return tuple(TensorSpec(name=t.name, datatype=t.datatype, shape=tuple(t.shape)) for t in items)  # type: ignore[attr-defined]
-
-    outputs = specs(info.outputs)
-    return FamilySpec(
-        name=info.name,
-        description="",
-        inputs=specs(info.inputs),
-        outputs=outputs,
-        confidence=ConfidenceSpec(
-            output=outputs[0].name if outputs else "",
-            method=ConfidenceMethod.MAX_SOFTMAX,
-            apply_softmax=False,
-        ),
-        thresholds=thresholds_from_wire(info.thresholds, f"family {info.name!r}"),
-        variants=(),
-        source=Path("<agent>"),
-    )

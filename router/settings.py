@@ -7,7 +7,7 @@ import enum
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from router.audit import AuditPolicy
+from router.audit_sampling import AuditPolicy
 from router.capture_hook import CaptureOptions
 from router.cloud_models import parse_cloud_models, parse_header
 from router.cloud_pool import CloudTarget

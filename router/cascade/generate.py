@@ -45,8 +45,8 @@ from router.policy.climb import (
     retryable,
 )
 from stratus.convert.fleet import thresholds_from_wire
-from stratus.convert.parameters import RequestOptions
-from stratus.convert.text import read_usage
+from stratus.convert.parameters import RequestOptions, Served, set_parameter
+from stratus.convert.text import read_usage, write_usage
 from stratus.errors import StratusError
 from stratus.families.confidence import accepts, threshold_for
 from stratus.families.generation import (
@@ -327,3 +327,24 @@ class GenerationCascade:
 def _finish_reason(response: pb.ModelInferResponse) -> str:
     parameter = response.parameters.get(FINISH_REASON)
     return parameter.string_param if parameter is not None and parameter.string_param else "stop"
+
+
+def write_generation(response: pb.ModelInferResponse, result: Generation) -> None:
+    """Where the text came from and how sure, as response parameters (``stratus.*``)."""
+    Served(
+        tier=result.tier,
+        agent=result.agent,
+        variant=result.variant,
+        precision=result.precision,
+        confidence=result.confidence,
+        path=result.path,
+        degraded=result.degraded,
+        timings_ms=result.timings_ms,
+    ).write(response.parameters)
+    set_parameter(response.parameters, FINISH_REASON, result.finish_reason)
+    answer = Chunk(
+        tokens=result.tokens, prompt_tokens=result.prompt_tokens, completion_tokens=result.completion_tokens
+    )
+    for key, value in answer.parameters().items():
+        set_parameter(response.parameters, key, value)
+    write_usage(response, answer)

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from pathlib import Path
 
 from stratus.errors import InvalidInput
+from stratus.families.confidence import ConfidenceMethod
 from stratus.families.generation import Chunk, Token
+from stratus.families.spec import ConfidenceSpec, FamilySpec, TensorSpec
 from stratus.obs.stats import LatencySummary
 from stratus.tiers import Tier
 from stratus.wire import fleet_pb2 as fpb
@@ -87,3 +90,27 @@ def chunk_from_wire(message: fpb.Chunk) -> Chunk:
         for index, logprob in enumerate(message.logprobs)
     )
     return Chunk(tokens=tokens or (Token(text=message.text, logprob=0.0),))
+
+
+def family_spec_from_wire(info: fpb.FamilyInfo) -> FamilySpec:
+    """A FamilySpec rebuilt from what an agent's Hello said, for the router's input checks and
+    metadata (its variants stay the agents': none are named here)."""
+
+    def specs(items: object) -> tuple[TensorSpec, ...]:
+        return tuple(TensorSpec(name=t.name, datatype=t.datatype, shape=tuple(t.shape)) for t in items)  # type: ignore[attr-defined]
+
+    outputs = specs(info.outputs)
+    return FamilySpec(
+        name=info.name,
+        description="",
+        inputs=specs(info.inputs),
+        outputs=outputs,
+        confidence=ConfidenceSpec(
+            output=outputs[0].name if outputs else "",
+            method=ConfidenceMethod.MAX_SOFTMAX,
+            apply_softmax=False,
+        ),
+        thresholds=thresholds_from_wire(info.thresholds, f"family {info.name!r}"),
+        variants=(),
+        source=Path("<agent>"),
+    )

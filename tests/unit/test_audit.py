@@ -12,14 +12,8 @@ import numpy as np
 import pytest
 
 from router.agreement import AuditKey, Estimate
-from router.audit import (
-    Auditor,
-    AuditPolicy,
-    Sampler,
-    audit_levels,
-    same_number,
-    same_text,
-)
+from router.audit import Auditor, audit_levels
+from router.audit_sampling import AuditPolicy, Sampler, same_number, same_text
 from router.cascade.classify import Answer, Job
 from router.cascade.generate import Generation
 from router.cloud import CloudLink, OnChunk
