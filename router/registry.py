@@ -23,10 +23,10 @@ from collections.abc import Callable, Mapping, Sequence
 from router.agent_handle import AgentHandle, State
 from router.backends.agent import AgentWork, WorkSettings
 from router.backends.base import Backend
+from router.family_book import FamilyBook
 from router.hello import check_hello_bounds
 from router.index import AgentIndex
 from router.policy import FleetSnapshot
-from stratus.convert.fleet import thresholds_from_wire
 from stratus.convert.hardware import describe as describe_hardware
 from stratus.convert.hardware import from_hello as hardware_from_hello
 from stratus.errors import (
@@ -85,19 +85,19 @@ class FleetRegistry:
         self.pace_s = heartbeat_s
         self._clock = clock
         self.agents: dict[str, AgentHandle] = {}
-        self.families: dict[str, fpb.FamilyInfo] = {}
-        self._thresholds: dict[str, Mapping[Tier, float]] = {}  # each family's, read at its Hello
+        self.book = FamilyBook()  # the families the agents describe, and thresholds pushed over them
         self.index: AgentIndex[AgentHandle] = AgentIndex()
         self._linked = 0  # agents not lost
         self._ids = itertools.count(1)
         self._watchers: set[asyncio.Queue[None]] = set()
-        # Thresholds pushed fleet-wide (router/thresholds.py) win over the Hellos'; ``_own`` keeps
-        # each family as its agents describe it, for when a push is reverted.
-        self._pushed: dict[str, dict[str, float]] = {}
-        self._own: dict[str, fpb.FamilyInfo] = {}
 
     def now(self) -> float:
         return self._clock()
+
+    @property
+    def families(self) -> dict[str, fpb.FamilyInfo]:
+        """Each family as this fleet serves it (a push's thresholds over its agents')."""
+        return self.book.families
 
     # -- joining and leaving -----------------------------------------------------------
     def register(self, hello: fpb.Hello, peer: str, identity: str = "anonymous") -> AgentHandle:
@@ -136,7 +136,7 @@ class FleetRegistry:
         handle.work = AgentWork(handle, self._work_settings(handle))
         for family in hello.families:
             if family.name not in self.families:
-                self._learn(family)
+                self.book.learn(family)
         self.agents[handle.id] = handle
         self.index.add(handle)
         self.index.ready(handle)
@@ -190,11 +190,10 @@ class FleetRegistry:
         conflicts: dict[str, str] = {}
         for family in hello.families:
             known = self.families.get(family.name)
-            if known is None or known == self._served(family):
+            if known is None or known == self.book.served(family):
                 continue
             if not self.index.serves(family.name):  # nobody serves the old description now
-                self._undescribe(family.name)
-                self._own.pop(family.name, None)
+                self.book.forget(family.name)
                 continue
             differs = [
                 f
@@ -234,7 +233,7 @@ class FleetRegistry:
         handle.announce({v.name: v for v in hello.variants})
         handle.unavailable = tuple(hello.unavailable)
         for family in hello.families:
-            self._learn(family)
+            self.book.learn(family)
         self._readd(handle, ready)
         log.info("agent %s reloaded: variants %s", handle.id, sorted(handle.variants))
         self._settle_reloads(handle, "")
@@ -310,7 +309,7 @@ class FleetRegistry:
             self.index.forget(handle)
             for family in {info.family for info in handle.variants.values()}:
                 if not self.index.tiers(family) and not self.index.variants_of(family):
-                    self._undescribe(family)
+                    self.book.undescribe(family)
 
     def _forget_oldest_lost(self) -> None:
         """Keep at most MAX_LOST lost agents listed: agents that join and leave in bulk must
@@ -436,61 +435,21 @@ class FleetRegistry:
         return FleetSnapshot(pools=pools, tiers=tiers)
 
     def family(self, name: str) -> fpb.FamilyInfo | None:
-        return self.families.get(name)
-
-    def override_thresholds(self, family: str, thresholds: Mapping[Tier, float]) -> None:
-        """Serve ``family`` with ``thresholds`` from now on, whatever its agents' Hellos say
-        (a tier not named keeps theirs; empty: their own again). Its calibrated cloud share no longer describes the
-        thresholds in force, so the baseline is dropped while a push holds."""
-        if thresholds:
-            self._pushed[family] = {tier.label: value for tier, value in thresholds.items()}
-        else:
-            self._pushed.pop(family, None)
-        own = self._own.get(family)
-        if own is not None and family in self.families:
-            self.describe(self._served(own))
-        self.changed()
-
-    def own_thresholds(self, family: str) -> Mapping[Tier, float]:
-        """The thresholds the agents' Hellos gave ``family`` (the first ready agent's)."""
-        own = self._own.get(family)
-        return {Tier.parse(k): v for k, v in own.thresholds.items()} if own else {}
-
-    def _learn(self, family: fpb.FamilyInfo) -> None:
-        if family.name not in self._pushed or family.name not in self._own:
-            self._own[family.name] = _detached(family)
-        self.describe(self._served(family))
-
-    def _served(self, family: fpb.FamilyInfo) -> fpb.FamilyInfo:
-        """The family as this fleet serves it. Under a push: the pushed thresholds over the
-        first agent's (a recalibrated agent's own thresholds and calibration figures are not
-        the fleet's, so they are not held against it), and no calibrated cloud share."""
-        pushed = self._pushed.get(family.name)
-        if pushed is None:
-            return family
-        base = self._own.get(family.name, family)
-        served = fpb.FamilyInfo()
-        served.CopyFrom(family)
-        served.thresholds.clear()
-        served.thresholds.update({**base.thresholds, **pushed})
-        served.ClearField("calibrated")
-        for tier, figures in base.calibrated.items():
-            served.calibrated[tier].CopyFrom(figures)
-        served.ClearField("calibrated_cloud_share")
-        return served
+        return self.book.families.get(name)
 
     def thresholds(self, family: str) -> Mapping[Tier, float]:
-        return self._thresholds.get(family, {})
+        return self.book.thresholds(family)
+
+    def own_thresholds(self, family: str) -> Mapping[Tier, float]:
+        return self.book.own_thresholds(family)
 
     def describe(self, family: fpb.FamilyInfo) -> None:
-        """Route ``family`` by this description, its thresholds read once, here (a Hello's
-        were checked by check_hello_bounds; InvalidInput for a key that names no tier)."""
-        self.families[family.name] = _detached(family)
-        self._thresholds[family.name] = thresholds_from_wire(family.thresholds, f"family {family.name!r}")
+        self.book.describe(family)
 
-    def _undescribe(self, name: str) -> None:
-        self.families.pop(name, None)
-        self._thresholds.pop(name, None)
+    def override_thresholds(self, family: str, thresholds: Mapping[Tier, float]) -> None:
+        """Serve ``family`` with ``thresholds`` from now on (:meth:`FamilyBook.override`)."""
+        self.book.override(family, thresholds)
+        self.changed()
 
     def watch(self) -> asyncio.Queue[None]:
         """A queue told of each change; RESOURCE_EXHAUSTED past MAX_WATCHERS at once."""
@@ -512,10 +471,3 @@ class FleetRegistry:
 def _check_hello_variants(hello: fpb.Hello) -> None:
     if not hello.variants:
         raise InvalidInput(f"Hello from {hello.agent_id}: no variants")
-
-
-def _detached(family: fpb.FamilyInfo) -> fpb.FamilyInfo:
-    """A copy of a Hello's FamilyInfo: kept as is, a sub-message keeps its whole Hello alive."""
-    kept = fpb.FamilyInfo()
-    kept.CopyFrom(family)
-    return kept
