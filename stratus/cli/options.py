@@ -133,8 +133,11 @@ def settings_of(args: argparse.Namespace, cls: type[T], role: str, **given: obje
     from stratus.config import Flags, load
 
     values = dict(vars(args))
-    if values.get("max_batch_delay_us") is not None:
-        values["max_batch_delay_s"] = values["max_batch_delay_us"] / 1e6
+    delay_us = values.get("max_batch_delay_us")
+    if delay_us is not None:
+        if not delay_us >= 0:  # NaN too; said in the flag's own unit
+            raise ConfigError(f"--max-batch-delay-us: must not be negative, not {delay_us:g}")
+        values["max_batch_delay_s"] = delay_us / 1e6
     flags = Flags(values, args.flag_names)
     return load(cls, role, file=args.config, environ=os.environ, flags=flags, given=given).built
 

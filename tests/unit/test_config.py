@@ -184,6 +184,10 @@ def test_a_required_setting_missing_everywhere_says_where_to_give_it() -> None:
     [
         (["cloud", "--concurrency", "0"], "stratus: error: --concurrency: must be at least 1, not 0\n"),
         (["agent", "--router", "127.0.0.1:1"], "stratus: error: agent needs tier: give --tier,"),
+        (  # said in the flag's unit (microseconds), not the setting's
+            ["cloud", "--max-batch-delay-us", "-5"],
+            "stratus: error: --max-batch-delay-us: must not be negative, not -5\n",
+        ),
         (
             ["cloud", "--openai-upstream", "127.0.0.1:8000"],
             "stratus: error: --openai-upstream: is an http:// or https:// URL, not '127.0.0.1:8000'\n",
