@@ -45,6 +45,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from fleet_scale import cpu_seconds, idle_cpu, start_router  # noqa: E402
 from loadgen import MODELS, OpenLoop, launch_agent, make_requests, rss_mb  # noqa: E402
 
+from stratus import datatypes  # noqa: E402
 from stratus.cli.demo import wait_for_agents  # noqa: E402
 from stratus.convert import codec  # noqa: E402
 from stratus.convert.parameters import set_parameter  # noqa: E402
@@ -171,7 +172,7 @@ def _request(repository: ModelRepository, model: str) -> pb.ModelInferRequest:
         return request
     spec = family.inputs[0]
     shape = [1 if d == -1 else d for d in spec.shape]
-    codec.encode_request_inputs(request, {spec.name: np.zeros(shape, codec.numpy_dtype(spec.datatype))})
+    codec.encode_request_inputs(request, {spec.name: np.zeros(shape, datatypes.numpy_dtype(spec.datatype))})
     return request
 
 

@@ -40,8 +40,8 @@ from edge_agent.sdk_calls import (
     remote_answer,
 )
 from edge_agent.sdk_routers import Routers, status_of
-from stratus.convert.codec import Array
 from stratus.convert.parameters import CONFIG_CURRENT, CONFIG_THRESHOLD, RequestOptions, held_reason
+from stratus.datatypes import Array
 from stratus.errors import ConfigError
 from stratus.execution.loading import LocalSettings
 from stratus.execution.models import LocalModels

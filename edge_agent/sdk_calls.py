@@ -12,8 +12,8 @@ import numpy as np
 
 from edge_agent.sdk_routers import status_of
 from stratus.convert import codec
-from stratus.convert.codec import Array
 from stratus.convert.parameters import RequestOptions, Served
+from stratus.datatypes import Array
 from stratus.errors import Unavailable
 from stratus.families.confidence import threshold_for
 from stratus.families.spec import FamilySpec, VariantSpec

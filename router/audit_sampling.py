@@ -14,7 +14,7 @@ import numpy as np
 
 from router.agreement import WINDOW_AUDITS, WINDOW_S, AuditKey
 from router.audit_rows import TierAnswer
-from stratus.convert import codec
+from stratus import datatypes
 from stratus.convert.tensors import Tensors
 from stratus.errors import ConfigError
 from stratus.families.audit import EXACT, NUMBER
@@ -105,7 +105,7 @@ def top1(tensors: Tensors, output: str) -> np.ndarray[Any, Any] | None:
     raw = tensors.get(output)
     if not raw.fixed_size or len(raw.shape) < 2 or not raw.items:
         return None
-    values = np.frombuffer(raw.data, dtype=codec.numpy_dtype(raw.datatype))
+    values = np.frombuffer(raw.data, dtype=datatypes.numpy_dtype(raw.datatype))
     best: np.ndarray[Any, Any] = values.reshape(raw.shape[0], -1).argmax(axis=1)
     return best
 

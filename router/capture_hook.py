@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Final
 import numpy as np
 
 from router.audit_sampling import top1
-from stratus.convert import codec
+from stratus import datatypes
 from stratus.convert.tensors import Tensors
 from stratus.convert.text import read_generation
 from stratus.errors import ConfigError
@@ -169,7 +169,7 @@ def item_arrays(tensors: Tensors, item: int) -> dict[str, np.ndarray[Any, Any]]:
     """One item's tensors, without the batch dimension (as the client sent them)."""
     arrays = {}
     for tensor in tensors.take([item]).tensors:
-        dtype = codec.numpy_dtype(tensor.datatype)
+        dtype = datatypes.numpy_dtype(tensor.datatype)
         arrays[tensor.name] = np.frombuffer(tensor.data, dtype=dtype).reshape(tensor.item_shape)
     return arrays
 

@@ -12,7 +12,7 @@ from typing import Any, Final
 
 import numpy as np
 
-from stratus.convert import codec
+from stratus import datatypes
 from stratus.convert.tensors import Tensors
 from stratus.errors import InvalidInput
 
@@ -161,6 +161,6 @@ def top1(tensors: Tensors) -> np.ndarray[Any, Any] | None:
     raw = tensors.get(names[0])
     if not raw.fixed_size or len(raw.shape) < 2:
         return None
-    values = np.frombuffer(raw.data, dtype=codec.numpy_dtype(raw.datatype))
+    values = np.frombuffer(raw.data, dtype=datatypes.numpy_dtype(raw.datatype))
     best: np.ndarray[Any, Any] = values.reshape(raw.shape[0], -1).argmax(axis=1)
     return best

@@ -19,10 +19,10 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from router.backends.base import Classified, Generated, OnChunk
-from stratus.convert.codec import numpy_dtype
 from stratus.convert.errors import error_from_wire
 from stratus.convert.fleet import chunk_from_wire
 from stratus.convert.tensors import Tensors
+from stratus.datatypes import numpy_dtype
 from stratus.errors import DeadlineExceeded, Unavailable
 from stratus.obs.stats import LatencyWindow
 from stratus.sched.batching import Batch, Batcher, BatchKey, split_counts

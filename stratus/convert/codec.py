@@ -12,116 +12,23 @@ from __future__ import annotations
 import math
 import struct
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any, Final
+from typing import Final
 
 import numpy as np
-import numpy.typing as npt
 
+from stratus.datatypes import SPECS, Array, Datatype, checked_shape, datatype_of, numpy_dtype, spec_of
 from stratus.errors import InvalidInput
 from stratus.wire import inference_pb2 as pb
 
-Array = npt.NDArray[Any]
-
-# Largest tensor a peer may describe; the message size limits bound it further in practice.
-MAX_ELEMENTS: Final = 1 << 31
-MAX_RANK: Final = 16
 # Inputs one request may name: the Open Inference Protocol sets no bound, and each input is
 # checked on the serving event loop; no model here takes more than a handful.
 MAX_INPUTS: Final = 64
 _LENGTH_PREFIX: Final = struct.Struct("<I")
 
 
-@dataclass(frozen=True)
-class _Datatype:
-    """How one protocol datatype maps to numpy and to the typed ``contents`` lists."""
-
-    name: str
-    dtype: np.dtype[Any]
-    field: str | None  # the InferTensorContents field, or None where only raw is allowed
-
-
-_DATATYPES: Final[dict[str, _Datatype]] = {
-    d.name: d
-    for d in (
-        _Datatype("BOOL", np.dtype(np.bool_), "bool_contents"),
-        _Datatype("UINT8", np.dtype("<u1"), "uint_contents"),
-        _Datatype("UINT16", np.dtype("<u2"), "uint_contents"),
-        _Datatype("UINT32", np.dtype("<u4"), "uint_contents"),
-        _Datatype("UINT64", np.dtype("<u8"), "uint64_contents"),
-        _Datatype("INT8", np.dtype("<i1"), "int_contents"),
-        _Datatype("INT16", np.dtype("<i2"), "int_contents"),
-        _Datatype("INT32", np.dtype("<i4"), "int_contents"),
-        _Datatype("INT64", np.dtype("<i8"), "int64_contents"),
-        # The protocol has no typed list for half precision: FP16 travels raw only.
-        _Datatype("FP16", np.dtype("<f2"), None),
-        _Datatype("FP32", np.dtype("<f4"), "fp32_contents"),
-        _Datatype("FP64", np.dtype("<f8"), "fp64_contents"),
-        _Datatype("BYTES", np.dtype(object), "bytes_contents"),
-    )
-}
-DATATYPES: Final = tuple(_DATATYPES)
-
-
-# Native and little-endian spellings of each fixed-size dtype, looked up once per array.
-_NAMES: Final[dict[np.dtype[Any], str]] = {
-    variant: d.name
-    for d in _DATATYPES.values()
-    if d.name != "BYTES"
-    for variant in (d.dtype, d.dtype.newbyteorder("="), d.dtype.newbyteorder("<"))
-}
-
-
-def datatype_of(array: Array) -> str:
-    """The protocol datatype for a numpy array (strings and bytes become BYTES)."""
-    kind = array.dtype
-    name = _NAMES.get(kind)
-    if name is not None:
-        return name
-    if kind.kind in "OSU":
-        return "BYTES"
-    name = _NAMES.get(kind.newbyteorder("<"))
-    if name is None:
-        raise InvalidInput(f"numpy dtype {kind} has no Open Inference Protocol datatype")
-    return name
-
-
-def numpy_dtype(datatype: str, *, tensor: str = "tensor") -> np.dtype[Any]:
-    """The numpy dtype for a protocol datatype, or InvalidInput naming the tensor."""
-    return _spec(datatype, tensor).dtype
-
-
-def _spec(datatype: str, tensor: str) -> _Datatype:
-    spec = _DATATYPES.get(datatype)
-    if spec is None:
-        raise InvalidInput(
-            f"tensor '{tensor}': unknown datatype '{datatype}'; expected one of {', '.join(DATATYPES)}"
-        )
-    return spec
-
-
-def checked_shape(shape: Sequence[int], *, tensor: str) -> tuple[int, ...]:
-    """Validate a wire shape: bounded rank, no negative dims, a sane element count."""
-    dims = tuple(shape)  # one pass over a protobuf repeated field; the rest on a tuple
-    if len(dims) > MAX_RANK:
-        raise InvalidInput(f"tensor '{tensor}': rank {len(dims)} exceeds the limit of {MAX_RANK}")
-    if dims and min(dims) < 0:
-        axis = next(i for i, d in enumerate(dims) if d < 0)
-        raise InvalidInput(f"tensor '{tensor}': dimension {axis} is {dims[axis]}; dimensions must be >= 0")
-    count = math.prod(dims)
-    # Every dimension counts, zero or not: [0, 2**40, 2**40] holds nothing, yet no array of
-    # that shape can be made.
-    spread = math.prod(d for d in dims if d)
-    if count > MAX_ELEMENTS or spread > MAX_ELEMENTS:
-        raise InvalidInput(
-            f"tensor '{tensor}': shape {list(dims)} has {spread} elements, more than the limit of {MAX_ELEMENTS}"
-        )
-    return dims
-
-
 def decode_raw(raw: bytes, *, tensor: str, datatype: str, shape: Sequence[int]) -> Array:
     """Decode one raw buffer; its length must match shape x datatype exactly."""
-    spec = _spec(datatype, tensor)
+    spec = spec_of(datatype, tensor)
     dims = checked_shape(shape, tensor=tensor)
     count = math.prod(dims)
     if spec.name == "BYTES":
@@ -174,7 +81,7 @@ def decode_contents(
     contents: pb.InferTensorContents, *, tensor: str, datatype: str, shape: Sequence[int]
 ) -> Array:
     """Decode the typed ``contents`` of one tensor, checking count and value range."""
-    spec = _spec(datatype, tensor)
+    spec = spec_of(datatype, tensor)
     dims = checked_shape(shape, tensor=tensor)
     if spec.field is None:
         raise InvalidInput(f"tensor '{tensor}': {datatype} has no typed contents; send it raw")
@@ -195,7 +102,7 @@ def decode_contents(
     return wide.astype(spec.dtype).reshape(dims)
 
 
-def _wide_dtype(spec: _Datatype) -> type[np.generic]:
+def _wide_dtype(spec: Datatype) -> type[np.generic]:
     """A dtype that holds every value of the typed list, so narrowing can be range-checked."""
     if spec.dtype.kind == "f":
         return np.float64
@@ -205,7 +112,7 @@ def _wide_dtype(spec: _Datatype) -> type[np.generic]:
 
 
 def _check_no_other_contents(contents: pb.InferTensorContents, field: str, tensor: str) -> None:
-    for other in {d.field for d in _DATATYPES.values() if d.field and d.field != field}:
+    for other in {d.field for d in SPECS.values() if d.field and d.field != field}:
         if len(getattr(contents, other)):
             raise InvalidInput(f"tensor '{tensor}': {other} is set, but its datatype uses {field}")
 
@@ -227,7 +134,7 @@ def _as_bytes(value: object) -> bytes:
 
 def encode_contents(array: Array, contents: pb.InferTensorContents) -> None:
     """Fill the typed ``contents`` lists (for clients that do not read raw buffers)."""
-    spec = _DATATYPES[datatype_of(array)]
+    spec = SPECS[datatype_of(array)]
     if spec.field is None:
         raise InvalidInput(f"{spec.name} has no typed contents; encode it raw")
     target = getattr(contents, spec.field)
@@ -267,7 +174,7 @@ def decode_input(tensor: pb.ModelInferRequest.InferInputTensor, raw: bytes | Non
             raise InvalidInput(f"input '{name}' has both typed contents and a raw buffer")
         return decode_raw(raw, tensor=name, datatype=tensor.datatype, shape=tensor.shape)
     if not tensor.HasField("contents"):
-        _spec(tensor.datatype, name)
+        spec_of(tensor.datatype, name)
         checked_shape(tensor.shape, tensor=name)
         if math.prod(tensor.shape) == 0:
             return np.empty(tuple(tensor.shape), dtype=numpy_dtype(tensor.datatype, tensor=name))

@@ -19,6 +19,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Final
 
+from stratus import datatypes
 from stratus.convert import codec
 from stratus.errors import InvalidInput
 from stratus.families.spec import TensorSpec
@@ -47,7 +48,7 @@ class RawTensor:
 
     @property
     def item_bytes(self) -> int:
-        return math.prod(self.item_shape) * codec.numpy_dtype(self.datatype).itemsize
+        return math.prod(self.item_shape) * datatypes.numpy_dtype(self.datatype).itemsize
 
     def rows(self, start: int, stop: int) -> RawTensor:
         step = self.item_bytes
@@ -185,8 +186,8 @@ def answer_raw(request: pb.ModelInferRequest, datatypes: Iterable[str]) -> bool:
 
 def _raw(name: str, datatype: str, shape: Sequence[int], data: bytes) -> RawTensor:
     """Check one raw buffer from its metadata: known datatype, sane shape, exact length."""
-    dims = codec.checked_shape(shape, tensor=name)
-    dtype = codec.numpy_dtype(datatype, tensor=name)
+    dims = datatypes.checked_shape(shape, tensor=name)
+    dtype = datatypes.numpy_dtype(datatype, tensor=name)
     if datatype == "BYTES":
         codec.decode_raw(data, tensor=name, datatype=datatype, shape=dims)  # length prefixes checked
         return RawTensor(name, datatype, dims, data)
@@ -211,8 +212,8 @@ def _input(tensor: pb.ModelInferRequest.InferInputTensor, raw: bytes | None, nam
     return _from_array(name, array, datatype=tensor.datatype)
 
 
-def _from_array(name: str, array: codec.Array, datatype: str | None = None) -> RawTensor:
-    return RawTensor(name, datatype or codec.datatype_of(array), tuple(array.shape), codec.encode_raw(array))
+def _from_array(name: str, array: datatypes.Array, datatype: str | None = None) -> RawTensor:
+    return RawTensor(name, datatype or datatypes.datatype_of(array), tuple(array.shape), codec.encode_raw(array))
 
 
 def named_inputs(
@@ -244,7 +245,7 @@ def check_request_metadata(family: str, specs: Sequence[TensorSpec], request: pb
         spec = expected.get(name)
         if spec is None:
             raise InvalidInput(f"model '{family}' has no input '{name}'; it takes {sorted(expected)}")
-        shape = codec.checked_shape(tensor.shape, tensor=name)
+        shape = datatypes.checked_shape(tensor.shape, tensor=name)
         check_tensor(spec, tensor.datatype, shape)
         if spec.shape and spec.shape[0] == -1 and shape and shape[0] > MAX_REQUEST_ITEMS:
             raise InvalidInput(

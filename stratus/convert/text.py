@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 
+from stratus import datatypes
 from stratus.convert import codec
 from stratus.convert.parameters import MODEL_VERSION, VARIANT, parameter_value, set_parameter
 from stratus.errors import InvalidInput
@@ -67,7 +68,7 @@ def read_generation(request: pb.ModelInferRequest, family: str, limit: int) -> t
         raise InvalidInput(f"'{TEXT_INPUT}' is not UTF-8 text") from None
 
 
-def _one_string(inputs: Mapping[str, codec.Array], name: str) -> bytes:
+def _one_string(inputs: Mapping[str, datatypes.Array], name: str) -> bytes:
     values = inputs[name].reshape(-1)
     if len(values) != 1:
         raise InvalidInput(f"'{name}' must hold exactly one string, not {len(values)}")
@@ -125,7 +126,7 @@ def read_usage(parameters: Mapping[str, pb.InferParameter]) -> tuple[int | None,
     return count(PROMPT_TOKENS), count(COMPLETION_TOKENS)
 
 
-def text_array(text: str) -> codec.Array:
+def text_array(text: str) -> datatypes.Array:
     """One string as the BYTES tensor the Open Inference Protocol carries."""
     import numpy as np
 

@@ -21,11 +21,12 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from stratus import datatypes
 from stratus.convert import codec
-from stratus.convert.codec import Array
 from stratus.convert.parameters import set_parameter
 from stratus.convert.tensors import answer_raw, check_request_metadata
 from stratus.convert.text import text_response, write_usage
+from stratus.datatypes import Array
 from stratus.errors import (
     InvalidInput,
     ModelLoadError,
@@ -450,7 +451,7 @@ class LocalModels:
         if batch == 0:
             family = self.families[self.variants[variant].family]
             outputs = {
-                s.name: np.zeros((0, *s.shape[1:]), codec.numpy_dtype(s.datatype)) for s in family.outputs
+                s.name: np.zeros((0, *s.shape[1:]), datatypes.numpy_dtype(s.datatype)) for s in family.outputs
             }
         else:
             outputs = self.runners[variant].infer(inputs)
@@ -477,7 +478,7 @@ def _requested_outputs(request: pb.ModelInferRequest, family: FamilySpec) -> lis
 
 
 def _answer_raw(request: pb.ModelInferRequest, outputs: Mapping[str, Array]) -> bool:
-    return answer_raw(request, (codec.datatype_of(a) for a in outputs.values()))
+    return answer_raw(request, (datatypes.datatype_of(a) for a in outputs.values()))
 
 
 def _key(variant: str, inputs: Mapping[str, Array], outputs: Sequence[str]) -> BatchKey:

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
-from stratus.convert import codec
+from stratus import datatypes
 from stratus.errors import ConfigError, InvalidInput, NotFound
 from stratus.families.audit import parse_audit, parse_tier_accuracy
 from stratus.families.confidence import ConfidenceMethod
@@ -247,7 +247,7 @@ def _tensors(reader: _Reader, data: Mapping[str, Any], key: str) -> tuple[Tensor
         specs.append(
             TensorSpec(
                 name=reader.get(item, "name", str, where),
-                datatype=reader.choice(item, "datatype", codec.DATATYPES, where),
+                datatype=reader.choice(item, "datatype", datatypes.DATATYPES, where),
                 shape=tuple(shape),
             )
         )

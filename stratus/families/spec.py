@@ -8,8 +8,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from stratus.convert import codec
-from stratus.convert.codec import Array
+from stratus import datatypes
+from stratus.datatypes import Array
 from stratus.errors import InvalidInput, NotFound
 from stratus.families.audit import AuditSpec, TierCalibration
 from stratus.families.confidence import ConfidenceMethod
@@ -27,7 +27,7 @@ class TensorSpec:
 
     def check(self, array: Array) -> None:
         """Refuse an input whose datatype or shape does not fit this spec."""
-        datatype = codec.datatype_of(array)
+        datatype = datatypes.datatype_of(array)
         if datatype != self.datatype:
             raise InvalidInput(
                 f"input '{self.name}': datatype is {datatype}, the model takes {self.datatype}"

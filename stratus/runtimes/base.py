@@ -17,7 +17,7 @@ from typing import ClassVar, Protocol, TypeVar
 
 import numpy as np
 
-from stratus.convert.codec import Array
+from stratus.datatypes import Array
 from stratus.families.spec import TensorSpec, VariantSpec
 from stratus.tiers import Tier
 
@@ -147,7 +147,7 @@ def check_outputs(specs: tuple[TensorSpec, ...], outputs: Mapping[str, Array], b
 
 def zeros_for(spec: TensorSpec, batch: int) -> Array:
     """A zero input of the spec's shape, with ``batch`` for the -1 dimension."""
-    from stratus.convert.codec import numpy_dtype
+    from stratus.datatypes import numpy_dtype
 
     shape = tuple(batch if d == -1 else d for d in spec.shape)
     return np.zeros(shape, dtype=numpy_dtype(spec.datatype, tensor=spec.name))

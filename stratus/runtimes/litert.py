@@ -13,7 +13,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from stratus.convert.codec import Array
+from stratus.datatypes import Array
 from stratus.runtimes.base import Availability, ModelRunner, RuntimeDescription
 
 _MODULES = ("ai_edge_litert.interpreter", "tflite_runtime.interpreter")

@@ -10,7 +10,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from stratus.convert.codec import Array
+from stratus.datatypes import Array
 from stratus.runtimes.base import Availability, ModelRunner, RuntimeDescription
 from stratus.tiers import Tier
 

@@ -14,7 +14,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from stratus.convert.codec import Array
+from stratus.datatypes import Array
 from stratus.runtimes.base import Availability, ModelRunner, RuntimeDescription
 
 

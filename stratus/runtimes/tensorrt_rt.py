@@ -23,7 +23,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from stratus.convert.codec import Array, numpy_dtype
+from stratus.datatypes import Array, numpy_dtype
 from stratus.errors import InvalidInput, ModelLoadError, RuntimeUnavailable
 from stratus.families.spec import TensorSpec
 from stratus.runtimes.base import Availability, ModelRunner, RuntimeDescription

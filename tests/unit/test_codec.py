@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
+from stratus import datatypes
 from stratus.convert import codec
 from stratus.errors import InvalidInput
 from stratus.wire import inference_pb2 as pb
@@ -162,7 +163,7 @@ def test_duplicate_inputs_and_both_encodings_are_refused() -> None:
 
 @settings(max_examples=200)
 @given(
-    datatype=st.sampled_from([*codec.DATATYPES, "FP8", "", "fp32"]),
+    datatype=st.sampled_from([*datatypes.DATATYPES, "FP8", "", "fp32"]),
     shape=st.lists(st.integers(min_value=-(1 << 40), max_value=1 << 40), max_size=5),
     raw=st.binary(max_size=64),
 )
@@ -187,4 +188,4 @@ def test_arbitrary_raw_tensors_decode_or_raise_invalid_input(
 
 def test_numpy_dtypes_without_a_protocol_type_are_refused() -> None:
     with pytest.raises(InvalidInput, match="complex64"):
-        codec.datatype_of(np.zeros(1, dtype=np.complex64))
+        datatypes.datatype_of(np.zeros(1, dtype=np.complex64))

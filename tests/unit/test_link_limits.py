@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from router.backends.agent import items_that_fit
-from stratus.convert.codec import checked_shape
+from stratus.datatypes import checked_shape
 from stratus.errors import InvalidInput
 from stratus.sched.batching import BatchKey
 from stratus.serving.channels import MAX_MESSAGE_BYTES, MAX_WORK_BYTES, check_fits

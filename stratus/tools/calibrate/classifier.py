@@ -40,7 +40,7 @@ from typing import Any, Final
 import numpy as np
 import numpy.typing as npt
 
-from stratus.convert.codec import Array
+from stratus.datatypes import Array
 from stratus.errors import ConfigError
 from stratus.families.audit import TierCalibration
 from stratus.families.confidence import ConfidenceMethod, confidence

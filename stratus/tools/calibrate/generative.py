@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from stratus.convert.codec import Array
+from stratus.datatypes import Array
 from stratus.errors import ConfigError, NotFound, RuntimeUnavailable
 from stratus.families.generation import GenerationParams, confidence_of
 from stratus.families.spec import FamilySpec, VariantSpec

@@ -15,8 +15,8 @@ from typing import Final
 import numpy as np
 import numpy.typing as npt
 
-from stratus.convert import codec
-from stratus.convert.codec import Array
+from stratus import datatypes
+from stratus.datatypes import Array
 from stratus.errors import ConfigError
 from stratus.families.spec import FamilySpec
 from stratus.tools.datasets import Split, dataset_for
@@ -144,11 +144,11 @@ def _npz_arrays(path: Path) -> dict[str, Array]:
 
 def _check_examples(path: Path, name: str, datatype: str, shape: Sequence[int], x: Array) -> None:
     try:
-        got = codec.datatype_of(x)
+        got = datatypes.datatype_of(x)
     except Exception:  # a dtype with no protocol datatype: reported below like any mismatch
         got = str(x.dtype)
     if got != datatype:
-        wanted = codec.numpy_dtype(datatype, tensor=name)
+        wanted = datatypes.numpy_dtype(datatype, tensor=name)
         raise ConfigError(
             f"{path}: array '{name}' is {x.dtype}; the family's input is {datatype} (numpy {wanted})"
         )

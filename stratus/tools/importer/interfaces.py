@@ -12,7 +12,7 @@ from typing import Any, Final
 
 import numpy as np
 
-from stratus.convert import codec
+from stratus import datatypes
 from stratus.errors import ConfigError, StratusError
 from stratus.families.spec import FamilySpec, TensorSpec
 
@@ -98,7 +98,7 @@ def _spec(source: Path, kind: str, name: str, datatype: str, dims: Sequence[int 
     """A TensorSpec from a file's dims (an int is fixed, anything else dynamic)."""
     if not name:
         raise ConfigError(f"{source}: an {kind} has no name")
-    if datatype not in codec.DATATYPES or datatype == "BYTES":
+    if datatype not in datatypes.DATATYPES or datatype == "BYTES":
         raise ConfigError(f"{source}: {kind} '{name}' has type {datatype}, which Stratus cannot carry")
     if not dims:
         raise ConfigError(f"{source}: {kind} '{name}' is a scalar; Stratus batches along dimension 0")
@@ -178,7 +178,7 @@ def _zipmap_spec(source: Path, graph: Any, name: str) -> TensorSpec:
 def _onnx_datatype(value: Any, onnx: Any) -> str:
     elem = value.type.tensor_type.elem_type
     try:
-        return codec.datatype_of(np.empty(0, dtype=onnx.helper.tensor_dtype_to_np_dtype(elem)))
+        return datatypes.datatype_of(np.empty(0, dtype=onnx.helper.tensor_dtype_to_np_dtype(elem)))
     except (KeyError, ValueError, TypeError, StratusError):
         return str(onnx.TensorProto.DataType.Name(elem))
 
@@ -258,7 +258,7 @@ def _tflite_interface(source: Path) -> Interface:
                 source,
                 kind,
                 d["name"],
-                codec.datatype_of(np.empty(0, dtype=d["dtype"])),
+                datatypes.datatype_of(np.empty(0, dtype=d["dtype"])),
                 [int(x) if x > 0 else None for x in d.get("shape_signature", d["shape"])],
             )
             for d in details

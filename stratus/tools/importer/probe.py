@@ -11,7 +11,7 @@ from typing import Final
 
 import numpy as np
 
-from stratus.convert.codec import Array
+from stratus.datatypes import Array
 from stratus.errors import ConfigError, InvalidInput
 from stratus.families.confidence import TEMPERATURE_GRID, ConfidenceMethod, fit_temperature
 from stratus.families.repository import CONFIG_NAME

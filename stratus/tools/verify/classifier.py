@@ -30,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-from stratus.convert.codec import Array, numpy_dtype
+from stratus.datatypes import Array, numpy_dtype
 from stratus.errors import ConfigError
 from stratus.families.precision import (
     VariantRecord,
