@@ -345,7 +345,6 @@ class RouterDataPlane(DataPlane):
             result = await task
         finally:
             task.cancel()
-            del task  # else a failed task's traceback holds this frame, which holds the task
         final = text_response(request, "")
         write_generation(final, result)
         set_parameter(final.parameters, FINAL, True)

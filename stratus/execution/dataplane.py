@@ -98,7 +98,6 @@ class LocalDataPlane(DataPlane):
             if not task.done():
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
-            del task  # else a failed task's traceback holds this frame, which holds the task
         reason = parameter_value(answer.response.parameters[FINISH_REASON])
         prompt_tokens, completion_tokens = read_usage(answer.response.parameters)
         ending = Chunk(

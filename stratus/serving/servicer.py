@@ -384,13 +384,11 @@ class _StreamSession:
                 response = await self._plane.infer(request, timeout_s=None)
                 self._outbox.put_nowait(pb.ModelStreamInferResponse(infer_response=response))
             answered = response
-        except StratusError as exc:
-            self._outbox.put_nowait(stream_error(request, exc))
-            drop_frames(exc)
         except Exception as exc:  # one bad request must not end the stream for the others
-            log.exception("unexpected error in a streamed request")
+            if not isinstance(exc, StratusError):
+                log.exception("unexpected error in a streamed request")
             self._outbox.put_nowait(stream_error(request, exc))
-            drop_frames(exc)
+            drop_frames(exc)  # a failed generation's task and frames hold each other (and the request)
         finally:
             if self._record is not None:
                 self._record(request, started, answered)
