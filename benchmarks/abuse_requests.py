@@ -18,8 +18,8 @@ from abuse_fleet import aio
 from abuse_kit import Context, Outcome, codes, http, padded_to, prompt_request, raw_infer, repeat, serves
 
 from stratus.convert import codec
+from stratus.convert.inference import MAX_PROMPT_BYTES
 from stratus.convert.parameters import MAX_BUDGET_MS, set_parameter
-from stratus.convert.text import MAX_PROMPT_BYTES
 from stratus.serving.channels import MAX_MESSAGE_BYTES, MAX_STREAMS_PER_CONNECTION
 from stratus.serving.servicer import STREAM_WINDOW
 from stratus.wire import inference_pb2 as pb

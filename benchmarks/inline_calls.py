@@ -21,6 +21,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from stratus.convert import codec  # noqa: E402
+from stratus.convert.inference import InferRequest  # noqa: E402
 from stratus.execution.loading import LocalSettings  # noqa: E402
 from stratus.execution.models import LocalModels  # noqa: E402
 from stratus.families.repository import ModelRepository  # noqa: E402
@@ -30,8 +31,9 @@ from stratus.wire import inference_pb2 as pb  # noqa: E402
 def measure(runtime: str, calls: int, cache: Path) -> tuple[float, bool]:
     settings = LocalSettings(variants=["digits-small"], runtimes=[runtime], cache_dir=cache, precision="fp32")
     models = LocalModels(ModelRepository.load(ROOT / "models"), settings)
-    request = pb.ModelInferRequest(model_name="digits-small")
-    codec.encode_request_inputs(request, {"input": np.zeros((1, 64), np.float32)})
+    message = pb.ModelInferRequest(model_name="digits-small")
+    codec.encode_request_inputs(message, {"input": np.zeros((1, 64), np.float32)})
+    request = InferRequest.from_wire(message)
 
     async def ask() -> None:
         for _ in range(calls):

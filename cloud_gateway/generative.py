@@ -20,8 +20,9 @@ from dataclasses import dataclass
 from typing import Final
 
 from cloud_gateway.upstream import OpenAIUpstream
-from stratus.convert.parameters import Served, set_parameter
-from stratus.convert.text import chunk_response, generative_config, generative_metadata, read_generation
+from stratus.convert.inference import InferRequest, InferResult
+from stratus.convert.parameters import Served
+from stratus.convert.text import chunk_result, generative_config, generative_metadata, read_generation
 from stratus.errors import InvalidInput, NotFound, StratusError
 from stratus.families.generation import (
     FINAL,
@@ -108,7 +109,7 @@ class UpstreamDataPlane(DataPlane):
             return self._local(name).model_config(name)
         return generative_config(name, PLATFORM, self.model.max_tokens, variant=self.model.variant)
 
-    async def infer(self, request: pb.ModelInferRequest, *, timeout_s: float | None) -> pb.ModelInferResponse:
+    async def infer(self, request: InferRequest, *, timeout_s: float | None) -> InferResult:
         if not self._serves(request.model_name):
             return await self._local(request.model_name).infer(request, timeout_s=timeout_s)
         with counted(self._count):
@@ -121,13 +122,11 @@ class UpstreamDataPlane(DataPlane):
                 made = len(chunk.tokens)
             finally:  # the whole text comes at once: no first token to time apart
                 self._record(started, None, made)
-        response = self._response(request, chunk)
-        self._served(chunk.tokens, started).write(response.parameters)
-        return response
+        result = self._result(request, chunk)
+        result.parameters.update(self._served(chunk.tokens, started).values())
+        return result
 
-    def generate(
-        self, request: pb.ModelInferRequest, *, timeout_s: float | None
-    ) -> AsyncIterator[pb.ModelInferResponse]:
+    def generate(self, request: InferRequest, *, timeout_s: float | None) -> AsyncIterator[InferResult]:
         if not self._serves(request.model_name):
             return self._local(request.model_name).generate(request, timeout_s=timeout_s)
         try:
@@ -138,8 +137,8 @@ class UpstreamDataPlane(DataPlane):
         return self._generate(request, prompt, params, timeout_s)
 
     async def _generate(
-        self, request: pb.ModelInferRequest, prompt: str, params: GenerationParams, timeout_s: float | None
-    ) -> AsyncIterator[pb.ModelInferResponse]:
+        self, request: InferRequest, prompt: str, params: GenerationParams, timeout_s: float | None
+    ) -> AsyncIterator[InferResult]:
         started = time.perf_counter()
         first: float | None = None
         tokens: list[Token] = []
@@ -153,14 +152,14 @@ class UpstreamDataPlane(DataPlane):
                     if chunk.finish_reason is None:
                         tokens.extend(kept)
                         if kept:
-                            yield self._response(request, Chunk(tokens=kept))
+                            yield self._result(request, Chunk(tokens=kept))
                         continue
                     ending = _cut_final(chunk, kept + cut.finish(), cut)  # the upstream's last event
                     tokens.extend(ending.tokens)
-                    response = self._response(request, ending)
-                    set_parameter(response.parameters, FINAL, True)
-                    self._served(tokens, started).write(response.parameters)
-                    yield response
+                    result = self._result(request, ending)
+                    result.parameters[FINAL] = True
+                    result.parameters.update(self._served(tokens, started).values())
+                    yield result
                     return
         finally:
             self._record(started, first, len(tokens))
@@ -180,8 +179,8 @@ class UpstreamDataPlane(DataPlane):
             )
             self.recorder.record_generation(self.model.family, self.model.variant, timing)
 
-    def _parse(self, request: pb.ModelInferRequest) -> tuple[str, GenerationParams]:
-        wanted = [o.name for o in request.outputs if o.name != TEXT_OUTPUT]
+    def _parse(self, request: InferRequest) -> tuple[str, GenerationParams]:
+        wanted = [name for name in request.outputs if name != TEXT_OUTPUT]
         if wanted:
             raise InvalidInput(
                 f"model '{request.model_name}' has no output {wanted}; it gives ['{TEXT_OUTPUT}']"
@@ -189,10 +188,10 @@ class UpstreamDataPlane(DataPlane):
         prompt, params = read_generation(request, request.model_name, self.model.max_tokens)
         return prompt, params.stopping_also_at(self.model.stop)
 
-    def _response(self, request: pb.ModelInferRequest, chunk: Chunk) -> pb.ModelInferResponse:
-        response = chunk_response(request, chunk)
-        set_parameter(response.parameters, QUEUE, self.upstream.load.queue)
-        return response
+    def _result(self, request: InferRequest, chunk: Chunk) -> InferResult:
+        result = chunk_result(request, chunk)
+        result.parameters[QUEUE] = self.upstream.load.queue
+        return result
 
     def _served(self, tokens: Sequence[Token], started: float) -> Served:
         """Who answered, and how sure the whole answer is."""

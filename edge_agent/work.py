@@ -11,6 +11,7 @@ import grpc
 
 from stratus.convert.errors import error_to_wire, wire_error, wire_error_label
 from stratus.convert.fleet import chunk_to_wire
+from stratus.convert.inference import InferRequest
 from stratus.errors import DeadlineExceeded, StratusError
 from stratus.execution.models import LocalModels
 from stratus.families.generation import Chunk
@@ -52,16 +53,17 @@ async def _run(
     async def send(chunk: Chunk) -> None:
         outbox.put_nowait(fpb.AgentMessage(chunk=chunk_to_wire(work.request_id, chunk)))
 
+    request = InferRequest.from_wire(work.request)
     try:
         async with asyncio.timeout(budget_s):
-            if models.generates(work.request.model_name):
-                answer = await models.generate(work.request, send)
+            if models.generates(request.model_name):
+                answer = await models.generate(request, send)
             else:
-                answer = await models.answer(work.request)
+                answer = await models.answer(request)
     except TimeoutError:
         raise DeadlineExceeded(f"agent {agent_name}: budget of {work.budget_ms:.1f} ms ran out") from None
     result.variant = answer.variant.name
-    result.response.CopyFrom(answer.response)
+    result.response.CopyFrom(answer.result.to_wire())
     result.confidence = answer.confidence
     result.confidences.extend(answer.confidences)
     result.service_ms = answer.service_ms

@@ -23,6 +23,7 @@ import numpy as np
 
 from router.audit_sampling import top1
 from stratus import datatypes
+from stratus.convert.inference import InferRequest
 from stratus.convert.tensors import Tensors
 from stratus.convert.text import read_generation
 from stratus.errors import ConfigError
@@ -176,7 +177,7 @@ def item_arrays(tensors: Tensors, item: int) -> dict[str, np.ndarray[Any, Any]]:
 
 def prompt_of(request: pb.ModelInferRequest) -> str | None:
     try:
-        return read_generation(request, request.model_name, PROMPT_LIMIT)[0]
+        return read_generation(InferRequest.from_wire(request), request.model_name, PROMPT_LIMIT)[0]
     except Exception:  # checked on arrival; an audit's copy that does not read keeps no prompt
         return None
 

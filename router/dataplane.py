@@ -24,7 +24,7 @@ from router.backends.base import Backend
 from router.backends.cloud import CloudBackend
 from router.cascade.classify import ClassifyCascade, Job
 from router.cascade.common import pinned_options, request_budget
-from router.cascade.generate import Generation, GenerationCascade, Sink, write_generation
+from router.cascade.generate import Generation, GenerationCascade, Sink, generation_values
 from router.cloud_models import family_of
 from router.cloud_pool import CloudTier
 from router.obs import observer_for
@@ -32,32 +32,24 @@ from router.policy import FleetSnapshot
 from router.registry import FleetRegistry
 from router.rollout import PROMOTED, Rollouts
 from stratus.convert.fleet import family_spec_from_wire
-from stratus.convert.parameters import (
-    CONFIG_CURRENT,
-    CONFIG_THRESHOLD,
-    CONFIG_VARIANTS,
-    MODEL_VERSION,
-    RequestOptions,
-    set_parameter,
-)
-from stratus.convert.tensors import (
-    Tensors,
-    answer_raw,
-    check_inputs,
-    check_request_metadata,
-    requested_outputs,
-)
+from stratus.convert.inference import InferRequest, InferResult, TextRequest
+from stratus.convert.parameters import CONFIG_CURRENT, CONFIG_THRESHOLD, CONFIG_VARIANTS, MODEL_VERSION
+from stratus.convert.tensors import check_inputs
 from stratus.convert.text import (
-    chunk_response,
+    chunk_result,
     generative_config,
     generative_metadata,
-    text_response,
+    prompt_request,
+    text_request,
+    text_result,
 )
 from stratus.errors import NotFound, Overloaded, StratusError
 from stratus.execution.dataplane import model_config
 from stratus.families.generation import FINAL, Chunk
+from stratus.families.sampling import check_max_tokens
 from stratus.families.spec import FamilySpec
 from stratus.obs.metrics import UNKNOWN, RouterMetrics
+from stratus.sched.streams import OnItem, relayed
 from stratus.serving.servicer import DataPlane
 from stratus.tiers import Tier
 from stratus.wire import fleet_pb2 as fpb
@@ -253,21 +245,19 @@ class RouterDataPlane(DataPlane):
         return info if info is not None and info.kind == "generative" else None
 
     async def generate_text(
-        self, request: pb.ModelInferRequest, *, timeout_s: float | None, sink: Sink | None = None
+        self, request: TextRequest, *, timeout_s: float | None, sink: Sink | None = None
     ) -> Generation:
         """A generative request through the tiers; what the client may see goes to ``sink``."""
-        from stratus.convert.text import prompt_request, read_generation
-
         started = self._clock()
         info = self.generative(request.model_name)
         if info is None:
             raise NotFound(f"'{request.model_name}' is not a generative model this fleet serves")
         family, pinned = self._family_of(request.model_name)
-        options = RequestOptions.from_parameters(request.parameters)
-        # Checked before any tier sees it; the tiers get the checked prompt and settings alone,
-        # never the client's message (whatever else it carried would travel on every agent's link).
-        prompt, params = read_generation(request, family, info.max_tokens or 1)
-        checked = prompt_request(pinned or family, request.id, prompt, params)
+        params, options = request.params, request.options
+        check_max_tokens(params.max_tokens, info.max_tokens or 1, family)
+        # The tiers get the checked prompt and settings alone, never the client's message
+        # (whatever else it carried would travel on every agent's link).
+        checked = prompt_request(pinned or family, request.id, request.prompt, params)
         if pinned is not None:  # a pinned variant runs exactly there, on its own tier only
             options = pinned_options(options, self.registry.index.tiers(pinned))
         label = self._family_label(request.model_name)
@@ -318,39 +308,40 @@ class RouterDataPlane(DataPlane):
         for tier, ms in result.timings_ms.items():
             self.observer.tier_time(family, tier, ms)
 
-    async def _infer_text(
-        self, request: pb.ModelInferRequest, timeout_s: float | None
-    ) -> pb.ModelInferResponse:
-        result = await self.generate_text(request, timeout_s=timeout_s)
-        response = text_response(request, result.text)
-        write_generation(response, result)
-        return response
+    def _text_request(self, request: InferRequest) -> TextRequest:
+        """An OIP request for a generative family, read as the cascade takes it."""
+        info = self.generative(request.model_name)
+        if info is None:
+            raise NotFound(f"'{request.model_name}' is not a generative model this fleet serves")
+        family, _ = self._family_of(request.model_name)
+        return text_request(request, family, info.max_tokens or 1)
 
-    async def generate(
-        self, request: pb.ModelInferRequest, *, timeout_s: float | None
-    ) -> AsyncIterator[pb.ModelInferResponse]:
+    async def _infer_text(self, request: InferRequest, timeout_s: float | None) -> InferResult:
+        asked = self._text_request(request)
+        result = await self.generate_text(asked, timeout_s=timeout_s)
+        answer = text_result(asked, result.text)
+        answer.parameters.update(generation_values(result))
+        return answer
+
+    async def generate(self, request: InferRequest, *, timeout_s: float | None) -> AsyncIterator[InferResult]:
         """Chunks as the client may see them (the final tier's as they come), then the end."""
-        chunks: asyncio.Queue[Chunk | None] = asyncio.Queue()
+        asked = self._text_request(request)
 
-        async def sink(chunk: Chunk) -> None:
-            chunks.put_nowait(chunk)
+        async def produce(sink: OnItem[Chunk]) -> Generation:
+            return await self.generate_text(asked, timeout_s=timeout_s, sink=sink)
 
-        task = asyncio.create_task(self.generate_text(request, timeout_s=timeout_s, sink=sink))
-        task.add_done_callback(lambda _: chunks.put_nowait(None))
-        try:
-            while (chunk := await chunks.get()) is not None:
-                response = chunk_response(request, chunk)
-                set_parameter(response.parameters, FINAL, False)
-                yield response
-            result = await task
-        finally:
-            task.cancel()
-        final = text_response(request, "")
-        write_generation(final, result)
-        set_parameter(final.parameters, FINAL, True)
+        async with relayed(produce) as relay:
+            async for chunk in relay.items():
+                piece = chunk_result(asked, chunk)
+                piece.parameters[FINAL] = False
+                yield piece
+            result = relay.result()
+        final = text_result(asked, "")
+        final.parameters.update(generation_values(result))
+        final.parameters[FINAL] = True
         yield final
 
-    async def infer(self, request: pb.ModelInferRequest, *, timeout_s: float | None) -> pb.ModelInferResponse:
+    async def infer(self, request: InferRequest, *, timeout_s: float | None) -> InferResult:
         """Admit (or refuse, past ``max_requests``), check, then climb the tiers."""
         if self.generative(request.model_name) is not None:
             return await self._infer_text(request, timeout_s)
@@ -362,7 +353,7 @@ class RouterDataPlane(DataPlane):
             self.active += 1
             try:
                 cascade = ClassifyCascade(self, self._job(request, timeout_s))
-                response = await cascade.run()
+                result = await cascade.run()
             finally:
                 self.active -= 1
         except StratusError as exc:
@@ -371,7 +362,7 @@ class RouterDataPlane(DataPlane):
         if self.audits is not None:  # sampled once the answer is on its way
             asyncio.get_running_loop().call_soon(self.audits.classified, cascade)
         self._count_answer(family, cascade.tier_label, cascade.degraded, started)
-        return response
+        return result
 
     def _count_refusal(self, family: str, exc: StratusError) -> None:
         self.observer.refused(family, exc)
@@ -391,20 +382,20 @@ class RouterDataPlane(DataPlane):
             return family
         return family_of(family, self.registry.families, self.cloud.named) or family
 
-    def _job(self, request: pb.ModelInferRequest, timeout_s: float | None) -> Job:
+    def _job(self, request: InferRequest, timeout_s: float | None) -> Job:
         """Check everything a request says against the family's description, without decoding."""
         started = self._clock()
-        options = RequestOptions.from_parameters(request.parameters)
+        options = request.options()
         family, pinned = self._family_of(request.model_name)
         spec = self._spec(family)
         if spec is not None:
-            check_request_metadata(family, spec.inputs, request)
-        inputs = Tensors.from_request(request)
-        outputs: list[str] = [o.name for o in request.outputs]
+            request.check_metadata(family, spec.inputs)
+        inputs = request.tensors()
+        outputs = list(request.outputs)
         datatypes = ["FP32"]
         if spec is not None:
             check_inputs(family, spec.inputs, inputs)
-            outputs = requested_outputs(request, family, [o.name for o in spec.outputs])
+            outputs = request.requested_outputs(family, [o.name for o in spec.outputs])
             datatypes = [o.datatype for o in spec.outputs if o.name in outputs]
         return Job(
             id=request.id,
@@ -415,7 +406,7 @@ class RouterDataPlane(DataPlane):
             options=options,
             inputs=inputs,
             outputs=tuple(outputs) if request.outputs else (),
-            raw=answer_raw(request, datatypes),
+            raw=request.answer_raw(datatypes),
             budget_ms=request_budget(options.budget_ms, timeout_s),
             started=started,
         )

@@ -39,8 +39,9 @@ from aiohttp import web
 
 from router.cascade.generate import Generation, TextGenerator
 from router.openai_replies import Reply, model_entry
-from router.openai_requests import oip_request, options_of, prompts_of, settings_of, usage_asked
+from router.openai_requests import options_of, prompts_of, settings_of, text_request, usage_asked
 from stratus.convert.errors import http_status
+from stratus.convert.inference import TextRequest
 from stratus.errors import (
     ConfigError,
     InvalidInput,
@@ -51,7 +52,6 @@ from stratus.errors import (
 from stratus.families.generation import Chunk
 from stratus.families.sampling import FieldError
 from stratus.serving.auth import is_loopback
-from stratus.wire import inference_pb2 as pb
 
 log = logging.getLogger("stratus.openai")
 
@@ -197,7 +197,7 @@ class OpenAiApi:
             raise NotFound(f"the model '{model}' does not exist or does not generate text")
         params = settings_of(body, model, info.max_tokens)
         options = options_of(body)
-        requests = [oip_request(model, prompt, params, options) for prompt in prompts]
+        requests = [text_request(model, prompt, params, options) for prompt in prompts]
         stream = body.get("stream") is True
         reply = Reply(
             model=model,
@@ -216,7 +216,7 @@ class OpenAiApi:
         return web.json_response(reply.whole(results))
 
     async def _stream(
-        self, http: web.Request, requests: Sequence[pb.ModelInferRequest], reply: Reply
+        self, http: web.Request, requests: Sequence[TextRequest], reply: Reply
     ) -> web.StreamResponse:
         """SSE: a lower tier's text only once accepted; the final tier's as it comes; each
         prompt's chunks under its own ``index``, each ended by its own closing chunk."""
@@ -245,7 +245,7 @@ class OpenAiApi:
     def _start(
         self,
         index: int,
-        request: pb.ModelInferRequest,
+        request: TextRequest,
         events: asyncio.Queue[tuple[int, Chunk | Generation | BaseException]],
     ) -> asyncio.Task[Generation]:
         """One prompt's generation, its chunks and then its outcome put on ``events``."""

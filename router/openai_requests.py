@@ -11,12 +11,11 @@ import uuid
 from collections.abc import Mapping
 from typing import Any, Final
 
-from stratus.convert.parameters import PREFIX, set_parameter
-from stratus.convert.text import prompt_request
+from stratus.convert.inference import TextRequest
+from stratus.convert.parameters import PREFIX, RequestOptions
 from stratus.errors import InvalidInput
 from stratus.families.generation import MAX_TOKENS, GenerationParams
 from stratus.families.sampling import SETTINGS, FieldError, settings_from
-from stratus.wire import inference_pb2 as pb
 
 _OPTIONS: Final = {"budget_ms": float, "min_confidence": float, "max_tier": str, "min_tier": str}
 # Fields OpenAI's API takes that Stratus does not honour: each refused when it asks for
@@ -109,14 +108,17 @@ def options_of(body: Mapping[str, Any]) -> dict[str, float | str]:
     return checked
 
 
-def oip_request(
+def text_request(
     model: str, prompt: str, params: GenerationParams, options: Mapping[str, float | str]
-) -> pb.ModelInferRequest:
-    """One prompt as the Open Inference Protocol request the cascade takes."""
-    request = prompt_request(model, uuid.uuid4().hex[:16], prompt, params)
-    for key, value in options.items():
-        set_parameter(request.parameters, key, value)
-    return request
+) -> TextRequest:
+    """One prompt as the request the cascade takes: no protobuf is built for it."""
+    return TextRequest(
+        model_name=model,
+        id=uuid.uuid4().hex[:16],
+        prompt=prompt,
+        params=params,
+        options=RequestOptions.from_values(options),
+    )
 
 
 def _number(key: str, value: int | float) -> float:

@@ -15,6 +15,8 @@ import numpy.typing as npt
 from stratus.errors import InvalidInput
 
 Array = npt.NDArray[Any]
+# What a ``parameters`` entry holds (bool, int64, double or string), as Python has it.
+ParameterValue = bool | int | float | str
 
 # Largest tensor a peer may describe; the message size limits bound it further in practice.
 MAX_ELEMENTS: Final = 1 << 31

@@ -30,6 +30,7 @@ from router.policy.climb import (
 )
 from router.rollout import Plan
 from router.rollout_judge import top1
+from stratus.convert.inference import InferResult
 from stratus.convert.parameters import (
     RequestOptions,
     Served,
@@ -39,7 +40,6 @@ from stratus.convert.tensors import Tensors
 from stratus.errors import DeadlineExceeded, Overloaded, StratusError, Unavailable
 from stratus.families.confidence import settled
 from stratus.tiers import Tier
-from stratus.wire import inference_pb2 as pb
 
 log = logging.getLogger("stratus.router")
 
@@ -112,7 +112,7 @@ class ClassifyCascade:
     def remaining_ms(self) -> float:
         return self.job.budget_ms - (self.context.now() - self.job.started) * 1000.0
 
-    async def run(self) -> pb.ModelInferResponse:
+    async def run(self) -> InferResult:
         job = self.job
         thresholds = self.context.registry.thresholds(job.family)
         while (self.pending or not self.answers) and (remaining := self.remaining_ms()) > 0:
@@ -256,7 +256,7 @@ class ClassifyCascade:
             after_failure(self.state, target, exc)
             return None
 
-    def _respond(self, *, degraded: bool) -> pb.ModelInferResponse:
+    def _respond(self, *, degraded: bool) -> InferResult:
         job = self.job
         items = range(job.inputs.items)
         tiers = [self.best[i][0].tier for i in items]
@@ -267,9 +267,7 @@ class ClassifyCascade:
             reason = _STOPPED.get(type(problem), "no_higher_tier") if problem else "no_higher_tier"
             self.context.observer.degraded(job.label, reason)
         last = max(self.answers, key=lambda a: a.tier)
-        response = pb.ModelInferResponse(model_name=job.asked_for, id=job.id)
-        self._outputs().write_response(response, raw=job.raw)
-        Served(
+        served = Served(
             tier=max(tiers, default=last.tier),
             agent=last.agent,
             variant=last.variant,
@@ -282,8 +280,10 @@ class ClassifyCascade:
             reason=self.reason,
             queue_ms=self.queue_ms,
             compute_ms=self.compute_ms,
-        ).write(response.parameters)
-        return response
+        )
+        return InferResult(
+            model_name=job.asked_for, id=job.id, outputs=self._outputs(), raw=job.raw, parameters=served.values()
+        )
 
     def _outputs(self) -> Tensors:
         """Every item's row from the answer that settled it, in the request's order."""

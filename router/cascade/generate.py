@@ -45,8 +45,10 @@ from router.policy.climb import (
     retryable,
 )
 from stratus.convert.fleet import thresholds_from_wire
-from stratus.convert.parameters import RequestOptions, Served, set_parameter
-from stratus.convert.text import read_usage, write_usage
+from stratus.convert.inference import TextRequest
+from stratus.convert.parameters import RequestOptions, Served, values_of
+from stratus.convert.text import read_usage
+from stratus.datatypes import ParameterValue
 from stratus.errors import StratusError
 from stratus.families.confidence import accepts, threshold_for
 from stratus.families.generation import (
@@ -81,7 +83,7 @@ class TextGenerator(Protocol):
         ...
 
     async def generate_text(
-        self, request: pb.ModelInferRequest, *, timeout_s: float | None, sink: Sink | None = None
+        self, request: TextRequest, *, timeout_s: float | None, sink: Sink | None = None
     ) -> Generation: ...
 
 
@@ -289,7 +291,7 @@ class GenerationCascade:
         try:
             result = await target.candidate.generate(self.request, on_chunk, budget_ms=remaining)
             show(answer.finish())
-            prompt_tokens, completion_tokens = read_usage(result.response.parameters)
+            prompt_tokens, completion_tokens = read_usage(values_of(result.response.parameters))
         except asyncio.CancelledError as exc:
             if exc.args == ("hopeless",) and asyncio.current_task() is work:
                 work.uncancel()  # type: ignore[union-attr]
@@ -329,9 +331,9 @@ def _finish_reason(response: pb.ModelInferResponse) -> str:
     return parameter.string_param if parameter is not None and parameter.string_param else "stop"
 
 
-def write_generation(response: pb.ModelInferResponse, result: Generation) -> None:
+def generation_values(result: Generation) -> dict[str, ParameterValue]:
     """Where the text came from and how sure, as response parameters (``stratus.*``)."""
-    Served(
+    values = Served(
         tier=result.tier,
         agent=result.agent,
         variant=result.variant,
@@ -340,11 +342,11 @@ def write_generation(response: pb.ModelInferResponse, result: Generation) -> Non
         path=result.path,
         degraded=result.degraded,
         timings_ms=result.timings_ms,
-    ).write(response.parameters)
-    set_parameter(response.parameters, FINISH_REASON, result.finish_reason)
+    ).values()
+    values[FINISH_REASON] = result.finish_reason
     answer = Chunk(
         tokens=result.tokens, prompt_tokens=result.prompt_tokens, completion_tokens=result.completion_tokens
     )
-    for key, value in answer.parameters().items():
-        set_parameter(response.parameters, key, value)
-    write_usage(response, answer)
+    values.update(answer.parameters())
+    values.update(answer.usage())
+    return values

@@ -10,7 +10,7 @@ that sends none (an older gateway, mid rolling update).
 
 from __future__ import annotations
 
-from typing import Final
+from typing import Final, Protocol
 
 import grpc
 
@@ -100,7 +100,15 @@ def wire_error_label(error: fpb.Error) -> str:
     return status_for(error.code).name.lower()
 
 
-def stream_error(request: pb.ModelInferRequest, exc: BaseException) -> pb.ModelStreamInferResponse:
+class _Addressed(Protocol):
+    @property
+    def model_name(self) -> str: ...
+
+    @property
+    def id(self) -> str: ...
+
+
+def stream_error(request: _Addressed, exc: BaseException) -> pb.ModelStreamInferResponse:
     """A streamed error keeps the request's id and model, so a multiplexing peer can match
     it; its code travels as a number, and its text as "CODE: text" for people to read."""
     code, message = status_of(exc)

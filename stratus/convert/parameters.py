@@ -23,6 +23,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from stratus.datatypes import ParameterValue
 from stratus.errors import InvalidInput
 from stratus.tiers import Tier
 from stratus.wire import inference_pb2 as pb
@@ -66,7 +67,6 @@ CONFIG_CURRENT = "stratus.current."
 # which the SDK judges its own answers by.
 CONFIG_THRESHOLD = "stratus.threshold."
 
-ParameterValue = bool | int | float | str
 
 
 def parameter_value(parameter: pb.InferParameter) -> ParameterValue | None:
@@ -75,6 +75,11 @@ def parameter_value(parameter: pb.InferParameter) -> ParameterValue | None:
         return None
     value: ParameterValue = getattr(parameter, choice)
     return value
+
+
+def values_of(parameters: Mapping[str, pb.InferParameter]) -> dict[str, ParameterValue | None]:
+    """A protobuf parameters map as Python values (None for one sent with no value set)."""
+    return {key: parameter_value(value) for key, value in parameters.items()}
 
 
 def set_parameter(parameters: Mapping[str, pb.InferParameter], key: str, value: ParameterValue) -> None:
@@ -116,6 +121,10 @@ class RequestOptions:
 
     @classmethod
     def from_parameters(cls, parameters: Mapping[str, pb.InferParameter]) -> RequestOptions:
+        return cls.from_values(values_of(parameters))
+
+    @classmethod
+    def from_values(cls, parameters: Mapping[str, ParameterValue | None]) -> RequestOptions:
         unknown = [k for k in parameters if k.startswith(PREFIX) and k not in KNOWN_REQUEST]
         if unknown:
             raise InvalidInput(
@@ -146,10 +155,10 @@ def held_reason(max_tier: Tier, items: int, tier: Tier) -> str:
     return f"{MAX_TIER}={max_tier.label}: {items} item(s) below the {tier.label} threshold were not sent higher"
 
 
-def _number(parameters: Mapping[str, pb.InferParameter], key: str) -> float | None:
+def _number(parameters: Mapping[str, ParameterValue | None], key: str) -> float | None:
     if key not in parameters:
         return None
-    value = parameter_value(parameters[key])
+    value = parameters[key]
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise InvalidInput(f"parameter '{key}' must be a double, got {type(value).__name__}")
     if not math.isfinite(value):
@@ -157,10 +166,10 @@ def _number(parameters: Mapping[str, pb.InferParameter], key: str) -> float | No
     return float(value)
 
 
-def _tier(parameters: Mapping[str, pb.InferParameter], key: str, default: Tier) -> Tier:
+def _tier(parameters: Mapping[str, ParameterValue | None], key: str, default: Tier) -> Tier:
     if key not in parameters:
         return default
-    value = parameter_value(parameters[key])
+    value = parameters[key]
     if not isinstance(value, str):
         raise InvalidInput(f"parameter '{key}' must be a string, got {type(value).__name__}")
     try:
@@ -188,32 +197,43 @@ class Served:
     compute_ms: float | None = None
 
     def write(self, parameters: Mapping[str, pb.InferParameter]) -> None:
-        set_parameter(parameters, TIER, self.tier.label)
-        set_parameter(parameters, AGENT, self.agent)
-        set_parameter(parameters, VARIANT, self.variant)
+        for key, value in self.values().items():
+            set_parameter(parameters, key, value)
+
+    def values(self) -> dict[str, ParameterValue]:
+        """The parameters that say how the request was answered, by key."""
+        values: dict[str, ParameterValue] = {
+            TIER: self.tier.label,
+            AGENT: self.agent,
+            VARIANT: self.variant,
+        }
         if self.precision:
-            set_parameter(parameters, PRECISION, self.precision)
-        set_parameter(parameters, CONFIDENCE, float(self.confidence))
-        set_parameter(parameters, PATH, ">".join(t.label for t in self.path))
-        set_parameter(parameters, DEGRADED, self.degraded)
+            values[PRECISION] = self.precision
+        values[CONFIDENCE] = float(self.confidence)
+        values[PATH] = ">".join(t.label for t in self.path)
+        values[DEGRADED] = self.degraded
         if self.timings_ms:
-            set_parameter(
-                parameters, TIMINGS, ",".join(f"{t.label}={ms:.3f}" for t, ms in self.timings_ms.items())
-            )
+            values[TIMINGS] = ",".join(f"{t.label}={ms:.3f}" for t, ms in self.timings_ms.items())
         if self.item_tiers:
-            set_parameter(parameters, ITEM_TIERS, ",".join(t.label for t in self.item_tiers))
+            values[ITEM_TIERS] = ",".join(t.label for t in self.item_tiers)
         if self.reason:
-            set_parameter(parameters, REASON, self.reason)
+            values[REASON] = self.reason
         for key, ms in ((QUEUE_MS, self.queue_ms), (COMPUTE_MS, self.compute_ms)):
             if ms is not None:
-                set_parameter(parameters, key, float(ms))
+                values[key] = float(ms)
+        return values
 
     @classmethod
     def read(cls, parameters: Mapping[str, pb.InferParameter]) -> Served:
         """Parse a response's Stratus parameters (clients, tests)."""
+        return cls.from_values(values_of(parameters))
+
+    @classmethod
+    def from_values(cls, parameters: Mapping[str, ParameterValue | None]) -> Served:
+        """As :meth:`read`, from parameters already read (an ``InferResult``'s)."""
 
         def get(key: str) -> ParameterValue | None:
-            return parameter_value(parameters[key]) if key in parameters else None
+            return parameters.get(key)
 
         path = str(get(PATH) or "")
         timings = {}
@@ -232,15 +252,19 @@ class Served:
             item_tiers=tuple(Tier.parse(t) for t in str(get(ITEM_TIERS) or "").split(",") if t),
             precision=str(get(PRECISION) or ""),
             reason=str(get(REASON) or ""),
-            queue_ms=reported_ms(parameters, QUEUE_MS),
-            compute_ms=reported_ms(parameters, COMPUTE_MS),
+            queue_ms=reported_value(get(QUEUE_MS)),
+            compute_ms=reported_value(get(COMPUTE_MS)),
         )
 
 
 def reported_ms(parameters: Mapping[str, pb.InferParameter], key: str) -> float | None:
-    """A duration another server reported; anything but a number from 0 to the longest budget
-    (no request runs longer) is none, so a peer's nonsense never reaches a statistic."""
-    value = parameter_value(parameters[key]) if key in parameters else None
+    """A duration another server reported, as :func:`reported_value` reads it."""
+    return reported_value(parameter_value(parameters[key]) if key in parameters else None)
+
+
+def reported_value(value: ParameterValue | None) -> float | None:
+    """A reported duration: anything but a number from 0 to the longest budget (no request
+    runs longer) is none, so a peer's nonsense never reaches a statistic."""
     if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= MAX_BUDGET_MS:
         return None
     return float(value)

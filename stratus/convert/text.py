@@ -7,10 +7,13 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
+from typing import Protocol
 
 from stratus import datatypes
 from stratus.convert import codec
-from stratus.convert.parameters import MODEL_VERSION, VARIANT, parameter_value, set_parameter
+from stratus.convert.inference import MAX_PROMPT_BYTES, InferRequest, InferResult, TextRequest
+from stratus.convert.parameters import MODEL_VERSION, VARIANT, set_parameter
+from stratus.datatypes import ParameterValue
 from stratus.errors import InvalidInput
 from stratus.families.generation import (
     COMPLETION_TOKENS,
@@ -27,15 +30,12 @@ from stratus.families.sampling import MAX_SETTINGS_BYTES, SAMPLING_PARAMETERS, r
 from stratus.families.spec import FamilySpec
 from stratus.wire import inference_pb2 as pb
 
-# The longest prompt taken, in UTF-8 bytes: far more than any context here holds (a 128k-token
-# context is about 0.5 MiB of text), and far below what a link carries.
-MAX_PROMPT_BYTES = 1 << 20
 # The inputs a generative request may have, as Triton's vLLM backend takes them (the prompt first).
 EXCLUDE_INPUT = "exclude_input_in_output"
 _TAKEN = (TEXT_INPUT, SAMPLING_PARAMETERS, STREAM, EXCLUDE_INPUT)
 
 
-def prompt_and_params(request: pb.ModelInferRequest, family: FamilySpec) -> tuple[str, GenerationParams]:
+def prompt_and_params(request: InferRequest, family: FamilySpec) -> tuple[str, GenerationParams]:
     """The prompt (one ``text_input`` string) and the generation's settings, checked; the
     family's own stop strings are added to the request's."""
     assert family.generation is not None
@@ -43,19 +43,34 @@ def prompt_and_params(request: pb.ModelInferRequest, family: FamilySpec) -> tupl
     return prompt, params.stopping_also_at(family.generation.stop)
 
 
-def read_generation(request: pb.ModelInferRequest, family: str, limit: int) -> tuple[str, GenerationParams]:
+def text_request(request: InferRequest, family: str, limit: int) -> TextRequest:
+    """An OIP generative request as the router's cascade takes it (as the OpenAI API builds
+    one): its prompt and settings read and checked, and what it asks of the router."""
+    prompt, params = read_generation(request, family, limit)
+    return TextRequest(
+        model_name=request.model_name,
+        id=request.id,
+        prompt=prompt,
+        params=params,
+        options=request.options(),
+        raw=not request.typed,
+    )
+
+
+def read_generation(request: InferRequest, family: str, limit: int) -> tuple[str, GenerationParams]:
     """One prompt in ``text_input``, and the settings (:mod:`stratus.families.sampling`) from the
     parameters and an optional ``sampling_parameters`` input, ``max_tokens`` within
     1..limit; a prompt over MAX_PROMPT_BYTES is refused before it is decoded. Triton's BOOL
     inputs ``stream`` (the servicer reads it) and ``exclude_input_in_output`` (true: what
     Stratus answers anyway) are taken too."""
-    names = [t.name for t in request.inputs[: len(_TAKEN) + 1]]
-    if TEXT_INPUT not in names or len(set(names)) != len(request.inputs) or not set(names) <= set(_TAKEN):
+    names = request.input_names()
+    if TEXT_INPUT not in names or not set(names) <= set(_TAKEN):
         raise InvalidInput(
-            f"model '{family}' takes the input '{TEXT_INPUT}' (BYTES), and optionally {list(_TAKEN[1:])}, not {names}"
+            f"model '{family}' takes the input '{TEXT_INPUT}' (BYTES), and optionally {list(_TAKEN[1:])}, "
+            f"not {names[: len(_TAKEN) + 1]}"
         )
     check_prompt_size(request)
-    inputs = codec.decode_request_inputs(request)
+    inputs = request.arrays()
     if EXCLUDE_INPUT in inputs and not all(inputs[EXCLUDE_INPUT].reshape(-1)):
         raise InvalidInput(
             f"'{EXCLUDE_INPUT}' false is not supported: the answer is the generated text alone"
@@ -76,21 +91,31 @@ def _one_string(inputs: Mapping[str, datatypes.Array], name: str) -> bytes:
     return raw if isinstance(raw, bytes) else str(raw).encode("utf-8")
 
 
-def text_response(request: pb.ModelInferRequest, text: str) -> pb.ModelInferResponse:
+class Addressed(Protocol):
+    """What an answer is addressed by: the request's model and id, and how it wants tensors."""
+
+    @property
+    def model_name(self) -> str: ...
+
+    @property
+    def id(self) -> str: ...
+
+    @property
+    def raw(self) -> bool: ...
+
+
+def text_result(request: Addressed, text: str) -> InferResult:
     """``text_output`` in the form the client sent its input: raw bytes (as tritonclient
     does and expects back) or typed contents."""
-    response = pb.ModelInferResponse(model_name=request.model_name, id=request.id)
-    raw = bool(request.raw_input_contents)
-    codec.encode_response_outputs(response, {TEXT_OUTPUT: text_array(text)}, raw=raw)
-    return response
-
-
-def check_prompt_size(request: pb.ModelInferRequest) -> None:
-    """Refuse a prompt over MAX_PROMPT_BYTES before it is decoded (or tokenized)."""
-    size = sum(len(buffer) for buffer in request.raw_input_contents) or sum(
-        t.ByteSize() for t in request.inputs
+    return InferResult(
+        model_name=request.model_name, id=request.id, outputs={TEXT_OUTPUT: text_array(text)}, raw=request.raw
     )
-    settings = MAX_SETTINGS_BYTES + 64 if len(request.inputs) > 1 else 0  # sampling_parameters, BOOL inputs
+
+
+def check_prompt_size(request: InferRequest) -> None:
+    """Refuse a prompt over MAX_PROMPT_BYTES before it is decoded (or tokenized)."""
+    size = request.input_bytes()
+    settings = MAX_SETTINGS_BYTES + 64 if len(request.input_names()) > 1 else 0  # sampling_parameters, BOOL inputs
     if size > MAX_PROMPT_BYTES + 4 + settings:  # a BYTES element's 4-byte length prefix
         raise InvalidInput(f"the prompt is {size} bytes; at most {MAX_PROMPT_BYTES} are taken")
 
@@ -111,17 +136,11 @@ def prompt_request(
     return request
 
 
-def write_usage(response: pb.ModelInferResponse, chunk: Chunk) -> None:
-    """The token counts a final chunk carries, as int64 parameters of ``response``."""
-    for key, value in chunk.usage().items():
-        set_parameter(response.parameters, key, value)
-
-
-def read_usage(parameters: Mapping[str, pb.InferParameter]) -> tuple[int | None, int | None]:
+def read_usage(parameters: Mapping[str, ParameterValue | None]) -> tuple[int | None, int | None]:
     """(prompt tokens, completion tokens) as a final response gives them; None where it does not."""
 
     def count(key: str) -> int | None:
-        return token_count(parameter_value(parameters[key])) if key in parameters else None
+        return token_count(parameters[key]) if key in parameters else None
 
     return count(PROMPT_TOKENS), count(COMPLETION_TOKENS)
 
@@ -133,15 +152,14 @@ def text_array(text: str) -> datatypes.Array:
     return np.array([text.encode("utf-8")], dtype=object)
 
 
-def chunk_response(request: pb.ModelInferRequest, chunk: Chunk) -> pb.ModelInferResponse:
+def chunk_result(request: Addressed, chunk: Chunk) -> InferResult:
     """One streamed chunk as Triton's vLLM backend sends it: its text in ``text_output``,
     its tokens' log-probabilities (and the finish reason and token counts, on the last) as
     parameters."""
-    response = text_response(request, chunk.text)
-    for key, value in chunk.parameters().items():
-        set_parameter(response.parameters, key, value)
-    write_usage(response, chunk)
-    return response
+    result = text_result(request, chunk.text)
+    result.parameters.update(chunk.parameters())
+    result.parameters.update(chunk.usage())
+    return result
 
 
 def generative_metadata(name: str, platform: str) -> pb.ModelMetadataResponse:

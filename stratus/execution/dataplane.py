@@ -7,21 +7,16 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 
-from stratus.convert.parameters import (
-    BATCH_SIZE,
-    MODEL_VERSION,
-    VARIANT,
-    Served,
-    parameter_value,
-    set_parameter,
-)
+from stratus.convert.inference import InferRequest, InferResult
+from stratus.convert.parameters import BATCH_SIZE, MODEL_VERSION, VARIANT, Served
 from stratus.convert.tensors import MAX_REQUEST_ITEMS
-from stratus.convert.text import chunk_response, generative_config, generative_metadata, read_usage
+from stratus.convert.text import chunk_result, generative_config, generative_metadata, read_usage
 from stratus.errors import DeadlineExceeded
 from stratus.execution.models import LocalAnswer, LocalModels
 from stratus.families.generation import FINAL, FINISH_REASON, Chunk
 from stratus.families.spec import FamilySpec
 from stratus.obs.metrics import counted
+from stratus.sched.streams import OnItem, relayed
 from stratus.serving.servicer import DataPlane, tensor_metadata
 from stratus.tiers import Tier
 from stratus.wire import inference_pb2 as pb
@@ -72,43 +67,34 @@ class LocalDataPlane(DataPlane):
             return generators.runners[variant].runtime
         return self.models.runners[variant].describe().runtime
 
-    def generate(
-        self, request: pb.ModelInferRequest, *, timeout_s: float | None
-    ) -> AsyncIterator[pb.ModelInferResponse]:
+    def generate(self, request: InferRequest, *, timeout_s: float | None) -> AsyncIterator[InferResult]:
         if not self.models.generates(request.model_name):
             return super().generate(request, timeout_s=timeout_s)
         return self._generate(request)
 
-    async def _generate(self, request: pb.ModelInferRequest) -> AsyncIterator[pb.ModelInferResponse]:
-        """Each token as a response as soon as it is made, then a final one with the finish
+    async def _generate(self, request: InferRequest) -> AsyncIterator[InferResult]:
+        """Each token as a result as soon as it is made, then a final one with the finish
         reason and who answered; a caller that stops reading stops the generation."""
-        chunks: asyncio.Queue[Chunk | None] = asyncio.Queue()
 
-        async def on_chunk(chunk: Chunk) -> None:
-            chunks.put_nowait(chunk)
+        async def produce(on_chunk: OnItem[Chunk]) -> LocalAnswer:
+            return await self.models.generate(request, on_chunk)
 
-        task = asyncio.create_task(self.models.generate(request, on_chunk))
-        task.add_done_callback(lambda _: chunks.put_nowait(None))
-        try:
-            with counted(lambda outcome: self.models.count(outcome, request.model_name)):
-                while (chunk := await chunks.get()) is not None:
-                    yield chunk_response(request, chunk)
-                answer = await task
-        finally:  # the caller went away (cancelled, or stopped reading): stop generating
-            if not task.done():
-                task.cancel()
-                await asyncio.gather(task, return_exceptions=True)
-        reason = parameter_value(answer.response.parameters[FINISH_REASON])
-        prompt_tokens, completion_tokens = read_usage(answer.response.parameters)
+        with counted(lambda outcome: self.models.count(outcome, request.model_name)):
+            async with relayed(produce) as relay:
+                async for chunk in relay.items():
+                    yield chunk_result(request, chunk)
+                answer = relay.result()
+        reason = answer.result.parameters[FINISH_REASON]
+        prompt_tokens, completion_tokens = read_usage(answer.result.parameters)
         ending = Chunk(
             tokens=(),
             finish_reason=str(reason),
             prompt_tokens=prompt_tokens,
             completion_tokens=completion_tokens,
         )
-        final = chunk_response(request, ending)
-        set_parameter(final.parameters, FINAL, True)
-        self._served(answer).write(final.parameters)
+        final = chunk_result(request, ending)
+        final.parameters[FINAL] = True
+        final.parameters.update(self._served(answer).values())
         yield final
 
     def _served(self, answer: LocalAnswer) -> Served:
@@ -124,7 +110,7 @@ class LocalDataPlane(DataPlane):
             compute_ms=answer.service_ms,
         )
 
-    async def infer(self, request: pb.ModelInferRequest, *, timeout_s: float | None) -> pb.ModelInferResponse:
+    async def infer(self, request: InferRequest, *, timeout_s: float | None) -> InferResult:
         """Answered within the caller's deadline, or DEADLINE_EXCEEDED: a request whose caller
         has given up holds no slot or queue place here."""
         with counted(lambda outcome: self.models.count(outcome, request.model_name)):
@@ -133,9 +119,10 @@ class LocalDataPlane(DataPlane):
                     answer = await self.models.answer(request)
             except TimeoutError:
                 raise DeadlineExceeded(f"no answer within the caller's deadline ({timeout_s:g} s)") from None
-        self._served(answer).write(answer.response.parameters)
-        set_parameter(answer.response.parameters, BATCH_SIZE, answer.batch_size)
-        return answer.response
+        result = answer.result
+        result.parameters.update(self._served(answer).values())
+        result.parameters[BATCH_SIZE] = answer.batch_size
+        return result
 
 
 _TYPE_NAMES = {"BOOL": "TYPE_BOOL", "BYTES": "TYPE_STRING"}

@@ -19,6 +19,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
+from stratus.convert.inference import InferRequest
 from stratus.convert.text import prompt_and_params
 from stratus.errors import ModelLoadError, NotFound, Overloaded, RuntimeUnavailable
 from stratus.families.generation import (
@@ -33,7 +34,6 @@ from stratus.obs.metrics import GenerationTiming, Metric, ModelMetrics, gauge
 from stratus.runtimes.base import LoadFailure, LoadOptions
 from stratus.runtimes.generative import Finished, GenerativeRunner, load_generator
 from stratus.tiers import Tier
-from stratus.wire import inference_pb2 as pb
 
 log = logging.getLogger("stratus.generation")
 
@@ -261,7 +261,7 @@ class LocalGenerators:
         variant = max(local, key=lambda v: v.tier)
         return self.families[variant.family], variant
 
-    async def generate(self, request: pb.ModelInferRequest, on_chunk: OnChunk | None = None) -> Generated:
+    async def generate(self, request: InferRequest, on_chunk: OnChunk | None = None) -> Generated:
         """Generate for a request (``text_input``, its settings); chunks go to ``on_chunk``
         as tokens are made. Cancelling the caller stops the runtime at its next token."""
         family, variant = self.variant_for(request.model_name)

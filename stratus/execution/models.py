@@ -22,13 +22,10 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from stratus import datatypes
-from stratus.convert import codec
-from stratus.convert.parameters import set_parameter
-from stratus.convert.tensors import answer_raw, check_request_metadata
-from stratus.convert.text import text_response, write_usage
+from stratus.convert.inference import InferRequest, InferResult
+from stratus.convert.text import text_result
 from stratus.datatypes import Array
 from stratus.errors import (
-    InvalidInput,
     ModelLoadError,
     NotFound,
     StratusError,
@@ -54,7 +51,6 @@ from stratus.runtimes import LoadFailure, ModelRunner
 from stratus.sched.batching import Batch, Batcher, BatchKey, split_counts
 from stratus.sched.executor import BoundedExecutor
 from stratus.tiers import Tier
-from stratus.wire import inference_pb2 as pb
 
 log = logging.getLogger("stratus.models")
 
@@ -67,7 +63,7 @@ INLINE_REVIEW = 64
 
 @dataclass(frozen=True, kw_only=True)
 class LocalAnswer:
-    response: pb.ModelInferResponse
+    result: InferResult
     variant: VariantSpec
     confidences: tuple[float, ...]  # one per item, in order
     service_ms: float  # running the batch this request ran in
@@ -341,23 +337,22 @@ class LocalModels:
             names |= set(self.generators.variants) | set(self.generators.lines.values())
         return sorted(names)
 
-    async def answer(self, request: pb.ModelInferRequest) -> LocalAnswer:
-        """Decode once, check, wait for a slot (maybe sharing a batch), run, encode."""
+    async def answer(self, request: InferRequest) -> LocalAnswer:
+        """Decode once, check, wait for a slot (maybe sharing a batch), run."""
         if self.generators is not None and self.generators.serves(request.model_name):
             return await self.generate(request)
         family, variant = self.variant_for(request.model_name)
-        check_request_metadata(family.name, family.inputs, request)  # before decoding anything
-        inputs = codec.decode_request_inputs(request)
+        request.check_metadata(family.name, family.inputs)  # before decoding anything
+        inputs = request.arrays()
         family.check_inputs(inputs)
-        wanted = _requested_outputs(request, family)
+        wanted = request.requested_outputs(family.name, [s.name for s in family.outputs])
         size = next(iter(inputs.values())).shape[0] if inputs else 0
         started = time.perf_counter()
         part = await self.batcher.submit(_key(variant.name, inputs, wanted), inputs, size=size)
         waited_ms = (time.perf_counter() - started) * 1000.0 - part.service_ms
-        response = pb.ModelInferResponse(model_name=request.model_name, id=request.id)
-        codec.encode_response_outputs(response, part.outputs, raw=_answer_raw(request, part.outputs))
+        raw = request.answer_raw(datatypes.datatype_of(a) for a in part.outputs.values())
         return LocalAnswer(
-            response=response,
+            result=InferResult(model_name=request.model_name, id=request.id, outputs=part.outputs, raw=raw),
             variant=variant,
             confidences=tuple(float(c) for c in part.confidences),
             service_ms=part.service_ms,
@@ -365,16 +360,16 @@ class LocalModels:
             batch_size=part.batch_size,
         )
 
-    async def generate(self, request: pb.ModelInferRequest, on_chunk: OnChunk | None = None) -> LocalAnswer:
+    async def generate(self, request: InferRequest, on_chunk: OnChunk | None = None) -> LocalAnswer:
         """A generative request: its text (and each chunk to ``on_chunk`` as it is made)."""
         assert self.generators is not None
         done = await self.generators.generate(request, on_chunk)
-        response = text_response(request, done.text)
-        set_parameter(response.parameters, FINISH_REASON, done.finish_reason)
+        result = text_result(request, done.text)
+        result.parameters[FINISH_REASON] = done.finish_reason
         usage = Chunk(tokens=(), prompt_tokens=done.prompt_tokens, completion_tokens=done.completion_tokens)
-        write_usage(response, usage)
+        result.parameters.update(usage.usage())
         return LocalAnswer(
-            response=response,
+            result=result,
             variant=done.variant,
             confidences=(done.confidence,),
             service_ms=done.service_ms,
@@ -466,19 +461,6 @@ class LocalModels:
         self.executor.shutdown(wait=True)
         for runner in self.runners.values():
             runner.close()
-
-
-def _requested_outputs(request: pb.ModelInferRequest, family: FamilySpec) -> list[str]:
-    known = [s.name for s in family.outputs]
-    wanted = [o.name for o in request.outputs] or known
-    for name in wanted:
-        if name not in known:
-            raise InvalidInput(f"model '{family.name}' has no output '{name}'; it gives {known}")
-    return wanted
-
-
-def _answer_raw(request: pb.ModelInferRequest, outputs: Mapping[str, Array]) -> bool:
-    return answer_raw(request, (datatypes.datatype_of(a) for a in outputs.values()))
 
 
 def _key(variant: str, inputs: Mapping[str, Array], outputs: Sequence[str]) -> BatchKey:

@@ -28,10 +28,9 @@ import math
 from collections.abc import Mapping
 from typing import Any, Final
 
-from stratus.convert.parameters import parameter_value
+from stratus.datatypes import ParameterValue
 from stratus.errors import InvalidInput
 from stratus.families.generation import MAX_TOKENS, GenerationParams
-from stratus.wire import inference_pb2 as pb
 
 SAMPLING_PARAMETERS: Final = "sampling_parameters"
 STOP: Final = "stop"
@@ -89,7 +88,7 @@ def settings_from(values: Mapping[str, Any], *, limit: int, model: str) -> Gener
         if key in values and not _is_default(values[key], defaults):
             raise FieldError(key, f"'{key}' is not supported by Stratus; leave it out or at {defaults[0]!r}")
     return GenerationParams(
-        max_tokens=_max_tokens(values.get(MAX_TOKENS, limit), limit, model),
+        max_tokens=check_max_tokens(values.get(MAX_TOKENS, limit), limit, model),
         stop=_stops(values.get(STOP)),
         temperature=_number(values, TEMPERATURE, 0.0, low=0.0, high=MAX_TEMPERATURE),
         top_p=_number(values, TOP_P, 1.0, low=0.0, high=1.0, low_open=True),
@@ -98,10 +97,10 @@ def settings_from(values: Mapping[str, Any], *, limit: int, model: str) -> Gener
 
 
 def read_settings(
-    parameters: Mapping[str, pb.InferParameter], sampling: bytes | None, *, limit: int, model: str
+    parameters: Mapping[str, ParameterValue | None], sampling: bytes | None, *, limit: int, model: str
 ) -> GenerationParams:
     """An OIP request's settings: its parameters and its ``sampling_parameters`` JSON, if any."""
-    given = {k: parameter_value(parameters[k]) for k in (*SETTINGS, *UNSUPPORTED) if k in parameters}
+    given = {k: parameters[k] for k in (*SETTINGS, *UNSUPPORTED) if k in parameters}
     if sampling is not None:
         for key, value in _sampling_object(sampling).items():
             if key in given and given[key] != value:
@@ -151,7 +150,8 @@ def _is_default(value: Any, defaults: tuple[Any, ...]) -> bool:
     )
 
 
-def _max_tokens(value: Any, limit: int, model: str) -> int:
+def check_max_tokens(value: Any, limit: int, model: str) -> int:
+    """``max_tokens`` as an integer from 1 to the family's limit, or a FieldError naming it."""
     if isinstance(value, float) and value.is_integer():
         value = int(value)
     if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= limit:

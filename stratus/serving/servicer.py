@@ -20,9 +20,9 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from stratus import __version__
-from stratus.convert import codec
 from stratus.convert.errors import stream_error
-from stratus.convert.parameters import COMPUTE_MS, MODEL_VERSION, QUEUE_MS, reported_ms
+from stratus.convert.inference import InferRequest, InferResult
+from stratus.convert.parameters import MODEL_VERSION
 from stratus.errors import InvalidInput, NotFound, Overloaded, StratusError, drop_frames
 from stratus.serving.channels import MAX_MESSAGE_BYTES
 from stratus.wire import inference_pb2 as pb
@@ -62,12 +62,10 @@ class DataPlane(abc.ABC):
         return self.model_ready(name)
 
     @abc.abstractmethod
-    async def infer(self, request: pb.ModelInferRequest, *, timeout_s: float | None) -> pb.ModelInferResponse:
+    async def infer(self, request: InferRequest, *, timeout_s: float | None) -> InferResult:
         """Answer one request or raise a StratusError; ``timeout_s`` is the caller's deadline."""
 
-    def generate(
-        self, request: pb.ModelInferRequest, *, timeout_s: float | None
-    ) -> AsyncIterator[pb.ModelInferResponse]:
+    def generate(self, request: InferRequest, *, timeout_s: float | None) -> AsyncIterator[InferResult]:
         """A generative request answered as it is produced (see :mod:`stratus.families.generation`):
         one response per chunk of tokens, the last with ``triton_final_response`` true.
 
@@ -148,16 +146,16 @@ class _ModelCounts:
     computed: int = 0  # ... and how long they ran
     compute_ns: int = 0
 
-    def succeed(self, elapsed_ns: int, items: int, response: pb.ModelInferResponse) -> None:
+    def succeed(self, elapsed_ns: int, items: int, result: InferResult) -> None:
         self.succeeded += 1
         self.succeeded_ns += elapsed_ns
         self.items += items
         self.last_ms = int(time.time() * 1000)
-        queue_ms = reported_ms(response.parameters, QUEUE_MS)
+        queue_ms = result.queue_ms
         if queue_ms is not None:
             self.queued += 1
             self.queue_ns += int(queue_ms * 1e6)
-        compute_ms = reported_ms(response.parameters, COMPUTE_MS)
+        compute_ms = result.compute_ms
         if compute_ms is not None:
             self.computed += 1
             self.compute_ns += int(compute_ms * 1e6)
@@ -175,8 +173,8 @@ class Statistics:
         self._plane = plane
         self._counts: dict[str, _ModelCounts] = {}
 
-    def record(self, request: pb.ModelInferRequest, started_ns: int, response: pb.ModelInferResponse | None) -> None:
-        """One request's outcome: ``response`` is its (last) answer, None when it failed."""
+    def record(self, request: InferRequest, started_ns: int, result: InferResult | None) -> None:
+        """One request's outcome: ``result`` is its (last) answer, None when it failed."""
         name = request.model_name
         counts = self._counts.get(name)
         if counts is None:
@@ -184,12 +182,11 @@ class Statistics:
                 return
             counts = self._counts[name] = _ModelCounts()
         elapsed = time.perf_counter_ns() - started_ns
-        if response is None:
+        if result is None:
             counts.failed += 1
             counts.failed_ns += elapsed
             return
-        shape = request.inputs[0].shape if request.inputs else ()
-        counts.succeed(elapsed, int(shape[0]) if shape else 1, response)
+        counts.succeed(elapsed, request.items, result)
 
     def response(self, name: str, version: str = "") -> pb.ModelStatisticsResponse:
         if name and name not in self._counts and not self._plane.knows(name):
@@ -258,14 +255,14 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         return index
 
     async def ModelInfer(self, request: pb.ModelInferRequest, context: Any) -> pb.ModelInferResponse:
-        started, response = time.perf_counter_ns(), None
+        started, result, asked = time.perf_counter_ns(), None, InferRequest.from_wire(request)
         try:
-            check_version(request.model_name, request.model_version)
+            check_version(asked.model_name, asked.model_version)
             with self._limits.hold(context.peer()):
-                response = await self._plane.infer(request, timeout_s=context.time_remaining())
-            return response
+                result = await self._plane.infer(asked, timeout_s=context.time_remaining())
+            return result.to_wire()
         finally:
-            self.statistics.record(request, started, response)
+            self.statistics.record(asked, started, result)
 
     async def ModelStatistics(
         self, request: pb.ModelStatisticsRequest, context: Any
@@ -324,7 +321,7 @@ class _StreamSession:
         plane: DataPlane,
         requests: AsyncIterator[pb.ModelInferRequest],
         hold: Callable[[], contextlib.AbstractContextManager[None]] = contextlib.nullcontext,
-        record: Callable[[pb.ModelInferRequest, int, pb.ModelInferResponse | None], None] | None = None,
+        record: Callable[[InferRequest, int, InferResult | None], None] | None = None,
     ) -> None:
         self._plane = plane
         self._requests = requests
@@ -360,30 +357,31 @@ class _StreamSession:
         try:
             async for request in self._requests:
                 await self._window.acquire()
-                size = request.ByteSize()
+                asked = InferRequest.from_wire(request)
+                size = asked.size_bytes
                 await self._bytes.acquire(size)
-                task = asyncio.create_task(self._answer(request, size))
+                task = asyncio.create_task(self._answer(asked, size))
                 self._tasks.add(task)
                 task.add_done_callback(self._tasks.discard)
             await asyncio.gather(*self._tasks, return_exceptions=True)
         finally:
             self._outbox.put_nowait(self._DONE)
 
-    async def _answer(self, request: pb.ModelInferRequest, size: int) -> None:
+    async def _answer(self, request: InferRequest, size: int) -> None:
         started, answered = time.perf_counter_ns(), None
         try:
             check_version(request.model_name, request.model_version)
             with self._hold():
-                if _streams(request):  # decoupled: many responses, the last marked final
+                if request.streams():  # decoupled: many responses, the last marked final
                     last = None
                     async for chunk in self._plane.generate(request, timeout_s=None):
-                        self._outbox.put_nowait(pb.ModelStreamInferResponse(infer_response=chunk))
+                        self._outbox.put_nowait(pb.ModelStreamInferResponse(infer_response=chunk.to_wire()))
                         last = chunk
-                    answered = last if last is not None else pb.ModelInferResponse()
+                    answered = last if last is not None else InferResult(model_name="", id="", outputs={})
                     return
-                response = await self._plane.infer(request, timeout_s=None)
-                self._outbox.put_nowait(pb.ModelStreamInferResponse(infer_response=response))
-            answered = response
+                result = await self._plane.infer(request, timeout_s=None)
+                self._outbox.put_nowait(pb.ModelStreamInferResponse(infer_response=result.to_wire()))
+            answered = result
         except Exception as exc:  # one bad request must not end the stream for the others
             if not isinstance(exc, StratusError):
                 log.exception("unexpected error in a streamed request")
@@ -393,17 +391,6 @@ class _StreamSession:
             if self._record is not None:
                 self._record(request, started, answered)
             self._outbox.put_nowait(_Answered(size))
-
-
-def _streams(request: pb.ModelInferRequest) -> bool:
-    """Triton's convention: a ``stream`` parameter (or BOOL input, typed or raw, as
-    tritonclient sends it) true asks for chunks."""
-    parameter = request.parameters.get("stream")
-    if parameter is not None and parameter.WhichOneof("parameter_choice") == "bool_param":
-        return bool(parameter.bool_param)
-    if not any(t.name == "stream" and t.datatype == "BOOL" for t in request.inputs):
-        return False
-    return bool(codec.decode_request_inputs(request)["stream"].all())
 
 
 def tensor_metadata(specs: Sequence[Any]) -> list[pb.ModelMetadataResponse.TensorMetadata]:

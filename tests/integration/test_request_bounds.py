@@ -11,9 +11,9 @@ import grpc
 import numpy as np
 import pytest
 
+from stratus.convert.inference import MAX_PROMPT_BYTES
 from stratus.convert.parameters import set_parameter
 from stratus.convert.tensors import MAX_REQUEST_ITEMS
-from stratus.convert.text import MAX_PROMPT_BYTES
 from stratus.families.generation import MAX_TOKENS, TEXT_INPUT
 from stratus.serving.channels import MAX_MESSAGE_BYTES, MAX_WORK_BYTES, grpc_options
 from stratus.wire import fleet_pb2 as fpb

@@ -10,9 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from router.openai_requests import oip_request, options_of, settings_of
+from router.openai_requests import options_of, settings_of, text_request
 from stratus.convert import codec
-from stratus.convert.text import read_generation
+from stratus.convert.inference import InferRequest, TextRequest
+from stratus.convert.parameters import RequestOptions
+from stratus.convert.text import prompt_request, read_generation
 from stratus.errors import ConfigError, InvalidInput
 from stratus.families.generation import (
     FINISH_REASON,
@@ -27,6 +29,7 @@ from stratus.families.generation import (
 )
 from stratus.families.repository import load_family
 from stratus.families.sampling import FieldError
+from stratus.tiers import Tier
 from stratus.wire import inference_pb2 as pb
 
 
@@ -127,20 +130,26 @@ def test_generative_configs_are_refused_precisely(generative: Path, old: str, ne
         load_family(generative)
 
 
-def openai_request(body: dict[str, object], limit: int = 4) -> pb.ModelInferRequest:
-    return oip_request("arith", "1+1=", settings_of(body, "arith", limit), options_of(body))
+def openai_request(body: dict[str, object], limit: int = 4) -> TextRequest:
+    return text_request("arith", "1+1=", settings_of(body, "arith", limit), options_of(body))
 
 
-def test_the_openai_body_becomes_a_checked_request_that_reads_back_the_same() -> None:
+def wire_form(request: TextRequest) -> pb.ModelInferRequest:
+    """What the tiers are sent for it."""
+    return prompt_request(request.model_name, request.id, request.prompt, request.params)
+
+
+def test_the_openai_body_becomes_a_checked_request_whose_wire_form_reads_back_the_same() -> None:
     body = {"max_tokens": 3, "stratus": {"min_confidence": 0.9, "max_tier": "edge"}}
     request = openai_request(body)
-    assert codec.decode_request_inputs(request)["text_input"][0] == b"1+1="
-    assert request.parameters["max_tokens"].int64_param == 3
-    assert request.parameters["stratus.min_confidence"].double_param == 0.9
-    assert request.parameters["stratus.max_tier"].string_param == "edge"
-    assert [t.name for t in request.inputs] == ["text_input"]  # nothing more asked: today's wire form
+    assert (request.prompt, request.params.max_tokens) == ("1+1=", 3)
+    assert request.options == RequestOptions(min_confidence=0.9, max_tier=Tier.EDGE)
+    wire = wire_form(request)
+    assert codec.decode_request_inputs(wire)["text_input"][0] == b"1+1="
+    assert wire.parameters["max_tokens"].int64_param == 3
+    assert [t.name for t in wire.inputs] == ["text_input"]  # nothing more asked: today's wire form
     sampled = {"max_tokens": 2, "stop": ["\n", "9"], "temperature": 0.7, "top_p": 0.5, "seed": -3}
-    prompt, params = read_generation(openai_request(sampled), "arith", 4)
+    prompt, params = read_generation(InferRequest.from_wire(wire_form(openai_request(sampled))), "arith", 4)
     assert prompt == "1+1="
     assert params == GenerationParams(max_tokens=2, stop=("\n", "9"), temperature=0.7, top_p=0.5, seed=-3)
     for bad, param, words in [

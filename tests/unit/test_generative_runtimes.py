@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from stratus.convert.inference import InferRequest
 from stratus.errors import InvalidInput, ModelLoadError, NotFound
 from stratus.families.generation import GenerationParams, Token
 from stratus.families.repository import ModelRepository
@@ -369,13 +370,13 @@ def test_a_burst_of_requests_through_local_generators_answers_each_alike(
     )
     prompts = [p for p, _ in arith_splits().held_out[:24]]
 
-    def request(prompt: str) -> pb.ModelInferRequest:
+    def request(prompt: str) -> InferRequest:
         from stratus.convert import codec
         from stratus.convert.text import text_array
 
         message = pb.ModelInferRequest(model_name="arith")
         codec.encode_request_inputs(message, {"text_input": text_array(prompt)})
-        return message
+        return InferRequest.from_wire(message)
 
     async def run() -> tuple[list[str], list[str]]:
         alone = [(await generators.generate(request(p))).text for p in prompts]

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from stratus.convert import codec
+from stratus.convert.inference import InferRequest
 from stratus.errors import ConfigError
 from stratus.execution.describe import variants_info
 from stratus.execution.loading import LocalSettings
@@ -25,8 +26,9 @@ def answered(tmp_path: Path, repository: ModelRepository, **settings: float) -> 
         repository,
         LocalSettings(variants=["digits-small"], runtimes=["onnxruntime"], cache_dir=tmp_path, **settings),  # type: ignore[arg-type]
     )
-    request = pb.ModelInferRequest(model_name="digits-small")
-    codec.encode_request_inputs(request, {"input": np.zeros((1, 64), np.float32)})
+    message = pb.ModelInferRequest(model_name="digits-small")
+    codec.encode_request_inputs(message, {"input": np.zeros((1, 64), np.float32)})
+    request = InferRequest.from_wire(message)
 
     async def ask() -> float:
         answers = [await models.answer(request) for _ in range(2 * INLINE_REVIEW)]  # the first warm up
@@ -54,10 +56,10 @@ def test_a_slow_variant_or_a_disabled_switch_stays_on_threads(tmp_path: Path, re
     assert inline == set()
 
 
-def _digits_request(model: str) -> pb.ModelInferRequest:
+def _digits_request(model: str) -> InferRequest:
     request = pb.ModelInferRequest(model_name=model)
     codec.encode_request_inputs(request, {"input": np.zeros((2, 64), np.float32)})
-    return request
+    return InferRequest.from_wire(request)
 
 
 def test_reload_loads_what_changed_and_retires_what_was_replaced(

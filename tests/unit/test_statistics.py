@@ -6,7 +6,8 @@ import time
 
 import pytest
 
-from stratus.convert.parameters import COMPUTE_MS, QUEUE_MS, reported_ms, set_parameter
+from stratus.convert.inference import InferRequest, InferResult
+from stratus.convert.parameters import COMPUTE_MS, QUEUE_MS, reported_ms, set_parameter, values_of
 from stratus.errors import NotFound
 from stratus.serving.servicer import DataPlane, Statistics, check_version, version_ready
 from stratus.wire import inference_pb2 as pb
@@ -37,22 +38,23 @@ class _Plane(DataPlane):
     def model_names(self) -> list[str]:
         return sorted(self.serving)
 
-    async def infer(self, request: pb.ModelInferRequest, *, timeout_s: float | None) -> pb.ModelInferResponse:
+    async def infer(self, request: InferRequest, *, timeout_s: float | None) -> InferResult:
         raise NotImplementedError
 
 
-def request(model: str, items: int) -> pb.ModelInferRequest:
+def request(model: str, items: int) -> InferRequest:
     message = pb.ModelInferRequest(model_name=model)
     message.inputs.add(name="input", datatype="FP32", shape=[items, 64])
-    return message
+    return InferRequest.from_wire(message)
 
 
-def answer(**ms: float) -> pb.ModelInferResponse:
+def answer(**ms: float) -> InferResult:
+    """An answer that reports its split as a gateway's does: read back from the wire."""
     response = pb.ModelInferResponse()
     for key, value in (("queue", QUEUE_MS), ("compute", COMPUTE_MS)):
         if key in ms:
             set_parameter(response.parameters, value, ms[key])
-    return response
+    return InferResult(model_name="", id="", outputs={}, parameters={k: v for k, v in values_of(response.parameters).items() if v is not None})
 
 
 def test_counts_times_and_the_split_each_answer_reported() -> None:

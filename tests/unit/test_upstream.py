@@ -33,6 +33,7 @@ from cloud_gateway.upstream import (
     token_texts,
 )
 from stratus.convert import codec
+from stratus.convert.inference import InferRequest, InferResult
 from stratus.convert.parameters import Served, parameter_value, set_parameter
 from stratus.errors import (
     ConfigError,
@@ -55,6 +56,8 @@ from stratus.families.generation import (
 from stratus.obs.metrics import Metrics, ModelMetrics
 from stratus.serving.servicer import DataPlane
 from stratus.wire import inference_pb2 as pb
+
+from .wired import Wired
 
 # --- canned vLLM answers ------------------------------------------------------------------------
 
@@ -539,8 +542,8 @@ class Local(DataPlane):
     def model_names(self) -> list[str]:
         return ["digits", "digits-large"]
 
-    async def infer(self, request: pb.ModelInferRequest, *, timeout_s: float | None) -> pb.ModelInferResponse:
-        return pb.ModelInferResponse(model_name=request.model_name, id="local")
+    async def infer(self, request: InferRequest, *, timeout_s: float | None) -> InferResult:
+        return InferResult(model_name=request.model_name, id="local", outputs={})
 
 
 def prompt_request(prompt: str = "37+48=", model: str = "arith", **parameters: Any) -> pb.ModelInferRequest:
@@ -560,10 +563,11 @@ def text_of(message: pb.ModelInferResponse) -> str:
 
 
 @asynccontextmanager
-async def plane(fake: Fake, recorder: ModelMetrics | None = None) -> AsyncIterator[UpstreamDataPlane]:
+async def plane(fake: Fake, recorder: ModelMetrics | None = None) -> AsyncIterator[Any]:
+    """The gateway's plane, driven with protobuf as its servicer drives it."""
     async with client(fake) as upstream:
         model = GenerativeModel(family="arith", variant="arith-large", max_tokens=5)
-        yield UpstreamDataPlane(upstream, model, local=Local(), name="cloud-test", recorder=recorder)
+        yield Wired(UpstreamDataPlane(upstream, model, local=Local(), name="cloud-test", recorder=recorder))
 
 
 def test_infer_answers_the_whole_text_with_confidence_logprobs_and_queue() -> None:

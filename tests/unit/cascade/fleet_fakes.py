@@ -29,8 +29,9 @@ from router.cloud import CloudLink, OnChunk
 from router.dataplane import RouterDataPlane
 from router.registry import FleetRegistry
 from stratus.convert import codec
+from stratus.convert.inference import InferRequest, InferResult, TextRequest
 from stratus.convert.parameters import CONFIDENCE, VARIANT, RequestOptions, Served, set_parameter
-from stratus.convert.text import prompt_request, text_response
+from stratus.convert.text import prompt_request, text_result
 from stratus.errors import StratusError
 from stratus.families.generation import (
     FINAL,
@@ -258,7 +259,7 @@ class FakeCloud(CloudLink):
         self._called(request)
         for tokens in self.behaviour.chunks:
             await on_chunk(Chunk(tokens=tuple(Token(text=t, logprob=lp) for t, lp in tokens)))
-        response = text_response(request, "")
+        response = text_result(InferRequest.from_wire(request), "").to_wire()
         set_parameter(response.parameters, FINISH_REASON, self.behaviour.finish_reason)
         set_parameter(response.parameters, VARIANT, f"{request.model_name}-large")
         set_parameter(response.parameters, FINAL, True)
@@ -381,30 +382,41 @@ async def fleet(**settings: object) -> AsyncIterator[Fleet]:
         await built.close()
 
 
-def classify(keys: Sequence[int], *, model: str = FAMILY, **options: object) -> pb.ModelInferRequest:
+def classify(keys: Sequence[int], *, model: str = FAMILY, **options: object) -> InferRequest:
     """A request of one item per key, with ``stratus.*`` options (``max_tier=Tier.EDGE``)."""
     request = pb.ModelInferRequest(model_name=model, id="req-1")
     rows = np.array([[key, 0.0] for key in keys], dtype=np.float32)
     codec.encode_request_inputs(request, {INPUT: rows})
     RequestOptions(**options).write(request.parameters)  # type: ignore[arg-type]
-    return request
+    return InferRequest.from_wire(request)
 
 
-def prompt(*, model: str = TEXT_FAMILY, **options: object) -> pb.ModelInferRequest:
+def prompt(*, model: str = TEXT_FAMILY, **options: object) -> TextRequest:
+    """A generative request as the cascade takes it (the OpenAI API builds these)."""
+    params = GenerationParams(max_tokens=8)
+    return TextRequest(model_name=model, id="gen-1", prompt="2+2=", params=params, options=RequestOptions(**options))  # type: ignore[arg-type]
+
+
+def oip_prompt(*, model: str = TEXT_FAMILY, **options: object) -> InferRequest:
+    """The same request as an Open Inference Protocol client sends it."""
     request = prompt_request(model, "gen-1", "2+2=", GenerationParams(max_tokens=8))
     RequestOptions(**options).write(request.parameters)  # type: ignore[arg-type]
-    return request
+    return InferRequest.from_wire(request)
 
 
-def scores(response: pb.ModelInferResponse) -> list[int]:
+def _wire(answer: InferResult | pb.ModelInferResponse) -> pb.ModelInferResponse:
+    return answer.to_wire() if isinstance(answer, InferResult) else answer
+
+
+def scores(response: InferResult | pb.ModelInferResponse) -> list[int]:
     """Which tier answered each item, as ``MARK[tier] + key``, in the request's order."""
-    return [int(v) for v in codec.decode_response_outputs(response)[OUTPUT].reshape(-1)]
+    return [int(v) for v in codec.decode_response_outputs(_wire(response))[OUTPUT].reshape(-1)]
 
 
-def text_of(response: pb.ModelInferResponse) -> str:
-    (value,) = codec.decode_response_outputs(response)[TEXT_OUTPUT].reshape(-1)
+def text_of(response: InferResult | pb.ModelInferResponse) -> str:
+    (value,) = codec.decode_response_outputs(_wire(response))[TEXT_OUTPUT].reshape(-1)
     return bytes(value).decode("utf-8")
 
 
-def served(response: pb.ModelInferResponse) -> Served:
-    return Served.read(response.parameters)
+def served(response: InferResult | pb.ModelInferResponse) -> Served:
+    return Served.read(_wire(response).parameters)

@@ -15,13 +15,24 @@ import contextlib
 import grpc
 import pytest
 
+from stratus.convert.inference import InferRequest
 from stratus.convert.parameters import parameter_value
 from stratus.errors import Overloaded, Unavailable
 from stratus.families.generation import FINAL, FINISH_REASON, Chunk
 from stratus.tiers import Tier
-from stratus.wire import inference_pb2 as pb
 
-from .fleet_fakes import TEXT_FAMILY, Fleet, Tokens, fill, fleet, prompt, release, text_family, text_of
+from .fleet_fakes import (
+    TEXT_FAMILY,
+    Fleet,
+    Tokens,
+    fill,
+    fleet,
+    oip_prompt,
+    prompt,
+    release,
+    text_family,
+    text_of,
+)
 
 DEVICE, EDGE, CLOUD = Tier.DEVICE, Tier.EDGE, Tier.CLOUD
 SURE: tuple[Tokens, ...] = ((("4", -0.1),), ((" is", -0.1),), ((" it", -0.1),))  # exp(-0.1) = 0.90
@@ -40,13 +51,12 @@ def text_fleet(
     return fleet(family=text_family(method), **settings)
 
 
-async def streamed(
-    f: Fleet, request: pb.ModelInferRequest | None = None
-) -> tuple[list[str], dict[str, object]]:
+async def streamed(f: Fleet, request: InferRequest | None = None) -> tuple[list[str], dict[str, object]]:
     """What a streaming client sees: each chunk's text, then the final message's ``stratus.*``."""
     texts: list[str] = []
     final = None
-    async for response in f.plane.generate(request or prompt(), timeout_s=None):
+    async for result in f.plane.generate(request or oip_prompt(), timeout_s=None):
+        response = result.to_wire()
         if parameter_value(response.parameters[FINAL]):
             final = response
         else:
@@ -197,7 +207,7 @@ async def test_max_tier_makes_the_device_final_and_streamed() -> None:
     async with text_fleet() as f:
         f.agent("d1", DEVICE, chunks=UNSURE)
         f.agent("e1", EDGE)
-        texts, final = await streamed(f, prompt(max_tier=DEVICE))
+        texts, final = await streamed(f, oip_prompt(max_tier=DEVICE))
         assert texts == ["5", " or", " so"]
         assert (final["stratus.tier"], final["stratus.degraded"]) == ("device", False)
         assert f.agents[1].works == []
@@ -248,3 +258,19 @@ async def test_a_tier_too_slow_for_the_budget_is_counted_as_too_slow() -> None:
         result = await f.plane.generate_text(prompt(budget_ms=20.0), timeout_s=None)
         assert result.path == (EDGE,) and f.agents[0].works == []
         assert f.climbs(DEVICE, EDGE, "too_slow", family=TEXT_FAMILY) == 1
+
+
+async def test_a_request_for_more_tokens_than_the_family_allows_is_refused_before_any_tier() -> None:
+    """The OpenAI API builds its requests itself: the plane still holds them to the family's bound."""
+    import dataclasses
+
+    from stratus.families.generation import GenerationParams
+    from stratus.families.sampling import FieldError
+
+    async with text_fleet() as f:
+        f.agent("d1", DEVICE)
+        asked = dataclasses.replace(prompt(), params=GenerationParams(max_tokens=9))
+        with pytest.raises(FieldError, match="between 1 and 8 for 'chat'") as refused:
+            await f.plane.generate_text(asked, timeout_s=None)
+        assert refused.value.param == "max_tokens"
+        assert f.agents[0].works == []

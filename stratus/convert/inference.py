@@ -1,0 +1,196 @@
+"""Inference requests and results as every data plane takes and gives them, converted from
+and to the Open Inference Protocol here, once, by the servicer (as KServe's servicer calls
+``InferRequest.from_grpc``) and by the agent for the Work it is sent.
+
+A request's header (its model, id, ``parameters`` as Python values, the outputs it asks for,
+whether its tensors came typed) is read when it arrives. Its tensors are converted on demand,
+after the data plane has checked their metadata against the family, so a request the family
+cannot take is refused before a byte of it is decoded: 16 M typed INT64 zeros are 15 MiB on
+the wire and were 500 MB decoded. A result holds its outputs (raw buffers as the router
+handles them, or arrays as a runtime made them) and its ``stratus.*`` parameters.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from stratus.convert import codec
+from stratus.convert.parameters import (
+    COMPUTE_MS,
+    QUEUE_MS,
+    RequestOptions,
+    parameter_value,
+    reported_value,
+    set_parameter,
+)
+from stratus.convert.tensors import (
+    Tensors,
+    answer_raw,
+    check_request_metadata,
+    named_inputs,
+    requested_outputs,
+)
+from stratus.datatypes import Array, ParameterValue
+from stratus.errors import InvalidInput
+from stratus.families.generation import GenerationParams
+from stratus.families.spec import TensorSpec
+from stratus.wire import inference_pb2 as pb
+
+# Triton's convention for a decoupled (streamed) request: this parameter, or a BOOL input.
+STREAM = "stream"
+
+# The longest prompt taken, in UTF-8 bytes: far more than any context here holds (a 128k-token
+# context is about 0.5 MiB of text), and far below what a link carries.
+MAX_PROMPT_BYTES = 1 << 20
+
+Parameters = Mapping[str, ParameterValue | None]  # None: a parameter sent with no value set
+
+
+@dataclass(frozen=True, eq=False)
+class InferRequest:
+    """One inference request. Built by :meth:`from_wire`; the wire message stays inside, read
+    only through the methods below, which check what they read."""
+
+    _wire: pb.ModelInferRequest = field(repr=False)
+    parameters: Parameters
+
+    @classmethod
+    def from_wire(cls, request: pb.ModelInferRequest) -> InferRequest:
+        """Reads the header only; nothing here can fail, so a stream can always answer."""
+        parameters = {key: parameter_value(value) for key, value in request.parameters.items()}
+        return cls(request, parameters)
+
+    @property
+    def model_name(self) -> str:
+        return self._wire.model_name
+
+    @property
+    def model_version(self) -> str:
+        return self._wire.model_version
+
+    @property
+    def id(self) -> str:
+        return self._wire.id
+
+    @property
+    def outputs(self) -> tuple[str, ...]:
+        """The outputs asked for by name; () asks for all of them."""
+        return tuple(o.name for o in self._wire.outputs)
+
+    @property
+    def raw(self) -> bool:
+        """Whether a text answer goes back as raw buffers (the inputs did not come typed)."""
+        return not self.typed
+
+    @property
+    def typed(self) -> bool:
+        """Whether the inputs came as typed contents (then the answer is typed where it can be)."""
+        return bool(self._wire.inputs) and not self._wire.raw_input_contents
+
+    @property
+    def items(self) -> int:
+        """Dimension 0 of the first input: the items a statistic counts (1 without one)."""
+        shape = self._wire.inputs[0].shape if self._wire.inputs else ()
+        return int(shape[0]) if shape else 1
+
+    @property
+    def size_bytes(self) -> int:
+        """What the request is on the wire: the stream window counts it."""
+        return self._wire.ByteSize()
+
+    def input_names(self) -> list[str]:
+        """Each input's name (``#i`` for an unnamed one), in order; too many inputs, or a
+        repeated name, refused."""
+        codec.check_input_count(self._wire)
+        return [name for _, name, _ in named_inputs(self._wire)]
+
+    def input_bytes(self) -> int:
+        """The inputs' data as sent: raw buffers, or typed contents' encoded size."""
+        return sum(len(b) for b in self._wire.raw_input_contents) or sum(t.ByteSize() for t in self._wire.inputs)
+
+    def options(self) -> RequestOptions:
+        """What the client asked of the router (``stratus.*``), checked."""
+        return RequestOptions.from_values(self.parameters)
+
+    def streams(self) -> bool:
+        """Whether the client asked for chunks: a ``stream`` parameter, or a BOOL input (typed or
+        raw, as tritonclient sends it), true."""
+        parameter = self.parameters.get(STREAM)
+        if isinstance(parameter, bool):
+            return parameter
+        if not any(t.name == STREAM and t.datatype == "BOOL" for t in self._wire.inputs):
+            return False
+        return bool(self.arrays()[STREAM].all())
+
+    def check_metadata(self, family: str, specs: Sequence[TensorSpec]) -> None:
+        """Names, datatypes and shapes against the family, before anything is decoded."""
+        check_request_metadata(family, specs, self._wire)
+
+    def requested_outputs(self, family: str, known: Sequence[str]) -> list[str]:
+        """The outputs to answer with (all when none are named); unknown names refused."""
+        return requested_outputs(self._wire, family, known)
+
+    def answer_raw(self, datatypes: Iterable[str]) -> bool:
+        """Raw buffers, unless the request was typed and every output can be typed."""
+        return answer_raw(self._wire, datatypes)
+
+    def tensors(self) -> Tensors:
+        """The inputs as checked raw buffers, never decoded (the router's view)."""
+        return Tensors.from_request(self._wire)
+
+    def arrays(self) -> dict[str, Array]:
+        """The inputs decoded, as a runtime takes them."""
+        return codec.decode_request_inputs(self._wire)
+
+
+@dataclass(frozen=True, kw_only=True)
+class TextRequest:
+    """A generative request as the router's cascade takes it: from an OIP request
+    (:func:`stratus.convert.text.text_request`) or built by the OpenAI API, which has no
+    protobuf to make."""
+
+    model_name: str  # a family, or a pinned variant
+    id: str
+    prompt: str
+    params: GenerationParams
+    options: RequestOptions = field(default_factory=RequestOptions)
+    raw: bool = True  # the answer's text as a raw buffer (or typed, as a typed prompt came)
+
+    def __post_init__(self) -> None:
+        """Whichever front built it, a prompt over MAX_PROMPT_BYTES goes no further."""
+        if len(self.prompt) * 4 > MAX_PROMPT_BYTES and len(self.prompt.encode("utf-8")) > MAX_PROMPT_BYTES:
+            raise InvalidInput(f"the prompt is over {MAX_PROMPT_BYTES} bytes of UTF-8; at most that many are taken")
+
+
+@dataclass(kw_only=True, eq=False)
+class InferResult:
+    """One answer, or one chunk of a streamed one: what :meth:`to_wire` sends."""
+
+    model_name: str
+    id: str
+    outputs: Tensors | Mapping[str, Array]  # raw buffers (the router's), or arrays (a runtime's)
+    raw: bool = True  # raw buffers on the wire, or typed contents
+    parameters: dict[str, ParameterValue] = field(default_factory=dict)
+
+    def to_wire(self) -> pb.ModelInferResponse:
+        response = pb.ModelInferResponse(model_name=self.model_name, id=self.id)
+        if isinstance(self.outputs, Tensors):
+            self.outputs.write_response(response, raw=self.raw)
+        else:
+            codec.encode_response_outputs(response, self.outputs, raw=self.raw)
+        for key, value in self.parameters.items():
+            set_parameter(response.parameters, key, value)
+        return response
+
+    def reported_ms(self, key: str) -> float | None:
+        """A duration this result reports (``stratus.queue_ms``, ``stratus.compute_ms``)."""
+        return reported_value(self.parameters.get(key))
+
+    @property
+    def queue_ms(self) -> float | None:
+        return self.reported_ms(QUEUE_MS)
+
+    @property
+    def compute_ms(self) -> float | None:
+        return self.reported_ms(COMPUTE_MS)
