@@ -15,6 +15,7 @@ from router.agreement import MARGIN, MIN_AUDITS, AuditKey, Estimate, total, verd
 from router.audit import Auditor, calibrated_top
 from stratus.convert.fleet import wire_tier
 from stratus.errors import NotFound
+from stratus.families.audit import calibration_info
 from stratus.tiers import Tier
 from stratus.wire import fleet_pb2 as fpb
 
@@ -40,7 +41,7 @@ def accuracy_reply(
         raise NotFound(f"no agent serves a family '{family[:128]}'")
     live = auditor.book.estimates(family)
     tiers = sorted({t for t in auditor.registry.index.tiers(family) if t < top} | {k.tier for k in live})
-    calibrated = {Tier.parse(name): figures for name, figures in info.calibrated.items()}
+    calibrated = info.tier_accuracy
     lines = auditor.calibrated_lines(info)
     reply = fpb.AccuracyReply(
         family=family,
@@ -65,7 +66,7 @@ def accuracy_reply(
             escalated=estimate_info(total(e for k, e in escalated.items() if k.tier is tier)),
         )
         if tier in calibrated:
-            row.calibrated.CopyFrom(calibrated[tier])
+            row.calibrated.CopyFrom(calibration_info(calibrated[tier]))
         reply.tiers.append(row)
     if include_agents:
         reply.agents.extend(_agent_rows(live, lines, margin=margin, min_audits=min_audits))

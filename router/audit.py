@@ -55,9 +55,9 @@ from stratus.convert.tensors import Tensors
 from stratus.errors import StratusError
 from stratus.families.audit import EXACT
 from stratus.families.confidence import accepts
+from stratus.families.description import FamilyDescription
 from stratus.obs.metrics import Metric, RouterMetrics, gauge
 from stratus.tiers import Tier
-from stratus.wire import fleet_pb2 as fpb
 from stratus.wire import inference_pb2 as pb
 
 if TYPE_CHECKING:
@@ -150,23 +150,21 @@ class Auditor:
         tiers = self.registry.index.tiers(family)
         return max(tiers) if tiers else None
 
-    def calibrated_lines(self, info: fpb.FamilyInfo) -> dict[Tier, float]:
+    def calibrated_lines(self, info: FamilyDescription) -> dict[Tier, float]:
         """Each tier's calibrated agreement, where it was measured against the tier audits ask
         now: a fleet without the cloud audits against the edge, which calibration did not."""
         top = calibrated_top(info)
         if top is None or top != self.top_of(info.name):
             return {}
         return {
-            Tier.parse(name): figures.agreement
-            for name, figures in info.calibrated.items()
-            if figures.HasField("agreement")
+            tier: figures.agreement for tier, figures in info.tier_accuracy.items() if figures.agreement is not None
         }
 
-    def share_of(self, info: fpb.FamilyInfo) -> float:
-        return info.audit.share if info.audit.HasField("share") else self.policy.share
+    def share_of(self, info: FamilyDescription) -> float:
+        return info.audit.share if info.audit.share is not None else self.policy.share
 
-    def rate_of(self, info: fpb.FamilyInfo) -> float:
-        return info.audit.max_per_s if info.audit.HasField("max_per_s") else self.policy.max_per_s
+    def rate_of(self, info: FamilyDescription) -> float:
+        return info.audit.max_per_s if info.audit.max_per_s is not None else self.policy.max_per_s
 
     # -- offered by the cascades, after the client's answer is built -----------------------------
     def classified(self, view: CascadeView) -> None:
@@ -174,7 +172,7 @@ class Auditor:
         family = view.job.family
         info = self.registry.family(family)
         top = self.top_of(family)
-        if info is None or info.kind == "generative" or not info.outputs or top is None:
+        if info is None or info.generative or not info.outputs or top is None:
             return
         output = info.outputs[0].name
         self._note_climbs(view, top, output)
@@ -202,7 +200,7 @@ class Auditor:
             )
 
     def _climbed_rows(
-        self, view: CascadeView, info: fpb.FamilyInfo, top: Tier, visited: dict[int, tuple[TierAnswer, ...]]
+        self, view: CascadeView, info: FamilyDescription, top: Tier, visited: dict[int, tuple[TierAnswer, ...]]
     ) -> None:
         """Rows of the items that climbed to the top tier, drawn with the audits' share: they
         carry every answer already, so they cost nothing, and without them the rows would hold
@@ -215,7 +213,7 @@ class Auditor:
                 self.rows.add(view.job.family, lower, top, final.answer)
 
     def _sampled_items(
-        self, view: CascadeView, info: fpb.FamilyInfo, top: Tier, output: str
+        self, view: CascadeView, info: FamilyDescription, top: Tier, output: str
     ) -> dict[int, tuple[Answer, list[tuple[int, int]]]]:
         """(item, row) pairs drawn for audit, grouped by the answer that settled them."""
         thresholds = self.registry.thresholds(info.name)
@@ -252,7 +250,7 @@ class Auditor:
 
     def generated(
         self,
-        info: fpb.FamilyInfo,
+        info: FamilyDescription,
         prompt: pb.ModelInferRequest,
         result: Generation,
         climbed: Sequence[Generation],
@@ -266,7 +264,7 @@ class Auditor:
             self._note_generated_climbs(info.name, result, climbed, COMPARATORS.get(compare, same_text))
             if self.capture is not None and self.capture.wants(info.name):
                 self.capture.escalated_text(info.name, prompt, result, climbed)
-        threshold = info.thresholds.get(result.tier.label)
+        threshold = info.thresholds.get(result.tier)
         own = threshold is None or result.confidence >= threshold
         if result.tier >= top or result.degraded or not own:
             return
@@ -438,10 +436,9 @@ def visits(view: CascadeView, output: str) -> dict[int, tuple[TierAnswer, ...]]:
     return {item: tuple(by_tier[t] for t in sorted(by_tier)) for item, by_tier in seen.items()}
 
 
-def calibrated_top(info: fpb.FamilyInfo) -> Tier | None:
+def calibrated_top(info: FamilyDescription) -> Tier | None:
     """The top tier the family's figures were calibrated against: the highest one they list."""
-    tiers = [Tier.parse(name) for name in info.calibrated]
-    return max(tiers) if tiers else None
+    return max(info.tier_accuracy, default=None)
 
 
 def _key(family: str, answer: Generation) -> AuditKey:

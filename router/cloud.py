@@ -33,6 +33,7 @@ from stratus.convert.errors import error_from_call, error_from_stream
 from stratus.convert.parameters import CONFIDENCE, VARIANT, set_parameter
 from stratus.errors import ConfigError, DeadlineExceeded, Overloaded, StratusError, Unavailable
 from stratus.families.confidence import max_probability
+from stratus.families.description import FamilyDescription
 from stratus.families.generation import FINAL, TEXT_OUTPUT, Chunk
 from stratus.families.generation import STREAM as STREAM_PARAMETER
 from stratus.obs.stats import LatencyWindow
@@ -102,9 +103,9 @@ class CloudLink(CloudCatalog):
         self.models: dict[str, bool] = {}
         self.wire_names: dict[str, str] = {}  # a request's model -> the name the cloud serves it under
         self.variants: dict[str, str] = {}  # a request's model -> what answers it there (fleet status)
-        self.generative: dict[str, fpb.FamilyInfo] = {}  # the cloud's text models, as families
+        self.generative: dict[str, FamilyDescription] = {}  # the cloud's text models, as families
         # Each name in ``models`` as the cloud's own metadata describes it (cloud_models.descriptions).
-        self.described: dict[str, fpb.FamilyInfo] = {}
+        self.described: dict[str, FamilyDescription] = {}
         self._generating = 0
 
     @property
@@ -311,7 +312,7 @@ class CloudLink(CloudCatalog):
         if VARIANT not in params:
             set_parameter(params, VARIANT, wire_name)
         family = self._families().get(model) or self._families().get(response.model_name)
-        if CONFIDENCE in params or family is None or family.kind == "generative" or not family.outputs:
+        if CONFIDENCE in params or family is None or family.generative or not family.outputs:
             return
         scores = codec.decode_response_outputs(response).get(family.outputs[0].name)
         if scores is not None and scores.ndim >= 1 and scores.size:

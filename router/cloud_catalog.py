@@ -13,15 +13,17 @@ from collections.abc import Callable, Mapping, Sequence
 import grpc
 
 from router.cloud_models import Found, NamedModel, answered_by, descriptions, generates, probe_names, routes
+from stratus.convert.fleet import tensor_specs
 from stratus.convert.parameters import VARIANT
-from stratus.families.generation import MAX_TOKENS
-from stratus.wire import fleet_pb2 as fpb
+from stratus.families.description import FamilyDescription
+from stratus.families.generation import MAX_TOKENS, GenerationMethod
+from stratus.families.spec import GenerationSpec
 from stratus.wire import inference_pb2 as pb
 from stratus.wire import inference_pb2_grpc as pb_grpc
 
 log = logging.getLogger("stratus.cloud-link")
 
-Families = Callable[[], Mapping[str, fpb.FamilyInfo]]
+Families = Callable[[], Mapping[str, FamilyDescription]]
 Headers = tuple[tuple[str, str], ...]
 # How often the link looks for families that agents brought since it last learnt, and for
 # models it was told of but did not find (a server that listens before its models load).
@@ -45,8 +47,8 @@ class CloudCatalog:
     models: dict[str, bool]
     wire_names: dict[str, str]  # a request's model -> the name the cloud serves it under
     variants: dict[str, str]  # a request's model -> what answers it there (fleet status)
-    generative: dict[str, fpb.FamilyInfo]  # the cloud's text models, as families
-    described: dict[str, fpb.FamilyInfo]  # each name in ``models`` as the cloud describes it
+    generative: dict[str, FamilyDescription]  # the cloud's text models, as families
+    described: dict[str, FamilyDescription]  # each name in ``models`` as the cloud describes it
     _headers: Headers
     _named: tuple[NamedModel, ...]
     _families: Families
@@ -165,13 +167,13 @@ class CloudCatalog:
 
     async def _generative(
         self, stub: pb_grpc.GRPCInferenceServiceAsyncStub, found: Sequence[Found]
-    ) -> dict[str, fpb.FamilyInfo]:
+    ) -> dict[str, FamilyDescription]:
         """The cloud's text models as families, with the max_tokens their configs declare."""
         text = [entry for entry in found if entry.metadata is not None and generates(entry.metadata)]
         described = await asyncio.gather(*(self._text_family(stub, entry) for entry in text))
         return {info.name: info for info in described}
 
-    async def _text_family(self, stub: pb_grpc.GRPCInferenceServiceAsyncStub, entry: Found) -> fpb.FamilyInfo:
+    async def _text_family(self, stub: pb_grpc.GRPCInferenceServiceAsyncStub, entry: Found) -> FamilyDescription:
         assert entry.metadata is not None
         try:
             config = await stub.ModelConfig(
@@ -180,12 +182,11 @@ class CloudCatalog:
             max_tokens = _max_tokens(config.config)
         except grpc.aio.AioRpcError:
             max_tokens = UNDECLARED_MAX_TOKENS
-        return fpb.FamilyInfo(
+        return FamilyDescription(
             name=entry.name,
-            inputs=entry.metadata.inputs,
-            outputs=entry.metadata.outputs,
-            kind="generative",
-            max_tokens=max_tokens,
+            inputs=tensor_specs(entry.metadata.inputs),
+            outputs=tensor_specs(entry.metadata.outputs),
+            generation=GenerationSpec(max_tokens=max_tokens, stop=(), method=GenerationMethod.MEAN_LOGPROB),
         )
 
 

@@ -18,8 +18,10 @@ import re
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
+from stratus.convert.fleet import tensor_specs
+from stratus.families.description import FamilyDescription
 from stratus.families.generation import TEXT_INPUT, TEXT_OUTPUT
-from stratus.wire import fleet_pb2 as fpb
+from stratus.families.spec import TensorSpec
 from stratus.wire import inference_pb2 as pb
 
 # gRPC metadata keys: lowercase ASCII letters, digits and - _ . ; "grpc-" is gRPC's own.
@@ -83,7 +85,7 @@ def family_of(name: str, families: Collection[str], named: Sequence[NamedModel] 
 
 
 def probe_names(
-    families: Mapping[str, fpb.FamilyInfo], named: Sequence[NamedModel], listed: Iterable[str]
+    families: Mapping[str, FamilyDescription], named: Sequence[NamedModel], listed: Iterable[str]
 ) -> list[str]:
     """Every name worth asking the cloud about, each once, in a stable order: the families'
     own names, the operator's, the cloud variants the families name (``digits-large``, as
@@ -97,7 +99,7 @@ def _shapes_fit(want: Sequence[int], have: Sequence[int]) -> bool:
     return len(want) == len(have) and all(w == h or -1 in (w, h) for w, h in zip(want, have, strict=True))
 
 
-def _tensors_mismatch(kind: str, want: Tensors, have: Tensors) -> str | None:
+def _tensors_mismatch(kind: str, want: Sequence[TensorSpec], have: Tensors) -> str | None:
     offered = {t.name: t for t in have}
     for spec in want:
         tensor = offered.get(spec.name)
@@ -110,12 +112,12 @@ def _tensors_mismatch(kind: str, want: Tensors, have: Tensors) -> str | None:
     return None
 
 
-def mismatch(family: fpb.FamilyInfo, metadata: pb.ModelMetadataResponse) -> str | None:
+def mismatch(family: FamilyDescription, metadata: pb.ModelMetadataResponse) -> str | None:
     """Why a cloud model cannot answer the family's requests (None: its tensors fit).
 
     A generative family needs Triton's text layout; a classifier needs each of the family's
     inputs and outputs by name, datatype and shape (-1 fits any size)."""
-    if family.kind == "generative":
+    if family.generative:
         return None if generates(metadata) else f"it does not take '{TEXT_INPUT}' and give '{TEXT_OUTPUT}'"
     return _tensors_mismatch("input", family.inputs, metadata.inputs) or _tensors_mismatch(
         "output", family.outputs, metadata.outputs
@@ -137,7 +139,7 @@ class Found:
     metadata: pb.ModelMetadataResponse | None
 
 
-def _fits(found: Found, info: fpb.FamilyInfo | None, *, named: bool) -> str | None:
+def _fits(found: Found, info: FamilyDescription | None, *, named: bool) -> str | None:
     """Why ``found`` may not answer the family (None: it may). A model that describes no
     tensors is taken only where the operator named it."""
     if info is None:
@@ -149,7 +151,7 @@ def _fits(found: Found, info: fpb.FamilyInfo | None, *, named: bool) -> str | No
 
 
 def routes(
-    found: Sequence[Found], families: Mapping[str, fpb.FamilyInfo], named: Sequence[NamedModel]
+    found: Sequence[Found], families: Mapping[str, FamilyDescription], named: Sequence[NamedModel]
 ) -> tuple[dict[str, str], list[str]]:
     """(request name -> the name it is sent under, why some were passed over).
 
@@ -183,19 +185,21 @@ def answered_by(wire: Mapping[str, str], variants: Mapping[str, str]) -> dict[st
 
 
 def descriptions(
-    found: Sequence[Found], wire: Mapping[str, str], generative: Mapping[str, fpb.FamilyInfo]
-) -> dict[str, fpb.FamilyInfo]:
+    found: Sequence[Found], wire: Mapping[str, str], generative: Mapping[str, FamilyDescription]
+) -> dict[str, FamilyDescription]:
     """Each request name the cloud serves, described as the cloud describes the model it is
     sent under (its own tensors, names, datatypes and shapes): what the router says of a
     model only the cloud serves. Models that describe nothing are left out."""
     by_name = {entry.name: entry for entry in found}
-    described: dict[str, fpb.FamilyInfo] = {}
+    described: dict[str, FamilyDescription] = {}
     for name, wire_name in wire.items():
         entry = by_name.get(wire_name)
         if entry is None or entry.metadata is None or not (entry.metadata.inputs or entry.metadata.outputs):
             continue
         info = generative.get(wire_name)
         if info is None:
-            info = fpb.FamilyInfo(name=name, inputs=entry.metadata.inputs, outputs=entry.metadata.outputs)
+            info = FamilyDescription(
+                name=name, inputs=tensor_specs(entry.metadata.inputs), outputs=tensor_specs(entry.metadata.outputs)
+            )
         described[name] = info
     return described

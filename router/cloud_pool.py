@@ -31,6 +31,7 @@ from typing import Protocol, TypeVar
 from router.cloud import UNMEASURED_MS, CloudLink, OnChunk
 from router.cloud_models import NamedModel
 from stratus.errors import ConfigError, Unavailable
+from stratus.families.description import FamilyDescription
 from stratus.obs.stats import LatencyWindow
 from stratus.wire import fleet_pb2 as fpb
 from stratus.wire import inference_pb2 as pb
@@ -66,9 +67,9 @@ class CloudTier(Protocol):
     @property
     def models(self) -> dict[str, bool]: ...
     @property
-    def generative(self) -> dict[str, fpb.FamilyInfo]: ...
+    def generative(self) -> dict[str, FamilyDescription]: ...
     @property
-    def described(self) -> dict[str, fpb.FamilyInfo]: ...
+    def described(self) -> dict[str, FamilyDescription]: ...
     @property
     def named(self) -> tuple[NamedModel, ...]: ...
     @property
@@ -172,7 +173,7 @@ class CloudPool:
         return served
 
     @property
-    def generative(self) -> dict[str, fpb.FamilyInfo]:
+    def generative(self) -> dict[str, FamilyDescription]:
         return self._merged(lambda link: link.generative)
 
     @property
@@ -181,7 +182,7 @@ class CloudPool:
         return self._named
 
     @property
-    def described(self) -> dict[str, fpb.FamilyInfo]:
+    def described(self) -> dict[str, FamilyDescription]:
         """Each name the cloud serves, as a gateway that serves it describes it."""
         return self._merged(lambda link: link.described)
 

@@ -31,7 +31,6 @@ from router.obs import observer_for
 from router.policy import FleetSnapshot
 from router.registry import FleetRegistry
 from router.rollout import PROMOTED, Rollouts
-from stratus.convert.fleet import family_spec_from_wire
 from stratus.convert.inference import InferRequest, InferResult, TextRequest
 from stratus.convert.parameters import CONFIG_CURRENT, CONFIG_THRESHOLD, CONFIG_VARIANTS, MODEL_VERSION
 from stratus.convert.tensors import check_inputs
@@ -45,14 +44,13 @@ from stratus.convert.text import (
 )
 from stratus.errors import NotFound, Overloaded, StratusError
 from stratus.execution.dataplane import model_config
+from stratus.families.description import FamilyDescription
 from stratus.families.generation import FINAL, Chunk
 from stratus.families.sampling import check_max_tokens
-from stratus.families.spec import FamilySpec
 from stratus.obs.metrics import UNKNOWN, RouterMetrics
 from stratus.sched.streams import OnItem, relayed
-from stratus.serving.servicer import DataPlane
+from stratus.serving.servicer import DataPlane, tensor_metadata
 from stratus.tiers import Tier
-from stratus.wire import fleet_pb2 as fpb
 from stratus.wire import inference_pb2 as pb
 
 if TYPE_CHECKING:
@@ -89,7 +87,6 @@ class RouterDataPlane(DataPlane):
         self.fail_without_cloud = fail_without_cloud
         self.rng = rng or random.Random()
         self._clock = clock
-        self._specs: dict[str, tuple[fpb.FamilyInfo, FamilySpec]] = {}
 
     @property
     def cloud(self) -> CloudTier | None:
@@ -157,7 +154,7 @@ class RouterDataPlane(DataPlane):
             raise NotFound(f"unknown model {name[:128]!r}; the fleet serves {listing([*families, *variants])}")
         return resolved
 
-    def _description(self, family: str) -> fpb.FamilyInfo | None:
+    def _description(self, family: str) -> FamilyDescription | None:
         """What describes ``family`` (as :meth:`_resolve` names it): its agents' description,
         else, for a model only the cloud serves, the cloud's own metadata of it."""
         info = self.registry.family(family)
@@ -165,28 +162,22 @@ class RouterDataPlane(DataPlane):
             info = self.cloud.described.get(family)
         return info
 
-    def _spec(self, family: str) -> FamilySpec | None:
-        """The family's description as a spec; rebuilt only when that description changes."""
+    def _spec(self, family: str) -> FamilyDescription | None:
+        """The family's description, where it is a classifier's (its tensors are checked)."""
         info = self._description(family)
-        if info is None:
-            return None
-        cached = self._specs.get(family)
-        if cached is None or cached[0] is not info:
-            cached = (info, family_spec_from_wire(info))
-            self._specs[family] = cached
-        return cached[1]
+        return info if info is not None and not info.generative else None
 
     def model_metadata(self, name: str) -> pb.ModelMetadataResponse:
         """The family's tensors (a variant's are its family's); a model only the cloud serves,
         the cloud's own. One version, as on every Stratus server: variants are models."""
         family, _ = self._family_of(name)
         info = self._description(family)
-        if info is not None and info.kind == "generative" and family in self.registry.families:
+        if info is not None and info.generative and family in self.registry.families:
             return generative_metadata(name, "stratus")  # the layout its ModelConfig says
         response = pb.ModelMetadataResponse(name=name, versions=[MODEL_VERSION], platform="stratus")
         if info is not None:
-            response.inputs.extend(info.inputs)
-            response.outputs.extend(info.outputs)
+            response.inputs.extend(tensor_metadata(info.inputs))
+            response.outputs.extend(tensor_metadata(info.outputs))
         return response
 
     def model_config(self, name: str) -> pb.ModelConfig:
@@ -233,7 +224,7 @@ class RouterDataPlane(DataPlane):
         return lines
 
     # -- inference ----------------------------------------------------------------------
-    def generative(self, name: str) -> fpb.FamilyInfo | None:
+    def generative(self, name: str) -> FamilyDescription | None:
         """The family's description when ``name`` is a generative family (or one of its variants)."""
         try:
             family, _ = self._family_of(name)
@@ -242,7 +233,7 @@ class RouterDataPlane(DataPlane):
         info = self.registry.family(family)
         if info is None and self.cloud is not None:
             info = self.cloud.generative.get(family)  # served by the cloud alone
-        return info if info is not None and info.kind == "generative" else None
+        return info if info is not None and info.generative else None
 
     async def generate_text(
         self, request: TextRequest, *, timeout_s: float | None, sink: Sink | None = None
@@ -254,7 +245,7 @@ class RouterDataPlane(DataPlane):
             raise NotFound(f"'{request.model_name}' is not a generative model this fleet serves")
         family, pinned = self._family_of(request.model_name)
         params, options = request.params, request.options
-        check_max_tokens(params.max_tokens, info.max_tokens or 1, family)
+        check_max_tokens(params.max_tokens, info.max_tokens, family)
         # The tiers get the checked prompt and settings alone, never the client's message
         # (whatever else it carried would travel on every agent's link).
         checked = prompt_request(pinned or family, request.id, request.prompt, params)
@@ -314,7 +305,7 @@ class RouterDataPlane(DataPlane):
         if info is None:
             raise NotFound(f"'{request.model_name}' is not a generative model this fleet serves")
         family, _ = self._family_of(request.model_name)
-        return text_request(request, family, info.max_tokens or 1)
+        return text_request(request, family, info.max_tokens)
 
     async def _infer_text(self, request: InferRequest, timeout_s: float | None) -> InferResult:
         asked = self._text_request(request)

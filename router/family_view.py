@@ -18,6 +18,7 @@ from router.cloud_pool import CloudTier
 from router.registry import FleetRegistry
 from router.rollout import Plan
 from stratus.convert.fleet import wire_tier
+from stratus.families.description import FamilyDescription
 from stratus.tiers import Tier
 from stratus.wire import fleet_pb2 as fpb
 
@@ -93,7 +94,7 @@ def cloud_tier(cloud: CloudSeen, threshold: float | None) -> TierSeen:
 
 
 def seen_tiers(
-    registry: FleetRegistry, family: str, info: fpb.FamilyInfo | None, cloud: CloudSeen | None
+    registry: FleetRegistry, family: str, info: FamilyDescription | None, cloud: CloudSeen | None
 ) -> list[TierSeen]:
     """Each tier with agents serving ``family`` or a threshold for it, and the cloud where it
     serves the family, lowest first."""
@@ -158,5 +159,5 @@ def family_statuses(
     for name in sorted({*known, *generative}):
         info = registry.families.get(name) or generative.get(name)
         tiers = seen_tiers(registry, name, info, cloud_seen(cloud, name))
-        statuses.append(family_status(name, info.kind if info else "", tiers, by_family.get(name, {})))
+        statuses.append(family_status(name, "generative" if info is not None and info.generative else "", tiers, by_family.get(name, {})))
     return statuses

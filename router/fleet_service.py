@@ -119,9 +119,9 @@ def calibrated_shares(registry: FleetRegistry) -> Metric:
         "(stratus models calibrate).",
         ["family"],
         [
-            ([name], info.calibrated_cloud_share)
+            ([name], share)
             for name, info in sorted(registry.families.items())
-            if info.HasField("calibrated_cloud_share")
+            if (share := info.calibrated_cloud_share) is not None
         ],
     )
 

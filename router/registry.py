@@ -27,6 +27,7 @@ from router.family_book import FamilyBook
 from router.hello import check_hello_bounds
 from router.index import AgentIndex
 from router.policy import FleetSnapshot
+from stratus.convert.fleet import family_from_wire
 from stratus.convert.hardware import describe as describe_hardware
 from stratus.convert.hardware import from_hello as hardware_from_hello
 from stratus.errors import (
@@ -37,6 +38,7 @@ from stratus.errors import (
     Overloaded,
     PermissionDenied,
 )
+from stratus.families.description import FamilyDescription
 from stratus.obs.metrics import RouterMetrics
 from stratus.sched.batching import DEFAULT_MAX_DELAY_S
 from stratus.tiers import Tier
@@ -95,7 +97,7 @@ class FleetRegistry:
         return self._clock()
 
     @property
-    def families(self) -> dict[str, fpb.FamilyInfo]:
+    def families(self) -> dict[str, FamilyDescription]:
         """Each family as this fleet serves it (a push's thresholds over its agents')."""
         return self.book.families
 
@@ -110,7 +112,7 @@ class FleetRegistry:
             raise PermissionDenied(
                 f"agent id {hello.agent_id!r} is linked by another identity; it is not replaced"
             )
-        hello = self._agreed(hello)
+        hello, described = self._agreed(hello)
         if previous is not None:
             if previous.state != State.LOST:
                 log.warning("agent %s reconnected from %s; dropping its old link", hello.agent_id, peer)
@@ -134,7 +136,7 @@ class FleetRegistry:
             started=self._started(hello),
         )
         handle.work = AgentWork(handle, self._work_settings(handle))
-        for family in hello.families:
+        for family in described:
             if family.name not in self.families:
                 self.book.learn(family)
         self.agents[handle.id] = handle
@@ -158,14 +160,16 @@ class FleetRegistry:
         uptime = hello.uptime_s
         return self.now() - uptime if 0 < uptime <= MAX_UPTIME_S else None
 
-    def _agreed(self, hello: fpb.Hello) -> fpb.Hello:
+    def _agreed(self, hello: fpb.Hello) -> tuple[fpb.Hello, list[FamilyDescription]]:
         """The Hello without the families it describes unlike the ready agents serving them
-        (those are listed as unavailable on this agent): requests are checked and routed by
-        one description of each family, and an agent that disagrees on one still serves the
-        others. A Hello left with no variant is refused, saying why."""
-        conflicts = self._conflicts(hello)
+        (those are listed as unavailable on this agent), and the families it still describes,
+        read once, here: requests are checked and routed by one description of each family,
+        and an agent that disagrees on one still serves the others. A Hello left with no
+        variant is refused, saying why."""
+        described = [family_from_wire(family) for family in hello.families]
+        conflicts = self._conflicts(hello, described)
         if not conflicts:
-            return hello
+            return hello, described
         reasons = "; ".join(f"family '{f}' {why}" for f, why in conflicts.items())
         kept = fpb.Hello()
         kept.CopyFrom(hello)
@@ -183,12 +187,12 @@ class FleetRegistry:
         if not kept.variants:
             raise InvalidInput(f"Hello from {hello.agent_id}: {reasons}")
         log.warning("agent %s: not serving %s here: %s", hello.agent_id, sorted(conflicts), reasons)
-        return kept
+        return kept, [family for family in described if family.name not in conflicts]
 
-    def _conflicts(self, hello: fpb.Hello) -> dict[str, str]:
+    def _conflicts(self, hello: fpb.Hello, described: Sequence[FamilyDescription]) -> dict[str, str]:
         """Each family this Hello describes (or claims a variant for) unlike the fleet, and why."""
         conflicts: dict[str, str] = {}
-        for family in hello.families:
+        for family in described:
             known = self.families.get(family.name)
             if known is None or known == self.book.served(family):
                 continue
@@ -225,14 +229,14 @@ class FleetRegistry:
         try:
             check_hello_bounds(hello)
             _check_hello_variants(hello)
-            hello = self._agreed(hello)
+            hello, described = self._agreed(hello)
         except InvalidInput as exc:
             self._readd(handle, ready)
             self._settle_reloads(handle, f"refused: {exc}")
             raise
         handle.announce({v.name: v for v in hello.variants})
         handle.unavailable = tuple(hello.unavailable)
-        for family in hello.families:
+        for family in described:
             self.book.learn(family)
         self._readd(handle, ready)
         log.info("agent %s reloaded: variants %s", handle.id, sorted(handle.variants))
@@ -434,7 +438,7 @@ class FleetRegistry:
             tiers = tiers | {Tier.CLOUD}
         return FleetSnapshot(pools=pools, tiers=tiers)
 
-    def family(self, name: str) -> fpb.FamilyInfo | None:
+    def family(self, name: str) -> FamilyDescription | None:
         return self.book.families.get(name)
 
     def thresholds(self, family: str) -> Mapping[Tier, float]:
@@ -443,7 +447,7 @@ class FleetRegistry:
     def own_thresholds(self, family: str) -> Mapping[Tier, float]:
         return self.book.own_thresholds(family)
 
-    def describe(self, family: fpb.FamilyInfo) -> None:
+    def describe(self, family: FamilyDescription) -> None:
         self.book.describe(family)
 
     def override_thresholds(self, family: str, thresholds: Mapping[Tier, float]) -> None:

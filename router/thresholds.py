@@ -30,6 +30,7 @@ from typing import Any, Final, Protocol
 from router.audit_rows import Row
 from router.rollout import write_whole
 from stratus.errors import ConfigError, InvalidInput, NotFound
+from stratus.families.description import FamilyDescription
 from stratus.obs.metrics import Metric, gauge
 from stratus.tiers import Tier
 from stratus.wire import fleet_pb2 as fpb
@@ -309,7 +310,7 @@ def state_path_beside(rollout_state: Path | None) -> Path | None:
 class FamilyThresholds(Protocol):
     """What a push reads of the registry (``router.registry.FleetRegistry``)."""
 
-    def family(self, name: str) -> fpb.FamilyInfo | None: ...
+    def family(self, name: str) -> FamilyDescription | None: ...
 
     def thresholds(self, family: str) -> Mapping[Tier, float]: ...
 

@@ -44,13 +44,13 @@ from router.policy.climb import (
     next_action,
     retryable,
 )
-from stratus.convert.fleet import thresholds_from_wire
 from stratus.convert.inference import TextRequest
 from stratus.convert.parameters import RequestOptions, Served, values_of
 from stratus.convert.text import read_usage
 from stratus.datatypes import ParameterValue
 from stratus.errors import StratusError
 from stratus.families.confidence import accepts, threshold_for
+from stratus.families.description import FamilyDescription
 from stratus.families.generation import (
     FINISH_REASON,
     Chunk,
@@ -60,7 +60,6 @@ from stratus.families.generation import (
     Token,
 )
 from stratus.tiers import Tier
-from stratus.wire import fleet_pb2 as fpb
 from stratus.wire import inference_pb2 as pb
 
 log = logging.getLogger("stratus.generate")
@@ -78,7 +77,7 @@ class TextGenerator(Protocol):
 
     def model_ready(self, name: str) -> bool: ...
 
-    def generative(self, name: str) -> fpb.FamilyInfo | None:
+    def generative(self, name: str) -> FamilyDescription | None:
         """The family's description when ``name`` is a generative model, else None."""
         ...
 
@@ -141,7 +140,7 @@ class GenerationCascade:
     """Performs one generative request's climb; :mod:`router.policy.climb` decides it."""
 
     context: CascadeContext
-    family: fpb.FamilyInfo
+    family: FamilyDescription
     request: pb.ModelInferRequest  # text_input and the generation's settings, checked
     options: RequestOptions
     budget_ms: float
@@ -161,14 +160,15 @@ class GenerationCascade:
 
     @property
     def method(self) -> GenerationMethod:
-        return GenerationMethod(self.family.confidence_method or GenerationMethod.MEAN_LOGPROB.value)
+        generation = self.family.generation
+        return generation.method if generation is not None else GenerationMethod.MEAN_LOGPROB
 
     def _arriving(self) -> _Arriving:
         return _Arriving(running=RunningConfidence(self.method), cut=StopCut(self.stops))
 
     def __post_init__(self) -> None:
         self.state.min_tier, self.state.max_tier = self.options.min_tier, self.options.max_tier
-        self.thresholds = thresholds_from_wire(self.family.thresholds, f"family {self.family.name!r}")
+        self.thresholds = dict(self.family.thresholds)
 
     def remaining_ms(self) -> float:
         return self.budget_ms - (self.context.now() - self.started) * 1000.0

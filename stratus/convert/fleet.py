@@ -3,16 +3,30 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
-from pathlib import Path
+from collections.abc import Iterable, Mapping
+from typing import Protocol
 
 from stratus.errors import InvalidInput
-from stratus.families.confidence import ConfidenceMethod
-from stratus.families.generation import Chunk, Token
-from stratus.families.spec import ConfidenceSpec, FamilySpec, TensorSpec
+from stratus.families.audit import AuditSpec, TierCalibration
+from stratus.families.description import FamilyDescription
+from stratus.families.generation import Chunk, GenerationMethod, Token
+from stratus.families.spec import GenerationSpec, TensorSpec
 from stratus.obs.stats import LatencySummary
 from stratus.tiers import Tier
 from stratus.wire import fleet_pb2 as fpb
+
+
+class TensorMetadata(Protocol):
+    """A tensor as metadata names it (``ModelMetadataResponse.TensorMetadata``)."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def datatype(self) -> str: ...
+
+    @property
+    def shape(self) -> Iterable[int]: ...
 
 
 def wire_tier(tier: Tier | None) -> fpb.Tier.ValueType:
@@ -92,25 +106,54 @@ def chunk_from_wire(message: fpb.Chunk) -> Chunk:
     return Chunk(tokens=tokens or (Token(text=message.text, logprob=0.0),))
 
 
-def family_spec_from_wire(info: fpb.FamilyInfo) -> FamilySpec:
-    """A FamilySpec rebuilt from what an agent's Hello said, for the router's input checks and
-    metadata (its variants stay the agents': none are named here)."""
-
-    def specs(items: object) -> tuple[TensorSpec, ...]:
-        return tuple(TensorSpec(name=t.name, datatype=t.datatype, shape=tuple(t.shape)) for t in items)  # type: ignore[attr-defined]
-
-    outputs = specs(info.outputs)
-    return FamilySpec(
+def family_from_wire(info: fpb.FamilyInfo) -> FamilyDescription:
+    """What an agent's Hello says of a family, read once, when it arrives; a
+    threshold or figure keyed by no tier, or a confidence method this version does not know,
+    refuses it."""
+    where = f"family {info.name[:64]!r}"
+    return FamilyDescription(
         name=info.name,
-        description="",
-        inputs=specs(info.inputs),
-        outputs=outputs,
-        confidence=ConfidenceSpec(
-            output=outputs[0].name if outputs else "",
-            method=ConfidenceMethod.MAX_SOFTMAX,
-            apply_softmax=False,
+        inputs=tensor_specs(info.inputs),
+        outputs=tensor_specs(info.outputs),
+        thresholds=thresholds_from_wire(info.thresholds, where),
+        generation=_generation(info, where) if info.kind == "generative" else None,
+        cloud_variants=tuple(info.cloud_variants),
+        calibrated_cloud_share=info.calibrated_cloud_share if info.HasField("calibrated_cloud_share") else None,
+        audit=AuditSpec(
+            share=info.audit.share if info.audit.HasField("share") else None,
+            max_per_s=info.audit.max_per_s if info.audit.HasField("max_per_s") else None,
+            compare=info.audit.compare,
         ),
-        thresholds=thresholds_from_wire(info.thresholds, f"family {info.name!r}"),
-        variants=(),
-        source=Path("<agent>"),
+        tier_accuracy={_tier(name, where): _calibration(f) for name, f in info.calibrated.items()},
+    )
+
+
+def tensor_specs(tensors: Iterable[TensorMetadata]) -> tuple[TensorSpec, ...]:
+    """Tensors as metadata describes them (a Hello's, a cloud's ModelMetadata)."""
+    return tuple(TensorSpec(name=t.name, datatype=t.datatype, shape=tuple(t.shape)) for t in tensors)
+
+
+def _generation(info: fpb.FamilyInfo, where: str) -> GenerationSpec:
+    try:
+        method = GenerationMethod(info.confidence_method or GenerationMethod.MEAN_LOGPROB.value)
+    except ValueError:
+        known = [m.value for m in GenerationMethod]
+        raise InvalidInput(
+            f"{where}: confidence method {info.confidence_method[:32]!r} is not one of {known}"
+        ) from None
+    return GenerationSpec(max_tokens=info.max_tokens, stop=tuple(info.stop), method=method)
+
+
+def _tier(name: str, where: str) -> Tier:
+    try:
+        return Tier.parse(name)
+    except InvalidInput as exc:
+        raise InvalidInput(f"{where}: calibrated figures: {exc}") from None
+
+
+def _calibration(figures: fpb.TierCalibration) -> TierCalibration:
+    return TierCalibration(
+        accuracy=figures.accuracy,
+        agreement=figures.agreement if figures.HasField("agreement") else None,
+        items=figures.items,
     )

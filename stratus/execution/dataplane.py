@@ -5,7 +5,8 @@ who answered (tier, agent, variant, timings), and streams generative ones token 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
+from typing import Protocol
 
 from stratus.convert.inference import InferRequest, InferResult
 from stratus.convert.parameters import BATCH_SIZE, MODEL_VERSION, VARIANT, Served
@@ -14,7 +15,7 @@ from stratus.convert.text import chunk_result, generative_config, generative_met
 from stratus.errors import DeadlineExceeded
 from stratus.execution.models import LocalAnswer, LocalModels
 from stratus.families.generation import FINAL, FINISH_REASON, Chunk
-from stratus.families.spec import FamilySpec
+from stratus.families.spec import TensorSpec
 from stratus.obs.metrics import counted
 from stratus.sched.streams import OnItem, relayed
 from stratus.serving.servicer import DataPlane, tensor_metadata
@@ -128,7 +129,17 @@ class LocalDataPlane(DataPlane):
 _TYPE_NAMES = {"BOOL": "TYPE_BOOL", "BYTES": "TYPE_STRING"}
 
 
-def model_config(family: FamilySpec, name: str, backend: str) -> pb.ModelConfig:
+class Tensored(Protocol):
+    """What has a family's tensors: its spec here, or a router's description of it."""
+
+    @property
+    def inputs(self) -> Sequence[TensorSpec]: ...
+
+    @property
+    def outputs(self) -> Sequence[TensorSpec]: ...
+
+
+def model_config(family: Tensored, name: str, backend: str) -> pb.ModelConfig:
     """Triton's ModelConfig for a family: dims without the batch dimension."""
 
     def data_type(datatype: str) -> pb.DataType.ValueType:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -12,6 +13,7 @@ from router.audit import Auditor
 from router.registry import FleetRegistry
 from stratus.cli.accuracy import accuracy_json, accuracy_table
 from stratus.errors import NotFound
+from stratus.families.audit import TierCalibration
 from stratus.tiers import Tier
 from stratus.wire import fleet_pb2 as fpb
 
@@ -62,9 +64,15 @@ def test_agents_are_ranked_with_the_surely_worst_last() -> None:
     assert ranked == [("camera-3", TOO_FEW), ("camera-1", IN_LINE), ("camera-2", DRIFTED)]
 
 
+def recalibrated(audits: Auditor, figures: dict[Tier, TierCalibration]) -> None:
+    """The fleet's description of digits from now on, with these calibrated figures."""
+    described = audits.registry.families["digits"]
+    audits.registry.describe(dataclasses.replace(described, tier_accuracy=figures))
+
+
 def test_a_tier_without_calibrated_figures_is_not_judged() -> None:
     audits = fleet()
-    del audits.registry.families["digits"].calibrated["device"]
+    recalibrated(audits, {t: f for t, f in audits.registry.families["digits"].tier_accuracy.items() if t is not Tier.DEVICE})
     reply = accuracy_reply(audits, "digits", include_agents=True)
     assert reply.tiers[0].verdict == NOT_CALIBRATED and not reply.tiers[0].HasField("calibrated")
     assert {a.verdict for a in reply.agents} == {NOT_CALIBRATED}
@@ -74,8 +82,8 @@ def test_figures_calibrated_against_another_top_tier_are_shown_but_not_judged() 
     """Calibrated with the cloud on top, audited in a fleet whose top is the edge: the edge's
     answers are not what the calibrated agreement measured."""
     audits = fleet()
-    calibrated = audits.registry.families["digits"].calibrated
-    calibrated["cloud"].CopyFrom(fpb.TierCalibration(accuracy=0.9, items=5))
+    calibrated = audits.registry.families["digits"].tier_accuracy
+    recalibrated(audits, {**calibrated, Tier.CLOUD: TierCalibration(accuracy=0.9, agreement=None, items=5)})
     reply = accuracy_reply(audits, "digits", include_agents=True)
     assert reply.calibrated_top_tier == fpb.TIER_CLOUD and reply.top_tier == fpb.TIER_EDGE
     assert reply.tiers[0].verdict == NOT_CALIBRATED and reply.tiers[0].calibrated.agreement == pytest.approx(

@@ -4,6 +4,7 @@ counted; they yield to client work (a busy top tier, a full queue) and are dropp
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import random
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -20,10 +21,12 @@ from router.cloud import CloudLink, OnChunk
 from router.cloud_pool import CloudPool
 from router.registry import FleetRegistry
 from stratus.convert import codec
+from stratus.convert.fleet import family_from_wire
 from stratus.convert.parameters import RequestOptions
 from stratus.convert.tensors import Tensors
 from stratus.convert.text import prompt_request
 from stratus.errors import ConfigError
+from stratus.families.audit import AuditSpec
 from stratus.families.generation import Chunk, GenerationParams, Token
 from stratus.obs.metrics import Metrics, RouterMetrics
 from stratus.tiers import Tier
@@ -153,7 +156,7 @@ def auditor(
     cloud: CloudPool | None, *, clock: Clock | None = None, **policy: float
 ) -> tuple[Auditor, RouterMetrics, FleetRegistry]:
     registry = FleetRegistry()
-    registry.describe(digits_info())
+    registry.describe(family_from_wire(digits_info()))
     recorder = RouterMetrics(Metrics())
     made = Auditor(
         registry, cloud, policy=AuditPolicy(**policy), metrics=recorder, rng=random.Random(3),  # type: ignore[arg-type]
@@ -340,7 +343,8 @@ def test_no_audits_without_a_share_or_a_tier_above() -> None:
         lone, _, _ = auditor(None, share=1.0)  # no cloud, no agents: no top tier to ask
         lone.classified(view)
         assert lone.queued == 0
-        registry.families["digits"].audit.share = 1.0  # the family's own share wins
+        described = registry.families["digits"]
+        registry.describe(dataclasses.replace(described, audit=AuditSpec(share=1.0)))  # the family's own share wins
         audits.classified(view)
         assert audits.queued == 1
 
@@ -422,7 +426,7 @@ def test_generative_answers_are_audited_with_the_familys_comparator() -> None:
     async def body() -> None:
         pool, link = cloud_pool()
         audits, recorder, registry = auditor(pool, share=1.0, max_per_s=1000.0)
-        info = arith_info()
+        info = family_from_wire(arith_info())
         registry.describe(info)
         audits.start()
         prompt = prompt_request("arith", "c1", "37+48=", GenerationParams(max_tokens=4))

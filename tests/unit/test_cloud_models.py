@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from router.cloud_models import (
@@ -16,14 +18,21 @@ from router.cloud_models import (
     probe_names,
     routes,
 )
+from stratus.convert.fleet import family_from_wire
+from stratus.families.description import FamilyDescription
 from stratus.wire import fleet_pb2 as fpb
 from stratus.wire import inference_pb2 as pb
 
 Tensor = pb.ModelMetadataResponse.TensorMetadata
 
 
-def digits_family() -> fpb.FamilyInfo:
-    return fpb.FamilyInfo(
+def described(**fields: Any) -> FamilyDescription:
+    """A family as a router holds it, from the FamilyInfo fields a Hello would carry."""
+    return family_from_wire(fpb.FamilyInfo(**fields))
+
+
+def digits_family() -> FamilyDescription:
+    return described(
         name="digits",
         inputs=[Tensor(name="input", datatype="FP32", shape=[-1, 64])],
         outputs=[Tensor(name="probabilities", datatype="FP32", shape=[-1, 10])],
@@ -84,7 +93,7 @@ def test_a_name_belongs_to_the_family_it_names_or_begins_with() -> None:
 
 def test_probes_ask_each_name_once_families_first() -> None:
     named = (NamedModel(name="digits-large"), NamedModel(name="digits"))
-    families = {"digits": fpb.FamilyInfo(name="digits"), "defects": fpb.FamilyInfo(name="defects")}
+    families = {"digits": described(name="digits"), "defects": described(name="defects")}
     assert probe_names(families, named, ["zeta", "digits-large"]) == [
         "defects",
         "digits",
@@ -97,8 +106,8 @@ def test_probes_ask_for_the_cloud_variants_the_families_name() -> None:
     """A cloud that lists nothing (PyTriton, KServe) is asked for each family's cloud
     variants, as agents described them, after the operator's names."""
     families = {
-        "digits": fpb.FamilyInfo(name="digits", cloud_variants=["digits-large", "digits-large-fp16"]),
-        "defects": fpb.FamilyInfo(name="defects", cloud_variants=["defects-large"]),
+        "digits": described(name="digits", cloud_variants=["digits-large", "digits-large-fp16"]),
+        "defects": described(name="defects", cloud_variants=["defects-large"]),
     }
     assert probe_names(families, (NamedModel(name="mine"),), []) == [
         "defects",
@@ -126,7 +135,7 @@ def test_tensors_must_be_the_familys() -> None:
     assert "shape [64]" in str(
         mismatch(family, metadata("m", inputs=[Tensor(name="input", datatype="FP32", shape=[64])]))
     )
-    text = fpb.FamilyInfo(name="arith", kind="generative")
+    text = described(name="arith", kind="generative")
     assert "does not take 'text_input'" in str(mismatch(text, metadata("arith-large")))
 
 
@@ -171,7 +180,7 @@ def test_an_undescribed_model_is_taken_only_when_named() -> None:
 
 
 def test_nothing_fits_means_the_cloud_does_not_serve_the_family() -> None:
-    families = {"digits": digits_family(), "defects": fpb.FamilyInfo(name="defects")}
+    families = {"digits": digits_family(), "defects": described(name="defects")}
     wire, _ = routes([Found(name="other", metadata=metadata("other"))], families, ())
     assert wire == {"other": "other"}
 
@@ -185,9 +194,9 @@ def test_each_name_the_cloud_serves_is_described_as_the_cloud_describes_its_mode
         Found(name="silent", metadata=None),
     ]
     wire = {"digits": "digits-large", "digits-large": "digits-large", "opaque": "opaque", "silent": "silent"}
-    text = fpb.FamilyInfo(name="digits-large", kind="generative")  # as CloudLink learns a text model
-    described = descriptions(found, wire, {})
-    assert set(described) == {"digits", "digits-large"}
-    assert [list(t.shape) for t in described["digits-large"].inputs] == [[-1, -1]]
-    assert described["digits"].name == "digits" and described["digits-large"].outputs[0].name == "probabilities"
+    text = described(name="digits-large", kind="generative")  # as CloudLink learns a text model
+    said = descriptions(found, wire, {})
+    assert set(said) == {"digits", "digits-large"}
+    assert [list(t.shape) for t in said["digits-large"].inputs] == [[-1, -1]]
+    assert said["digits"].name == "digits" and said["digits-large"].outputs[0].name == "probabilities"
     assert descriptions(found, wire, {"digits-large": text})["digits-large"] is text

@@ -5,6 +5,7 @@ defaults that keep gRPC's own lines out of Stratus's logs."""
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import pytest
 
@@ -15,12 +16,19 @@ from router.family_view import DEGRADED, SERVING, UNAVAILABLE, TierSeen, family_
 from router.fleet_service import agent_status, cloud_status
 from router.rollout import Rollouts
 from stratus.cli.fleet import cloud_table, duration, families_table, family_json, status_json
+from stratus.convert.fleet import family_from_wire
 from stratus.errors import InvalidInput
+from stratus.families.description import FamilyDescription
 from stratus.process import process_uptime_s, quiet_grpc_core
 from stratus.tiers import Tier
 from stratus.wire import fleet_pb2 as fpb
 
 from .test_index import Clock, hello, registry
+
+
+def described(**fields: Any) -> FamilyDescription:
+    """A family as a router holds it, from the FamilyInfo fields a Hello would carry."""
+    return family_from_wire(fpb.FamilyInfo(**fields))
 
 
 def seen(tier: Tier, *, threshold: float | None = 0.8, ready: int = 1, listed: int = 1) -> TierSeen:
@@ -120,7 +128,7 @@ def test_the_clouds_own_text_models_are_families_but_its_variants_of_known_ones_
     reg.register(hello("d1"), peer="t")
     cloud = CloudLink("127.0.0.1:1")
     cloud.generative = {
-        name: fpb.FamilyInfo(name=name, kind="generative") for name in ("digits-large", "llama")
+        name: described(name=name, kind="generative") for name in ("digits-large", "llama")
     }
     assert [f.name for f in family_statuses(reg, cloud, [])] == ["digits", "llama"]
 

@@ -121,7 +121,7 @@ def test_the_registry_serves_the_pushed_thresholds_and_its_agents_own_after_a_re
     reg.override_thresholds("digits", {DEVICE: 1.0})
     assert reg.thresholds("digits") == {DEVICE: 1.0}
     info = reg.family("digits")
-    assert info is not None and dict(info.thresholds) == {"device": 1.0}  # what every cascade reads
+    assert info is not None and dict(info.thresholds) == {DEVICE: 1.0}  # what every cascade reads
     assert reg.own_thresholds("digits") == {DEVICE: 0.5}
     reg.override_thresholds("digits", {})
     assert reg.thresholds("digits") == {DEVICE: 0.5}
@@ -210,6 +210,6 @@ def test_a_recalibrated_agent_is_refused_without_a_push_and_joins_under_one() ->
     # the pushed tier, the first agents' other tier; and no calibrated baseline while the push holds
     assert reg.thresholds("digits") == {DEVICE: 0.9, EDGE: 0.6}
     info = reg.family("digits")
-    assert info is not None and not info.HasField("calibrated_cloud_share") and not info.calibrated
+    assert info is not None and info.calibrated_cloud_share is None and not info.tier_accuracy
     reg.override_thresholds("digits", {})
     assert reg.thresholds("digits") == {DEVICE: 0.5, EDGE: 0.6}

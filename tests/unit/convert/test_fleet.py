@@ -1,22 +1,27 @@
-"""fleet.proto's tiers, thresholds and chunks cross the wire as they are."""
+"""fleet.proto's tiers, thresholds, chunks and family descriptions cross the wire as they are."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
 
 from stratus.convert.fleet import (
     chunk_to_wire,
+    family_from_wire,
     thresholds_from_wire,
     thresholds_to_wire,
     tier_label,
     wire_tier,
 )
 from stratus.errors import InvalidInput
-from stratus.families.generation import Chunk, Token
+from stratus.families.audit import AuditSpec, TierCalibration
+from stratus.families.generation import Chunk, GenerationMethod, Token
+from stratus.families.spec import GenerationSpec, TensorSpec
 from stratus.tiers import Tier
 from stratus.wire import fleet_pb2 as fpb
+from stratus.wire import inference_pb2 as pb
 
 
 def test_tier_numbers_are_the_wire_enum_values() -> None:
@@ -70,3 +75,57 @@ def test_a_chunk_crosses_with_its_text_log_probabilities_and_margins() -> None:
     sent = chunk_to_wire("w1", chunk)
     assert (sent.request_id, sent.text, list(sent.logprobs)) == ("w1", "42", [-0.1, -0.3])
     assert sent.margins[0] == 2.5 and math.isnan(sent.margins[1])  # a margin not given is NaN
+
+
+def _described_arith() -> fpb.FamilyInfo:
+    info = fpb.FamilyInfo(
+        name="arith",
+        inputs=[pb.ModelMetadataResponse.TensorMetadata(name="text_input", datatype="BYTES", shape=[1])],
+        thresholds={"device": 0.8, "edge": 0.7},
+        kind="generative",
+        confidence_method="first_margin",
+        max_tokens=6,
+        stop=["\n"],
+        cloud_variants=["arith-large"],
+        calibrated_cloud_share=0.13,
+    )
+    info.audit.share = 0.02
+    info.audit.compare = "number"
+    info.calibrated["device"].CopyFrom(fpb.TierCalibration(accuracy=0.97, agreement=0.98, items=90))
+    info.calibrated["cloud"].CopyFrom(fpb.TierCalibration(accuracy=0.99, items=13))
+    return info
+
+
+def test_a_hellos_family_is_read_once_into_what_the_router_serves_by() -> None:
+    described = family_from_wire(_described_arith())
+    assert described.inputs == (TensorSpec(name="text_input", datatype="BYTES", shape=(1,)),)
+    assert described.thresholds == {Tier.DEVICE: 0.8, Tier.EDGE: 0.7}
+    assert described.generation == GenerationSpec(max_tokens=6, stop=("\n",), method=GenerationMethod.FIRST_MARGIN)
+    assert (described.max_tokens, described.stop, described.cloud_variants) == (6, ("\n",), ("arith-large",))
+    assert described.calibrated_cloud_share == 0.13
+    assert described.audit == AuditSpec(share=0.02, max_per_s=None, compare="number")
+    assert described.tier_accuracy == {
+        Tier.DEVICE: TierCalibration(accuracy=0.97, agreement=0.98, items=90),
+        Tier.CLOUD: TierCalibration(accuracy=0.99, agreement=None, items=13),
+    }
+    plain = family_from_wire(fpb.FamilyInfo(name="digits"))
+    assert not plain.generative and plain.max_tokens == 0 and plain.calibrated_cloud_share is None
+
+
+def test_a_family_the_router_cannot_read_refuses_its_hello_naming_the_field() -> None:
+    unknown_method = _described_arith()
+    unknown_method.confidence_method = "vibes"
+    with pytest.raises(InvalidInput, match="family 'arith': confidence method 'vibes' is not one of"):
+        family_from_wire(unknown_method)
+    no_tier = _described_arith()
+    no_tier.calibrated["space"].CopyFrom(fpb.TierCalibration(accuracy=0.5, items=1))
+    with pytest.raises(InvalidInput, match=r"family 'arith': calibrated figures: .*space"):
+        family_from_wire(no_tier)
+
+
+def test_a_push_keeps_the_first_agents_figures_and_drops_the_calibrated_share() -> None:
+    first = family_from_wire(_described_arith())
+    recalibrated = dataclasses.replace(first, thresholds={Tier.DEVICE: 0.5}, tier_accuracy={}, calibrated_cloud_share=0.3)
+    served = recalibrated.under_push({Tier.DEVICE: 0.9}, first)
+    assert served.thresholds == {Tier.DEVICE: 0.9, Tier.EDGE: 0.7}
+    assert served.tier_accuracy == first.tier_accuracy and served.calibrated_cloud_share is None

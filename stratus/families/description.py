@@ -1,0 +1,59 @@
+"""A family as a router knows it: what its agents' Hellos (or a cloud's own metadata) say of
+it, read once, when it arrives (``stratus.convert.fleet.family_from_wire``).
+
+Not a :class:`~stratus.families.spec.FamilySpec`: that is a family's folder (files, variants,
+a source path), which a router never has. A router has only what serving the family needs:
+its tensors, thresholds, how it generates, the names a cloud may know it by, and what its
+calibration measured, against which its audits are judged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from stratus.families.audit import AuditSpec, TierCalibration
+from stratus.families.spec import GenerationSpec, TensorSpec
+from stratus.tiers import Tier
+
+
+@dataclass(frozen=True, kw_only=True)
+class FamilyDescription:
+    name: str
+    inputs: tuple[TensorSpec, ...] = ()
+    outputs: tuple[TensorSpec, ...] = ()
+    thresholds: Mapping[Tier, float] = field(default_factory=dict)
+    generation: GenerationSpec | None = None  # a generative family's limits and confidence method
+    # The repository's cloud-tier variants, current first: the names a router asks a cloud
+    # about when the cloud does not list its models (PyTriton, KServe).
+    cloud_variants: tuple[str, ...] = ()
+    # What calibrate recorded the thresholds send to the cloud; None where never calibrated.
+    calibrated_cloud_share: float | None = None
+    audit: AuditSpec = field(default_factory=AuditSpec)
+    tier_accuracy: Mapping[Tier, TierCalibration] = field(default_factory=dict)
+
+    @property
+    def generative(self) -> bool:
+        return self.generation is not None
+
+    @property
+    def max_tokens(self) -> int:
+        """The most tokens a request may ask for (at least 1); 0 for a classifier."""
+        return max(1, self.generation.max_tokens) if self.generation is not None else 0
+
+    @property
+    def stop(self) -> tuple[str, ...]:
+        return self.generation.stop if self.generation is not None else ()
+
+    def under_push(self, thresholds: Mapping[Tier, float], agents: FamilyDescription) -> FamilyDescription:
+        """This family served with ``thresholds`` pushed over ``agents``' own (a tier not
+        named keeps theirs): a recalibrated agent's thresholds and figures are not the
+        fleet's, so the first agents' figures stay, and no calibrated cloud share describes
+        thresholds an operator chose."""
+        return dataclasses.replace(
+            self,
+            thresholds={**agents.thresholds, **thresholds},
+            tier_accuracy=agents.tier_accuracy,
+            calibrated_cloud_share=None,
+        )
