@@ -4,14 +4,23 @@ the time to the drift alert, the threshold push that follows, and what the audit
 Starts a cloud gateway, a router (audits at ``--audit-share``, capture on for ``defects``,
 metrics) and device and edge agents on loopback, all serving ``defects`` only; sends the
 held-out images open loop at ``--rate`` with their labels known here. After ``--shift-after-s``
-the inputs shift: every image's contrast is raised (x1.3 about its mean) and its brightness
-lifted (+0.05), and the ``spot`` class takes a new look (4% of its pixels speckled black or
-white, as dust on a pitted surface). Chosen by trying contrast and brightness changes and changes
-to one class (inverted cracks, blurred scratches) on the shipped models: most either barely moved
-the device's accuracy, or fooled defects-large exactly as much, so the audits, which compare the
-device with it, saw nothing; this one drops the device's accuracy by over 15 points with its
-mean confidence about 1 point lower, and part of its confident errors are ones the large model
-does not make. Then:
+the inputs shift: the camera's mount has been knocked loose, and a seeded 30% of the frames are
+taken one pixel up and left of the old view, so their surface moves one pixel down and right and
+their new top row and left column see the fixture (its bright rail along the top, 0.85; the dark
+slot beside the part down the left, 0.05). Chosen by trying, on the shipped models, lighting
+changes (contrast, brightness, gamma, gradients, vignetting), camera changes (1-4 px moves with
+edge padding, small rotations and zooms, blur, sensor and fixed-pattern noise, checkerboard gain)
+and new looks of one class: most moved defects-large nearly as much as the device model, so the
+audits, which compare the device with it, could not see the truth; the rest cost the device
+accuracy only on items it is unsure of, which escalate, so the items it settles (those the audits
+sample) stayed right (contrast x1.8, the best of them: 10 points overall, 2 on the settled items,
+with defects-large 3 points down). On a moved frame defects-small calls nearly everything a
+scratch, and as surely as it answers clean ones, while defects-large keeps 93% of them right:
+overall the device loses 16 points with its mean confidence unchanged, its settled items' accuracy
+falls from 0.999 to about 0.82, and defects-large loses about 1 point, so its agreement with the
+device stays within a point of the device's accuracy. (A property of these models, found by
+search, not of small networks: the mirrored bump, the fixture on the bottom and right, fools
+defects-large instead.) Then:
 
 1. the premise, on the device model alone (in this process, onnxruntime): its true accuracy and
    mean confidence on the clean and the shifted images;
@@ -71,16 +80,15 @@ from stratus.convert.parameters import Served  # noqa: E402
 from stratus.devtools.launcher import Launched, free_port, launch  # noqa: E402
 from stratus.families.confidence import tempered  # noqa: E402
 from stratus.serving.channels import grpc_options  # noqa: E402
-from stratus.tools.datasets import DEFECT_CLASSES, Split, defects_splits  # noqa: E402
+from stratus.tools.datasets import Split, defects_splits  # noqa: E402
 from stratus.wire import inference_pb2 as pb  # noqa: E402
 from stratus.wire import inference_pb2_grpc as pb_grpc  # noqa: E402
 
 FAMILY = "defects"
 INPUT = "image"
-CONTRAST = 1.3
-BRIGHTNESS = 0.05
-NEW_LOOK_CLASS = DEFECT_CLASSES.index("spot")
-SPECKLED_SHARE = 0.04
+MOVED_SHARE = 0.3  # frames the loose mount takes one pixel up and left
+RAIL = 0.85  # the fixture's bright rail, along a moved frame's top row
+SLOT = 0.05  # the dark slot beside the part, down its left column
 SEED = 20
 ALERT_FOR_S = 600.0  # the rule's `for: 10m`
 GOAL_POINTS = 0.02  # live estimate within +-2 points; audits cost at most 2%
@@ -89,14 +97,22 @@ GOAL_CASCADE_POINTS = 0.01
 
 
 def shifted(split: Split) -> Split:
-    """The same items seen after a lighting change, with the ``spot`` class's new look."""
-    rng = np.random.default_rng(SEED)
-    mean = split.x.mean(axis=(1, 2, 3), keepdims=True)
-    x = mean + (split.x - mean) * CONTRAST + BRIGHTNESS
-    spots = split.y == NEW_LOOK_CLASS
-    speckled = rng.random(x[spots].shape) < SPECKLED_SHARE
-    x[spots] = np.where(speckled, (rng.random(x[spots].shape) < 0.5).astype(np.float32), x[spots])
-    return Split(np.clip(x, 0.0, 1.0).astype(np.float32), split.y)
+    """The same items after the camera's mount was knocked loose: a seeded ``MOVED_SHARE`` of
+    the frames come from the moved camera, the rest as before (the labels do not change)."""
+    moved_frames = np.random.default_rng(SEED).random(len(split)) < MOVED_SHARE
+    x = split.x.copy()
+    x[moved_frames] = moved(split.x[moved_frames])
+    return Split(x, split.y)
+
+
+def moved(x: npt.NDArray[np.float32]) -> npt.NDArray[np.float32]:
+    """Frames from a camera one pixel up and left: the surface one pixel down and right, and the
+    row and column that come into view on the fixture (the rail above, the slot to the left)."""
+    frames = np.empty_like(x)
+    frames[:, 1:, 1:] = x[:, :-1, :-1]
+    frames[:, 0, :] = RAIL
+    frames[:, :, 0] = SLOT
+    return frames
 
 
 # --- offline: the models alone, for the premise and the true agreement --------------------------
