@@ -110,6 +110,24 @@ def test_too_few_rows_are_refused_saying_how_many_are_needed() -> None:
         suggest([], target_accuracy=0.9)
 
 
+def test_a_goal_that_sure_errors_put_out_of_reach_is_refused_saying_why() -> None:
+    """12 of 300 device answers are wrong with confidence 1.0: no threshold sends them up
+    (1.0 is always accepted), so agreement can reach 288/300 = 0.96 at most, not 0.99."""
+    book = RowBook()
+    for i in range(300):
+        wrong = i % 25 == 0
+        confidence = 1.0 if wrong else 0.5 + (i % 50) / 100
+        book.add("defects", (TierAnswer(Tier.DEVICE, confidence, (i + wrong) % 4),), Tier.CLOUD, i % 4)
+    rows = [r.to_wire() for r in book.rows("defects")]
+    with pytest.raises(ConfigError) as refused:
+        suggest(rows, target_accuracy=0.99)
+    said = str(refused.value)
+    assert "no thresholds reach agreement 0.9900 with the cloud tier on these 300 audit rows" in said
+    assert "the most escalating gives is 0.9600" in said
+    assert "the device tier answered 12 unlike the cloud tier with a confidence no threshold sends up" in said
+    assert suggest(rows, target_accuracy=0.95).outcome.accuracy >= 0.95  # within reach: chosen
+
+
 def test_rows_missing_an_intermediate_tier_are_refused() -> None:
     full = fpb.AuditRow(
         tiers=[fpb.TierAnswer(tier="device", confidence=0.5), fpb.TierAnswer(tier="edge", confidence=0.6)],

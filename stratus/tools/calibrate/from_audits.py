@@ -23,6 +23,7 @@ from stratus.tiers import Tier
 from stratus.tools.calibrate.classifier import (
     Outcome,
     TierScores,
+    candidate_thresholds,
     cascade,
     for_max_escalation,
     for_target_accuracy,
@@ -86,7 +87,11 @@ def suggest(
         raise ConfigError("give exactly one goal: --target-accuracy or --max-escalation")
     scores = audit_scores(rows, min_rows=min_rows)
     if target_accuracy is not None:
-        chosen, goal = for_target_accuracy(scores, target_accuracy), f"target_accuracy {target_accuracy:g}"
+        try:
+            chosen = for_target_accuracy(scores, target_accuracy)
+        except ConfigError:
+            raise ConfigError(_out_of_reach(scores, target_accuracy)) from None
+        goal = f"target_accuracy {target_accuracy:g}"
     else:
         share = float(max_escalation or 0.0)
         chosen, goal = for_max_escalation(scores, share), f"max_escalation {share:g}"
@@ -96,6 +101,26 @@ def suggest(
         rows=len(scores[0].correct),
         outcome=cascade(scores, chosen),
         tiers=tuple(s.tier for s in scores),
+    )
+
+
+def _out_of_reach(scores: Sequence[TierScores], target: float) -> str:
+    """Why no thresholds reach ``target``: the most escalation can give, and the answers no
+    threshold sends up (a confidence of 1.0 is always accepted)."""
+    highest = tuple(candidate_thresholds(s.confidence)[-1] for s in scores[:-1])
+    best = cascade(scores, highest)
+    top = scores[-1].tier.label
+    stuck = [
+        f"the {s.tier.label} tier answered {int(np.sum((s.confidence >= t) & ~s.correct))} unlike the {top} tier "
+        f"with a confidence no threshold sends up"
+        for s, t in zip(scores, highest, strict=False)
+        if np.any((s.confidence >= t) & ~s.correct)
+    ]
+    why = f": {'; '.join(stuck)}" if stuck else ""
+    return (
+        f"no thresholds reach agreement {target:.4f} with the {top} tier on these {len(scores[0].correct)} "
+        f"audit rows; the most escalating gives is {best.accuracy:.4f}{why}. Errors made with full "
+        "confidence are for retraining (capture and retrain, in the README), not thresholds"
     )
 
 
