@@ -112,6 +112,7 @@ async def serve(settings: RouterSettings, stop: asyncio.Event | None = None) -> 
         synced=synced,
         audits=audits,
         pushes=pushes,
+        peers=settings.peers,
     )
     fpb_grpc.add_FleetServicer_to_server(fleet, server)
     health = Health(server, plane.ready)

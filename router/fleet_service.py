@@ -266,8 +266,10 @@ class FleetServicer(fpb_grpc.FleetServicer):
         synced: asyncio.Event | None = None,
         audits: Auditor | None = None,
         pushes: ThresholdPushes | None = None,
+        peers: str | None = None,
     ) -> None:
         self._audits = audits
+        self._peers = peers  # --peers: where the other routers of the site are
         self._pushes = pushes or ThresholdPushes(router_id="router")
         self._registry = registry
         self._cloud = cloud
@@ -446,7 +448,10 @@ class FleetServicer(fpb_grpc.FleetServicer):
         if request.action == fpb.THRESHOLDS_ACTION_STATUS:
             self._authorize_read(request.token, context, "threshold status")
             rows = self._audits.rows.rows if self._audits is not None else None
-            return steer(self._pushes, self._registry, request, rows)
+            answer = steer(self._pushes, self._registry, request, rows)
+            if request.include_rows:
+                answer.router_id, answer.peers = self._rollouts.router_id, self._peers or ""
+            return answer
         self._authorize(request.token, context, "pushing thresholds")
         answer = steer(self._pushes, self._registry, request)
         if self._synced is not None:

@@ -1,8 +1,8 @@
 """``stratus fleet thresholds FAMILY``: what the routers use, what the audits suggest, and pushes.
 
 * no action: the thresholds in force, the agents' own, and the versions pushed so far;
-* ``--suggest``: the thresholds calibrate would choose on the router's audit rows
-  (``stratus.tools.calibrate.from_audits``) for ``--target-accuracy`` / ``--max-escalation``,
+* ``--suggest``: the thresholds calibrate would choose on the audit rows of the router and of
+  every router its ``--peers`` name, each read once (``stratus.tools.calibrate.from_audits``) for ``--target-accuracy`` / ``--max-escalation``,
   or the goal ``[calibration]`` recorded (``--models DIR`` reads it), and what they would change;
 * ``--apply device=0.9,edge=0.8`` (or ``--suggest --apply``): a new version on every router
   of the site at once (the router shares it with its ``--peers``), only over the version read
@@ -13,16 +13,20 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import datetime as dt
 import getpass
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import grpc
+
 from stratus.errors import ConfigError
-from stratus.serving.channels import NO_TLS, TlsSettings, open_sync_channel
+from stratus.serving.channels import NO_TLS, TlsSettings, open_sync_channel, server_name_options
+from stratus.serving.discovery import addresses_of, server_name_of
 from stratus.wire import fleet_pb2 as fpb
 from stratus.wire import fleet_pb2_grpc as fpb_grpc
 
@@ -109,15 +113,75 @@ def run_thresholds(router: str, asked: Asked, *, tls: TlsSettings = NO_TLS, toke
             fpb.ThresholdsRequest(family=asked.family, token=token, include_rows=asked.suggest),
             timeout=CALL_TIMEOUT_S,
         )
-        suggested = _suggestion(status, asked) if asked.suggest else None
+        site = site_rows(status, lambda address, name: _rows_of(address, name, asked.family, tls, token))
+        suggested = _suggestion(site.rows, asked) if asked.suggest else None
         changed = _change(stub, status, asked, suggested, token)
     shown = changed or status  # a change's reply carries no rows: the suggestion's count is kept
-    rows = len(status.rows)
+    read = site if asked.suggest else None
     if asked.as_json:
-        print(json.dumps(thresholds_json(shown, suggested, rows=rows), indent=2))
+        print(json.dumps(thresholds_json(shown, suggested, site=read), indent=2))
     else:
-        print(thresholds_table(shown, suggested, rows=rows))
+        print(thresholds_table(shown, suggested, site=read))
     return 0
+
+
+# Routers a suggestion reads the rows of, at most: a site's, through each one's --peers.
+MAX_SITE_ROUTERS = 64
+
+
+@dataclass
+class SiteRows:
+    """Every router's audit rows a suggestion is chosen on, and whom they came from."""
+
+    rows: list[fpb.AuditRow]
+    routers: list[str]  # the router ids read, the asked one first
+    unreachable: list[str]  # "address: why", for each peer that did not answer
+
+
+Fetch = Callable[[str, str | None], fpb.ThresholdsReply]
+
+
+def site_rows(first: fpb.ThresholdsReply, fetch: Fetch) -> SiteRows:
+    """``first``'s rows and those of every router its ``--peers`` name, theirs in turn, each
+    router once (by id: a router's own address in a peer list is not read twice). Each
+    router audits only the traffic it routes, so one router's rows are one share of the site's."""
+    site = SiteRows(rows=list(first.rows), routers=[first.router_id or "?"], unreachable=[])
+    seen, specs, asked = {first.router_id}, [first.peers], set[str]()
+    while specs and len(site.routers) < MAX_SITE_ROUTERS:
+        spec = specs.pop(0)
+        for address in _addresses(spec, site):
+            if address in asked:
+                continue
+            asked.add(address)
+            try:
+                reply = fetch(address, server_name_of(spec))
+            except grpc.RpcError as exc:
+                site.unreachable.append(f"{address}: {exc.code().name}: {exc.details()}")
+                continue
+            if reply.router_id in seen:
+                continue
+            seen.add(reply.router_id)
+            site.rows.extend(reply.rows)
+            site.routers.append(reply.router_id)
+            specs.append(reply.peers)
+    return site
+
+
+def _addresses(spec: str, site: SiteRows) -> list[str]:
+    if not spec:
+        return []
+    try:
+        return asyncio.run(addresses_of(spec))
+    except OSError as exc:
+        site.unreachable.append(f"{spec}: does not resolve: {exc}")
+        return []
+
+
+def _rows_of(address: str, name: str | None, family: str, tls: TlsSettings, token: str) -> fpb.ThresholdsReply:
+    with open_sync_channel(address, tls, server_name_options(name, tls)) as channel:
+        request = fpb.ThresholdsRequest(family=family, token=token, include_rows=True)
+        reply: fpb.ThresholdsReply = fpb_grpc.FleetStub(channel).Thresholds(request, timeout=CALL_TIMEOUT_S)
+    return reply
 
 
 def _change(
@@ -145,11 +209,11 @@ def _change(
     return reply
 
 
-def _suggestion(status: fpb.ThresholdsReply, asked: Asked) -> dict[str, float]:
+def _suggestion(rows: list[fpb.AuditRow], asked: Asked) -> dict[str, float]:
     from stratus.tools.calibrate.from_audits import suggest
 
     target, share = _goal(asked)
-    chosen = suggest(list(status.rows), target_accuracy=target, max_escalation=share)
+    chosen = suggest(rows, target_accuracy=target, max_escalation=share)
     return {tier.label: value for tier, value in chosen.thresholds.items()}
 
 
@@ -171,20 +235,29 @@ def _goal(asked: Asked) -> tuple[float | None, float | None]:
     return goal_of(record.goal)
 
 
+def _routers(ids: list[str]) -> str:
+    if len(ids) <= 1:
+        return "this router"
+    return f"{len(ids)} routers: {', '.join(ids)}"
+
+
 def _when(unix: float) -> str:
     return dt.datetime.fromtimestamp(unix, dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ") if unix else "-"
 
 
 def thresholds_json(
-    reply: fpb.ThresholdsReply, suggested: Mapping[str, float] | None = None, *, rows: int | None = None
+    reply: fpb.ThresholdsReply, suggested: Mapping[str, float] | None = None, *, site: SiteRows | None = None
 ) -> dict[str, Any]:
-    """``rows``: the audit rows the suggestion was chosen on (default: those in ``reply``)."""
+    """``site``: the rows the suggestion was chosen on, and whose (default: ``reply``'s)."""
+    read = site or SiteRows(rows=list(reply.rows), routers=[reply.router_id] if reply.router_id else [], unreachable=[])
     return {
         "family": reply.family,
         "in_force": dict(reply.in_force),
         "agents": dict(reply.agents),
         "suggested": dict(suggested) if suggested is not None else None,
-        "audit_rows": len(reply.rows) if rows is None else rows,
+        "audit_rows": len(read.rows),
+        "routers": read.routers,
+        "unreachable": read.unreachable,
         "message": reply.message,
         "history": [
             {
@@ -197,9 +270,9 @@ def thresholds_json(
 
 
 def thresholds_table(
-    reply: fpb.ThresholdsReply, suggested: Mapping[str, float] | None = None, *, rows: int | None = None
+    reply: fpb.ThresholdsReply, suggested: Mapping[str, float] | None = None, *, site: SiteRows | None = None
 ) -> str:
-    found = thresholds_json(reply, suggested, rows=rows)
+    found = thresholds_json(reply, suggested, site=site)
     current = found["history"][-1]["version"] if found["history"] else 0
     lines = [
         f"{found['family']}: "
@@ -214,7 +287,8 @@ def thresholds_table(
             line += f"{_value(suggested.get(tier)):>11}  {_change_word(found['in_force'].get(tier), suggested.get(tier))}"
         lines.append(line)
     if suggested is not None:
-        lines.append(f"(suggested on {found['audit_rows']} audit rows of this router)")
+        lines.append(f"(suggested on {found['audit_rows']} audit rows of {_routers(found['routers'])})")
+        lines += [f"(peer not read: {problem})" for problem in found["unreachable"]]
     if found["history"]:
         lines += ["", "versions, the last in force:"]
         lines += [

@@ -164,8 +164,11 @@ def server_name_options(name: str | None, tls: TlsSettings) -> list[tuple[str, A
     return [("grpc.ssl_target_name_override", name)] if name and tls.enabled else []
 
 
-def open_sync_channel(address: str, tls: TlsSettings = NO_TLS) -> grpc.Channel:
+def open_sync_channel(
+    address: str, tls: TlsSettings = NO_TLS, extra_options: Sequence[tuple[str, Any]] = ()
+) -> grpc.Channel:
     """A blocking channel (CLI, SDK's synchronous path)."""
+    options = [*grpc_options(), *extra_options]
     if tls.enabled:
-        return grpc.secure_channel(address, tls.channel_credentials(), options=grpc_options())
-    return grpc.insecure_channel(address, options=grpc_options())
+        return grpc.secure_channel(address, tls.channel_credentials(), options=options)
+    return grpc.insecure_channel(address, options=options)

@@ -2207,8 +2207,16 @@ class ThresholdsReply(_message.Message):
     AGENTS_FIELD_NUMBER: _builtins.int
     MESSAGE_FIELD_NUMBER: _builtins.int
     ROWS_FIELD_NUMBER: _builtins.int
+    ROUTER_ID_FIELD_NUMBER: _builtins.int
+    PEERS_FIELD_NUMBER: _builtins.int
     family: _builtins.str
     message: _builtins.str
+    router_id: _builtins.str
+    """With include_rows: who answered (its router id), and its --peers as given
+    ("host:port,..." or "dns:NAME:PORT"), so a suggestion can read every router's rows of the
+    site: each router audits only the traffic it routes.
+    """
+    peers: _builtins.str
     @_builtins.property
     def history(self) -> _containers.RepeatedCompositeFieldContainer[Global___ThresholdVersion]:
         """Oldest first; the last is the version in force. Empty: never pushed."""
@@ -2232,10 +2240,12 @@ class ThresholdsReply(_message.Message):
         agents: _abc.Mapping[_builtins.str, _builtins.float] | None = ...,
         message: _builtins.str = ...,
         rows: _abc.Iterable[Global___AuditRow] | None = ...,
+        router_id: _builtins.str = ...,
+        peers: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agents", b"agents", "family", b"family", "history", b"history", "in_force", b"in_force", "message", b"message", "rows", b"rows"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agents", b"agents", "family", b"family", "history", b"history", "in_force", b"in_force", "message", b"message", "peers", b"peers", "router_id", b"router_id", "rows", b"rows"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

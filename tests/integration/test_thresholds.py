@@ -126,7 +126,7 @@ def test_a_push_reaches_both_routers_changes_the_answers_survives_restarts_and_r
     ]
 
 
-def test_a_suggestion_from_real_audits_is_pushed_and_a_recalibrated_agent_then_joins(  # type: ignore[no-untyped-def]
+def test_a_suggestion_from_every_routers_real_audits_is_pushed_and_a_recalibrated_agent_then_joins(  # type: ignore[no-untyped-def]
     cluster: Cluster, tmp_path: Path, digits
 ) -> None:
     from stratus.tools.calibrate.from_audits import suggest
@@ -134,41 +134,48 @@ def test_a_suggestion_from_real_audits_is_pushed_and_a_recalibrated_agent_then_j
     from .variants import copy_digits
 
     cloud = cluster.cloud().address
-    router = cluster.router("--cloud", cloud, "--audit-share", "1", "--audit-max-per-s", "10000").address
-    cluster.agent("device-1", router)
-    cluster.agent("edge-1", router, tier="edge")
-    wait_until(lambda: ready_count(router) == 2, timeout_s=90)
+    router, peer = (f"127.0.0.1:{port}" for port in _free_ports(2))
+    audited = ("--cloud", cloud, "--audit-share", "1", "--audit-max-per-s", "10000")
+    cluster.router(*audited, "--peers", f"{router},{peer}", role="router-a", listen=router)
+    cluster.router(*audited, "--peers", router, role="router-b", listen=peer)
+    cluster.agent("device-1", f"{router},{peer}")
+    cluster.agent("edge-1", f"{router},{peer}", tier="edge")
+    wait_until(lambda: ready_count(router) == 2 and ready_count(peer) == 2, timeout_s=90)
 
-    def rows() -> list[fpb.AuditRow]:
-        return list(status_with_rows(router).rows)
+    def rows(at: str = router) -> list[fpb.AuditRow]:
+        return list(status_with_rows(at).rows)
 
     x = digits.held_out.x
-    for batch in range(60):  # audits that find no free slot are dropped: send until 200 rows are kept
+    for batch in range(60):  # audits that find no free slot are dropped: send until enough rows are kept
         start = (batch * 20) % (len(x) - 20)
-        infer(router, x[start : start + 20])
-        if batch % 5 == 4 and len(rows()) >= 200:
+        infer(router if batch % 3 else peer, x[start : start + 20])  # a third of the traffic to the peer
+        if batch % 5 == 4 and len(rows()) >= 200 and len(rows(peer)) >= 50:
             break
-    wait_until(lambda: len(rows()) >= 200, timeout_s=30)
-    counts = [len(rows())]
+    wait_until(lambda: len(rows()) >= 200 and len(rows(peer)) >= 50, timeout_s=30)
+    counts = [len(rows()) + len(rows(peer))]
 
     def steady() -> bool:  # the audits still queued have finished: the rows no longer change
-        counts.append(len(rows()))
+        counts.append(len(rows()) + len(rows(peer)))
         return counts[-1] == counts[-2]
 
     wait_until(steady, timeout_s=30, interval_s=1.0)
-    assert {r.top_tier for r in rows()} == {"cloud"}
-    assert all([a.tier for a in r.tiers] == ["device", "edge"] for r in rows())  # the edge asked too
+    site = rows() + rows(peer)  # each router audits only what it routed
+    assert {r.top_tier for r in site} == {"cloud"}
+    assert all([a.tier for a in r.tiers] == ["device", "edge"] for r in site)  # the edge asked too
 
     shown = cli(router, "--suggest", "--target-accuracy", "0.97")
     assert "suggested" in shown and "audit rows" in shown and version(router) == 0, shown
-    expected = suggest(rows(), target_accuracy=0.97).thresholds
+    expected = suggest(site, target_accuracy=0.97).thresholds
     applied = cli(router, "--suggest", "--apply", "--target-accuracy", "0.97")
-    assert f"(suggested on {len(rows())} audit rows of this router)" in applied, applied  # not 0
+    ids = [status_with_rows(at).router_id for at in (router, peer)]
+    assert f"(suggested on {len(site)} audit rows of 2 routers: {', '.join(ids)})" in applied, applied
+    assert "peer not read" not in applied, applied
     pushed = status(router)
     assert pushed.history[-1].reason == "suggested from the audits"
     assert {t: v for t, v in pushed.in_force.items() if t in ("device", "edge")} == {
         tier.label: value for tier, value in expected.items()
     }
+    wait_until(lambda: version(peer) == 1, timeout_s=10)  # the push reached the peer too
 
     recalibrated = copy_digits(tmp_path / "recalibrated")
     toml = recalibrated / "digits" / "family.toml"

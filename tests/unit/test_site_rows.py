@@ -1,0 +1,67 @@
+"""`fleet thresholds --suggest` reads every router's audit rows of a site, each router once."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from stratus.cli.thresholds import site_rows, thresholds_table
+from stratus.wire import fleet_pb2 as fpb
+
+
+def reply(router_id: str, rows: int, peers: str = "") -> fpb.ThresholdsReply:
+    return fpb.ThresholdsReply(
+        family="digits",
+        router_id=router_id,
+        peers=peers,
+        rows=[fpb.AuditRow(top_tier="cloud", label=index) for index in range(rows)],
+    )
+
+
+class Down(grpc.RpcError):
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.UNAVAILABLE
+
+    def details(self) -> str:
+        return "connection refused"
+
+
+def test_the_peers_of_peers_are_read_once_each_by_router_id() -> None:
+    site = {  # a lists itself and b; b lists a and c; c lists nobody
+        "127.0.0.1:1": reply("a", 3, "127.0.0.1:1,127.0.0.1:2"),
+        "127.0.0.1:2": reply("b", 5, "127.0.0.1:1,127.0.0.1:3"),
+        "127.0.0.1:3": reply("c", 7),
+    }
+    asked: list[str] = []
+
+    def fetch(address: str, name: str | None) -> fpb.ThresholdsReply:
+        asked.append(address)
+        return site[address]
+
+    read = site_rows(site["127.0.0.1:1"], fetch)
+    assert read.routers == ["a", "b", "c"] and len(read.rows) == 3 + 5 + 7
+    assert asked == ["127.0.0.1:1", "127.0.0.1:2", "127.0.0.1:3"]  # each address dialled once
+    assert read.unreachable == []
+
+
+def test_a_peer_that_does_not_answer_is_named_and_the_rest_are_read() -> None:
+    def fetch(address: str, name: str | None) -> fpb.ThresholdsReply:
+        if address.endswith(":2"):
+            raise Down()
+        return reply("c", 4)
+
+    read = site_rows(reply("a", 2, "127.0.0.1:2,127.0.0.1:3"), fetch)
+    assert read.routers == ["a", "c"] and len(read.rows) == 6
+    assert read.unreachable == ["127.0.0.1:2: UNAVAILABLE: connection refused"]
+    shown = thresholds_table(reply("a", 2), {"device": 0.9}, site=read)
+    assert "(suggested on 6 audit rows of 2 routers: a, c)" in shown
+    assert "(peer not read: 127.0.0.1:2: UNAVAILABLE: connection refused)" in shown
+
+
+def test_a_router_without_peers_is_read_alone() -> None:
+    def fetch(address: str, name: str | None) -> fpb.ThresholdsReply:
+        pytest.fail(f"nothing to dial, yet {address} was")
+
+    read = site_rows(reply("a", 9), fetch)
+    assert (read.routers, len(read.rows)) == (["a"], 9)
+    assert "(suggested on 9 audit rows of this router)" in thresholds_table(reply("a", 9), {"device": 0.9}, site=read)
