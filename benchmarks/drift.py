@@ -38,8 +38,13 @@ defects-large instead.) Then:
    the large model"), then the shifted images through the cascade and pinned to
    ``defects-large``: accuracy and cloud share before and after the push.
 
-The retraining loop (capture -> fine-tune -> rollout) is not run here: ``defects``' CNNs train
-for many minutes on a 2-core machine; the capture folder's contents are reported instead.
+6. the retraining loop, on 2000 fresh shifted images no process has served (so none was
+   captured or trained on): the cascade with the current device model; then
+   ``scripts/finetune_defects.py`` retrains defects-small's recipe on the bundled fit split and
+   up to ``--retrain-items`` captured images (labels: defects-large's answers), ``stratus models
+   import`` adds it as ``defects-small-v2`` to the fleet's copy of the family, the device agents
+   reload, and ``stratus fleet rollout`` sends it all their traffic and promotes it; then the
+   cascade again, and defects-large alone: accuracy and cloud share before and after.
 
     python benchmarks/drift.py                                  # the issue's size: 100 req/s, 5 min
     python benchmarks/drift.py --minutes 3 --eval-items 600 --target-accuracy 0.99   # ~6 min, 2 cores
@@ -52,6 +57,7 @@ import asyncio
 import contextlib
 import json
 import math
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -80,7 +86,7 @@ from stratus.convert.parameters import Served  # noqa: E402
 from stratus.devtools.launcher import Launched, free_port, launch  # noqa: E402
 from stratus.families.confidence import tempered  # noqa: E402
 from stratus.serving.channels import grpc_options  # noqa: E402
-from stratus.tools.datasets import Split, defects_splits  # noqa: E402
+from stratus.tools.datasets import Split, defect_images, defects_splits  # noqa: E402
 from stratus.wire import inference_pb2 as pb  # noqa: E402
 from stratus.wire import inference_pb2_grpc as pb_grpc  # noqa: E402
 
@@ -164,6 +170,7 @@ class Fleet:
     audited: str  # the router under test: audits, capture, metrics
     metrics: str
     unaudited: str  # the same fleet through a router with audits off
+    models: Path  # the folder every process serves (a copy of the shipped family)
 
     def stop(self) -> None:
         for process in reversed(self.processes):
@@ -171,9 +178,10 @@ class Fleet:
 
 
 def defects_only(folder: Path) -> Path:
-    """A models folder with the shipped ``defects`` family only (nothing else loads)."""
+    """A models folder with a copy of the shipped ``defects`` family only (nothing else loads;
+    the retraining loop imports its candidate here, never into the repository)."""
     folder.mkdir()
-    (folder / FAMILY).symlink_to(MODELS / FAMILY)
+    shutil.copytree(MODELS / FAMILY, folder / FAMILY)
     return folder
 
 
@@ -197,7 +205,7 @@ def start(work: Path, audit_share: float, capture: Path) -> Fleet:
         processes.append(launch_agent(models, both, name, logs, tier=tier))
     for router in (audited.address, unaudited.address):
         wait_for_agents(router, 3)
-    return Fleet(processes, audited.address, metrics, unaudited.address)
+    return Fleet(processes, audited.address, metrics, unaudited.address, models)
 
 
 # --- open-loop traffic with every answer kept ---------------------------------------------------
@@ -480,14 +488,18 @@ def through(router: str, split: Split, model: str) -> PathReport:
     return asyncio.run(through_gateway(router, split, model=model, input_name=INPUT))
 
 
-def print_cascades(rows: list[tuple[str, PathReport]]) -> None:
-    print(f"{'path':<34}{'items':>7}{'device':>8}{'edge':>8}{'cloud':>8}{'accuracy':>10}")
+def print_table(rows: list[tuple[str, PathReport]]) -> None:
+    print(f"{'path':<38}{'items':>7}{'device':>8}{'edge':>8}{'cloud':>8}{'accuracy':>10}")
     for name, report in rows:
         tiers = report.tiers
         print(
-            f"{name:<34}{report.requests:>7}{tiers['device']:>8.1%}{tiers['edge']:>8.1%}{tiers['cloud']:>8.1%}"
+            f"{name:<38}{report.requests:>7}{tiers['device']:>8.1%}{tiers['edge']:>8.1%}{tiers['cloud']:>8.1%}"
             f"{report.accuracy:>10.4f}"
         )
+
+
+def print_cascades(rows: list[tuple[str, PathReport]]) -> None:
+    print_table(rows)
     if rows[-2][0] != "cascade, after the push":
         print("  no push was made: the cascade against defects-large is not judged  FAIL")
         return
@@ -504,6 +516,59 @@ def capture_summary(folder: Path) -> str:
     files = sorted(folder.rglob("*.parquet"))
     rows = sum(pq.ParquetFile(path).metadata.num_rows for path in files)
     return f"{len(files)} Parquet files, {rows} items (audited and escalated defects)"
+
+
+# --- the retraining loop: capture -> fine-tune -> import -> rollout -> the cascade again --------
+
+CANDIDATE = "defects-small-v2"
+DEVICE_AGENTS = ("device-1", "device-2")
+FRESH_SEED = 4404  # images no process has seen: the retrained model is judged on these
+
+
+def fresh_shifted(count: int) -> Split:
+    """Shifted images the fleet never served (so never captured, never trained on)."""
+    return shifted(defect_images(count, FRESH_SEED))
+
+
+def retrain(fleet: Fleet, capture: Path, work: Path, most: int) -> bool:
+    """Fine-tune the device model on what the audited router captured, import it beside the
+    current one, reload the device agents and roll it out to all of their traffic. Each step's
+    command is printed with its outcome; False where one failed (the rest is then skipped)."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from finetune_defects import finetune
+
+    candidate = work / f"{CANDIDATE}.onnx"
+    print(f"\n$ python scripts/finetune_defects.py --capture {capture.name} --out {candidate.name} --most {most}")
+    print(finetune(capture, candidate, most=most))
+    steps = [
+        ("models", "import", str(candidate), "--family", FAMILY, "--tier", "device", "--variant", CANDIDATE,
+         "--models", str(fleet.models)),
+        *[("fleet", "reload", agent, "--router", fleet.audited) for agent in DEVICE_AGENTS],
+        ("fleet", "rollout", FAMILY, "--tier", "device", "--candidate", CANDIDATE, "--steps", "100",
+         "--router", fleet.audited),
+        ("fleet", "rollout", FAMILY, "--tier", "device", "--promote", "--router", fleet.audited),
+    ]  # fmt: skip
+    for step in steps:
+        done = subprocess.run(
+            [sys.executable, "-m", "stratus.cli", *step], capture_output=True, text=True, timeout=300, check=False
+        )
+        shown = " ".join(Path(a).name if "/" in a else a for a in step)
+        last = (done.stdout + done.stderr).strip().splitlines()[-1:] or [""]
+        print(f"$ stratus {shown}  (exit {done.returncode})  {last[0][:160]}")
+        if done.returncode != 0:
+            return False
+    return True
+
+
+def retrain_loop(fleet: Fleet, capture: Path, work: Path, args: argparse.Namespace) -> None:
+    """The cascade on fresh shifted images before and after the retrained device model."""
+    fresh = fresh_shifted(args.eval_items)
+    print(f"\nretraining loop: {len(fresh)} fresh shifted images (seed {FRESH_SEED}), never served before")
+    rows = [("cascade, current device model", through(fleet.audited, fresh, FAMILY))]
+    if retrain(fleet, capture, work, args.retrain_items):
+        rows.append((f"cascade, {CANDIDATE} rolled out", through(fleet.audited, fresh, FAMILY)))
+    rows.append(("defects-large alone", through(fleet.audited, fresh, "defects-large")))
+    print_table(rows)
 
 
 # --- the run ------------------------------------------------------------------------------------
@@ -565,6 +630,8 @@ def main() -> None:
     parser.add_argument("--eval-items", type=int, default=2000, help="shifted images sent per cascade check")
     parser.add_argument("--cost-window-s", type=float, default=10.0)
     parser.add_argument("--cost-rounds", type=int, default=3)
+    parser.add_argument("--retrain-items", type=int, default=6000,
+                        help="captured images the device model is retrained on at most (0: no retraining loop)")  # fmt: skip
     args = parser.parse_args()
     began = time.monotonic()
     print(
@@ -589,12 +656,11 @@ def main() -> None:
             rows.append(("defects-large alone", through(fleet.audited, check, "defects-large")))
             print(f"\nthe shifted images (first {len(check)}) through the audited router")
             print_cascades(rows)
+            print(f"\ncapture: {capture_summary(capture)}")
+            if args.retrain_items > 0:
+                retrain_loop(fleet, capture, Path(work), args)
         finally:
             fleet.stop()
-        print(f"\ncapture: {capture_summary(capture)}")
-    print(
-        "retraining loop (capture -> fine-tune -> rollout): not run (defects' CNNs train for minutes on 2 cores)"
-    )
     print(f"wall time: {time.monotonic() - began:.0f} s")
 
 
