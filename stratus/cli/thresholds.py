@@ -118,10 +118,11 @@ def run_thresholds(router: str, asked: Asked, *, tls: TlsSettings = NO_TLS, toke
         changed = _change(stub, status, asked, suggested, token)
     shown = changed or status  # a change's reply carries no rows: the suggestion's count is kept
     read = site if asked.suggest else None
+    before = status if changed is not None else None  # a suggestion's change is from what it replaced
     if asked.as_json:
-        print(json.dumps(thresholds_json(shown, suggested, site=read), indent=2))
+        print(json.dumps(thresholds_json(shown, suggested, site=read, before=before), indent=2))
     else:
-        print(thresholds_table(shown, suggested, site=read))
+        print(thresholds_table(shown, suggested, site=read, before=before))
     return 0
 
 
@@ -246,13 +247,19 @@ def _when(unix: float) -> str:
 
 
 def thresholds_json(
-    reply: fpb.ThresholdsReply, suggested: Mapping[str, float] | None = None, *, site: SiteRows | None = None
+    reply: fpb.ThresholdsReply,
+    suggested: Mapping[str, float] | None = None,
+    *,
+    site: SiteRows | None = None,
+    before: fpb.ThresholdsReply | None = None,
 ) -> dict[str, Any]:
-    """``site``: the rows the suggestion was chosen on, and whose (default: ``reply``'s)."""
+    """``site``: the rows the suggestion was chosen on, and whose (default: ``reply``'s);
+    ``before``: what was in force before this command pushed (None: it pushed nothing)."""
     read = site or SiteRows(rows=list(reply.rows), routers=[reply.router_id] if reply.router_id else [], unreachable=[])
     return {
         "family": reply.family,
         "in_force": dict(reply.in_force),
+        "before_push": dict(before.in_force) if before is not None else None,
         "agents": dict(reply.agents),
         "suggested": dict(suggested) if suggested is not None else None,
         "audit_rows": len(read.rows),
@@ -270,21 +277,27 @@ def thresholds_json(
 
 
 def thresholds_table(
-    reply: fpb.ThresholdsReply, suggested: Mapping[str, float] | None = None, *, site: SiteRows | None = None
+    reply: fpb.ThresholdsReply,
+    suggested: Mapping[str, float] | None = None,
+    *,
+    site: SiteRows | None = None,
+    before: fpb.ThresholdsReply | None = None,
 ) -> str:
-    found = thresholds_json(reply, suggested, site=site)
+    found = thresholds_json(reply, suggested, site=site, before=before)
+    replaced = found["before_push"] if found["before_push"] is not None else found["in_force"]
     current = found["history"][-1]["version"] if found["history"] else 0
     lines = [
         f"{found['family']}: "
         + (f"pushed version {current} in force" if current else "its agents' thresholds")
     ]
     tiers = sorted({*found["in_force"], *found["agents"], *(suggested or {})}, key=_tier_rank)
-    header = f"{'tier':<8}{'agents':>9}{'in force':>10}" + (f"{'suggested':>11}  change" if suggested else "")
+    change = "change" if found["before_push"] is None else "change from before the push"
+    header = f"{'tier':<8}{'agents':>9}{'in force':>10}" + (f"{'suggested':>11}  {change}" if suggested else "")
     lines += ["", header]
     for tier in tiers:
         line = f"{tier:<8}{_value(found['agents'].get(tier)):>9}{_value(found['in_force'].get(tier)):>10}"
         if suggested is not None:
-            line += f"{_value(suggested.get(tier)):>11}  {_change_word(found['in_force'].get(tier), suggested.get(tier))}"
+            line += f"{_value(suggested.get(tier)):>11}  {_change_word(replaced.get(tier), suggested.get(tier))}"
         lines.append(line)
     if suggested is not None:
         lines.append(f"(suggested on {found['audit_rows']} audit rows of {_routers(found['routers'])})")

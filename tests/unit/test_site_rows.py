@@ -65,3 +65,16 @@ def test_a_router_without_peers_is_read_alone() -> None:
     read = site_rows(reply("a", 9), fetch)
     assert (read.routers, len(read.rows)) == (["a"], 9)
     assert "(suggested on 9 audit rows of this router)" in thresholds_table(reply("a", 9), {"device": 0.9}, site=read)
+
+
+def test_after_a_push_the_change_is_read_from_what_the_push_replaced() -> None:
+    """Once --suggest --apply has pushed, the thresholds in force are the suggestion's: each
+    tier's change is against the thresholds before the push, not "none"."""
+    before = fpb.ThresholdsReply(family="defects", in_force={"device": 0.9931, "edge": 0.9305})
+    after = fpb.ThresholdsReply(family="defects", in_force={"device": 1.0, "edge": 0.9305})
+    suggested = {"device": 1.0, "edge": 0.9305}
+    shown = thresholds_table(after, suggested, before=before)
+    assert "change from before the push" in shown
+    rows = {line.split()[0]: line for line in shown.splitlines() if line.startswith(("device", "edge"))}
+    assert rows["device"].endswith("more escalation") and rows["edge"].endswith("none")
+    assert thresholds_table(after, suggested).splitlines()[2].endswith("change")  # no push: against in force
