@@ -10,11 +10,12 @@ that sends none (an older gateway, mid rolling update).
 
 from __future__ import annotations
 
-from typing import Final, Protocol
+from typing import Final
 
 import grpc
 
 from stratus import errors
+from stratus.convert.inference import Addressed
 from stratus.errors import StratusError
 from stratus.wire import fleet_pb2 as fpb
 from stratus.wire import inference_pb2 as pb
@@ -100,15 +101,7 @@ def wire_error_label(error: fpb.Error) -> str:
     return status_for(error.code).name.lower()
 
 
-class _Addressed(Protocol):
-    @property
-    def model_name(self) -> str: ...
-
-    @property
-    def id(self) -> str: ...
-
-
-def stream_error(request: _Addressed, exc: BaseException) -> pb.ModelStreamInferResponse:
+def stream_error(request: Addressed, exc: BaseException) -> pb.ModelStreamInferResponse:
     """A streamed error keeps the request's id and model, so a multiplexing peer can match
     it; its code travels as a number, and its text as "CODE: text" for people to read."""
     code, message = status_of(exc)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from stratus.convert import codec
 from stratus.convert.parameters import (
@@ -33,18 +34,25 @@ from stratus.convert.tensors import (
 )
 from stratus.datatypes import Array, ParameterValue
 from stratus.errors import InvalidInput
-from stratus.families.generation import GenerationParams
+from stratus.families.generation import STREAM, GenerationParams
 from stratus.families.spec import TensorSpec
 from stratus.wire import inference_pb2 as pb
-
-# Triton's convention for a decoupled (streamed) request: this parameter, or a BOOL input.
-STREAM = "stream"
 
 # The longest prompt taken, in UTF-8 bytes: far more than any context here holds (a 128k-token
 # context is about 0.5 MiB of text), and far below what a link carries.
 MAX_PROMPT_BYTES = 1 << 20
 
 Parameters = Mapping[str, ParameterValue | None]  # None: a parameter sent with no value set
+
+
+class Addressed(Protocol):
+    """What an answer, or an error, is addressed by: the request's model and id."""
+
+    @property
+    def model_name(self) -> str: ...
+
+    @property
+    def id(self) -> str: ...
 
 
 @dataclass(frozen=True, eq=False)
@@ -183,14 +191,12 @@ class InferResult:
             set_parameter(response.parameters, key, value)
         return response
 
-    def reported_ms(self, key: str) -> float | None:
-        """A duration this result reports (``stratus.queue_ms``, ``stratus.compute_ms``)."""
-        return reported_value(self.parameters.get(key))
-
     @property
     def queue_ms(self) -> float | None:
-        return self.reported_ms(QUEUE_MS)
+        """The time this result reports waiting for a slot (``stratus.queue_ms``), if any."""
+        return reported_value(self.parameters.get(QUEUE_MS))
 
     @property
     def compute_ms(self) -> float | None:
-        return self.reported_ms(COMPUTE_MS)
+        """... and running (``stratus.compute_ms``)."""
+        return reported_value(self.parameters.get(COMPUTE_MS))

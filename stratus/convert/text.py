@@ -11,7 +11,7 @@ from typing import Protocol
 
 from stratus import datatypes
 from stratus.convert import codec
-from stratus.convert.inference import MAX_PROMPT_BYTES, InferRequest, InferResult, TextRequest
+from stratus.convert.inference import MAX_PROMPT_BYTES, Addressed, InferRequest, InferResult, TextRequest
 from stratus.convert.parameters import MODEL_VERSION, VARIANT, set_parameter
 from stratus.datatypes import ParameterValue
 from stratus.errors import InvalidInput
@@ -91,20 +91,14 @@ def _one_string(inputs: Mapping[str, datatypes.Array], name: str) -> bytes:
     return raw if isinstance(raw, bytes) else str(raw).encode("utf-8")
 
 
-class Addressed(Protocol):
-    """What an answer is addressed by: the request's model and id, and how it wants tensors."""
-
-    @property
-    def model_name(self) -> str: ...
-
-    @property
-    def id(self) -> str: ...
+class Answered(Addressed, Protocol):
+    """An addressed request that also says how it wants tensors back."""
 
     @property
     def raw(self) -> bool: ...
 
 
-def text_result(request: Addressed, text: str) -> InferResult:
+def text_result(request: Answered, text: str) -> InferResult:
     """``text_output`` in the form the client sent its input: raw bytes (as tritonclient
     does and expects back) or typed contents."""
     return InferResult(
@@ -152,7 +146,7 @@ def text_array(text: str) -> datatypes.Array:
     return np.array([text.encode("utf-8")], dtype=object)
 
 
-def chunk_result(request: Addressed, chunk: Chunk) -> InferResult:
+def chunk_result(request: Answered, chunk: Chunk) -> InferResult:
     """One streamed chunk as Triton's vLLM backend sends it: its text in ``text_output``,
     its tokens' log-probabilities (and the finish reason and token counts, on the last) as
     parameters."""
