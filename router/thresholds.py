@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -30,6 +29,7 @@ from typing import Any, Final, Protocol
 from router.audit_rows import Row
 from router.rollout import write_whole
 from stratus.errors import ConfigError, InvalidInput, NotFound
+from stratus.families.confidence import threshold_problem
 from stratus.families.description import FamilyDescription
 from stratus.obs.metrics import Metric, gauge
 from stratus.tiers import Tier
@@ -97,10 +97,11 @@ class Version:
 
 
 def check_thresholds(thresholds: Thresholds) -> None:
-    """Each value a share in [0, 1]: the cascade compares confidences with it."""
+    """Each value one the cascade can compare confidences with (``threshold_problem``)."""
     for tier, value in thresholds.items():
-        if not isinstance(tier, Tier) or not math.isfinite(value) or not 0.0 <= value <= 1.0:
-            raise InvalidInput(f"the {getattr(tier, 'label', tier)} threshold {value!r} is not in [0, 1]")
+        problem = threshold_problem(value) if isinstance(tier, Tier) else f"{value!r} names no tier"
+        if problem is not None:
+            raise InvalidInput(f"the {getattr(tier, 'label', tier)} threshold {problem}")
 
 
 def parse_thresholds(named: Mapping[str, float]) -> dict[Tier, float]:

@@ -17,7 +17,7 @@ import asyncio
 import datetime as dt
 import getpass
 import json
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -114,15 +114,15 @@ def run_thresholds(router: str, asked: Asked, *, tls: TlsSettings = NO_TLS, toke
             timeout=CALL_TIMEOUT_S,
         )
         site = site_rows(status, lambda address, name: _rows_of(address, name, asked.family, tls, token))
-        suggested = _suggestion(site.rows, asked) if asked.suggest else None
+        suggested, notes = _suggestion(site.rows, asked) if asked.suggest else (None, ())
         changed = _change(stub, status, asked, suggested, token)
     shown = changed or status  # a change's reply carries no rows: the suggestion's count is kept
     read = site if asked.suggest else None
     before = status if changed is not None else None  # a suggestion's change is from what it replaced
     if asked.as_json:
-        print(json.dumps(thresholds_json(shown, suggested, site=read, before=before), indent=2))
+        print(json.dumps(thresholds_json(shown, suggested, site=read, before=before, notes=notes), indent=2))
     else:
-        print(thresholds_table(shown, suggested, site=read, before=before))
+        print(thresholds_table(shown, suggested, site=read, before=before, notes=notes))
     return 0
 
 
@@ -210,12 +210,13 @@ def _change(
     return reply
 
 
-def _suggestion(rows: list[fpb.AuditRow], asked: Asked) -> dict[str, float]:
+def _suggestion(rows: list[fpb.AuditRow], asked: Asked) -> tuple[dict[str, float], tuple[str, ...]]:
+    """The suggested thresholds by tier name, and what the operator should know of them."""
     from stratus.tools.calibrate.from_audits import suggest
 
     target, share = _goal(asked)
     chosen = suggest(rows, target_accuracy=target, max_escalation=share)
-    return {tier.label: value for tier, value in chosen.thresholds.items()}
+    return {tier.label: value for tier, value in chosen.thresholds.items()}, chosen.notes
 
 
 def _goal(asked: Asked) -> tuple[float | None, float | None]:
@@ -252,9 +253,11 @@ def thresholds_json(
     *,
     site: SiteRows | None = None,
     before: fpb.ThresholdsReply | None = None,
+    notes: Sequence[str] = (),
 ) -> dict[str, Any]:
     """``site``: the rows the suggestion was chosen on, and whose (default: ``reply``'s);
-    ``before``: what was in force before this command pushed (None: it pushed nothing)."""
+    ``before``: what was in force before this command pushed (None: it pushed nothing);
+    ``notes``: what the suggestion says beside its thresholds."""
     read = site or SiteRows(rows=list(reply.rows), routers=[reply.router_id] if reply.router_id else [], unreachable=[])
     return {
         "family": reply.family,
@@ -262,6 +265,7 @@ def thresholds_json(
         "before_push": dict(before.in_force) if before is not None else None,
         "agents": dict(reply.agents),
         "suggested": dict(suggested) if suggested is not None else None,
+        "notes": list(notes),
         "audit_rows": len(read.rows),
         "routers": read.routers,
         "unreachable": read.unreachable,
@@ -282,8 +286,9 @@ def thresholds_table(
     *,
     site: SiteRows | None = None,
     before: fpb.ThresholdsReply | None = None,
+    notes: Sequence[str] = (),
 ) -> str:
-    found = thresholds_json(reply, suggested, site=site, before=before)
+    found = thresholds_json(reply, suggested, site=site, before=before, notes=notes)
     replaced = found["before_push"] if found["before_push"] is not None else found["in_force"]
     current = found["history"][-1]["version"] if found["history"] else 0
     lines = [
@@ -302,6 +307,7 @@ def thresholds_table(
     if suggested is not None:
         lines.append(f"(suggested on {found['audit_rows']} audit rows of {_routers(found['routers'])})")
         lines += [f"(peer not read: {problem})" for problem in found["unreachable"]]
+        lines += [f"note: {note}" for note in found["notes"]]
     if found["history"]:
         lines += ["", "versions, the last in force:"]
         lines += [

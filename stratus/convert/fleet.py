@@ -8,6 +8,7 @@ from typing import Protocol
 
 from stratus.errors import InvalidInput
 from stratus.families.audit import AuditSpec, TierCalibration
+from stratus.families.confidence import threshold_problem
 from stratus.families.description import FamilyDescription
 from stratus.families.generation import Chunk, GenerationMethod, Token
 from stratus.families.spec import GenerationSpec, TensorSpec
@@ -46,11 +47,17 @@ def tier_label(value: int, unknown: str = "unknown") -> str:
 
 def thresholds_from_wire(thresholds: Mapping[str, float], where: str) -> dict[Tier, float]:
     """FamilyInfo.thresholds, keyed on the wire by tier label, read once at the Hello that
-    brings them; a key that names no tier refuses the Hello, saying ``where``."""
+    brings them; a key that names no tier, or a value no cascade compares with (NaN), refuses
+    the Hello, saying ``where``."""
     try:
-        return {Tier.parse(name): value for name, value in thresholds.items()}
+        read = {Tier.parse(name): value for name, value in thresholds.items()}
     except InvalidInput as exc:
         raise InvalidInput(f"{where}: thresholds: {exc}") from None
+    for tier, value in read.items():
+        problem = threshold_problem(value)
+        if problem is not None:
+            raise InvalidInput(f"{where}: the {tier.label} threshold {problem}")
+    return read
 
 
 def thresholds_to_wire(thresholds: Mapping[Tier, float]) -> dict[str, float]:

@@ -132,6 +132,20 @@ def fit_temperature(
 # -- the accept rule: one for the router's cascades, its audits and the SDK --------------------
 
 
+# A threshold no confidence reaches (the smallest family.toml stores above 1): the tier answers
+# nothing and passes every request up. It is how a tier whose model is wrong *with full
+# confidence* (an INT8 softmax saturates at 1.0) is taken out of a family's cascade without
+# unloading it: it still answers, so audits keep measuring it and can bring it back.
+PASS_ALL: Final = 1.0001
+
+
+def threshold_problem(value: float) -> str | None:
+    """Why ``value`` cannot be a threshold (None: it can): a confidence in [0, 1], or PASS_ALL."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0.0 <= value <= PASS_ALL:
+        return f"{value!r} is not in [0, 1] (or {PASS_ALL}: the tier passes every request up)"
+    return None
+
+
 def threshold_for(tier: Tier, thresholds: Mapping[Tier, float], min_confidence: float | None) -> float | None:
     """The confidence an answer from ``tier`` needs to stop climbing: the request's
     ``min_confidence`` when it gave one, else the family's threshold for the tier; None

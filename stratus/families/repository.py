@@ -23,7 +23,7 @@ from typing import Any, Final
 from stratus import datatypes
 from stratus.errors import ConfigError, InvalidInput, NotFound
 from stratus.families.audit import parse_audit, parse_tier_accuracy
-from stratus.families.confidence import ConfidenceMethod
+from stratus.families.confidence import ConfidenceMethod, threshold_problem
 from stratus.families.generation import TEXT_INPUT, TEXT_OUTPUT, GenerationMethod
 from stratus.families.spec import (
     CalibrationRecord,
@@ -271,7 +271,11 @@ def _thresholds(reader: _Reader, data: Mapping[str, Any]) -> dict[Tier, float]:
     table = reader.get(data, "thresholds", dict, "", {})
     thresholds = {}
     for key in table:
-        thresholds[_tier(reader, key, f"thresholds.{key}")] = _fraction(reader, table, key, "thresholds")
+        value = reader.get(table, key, float, "thresholds")
+        problem = threshold_problem(value)
+        if problem is not None:
+            raise reader.fail(f"thresholds.{key}", problem)
+        thresholds[_tier(reader, key, f"thresholds.{key}")] = value
     return thresholds
 
 

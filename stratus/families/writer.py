@@ -8,6 +8,7 @@ import re
 from collections.abc import Mapping
 from pathlib import Path
 
+from stratus.families.confidence import PASS_ALL
 from stratus.families.repository import load_family_text_check
 from stratus.families.spec import CalibrationRecord
 from stratus.tiers import Tier
@@ -20,7 +21,7 @@ def write_thresholds(
     that says what they gave (dropped when ``calibration`` is None: it would describe other
     thresholds), keeping the rest of the file."""
     text = _without_table(path.read_text(encoding="utf-8"), "calibration")
-    body = "".join(f"{tier.label} = {value:.4f}\n" for tier, value in sorted(thresholds.items()))
+    body = "".join(_threshold_line(tier, value) for tier, value in sorted(thresholds.items()))
     if calibration is not None:
         body += "\n" + _calibration_table(calibration)
     section = re.compile(r"^\[thresholds\]\n(?:(?!\[).*\n?)*", re.MULTILINE)
@@ -30,6 +31,12 @@ def write_thresholds(
         text = text.rstrip("\n") + "\n\n[thresholds]\n" + body
     load_family_text_check(path, text)
     path.write_text(text, encoding="utf-8")
+
+
+def _threshold_line(tier: Tier, value: float) -> str:
+    """``device = 0.9312``; a ``PASS_ALL`` threshold says what it does, for whoever reads the file."""
+    said = f"  # above 1: the {tier.label} tier answers nothing, every request passes it up" if value >= PASS_ALL else ""
+    return f"{tier.label} = {value:.4f}{said}\n"
 
 
 def _calibration_table(record: CalibrationRecord) -> str:

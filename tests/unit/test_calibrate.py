@@ -7,6 +7,7 @@ import pytest
 
 from stratus.errors import ConfigError
 from stratus.families.confidence import (
+    PASS_ALL,
     ConfidenceMethod,
     confidence,
     margin,
@@ -112,5 +113,9 @@ def test_candidate_thresholds_are_what_family_toml_can_store() -> None:
     assert all(float(f"{t:.4f}") == t for t in candidates)
     assert candidates[0] == 0.0 and candidates[-1] > values.max()
     assert len(candidates) > 50
+    below_one = candidate_thresholds(np.array([0.2, 0.99999]))
+    assert max(below_one) == 1.0  # just above 0.99999, as family.toml stores it
     saturated = candidate_thresholds(np.array([0.2, 0.99999, 1.0]))
-    assert max(saturated) == 1.0  # never above 1: family.toml refuses that
+    assert max(saturated) == PASS_ALL  # the one threshold a confidence of 1.0 does not reach
+    assert cascade([TierScores(Tier.DEVICE, "d", np.array([1.0]), np.array([False])),
+                    TierScores(Tier.CLOUD, "c", np.array([1.0]), np.array([True]))], (PASS_ALL,)).accuracy == 1.0

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from stratus.errors import ConfigError, InvalidInput, NotFound
+from stratus.families.confidence import PASS_ALL
 from stratus.families.repository import ModelRepository, load_family
 from stratus.families.spec import CalibrationRecord
 from stratus.families.writer import write_thresholds
@@ -84,7 +85,7 @@ def family_copy(tmp_path: Path, models_dir: Path) -> Path:
             "[thresholds]\ndevice = ",
             "[thresholds]\ndevice = 1.5 # ",
             "thresholds.device",
-            "must lie between 0 and 1",
+            "is not in [0, 1] (or 1.0001: the tier passes every request up)",
         ),
         (
             "[thresholds]\ndevice = ",
@@ -174,6 +175,14 @@ def test_invalid_toml_is_refused_with_the_file_name(family_copy: Path) -> None:
     family_copy.write_text("[family\nname = ")
     with pytest.raises(ConfigError, match="not valid TOML"):
         load_family(family_copy)
+
+
+def test_a_pass_all_threshold_is_written_and_read_back(family_copy: Path) -> None:
+    write_thresholds(family_copy, {Tier.DEVICE: PASS_ALL, Tier.EDGE: 0.5})
+    assert load_family(family_copy).thresholds == {Tier.DEVICE: PASS_ALL, Tier.EDGE: 0.5}
+    written = family_copy.read_text().splitlines()
+    assert "device = 1.0001  # above 1: the device tier answers nothing, every request passes it up" in written
+    assert "edge = 0.5000" in written
 
 
 def test_write_thresholds_replaces_only_the_table(family_copy: Path) -> None:

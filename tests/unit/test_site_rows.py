@@ -5,7 +5,7 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from stratus.cli.thresholds import site_rows, thresholds_table
+from stratus.cli.thresholds import site_rows, thresholds_json, thresholds_table
 from stratus.wire import fleet_pb2 as fpb
 
 
@@ -78,3 +78,12 @@ def test_after_a_push_the_change_is_read_from_what_the_push_replaced() -> None:
     rows = {line.split()[0]: line for line in shown.splitlines() if line.startswith(("device", "edge"))}
     assert rows["device"].endswith("more escalation") and rows["edge"].endswith("none")
     assert thresholds_table(after, suggested).splitlines()[2].endswith("change")  # no push: against in force
+
+
+def test_a_suggestion_s_notes_are_shown_and_carried_in_json() -> None:
+    shown = fpb.ThresholdsReply(family="defects", in_force={"device": 0.99})
+    note = "the device tier passes every request up (1.0001): 3 of its 200 audited answers disagreed"
+    table = thresholds_table(shown, {"device": 1.0001}, notes=(note,))
+    assert f"note: {note}" in table.splitlines()
+    assert thresholds_json(shown, {"device": 1.0001}, notes=(note,))["notes"] == [note]
+    assert thresholds_json(shown)["notes"] == []

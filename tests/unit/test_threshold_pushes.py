@@ -22,6 +22,7 @@ from router.thresholds import (
     to_wire,
 )
 from stratus.errors import ConfigError, InvalidInput, NotFound
+from stratus.families.confidence import PASS_ALL
 from stratus.tiers import Tier
 from stratus.wire import fleet_pb2 as fpb
 from tests.unit.test_index import hello
@@ -64,11 +65,17 @@ def test_a_stale_expected_version_is_refused() -> None:
 
 
 @pytest.mark.parametrize(
-    "named", [{"device": 1.5}, {"device": -0.1}, {"device": float("nan")}, {"moon": 0.5}]
+    "named", [{"device": 1.5}, {"device": 1.0002}, {"device": -0.1}, {"device": float("nan")}, {"moon": 0.5}]
 )
 def test_thresholds_outside_zero_to_one_or_of_no_tier_are_refused(named: dict[str, float]) -> None:
     with pytest.raises(InvalidInput):
         pushable(named)
+
+
+def test_a_tier_can_be_pushed_to_pass_every_request_up() -> None:
+    assert pushable({"device": PASS_ALL}) == {DEVICE: PASS_ALL}
+    with pytest.raises(InvalidInput, match=r"is not in \[0, 1\] \(or 1.0001: the tier passes every request up\)"):
+        pushable({"device": 1.5})
 
 
 def test_the_cloud_threshold_is_not_pushed() -> None:

@@ -43,7 +43,7 @@ import numpy.typing as npt
 from stratus.datatypes import Array
 from stratus.errors import ConfigError
 from stratus.families.audit import TierCalibration
-from stratus.families.confidence import ConfidenceMethod, confidence
+from stratus.families.confidence import PASS_ALL, ConfidenceMethod, confidence
 from stratus.families.spec import CalibrationRecord, FamilySpec, VariantSpec
 from stratus.families.writer import write_thresholds
 from stratus.runtimes import LoadOptions, load_runner
@@ -98,7 +98,8 @@ def cascade(scores: Sequence[TierScores], thresholds: Sequence[float]) -> Outcom
 
 def candidate_thresholds(values: Floats, count: int = 60) -> list[float]:
     """Thresholds worth trying: 0, quantiles of the observed confidences, and the smallest
-    value above the max (at most 1), all with ``THRESHOLD_DECIMALS`` decimals."""
+    value above the max (``PASS_ALL`` above a confidence of 1.0: the tier then answers
+    nothing), all with ``THRESHOLD_DECIMALS`` decimals."""
     quantiles = np.quantile(values, np.linspace(0.0, 1.0, count))
     return sorted({0.0, *(_written(float(q)) for q in quantiles), _just_above(float(values.max()))})
 
@@ -111,12 +112,12 @@ def _written(value: float) -> float:
 
 
 def _just_above(value: float) -> float:
-    """The smallest storable threshold above ``value``; 1.0 when none is (a confidence of
-    1.0 is always accepted)."""
+    """The smallest storable threshold above ``value``: every answer of the tier escalates.
+    Above a confidence of 1.0 (a saturated softmax) that is ``PASS_ALL``."""
     threshold = _written(value)
-    while threshold <= value and threshold < 1.0:
+    while threshold <= value:
         threshold = round(threshold + 10.0**-THRESHOLD_DECIMALS, THRESHOLD_DECIMALS)
-    return min(threshold, 1.0)
+    return min(threshold, PASS_ALL)
 
 
 def for_target_accuracy(scores: Sequence[TierScores], target: float) -> tuple[float, ...]:

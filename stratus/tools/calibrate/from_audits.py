@@ -8,6 +8,11 @@ answer, so the top tier is right on every row, and its confidence of agreeing wi
 ``for_target_accuracy`` or ``for_max_escalation`` on them unchanged: the accuracy it targets is
 agreement with the top tier, which is what the audits measure and what ``[tier_accuracy]``
 records as ``agreement``.
+
+Any agreement up to 1 is within reach: with every lower tier at ``PASS_ALL`` all rows go to the
+top tier. A tier whose answers the top tier contradicts at a confidence of 1.0 can only be
+held to the goal that way, and the suggestion says so (``Suggestion.notes``): thresholds cannot
+undo such errors, retraining can.
 """
 
 from __future__ import annotations
@@ -19,11 +24,11 @@ from typing import Final
 import numpy as np
 
 from stratus.errors import ConfigError
+from stratus.families.confidence import PASS_ALL
 from stratus.tiers import Tier
 from stratus.tools.calibrate.classifier import (
     Outcome,
     TierScores,
-    candidate_thresholds,
     cascade,
     for_max_escalation,
     for_target_accuracy,
@@ -41,6 +46,7 @@ class Suggestion:
     rows: int
     outcome: Outcome  # on the rows, with the suggested thresholds
     tiers: tuple[Tier, ...]  # bottom first, as ``outcome.reached``
+    notes: tuple[str, ...] = ()  # what an operator should know beside the thresholds
 
 
 def audit_scores(rows: Sequence[fpb.AuditRow], *, min_rows: int = MIN_ROWS) -> list[TierScores]:
@@ -87,10 +93,7 @@ def suggest(
         raise ConfigError("give exactly one goal: --target-accuracy or --max-escalation")
     scores = audit_scores(rows, min_rows=min_rows)
     if target_accuracy is not None:
-        try:
-            chosen = for_target_accuracy(scores, target_accuracy)
-        except ConfigError:
-            raise ConfigError(_out_of_reach(scores, target_accuracy)) from None
+        chosen = for_target_accuracy(scores, target_accuracy)  # agreement 1 is in reach: all to the top
         goal = f"target_accuracy {target_accuracy:g}"
     else:
         share = float(max_escalation or 0.0)
@@ -101,27 +104,26 @@ def suggest(
         rows=len(scores[0].correct),
         outcome=cascade(scores, chosen),
         tiers=tuple(s.tier for s in scores),
+        notes=_passed_notes(scores, chosen),
     )
 
 
-def _out_of_reach(scores: Sequence[TierScores], target: float) -> str:
-    """Why no thresholds reach ``target``: the most escalation can give, and the answers no
-    threshold sends up (a confidence of 1.0 is always accepted)."""
-    highest = tuple(candidate_thresholds(s.confidence)[-1] for s in scores[:-1])
-    best = cascade(scores, highest)
+def _passed_notes(scores: Sequence[TierScores], chosen: Sequence[float]) -> tuple[str, ...]:
+    """Why a tier is suggested at ``PASS_ALL``: its answers the top tier contradicts at a
+    confidence of 1.0, which no threshold up to 1 sends up. Those are for retraining."""
     top = scores[-1].tier.label
-    stuck = [
-        f"the {s.tier.label} tier answered {int(np.sum((s.confidence >= t) & ~s.correct))} unlike the {top} tier "
-        f"with a confidence no threshold sends up"
-        for s, t in zip(scores, highest, strict=False)
-        if np.any((s.confidence >= t) & ~s.correct)
-    ]
-    why = f": {'; '.join(stuck)}" if stuck else ""
-    return (
-        f"no thresholds reach agreement {target:.4f} with the {top} tier on these {len(scores[0].correct)} "
-        f"audit rows; the most escalating gives is {best.accuracy:.4f}{why}. Errors made with full "
-        "confidence are for retraining (capture and retrain, in the README), not thresholds"
-    )
+    notes = []
+    for tier, threshold in zip(scores, chosen, strict=False):
+        if threshold < PASS_ALL:
+            continue
+        sure = int(np.sum((tier.confidence >= 1.0) & ~tier.correct))
+        notes.append(
+            f"the {tier.tier.label} tier passes every request up ({PASS_ALL}): {sure} of its "
+            f"{len(tier.correct)} audited answers disagreed with the {top} tier at full confidence, "
+            "which no threshold up to 1 sends up. Retrain it on captured items (README: capture and "
+            "retrain), roll it out, then --revert or suggest again"
+        )
+    return tuple(notes)
 
 
 def goal_of(recorded: str) -> tuple[float | None, float | None]:

@@ -68,6 +68,12 @@ def test_a_threshold_for_no_tier_says_where_it_came_from() -> None:
         thresholds_from_wire({"edge": 0.5, "sky": 0.5}, "Hello from a1")
 
 
+@pytest.mark.parametrize("value", [float("nan"), -0.5, 1.5])
+def test_a_threshold_no_cascade_compares_with_refuses_the_hello(value: float) -> None:
+    with pytest.raises(InvalidInput, match=r"^Hello from a1: the device threshold .* is not in \[0, 1\]"):
+        thresholds_from_wire({"device": value}, "Hello from a1")
+
+
 def test_a_chunk_crosses_with_its_text_log_probabilities_and_margins() -> None:
     chunk = Chunk(
         tokens=(Token(text="4", logprob=-0.1, margin=2.5), Token(text="2", logprob=-0.3, margin=None))
