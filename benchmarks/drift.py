@@ -44,7 +44,8 @@ defects-large instead.) Then:
    up to ``--retrain-items`` captured images (labels: defects-large's answers), ``stratus models
    import`` adds it as ``defects-small-v2`` to the fleet's copy of the family, the device agents
    reload, and ``stratus fleet rollout`` sends it all their traffic and promotes it; then the
-   cascade again, and defects-large alone: accuracy and cloud share before and after.
+   cascade again (with the push in force, then after ``--revert``), and defects-large alone:
+   accuracy and cloud share before and after.
 
     python benchmarks/drift.py                                  # the issue's size: 100 req/s, 5 min
     python benchmarks/drift.py --minutes 3 --eval-items 600 --target-accuracy 0.99   # ~6 min, 2 cores
@@ -560,15 +561,26 @@ def retrain(fleet: Fleet, capture: Path, work: Path, most: int) -> bool:
     return True
 
 
-def retrain_loop(fleet: Fleet, capture: Path, work: Path, args: argparse.Namespace) -> None:
-    """The cascade on fresh shifted images before and after the retrained device model."""
+def retrain_loop(fleet: Fleet, capture: Path, work: Path, args: argparse.Namespace, *, pushed: bool) -> None:
+    """The cascade on fresh shifted images before and after the retrained device model; after
+    a push, with the push still in force and then reverted (the thresholds the push replaced
+    were chosen for the old model, and a pushed PASS_ALL would keep the new one from answering)."""
     fresh = fresh_shifted(args.eval_items)
     print(f"\nretraining loop: {len(fresh)} fresh shifted images (seed {FRESH_SEED}), never served before")
     rows = [("cascade, current device model", through(fleet.audited, fresh, FAMILY))]
     if retrain(fleet, capture, work, args.retrain_items):
         rows.append((f"cascade, {CANDIDATE} rolled out", through(fleet.audited, fresh, FAMILY)))
+        if pushed and revert_push(fleet.audited):
+            rows.append((f"cascade, {CANDIDATE}, push reverted", through(fleet.audited, fresh, FAMILY)))
     rows.append(("defects-large alone", through(fleet.audited, fresh, "defects-large")))
     print_table(rows)
+
+
+def revert_push(router: str) -> bool:
+    done = fleet_cli("thresholds", FAMILY, "--router", router, "--revert", "--reason", "retrained device model")
+    last = (done.stdout + done.stderr).strip().splitlines()[:1] or [""]
+    print(f"$ stratus fleet thresholds {FAMILY} --revert  (exit {done.returncode})  {last[0][:160]}")
+    return done.returncode == 0
 
 
 # --- the run ------------------------------------------------------------------------------------
@@ -651,14 +663,15 @@ def main() -> None:
             asyncio.run(audit_cost(fleet, encoded(moved), args.rate, args.cost_window_s, args.cost_rounds))
             check = Split(moved.x[: args.eval_items], moved.y[: args.eval_items])
             rows = [("cascade, before the push", through(fleet.audited, check, FAMILY))]
-            if push_thresholds(fleet.audited, MODELS, args.target_accuracy):
+            pushed = push_thresholds(fleet.audited, MODELS, args.target_accuracy)
+            if pushed:
                 rows.append(("cascade, after the push", through(fleet.audited, check, FAMILY)))
             rows.append(("defects-large alone", through(fleet.audited, check, "defects-large")))
             print(f"\nthe shifted images (first {len(check)}) through the audited router")
             print_cascades(rows)
             print(f"\ncapture: {capture_summary(capture)}")
             if args.retrain_items > 0:
-                retrain_loop(fleet, capture, Path(work), args)
+                retrain_loop(fleet, capture, Path(work), args, pushed=pushed)
         finally:
             fleet.stop()
     print(f"wall time: {time.monotonic() - began:.0f} s")
