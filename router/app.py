@@ -11,7 +11,8 @@ from collections.abc import Awaitable, Callable
 
 import grpc
 
-from router.audit import Auditor, audit_levels
+from router.audit import Auditor
+from router.audit_metrics import audit_levels
 from router.capture_hook import CaptureHook
 from router.cloud import CloudLink
 from router.cloud_models import parse_cloud_models
@@ -240,10 +241,14 @@ def _auto_thresholds(
     audits: Auditor,
     metrics: Metrics,
 ) -> asyncio.Task[None] | None:
-    """The --auto-thresholds controller, where a family asks for one."""
-    if not settings.auto_thresholds.goals:
+    """The --auto-thresholds controller, where the operator asks for one."""
+    if not settings.auto_thresholds.enabled:
         return None
-    auto = AutoThresholds(settings.auto_thresholds, pushes, registry, audits.rows.rows)
+
+    def chosen() -> dict[str, str]:
+        return {name: info.audit.auto for name, info in registry.families.items() if info.audit.auto}
+
+    auto = AutoThresholds(settings.auto_thresholds, pushes, registry, audits.rows.rows, chosen)
     metrics.collect_with(lambda: auto_levels(auto))
     return asyncio.create_task(auto.run(), name="stratus-auto-thresholds")
 

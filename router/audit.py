@@ -34,13 +34,15 @@ from typing import TYPE_CHECKING, Any, Final, Protocol
 
 import numpy as np
 
-from router.agreement import AgreementBook, AuditKey, Estimate, total
+from router.agreement import AgreementBook, AuditKey
+from router.audit_climbs import CascadeView, agreement_row, finished, missing, text_row, visits
 from router.audit_rows import RowBook, TierAnswer
 from router.audit_sampling import (
     COMPARATORS,
     Audit,
     AuditPolicy,
     Reference,
+    Said,
     Sampler,
     same_text,
     top1,
@@ -56,12 +58,12 @@ from stratus.errors import StratusError
 from stratus.families.audit import EXACT
 from stratus.families.confidence import accepts
 from stratus.families.description import FamilyDescription
-from stratus.obs.metrics import Metric, RouterMetrics, gauge
+from stratus.obs.metrics import RouterMetrics
 from stratus.tiers import Tier
 from stratus.wire import inference_pb2 as pb
 
 if TYPE_CHECKING:
-    from router.cascade.classify import Answer, Job
+    from router.cascade.classify import Answer
 
 log = logging.getLogger("stratus.audit")
 
@@ -71,15 +73,6 @@ DROPPED: Final = "dropped"
 # Agents of the top tier drawn when looking for one with a free slot (a bounded look, whatever
 # the tier's size).
 DRAWS: Final = 4
-
-
-class CascadeView(Protocol):
-    """What an audit reads of a classifier request's climb (``router.cascade.classify.ClassifyCascade``)."""
-
-    job: Job
-    answers: list[Answer]
-    best: dict[int, tuple[Answer, int]]
-    sent: list[list[int]]  # per answer, the items its rows stand for
 
 
 class Capture(Protocol):
@@ -255,27 +248,47 @@ class Auditor:
         result: Generation,
         climbed: Sequence[Generation],
     ) -> None:
-        """Sample a generative answer settled below the top tier (and note the climbs)."""
+        """Sample a generative answer settled below the top tier (and note the climbs); draw
+        rows from the rest with the same share, as for a classifier."""
         top = self.top_of(info.name)
         compare = info.audit.compare or EXACT
-        if top is None:
+        if top is None or result.degraded:
             return
-        if result.tier == top and not result.degraded:
+        said = finished(result, climbed, top)
+        if result.tier == top:
             self._note_generated_climbs(info.name, result, climbed, COMPARATORS.get(compare, same_text))
             if self.capture is not None and self.capture.wants(info.name):
                 self.capture.escalated_text(info.name, prompt, result, climbed)
+            if self._climbed.draw(info.name, self.share_of(info), self.rate_of(info)):
+                self._climbed_text_row(info, top, _asked(prompt, info.name), said, result.text)
+            return
         threshold = info.thresholds.get(result.tier)
         own = threshold is None or result.confidence >= threshold
-        if result.tier >= top or result.degraded or not own:
-            return
-        if self.sampler.draw(info.name, self.share_of(info), self.rate_of(info)):
-            asked = pb.ModelInferRequest()
-            asked.CopyFrom(prompt)
-            asked.model_name = info.name
+        if own and self.sampler.draw(info.name, self.share_of(info), self.rate_of(info)):
             self._enqueue(
-                Audit(key=_key(info.name, result), top=top, queued_at=self.clock(), prompt=asked,
-                      text=result.text, compare=compare, confidences=(result.confidence,), request_id=prompt.id)
+                Audit(key=_key(info.name, result), top=top, queued_at=self.clock(), prompt=_asked(prompt, info.name),
+                      text=result.text, compare=compare, confidences=(result.confidence,), said=said,
+                      request_id=prompt.id)
             )  # fmt: skip
+
+    def _climbed_text_row(
+        self, info: FamilyDescription, top: Tier, prompt: pb.ModelInferRequest, said: tuple[Said, ...], text: str
+    ) -> None:
+        """The row of a prompt that climbed to the top: at once when its climb holds every
+        tier's whole answer, else a job that asks the missing tiers."""
+        below = self._below(info.name, top)
+        compare = info.audit.compare or EXACT
+        if not below:  # no tier below the top serves it now: a row would hold nothing
+            return
+        if not missing(said, below):
+            self.rows.add(info.name, agreement_row(said, text, COMPARATORS.get(compare, same_text)), top, 0)
+            return
+        key = AuditKey(info.name, top, "", "")
+        self._enqueue(Audit(key=key, top=top, queued_at=self.clock(), prompt=prompt, compare=compare,
+                            said=said, reference_text=text, request_id=prompt.id))  # fmt: skip
+
+    def _below(self, family: str, top: Tier) -> list[Tier]:
+        return sorted(t for t in self.registry.index.tiers(family) if t < top)
 
     def _note_generated_climbs(
         self, family: str, result: Generation, climbed: Sequence[Generation], same: Callable[[str, str], bool]
@@ -304,12 +317,15 @@ class Auditor:
             if self.clock() - audit.queued_at > self.policy.max_wait_s:
                 self._drop(audit, "it waited too long")
                 continue
-            target = self._spare(audit)
-            if target is None:
+            target = self._spare(audit) if audit.reference_text is None else None
+            if target is None and audit.reference_text is None:
                 self._drop(audit, f"the {audit.top.label} tier has no spare capacity")
                 continue
             try:
-                await self._audit(audit, target)
+                if target is None:
+                    await self._text_row(audit, audit.reference_text or "")
+                else:
+                    await self._audit(audit, target)
             except StratusError as exc:
                 self._drop(audit, f"the {audit.top.label} tier failed it: {exc}")
             except Exception:  # a bug: said, and the worker outlives it
@@ -352,6 +368,34 @@ class Auditor:
         self._record(audit.key, COMPARATORS.get(audit.compare, same_text)(audit.text, reference.text))
         if capture is not None:
             capture.audited_text(audit, reference)
+        await self._text_row(audit, reference.text)
+
+    async def _text_row(self, audit: Audit, top_text: str) -> None:
+        """Keep a prompt's row, asking each tier below the top its climb lacks (on spare
+        capacity only: none free, no row)."""
+        below = self._below(audit.key.family, audit.top)
+        if not below:
+            return
+        same = COMPARATORS.get(audit.compare, same_text)
+        row = await text_row(audit.said, below, top_text, same=same, ask=lambda tier: self._said(audit, tier))
+        if row is not None:
+            self.rows.add(audit.key.family, row, audit.top, 0)
+
+    async def _said(self, audit: Audit, tier: Tier) -> Said | None:
+        """``tier``'s whole answer to the audit's prompt, from an agent with a free slot."""
+        target = self._spare_agent(audit.key.family, tier)
+        if target is None or audit.prompt is None:
+            return None
+        parts: list[str] = []
+        try:
+            generated = await target.candidate.generate(
+                audit.prompt, lambda chunk: parts.append(chunk.text), budget_ms=self.policy.timeout_s * 1000
+            )
+        except StratusError as exc:
+            log.debug("audit row of %s: the %s tier failed it: %s", audit.key.family, tier.label, exc)
+            return None
+        confidence = math.nan if generated.confidence is None else generated.confidence
+        return Said(tier, confidence, "".join(parts))
 
     async def _between(self, audit: Audit) -> tuple[tuple[TierAnswer, ...], ...]:
         """The items' visits with each tier between theirs and the top asked too (only where an
@@ -417,23 +461,13 @@ class Auditor:
             self.metrics.audits.labels(key.family, key.tier.label, AGREED if agreed else DISAGREED).inc()
 
     def _drop(self, audit: Audit, why: str) -> None:
+        if audit.reference_text is not None:  # a row's job, not an audit: nothing to count
+            log.debug("an audit row of %s was not kept: %s", audit.key.family, why)
+            return
         self.dropped += audit.items
         log.debug("audit of %s (%s) dropped: %s", audit.key.family, audit.key.agent, why)
         if self.metrics is not None:
             self.metrics.audits.labels(audit.key.family, audit.key.tier.label, DROPPED).inc(audit.items)
-
-
-def visits(view: CascadeView, output: str) -> dict[int, tuple[TierAnswer, ...]]:
-    """Per item, each tier's answer on it, bottom first (a tier asked twice: its last answer)."""
-    seen: dict[int, dict[Tier, TierAnswer]] = {}
-    for answer, items in zip(view.answers, view.sent, strict=False):
-        classes = top1(answer.outputs, output)
-        if classes is None or len(classes) != len(items) or len(answer.confidences) != len(items):
-            continue
-        for row, item in enumerate(items):
-            said = TierAnswer(answer.tier, float(answer.confidences[row]), int(classes[row]))
-            seen.setdefault(item, {})[answer.tier] = said
-    return {item: tuple(by_tier[t] for t in sorted(by_tier)) for item, by_tier in seen.items()}
 
 
 def calibrated_top(info: FamilyDescription) -> Tier | None:
@@ -441,33 +475,13 @@ def calibrated_top(info: FamilyDescription) -> Tier | None:
     return max(info.tier_accuracy, default=None)
 
 
+def _asked(prompt: pb.ModelInferRequest, family: str) -> pb.ModelInferRequest:
+    """The prompt as the top tier is asked it: under the family's name (not a pinned variant's)."""
+    asked = pb.ModelInferRequest()
+    asked.CopyFrom(prompt)
+    asked.model_name = family
+    return asked
+
+
 def _key(family: str, answer: Generation) -> AuditKey:
     return AuditKey(family, answer.tier, answer.variant, answer.agent)
-
-
-def audit_levels(auditor: Auditor) -> list[Metric]:
-    """What Prometheus reads at each scrape: per (family, tier, variant), the live agreement
-    with its Wilson bounds and the audits behind it; per (family, tier), the calibrated line."""
-    grouped: dict[tuple[str, str, str], list[Estimate]] = {}
-    for key, estimate in auditor.book.estimates().items():
-        grouped.setdefault((key.family, key.tier.label, key.variant), []).append(estimate)
-    rows = [(list(labels), total(estimates)) for labels, estimates in sorted(grouped.items())]
-    labels = ["family", "tier", "variant"]
-    calibrated = [
-        ([name, tier.label], line)
-        for name, info in sorted(auditor.registry.families.items())
-        for tier, line in sorted(auditor.calibrated_lines(info).items())
-    ]
-    return [
-        gauge("stratus_router_audit_agreement", "Share of audited items a tier answered as the top tier did, "
-              "over the audit window.", labels, [(k, e.agreement) for k, e in rows]),
-        gauge("stratus_router_audit_agreement_lower", "Lower bound of the audit agreement's 95% Wilson interval.",
-              labels, [(k, e.interval[0]) for k, e in rows]),
-        gauge("stratus_router_audit_agreement_upper", "Upper bound of the audit agreement's 95% Wilson interval.",
-              labels, [(k, e.interval[1]) for k, e in rows]),
-        gauge("stratus_router_audit_window_audits", "Audits behind the agreement estimate (the window's).",
-              labels, [(k, float(e.audits)) for k, e in rows]),
-        gauge("stratus_router_audit_calibrated_agreement", "A tier's agreement with the top tier on the "
-              "calibration split ([tier_accuracy] in family.toml), where audits ask that top tier.",
-              ["family", "tier"], calibrated),
-    ]  # fmt: skip

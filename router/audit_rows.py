@@ -9,6 +9,10 @@ one at once (drawn with the same share), since it carries both answers. With the
 answer as the label, ``stratus fleet thresholds --suggest`` runs calibrate's own chooser on
 them. A row whose item skipped a tier below the top (settled on the device of a three-tier
 family) lacks that tier: the suggestion uses only rows that hold every tier below the top.
+
+A generative family's rows hold no text: each tier's answer says only whether it agreed with
+the top tier's by the family's comparator (``[audit] compare``), which is what calibrate needs,
+and what an operator reading the rows may see without seeing a prompt.
 """
 
 from __future__ import annotations
@@ -29,11 +33,13 @@ MAX_ROW_AGE_S: Final = 3600.0
 
 @dataclass(frozen=True)
 class TierAnswer:
-    """One tier's answer on one item: its confidence and its top-1 class."""
+    """One tier's answer on one item: its confidence and its top-1 class; for a generative
+    family, whether its text agreed with the top tier's (``answer`` is then 0)."""
 
     tier: Tier
     confidence: float
     answer: int
+    agrees: bool | None = None
 
 
 @dataclass(frozen=True)
@@ -48,7 +54,7 @@ class Row:
     def to_wire(self) -> fpb.AuditRow:
         return fpb.AuditRow(
             tiers=[
-                fpb.TierAnswer(tier=a.tier.label, confidence=a.confidence, answer=a.answer)
+                fpb.TierAnswer(tier=a.tier.label, confidence=a.confidence, answer=a.answer, agrees=a.agrees)
                 for a in self.lower
             ],
             top_tier=self.top.label,

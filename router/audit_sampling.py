@@ -110,6 +110,15 @@ def top1(tensors: Tensors, output: str) -> np.ndarray[Any, Any] | None:
     return best
 
 
+@dataclass(frozen=True)
+class Said:
+    """One tier's whole answer to a prompt, and how sure it was (a generative audit row's part)."""
+
+    tier: Tier
+    confidence: float
+    text: str
+
+
 @dataclass(frozen=True, kw_only=True)
 class Audit:
     """One lower tier's answer waiting to be asked of the top tier: a classifier's items (with
@@ -127,6 +136,11 @@ class Audit:
     compare: str = EXACT
     # Per item, what each tier it visited said (router/audit_rows.py): a row once the top answers.
     visited: tuple[tuple[TierAnswer, ...], ...] = ()
+    # A prompt's whole answers below the top (router/audit_text_rows.py), for its row.
+    said: tuple[Said, ...] = ()
+    # Set on a row's job alone: the top tier's text, already given. Nothing is audited then;
+    # the missing tiers are asked for the row.
+    reference_text: str | None = None
     request_id: str = ""
 
     @property

@@ -33,7 +33,7 @@ from stratus.tiers import Tier
 from stratus.wire import inference_pb2 as pb
 
 if TYPE_CHECKING:
-    from router.audit import CascadeView
+    from router.audit_climbs import CascadeView
     from router.audit_sampling import Audit, Reference
     from router.cascade.classify import Answer
     from router.cascade.generate import Generation

@@ -13,9 +13,12 @@ so every step is logged, shared with the peers, shown in ``fleet accuracy`` and 
 * never to where the audit rows say the share of requests reaching the cloud would pass
   ``max_cloud_share`` (the step is then not taken, and counted as capped).
 
+Which families, and toward which goal, the operator names (``digits=target_accuracy:0.98``),
+or lets the families choose: with ``families`` in the list, each family whose files name a goal
+(``[audit] auto = "target_accuracy 0.98"``) steps toward it, a goal named on the router winning.
 Each interval's outcome per family is counted (``stratus_router_threshold_auto_total``).
 Enable it on one router of a site: each router judges its own rows, and two controllers
-would step the same family twice.
+would step the same family twice (which is why a family's files alone never start one).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from prometheus_client.core import CounterMetricFamily
 from router.audit_rows import Row
 from router.thresholds import FamilyThresholds, ThresholdPushes
 from stratus.errors import ConfigError
+from stratus.families.audit import goal_problem
 from stratus.obs.metrics import Metric
 from stratus.tiers import Tier
 
@@ -43,14 +47,16 @@ HELD: Final = "held_for_approval"  # the suggestion lowers a threshold: an opera
 CAPPED: Final = "capped"  # the step would send more than max_cloud_share to the cloud
 IN_LINE: Final = "in_line"  # the thresholds in force are the suggestion
 WAITING: Final = "waiting"  # no suggestion yet (too few rows, or none that reaches the goal)
-GOALS: Final = ("target_accuracy", "max_escalation")
+# In --auto-thresholds: every family whose [audit] auto names a goal steps toward it.
+FAMILIES: Final = "families"
 
 
 @dataclass(frozen=True, kw_only=True)
 class AutoPolicy:
     """Which families step by themselves, toward which goal, how far and how often."""
 
-    # --auto-thresholds as given: "digits=target_accuracy:0.98,defects=max_escalation:0.05".
+    # --auto-thresholds as given: "digits=target_accuracy:0.98,defects=max_escalation:0.05",
+    # with "families" among them for the goals the families' [audit] auto name.
     goals: str = ""
     max_step: float = 0.02
     max_cloud_share: float = 0.25
@@ -62,30 +68,38 @@ class AutoPolicy:
         if self.interval_s <= 0:
             raise ConfigError("--auto-interval is a number of seconds above 0")
         for family, goal in self.by_family.items():
-            name, _, value = goal.partition(" ")
-            if name not in GOALS or not _share(value):
+            if goal_problem(goal) is not None:
                 raise ConfigError(
                     f"--auto-thresholds {family}: '{goal}' is not target_accuracy A or max_escalation S"
                 )
-
 
     @functools.cached_property
     def by_family(self) -> dict[str, str]:
         """Each family's goal, as calibrate writes it ("target_accuracy 0.98")."""
         return parse_goals(self.goals)
 
+    @property
+    def from_families(self) -> bool:
+        """Whether families choose their own goals (``families`` in --auto-thresholds)."""
+        return FAMILIES in (p.strip() for p in self.goals.split(","))
 
-def _share(text: str) -> bool:
-    try:
-        return 0.0 <= float(text) <= 1.0
-    except ValueError:
-        return False
+    @property
+    def enabled(self) -> bool:
+        return bool(self.by_family) or self.from_families
+
+    def goals_with(self, chosen: Mapping[str, str]) -> dict[str, str]:
+        """The goals in force: the families' own (``chosen``, where they may choose), the
+        router's named goals over them."""
+        return {**(chosen if self.from_families else {}), **self.by_family}
 
 
 def parse_goals(text: str) -> dict[str, str]:
-    """``digits=target_accuracy:0.98,defects=max_escalation:0.05`` as goals by family."""
+    """``digits=target_accuracy:0.98,defects=max_escalation:0.05`` as goals by family
+    (``families`` is a switch, not a goal: see :attr:`AutoPolicy.from_families`)."""
     goals: dict[str, str] = {}
     for part in filter(None, (p.strip() for p in text.split(","))):
+        if part == FAMILIES:
+            continue
         family, _, goal = part.partition("=")
         name, _, value = goal.partition(":")
         if not family or not value:
@@ -148,30 +162,33 @@ class AutoThresholds:
         pushes: ThresholdPushes,
         registry: FamilyThresholds,
         rows: Callable[[str], Sequence[Row]],
+        chosen: Callable[[], Mapping[str, str]] = dict,
     ) -> None:
+        """``chosen``: each served family's own goal ([audit] auto), read at every interval."""
         self.policy = policy
         self._pushes = pushes
         self._registry = registry
         self._rows = rows
+        self._chosen = chosen
         self.counts: Counter[tuple[str, str]] = Counter()
+
+    def goals(self) -> dict[str, str]:
+        return self.policy.goals_with(self._chosen())
 
     async def run(self) -> None:
         while True:
             await asyncio.sleep(self.policy.interval_s)
-            for family in sorted(self.policy.by_family):
-                self.step_once(family)
+            for family, goal in sorted(self.goals().items()):
+                self.step_once(family, goal)
 
-    def step_once(self, family: str) -> Step:
-        """Look at the audits once and take (or not) one step; the outcome is counted."""
-        step = self._decide(family)
+    def step_once(self, family: str, goal: str | None = None) -> Step:
+        """Look at the audits once and take (or not) one step toward ``goal`` (default: the
+        one in force for the family); the outcome is counted."""
+        goal = goal or self.goals()[family]
+        step = self._decide(family, goal)
         self.counts[(family, step.outcome)] += 1
         if step.thresholds is not None:
-            self._pushes.apply(
-                family,
-                step.thresholds,
-                author="auto",
-                reason=f"{step.reason} (toward {self.policy.by_family[family]})",
-            )
+            self._pushes.apply(family, step.thresholds, author="auto", reason=f"{step.reason} (toward {goal})")
         elif step.reason:  # held or capped: the operator's to see; waiting: every interval until rows come
             log.log(
                 logging.DEBUG if step.outcome == WAITING else logging.INFO,
@@ -181,12 +198,12 @@ class AutoThresholds:
             )
         return step
 
-    def _decide(self, family: str) -> Step:
+    def _decide(self, family: str, goal: str) -> Step:
         from stratus.tools.calibrate.classifier import cascade
         from stratus.tools.calibrate.from_audits import audit_scores, goal_of, suggest
 
         rows = [row.to_wire() for row in self._rows(family)]
-        target, share = goal_of(self.policy.by_family[family])
+        target, share = goal_of(goal)
         try:
             suggestion = suggest(rows, target_accuracy=target, max_escalation=share)
         except ConfigError as exc:

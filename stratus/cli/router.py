@@ -207,7 +207,8 @@ def _add_audits(router: argparse.ArgumentParser) -> None:
         "--auto-thresholds",
         metavar="FAMILY=GOAL:VALUE,...",
         help="step these families' thresholds toward what the audits suggest (digits=target_accuracy:0.98 "
-        "or digits=max_escalation:0.05), upward only, bounded (router/threshold_auto.py); off by default",
+        "or digits=max_escalation:0.05; 'families': each family whose [audit] auto names a goal), upward "
+        "only, bounded (router/threshold_auto.py); off by default",
     )
     option(router, "router", "auto_thresholds.max_step", "--auto-max-step", type=share,
             help="most a threshold moves per interval")  # fmt: skip

@@ -130,6 +130,7 @@ def family_from_wire(info: fpb.FamilyInfo) -> FamilyDescription:
             share=info.audit.share if info.audit.HasField("share") else None,
             max_per_s=info.audit.max_per_s if info.audit.HasField("max_per_s") else None,
             compare=info.audit.compare,
+            auto=info.audit.auto,
         ),
         tier_accuracy={_tier(name, where): _calibration(f) for name, f in info.calibrated.items()},
     )

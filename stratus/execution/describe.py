@@ -123,7 +123,7 @@ def _generator_infos(generators: LocalGenerators) -> list[fleet_pb2.VariantInfo]
 
 def family_info_fields(family: FamilySpec) -> dict[str, Any]:
     """The FamilyInfo fields for a family's audits (keyword arguments of its constructor)."""
-    audit = fleet_pb2.AuditSettings(compare=family.audit.compare)
+    audit = fleet_pb2.AuditSettings(compare=family.audit.compare, auto=family.audit.auto)
     if family.audit.share is not None:
         audit.share = family.audit.share
     if family.audit.max_per_s is not None:

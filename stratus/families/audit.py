@@ -7,6 +7,7 @@ router also asks of that tier, in the background, to estimate each tier's live a
     share = 0.05        # default: the router's --audit-share
     max_per_s = 20      # default: the router's --audit-max-per-s
     compare = "number"  # top1 (classifiers), exact or number (generative); default top1 / exact
+    auto = "target_accuracy 0.98"  # a goal for `--auto-thresholds families`; default none
 
 ``[tier_accuracy]`` is written by ``stratus models calibrate`` (never by hand): for each tier,
 of the calibration split's items the chosen thresholds settle there, the share right, the share
@@ -21,6 +22,7 @@ Both travel to the router in the agents' Hellos (``FamilyInfo.audit``, ``FamilyI
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Final, Protocol
@@ -55,6 +57,9 @@ class AuditSpec:
     share: float | None = None
     max_per_s: float | None = None
     compare: str = ""
+    # The goal the router's threshold controller steps toward, where the router lets families
+    # choose (``--auto-thresholds families``): "target_accuracy A" or "max_escalation S".
+    auto: str = ""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -68,7 +73,7 @@ class TierCalibration:
 
 def parse_audit(reader: Reader, data: Mapping[str, Any], *, generative: bool) -> AuditSpec:
     table = reader.get(data, "audit", dict, "", {})
-    reader.unknown_keys(table, {"share", "max_per_s", "compare"}, "audit")
+    reader.unknown_keys(table, {"share", "max_per_s", "compare", "auto"}, "audit")
     share = reader.get(table, "share", float, "audit", None)
     if share is not None and not 0.0 <= share <= 1.0:
         raise reader.fail("audit.share", f"{share} must lie between 0 and 1")
@@ -77,7 +82,25 @@ def parse_audit(reader: Reader, data: Mapping[str, Any], *, generative: bool) ->
         raise reader.fail("audit.max_per_s", f"{rate} must lie between 0 and {MAX_AUDITS_PER_S:g}")
     compares = GENERATIVE_COMPARES if generative else CLASSIFIER_COMPARES
     compare = reader.choice(table, "compare", compares, "audit") if "compare" in table else ""
-    return AuditSpec(share=share, max_per_s=rate, compare=compare)
+    auto = reader.get(table, "auto", str, "audit", "")
+    if auto and (problem := goal_problem(auto)) is not None:
+        raise reader.fail("audit.auto", problem)
+    return AuditSpec(share=share, max_per_s=rate, compare=compare, auto=auto)
+
+
+GOALS: Final = ("target_accuracy", "max_escalation")
+
+
+def goal_problem(goal: str) -> str | None:
+    """Why ``goal`` is not "target_accuracy A" or "max_escalation S" with a share (None: it is)."""
+    name, _, value = goal.partition(" ")
+    try:
+        share = float(value)
+    except ValueError:
+        share = math.nan
+    if name not in GOALS or not 0.0 <= share <= 1.0:
+        return f"{goal[:40]!r} is not 'target_accuracy A' or 'max_escalation S' with a share between 0 and 1"
+    return None
 
 
 def parse_tier_accuracy(reader: Reader, data: Mapping[str, Any]) -> dict[Tier, TierCalibration]:
@@ -136,6 +159,8 @@ def check_family_info(agent: str, family: fpb.FamilyInfo) -> None:
         raise InvalidInput(f"{where}: audit max_per_s {audit.max_per_s} must lie between 0 and 10000")
     if audit.compare not in ("", *CLASSIFIER_COMPARES, *GENERATIVE_COMPARES):
         raise InvalidInput(f"{where}: audit compare {audit.compare[:20]!r} is not top1, exact or number")
+    if audit.auto and (problem := goal_problem(audit.auto)) is not None:
+        raise InvalidInput(f"{where}: audit auto {problem}")
     for tier, figures in family.calibrated.items():
         if tier not in ("device", "edge", "cloud"):
             raise InvalidInput(f"{where}: calibrated figures for {tier[:20]!r}, not a tier")

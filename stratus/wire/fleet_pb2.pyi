@@ -331,6 +331,7 @@ class AuditSettings(_message.Message):
     SHARE_FIELD_NUMBER: _builtins.int
     MAX_PER_S_FIELD_NUMBER: _builtins.int
     COMPARE_FIELD_NUMBER: _builtins.int
+    AUTO_FIELD_NUMBER: _builtins.int
     share: _builtins.float
     """The share of such items audited (unset: the router's --audit-share), at most max_per_s
     items a second (unset: the router's --audit-max-per-s).
@@ -340,16 +341,21 @@ class AuditSettings(_message.Message):
     """How two answers are compared: "top1" (classifiers), "exact" (text, stripped) or "number"
     (text read as numbers); empty: top1 for a classifier, exact for a generative family.
     """
+    auto: _builtins.str
+    """The goal a router run with `--auto-thresholds families` steps this family's thresholds
+    toward ("target_accuracy 0.98" or "max_escalation 0.05"); empty: none.
+    """
     def __init__(
         self,
         *,
         share: _builtins.float | None = ...,
         max_per_s: _builtins.float | None = ...,
         compare: _builtins.str = ...,
+        auto: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_max_per_s", b"_max_per_s", "_share", b"_share", "max_per_s", b"max_per_s", "share", b"share"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_max_per_s", b"_max_per_s", "_share", b"_share", "compare", b"compare", "max_per_s", b"max_per_s", "share", b"share"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_max_per_s", b"_max_per_s", "_share", b"_share", "auto", b"auto", "compare", b"compare", "max_per_s", b"max_per_s", "share", b"share"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__max_per_s: _TypeAlias = _typing.Literal["max_per_s"]  # noqa: Y015
     _WhichOneofArgType__max_per_s: _TypeAlias = _typing.Literal["_max_per_s", b"_max_per_s"]  # noqa: Y015
@@ -2045,28 +2051,38 @@ class TierAnswer(_message.Message):
     TIER_FIELD_NUMBER: _builtins.int
     CONFIDENCE_FIELD_NUMBER: _builtins.int
     ANSWER_FIELD_NUMBER: _builtins.int
+    AGREES_FIELD_NUMBER: _builtins.int
     tier: _builtins.str
     confidence: _builtins.float
     answer: _builtins.int
+    """a classifier's top-1 class"""
+    agrees: _builtins.bool
+    """A generative family's row: whether this tier's text agreed with the top tier's by the
+    family's comparator. Rows carry no text, so reading them reveals no prompt or answer.
+    """
     def __init__(
         self,
         *,
         tier: _builtins.str = ...,
         confidence: _builtins.float = ...,
         answer: _builtins.int = ...,
+        agrees: _builtins.bool | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_agrees", b"_agrees", "agrees", b"agrees"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["answer", b"answer", "confidence", b"confidence", "tier", b"tier"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_agrees", b"_agrees", "agrees", b"agrees", "answer", b"answer", "confidence", b"confidence", "tier", b"tier"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__agrees: _TypeAlias = _typing.Literal["agrees"]  # noqa: Y015
+    _WhichOneofArgType__agrees: _TypeAlias = _typing.Literal["_agrees", b"_agrees"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__agrees) -> _WhichOneofReturnType__agrees | None: ...
 
 Global___TierAnswer: _TypeAlias = TierAnswer  # noqa: Y015
 
 @_typing.final
 class AuditRow(_message.Message):
     """One audited item: what the tiers below the top said (bottom first), and the top tier's
-    class, which is the label a suggestion is chosen against.
+    class, which is the label a suggestion is chosen against (0 in a generative row: its tiers
+    say whether they agreed).
     """
 
     DESCRIPTOR: _descriptor.Descriptor

@@ -13,8 +13,10 @@ import numpy as np
 import pytest
 
 from router.agreement import AuditKey, Estimate
-from router.audit import Auditor, audit_levels
-from router.audit_sampling import AuditPolicy, Sampler, same_number, same_text
+from router.audit import Auditor
+from router.audit_climbs import finished, missing, text_row
+from router.audit_metrics import audit_levels
+from router.audit_sampling import AuditPolicy, Said, Sampler, same_number, same_text
 from router.cascade.classify import Answer, Job
 from router.cascade.generate import Generation
 from router.cloud import CloudLink, OnChunk
@@ -30,6 +32,7 @@ from stratus.families.audit import AuditSpec
 from stratus.families.generation import Chunk, GenerationParams, Token
 from stratus.obs.metrics import Metrics, RouterMetrics
 from stratus.tiers import Tier
+from stratus.tools.calibrate.from_audits import audit_scores
 from stratus.wire import fleet_pb2 as fpb
 from stratus.wire import inference_pb2 as pb
 
@@ -484,3 +487,81 @@ def test_levels_sum_agents_per_variant_and_carry_the_calibrated_line() -> None:
         for f in audit_levels(edge_top)
         if f.name == "stratus_router_audit_calibrated_agreement" and f.samples
     ]
+
+
+# -- generative audit rows ----------------------------------------------------------------------------
+
+
+def arith_hello(name: str, tier: int) -> fpb.Hello:
+    hello = fpb.Hello(agent_id=name, tier=tier, capacity=1)
+    label = Tier.from_wire(tier).label
+    hello.variants.add(name=f"arith-{label}", family="arith", max_batch=1, current=True, line=f"arith-{label}")
+    hello.families.append(arith_info())
+    return hello
+
+
+def test_generative_rows_hold_each_lower_tiers_agreement_and_no_text() -> None:
+    """A prompt settled on the edge, audited: its row holds the device's whole answer from the
+    climb and the edge's, each judged against the cloud's "85.0" by the family's comparator. A
+    climb to the cloud whose lower answers are whole is a row at once; one whose device answer
+    was cancelled mid-way needs the device asked again, and with no device slot free it is not
+    kept (a half row would bias the suggestion)."""
+
+    async def body() -> None:
+        pool, _ = cloud_pool()
+        audits, _, registry = auditor(pool, share=1.0, max_per_s=1000.0)
+        info = family_from_wire(arith_info())
+        registry.describe(info)
+        for name, tier in (("device-1", fpb.TIER_DEVICE), ("edge-1", fpb.TIER_EDGE)):
+            registry.register(arith_hello(name, tier), peer="test")
+        registry.agents["device-1"].capacity = 0  # no slot: a missing device answer cannot be asked
+        audits.start()
+        prompt = prompt_request("arith", "c1", "37+48=", GenerationParams(max_tokens=4))
+        unsure_device = generation(Tier.DEVICE, "84", 0.6)
+        audits.generated(info, prompt, generation(Tier.EDGE, "85", 0.9), [unsure_device])
+        await settle(audits, lambda: len(audits.rows.rows("arith")) == 1)
+        (row,) = audits.rows.rows("arith")
+        assert [(a.tier, a.confidence, a.agrees) for a in row.lower] == [(Tier.DEVICE, 0.6, False), (Tier.EDGE, 0.9, True)]
+        wire = row.to_wire()
+        assert [a.agrees for a in wire.tiers] == [False, True] and wire.label == 0 and "85" not in str(wire)
+
+        whole = [generation(Tier.DEVICE, "85", 0.7), generation(Tier.EDGE, "86", 0.5)]
+        audits.generated(info, prompt, generation(Tier.CLOUD, "85", 1.0), whole)
+        assert [a.agrees for a in audits.rows.rows("arith")[-1].lower] == [True, False]  # at once
+
+        cancelled = dataclasses.replace(generation(Tier.DEVICE, "8", 0.2), finish_reason="cancelled")
+        audits.generated(info, prompt, generation(Tier.CLOUD, "85", 1.0), [cancelled, generation(Tier.EDGE, "85", 0.5)])
+        await asyncio.sleep(0.05)
+        await audits.close()
+        assert len(audits.rows.rows("arith")) == 2 and audits.dropped == 0  # a row's job is not an audit
+        scores = audit_scores([r.to_wire() for r in audits.rows.rows("arith")], min_rows=1)
+        assert [list(s.correct) for s in scores] == [[False, True], [True, False], [True, True]]
+
+    run(body)
+
+
+def test_finished_keeps_whole_answers_below_the_top_bottom_first() -> None:
+    cancelled = dataclasses.replace(generation(Tier.EDGE, "8", 0.2), finish_reason="cancelled")
+    result = generation(Tier.CLOUD, "85", 1.0)
+    assert finished(result, [cancelled, generation(Tier.DEVICE, "84", 0.4)], Tier.CLOUD) == (
+        Said(Tier.DEVICE, 0.4, "84"),
+    )
+    assert missing(finished(result, [cancelled], Tier.CLOUD), [Tier.DEVICE, Tier.EDGE]) == [Tier.DEVICE, Tier.EDGE]
+    settled = generation(Tier.EDGE, "85", 0.9)
+    assert [s.tier for s in finished(settled, [generation(Tier.DEVICE, "84", 0.4)], Tier.CLOUD)] == [
+        Tier.DEVICE, Tier.EDGE,
+    ]
+
+
+def test_a_text_row_asks_only_the_missing_tiers_and_none_is_kept_when_one_cannot_answer() -> None:
+    asked: list[Tier] = []
+
+    async def ask(tier: Tier) -> Said | None:
+        asked.append(tier)
+        return Said(tier, 0.5, "85") if tier is Tier.EDGE else None
+
+    known = (Said(Tier.DEVICE, 0.9, "84"),)
+    row = asyncio.run(text_row(known, [Tier.DEVICE, Tier.EDGE], "85", same=same_text, ask=ask))
+    assert row is not None and [(a.tier, a.agrees) for a in row] == [(Tier.DEVICE, False), (Tier.EDGE, True)]
+    assert asked == [Tier.EDGE]
+    assert asyncio.run(text_row((), [Tier.DEVICE, Tier.EDGE], "85", same=same_text, ask=ask)) is None

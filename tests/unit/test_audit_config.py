@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from stratus.convert.fleet import family_from_wire
 from stratus.errors import ConfigError, InvalidInput
 from stratus.execution.describe import family_info_fields
 from stratus.families.audit import TierCalibration, check_family_info
@@ -49,6 +50,15 @@ def test_the_shipped_families_carry_their_calibrated_figures() -> None:
 def test_an_audit_table_is_read_and_checked(digits_toml: Path) -> None:
     family = load_family(with_text(digits_toml, '\n[audit]\nshare = 0.2\nmax_per_s = 3\ncompare = "top1"\n'))
     assert (family.audit.share, family.audit.max_per_s, family.audit.compare) == (0.2, 3.0, "top1")
+    assert family.audit.auto == ""
+
+
+def test_a_family_names_its_own_auto_goal_and_the_hello_carries_it(digits_toml: Path) -> None:
+    family = load_family(with_text(digits_toml, '\n[audit]\nauto = "target_accuracy 0.98"\n'))
+    assert family.audit.auto == "target_accuracy 0.98"
+    info = fpb.FamilyInfo(name="digits", **family_info_fields(family))
+    assert info.audit.auto == "target_accuracy 0.98"
+    assert family_from_wire(info).audit.auto == "target_accuracy 0.98"
 
 
 @pytest.mark.parametrize(
@@ -58,6 +68,8 @@ def test_an_audit_table_is_read_and_checked(digits_toml: Path) -> None:
         ("[audit]\nmax_per_s = -1\n", "key 'audit.max_per_s'"),
         ('[audit]\ncompare = "exact"\n', "key 'audit.compare': 'exact' is not one of top1"),
         ("[audit]\nsample = 0.1\n", "key 'audit.sample': is not a known setting"),
+        ('[audit]\nauto = "cheapest 0.5"\n', "key 'audit.auto': 'cheapest 0.5' is not 'target_accuracy A'"),
+        ('[audit]\nauto = "target_accuracy 1.5"\n', "key 'audit.auto'"),
         ("[tier_accuracy]\nfog = { accuracy = 0.9, items = 3 }\n", "'fog' is not one of device, edge, cloud"),
         ("[tier_accuracy]\ndevice = { accuracy = 1.2, items = 3 }\n", "tier_accuracy.device.accuracy"),
         ("[tier_accuracy]\ndevice = { accuracy = 0.9 }\n", "key 'tier_accuracy.device.items': is missing"),
@@ -122,6 +134,7 @@ def test_the_hello_carries_the_tables(repository) -> None:  # type: ignore[no-un
         lambda i: setattr(i.audit, "share", 2.0),
         lambda i: setattr(i.audit, "max_per_s", 1e9),
         lambda i: setattr(i.audit, "compare", "eval"),
+        lambda i: setattr(i.audit, "auto", "target_accuracy nan"),
         lambda i: i.calibrated["fog"].CopyFrom(fpb.TierCalibration(accuracy=0.5)),
         lambda i: i.calibrated["device"].CopyFrom(fpb.TierCalibration(accuracy=0.5, agreement=-0.1)),
     ],

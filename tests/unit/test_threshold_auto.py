@@ -116,3 +116,27 @@ def test_without_enough_rows_the_controller_waits() -> None:
     )
     step = auto.step_once("digits")
     assert step.outcome == WAITING and "no audit rows yet" in step.reason
+
+
+def test_with_families_in_the_list_a_family_s_own_goal_steps_and_the_router_s_goal_wins() -> None:
+    chosen = {"digits": "target_accuracy 0.95", "defects": "max_escalation 0.05"}
+    rows = [
+        Row(lower=tuple(TierAnswer(Tier.parse(a.tier), a.confidence, a.answer) for a in r.tiers),
+            top=Tier.parse(r.top_tier), label=r.label)
+        for r in audited_rows()[0]
+    ]  # fmt: skip
+    registry = FleetRegistry()
+    registry.register(hello("d1", threshold=0.5), peer="t")
+    pushes = ThresholdPushes(router_id="a")
+    policy = AutoPolicy(goals="families", max_step=0.1, max_cloud_share=1.0)
+    assert policy.enabled and policy.by_family == {}
+    auto = AutoThresholds(policy, pushes, registry, lambda family: rows, lambda: chosen)
+    assert auto.goals() == chosen
+    assert auto.step_once("digits").outcome == STEPPED
+    record = pushes.record("digits")
+    assert record is not None and "toward target_accuracy 0.95" in record.history[-1].reason
+    named = AutoPolicy(goals="families,digits=target_accuracy:0.99")
+    assert named.goals_with(chosen)["digits"] == "target_accuracy 0.99"
+    # without "families", a family's [audit] auto steps nothing: the operator starts controllers
+    assert AutoPolicy(goals="defects=max_escalation:0.1").goals_with(chosen) == {"defects": "max_escalation 0.1"}
+    assert not AutoPolicy().enabled

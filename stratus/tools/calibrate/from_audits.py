@@ -1,7 +1,8 @@
 """Thresholds suggested from the fleet's audits, by calibrate's own chooser.
 
 The router keeps audit rows (``router/audit_rows.py``): an unbiased share of the traffic, each
-item with every lower tier's confidence and class, labelled with the top tier's class. Those
+item with every lower tier's confidence and class, labelled with the top tier's class (for a
+generative family: each lower tier's confidence and whether its text agreed with the top's). Those
 rows are a labelled split like calibrate's, with one difference: the label *is* the top tier's
 answer, so the top tier is right on every row, and its confidence of agreeing with itself is 1.
 :func:`audit_scores` turns them into calibrate's :class:`TierScores`, and :func:`suggest` runs
@@ -74,10 +75,18 @@ def audit_scores(rows: Sequence[fpb.AuditRow], *, min_rows: int = MIN_ROWS) -> l
 
 
 def _tier_scores(tier: Tier, answers: Sequence[fpb.TierAnswer], labels: np.ndarray) -> TierScores:
+    """A classifier row's tier is right when its class is the label; a generative row's when
+    its text agreed with the top tier's (``agrees``, judged by the router)."""
     if any(Tier.parse(a.tier) is not tier for a in answers):
         raise ConfigError("audit rows list their tiers bottom first, each once")
-    classes = np.array([a.answer for a in answers])
     confidence = np.array([a.confidence for a in answers], dtype=np.float64)
+    judged = sum(1 for a in answers if a.HasField("agrees"))
+    if judged == len(answers):
+        agreed = np.array([a.agrees for a in answers], dtype=bool)
+        return TierScores(tier, "audits", confidence, agreed, agreed)
+    if judged:
+        raise ConfigError(f"the {tier.label} tier's audit rows mix classes and texts: one family is one kind")
+    classes = np.array([a.answer for a in answers])
     return TierScores(tier, "audits", confidence, classes == labels, classes)
 
 
