@@ -48,7 +48,8 @@ def llm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LlmFleet]:
     cluster = Cluster(tmp_path_factory.mktemp("llm") / "logs")
     try:
         api, metrics = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
-        router = cluster.router("--openai", api).address
+        # every settled answer audited: the generative rows test reads them
+        router = cluster.router("--openai", api, "--audit-share", "1", "--audit-max-per-s", "10000").address
         cluster.agent("device-1", router, *LLM_MODELS, "--metrics", metrics)
         cluster.agent("edge-1", router, *LLM_MODELS, tier="edge")
         wait_until(lambda: ready_count(router) == 2, timeout_s=60)
@@ -301,3 +302,53 @@ def test_the_demo_grades_generated_answers_through_the_router(llm: LlmFleet) -> 
     assert report is not None and report.requests == 20 and report.degraded == 0
     assert sum(report.tiers.values()) == pytest.approx(1.0) and report.tiers["cloud"] == 0.0
     assert report.accuracy >= 0.7  # the edge model alone gets 0.94 of held-out prompts right
+
+
+def test_generative_audit_rows_feed_the_suggestion(llm: LlmFleet) -> None:
+    """Audits keep a row per prompt: the device's confidence and whether its text agreed with
+    the edge's (the top here), and no text; ``fleet thresholds arith --suggest`` chooses on
+    them what calibrate's chooser does."""
+    import subprocess
+    import sys
+
+    from stratus.tools.arith import arith_splits
+    from stratus.tools.calibrate.from_audits import suggest
+    from stratus.wire import fleet_pb2 as fpb
+    from stratus.wire import fleet_pb2_grpc as fpb_grpc
+
+    from .cluster import wait_until
+
+    def rows() -> list[fpb.AuditRow]:
+        with open_sync_channel(llm.router) as channel:
+            request = fpb.ThresholdsRequest(family="arith", include_rows=True)
+            return list(fpb_grpc.FleetStub(channel).Thresholds(request, timeout=10).rows)
+
+    prompts = [prompt for prompt, _ in arith_splits().held_out]
+    for start in range(0, len(prompts), 25):  # until the suggestion's minimum is kept
+        with llm.client() as client:
+            for prompt in prompts[start : start + 25]:
+                client.completions.create(model="arith", prompt=prompt, max_tokens=4)
+        if len(rows()) >= 220:
+            break
+    counts = [len(rows())]
+
+    def steady() -> bool:
+        counts.append(len(rows()))
+        return counts[-1] == counts[-2]
+
+    wait_until(steady, timeout_s=30, interval_s=1.0)
+    kept = rows()
+    assert len(kept) >= 200 and {r.top_tier for r in kept} == {"edge"}
+    assert all([a.tier for a in r.tiers] == ["device"] and r.tiers[0].HasField("agrees") for r in kept)
+    agreed = sum(r.tiers[0].agrees for r in kept)
+    assert 0 < agreed < len(kept)  # the small model is sometimes right, sometimes not
+    done = subprocess.run(
+        [sys.executable, "-m", "stratus.cli", "fleet", "thresholds", "arith", "--router", llm.router,
+         "--suggest", "--target-accuracy", "0.95", "--json"],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    shown = json.loads(done.stdout)
+    expected = suggest(kept, target_accuracy=0.95).thresholds
+    assert shown["audit_rows"] == len(kept)
+    assert shown["suggested"] == {tier.label: value for tier, value in expected.items()}

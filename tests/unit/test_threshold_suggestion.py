@@ -204,3 +204,35 @@ def test_without_a_free_edge_slot_the_agreement_is_kept_and_the_incomplete_row_i
         assert audits.rows.rows("digits") == []
 
     run(body)
+
+
+def test_a_generative_familys_suggestion_is_calibrates_choice_on_agreement() -> None:
+    """Generative rows say whether each tier's text agreed with the top's: calibrate, given
+    that agreement as its correctness, chooses the same thresholds."""
+    rng = np.random.default_rng(11)
+    device, edge = rng.uniform(0.3, 1.0, ITEMS).round(4), rng.uniform(0.5, 1.0, ITEMS).round(4)
+    device_agrees = rng.uniform(0.0, 1.0, ITEMS) < device
+    edge_agrees = rng.uniform(0.0, 1.0, ITEMS) < edge
+    book = RowBook()
+    for i in range(ITEMS):
+        lower = (TierAnswer(Tier.DEVICE, float(device[i]), 0, agrees=bool(device_agrees[i])),
+                 TierAnswer(Tier.EDGE, float(edge[i]), 0, agrees=bool(edge_agrees[i])))  # fmt: skip
+        book.add("arith", lower, Tier.CLOUD, 0)
+    rows = [fpb.AuditRow.FromString(r.to_wire().SerializeToString()) for r in book.rows("arith")]
+    scores = [
+        TierScores(Tier.DEVICE, "arith-small", device, device_agrees),
+        TierScores(Tier.EDGE, "arith-medium", edge, edge_agrees),
+        TierScores(Tier.CLOUD, "arith-large", np.ones(ITEMS), np.ones(ITEMS, dtype=bool)),
+    ]
+    for target in (0.9, 0.97):
+        expected = for_target_accuracy(scores, target)
+        assert suggest(rows, target_accuracy=target).thresholds == {Tier.DEVICE: expected[0], Tier.EDGE: expected[1]}
+    expected = for_max_escalation(scores, 0.2)
+    assert suggest(rows, max_escalation=0.2).thresholds == {Tier.DEVICE: expected[0], Tier.EDGE: expected[1]}
+
+
+def test_rows_mixing_classes_and_texts_are_refused() -> None:
+    judged = fpb.AuditRow(tiers=[fpb.TierAnswer(tier="device", confidence=0.5, agrees=True)], top_tier="cloud")
+    classed = fpb.AuditRow(tiers=[fpb.TierAnswer(tier="device", confidence=0.5, answer=3)], top_tier="cloud")
+    with pytest.raises(ConfigError, match="mix classes and texts"):
+        audit_scores([judged, classed], min_rows=1)
