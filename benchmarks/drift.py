@@ -571,7 +571,7 @@ def retrain_loop(fleet: Fleet, capture: Path, work: Path, args: argparse.Namespa
     if retrain(fleet, capture, work, args.retrain_items):
         rows.append((f"cascade, {CANDIDATE} rolled out", through(fleet.audited, fresh, FAMILY)))
         if pushed and revert_push(fleet.audited):
-            rows.append((f"cascade, {CANDIDATE}, push reverted", through(fleet.audited, fresh, FAMILY)))
+            rows.append((f"cascade, {CANDIDATE}, reverted", through(fleet.audited, fresh, FAMILY)))
     rows.append(("defects-large alone", through(fleet.audited, fresh, "defects-large")))
     print_table(rows)
 
