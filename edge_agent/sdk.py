@@ -45,6 +45,7 @@ from stratus.datatypes import Array
 from stratus.errors import ConfigError
 from stratus.execution.loading import LocalSettings
 from stratus.execution.models import LocalModels
+from stratus.families.confidence import threshold_problem
 from stratus.families.repository import ModelRepository
 from stratus.serving.channels import NO_TLS, TlsSettings
 from stratus.tiers import Tier
@@ -226,7 +227,7 @@ class Client:
             value = float(said.string_value) if said is not None else None
         except ValueError:
             value = None
-        if value is None or not 0.0 <= value <= 1.0:
+        if value is None or threshold_problem(value) is not None:  # PASS_ALL is one: every answer climbs
             self._thresholds.pop(family, None)
             return
         if self._thresholds.get(family) != value:

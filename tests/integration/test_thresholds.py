@@ -1,7 +1,7 @@
 """A fleet-wide threshold push through real routers and agents: ``stratus fleet thresholds
 --apply`` on one router is in force on its peer too, changes which tier answers each item
-(a device threshold of 1.0 sends up every item the device is not certain of), survives a
-restart of both routers, and ``--revert`` brings the agents' own thresholds back."""
+(a device threshold of 1.0001, PASS_ALL, sends every item up, from the router and from the
+SDK), survives a restart of both routers, and ``--revert`` brings the agents' own thresholds back."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
+from stratus.families.confidence import PASS_ALL
 from stratus.serving.channels import open_sync_channel
 from stratus.tiers import Tier
 from stratus.wire import fleet_pb2 as fpb
@@ -91,19 +92,19 @@ def test_a_push_reaches_both_routers_changes_the_answers_survives_restarts_and_r
     own = status(a).agents["device"]
     sure = device_confidences(a, x)
     settled_before = [Tier.DEVICE if c >= own else Tier.EDGE for c in sure]
-    climbing = [Tier.DEVICE if c >= 1.0 else Tier.EDGE for c in sure]
-    assert settled_before.count(Tier.DEVICE) > climbing.count(Tier.DEVICE), "no item would change tier"
+    climbing = [Tier.EDGE] * len(sure)  # no confidence reaches PASS_ALL
+    assert Tier.DEVICE in settled_before, "no item would change tier"
     assert item_tiers(a, x) == settled_before == item_tiers(b, x)
 
-    pushed = cli(a, "--apply", "device=1.0", "--reason", "every item to the edge")
-    assert "pushed version 1 in force" in pushed and "device=1 by" in pushed, pushed
+    pushed = cli(a, "--apply", f"device={PASS_ALL}", "--reason", "every item to the edge")
+    assert "pushed version 1 in force" in pushed and "device=1.0001 by" in pushed, pushed
     wait_until(lambda: version(b) == 1, timeout_s=10)
     for router in (a, b):
         now = status(router)
-        assert now.in_force["device"] == 1.0 and now.agents["device"] == own
+        assert now.in_force["device"] == PASS_ALL and now.agents["device"] == own
         assert now.in_force["edge"] == now.agents["edge"]  # a tier the push does not name keeps its own
         assert item_tiers(router, x) == climbing, router
-    sdk_tiers(b, x, tmp_path, threshold=1.0)  # the SDK judges its own answers by the push too
+    sdk_tiers(b, x, tmp_path, threshold=PASS_ALL)  # the SDK judges its own answers by the push too
 
     for launched in ("router-a", "router-b"):
         cluster.latest(launched).stop()
@@ -121,7 +122,7 @@ def test_a_push_reaches_both_routers_changes_the_answers_survives_restarts_and_r
     sdk_tiers(a, x, tmp_path, threshold=own)
     history = status(a).history
     assert [(v.version, dict(v.thresholds), v.base, v.reason) for v in history] == [
-        (1, {"device": 1.0}, 0, "every item to the edge"),
+        (1, {"device": PASS_ALL}, 0, "every item to the edge"),
         (2, {}, 0, "back to calibration"),
     ]
 
