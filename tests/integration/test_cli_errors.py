@@ -55,8 +55,13 @@ def test_an_agent_pointed_at_a_cloud_gateway_says_so_and_stops(cluster: Cluster)
         capture_output=True, text=True, timeout=120, check=False,
     )  # fmt: skip
     assert done.returncode == 2, done.stderr[-2000:]
-    assert f"{cloud} is not a Stratus router (it has no AgentLink service" in done.stderr
-    assert done.stderr.count("reconnecting") == 0  # it did not retry what cannot change
+    said = done.stderr.splitlines()
+    refused = [i for i, line in enumerate(said) if f"{cloud} is not a Stratus router (it has no AgentLink service" in line]
+    assert refused, done.stderr[-2000:]
+    # it did not retry what cannot change: nothing after the refusal. (A link that broke before
+    # the gateway's UNIMPLEMENTED came back, seen twice under load, is retried, rightly, once.)
+    assert not any("reconnecting" in line for line in said[refused[0] :]), done.stderr[-2000:]
+    assert sum("reconnecting" in line for line in said) <= 1, done.stderr[-2000:]
     assert done.stderr.rstrip().endswith(f"stratus: error: none of {cloud} is a Stratus router (see the log)")
 
 
