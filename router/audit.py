@@ -260,7 +260,7 @@ class Auditor:
             if self.capture is not None and self.capture.wants(info.name):
                 self.capture.escalated_text(info.name, prompt, result, climbed)
             if self._climbed.draw(info.name, self.share_of(info), self.rate_of(info)):
-                self._climbed_text_row(info, top, _asked(prompt, info.name), said, result.text)
+                self._climbed_text_row(info, top, prompt, said, result.text)
             return
         threshold = info.thresholds.get(result.tier)
         own = threshold is None or result.confidence >= threshold
@@ -275,7 +275,8 @@ class Auditor:
         self, info: FamilyDescription, top: Tier, prompt: pb.ModelInferRequest, said: tuple[Said, ...], text: str
     ) -> None:
         """The row of a prompt that climbed to the top: at once when its climb holds every
-        tier's whole answer, else a job that asks the missing tiers."""
+        tier's whole answer, else a job that asks the missing tiers (with its own copy of the
+        prompt, as an audit has)."""
         below = self._below(info.name, top)
         compare = info.audit.compare or EXACT
         if not below:  # no tier below the top serves it now: a row would hold nothing
@@ -284,8 +285,9 @@ class Auditor:
             self.rows.add(info.name, agreement_row(said, text, COMPARATORS.get(compare, same_text)), top, 0)
             return
         key = AuditKey(info.name, top, "", "")
-        self._enqueue(Audit(key=key, top=top, queued_at=self.clock(), prompt=prompt, compare=compare,
-                            said=said, reference_text=text, request_id=prompt.id))  # fmt: skip
+        job = Audit(key=key, top=top, queued_at=self.clock(), prompt=_asked(prompt, info.name), compare=compare,
+                    said=said, reference_text=text, request_id=prompt.id)  # fmt: skip
+        self._enqueue(job)
 
     def _below(self, family: str, top: Tier) -> list[Tier]:
         return sorted(t for t in self.registry.index.tiers(family) if t < top)
