@@ -260,7 +260,7 @@ class Auditor:
             if self.capture is not None and self.capture.wants(info.name):
                 self.capture.escalated_text(info.name, prompt, result, climbed)
             if self._climbed.draw(info.name, self.share_of(info), self.rate_of(info)):
-                self._climbed_text_row(info, top, prompt, said, result.text)
+                self._climbed_text_row(info, top, prompt, said, text=result.text, compare=compare)
             return
         threshold = info.thresholds.get(result.tier)
         own = threshold is None or result.confidence >= threshold
@@ -272,13 +272,19 @@ class Auditor:
             )  # fmt: skip
 
     def _climbed_text_row(
-        self, info: FamilyDescription, top: Tier, prompt: pb.ModelInferRequest, said: tuple[Said, ...], text: str
+        self,
+        info: FamilyDescription,
+        top: Tier,
+        prompt: pb.ModelInferRequest,
+        said: tuple[Said, ...],
+        *,
+        text: str,
+        compare: str,
     ) -> None:
         """The row of a prompt that climbed to the top: at once when its climb holds every
         tier's whole answer, else a job that asks the missing tiers (with its own copy of the
         prompt, as an audit has)."""
         below = self._below(info.name, top)
-        compare = info.audit.compare or EXACT
         if not below:  # no tier below the top serves it now: a row would hold nothing
             return
         if not missing(said, below):
@@ -319,15 +325,15 @@ class Auditor:
             if self.clock() - audit.queued_at > self.policy.max_wait_s:
                 self._drop(audit, "it waited too long")
                 continue
-            target = self._spare(audit) if audit.reference_text is None else None
-            if target is None and audit.reference_text is None:
+            if audit.reference_text is not None:  # a row's job: the top tier has answered already
+                job = self._text_row(audit, audit.reference_text)
+            elif (target := self._spare(audit)) is not None:
+                job = self._audit(audit, target)
+            else:
                 self._drop(audit, f"the {audit.top.label} tier has no spare capacity")
                 continue
             try:
-                if target is None:
-                    await self._text_row(audit, audit.reference_text or "")
-                else:
-                    await self._audit(audit, target)
+                await job
             except StratusError as exc:
                 self._drop(audit, f"the {audit.top.label} tier failed it: {exc}")
             except Exception:  # a bug: said, and the worker outlives it

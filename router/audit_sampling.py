@@ -136,7 +136,7 @@ class Audit:
     compare: str = EXACT
     # Per item, what each tier it visited said (router/audit_rows.py): a row once the top answers.
     visited: tuple[tuple[TierAnswer, ...], ...] = ()
-    # A prompt's whole answers below the top (router/audit_text_rows.py), for its row.
+    # A prompt's whole answers below the top (router/audit_climbs.py), for its row.
     said: tuple[Said, ...] = ()
     # Set on a row's job alone: the top tier's text, already given. Nothing is audited then;
     # the missing tiers are asked for the row.

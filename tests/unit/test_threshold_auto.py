@@ -3,6 +3,8 @@ cloud share cap, each one a pushed version (author "auto") that --revert undoes,
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import pytest
 
 from router.audit_rows import Row, TierAnswer
@@ -69,18 +71,30 @@ def test_goals_and_bounds_are_checked() -> None:
         AutoPolicy(max_step=0.0)
 
 
-def controller(goal: str, **policy: float) -> tuple[AutoThresholds, ThresholdPushes, FleetRegistry]:
-    rows = [
+def kept_rows() -> list[Row]:
+    """The auditor's rows of test_threshold_suggestion, as the router keeps them."""
+    return [
         Row(lower=tuple(TierAnswer(Tier.parse(a.tier), a.confidence, a.answer) for a in r.tiers),
             top=Tier.parse(r.top_tier), label=r.label)
         for r in audited_rows()[0]
     ]  # fmt: skip
+
+
+def steered(
+    policy: AutoPolicy, chosen: Mapping[str, str] | None = None
+) -> tuple[AutoThresholds, ThresholdPushes, FleetRegistry]:
+    """A controller over one digits device agent (threshold 0.5) whose pushes reach the registry."""
+    rows = kept_rows()
     registry = FleetRegistry()
     registry.register(hello("d1", threshold=0.5), peer="t")
     pushes = ThresholdPushes(router_id="a")
     pushes.listeners.append(registry.override_thresholds)
-    auto = AutoThresholds(AutoPolicy(goals=f"digits={goal.replace(' ', ':')}", **policy), pushes, registry, lambda family: rows)
+    auto = AutoThresholds(policy, pushes, registry, lambda family: rows, lambda: dict(chosen or {}))
     return auto, pushes, registry
+
+
+def controller(goal: str, **policy: float) -> tuple[AutoThresholds, ThresholdPushes, FleetRegistry]:
+    return steered(AutoPolicy(goals=f"digits={goal.replace(' ', ':')}", **policy))
 
 
 def test_the_controller_steps_up_to_the_suggestion_each_step_a_version_and_reverts() -> None:
@@ -120,17 +134,9 @@ def test_without_enough_rows_the_controller_waits() -> None:
 
 def test_with_families_in_the_list_a_family_s_own_goal_steps_and_the_router_s_goal_wins() -> None:
     chosen = {"digits": "target_accuracy 0.95", "defects": "max_escalation 0.05"}
-    rows = [
-        Row(lower=tuple(TierAnswer(Tier.parse(a.tier), a.confidence, a.answer) for a in r.tiers),
-            top=Tier.parse(r.top_tier), label=r.label)
-        for r in audited_rows()[0]
-    ]  # fmt: skip
-    registry = FleetRegistry()
-    registry.register(hello("d1", threshold=0.5), peer="t")
-    pushes = ThresholdPushes(router_id="a")
     policy = AutoPolicy(goals="families", max_step=0.1, max_cloud_share=1.0)
     assert policy.enabled and policy.by_family == {}
-    auto = AutoThresholds(policy, pushes, registry, lambda family: rows, lambda: chosen)
+    auto, pushes, _ = steered(policy, chosen)
     assert auto.goals() == chosen
     assert auto.step_once("digits").outcome == STEPPED
     record = pushes.record("digits")

@@ -25,6 +25,7 @@ from typing import Final
 import numpy as np
 
 from stratus.errors import ConfigError
+from stratus.families.audit import goal_problem
 from stratus.families.confidence import PASS_ALL
 from stratus.tiers import Tier
 from stratus.tools.calibrate.classifier import (
@@ -136,16 +137,9 @@ def _passed_notes(scores: Sequence[TierScores], chosen: Sequence[float]) -> tupl
 
 
 def goal_of(recorded: str) -> tuple[float | None, float | None]:
-    """(target_accuracy, max_escalation) from ``[calibration] goal`` ("target_accuracy 0.985")."""
+    """(target_accuracy, max_escalation) from a goal as calibrate records it ("target_accuracy 0.985")."""
+    problem = goal_problem(recorded)
+    if problem is not None:
+        raise ConfigError(f"[calibration] goal {problem}")
     name, _, value = recorded.partition(" ")
-    try:
-        number = float(value)
-    except ValueError:
-        raise ConfigError(
-            f"[calibration] goal '{recorded}' is not 'target_accuracy A' or 'max_escalation S'"
-        ) from None
-    if name == "target_accuracy":
-        return number, None
-    if name == "max_escalation":
-        return None, number
-    raise ConfigError(f"[calibration] goal '{recorded}' is not 'target_accuracy A' or 'max_escalation S'")
+    return (float(value), None) if name == "target_accuracy" else (None, float(value))
