@@ -398,11 +398,11 @@ def command(
 
 def cpuinfo_for(cpu: str) -> Path:
     """An aarch64 ``/proc/cpuinfo`` for ``cpu``: its features as the emulated CPU reports them
-    (HWCAP, read in the chroot by stratus.precision), one block per host CPU. Probed once."""
+    (HWCAP, read in the chroot by stratus.families.precision), one block per host CPU. Probed once."""
     path = cache_dir() / f"cpuinfo-{cpu}"
     if path.exists():
         return path
-    probe = "from stratus.precision import arm_hwcap_flags as f; print(' '.join(f()))"
+    probe = "from stratus.families.precision import arm_hwcap_flags as f; print(' '.join(f()))"
     names = {"QEMU_CPU": cpu, "PYTHONPATH": TREE}
     result = subprocess.run(
         _enter(chroot_dir(), [f"{VENV}/bin/python", "-c", probe], env=names, tree=ROOT, cpuinfo=None),
