@@ -151,6 +151,11 @@ class AgentHandle:
         info = self.variants.get(variant)
         return (info.precision or "FP32") if info is not None else ""
 
+    def compute_of(self, variant: str) -> str:
+        """The arithmetic the agent's runtime computes ``variant`` in, as its Hello said."""
+        info = self.variants.get(variant)
+        return info.compute if info is not None else ""
+
     def max_batch(self, model: str) -> int:
         return self._max_batch.get(self._variant_of.get(model, model), 1)
 

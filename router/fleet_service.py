@@ -67,9 +67,10 @@ def agent_status(handle: AgentHandle, now: float) -> fpb.AgentStatus:
 
 
 def _variant_choice(name: str, info: fpb.VariantInfo) -> str:
-    """One variant as status shows it: "digits-small-int8 INT8 (int8: native (...))"."""
+    """One variant as status shows it: "digits-small-int8 INT8, computes int8 (int8: native (...))"."""
     return (
         f"{name} {info.precision or 'FP32'}"
+        + (f", computes {info.compute}" if info.compute else "")
         + (f", kv cache {info.kv_cache}" if info.kv_cache else "")
         + (f" ({info.chosen_because})" if info.chosen_because else "")
         + ("" if info.current or not info.line else "; not current: served when named or in a rollout")

@@ -30,6 +30,7 @@ class Classified:
     confidences: tuple[float, ...]
     said_confidence: bool = True  # False: the target named none (1.0 assumed: a foreign cloud)
     precision: str = ""
+    compute: str = ""  # the arithmetic its runtime computed in, where the target says
     queue_ms: float = 0.0  # waiting for the target and inside it, as far as it says
     compute_ms: float = 0.0
 

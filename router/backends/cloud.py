@@ -14,6 +14,7 @@ from router.backends.base import Classified, Generated, OnChunk
 from router.cloud_pool import CloudTier
 from stratus.convert.parameters import (
     COMPUTE_MS,
+    COMPUTE_PRECISION,
     CONFIDENCE,
     PRECISION,
     QUEUE_MS,
@@ -89,6 +90,7 @@ class CloudBackend:
             confidences=(float(confidence or 0.0),) * items.items,
             said_confidence=said,
             precision=_named(params, PRECISION, ""),
+            compute=_named(params, COMPUTE_PRECISION, ""),
             queue_ms=reported_ms(params, QUEUE_MS) or 0.0,  # a foreign cloud says neither
             compute_ms=reported_ms(params, COMPUTE_MS) or 0.0,
         )

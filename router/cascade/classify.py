@@ -55,6 +55,7 @@ class Answer:
     confidences: tuple[float, ...]
     elapsed_ms: float
     precision: str = ""  # of the variant that answered, where it is known
+    compute: str = ""  # the arithmetic its runtime computed in, where it is known
     queue_ms: float = 0.0  # of elapsed_ms, waiting for a slot (where the tier said so)
     compute_ms: float = 0.0  # ... and running in a runtime
 
@@ -272,6 +273,7 @@ class ClassifyCascade:
             agent=last.agent,
             variant=last.variant,
             precision=last.precision,
+            compute=last.compute,
             confidence=min((self.best[i][0].confidences[self.best[i][1]] for i in items), default=1.0),
             path=self.path,
             degraded=degraded,
@@ -334,6 +336,7 @@ async def dispatch(
         confidences=answered.confidences,
         elapsed_ms=(context.now() - started) * 1000.0,
         precision=answered.precision,
+        compute=answered.compute,
         queue_ms=answered.queue_ms,
         compute_ms=answered.compute_ms,
     )

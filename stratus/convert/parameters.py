@@ -3,7 +3,10 @@
 Requests may carry ``stratus.budget_ms`` (double), ``stratus.min_confidence`` (double),
 ``stratus.max_tier`` and ``stratus.min_tier`` (string: device, edge or cloud). Responses
 carry ``stratus.tier``, ``stratus.agent``, ``stratus.variant`` (the variant that ran, a lower-precision
-child where the hardware chose one), ``stratus.precision`` (its FP32, FP16 or INT8), ``stratus.confidence``,
+child where the hardware chose one), ``stratus.precision`` (its FP32, FP16 or INT8),
+``stratus.compute_precision`` (the arithmetic its runtime really computed in: ``f32``, ``f16``,
+``bf16``, ``int8``, ``int8+f16``; a CPU without FP16 arithmetic may compute FP16 weights in f32),
+``stratus.confidence``,
 ``stratus.path`` (tiers visited, ``device>edge>cloud``), ``stratus.degraded`` and
 ``stratus.timings_ms`` (per tier, ``device=0.41,edge=0.83``), and ``stratus.item_tiers``
 (the tier that answered each item of the batch, in order: ``device,cloud,device``;
@@ -42,6 +45,7 @@ TIER = "stratus.tier"
 AGENT = "stratus.agent"
 VARIANT = "stratus.variant"
 PRECISION = "stratus.precision"
+COMPUTE_PRECISION = "stratus.compute_precision"
 CONFIDENCE = "stratus.confidence"
 PATH = "stratus.path"
 DEGRADED = "stratus.degraded"
@@ -191,6 +195,7 @@ class Served:
     timings_ms: Mapping[Tier, float] | None = None
     item_tiers: Sequence[Tier] = ()
     precision: str = ""  # the answering variant's; empty where a foreign server did not say
+    compute: str = ""  # the arithmetic its runtime computed in; empty where it is not known
     reason: str = ""  # why unsure items stayed where they were answered; empty when none did
     # Where the time went, where it was measured (None: not, e.g. a foreign cloud's share).
     queue_ms: float | None = None
@@ -209,6 +214,8 @@ class Served:
         }
         if self.precision:
             values[PRECISION] = self.precision
+        if self.compute:
+            values[COMPUTE_PRECISION] = self.compute
         values[CONFIDENCE] = float(self.confidence)
         values[PATH] = ">".join(t.label for t in self.path)
         values[DEGRADED] = self.degraded
@@ -251,6 +258,7 @@ class Served:
             timings_ms=timings,
             item_tiers=tuple(Tier.parse(t) for t in str(get(ITEM_TIERS) or "").split(",") if t),
             precision=str(get(PRECISION) or ""),
+            compute=str(get(COMPUTE_PRECISION) or ""),
             reason=str(get(REASON) or ""),
             queue_ms=reported_value(get(QUEUE_MS)),
             compute_ms=reported_value(get(COMPUTE_MS)),

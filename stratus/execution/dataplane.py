@@ -104,6 +104,7 @@ class LocalDataPlane(DataPlane):
             agent=self.name,
             variant=answer.variant.name,
             precision=answer.variant.precision,
+            compute=self.models.computes.get(answer.variant.name, ""),
             confidence=answer.confidence,
             path=(self.tier,),
             timings_ms={self.tier: answer.service_ms},

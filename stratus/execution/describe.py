@@ -51,6 +51,7 @@ def variants_info(models: LocalModels) -> list[fleet_pb2.VariantInfo]:
                 runtime=described.runtime,
                 device=described.device,
                 precision=models.variants[name].precision,
+                compute=described.compute,
                 dynamic_batch=described.dynamic_batch,
                 max_batch=models.max_batch(name),
                 chosen_because=models.reasons.get(name, ""),

@@ -117,6 +117,8 @@ class LocalModels:
         self._stamps: dict[str, tuple[VariantSpec, tuple[tuple[int, int], ...]]] = {}
         self._dynamic_batch: dict[str, bool] = {}
         self._runtime: dict[str, str] = {}
+        # The arithmetic each loaded variant's runtime computes in (RuntimeDescription.compute).
+        self.computes: dict[str, str] = {}
         self._inline: set[str] = set()  # variants fast enough to run on the event loop
         # Every runtime that refused a file, and the families (by name) whose current variant
         # no runtime here could load: those are not ready here, and say why.
@@ -193,6 +195,7 @@ class LocalModels:
                 described = runners[name].describe()
                 self._dynamic_batch[name] = described.dynamic_batch
                 self._runtime[name] = described.runtime
+                self.computes[name] = described.compute
             self.variants[name] = c.variant
             self.families[c.family.name] = c.family
             self.reasons[name] = c.reason

@@ -13,7 +13,7 @@ import abc
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar, Protocol, TypeVar
+from typing import ClassVar, Final, Protocol, TypeVar
 
 import numpy as np
 
@@ -33,6 +33,22 @@ class RuntimeDescription:
     # A generative runtime's KV-cache precision as loaded ("f32", "f16", "bf16", "default"),
     # which the CPU's kernels may force below the weights' precision; empty for classifiers.
     kv_cache: str = ""
+    # The arithmetic the runtime really runs the variant in, read from the runtime after
+    # loading where it says ("f32", "f16", "bf16"; "int8" for integer kernels with float
+    # layers in f32, "int8+f16" where those run in f16): a plugin may compute FP16 weights in
+    # bf16 on a CPU without FP16 arithmetic, which the variant's own precision cannot show.
+    compute: str = ""
+
+
+# The arithmetic of a runtime that runs a graph in the element types it was saved with
+# (ONNX Runtime and LiteRT on a CPU: integer kernels for a quantized graph, with its float
+# layers in f32; an FP16 graph's tensors in f16, where a kernel without f16 widens and rounds).
+GRAPH_COMPUTE: Final = {"FP32": "f32", "FP16": "f16", "INT8": "int8"}
+
+
+def int8_compute(float_arithmetic: str) -> str:
+    """An INT8 variant's arithmetic: integer kernels, and its float layers in ``float_arithmetic``."""
+    return "int8" if float_arithmetic == "f32" else f"int8+{float_arithmetic}"
 
 
 @dataclass(frozen=True, kw_only=True)

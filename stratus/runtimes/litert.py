@@ -14,7 +14,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from stratus.datatypes import Array
-from stratus.runtimes.base import Availability, ModelRunner, RuntimeDescription
+from stratus.runtimes.base import GRAPH_COMPUTE, Availability, ModelRunner, RuntimeDescription
 
 _MODULES = ("ai_edge_litert.interpreter", "tflite_runtime.interpreter")
 
@@ -86,5 +86,9 @@ class LiteRtRunner(ModelRunner):
 
     def describe(self) -> RuntimeDescription:
         return RuntimeDescription(
-            runtime=self.runtime, device="CPU", precisions=(self.variant.precision,), dynamic_batch=True
+            runtime=self.runtime,
+            device="CPU",
+            precisions=(self.variant.precision,),
+            dynamic_batch=True,
+            compute=GRAPH_COMPUTE[self.variant.precision],
         )

@@ -15,7 +15,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from stratus.datatypes import Array
-from stratus.runtimes.base import Availability, ModelRunner, RuntimeDescription
+from stratus.runtimes.base import GRAPH_COMPUTE, Availability, ModelRunner, RuntimeDescription
 
 
 def _onnxruntime() -> Any:
@@ -138,5 +138,9 @@ class OnnxRuntimeRunner(ModelRunner):
 
     def describe(self) -> RuntimeDescription:
         return RuntimeDescription(
-            runtime=self.runtime, device="CPU", precisions=(self.variant.precision,), dynamic_batch=True
+            runtime=self.runtime,
+            device="CPU",
+            precisions=(self.variant.precision,),
+            dynamic_batch=True,
+            compute=GRAPH_COMPUTE[self.variant.precision],
         )

@@ -26,7 +26,7 @@ import numpy as np
 from stratus.datatypes import Array, numpy_dtype
 from stratus.errors import InvalidInput, ModelLoadError, RuntimeUnavailable
 from stratus.families.spec import TensorSpec
-from stratus.runtimes.base import Availability, ModelRunner, RuntimeDescription
+from stratus.runtimes.base import GRAPH_COMPUTE, Availability, ModelRunner, RuntimeDescription
 from stratus.runtimes.ort import file_digest
 
 WORKSPACE_BYTES = 1 << 30
@@ -284,6 +284,7 @@ class TensorRtRunner(ModelRunner):
             device=self._gpu.name,
             precisions=(self.variant.precision,),
             dynamic_batch=True,
+            compute=GRAPH_COMPUTE[self.variant.precision],  # its builder flags, or the typed graph
         )
 
     def close(self) -> None:

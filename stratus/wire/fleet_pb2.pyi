@@ -122,6 +122,7 @@ class VariantInfo(_message.Message):
     LINE_FIELD_NUMBER: _builtins.int
     CURRENT_FIELD_NUMBER: _builtins.int
     KV_CACHE_FIELD_NUMBER: _builtins.int
+    COMPUTE_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     family: _builtins.str
     runtime: _builtins.str
@@ -144,6 +145,11 @@ class VariantInfo(_message.Message):
     """A generative variant's KV-cache precision as its runtime loaded it ("f32", "f16",
     "bf16", "default"): some CPUs' kernels refuse f32. Empty for classifiers.
     """
+    compute: _builtins.str
+    """The arithmetic the runtime really computes this variant in here, read from it after
+    loading ("f32", "f16", "bf16", "int8", "int8+f16"): a runtime may compute FP16 weights
+    in f32 or bf16 on a CPU without FP16 arithmetic. Empty where the runtime does not say.
+    """
     def __init__(
         self,
         *,
@@ -158,10 +164,11 @@ class VariantInfo(_message.Message):
         line: _builtins.str = ...,
         current: _builtins.bool = ...,
         kv_cache: _builtins.str = ...,
+        compute: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["chosen_because", b"chosen_because", "current", b"current", "device", b"device", "dynamic_batch", b"dynamic_batch", "family", b"family", "kv_cache", b"kv_cache", "line", b"line", "max_batch", b"max_batch", "name", b"name", "precision", b"precision", "runtime", b"runtime"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chosen_because", b"chosen_because", "compute", b"compute", "current", b"current", "device", b"device", "dynamic_batch", b"dynamic_batch", "family", b"family", "kv_cache", b"kv_cache", "line", b"line", "max_batch", b"max_batch", "name", b"name", "precision", b"precision", "runtime", b"runtime"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -81,3 +81,20 @@ def test_a_precision_the_tier_does_not_have_is_refused_at_start(cluster: Cluster
     with pytest.raises(Unavailable, match="has no FP16 variant on the device tier"):
         cluster.agent("nofp16", router, "--precision", "fp16")
     assert list(fleet_status(router).agents) == []
+
+
+def test_the_arithmetic_a_runtime_computes_in_is_shown_and_answered(cluster: Cluster, digits) -> None:  # type: ignore[no-untyped-def]
+    """An FP16 child forced on any CPU: OpenVINO computes it in f16 only where its plugin
+    has FP16 arithmetic, and in f32 elsewhere (never bf16 unannounced), and both the fleet
+    status and each answer say which."""
+    import openvino
+
+    router = cluster.router().address
+    cluster.agent("fp16", router, "--precision", "fp16", tier="edge")
+    wait_until(lambda: ready_count(router) == 1)
+    _, choices = _choices(router)["fp16"]
+    fp16_here = "FP16" in openvino.Core().get_property("CPU", "OPTIMIZATION_CAPABILITIES")
+    expected = "f16" if fp16_here else "f32"
+    assert len(choices) == 1 and choices[0].startswith(f"digits-medium-fp16 FP16, computes {expected} ")
+    _, served = infer(router, digits.held_out.x[:5], max_tier="edge", min_confidence=0.0)
+    assert (served.variant, served.precision, served.compute) == ("digits-medium-fp16", "FP16", expected)

@@ -5,12 +5,19 @@ same request to a TFLite device today and an OpenVINO one tomorrow. So each vari
 in every (runtime, format) it ships that this machine can run, and the runtimes are
 compared, with a check that fits the precision:
 
-* FP32: outputs agree within ``TOLERANCE`` (1e-4, absolute, on probabilities);
+* FP32 arithmetic: outputs agree within ``TOLERANCE`` (1e-4, absolute, on probabilities);
 * FP16: within ``FP16_TOLERANCE`` (5e-3): FP16 keeps about three significant digits, and
   one runtime may compute in FP16 while another widens the FP16 weights to FP32;
+* bf16 arithmetic (a runtime that computes so here, whatever the file's precision): within
+  ``BF16_TOLERANCE`` and the same top-1 answer on ``INT8_AGREEMENT`` of the items;
 * INT8: top-1 answers agree on at least ``INT8_AGREEMENT`` of the items: each runtime
   rounds activations its own way (LiteRT's own ranges, ONNX Runtime's and OpenVINO's
   QDQ kernels), so probabilities differ by a few 1/256 steps, but answers must not.
+
+Each row says the arithmetic its runtime computes in here, read from the runtime after
+loading (:attr:`RuntimeDescription.compute`), and is judged by it and by its peers' (the
+looser of each pair), never by what was asked: OpenVINO asked for f16 on a CPU without FP16
+arithmetic computes in bf16.
 
 A lower-precision variant is also compared with its FP32 parent: held-out accuracy drop
 and top-1 agreement. One that loses more than the family's ``max_accuracy_drop`` is
@@ -57,6 +64,7 @@ class _Run:
     output: Array | None = None
     latency_ms: dict[str, float] = field(default_factory=dict)
     error: str | None = None
+    compute: str = ""  # the arithmetic the runtime computes it in here
 
 
 def _all_choices(variant: VariantSpec, usable: set[str]) -> list[Choice]:
@@ -113,7 +121,7 @@ def _run(family: FamilySpec, variant: VariantSpec, choice: Choice, x: Array, cac
             f"b{size}": _median_ms(runner, {name: np.resize(x, (size, *x.shape[1:]))}, runs)
             for size, runs in LATENCY_RUNS.items()
         }
-        return _Run(choice, output, latency)
+        return _Run(choice, output, latency, compute=runner.describe().compute)
     finally:
         runner.close()
 
@@ -180,6 +188,8 @@ def _row(
         size_kib=_size_kib(run.choice),
         latency_ms=run.latency_ms,
         error=run.error,
+        compute=run.compute,
+        peer_computes=tuple(r.compute for r in runs if r is not run and r.output is not None),
     )
 
 
