@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 INSTALLED := $(VENV)/.installed
 LLAMA := $(VENV)/.llama-installed
 
-.PHONY: demo test test-arm64 test-arm arm64-env lint typecheck unit proto models clean vllm-env llama-env foreign-env
+.PHONY: demo test test-arm64 test-arm arm64-env system-deps lint typecheck unit proto models clean vllm-env llama-env foreign-env
 
 $(INSTALLED): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -30,7 +30,7 @@ PRECISION_TESTS := tests/integration/test_tiered_path.py tests/integration/test_
 # Integration and unit tests run in two processes: gRPC's C core once crashed (a segfault in
 # its event-engine thread) late in one process that had run several hundred tests' worth of
 # channels and event loops; neither half alone has shown it.
-test: $(INSTALLED) $(LLAMA) vllm-env foreign-env lint typecheck
+test: system-deps $(INSTALLED) $(LLAMA) vllm-env foreign-env arm64-env lint typecheck
 	$(BIN)/python -m pytest -q -ra tests/integration
 	$(BIN)/python -m pytest -q -ra tests/unit
 	STRATUS_CPU_FLAGS=$$($(BIN)/python scripts/other_cpu_flags.py) $(BIN)/python -m pytest -q -ra $(PRECISION_TESTS)
@@ -57,13 +57,17 @@ vllm-env: $(INSTALLED)
 foreign-env: $(INSTALLED)
 	$(BIN)/python scripts/foreign_env.py
 
+# The system packages the tests use (promtool, a C++ compiler): apt-get as root or through
+# sudo where they are missing, else one line naming what to install.
+system-deps:
+	@bash scripts/system_deps.sh
+
 # ARM64 device agents, emulated: an aarch64 agent in a cached Debian arm64 chroot under QEMU
 # (scripts/arm64_env.py: qemu-user-static, binfmt_misc, debootstrap, host-downloaded wheels)
-# against x86 agents. `make test-arm64` always builds what is missing (about 4 min cold: the
-# chroot is cached in ~/.cache/stratus, keyed by its recipe; under 30 s cached) and runs it.
-# `make test` runs the same test only where the chroot is already cached, and otherwise skips
-# it, saying why (tests/skips.py): a cold chroot would cost a fresh 2-core CI clone 4 of its
-# 15 minutes. Where binfmt_misc cannot be mounted, both skip it, saying so.
+# against x86 agents. `make test` and `make test-arm64` build what is missing (about 4-5 min
+# cold: the chroot is cached in ~/.cache/stratus, keyed by its recipe; seconds cached) and run
+# it. A failure that may pass is tried once more, then fails the run saying why; only a kernel
+# where binfmt_misc cannot be mounted (exit 2) lets the test skip, saying so.
 arm64-env: $(INSTALLED)
 	@$(BIN)/python scripts/arm64_env.py || test $$? -eq 2
 

@@ -37,9 +37,11 @@ here=$(cd "$(dirname "$0")" && pwd)
 prefix=${1:-/opt/stratus}
 python3 -m venv "$prefix"
 "$prefix/bin/pip" install --quiet --no-index --find-links "$here/wheels" __PINS__
-"$prefix/bin/pip" install --quiet --no-index --no-deps "$here"/wheels/stratus_router-*.whl
+# --force-reinstall: a bundle of the same version number still replaces what an older one left
+"$prefix/bin/pip" install --quiet --no-index --no-deps --force-reinstall "$here"/wheels/stratus_router-*.whl
 rm -rf "$prefix/models" && cp -R "$here/models" "$prefix/models"
-echo "installed: $prefix/bin/stratus ($("$prefix/bin/stratus" --version)); models in $prefix/models"
+version=$("$prefix/bin/stratus" --version)  # fails the install (set -e) where it does not run
+echo "installed: $prefix/bin/stratus ($version); models in $prefix/models"
 echo "systemd: copy $here/stratus-agent.service to /etc/systemd/system/ and edit its --router"
 """
 

@@ -95,12 +95,19 @@ CPU_PARTS: Final = {
     "cortex-a57": "0xd07",
     "cortex-a72": "0xd08",
     "cortex-a76": "0xd0b",
+    "neoverse-n1": "0xd0c",  # server class (AWS Graviton2, Ampere Altra): ARMv8.2, dot product, FP16
 }
 Say = Callable[[str], None]
 
 
 class Unsupported(RuntimeError):
-    """This machine cannot run aarch64 binaries (no binfmt_misc, no root, no QEMU)."""
+    """This machine's kernel cannot run aarch64 binaries: binfmt_misc cannot be mounted (no
+    root, an unprivileged container). The only reason the arm64 test may skip."""
+
+
+class SetupFailed(RuntimeError):
+    """Setting up failed for a reason that may pass (the archive, pip, apt-get): retried once,
+    then the arm64 test fails, saying why, instead of skipping."""
 
 
 def _say(message: str) -> None:
@@ -144,17 +151,10 @@ def venv_ready() -> bool:
 
 
 def why_not_cached() -> str | None:
-    """None when the chroot is built; else why not: this machine cannot (what the last
-    :func:`ensure` found), or nobody built it yet. ``make test`` skips the arm64 test with it."""
+    """None when the chroot is built; else that it is not yet (``make test`` builds it)."""
     if chroot_ready():
         return None
-    unsupported = cache_dir().parent / f"{cache_dir().name}.unsupported"
-    if unsupported.exists():
-        return unsupported.read_text().strip()
-    return (
-        f"the arm64 chroot is not cached at {cache_dir()}: `make test-arm64` builds it "
-        "(about 4 min, emulated), and `make test` runs the arm64 test from then on"
-    )
+    return f"the arm64 chroot is not built yet at {cache_dir()} (`make arm64-env` builds it, about 4 min)"
 
 
 # --- 1, 2: the host ---------------------------------------------------------------------------
@@ -165,10 +165,10 @@ def host_tools(*, say: Say = _say) -> None:
     missing = sorted({package for tool, package in HOST_TOOLS.items() if shutil.which(tool) is None})
     if not missing:
         return
-    if os.geteuid() != 0 or shutil.which("apt-get") is None:
-        raise Unsupported(
-            f"binfmt_misc cannot be mounted here: {', '.join(missing)} missing and no apt-get as root"
-        )
+    if os.geteuid() != 0:
+        raise Unsupported(f"binfmt_misc cannot be mounted here: not root ({', '.join(missing)} missing too)")
+    if shutil.which("apt-get") is None:
+        raise SetupFailed(f"{', '.join(missing)} missing and no apt-get to install them with: install them")
     say(f"installing {', '.join(missing)} with apt-get")
     install = ["apt-get", "install", "-y", "-q", *missing]
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
@@ -176,7 +176,7 @@ def host_tools(*, say: Say = _say) -> None:
         subprocess.run(["apt-get", "update", "-q"], env=env, capture_output=True, check=False)
         result = subprocess.run(install, env=env, capture_output=True, text=True, check=False)
         if result.returncode != 0:
-            raise Unsupported(f"binfmt_misc cannot be mounted here: apt-get failed: {result.stderr[-500:]}")
+            raise SetupFailed(f"apt-get could not install {', '.join(missing)}: {result.stderr[-500:]}")
 
 
 def check_binfmt(*, mount: bool) -> None:
@@ -186,7 +186,7 @@ def check_binfmt(*, mount: bool) -> None:
     if entry.exists() and entry.read_text().startswith("enabled"):
         return
     if not mount:
-        raise Unsupported(
+        raise SetupFailed(
             f"binfmt_misc cannot be mounted here or has no qemu-aarch64 entry ({entry} missing)"
         )
     if not (BINFMT / "register").exists():
@@ -202,9 +202,7 @@ def check_binfmt(*, mount: bool) -> None:
             )
     subprocess.run(["update-binfmts", "--enable", "qemu-aarch64"], capture_output=True, check=False)
     if not (entry.exists() and entry.read_text().startswith("enabled")):
-        raise Unsupported(
-            "binfmt_misc cannot be mounted here with a qemu-aarch64 entry (update-binfmts failed)"
-        )
+        raise SetupFailed("binfmt_misc is mounted but update-binfmts did not enable its qemu-aarch64 entry")
 
 
 def apt_archive(paths: Sequence[Path] | None = None) -> str:
@@ -314,18 +312,26 @@ def build_venv(*, say: Say = _say) -> None:
     (venv / MARKER_NAME).write_text(venv_marker())
 
 
-def ensure(*, say: Say = _say) -> Path:
-    """Set up whatever is not yet; return the chroot. Unsupported when this machine cannot
-    (and why is kept, for :func:`why_not_cached`)."""
-    unsupported = cache_dir().parent / f"{cache_dir().name}.unsupported"
-    try:
-        host_tools(say=say)
-        check_binfmt(mount=True)
-    except Unsupported as exc:
-        unsupported.parent.mkdir(parents=True, exist_ok=True)
-        unsupported.write_text(f"{exc}\n")
-        raise
-    unsupported.unlink(missing_ok=True)
+def ensure(*, say: Say = _say, attempts: int = 2) -> Path:
+    """Set up whatever is not yet; return the chroot. Unsupported when this kernel cannot run
+    aarch64 programs (checked anew each time, never remembered); any other failure is tried
+    once more, then raised as SetupFailed, saying why."""
+    for attempt in range(1, attempts + 1):
+        try:
+            return _ensure_once(say=say)
+        except Unsupported:
+            raise
+        except (SetupFailed, subprocess.CalledProcessError, OSError) as exc:
+            why = _failure(exc)
+            if attempt == attempts:
+                raise SetupFailed(f"the arm64 chroot could not be set up ({attempts} tries): {why}") from exc
+            say(f"setting up failed ({why}); trying once more")
+    raise AssertionError("unreachable")
+
+
+def _ensure_once(*, say: Say) -> Path:
+    host_tools(say=say)
+    check_binfmt(mount=True)
     with _locked(cache_dir().parent / f"{cache_dir().name}.lock"):
         if chroot_ready():
             say(f"reusing the chroot {chroot_dir()}")
@@ -338,11 +344,40 @@ def ensure(*, say: Say = _say) -> Path:
     return chroot_dir()
 
 
+def _failure(exc: BaseException) -> str:
+    """One failure in words, with the end of what a failed command printed."""
+    if isinstance(exc, subprocess.CalledProcessError):
+        printed = (exc.stderr or exc.output or "").strip()[-1500:]
+        return (
+            f"`{' '.join(map(str, exc.cmd))[-300:]}` exited {exc.returncode}: {printed or 'printed nothing'}"
+        )
+    return str(exc)
+
+
 def _run(command: Sequence[str]) -> None:
     result = subprocess.run(command, check=False, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     if result.returncode != 0:
-        sys.stderr.write(result.stdout[-4000:])
-        raise subprocess.CalledProcessError(result.returncode, command, output=result.stdout[-2000:])
+        raise subprocess.CalledProcessError(result.returncode, command, output=result.stdout[-4000:])
+
+
+def run_in_chroot(
+    argv: Sequence[str],
+    *,
+    cpu: str = DEFAULT_CPU,
+    env: Mapping[str, str] | None = None,
+    timeout_s: float = 300.0,
+) -> str:
+    """Run ``argv`` in the chroot on the emulated ``cpu`` (the work tree at /stratus) and
+    return what it printed; a failure raises SetupFailed with its stderr, never a bare
+    CalledProcessError that hides what the emulated program said."""
+    full = command(argv, cpu=cpu, env=env)
+    result = subprocess.run(full, capture_output=True, text=True, timeout=timeout_s, check=False)
+    if result.returncode != 0:
+        raise SetupFailed(
+            f"`{' '.join(argv)[-300:]}` in the arm64 chroot ({cpu}) exited {result.returncode}: "
+            f"{(result.stderr or result.stdout).strip()[-2000:] or 'printed nothing'}"
+        )
+    return result.stdout
 
 
 # --- running in it ----------------------------------------------------------------------------
@@ -396,20 +431,29 @@ def command(
     return _enter(root, argv, env=names, tree=tree, cpuinfo=cpuinfo_for(cpu))
 
 
+# Run in the chroot with the work tree on PYTHONPATH: every module a string run there names is
+# checked to import by tests/unit/test_arm64_env.py (a moved module once broke every arm64 run).
+HWCAP_PROBE: Final = "from stratus.families.precision import arm_hwcap_flags as f; print(' '.join(f()))"
+
+
 def cpuinfo_for(cpu: str) -> Path:
     """An aarch64 ``/proc/cpuinfo`` for ``cpu``: its features as the emulated CPU reports them
     (HWCAP, read in the chroot by stratus.families.precision), one block per host CPU. Probed once."""
     path = cache_dir() / f"cpuinfo-{cpu}"
     if path.exists():
         return path
-    probe = "from stratus.families.precision import arm_hwcap_flags as f; print(' '.join(f()))"
     names = {"QEMU_CPU": cpu, "PYTHONPATH": TREE}
     result = subprocess.run(
-        _enter(chroot_dir(), [f"{VENV}/bin/python", "-c", probe], env=names, tree=ROOT, cpuinfo=None),
+        _enter(chroot_dir(), [f"{VENV}/bin/python", "-c", HWCAP_PROBE], env=names, tree=ROOT, cpuinfo=None),
         capture_output=True,
         text=True,
-        check=True,
+        check=False,
     )
+    if result.returncode != 0:
+        raise SetupFailed(
+            f"the HWCAP probe in the arm64 chroot ({cpu}) exited {result.returncode}: "
+            f"{result.stderr.strip()[-2000:] or 'printed nothing'}"
+        )
     features = result.stdout.split() or ["fp", "asimd"]
     part = CPU_PARTS.get(cpu, "0xd08")
     blocks = [
@@ -440,6 +484,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Unsupported as exc:
         _say(str(exc))
         return 2
+    except SetupFailed as exc:
+        _say(str(exc))
+        return 1
     if args.command == "run":
         full = command(args.argv, cpu=args.cpu)
         os.execvp(full[0], full)

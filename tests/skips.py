@@ -1,7 +1,7 @@
 """What the suite may skip, and why: only what cannot exist on the machine that runs it.
 
 Everything else a test needs is part of the project (a dev dependency, a committed file,
-a tool ``.ci/run`` installs), so a test that skips for any other reason fails instead
+a tool ``make test`` installs), so a test that skips for any other reason fails instead
 (the hooks in tests/conftest.py): a missing or broken part cannot pass as "not installed".
 Each entry is the start of a skip's reason, and why that skip is allowed.
 """
@@ -21,10 +21,6 @@ ALLOWED_SKIPS: dict[str, str] = {
     "binfmt_misc cannot be mounted here": "the arm64 test runs an aarch64 agent under QEMU user-mode "
     "emulation, which needs the kernel's binfmt_misc (mounted, as root, with QEMU's aarch64 entry); "
     "an unprivileged container or a kernel without it cannot run aarch64 programs at all.",
-    "the arm64 chroot is not cached": "building the emulated Debian arm64 chroot costs about 4 min on 2 "
-    "cores, which `make test` (on a fresh CI clone, already ~13 of its 15 min) cannot afford; "
-    "`make test-arm64` builds it and runs the test, and `make test` runs it on every machine where it "
-    "is cached (scripts/arm64_env.py).",
     "helm-python-sdk has no wheel for this platform": "the Helm chart's tests run Helm's Go SDK "
     "through helm-python-sdk, which ships wheels for Linux x86_64 and aarch64 (glibc), macOS arm64 and "
     "Windows x86_64 only; building it from source needs Go and Helm's Go modules.",

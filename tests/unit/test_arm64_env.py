@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import ast
+import importlib
+import inspect
+import re
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -64,7 +69,7 @@ def test_the_cache_is_keyed_by_the_recipe_outside_the_work_tree(
     assert first.parent == tmp_path / "stratus" and first.name.startswith("arm64-")
     monkeypatch.setattr(arm64_env, "RECIPE", arm64_env.RECIPE + "# another recipe\n")
     assert arm64_env.cache_dir() != first
-    assert arm64_env.why_not_cached().startswith("the arm64 chroot is not cached")
+    assert arm64_env.why_not_cached().startswith("the arm64 chroot is not built yet")
 
 
 def test_the_wheels_are_pinned_to_the_versions_this_python_runs() -> None:
@@ -73,3 +78,65 @@ def test_the_wheels_are_pinned_to_the_versions_this_python_runs() -> None:
 
     pins = arm64_env.wanted_wheels()
     assert f"numpy=={numpy.__version__}" in pins and f"grpcio=={grpc.__version__}" in pins
+
+
+ROOT = Path(__file__).resolve().parents[2]
+# Where code runs inside the chroot: the set-up's own probes, and the arm64 test's agents.
+RUN_IN_CHROOT = (ROOT / "scripts" / "arm64_env.py", ROOT / "tests" / "integration" / "test_arm64.py")
+
+
+def modules_named(source: str) -> set[tuple[str, str | None]]:
+    """(module, name) for each ``from M import N`` and (module, None) for each ``import M`` or
+    ``-m M`` in the string constants of ``source``: what a string run in the chroot imports."""
+    found: set[tuple[str, str | None]] = set()
+    for node in ast.walk(ast.parse(source)):
+        if not (isinstance(node, ast.Constant) and isinstance(node.value, str)):
+            continue
+        found |= {(m, n) for m, n in re.findall(r"\bfrom ([\w.]+) import (\w+)", node.value)}
+        found |= {(m, None) for m in re.findall(r"(?:^|;\s*)import ([\w.]+)", node.value)}
+        found |= {(m, None) for m in re.findall(r"(?:^|\s)-m ([\w.]+)", node.value)}
+    return found
+
+
+def test_a_moved_module_in_a_chroot_string_is_found() -> None:
+    named = modules_named('probe = "from stratus.precision import arm_hwcap_flags as f; import os"\n')
+    assert named == {("stratus.precision", "arm_hwcap_flags"), ("os", None)}
+    with pytest.raises(ModuleNotFoundError):
+        importlib.import_module("stratus.precision")  # where the probe looked before the move
+
+
+def test_every_module_a_string_run_in_the_chroot_names_imports() -> None:
+    from tests.integration.cluster import Cluster
+
+    named = set().union(*(modules_named(path.read_text()) for path in RUN_IN_CHROOT))
+    named.add((inspect.signature(Cluster.start).parameters["module"].default, None))  # agents: -m stratus.cli
+    assert ("stratus.families.precision", "arm_hwcap_flags") in named
+    for module, name in sorted(named, key=str):
+        imported = importlib.import_module(module)
+        assert name is None or hasattr(imported, name), f"{module} has no {name}"
+
+
+def test_a_kernel_that_cannot_mount_binfmt_is_the_only_skip(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A failure that may pass (apt-get, the archive, pip) is retried once, then fails."""
+    calls: list[int] = []
+
+    def failing(*, say: object) -> Path:
+        calls.append(1)
+        raise subprocess.CalledProcessError(100, ["apt-get", "install"], stderr="E: Could not get lock")
+
+    monkeypatch.setattr(arm64_env, "_ensure_once", failing)
+    with pytest.raises(
+        arm64_env.SetupFailed, match=r"2 tries.*apt-get install.*Could not get lock"
+    ) as raised:
+        arm64_env.ensure(say=lambda message: None)
+    assert len(calls) == 2 and not isinstance(raised.value, arm64_env.Unsupported)
+
+    def unsupported(*, say: object) -> Path:
+        calls.append(1)
+        raise arm64_env.Unsupported("binfmt_misc cannot be mounted here: permission denied")
+
+    calls.clear()
+    monkeypatch.setattr(arm64_env, "_ensure_once", unsupported)
+    with pytest.raises(arm64_env.Unsupported):
+        arm64_env.ensure(say=lambda message: None)
+    assert len(calls) == 1
