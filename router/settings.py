@@ -14,7 +14,7 @@ from router.cloud_pool import CloudTarget
 from router.threshold_auto import AutoPolicy
 from stratus.config import at_least_one, not_negative, positive, secret, setting, validate
 from stratus.sched.batching import DEFAULT_MAX_DELAY_S
-from stratus.serving.auth import AgentTokens, RouterCredentials, check_exposure
+from stratus.serving.auth import AgentTokens, RouterCredentials, check_exposure, parse_agent_pool
 from stratus.serving.channels import NO_TLS, TlsSettings
 from stratus.serving.servicer import MAX_REQUESTS_PER_CLIENT
 
@@ -52,6 +52,9 @@ class RouterSettings:
     peer_token: str = secret("STRATUS_PEER_TOKEN")
     # Per-agent tokens (AGENT_ID TOKEN lines): each id bound to its own token.
     agent_tokens_file: Path | None = None
+    # Agent certificates that are pools ((NAME, MAX): ids NAME.SUFFIX, at most MAX linked at
+    # once); any other agent certificate holds exactly its own name.
+    agent_pools: tuple[tuple[str, int], ...] = setting((), item=parse_agent_pool)
     # Inference callers must send "authorization: Bearer CLIENT_TOKEN"; empty: not asked.
     client_token: str = secret("STRATUS_CLIENT_TOKEN")
     # Sent to the cloud gateway as "authorization: Bearer CLOUD_TOKEN" (its --client-token-file).
@@ -109,6 +112,7 @@ class RouterSettings:
             agent_tokens=AgentTokens(self.agent_tokens_file) if self.agent_tokens_file else None,
             operator_token=self.operator_token or self.token,
             peer_token=self.peer_token or self.token,
+            agent_pools=dict(self.agent_pools),
         )
 
     def check_exposure(self, credentials: RouterCredentials) -> None:

@@ -7,8 +7,9 @@ a router's calls to the cloud), ``cloud`` (a cloud gateway's server identity) an
 
 * **mutual TLS**: its certificate chains to the fleet CA and carries a SPIFFE id
   ``spiffe://<trust domain>/<role>/<name>`` (``stratus certs`` writes such certificates); an
-  agent's id is its certificate's name, or ``<name>.<suffix>`` for a pool of agents sharing one
-  certificate (a DaemonSet);
+  agent's id is its certificate's name, and nothing else, unless the router's operator made
+  that name a pool (``--agent-pool NAME=MAX``: agents sharing one certificate, a DaemonSet),
+  whose ids are ``<name>.<suffix>``, at most MAX linked at once, none taking over another's;
 * **tokens**: one per role from a file or the environment, and per-agent tokens from a file of
   ``AGENT_ID TOKEN`` lines, which binds each id to its own token.
 
@@ -26,7 +27,7 @@ import logging
 import re
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final, NamedTuple, Protocol
 
@@ -121,9 +122,28 @@ def same_secret(presented: str, expected: str) -> bool:
     )
 
 
-def id_fits_certificate(agent_id: str, name: str) -> bool:
-    """An agent certificate named N holds the id N, and the pool ids ``N.<suffix>``."""
-    return agent_id == name or agent_id.startswith(f"{name}.")
+def id_fits_certificate(agent_id: str, name: str, *, pool: bool = False) -> bool:
+    """An agent certificate named N holds the id N; a pool's (``--agent-pool N=MAX``) holds
+    the ids ``N.<suffix>`` too. Without the operator's say-so, one certificate is one agent:
+    the suffix rule once let one device's certificate register 40 agents (security2 N3)."""
+    return agent_id == name or (pool and agent_id.startswith(f"{name}.") and len(agent_id) > len(name) + 1)
+
+
+POOL_PREFIX: Final = "pool:"
+
+
+def parse_agent_pool(text: str) -> tuple[str, int]:
+    """``NAME=MAX``: the agent certificate NAME is a pool of at most MAX agents linked at once."""
+    name, sep, size = text.partition("=")
+    if not sep or not NAME_PATTERN.fullmatch(name.strip()):
+        raise ValueError(f"--agent-pool {text!r}: expected NAME=MAX, NAME an agent certificate's name")
+    try:
+        most = int(size)
+    except ValueError:
+        raise ValueError(f"--agent-pool {text!r}: MAX must be a whole number") from None
+    if not 1 <= most <= 100_000:
+        raise ValueError(f"--agent-pool {text!r}: MAX must be from 1 to 100000")
+    return name.strip(), most
 
 
 class AgentTokens:
@@ -190,6 +210,8 @@ class RouterCredentials:
     agent_tokens: AgentTokens | None = None
     operator_token: str = ""
     peer_token: str = ""
+    # Agent certificates that are pools (name -> most members linked at once): --agent-pool.
+    agent_pools: Mapping[str, int] = field(default_factory=dict)
 
     @property
     def agents_authenticated(self) -> bool:
@@ -205,20 +227,25 @@ class RouterCredentials:
         return self.agents_authenticated and self.operators_authenticated
 
     def agent_identity(self, agent_id: str, token: str, context: Any) -> str:
-        """Who holds ``agent_id`` on this link: ``cert:NAME``, ``token:ID`` (a per-agent token),
-        ``fleet-token`` or ``anonymous``. A link never takes over an id another identity holds,
-        so an id is only as bound as its credential: a shared token or none binds nothing."""
+        """Who holds ``agent_id`` on this link: ``cert:NAME``, ``pool:NAME`` (a member of a
+        pool certificate), ``token:ID`` (a per-agent token), ``fleet-token`` or ``anonymous``. A
+        link never takes over an id another identity holds, so an id is only as bound as its
+        credential: a shared token or none binds nothing."""
         identity = "anonymous"
         if self.mutual_tls:
             cert = self._certificate(context, "an agent")
             if cert.role != "agent":
                 raise PermissionDenied(f"a {cert} certificate cannot join as an agent")
-            if not id_fits_certificate(agent_id, cert.name):
+            pool = cert.name in self.agent_pools
+            if not id_fits_certificate(agent_id, cert.name, pool=pool):
+                allowed = f"{cert.name!r} or '{cert.name}.SUFFIX'" if pool else f"only {cert.name!r}"
                 raise PermissionDenied(
                     f"agent id {agent_id!r} does not match its certificate's name {cert.name!r} "
-                    f"(it may be {cert.name!r} or '{cert.name}.SUFFIX')"
+                    f"(it may be {allowed}"
+                    + ("" if pool else f"; a pool's certificate is named by the router's --agent-pool {cert.name}=MAX")
+                    + ")"
                 )
-            identity = f"cert:{cert.name}"
+            identity = f"{POOL_PREFIX}{cert.name}" if pool and agent_id != cert.name else f"cert:{cert.name}"
         own = self.agent_tokens.token_for(agent_id) if self.agent_tokens is not None else None
         if own is not None:
             if not same_secret(token, own):

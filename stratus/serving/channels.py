@@ -13,7 +13,7 @@ import grpc
 
 from stratus.errors import ConfigError, InvalidInput
 from stratus.serving.auth import BearerTokenInterceptor
-from stratus.serving.interceptor import ErrorInterceptor
+from stratus.serving.interceptor import ErrorInterceptor, InferenceShare
 
 # Every server and channel refuses messages past this size (a digits batch of 64 is 16 KiB).
 MAX_MESSAGE_BYTES: Final = 16 * 1024 * 1024
@@ -108,6 +108,9 @@ NO_TLS: Final = TlsSettings()
 # SETTINGS reach it, gets REFUSED_STREAM (UNAVAILABLE) past the cap; 300 at once were seen.
 MAX_STREAMS_PER_CONNECTION: Final = 1024
 MAX_CONCURRENT_RPCS: Final = 16_384
+# Of those, the most inference calls (ModelInfer, ModelStreamInfer, metadata) may hold: the
+# last quarter is kept for agents' links, Fleet calls, ServerLive and health checks.
+INFERENCE_SHARE: Final = 12_288
 
 
 def create_server(
@@ -116,6 +119,7 @@ def create_server(
     """A server with Stratus's limits; with ``client_token``, inference calls need it as
     ``authorization: Bearer TOKEN`` (the other services check their own credentials)."""
     guards: list[grpc.aio.ServerInterceptor] = [BearerTokenInterceptor(client_token)] if client_token else []
+    guards.append(InferenceShare(INFERENCE_SHARE, exempt=BearerTokenInterceptor.OPEN))
     options = [
         *grpc_options(keepalive_s=keepalive_s, keepalive_timeout_s=keepalive_timeout_s),
         ("grpc.max_concurrent_streams", MAX_STREAMS_PER_CONNECTION),

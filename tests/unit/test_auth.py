@@ -121,7 +121,13 @@ def test_certificates_bind_agent_ids_and_pools() -> None:
     with pytest.raises(PermissionDenied, match="does not match"):
         credentials.agent_identity("device-10", "", agent)  # a prefix is not a pool member
     pool = Context(spiffe="spiffe://stratus/agent/edge-pool")
-    assert credentials.agent_identity("edge-pool.node-a", "", pool) == "cert:edge-pool"
+    with pytest.raises(PermissionDenied, match=r"it may be only 'edge-pool'; a pool's certificate is named"):
+        credentials.agent_identity("edge-pool.node-a", "", pool)  # not a pool unless the operator says so
+    pools = RouterCredentials(mutual_tls=True, agent_pools={"edge-pool": 2})
+    assert pools.agent_identity("edge-pool.node-a", "", pool) == "pool:edge-pool"
+    assert pools.agent_identity("edge-pool", "", pool) == "cert:edge-pool"
+    with pytest.raises(PermissionDenied, match="does not match"):
+        pools.agent_identity("edge-pool.", "", pool)  # a member has a suffix
     with pytest.raises(PermissionDenied, match="cannot join as an agent"):
         credentials.agent_identity("alice", "", Context(spiffe="spiffe://stratus/operator/alice"))
     with pytest.raises(PermissionDenied, match="Stratus identity"):

@@ -687,6 +687,12 @@ def test_every_container_reads_the_settings_file_and_it_passes_config_check(
     values = site.values
     assert tables["router"]["private_status"] is values.get("router", {}).get("privateStatus", True)
     assert tables["cloud"]["concurrency"] == values.get("cloud", {}).get("concurrency", 2)
+    agents = values.get("edgeAgents", {})
+    if agents.get("enabled", True):  # the pool the agents share a certificate as, bounded (N3)
+        pool = f"{agents.get('certificateName', 'edge-pool')}={agents.get('maxPoolSize', 64)}"
+        assert tables["router"]["agent_pools"] == [pool]
+    else:
+        assert "agent_pools" not in tables["router"]
     configs = {c["metadata"]["name"]: dict(c["data"]) for c in site.of_kind("ConfigMap")}
     for workload, container, args in site.containers():
         env = container_env(container, configs)
