@@ -84,7 +84,13 @@ def _reloads(server: grpc.aio.Server, settings: CloudSettings, models: LocalMode
     """Reloads on SIGHUP and on a router's CloudGateway.Reload (``stratus fleet reload --cloud``)."""
     reloader = Reloader(models)
     fpb_grpc.add_CloudGatewayServicer_to_server(
-        GatewayServicer(reloader, client_token=settings.client_token, mutual_tls=settings.tls.mutual), server
+        GatewayServicer(
+            reloader,
+            client_token=settings.client_token,
+            mutual_tls=settings.tls.mutual,
+            trust_domain=settings.tls.trust_domain,
+        ),
+        server
     )
     with contextlib.suppress(NotImplementedError, AttributeError):  # no SIGHUP off POSIX
         asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, reloader.on_hangup)

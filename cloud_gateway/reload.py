@@ -95,10 +95,13 @@ class GatewayServicer(fpb_grpc.CloudGatewayServicer):
     """Reload for a gateway's router or operator: the client token where the gateway has one,
     a router's or operator's certificate under mutual TLS, and with neither, loopback only."""
 
-    def __init__(self, reloader: Reloader, *, client_token: str, mutual_tls: bool) -> None:
+    def __init__(
+        self, reloader: Reloader, *, client_token: str, mutual_tls: bool, trust_domain: str = "stratus"
+    ) -> None:
         self._reloader = reloader
         self._expected = f"Bearer {client_token}" if client_token else ""
         self._mutual_tls = mutual_tls
+        self._trust_domain = trust_domain
 
     async def Reload(self, request: fpb.GatewayReloadRequest, context: Any) -> fpb.ReloadResponse:
         self._authorize(context)
@@ -106,7 +109,7 @@ class GatewayServicer(fpb_grpc.CloudGatewayServicer):
 
     def _authorize(self, context: Any) -> None:
         if self._mutual_tls:
-            cert = caller_certificate(context)
+            cert = caller_certificate(context, self._trust_domain)
             if cert is None or cert.role not in RELOADERS:
                 shown = f"this one is {cert}" if cert else "this one has no Stratus identity"
                 raise PermissionDenied(f"Reload needs a router's or operator's certificate; {shown}")

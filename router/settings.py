@@ -113,6 +113,7 @@ class RouterSettings:
             operator_token=self.operator_token or self.token,
             peer_token=self.peer_token or self.token,
             agent_pools=dict(self.agent_pools),
+            trust_domain=self.tls.trust_domain,
         )
 
     def check_exposure(self, credentials: RouterCredentials) -> None:

@@ -41,6 +41,18 @@ ROLES: Final = frozenset({"agent", "operator", "router", "cloud", "client"})
 NAME_PATTERN: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 TRUST_DOMAIN_PATTERN: Final = re.compile(r"[a-z0-9._-]{1,255}")  # SPIFFE's trust-domain charset
 INSECURE_WARNING_S: Final = 60.0
+# The DNS name a server leaf carries for its role (``router.stratus.spiffe.invalid``): clients
+# dialling with the fleet CA check the server's certificate against it. ``.invalid`` is
+# reserved (RFC 2606), so no real host has it and no public CA issues it.
+ROLE_NAME_SUFFIX: Final = "spiffe.invalid"
+SERVER_ROLES: Final = frozenset({"router", "cloud", "agent"})
+
+
+def role_server_name(role: str, trust_domain: str = "stratus") -> str:
+    """The name only ``role``'s certificates of ``trust_domain`` carry."""
+    if role not in SERVER_ROLES:
+        raise ValueError(f"{role!r} serves nothing a client dials by role")
+    return f"{role}.{trust_domain}.{ROLE_NAME_SUFFIX}"
 
 
 class CertIdentity(NamedTuple):
@@ -53,10 +65,12 @@ class CertIdentity(NamedTuple):
         return f"{self.role} {self.name!r}"
 
 
-def spiffe_identity(auth_context: Mapping[str, Sequence[bytes]]) -> CertIdentity | None:
-    """(role, name) from a gRPC peer's ``peer_spiffe_id``, in any trust domain; None when the
-    peer has none, more than one, or one that is not ``spiffe://<td>/<role>/<name>`` with a
-    known role and a valid name."""
+def spiffe_identity(
+    auth_context: Mapping[str, Sequence[bytes]], trust_domain: str | None = None
+) -> CertIdentity | None:
+    """(role, name) from a gRPC peer's ``peer_spiffe_id``; None when the peer has none, more
+    than one, or one that is not ``spiffe://<td>/<role>/<name>`` with a known role and a valid
+    name, or (given ``trust_domain``) one of another trust domain."""
     values = auth_context.get("peer_spiffe_id") or ()
     if len(values) != 1:
         return None
@@ -68,18 +82,21 @@ def spiffe_identity(auth_context: Mapping[str, Sequence[bytes]]) -> CertIdentity
     if len(parts) != 3:
         return None
     domain, role, name = parts
+    if trust_domain is not None and domain != trust_domain:
+        return None
     if TRUST_DOMAIN_PATTERN.fullmatch(domain) and role in ROLES and NAME_PATTERN.fullmatch(name):
         return CertIdentity(role, name)
     return None
 
 
-def caller_certificate(context: Any) -> CertIdentity | None:
-    """The caller's certificate identity on a mutual-TLS server, else None."""
+def caller_certificate(context: Any, trust_domain: str | None = "stratus") -> CertIdentity | None:
+    """The caller's certificate identity on a mutual-TLS server, in ``trust_domain`` (the
+    fleet's; None: any), else None."""
     try:
         auth_context = context.auth_context()
     except (AttributeError, RuntimeError):
         return None
-    return spiffe_identity(auth_context or {})
+    return spiffe_identity(auth_context or {}, trust_domain)
 
 
 class EndpointTls(Protocol):
@@ -212,6 +229,8 @@ class RouterCredentials:
     peer_token: str = ""
     # Agent certificates that are pools (name -> most members linked at once): --agent-pool.
     agent_pools: Mapping[str, int] = field(default_factory=dict)
+    # The fleet's SPIFFE trust domain (--tls-trust-domain): a certificate of another is no one.
+    trust_domain: str = "stratus"
 
     @property
     def agents_authenticated(self) -> bool:
@@ -261,7 +280,7 @@ class RouterCredentials:
 
     def require_operator(self, token: str, context: Any, what: str) -> None:
         """An operator: its certificate's role, or the operator token."""
-        cert = caller_certificate(context)
+        cert = caller_certificate(context, self.trust_domain)
         if cert is not None and cert.role == "operator":
             return
         if self.operator_token:
@@ -273,7 +292,7 @@ class RouterCredentials:
     def require_peer(self, token_ok: bool | None, context: Any, what: str) -> None:
         """A peer router: its certificate's role, or (with a peer token) proof that it holds
         the token (``token_ok``, checked by the caller against the message)."""
-        cert = caller_certificate(context)
+        cert = caller_certificate(context, self.trust_domain)
         if cert is not None and cert.role == "router":
             return
         if self.peer_token:
@@ -299,9 +318,8 @@ class RouterCredentials:
                 f"own machine may do it; give it {flag} or mutual TLS"
             )
 
-    @staticmethod
-    def _certificate(context: Any, who: str) -> CertIdentity:
-        cert = caller_certificate(context)
+    def _certificate(self, context: Any, who: str) -> CertIdentity:
+        cert = caller_certificate(context, self.trust_domain)
         if cert is None:
             raise PermissionDenied(
                 f"{who} needs a certificate with a Stratus identity (spiffe://<domain>/<role>/<name>, "

@@ -12,7 +12,7 @@ from typing import Any, Final
 import grpc
 
 from stratus.errors import ConfigError, InvalidInput
-from stratus.serving.auth import BearerTokenInterceptor
+from stratus.serving.auth import TRUST_DOMAIN_PATTERN, BearerTokenInterceptor, role_server_name
 from stratus.serving.interceptor import ErrorInterceptor, InferenceShare
 
 # Every server and channel refuses messages past this size (a digits batch of 64 is 16 KiB).
@@ -64,10 +64,17 @@ class TlsSettings:
     cert: Path | None = None
     key: Path | None = None
     ca: Path | None = None
+    # The fleet's SPIFFE trust domain: callers' certificates must be of it, and a server dialled
+    # with the fleet CA must carry its role's name in it (see role_server_name).
+    trust_domain: str = "stratus"
 
     def __post_init__(self) -> None:
         if (self.cert is None) != (self.key is None):
             raise ConfigError("--tls-cert and --tls-key go together")
+        if not TRUST_DOMAIN_PATTERN.fullmatch(self.trust_domain):
+            raise ConfigError(
+                f"--tls-trust-domain {self.trust_domain[:64]!r}: lowercase letters, digits, '.', '-' and '_'"
+            )
         for path in (self.cert, self.key, self.ca):
             if path is not None and not path.is_file():
                 raise ConfigError(f"TLS file {path} does not exist")
@@ -161,6 +168,22 @@ def open_channel(
     if tls.enabled:
         return grpc.aio.secure_channel(address, tls.channel_credentials(), options=options)
     return grpc.aio.insecure_channel(address, options=options)
+
+
+def server_options(role: str, tls: TlsSettings, name: str | None = None) -> list[tuple[str, Any]]:
+    """Dial a server of ``role`` (router, cloud) only if its certificate is that role's.
+
+    With the fleet CA given (``--tls-ca``), every Stratus certificate chains to it, an agent's
+    as much as a router's: a chain and a host name alone let a stolen agent key pose as the
+    router (security2 N2). gRPC's Python API has no hook to read the server's SPIFFE id, so
+    each server leaf carries its role's name (``router.<trust domain>.spiffe.invalid``, which
+    ``stratus certs`` and the Helm chart write, and no other role's leaf has), and the client
+    checks the certificate against that name instead of the host's. Without a CA (public
+    roots) the host name is checked as usual: ``name`` where the address does not say it (an
+    IP found through DNS or zeroconf), else the address's own."""
+    if tls.ca is None:
+        return server_name_options(name, tls)
+    return [("grpc.ssl_target_name_override", role_server_name(role, tls.trust_domain))]
 
 
 def server_name_options(name: str | None, tls: TlsSettings) -> list[tuple[str, Any]]:

@@ -176,17 +176,25 @@ def test_unprotected_exposure_is_refused_before_anything_starts(args: list[str],
 def test_zeroconf_is_opt_in_and_dials_only_a_router_the_ca_vouches_for(cluster: Cluster, pki, digits) -> None:  # type: ignore[no-untyped-def]
     real = cluster.start("router", ["router", "--listen", "127.0.0.1:0", *tls_args(pki["router"])])
     impostor = cluster.start("impostor", ["router", "--listen", "127.0.0.1:0", *tls_args(pki["intruder"])])
+    # security2 N2: a stolen agent key from the fleet's own CA, serving as a router
+    insider = cluster.start("insider", ["router", "--listen", "127.0.0.1:0", *tls_args(pki["dev-2"])])
+    fakes = {impostor.address, insider.address}
     seen: set[str] = set()
     for _ in range(10):  # one look may miss an advertisement that the next one finds
         seen |= set(asyncio.run(discover_all(timeout_s=10.0)))
-        if {real.address, impostor.address} <= seen:
+        if {real.address, *fakes} <= seen:
             break
-    assert {real.address, impostor.address} <= seen, (seen, real.address, impostor.address)
+    assert {real.address, *fakes} <= seen, (seen, real.address, fakes)
     agent = cluster.agent("dev-1", "auto", *tls_args(pki["dev-1"]))
     wait_until(lambda: [a.id for a in fleet_status(real.address, pki["operator"]).agents] == ["dev-1"], 30)
-    # The impostor never got a Hello: the agent's TLS handshake refused its certificate first.
-    wait_until(lambda: f"link to router {impostor.address} lost" in agent.log(), 20)
-    assert "dev-1" not in impostor.log() and "joined" not in impostor.log()
+    # Neither fake got a Hello: the agent's TLS handshake refused the certificate first (the
+    # rogue CA's, and the agent certificate that carries no router's name).
+    for fake, process in ((impostor.address, impostor), (insider.address, insider)):
+        wait_until(lambda fake=fake: f"link to router {fake} lost" in agent.log(), 20)
+        assert "dev-1" not in process.log() and "joined" not in process.log()
+    # The operator's CLI refuses the insider too, before it sends anything.
+    shown = stratus("fleet", "status", "--router", insider.address, *tls_args(pki["operator"]), timeout=30)
+    assert shown.returncode != 0 and "UNAVAILABLE" in shown.stderr, shown.stderr
     _, served = infer(real.address, digits.held_out.x[:1], tls=pki["client"])
     assert served.agent == "dev-1"
 

@@ -156,9 +156,15 @@ def test_peer_syncs_need_a_proof_or_a_router_certificate() -> None:
     for proven in (False, None):
         with pytest.raises(Unauthenticated, match="proof of the peer token"):
             credentials.require_peer(proven, Context(), "SyncRollouts")
-    RouterCredentials(mutual_tls=True).require_peer(None, Context(spiffe="spiffe://s/router/r2"), "Sync")
+    RouterCredentials(mutual_tls=True).require_peer(None, Context(spiffe="spiffe://stratus/router/r2"), "Sync")
     with pytest.raises(PermissionDenied, match="router role"):
-        RouterCredentials(mutual_tls=True).require_peer(None, Context(spiffe="spiffe://s/agent/a"), "Sync")
+        RouterCredentials(mutual_tls=True).require_peer(None, Context(spiffe="spiffe://stratus/agent/a"), "Sync")
+    # security2 N13: a router certificate of another trust domain is no one here
+    with pytest.raises(PermissionDenied, match="router role; this certificate has no Stratus identity"):
+        RouterCredentials(mutual_tls=True).require_peer(None, Context(spiffe="spiffe://other/router/r2"), "Sync")
+    RouterCredentials(mutual_tls=True, trust_domain="other").require_peer(
+        None, Context(spiffe="spiffe://other/router/r2"), "Sync"
+    )
 
 
 def test_sync_proofs_cover_the_message_and_expire() -> None:

@@ -445,6 +445,12 @@ def test_certificates_carry_each_roles_spiffe_id_and_the_names_dialled(site: Sit
             )
         assert "127.0.0.1" in spec["ipAddresses"], "the probes dial 127.0.0.1"
         names = set(spec["dnsNames"]) | set(spec["ipAddresses"])
+        domain = site.values["tls"]["certManager"].get("trustDomain", "stratus")
+        # the role's name clients with the fleet CA check (security2 N2), and no other role's
+        assert {n for n in spec["dnsNames"] if n.endswith(".spiffe.invalid")} == {
+            auth.role_server_name(args.command, domain)
+        }
+        assert args.tls_trust_domain == domain
         missing = dialled_by_role.get(args.command, set()) - names
         assert not missing, f"the {args.command} certificate lacks {sorted(missing)}, which clients dial"
         assert {"server auth", "client auth"} <= set(spec["usages"])
