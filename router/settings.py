@@ -13,8 +13,15 @@ from router.cloud_models import parse_cloud_models, parse_header
 from router.cloud_pool import CloudTarget
 from router.threshold_auto import AutoPolicy
 from stratus.config import at_least_one, not_negative, positive, secret, setting, validate
+from stratus.errors import ConfigError
 from stratus.sched.batching import DEFAULT_MAX_DELAY_S
-from stratus.serving.auth import AgentTokens, RouterCredentials, check_exposure, parse_agent_pool
+from stratus.serving.auth import (
+    AgentTokens,
+    RouterCredentials,
+    check_exposure,
+    check_secrets,
+    parse_agent_pool,
+)
 from stratus.serving.channels import NO_TLS, TlsSettings
 from stratus.serving.servicer import MAX_REQUESTS_PER_CLIENT
 
@@ -104,11 +111,17 @@ class RouterSettings:
             CloudTarget.parse(self.cloud)
         for key, value in self.cloud_headers:
             parse_header(f"{key}={value}")
+        if self.agent_tokens_file and self.agent_token:
+            raise ConfigError(
+                "--agent-token-file (one token for every agent) and --agent-tokens-file (a token "
+                "per agent) together would let any id in on the shared one: give one of them"
+            )
 
     def credentials(self) -> RouterCredentials:
         return RouterCredentials(
             mutual_tls=self.tls.mutual,
-            agent_token=self.agent_token or self.token,
+            # per-agent tokens bind every id: no shared token stands in beside them
+            agent_token="" if self.agent_tokens_file else self.agent_token or self.token,
             agent_tokens=AgentTokens(self.agent_tokens_file) if self.agent_tokens_file else None,
             operator_token=self.operator_token or self.token,
             peer_token=self.peer_token or self.token,
@@ -126,4 +139,16 @@ class RouterSettings:
             insecure=self.insecure,
             needs="credentials for agents and operators (--tls-ca for mutual TLS, or "
             "--agent-token-file/--agent-tokens-file and --operator-token-file)",
+        )
+        check_secrets(
+            "the router",
+            self.listen,
+            {
+                "the agent token": credentials.agent_token,
+                "the operator token": credentials.operator_token,
+                "the peer token": credentials.peer_token,
+                "the client token": self.client_token,
+                "the cloud token": self.cloud_token,
+            },
+            insecure=self.insecure,
         )

@@ -167,7 +167,10 @@ class AgentTokens:
     """Per-agent tokens: a file of ``AGENT_ID TOKEN`` lines (``#`` comments, blank lines).
 
     The file is read again whenever it changes, so revoking an agent is deleting its line,
-    with no restart. A file that stops parsing keeps the last good table (and says why once).
+    with no restart: a link whose token is gone ends at its next heartbeat (router/link.py).
+    A file that stops parsing, or is deleted, fails closed: no agent is admitted, and live
+    links end, until it is fixed (said as an ERROR at each change), since keeping the last
+    good table would silently keep a revoked agent in (security2 N4).
     """
 
     def __init__(self, path: Path) -> None:
@@ -190,9 +193,10 @@ class AgentTokens:
         except (OSError, ConfigError) as exc:
             if strict:
                 raise ConfigError(f"agent tokens file {self.path}: {exc}") from None
-            if self._stamp is not None:
-                log.error("agent tokens file %s unreadable, keeping the last good one: %s", self.path, exc)
-                self._stamp = None
+            failed = (-1, -1) if isinstance(exc, OSError) else stamp
+            if failed != self._stamp:
+                log.error("agent tokens file %s: %s; no agent is admitted until it is fixed", self.path, exc)
+            self._stamp, self._tokens = failed, {}
             return
         self._stamp, self._tokens = stamp, tokens
 
@@ -200,7 +204,9 @@ class AgentTokens:
 def parse_agent_tokens(text: str, path: Path) -> dict[str, str]:
     tokens: dict[str, str] = {}
     for number, line in enumerate(text.splitlines(), start=1):
-        fields = line.split("#", 1)[0].split()
+        fields = line.split()
+        comment = next((i for i, f in enumerate(fields) if f.startswith("#")), len(fields))
+        fields = fields[:comment]  # a '#' starts a comment only where a field starts: tokens may hold one
         if not fields:
             continue
         if len(fields) != 2 or not NAME_PATTERN.fullmatch(fields[0]):
@@ -265,17 +271,17 @@ class RouterCredentials:
                     + ")"
                 )
             identity = f"{POOL_PREFIX}{cert.name}" if pool and agent_id != cert.name else f"cert:{cert.name}"
-        own = self.agent_tokens.token_for(agent_id) if self.agent_tokens is not None else None
-        if own is not None:
-            if not same_secret(token, own):
-                raise Unauthenticated(f"the token of agent {agent_id!r} is missing or wrong")
+        if self.agent_tokens is not None:
+            # Per-agent tokens bind every id: an id not listed is refused, never let in on a
+            # shared token, and the refusal is the same whether it is listed or not.
+            own = self.agent_tokens.token_for(agent_id)
+            if own is None or not same_secret(token, own):
+                raise Unauthenticated(f"the token of agent {agent_id!r} is missing, wrong or revoked")
             return identity if self.mutual_tls else f"token:{agent_id}"
         if self.agent_token:
             if not same_secret(token, self.agent_token):
                 raise Unauthenticated("the agent token is missing or wrong")
             return identity if self.mutual_tls else "fleet-token"
-        if self.agent_tokens is not None and not self.mutual_tls:
-            raise Unauthenticated(f"agent {agent_id!r} has no token in the router's agent tokens file")
         return identity
 
     def require_operator(self, token: str, context: Any, what: str) -> None:
@@ -386,6 +392,35 @@ def check_exposure(
             f"{what} would listen on {listen} without {' and '.join(missing)}: anyone who reaches it "
             "could use it. Give those (see `stratus certs`), listen on 127.0.0.1, or accept the risk "
             "with --insecure"
+        )
+
+
+# The shortest secret a server reachable off loopback takes (per-agent tokens need as much).
+MIN_SECRET_CHARS: Final = 16
+
+
+def check_secrets(what: str, listen: str, secrets: Mapping[str, str], *, insecure: bool) -> None:
+    """Off loopback: every secret at least MIN_SECRET_CHARS long, and no one secret filling two
+    roles (``STRATUS_TOKEN`` alone once made every device that held it an operator and a
+    rollout peer, security2 N5). ``secrets`` maps a role's flag to its secret ("" for none)."""
+    if insecure or is_loopback(listen.rsplit(":", 1)[0]):
+        return
+    given = {flag: value for flag, value in secrets.items() if value}
+    short = sorted(flag for flag, value in given.items() if len(value) < MIN_SECRET_CHARS)
+    if short:
+        raise ConfigError(
+            f"{what} would listen on {listen} with a secret shorter than {MIN_SECRET_CHARS} characters "
+            f"({', '.join(short)}): anyone could guess it. Use longer ones, or accept the risk with --insecure"
+        )
+    by_value: dict[str, list[str]] = {}
+    for flag, value in given.items():
+        by_value.setdefault(value, []).append(flag)
+    shared = [flags for flags in by_value.values() if len(flags) > 1]
+    if shared:
+        raise ConfigError(
+            f"{what} would listen on {listen} with one secret for {', '.join(sorted(shared[0]))}: whoever "
+            "holds it has every one of those roles. Give each role its own (STRATUS_TOKEN stands in for "
+            "all that have none), or accept the risk with --insecure"
         )
 
 

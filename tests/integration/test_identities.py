@@ -9,6 +9,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -59,8 +60,8 @@ def test_per_agent_tokens_bind_each_id_to_its_own_token(cluster: Cluster, tmp_pa
     # dev-2 holds a valid token, but not dev-1's: it can neither join as dev-1 nor push it off.
     hijacker = cluster.agent("dev-1", router, env={"STRATUS_AGENT_TOKEN": TOKENS["dev-2"]}, tier="edge")
     stranger = cluster.agent("dev-9", router, env={"STRATUS_AGENT_TOKEN": TOKENS["dev-1"]})
-    wait_until(lambda: refused(hijacker, "UNAUTHENTICATED: the token of agent 'dev-1' is missing or wrong"))
-    wait_until(lambda: refused(stranger, "agent 'dev-9' has no token in the router's agent tokens file"))
+    wait_until(lambda: refused(hijacker, "UNAUTHENTICATED: the token of agent 'dev-1' is missing, wrong or revoked"))
+    wait_until(lambda: refused(stranger, "the token of agent 'dev-9' is missing, wrong or revoked"))
     agents = fleet_status(router).agents
     assert [(a.id, a.tier, a.state) for a in agents] == [("dev-1", fpb.TIER_DEVICE, fpb.AGENT_STATE_READY)]
     # The same identity may replace its own link (an agent that restarted before its old
@@ -324,3 +325,25 @@ def test_one_agent_certificate_is_one_agent_and_a_pool_holds_what_its_operator_s
     assert sorted((a.id, a.tier) for a in agents) == [
         ("dev-1", fpb.TIER_DEVICE), ("pool.n1", fpb.TIER_DEVICE), ("pool.n2", fpb.TIER_DEVICE)
     ]  # fmt: skip
+
+
+def test_deleting_an_agents_line_ends_its_live_link_within_a_heartbeat(cluster: Cluster, tmp_path: Path, digits) -> None:  # type: ignore[no-untyped-def]
+    """security2 N4: a revoked agent kept its live link and went on answering clients."""
+    tokens = tmp_path / "agents.tokens"
+    tokens.write_text("".join(f"{agent} {token}\n" for agent, token in TOKENS.items()))
+    router = cluster.router("--agent-tokens-file", str(tokens)).address
+    dev1 = cluster.agent("dev-1", router, env={"STRATUS_AGENT_TOKEN": TOKENS["dev-1"]})
+    cluster.agent("dev-2", router, env={"STRATUS_AGENT_TOKEN": TOKENS["dev-2"]})
+    wait_until(lambda: ready_count(router) == 2)
+    revoked = tmp_path / "agents.tokens.new"
+    revoked.write_text(f"dev-2 {TOKENS['dev-2']}\n")
+    revoked.replace(tokens)  # an atomic rename, as an operator's tooling would write it
+    started = time.monotonic()
+    wait_until(lambda: ready_count(router) == 1, timeout_s=10)
+    cut_off_s = time.monotonic() - started
+    assert [a.id for a in fleet_status(router).agents if a.state == fpb.AGENT_STATE_READY] == ["dev-2"]
+    wait_until(lambda: refused(dev1, "the token of agent 'dev-1' is missing, wrong or revoked"))
+    for _ in range(10):  # nothing is answered by the revoked agent any more
+        _, served = infer(router, digits.held_out.x[:1], max_tier="device")
+        assert served.agent == "dev-2"
+    assert cut_off_s < 3.0, f"the revoked link ended {cut_off_s:.1f} s after the change (heartbeats every 1 s)"
