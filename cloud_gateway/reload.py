@@ -96,9 +96,16 @@ class GatewayServicer(fpb_grpc.CloudGatewayServicer):
     a router's or operator's certificate under mutual TLS, and with neither, loopback only."""
 
     def __init__(
-        self, reloader: Reloader, *, client_token: str, mutual_tls: bool, trust_domain: str = "stratus"
+        self,
+        reloader: Reloader,
+        *,
+        client_token: str,
+        mutual_tls: bool,
+        trust_domain: str = "stratus",
+        off_loopback: bool = False,
     ) -> None:
         self._reloader = reloader
+        self._off_loopback = off_loopback  # then no caller counts as local (a proxy may front it)
         self._expected = f"Bearer {client_token}" if client_token else ""
         self._mutual_tls = mutual_tls
         self._trust_domain = trust_domain
@@ -119,6 +126,11 @@ class GatewayServicer(fpb_grpc.CloudGatewayServicer):
                 raise Unauthenticated(
                     "Reload needs 'authorization: Bearer TOKEN' (the gateway's client token)"
                 )
+        if not (self._mutual_tls or self._expected) and self._off_loopback:
+            raise PermissionDenied(
+                "Reload: this gateway listens off loopback and has no credential for it; behind a local "
+                "proxy or sidecar every caller would look local: give it --client-token-file or mutual TLS"
+            )
         if not (self._mutual_tls or self._expected) and not is_loopback_peer(context.peer()):
             raise PermissionDenied(
                 f"Reload from {context.peer()}: this gateway has no credential for it, so only callers "

@@ -20,6 +20,7 @@ from stratus.serving.auth import (
     RouterCredentials,
     check_exposure,
     check_secrets,
+    is_loopback,
     parse_agent_pool,
 )
 from stratus.serving.channels import NO_TLS, TlsSettings
@@ -70,6 +71,9 @@ class RouterSettings:
     insecure: bool = False
     # Status, Watch and rollout status need the operator role too.
     private_status: bool = False
+    # Off loopback, serve inference without a client token or mutual TLS (anyone may then use
+    # the cloud through this router): refused unless said.
+    anonymous_inference: bool = False
     # Inference requests one client address may have in flight (0: no limit).
     max_requests_per_client: int = setting(MAX_REQUESTS_PER_CLIENT, check=not_negative)
     name: str = ""
@@ -127,6 +131,7 @@ class RouterSettings:
             peer_token=self.peer_token or self.token,
             agent_pools=dict(self.agent_pools),
             trust_domain=self.tls.trust_domain,
+            off_loopback=not is_loopback(self.listen.rsplit(":", 1)[0]),
         )
 
     def check_exposure(self, credentials: RouterCredentials) -> None:
@@ -140,6 +145,17 @@ class RouterSettings:
             needs="credentials for agents and operators (--tls-ca for mutual TLS, or "
             "--agent-token-file/--agent-tokens-file and --operator-token-file)",
         )
+        if not (self.insecure or self.anonymous_inference or self.tls.mutual or self.client_token):
+            check_exposure(
+                "the router's inference API",
+                self.listen,
+                tls=True,
+                callers_authenticated=False,
+                insecure=False,
+                needs="client authentication (--tls-ca for mutual TLS, or --client-token-file): "
+                "strangers would reach the cloud through it on this router's token; or say "
+                "--anonymous-inference",
+            )
         check_secrets(
             "the router",
             self.listen,

@@ -70,6 +70,15 @@ def add_router(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     option(
         router,
         "router",
+        "anonymous_inference",
+        "--anonymous-inference",
+        action="store_true",
+        help="off loopback, serve inference to callers who prove nothing (no client token, no mutual "
+        "TLS): they may then use every tier, the cloud's included, at this router's expense",
+    )
+    option(
+        router,
+        "router",
         "agent_pools",
         "--agent-pool",
         action="append",

@@ -237,6 +237,9 @@ class RouterCredentials:
     agent_pools: Mapping[str, int] = field(default_factory=dict)
     # The fleet's SPIFFE trust domain (--tls-trust-domain): a certificate of another is no one.
     trust_domain: str = "stratus"
+    # The router listens off loopback (with --insecure): then no caller counts as local, since a
+    # proxy or sidecar on its machine (Istio's 127.0.0.6, nginx, ssh -L) makes every one look so.
+    off_loopback: bool = False
 
     @property
     def agents_authenticated(self) -> bool:
@@ -313,11 +316,17 @@ class RouterCredentials:
         if self.mutual_tls:
             shown = f"this certificate is a {cert}'s" if cert else "this certificate has no Stratus identity"
             raise PermissionDenied(f"{what} needs the {role} role; {shown}")
-        self._loopback_only(context, what, flag)
+        self._loopback_only(context, what, flag, off_loopback=self.off_loopback)
 
     @staticmethod
-    def _loopback_only(context: Any, what: str, flag: str) -> None:
+    def _loopback_only(context: Any, what: str, flag: str, *, off_loopback: bool = False) -> None:
         peer = context.peer() if context is not None else ""
+        if off_loopback:
+            raise PermissionDenied(
+                f"{what}: this router listens off loopback and has no credential for it; behind a "
+                f"local proxy or sidecar every caller would look local, so none is trusted as such: "
+                f"give it {flag} or mutual TLS"
+            )
         if not is_loopback_peer(peer):
             raise PermissionDenied(
                 f"{what} from {peer}: this router has no credential for it, so only callers on its "

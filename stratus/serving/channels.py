@@ -13,7 +13,7 @@ import grpc
 
 from stratus.errors import ConfigError, InvalidInput
 from stratus.serving.auth import TRUST_DOMAIN_PATTERN, BearerTokenInterceptor, role_server_name
-from stratus.serving.interceptor import ErrorInterceptor, InferenceShare
+from stratus.serving.interceptor import CallerRoles, ErrorInterceptor, InferenceShare
 
 # Every server and channel refuses messages past this size (a digits batch of 64 is 16 KiB).
 MAX_MESSAGE_BYTES: Final = 16 * 1024 * 1024
@@ -121,11 +121,19 @@ INFERENCE_SHARE: Final = 12_288
 
 
 def create_server(
-    *, keepalive_s: float = 10.0, keepalive_timeout_s: float = 5.0, client_token: str = ""
+    *,
+    keepalive_s: float = 10.0,
+    keepalive_timeout_s: float = 5.0,
+    client_token: str = "",
+    inference_roles: frozenset[str] | None = None,
+    trust_domain: str = "stratus",
 ) -> grpc.aio.Server:
     """A server with Stratus's limits; with ``client_token``, inference calls need it as
-    ``authorization: Bearer TOKEN`` (the other services check their own credentials)."""
+    ``authorization: Bearer TOKEN``, and with ``inference_roles`` (under mutual TLS) a
+    certificate of one of those roles (the other services check their own credentials)."""
     guards: list[grpc.aio.ServerInterceptor] = [BearerTokenInterceptor(client_token)] if client_token else []
+    if inference_roles is not None:
+        guards.append(CallerRoles(inference_roles, trust_domain=trust_domain, exempt=BearerTokenInterceptor.OPEN))
     guards.append(InferenceShare(INFERENCE_SHARE, exempt=BearerTokenInterceptor.OPEN))
     options = [
         *grpc_options(keepalive_s=keepalive_s, keepalive_timeout_s=keepalive_timeout_s),

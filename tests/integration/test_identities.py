@@ -60,7 +60,9 @@ def test_per_agent_tokens_bind_each_id_to_its_own_token(cluster: Cluster, tmp_pa
     # dev-2 holds a valid token, but not dev-1's: it can neither join as dev-1 nor push it off.
     hijacker = cluster.agent("dev-1", router, env={"STRATUS_AGENT_TOKEN": TOKENS["dev-2"]}, tier="edge")
     stranger = cluster.agent("dev-9", router, env={"STRATUS_AGENT_TOKEN": TOKENS["dev-1"]})
-    wait_until(lambda: refused(hijacker, "UNAUTHENTICATED: the token of agent 'dev-1' is missing, wrong or revoked"))
+    wait_until(
+        lambda: refused(hijacker, "UNAUTHENTICATED: the token of agent 'dev-1' is missing, wrong or revoked")
+    )
     wait_until(lambda: refused(stranger, "the token of agent 'dev-9' is missing, wrong or revoked"))
     agents = fleet_status(router).agents
     assert [(a.id, a.tier, a.state) for a in agents] == [("dev-1", fpb.TIER_DEVICE, fpb.AGENT_STATE_READY)]
@@ -127,14 +129,18 @@ def test_operator_calls_from_another_machine_need_a_credential(cluster: Cluster)
     router = cluster.router("--insecure", listen="0.0.0.0:0")
     port = router.address.rsplit(":", 1)[1]
     wait_until(lambda: "runs with --insecure" in router.log())  # and again every minute
-    for address, expected in (
-        (f"127.0.0.1:{port}", grpc.StatusCode.NOT_FOUND),
-        (f"{outside}:{port}", grpc.StatusCode.PERMISSION_DENIED),
-    ):
+    # security2 N7: listening off loopback, no caller counts as local, not even one from
+    # 127.0.0.1 (a sidecar or proxy on the machine makes every caller look so).
+    for address in (f"127.0.0.1:{port}", f"{outside}:{port}"):
         with grpc.insecure_channel(address) as channel, pytest.raises(grpc.RpcError) as error:
             fpb_grpc.FleetStub(channel).Drain(fpb.DrainRequest(agent_id="nobody"), timeout=5)
-        assert error.value.code() == expected, (address, error.value.details())
-    assert "this router has no credential for it" in (error.value.details() or "")
+        assert error.value.code() == grpc.StatusCode.PERMISSION_DENIED, (address, error.value.details())
+        assert "listens off loopback and has no credential for it" in (error.value.details() or "")
+    # A router on loopback alone takes them from its own machine (a demo needs no set-up).
+    local = cluster.router().address
+    with grpc.insecure_channel(local) as channel, pytest.raises(grpc.RpcError) as error:
+        fpb_grpc.FleetStub(channel).Drain(fpb.DrainRequest(agent_id="nobody"), timeout=5)
+    assert error.value.code() == grpc.StatusCode.NOT_FOUND, error.value.details()
 
 
 @pytest.mark.parametrize(
@@ -327,7 +333,9 @@ def test_one_agent_certificate_is_one_agent_and_a_pool_holds_what_its_operator_s
     ]  # fmt: skip
 
 
-def test_deleting_an_agents_line_ends_its_live_link_within_a_heartbeat(cluster: Cluster, tmp_path: Path, digits) -> None:  # type: ignore[no-untyped-def]
+def test_deleting_an_agents_line_ends_its_live_link_within_a_heartbeat(
+    cluster: Cluster, tmp_path: Path, digits
+) -> None:  # type: ignore[no-untyped-def]
     """security2 N4: a revoked agent kept its live link and went on answering clients."""
     tokens = tmp_path / "agents.tokens"
     tokens.write_text("".join(f"{agent} {token}\n" for agent, token in TOKENS.items()))
@@ -346,4 +354,31 @@ def test_deleting_an_agents_line_ends_its_live_link_within_a_heartbeat(cluster: 
     for _ in range(10):  # nothing is answered by the revoked agent any more
         _, served = infer(router, digits.held_out.x[:1], max_tier="device")
         assert served.agent == "dev-2"
-    assert cut_off_s < 3.0, f"the revoked link ended {cut_off_s:.1f} s after the change (heartbeats every 1 s)"
+    assert cut_off_s < 3.0, (
+        f"the revoked link ended {cut_off_s:.1f} s after the change (heartbeats every 1 s)"
+    )
+
+
+def test_the_cloud_takes_inference_only_from_routers_and_clients_under_mutual_tls(
+    cluster: Cluster, pki, digits
+) -> None:  # type: ignore[no-untyped-def]
+    """security2 N9: under mutual TLS the cloud answered any certificate of the CA, a device's
+    included; a stolen device key then used the most expensive tier directly."""
+    cloud = cluster.cloud(*tls_args(pki["cloud"])).address
+    for who, expected in (
+        ("router", grpc.StatusCode.OK),
+        ("client", grpc.StatusCode.OK),
+        ("dev-1", grpc.StatusCode.PERMISSION_DENIED),
+    ):
+        with open_sync_channel(cloud, pki[who]) as channel:
+            stub = pb_grpc.GRPCInferenceServiceStub(channel)
+            assert stub.ServerLive(pb.ServerLiveRequest(), timeout=5).live  # probes are open to all
+            try:
+                stub.ModelInfer(request(digits.held_out.x[:1], model="digits"), timeout=10)
+                code = grpc.StatusCode.OK
+            except grpc.RpcError as error:
+                code = error.code()
+                assert "inference here needs a client or operator or router certificate" in (
+                    error.details() or ""
+                )
+        assert code == expected, who

@@ -256,7 +256,21 @@ def _reachable_router(tmp_path: Path, **secrets: str) -> RouterSettings:
     cert, key = tmp_path / "router.pem", tmp_path / "router.key"
     cert.write_text("PEM")
     key.write_text("PEM")
-    return RouterSettings(listen="0.0.0.0:8001", tls=TlsSettings(cert=cert, key=key), **secrets)
+    settings: dict[str, object] = {"anonymous_inference": True, **secrets}
+    return RouterSettings(listen="0.0.0.0:8001", tls=TlsSettings(cert=cert, key=key), **settings)  # type: ignore[arg-type]
+
+
+def test_off_loopback_inference_needs_client_authentication_or_saying_anonymous(tmp_path: Path) -> None:
+    """security2 N9: a token-mode router off loopback relayed strangers to the cloud on its own
+    cloud token (1,024 items answered by digits-large)."""
+    roles = {"agent_token": "agent-token-0000000001", "operator_token": "operator-token-00000001"}
+    open_router = _reachable_router(tmp_path, anonymous_inference=False, **roles)
+    with pytest.raises(ConfigError, match=r"inference API would listen on 0\.0\.0\.0:8001 without client authentication"):
+        open_router.check_exposure(open_router.credentials())
+    guarded = _reachable_router(tmp_path, anonymous_inference=False, client_token="client-token-00000001", **roles)
+    guarded.check_exposure(guarded.credentials())
+    said = _reachable_router(tmp_path, anonymous_inference=True, **roles)
+    said.check_exposure(said.credentials())
 
 
 def test_off_loopback_one_secret_cannot_fill_several_roles_nor_be_short(tmp_path: Path) -> None:
