@@ -68,6 +68,7 @@ from abuse_requests import (  # noqa: E402
     f15_cloud_direct,
     f18_huge_shape,
     f21_huge_budget,
+    n1_silent_inference_streams,
 )
 
 from stratus.cli.demo import wait_for_agents  # noqa: E402
@@ -115,6 +116,7 @@ ATTACKS: tuple[Attack, ...] = (
     Attack("F15", "cloud direct", f15_cloud_direct),
     Attack("F18", "huge empty shape", f18_huge_shape),
     Attack("F21", "huge budget", f21_huge_budget),
+    Attack("N1", "silent inference streams", n1_silent_inference_streams),
     Attack("F16", "Watch flood", f16_watchers),
     Attack("F12", "Hello flood", f12_hello_flood),
     Attack("F16", "Watch flood after F12", f16_watchers),

@@ -9,7 +9,8 @@ import contextlib
 import json
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
 
 import aiohttp
 import grpc
@@ -21,7 +22,7 @@ from stratus.convert import codec
 from stratus.convert.inference import MAX_PROMPT_BYTES
 from stratus.convert.parameters import MAX_BUDGET_MS, set_parameter
 from stratus.serving.channels import MAX_MESSAGE_BYTES, MAX_STREAMS_PER_CONNECTION
-from stratus.serving.servicer import STREAM_WINDOW
+from stratus.serving.servicer import SILENT_STREAM_S, STREAM_WINDOW
 from stratus.wire import inference_pb2 as pb
 from stratus.wire import inference_pb2_grpc as pb_grpc
 
@@ -206,3 +207,40 @@ async def f21_huge_budget(ctx: Context) -> Outcome:
     held_codes = sum(held, start=Counter[str]())
     return Outcome(f"budget 1e12; 4 x {per_connection} x 600 s-budget x 256 items",
                    f"1e12 {codes(refused)}; 600 s {codes(held_codes)}")  # fmt: skip
+
+
+async def n1_silent_inference_streams(ctx: Context) -> Outcome:
+    """security2 N1 at full strength: 20 connections x 1,000 ModelStreamInfer streams that never
+    send a request (once enough to take all 16,384 of the router's RPC slots), held past the
+    silent-stream deadline."""
+    connections, per_connection = 20, 1000
+    hold_s = max(ctx.duration_s, SILENT_STREAM_S + 2.0)
+    tally: Counter[str] = Counter()
+    never = asyncio.Event()
+    ctx.mark()
+
+    async def nothing() -> AsyncIterator[pb.ModelInferRequest]:
+        await never.wait()
+        for request in ():  # ends without a request once the attack is over
+            yield request
+
+    async def silent(stub: Any) -> None:
+        call = stub.ModelStreamInfer(nothing())
+        try:
+            async with asyncio.timeout(hold_s):
+                await call.read()
+            tally["ended"] += 1
+        except grpc.aio.AioRpcError as error:
+            tally[ctx.name(error)] += 1
+        except TimeoutError:
+            tally["still open"] += 1
+            call.cancel()
+
+    async def connection() -> None:
+        async with ctx.channel() as channel:
+            stub = aio(pb_grpc.GRPCInferenceServiceStub(channel))
+            await asyncio.gather(*(silent(stub) for _ in range(per_connection)))
+
+    await asyncio.gather(*(connection() for _ in range(connections)))
+    never.set()
+    return Outcome(f"{connections} x {per_connection} silent ModelStreamInfer x {hold_s:g} s", codes(tally))

@@ -32,7 +32,7 @@ from stratus.families.repository import ModelRepository
 from stratus.obs.metrics import Metrics, ModelMetrics
 from stratus.obs.metrics import serve as serve_metrics
 from stratus.process import announce, stop_on_signals
-from stratus.serving.auth import check_endpoint, insecure_warning
+from stratus.serving.auth import check_endpoint, insecure_warning, is_loopback
 from stratus.serving.channels import bind, create_server
 from stratus.serving.health import Health
 from stratus.serving.servicer import ClientLimits, DataPlane, InferenceServicer
@@ -53,7 +53,12 @@ async def serve(settings: CloudSettings, stop: asyncio.Event | None = None) -> N
     metrics = Metrics()
     name = settings.name or f"cloud-{socket.gethostname()}"
     async with _data_plane(settings, metrics, name) as (plane, models):
-        server = create_server(client_token=settings.client_token)
+        server = create_server(
+            client_token=settings.client_token,
+            # under mutual TLS: escalations from routers, and clients', not any device's
+            inference_roles=frozenset({"router", "client", "operator"}) if settings.tls.mutual else None,
+            trust_domain=settings.tls.trust_domain,
+        )
         limits = ClientLimits(settings.max_requests_per_client)
         pb_grpc.add_GRPCInferenceServiceServicer_to_server(InferenceServicer(plane, limits=limits), server)
         reloader = _reloads(server, settings, models)
@@ -84,7 +89,14 @@ def _reloads(server: grpc.aio.Server, settings: CloudSettings, models: LocalMode
     """Reloads on SIGHUP and on a router's CloudGateway.Reload (``stratus fleet reload --cloud``)."""
     reloader = Reloader(models)
     fpb_grpc.add_CloudGatewayServicer_to_server(
-        GatewayServicer(reloader, client_token=settings.client_token, mutual_tls=settings.tls.mutual), server
+        GatewayServicer(
+            reloader,
+            client_token=settings.client_token,
+            mutual_tls=settings.tls.mutual,
+            trust_domain=settings.tls.trust_domain,
+            off_loopback=not is_loopback(settings.listen.rsplit(":", 1)[0]),
+        ),
+        server
     )
     with contextlib.suppress(NotImplementedError, AttributeError):  # no SIGHUP off POSIX
         asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, reloader.on_hangup)

@@ -95,10 +95,20 @@ class GatewayServicer(fpb_grpc.CloudGatewayServicer):
     """Reload for a gateway's router or operator: the client token where the gateway has one,
     a router's or operator's certificate under mutual TLS, and with neither, loopback only."""
 
-    def __init__(self, reloader: Reloader, *, client_token: str, mutual_tls: bool) -> None:
+    def __init__(
+        self,
+        reloader: Reloader,
+        *,
+        client_token: str,
+        mutual_tls: bool,
+        trust_domain: str = "stratus",
+        off_loopback: bool = False,
+    ) -> None:
         self._reloader = reloader
+        self._off_loopback = off_loopback  # then no caller counts as local (a proxy may front it)
         self._expected = f"Bearer {client_token}" if client_token else ""
         self._mutual_tls = mutual_tls
+        self._trust_domain = trust_domain
 
     async def Reload(self, request: fpb.GatewayReloadRequest, context: Any) -> fpb.ReloadResponse:
         self._authorize(context)
@@ -106,7 +116,7 @@ class GatewayServicer(fpb_grpc.CloudGatewayServicer):
 
     def _authorize(self, context: Any) -> None:
         if self._mutual_tls:
-            cert = caller_certificate(context)
+            cert = caller_certificate(context, self._trust_domain)
             if cert is None or cert.role not in RELOADERS:
                 shown = f"this one is {cert}" if cert else "this one has no Stratus identity"
                 raise PermissionDenied(f"Reload needs a router's or operator's certificate; {shown}")
@@ -116,6 +126,11 @@ class GatewayServicer(fpb_grpc.CloudGatewayServicer):
                 raise Unauthenticated(
                     "Reload needs 'authorization: Bearer TOKEN' (the gateway's client token)"
                 )
+        if not (self._mutual_tls or self._expected) and self._off_loopback:
+            raise PermissionDenied(
+                "Reload: this gateway listens off loopback and has no credential for it; behind a local "
+                "proxy or sidecar every caller would look local: give it --client-token-file or mutual TLS"
+            )
         if not (self._mutual_tls or self._expected) and not is_loopback_peer(context.peer()):
             raise PermissionDenied(
                 f"Reload from {context.peer()}: this gateway has no credential for it, so only callers "

@@ -16,7 +16,7 @@ from typing import Protocol
 import grpc
 
 from stratus.errors import StratusError
-from stratus.serving.channels import TlsSettings, open_channel, server_name_options
+from stratus.serving.channels import TlsSettings, open_channel, server_options
 from stratus.wire import fleet_pb2 as fpb
 from stratus.wire import fleet_pb2_grpc as fpb_grpc
 
@@ -135,7 +135,7 @@ async def _session(
     link = Link(address=address)
     link.outbox.put_nowait(owner.hello())
     tls = owner.settings.tls
-    async with open_channel(address, tls, extra_options=server_name_options(server_name, tls)) as channel:
+    async with open_channel(address, tls, extra_options=server_options("router", tls, server_name)) as channel:
         call = fpb_grpc.AgentLinkStub(channel).Connect(_drain_queue(link.outbox))
         try:
             welcome = await call.read()

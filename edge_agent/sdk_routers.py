@@ -10,7 +10,7 @@ import time
 import grpc
 
 from stratus.errors import StratusError
-from stratus.serving.channels import TlsSettings, open_channel, open_sync_channel
+from stratus.serving.channels import TlsSettings, open_channel, open_sync_channel, server_options
 from stratus.serving.discovery import discover_all
 
 # After a failed attempt to reach the router, answer locally for this long before retrying.
@@ -87,12 +87,12 @@ class Routers:
 
     def channel(self, address: str) -> grpc.Channel:
         if address not in self._channels:
-            self._channels[address] = open_sync_channel(address, self._tls)
+            self._channels[address] = open_sync_channel(address, self._tls, server_options("router", self._tls))
         return self._channels[address]
 
     def achannel(self, address: str) -> grpc.aio.Channel:
         if address not in self._achannels:
-            self._achannels[address] = open_channel(address, self._tls)
+            self._achannels[address] = open_channel(address, self._tls, extra_options=server_options("router", self._tls))
         return self._achannels[address]
 
     def close(self) -> None:

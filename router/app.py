@@ -67,6 +67,7 @@ async def serve(settings: RouterSettings, stop: asyncio.Event | None = None) -> 
         max_heartbeats_per_s=settings.max_heartbeats_per_s,
         max_batch_delay_s=settings.max_batch_delay_s,
         metrics=recorder,
+        pool_sizes=dict(settings.agent_pools),
     )
     pushes = _threshold_pushes(settings, registry)
     metrics.collect_with(lambda: threshold_levels(pushes, registry))

@@ -37,7 +37,7 @@ from stratus.families.description import FamilyDescription
 from stratus.families.generation import FINAL, TEXT_OUTPUT, Chunk
 from stratus.families.generation import STREAM as STREAM_PARAMETER
 from stratus.obs.stats import LatencyWindow
-from stratus.serving.channels import NO_TLS, TlsSettings, check_fits, open_channel, server_name_options
+from stratus.serving.channels import NO_TLS, TlsSettings, check_fits, open_channel, server_options
 from stratus.wire import fleet_pb2 as fpb
 from stratus.wire import fleet_pb2_grpc as fpb_grpc
 from stratus.wire import inference_pb2 as pb
@@ -160,7 +160,7 @@ class CloudLink(CloudCatalog):
         waits for it to turn READY rather than sleeping a growing delay of its own, so a
         returning cloud serves escalations within a second of listening again.
         """
-        options = [*RECONNECT_OPTIONS, *server_name_options(self._server_name, self._tls)]
+        options = [*RECONNECT_OPTIONS, *server_options("cloud", self._tls, self._server_name)]
         self._channel = open_channel(self.address, self._tls, extra_options=options)
         delay = 0.05
         while True:

@@ -17,6 +17,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import Any
 
 from router.agent_handle import AgentHandle
@@ -114,8 +115,9 @@ class AgentLinkServicer(fpb_grpc.AgentLinkServicer):
         except StratusError as exc:
             log.warning("refused agent %r from %s: %s", first.hello.agent_id, context.peer(), exc)
             raise
+        held = _Held(token=first.hello.token)
         reader = asyncio.create_task(
-            self._read(handle, request_iterator, context), name=f"stratus-link-{handle.id}"
+            self._read(handle, request_iterator, context, held), name=f"stratus-link-{handle.id}"
         )
         try:
             yield fpb.RouterMessage(
@@ -135,13 +137,17 @@ class AgentLinkServicer(fpb_grpc.AgentLinkServicer):
             self._registry.lose(handle, "link closed")
 
     async def _read(
-        self, handle: AgentHandle, messages: AsyncIterator[fpb.AgentMessage], context: Any
+        self, handle: AgentHandle, messages: AsyncIterator[fpb.AgentMessage], context: Any, held: _Held
     ) -> None:
         reason = "link ended (closed by the agent, or its connection stopped answering pings)"
         try:
             async for message in messages:
                 kind = message.WhichOneof("kind")
                 if kind == "heartbeat":
+                    revoked = self._revoked(handle, context, held)
+                    if revoked is not None:
+                        reason = revoked
+                        break
                     self._registry.heartbeat(handle, message.heartbeat)
                 elif kind == "result":
                     self._registry.result(handle, message.result)
@@ -150,7 +156,7 @@ class AgentLinkServicer(fpb_grpc.AgentLinkServicer):
                 elif kind == "draining":
                     self._registry.draining(handle)
                 elif kind == "hello":
-                    self._reannounce(handle, message.hello, context)
+                    self._reannounce(handle, message.hello, context, held)
                 elif kind == "reload_failed":
                     self._registry.reload_failed(handle, message.reload_failed.message)
                 else:
@@ -163,7 +169,18 @@ class AgentLinkServicer(fpb_grpc.AgentLinkServicer):
         log.info("agent %s: %s", handle.id, reason)
         self._registry.lose(handle, reason)
 
-    def _reannounce(self, handle: AgentHandle, hello: fpb.Hello, context: Any) -> None:
+    def _revoked(self, handle: AgentHandle, context: Any, held: _Held) -> str | None:
+        """Why the agent's credential no longer admits it (its line deleted from the agent
+        tokens file, the file broken), or None: checked at every heartbeat, so a revoked
+        agent is cut off within one (security2 N4)."""
+        try:
+            identity = self._credentials.agent_identity(handle.id, held.token, context)
+        except StratusError as exc:
+            log.warning("agent %s: its credential no longer admits it (%s): link ended", handle.id, exc)
+            return f"credential revoked: {exc}"
+        return None if identity == handle.identity else "credential revoked: it names another identity now"
+
+    def _reannounce(self, handle: AgentHandle, hello: fpb.Hello, context: Any, held: _Held) -> None:
         """A later Hello: the agent reloaded. Same credential rule as the first, and the same
         identity; a refused one leaves the agent serving what it served before."""
         try:
@@ -174,10 +191,19 @@ class AgentLinkServicer(fpb_grpc.AgentLinkServicer):
         if identity != handle.identity:
             self._registry.reload_failed(handle, "its new Hello comes with another identity")
             return
+        held.token = hello.token
         try:
             self._registry.reannounce(handle, hello)
         except InvalidInput as exc:
             log.warning("agent %s: reload refused: %s", handle.id, exc)
+
+
+@dataclass
+class _Held:
+    """What one link's agent proved itself with: the token of its last accepted Hello, which
+    every heartbeat checks again against the router's credentials."""
+
+    token: str
 
 
 def _check_hello(hello: fpb.Hello) -> None:

@@ -20,7 +20,7 @@ from router.rollout import Rollouts
 from router.thresholds import ThresholdPushes
 from stratus.errors import StratusError
 from stratus.serving.auth import proof_holds, sync_proof
-from stratus.serving.channels import NO_TLS, TlsSettings, open_channel, server_name_options
+from stratus.serving.channels import NO_TLS, TlsSettings, open_channel, server_options
 from stratus.serving.discovery import addresses_of, server_name_of
 from stratus.wire import fleet_pb2 as fpb
 from stratus.wire import fleet_pb2_grpc as fpb_grpc
@@ -85,7 +85,7 @@ class RolloutPeers:
     async def _exchange(self, address: str) -> None:
         channel = self._channels.get(address)
         if channel is None:
-            named = server_name_options(server_name_of(self.peers), self.tls)
+            named = server_options("router", self.tls, server_name_of(self.peers))
             channel = self._channels[address] = open_channel(address, self.tls, extra_options=named)
         mine = fpb.RolloutSync(
             router_id=self.rollouts.router_id,

@@ -41,6 +41,7 @@ from stratus.errors import (
 from stratus.families.description import FamilyDescription
 from stratus.obs.metrics import RouterMetrics
 from stratus.sched.batching import DEFAULT_MAX_DELAY_S
+from stratus.serving.auth import POOL_PREFIX
 from stratus.tiers import Tier
 from stratus.wire import fleet_pb2 as fpb
 
@@ -79,6 +80,7 @@ class FleetRegistry:
         max_batch_delay_s: float = DEFAULT_MAX_DELAY_S,
         clock: Callable[[], float] = time.monotonic,
         metrics: RouterMetrics | None = None,
+        pool_sizes: Mapping[str, int] | None = None,
     ) -> None:
         self.metrics = metrics
         self.heartbeat_s = heartbeat_s
@@ -92,9 +94,28 @@ class FleetRegistry:
         self._linked = 0  # agents not lost
         self._ids = itertools.count(1)
         self._watchers: set[asyncio.Queue[None]] = set()
+        self.pool_sizes: Mapping[str, int] = dict(pool_sizes or {})  # --agent-pool NAME=MAX
 
     def now(self) -> float:
         return self._clock()
+
+    def _admit_to_pool(self, agent_id: str, identity: str, previous: AgentHandle | None) -> None:
+        """A pool member (``pool:NAME``): every member holds the same certificate, so a member
+        never takes over an id that is linked (the old link is dropped once it misses its
+        heartbeats, and the id is free again), and the pool holds at most what its operator
+        configured (``--agent-pool NAME=MAX``)."""
+        if previous is not None and previous.state != State.LOST:
+            raise PermissionDenied(
+                f"agent id {agent_id!r} is linked by another member of pool {identity[len(POOL_PREFIX):]!r}; "
+                "a pool member never replaces a linked one (retry once that link is gone)"
+            )
+        most = self.pool_sizes.get(identity[len(POOL_PREFIX) :], 0)
+        linked = sum(1 for a in self.agents.values() if a.identity == identity and a.state != State.LOST)
+        if linked >= most:
+            raise PermissionDenied(
+                f"pool {identity[len(POOL_PREFIX):]!r} has {linked} agents linked, the most its operator "
+                f"configured (--agent-pool {identity[len(POOL_PREFIX):]}={most})"
+            )
 
     @property
     def families(self) -> dict[str, FamilyDescription]:
@@ -112,6 +133,8 @@ class FleetRegistry:
             raise PermissionDenied(
                 f"agent id {hello.agent_id!r} is linked by another identity; it is not replaced"
             )
+        if identity.startswith(POOL_PREFIX):
+            self._admit_to_pool(hello.agent_id, identity, previous)
         hello, described = self._agreed(hello)
         if previous is not None:
             if previous.state != State.LOST:

@@ -13,8 +13,16 @@ from router.cloud_models import parse_cloud_models, parse_header
 from router.cloud_pool import CloudTarget
 from router.threshold_auto import AutoPolicy
 from stratus.config import at_least_one, not_negative, positive, secret, setting, validate
+from stratus.errors import ConfigError
 from stratus.sched.batching import DEFAULT_MAX_DELAY_S
-from stratus.serving.auth import AgentTokens, RouterCredentials, check_exposure
+from stratus.serving.auth import (
+    AgentTokens,
+    RouterCredentials,
+    check_exposure,
+    check_secrets,
+    is_loopback,
+    parse_agent_pool,
+)
 from stratus.serving.channels import NO_TLS, TlsSettings
 from stratus.serving.servicer import MAX_REQUESTS_PER_CLIENT
 
@@ -52,6 +60,9 @@ class RouterSettings:
     peer_token: str = secret("STRATUS_PEER_TOKEN")
     # Per-agent tokens (AGENT_ID TOKEN lines): each id bound to its own token.
     agent_tokens_file: Path | None = None
+    # Agent certificates that are pools ((NAME, MAX): ids NAME.SUFFIX, at most MAX linked at
+    # once); any other agent certificate holds exactly its own name.
+    agent_pools: tuple[tuple[str, int], ...] = setting((), item=parse_agent_pool)
     # Inference callers must send "authorization: Bearer CLIENT_TOKEN"; empty: not asked.
     client_token: str = secret("STRATUS_CLIENT_TOKEN")
     # Sent to the cloud gateway as "authorization: Bearer CLOUD_TOKEN" (its --client-token-file).
@@ -60,6 +71,9 @@ class RouterSettings:
     insecure: bool = False
     # Status, Watch and rollout status need the operator role too.
     private_status: bool = False
+    # Off loopback, serve inference without a client token or mutual TLS (anyone may then use
+    # the cloud through this router): refused unless said.
+    anonymous_inference: bool = False
     # Inference requests one client address may have in flight (0: no limit).
     max_requests_per_client: int = setting(MAX_REQUESTS_PER_CLIENT, check=not_negative)
     name: str = ""
@@ -101,14 +115,23 @@ class RouterSettings:
             CloudTarget.parse(self.cloud)
         for key, value in self.cloud_headers:
             parse_header(f"{key}={value}")
+        if self.agent_tokens_file and self.agent_token:
+            raise ConfigError(
+                "--agent-token-file (one token for every agent) and --agent-tokens-file (a token "
+                "per agent) together would let any id in on the shared one: give one of them"
+            )
 
     def credentials(self) -> RouterCredentials:
         return RouterCredentials(
             mutual_tls=self.tls.mutual,
-            agent_token=self.agent_token or self.token,
+            # per-agent tokens bind every id: no shared token stands in beside them
+            agent_token="" if self.agent_tokens_file else self.agent_token or self.token,
             agent_tokens=AgentTokens(self.agent_tokens_file) if self.agent_tokens_file else None,
             operator_token=self.operator_token or self.token,
             peer_token=self.peer_token or self.token,
+            agent_pools=dict(self.agent_pools),
+            trust_domain=self.tls.trust_domain,
+            off_loopback=not is_loopback(self.listen.rsplit(":", 1)[0]),
         )
 
     def check_exposure(self, credentials: RouterCredentials) -> None:
@@ -121,4 +144,27 @@ class RouterSettings:
             insecure=self.insecure,
             needs="credentials for agents and operators (--tls-ca for mutual TLS, or "
             "--agent-token-file/--agent-tokens-file and --operator-token-file)",
+        )
+        if not (self.insecure or self.anonymous_inference or self.tls.mutual or self.client_token):
+            check_exposure(
+                "the router's inference API",
+                self.listen,
+                tls=True,
+                callers_authenticated=False,
+                insecure=False,
+                needs="client authentication (--tls-ca for mutual TLS, or --client-token-file): "
+                "strangers would reach the cloud through it on this router's token; or say "
+                "--anonymous-inference",
+            )
+        check_secrets(
+            "the router",
+            self.listen,
+            {
+                "the agent token": credentials.agent_token,
+                "the operator token": credentials.operator_token,
+                "the peer token": credentials.peer_token,
+                "the client token": self.client_token,
+                "the cloud token": self.cloud_token,
+            },
+            insecure=self.insecure,
         )

@@ -423,7 +423,7 @@ def show_value(value: Any) -> str:
     if isinstance(value, enum.Enum):
         return _label(value)
     if isinstance(value, tuple):
-        return ",".join(show_value(v) if not isinstance(v, tuple) else "=".join(v) for v in value) or "(none)"
+        return ",".join(show_value(v) if not isinstance(v, tuple) else "=".join(map(str, v)) for v in value) or "(none)"
     if value == "":
         return '""'
     return "(none)" if value is None else str(value).lower() if isinstance(value, bool) else str(value)

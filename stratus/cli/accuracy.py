@@ -7,7 +7,7 @@ import json
 from typing import Any
 
 from stratus.convert.fleet import tier_label
-from stratus.serving.channels import NO_TLS, TlsSettings, open_sync_channel
+from stratus.serving.channels import NO_TLS, TlsSettings, open_sync_channel, server_options
 from stratus.wire import fleet_pb2 as fpb
 from stratus.wire import fleet_pb2_grpc as fpb_grpc
 
@@ -149,7 +149,7 @@ def show_accuracy(
     router: str, family: str, *, agents: bool, as_json: bool, tls: TlsSettings = NO_TLS, token: str = ""
 ) -> int:
     request = fpb.AccuracyRequest(family=family, include_agents=agents, token=token)
-    with open_sync_channel(router, tls) as channel:
+    with open_sync_channel(router, tls, server_options("router", tls)) as channel:
         reply = fpb_grpc.FleetStub(channel).Accuracy(request, timeout=5.0)
     print(json.dumps(accuracy_json(reply), indent=2) if as_json else accuracy_table(reply))
     return 0

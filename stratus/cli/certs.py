@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Final
 
 from stratus.errors import ConfigError
-from stratus.serving.auth import NAME_PATTERN
+from stratus.serving.auth import NAME_PATTERN, role_server_name
 from stratus.serving.auth import ROLES as AUTH_ROLES
 
 if TYPE_CHECKING:
@@ -38,8 +38,12 @@ if TYPE_CHECKING:
     CaKey = EllipticCurvePrivateKey | RSAPrivateKey
 
 ROLES: Final = tuple(sorted(AUTH_ROLES))
-# Roles whose processes serve gRPC and so need the names their clients dial.
-SERVER_ROLES: Final = frozenset({"agent", "router", "cloud"})
+# Roles whose processes other machines dial, and so carry the names given with --host. An
+# agent's --serve endpoint is dialled on its own machine only (localhost); every leaf of a role
+# that serves also carries its role's name (role_server_name), which clients with the fleet CA
+# check, so an agent's leaf cannot pose as a router or the cloud (security2 N2).
+SERVER_ROLES: Final = frozenset({"router", "cloud"})
+LOCAL_SERVER_ROLES: Final = frozenset({"agent"})
 NAME: Final = NAME_PATTERN
 TRUST_DOMAIN: Final = "stratus"
 # A SPIFFE trust domain: lowercase letters, digits, dots, dashes and underscores.
@@ -288,12 +292,21 @@ def _write_leaf(
     from cryptography.hazmat.primitives.asymmetric import ec
 
     key = ec.generate_private_key(ec.SECP256R1())
-    served = hosts if who.role in SERVER_ROLES else ()
-    cert = _leaf(who, key, ca=ca, hosts=served, start=start, until=until)
+    cert = _leaf(who, key, ca=ca, hosts=names_for(who.role, hosts), start=start, until=until)
     written = Written(identity=who, cert=out / f"{who.stem}.pem", key=out / f"{who.stem}.key")
     _write_atomic(written.key, _key_pem(key), 0o600)
     _write_atomic(written.cert, _cert_pem(cert), 0o644)
     return written
+
+
+def names_for(role: str, hosts: Sequence[str]) -> tuple[str, ...]:
+    """The server names a leaf of ``role`` carries: its role's name, then the --host names (and
+    loopback) for a router or the cloud, loopback alone for an agent, nothing for the rest."""
+    if role in SERVER_ROLES:
+        return (role_server_name(role, TRUST_DOMAIN), *hosts)
+    if role in LOCAL_SERVER_ROLES:
+        return (role_server_name(role, TRUST_DOMAIN), *ALWAYS_HOSTS)
+    return ()
 
 
 def _leaf(

@@ -13,7 +13,7 @@ import grpc
 
 from stratus.convert.fleet import tier_label
 from stratus.convert.hardware import describe as describe_hardware
-from stratus.serving.channels import NO_TLS, TlsSettings, open_sync_channel
+from stratus.serving.channels import NO_TLS, TlsSettings, open_sync_channel, server_options
 from stratus.wire import fleet_pb2 as fpb
 from stratus.wire import fleet_pb2_grpc as fpb_grpc
 
@@ -224,7 +224,7 @@ def ready_agents(status: fpb.FleetStatus) -> int:
 
 
 def _stub(router: str, tls: TlsSettings) -> tuple[grpc.Channel, fpb_grpc.FleetStub]:
-    channel = open_sync_channel(router, tls)
+    channel = open_sync_channel(router, tls, server_options("router", tls))
     return channel, fpb_grpc.FleetStub(channel)
 
 

@@ -42,7 +42,8 @@ def secret(path: Path | None, variable: str) -> str:
 
 
 def tls_of(args: argparse.Namespace) -> TlsSettings:
-    return TlsSettings(cert=args.tls_cert, key=args.tls_key, ca=args.tls_ca)
+    domain = getattr(args, "tls_trust_domain", None)
+    return TlsSettings(cert=args.tls_cert, key=args.tls_key, ca=args.tls_ca, trust_domain=domain or "stratus")
 
 
 def add_tls(parser: argparse.ArgumentParser, role: str | None = None) -> None:
@@ -55,6 +56,15 @@ def add_tls(parser: argparse.ArgumentParser, role: str | None = None) -> None:
         action = parser.add_argument(f"--tls-{name}", type=Path, default=None, help=what)
         if role is not None:
             action.setting = (role, f"tls.{name}")  # type: ignore[attr-defined]
+    domain = parser.add_argument(
+        "--tls-trust-domain",
+        default=None,
+        metavar="DOMAIN",
+        help="the fleet's SPIFFE trust domain (default: stratus): peers' certificates must be of it, "
+        "and a router or cloud dialled with --tls-ca must carry its role's name in it",
+    )
+    if role is not None:
+        domain.setting = (role, "tls.trust_domain")  # type: ignore[attr-defined]
 
 
 def flag_names(parser: argparse.ArgumentParser) -> dict[str, str]:

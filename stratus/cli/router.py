@@ -70,6 +70,27 @@ def add_router(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     option(
         router,
         "router",
+        "anonymous_inference",
+        "--anonymous-inference",
+        action="store_true",
+        help="off loopback, serve inference to callers who prove nothing (no client token, no mutual "
+        "TLS): they may then use every tier, the cloud's included, at this router's expense",
+    )
+    option(
+        router,
+        "router",
+        "agent_pools",
+        "--agent-pool",
+        action="append",
+        type=_agent_pool,
+        metavar="NAME=MAX",
+        help="the agent certificate NAME is a pool (a DaemonSet sharing one certificate): its agents "
+        "register as NAME.SUFFIX, at most MAX linked at once, none replacing another's id "
+        "(repeatable); any other agent certificate holds exactly its own name",
+    )
+    option(
+        router,
+        "router",
         "private_status",
         "--private-status",
         action="store_true",
@@ -216,6 +237,15 @@ def _add_audits(router: argparse.ArgumentParser) -> None:
             help="no step sends more than this share to the cloud")  # fmt: skip
     option(router, "router", "auto_thresholds.interval_s", "--auto-interval", type=float,
             help="seconds between steps")  # fmt: skip
+
+
+def _agent_pool(text: str) -> tuple[str, int]:
+    from stratus.serving.auth import parse_agent_pool
+
+    try:
+        return parse_agent_pool(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _cloud_header(text: str) -> tuple[str, str]:

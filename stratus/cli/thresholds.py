@@ -25,7 +25,7 @@ from typing import Any
 import grpc
 
 from stratus.errors import ConfigError
-from stratus.serving.channels import NO_TLS, TlsSettings, open_sync_channel, server_name_options
+from stratus.serving.channels import NO_TLS, TlsSettings, open_sync_channel, server_options
 from stratus.serving.discovery import addresses_of, server_name_of
 from stratus.wire import fleet_pb2 as fpb
 from stratus.wire import fleet_pb2_grpc as fpb_grpc
@@ -107,7 +107,7 @@ def parse_assignments(text: str) -> dict[str, float]:
 
 
 def run_thresholds(router: str, asked: Asked, *, tls: TlsSettings = NO_TLS, token: str = "") -> int:
-    with open_sync_channel(router, tls) as channel:
+    with open_sync_channel(router, tls, server_options("router", tls)) as channel:
         stub = fpb_grpc.FleetStub(channel)
         status = stub.Thresholds(
             fpb.ThresholdsRequest(family=asked.family, token=token, include_rows=asked.suggest),
@@ -179,7 +179,7 @@ def _addresses(spec: str, site: SiteRows) -> list[str]:
 
 
 def _rows_of(address: str, name: str | None, family: str, tls: TlsSettings, token: str) -> fpb.ThresholdsReply:
-    with open_sync_channel(address, tls, server_name_options(name, tls)) as channel:
+    with open_sync_channel(address, tls, server_options("router", tls, name)) as channel:
         request = fpb.ThresholdsRequest(family=family, token=token, include_rows=True)
         reply: fpb.ThresholdsReply = fpb_grpc.FleetStub(channel).Thresholds(request, timeout=CALL_TIMEOUT_S)
     return reply

@@ -7,8 +7,9 @@ a router's calls to the cloud), ``cloud`` (a cloud gateway's server identity) an
 
 * **mutual TLS**: its certificate chains to the fleet CA and carries a SPIFFE id
   ``spiffe://<trust domain>/<role>/<name>`` (``stratus certs`` writes such certificates); an
-  agent's id is its certificate's name, or ``<name>.<suffix>`` for a pool of agents sharing one
-  certificate (a DaemonSet);
+  agent's id is its certificate's name, and nothing else, unless the router's operator made
+  that name a pool (``--agent-pool NAME=MAX``: agents sharing one certificate, a DaemonSet),
+  whose ids are ``<name>.<suffix>``, at most MAX linked at once, none taking over another's;
 * **tokens**: one per role from a file or the environment, and per-agent tokens from a file of
   ``AGENT_ID TOKEN`` lines, which binds each id to its own token.
 
@@ -26,7 +27,7 @@ import logging
 import re
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final, NamedTuple, Protocol
 
@@ -40,6 +41,18 @@ ROLES: Final = frozenset({"agent", "operator", "router", "cloud", "client"})
 NAME_PATTERN: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 TRUST_DOMAIN_PATTERN: Final = re.compile(r"[a-z0-9._-]{1,255}")  # SPIFFE's trust-domain charset
 INSECURE_WARNING_S: Final = 60.0
+# The DNS name a server leaf carries for its role (``router.stratus.spiffe.invalid``): clients
+# dialling with the fleet CA check the server's certificate against it. ``.invalid`` is
+# reserved (RFC 2606), so no real host has it and no public CA issues it.
+ROLE_NAME_SUFFIX: Final = "spiffe.invalid"
+SERVER_ROLES: Final = frozenset({"router", "cloud", "agent"})
+
+
+def role_server_name(role: str, trust_domain: str = "stratus") -> str:
+    """The name only ``role``'s certificates of ``trust_domain`` carry."""
+    if role not in SERVER_ROLES:
+        raise ValueError(f"{role!r} serves nothing a client dials by role")
+    return f"{role}.{trust_domain}.{ROLE_NAME_SUFFIX}"
 
 
 class CertIdentity(NamedTuple):
@@ -52,10 +65,12 @@ class CertIdentity(NamedTuple):
         return f"{self.role} {self.name!r}"
 
 
-def spiffe_identity(auth_context: Mapping[str, Sequence[bytes]]) -> CertIdentity | None:
-    """(role, name) from a gRPC peer's ``peer_spiffe_id``, in any trust domain; None when the
-    peer has none, more than one, or one that is not ``spiffe://<td>/<role>/<name>`` with a
-    known role and a valid name."""
+def spiffe_identity(
+    auth_context: Mapping[str, Sequence[bytes]], trust_domain: str | None = None
+) -> CertIdentity | None:
+    """(role, name) from a gRPC peer's ``peer_spiffe_id``; None when the peer has none, more
+    than one, or one that is not ``spiffe://<td>/<role>/<name>`` with a known role and a valid
+    name, or (given ``trust_domain``) one of another trust domain."""
     values = auth_context.get("peer_spiffe_id") or ()
     if len(values) != 1:
         return None
@@ -67,18 +82,21 @@ def spiffe_identity(auth_context: Mapping[str, Sequence[bytes]]) -> CertIdentity
     if len(parts) != 3:
         return None
     domain, role, name = parts
+    if trust_domain is not None and domain != trust_domain:
+        return None
     if TRUST_DOMAIN_PATTERN.fullmatch(domain) and role in ROLES and NAME_PATTERN.fullmatch(name):
         return CertIdentity(role, name)
     return None
 
 
-def caller_certificate(context: Any) -> CertIdentity | None:
-    """The caller's certificate identity on a mutual-TLS server, else None."""
+def caller_certificate(context: Any, trust_domain: str | None = "stratus") -> CertIdentity | None:
+    """The caller's certificate identity on a mutual-TLS server, in ``trust_domain`` (the
+    fleet's; None: any), else None."""
     try:
         auth_context = context.auth_context()
     except (AttributeError, RuntimeError):
         return None
-    return spiffe_identity(auth_context or {})
+    return spiffe_identity(auth_context or {}, trust_domain)
 
 
 class EndpointTls(Protocol):
@@ -121,16 +139,38 @@ def same_secret(presented: str, expected: str) -> bool:
     )
 
 
-def id_fits_certificate(agent_id: str, name: str) -> bool:
-    """An agent certificate named N holds the id N, and the pool ids ``N.<suffix>``."""
-    return agent_id == name or agent_id.startswith(f"{name}.")
+def id_fits_certificate(agent_id: str, name: str, *, pool: bool = False) -> bool:
+    """An agent certificate named N holds the id N; a pool's (``--agent-pool N=MAX``) holds
+    the ids ``N.<suffix>`` too. Without the operator's say-so, one certificate is one agent:
+    the suffix rule once let one device's certificate register 40 agents (security2 N3)."""
+    return agent_id == name or (pool and agent_id.startswith(f"{name}.") and len(agent_id) > len(name) + 1)
+
+
+POOL_PREFIX: Final = "pool:"
+
+
+def parse_agent_pool(text: str) -> tuple[str, int]:
+    """``NAME=MAX``: the agent certificate NAME is a pool of at most MAX agents linked at once."""
+    name, sep, size = text.partition("=")
+    if not sep or not NAME_PATTERN.fullmatch(name.strip()):
+        raise ValueError(f"--agent-pool {text!r}: expected NAME=MAX, NAME an agent certificate's name")
+    try:
+        most = int(size)
+    except ValueError:
+        raise ValueError(f"--agent-pool {text!r}: MAX must be a whole number") from None
+    if not 1 <= most <= 100_000:
+        raise ValueError(f"--agent-pool {text!r}: MAX must be from 1 to 100000")
+    return name.strip(), most
 
 
 class AgentTokens:
     """Per-agent tokens: a file of ``AGENT_ID TOKEN`` lines (``#`` comments, blank lines).
 
     The file is read again whenever it changes, so revoking an agent is deleting its line,
-    with no restart. A file that stops parsing keeps the last good table (and says why once).
+    with no restart: a link whose token is gone ends at its next heartbeat (router/link.py).
+    A file that stops parsing, or is deleted, fails closed: no agent is admitted, and live
+    links end, until it is fixed (said as an ERROR at each change), since keeping the last
+    good table would silently keep a revoked agent in (security2 N4).
     """
 
     def __init__(self, path: Path) -> None:
@@ -153,9 +193,10 @@ class AgentTokens:
         except (OSError, ConfigError) as exc:
             if strict:
                 raise ConfigError(f"agent tokens file {self.path}: {exc}") from None
-            if self._stamp is not None:
-                log.error("agent tokens file %s unreadable, keeping the last good one: %s", self.path, exc)
-                self._stamp = None
+            failed = (-1, -1) if isinstance(exc, OSError) else stamp
+            if failed != self._stamp:
+                log.error("agent tokens file %s: %s; no agent is admitted until it is fixed", self.path, exc)
+            self._stamp, self._tokens = failed, {}
             return
         self._stamp, self._tokens = stamp, tokens
 
@@ -163,7 +204,9 @@ class AgentTokens:
 def parse_agent_tokens(text: str, path: Path) -> dict[str, str]:
     tokens: dict[str, str] = {}
     for number, line in enumerate(text.splitlines(), start=1):
-        fields = line.split("#", 1)[0].split()
+        fields = line.split()
+        comment = next((i for i, f in enumerate(fields) if f.startswith("#")), len(fields))
+        fields = fields[:comment]  # a '#' starts a comment only where a field starts: tokens may hold one
         if not fields:
             continue
         if len(fields) != 2 or not NAME_PATTERN.fullmatch(fields[0]):
@@ -190,6 +233,13 @@ class RouterCredentials:
     agent_tokens: AgentTokens | None = None
     operator_token: str = ""
     peer_token: str = ""
+    # Agent certificates that are pools (name -> most members linked at once): --agent-pool.
+    agent_pools: Mapping[str, int] = field(default_factory=dict)
+    # The fleet's SPIFFE trust domain (--tls-trust-domain): a certificate of another is no one.
+    trust_domain: str = "stratus"
+    # The router listens off loopback (with --insecure): then no caller counts as local, since a
+    # proxy or sidecar on its machine (Istio's 127.0.0.6, nginx, ssh -L) makes every one look so.
+    off_loopback: bool = False
 
     @property
     def agents_authenticated(self) -> bool:
@@ -205,36 +255,41 @@ class RouterCredentials:
         return self.agents_authenticated and self.operators_authenticated
 
     def agent_identity(self, agent_id: str, token: str, context: Any) -> str:
-        """Who holds ``agent_id`` on this link: ``cert:NAME``, ``token:ID`` (a per-agent token),
-        ``fleet-token`` or ``anonymous``. A link never takes over an id another identity holds,
-        so an id is only as bound as its credential: a shared token or none binds nothing."""
+        """Who holds ``agent_id`` on this link: ``cert:NAME``, ``pool:NAME`` (a member of a
+        pool certificate), ``token:ID`` (a per-agent token), ``fleet-token`` or ``anonymous``. A
+        link never takes over an id another identity holds, so an id is only as bound as its
+        credential: a shared token or none binds nothing."""
         identity = "anonymous"
         if self.mutual_tls:
             cert = self._certificate(context, "an agent")
             if cert.role != "agent":
                 raise PermissionDenied(f"a {cert} certificate cannot join as an agent")
-            if not id_fits_certificate(agent_id, cert.name):
+            pool = cert.name in self.agent_pools
+            if not id_fits_certificate(agent_id, cert.name, pool=pool):
+                allowed = f"{cert.name!r} or '{cert.name}.SUFFIX'" if pool else f"only {cert.name!r}"
                 raise PermissionDenied(
                     f"agent id {agent_id!r} does not match its certificate's name {cert.name!r} "
-                    f"(it may be {cert.name!r} or '{cert.name}.SUFFIX')"
+                    f"(it may be {allowed}"
+                    + ("" if pool else f"; a pool's certificate is named by the router's --agent-pool {cert.name}=MAX")
+                    + ")"
                 )
-            identity = f"cert:{cert.name}"
-        own = self.agent_tokens.token_for(agent_id) if self.agent_tokens is not None else None
-        if own is not None:
-            if not same_secret(token, own):
-                raise Unauthenticated(f"the token of agent {agent_id!r} is missing or wrong")
+            identity = f"{POOL_PREFIX}{cert.name}" if pool and agent_id != cert.name else f"cert:{cert.name}"
+        if self.agent_tokens is not None:
+            # Per-agent tokens bind every id: an id not listed is refused, never let in on a
+            # shared token, and the refusal is the same whether it is listed or not.
+            own = self.agent_tokens.token_for(agent_id)
+            if own is None or not same_secret(token, own):
+                raise Unauthenticated(f"the token of agent {agent_id!r} is missing, wrong or revoked")
             return identity if self.mutual_tls else f"token:{agent_id}"
         if self.agent_token:
             if not same_secret(token, self.agent_token):
                 raise Unauthenticated("the agent token is missing or wrong")
             return identity if self.mutual_tls else "fleet-token"
-        if self.agent_tokens is not None and not self.mutual_tls:
-            raise Unauthenticated(f"agent {agent_id!r} has no token in the router's agent tokens file")
         return identity
 
     def require_operator(self, token: str, context: Any, what: str) -> None:
         """An operator: its certificate's role, or the operator token."""
-        cert = caller_certificate(context)
+        cert = caller_certificate(context, self.trust_domain)
         if cert is not None and cert.role == "operator":
             return
         if self.operator_token:
@@ -246,7 +301,7 @@ class RouterCredentials:
     def require_peer(self, token_ok: bool | None, context: Any, what: str) -> None:
         """A peer router: its certificate's role, or (with a peer token) proof that it holds
         the token (``token_ok``, checked by the caller against the message)."""
-        cert = caller_certificate(context)
+        cert = caller_certificate(context, self.trust_domain)
         if cert is not None and cert.role == "router":
             return
         if self.peer_token:
@@ -261,20 +316,25 @@ class RouterCredentials:
         if self.mutual_tls:
             shown = f"this certificate is a {cert}'s" if cert else "this certificate has no Stratus identity"
             raise PermissionDenied(f"{what} needs the {role} role; {shown}")
-        self._loopback_only(context, what, flag)
+        self._loopback_only(context, what, flag, off_loopback=self.off_loopback)
 
     @staticmethod
-    def _loopback_only(context: Any, what: str, flag: str) -> None:
+    def _loopback_only(context: Any, what: str, flag: str, *, off_loopback: bool = False) -> None:
         peer = context.peer() if context is not None else ""
+        if off_loopback:
+            raise PermissionDenied(
+                f"{what}: this router listens off loopback and has no credential for it; behind a "
+                f"local proxy or sidecar every caller would look local, so none is trusted as such: "
+                f"give it {flag} or mutual TLS"
+            )
         if not is_loopback_peer(peer):
             raise PermissionDenied(
                 f"{what} from {peer}: this router has no credential for it, so only callers on its "
                 f"own machine may do it; give it {flag} or mutual TLS"
             )
 
-    @staticmethod
-    def _certificate(context: Any, who: str) -> CertIdentity:
-        cert = caller_certificate(context)
+    def _certificate(self, context: Any, who: str) -> CertIdentity:
+        cert = caller_certificate(context, self.trust_domain)
         if cert is None:
             raise PermissionDenied(
                 f"{who} needs a certificate with a Stratus identity (spiffe://<domain>/<role>/<name>, "
@@ -341,6 +401,35 @@ def check_exposure(
             f"{what} would listen on {listen} without {' and '.join(missing)}: anyone who reaches it "
             "could use it. Give those (see `stratus certs`), listen on 127.0.0.1, or accept the risk "
             "with --insecure"
+        )
+
+
+# The shortest secret a server reachable off loopback takes (per-agent tokens need as much).
+MIN_SECRET_CHARS: Final = 16
+
+
+def check_secrets(what: str, listen: str, secrets: Mapping[str, str], *, insecure: bool) -> None:
+    """Off loopback: every secret at least MIN_SECRET_CHARS long, and no one secret filling two
+    roles (``STRATUS_TOKEN`` alone once made every device that held it an operator and a
+    rollout peer, security2 N5). ``secrets`` maps a role's flag to its secret ("" for none)."""
+    if insecure or is_loopback(listen.rsplit(":", 1)[0]):
+        return
+    given = {flag: value for flag, value in secrets.items() if value}
+    short = sorted(flag for flag, value in given.items() if len(value) < MIN_SECRET_CHARS)
+    if short:
+        raise ConfigError(
+            f"{what} would listen on {listen} with a secret shorter than {MIN_SECRET_CHARS} characters "
+            f"({', '.join(short)}): anyone could guess it. Use longer ones, or accept the risk with --insecure"
+        )
+    by_value: dict[str, list[str]] = {}
+    for flag, value in given.items():
+        by_value.setdefault(value, []).append(flag)
+    shared = [flags for flags in by_value.values() if len(flags) > 1]
+    if shared:
+        raise ConfigError(
+            f"{what} would listen on {listen} with one secret for {', '.join(sorted(shared[0]))}: whoever "
+            "holds it has every one of those roles. Give each role its own (STRATUS_TOKEN stands in for "
+            "all that have none), or accept the risk with --insecure"
         )
 
 

@@ -12,8 +12,8 @@ from typing import Any, Final
 import grpc
 
 from stratus.errors import ConfigError, InvalidInput
-from stratus.serving.auth import BearerTokenInterceptor
-from stratus.serving.interceptor import ErrorInterceptor
+from stratus.serving.auth import TRUST_DOMAIN_PATTERN, BearerTokenInterceptor, role_server_name
+from stratus.serving.interceptor import CallerRoles, ErrorInterceptor, InferenceShare
 
 # Every server and channel refuses messages past this size (a digits batch of 64 is 16 KiB).
 MAX_MESSAGE_BYTES: Final = 16 * 1024 * 1024
@@ -64,10 +64,17 @@ class TlsSettings:
     cert: Path | None = None
     key: Path | None = None
     ca: Path | None = None
+    # The fleet's SPIFFE trust domain: callers' certificates must be of it, and a server dialled
+    # with the fleet CA must carry its role's name in it (see role_server_name).
+    trust_domain: str = "stratus"
 
     def __post_init__(self) -> None:
         if (self.cert is None) != (self.key is None):
             raise ConfigError("--tls-cert and --tls-key go together")
+        if not TRUST_DOMAIN_PATTERN.fullmatch(self.trust_domain):
+            raise ConfigError(
+                f"--tls-trust-domain {self.trust_domain[:64]!r}: lowercase letters, digits, '.', '-' and '_'"
+            )
         for path in (self.cert, self.key, self.ca):
             if path is not None and not path.is_file():
                 raise ConfigError(f"TLS file {path} does not exist")
@@ -108,14 +115,26 @@ NO_TLS: Final = TlsSettings()
 # SETTINGS reach it, gets REFUSED_STREAM (UNAVAILABLE) past the cap; 300 at once were seen.
 MAX_STREAMS_PER_CONNECTION: Final = 1024
 MAX_CONCURRENT_RPCS: Final = 16_384
+# Of those, the most inference calls (ModelInfer, ModelStreamInfer, metadata) may hold: the
+# last quarter is kept for agents' links, Fleet calls, ServerLive and health checks.
+INFERENCE_SHARE: Final = 12_288
 
 
 def create_server(
-    *, keepalive_s: float = 10.0, keepalive_timeout_s: float = 5.0, client_token: str = ""
+    *,
+    keepalive_s: float = 10.0,
+    keepalive_timeout_s: float = 5.0,
+    client_token: str = "",
+    inference_roles: frozenset[str] | None = None,
+    trust_domain: str = "stratus",
 ) -> grpc.aio.Server:
     """A server with Stratus's limits; with ``client_token``, inference calls need it as
-    ``authorization: Bearer TOKEN`` (the other services check their own credentials)."""
+    ``authorization: Bearer TOKEN``, and with ``inference_roles`` (under mutual TLS) a
+    certificate of one of those roles (the other services check their own credentials)."""
     guards: list[grpc.aio.ServerInterceptor] = [BearerTokenInterceptor(client_token)] if client_token else []
+    if inference_roles is not None:
+        guards.append(CallerRoles(inference_roles, trust_domain=trust_domain, exempt=BearerTokenInterceptor.OPEN))
+    guards.append(InferenceShare(INFERENCE_SHARE, exempt=BearerTokenInterceptor.OPEN))
     options = [
         *grpc_options(keepalive_s=keepalive_s, keepalive_timeout_s=keepalive_timeout_s),
         ("grpc.max_concurrent_streams", MAX_STREAMS_PER_CONNECTION),
@@ -157,6 +176,22 @@ def open_channel(
     if tls.enabled:
         return grpc.aio.secure_channel(address, tls.channel_credentials(), options=options)
     return grpc.aio.insecure_channel(address, options=options)
+
+
+def server_options(role: str, tls: TlsSettings, name: str | None = None) -> list[tuple[str, Any]]:
+    """Dial a server of ``role`` (router, cloud) only if its certificate is that role's.
+
+    With the fleet CA given (``--tls-ca``), every Stratus certificate chains to it, an agent's
+    as much as a router's: a chain and a host name alone let a stolen agent key pose as the
+    router (security2 N2). gRPC's Python API has no hook to read the server's SPIFFE id, so
+    each server leaf carries its role's name (``router.<trust domain>.spiffe.invalid``, which
+    ``stratus certs`` and the Helm chart write, and no other role's leaf has), and the client
+    checks the certificate against that name instead of the host's. Without a CA (public
+    roots) the host name is checked as usual: ``name`` where the address does not say it (an
+    IP found through DNS or zeroconf), else the address's own."""
+    if tls.ca is None:
+        return server_name_options(name, tls)
+    return [("grpc.ssl_target_name_override", role_server_name(role, tls.trust_domain))]
 
 
 def server_name_options(name: str | None, tls: TlsSettings) -> list[tuple[str, Any]]:

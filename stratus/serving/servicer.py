@@ -23,7 +23,7 @@ from stratus import __version__
 from stratus.convert.errors import stream_error
 from stratus.convert.inference import InferRequest, InferResult
 from stratus.convert.parameters import MODEL_VERSION
-from stratus.errors import InvalidInput, NotFound, Overloaded, StratusError, drop_frames
+from stratus.errors import DeadlineExceeded, InvalidInput, NotFound, Overloaded, StratusError, drop_frames
 from stratus.serving.channels import MAX_MESSAGE_BYTES
 from stratus.wire import inference_pb2 as pb
 from stratus.wire import inference_pb2_grpc as pb_grpc
@@ -77,6 +77,15 @@ class DataPlane(abc.ABC):
 # Requests one client (one peer address) may have in flight on a server at once, so that no
 # single client takes every slot (a router's cloud link holds at most 512 at the cloud).
 MAX_REQUESTS_PER_CLIENT: Final = 1024
+# ModelStreamInfer streams one client may hold open at once: a stream costs the server its
+# slot and about 20 KiB whether it asks anything or not, and 20 connections x 1,000 silent
+# streams from one address once took all 16,384 of a router's RPC slots (security2 N1).
+MAX_STREAMS_PER_CLIENT: Final = 128
+# Of those, the streams that may wait for their first request as long as they like (a
+# router's escalation stream to the cloud stays silent until its first unsure item); past
+# them, a stream that has sent no request in SILENT_STREAM_S is closed (DEADLINE_EXCEEDED).
+IDLE_STREAMS_PER_CLIENT: Final = 8
+SILENT_STREAM_S: Final = 10.0
 
 
 def client_of(peer: str) -> str:
@@ -87,12 +96,45 @@ def client_of(peer: str) -> str:
 
 
 class ClientLimits:
-    """Requests in flight per client; past ``per_client`` a client's new ones are refused
-    with RESOURCE_EXHAUSTED while everyone else's go on. 0 turns the limit off."""
+    """Requests in flight per client, and streams open per client; past ``per_client`` (or
+    ``streams_per_client``) a client's new ones are refused with RESOURCE_EXHAUSTED while
+    everyone else's go on. 0 turns a limit off."""
 
-    def __init__(self, per_client: int = MAX_REQUESTS_PER_CLIENT) -> None:
+    def __init__(
+        self,
+        per_client: int = MAX_REQUESTS_PER_CLIENT,
+        *,
+        streams_per_client: int = MAX_STREAMS_PER_CLIENT,
+        idle_streams_per_client: int = IDLE_STREAMS_PER_CLIENT,
+        silent_stream_s: float = SILENT_STREAM_S,
+    ) -> None:
         self.per_client = per_client
         self.held: dict[str, int] = {}
+        self.streams_per_client = streams_per_client
+        self.idle_streams_per_client = idle_streams_per_client
+        self.silent_stream_s = silent_stream_s
+        self.streams: dict[str, int] = {}
+
+    @contextlib.contextmanager
+    def stream(self, peer: str) -> Iterator[float | None]:
+        """Hold one of the client's stream places while a stream is open; yields how long it
+        may stay silent before its first request (None: as long as it likes)."""
+        client = client_of(peer)
+        count = self.streams.get(client, 0)
+        if 0 < self.streams_per_client <= count:
+            raise Overloaded(
+                f"this client has {count} streams open here, the most one client may; "
+                "send requests on the streams it has, or close some"
+            )
+        self.streams[client] = count + 1
+        try:
+            yield None if count < self.idle_streams_per_client else self.silent_stream_s
+        finally:
+            left = self.streams[client] - 1
+            if left:
+                self.streams[client] = left
+            else:
+                del self.streams[client]
 
     @contextlib.contextmanager
     def hold(self, peer: str) -> Iterator[None]:
@@ -274,9 +316,11 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     ) -> AsyncIterator[pb.ModelStreamInferResponse]:
         """Requests on one stream run concurrently; each answer carries its request's id."""
         hold = functools.partial(self._limits.hold, context.peer())
-        async with _StreamSession(self._plane, request_iterator, hold, self.statistics.record) as session:
-            async for response in session.responses():
-                yield response
+        with self._limits.stream(context.peer()) as silent_s:
+            session = _StreamSession(self._plane, request_iterator, hold, self.statistics.record, silent_s=silent_s)
+            async with session:
+                async for response in session.responses():
+                    yield response
 
 
 @dataclass(frozen=True)
@@ -322,9 +366,12 @@ class _StreamSession:
         requests: AsyncIterator[pb.ModelInferRequest],
         hold: Callable[[], contextlib.AbstractContextManager[None]] = contextlib.nullcontext,
         record: Callable[[InferRequest, int, InferResult | None], None] | None = None,
+        *,
+        silent_s: float | None = None,
     ) -> None:
         self._plane = plane
         self._requests = requests
+        self._silent_s = silent_s  # how long the stream may wait for its first request
         self._hold = hold  # the client's share of the server (ClientLimits)
         self._record = record  # Statistics.record
         self._outbox: asyncio.Queue[pb.ModelStreamInferResponse | _Answered | None] = asyncio.Queue()
@@ -355,17 +402,37 @@ class _StreamSession:
 
     async def _read(self) -> None:
         try:
-            async for request in self._requests:
-                await self._window.acquire()
-                asked = InferRequest.from_wire(request)
-                size = asked.size_bytes
-                await self._bytes.acquire(size)
-                task = asyncio.create_task(self._answer(asked, size))
-                self._tasks.add(task)
-                task.add_done_callback(self._tasks.discard)
+            requests = aiter(self._requests)
+            first = await self._first(requests)
+            if first is not None:
+                await self._take(first)
+                async for request in requests:
+                    await self._take(request)
             await asyncio.gather(*self._tasks, return_exceptions=True)
         finally:
             self._outbox.put_nowait(self._DONE)
+
+    async def _first(self, requests: AsyncIterator[pb.ModelInferRequest]) -> pb.ModelInferRequest | None:
+        """The stream's first request, or None when it ends without one; a stream that may not
+        stay silent and sends nothing in time is closed, saying why."""
+        if self._silent_s is None:
+            return await anext(requests, None)
+        try:
+            return await asyncio.wait_for(anext(requests, None), self._silent_s)
+        except TimeoutError:
+            raise DeadlineExceeded(
+                f"this stream sent no request in {self._silent_s:g} s; the client holds more streams "
+                f"than the {IDLE_STREAMS_PER_CLIENT} that may wait for their first request"
+            ) from None
+
+    async def _take(self, request: pb.ModelInferRequest) -> None:
+        await self._window.acquire()
+        asked = InferRequest.from_wire(request)
+        size = asked.size_bytes
+        await self._bytes.acquire(size)
+        task = asyncio.create_task(self._answer(asked, size))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     async def _answer(self, request: InferRequest, size: int) -> None:
         started, answered = time.perf_counter_ns(), None

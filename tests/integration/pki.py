@@ -13,6 +13,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
+from stratus.serving.auth import SERVER_ROLES, role_server_name
 from stratus.serving.channels import TlsSettings
 
 
@@ -74,6 +75,8 @@ def make_leaf(
         .add_extension(
             x509.SubjectAlternativeName(
                 [
+                    # the name clients with the fleet CA check a router, cloud or agent by
+                    *([x509.DNSName(role_server_name(role))] if role in SERVER_ROLES else []),
                     x509.DNSName("localhost"),
                     *([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))] if ip else []),
                     x509.UniformResourceIdentifier(f"spiffe://stratus/{role}/{stem}"),

@@ -4,10 +4,12 @@ the router. Each against a real router, with an agent serving beside it."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections import Counter
+from collections.abc import AsyncIterator, Iterator
 
 import grpc
 import numpy as np
@@ -18,7 +20,13 @@ from stratus.convert import codec
 from stratus.convert.tensors import MAX_REQUEST_ITEMS
 from stratus.devtools.launcher import free_port
 from stratus.serving.channels import grpc_options
-from stratus.serving.servicer import STREAM_WINDOW, STREAM_WINDOW_BYTES
+from stratus.serving.servicer import (
+    IDLE_STREAMS_PER_CLIENT,
+    MAX_STREAMS_PER_CLIENT,
+    SILENT_STREAM_S,
+    STREAM_WINDOW,
+    STREAM_WINDOW_BYTES,
+)
 from stratus.wire import fleet_pb2 as fpb
 from stratus.wire import fleet_pb2_grpc as fpb_grpc
 from stratus.wire import inference_pb2 as pb
@@ -150,3 +158,62 @@ def test_a_misspelled_model_lists_a_bounded_number_of_names(cluster: Cluster, di
         infer(router, np.zeros((1, 64), np.float32), model="digts")
     assert refused.value.code() == grpc.StatusCode.NOT_FOUND
     assert refused.value.details().startswith("unknown model 'digts'; the fleet serves [")
+
+
+def test_silent_streams_are_capped_per_client_closed_when_silent_and_starve_nobody(cluster: Cluster, digits) -> None:  # type: ignore[no-untyped-def]
+    """security2 N1: one address opening many ModelStreamInfer streams that never ask anything
+    gets MAX_STREAMS_PER_CLIENT of them; all but IDLE_STREAMS_PER_CLIENT are closed once silent
+    for SILENT_STREAM_S; meanwhile ServerLive, an operator's Status and a new agent's link work,
+    and the streams allowed to wait still answer."""
+    router = cluster.router().address
+    cluster.agent("dev-1", router)
+    wait_until(lambda: ready_count(router) == 1, timeout_s=30)
+    opened = MAX_STREAMS_PER_CLIENT + 40
+
+    async def flood() -> tuple[dict[str, int], dict[str, int], pb.ModelInferResponse]:
+        never = asyncio.Event()
+        first = pb.ModelInferRequest(model_name="digits", id="late")
+        codec.encode_request_inputs(first, {"input": digits.held_out.x[:1]})
+        queues: list[asyncio.Queue[pb.ModelInferRequest | None]] = [asyncio.Queue() for _ in range(opened)]
+
+        async def requests(queue: asyncio.Queue[pb.ModelInferRequest | None]) -> AsyncIterator[pb.ModelInferRequest]:
+            while (request := await queue.get()) is not None:
+                yield request
+            await never.wait()
+
+        async with grpc.aio.insecure_channel(router, options=grpc_options()) as a, grpc.aio.insecure_channel(
+            router, options=grpc_options()
+        ) as b:
+            calls = [
+                pb_grpc.GRPCInferenceServiceStub((a, b)[i % 2]).ModelStreamInfer(requests(q))
+                for i, q in enumerate(queues)
+            ]
+            await asyncio.sleep(3.0)
+            early = Counter([(await call.code()).name for call in calls if call.done()])
+            # the router still serves everyone else while the streams are held
+            async with grpc.aio.insecure_channel(router, options=grpc_options()) as other:
+                live = await pb_grpc.GRPCInferenceServiceStub(other).ServerLive(pb.ServerLiveRequest(), timeout=5)
+                assert live.live
+            assert len(fleet_status(router).agents) == 1
+            cluster.agent("dev-2", router)
+            wait_until(lambda: ready_count(router) == 2, timeout_s=30)
+            await asyncio.sleep(SILENT_STREAM_S + 2.0)
+            late = Counter([(await call.code()).name for call in calls if call.done()])
+            waiting = [(call, q) for call, q in zip(calls, queues, strict=True) if not call.done()]
+            call, queue = waiting[0]
+            queue.put_nowait(first)
+            answer = await asyncio.wait_for(call.read(), 10)
+            never.set()
+            for call, queue in zip(calls, queues, strict=True):
+                queue.put_nowait(None)  # each request iterator ends, and with it gRPC's task reading it
+                call.cancel()
+            await asyncio.sleep(0.5)
+            return early, late, answer.infer_response
+
+    early, late, answer = asyncio.run(flood())
+    assert early == {"RESOURCE_EXHAUSTED": opened - MAX_STREAMS_PER_CLIENT}, early
+    assert late == {
+        "RESOURCE_EXHAUSTED": opened - MAX_STREAMS_PER_CLIENT,
+        "DEADLINE_EXCEEDED": MAX_STREAMS_PER_CLIENT - IDLE_STREAMS_PER_CLIENT,
+    }, late
+    assert answer.id == "late" and codec.decode_response_outputs(answer)["probabilities"].shape == (1, 10)

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from router.settings import RouterSettings
 from stratus.errors import ConfigError, Overloaded, PermissionDenied, Unauthenticated
 from stratus.serving.auth import (
     AgentTokens,
@@ -20,6 +21,7 @@ from stratus.serving.auth import (
     spiffe_identity,
     sync_proof,
 )
+from stratus.serving.channels import TlsSettings
 from stratus.serving.servicer import ClientLimits, client_of
 
 AGENT_TOKEN = "a-long-agent-token-0001"
@@ -88,12 +90,54 @@ def test_per_agent_tokens_bind_each_id_and_revocation_needs_no_restart(tmp_path:
     assert credentials.agent_identity("device-1", AGENT_TOKEN, Context()) == "token:device-1"
     with pytest.raises(Unauthenticated, match="token of agent 'device-1'"):
         credentials.agent_identity("device-1", "another-long-token-0002", Context())  # device-2's token
-    with pytest.raises(Unauthenticated, match="no token"):
+    # an id not listed gets the same answer as a wrong token: the refusal says nothing of the list
+    with pytest.raises(Unauthenticated, match="token of agent 'device-9' is missing, wrong or revoked"):
         credentials.agent_identity("device-9", AGENT_TOKEN, Context())
     path.write_text("device-2 another-long-token-0002\n")  # device-1 revoked
     os.utime(path, ns=(time.time_ns(), time.time_ns() + 10**9))
     with pytest.raises(Unauthenticated):
         credentials.agent_identity("device-1", AGENT_TOKEN, Context())
+
+
+def _touch(path: Path, seconds: int) -> None:
+    os.utime(path, ns=(time.time_ns(), time.time_ns() + seconds * 10**9))
+
+
+def test_a_broken_or_deleted_tokens_file_admits_no_one_until_fixed(tmp_path: Path) -> None:
+    """security2 N4: a file that stopped parsing kept the last good table, so a revocation
+    written beside one bad line was silently not applied. It fails closed now."""
+    path = tmp_path / "agents.tokens"
+    path.write_text(f"device-1 {AGENT_TOKEN}\n")
+    credentials = RouterCredentials(agent_tokens=AgentTokens(path))
+    assert credentials.agent_identity("device-1", AGENT_TOKEN, Context()) == "token:device-1"
+    path.write_text(f"device-1 {AGENT_TOKEN}\nkiosk-7 short\n")
+    _touch(path, 1)
+    with pytest.raises(Unauthenticated):
+        credentials.agent_identity("device-1", AGENT_TOKEN, Context())
+    path.write_text(f"device-1 {AGENT_TOKEN}\n")
+    _touch(path, 2)
+    assert credentials.agent_identity("device-1", AGENT_TOKEN, Context()) == "token:device-1"
+    path.unlink()
+    with pytest.raises(Unauthenticated):
+        credentials.agent_identity("device-1", AGENT_TOKEN, Context())
+
+
+def test_a_hash_inside_a_token_is_part_of_it(tmp_path: Path) -> None:
+    path = tmp_path / "agents.tokens"
+    path.write_text("device-2 token#with-a-hash-0002  # a comment\n")
+    credentials = RouterCredentials(agent_tokens=AgentTokens(path))
+    assert credentials.agent_identity("device-2", "token#with-a-hash-0002", Context()) == "token:device-2"
+
+
+def test_no_shared_token_lets_an_id_in_beside_per_agent_tokens(tmp_path: Path) -> None:
+    path = tmp_path / "agents.tokens"
+    path.write_text(f"device-1 {AGENT_TOKEN}\n")
+    credentials = RouterSettings(agent_tokens_file=path, token="fleet-token-shared-0001").credentials()
+    assert credentials.agent_token == ""
+    with pytest.raises(Unauthenticated, match="rogue-9"):
+        credentials.agent_identity("rogue-9", "fleet-token-shared-0001", Context())
+    with pytest.raises(ConfigError, match="give one of them"):
+        RouterSettings(agent_tokens_file=path, agent_token="fleet-token-shared-0001")
 
 
 @pytest.mark.parametrize(
@@ -121,7 +165,13 @@ def test_certificates_bind_agent_ids_and_pools() -> None:
     with pytest.raises(PermissionDenied, match="does not match"):
         credentials.agent_identity("device-10", "", agent)  # a prefix is not a pool member
     pool = Context(spiffe="spiffe://stratus/agent/edge-pool")
-    assert credentials.agent_identity("edge-pool.node-a", "", pool) == "cert:edge-pool"
+    with pytest.raises(PermissionDenied, match=r"it may be only 'edge-pool'; a pool's certificate is named"):
+        credentials.agent_identity("edge-pool.node-a", "", pool)  # not a pool unless the operator says so
+    pools = RouterCredentials(mutual_tls=True, agent_pools={"edge-pool": 2})
+    assert pools.agent_identity("edge-pool.node-a", "", pool) == "pool:edge-pool"
+    assert pools.agent_identity("edge-pool", "", pool) == "cert:edge-pool"
+    with pytest.raises(PermissionDenied, match="does not match"):
+        pools.agent_identity("edge-pool.", "", pool)  # a member has a suffix
     with pytest.raises(PermissionDenied, match="cannot join as an agent"):
         credentials.agent_identity("alice", "", Context(spiffe="spiffe://stratus/operator/alice"))
     with pytest.raises(PermissionDenied, match="Stratus identity"):
@@ -150,9 +200,15 @@ def test_peer_syncs_need_a_proof_or_a_router_certificate() -> None:
     for proven in (False, None):
         with pytest.raises(Unauthenticated, match="proof of the peer token"):
             credentials.require_peer(proven, Context(), "SyncRollouts")
-    RouterCredentials(mutual_tls=True).require_peer(None, Context(spiffe="spiffe://s/router/r2"), "Sync")
+    RouterCredentials(mutual_tls=True).require_peer(None, Context(spiffe="spiffe://stratus/router/r2"), "Sync")
     with pytest.raises(PermissionDenied, match="router role"):
-        RouterCredentials(mutual_tls=True).require_peer(None, Context(spiffe="spiffe://s/agent/a"), "Sync")
+        RouterCredentials(mutual_tls=True).require_peer(None, Context(spiffe="spiffe://stratus/agent/a"), "Sync")
+    # security2 N13: a router certificate of another trust domain is no one here
+    with pytest.raises(PermissionDenied, match="router role; this certificate has no Stratus identity"):
+        RouterCredentials(mutual_tls=True).require_peer(None, Context(spiffe="spiffe://other/router/r2"), "Sync")
+    RouterCredentials(mutual_tls=True, trust_domain="other").require_peer(
+        None, Context(spiffe="spiffe://other/router/r2"), "Sync"
+    )
 
 
 def test_sync_proofs_cover_the_message_and_expire() -> None:
@@ -194,3 +250,42 @@ def test_one_client_cannot_hold_more_than_its_share() -> None:
         with limits.hold("ipv4:10.0.0.8:1"):  # another client is not held back
             assert limits.held == {"ipv4:10.0.0.7": 2, "ipv4:10.0.0.8": 1}
     assert limits.held == {}  # every slot given back
+
+
+def _reachable_router(tmp_path: Path, **secrets: str) -> RouterSettings:
+    cert, key = tmp_path / "router.pem", tmp_path / "router.key"
+    cert.write_text("PEM")
+    key.write_text("PEM")
+    settings: dict[str, object] = {"anonymous_inference": True, **secrets}
+    return RouterSettings(listen="0.0.0.0:8001", tls=TlsSettings(cert=cert, key=key), **settings)  # type: ignore[arg-type]
+
+
+def test_off_loopback_inference_needs_client_authentication_or_saying_anonymous(tmp_path: Path) -> None:
+    """security2 N9: a token-mode router off loopback relayed strangers to the cloud on its own
+    cloud token (1,024 items answered by digits-large)."""
+    roles = {"agent_token": "agent-token-0000000001", "operator_token": "operator-token-00000001"}
+    open_router = _reachable_router(tmp_path, anonymous_inference=False, **roles)
+    with pytest.raises(ConfigError, match=r"inference API would listen on 0\.0\.0\.0:8001 without client authentication"):
+        open_router.check_exposure(open_router.credentials())
+    guarded = _reachable_router(tmp_path, anonymous_inference=False, client_token="client-token-00000001", **roles)
+    guarded.check_exposure(guarded.credentials())
+    said = _reachable_router(tmp_path, anonymous_inference=True, **roles)
+    said.check_exposure(said.credentials())
+
+
+def test_off_loopback_one_secret_cannot_fill_several_roles_nor_be_short(tmp_path: Path) -> None:
+    """security2 N5: STRATUS_TOKEN=x made every device that held it an operator and a peer."""
+    shared = _reachable_router(tmp_path, token="x")
+    with pytest.raises(ConfigError, match="shorter than 16 characters"):
+        shared.check_exposure(shared.credentials())
+    shared = _reachable_router(tmp_path, token="one-long-token-for-all-roles")
+    with pytest.raises(ConfigError, match="one secret for the agent token, the operator token, the peer token"):
+        shared.check_exposure(shared.credentials())
+    own = _reachable_router(
+        tmp_path, agent_token="agent-token-0000000001", operator_token="operator-token-00000001",
+        peer_token="peer-token-0000000000001",
+    )  # fmt: skip
+    own.check_exposure(own.credentials())
+    loopback = RouterSettings(token="x")  # a demo on one machine needs nothing
+    loopback.check_exposure(loopback.credentials())
+    _reachable_router(tmp_path, token="x", insecure=True).check_exposure(RouterSettings(token="x").credentials())

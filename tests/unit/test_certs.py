@@ -22,7 +22,7 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from stratus.cli.certs import Identity, add_parser, issue
 from stratus.errors import ConfigError
-from stratus.serving.auth import spiffe_identity
+from stratus.serving.auth import role_server_name, spiffe_identity
 
 HOSTS = ["router-a", "cloud.example.internal", "10.1.2.3"]
 
@@ -100,12 +100,36 @@ def test_every_leaf_chains_to_the_ca_as_client_and_as_server(fleet: Path) -> Non
         verified = builder.build_client_verifier().verify(leaf, [])
         uris = [n.value for n in verified.subjects or [] if isinstance(n, x509.UniformResourceIdentifier)]
         assert uris == [f"spiffe://stratus/{pem.stem.replace('-', '/', 1)}"], pem.name
-    for stem in ("router-router", "cloud-cloud", "agent-edge-1"):
+    for stem in ("router-router", "cloud-cloud"):
         server = builder.build_server_verifier(verification.DNSName("router-a"))
         server.verify(load(fleet / f"{stem}.pem"), [])
         builder.build_server_verifier(verification.IPAddress(ipaddress.ip_address("127.0.0.1"))).verify(
             load(fleet / f"{stem}.pem"), []
         )
+
+
+@pytest.mark.parametrize("role", ["router", "cloud", "agent"])
+def test_only_a_roles_own_leaves_carry_its_role_name(fleet: Path, role: str) -> None:
+    """security2 N2: every agent leaf once carried the routers' names, so a stolen agent key
+    served as the router. Clients with the fleet CA check a server against its role's name."""
+    store = verification.Store([load(fleet / "ca.pem")])
+    verifier = verification.PolicyBuilder().store(store).build_server_verifier(
+        verification.DNSName(role_server_name(role))
+    )
+    for pem in sorted(fleet.glob("*-*.pem")):
+        if pem.name.startswith(f"{role}-"):
+            verifier.verify(load(pem), [])
+        else:
+            with pytest.raises(verification.VerificationError):
+                verifier.verify(load(pem), [])
+
+
+def test_an_agent_leaf_carries_no_host_given_for_the_servers(fleet: Path) -> None:
+    store = verification.Store([load(fleet / "ca.pem")])
+    builder = verification.PolicyBuilder().store(store)
+    with pytest.raises(verification.VerificationError):
+        builder.build_server_verifier(verification.DNSName("router-a")).verify(load(fleet / "agent-edge-1.pem"), [])
+    builder.build_server_verifier(verification.DNSName("localhost")).verify(load(fleet / "agent-edge-1.pem"), [])
 
 
 def test_a_leaf_of_another_ca_does_not_verify(fleet: Path, stranger: Path) -> None:
@@ -116,12 +140,20 @@ def test_a_leaf_of_another_ca_does_not_verify(fleet: Path, stranger: Path) -> No
 
 
 def test_leaf_names_key_and_extensions(fleet: Path) -> None:
-    cert = load(fleet / "agent-device-1.pem")
-    assert cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)[0].value == "device-1"
-    assert cert.subject.get_attributes_for_oid(NameOID.ORGANIZATIONAL_UNIT_NAME)[0].value == "agent"
+    agent = load(fleet / "agent-device-1.pem").extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert agent.get_values_for_type(x509.DNSName) == ["agent.stratus.spiffe.invalid", "localhost"]
+    assert agent.get_values_for_type(x509.IPAddress) == [ipaddress.ip_address("127.0.0.1")]
+    cert = load(fleet / "router-router.pem")
+    assert cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)[0].value == "router"
+    assert cert.subject.get_attributes_for_oid(NameOID.ORGANIZATIONAL_UNIT_NAME)[0].value == "router"
     san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
-    assert san.get_values_for_type(x509.UniformResourceIdentifier) == ["spiffe://stratus/agent/device-1"]
-    assert san.get_values_for_type(x509.DNSName) == ["localhost", "router-a", "cloud.example.internal"]
+    assert san.get_values_for_type(x509.UniformResourceIdentifier) == ["spiffe://stratus/router/router"]
+    assert san.get_values_for_type(x509.DNSName) == [
+        "router.stratus.spiffe.invalid",
+        "localhost",
+        "router-a",
+        "cloud.example.internal",
+    ]
     assert san.get_values_for_type(x509.IPAddress) == [
         ipaddress.ip_address("127.0.0.1"),
         ipaddress.ip_address("10.1.2.3"),

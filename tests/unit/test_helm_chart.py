@@ -445,6 +445,12 @@ def test_certificates_carry_each_roles_spiffe_id_and_the_names_dialled(site: Sit
             )
         assert "127.0.0.1" in spec["ipAddresses"], "the probes dial 127.0.0.1"
         names = set(spec["dnsNames"]) | set(spec["ipAddresses"])
+        domain = site.values["tls"]["certManager"].get("trustDomain", "stratus")
+        # the role's name clients with the fleet CA check (security2 N2), and no other role's
+        assert {n for n in spec["dnsNames"] if n.endswith(".spiffe.invalid")} == {
+            auth.role_server_name(args.command, domain)
+        }
+        assert args.tls_trust_domain == domain
         missing = dialled_by_role.get(args.command, set()) - names
         assert not missing, f"the {args.command} certificate lacks {sorted(missing)}, which clients dial"
         assert {"server auth", "client auth"} <= set(spec["usages"])
@@ -687,6 +693,12 @@ def test_every_container_reads_the_settings_file_and_it_passes_config_check(
     values = site.values
     assert tables["router"]["private_status"] is values.get("router", {}).get("privateStatus", True)
     assert tables["cloud"]["concurrency"] == values.get("cloud", {}).get("concurrency", 2)
+    agents = values.get("edgeAgents", {})
+    if agents.get("enabled", True):  # the pool the agents share a certificate as, bounded (N3)
+        pool = f"{agents.get('certificateName', 'edge-pool')}={agents.get('maxPoolSize', 64)}"
+        assert tables["router"]["agent_pools"] == [pool]
+    else:
+        assert "agent_pools" not in tables["router"]
     configs = {c["metadata"]["name"]: dict(c["data"]) for c in site.of_kind("ConfigMap")}
     for workload, container, args in site.containers():
         env = container_env(container, configs)

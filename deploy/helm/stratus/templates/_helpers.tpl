@@ -108,6 +108,8 @@ securityContext:
 - /etc/stratus/tls/tls.key
 - --tls-ca
 - /etc/stratus/tls/ca.crt
+- --tls-trust-domain
+- {{ .Values.tls.certManager.trustDomain | default "stratus" }}
 {{- end -}}
 
 {{/*
