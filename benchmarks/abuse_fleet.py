@@ -116,8 +116,9 @@ def role_args(role: str, tokens: Tokens, *, cloud: str = "", router: str = "", o
         return [
             "router", "--listen", "127.0.0.1:0", "--cloud", cloud, "--no-advertise",
             "--cloud-token-file", str(tokens.file("client")),
+            # per-agent tokens only: beside them a shared agent token is refused (security2 N4),
+            # so the attacks that hold it (F1, F12) meet the refusal a real router gives
             "--agent-tokens-file", str(tokens.folder / "agents.tokens"),
-            "--agent-token-file", str(tokens.file("agent")),
             "--operator-token-file", str(tokens.file("operator")),
             "--peer-token-file", str(tokens.file("peer")),
             "--hello-timeout-s", str(HELLO_TIMEOUT_S),

@@ -8,6 +8,7 @@ import logging
 import random
 import socket
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 
 import grpc
 
@@ -27,6 +28,10 @@ from router.rollout import ROLLED_BACK, Plan, Rollouts
 from router.settings import OnCloudFailure, RouterSettings
 from router.threshold_auto import AutoThresholds, auto_levels
 from router.thresholds import ThresholdPushes, state_path_beside, threshold_levels
+from stratus.convert.fleet import family_from_wire
+from stratus.execution.describe import family_info
+from stratus.families.description import FamilyDescription
+from stratus.families.repository import ModelRepository
 from stratus.obs.metrics import Metrics, RouterMetrics
 from stratus.obs.metrics import serve as serve_metrics
 from stratus.process import announce, raise_open_files_limit, stop_on_signals
@@ -68,6 +73,7 @@ async def serve(settings: RouterSettings, stop: asyncio.Event | None = None) -> 
         max_batch_delay_s=settings.max_batch_delay_s,
         metrics=recorder,
         pool_sizes=dict(settings.agent_pools),
+        own_families=own_families(settings.models) if settings.models is not None else None,
     )
     pushes = _threshold_pushes(settings, registry)
     metrics.collect_with(lambda: threshold_levels(pushes, registry))
@@ -224,6 +230,12 @@ def _rollouts(settings: RouterSettings, metrics: Metrics, recorder: RouterMetric
     rollouts.listeners.append(lambda plan, why: _count_rollback(recorder, rollouts, plan))
     metrics.collect_with(lambda: rollout_levels(rollouts))
     return rollouts
+
+
+def own_families(folder: Path) -> dict[str, FamilyDescription]:
+    """Each family of the operator's models folder as an agent's Hello would describe it."""
+    repository = ModelRepository.load(folder)
+    return {name: family_from_wire(family_info(spec)) for name, spec in repository.families.items()}
 
 
 def _threshold_pushes(settings: RouterSettings, registry: FleetRegistry) -> ThresholdPushes:

@@ -19,6 +19,7 @@ import itertools
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
+from typing import Final
 
 from router.agent_handle import AgentHandle, State
 from router.backends.agent import AgentWork, WorkSettings
@@ -62,6 +63,10 @@ MAX_WATCHERS = 64
 MAX_RELOAD_WAIT_S = 600.0
 
 
+# What two descriptions of a family must agree on to be served together.
+_DESCRIBED: Final = ("inputs", "outputs", "thresholds", "calibrated_cloud_share", "generation")
+
+
 def pace_for(agents: int, *, base_s: float, max_per_s: float) -> float:
     """The heartbeat interval for a fleet of ``agents``: ``base_s`` doubled until the whole
     fleet sends at most ``max_per_s`` heartbeats a second (steps, so it rarely changes)."""
@@ -81,8 +86,13 @@ class FleetRegistry:
         clock: Callable[[], float] = time.monotonic,
         metrics: RouterMetrics | None = None,
         pool_sizes: Mapping[str, int] | None = None,
+        own_families: Mapping[str, FamilyDescription] | None = None,
     ) -> None:
         self.metrics = metrics
+        # The families as the operator's own copy of the models folder describes them (--models):
+        # then an agent's Hello must match them, whoever speaks first (security2 F2). None: the
+        # first ready agent's description is the fleet's.
+        self.own_families = dict(own_families) if own_families is not None else None
         self.heartbeat_s = heartbeat_s
         self.max_batch_delay_s = max_batch_delay_s
         self.max_heartbeats_per_s = max_heartbeats_per_s
@@ -212,21 +222,32 @@ class FleetRegistry:
         log.warning("agent %s: not serving %s here: %s", hello.agent_id, sorted(conflicts), reasons)
         return kept, [family for family in described if family.name not in conflicts]
 
+    def _unlike_own(self, family: FamilyDescription) -> str | None:
+        """Why an agent's description of ``family`` is not the operator's, or None."""
+        assert self.own_families is not None
+        own = self.own_families.get(family.name)
+        if own is None:
+            return "is not in the router's own models folder (--models): an agent cannot add a family"
+        differs = [f for f in _DESCRIBED if getattr(own, f) != getattr(family, f)]
+        if differs:
+            return f"differs from the router's own models folder ({', '.join(differs)} differ)"
+        return None
+
     def _conflicts(self, hello: fpb.Hello, described: Sequence[FamilyDescription]) -> dict[str, str]:
         """Each family this Hello describes (or claims a variant for) unlike the fleet, and why."""
         conflicts: dict[str, str] = {}
         for family in described:
+            if self.own_families is not None:
+                if (why := self._unlike_own(family)) is not None:
+                    conflicts[family.name] = why
+                continue
             known = self.families.get(family.name)
             if known is None or known == self.book.served(family):
                 continue
             if not self.index.serves(family.name):  # nobody serves the old description now
                 self.book.forget(family.name)
                 continue
-            differs = [
-                f
-                for f in ("inputs", "outputs", "thresholds", "calibrated_cloud_share")
-                if getattr(known, f) != getattr(family, f)
-            ]
+            differs = [f for f in _DESCRIBED if getattr(known, f) != getattr(family, f)]
             conflicts[family.name] = (
                 f"differs from the one ready agents serve ({', '.join(differs)} differ); refused until they leave"
             )

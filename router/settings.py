@@ -71,6 +71,10 @@ class RouterSettings:
     insecure: bool = False
     # Status, Watch and rollout status need the operator role too.
     private_status: bool = False
+    # The operator's own copy of the models folder: each family's description (tensors,
+    # thresholds) comes from it, and an agent that describes a family otherwise is refused for
+    # it. None: the first ready agent's description is the fleet's.
+    models: Path | None = None
     # Off loopback, serve inference without a client token or mutual TLS (anyone may then use
     # the cloud through this router): refused unless said.
     anonymous_inference: bool = False

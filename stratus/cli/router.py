@@ -70,6 +70,17 @@ def add_router(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     option(
         router,
         "router",
+        "models",
+        "--models",
+        type=Path,
+        metavar="DIR",
+        help="the operator's own copy of the models folder: every family's description (tensors, "
+        "thresholds) comes from it, and an agent describing one otherwise is refused for it "
+        "(default: the first ready agent's description is the fleet's)",
+    )
+    option(
+        router,
+        "router",
         "anonymous_inference",
         "--anonymous-inference",
         action="store_true",

@@ -24,20 +24,23 @@ def families_info(models: LocalModels) -> list[fleet_pb2.FamilyInfo]:
     generative = list(models.generators.families.values()) if models.generators is not None else []
     return [
         *map(_family_info, generative),
-        *[
-            fleet_pb2.FamilyInfo(
-                name=f.name,
-                inputs=tensor_metadata(f.inputs),
-                outputs=tensor_metadata(f.outputs),
-                thresholds=thresholds_to_wire(f.thresholds),
-                cloud_variants=cloud_variants(f),
-                calibrated_cloud_share=calibrated_cloud_share(f),
-                **family_info_fields(f),
-            )
-            for f in models.families.values()
-            if f.name in served
-        ],
+        *[family_info(f) for f in models.families.values() if f.name in served],
     ]
+
+
+def family_info(family: FamilySpec) -> fleet_pb2.FamilyInfo:
+    """A family as a Hello describes it (as a router's own copy of the models folder reads it too)."""
+    if family.generative:
+        return _family_info(family)
+    return fleet_pb2.FamilyInfo(
+        name=family.name,
+        inputs=tensor_metadata(family.inputs),
+        outputs=tensor_metadata(family.outputs),
+        thresholds=thresholds_to_wire(family.thresholds),
+        cloud_variants=cloud_variants(family),
+        calibrated_cloud_share=calibrated_cloud_share(family),
+        **family_info_fields(family),
+    )
 
 
 def variants_info(models: LocalModels) -> list[fleet_pb2.VariantInfo]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -382,3 +383,24 @@ def test_the_cloud_takes_inference_only_from_routers_and_clients_under_mutual_tl
                     error.details() or ""
                 )
         assert code == expected, who
+
+
+def test_a_familys_description_comes_from_the_routers_own_models_folder(cluster: Cluster, tmp_path: Path, digits) -> None:  # type: ignore[no-untyped-def]
+    """security2 F2: the first agent to describe a family set it for everyone; a compromised
+    device that spoke first (thresholds 0) locked the real agents out and answered every
+    request. With --models the description is the operator's, whoever speaks first."""
+    forged = tmp_path / "forged"
+    shutil.copytree(MODELS / "digits", forged / "digits")
+    family = forged / "digits" / "family.toml"
+    text = family.read_text()
+    family.write_text(text.replace("device = 0.7366", "device = 0.0").replace("edge = 0.7206", "edge = 0.0"))
+    assert family.read_text() != text
+    router = cluster.router("--models", str(MODELS)).address
+    rogue = cluster.agent("rogue", router, models=str(forged))
+    wait_until(lambda: "differs from the router's own models folder (thresholds differ)" in rogue.log(), 30)
+    cluster.agent("dev-1", router)
+    wait_until(lambda: ready_count(router) == 1, 30)
+    assert [a.id for a in fleet_status(router).agents if a.state == fpb.AGENT_STATE_READY] == ["dev-1"]
+    for _ in range(6):
+        _, served = infer(router, np.zeros((1, 64), np.float32), max_tier="device")
+        assert served.agent == "dev-1"
