@@ -32,7 +32,7 @@ from stratus.families.repository import ModelRepository
 from stratus.obs.metrics import Metrics, ModelMetrics
 from stratus.obs.metrics import serve as serve_metrics
 from stratus.process import announce, stop_on_signals
-from stratus.serving.auth import check_endpoint, insecure_warning, is_loopback
+from stratus.serving.auth import RevokedCertificates, check_endpoint, insecure_warning, is_loopback
 from stratus.serving.channels import bind, create_server
 from stratus.serving.health import Health
 from stratus.serving.servicer import ClientLimits, DataPlane, InferenceServicer
@@ -58,6 +58,9 @@ async def serve(settings: CloudSettings, stop: asyncio.Event | None = None) -> N
             # under mutual TLS: escalations from routers, and clients', not any device's
             inference_roles=frozenset({"router", "client", "operator"}) if settings.tls.mutual else None,
             trust_domain=settings.tls.trust_domain,
+            revoked=RevokedCertificates(settings.revoked_certificates)
+            if settings.revoked_certificates and settings.tls.mutual
+            else None,
         )
         limits = ClientLimits(settings.max_requests_per_client)
         pb_grpc.add_GRPCInferenceServiceServicer_to_server(InferenceServicer(plane, limits=limits), server)

@@ -39,6 +39,8 @@ class CloudSettings:
     # Callers must send "authorization: Bearer CLIENT_TOKEN" (the router: --cloud-token-file).
     client_token: str = secret("STRATUS_CLIENT_TOKEN")
     insecure: bool = False  # listen off loopback without TLS and client authentication
+    # Certificates revoked though they chain to the CA (SPIFFE ids or serial:HEX lines).
+    revoked_certificates: Path | None = None
     # Inference requests one client address may have in flight (0: no limit).
     max_requests_per_client: int = setting(MAX_REQUESTS_PER_CLIENT, check=not_negative)
     # An OpenAI-compatible server (vLLM) that generates for one family; None: no such family.

@@ -97,6 +97,7 @@ async def serve(settings: RouterSettings, stop: asyncio.Event | None = None) -> 
         keepalive_s=settings.keepalive_s,
         keepalive_timeout_s=settings.keepalive_timeout_s,
         client_token=settings.client_token,
+        revoked=credentials.revoked if settings.tls.mutual else None,
     )
     limits = ClientLimits(settings.max_requests_per_client)
     pb_grpc.add_GRPCInferenceServiceServicer_to_server(InferenceServicer(plane, limits=limits), server)

@@ -17,6 +17,7 @@ from stratus.errors import ConfigError
 from stratus.sched.batching import DEFAULT_MAX_DELAY_S
 from stratus.serving.auth import (
     AgentTokens,
+    RevokedCertificates,
     RouterCredentials,
     check_exposure,
     check_secrets,
@@ -71,6 +72,9 @@ class RouterSettings:
     insecure: bool = False
     # Status, Watch and rollout status need the operator role too.
     private_status: bool = False
+    # Certificates revoked though they chain to the CA (SPIFFE ids or serial:HEX lines, re-read
+    # when changed): their calls are refused, and an agent's link ends at its next heartbeat.
+    revoked_certificates: Path | None = None
     # The operator's own copy of the models folder: each family's description (tensors,
     # thresholds) comes from it, and an agent that describes a family otherwise is refused for
     # it. None: the first ready agent's description is the fleet's.
@@ -136,6 +140,7 @@ class RouterSettings:
             agent_pools=dict(self.agent_pools),
             trust_domain=self.tls.trust_domain,
             off_loopback=not is_loopback(self.listen.rsplit(":", 1)[0]),
+            revoked=RevokedCertificates(self.revoked_certificates) if self.revoked_certificates else None,
         )
 
     def check_exposure(self, credentials: RouterCredentials) -> None:

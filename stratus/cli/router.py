@@ -70,6 +70,17 @@ def add_router(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     option(
         router,
         "router",
+        "revoked_certificates",
+        "--revoked-certificates",
+        type=Path,
+        metavar="FILE",
+        help="certificates no longer trusted though they chain to the CA: SPIFFE ids "
+        "(spiffe://stratus/agent/NAME) or serial:HEX lines, re-read when the file changes; their "
+        "calls are refused and an agent's live link ends at its next heartbeat",
+    )
+    option(
+        router,
+        "router",
         "models",
         "--models",
         type=Path,

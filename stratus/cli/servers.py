@@ -170,6 +170,16 @@ def _add_cloud(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help="callers (the router: --cloud-token-file) must send 'authorization: Bearer TOKEN' "
         "(default: $STRATUS_CLIENT_TOKEN)",
     )
+    option(
+        cloud,
+        "cloud",
+        "revoked_certificates",
+        "--revoked-certificates",
+        type=Path,
+        metavar="FILE",
+        help="certificates no longer trusted though they chain to the CA: SPIFFE ids or serial:HEX "
+        "lines, re-read when the file changes (under mutual TLS)",
+    )
     add_exposure(cloud, "cloud", "the cloud gateway")
     _add_upstream(cloud)
     cloud.set_defaults(handler=_cloud)

@@ -92,11 +92,14 @@ def spiffe_identity(
 def caller_certificate(context: Any, trust_domain: str | None = "stratus") -> CertIdentity | None:
     """The caller's certificate identity on a mutual-TLS server, in ``trust_domain`` (the
     fleet's; None: any), else None."""
+    return spiffe_identity(_auth_context(context), trust_domain)
+
+
+def _auth_context(context: Any) -> Mapping[str, Sequence[bytes]]:
     try:
-        auth_context = context.auth_context()
+        return context.auth_context() or {}
     except (AttributeError, RuntimeError):
-        return None
-    return spiffe_identity(auth_context or {}, trust_domain)
+        return {}
 
 
 class EndpointTls(Protocol):
@@ -219,6 +222,89 @@ def parse_agent_tokens(text: str, path: Path) -> dict[str, str]:
     return tokens
 
 
+class RevokedCertificates:
+    """Certificates no longer trusted, though they chain to the fleet CA: a file of lines, each
+    a SPIFFE id (``spiffe://stratus/agent/device-1``: every certificate of that identity) or
+    ``serial:HEX`` (one certificate), ``#`` comments. Read again whenever it changes, so a
+    revocation takes effect without a restart: the next call is refused, and an agent's live
+    link ends at its next heartbeat. A file that stops parsing or is deleted trusts no
+    certificate until it is fixed (said as an ERROR), rather than silently dropping a
+    revocation (security2 N12)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._stamp: tuple[int, int] | None = None
+        self._ids: frozenset[str] = frozenset()
+        self._serials: frozenset[int] = frozenset()
+        self._broken = ""
+        self._serial_of: dict[bytes, int] = {}
+        self._refresh(strict=True)
+
+    def why_revoked(self, auth_context: Mapping[str, Sequence[bytes]]) -> str | None:
+        """Why the peer's certificate is not trusted any more, or None."""
+        self._refresh(strict=False)
+        if self._broken:
+            return f"the revoked certificates file is broken ({self._broken}): no certificate is trusted until it is fixed"
+        ids = {v.decode("ascii", "replace") for v in auth_context.get("peer_spiffe_id") or ()}
+        if ids & self._ids:
+            return f"certificate {sorted(ids & self._ids)[0]} is revoked"
+        if self._serials:
+            for pem in auth_context.get("x509_pem_cert") or ():
+                if self._serial(pem) in self._serials:
+                    return f"certificate serial {self._serial(pem):x} is revoked"
+        return None
+
+    def _serial(self, pem: bytes) -> int:
+        """The certificate's serial (parsed once per certificate); -1 for what does not parse
+        (the TLS stack hands over the PEM it verified, so that is never a real peer's)."""
+        if pem not in self._serial_of:
+            from cryptography import x509
+
+            if len(self._serial_of) > 4096:
+                self._serial_of.clear()
+            try:
+                self._serial_of[pem] = x509.load_pem_x509_certificate(pem).serial_number
+            except ValueError:
+                self._serial_of[pem] = -1
+        return self._serial_of[pem]
+
+    def _refresh(self, *, strict: bool) -> None:
+        try:
+            stat = self.path.stat()
+            stamp = (stat.st_mtime_ns, stat.st_size)
+            if stamp == self._stamp:
+                return
+            ids, serials = parse_revoked(self.path.read_text(encoding="utf-8"), self.path)
+        except (OSError, ConfigError) as exc:
+            if strict:
+                raise ConfigError(f"revoked certificates file {self.path}: {exc}") from None
+            failed = (-1, -1) if isinstance(exc, OSError) else stamp
+            if failed != self._stamp:
+                log.error("revoked certificates file %s: %s; no certificate is trusted until it is fixed", self.path, exc)
+            self._stamp, self._broken = failed, str(exc)[:200]
+            return
+        self._stamp, self._broken, self._ids, self._serials = stamp, "", ids, serials
+
+
+def parse_revoked(text: str, path: Path) -> tuple[frozenset[str], frozenset[int]]:
+    ids: set[str] = set()
+    serials: set[int] = set()
+    for number, line in enumerate(text.splitlines(), start=1):
+        entry = line.split("#", 1)[0].strip()
+        if not entry:
+            continue
+        if entry.startswith("serial:"):
+            try:
+                serials.add(int(entry.removeprefix("serial:").replace(":", ""), 16))
+            except ValueError:
+                raise ConfigError(f"{path}:{number}: a serial is hexadecimal ('serial:1A2B...')") from None
+        elif spiffe_identity({"peer_spiffe_id": [entry.encode()]}) is not None:
+            ids.add(entry)
+        else:
+            raise ConfigError(f"{path}:{number}: expected a SPIFFE id (spiffe://DOMAIN/ROLE/NAME) or 'serial:HEX'")
+    return frozenset(ids), frozenset(serials)
+
+
 @dataclass(frozen=True, kw_only=True)
 class RouterCredentials:
     """What a router checks agents, operators and peers against.
@@ -237,6 +323,8 @@ class RouterCredentials:
     agent_pools: Mapping[str, int] = field(default_factory=dict)
     # The fleet's SPIFFE trust domain (--tls-trust-domain): a certificate of another is no one.
     trust_domain: str = "stratus"
+    # Certificates revoked though they chain to the CA (--revoked-certificates).
+    revoked: RevokedCertificates | None = None
     # The router listens off loopback (with --insecure): then no caller counts as local, since a
     # proxy or sidecar on its machine (Istio's 127.0.0.6, nginx, ssh -L) makes every one look so.
     off_loopback: bool = False
@@ -289,7 +377,7 @@ class RouterCredentials:
 
     def require_operator(self, token: str, context: Any, what: str) -> None:
         """An operator: its certificate's role, or the operator token."""
-        cert = caller_certificate(context, self.trust_domain)
+        cert = self._trusted(context, what)
         if cert is not None and cert.role == "operator":
             return
         if self.operator_token:
@@ -301,7 +389,7 @@ class RouterCredentials:
     def require_peer(self, token_ok: bool | None, context: Any, what: str) -> None:
         """A peer router: its certificate's role, or (with a peer token) proof that it holds
         the token (``token_ok``, checked by the caller against the message)."""
-        cert = caller_certificate(context, self.trust_domain)
+        cert = self._trusted(context, what)
         if cert is not None and cert.role == "router":
             return
         if self.peer_token:
@@ -333,8 +421,16 @@ class RouterCredentials:
                 f"own machine may do it; give it {flag} or mutual TLS"
             )
 
+    def _trusted(self, context: Any, what: str) -> CertIdentity | None:
+        """The caller's certificate identity, or None; PermissionDenied for a revoked one."""
+        if self.revoked is not None and self.mutual_tls:
+            why = self.revoked.why_revoked(_auth_context(context))
+            if why is not None:
+                raise PermissionDenied(f"{what}: {why}")
+        return caller_certificate(context, self.trust_domain)
+
     def _certificate(self, context: Any, who: str) -> CertIdentity:
-        cert = caller_certificate(context, self.trust_domain)
+        cert = self._trusted(context, who)
         if cert is None:
             raise PermissionDenied(
                 f"{who} needs a certificate with a Stratus identity (spiffe://<domain>/<role>/<name>, "

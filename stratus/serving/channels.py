@@ -12,8 +12,13 @@ from typing import Any, Final
 import grpc
 
 from stratus.errors import ConfigError, InvalidInput
-from stratus.serving.auth import TRUST_DOMAIN_PATTERN, BearerTokenInterceptor, role_server_name
-from stratus.serving.interceptor import CallerRoles, ErrorInterceptor, InferenceShare
+from stratus.serving.auth import (
+    TRUST_DOMAIN_PATTERN,
+    BearerTokenInterceptor,
+    RevokedCertificates,
+    role_server_name,
+)
+from stratus.serving.interceptor import CallerRoles, ErrorInterceptor, InferenceShare, RevokedCallers
 
 # Every server and channel refuses messages past this size (a digits batch of 64 is 16 KiB).
 MAX_MESSAGE_BYTES: Final = 16 * 1024 * 1024
@@ -127,11 +132,14 @@ def create_server(
     client_token: str = "",
     inference_roles: frozenset[str] | None = None,
     trust_domain: str = "stratus",
+    revoked: RevokedCertificates | None = None,
 ) -> grpc.aio.Server:
     """A server with Stratus's limits; with ``client_token``, inference calls need it as
     ``authorization: Bearer TOKEN``, and with ``inference_roles`` (under mutual TLS) a
     certificate of one of those roles (the other services check their own credentials)."""
     guards: list[grpc.aio.ServerInterceptor] = [BearerTokenInterceptor(client_token)] if client_token else []
+    if revoked is not None:
+        guards.append(RevokedCallers(revoked, exempt=BearerTokenInterceptor.OPEN))
     if inference_roles is not None:
         guards.append(CallerRoles(inference_roles, trust_domain=trust_domain, exempt=BearerTokenInterceptor.OPEN))
     guards.append(InferenceShare(INFERENCE_SHARE, exempt=BearerTokenInterceptor.OPEN))

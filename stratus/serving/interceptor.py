@@ -17,7 +17,7 @@ import grpc
 
 from stratus.convert.errors import status_of
 from stratus.errors import StratusError
-from stratus.serving.auth import caller_certificate
+from stratus.serving.auth import RevokedCertificates, caller_certificate
 
 __all__ = ["ErrorInterceptor"]
 
@@ -236,3 +236,20 @@ class CallerRoles(InferenceInterceptor):
         return grpc.StatusCode.PERMISSION_DENIED, (
             f"inference here needs a {' or '.join(sorted(self._roles))} certificate; {shown}"
         )
+
+
+class RevokedCallers(InferenceInterceptor):
+    """Inference refused to a caller whose certificate is revoked (--revoked-certificates),
+    though it chains to the fleet CA (security2 N12)."""
+
+    def __init__(self, revoked: RevokedCertificates, *, exempt: frozenset[str] = frozenset()) -> None:
+        super().__init__(exempt=exempt)
+        self._revoked = revoked
+
+    def admit(self, context: Any) -> tuple[grpc.StatusCode, str] | None:
+        try:
+            auth_context = context.auth_context() or {}
+        except (AttributeError, RuntimeError):
+            auth_context = {}
+        why = self._revoked.why_revoked(auth_context)
+        return None if why is None else (grpc.StatusCode.PERMISSION_DENIED, why)

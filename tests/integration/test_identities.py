@@ -404,3 +404,35 @@ def test_a_familys_description_comes_from_the_routers_own_models_folder(cluster:
     for _ in range(6):
         _, served = infer(router, np.zeros((1, 64), np.float32), max_tier="device")
         assert served.agent == "dev-1"
+
+
+def test_a_revoked_certificate_is_refused_and_its_live_link_ends(cluster: Cluster, pki, tmp_path: Path, digits) -> None:  # type: ignore[no-untyped-def]
+    """security2 N12: a stolen key stayed valid for its 825 days; now it can be revoked while
+    the router runs, by SPIFFE id (every certificate of that identity) or by serial."""
+    from cryptography import x509
+
+    revoked = tmp_path / "revoked"
+    revoked.write_text("# nothing revoked yet\n")
+    router = cluster.router(*tls_args(pki["router"]), "--revoked-certificates", str(revoked)).address
+    dev1 = cluster.agent("dev-1", router, *tls_args(pki["dev-1"]))
+    cluster.agent("dev-2", router, *tls_args(pki["dev-2"]))
+    wait_until(lambda: ready_count(router, pki["operator"]) == 2, 30)
+    infer(router, digits.held_out.x[:1], tls=pki["client"])  # the client is trusted
+    update = tmp_path / "revoked.new"
+    update.write_text("spiffe://stratus/agent/dev-1\n")
+    update.replace(revoked)
+    started = time.monotonic()
+    wait_until(lambda: ready_count(router, pki["operator"]) == 1, 10)
+    cut_off_s = time.monotonic() - started
+    wait_until(lambda: refused(dev1, "certificate spiffe://stratus/agent/dev-1 is revoked"), 20)
+    assert [a.id for a in fleet_status(router, pki["operator"]).agents if a.state == fpb.AGENT_STATE_READY] == ["dev-2"]
+    assert cut_off_s < 3.0, cut_off_s
+    # One certificate by its serial: the client's calls are refused from the next one on.
+    assert pki["client"].cert is not None
+    serial = x509.load_pem_x509_certificate(pki["client"].cert.read_bytes()).serial_number
+    update.write_text(f"spiffe://stratus/agent/dev-1\nserial:{serial:x}\n")
+    update.replace(revoked)
+    with pytest.raises(grpc.RpcError) as error:
+        infer(router, digits.held_out.x[:1], tls=pki["client"])
+    assert error.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert f"certificate serial {serial:x} is revoked" in (error.value.details() or "")

@@ -14,6 +14,7 @@ from stratus.errors import ConfigError, Overloaded, PermissionDenied, Unauthenti
 from stratus.serving.auth import (
     AgentTokens,
     CertIdentity,
+    RevokedCertificates,
     RouterCredentials,
     check_exposure,
     is_loopback_peer,
@@ -289,3 +290,26 @@ def test_off_loopback_one_secret_cannot_fill_several_roles_nor_be_short(tmp_path
     loopback = RouterSettings(token="x")  # a demo on one machine needs nothing
     loopback.check_exposure(loopback.credentials())
     _reachable_router(tmp_path, token="x", insecure=True).check_exposure(RouterSettings(token="x").credentials())
+
+
+def test_revoked_certificates_are_read_again_and_a_broken_file_trusts_no_one(tmp_path: Path) -> None:
+    path = tmp_path / "revoked"
+    path.write_text("spiffe://stratus/agent/device-1  # stolen\nserial:1A:2b\n")
+    revoked = RevokedCertificates(path)
+    device1 = Context(spiffe="spiffe://stratus/agent/device-1")
+    device2 = Context(spiffe="spiffe://stratus/agent/device-2")
+    assert revoked.why_revoked(device1.auth_context()) == "certificate spiffe://stratus/agent/device-1 is revoked"
+    assert revoked.why_revoked(device2.auth_context()) is None
+    credentials = RouterCredentials(mutual_tls=True, revoked=revoked)
+    with pytest.raises(PermissionDenied, match="is revoked"):
+        credentials.agent_identity("device-1", "", device1)
+    assert credentials.agent_identity("device-2", "", device2) == "cert:device-2"
+    path.write_text("not an id\n")
+    _touch(path, 1)
+    assert "no certificate is trusted until it is fixed" in (revoked.why_revoked(device2.auth_context()) or "")
+    path.write_text("")
+    _touch(path, 2)
+    assert revoked.why_revoked(device1.auth_context()) is None
+    with pytest.raises(ConfigError, match="expected a SPIFFE id"):
+        (tmp_path / "bad").write_text("device-1\n")
+        RevokedCertificates(tmp_path / "bad")
