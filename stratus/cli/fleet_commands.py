@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from stratus.cli.options import add_tls, default_cache, role_token, share, tls_of
+from stratus.cli.options import add_tls, default_cache, operator_token, share, tls_of
 from stratus.cli.thresholds import add_parser as add_thresholds_parser
 from stratus.errors import ConfigError
 
@@ -29,7 +29,7 @@ def _fleet_status(args: argparse.Namespace) -> int:
         families=args.families,
         interval_s=args.interval,
         tls=tls_of(args),
-        token=role_token(args, "operator"),
+        token=operator_token(args),
     )
 
 
@@ -42,14 +42,14 @@ def _fleet_accuracy(args: argparse.Namespace) -> int:
         agents=args.agents,
         as_json=args.json,
         tls=tls_of(args),
-        token=role_token(args, "operator"),
+        token=operator_token(args),
     )
 
 
 def _fleet_thresholds(args: argparse.Namespace) -> int:
     from stratus.cli.thresholds import asked_from, run_thresholds
 
-    return run_thresholds(args.router, asked_from(args), tls=tls_of(args), token=role_token(args, "operator"))
+    return run_thresholds(args.router, asked_from(args), tls=tls_of(args), token=operator_token(args))
 
 
 def _fleet_drain(args: argparse.Namespace) -> int:
@@ -57,7 +57,7 @@ def _fleet_drain(args: argparse.Namespace) -> int:
 
     action = {"drain": "Drain", "undrain": "Undrain", "forget": "Forget"}[args.fleet_command]
     return drain(
-        args.router, args.agent_id, token=role_token(args, "operator"), tls=tls_of(args), action=action
+        args.router, args.agent_id, token=operator_token(args), tls=tls_of(args), action=action
     )
 
 
@@ -69,7 +69,7 @@ def _fleet_reload(args: argparse.Namespace) -> int:
     return reload(
         args.router,
         args.agent_id,
-        token=role_token(args, "operator"),
+        token=operator_token(args),
         timeout_s=args.timeout,
         tls=tls_of(args),
     )
@@ -93,7 +93,7 @@ def _fleet_rollout(args: argparse.Namespace) -> int:
         raise ConfigError("give --tier device or --tier edge")
     request = fpb.RolloutRequest(
         action=action,
-        token=role_token(args, "operator"),
+        token=operator_token(args),
         family=args.family,
         tier=wire_tier(Tier.parse(args.tier) if args.tier else None),
         candidate=args.candidate or "",

@@ -11,6 +11,7 @@ from typing import Any, TypeVar
 
 from stratus.cli.config import settings_class
 from stratus.errors import ConfigError
+from stratus.serving.auth import is_loopback
 from stratus.serving.channels import TlsSettings
 
 T = TypeVar("T")
@@ -28,6 +29,21 @@ def role_token(args: argparse.Namespace, role: str) -> str:
     if own or role in ("client", "cloud"):
         return own
     return os.environ.get("STRATUS_TOKEN", "")
+
+
+def operator_token(args: argparse.Namespace) -> str:
+    """The operator token for a ``fleet`` command, refused where it would cross the network in
+    plaintext (a router on another machine without ``--tls-ca``): anyone on the path could
+    read it and be the operator (security2 N14)."""
+    token = role_token(args, "operator")
+    router = getattr(args, "router", "") or ""
+    host = router.removeprefix("dns:").removeprefix("///").rsplit(":", 1)[0]
+    if token and not tls_of(args).enabled and host and not is_loopback(host):
+        raise ConfigError(
+            f"the operator token would go to {router} in plaintext: give --tls-ca (and, under mutual "
+            "TLS, --tls-cert and --tls-key), or run the command on the router's machine"
+        )
+    return token
 
 
 def secret(path: Path | None, variable: str) -> str:

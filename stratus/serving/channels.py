@@ -123,6 +123,11 @@ MAX_CONCURRENT_RPCS: Final = 16_384
 # Of those, the most inference calls (ModelInfer, ModelStreamInfer, metadata) may hold: the
 # last quarter is kept for agents' links, Fleet calls, ServerLive and health checks.
 INFERENCE_SHARE: Final = 12_288
+# A connection that has not finished its handshake in this long is closed (silent TCP
+# connections were held ~100 s each, security2 N10), and one with no call for this long too:
+# clients reconnect on their next call, links and streams hold a call and are never idle.
+HANDSHAKE_TIMEOUT_MS: Final = 5_000
+MAX_CONNECTION_IDLE_MS: Final = 300_000
 
 
 def create_server(
@@ -146,6 +151,8 @@ def create_server(
     options = [
         *grpc_options(keepalive_s=keepalive_s, keepalive_timeout_s=keepalive_timeout_s),
         ("grpc.max_concurrent_streams", MAX_STREAMS_PER_CONNECTION),
+        ("grpc.server_handshake_timeout_ms", HANDSHAKE_TIMEOUT_MS),
+        ("grpc.max_connection_idle_ms", MAX_CONNECTION_IDLE_MS),
     ]
     return grpc.aio.server(
         interceptors=[*guards, ErrorInterceptor()],

@@ -313,3 +313,27 @@ def test_revoked_certificates_are_read_again_and_a_broken_file_trusts_no_one(tmp
     with pytest.raises(ConfigError, match="expected a SPIFFE id"):
         (tmp_path / "bad").write_text("device-1\n")
         RevokedCertificates(tmp_path / "bad")
+
+
+def test_the_cli_refuses_to_send_the_operator_token_in_plaintext_off_the_machine(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """security2 N14: `stratus fleet` sent the operator token to any router, TLS or not."""
+    import argparse
+
+    from stratus.cli.options import operator_token
+
+    monkeypatch.setenv("STRATUS_OPERATOR_TOKEN", "operator-token-00000001")
+
+    def args(router: str, ca: Path | None = None) -> argparse.Namespace:
+        return argparse.Namespace(router=router, operator_token_file=None, tls_cert=None, tls_key=None, tls_ca=ca)
+
+    with pytest.raises(ConfigError, match=r"would go to router\.example:8001 in plaintext"):
+        operator_token(args("router.example:8001"))
+    with pytest.raises(ConfigError, match="in plaintext"):
+        operator_token(args("dns:///router.example:8001"))
+    assert operator_token(args("127.0.0.1:8001")) == "operator-token-00000001"
+    assert operator_token(args("localhost:8001")) == "operator-token-00000001"
+    ca = tmp_path / "ca.pem"
+    ca.write_text("PEM")
+    assert operator_token(args("router.example:8001", ca)) == "operator-token-00000001"
