@@ -72,7 +72,9 @@ async def serve(settings: CloudSettings, stop: asyncio.Event | None = None) -> N
         host = settings.listen.rsplit(":", 1)[0]
         log.info("cloud gateway %s serving %s on %s:%d", name, plane.model_names(), host, port)
         announce("cloud", f"{host}:{port}")
-        exporter = await serve_metrics(metrics, settings.metrics) if settings.metrics else None
+        exporter = (
+            await serve_metrics(metrics, settings.metrics, token=settings.metrics_token) if settings.metrics else None
+        )
         warning = insecure_warning(
             what, settings.listen, tls=settings.tls.cert is not None, callers_authenticated=authenticated
         )

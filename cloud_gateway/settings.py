@@ -8,6 +8,7 @@ from pathlib import Path
 
 from stratus.config import at_least_one, not_negative, outside, secret, setting, validate
 from stratus.families.precision import Hardware, Precision
+from stratus.obs.metrics import check_metrics_exposure
 from stratus.sched.batching import DEFAULT_MAX_BATCH, DEFAULT_MAX_DELAY_S
 from stratus.serving.channels import NO_TLS, TlsSettings
 from stratus.serving.servicer import MAX_REQUESTS_PER_CLIENT
@@ -32,6 +33,10 @@ class CloudSettings:
     hardware: Hardware | None = outside()  # the CPU read (STRATUS_CPU_FLAGS stands in)
     emulated_extra_ms: float = setting(0.0, check=not_negative)  # benchmarks and tests only
     metrics: str | None = None  # HOST:PORT for Prometheus's /metrics; None: not served
+    # Off loopback /metrics needs Prometheus to send "authorization: Bearer METRICS_TOKEN", or
+    # metrics_open (a network policy admits only Prometheus), or --insecure.
+    metrics_token: str = secret("STRATUS_METRICS_TOKEN")
+    metrics_open: bool = False
     cache_dir: Path = Path.home() / ".cache" / "stratus"  # runtime caches
     runtimes: tuple[str, ...] | None = None  # None: every runtime that can run the variants
     name: str = ""
@@ -50,3 +55,6 @@ class CloudSettings:
 
     def __post_init__(self) -> None:
         validate(self)
+        check_metrics_exposure(
+            self.metrics, token=self.metrics_token, open_to_all=self.metrics_open, insecure=self.insecure
+        )

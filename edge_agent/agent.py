@@ -215,7 +215,7 @@ async def run_agent(settings: AgentSettings, models: LocalModels, stop: asyncio.
     warning = None
     exporter = None
     if settings.metrics and models.metrics is not None:
-        exporter = await serve_metrics(models.metrics, settings.metrics)
+        exporter = await serve_metrics(models.metrics, settings.metrics, token=settings.metrics_token)
     if settings.serve:
         local, address, health = await serve_locally(models, settings)
         announce("agent", address)

@@ -10,6 +10,7 @@ from pathlib import Path
 from stratus.config import at_least_one, not_negative, outside, positive, secret, setting, validate
 from stratus.errors import ConfigError
 from stratus.families.precision import Hardware, Precision
+from stratus.obs.metrics import check_metrics_exposure
 from stratus.sched.batching import DEFAULT_MAX_BATCH
 from stratus.serving.auth import check_endpoint, clients_authenticated, is_loopback
 from stratus.serving.channels import NO_TLS, TlsSettings
@@ -41,6 +42,10 @@ class AgentSettings:
     drain_timeout_s: float = setting(30.0, check=not_negative)
     tls: TlsSettings = NO_TLS
     metrics: str | None = None  # HOST:PORT for Prometheus's /metrics; None: not served
+    # Off loopback /metrics needs Prometheus to send "authorization: Bearer METRICS_TOKEN", or
+    # metrics_open (a network policy admits only Prometheus), or --insecure.
+    metrics_token: str = secret("STRATUS_METRICS_TOKEN")
+    metrics_open: bool = False
     # --serve's callers must send "authorization: Bearer CLIENT_TOKEN"; empty: not asked.
     client_token: str = secret("STRATUS_CLIENT_TOKEN")
     # Plaintext links to routers off this machine, zeroconf without a CA, and --serve off
@@ -59,6 +64,9 @@ class AgentSettings:
 
     def __post_init__(self) -> None:
         validate(self)
+        check_metrics_exposure(
+            self.metrics, token=self.metrics_token, open_to_all=self.metrics_open, insecure=self.insecure
+        )
         if not self.name:
             object.__setattr__(self, "name", default_name(self.tier))
         self.check_links()  # before any model loads: a refused setting costs nothing

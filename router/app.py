@@ -213,7 +213,7 @@ async def _start_extras(
         log.info("OpenAI API on %s", await openai.start(settings.openai))
         closers.append(openai.stop)
     if settings.metrics:
-        exporter = await serve_metrics(metrics, settings.metrics)
+        exporter = await serve_metrics(metrics, settings.metrics, token=settings.metrics_token)
 
         async def close_exporter() -> None:
             exporter.close()

@@ -14,6 +14,7 @@ from router.cloud_pool import CloudTarget
 from router.threshold_auto import AutoPolicy
 from stratus.config import at_least_one, not_negative, positive, secret, setting, validate
 from stratus.errors import ConfigError
+from stratus.obs.metrics import check_metrics_exposure
 from stratus.sched.batching import DEFAULT_MAX_DELAY_S
 from stratus.serving.auth import (
     AgentTokens,
@@ -91,6 +92,10 @@ class RouterSettings:
     # Longest a batch for a busy agent waits for more requests before it is sent anyway.
     max_batch_delay_s: float = setting(DEFAULT_MAX_DELAY_S, check=not_negative)
     metrics: str | None = None  # HOST:PORT for Prometheus's /metrics; None: not served
+    # Off loopback /metrics needs Prometheus to send "authorization: Bearer METRICS_TOKEN", or
+    # metrics_open (a network policy admits only Prometheus), or --insecure.
+    metrics_token: str = secret("STRATUS_METRICS_TOKEN")
+    metrics_open: bool = False
     # On SIGTERM: how long requests in flight may take to finish before the router exits.
     drain_timeout_s: float = setting(20.0, check=not_negative)
     # Where rollout state is kept across restarts; None: in memory only.
@@ -118,6 +123,9 @@ class RouterSettings:
 
     def __post_init__(self) -> None:
         validate(self)
+        check_metrics_exposure(
+            self.metrics, token=self.metrics_token, open_to_all=self.metrics_open, insecure=self.insecure
+        )
         parse_cloud_models(self.cloud_models)  # a bad entry stops the router before it serves
         if self.cloud:
             CloudTarget.parse(self.cloud)

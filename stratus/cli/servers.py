@@ -260,6 +260,24 @@ def add_servers(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -
             metavar="HOST:PORT",
             help="serve Prometheus metrics at /metrics here",
         )
+        option(
+            parser,
+            role,
+            "metrics_token_file",
+            "--metrics-token-file",
+            type=Path,
+            help="off loopback, /metrics answers only 'authorization: Bearer TOKEN' (Prometheus's "
+            "authorization credentials; default: $STRATUS_METRICS_TOKEN)",
+        )
+        option(
+            parser,
+            role,
+            "metrics_open",
+            "--metrics-open",
+            action="store_true",
+            help="serve /metrics off loopback with no token: it lists agent ids and load, so admit "
+            "only Prometheus to the port (a network policy)",
+        )
         add_tls(parser, role)
         add_config(parser, role)
         parser.set_defaults(flag_names=flag_names(parser))

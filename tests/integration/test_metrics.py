@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import platform
 import shutil
 import subprocess
+import sys
+import time
+import urllib.error
 import urllib.request
 from importlib import metadata
 
@@ -193,3 +197,32 @@ def test_killing_the_cloud_opens_the_breaker_gauge_and_counts_degraded_answers(
     assert (
         value(after, "stratus_router_requests_total", family="digits", tier="device", outcome="degraded") == 3
     )
+
+
+def test_metrics_off_loopback_need_a_scrape_token_or_the_operators_word(cluster: Cluster, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """security2 N8: /metrics listed agent ids past --private-status to whoever reached the port,
+    on any address, and an oversize request head wrote a traceback to the log."""
+    import socket
+
+    refused = subprocess.run(
+        [sys.executable, "-m", "stratus.cli", "router", "--listen", "127.0.0.1:0", "--metrics", f"0.0.0.0:{free_port()}"],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert refused.returncode == 2 and "--metrics-token-file" in refused.stderr, refused.stderr
+    token = tmp_path / "metrics.token"
+    token.write_text("metrics-token-0000000001\n")
+    where = f"127.0.0.1:{free_port()}"
+    router = cluster.router("--metrics", where, "--metrics-token-file", str(token))
+    with pytest.raises(urllib.error.HTTPError) as anonymous:
+        scrape(where)
+    assert anonymous.value.code == 401
+    asked = urllib.request.Request(f"http://{where}/metrics", headers={"Authorization": "Bearer metrics-token-0000000001"})
+    with urllib.request.urlopen(asked, timeout=5) as response:
+        assert b"stratus_router_agents" in response.read()
+    host, port = where.rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=5) as flood:
+        flood.sendall(b"GET /metrics HTTP/1.1\r\nX: " + b"a" * 200_000 + b"\r\n\r\n")
+        with contextlib.suppress(OSError):
+            flood.recv(1)
+    time.sleep(0.5)
+    assert "Traceback" not in router.log() and "ERROR" not in router.log()

@@ -917,8 +917,8 @@ def test_a_wrong_flag_is_caught() -> None:
         parse(["router", "--listen-address", "0.0.0.0:8001"])
     with pytest.raises(pytest.fail.Exception, match=r"(?s)does not parse.*--tier: invalid choice: 'cloud'"):
         parse(["agent", "--tier", "cloud"])
-    with pytest.raises(pytest.fail.Exception, match="--metric is not a flag"):
-        parse(["cloud", "--metric", "0.0.0.0:9464"])
+    with pytest.raises(pytest.fail.Exception, match="--metrics-token is not a flag"):
+        parse(["cloud", "--metrics-token", "/etc/stratus/metrics"])  # argparse takes the abbreviation
 
 
 # -- Dockerfile ------------------------------------------------------------------------------
