@@ -184,3 +184,30 @@ async def http(session: aiohttp.ClientSession, url: str, body: bytes | None, hea
             return str(response.status)
     except aiohttp.ClientError as exc:
         return type(exc).__name__
+
+
+async def hold_silent(
+    ctx: Context, open_call: Callable[[grpc.aio.Channel], Any], *, connections: int, per_connection: int, hold_s: float
+) -> Counter[str]:
+    """Open ``per_connection`` calls that send nothing on each of ``connections`` connections and
+    hold them ``hold_s``: how each ended (a status, "ended", or "still open")."""
+    tally: Counter[str] = Counter()
+
+    async def silent(channel: grpc.aio.Channel) -> None:
+        call = open_call(channel)
+        try:
+            async with asyncio.timeout(hold_s):
+                await call.read()
+            tally["ended"] += 1
+        except grpc.aio.AioRpcError as error:
+            tally[ctx.name(error)] += 1
+        except TimeoutError:
+            tally["still open"] += 1
+            call.cancel()
+
+    async def connection() -> None:
+        async with ctx.channel() as channel:
+            await asyncio.gather(*(silent(channel) for _ in range(per_connection)))
+
+    await asyncio.gather(*(connection() for _ in range(connections)))
+    return tally

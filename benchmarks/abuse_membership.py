@@ -13,7 +13,17 @@ from typing import Any
 import grpc
 import numpy as np
 from abuse_fleet import HELLO_TIMEOUT_S, aio, role_args
-from abuse_kit import Context, Outcome, codes, digits_hello, fleet_status, hello_once, ready_after, repeat
+from abuse_kit import (
+    Context,
+    Outcome,
+    codes,
+    digits_hello,
+    fleet_status,
+    hello_once,
+    hold_silent,
+    ready_after,
+    repeat,
+)
 
 from router.hello import MAX_VARIANTS_PER_AGENT
 from router.peers import sync_parts
@@ -220,27 +230,11 @@ async def f13_silent_streams(ctx: Context) -> Outcome:
     connections, held past the router's Hello deadline."""
     per_connection = MAX_STREAMS_PER_CONNECTION
     hold_s = max(ctx.duration_s, HELLO_TIMEOUT_S + 1.5)
-    tally: Counter[str] = Counter()
     ctx.mark()
-
-    async def silent(stub: Any) -> None:
-        call = stub.Connect()
-        try:
-            async with asyncio.timeout(hold_s):
-                await call.read()
-            tally["ended"] += 1
-        except grpc.aio.AioRpcError as error:
-            tally[ctx.name(error)] += 1
-        except TimeoutError:
-            tally["still open"] += 1
-            call.cancel()
-
-    async def connection() -> None:
-        async with ctx.channel() as channel:
-            stub = aio(fpb_grpc.AgentLinkStub(channel))
-            await asyncio.gather(*(silent(stub) for _ in range(per_connection)))
-
-    await asyncio.gather(*(connection() for _ in range(4)))
+    tally = await hold_silent(
+        ctx, lambda channel: aio(fpb_grpc.AgentLinkStub(channel)).Connect(),
+        connections=4, per_connection=per_connection, hold_s=hold_s,
+    )  # fmt: skip
     return Outcome(f"4 x {per_connection} silent AgentLinks x {hold_s:g} s", codes(tally))
 
 

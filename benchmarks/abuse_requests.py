@@ -10,13 +10,23 @@ import json
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
 
 import aiohttp
 import grpc
 import numpy as np
 from abuse_fleet import aio
-from abuse_kit import Context, Outcome, codes, http, padded_to, prompt_request, raw_infer, repeat, serves
+from abuse_kit import (
+    Context,
+    Outcome,
+    codes,
+    hold_silent,
+    http,
+    padded_to,
+    prompt_request,
+    raw_infer,
+    repeat,
+    serves,
+)
 
 from stratus.convert import codec
 from stratus.convert.inference import MAX_PROMPT_BYTES
@@ -214,8 +224,7 @@ async def n1_silent_inference_streams(ctx: Context) -> Outcome:
     send a request (once enough to take all 16,384 of the router's RPC slots), held past the
     silent-stream deadline."""
     connections, per_connection = 20, 1000
-    hold_s = max(ctx.duration_s, SILENT_STREAM_S + 2.0)
-    tally: Counter[str] = Counter()
+    hold_s = max(ctx.duration_s, SILENT_STREAM_S + 6.0)  # the deadline runs from when the server takes each
     never = asyncio.Event()
     ctx.mark()
 
@@ -224,23 +233,9 @@ async def n1_silent_inference_streams(ctx: Context) -> Outcome:
         for request in ():  # ends without a request once the attack is over
             yield request
 
-    async def silent(stub: Any) -> None:
-        call = stub.ModelStreamInfer(nothing())
-        try:
-            async with asyncio.timeout(hold_s):
-                await call.read()
-            tally["ended"] += 1
-        except grpc.aio.AioRpcError as error:
-            tally[ctx.name(error)] += 1
-        except TimeoutError:
-            tally["still open"] += 1
-            call.cancel()
-
-    async def connection() -> None:
-        async with ctx.channel() as channel:
-            stub = aio(pb_grpc.GRPCInferenceServiceStub(channel))
-            await asyncio.gather(*(silent(stub) for _ in range(per_connection)))
-
-    await asyncio.gather(*(connection() for _ in range(connections)))
+    tally = await hold_silent(
+        ctx, lambda channel: aio(pb_grpc.GRPCInferenceServiceStub(channel)).ModelStreamInfer(nothing()),
+        connections=connections, per_connection=per_connection, hold_s=hold_s,
+    )  # fmt: skip
     never.set()
     return Outcome(f"{connections} x {per_connection} silent ModelStreamInfer x {hold_s:g} s", codes(tally))

@@ -26,10 +26,10 @@ import ipaddress
 import logging
 import re
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Final, NamedTuple, Protocol
+from typing import Any, Final, Generic, NamedTuple, Protocol, TypeVar
 
 import grpc
 
@@ -41,6 +41,7 @@ ROLES: Final = frozenset({"agent", "operator", "router", "cloud", "client"})
 NAME_PATTERN: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 TRUST_DOMAIN_PATTERN: Final = re.compile(r"[a-z0-9._-]{1,255}")  # SPIFFE's trust-domain charset
 INSECURE_WARNING_S: Final = 60.0
+T = TypeVar("T")
 # The DNS name a server leaf carries for its role (``router.stratus.spiffe.invalid``): clients
 # dialling with the fleet CA check the server's certificate against it. ``.invalid`` is
 # reserved (RFC 2606), so no real host has it and no public CA issues it.
@@ -166,6 +167,45 @@ def parse_agent_pool(text: str) -> tuple[str, int]:
     return name.strip(), most
 
 
+class WatchedFile(Generic[T]):
+    """A credentials file read again whenever it changes (its mtime or size), parsed by
+    ``parse``. One that stops parsing, or is deleted, fails closed: :meth:`current` is None
+    until it is fixed (said as an ERROR once per change), since keeping the last good version
+    would silently keep a revoked credential in; at start (``strict``), it is a ConfigError."""
+
+    def __init__(self, path: Path, parse: Callable[[str, Path], T], *, what: str, fails_closed: str) -> None:
+        self.path = path
+        self._parse = parse
+        self.what = what  # the file, in messages: "agent tokens file"
+        self.fails_closed = fails_closed  # what a broken file means, in the ERROR line
+        self._stamp: tuple[int, int] | None = None
+        self._value: T | None = None
+        self.broken = ""
+        self._refresh(strict=True)
+
+    def current(self) -> T | None:
+        """The file as it reads now; None while it is broken or missing."""
+        self._refresh(strict=False)
+        return self._value
+
+    def _refresh(self, *, strict: bool) -> None:
+        try:
+            stat = self.path.stat()
+            stamp = (stat.st_mtime_ns, stat.st_size)
+            if stamp == self._stamp:
+                return
+            value = self._parse(self.path.read_text(encoding="utf-8"), self.path)
+        except (OSError, ConfigError) as exc:
+            if strict:
+                raise ConfigError(f"{self.what} {self.path}: {exc}") from None
+            failed = (-1, -1) if isinstance(exc, OSError) else stamp
+            if failed != self._stamp:
+                log.error("%s %s: %s; %s", self.what, self.path, exc, self.fails_closed)
+            self._stamp, self._value, self.broken = failed, None, str(exc)[:200]
+            return
+        self._stamp, self._value, self.broken = stamp, value, ""
+
+
 class AgentTokens:
     """Per-agent tokens: a file of ``AGENT_ID TOKEN`` lines (``#`` comments, blank lines).
 
@@ -178,30 +218,12 @@ class AgentTokens:
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self._stamp: tuple[int, int] | None = None
-        self._tokens: dict[str, str] = {}
-        self._refresh(strict=True)
+        self._file = WatchedFile(
+            path, parse_agent_tokens, what="agent tokens file", fails_closed="no agent is admitted until it is fixed"
+        )
 
     def token_for(self, agent_id: str) -> str | None:
-        self._refresh(strict=False)
-        return self._tokens.get(agent_id)
-
-    def _refresh(self, *, strict: bool) -> None:
-        try:
-            stat = self.path.stat()
-            stamp = (stat.st_mtime_ns, stat.st_size)
-            if stamp == self._stamp:
-                return
-            tokens = parse_agent_tokens(self.path.read_text(encoding="utf-8"), self.path)
-        except (OSError, ConfigError) as exc:
-            if strict:
-                raise ConfigError(f"agent tokens file {self.path}: {exc}") from None
-            failed = (-1, -1) if isinstance(exc, OSError) else stamp
-            if failed != self._stamp:
-                log.error("agent tokens file %s: %s; no agent is admitted until it is fixed", self.path, exc)
-            self._stamp, self._tokens = failed, {}
-            return
-        self._stamp, self._tokens = stamp, tokens
+        return (self._file.current() or {}).get(agent_id)
 
 
 def parse_agent_tokens(text: str, path: Path) -> dict[str, str]:
@@ -233,24 +255,29 @@ class RevokedCertificates:
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self._stamp: tuple[int, int] | None = None
-        self._ids: frozenset[str] = frozenset()
-        self._serials: frozenset[int] = frozenset()
-        self._broken = ""
         self._serial_of: dict[bytes, int] = {}
-        self._refresh(strict=True)
+        self._file = WatchedFile(
+            path,
+            parse_revoked,
+            what="revoked certificates file",
+            fails_closed="no certificate is trusted until it is fixed",
+        )
 
     def why_revoked(self, auth_context: Mapping[str, Sequence[bytes]]) -> str | None:
         """Why the peer's certificate is not trusted any more, or None."""
-        self._refresh(strict=False)
-        if self._broken:
-            return f"the revoked certificates file is broken ({self._broken}): no certificate is trusted until it is fixed"
+        listed = self._file.current()
+        if listed is None:
+            return (
+                f"the revoked certificates file is broken ({self._file.broken}): no certificate is "
+                "trusted until it is fixed"
+            )
+        revoked_ids, serials = listed
         ids = {v.decode("ascii", "replace") for v in auth_context.get("peer_spiffe_id") or ()}
-        if ids & self._ids:
-            return f"certificate {sorted(ids & self._ids)[0]} is revoked"
-        if self._serials:
+        if ids & revoked_ids:
+            return f"certificate {sorted(ids & revoked_ids)[0]} is revoked"
+        if serials:
             for pem in auth_context.get("x509_pem_cert") or ():
-                if self._serial(pem) in self._serials:
+                if self._serial(pem) in serials:
                     return f"certificate serial {self._serial(pem):x} is revoked"
         return None
 
@@ -267,23 +294,6 @@ class RevokedCertificates:
             except ValueError:
                 self._serial_of[pem] = -1
         return self._serial_of[pem]
-
-    def _refresh(self, *, strict: bool) -> None:
-        try:
-            stat = self.path.stat()
-            stamp = (stat.st_mtime_ns, stat.st_size)
-            if stamp == self._stamp:
-                return
-            ids, serials = parse_revoked(self.path.read_text(encoding="utf-8"), self.path)
-        except (OSError, ConfigError) as exc:
-            if strict:
-                raise ConfigError(f"revoked certificates file {self.path}: {exc}") from None
-            failed = (-1, -1) if isinstance(exc, OSError) else stamp
-            if failed != self._stamp:
-                log.error("revoked certificates file %s: %s; no certificate is trusted until it is fixed", self.path, exc)
-            self._stamp, self._broken = failed, str(exc)[:200]
-            return
-        self._stamp, self._broken, self._ids, self._serials = stamp, "", ids, serials
 
 
 def parse_revoked(text: str, path: Path) -> tuple[frozenset[str], frozenset[int]]:

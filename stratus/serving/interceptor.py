@@ -68,8 +68,8 @@ def _wrap_stream(inner: Callable[..., AsyncIterator[Any]]) -> Callable[..., Asyn
     return stream
 
 
-class ErrorInterceptor(grpc.aio.ServerInterceptor):
-    """Wraps each method's handler once and reuses the wrapper for every later call."""
+class WrappingInterceptor(grpc.aio.ServerInterceptor):
+    """Wraps each method's handler once (:meth:`wrap`) and reuses the wrapper for every later call."""
 
     def __init__(self) -> None:
         self._wrapped: dict[str, grpc.RpcMethodHandler[Any, Any]] = {}
@@ -85,8 +85,18 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         found = await continuation(handler_call_details)
         if found is None:
             return None
-        self._wrapped[method] = self._wrap(found)
+        self._wrapped[method] = self.wrap(method, found)
         return self._wrapped[method]
+
+    def wrap(self, method: str, found: grpc.RpcMethodHandler[Any, Any]) -> grpc.RpcMethodHandler[Any, Any]:
+        return found
+
+
+class ErrorInterceptor(WrappingInterceptor):
+    """Every StratusError (and any other exception) a handler raises, as its gRPC status."""
+
+    def wrap(self, method: str, found: grpc.RpcMethodHandler[Any, Any]) -> grpc.RpcMethodHandler[Any, Any]:
+        return self._wrap(found)
 
     @staticmethod
     def _wrap(found: grpc.RpcMethodHandler[Any, Any]) -> grpc.RpcMethodHandler[Any, Any]:
@@ -153,28 +163,19 @@ def around(
     return found
 
 
-class InferenceInterceptor(grpc.aio.ServerInterceptor):
+class InferenceInterceptor(WrappingInterceptor):
     """Wraps each inference method's handler once (:func:`around`); probes (``exempt``) and
     other services pass through untouched."""
 
     def __init__(self, *, prefix: str = "/inference.GRPCInferenceService/", exempt: frozenset[str] = frozenset()) -> None:
+        super().__init__()
         self._prefix = prefix
         self._exempt = exempt
-        self._wrapped: dict[str, grpc.RpcMethodHandler[Any, Any]] = {}
 
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler[Any, Any] | None]],
-        handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler[Any, Any] | None:
-        method = handler_call_details.method
-        if method in self._wrapped:
-            return self._wrapped[method]
-        found = await continuation(handler_call_details)
-        if found is None or not method.startswith(self._prefix) or method in self._exempt:
+    def wrap(self, method: str, found: grpc.RpcMethodHandler[Any, Any]) -> grpc.RpcMethodHandler[Any, Any]:
+        if not method.startswith(self._prefix) or method in self._exempt:
             return found
-        self._wrapped[method] = around(found, self.admit, self.enter, self.leave)
-        return self._wrapped[method]
+        return around(found, self.admit, self.enter, self.leave)
 
     def admit(self, context: Any) -> tuple[grpc.StatusCode, str] | None:
         return None
