@@ -26,6 +26,7 @@ from stratus.convert.fleet import wire_tier
 from stratus.errors import ConfigError, InvalidInput, NotFound
 from stratus.obs.metrics import gauge
 from stratus.serving.auth import RouterCredentials, proof_holds, sync_proof
+from stratus.serving.servicer import client_of
 from stratus.tiers import Tier
 from stratus.wire import fleet_pb2 as fpb
 from stratus.wire import fleet_pb2_grpc as fpb_grpc
@@ -302,7 +303,9 @@ class FleetServicer(fpb_grpc.FleetServicer):
         """A status now, then one on every change (at most every WATCH_MIN_GAP_S, changes in
         between folded into one), and at least every heartbeat interval."""
         self._authorize_read(request.token, context, "Watch")
-        changes = self._registry.watch()
+        changes = self._registry.watch(
+            address=client_of(context.peer()), operator=self._credentials.is_operator(request.token, context)
+        )
         try:
             while True:
                 yield fpb.FleetEvent(

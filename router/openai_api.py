@@ -29,7 +29,6 @@ model, 429 when the router is full, 503 when nothing can serve, 504 past the bud
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import logging
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -51,7 +50,7 @@ from stratus.errors import (
 )
 from stratus.families.generation import Chunk
 from stratus.families.sampling import FieldError
-from stratus.serving.auth import is_loopback
+from stratus.serving.auth import is_loopback, same_secret
 
 log = logging.getLogger("stratus.openai")
 
@@ -129,7 +128,7 @@ class OpenAiApi:
         """The key, the Host and the body's type, before anything else is read."""
         if self._api_key:
             given = request.headers.get("Authorization", "").removeprefix("Bearer ").strip()
-            if not hmac.compare_digest(given.encode(), self._api_key.encode()):
+            if not same_secret(given, self._api_key):  # over digests: the key's length leaks nothing
                 return web.json_response(
                     error_body(
                         401, "authentication_error", "a valid API key is needed (Authorization: Bearer KEY)"
@@ -291,13 +290,25 @@ def _outcome(work: asyncio.Task[Generation]) -> Generation | BaseException:
     return work.exception() or work.result()
 
 
+# The shortest API key the OpenAI API takes off loopback (security2 N15: a 1-character key was).
+MIN_API_KEY_CHARS = 32
+
+
 def check_listen(listen: str, api_key: str) -> None:
-    """Refuse (before anything starts) an OpenAI API off loopback without a key."""
+    """Refuse (before anything starts) an OpenAI API off loopback without a key of at least
+    MIN_API_KEY_CHARS characters."""
     host = listen.rpartition(":")[0] or "127.0.0.1"
-    if not api_key and not is_loopback(host):
+    if is_loopback(host):
+        return
+    if not api_key:
         raise ConfigError(
             f"the OpenAI API on {listen} is off loopback: give it a key "
             "(--openai-api-key-file, or STRATUS_OPENAI_API_KEY)"
+        )
+    if len(api_key) < MIN_API_KEY_CHARS:
+        raise ConfigError(
+            f"the OpenAI API on {listen} is off loopback with a key of {len(api_key)} characters: "
+            f"give one of at least {MIN_API_KEY_CHARS} (e.g. `openssl rand -hex 32`)"
         )
 
 

@@ -59,6 +59,10 @@ MAX_QUEUE_LIMIT = 4096
 MAX_LOST = 4096
 # Fleet.Watch calls open at once (each holds a stream and is sent the fleet's status).
 MAX_WATCHERS = 64
+# ... beyond which only operators may open more, up to this many in all (strangers filling the
+# 64 once locked the operator out of Watch, security2 N16), and what one address may hold.
+MAX_OPERATOR_WATCHERS = 80
+MAX_WATCHERS_PER_ADDRESS = 16
 # Longest a Reload call waits for its agent (the caller chooses less, never more).
 MAX_RELOAD_WAIT_S = 600.0
 
@@ -104,6 +108,7 @@ class FleetRegistry:
         self._linked = 0  # agents not lost
         self._ids = itertools.count(1)
         self._watchers: set[asyncio.Queue[None]] = set()
+        self._watcher_address: dict[int, str] = {}  # each watcher's client address, by id(queue)
         self.pool_sizes: Mapping[str, int] = dict(pool_sizes or {})  # --agent-pool NAME=MAX
 
     def now(self) -> float:
@@ -499,16 +504,24 @@ class FleetRegistry:
         self.book.override(family, thresholds)
         self.changed()
 
-    def watch(self) -> asyncio.Queue[None]:
-        """A queue told of each change; RESOURCE_EXHAUSTED past MAX_WATCHERS at once."""
-        if len(self._watchers) >= MAX_WATCHERS:
+    def watch(self, *, address: str = "", operator: bool = False) -> asyncio.Queue[None]:
+        """A queue told of each change; RESOURCE_EXHAUSTED past MAX_WATCHERS at once (an
+        operator's past MAX_OPERATOR_WATCHERS), or past MAX_WATCHERS_PER_ADDRESS from one address
+        that is not an operator's."""
+        most = MAX_OPERATOR_WATCHERS if operator else MAX_WATCHERS
+        if len(self._watchers) >= most:
             raise Overloaded(f"{len(self._watchers)} Watch calls are open, the most this router serves")
+        held = sum(1 for a in self._watcher_address.values() if a == address)
+        if not operator and held >= MAX_WATCHERS_PER_ADDRESS:
+            raise Overloaded(f"this address holds {held} Watch calls, the most one may")
         queue: asyncio.Queue[None] = asyncio.Queue(maxsize=1)
         self._watchers.add(queue)
+        self._watcher_address[id(queue)] = address
         return queue
 
     def unwatch(self, queue: asyncio.Queue[None]) -> None:
         self._watchers.discard(queue)
+        self._watcher_address.pop(id(queue), None)
 
     def changed(self) -> None:
         for queue in self._watchers:

@@ -47,7 +47,7 @@ def operator_token(args: argparse.Namespace) -> str:
 
 
 def secret(path: Path | None, variable: str) -> str:
-    """A secret from a file (its first line) or the environment, never from the command
+    """A secret from a file (the whole file, stripped) or the environment, never from the command
     line, where every user of the machine can read it."""
     if path is None:
         return os.environ.get(variable, "")

@@ -320,8 +320,9 @@ class RouterCredentials:
     """What a router checks agents, operators and peers against.
 
     ``mutual_tls``: the router's server asks every caller for a certificate from the fleet CA,
-    so roles and agent ids come from certificates. Where both a certificate and a token are
-    configured for a role, a caller needs both.
+    so roles and agent ids come from certificates. An operator or a peer proves its role with
+    either its certificate or its token; an agent with its certificate and, where per-agent or
+    fleet agent tokens are configured, its token too.
     """
 
     mutual_tls: bool = False
@@ -384,6 +385,14 @@ class RouterCredentials:
                 raise Unauthenticated("the agent token is missing or wrong")
             return identity if self.mutual_tls else "fleet-token"
         return identity
+
+    def is_operator(self, token: str, context: Any) -> bool:
+        """Whether the caller holds the operator role (as :meth:`require_operator` decides)."""
+        try:
+            self.require_operator(token, context, "this call")
+        except (PermissionDenied, Unauthenticated):
+            return False
+        return True
 
     def require_operator(self, token: str, context: Any, what: str) -> None:
         """An operator: its certificate's role, or the operator token."""

@@ -79,3 +79,12 @@ def test_off_loopback_the_api_does_not_start_without_a_key(cluster: Cluster) -> 
     with pytest.raises(Unavailable) as refused:
         cluster.router("--openai", f"0.0.0.0:{free_port()}")
     assert "is off loopback: give it a key (--openai-api-key-file, or STRATUS_OPENAI_API_KEY)" in str(refused.value)
+
+
+def test_off_loopback_a_short_key_is_refused(cluster: Cluster, tmp_path: Path) -> None:
+    """security2 N15: a key of one character served the API off loopback."""
+    key_file = tmp_path / "openai.key"
+    key_file.write_text("k\n")
+    with pytest.raises(Unavailable) as refused:
+        cluster.router("--openai", f"0.0.0.0:{free_port()}", "--openai-api-key-file", str(key_file))
+    assert "with a key of 1 characters: give one of at least 32" in str(refused.value)

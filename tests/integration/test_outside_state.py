@@ -15,7 +15,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from router.registry import MAX_CAPACITY, MAX_QUEUE_LIMIT, MAX_WATCHERS
+from router.registry import MAX_CAPACITY, MAX_QUEUE_LIMIT, MAX_WATCHERS_PER_ADDRESS
 from stratus.wire import fleet_pb2 as fpb
 from stratus.wire import fleet_pb2_grpc as fpb_grpc
 
@@ -101,12 +101,16 @@ def test_a_poisoned_rollout_state_file_stops_the_router_naming_it(tmp_path: Path
     assert "step 9 is outside its 1 steps" in done.stderr and "Traceback" not in done.stderr
 
 
-def test_watch_calls_past_the_cap_are_refused_and_others_keep_theirs(cluster: Cluster) -> None:
-    router = cluster.router().address
+def test_watch_calls_past_the_cap_are_refused_and_the_operator_keeps_a_place(cluster: Cluster, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """security2 N16: 64 strangers' watchers locked the operator out of Watch."""
+    token = tmp_path / "operator.token"
+    token.write_text("operator-token-00000001\n")
+    router = cluster.router("--operator-token-file", str(token)).address
     with grpc.insecure_channel(router) as channel:
         stub = fpb_grpc.FleetStub(channel)
         calls = [
-            stub.Watch(fpb.FleetWatchRequest(include_agents=True), timeout=30) for _ in range(MAX_WATCHERS)
+            stub.Watch(fpb.FleetWatchRequest(include_agents=True), timeout=30)
+            for _ in range(MAX_WATCHERS_PER_ADDRESS)
         ]
         try:
             for call in calls:
@@ -114,7 +118,10 @@ def test_watch_calls_past_the_cap_are_refused_and_others_keep_theirs(cluster: Cl
             with pytest.raises(grpc.RpcError) as refused:
                 next(stub.Watch(fpb.FleetWatchRequest(), timeout=10))
             assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-            assert f"{MAX_WATCHERS} Watch calls are open" in (refused.value.details() or "")
+            assert f"this address holds {MAX_WATCHERS_PER_ADDRESS} Watch calls" in (refused.value.details() or "")
+            operator = stub.Watch(fpb.FleetWatchRequest(token="operator-token-00000001"), timeout=10)
+            assert next(operator).status.router_version  # the operator's still gets its status
+            operator.cancel()
         finally:
             for call in calls:
                 call.cancel()

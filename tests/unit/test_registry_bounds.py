@@ -11,7 +11,7 @@ import pytest
 from router import registry as registry_module
 from router.backends.agent import split_result
 from router.dataplane import listing
-from router.registry import FORGET_LOST_S, MAX_WATCHERS
+from router.registry import FORGET_LOST_S, MAX_OPERATOR_WATCHERS, MAX_WATCHERS, MAX_WATCHERS_PER_ADDRESS
 from stratus.errors import InvalidInput, Overloaded
 from stratus.tiers import Tier
 from stratus.wire import fleet_pb2 as fpb
@@ -43,13 +43,22 @@ def test_lost_agents_past_the_cap_are_forgotten_oldest_first(monkeypatch: pytest
     assert sorted(reg.agents) == ["d2", "d3", "d4"]
 
 
-def test_watch_calls_past_the_cap_are_refused() -> None:
+def test_watch_calls_past_the_cap_are_refused_but_operators_keep_places() -> None:
     reg = registry()
-    queues = [reg.watch() for _ in range(MAX_WATCHERS)]
+    queues = [reg.watch(address=f"ipv4:10.0.0.{n}") for n in range(MAX_WATCHERS)]
     with pytest.raises(Overloaded, match=f"{MAX_WATCHERS} Watch calls are open"):
-        reg.watch()
-    reg.unwatch(queues[0])
-    reg.watch()  # a slot came free
+        reg.watch(address="ipv4:10.0.1.1")
+    operators = [reg.watch(address="ipv4:10.0.9.9", operator=True) for _ in range(MAX_OPERATOR_WATCHERS - MAX_WATCHERS)]
+    with pytest.raises(Overloaded, match=f"{MAX_OPERATOR_WATCHERS} Watch calls are open"):
+        reg.watch(address="ipv4:10.0.9.9", operator=True)
+    for queue in [*queues, *operators]:
+        reg.unwatch(queue)
+    one = [reg.watch(address="ipv4:10.0.0.1") for _ in range(MAX_WATCHERS_PER_ADDRESS)]
+    with pytest.raises(Overloaded, match=f"this address holds {MAX_WATCHERS_PER_ADDRESS} Watch calls"):
+        reg.watch(address="ipv4:10.0.0.1")
+    reg.watch(address="ipv4:10.0.0.2")  # another address is not held back
+    reg.unwatch(one[0])
+    reg.watch(address="ipv4:10.0.0.1")  # a place came free
 
 
 def test_declared_sizes_are_clamped() -> None:
