@@ -365,10 +365,11 @@ def check_metrics_exposure(address: str | None, *, token: str, open_to_all: bool
     )
 
 
-# Scrapes answered at once, and how long one exposition serves the next scrapes: the text is
-# built on the event loop, so a flood of GETs must not rebuild it for each.
+# Scrapes answered at once, and how many expositions are built a second: the text is built on
+# the event loop, so past that a flood of GETs is answered with the last one built (Prometheus
+# and a person asking now and then always get a fresh one).
 MAX_SCRAPES: Final = 8
-SCRAPE_CACHE_S: Final = 1.0
+MAX_BUILDS_PER_S: Final = 4
 
 
 async def serve(metrics: Metrics, address: str, *, token: str = "") -> asyncio.Server:
@@ -376,14 +377,18 @@ async def serve(metrics: Metrics, address: str, *, token: str = "") -> asyncio.S
     with ``token``, only to ``Authorization: Bearer TOKEN``."""
     host, _, port = address.rpartition(":")
     expected = token.encode()
-    cached: list[tuple[float, bytes]] = []
+    built: list[float] = []  # when the expositions of the last second were built
+    last = b""
     scraping = 0
 
     def exposition() -> bytes:
+        nonlocal last
         now = time.monotonic()
-        if not cached or now - cached[0][0] > SCRAPE_CACHE_S:
-            cached[:] = [(now, metrics.text())]
-        return cached[0][1]
+        built[:] = [t for t in built if now - t < 1.0]
+        if len(built) < MAX_BUILDS_PER_S or not last:
+            built.append(now)
+            last = metrics.text()
+        return last
 
     def response(head: bytes) -> tuple[bytes, bytes, bytes]:
         path = head.split(b" ", 2)[1] if head.count(b" ") >= 2 else b""
