@@ -32,8 +32,9 @@ from stratus.families.repository import ModelRepository
 from stratus.obs.metrics import Metrics, ModelMetrics
 from stratus.obs.metrics import serve as serve_metrics
 from stratus.process import announce, stop_on_signals
-from stratus.serving.auth import RevokedCertificates, check_endpoint, insecure_warning, is_loopback
+from stratus.serving.auth import check_endpoint, insecure_warning, is_loopback
 from stratus.serving.channels import bind, create_server
+from stratus.serving.credential_files import RevokedCertificates
 from stratus.serving.health import Health
 from stratus.serving.servicer import ClientLimits, DataPlane, InferenceServicer
 from stratus.tiers import Tier

@@ -17,8 +17,6 @@ from stratus.errors import ConfigError
 from stratus.obs.metrics import check_metrics_exposure
 from stratus.sched.batching import DEFAULT_MAX_DELAY_S
 from stratus.serving.auth import (
-    AgentTokens,
-    RevokedCertificates,
     RouterCredentials,
     check_exposure,
     check_secrets,
@@ -26,6 +24,7 @@ from stratus.serving.auth import (
     parse_agent_pool,
 )
 from stratus.serving.channels import NO_TLS, TlsSettings
+from stratus.serving.credential_files import AgentTokens, RevokedCertificates
 from stratus.serving.servicer import MAX_REQUESTS_PER_CLIENT
 
 

@@ -26,14 +26,26 @@ import ipaddress
 import logging
 import re
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Final, Generic, NamedTuple, Protocol, TypeVar
+from typing import Any, Final, NamedTuple, Protocol
 
 import grpc
 
 from stratus.errors import ConfigError, PermissionDenied, Unauthenticated
+
+
+class AgentTokenTable(Protocol):
+    """Per-agent tokens (stratus.serving.credential_files.AgentTokens), as checks read them."""
+
+    def token_for(self, agent_id: str) -> str | None: ...
+
+
+class Revocations(Protocol):
+    """Revoked certificates (stratus.serving.credential_files.RevokedCertificates)."""
+
+    def why_revoked(self, auth_context: Mapping[str, Sequence[bytes]]) -> str | None: ...
 
 log = logging.getLogger("stratus.auth")
 
@@ -41,7 +53,6 @@ ROLES: Final = frozenset({"agent", "operator", "router", "cloud", "client"})
 NAME_PATTERN: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 TRUST_DOMAIN_PATTERN: Final = re.compile(r"[a-z0-9._-]{1,255}")  # SPIFFE's trust-domain charset
 INSECURE_WARNING_S: Final = 60.0
-T = TypeVar("T")
 # The DNS name a server leaf carries for its role (``router.stratus.spiffe.invalid``): clients
 # dialling with the fleet CA check the server's certificate against it. ``.invalid`` is
 # reserved (RFC 2606), so no real host has it and no public CA issues it.
@@ -167,154 +178,6 @@ def parse_agent_pool(text: str) -> tuple[str, int]:
     return name.strip(), most
 
 
-class WatchedFile(Generic[T]):
-    """A credentials file read again whenever it changes (its mtime or size), parsed by
-    ``parse``. One that stops parsing, or is deleted, fails closed: :meth:`current` is None
-    until it is fixed (said as an ERROR once per change), since keeping the last good version
-    would silently keep a revoked credential in; at start (``strict``), it is a ConfigError."""
-
-    def __init__(self, path: Path, parse: Callable[[str, Path], T], *, what: str, fails_closed: str) -> None:
-        self.path = path
-        self._parse = parse
-        self.what = what  # the file, in messages: "agent tokens file"
-        self.fails_closed = fails_closed  # what a broken file means, in the ERROR line
-        self._stamp: tuple[int, int] | None = None
-        self._value: T | None = None
-        self.broken = ""
-        self._refresh(strict=True)
-
-    def current(self) -> T | None:
-        """The file as it reads now; None while it is broken or missing."""
-        self._refresh(strict=False)
-        return self._value
-
-    def _refresh(self, *, strict: bool) -> None:
-        try:
-            stat = self.path.stat()
-            stamp = (stat.st_mtime_ns, stat.st_size)
-            if stamp == self._stamp:
-                return
-            value = self._parse(self.path.read_text(encoding="utf-8"), self.path)
-        except (OSError, ConfigError) as exc:
-            if strict:
-                raise ConfigError(f"{self.what} {self.path}: {exc}") from None
-            failed = (-1, -1) if isinstance(exc, OSError) else stamp
-            if failed != self._stamp:
-                log.error("%s %s: %s; %s", self.what, self.path, exc, self.fails_closed)
-            self._stamp, self._value, self.broken = failed, None, str(exc)[:200]
-            return
-        self._stamp, self._value, self.broken = stamp, value, ""
-
-
-class AgentTokens:
-    """Per-agent tokens: a file of ``AGENT_ID TOKEN`` lines (``#`` comments, blank lines).
-
-    The file is read again whenever it changes, so revoking an agent is deleting its line,
-    with no restart: a link whose token is gone ends at its next heartbeat (router/link.py).
-    A file that stops parsing, or is deleted, fails closed: no agent is admitted, and live
-    links end, until it is fixed (said as an ERROR at each change), since keeping the last
-    good table would silently keep a revoked agent in (security2 N4).
-    """
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self._file = WatchedFile(
-            path, parse_agent_tokens, what="agent tokens file", fails_closed="no agent is admitted until it is fixed"
-        )
-
-    def token_for(self, agent_id: str) -> str | None:
-        return (self._file.current() or {}).get(agent_id)
-
-
-def parse_agent_tokens(text: str, path: Path) -> dict[str, str]:
-    tokens: dict[str, str] = {}
-    for number, line in enumerate(text.splitlines(), start=1):
-        fields = line.split()
-        comment = next((i for i, f in enumerate(fields) if f.startswith("#")), len(fields))
-        fields = fields[:comment]  # a '#' starts a comment only where a field starts: tokens may hold one
-        if not fields:
-            continue
-        if len(fields) != 2 or not NAME_PATTERN.fullmatch(fields[0]):
-            raise ConfigError(f"{path}:{number}: expected 'AGENT_ID TOKEN'")
-        if len(fields[1]) < 16:
-            raise ConfigError(f"{path}:{number}: the token of {fields[0]!r} is shorter than 16 characters")
-        if fields[0] in tokens:
-            raise ConfigError(f"{path}:{number}: {fields[0]!r} is listed twice")
-        tokens[fields[0]] = fields[1]
-    return tokens
-
-
-class RevokedCertificates:
-    """Certificates no longer trusted, though they chain to the fleet CA: a file of lines, each
-    a SPIFFE id (``spiffe://stratus/agent/device-1``: every certificate of that identity) or
-    ``serial:HEX`` (one certificate), ``#`` comments. Read again whenever it changes, so a
-    revocation takes effect without a restart: the next call is refused, and an agent's live
-    link ends at its next heartbeat. A file that stops parsing or is deleted trusts no
-    certificate until it is fixed (said as an ERROR), rather than silently dropping a
-    revocation (security2 N12)."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self._serial_of: dict[bytes, int] = {}
-        self._file = WatchedFile(
-            path,
-            parse_revoked,
-            what="revoked certificates file",
-            fails_closed="no certificate is trusted until it is fixed",
-        )
-
-    def why_revoked(self, auth_context: Mapping[str, Sequence[bytes]]) -> str | None:
-        """Why the peer's certificate is not trusted any more, or None."""
-        listed = self._file.current()
-        if listed is None:
-            return (
-                f"the revoked certificates file is broken ({self._file.broken}): no certificate is "
-                "trusted until it is fixed"
-            )
-        revoked_ids, serials = listed
-        ids = {v.decode("ascii", "replace") for v in auth_context.get("peer_spiffe_id") or ()}
-        if ids & revoked_ids:
-            return f"certificate {sorted(ids & revoked_ids)[0]} is revoked"
-        if serials:
-            for pem in auth_context.get("x509_pem_cert") or ():
-                if self._serial(pem) in serials:
-                    return f"certificate serial {self._serial(pem):x} is revoked"
-        return None
-
-    def _serial(self, pem: bytes) -> int:
-        """The certificate's serial (parsed once per certificate); -1 for what does not parse
-        (the TLS stack hands over the PEM it verified, so that is never a real peer's)."""
-        if pem not in self._serial_of:
-            from cryptography import x509
-
-            if len(self._serial_of) > 4096:
-                self._serial_of.clear()
-            try:
-                self._serial_of[pem] = x509.load_pem_x509_certificate(pem).serial_number
-            except ValueError:
-                self._serial_of[pem] = -1
-        return self._serial_of[pem]
-
-
-def parse_revoked(text: str, path: Path) -> tuple[frozenset[str], frozenset[int]]:
-    ids: set[str] = set()
-    serials: set[int] = set()
-    for number, line in enumerate(text.splitlines(), start=1):
-        entry = line.split("#", 1)[0].strip()
-        if not entry:
-            continue
-        if entry.startswith("serial:"):
-            try:
-                serials.add(int(entry.removeprefix("serial:").replace(":", ""), 16))
-            except ValueError:
-                raise ConfigError(f"{path}:{number}: a serial is hexadecimal ('serial:1A2B...')") from None
-        elif spiffe_identity({"peer_spiffe_id": [entry.encode()]}) is not None:
-            ids.add(entry)
-        else:
-            raise ConfigError(f"{path}:{number}: expected a SPIFFE id (spiffe://DOMAIN/ROLE/NAME) or 'serial:HEX'")
-    return frozenset(ids), frozenset(serials)
-
-
 @dataclass(frozen=True, kw_only=True)
 class RouterCredentials:
     """What a router checks agents, operators and peers against.
@@ -327,7 +190,7 @@ class RouterCredentials:
 
     mutual_tls: bool = False
     agent_token: str = ""
-    agent_tokens: AgentTokens | None = None
+    agent_tokens: AgentTokenTable | None = None
     operator_token: str = ""
     peer_token: str = ""
     # Agent certificates that are pools (name -> most members linked at once): --agent-pool.
@@ -335,7 +198,7 @@ class RouterCredentials:
     # The fleet's SPIFFE trust domain (--tls-trust-domain): a certificate of another is no one.
     trust_domain: str = "stratus"
     # Certificates revoked though they chain to the CA (--revoked-certificates).
-    revoked: RevokedCertificates | None = None
+    revoked: Revocations | None = None
     # The router listens off loopback (with --insecure): then no caller counts as local, since a
     # proxy or sidecar on its machine (Istio's 127.0.0.6, nginx, ssh -L) makes every one look so.
     off_loopback: bool = False
@@ -423,12 +286,11 @@ class RouterCredentials:
         if self.mutual_tls:
             shown = f"this certificate is a {cert}'s" if cert else "this certificate has no Stratus identity"
             raise PermissionDenied(f"{what} needs the {role} role; {shown}")
-        self._loopback_only(context, what, flag, off_loopback=self.off_loopback)
+        self._loopback_only(context, what, flag)
 
-    @staticmethod
-    def _loopback_only(context: Any, what: str, flag: str, *, off_loopback: bool = False) -> None:
+    def _loopback_only(self, context: Any, what: str, flag: str) -> None:
         peer = context.peer() if context is not None else ""
-        if off_loopback:
+        if self.off_loopback:
             raise PermissionDenied(
                 f"{what}: this router listens off loopback and has no credential for it; behind a "
                 f"local proxy or sidecar every caller would look local, so none is trusted as such: "

@@ -15,7 +15,7 @@ from stratus.errors import ConfigError, InvalidInput
 from stratus.serving.auth import (
     TRUST_DOMAIN_PATTERN,
     BearerTokenInterceptor,
-    RevokedCertificates,
+    Revocations,
     role_server_name,
 )
 from stratus.serving.interceptor import CallerRoles, ErrorInterceptor, InferenceShare, RevokedCallers
@@ -137,7 +137,7 @@ def create_server(
     client_token: str = "",
     inference_roles: frozenset[str] | None = None,
     trust_domain: str = "stratus",
-    revoked: RevokedCertificates | None = None,
+    revoked: Revocations | None = None,
 ) -> grpc.aio.Server:
     """A server with Stratus's limits; with ``client_token``, inference calls need it as
     ``authorization: Bearer TOKEN``, and with ``inference_roles`` (under mutual TLS) a

@@ -17,7 +17,7 @@ import grpc
 
 from stratus.convert.errors import status_of
 from stratus.errors import StratusError
-from stratus.serving.auth import RevokedCertificates, caller_certificate
+from stratus.serving.auth import Revocations, caller_certificate
 
 __all__ = ["ErrorInterceptor"]
 
@@ -248,7 +248,7 @@ class RevokedCallers(InferenceInterceptor):
     """Inference refused to a caller whose certificate is revoked (--revoked-certificates),
     though it chains to the fleet CA (security2 N12)."""
 
-    def __init__(self, revoked: RevokedCertificates, *, exempt: frozenset[str] = frozenset()) -> None:
+    def __init__(self, revoked: Revocations, *, exempt: frozenset[str] = frozenset()) -> None:
         super().__init__(exempt=exempt)
         self._revoked = revoked
 

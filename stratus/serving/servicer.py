@@ -119,44 +119,36 @@ class ClientLimits:
     def stream(self, peer: str) -> Iterator[float | None]:
         """Hold one of the client's stream places while a stream is open; yields how long it
         may stay silent before its first request (None: as long as it likes)."""
-        client = client_of(peer)
-        count = self.streams.get(client, 0)
-        if 0 < self.streams_per_client <= count:
-            raise Overloaded(
-                f"this client has {count} streams open here, the most one client may; "
-                "send requests on the streams it has, or close some"
-            )
-        self.streams[client] = count + 1
-        try:
-            yield None if count < self.idle_streams_per_client else self.silent_stream_s
-        finally:
-            left = self.streams[client] - 1
-            if left:
-                self.streams[client] = left
-            else:
-                del self.streams[client]
+        refusal = "streams open here, the most one client may; send requests on the streams it has, or close some"
+        with _place(self.streams, client_of(peer), self.streams_per_client, refusal) as before:
+            yield None if before < self.idle_streams_per_client else self.silent_stream_s
 
     @contextlib.contextmanager
     def hold(self, peer: str) -> Iterator[None]:
         if self.per_client <= 0:
             yield
             return
-        client = client_of(peer)
-        count = self.held.get(client, 0)
-        if count >= self.per_client:
-            raise Overloaded(
-                f"this client has {count} requests in flight here, the most one client may; "
-                "wait for answers before sending more"
-            )
-        self.held[client] = count + 1
-        try:
+        refusal = "requests in flight here, the most one client may; wait for answers before sending more"
+        with _place(self.held, client_of(peer), self.per_client, refusal):
             yield
-        finally:
-            left = self.held[client] - 1
-            if left:
-                self.held[client] = left
-            else:
-                del self.held[client]
+
+
+@contextlib.contextmanager
+def _place(table: dict[str, int], client: str, most: int, refusal: str) -> Iterator[int]:
+    """One of ``client``'s places in ``table`` while the block runs (yields how many it held
+    before); Overloaded when it holds ``most`` already (0: no limit)."""
+    count = table.get(client, 0)
+    if 0 < most <= count:
+        raise Overloaded(f"this client has {count} {refusal}")
+    table[client] = count + 1
+    try:
+        yield count
+    finally:
+        left = table[client] - 1
+        if left:
+            table[client] = left
+        else:
+            del table[client]
 
 
 def check_version(name: str, version: str) -> None:

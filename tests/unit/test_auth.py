@@ -12,9 +12,7 @@ import pytest
 from router.settings import RouterSettings
 from stratus.errors import ConfigError, Overloaded, PermissionDenied, Unauthenticated
 from stratus.serving.auth import (
-    AgentTokens,
     CertIdentity,
-    RevokedCertificates,
     RouterCredentials,
     check_exposure,
     is_loopback_peer,
@@ -23,6 +21,7 @@ from stratus.serving.auth import (
     sync_proof,
 )
 from stratus.serving.channels import TlsSettings
+from stratus.serving.credential_files import AgentTokens, RevokedCertificates
 from stratus.serving.servicer import ClientLimits, client_of
 
 AGENT_TOKEN = "a-long-agent-token-0001"
