@@ -78,7 +78,7 @@ from stratus.cli.demo import wait_for_agents  # noqa: E402
 
 
 # ---------------------------------------------------------------------------------------------
-# The legitimate side: its own process, so that an attacker's CPU (building a 16 MiB message)
+# The legitimate side: its own process, so that an attacker's CPU (building a 4 MiB message)
 # never delays a probe or a request here. Every event is stamped with time.monotonic, which is
 # one clock for every process on Linux, so the attacker asks for a window by its own times.
 
@@ -109,7 +109,7 @@ ATTACKS: tuple[Attack, ...] = (
     Attack("F4", "poisoned SyncRollouts", f4_poisoned_sync),
     Attack("F5", "thousands of inputs", f5_many_inputs),
     Attack("F6", "INT64 contents", f6_int64_contents),
-    Attack("F7", "16 MiB prompt", f7_huge_prompt),
+    Attack("F7", "message-size prompt", f7_huge_prompt),
     Attack("F11", "unread stream", f11_unread_streams),
     Attack("F13", "silent AgentLinks", f13_silent_streams),
     Attack("F14", "OpenAI API", f14_openai),

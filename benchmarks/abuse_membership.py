@@ -30,7 +30,7 @@ from router.peers import sync_parts
 from stratus.convert import codec
 from stratus.devtools.launcher import launch
 from stratus.serving.auth import sync_proof
-from stratus.serving.channels import MAX_STREAMS_PER_CONNECTION
+from stratus.serving.channels import MAX_MESSAGE_BYTES, MAX_STREAMS_PER_CONNECTION
 from stratus.wire import fleet_pb2 as fpb
 from stratus.wire import fleet_pb2_grpc as fpb_grpc
 from stratus.wire import inference_pb2 as pb
@@ -147,11 +147,12 @@ async def f3_drain_reload(ctx: Context) -> Outcome:
 
 def poisoned_state(revision: int) -> list[str]:
     """Rollout states a peer might push: the plan that made every digits request INTERNAL,
-    a 15 MiB history, and 1,000 plans for made-up families."""
+    a history as long as a message carries, and 1,000 plans for made-up families."""
     base = {"family": "digits", "tier": "device", "candidate": "digits-small", "min_requests": 1,
             "state": "running", "reason": "x", "revision": revision, "updated": 0.0, "origin": "evil"}  # fmt: skip
     step9 = {**base, "steps": [5.0], "step": 9}
-    history = {**base, "steps": [5.0, 100.0], "step": 0, "history": ["h" * 1000] * 15_000}
+    entries = (MAX_MESSAGE_BYTES - 64 * 1024) // 1004  # as long a history as one message carries
+    history = {**base, "steps": [5.0, 100.0], "step": 0, "history": ["h" * 1000] * entries}
     many = [{**base, "family": f"made-up-{i}", "steps": [5.0, 100.0], "step": 0} for i in range(1000)]
     return [json.dumps({"version": 1, "rollouts": rollouts}) for rollouts in ([step9], [history], many)]
 
@@ -182,7 +183,7 @@ async def f4_poisoned_sync(ctx: Context) -> Outcome:
         await repeat(ctx.mark(), 4, one)
         plans = await stub.Rollout(fpb.RolloutRequest(action=fpb.ROLLOUT_ACTION_STATUS), timeout=10)
     digits = [p for p in plans.rollouts if p.family == "digits"]
-    return Outcome(f"{sent} syncs: step 9/15 MiB history/1000 plans",
+    return Outcome(f"{sent} syncs: step 9/{len(states[1]) / 2**20:.1f} MiB history/1000 plans",
                    f"others {codes(outsiders)}; peer {codes(peer)}; "
                    f"{len(plans.rollouts)} plans kept, {len(digits)} for digits")  # fmt: skip
 

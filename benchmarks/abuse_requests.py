@@ -1,5 +1,5 @@
 """The attacks through the inference front doors: requests of thousands of inputs, INT64 contents,
-a 16 MiB prompt, huge empty shapes and budgets, unread streams, the OpenAI API and the cloud
+a prompt the size of a message, huge empty shapes and budgets, unread streams, the OpenAI API and the cloud
 gateway called directly."""
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from stratus.wire import inference_pb2_grpc as pb_grpc
 
 
 async def f5_many_inputs(ctx: Context) -> Outcome:
-    """As many empty inputs as fit under the 16 MiB limit (each [0], about 18 bytes), four
+    """As many empty inputs as fit under the message limit (each [0], about 18 bytes), four
     requests at once, again and again: the parse alone is all the router should pay."""
     request = pb.ModelInferRequest(model_name="digits")
     one = pb.ModelInferRequest(
@@ -55,9 +55,9 @@ async def f5_many_inputs(ctx: Context) -> Outcome:
 
 
 async def f6_int64_contents(ctx: Context) -> Outcome:
-    """Typed INT64 zeros, one byte each on the wire and eight once parsed, 15 MiB a request,
-    four at once, again and again."""
-    values = 15 * 2**20 // 64 * 64
+    """Typed INT64 zeros, one byte each on the wire and eight once parsed, as many as the
+    message limit lets one request carry, four at once, again and again."""
+    values = (MAX_MESSAGE_BYTES - 64 * 1024) // 64 * 64
     request = pb.ModelInferRequest(model_name="digits")
     tensor = request.inputs.add(name="input", datatype="INT64", shape=[values // 64, 64])
     tensor.contents.int64_contents.extend(np.zeros(values, np.int64).tolist())
@@ -70,8 +70,8 @@ async def f6_int64_contents(ctx: Context) -> Outcome:
 
 
 async def f7_huge_prompt(ctx: Context) -> Outcome | None:
-    """A prompt just under 16 MiB, and a tiny prompt padded with parameters to 8 bytes under
-    16 MiB (its Work once went over the link limit and ended every agent's link in turn)."""
+    """A prompt just under the message limit, and a tiny prompt padded with parameters to 8 bytes under
+    it (its Work once went over the link limit and ended every agent's link in turn)."""
     if not await serves(ctx, "arith"):
         return None
     huge = prompt_request(b"1+" * ((MAX_MESSAGE_BYTES - 4096) // 2)).SerializeToString()
@@ -88,7 +88,7 @@ async def f7_huge_prompt(ctx: Context) -> Outcome | None:
 
         tally = await repeat(ctx.mark(), 2, one)
     lost = ctx.fleet.router.log()[log_from:].count(" lost: ")
-    return Outcome("16 MiB prompt / padded prompt, 2 at once", f"{codes(tally)}; {lost} links lost")
+    return Outcome(f"{len(huge) / 2**20:.1f} MiB prompt / padded prompt, 2 at once", f"{codes(tally)}; {lost} links lost")
 
 
 async def f11_unread_streams(ctx: Context) -> Outcome:

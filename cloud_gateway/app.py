@@ -36,10 +36,9 @@ from stratus.serving.auth import check_endpoint, insecure_warning, is_loopback
 from stratus.serving.channels import bind, create_server
 from stratus.serving.credential_files import RevokedCertificates
 from stratus.serving.health import Health
-from stratus.serving.servicer import ClientLimits, DataPlane, InferenceServicer
+from stratus.serving.servicer import ClientLimits, DataPlane, InferenceServicer, add_inference_service
 from stratus.tiers import Tier
 from stratus.wire import fleet_pb2_grpc as fpb_grpc
-from stratus.wire import inference_pb2_grpc as pb_grpc
 
 log = logging.getLogger("stratus.cloud")
 
@@ -64,7 +63,7 @@ async def serve(settings: CloudSettings, stop: asyncio.Event | None = None) -> N
             else None,
         )
         limits = ClientLimits(settings.max_requests_per_client)
-        pb_grpc.add_GRPCInferenceServiceServicer_to_server(InferenceServicer(plane, limits=limits), server)
+        add_inference_service(InferenceServicer(plane, limits=limits), server)
         reloader = _reloads(server, settings, models)
         health = Health(server, plane.ready)
         port = bind(server, settings.listen, settings.tls)

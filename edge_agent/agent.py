@@ -41,10 +41,9 @@ from stratus.serving.auth import insecure_warning
 from stratus.serving.channels import bind, create_server
 from stratus.serving.discovery import DNS_PREFIX, discover_all, resolve_all
 from stratus.serving.health import Health
-from stratus.serving.servicer import InferenceServicer
+from stratus.serving.servicer import InferenceServicer, add_inference_service
 from stratus.tiers import Tier
 from stratus.wire import fleet_pb2 as fpb
-from stratus.wire import inference_pb2_grpc as pb_grpc
 
 log = logging.getLogger("stratus.agent")
 
@@ -202,7 +201,7 @@ async def serve_locally(models: LocalModels, settings: AgentSettings) -> tuple[g
     assert settings.serve is not None
     server = create_server(client_token=settings.client_token)
     plane = LocalDataPlane(models, tier=settings.tier, name=settings.name)
-    pb_grpc.add_GRPCInferenceServiceServicer_to_server(InferenceServicer(plane), server)
+    add_inference_service(InferenceServicer(plane), server)
     health = Health(server, plane.ready)
     port = bind(server, settings.serve, settings.tls)
     await server.start()

@@ -16,6 +16,7 @@ from stratus.errors import DeadlineExceeded, StratusError
 from stratus.execution.models import LocalModels
 from stratus.families.generation import Chunk
 from stratus.families.spec import VariantSpec
+from stratus.serving.channels import check_fits
 from stratus.wire import fleet_pb2 as fpb
 
 log = logging.getLogger("stratus.agent")
@@ -69,6 +70,8 @@ async def _run(
     result.service_ms = answer.service_ms
     result.queue_ms = answer.queue_ms
     result.batch_size = answer.batch_size
+    # Over the router's message limit the Result would end the link and every Work on it.
+    check_fits(result.ByteSize(), f"agent {agent_name}'s answer")
     return answer.variant
 
 

@@ -39,9 +39,8 @@ from stratus.serving.auth import insecure_warning
 from stratus.serving.channels import bind, create_server
 from stratus.serving.discovery import Advertisement
 from stratus.serving.health import Health
-from stratus.serving.servicer import ClientLimits, InferenceServicer
+from stratus.serving.servicer import ClientLimits, InferenceServicer, add_inference_service
 from stratus.wire import fleet_pb2_grpc as fpb_grpc
-from stratus.wire import inference_pb2_grpc as pb_grpc
 
 log = logging.getLogger("stratus.router")
 
@@ -100,7 +99,7 @@ async def serve(settings: RouterSettings, stop: asyncio.Event | None = None) -> 
         revoked=credentials.revoked if settings.tls.mutual else None,
     )
     limits = ClientLimits(settings.max_requests_per_client)
-    pb_grpc.add_GRPCInferenceServiceServicer_to_server(InferenceServicer(plane, limits=limits), server)
+    add_inference_service(InferenceServicer(plane, limits=limits), server)
     gate = AdmissionGate(rate_per_s=settings.admit_per_s, max_waiting=settings.admit_waiting)
     fpb_grpc.add_AgentLinkServicer_to_server(
         AgentLinkServicer(

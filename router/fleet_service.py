@@ -26,6 +26,7 @@ from stratus.convert.fleet import wire_tier
 from stratus.errors import ConfigError, InvalidInput, NotFound
 from stratus.obs.metrics import gauge
 from stratus.serving.auth import RouterCredentials, proof_holds, sync_proof
+from stratus.serving.channels import MAX_MESSAGE_BYTES
 from stratus.serving.servicer import client_of
 from stratus.tiers import Tier
 from stratus.wire import fleet_pb2 as fpb
@@ -141,9 +142,9 @@ def tier_summaries(registry: FleetRegistry) -> list[fpb.TierSummary]:
 
 
 # A status lists agents up to this many bytes: 240 agents of 256 variants each made one of
-# 18.8 MB, which no client could receive (the message limit is 16 MiB) and which took the
-# loop seconds to build. 2,000 agents of three variants each take about 0.6 MB.
-MAX_STATUS_BYTES = 4 * 1024 * 1024
+# 18.8 MB, which no client could receive (over the message limit) and which took the loop
+# seconds to build. 2,000 agents of three variants each take about 0.6 MB.
+MAX_STATUS_BYTES = MAX_MESSAGE_BYTES * 3 // 4
 # A Watch event is serialized once per watcher, every half second: its listing is kept to this
 # (80 watchers of a 3.9 MB status stalled the router's loop for 2.6 s).
 MAX_WATCH_STATUS_BYTES = 1024 * 1024

@@ -102,11 +102,6 @@ class InferRequest:
         shape = self._wire.inputs[0].shape if self._wire.inputs else ()
         return int(shape[0]) if shape else 1
 
-    @property
-    def size_bytes(self) -> int:
-        """What the request is on the wire: the stream window counts it."""
-        return self._wire.ByteSize()
-
     def input_names(self) -> list[str]:
         """Each input's name (``#i`` for an unnamed one), in order; too many inputs, or a
         repeated name, refused."""

@@ -17,12 +17,15 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Any, Final, cast
+
+import grpc
 
 from stratus import __version__
 from stratus.convert.errors import stream_error
 from stratus.convert.inference import InferRequest, InferResult
 from stratus.convert.parameters import MODEL_VERSION
+from stratus.convert.wire_scan import read_infer_request, request_header
 from stratus.errors import DeadlineExceeded, InvalidInput, NotFound, Overloaded, StratusError, drop_frames
 from stratus.serving.channels import MAX_MESSAGE_BYTES
 from stratus.wire import inference_pb2 as pb
@@ -288,8 +291,10 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                 index.models.add(name=name, version=MODEL_VERSION, state="READY" if ready else "UNAVAILABLE")
         return index
 
-    async def ModelInfer(self, request: pb.ModelInferRequest, context: Any) -> pb.ModelInferResponse:
-        started, result, asked = time.perf_counter_ns(), None, InferRequest.from_wire(request)
+    async def ModelInfer(self, request: bytes, context: Any) -> pb.ModelInferResponse:  # type: ignore[override]
+        """``request`` comes as its bytes (:func:`add_inference_service`), bounded before it is parsed."""
+        started, result = time.perf_counter_ns(), None
+        asked = InferRequest.from_wire(read_infer_request(request))
         try:
             check_version(asked.model_name, asked.model_version)
             with self._limits.hold(context.peer()):
@@ -303,16 +308,25 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     ) -> pb.ModelStatisticsResponse:
         return self.statistics.response(request.name, request.version)
 
-    async def ModelStreamInfer(
-        self, request_iterator: AsyncIterator[pb.ModelInferRequest], context: Any
+    async def ModelStreamInfer(  # type: ignore[override]
+        self, request_iterator: AsyncIterator[bytes], context: Any
     ) -> AsyncIterator[pb.ModelStreamInferResponse]:
-        """Requests on one stream run concurrently; each answer carries its request's id."""
+        """Requests on one stream run concurrently; each answer carries its request's id. A
+        request refused from its bytes is answered with an error and the stream goes on."""
         hold = functools.partial(self._limits.hold, context.peer())
         with self._limits.stream(context.peer()) as silent_s:
             session = _StreamSession(self._plane, request_iterator, hold, self.statistics.record, silent_s=silent_s)
             async with session:
                 async for response in session.responses():
                     yield response
+
+
+@dataclass(frozen=True)
+class _Header:
+    """Who a request refused from its bytes was, for its error on the stream."""
+
+    id: str
+    model_name: str
 
 
 @dataclass(frozen=True)
@@ -355,7 +369,7 @@ class _StreamSession:
     def __init__(
         self,
         plane: DataPlane,
-        requests: AsyncIterator[pb.ModelInferRequest],
+        requests: AsyncIterator[bytes],
         hold: Callable[[], contextlib.AbstractContextManager[None]] = contextlib.nullcontext,
         record: Callable[[InferRequest, int, InferResult | None], None] | None = None,
         *,
@@ -404,7 +418,7 @@ class _StreamSession:
         finally:
             self._outbox.put_nowait(self._DONE)
 
-    async def _first(self, requests: AsyncIterator[pb.ModelInferRequest]) -> pb.ModelInferRequest | None:
+    async def _first(self, requests: AsyncIterator[bytes]) -> bytes | None:
         """The stream's first request, or None when it ends without one; a stream that may not
         stay silent and sends nothing in time is closed, saying why."""
         if self._silent_s is None:
@@ -417,10 +431,16 @@ class _StreamSession:
                 f"than the {IDLE_STREAMS_PER_CLIENT} that may wait for their first request"
             ) from None
 
-    async def _take(self, request: pb.ModelInferRequest) -> None:
+    async def _take(self, raw: bytes) -> None:
         await self._window.acquire()
-        asked = InferRequest.from_wire(request)
-        size = asked.size_bytes
+        try:
+            asked = InferRequest.from_wire(read_infer_request(raw))
+        except InvalidInput as exc:
+            model_name, request_id = request_header(raw)
+            self._outbox.put_nowait(stream_error(_Header(id=request_id, model_name=model_name), exc))
+            self._outbox.put_nowait(_Answered(0))
+            return
+        size = len(raw)
         await self._bytes.acquire(size)
         task = asyncio.create_task(self._answer(asked, size))
         self._tasks.add(task)
@@ -450,6 +470,38 @@ class _StreamSession:
             if self._record is not None:
                 self._record(request, started, answered)
             self._outbox.put_nowait(_Answered(size))
+
+
+# The calls whose requests come as bytes, so that wire_scan bounds them before they are parsed.
+_TAKEN_AS_BYTES: Final = frozenset({"ModelInfer", "ModelStreamInfer"})
+
+
+class _Collected:
+    """Stands in for a server to the generated registration, keeping the handlers it adds."""
+
+    def __init__(self) -> None:
+        self.service = ""
+        self.handlers: dict[str, grpc.RpcMethodHandler[Any, Any]] = {}
+
+    def add_generic_rpc_handlers(self, handlers: object) -> None:
+        pass
+
+    def add_registered_method_handlers(self, service: str, handlers: dict[str, Any]) -> None:
+        self.service, self.handlers = service, handlers
+
+
+def add_inference_service(servicer: InferenceServicer, server: grpc.aio.Server) -> None:
+    """Register ``servicer`` as the generated code would, except that ModelInfer and
+    ModelStreamInfer take their requests as bytes: gRPC's own parse runs before any interceptor
+    or handler, and a refusal raised there reaches the client as UNKNOWN, not as what it is."""
+    collected = _Collected()
+    pb_grpc.add_GRPCInferenceServiceServicer_to_server(servicer, cast(grpc.aio.Server, collected))
+    handlers = {
+        name: handler._replace(request_deserializer=None) if name in _TAKEN_AS_BYTES else handler  # type: ignore[attr-defined]
+        for name, handler in collected.handlers.items()
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(collected.service, handlers),))
+    server.add_registered_method_handlers(collected.service, handlers)
 
 
 def tensor_metadata(specs: Sequence[Any]) -> list[pb.ModelMetadataResponse.TensorMetadata]:

@@ -14,6 +14,7 @@ import pytest
 from stratus.convert.inference import MAX_PROMPT_BYTES
 from stratus.convert.parameters import set_parameter
 from stratus.convert.tensors import MAX_REQUEST_ITEMS
+from stratus.convert.wire_scan import MAX_TYPED_BYTES
 from stratus.families.generation import MAX_TOKENS, TEXT_INPUT
 from stratus.serving.channels import MAX_MESSAGE_BYTES, MAX_WORK_BYTES, grpc_options
 from stratus.wire import fleet_pb2 as fpb
@@ -51,16 +52,24 @@ def test_many_inputs_are_refused_by_count_before_any_is_read(router: str, digits
         request.inputs.add(name=f"x{index}", datatype="FP32", shape=[0])
     refused = send(router, request)
     assert refused.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert refused.details() == "request names 20000 inputs; at most 64 are taken"
+    assert refused.details() == "the request holds more than 64 inputs; at most 64 are taken"
     still_whole(router, digits)
 
 
-def test_typed_contents_are_checked_against_the_family_before_they_are_decoded(router: str, digits) -> None:  # type: ignore[no-untyped-def]
-    """2 M typed INT64 zeros for an FP32 model: the datatype is refused first. Their count
-    does not fit the shape either, so a decode-first router would say that instead."""
+def test_typed_contents_are_bounded_from_their_bytes_then_checked_against_the_family(router: str, digits) -> None:  # type: ignore[no-untyped-def]
+    """2 M typed INT64 zeros (2 MB sent, 16 MB parsed) are refused from their bytes, before
+    gRPC's parse; 100,000 of them are parsed, and the datatype is refused first. Their count does
+    not fit the shape either, so a decode-first router would say that instead."""
     request = pb.ModelInferRequest(model_name="digits")
     tensor = request.inputs.add(name="input", datatype="INT64", shape=[1, 64])
     tensor.contents.int64_contents.extend(np.zeros(2_000_000, np.int64).tolist())
+    refused = send(router, request)
+    assert refused.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert refused.details() == (
+        f"input #1: typed contents would take over {MAX_TYPED_BYTES} bytes once parsed; "
+        "send a tensor this large as raw_input_contents"
+    )
+    del tensor.contents.int64_contents[100_000:]
     refused = send(router, request)
     assert refused.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert refused.details() == "input 'input': datatype is INT64, the model takes FP32"
@@ -77,7 +86,7 @@ def test_an_empty_tensor_with_huge_dimensions_is_invalid_not_internal(router: st
 
 
 def test_a_request_whose_work_comes_near_the_link_limit_is_refused_alone(router: str, digits) -> None:  # type: ignore[no-untyped-def]
-    """Inside the router's 16 MiB receive limit, but within 64 KiB of what one message on the
+    """Inside the router's 4 MiB receive limit, but within 64 KiB of what one message on the
     AgentLink may carry (a Work over it ends the agent's stream and every request on it):
     refused before it is queued, and the link stays. For digits the item cap (1,024, the
     advertised max_batch_size) now refuses it first; a family with larger items meets the
@@ -123,7 +132,7 @@ def padded_to(request: pb.ModelInferRequest, size: int) -> pb.ModelInferRequest:
 
 def test_generative_works_carry_the_checked_prompt_only(router: str, digits) -> None:  # type: ignore[no-untyped-def]
     """A prompt over the bound is refused; a small prompt padded with parameters to 8 bytes
-    under the 16 MiB limit is answered, since its Work carries only the prompt (the whole
+    under the 4 MiB limit is answered, since its Work carries only the prompt (the whole
     request, wrapped in a Work, went over the limit and ended every link that serves the
     family, one after the other)."""
     refused = send(router, prompt(b"1" * (MAX_PROMPT_BYTES + 1)))
@@ -134,3 +143,26 @@ def test_generative_works_carry_the_checked_prompt_only(router: str, digits) -> 
         answer = pb_grpc.GRPCInferenceServiceStub(channel).ModelInfer(padded, timeout=30)
     assert answer.outputs[0].name == "text_output"
     still_whole(router, digits)
+
+
+def test_a_streamed_request_refused_from_its_bytes_keeps_its_id_and_the_stream(router: str, digits) -> None:  # type: ignore[no-untyped-def]
+    """Streams take requests as bytes too: one over a bound is answered with its error, under
+    its own id, and the next request on the stream is served."""
+    x = digits.held_out.x[:1].astype(np.float32)
+    good = pb.ModelInferRequest(model_name="digits", id="good")
+    good.inputs.add(name="input", datatype="FP32", shape=list(x.shape))
+    good.raw_input_contents.append(x.tobytes())
+    bad = pb.ModelInferRequest()
+    bad.CopyFrom(good)
+    bad.id = "bad"
+    bad.raw_input_contents.extend([b""] * 64)
+    with grpc.insecure_channel(router, options=grpc_options()) as channel:
+        answers = list(pb_grpc.GRPCInferenceServiceStub(channel).ModelStreamInfer(iter([bad, good]), timeout=30))
+    by_id = {a.infer_response.id: a for a in answers}
+    assert set(by_id) == {"bad", "good"}
+    assert by_id["bad"].error_message == (
+        "INVALID_ARGUMENT: the request holds more than 64 raw_input_contents buffers; at most 64 are taken"
+    )
+    assert by_id["bad"].infer_response.model_name == "digits"
+    assert by_id["good"].error_message == ""
+    assert by_id["good"].infer_response.outputs

@@ -16,8 +16,8 @@ def key(*inputs: tuple[str, str, tuple[int, ...]]) -> BatchKey:
 
 
 def test_a_work_merges_no_more_items_than_a_link_carries() -> None:
-    image = key(("image", "FP32", (3, 224, 224)))  # 588 KiB an item: 27 fit, never --max-batch 32
-    assert items_that_fit(image) == MAX_WORK_BYTES // (3 * 224 * 224 * 4) == 27
+    image = key(("image", "FP32", (3, 224, 224)))  # 588 KiB an item: 6 fit in 4 MiB, never --max-batch 32
+    assert items_that_fit(image) == MAX_WORK_BYTES // (3 * 224 * 224 * 4) == 6
     two = key(("a", "FP32", (64,)), ("b", "INT64", (8,)))  # every input of an item counts
     assert items_that_fit(two) == MAX_WORK_BYTES // (64 * 4 + 8 * 8)
     assert items_that_fit(key(("text_input", "BYTES", ()))) == MAX_WORK_BYTES  # variable size: not capped here
@@ -25,7 +25,7 @@ def test_a_work_merges_no_more_items_than_a_link_carries() -> None:
 
 def test_a_message_near_the_stream_limit_is_refused_alone() -> None:
     check_fits(MAX_WORK_BYTES, "a Work")
-    with pytest.raises(InvalidInput, match=r"a Work would be 16711681 bytes, over the 16711680-byte limit"):
+    with pytest.raises(InvalidInput, match=r"a Work would be 4128769 bytes, over the 4128768-byte limit"):
         check_fits(MAX_WORK_BYTES + 1, "a Work")
     assert MAX_MESSAGE_BYTES - MAX_WORK_BYTES == 64 * 1024  # room for the Work's own fields
 

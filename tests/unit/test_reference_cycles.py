@@ -54,8 +54,8 @@ def decoupled(model: str) -> pb.ModelInferRequest:
 
 
 async def stream_once(plane: DataPlane, request: pb.ModelInferRequest) -> list[str]:
-    async def requests() -> AsyncIterator[pb.ModelInferRequest]:
-        yield request
+    async def requests() -> AsyncIterator[bytes]:
+        yield request.SerializeToString()  # a server's streams take their requests as bytes
 
     async with _StreamSession(plane, requests()) as session:
         return [r.error_message async for r in session.responses()]
