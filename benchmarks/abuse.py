@@ -241,7 +241,7 @@ def main() -> int:
             print(f"abuse: the fleet did not start: {exc}", file=sys.stderr)
             return 1
         legit = LegitSide(
-            fleet.router.address, {"router": fleet.router.process.pid, "cloud": fleet.cloud.process.pid}
+            fleet.legit_address, {"router": fleet.router.process.pid, "cloud": fleet.cloud.process.pid}
         )
         try:
             time.sleep(2.0)  # the legitimate side warms its channel and the fleet's curves

@@ -114,7 +114,9 @@ def role_args(role: str, tokens: Tokens, *, cloud: str = "", router: str = "", o
         ]  # fmt: skip
     if role == "router":
         return [
-            "router", "--listen", "127.0.0.1:0", "--cloud", cloud, "--no-advertise",
+            # both loopbacks, so that the attacker (::1) and the legitimate side (127.0.0.1) are
+            # two clients to the router, as they are off one machine
+            "router", "--listen", "localhost:0", "--cloud", cloud, "--no-advertise",
             "--cloud-token-file", str(tokens.file("client")),
             # per-agent tokens only: beside them a shared agent token is refused (security2 N4),
             # so the attacks that hold it (F1, F12) meet the refusal a real router gives
@@ -141,6 +143,16 @@ class Fleet:
     tokens: Tokens
     log_dir: Path
     extra: list[Launched] = field(default_factory=list)  # started by an attack
+
+    @property
+    def attacker_address(self) -> str:
+        """The router as the attacker dials it: a client of its own (IPv6 loopback)."""
+        return f"[::1]:{self.router.address.rsplit(':', 1)[1]}"
+
+    @property
+    def legit_address(self) -> str:
+        """The router as the legitimate side dials it (IPv4 loopback)."""
+        return f"127.0.0.1:{self.router.address.rsplit(':', 1)[1]}"
 
     def stop(self) -> None:
         for launched in reversed([self.cloud, self.router, *self.agents, *self.extra]):

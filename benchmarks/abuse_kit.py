@@ -39,7 +39,7 @@ class Context:
 
     @property
     def router(self) -> str:
-        return self.fleet.router.address
+        return self.fleet.attacker_address
 
     @property
     def cloud(self) -> str:

@@ -29,8 +29,8 @@ from router.hello import MAX_VARIANTS_PER_AGENT
 from router.peers import sync_parts
 from stratus.convert import codec
 from stratus.devtools.launcher import launch
-from stratus.serving.auth import sync_proof
 from stratus.serving.channels import MAX_MESSAGE_BYTES, MAX_STREAMS_PER_CONNECTION
+from stratus.serving.sync_proofs import SYNC_REQUEST, sync_proof
 from stratus.wire import fleet_pb2 as fpb
 from stratus.wire import fleet_pb2_grpc as fpb_grpc
 from stratus.wire import inference_pb2 as pb
@@ -175,7 +175,7 @@ async def f4_poisoned_sync(ctx: Context) -> Outcome:
             token = ["", tokens.agent, tokens.operator, tokens.peer][sent % 4]
             message = fpb.RolloutSync(router_id=f"evil-{sent}", state_json=states[sent % 3], token=token)
             if token == tokens.peer:  # a real peer proves the token over the message (HMAC)
-                message.token = sync_proof(token, *sync_parts(message))
+                message.token = sync_proof(token, SYNC_REQUEST, *sync_parts(message))
             code = await ctx.code_of(stub.SyncRollouts(message, timeout=10))
             (peer if token == tokens.peer else outsiders)[code] += 1
             return code

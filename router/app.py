@@ -98,7 +98,7 @@ async def serve(settings: RouterSettings, stop: asyncio.Event | None = None) -> 
         client_token=settings.client_token,
         revoked=credentials.revoked if settings.tls.mutual else None,
     )
-    limits = ClientLimits(settings.max_requests_per_client)
+    limits = ClientLimits(settings.max_requests_per_client, items_per_client=settings.max_items_per_client)
     add_inference_service(InferenceServicer(plane, limits=limits), server)
     gate = AdmissionGate(rate_per_s=settings.admit_per_s, max_waiting=settings.admit_waiting)
     fpb_grpc.add_AgentLinkServicer_to_server(

@@ -25,9 +25,10 @@ from stratus import __version__
 from stratus.convert.fleet import wire_tier
 from stratus.errors import ConfigError, InvalidInput, NotFound
 from stratus.obs.metrics import gauge
-from stratus.serving.auth import RouterCredentials, proof_holds, sync_proof
+from stratus.serving.auth import RouterCredentials
 from stratus.serving.channels import MAX_MESSAGE_BYTES
 from stratus.serving.servicer import client_of
+from stratus.serving.sync_proofs import SYNC_ANSWER, SYNC_REQUEST, SeenNonces, proof_holds, sync_proof
 from stratus.tiers import Tier
 from stratus.wire import fleet_pb2 as fpb
 from stratus.wire import fleet_pb2_grpc as fpb_grpc
@@ -282,6 +283,7 @@ class FleetServicer(fpb_grpc.FleetServicer):
         self._synced = synced  # set when a change should reach the other routers now
         # Watch's shared status, by what it lists (include_agents, include_families)
         self._built: dict[tuple[bool, bool], tuple[float, fpb.FleetStatus]] = {}
+        self._seen_proofs = SeenNonces()  # a peer's proof is taken once (security2 N6)
 
     def _authorize(self, token: str, context: Any, what: str) -> None:
         self._credentials.require_operator(token, context, what)
@@ -466,7 +468,11 @@ class FleetServicer(fpb_grpc.FleetServicer):
     async def SyncRollouts(self, request: fpb.RolloutSync, context: Any) -> fpb.RolloutSync:
         """A peer router's rollouts in, ours out: both keep the newest record of each."""
         peer_token = self._credentials.peer_token
-        proven = proof_holds(peer_token, request.token, *sync_parts(request)) if peer_token else None
+        proven = (
+            proof_holds(peer_token, SYNC_REQUEST, request.token, *sync_parts(request), seen=self._seen_proofs)
+            if peer_token
+            else None
+        )
         self._credentials.require_peer(proven, context, "SyncRollouts")
         if request.router_id != self._rollouts.router_id:
             self._rollouts.merge_json(request.state_json)
@@ -477,7 +483,7 @@ class FleetServicer(fpb_grpc.FleetServicer):
             thresholds_json=self._pushes.to_json(),
         )
         if peer_token:  # our proof answers theirs: the caller learns it reached a real peer
-            answer.token = sync_proof(peer_token, request.token, *sync_parts(answer))
+            answer.token = sync_proof(peer_token, SYNC_ANSWER, request.token, *sync_parts(answer))
         return answer
 
 

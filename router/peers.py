@@ -19,9 +19,9 @@ import grpc
 from router.rollout import Rollouts
 from router.thresholds import ThresholdPushes
 from stratus.errors import StratusError
-from stratus.serving.auth import proof_holds, sync_proof
 from stratus.serving.channels import NO_TLS, TlsSettings, open_channel, server_options
 from stratus.serving.discovery import addresses_of, server_name_of
+from stratus.serving.sync_proofs import SYNC_ANSWER, SYNC_REQUEST, proof_holds, sync_proof
 from stratus.wire import fleet_pb2 as fpb
 from stratus.wire import fleet_pb2_grpc as fpb_grpc
 
@@ -32,11 +32,8 @@ CALL_TIMEOUT_S = 2.0
 
 
 def sync_parts(message: fpb.RolloutSync) -> tuple[str, ...]:
-    """What a rollout sync's proof covers: who sent it and everything it says. The pushed
-    thresholds only where there are some, so a router from before them still checks the
-    proofs of a site that pushed none."""
-    extra = (message.thresholds_json,) if message.thresholds_json else ()
-    return (message.router_id, message.state_json, *extra)
+    """What a rollout sync's proof covers: who sent it and everything it says."""
+    return (message.router_id, message.state_json, message.thresholds_json)
 
 
 class RolloutPeers:
@@ -93,17 +90,18 @@ class RolloutPeers:
             thresholds_json=self.pushes.to_json(),
         )
         if self.token:
-            mine.token = sync_proof(self.token, *sync_parts(mine))
+            mine.token = sync_proof(self.token, SYNC_REQUEST, *sync_parts(mine))
         try:
             theirs = await fpb_grpc.FleetStub(channel).SyncRollouts(mine, timeout=CALL_TIMEOUT_S)
         except grpc.aio.AioRpcError as exc:
             log.debug("peer %s: %s", address, exc.code().name)
             return
+        # the proof first: any responder could echo our id and stop our syncs with that address
+        if self.token and not proof_holds(self.token, SYNC_ANSWER, theirs.token, mine.token, *sync_parts(theirs)):
+            log.warning("peer %s answered without proof of the peer token; its state is ignored", address)
+            return
         if theirs.router_id == self.rollouts.router_id:
             self._self.add(address)
-            return
-        if self.token and not proof_holds(self.token, theirs.token, mine.token, *sync_parts(theirs)):
-            log.warning("peer %s answered without proof of the peer token; its state is ignored", address)
             return
         try:
             self.rollouts.merge_json(theirs.state_json)

@@ -25,7 +25,7 @@ from stratus.serving.auth import (
 )
 from stratus.serving.channels import NO_TLS, TlsSettings
 from stratus.serving.credential_files import AgentTokens, RevokedCertificates
-from stratus.serving.servicer import MAX_REQUESTS_PER_CLIENT
+from stratus.serving.servicer import MAX_ITEMS_PER_CLIENT, MAX_REQUESTS_PER_CLIENT
 
 
 class OnCloudFailure(enum.Enum):
@@ -84,6 +84,8 @@ class RouterSettings:
     anonymous_inference: bool = False
     # Inference requests one client address may have in flight (0: no limit).
     max_requests_per_client: int = setting(MAX_REQUESTS_PER_CLIENT, check=not_negative)
+    # Items (dimension 0 of each request's first input) one client address may have in flight (0: no limit).
+    max_items_per_client: int = setting(MAX_ITEMS_PER_CLIENT, check=not_negative)
     name: str = ""
     tls: TlsSettings = NO_TLS
     on_cloud_failure: OnCloudFailure = OnCloudFailure.DEGRADE

@@ -122,6 +122,15 @@ def add_router(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     option(
         router,
         "router",
+        "max_items_per_client",
+        "--max-items-per-client",
+        type=int,
+        help="items (dimension 0 of a request's first input) one client address may have in flight "
+        "(0: no limit); a client's one request is always taken",
+    )
+    option(
+        router,
+        "router",
         "on_cloud_failure",
         "--on-cloud-failure",
         choices=["degrade", "fail"],

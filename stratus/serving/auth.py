@@ -25,7 +25,6 @@ import hmac
 import ipaddress
 import logging
 import re
-import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -453,27 +452,3 @@ def check_endpoint(what: str, listen: str, tls: EndpointTls, *, client_token: st
         needs="client authentication (--tls-ca for mutual TLS, or --client-token-file)",
     )
     return authenticated
-
-
-def sync_proof(token: str, *parts: str, at_ms: int | None = None) -> str:
-    """A proof of the peer token over a message, never the token itself: ``v1:MS:HMAC``.
-    Both sides of a rollout sync prove it, so neither sends its secret to an impostor."""
-    at = int(time.time() * 1000) if at_ms is None else at_ms
-    digest = hmac.new(token.encode(), "\x00".join((str(at), *parts)).encode(), hashlib.sha256)
-    return f"v1:{at}:{digest.hexdigest()}"
-
-
-SYNC_PROOF_MAX_AGE_MS: Final = 60_000
-
-
-def proof_holds(token: str, proof: str, *parts: str) -> bool:
-    """Whether ``proof`` is :func:`sync_proof` of ``parts`` under ``token``, made within the
-    last minute (older ones are replays)."""
-    try:
-        version, at, _ = proof.split(":", 2)
-        at_ms = int(at)
-    except ValueError:
-        return False
-    if version != "v1" or abs(time.time() * 1000 - at_ms) > SYNC_PROOF_MAX_AGE_MS:
-        return False
-    return same_secret(proof, sync_proof(token, *parts, at_ms=at_ms))

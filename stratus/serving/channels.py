@@ -4,7 +4,6 @@ refuse and time out alike."""
 
 from __future__ import annotations
 
-import ctypes
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -134,27 +133,6 @@ HANDSHAKE_TIMEOUT_MS: Final = 5_000
 MAX_CONNECTION_IDLE_MS: Final = 300_000
 
 
-# glibc's mallopt parameter for the size from which an allocation is its own mapping.
-_M_MMAP_THRESHOLD: Final = -3
-LARGE_BUFFER_BYTES: Final = 1024 * 1024
-
-
-def hand_back_large_buffers() -> bool:
-    """Make every allocation of 1 MiB or more its own mapping, given back to the system when
-    freed. gRPC holds each received message about three times over (its slices, a bytearray,
-    then bytes) before a handler runs; glibc otherwise raises its mapping threshold to the
-    largest block freed, so those buffers come from the heap next time and the heap keeps its
-    high-water mark (32 freed 4 MiB buffers stayed as 128 MB, tests/unit/test_large_buffers.py,
-    and a flood of 4 MiB requests four at once peaked past +50 MB in benchmarks/abuse.py). False where the
-    C library is not glibc (musl, macOS), whose allocators do not work this way."""
-    try:
-        mallopt = ctypes.CDLL(None).mallopt
-    except (OSError, AttributeError):
-        return False
-    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    return bool(mallopt(_M_MMAP_THRESHOLD, LARGE_BUFFER_BYTES))
-
-
 def create_server(
     *,
     keepalive_s: float = 10.0,
@@ -167,7 +145,6 @@ def create_server(
     """A server with Stratus's limits; with ``client_token``, inference calls need it as
     ``authorization: Bearer TOKEN``, and with ``inference_roles`` (under mutual TLS) a
     certificate of one of those roles (the other services check their own credentials)."""
-    hand_back_large_buffers()
     guards: list[grpc.aio.ServerInterceptor] = [BearerTokenInterceptor(client_token)] if client_token else []
     if revoked is not None:
         guards.append(RevokedCallers(revoked, exempt=BearerTokenInterceptor.OPEN))

@@ -80,6 +80,11 @@ class DataPlane(abc.ABC):
 # Requests one client (one peer address) may have in flight on a server at once, so that no
 # single client takes every slot (a router's cloud link holds at most 512 at the cloud).
 MAX_REQUESTS_PER_CLIENT: Final = 1024
+# Items (dimension 0 of a request's first input) one client may have in flight on a router: its
+# requests of 1,024 items each, 1,000 at a time with 600 s budgets, once held every agent's queue
+# and the cloud's, and the other clients' requests waited past their deadlines (security F21).
+# Sixteen requests of the most items a request may hold; a cloud gateway's client is a router.
+MAX_ITEMS_PER_CLIENT: Final = 16_384
 # ModelStreamInfer streams one client may hold open at once: a stream costs the server its
 # slot and about 20 KiB whether it asks anything or not, and 20 connections x 1,000 silent
 # streams from one address once took all 16,384 of a router's RPC slots (security2 N1).
@@ -107,12 +112,15 @@ class ClientLimits:
         self,
         per_client: int = MAX_REQUESTS_PER_CLIENT,
         *,
+        items_per_client: int = 0,
         streams_per_client: int = MAX_STREAMS_PER_CLIENT,
         idle_streams_per_client: int = IDLE_STREAMS_PER_CLIENT,
         silent_stream_s: float = SILENT_STREAM_S,
     ) -> None:
         self.per_client = per_client
         self.held: dict[str, int] = {}
+        self.items_per_client = items_per_client
+        self.items: dict[str, int] = {}
         self.streams_per_client = streams_per_client
         self.idle_streams_per_client = idle_streams_per_client
         self.silent_stream_s = silent_stream_s
@@ -127,27 +135,31 @@ class ClientLimits:
             yield None if before < self.idle_streams_per_client else self.silent_stream_s
 
     @contextlib.contextmanager
-    def hold(self, peer: str) -> Iterator[None]:
-        if self.per_client <= 0:
-            yield
-            return
+    def hold(self, peer: str, items: int = 1) -> Iterator[None]:
+        """One of the client's request places, and ``items`` of its item places, while a request runs."""
+        client = client_of(peer)
         refusal = "requests in flight here, the most one client may; wait for answers before sending more"
-        with _place(self.held, client_of(peer), self.per_client, refusal):
+        items_refusal = "items in requests in flight here, the most one client may; wait for answers before sending more"
+        with (
+            _place(self.held, client, self.per_client, refusal),
+            _place(self.items, client, self.items_per_client, items_refusal, weight=items),
+        ):
             yield
 
 
 @contextlib.contextmanager
-def _place(table: dict[str, int], client: str, most: int, refusal: str) -> Iterator[int]:
-    """One of ``client``'s places in ``table`` while the block runs (yields how many it held
-    before); Overloaded when it holds ``most`` already (0: no limit)."""
+def _place(table: dict[str, int], client: str, most: int, refusal: str, *, weight: int = 1) -> Iterator[int]:
+    """``weight`` of ``client``'s places in ``table`` while the block runs (yields how many it held
+    before); Overloaded when that would take it past ``most`` (0: no limit). A client holding
+    nothing always gets its places, so that one request larger than the limit is not refused forever."""
     count = table.get(client, 0)
-    if 0 < most <= count:
+    if most > 0 and count and count + weight > most:
         raise Overloaded(f"this client has {count} {refusal}")
-    table[client] = count + 1
+    table[client] = count + weight
     try:
         yield count
     finally:
-        left = table[client] - 1
+        left = table[client] - weight
         if left:
             table[client] = left
         else:
@@ -297,7 +309,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         asked = InferRequest.from_wire(read_infer_request(request))
         try:
             check_version(asked.model_name, asked.model_version)
-            with self._limits.hold(context.peer()):
+            with self._limits.hold(context.peer(), asked.items):
                 result = await self._plane.infer(asked, timeout_s=context.time_remaining())
             return result.to_wire()
         finally:
@@ -370,7 +382,7 @@ class _StreamSession:
         self,
         plane: DataPlane,
         requests: AsyncIterator[bytes],
-        hold: Callable[[], contextlib.AbstractContextManager[None]] = contextlib.nullcontext,
+        hold: Callable[[int], contextlib.AbstractContextManager[None]] = lambda items: contextlib.nullcontext(),
         record: Callable[[InferRequest, int, InferResult | None], None] | None = None,
         *,
         silent_s: float | None = None,
@@ -450,7 +462,7 @@ class _StreamSession:
         started, answered = time.perf_counter_ns(), None
         try:
             check_version(request.model_name, request.model_version)
-            with self._hold():
+            with self._hold(request.items):
                 if request.streams():  # decoupled: many responses, the last marked final
                     last = None
                     async for chunk in self._plane.generate(request, timeout_s=None):

@@ -12,7 +12,7 @@ import grpc
 import pytest
 
 from router.peers import sync_parts
-from stratus.serving.auth import proof_holds, sync_proof
+from stratus.serving.sync_proofs import SYNC_ANSWER, SYNC_REQUEST, proof_holds, sync_proof
 from stratus.wire import fleet_pb2 as fpb
 from stratus.wire import fleet_pb2_grpc as fpb_grpc
 
@@ -69,10 +69,16 @@ def test_each_role_needs_its_own_token(cluster: Cluster, tmp_path: Path) -> None
             stub.SyncRollouts(fpb.RolloutSync(router_id="peer", state_json="", token=TOKENS["peer"]), timeout=5)
         assert raw.value.code() == grpc.StatusCode.UNAUTHENTICATED
         asked = fpb.RolloutSync(router_id="peer", state_json="")
-        asked.token = sync_proof(TOKENS["peer"], *sync_parts(asked))
+        asked.token = sync_proof(TOKENS["peer"], SYNC_REQUEST, *sync_parts(asked))
         synced = stub.SyncRollouts(asked, timeout=5)
+        # security2 N6: the same proof again is a replay, and an answer's proof is no request's
+        for replayed in (asked.token, synced.token):
+            with pytest.raises(grpc.RpcError) as refused:
+                stub.SyncRollouts(fpb.RolloutSync(router_id="peer", state_json="", token=replayed), timeout=5)
+            assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
     assert synced.router_id
     # The answer proves the router holds the peer token too, over what it answered.
-    assert proof_holds(TOKENS["peer"], synced.token, asked.token, *sync_parts(synced))
-    assert not proof_holds(TOKENS["agent"], synced.token, asked.token, *sync_parts(synced))
+    assert proof_holds(TOKENS["peer"], SYNC_ANSWER, synced.token, asked.token, *sync_parts(synced))
+    assert not proof_holds(TOKENS["agent"], SYNC_ANSWER, synced.token, asked.token, *sync_parts(synced))
+    assert not proof_holds(TOKENS["peer"], SYNC_REQUEST, synced.token, asked.token, *sync_parts(synced))
     assert TOKENS["peer"] not in synced.token

@@ -16,9 +16,7 @@ from stratus.serving.auth import (
     RouterCredentials,
     check_exposure,
     is_loopback_peer,
-    proof_holds,
     spiffe_identity,
-    sync_proof,
 )
 from stratus.serving.channels import TlsSettings
 from stratus.serving.credential_files import AgentTokens, RevokedCertificates
@@ -211,17 +209,6 @@ def test_peer_syncs_need_a_proof_or_a_router_certificate() -> None:
     )
 
 
-def test_sync_proofs_cover_the_message_and_expire() -> None:
-    proof = sync_proof("peer-secret", "router-a", '{"plans": []}')
-    assert proof_holds("peer-secret", proof, "router-a", '{"plans": []}')
-    assert "peer-secret" not in proof
-    assert not proof_holds("other-secret", proof, "router-a", '{"plans": []}')
-    assert not proof_holds("peer-secret", proof, "router-a", '{"plans": [1]}')  # tampered
-    old = sync_proof("peer-secret", "router-a", "{}", at_ms=int(time.time() * 1000) - 120_000)
-    assert not proof_holds("peer-secret", old, "router-a", "{}")  # a replay
-    assert not proof_holds("peer-secret", "peer-secret", "router-a", "{}")  # the raw token is no proof
-
-
 @pytest.mark.parametrize("listen", ["0.0.0.0:8001", "[::]:8001", "192.0.2.2:8001"])
 def test_reachable_listeners_need_tls_and_authentication(listen: str) -> None:
     with pytest.raises(ConfigError, match=r"without TLS .* and client auth.*--insecure"):
@@ -250,6 +237,23 @@ def test_one_client_cannot_hold_more_than_its_share() -> None:
         with limits.hold("ipv4:10.0.0.8:1"):  # another client is not held back
             assert limits.held == {"ipv4:10.0.0.7": 2, "ipv4:10.0.0.8": 1}
     assert limits.held == {}  # every slot given back
+
+
+def test_one_client_cannot_hold_more_items_than_its_share_but_one_request_always_fits() -> None:
+    """security F21: one client's 1,000 requests of 256 items each held every queue."""
+    limits = ClientLimits(per_client=100, items_per_client=1000)
+    with limits.hold("ipv6:[::1]:1", 600), limits.hold("ipv6:[::1]:2", 400):
+        with pytest.raises(Overloaded, match="has 1000 items in requests in flight"), limits.hold("ipv6:[::1]:3", 1):
+            pass
+        with limits.hold("ipv4:127.0.0.1:1", 1000):  # another client is not held back
+            assert limits.items == {"ipv6:[::1]": 1000, "ipv4:127.0.0.1": 1000}
+    # alone, a request over the share is taken; then nothing more is
+    with limits.hold("ipv6:[::1]:4", 5000), pytest.raises(Overloaded, match="has 5000 items"), limits.hold("ipv6:[::1]:5", 1):
+        pass
+    assert limits.items == {} and limits.held == {}
+    unlimited = ClientLimits(per_client=0, items_per_client=0)
+    with unlimited.hold("ipv4:10.0.0.7:1", 10**6), unlimited.hold("ipv4:10.0.0.7:2", 10**6):
+        assert unlimited.items == {"ipv4:10.0.0.7": 2 * 10**6}
 
 
 def _reachable_router(tmp_path: Path, **secrets: str) -> RouterSettings:
