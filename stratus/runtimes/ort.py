@@ -5,9 +5,11 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import importlib
+import logging
 import os
 import platform
-import threading
+import stat
+import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, ClassVar
@@ -16,6 +18,8 @@ import numpy as np
 
 from stratus.datatypes import Array
 from stratus.runtimes.base import GRAPH_COMPUTE, Availability, ModelRunner, RuntimeDescription
+
+log = logging.getLogger("stratus.runtimes")
 
 
 def _onnxruntime() -> Any:
@@ -44,14 +48,40 @@ def _digest_path(cached: Path) -> Path:
     return cached.with_name(cached.name + ".sha256")
 
 
+def private_folder(path: Path) -> bool:
+    """Make ``path`` (mode 0700) and say whether it is this user's alone: a real folder, owned by
+    this user, that no group or other user may write. Only then is a graph cached in it: the
+    digest beside a cached graph shows a torn write, not a swap by whoever can write the folder
+    (security2 N17), so the folder itself must be ours."""
+    try:
+        path.mkdir(parents=True, exist_ok=True, mode=0o700)
+        found = path.lstat()
+    except OSError:
+        return False
+    return stat.S_ISDIR(found.st_mode) and found.st_uid == os.geteuid() and not found.st_mode & 0o022
+
+
 def _intact(cached: Path) -> bool:
     """A cached graph is loaded only while it is the file this process's kind wrote: its
-    SHA-256 matches the one written beside it (anyone who could write the cache could
-    otherwise swap the model that is served)."""
+    SHA-256 matches the one written beside it (a crash or a full disk mid-write leaves a
+    graph that does not)."""
     try:
         return _digest_path(cached).read_text(encoding="utf-8").strip() == file_digest(cached, full=True)
     except OSError:
         return False
+
+
+_warned: set[Path] = set()
+
+
+def _warn_shared(cache: Path) -> None:
+    if cache not in _warned:
+        _warned.add(cache)
+        log.warning(
+            "%s is not this user's alone (another owner, or others may write it): ONNX Runtime "
+            "graphs are optimized at every start and not cached there",
+            cache,
+        )
 
 
 def is_probability_map(onnx_type: str) -> bool:
@@ -92,7 +122,6 @@ class OnnxRuntimeRunner(ModelRunner):
         may use kernels of the version and machine that wrote it.
         """
         cache = self.options.cache_dir / "onnxruntime"
-        cache.mkdir(parents=True, exist_ok=True, mode=0o700)
         cached = (
             cache / f"{self.path.stem}-{file_digest(self.path)}-ort{ort.__version__}-{machine_digest()}.onnx"
         )
@@ -103,19 +132,23 @@ class OnnxRuntimeRunner(ModelRunner):
         options.log_severity_level = 4
         options.intra_op_num_threads = self.options.threads_per_inference
         options.inter_op_num_threads = 1
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        if not private_folder(cache):
+            _warn_shared(cache)
+            return ort.InferenceSession(str(self.path), options, providers=["CPUExecutionProvider"])
         if _intact(cached):
             options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
             return ort.InferenceSession(str(cached), options, providers=["CPUExecutionProvider"])
-        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-        # Written under a name of its own, then moved into place with its digest beside it: a
+        # Written in a folder of its own (a random name, mode 0700: no name planted in the cache,
+        # a symlink among them, is followed), then moved into place with its digest beside it: a
         # crash, or two agents sharing a cache, never leaves a half-written graph to load.
-        scratch = cached.with_name(f".{cached.name}.{os.getpid()}.{threading.get_ident()}")
-        options.optimized_model_filepath = str(scratch)
-        session = ort.InferenceSession(str(self.path), options, providers=["CPUExecutionProvider"])
-        with contextlib.suppress(OSError):
-            _digest_path(cached).write_text(file_digest(scratch, full=True), encoding="utf-8")
-            os.replace(scratch, cached)
-        scratch.unlink(missing_ok=True)
+        with tempfile.TemporaryDirectory(dir=cache, prefix=".scratch-") as scratch_folder:
+            scratch = Path(scratch_folder) / cached.name
+            options.optimized_model_filepath = str(scratch)
+            session = ort.InferenceSession(str(self.path), options, providers=["CPUExecutionProvider"])
+            with contextlib.suppress(OSError):
+                _digest_path(cached).write_text(file_digest(scratch, full=True), encoding="utf-8")
+                os.replace(scratch, cached)
         return session
 
     @classmethod

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 from pathlib import Path
 
 import numpy as np
+import onnxruntime
 import pytest
 
 from stratus.errors import NotFound, Overloaded, RuntimeUnavailable
@@ -20,6 +22,7 @@ from stratus.runtimes import (
     open_runner,
     preference,
 )
+from stratus.runtimes.ort import file_digest, machine_digest
 from stratus.sched.executor import BoundedExecutor
 from stratus.tiers import Tier
 
@@ -161,7 +164,7 @@ def test_onnxruntime_caches_the_optimized_graph(repository: ModelRepository, tmp
 
 
 def test_a_cached_graph_that_is_not_the_one_written_is_not_loaded(repository: ModelRepository, tmp_path: Path) -> None:
-    """Someone who can write the cache swaps the graph (here: for another model's): the
+    """A graph torn or changed after it was written (here: swapped for another model's): the
     digest beside it no longer matches, so the graph is optimized again from the model."""
     family = repository.family("digits")
     variant = family.variant("digits-medium")
@@ -176,6 +179,48 @@ def test_a_cached_graph_that_is_not_the_one_written_is_not_loaded(repository: Mo
     np.testing.assert_allclose(
         again.infer({"input": x})["probabilities"], honest.infer({"input": x})["probabilities"], atol=1e-6
     )
+
+
+def test_a_cache_folder_others_may_write_caches_nothing_and_still_serves(
+    repository: ModelRepository, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """security2 N17: whoever may write the folder could write a graph and its digest both, so
+    a folder that is not this user's alone is not read or written; the model is optimized anew."""
+    family = repository.family("digits")
+    variant = family.variant("digits-medium")
+    choice = candidates(variant, tier=Tier.EDGE, gpu=False, runtimes=["onnxruntime"])[0]
+    shared = tmp_path / "onnxruntime"
+    shared.mkdir(mode=0o700)
+    shared.chmod(0o777)
+    planted = shared / f"{variant.files['onnx'].stem}-planted.onnx"
+    planted.write_bytes(b"not read")
+    runner = open_runner(family, variant, choice, LoadOptions(tier=Tier.EDGE, cache_dir=tmp_path))
+    assert sorted(p.name for p in shared.iterdir()) == [planted.name]  # nothing written either
+    assert "is not this user's alone" in caplog.text
+    x = np.random.default_rng(2).random((4, 64), dtype=np.float32)
+    assert runner.infer({"input": x})["probabilities"].shape == (4, 10)
+
+
+def test_the_optimized_graph_is_written_in_a_private_folder_not_through_a_planted_link(
+    repository: ModelRepository, tmp_path: Path
+) -> None:
+    """The scratch name was predictable (``.NAME.PID.TID``) and ORT follows a symlink there; now
+    it is written in a fresh 0700 folder, and no name anyone planted in the cache is opened."""
+    family = repository.family("digits")
+    variant = family.variant("digits-medium")
+    choice = candidates(variant, tier=Tier.EDGE, gpu=False, runtimes=["onnxruntime"])[0]
+    victim = tmp_path / "victim.txt"
+    victim.write_text("untouched")
+    cache = tmp_path / "onnxruntime"
+    cache.mkdir(mode=0o700)
+    onnx = variant.files["onnx"]
+    name = f"{onnx.stem}-{file_digest(onnx)}-ort{onnxruntime.__version__}-{machine_digest()}.onnx"
+    old_scratch = cache / f".{name}.{os.getpid()}.{threading.get_ident()}"  # the name it used to write
+    old_scratch.symlink_to(victim)
+    open_runner(family, variant, choice, LoadOptions(tier=Tier.EDGE, cache_dir=tmp_path))
+    assert victim.read_text() == "untouched"
+    assert sorted(p.name for p in cache.iterdir()) == sorted([old_scratch.name, name, name + ".sha256"])
+    assert not (cache / name).is_symlink()
 
 
 def test_bounded_executor_refuses_past_its_queue() -> None:
