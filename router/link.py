@@ -16,16 +16,17 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Final
 
 from router.agent_handle import AgentHandle
 from router.hello import check_hello_bounds
 from router.registry import FleetRegistry
 from stratus import __version__
 from stratus.errors import ConfigError, DeadlineExceeded, InvalidInput, Overloaded, StratusError
-from stratus.serving.auth import RouterCredentials
+from stratus.serving.auth import POOL_PREFIX, RouterCredentials
 from stratus.serving.servicer import client_of
 from stratus.wire import fleet_pb2 as fpb
 from stratus.wire import fleet_pb2_grpc as fpb_grpc
@@ -94,6 +95,59 @@ class Refusals:
             self._unlogged += 1
 
 
+# Links one agent's identity may open in a window: an agent reconnects after a restart or a lost
+# network, a few times a minute at worst; a stolen credential churning its link (each Hello a
+# registration, a credential check and a Welcome) is refused past them.
+HELLOS_PER_IDENTITY: Final = 6
+HELLO_WINDOW_S: Final = 60.0
+
+
+class HelloRate:
+    """New links per agent identity over a window: ``HELLOS_PER_IDENTITY`` for one agent's own
+    certificate or token, twice its size for a pool's certificate. A shared token or none binds no
+    identity to an agent, so it has no rate of its own here (the admission gate still applies)."""
+
+    def __init__(
+        self,
+        pools: Mapping[str, int] | None = None,
+        *,
+        per_identity: int = HELLOS_PER_IDENTITY,
+        window_s: float = HELLO_WINDOW_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._pools = dict(pools or {})
+        self.per_identity = per_identity
+        self.window_s = window_s
+        self._clock = clock
+        self._opened: dict[str, deque[float]] = {}
+
+    def most(self, identity: str) -> int | None:
+        """How many links ``identity`` may open a window (None: no rate of its own)."""
+        if identity.startswith(POOL_PREFIX):
+            return 2 * self._pools.get(identity.removeprefix(POOL_PREFIX), 1) + self.per_identity
+        if identity.startswith(("cert:", "token:")):
+            return self.per_identity
+        return None
+
+    def take(self, identity: str) -> None:
+        """Count a new link of ``identity``, or refuse it (RESOURCE_EXHAUSTED) past its rate."""
+        most = self.most(identity)
+        if most is None:
+            return
+        now = self._clock()
+        opened = self._opened.setdefault(identity, deque())
+        while opened and now - opened[0] >= self.window_s:
+            opened.popleft()
+        if len(opened) >= most:
+            raise Overloaded(
+                f"{identity} opened {len(opened)} links in the last {self.window_s:g} s, the most one "
+                "agent identity may; wait before reconnecting"
+            )
+        opened.append(now)
+        if len(self._opened) > 65_536:  # bounded, whatever the number of identities
+            self._opened.pop(next(iter(self._opened)))
+
+
 class AdmissionGate:
     """Admit at most ``rate_per_s`` (bursts of ``burst``), in arrival order."""
 
@@ -151,6 +205,7 @@ class AgentLinkServicer(fpb_grpc.AgentLinkServicer):
         self._gate = gate or AdmissionGate()
         self._hello_timeout_s = hello_timeout_s
         self._refusals = Refusals()
+        self._hello_rate = HelloRate(self._credentials.agent_pools)
 
     async def Connect(
         self, request_iterator: AsyncIterator[fpb.AgentMessage], context: Any
@@ -167,6 +222,11 @@ class AgentLinkServicer(fpb_grpc.AgentLinkServicer):
         _check_hello(first.hello)
         try:
             identity = self._credentials.agent_identity(first.hello.agent_id, first.hello.token, context)
+        except StratusError as exc:
+            self._refusals.refused(first.hello.agent_id, context.peer(), exc)
+            raise
+        try:
+            self._hello_rate.take(identity)
         except StratusError as exc:
             self._refusals.refused(first.hello.agent_id, context.peer(), exc)
             raise

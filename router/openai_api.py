@@ -70,6 +70,11 @@ def _error_response(exc: StratusError) -> web.Response:
     return web.json_response(body, status=status)
 
 
+# A connection with no request in this long is closed, before its first request as after its last
+# (aiohttp's default held a silent TCP connection an hour: security2 N10); a client reconnects.
+IDLE_CONNECTION_S = 15.0
+
+
 class OpenAiApi:
     """The OpenAI API in front of the router's data plane.
 
@@ -93,7 +98,9 @@ class OpenAiApi:
     async def start(self, listen: str) -> str:
         host, _, port = listen.rpartition(":")
         check_listen(listen, self._api_key)
-        self._runner = web.AppRunner(self.app, access_log=None, handler_cancellation=True)
+        self._runner = web.AppRunner(
+            self.app, access_log=None, handler_cancellation=True, keepalive_timeout=IDLE_CONNECTION_S
+        )
         await self._runner.setup()
         site = web.TCPSite(self._runner, host or "127.0.0.1", int(port))
         await site.start()

@@ -52,6 +52,36 @@ def refused(agent: Launched, why: str) -> bool:
     return why in agent.log() and "reconnecting" in agent.log()
 
 
+def first_answer(router: str, hello: fpb.Hello) -> str:
+    """Open one AgentLink, say ``hello`` and hang up: what the router answered first."""
+    with grpc.insecure_channel(router) as channel:
+        try:
+            answer = next(fpb_grpc.AgentLinkStub(channel).Connect(iter([fpb.AgentMessage(hello=hello)]), timeout=10))
+        except grpc.RpcError as refused:
+            return f"{refused.code().name}: {refused.details()}"
+    return answer.WhichOneof("kind") or ""
+
+
+def test_one_agent_identity_opens_at_most_six_links_a_minute(cluster: Cluster, tmp_path: Path) -> None:
+    """A stolen per-agent token churning its link: each new link is a registration, a credential
+    check and a Welcome, so one identity opens six a minute; another identity is not held back."""
+    tokens = tmp_path / "agents.tokens"
+    tokens.write_text("".join(f"{agent} {token}\n" for agent, token in TOKENS.items()))
+    router = cluster.router("--agent-tokens-file", str(tokens)).address
+
+    def hello(agent: str) -> fpb.Hello:
+        return fpb.Hello(agent_id=agent, tier=fpb.TIER_DEVICE, capacity=1, token=TOKENS[agent],
+                         variants=[fpb.VariantInfo(name="digits-small", family="digits")])  # fmt: skip
+
+    answers = [first_answer(router, hello("dev-1")) for _ in range(7)]
+    assert answers[:6] == ["welcome"] * 6
+    assert answers[6] == (
+        "RESOURCE_EXHAUSTED: token:dev-1 opened 6 links in the last 60 s, the most one agent identity "
+        "may; wait before reconnecting"
+    )
+    assert first_answer(router, hello("dev-2")) == "welcome"
+
+
 def test_per_agent_tokens_bind_each_id_to_its_own_token(cluster: Cluster, tmp_path: Path) -> None:
     tokens = tmp_path / "agents.tokens"
     tokens.write_text("".join(f"{agent} {token}\n" for agent, token in TOKENS.items()))

@@ -5,12 +5,15 @@ without a key, and bad bodies answered 400 in OpenAI's shape, never 500."""
 from __future__ import annotations
 
 import json
+import socket
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 
 import pytest
 
+from router.openai_api import IDLE_CONNECTION_S
 from stratus.devtools.launcher import free_port
 from stratus.errors import Unavailable
 
@@ -88,3 +91,22 @@ def test_off_loopback_a_short_key_is_refused(cluster: Cluster, tmp_path: Path) -
     with pytest.raises(Unavailable) as refused:
         cluster.router("--openai", f"0.0.0.0:{free_port()}", "--openai-api-key-file", str(key_file))
     assert "with a key of 1 characters: give one of at least 32" in str(refused.value)
+
+
+def test_a_connection_that_sends_no_request_or_half_of_one_is_closed(keyless: str) -> None:
+    """security2 N10: a silent TCP connection, or one that sends part of a request line and goes
+    silent (slowloris), was held for aiohttp's hour; both are closed after IDLE_CONNECTION_S."""
+    host, port = keyless.rsplit(":", 1)
+    silent = socket.create_connection((host, int(port)))
+    partial = socket.create_connection((host, int(port)))
+    partial.sendall(b"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\n")  # no blank line: never ends
+    started = time.monotonic()
+    try:
+        for held in (silent, partial):
+            held.settimeout(IDLE_CONNECTION_S + 10)
+            assert held.recv(1024) == b""  # closed by the server, with nothing sent
+        assert time.monotonic() - started < IDLE_CONNECTION_S + 5
+    finally:
+        silent.close()
+        partial.close()
+    assert call(keyless, "/v1/models")[0] == 200  # the next client is served

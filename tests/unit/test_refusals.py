@@ -7,7 +7,7 @@ import logging
 
 import pytest
 
-from router.link import Refusals
+from router.link import HelloRate, Refusals
 from stratus.errors import Overloaded, Unauthenticated
 
 
@@ -45,3 +45,26 @@ def test_an_address_that_keeps_failing_is_refused_at_once_until_the_window_turns
     refusals.check("ipv4:10.0.0.8:5000")  # another address is not held back
     clock.now = 11.0
     refusals.check("ipv4:10.0.0.9:5000")
+
+
+def test_each_agent_identity_opens_a_bounded_number_of_links_a_window() -> None:
+    """A stolen credential churning its link is refused past six new links a minute; a pool's
+    certificate gets room for its members twice over; a shared token binds no identity."""
+    clock = Clock()
+    rate = HelloRate({"kiosk": 10}, per_identity=6, window_s=60.0, clock=clock)
+    for _ in range(6):
+        rate.take("token:device-1")
+    with pytest.raises(Overloaded, match=r"token:device-1 opened 6 links in the last 60 s"):
+        rate.take("token:device-1")
+    rate.take("cert:device-2")  # another identity is not held back
+    assert [rate.most(i) for i in ("cert:a", "pool:kiosk", "pool:unknown", "fleet-token", "anonymous")] == [
+        6, 26, 8, None, None,
+    ]  # fmt: skip
+    for _ in range(26):
+        rate.take("pool:kiosk")
+    with pytest.raises(Overloaded):
+        rate.take("pool:kiosk")
+    for _ in range(100):
+        rate.take("fleet-token")
+    clock.now = 60.0  # the window has passed: the oldest links no longer count
+    rate.take("token:device-1")
