@@ -142,7 +142,8 @@ class ClientLimits:
         items_refusal = "items in requests in flight here, the most one client may; wait for answers before sending more"
         with (
             _place(self.held, client, self.per_client, refusal),
-            _place(self.items, client, self.items_per_client, items_refusal, weight=items),
+            # a shape's dimension 0 is not checked yet: a negative one must not free others' places
+            _place(self.items, client, self.items_per_client, items_refusal, weight=max(1, items)),
         ):
             yield
 

@@ -250,6 +250,8 @@ def test_one_client_cannot_hold_more_items_than_its_share_but_one_request_always
     # alone, a request over the share is taken; then nothing more is
     with limits.hold("ipv6:[::1]:4", 5000), pytest.raises(Overloaded, match="has 5000 items"), limits.hold("ipv6:[::1]:5", 1):
         pass
+    with limits.hold("ipv6:[::1]:6", 999), limits.hold("ipv6:[::1]:7", -(10**6)):  # counted as one item
+        assert limits.items == {"ipv6:[::1]": 1000}
     assert limits.items == {} and limits.held == {}
     unlimited = ClientLimits(per_client=0, items_per_client=0)
     with unlimited.hold("ipv4:10.0.0.7:1", 10**6), unlimited.hold("ipv4:10.0.0.7:2", 10**6):

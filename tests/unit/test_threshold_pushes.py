@@ -182,13 +182,15 @@ def test_the_version_and_thresholds_in_force_are_exported_and_shown_with_the_acc
     assert "pushed version" not in accuracy_table(fpb.AccuracyReply(family="digits", top_tier=fpb.TIER_EDGE))
 
 
-def test_a_sync_without_pushes_is_proved_as_before_them_and_one_with_pushes_covers_them() -> None:
+def test_a_sync_proof_covers_the_pushes_whether_there_are_any_or_not() -> None:
+    """v2 proofs length-prefix every field, so an empty one is covered too (v1 dropped it to
+    stay readable by routers from before pushes; v2 is read by no v1 router anyway)."""
     from router.peers import sync_parts
 
     book = pushes()
     assert book.to_json() == ""
     plain = fpb.RolloutSync(router_id="a", state_json="{}", thresholds_json=book.to_json())
-    assert sync_parts(plain) == ("a", "{}")  # what a router from before pushes proves
+    assert sync_parts(plain) == ("a", "{}", "")
     book.apply("digits", {DEVICE: 0.8}, author="ana", reason="one")
     carrying = fpb.RolloutSync(router_id="a", state_json="{}", thresholds_json=book.to_json())
     assert sync_parts(carrying) == ("a", "{}", book.to_json())
