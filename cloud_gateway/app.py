@@ -34,9 +34,10 @@ from stratus.obs.metrics import serve as serve_metrics
 from stratus.process import announce, stop_on_signals
 from stratus.serving.auth import check_endpoint, insecure_warning, is_loopback
 from stratus.serving.channels import bind, create_server
+from stratus.serving.client_limits import ClientLimits
 from stratus.serving.credential_files import RevokedCertificates
 from stratus.serving.health import Health
-from stratus.serving.servicer import ClientLimits, DataPlane, InferenceServicer, add_inference_service
+from stratus.serving.servicer import DataPlane, InferenceServicer, add_inference_service
 from stratus.tiers import Tier
 from stratus.wire import fleet_pb2_grpc as fpb_grpc
 

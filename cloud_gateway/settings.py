@@ -11,7 +11,7 @@ from stratus.families.precision import Hardware, Precision
 from stratus.obs.metrics import check_metrics_exposure
 from stratus.sched.batching import DEFAULT_MAX_BATCH, DEFAULT_MAX_DELAY_S
 from stratus.serving.channels import NO_TLS, TlsSettings
-from stratus.serving.servicer import MAX_REQUESTS_PER_CLIENT
+from stratus.serving.client_limits import MAX_REQUESTS_PER_CLIENT
 
 
 def _http_url(url: str | None) -> str | None:

@@ -37,9 +37,10 @@ from stratus.obs.metrics import serve as serve_metrics
 from stratus.process import announce, raise_open_files_limit, stop_on_signals
 from stratus.serving.auth import insecure_warning
 from stratus.serving.channels import bind, create_server
+from stratus.serving.client_limits import ClientLimits
 from stratus.serving.discovery import Advertisement
 from stratus.serving.health import Health
-from stratus.serving.servicer import ClientLimits, InferenceServicer, add_inference_service
+from stratus.serving.servicer import InferenceServicer, add_inference_service
 from stratus.wire import fleet_pb2_grpc as fpb_grpc
 
 log = logging.getLogger("stratus.router")

@@ -27,7 +27,7 @@ from stratus.errors import ConfigError, InvalidInput, NotFound
 from stratus.obs.metrics import gauge
 from stratus.serving.auth import RouterCredentials
 from stratus.serving.channels import MAX_MESSAGE_BYTES
-from stratus.serving.servicer import client_of
+from stratus.serving.client_limits import client_of
 from stratus.serving.sync_proofs import SYNC_ANSWER, SYNC_REQUEST, SeenNonces, proof_holds, sync_proof
 from stratus.tiers import Tier
 from stratus.wire import fleet_pb2 as fpb

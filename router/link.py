@@ -27,7 +27,7 @@ from router.registry import FleetRegistry
 from stratus import __version__
 from stratus.errors import ConfigError, DeadlineExceeded, InvalidInput, Overloaded, StratusError
 from stratus.serving.auth import POOL_PREFIX, RouterCredentials
-from stratus.serving.servicer import client_of
+from stratus.serving.client_limits import client_of
 from stratus.wire import fleet_pb2 as fpb
 from stratus.wire import fleet_pb2_grpc as fpb_grpc
 

@@ -24,8 +24,8 @@ from stratus.serving.auth import (
     parse_agent_pool,
 )
 from stratus.serving.channels import NO_TLS, TlsSettings
+from stratus.serving.client_limits import MAX_ITEMS_PER_CLIENT, MAX_REQUESTS_PER_CLIENT
 from stratus.serving.credential_files import AgentTokens, RevokedCertificates
-from stratus.serving.servicer import MAX_ITEMS_PER_CLIENT, MAX_REQUESTS_PER_CLIENT
 
 
 class OnCloudFailure(enum.Enum):

@@ -19,8 +19,8 @@ from stratus.serving.auth import (
     spiffe_identity,
 )
 from stratus.serving.channels import TlsSettings
+from stratus.serving.client_limits import ClientLimits, client_of
 from stratus.serving.credential_files import AgentTokens, RevokedCertificates
-from stratus.serving.servicer import ClientLimits, client_of
 
 AGENT_TOKEN = "a-long-agent-token-0001"
 
