@@ -32,7 +32,7 @@ from typing import Protocol
 
 from router.backends.base import Backend
 from router.cascade.common import CascadeContext, cloud_facts
-from router.policy import FleetSnapshot, Target
+from router.policy import FleetSnapshot, Target, top_tier
 from router.policy.climb import (
     ClimbState,
     Degrade,
@@ -193,9 +193,11 @@ class GenerationCascade:
             if answer is None:
                 continue
             if action.final or self.accepts(answer):
+                sure = self.accepts(answer)
                 if not action.final:
                     await self._show(answer.tokens)  # held until now: accepted, so shown
-                return dataclasses.replace(answer, generated=dict(self.generated))
+                nowhere = not sure and self._nowhere_higher(snapshot, answer.tier)
+                return dataclasses.replace(answer, degraded=nowhere, generated=dict(self.generated))
             self.climbed.append(answer)
             best = answer if best is None or answer.tier >= best.tier else best
         end = finish(
@@ -222,6 +224,14 @@ class GenerationCascade:
         if answer is not None:
             after_answer(self.state, answer.tier)
         return answer
+
+    def _nowhere_higher(self, snapshot: FleetSnapshot[Backend], tier: Tier) -> bool:
+        """An unsure final answer is degraded where no tier above serves the family, as for
+        classifiers; not where ``stratus.max_tier`` kept it low (the client asked for that)."""
+        if self.request.model_name != self.family.name or tier >= Tier.CLOUD:
+            return False  # a pinned variant's answer is final by the client's choice
+        higher = top_tier(snapshot, Tier.CLOUD)
+        return higher is None or higher <= tier
 
     def _can_climb(self, snapshot: FleetSnapshot[Backend], tier: Tier) -> bool:
         """Something above ``tier`` could take the request now: only then is a lower tier's

@@ -110,7 +110,8 @@ def test_a_confident_answer_stays_on_the_device_an_unsure_one_climbs(llm: LlmFle
         assert text == direct
         _, unsure = complete(llm, prompt, min_confidence=1.0)
         assert (unsure["tier"], unsure["path"]) == ("edge", ["device", "edge"])  # the top here: final
-        assert unsure["degraded"] is False and set(unsure["timings_ms"]) == {"device", "edge"}
+        assert unsure["degraded"] is True  # no tier above edge serves arith: unsure, never silently
+        assert set(unsure["timings_ms"]) == {"device", "edge"}
         _, capped = complete(llm, prompt, min_confidence=1.0, max_tier="device")
         assert capped["tier"] == "device" and capped["degraded"] is False
 
@@ -299,7 +300,10 @@ def test_the_demo_grades_generated_answers_through_the_router(llm: LlmFleet) -> 
     from stratus.cli.demo import through_generation
 
     report = through_generation(llm.router, MODELS, count=20)
-    assert report is not None and report.requests == 20 and report.degraded == 0
+    assert report is not None and report.requests == 20
+    # no cloud serves arith here: the edge's answers below its threshold come back degraded (the
+    # demo's own fleet has a cloud, where they climb); the sure ones do not
+    assert 0 < report.degraded < report.requests
     assert sum(report.tiers.values()) == pytest.approx(1.0) and report.tiers["cloud"] == 0.0
     assert report.accuracy >= 0.7  # the edge model alone gets 0.94 of held-out prompts right
 

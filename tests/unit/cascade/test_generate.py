@@ -130,6 +130,20 @@ async def test_a_hopeless_run_is_not_cancelled_when_nothing_above_could_take_it(
         assert (result.tier, result.text, result.degraded) == (DEVICE, "5 or", True)
 
 
+async def test_an_unsure_answer_of_the_top_tier_is_degraded_as_a_classifiers_is() -> None:
+    """No tier above serves the family (the cloud lists it no more): the unsure answer is all
+    there is, streamed as final, and marked degraded (README: never silently unsure)."""
+    async with text_fleet() as f:
+        f.agent("d1", DEVICE, chunks=UNSURE)
+        texts, final = await streamed(f)
+        assert texts == ["5", " or", " so"]
+        assert (final["stratus.tier"], final["stratus.degraded"]) == ("device", True)
+    async with text_fleet() as f:  # the same tier sure: final and not degraded
+        f.agent("d1", DEVICE, chunks=SURE)
+        _, final = await streamed(f)
+        assert (final["stratus.tier"], final["stratus.degraded"]) == ("device", False)
+
+
 async def test_the_cloud_as_the_top_tier_streams_its_chunks() -> None:
     async with text_fleet() as f:
         f.agent("d1", DEVICE, chunks=UNSURE)
