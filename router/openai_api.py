@@ -134,8 +134,9 @@ class OpenAiApi:
     ) -> web.StreamResponse:
         """The key, the Host and the body's type, before anything else is read."""
         if self._api_key:
-            given = request.headers.get("Authorization", "").removeprefix("Bearer ").strip()
-            if not same_secret(given, self._api_key):  # over digests: the key's length leaks nothing
+            scheme, _, given = request.headers.get("Authorization", "").partition(" ")
+            # over digests: the key's length leaks nothing; the scheme is OpenAI's, exactly
+            if scheme != "Bearer" or not same_secret(given.strip(), self._api_key):
                 return web.json_response(
                     error_body(
                         401, "authentication_error", "a valid API key is needed (Authorization: Bearer KEY)"

@@ -23,7 +23,7 @@ import subprocess
 import sys
 import threading
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from queue import Queue
@@ -439,23 +439,36 @@ def summary(message: pb.ModelInferRequest) -> str:
     return f"ModelInfer {message.model_name[:40]!r} ({size} bytes) inputs {inputs} params {sorted(message.parameters)[:4]}"
 
 
-@settings(FUZZ, max_examples=INFER_EXAMPLES)
-@given(message=requests())
-def test_model_infer_answers_or_refuses_precisely(site: Site, message: pb.ModelInferRequest) -> None:
-    event(infer_clearly(site.address, message))
-    site.example(summary(message))
-
-
-def test_model_infer_fuzz_left_the_router_whole(site: Site) -> None:
+def fuzzed(site: Site, run: Callable[[], None]) -> None:
+    """Run a property's examples, then check the router they were sent to: in one test, so
+    the check never depends on which tests ran before it (a fresh router proves nothing)."""
+    before = site.examples
+    run()
+    assert site.examples > before, "no example reached the router"
     site.still_serves()
     site.held_up()
 
 
-@settings(FUZZ, max_examples=STREAM_EXAMPLES)
-@given(batch=st.lists(st.tuples(requests(), st.booleans()), min_size=1, max_size=5))
-def test_model_stream_infer_answers_each_request_precisely(
-    site: Site, batch: list[tuple[pb.ModelInferRequest, bool]]
-) -> None:
+def test_model_infer_answers_or_refuses_precisely_and_leaves_the_router_whole(site: Site) -> None:
+    @settings(FUZZ, max_examples=INFER_EXAMPLES)
+    @given(message=requests())
+    def each(message: pb.ModelInferRequest) -> None:
+        event(infer_clearly(site.address, message))
+        site.example(summary(message))
+
+    fuzzed(site, each)
+
+
+def test_model_stream_infer_answers_each_request_precisely_and_leaves_the_router_whole(site: Site) -> None:
+    @settings(FUZZ, max_examples=STREAM_EXAMPLES)
+    @given(batch=st.lists(st.tuples(requests(), st.booleans()), min_size=1, max_size=5))
+    def each(batch: list[tuple[pb.ModelInferRequest, bool]]) -> None:
+        stream_clearly(site, batch)
+
+    fuzzed(site, each)
+
+
+def stream_clearly(site: Site, batch: list[tuple[pb.ModelInferRequest, bool]]) -> None:
     """Every request on a stream gets its answers or one clear error; the stream stays."""
     for index, (message, decoupled) in enumerate(batch):
         message.id = str(index)
@@ -470,19 +483,15 @@ def test_model_stream_infer_answers_each_request_precisely(
         except grpc.RpcError as error:  # only a message the transport refuses ends the stream
             assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, (error.code(), error.details())
             check_clear(error.code(), error.details())
-            answered.clear()
-    if answered:
-        assert sorted(answered) == sorted(m.id for m, _ in batch)
+            site.example("ModelStreamInfer (refused by the transport) " + "; ".join(summary(m) for m, _ in batch))
+            return
+    # a stream that ended OK answered every request: a silent one is a lost request
+    assert sorted(answered) == sorted(m.id for m, _ in batch)
     for responses in answered.values():
         for response in responses:
             if response.error_message:
                 check_stream_error(response.error_message)
     site.example("ModelStreamInfer " + "; ".join(summary(m) for m, _ in batch))
-
-
-def test_model_stream_infer_fuzz_left_the_router_whole(site: Site) -> None:
-    site.still_serves()
-    site.held_up()
 
 
 # -- 2. the AgentLink -----------------------------------------------------------------------
@@ -848,21 +857,19 @@ def link_summary(case: LinkCase) -> str:
     return f"AgentLink id {hello.agent_id[:30]!r} tier {hello.tier} answer {answered} then {kinds}"
 
 
-@settings(FUZZ, max_examples=LINK_EXAMPLES)
-@given(case=link_cases())
-# Found by this test: an agent's error Result with a code that is no error (OK, 0) or no gRPC
-# code at all reaches the client as INTERNAL "agent fz-0: ...", not as a clear status.
-@example(case=LinkCase(serving_hello("fz-0"), fpb.Result(error=fpb.Error(code=0)), []))
-@example(case=LinkCase(serving_hello("fz-0"), fpb.Result(error=fpb.Error(code=2**31 - 1, message="m")), []))
-def test_agent_link_peers_end_alone_and_clearly(site: Site, case: LinkCase) -> None:
-    drive(site, case)
-    site.still_serves()
-    site.example(link_summary(case))
+def test_agent_link_peers_end_alone_and_clearly_and_leave_the_router_whole(site: Site) -> None:
+    @settings(FUZZ, max_examples=LINK_EXAMPLES)
+    @given(case=link_cases())
+    # Found by this test: an agent's error Result with a code that is no error (OK, 0) or no gRPC
+    # code at all reaches the client as INTERNAL "agent fz-0: ...", not as a clear status.
+    @example(case=LinkCase(serving_hello("fz-0"), fpb.Result(error=fpb.Error(code=0)), []))
+    @example(case=LinkCase(serving_hello("fz-0"), fpb.Result(error=fpb.Error(code=2**31 - 1, message="m")), []))
+    def each(case: LinkCase) -> None:
+        drive(site, case)
+        site.still_serves()
+        site.example(link_summary(case))
 
-
-def test_agent_link_fuzz_left_the_router_whole(site: Site) -> None:
-    site.still_serves()
-    site.held_up()
+    fuzzed(site, each)
 
 
 def many_zeros() -> pb.ModelInferRequest:

@@ -267,6 +267,12 @@ def test_the_cloud_gateway_serves_only_callers_with_its_token(
                 stub.ModelInfer(request(digits.held_out.x[:1]), metadata=metadata, timeout=5)
             assert error.value.code() == grpc.StatusCode.UNAUTHENTICATED, metadata
             assert "needs 'authorization: Bearer TOKEN'" in (error.value.details() or "")
+            # a stream is guarded as a call is (the router escalates over one)
+            stream = stub.ModelStreamInfer(iter([request(digits.held_out.x[:1])]), metadata=metadata, timeout=5)
+            with pytest.raises(grpc.RpcError) as error:
+                list(stream)
+            assert error.value.code() == grpc.StatusCode.UNAUTHENTICATED, metadata
+            assert "ModelStreamInfer needs 'authorization: Bearer TOKEN'" in (error.value.details() or "")
     router = cluster.router("--cloud", cloud, "--cloud-token-file", str(token)).address
     cluster.agent("dev-1", router)
     wait_until(lambda: ready_count(router) == 1 and fleet_status(router).cloud.state == "connected")

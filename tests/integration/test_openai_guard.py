@@ -71,9 +71,14 @@ def test_with_a_key_every_call_needs_it(cluster: Cluster, tmp_path: Path) -> Non
     api = f"127.0.0.1:{free_port()}"
     cluster.router("--openai", api, "--openai-api-key-file", str(key_file))
     wait_until(lambda: call(api, "/v1/models", Authorization=f"Bearer {KEY}")[0] == 200, timeout_s=30)
-    for headers in ({}, {"Authorization": "Bearer sk-wrong"}, {"Authorization": KEY[:-1]}):
-        status, refused = call(api, "/v1/models", **headers)
-        assert status == 401 and refused["error"]["type"] == "authentication_error", headers  # type: ignore[index]
+    json_type = {"Content-Type": "application/json"}
+    refusals = ({}, {"Authorization": "Bearer sk-wrong"}, {"Authorization": KEY}, {"Authorization": f"Basic {KEY}"})
+    for headers in refusals:  # the bare key and another scheme are refused: only "Bearer KEY" is the key
+        for path, body in (("/v1/models", None), ("/v1/completions", completion()), ("/v1/chat/completions", b"{}")):
+            status, refused = call(api, path, body, **headers, **(json_type if body else {}))
+            assert status == 401 and refused["error"]["type"] == "authentication_error", (path, headers)  # type: ignore[index]
+    status, answered = call(api, "/v1/completions", b"{}", Authorization=f"Bearer {KEY}", **json_type)
+    assert status == 400, answered  # past the key: the body itself is what is refused
     # with a key, any Host: a page elsewhere cannot make a browser send the key
     assert call(api, "/v1/models", Authorization=f"Bearer {KEY}", Host="router.site.example")[0] == 200
 

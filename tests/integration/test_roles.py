@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
@@ -82,3 +83,60 @@ def test_each_role_needs_its_own_token(cluster: Cluster, tmp_path: Path) -> None
     assert not proof_holds(TOKENS["agent"], SYNC_ANSWER, synced.token, asked.token, *sync_parts(synced))
     assert not proof_holds(TOKENS["peer"], SYNC_REQUEST, synced.token, asked.token, *sync_parts(synced))
     assert TOKENS["peer"] not in synced.token
+
+
+class ScriptedPeer(fpb_grpc.FleetServicer):
+    """A peer router that answers every sync with a fixed state: with a proof of the peer
+    token over the request's proof when ``signed``, else with a forged one."""
+
+    def __init__(self, answer: fpb.RolloutSync) -> None:
+        self.answer, self.signed, self.asked = answer, False, 0
+
+    def SyncRollouts(self, request: fpb.RolloutSync, context: grpc.ServicerContext) -> fpb.RolloutSync:
+        self.asked += 1
+        answer = fpb.RolloutSync()
+        answer.CopyFrom(self.answer)
+        answer.router_id = "scripted-peer"
+        key = TOKENS["peer"] if self.signed else "not-the-peer-token"
+        answer.token = sync_proof(key, SYNC_ANSWER, request.token, *sync_parts(answer))
+        return answer
+
+
+def pushes_of(router: str) -> str:
+    """The threshold pushes ``router`` holds, as it answers a peer that proves the token."""
+    asked = fpb.RolloutSync(router_id="probe")
+    asked.token = sync_proof(TOKENS["peer"], SYNC_REQUEST, *sync_parts(asked))
+    with grpc.insecure_channel(router) as channel:
+        return str(fpb_grpc.FleetStub(channel).SyncRollouts(asked, timeout=5).thresholds_json)
+
+
+def test_a_peers_answer_without_proof_of_the_peer_token_is_never_merged(cluster: Cluster, tmp_path: Path) -> None:
+    """The requesting side of the proof (security2 N6, tests2 M3): a router that asks a peer
+    merges its answer only when the answer proves the peer token over this very request."""
+    token = tmp_path / "peer.token"
+    token.write_text(TOKENS["peer"] + "\n")
+    source = cluster.router("--peer-token-file", str(token)).address
+    cluster.agent("dev-1", source)
+    wait_until(lambda: ready_count(source) == 1)
+    base = {k: v for k, v in __import__("os").environ.items() if not k.startswith("STRATUS_")}
+    pushed = fleet(source, "thresholds", "digits", "--apply", "device=0.9", env=base)
+    assert pushed.returncode == 0, pushed.stderr
+    state = fpb.RolloutSync(thresholds_json=pushes_of(source))
+    assert "digits" in state.thresholds_json  # the push a peer will offer
+
+    peer = ScriptedPeer(state)
+    workers = ThreadPoolExecutor(max_workers=4)
+    server = grpc.server(workers)
+    fpb_grpc.add_FleetServicer_to_server(peer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        router = cluster.router("--peer-token-file", str(token), "--peers", f"127.0.0.1:{port}")
+        wait_until(lambda: peer.asked >= 3)  # three rounds answered with a forged proof
+        assert "digits" not in pushes_of(router.address)
+        assert "answered without proof of the peer token; its state is ignored" in router.log()
+        peer.signed = True  # the same state, proved: now it is merged
+        wait_until(lambda: "digits" in pushes_of(router.address))
+    finally:
+        server.stop(grace=None).wait()
+        workers.shutdown(wait=True)

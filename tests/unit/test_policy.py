@@ -187,6 +187,8 @@ def test_top_tier_and_acceptance() -> None:
     assert accepts(0.95, Tier.DEVICE, thresholds=thresholds, min_confidence=None)
     assert not accepts(0.85, Tier.DEVICE, thresholds=thresholds, min_confidence=None)
     assert not accepts(0.95, Tier.DEVICE, thresholds=thresholds, min_confidence=0.99)
+    assert accepts(0.6, Tier.DEVICE, thresholds=thresholds, min_confidence=0.5)  # a client may lower it
+    assert not accepts(0.4, Tier.EDGE, thresholds=thresholds, min_confidence=0.5)  # and set one where none is
     assert accepts(0.1, Tier.EDGE, thresholds=thresholds, min_confidence=None)  # no threshold: accept
 
 

@@ -91,6 +91,18 @@ async def test_the_clients_min_confidence_replaces_every_threshold() -> None:
     async with three_tiers(device=0.9, edge=0.9, cloud=0.9) as f:
         said = served(await f.plane.infer(classify([1], min_confidence=0.95), timeout_s=None))
         assert said.path == (DEVICE, EDGE, CLOUD)
+        # the cloud is the top: its answer is final, never degraded for being under the bar
+        assert not said.degraded and said.reason == ""
+
+
+async def test_the_clients_min_confidence_may_lower_a_threshold_too() -> None:
+    """0.6 is under every tier's 0.8/0.7 but meets the client's 0.5: the device answers."""
+    async with three_tiers(device=0.6, edge=0.6) as f:
+        said = served(await f.plane.infer(classify([1], min_confidence=0.5), timeout_s=None))
+        assert (said.path, said.degraded) == ((DEVICE,), False)
+        assert f.agents[1].works == []
+        without = served(await f.plane.infer(classify([1]), timeout_s=None))
+        assert without.path == (DEVICE, EDGE, CLOUD)  # the family's own thresholds send it up
 
 
 # -- budget and failures ---------------------------------------------------------------------------
