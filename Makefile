@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 INSTALLED := $(VENV)/.installed
 LLAMA := $(VENV)/.llama-installed
 
-.PHONY: demo test test-arm64 test-arm arm64-env system-deps lint typecheck unit proto models clean vllm-env llama-env foreign-env
+.PHONY: demo test test-arm64 test-arm arm64-env system-deps lint typecheck unit mutation proto models clean vllm-env llama-env foreign-env
 
 $(INSTALLED): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -82,6 +82,13 @@ lint: $(INSTALLED)
 
 typecheck: $(INSTALLED)
 	$(BIN)/mypy
+
+# Mutation testing (mutmut) of the climb, the cascades, confidence, identities, request bounds
+# and the rollout judge, each against its unit tests: a table of mutants killed and survived
+# (build/mutation/table.md). Not part of `make test` (about half an hour on 2 cores); one small
+# target runs inside it (tests/unit/test_mutation.py), so this cannot rot unnoticed.
+mutation: $(INSTALLED)
+	$(BIN)/python scripts/mutation.py
 
 unit: $(INSTALLED)
 	$(BIN)/python -m pytest -q tests/unit

@@ -20,6 +20,12 @@ from pathlib import Path
 from typing import Any
 
 READY_PREFIX = "STRATUS READY"
+# Set by stratus.devtools.launcher: the pid of the process that started this one, which
+# this one outlives only by stopping (stop_with_parent).
+PARENT_PID_ENV = "STRATUS_PARENT_PID"
+PARENT_CHECK_S = 1.0
+
+log = logging.getLogger("stratus.process")
 
 
 def quiet_grpc_core(environ: MutableMapping[str, str]) -> None:
@@ -73,8 +79,31 @@ def stop_on_signals(stop: asyncio.Event) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         with contextlib.suppress(NotImplementedError):
             loop.add_signal_handler(sig, stop.set)
+    stop_with_parent(stop, os.environ)
     with contextlib.suppress(NotImplementedError, AttributeError):  # no SIGHUP off POSIX
         loop.add_signal_handler(signal.SIGHUP, _ignored_hangup)
+
+
+def stop_with_parent(stop: asyncio.Event, environ: MutableMapping[str, str], every_s: float = PARENT_CHECK_S) -> bool:
+    """Where a launcher started this process (``PARENT_PID_ENV``), set ``stop`` once that
+    launcher is gone (this process is handed to another parent), as SIGTERM would: a killed
+    test run or demo leaves no fleet serving behind it. Polled, not ``PR_SET_PDEATHSIG``,
+    which fires when the launching *thread* ends. Whether it watches: not when the variable
+    names another process than this one's parent (it was inherited from further up)."""
+    expected = environ.get(PARENT_PID_ENV, "")
+    if not expected.isdigit() or os.getppid() != int(expected):
+        return False
+    loop = asyncio.get_running_loop()
+
+    def check() -> None:
+        if os.getppid() != int(expected):
+            log.warning("the process that started this one (pid %s) is gone: stopping", expected)
+            stop.set()
+        elif not stop.is_set():
+            loop.call_later(every_s, check)
+
+    loop.call_later(every_s, check)
+    return True
 
 
 def _ignored_hangup() -> None:

@@ -103,9 +103,18 @@ def _skip_reason(report: pytest.CollectReport | pytest.TestReport) -> str:
 
 
 def _fail_unless_allowed(report: pytest.CollectReport | pytest.TestReport) -> None:
-    if report.skipped and not hasattr(report, "wasxfail") and not allowed(reason := _skip_reason(report)):
+    """A skip, or an expected failure (a marker or an imperative ``pytest.xfail``), fails
+    unless tests/skips.py allows its reason: neither may hide a missing part."""
+    if not report.skipped:
+        return
+    expected_failure = hasattr(report, "wasxfail")
+    reason = str(report.wasxfail).removeprefix("reason: ") if expected_failure else _skip_reason(report)
+    if not allowed(reason):
         report.outcome = "failed"
-        report.longrepr = f"skipped for a reason tests/skips.py does not allow: {reason}"
+        if expected_failure:
+            del report.wasxfail  # else reporters (JUnit's) still count it as an expected failure
+        what = "expected to fail" if expected_failure else "skipped"
+        report.longrepr = f"{what} for a reason tests/skips.py does not allow: {reason}"
 
 
 @pytest.hookimpl(wrapper=True)

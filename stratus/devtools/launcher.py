@@ -7,6 +7,7 @@ so a failing start can be explained.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import selectors
 import signal
@@ -19,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from stratus.errors import Unavailable
-from stratus.process import READY_PREFIX
+from stratus.process import PARENT_PID_ENV, READY_PREFIX
 
 
 @dataclass
@@ -32,7 +33,8 @@ class Launched:
     extra_env: dict[str, str] = field(default_factory=dict)
 
     def stop(self, *, timeout: float = 20.0) -> int:
-        """SIGTERM, wait, then SIGKILL: the exit code it ended with."""
+        """SIGTERM, wait, then SIGKILL: the exit code it ended with. Whatever the process
+        left running in its group (a server it started) is killed after it."""
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
             try:
@@ -40,14 +42,18 @@ class Launched:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
-        if self.process.stdout:
-            self.process.stdout.close()
+        self._end_group()
         return self.process.returncode
 
     def kill(self) -> None:
         if self.process.poll() is None:
             self.process.kill()
             self.process.wait()
+        self._end_group()
+
+    def _end_group(self) -> None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.process.pid, signal.SIGKILL)  # its own group: launch() made one
         if self.process.stdout:
             self.process.stdout.close()
 
@@ -81,7 +87,9 @@ def launch(
     """
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"{role}.log"
-    child_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    # PARENT_PID_ENV: the child stops if this process dies without stopping it (a test run
+    # killed), instead of serving on as an orphan; its own group lets stop() end what it started.
+    child_env = {**os.environ, "PYTHONUNBUFFERED": "1", PARENT_PID_ENV: str(os.getpid()), **(env or {})}
     with log_path.open("a") as log_file:
         process = subprocess.Popen(
             [*(python or [sys.executable]), "-m", module, *args],
@@ -89,6 +97,7 @@ def launch(
             stderr=log_file,
             text=True,
             env=child_env,
+            start_new_session=True,
         )
     launched = Launched(role=role, args=list(args), process=process, log_path=log_path, extra_env=env or {})
     launched.address = _await_ready(launched, timeout)

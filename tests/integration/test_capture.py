@@ -23,7 +23,7 @@ from stratus.wire import inference_pb2_grpc as pb_grpc
 
 from .cluster import Cluster, fleet_status, ready_count, request, wait_until
 from .load import Load
-from .test_metrics import count, samples, scrape
+from .test_metrics import Samples, count, samples, scrape
 
 AGENT = ["--variants", "digits-small", "--runtimes", "onnxruntime"]
 EVERY_ITEM = ["--audit-share", "1", "--audit-max-per-s", "10000"]
@@ -51,6 +51,22 @@ def cloud_classes(cloud: str, x: np.ndarray) -> np.ndarray:
     return best
 
 
+def settled_samples(metrics: str, still_s: float = 1.0, timeout_s: float = 30.0) -> Samples:
+    """The router's samples once its captured counts stopped moving for ``still_s``."""
+    deadline = time.monotonic() + timeout_s
+    last: tuple[float, ...] = ()
+    while True:
+        now = samples(scrape(metrics))
+        captured = tuple(
+            count(now, "stratus_router_captured_total", family="digits", source=source)
+            for source in ("audit", "escalated")
+        )
+        if captured == last or time.monotonic() > deadline:
+            return now
+        last = captured
+        time.sleep(still_s)
+
+
 def test_audited_and_escalated_items_are_captured_with_the_cloud_answers(
     cluster: Cluster,
     tmp_path: Path,
@@ -68,8 +84,7 @@ def test_audited_and_escalated_items_are_captured_with_the_cloud_answers(
             served[message.id] = Served.read(stub.ModelInfer(message, timeout=10).parameters)
     wait_until(lambda: count(samples(scrape(metrics)), "stratus_router_captured_total",
                              family="digits", source="audit") > 0, timeout_s=30)  # fmt: skip
-    time.sleep(1.0)  # the last audits queued are still on their way to the cloud
-    counted = samples(scrape(metrics))
+    counted = settled_samples(metrics)  # the last audits queued are still on their way to the cloud
     assert cluster.latest("router").stop() == 0  # SIGTERM: the writer drains and renames its file
     assert not list(folder.glob(f"*{PARTIAL}"))
 
@@ -85,6 +100,7 @@ def test_audited_and_escalated_items_are_captured_with_the_cloud_answers(
         assert row["answers"][0]["tier"] == "device"
         by_source[row["source"]] += 1
     climbed = {rid for rid, s in served.items() if s.tier is Tier.CLOUD and Tier.DEVICE in s.path}
+    assert climbed, "no item climbed: nothing here shows escalated items are captured"
     assert {r["request_id"] for r in rows if r["source"] == "escalated"} == climbed
     settled = sum(1 for s in served.values() if s.tier is Tier.DEVICE)
     assert 0 < by_source["audit"] <= settled  # each settled item at most once (some audits may drop)

@@ -25,6 +25,7 @@ import grpc
 import numpy as np
 import pytest
 
+from router.cloud import RECONNECT_OPTIONS
 from stratus.serving.channels import open_sync_channel
 from stratus.tiers import Tier
 from stratus.wire import inference_pb2 as pb
@@ -168,8 +169,11 @@ def test_the_server_going_away_degrades_and_its_return_is_picked_up(foreign: For
         assert served.degraded and served.path == (Tier.DEVICE,)
         assert response.outputs[0].name == "probabilities"
     foreign.restart()
+    # from the moment it serves again, the next redial (at most one capped backoff away) finds
+    # it; the slack is for connecting and learning its models on shared cores (as test_faults)
+    cap_s = dict(RECONNECT_OPTIONS)["grpc.max_reconnect_backoff_ms"] / 1000
     back_s = wait_until(lambda: _escalates(foreign.router), timeout_s=20)
-    assert back_s < 5.0, f"escalations stayed degraded {back_s:.1f} s after {foreign.setup.server} was back"
+    assert back_s < cap_s + 2.0, f"escalations stayed degraded {back_s:.1f} s after {foreign.setup.server} was back"
     before = foreign.server.served()
     assert infer(foreign.router, x[1:2], min_confidence=1.0)[1].tier is Tier.CLOUD
     _counted(foreign, before, 1)

@@ -10,6 +10,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -299,10 +300,14 @@ def test_a_request_over_max_batch_size_is_refused_where_it_is_advertised(fleet, 
 
 def test_one_client_cannot_take_every_slot(cluster: Cluster, digits) -> None:  # type: ignore[no-untyped-def]
     router = cluster.router("--max-requests-per-client", "2").address
-    cluster.agent("slow", router, "--emulate-slow-ms", "400", "--concurrency", "8", "--max-batch", "1")
+    # each answer takes 1.5 s and the six calls leave together: they overlap on any machine
+    cluster.agent("slow", router, "--emulate-slow-ms", "1500", "--concurrency", "8", "--max-batch", "1")
     wait_until(lambda: ready_count(router) == 1)
+    together = threading.Barrier(6)
 
-    def one(_: int) -> str:
+    def one(index: int) -> str:
+        if index >= 0:
+            together.wait(timeout=10)
         try:
             infer(router, digits.held_out.x[:1], timeout=10)
         except grpc.RpcError as exc:
@@ -316,7 +321,7 @@ def test_one_client_cannot_take_every_slot(cluster: Cluster, digits) -> None:  #
     assert refusals and all(
         o.startswith("RESOURCE_EXHAUSTED: this client has 2 requests in flight here") for o in refusals
     ), outcomes
-    assert one(0) == "ok"  # the slots came back
+    assert one(-1) == "ok"  # the slots came back
 
 
 def test_a_private_status_needs_the_operator(cluster: Cluster, tmp_path: Path) -> None:

@@ -85,7 +85,7 @@ def test_an_empty_tensor_with_huge_dimensions_is_invalid_not_internal(router: st
     still_whole(router, digits)
 
 
-def test_a_request_whose_work_comes_near_the_link_limit_is_refused_alone(router: str, digits) -> None:  # type: ignore[no-untyped-def]
+def test_a_request_whose_work_comes_near_the_link_limit_is_refused_alone_by_the_item_cap(router: str, digits) -> None:  # type: ignore[no-untyped-def]
     """Inside the router's 4 MiB receive limit, but within 64 KiB of what one message on the
     AgentLink may carry (a Work over it ends the agent's stream and every request on it):
     refused before it is queued, and the link stays. For digits the item cap (1,024, the

@@ -49,11 +49,6 @@ TLS_FLAGS = ("tls_cert", "tls_key", "tls_ca")
 # Where every Stratus container finds its certificate, key and the fleet CA.
 TLS_DIR = "/etc/stratus/tls"
 PROBE = ["/opt/stratus/bin/python", "-m", "stratus.probe"]
-# Flags that the lead's identities-and-roles work adds to stratus.cli.main, used here by the routers
-# (Status, Watch and rollout status for operators only). Until that work is merged the parser
-# lacks them, so a check that parses such a command is an expected failure that names the flag
-# (see parse); once the parser has the flag, the same check runs in full, unchanged.
-PENDING_FLAGS = frozenset({"--private-status"})
 Doc = dict[str, Any]
 
 
@@ -97,10 +92,6 @@ def parse(argv: list[str]) -> argparse.Namespace:
             break
         command = subcommands[0].choices[token]
     flags = {flag for action in command._actions for flag in action.option_strings}
-    for token in argv:
-        flag = token.split("=", 1)[0]
-        if flag in PENDING_FLAGS and flag not in flags:
-            pytest.xfail(f"{flag} is not in stratus.cli yet: it comes with the lead's identities and roles")
     stderr = io.StringIO()
     with contextlib.redirect_stderr(stderr):
         try:
@@ -433,9 +424,9 @@ def check_container_config(
     env overrides a setting unseen, and its flags over the file load into valid settings."""
     assert str(args.config) == CONFIG_FILE, f"`stratus {args.command}` without --config {CONFIG_FILE}"
     volumes = {v["name"]: v for v in pod.get("volumes", [])}
-    (mount,) = [
-        m for m in container["volumeMounts"] if CONFIG_FILE.startswith(m["mountPath"].rstrip("/") + "/")
-    ]
+    mounts = [m for m in container["volumeMounts"] if CONFIG_FILE.startswith(m["mountPath"].rstrip("/") + "/")]
+    assert len(mounts) == 1, f"{len(mounts)} mounts hold {CONFIG_FILE}, not one"
+    (mount,) = mounts
     assert mount.get("readOnly") is True, "the settings file is mounted writable"
     assert "configMap" in volumes[mount["name"]], f"{CONFIG_FILE} is not from a ConfigMap"
     for variable in env:
@@ -483,7 +474,7 @@ def test_the_settings_checks_catch_a_bad_file_and_a_missing_mount(tmp_path: Path
     args = parse(expand(container["args"], env))
     unmounted = {**container, "volumeMounts": [m for m in container["volumeMounts"] if m["name"] != "config"]}
     pod = workload["spec"]["template"]["spec"]
-    with pytest.raises(ValueError):  # no mount holds the file: the unpacking above fails
+    with pytest.raises(AssertionError, match=f"0 mounts hold {CONFIG_FILE}, not one"):
         check_container_config(pod, unmounted, args, env, config, tmp_path)
     with pytest.raises(AssertionError, match="would override the settings file"):
         check_container_config(

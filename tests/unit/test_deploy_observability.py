@@ -419,13 +419,13 @@ def test_the_checks_reject_what_is_wrong() -> None:
     assert unknown_metrics("stratus_router_confidence", known) == {"stratus_router_confidence"}
     assert unknown_metrics('{__name__="made_up"} + stratus_queue_items', known) == {"made_up"}
     assert unknown_metrics("process_cpu_seconds_total", known) == {"process_cpu_seconds_total"}
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="selector without an exact metric name"):
         metric_names('{__name__=~"stratus_.*"}')  # no exact name: cannot be checked
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="unclosed left parenthesis"):  # the PromQL parser's words
         metric_names("sum(rate(stratus_queue_items[5m])")  # unbalanced
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"unexpected character inside brackets: '\$'"):
         metric_names(good)  # Grafana variables left in: not PromQL
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"unknown Grafana variable \$__made_up"):
         substitute("rate(stratus_work_total[$__made_up])")
 
 

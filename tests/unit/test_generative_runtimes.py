@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -42,11 +43,23 @@ RUNTIMES = [
 ]
 
 
+OPENED: list[GenerativeRunner] = []  # closed after each test (their pipelines hold threads and memory)
+
+
+@pytest.fixture(autouse=True)
+def close_runners() -> Iterator[None]:
+    yield
+    while OPENED:
+        OPENED.pop().close()
+
+
 def runner(runtime: str, variant: str = "arith-large-fp16") -> GenerativeRunner:
     repository = ModelRepository.load(MODELS)
     family = repository.family("arith")
     options = LoadOptions(tier=Tier.CLOUD, cache_dir=Path("/nonexistent"))
-    return load_generator(family, repository.variant(variant), options, runtimes=[runtime])
+    model = load_generator(family, repository.variant(variant), options, runtimes=[runtime])
+    OPENED.append(model)
+    return model
 
 
 def generate(model: GenerativeRunner, prompt: str, **params: object) -> tuple[list[Token], str]:

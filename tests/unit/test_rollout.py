@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 from pathlib import Path
 
 import pytest
@@ -86,8 +87,10 @@ def test_shares_are_judged_with_their_noise() -> None:
 
 def test_steps_must_rise_within_0_and_100() -> None:
     assert check_steps([5, 25, 100]) == (5.0, 25.0, 100.0)
-    for bad in ([], [0, 50], [50, 25], [5, 5], [5, 101]):
-        with pytest.raises(InvalidInput):
+    with pytest.raises(InvalidInput, match="a rollout needs 1 to"):
+        check_steps([])
+    for bad in ([0, 50], [50, 25], [5, 5], [5, 101]):
+        with pytest.raises(InvalidInput, match=re.escape(f"steps {[float(s) for s in bad]} must rise strictly")):
             check_steps(bad)
 
 
