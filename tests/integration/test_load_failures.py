@@ -79,8 +79,8 @@ def test_an_edge_agent_serves_through_the_next_runtime_and_without_the_family_no
     counted = load_failures(metrics)
     assert counted[("digits-medium", "openvino")] == 1
     assert counted[("arith-medium", "openvino_genai")] == 1
-    if GENERATORS["llama_cpp"].availability().available:  # tried second, and refused too
-        assert "llama_cpp cannot load" in why and counted[("arith-medium", "llama_cpp")] == 1
+    assert GENERATORS["llama_cpp"].availability().available, "llama.cpp is part of `make test`"
+    assert "llama_cpp cannot load" in why and counted[("arith-medium", "llama_cpp")] == 1  # tried second
 
     shown = subprocess.run(
         [sys.executable, "-m", "stratus.cli", "fleet", "status", "--router", router, "--agents"],

@@ -4,6 +4,7 @@ across restarts."""
 
 from __future__ import annotations
 
+import json
 import socket
 import subprocess
 import sys
@@ -147,6 +148,24 @@ def _free_ports(count: int) -> list[int]:
     return ports
 
 
+def shadows_in(state: Path, candidate: str) -> list[object]:
+    """The shadow share of each rollout of ``candidate`` in a router's state file."""
+    found: list[object] = []
+
+    def walk(node: object) -> None:
+        if isinstance(node, dict):
+            if node.get("candidate") == candidate:
+                found.append(node.get("shadow"))
+            for value in node.values():
+                walk(value)
+        elif isinstance(node, list):
+            for value in node:
+                walk(value)
+
+    walk(json.loads(state.read_text()) if state.exists() else {})
+    return found
+
+
 def test_routers_share_rollout_state_and_keep_it_across_a_restart(
     cluster: Cluster, models: Path, tmp_path: Path
 ) -> None:
@@ -160,6 +179,8 @@ def test_routers_share_rollout_state_and_keep_it_across_a_restart(
     started = start(a, "digits-small-v2", steps=[10, 100], min_requests=1_000_000, shadow_percent=50)
     wait_until(lambda: (rollout(b) or fpb.RolloutStatus()).revision == started.revision, timeout_s=10)
     assert rollout(b).share_percent == 10.0  # type: ignore[union-attr]
+    # the whole plan travels, the shadow share with it, and b keeps it in its own state file
+    wait_until(lambda: shadows_in(state_b, "digits-small-v2") == [50.0], timeout_s=10)
 
     steer(b, fpb.ROLLOUT_ACTION_ABORT)
     wait_until(lambda: state_of(a) == "aborted", timeout_s=10)

@@ -5,6 +5,7 @@ SDK), survives a restart of both routers, and ``--revert`` brings the agents' ow
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -180,11 +181,15 @@ def test_a_suggestion_from_every_routers_real_audits_is_pushed_and_a_recalibrate
 
     recalibrated = copy_digits(tmp_path / "recalibrated")
     toml = recalibrated / "digits" / "family.toml"
-    text = toml.read_text().replace("[thresholds]\ndevice = ", "[thresholds]\ndevice = 0.1\n# was ")
-    text = text.replace("cloud_share = 0.0159", "cloud_share = 0.2")  # calibrate rewrites all three
-    toml.write_text(
-        text.replace("accuracy = 0.9935, agreement = 0.9967", "accuracy = 0.95, agreement = 0.96")
-    )
+    text = toml.read_text()
+    for pattern, value in (  # calibrate rewrites all three: each must be found, whatever its value
+        (r"^\[thresholds\]\ndevice = ", "[thresholds]\ndevice = 0.1\n# was "),
+        (r"^cloud_share = [0-9.]+$", "cloud_share = 0.2"),
+        (r"^device = \{ accuracy = [0-9.]+, agreement = [0-9.]+", "device = { accuracy = 0.95, agreement = 0.96"),
+    ):
+        text, found = re.subn(pattern, value, text, flags=re.MULTILINE)
+        assert found == 1, f"{pattern!r} is not in {toml} once"
+    toml.write_text(text)
     cluster.agent("device-2", router, "--models", str(recalibrated))
     wait_until(lambda: ready_count(router) == 3, timeout_s=90)  # not refused: the push wins
     assert status(router).in_force["device"] == pushed.in_force["device"]

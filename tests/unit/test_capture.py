@@ -118,8 +118,9 @@ def test_files_stay_whole_after_a_sigkill_mid_write(tmp_path: Path) -> None:
         [sys.executable, "-c", KEEP_WRITING, str(tmp_path), root], stdout=subprocess.PIPE, text=True
     )
     assert writer.stdout is not None
-    while int(writer.stdout.readline() or 0) < 3000:
+    while (line := writer.stdout.readline()) and int(line) < 3000:
         pass
+    assert line, f"the writer ended before writing 3000 rows (exit {writer.wait()})"  # never a hang
     writer.send_signal(signal.SIGKILL)
     writer.wait()
     files = captured_files(tmp_path)

@@ -100,6 +100,51 @@ def test_the_suggestion_for_a_cloud_share_is_calibrates_choice(share: float) -> 
     assert suggested.outcome.reached[-1] <= share
 
 
+# Calibrate's grid tries 60 quantiles of the confidences, not every one: its choice may miss
+# the exact optimum by one quantile step, about 1/59 of the items.
+GRID_STEP = 1 / 59
+
+
+def outcome_at(
+    threshold: float, truth: list[int], mine: list[int], sure: list[float]
+) -> tuple[float, float, float]:
+    """(accuracy, cloud share, expected accuracy) of a device threshold on these items, counted
+    by hand: an item the device is sure of keeps its answer (and its confidence), the others
+    take the cloud's (the label, at confidence 1)."""
+    kept = [c >= threshold for c in sure]
+    right = [m == t if k else True for k, m, t in zip(kept, mine, truth, strict=True)]
+    claimed = [c if k else 1.0 for k, c in zip(kept, sure, strict=True)]
+    return sum(right) / len(right), kept.count(False) / len(kept), sum(claimed) / len(claimed)
+
+
+def every_outcome(truth: list[int], mine: list[int], sure: list[float]) -> list[tuple[float, float, float]]:
+    """The outcome of every threshold that draws a different line: one at each confidence seen,
+    and one above them all (everything climbs)."""
+    return [outcome_at(t, truth, mine, sure) for t in [*sorted(set(sure)), PASS_ALL]]
+
+
+@pytest.mark.parametrize("target", [0.9, 0.95, 0.98])
+def test_the_suggestion_for_a_target_accuracy_is_near_the_cheapest_that_reaches_it(target: float) -> None:
+    """Against a brute force over every threshold, not the chooser calibrate and suggest share."""
+    rows, truth, mine, sure = audited_rows()
+    cheapest = min(share for accuracy, share, _ in every_outcome(truth, mine, sure) if accuracy >= target)
+    threshold = suggest(rows, target_accuracy=target).thresholds[Tier.DEVICE]
+    accuracy, share, _ = outcome_at(threshold, truth, mine, sure)
+    assert accuracy >= target and cheapest <= share <= cheapest + GRID_STEP, (share, cheapest)
+
+
+@pytest.mark.parametrize("limit", [0.1, 0.3])
+def test_the_suggestion_for_a_cloud_share_claims_near_the_most_within_it(limit: float) -> None:
+    """Within the share, the highest expected accuracy (what calibrated confidences predict,
+    calibrate's first goal), by brute force."""
+    rows, truth, mine, sure = audited_rows()
+    most = max(expected for _, share, expected in every_outcome(truth, mine, sure) if share <= limit)
+    _, share, expected = outcome_at(
+        suggest(rows, max_escalation=limit).thresholds[Tier.DEVICE], truth, mine, sure
+    )
+    assert share <= limit and most - GRID_STEP <= expected <= most, (expected, most)
+
+
 def test_too_few_rows_are_refused_saying_how_many_are_needed() -> None:
     book = RowBook()
     for i in range(10):
@@ -125,7 +170,10 @@ def test_sure_errors_pass_the_tier_by_and_the_suggestion_says_why() -> None:
     assert held.thresholds == {Tier.DEVICE: PASS_ALL}
     assert held.outcome.accuracy == 1.0 and held.outcome.reached == (1.0, 1.0)
     assert len(held.notes) == 1
-    assert "the device tier passes every request up (1.0001): 12 of its 300 audited answers disagreed" in held.notes[0]
+    assert (
+        "the device tier passes every request up (1.0001): 12 of its 300 audited answers disagreed"
+        in held.notes[0]
+    )
     reachable = suggest(rows, target_accuracy=0.95)
     assert reachable.thresholds[Tier.DEVICE] <= 1.0 and reachable.notes == ()
     assert reachable.outcome.accuracy >= 0.95
@@ -226,13 +274,18 @@ def test_a_generative_familys_suggestion_is_calibrates_choice_on_agreement() -> 
     ]
     for target in (0.9, 0.97):
         expected = for_target_accuracy(scores, target)
-        assert suggest(rows, target_accuracy=target).thresholds == {Tier.DEVICE: expected[0], Tier.EDGE: expected[1]}
+        assert suggest(rows, target_accuracy=target).thresholds == {
+            Tier.DEVICE: expected[0],
+            Tier.EDGE: expected[1],
+        }
     expected = for_max_escalation(scores, 0.2)
     assert suggest(rows, max_escalation=0.2).thresholds == {Tier.DEVICE: expected[0], Tier.EDGE: expected[1]}
 
 
 def test_rows_mixing_classes_and_texts_are_refused() -> None:
-    judged = fpb.AuditRow(tiers=[fpb.TierAnswer(tier="device", confidence=0.5, agrees=True)], top_tier="cloud")
+    judged = fpb.AuditRow(
+        tiers=[fpb.TierAnswer(tier="device", confidence=0.5, agrees=True)], top_tier="cloud"
+    )
     classed = fpb.AuditRow(tiers=[fpb.TierAnswer(tier="device", confidence=0.5, answer=3)], top_tier="cloud")
     with pytest.raises(ConfigError, match="mix classes and texts"):
         audit_scores([judged, classed], min_rows=1)
