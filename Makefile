@@ -53,7 +53,7 @@ vllm-env: $(INSTALLED)
 
 # Triton (PyTriton), MLServer and KServe as the cloud tier, each in an environment of its own
 # (.venv-triton, .venv-mlserver, .venv-kserve: pinned, reused while their markers match).
-# One that cannot be installed is reported; its tests skip, saying why.
+# One that cannot be installed is reported; its tests then fail, saying why (no skip is allowed).
 foreign-env: $(INSTALLED)
 	$(BIN)/python scripts/foreign_env.py
 
