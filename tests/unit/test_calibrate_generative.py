@@ -11,7 +11,7 @@ import pytest
 from stratus.errors import ConfigError
 from stratus.families.repository import ModelRepository, load_family
 from stratus.tools.arith import arith_splits, solve
-from stratus.tools.calibrate.classifier import cascade, describe, write
+from stratus.tools.calibrate.classifier import TierScores, cascade, describe, write
 from stratus.tools.calibrate.generative import calibrate_generative, generative_scores, load_prompts
 
 MODELS = Path(__file__).resolve().parents[2] / "models"
@@ -21,6 +21,20 @@ def write_prompts(path: Path, count: int) -> Path:
     prompts = [prompt for prompt, _ in arith_splits().held_out[:count]]
     path.write_text("".join(json.dumps({"prompt": p, "answer": solve(p)}) + "\n" for p in prompts))
     return path
+
+
+def climbed_by_hand(scores: list[TierScores], thresholds: list[float]) -> tuple[float, list[float]]:
+    """(accuracy, share reaching each tier) of a cascade, each prompt walked up the tiers: it
+    stops on the first tier sure enough (or the top) and is right if that tier was."""
+    prompts = len(scores[0].correct)
+    right, reached = 0, [0] * len(scores)
+    for i in range(prompts):
+        for index, tier in enumerate(scores):
+            reached[index] += 1
+            if index == len(scores) - 1 or tier.confidence[i] >= thresholds[index]:
+                right += bool(tier.correct[i])
+                break
+    return right / prompts, [r / prompts for r in reached]
 
 
 def test_prompts_split_sixty_forty_with_a_fixed_seed(tmp_path: Path) -> None:
@@ -66,5 +80,12 @@ def test_thresholds_from_a_prompt_file_reproduce_the_printed_shares(tmp_path: Pa
     replay = cascade(scores, [written.thresholds[t] for t in result.tiers[:-1]])
     assert replay.accuracy == pytest.approx(result.held_out.accuracy)
     assert replay.reached == pytest.approx(result.held_out.reached)
+    # ... and what the prompts themselves say, followed one by one (not calibrate's simulation)
+    thresholds = [written.thresholds[t] for t in result.tiers[:-1]]
+    accuracy, reached = climbed_by_hand(scores, thresholds)
+    assert (accuracy, reached) == (
+        pytest.approx(result.held_out.accuracy),
+        pytest.approx(result.held_out.reached),
+    )
     shares = ", ".join(f"{t.label} {r:.1%}" for t, r in zip(result.tiers, replay.reached, strict=True))
     assert f"report       accuracy {replay.accuracy:.4f}; requests reaching: {shares}" in printed
