@@ -185,7 +185,7 @@ def _cloud_link(settings: RouterSettings, registry: FleetRegistry) -> CloudPool 
     if not settings.cloud:
         return None
     headers = (
-        *settings.cloud_headers,
+        *settings.all_cloud_headers(),
         *((("authorization", f"Bearer {settings.cloud_token}"),) if settings.cloud_token else ()),
     )
     named = parse_cloud_models(settings.cloud_models)

@@ -19,6 +19,7 @@ from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from stratus.convert.fleet import tensor_specs
+from stratus.errors import ConfigError
 from stratus.families.description import FamilyDescription
 from stratus.families.generation import TEXT_INPUT, TEXT_OUTPUT
 from stratus.families.spec import TensorSpec
@@ -70,6 +71,26 @@ def parse_header(text: str) -> tuple[str, str]:
     if not value.isascii() or not value.isprintable():
         raise ValueError(f"--cloud-header {key!r}: the value must be printable ASCII")
     return key, value
+
+
+def secret_headers(text: str) -> tuple[tuple[str, str], ...]:
+    """``KEY=VALUE`` lines (``--cloud-header-file``; blank lines and ``#`` comments skipped) as
+    gRPC metadata. A bad line is refused by its number and key, never echoing a value."""
+    headers = []
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip() or line.lstrip().startswith("#"):
+            continue
+        key, sep, value = line.partition("=")
+        try:  # "key = value" as people write files: the spaces around '=' are not the value's
+            headers.append(parse_header(f"{key.strip()}{sep}{value.strip()}"))
+        except ValueError:
+            key = key.strip() if sep else "(no '=')"
+            raise ConfigError(
+                f"--cloud-header-file line {number} (key {key[:64]!r}): expected KEY=VALUE, a key of "
+                "lowercase letters, digits, '-', '_' or '.' (not 'grpc-...' nor '...-bin') and a "
+                "printable ASCII value (not shown)"
+            ) from None
+    return tuple(headers)
 
 
 def family_of(name: str, families: Collection[str], named: Sequence[NamedModel] = ()) -> str | None:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from router.audit_sampling import AuditPolicy
 from router.capture_hook import CaptureOptions
-from router.cloud_models import parse_cloud_models, parse_header
+from router.cloud_models import parse_cloud_models, parse_header, secret_headers
 from router.cloud_pool import CloudTarget
 from router.threshold_auto import AutoPolicy
 from stratus.config import at_least_one, not_negative, positive, secret, setting, validate
@@ -112,6 +112,9 @@ class RouterSettings:
     # ("NAME" or "FAMILY=NAME", comma-separated), and gRPC metadata sent on every call to it.
     cloud_models: str | None = None
     cloud_headers: tuple[tuple[str, str], ...] = setting((), item=parse_header)
+    # The same from a file (--cloud-header-file: KEY=VALUE lines), for values that are secrets:
+    # a flag's value shows in `ps` and shell history.
+    cloud_header: str = secret("STRATUS_CLOUD_HEADER")
     # Background audits (router/audit.py): the share of the items settled below a family's
     # top tier also asked of it, and at most this many a second per family; a family's
     # [audit] table overrides both.
@@ -132,11 +135,16 @@ class RouterSettings:
             CloudTarget.parse(self.cloud)
         for key, value in self.cloud_headers:
             parse_header(f"{key}={value}")
+        secret_headers(self.cloud_header)  # a bad line stops the router, naming the line, not the value
         if self.agent_tokens_file and self.agent_token:
             raise ConfigError(
                 "--agent-token-file (one token for every agent) and --agent-tokens-file (a token "
                 "per agent) together would let any id in on the shared one: give one of them"
             )
+
+    def all_cloud_headers(self) -> tuple[tuple[str, str], ...]:
+        """The metadata sent on every call to the cloud: the flags', then the file's."""
+        return (*self.cloud_headers, *secret_headers(self.cloud_header))
 
     def credentials(self) -> RouterCredentials:
         return RouterCredentials(

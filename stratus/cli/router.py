@@ -319,5 +319,16 @@ def _add_cloud_link(router: argparse.ArgumentParser) -> None:
         type=_cloud_header,
         metavar="KEY=VALUE",
         help="gRPC metadata sent on every call to the cloud (repeatable), e.g. "
-        "triton-grpc-protocol-triton-access-token=TOKEN or authorization='Bearer TOKEN'",
+        "triton-grpc-protocol-triton-access-token=TOKEN or authorization='Bearer TOKEN'; for a "
+        "secret value use --cloud-header-file (a flag shows in ps)",
+    )
+    option(
+        router,
+        "router",
+        "cloud_header_file",
+        "--cloud-header-file",
+        type=Path,
+        metavar="FILE",
+        help="more such metadata, KEY=VALUE lines ('#' comments), read at start: for values that "
+        "are secrets (default: $STRATUS_CLOUD_HEADER, the same lines)",
     )

@@ -279,6 +279,18 @@ def test_the_cloud_gateway_serves_only_callers_with_its_token(
     wait_until(lambda: ready_count(router) == 1 and fleet_status(router).cloud.state == "connected")
     _, served = infer(router, digits.held_out.x[:1], min_confidence=1.0)
     assert served.path == (Tier.DEVICE, Tier.CLOUD) and not served.degraded
+    # The same credential as a header from a file (a foreign cloud's token), never on the command line.
+    headers = tmp_path / "cloud.headers"
+    headers.write_text("# the gateway's client token\nauthorization = Bearer cloud-client-token-0001\n")
+    by_file = cluster.router("--cloud", cloud, "--cloud-header-file", str(headers), role="router-2").address
+    cluster.agent("dev-2", by_file)
+    wait_until(lambda: ready_count(by_file) == 1 and fleet_status(by_file).cloud.state == "connected")
+    _, served = infer(by_file, digits.held_out.x[:1], min_confidence=1.0)
+    assert served.path == (Tier.DEVICE, Tier.CLOUD) and not served.degraded
+    headers.write_text("Bearer cloud-client-token-0001\n")  # no KEY=: refused by line, the value unshown
+    refused = stratus("router", "--listen", "127.0.0.1:0", "--cloud", cloud, "--cloud-header-file", str(headers))
+    assert refused.returncode != 0 and "--cloud-header-file line 1 (key \"(no '=')\")" in refused.stderr, refused.stderr
+    assert "cloud-client-token-0001" not in refused.stderr + refused.stdout
 
 
 def test_a_request_over_max_batch_size_is_refused_where_it_is_advertised(fleet, digits) -> None:  # type: ignore[no-untyped-def]

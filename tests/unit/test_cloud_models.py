@@ -17,8 +17,10 @@ from router.cloud_models import (
     parse_header,
     probe_names,
     routes,
+    secret_headers,
 )
 from stratus.convert.fleet import family_from_wire
+from stratus.errors import ConfigError
 from stratus.families.description import FamilyDescription
 from stratus.wire import fleet_pb2 as fpb
 from stratus.wire import inference_pb2 as pb
@@ -80,6 +82,16 @@ def test_headers_are_what_grpc_accepts() -> None:
     ]:
         with pytest.raises(ValueError, match=why):
             parse_header(bad)
+
+
+def test_a_header_file_holds_key_value_lines_and_its_errors_never_show_a_value() -> None:
+    text = "# Triton's access token\n\nauthorization = Bearer s3cret-abc\n  x-tenant=site-7\n"
+    assert secret_headers(text) == (("authorization", "Bearer s3cret-abc"), ("x-tenant", "site-7"))
+    for bad, line, key in [("ok=1\nBearer s3cret-abc\n", 2, "(no '=')"), ("grpc-x=s3cret-abc", 1, "grpc-x")]:
+        with pytest.raises(ConfigError) as refused:
+            secret_headers(bad)
+        assert f"--cloud-header-file line {line} (key {key!r})" in str(refused.value)
+        assert "s3cret" not in str(refused.value)
 
 
 def test_a_name_belongs_to_the_family_it_names_or_begins_with() -> None:
