@@ -21,7 +21,7 @@ from router.cloud_pool import CloudPool
 from router.dataplane import RouterDataPlane
 from router.fleet_service import FleetServicer, fleet_levels, rollout_levels
 from router.link import AdmissionGate, AgentLinkServicer
-from router.openai_api import OpenAiApi, check_listen
+from router.openai_api import OpenAiApi, check_listen, server_tls
 from router.peers import RolloutPeers
 from router.registry import FleetRegistry
 from router.rollout import ROLLED_BACK, Plan, Rollouts
@@ -61,6 +61,7 @@ async def serve(settings: RouterSettings, stop: asyncio.Event | None = None) -> 
     settings.check_exposure(credentials)  # before anything starts
     if settings.openai:
         check_listen(settings.openai, settings.openai_api_key)
+        server_tls(settings.openai_tls_cert, settings.openai_tls_key)  # a bad pair stops it here
     stop = stop or asyncio.Event()
     stop_on_signals(stop)
     raise_open_files_limit()  # one descriptor per linked agent
@@ -209,7 +210,12 @@ async def _start_extras(
     """zeroconf, /metrics and the OpenAI API, as the settings ask; their closers, in order."""
     closers: list[Callable[[], Awaitable[None]]] = []
     if settings.openai:
-        openai = OpenAiApi(plane, api_key=settings.openai_api_key, hosts=settings.openai_hosts)
+        openai = OpenAiApi(
+            plane,
+            api_key=settings.openai_api_key,
+            hosts=settings.openai_hosts,
+            tls=server_tls(settings.openai_tls_cert, settings.openai_tls_key),
+        )
         log.info("OpenAI API on %s", await openai.start(settings.openai))
         closers.append(openai.stop)
     if settings.metrics:

@@ -31,7 +31,9 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import ssl
 from collections.abc import Awaitable, Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 from aiohttp import web
@@ -83,9 +85,17 @@ class OpenAiApi:
     page can post ``text/plain`` anywhere without a CORS check, so that refusal, with the
     ``Host`` allow-list against DNS rebinding, keeps browsers out."""
 
-    def __init__(self, plane: TextGenerator, *, api_key: str = "", hosts: Sequence[str] = ()) -> None:
+    def __init__(
+        self,
+        plane: TextGenerator,
+        *,
+        api_key: str = "",
+        hosts: Sequence[str] = (),
+        tls: ssl.SSLContext | None = None,
+    ) -> None:
         self.plane = plane
         self._api_key = api_key
+        self._tls = tls
         self._hosts = frozenset(h.lower() for h in hosts)
         self.app = web.Application(client_max_size=1 << 20, middlewares=[self._errors, self._guard])
         self.app.router.add_get("/health", self.health)
@@ -98,11 +108,17 @@ class OpenAiApi:
     async def start(self, listen: str) -> str:
         host, _, port = listen.rpartition(":")
         check_listen(listen, self._api_key)
+        if self._tls is None and not is_loopback(host or "127.0.0.1"):
+            log.warning(
+                "the OpenAI API on %s is plain HTTP off loopback: its key and every prompt cross the "
+                "network in clear; give --openai-tls-cert/--openai-tls-key, or end TLS in front of it",
+                listen,
+            )
         self._runner = web.AppRunner(
             self.app, access_log=None, handler_cancellation=True, keepalive_timeout=IDLE_CONNECTION_S
         )
         await self._runner.setup()
-        site = web.TCPSite(self._runner, host or "127.0.0.1", int(port))
+        site = web.TCPSite(self._runner, host or "127.0.0.1", int(port), ssl_context=self._tls)
         await site.start()
         addresses = self._runner.addresses  # (host, port, ...) of each bound socket
         bound = int(addresses[0][1]) if addresses else int(port)
@@ -300,6 +316,19 @@ def _outcome(work: asyncio.Task[Generation]) -> Generation | BaseException:
 
 # The shortest API key the OpenAI API takes off loopback (security2 N15: a 1-character key was).
 MIN_API_KEY_CHARS = 32
+
+
+def server_tls(cert: Path | None, key: Path | None) -> ssl.SSLContext | None:
+    """An HTTPS server context (TLS 1.2 at least) for the API, or None without a certificate."""
+    if cert is None or key is None:
+        return None
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    try:
+        context.load_cert_chain(cert, key)
+    except (OSError, ssl.SSLError) as exc:
+        raise ConfigError(f"the OpenAI API's certificate {cert} and key {key} do not load: {exc}") from None
+    return context
 
 
 def check_listen(listen: str, api_key: str) -> None:

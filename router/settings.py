@@ -108,6 +108,11 @@ class RouterSettings:
     # Its API key (required off loopback), and Host names it answers besides loopback's.
     openai_api_key: str = secret("STRATUS_OPENAI_API_KEY")
     openai_hosts: tuple[str, ...] = ()
+    # HTTPS for it: a certificate (chain) and key for the names its clients dial, which the
+    # fleet's role-named leaves are not; None: plain HTTP (off loopback, warned about: the key
+    # and the prompts then travel in clear unless TLS ends in front of it).
+    openai_tls_cert: Path | None = None
+    openai_tls_key: Path | None = None
     # A cloud that is not a Stratus gateway: the models it serves the families with
     # ("NAME" or "FAMILY=NAME", comma-separated), and gRPC metadata sent on every call to it.
     cloud_models: str | None = None
@@ -136,6 +141,11 @@ class RouterSettings:
         for key, value in self.cloud_headers:
             parse_header(f"{key}={value}")
         secret_headers(self.cloud_header)  # a bad line stops the router, naming the line, not the value
+        if (self.openai_tls_cert is None) != (self.openai_tls_key is None):
+            raise ConfigError("--openai-tls-cert and --openai-tls-key go together")
+        for path in (self.openai_tls_cert, self.openai_tls_key):
+            if path is not None and not path.is_file():
+                raise ConfigError(f"the OpenAI API's TLS file {path} does not exist")
         if self.agent_tokens_file and self.agent_token:
             raise ConfigError(
                 "--agent-token-file (one token for every agent) and --agent-tokens-file (a token "

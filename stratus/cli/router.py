@@ -218,6 +218,17 @@ def _add_openai(router: argparse.ArgumentParser) -> None:
         action="append",
         help="a Host name the keyless (loopback) OpenAI API answers besides loopback's (repeatable)",
     )
+    for part, what in (("cert", "certificate (chain, PEM)"), ("key", "private key (PEM)")):
+        option(
+            router,
+            "router",
+            f"openai_tls_{part}",
+            f"--openai-tls-{part}",
+            type=Path,
+            metavar="FILE",
+            help=f"serve the OpenAI API over HTTPS with this {what}, for the names its clients "
+            "dial (not the fleet's role-named leaf)",
+        )
 
 
 def _add_capture(router: argparse.ArgumentParser) -> None:

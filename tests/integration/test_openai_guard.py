@@ -4,8 +4,10 @@ without a key, and bad bodies answered 400 in OpenAI's shape, never 500."""
 
 from __future__ import annotations
 
+import http.client
 import json
 import socket
+import ssl
 import time
 import urllib.error
 import urllib.request
@@ -18,6 +20,7 @@ from stratus.devtools.launcher import free_port
 from stratus.errors import Unavailable
 
 from .cluster import Cluster, wait_until
+from .pki import make_ca, make_leaf
 
 KEY = "sk-stratus-test"
 
@@ -115,3 +118,33 @@ def test_a_connection_that_sends_no_request_or_half_of_one_is_closed(keyless: st
         silent.close()
         partial.close()
     assert call(keyless, "/v1/models")[0] == 200  # the next client is served
+
+
+def test_with_a_certificate_the_api_is_https_only(cluster: Cluster, tmp_path: Path) -> None:
+    """--openai-tls-cert/--openai-tls-key (security2 N15): the key and prompts never cross in
+    clear; a client that trusts the CA gets answers, plain HTTP on that port gets none."""
+    ca_path, ca_key, ca = make_ca(tmp_path, "openai-ca")
+    leaf = make_leaf(tmp_path, "openai", ca_key, ca, role="client")  # localhost and 127.0.0.1
+    assert leaf.cert is not None and leaf.key is not None
+    key_file = tmp_path / "api-key.txt"
+    key_file.write_text(KEY + "\n")
+    api = f"127.0.0.1:{free_port()}"
+    tls = ("--openai-tls-cert", str(leaf.cert), "--openai-tls-key", str(leaf.key))
+    router = cluster.router("--openai", api, "--openai-api-key-file", str(key_file), *tls).address
+    cluster.agent("dev-1", router)
+    trusted = ssl.create_default_context(cafile=str(ca_path))
+
+    def https(path: str, body: bytes | None = None) -> tuple[int, dict[str, object]]:
+        headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+        request = urllib.request.Request(f"https://{api}{path}", data=body, headers=headers)
+        with urllib.request.urlopen(request, timeout=30, context=trusted) as response:
+            return response.status, json.loads(response.read())
+
+    wait_until(lambda: bool(https("/v1/models")[1]["data"]), timeout_s=30)
+    status, answer = https("/v1/completions", completion())
+    assert status == 200 and answer["choices"]
+    with pytest.raises((urllib.error.URLError, ConnectionError, http.client.HTTPException)):
+        call(api, "/v1/models", Authorization=f"Bearer {KEY}")  # plain HTTP to a TLS port
+    untrusting = ssl.create_default_context()  # the system's CAs: this one is not among them
+    with pytest.raises(urllib.error.URLError, match="CERTIFICATE_VERIFY_FAILED"):
+        urllib.request.urlopen(f"https://{api}/v1/models", timeout=30, context=untrusting)
