@@ -561,6 +561,28 @@ def check_services_select_pods(services: list[Doc], pods: list[Doc]) -> None:
                 assert port["targetPort"] in names, f"{service['metadata']['name']}: {port['targetPort']}"
 
 
+def test_each_pod_admits_its_own_ports_and_the_cloud_only_routers() -> None:
+    """As the chart's (test_helm_chart): one policy per pod opening exactly the ports it
+    serves; the cloud's gRPC from the routers' pods alone, /metrics from Prometheus alone."""
+    policies = of_kind("NetworkPolicy")
+    pods = {p["metadata"]["labels"]["app.kubernetes.io/name"]: p for p in workload_pods()}
+    prometheus = [{"namespaceSelector": {}, "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}}}]
+    for name, pod in pods.items():
+        labels = pod["metadata"]["labels"]
+        (policy,) = [p for p in policies if p["spec"]["podSelector"]["matchLabels"].items() <= labels.items()]
+        rules = {rule["ports"][0]["port"]: rule.get("from") for rule in policy["spec"]["ingress"]}
+        assert set(rules) == {p["containerPort"] for c in pod["spec"]["containers"] for p in c["ports"]}, name
+        assert rules[9464] == prometheus, name
+    (cloud_rule,) = [r for p in policies for r in p["spec"]["ingress"] if r["ports"][0]["port"] == 8002]
+    (only,) = cloud_rule["from"]
+    assert only["podSelector"]["matchLabels"].items() <= pods["stratus-router"]["metadata"]["labels"].items()
+    assert not only["podSelector"]["matchLabels"].items() <= pods["stratus-agent"]["metadata"]["labels"].items()
+
+
+def workload_pods() -> list[Doc]:
+    return [d["spec"]["template"] for d in of_kind("Deployment") + of_kind("DaemonSet") + of_kind("StatefulSet")]
+
+
 def test_routers_spread_their_cloud_link_over_every_cloud_pod() -> None:
     """--cloud is dns:/// and the headless Service of the cloud gateway's pods, so the pods KEDA
     adds take escalations too."""

@@ -832,3 +832,34 @@ def test_identity_parser_refuses_a_foreign_uri() -> None:
     """The SPIFFE check above can fail: a URI of another shape is no Stratus identity."""
     assert auth.spiffe_identity({"peer_spiffe_id": [b"spiffe://stratus/robot/x"]}) is None
     assert certs.Identity("router", "router").spiffe_id == "spiffe://stratus/router/router"
+
+
+def selects(selector: Doc, labels: dict[str, str]) -> bool:
+    return all(labels.get(k) == v for k, v in selector.get("matchLabels", {}).items())
+
+
+def test_each_pod_admits_its_own_ports_and_the_cloud_only_routers(site: Site) -> None:
+    """security2: no NetworkPolicy shipped. Every pod is selected by one policy that opens each
+    port it serves, no other; the cloud's gRPC admits this release's routers alone (a stranger
+    never reaches the largest models), /metrics the configured Prometheus alone."""
+    policies = site.of_kind("NetworkPolicy")
+    metrics_from = site.values.get("networkPolicy", {}).get("metricsFrom") or [
+        {"namespaceSelector": {}, "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}}}
+    ]
+    pods = {w["metadata"]["labels"]["app.kubernetes.io/component"]: w for w in site.workloads()}
+    labels_of = {component: w["spec"]["template"]["metadata"]["labels"] for component, w in pods.items()}
+    for component, workload in pods.items():
+        (policy,) = [p for p in policies if selects(p["spec"]["podSelector"], labels_of[component])]
+        assert policy["spec"]["policyTypes"] == ["Ingress"]
+        rules = {rule["ports"][0]["port"]: rule.get("from") for rule in policy["spec"]["ingress"]}
+        served = {
+            p["containerPort"] for c in workload["spec"]["template"]["spec"]["containers"] for p in c["ports"]
+        }
+        assert set(rules) == served, (component, rules, served)
+        assert rules[9464] == metrics_from
+        if component == "cloud":
+            (only,) = rules[8002]
+            assert selects(only["podSelector"], labels_of["router"]) and set(only) == {"podSelector"}
+            assert not any(selects(only["podSelector"], labels_of[c]) for c in labels_of if c != "router")
+        if component == "router":
+            assert rules[8001] is None  # agents dial in from outside the cluster: any source
