@@ -64,7 +64,10 @@ class RolloutPeers:
         try:
             while True:
                 self.changed.clear()
-                await self.sync_once()
+                try:
+                    await self.sync_once()
+                except Exception:  # one bad exchange must never end the site's syncing for good
+                    log.exception("rollout sync failed; trying again in %.0f s", SYNC_S)
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self.changed.wait(), timeout=SYNC_S)
         finally:
