@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -46,6 +47,7 @@ PACKAGES = ("stratus", "router", "edge_agent", "cloud_gateway")
 ALSO_COPY = ("models", "proto")  # read by tests through paths relative to the checkout
 EQUIVALENT_DIR = ROOT / "tests" / "mutation"
 GOAL = 0.90
+SPINNER = re.compile(r"^\s*[⠋⠙⠹⠸⠼⠴⠦⠧⠇⠏]")  # mutmut's progress lines, left out of a failure's log tail
 # Lines left alone, as regular expressions (mutmut widens each to its whole statement): log
 # calls. What an operator reads in the log is checked where it matters by integration tests
 # against real processes; mutating its wording here would only measure string assertions.
@@ -65,7 +67,12 @@ TARGETS: tuple[Target, ...] = (
     Target(
         "climb",
         ("router/policy/__init__.py", "router/policy/climb.py"),
-        ("tests/unit/test_policy.py", "tests/unit/test_climb.py", "tests/unit/cascade"),
+        (
+            "tests/unit/test_policy.py",
+            "tests/unit/test_climb.py",
+            "tests/unit/cascade",
+            "tests/unit/test_climb_mutants.py",
+        ),
     ),
     Target(
         "cascades",
@@ -80,12 +87,18 @@ TARGETS: tuple[Target, ...] = (
             "tests/unit/test_policy.py",
             "tests/unit/test_calibrate.py",
             "tests/unit/cascade/test_classify.py",
+            "tests/unit/test_confidence_mutants.py",
         ),
     ),
     Target(
         "auth",
         ("stratus/serving/auth.py", "stratus/serving/sync_proofs.py"),
-        ("tests/unit/test_auth.py", "tests/unit/test_sync_proofs.py", "tests/unit/test_threshold_pushes.py"),
+        (
+            "tests/unit/test_auth.py",
+            "tests/unit/test_sync_proofs.py",
+            "tests/unit/test_threshold_pushes.py",
+            "tests/unit/test_auth_mutants.py",
+        ),
     ),
     Target(
         "request-bounds",
@@ -101,7 +114,11 @@ TARGETS: tuple[Target, ...] = (
     Target(
         "rollout-judge",
         ("router/rollout_judge.py",),
-        ("tests/unit/test_rollout.py", "tests/unit/test_rollout_records.py"),
+        (
+            "tests/unit/test_rollout.py",
+            "tests/unit/test_rollout_records.py",
+            "tests/unit/test_rollout_judge.py",
+        ),
     ),
 )
 
@@ -111,10 +128,10 @@ DETECTED = ("killed", "timeout", "segfault", "caught by type check")
 
 @dataclass
 class Row:
-    """One target's outcome, as counted from mutmut's own verdicts."""
+    """One module's outcome in its target's run, as counted from mutmut's own verdicts."""
 
     target: str
-    modules: list[str]
+    module: str
     mutants: int = 0
     counts: dict[str, int] = field(default_factory=dict)
     equivalent: int = 0
@@ -223,7 +240,7 @@ def verdicts(scratch: Path) -> dict[str, str]:
     return found
 
 
-def run_target(target: Target, *, workers: int, known: dict[str, Equivalent], log: Path) -> Row:
+def run_target(target: Target, *, workers: int, known: dict[str, Equivalent], log: Path) -> list[Row]:
     scratch = ROOT / "build" / "mutation" / target.name
     prepare(target, scratch)
     started = time.monotonic()
@@ -238,43 +255,54 @@ def run_target(target: Target, *, workers: int, known: dict[str, Equivalent], lo
             env=env,
         )
     if ran.returncode != 0:
-        tail = log.read_text(errors="replace")[-2000:]
+        lines = log.read_text(errors="replace").replace("\r", "\n").splitlines()
+        tail = "\n".join(line for line in lines if line.strip() and not SPINNER.match(line))[-2000:]
         raise SystemExit(
             f"mutmut failed on {target.name} (exit {ran.returncode}); its log {log} ends:\n{tail}"
         )
     found = verdicts(scratch)
-    row = Row(target=target.name, modules=list(target.modules), mutants=len(found))
-    row.counts = dict(Counter(found.values()))
-    row.seconds = round(time.monotonic() - started, 1)
-    prefixes = tuple(module_prefix(m) for m in target.modules)
-    counted: set[str] = set()
-    for name in sorted(known):
-        if not name.startswith(prefixes):
-            continue
-        if found.get(name) != "survived":
-            row.stale_equivalents.append(f"{name}: {found.get(name, 'no such mutant')}")
-        elif known[name].mutated not in mutated_lines(scratch, name):
-            row.stale_equivalents.append(f"{name}: no longer mutates to {known[name].mutated!r}")
-        else:
-            row.equivalent += 1
-            counted.add(name)
-    row.survivors = sorted(n for n, s in found.items() if s not in DETECTED and n not in counted)
-    return row
+    seconds = round(time.monotonic() - started, 1)
+    rows = []
+    for module in target.modules:
+        mine = {n: status for n, status in found.items() if module_of(n) == module_name(module)}
+        row = Row(target=target.name, module=module, mutants=len(mine), seconds=seconds)
+        row.counts = dict(Counter(mine.values()))
+        counted: set[str] = set()
+        for name in sorted(n for n in known if module_of(n) == module_name(module)):
+            if mine.get(name) != "survived":
+                row.stale_equivalents.append(f"{name}: {mine.get(name, 'no such mutant')}")
+            elif known[name].mutated not in mutated_lines(scratch, name):
+                row.stale_equivalents.append(f"{name}: no longer mutates to {known[name].mutated!r}")
+            else:
+                row.equivalent += 1
+                counted.add(name)
+        row.survivors = sorted(n for n, s in mine.items() if s not in DETECTED and n not in counted)
+        rows.append(row)
+    strays = sorted(n for n in found if module_of(n) not in {module_name(m) for m in target.modules})
+    if strays:
+        raise SystemExit(f"{target.name}: mutants of no module of the target: {strays[:5]}")
+    return rows
 
 
-def module_prefix(path: str) -> str:
-    """``router/policy/__init__.py`` -> ``router.policy.``, as mutmut names its mutants."""
-    dotted = path.removesuffix(".py").replace("/", ".").removesuffix(".__init__")
-    return dotted + "."
+def module_name(path: str) -> str:
+    """``router/policy/__init__.py`` -> ``router.policy``, as mutmut names its mutants."""
+    return path.removesuffix(".py").replace("/", ".").removesuffix(".__init__")
+
+
+def module_of(mutant: str) -> str:
+    """The module a mutant is of: ``router.policy.climb.x_finish__mutmut_3`` -> ``router.policy.climb``
+    (a method's is ``module.xǁClassǁmethod__mutmut_N``)."""
+    found = re.match(r"^(.*?)\.x[_ǁ]", mutant)
+    return found.group(1) if found else mutant.rsplit(".", 1)[0]
 
 
 def table(rows: list[Row]) -> str:
-    head = "| target | mutants | killed | timed out | survived | no tests | equivalent | score | seconds |"
-    lines = [head, "|---|---|---|---|---|---|---|---|---|"]
+    head = "| target | module | mutants | killed | timed out | survived | no tests | equivalent | score | seconds |"
+    lines = [head, "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         timed_out = r.counts.get("timeout", 0) + r.counts.get("segfault", 0)
         lines.append(
-            f"| {r.target} | {r.mutants} | {r.counts.get('killed', 0)} | {timed_out} | "
+            f"| {r.target} | {r.module} | {r.mutants} | {r.counts.get('killed', 0)} | {timed_out} | "
             f"{r.counts.get('survived', 0)} | {r.counts.get('no tests', 0)} | {r.equivalent} | "
             f"{r.score:.1%}{'' if r.meets_goal else ' (below goal)'} | {r.seconds:.0f} |"
         )
@@ -308,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
     for target in chosen:
         if not args.json:
             print(f"mutating {', '.join(target.modules)} ...", flush=True)
-        rows.append(run_target(target, workers=args.workers, known=known, log=out / f"{target.name}.log"))
+        rows.extend(run_target(target, workers=args.workers, known=known, log=out / f"{target.name}.log"))
     text = table(rows)
     (out / "table.md").write_text(text + "\n")
     if args.json:

@@ -141,7 +141,11 @@ PASS_ALL: Final = 1.0001
 
 def threshold_problem(value: float) -> str | None:
     """Why ``value`` cannot be a threshold (None: it can): a confidence in [0, 1], or PASS_ALL."""
-    if isinstance(value, bool) or not isinstance(value, int | float) or not 0.0 <= value <= PASS_ALL:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or not (0.0 <= value <= 1.0 or value == PASS_ALL)  # nothing else above 1: it means nothing more
+    ):
         return f"{value!r} is not in [0, 1] (or {PASS_ALL}: the tier passes every request up)"
     return None
 
