@@ -154,6 +154,7 @@ class GenerationCascade:
     thresholds: dict[Tier, float] = field(init=False)  # the family's, by tier
     generated: dict[Tier, int] = field(default_factory=dict)
     climbed: list[Generation] = field(default_factory=list)  # unsure answers climbed past (for audits)
+    shown_any: bool = False  # the client has seen text: a failure now cannot be retried unseen
 
     def _count(self, tier: Tier, tokens: int) -> None:
         self.generated[tier] = self.generated.get(tier, 0) + tokens
@@ -243,6 +244,7 @@ class GenerationCascade:
 
     async def _show(self, tokens: Sequence[Token]) -> None:
         if self.sink is not None and tokens:
+            self.shown_any = True
             await self.sink(Chunk(tokens=tuple(tokens)))
 
     async def _try(self, target: Target[Backend], remaining: float, *, final: bool, watch: bool) -> Generation | None:
@@ -255,6 +257,9 @@ class GenerationCascade:
             answer = None
         except StratusError as exc:
             if not retryable(exc):
+                raise
+            if self.shown_any:  # another agent's text after this one's would read as one answer
+                log.info("%s failed a generation after the client saw part of it: %s", target.id, exc)
                 raise
             log.info("%s failed a generation: %s", target.id, exc)
             after_failure(self.state, target, exc)
@@ -333,6 +338,7 @@ class GenerationCascade:
     async def _pump(self, shown: asyncio.Queue[Chunk | None]) -> None:
         assert self.sink is not None
         while (chunk := await shown.get()) is not None:
+            self.shown_any = True
             await self.sink(chunk)
 
 

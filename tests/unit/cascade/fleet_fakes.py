@@ -25,6 +25,8 @@ import grpc
 import numpy as np
 
 from router.agent_handle import AgentHandle
+from router.cascade.classify import ClassifyCascade
+from router.cascade.generate import Generation
 from router.cloud import CloudLink, OnChunk
 from router.dataplane import RouterDataPlane
 from router.registry import FleetRegistry
@@ -34,8 +36,10 @@ from stratus.convert.parameters import CONFIDENCE, VARIANT, RequestOptions, Serv
 from stratus.convert.text import prompt_request, text_result
 from stratus.errors import StratusError
 from stratus.families.generation import (
+    COMPLETION_TOKENS,
     FINAL,
     FINISH_REASON,
+    PROMPT_TOKENS,
     TEXT_INPUT,
     TEXT_OUTPUT,
     Chunk,
@@ -420,3 +424,153 @@ def text_of(response: InferResult | pb.ModelInferResponse) -> str:
 
 def served(response: InferResult | pb.ModelInferResponse) -> Served:
     return Served.read(_wire(response).parameters)
+
+
+@dataclass(eq=False)
+class ReportingAgent(FakeAgent):
+    """A fake agent whose Results also say what a real agent's may: the time its Work waited
+    for a slot (``queue_ms``), a generation's own confidence (``text_confidence``) and its
+    token counts (``usage``: prompt, completion); with ``fail_after_chunks`` (and an
+    ``error``) a generation streams its chunks and then fails; ``flat_variant`` answers
+    with scores of one dimension (no per-class axis, so no top-1 to compare)."""
+
+    queue_ms: float = 0.0
+    text_confidence: float | None = None
+    usage: tuple[int, int] | None = None
+    fail_after_chunks: bool = False  # a generation's chunks are sent before its error
+    flat_variant: str = ""  # this variant's scores come back one number per item: shape [n]
+
+    async def _answer(self, work: fpb.Work) -> None:
+        if self.fail_after_chunks and work.request.inputs[0].name == TEXT_INPUT:
+            await self._generate(work)
+        await super()._answer(work)
+
+    def _result(self, work: fpb.Work) -> fpb.Result:
+        result = super()._result(work)
+        result.queue_ms = self.queue_ms
+        flat = self.flat_variant and work.request.model_name == self.flat_variant
+        if flat and work.request.inputs[0].name == INPUT and self.behaviour.error is None:
+            keys = [int(row[0]) for row in codec.decode_request_inputs(work.request)[INPUT]]
+            del result.response.outputs[:]
+            del result.response.raw_output_contents[:]
+            flat_scores = np.array([MARK[self.handle.tier] + key for key in keys], dtype=np.float32)
+            codec.encode_response_outputs(result.response, {OUTPUT: flat_scores})
+        if work.request.inputs[0].name == TEXT_INPUT and self.behaviour.error is None:
+            if self.text_confidence is not None:
+                result.confidences.append(self.text_confidence)
+                result.confidence = self.text_confidence
+            if self.usage is not None:
+                set_parameter(result.response.parameters, PROMPT_TOKENS, self.usage[0])
+                set_parameter(result.response.parameters, COMPLETION_TOKENS, self.usage[1])
+        return result
+
+
+def line_agent(
+    built: Fleet,
+    agent_id: str,
+    tier: Tier,
+    *,
+    candidate: str | None = None,
+    precision: str = "",
+    compute: str = "",
+    queue_ms: float = 0.0,
+    text_confidence: float | None = None,
+    usage: tuple[int, int] | None = None,
+    fail_after_chunks: bool = False,
+    flat_variant: str = "",
+    **behaviour: object,
+) -> ReportingAgent:
+    """Join a :class:`ReportingAgent` that serves the family's current variant and, where
+    given, a rollout's ``candidate`` line beside it (not current); ``precision`` and
+    ``compute`` are what its Hello says of both."""
+    info = built.family
+    current = variant_name(info, tier)
+    names = (current,) if candidate is None else (current, candidate)
+    variants = [
+        fpb.VariantInfo(
+            name=name,
+            family=info.name,
+            max_batch=8,
+            line=name,
+            current=name == current,
+            precision=precision,
+            compute=compute,
+        )
+        for name in names
+    ]
+    hello = fpb.Hello(
+        agent_id=agent_id,
+        tier=_WIRE_TIER[tier],
+        capacity=2,
+        queue_limit=8,
+        variants=variants,
+        families=[info],
+    )
+    handle = built.registry.register(hello, peer="fake")
+    fake = ReportingAgent(
+        built.registry,
+        built.clock,
+        handle,
+        Behaviour(**behaviour),  # type: ignore[arg-type]
+        queue_ms=queue_ms,
+        text_confidence=text_confidence,
+        usage=usage,
+        fail_after_chunks=fail_after_chunks,
+        flat_variant=flat_variant,
+    )
+    fake.start()
+    built.agents.append(fake)
+    return fake
+
+
+def heartbeat_variant(agent: FakeAgent, variant: str, mean_ms: float) -> None:
+    """Report a service time for one of the agent's variants (a rollout's candidate, say)."""
+    estimate = fpb.LatencyEstimate(variant=variant, mean_ms=mean_ms, count=10)
+    agent.registry.heartbeat(agent.handle, fpb.Heartbeat(latency=[estimate]))
+
+
+class ReportingCloud(FakeCloud):
+    """A fake cloud whose answers carry ``extra`` parameters besides the canned ones (its
+    precision, queue and compute times, a generation's confidence or token counts)."""
+
+    def __init__(
+        self,
+        clock: Clock,
+        *,
+        extra: Mapping[str, object],
+        serves: Sequence[str] = (FAMILY,),
+        up: bool = True,
+        **behaviour: object,
+    ) -> None:
+        super().__init__(clock, serves=serves, up=up, behaviour=CloudBehaviour(**behaviour))  # type: ignore[arg-type]
+        self.extra = dict(extra)
+
+    async def infer(self, request: pb.ModelInferRequest, *, timeout_s: float | None) -> pb.ModelInferResponse:
+        response = await super().infer(request, timeout_s=timeout_s)
+        for key, value in self.extra.items():
+            set_parameter(response.parameters, key, value)  # type: ignore[arg-type]
+        return response
+
+    async def generate(
+        self, request: pb.ModelInferRequest, on_chunk: OnChunk, *, timeout_s: float | None
+    ) -> pb.ModelInferResponse:
+        response = await super().generate(request, on_chunk, timeout_s=timeout_s)
+        for key, value in self.extra.items():
+            set_parameter(response.parameters, key, value)  # type: ignore[arg-type]
+        return response
+
+
+@dataclass
+class AuditRecorder:
+    """Stands in for the router's auditor: keeps what each answered request handed it."""
+
+    classified_cascades: list[ClassifyCascade] = field(default_factory=list)
+    generations: list[tuple[Generation, list[Generation]]] = field(default_factory=list)
+
+    def classified(self, cascade: ClassifyCascade) -> None:
+        self.classified_cascades.append(cascade)
+
+    def generated(
+        self, info: object, request: object, result: Generation, climbed: Sequence[Generation]
+    ) -> None:
+        self.generations.append((result, list(climbed)))
