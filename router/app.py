@@ -35,7 +35,7 @@ from stratus.families.repository import ModelRepository
 from stratus.obs.metrics import Metrics, RouterMetrics
 from stratus.obs.metrics import serve as serve_metrics
 from stratus.process import announce, raise_open_files_limit, stop_on_signals
-from stratus.serving.auth import insecure_warning
+from stratus.serving.auth import RouterCredentials, insecure_warning
 from stratus.serving.channels import bind, create_server
 from stratus.serving.client_limits import ClientLimits
 from stratus.serving.discovery import Advertisement
@@ -57,11 +57,7 @@ async def _watch_heartbeats(registry: FleetRegistry) -> None:
 
 
 async def serve(settings: RouterSettings, stop: asyncio.Event | None = None) -> None:
-    credentials = settings.credentials()
-    settings.check_exposure(credentials)  # before anything starts
-    if settings.openai:
-        check_listen(settings.openai, settings.openai_api_key)
-        server_tls(settings.openai_tls_cert, settings.openai_tls_key)  # a bad pair stops it here
+    credentials = _checked_credentials(settings)
     stop = stop or asyncio.Event()
     stop_on_signals(stop)
     raise_open_files_limit()  # one descriptor per linked agent
@@ -152,6 +148,16 @@ async def serve(settings: RouterSettings, stop: asyncio.Event | None = None) -> 
     await _shut_down(plane, registry, server, health, settings.drain_timeout_s)
     await _close_the_rest([watchdog, warning, sharing, stepping], closers, cloud)
     log.info("stopped")
+
+
+def _checked_credentials(settings: RouterSettings) -> RouterCredentials:
+    """Everything that refuses a setting runs before anything starts, so a bad one binds no port."""
+    credentials = settings.credentials()
+    settings.check_exposure(credentials)
+    if settings.openai:
+        check_listen(settings.openai, settings.openai_api_key)
+        server_tls(settings.openai_tls_cert, settings.openai_tls_key)  # a bad pair stops it here
+    return credentials
 
 
 async def _close_the_rest(
