@@ -85,7 +85,7 @@ typecheck: $(INSTALLED)
 
 # Mutation testing (mutmut) of the climb, the cascades, confidence, identities, request bounds
 # and the rollout judge, each against its unit tests: a table of mutants killed and survived
-# (build/mutation/table.md). Not part of `make test` (about half an hour on 2 cores); one small
+# (build/mutation/table.md). Not part of `make test` (about 13 minutes on 2 cores); one small
 # target runs inside it (tests/unit/test_mutation.py), so this cannot rot unnoticed.
 mutation: $(INSTALLED)
 	$(BIN)/python scripts/mutation.py

@@ -243,8 +243,8 @@ class GenerationCascade:
         )
 
     async def _show(self, tokens: Sequence[Token]) -> None:
+        """A held answer, shown once the climb ends on it (nothing is tried after: shown_any stays)."""
         if self.sink is not None and tokens:
-            self.shown_any = True
             await self.sink(Chunk(tokens=tuple(tokens)))
 
     async def _try(self, target: Target[Backend], remaining: float, *, final: bool, watch: bool) -> Generation | None:

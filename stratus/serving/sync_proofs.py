@@ -50,10 +50,8 @@ def proof_holds(token: str, label: str, proof: str, *parts: str, seen: SeenNonce
     now_ms = time.time() * 1000
     if version != VERSION or not now_ms - MAX_AGE_MS <= at_ms <= now_ms + MAX_AHEAD_MS or not nonce:
         return False
-    # as bytes: compare_digest raises TypeError on a str that is not ASCII (anyone may send one)
-    if not hmac.compare_digest(
-        digest.encode("utf-8", "replace"), _digest(token, label, at, nonce, *parts).encode()
-    ):
+    # compare_digest raises TypeError on a str that is not ASCII (anyone may send one)
+    if not (digest.isascii() and hmac.compare_digest(digest, _digest(token, label, at, nonce, *parts))):
         return False
     return seen is None or seen.first_time(nonce, at_ms)
 

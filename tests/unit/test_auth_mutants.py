@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -34,29 +34,10 @@ from stratus.serving.auth import (
     spiffe_identity,
     warn_insecure_forever,
 )
+from tests.unit.test_auth import AGENT_TOKEN, Context
 
-AGENT_TOKEN = "a-long-agent-token-0001"
 OPERATOR_TOKEN = "operator-token-00000001"
 CLIENT_TOKEN = "client-token-00000001"
-
-
-@dataclass
-class Context:
-    """What the rules read of a grpc.aio servicer context: the peer and its certificate."""
-
-    peer_address: str = "ipv4:127.0.0.1:5000"
-    spiffe: str | None = None
-    auth: dict[str, list[bytes]] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        if self.spiffe is not None:
-            self.auth = {"peer_spiffe_id": [self.spiffe.encode()]}
-
-    def peer(self) -> str:
-        return self.peer_address
-
-    def auth_context(self) -> dict[str, list[bytes]]:
-        return self.auth
 
 
 REMOTE = Context("ipv4:10.1.2.3:5000")

@@ -125,29 +125,18 @@ def test_worse_beyond_of_an_empty_arm_is_zero(n_a: int, n_b: int) -> None:
 # -- margins met exactly ----------------------------------------------------------------------
 
 
-def test_a_candidate_exactly_at_the_error_margin_advances() -> None:
-    """The margin is how much worse a candidate may surely be: reaching it is allowed."""
-    current, candidate = arm(100), arm(100, errors=30)
+@pytest.mark.parametrize(
+    ("margin", "worse"), [("max_error_increase", "errors"), ("max_unsure_increase", "unsure")]
+)
+def test_a_candidate_exactly_at_a_margin_advances(margin: str, worse: str) -> None:
+    """A margin is how much worse a candidate may surely be (in errors, or in the unsure share):
+    reaching it is allowed, a hair less than needed rolls back."""
+    current, candidate = arm(100), arm(100, **{worse: 30})
     at = worse_beyond(30, 100, 0, 100)
     assert 0 < at < 1
-    assert (
-        judge(current, candidate, min_requests=100, margins=Margins(max_error_increase=at)).action
-        == "advance"
-    )
-    below = Margins(max_error_increase=math.nextafter(at, 0.0))
-    assert judge(current, candidate, min_requests=100, margins=below).action == "rollback"
-
-
-def test_a_candidate_exactly_at_the_unsure_margin_advances() -> None:
-    """As for errors: an unsure share surely higher by exactly the margin still advances."""
-    current, candidate = arm(100), arm(100, unsure=40)
-    at = worse_beyond(40, 100, 0, 100)
-    assert 0 < at < 1
-    assert (
-        judge(current, candidate, min_requests=100, margins=Margins(max_unsure_increase=at)).action
-        == "advance"
-    )
-    below = Margins(max_unsure_increase=math.nextafter(at, 0.0))
+    verdict = judge(current, candidate, min_requests=100, margins=Margins(**{margin: at}))
+    assert verdict.action == "advance"
+    below = Margins(**{margin: math.nextafter(at, 0.0)})
     assert judge(current, candidate, min_requests=100, margins=below).action == "rollback"
 
 
