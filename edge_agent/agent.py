@@ -18,7 +18,7 @@ import random
 import signal
 import socket
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 
 import grpc
@@ -39,7 +39,7 @@ from stratus.obs.metrics import serve as serve_metrics
 from stratus.process import announce, process_uptime_s, start_collapsed
 from stratus.serving.auth import insecure_warning
 from stratus.serving.channels import bind, create_server
-from stratus.serving.discovery import DNS_PREFIX, discover_all, resolve_all
+from stratus.serving.discovery import discover_all, dns_target, resolve_all
 from stratus.serving.health import Health
 from stratus.serving.servicer import InferenceServicer, add_inference_service
 from stratus.tiers import Tier
@@ -49,8 +49,6 @@ log = logging.getLogger("stratus.agent")
 
 # With --router auto or dns:NAME:PORT, how often to look for routers that joined since.
 REDISCOVER_S = 30.0
-
-
 
 
 class Agent:
@@ -124,33 +122,51 @@ class Agent:
         """
         if self.settings.router == "auto":
             await self._link_found_routers(stop, lambda: discover_all(timeout_s=3.0))
-        elif self.settings.router.startswith(DNS_PREFIX):
-            name, _, port = self.settings.router.removeprefix(DNS_PREFIX).rpartition(":")
-            await self._link_found_routers(stop, lambda: resolve_all(name, int(port)), server_name=name)
+        elif (target := dns_target(self.settings.router)) is not None:
+            await self._link_found_routers(
+                stop, lambda: resolve_all(target.name, target.port), server_name=target.name
+            )
         else:
             addresses = [a.strip() for a in self.settings.router.split(",") if a.strip()]
-            await asyncio.gather(*(stay_linked(self, address, stop, self._rng) for address in addresses))
-            if not stop.is_set():  # every link gave up: nothing here is a router
-                raise ConfigError(f"none of {', '.join(addresses)} is a Stratus router (see the log)")
+            ends = await asyncio.gather(
+                *(stay_linked(self, address, stop, self._rng) for address in addresses)
+            )
+            if not stop.is_set():  # every link gave up for good
+                raise ConfigError(_no_router(ends))
         await self.finish_work()
 
     async def _link_found_routers(
         self, stop: asyncio.Event, find: Callable[[], Awaitable[list[str]]], server_name: str | None = None
     ) -> None:
         """Link to every router ``find`` returns, and look again now and then: routers come
-        and go (a Deployment scaled, a pod replaced); a link to one that went simply ends."""
-        tasks: dict[str, asyncio.Task[None]] = {}
-        while not stop.is_set():
-            with contextlib.suppress(StratusError, OSError):
-                for address in await find():
-                    if address not in tasks or tasks[address].done():
-                        tasks[address] = asyncio.create_task(
-                            stay_linked(self, address, stop, self._rng, server_name),
-                            name=f"stratus-link-{address}",
-                        )
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), timeout=REDISCOVER_S if tasks else 1.0)
-        await asyncio.gather(*tasks.values(), return_exceptions=True)
+        and go (a Deployment scaled, a pod replaced); a link to one that went simply ends. A
+        router that gave up on this agent for good is not dialled again; when every router
+        found did, the agent stops (ConfigError): serving nothing while looking ready helps
+        no one, and a supervisor shows the reason."""
+        tasks: dict[str, asyncio.Task[str | None]] = {}
+        given_up: dict[str, str] = {}
+        stopping = asyncio.create_task(stop.wait(), name="stratus-agent-stop")
+        try:
+            while not stop.is_set():
+                with contextlib.suppress(StratusError, OSError):
+                    for address in await find():
+                        if address not in given_up and (address not in tasks or tasks[address].done()):
+                            tasks[address] = asyncio.create_task(
+                                stay_linked(self, address, stop, self._rng, server_name),
+                                name=f"stratus-link-{address}",
+                            )
+                live = [task for task in tasks.values() if not task.done()]
+                await asyncio.wait(
+                    [stopping, *live],
+                    timeout=REDISCOVER_S if tasks else 1.0,
+                    return_when=asyncio.FIRST_COMPLETED,
+                )
+                given_up |= {address: why for address, task in tasks.items() if (why := _gave_up(task))}
+                if tasks and set(tasks) <= set(given_up) and not stop.is_set():
+                    raise ConfigError(_no_router(list(given_up.values())))
+        finally:
+            stopping.cancel()
+            await asyncio.gather(stopping, *tasks.values(), return_exceptions=True)
 
     async def finish_work(self) -> None:
         running = [task for link in self.links.values() for task in link.work.values()]
@@ -194,6 +210,18 @@ class Agent:
         )
         link.work[work.request_id] = task
         task.add_done_callback(lambda _: link.work.pop(work.request_id, None))
+
+
+def _gave_up(link: asyncio.Task[str | None]) -> str | None:
+    """Why a link task ended for good, or None (running, stopped, or ended otherwise)."""
+    if not link.done() or link.cancelled() or link.exception() is not None:
+        return None
+    return link.result()
+
+
+def _no_router(why: Sequence[str | None]) -> str:
+    """The one line an agent stops with when no router will link it, each router's reason."""
+    return "no router links this agent: " + "; ".join(w for w in why if w)
 
 
 async def serve_locally(models: LocalModels, settings: AgentSettings) -> tuple[grpc.aio.Server, str, Health]:

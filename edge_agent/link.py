@@ -90,32 +90,33 @@ class LinkOwner(Protocol):
     async def finish_work(self) -> None: ...
 
 
+# What a router answers when it will not take this agent's credential: retrying the same
+# credential cannot change that; the operator must (a token, a certificate, a revocation).
+REFUSALS = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)
+
+
 async def stay_linked(
     owner: LinkOwner, address: str, stop: asyncio.Event, rng: random.Random, server_name: str | None = None
-) -> None:
+) -> str | None:
     """One router: link, serve, and re-link with backoff whenever the link breaks.
     ``server_name``: what the router's certificate names, where ``address`` is an IP found
-    for it (dns:NAME)."""
+    for it (dns:NAME). Returns None once stopped, or why it gave up on this router for good
+    (not one, or it refused this agent), in one line."""
     settings = owner.settings
     backoff = Backoff(initial_s=settings.backoff_initial_s, max_s=settings.backoff_max_s, rng=rng)
     if not settings.may_dial(address):
-        log.error(
-            "not linking to router %s: it is not on this machine and the link has no TLS "
-            "(give --tls-ca, or --insecure)",
-            address,
+        refused = (
+            f"router {address} is not on this machine and the link has no TLS (give --tls-ca, or --insecure)"
         )
-        return
+        log.error("not linking: %s", refused)
+        return refused
     while not stop.is_set():
         try:
             await _session(owner, address, stop, backoff, server_name)
         except grpc.aio.AioRpcError as exc:
-            if exc.code() == grpc.StatusCode.UNIMPLEMENTED:  # retrying would never change that
-                log.error(
-                    "%s is not a Stratus router (it has no AgentLink service: a cloud gateway, or "
-                    "an agent's --serve port?); not linking to it",
-                    address,
-                )
-                return
+            if (ended := _for_good(address, exc)) is not None:
+                log.error("%s; not linking to it", ended)
+                return ended
             log.warning("link to router %s lost: %s", address, describe(exc))
         except (StratusError, ConnectionError) as exc:
             log.warning("link to router %s lost: %s", address, describe(exc))
@@ -127,6 +128,19 @@ async def stay_linked(
         log.info("reconnecting to %s in %.2f s", address, delay)
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), timeout=delay)
+    return None
+
+
+def _for_good(address: str, exc: grpc.aio.AioRpcError) -> str | None:
+    """Why a link's failure cannot change by retrying it, or None when it may."""
+    if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
+        return (
+            f"{address} is not a Stratus router (it has no AgentLink service: a cloud gateway, or "
+            "an agent's --serve port?)"
+        )
+    if exc.code() in REFUSALS:
+        return f"router {address} refused this agent: {describe(exc)}"
+    return None
 
 
 async def _session(
@@ -135,7 +149,9 @@ async def _session(
     link = Link(address=address)
     link.outbox.put_nowait(owner.hello())
     tls = owner.settings.tls
-    async with open_channel(address, tls, extra_options=server_options("router", tls, server_name)) as channel:
+    async with open_channel(
+        address, tls, extra_options=server_options("router", tls, server_name)
+    ) as channel:
         call = fpb_grpc.AgentLinkStub(channel).Connect(_drain_queue(link.outbox))
         try:
             welcome = await call.read()

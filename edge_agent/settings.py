@@ -14,7 +14,7 @@ from stratus.obs.metrics import check_metrics_exposure
 from stratus.sched.batching import DEFAULT_MAX_BATCH
 from stratus.serving.auth import check_endpoint, clients_authenticated, is_loopback
 from stratus.serving.channels import NO_TLS, TlsSettings
-from stratus.serving.discovery import DNS_PREFIX
+from stratus.serving.discovery import dns_target
 from stratus.tiers import Tier
 
 SERVE = "the agent's --serve endpoint"
@@ -81,7 +81,9 @@ class AgentSettings:
 
     def check_links(self) -> None:
         """Refuse links that would hand the token, and every input, to whoever answers: zeroconf
-        without a CA to verify the router's certificate, or plaintext to another machine."""
+        without a CA to verify the router's certificate, or plaintext to another machine. A
+        malformed DNS spec is refused first, whatever else is given."""
+        named = dns_target(self.router) is not None
         if self.insecure:
             return
         if self.router == "auto" and self.tls.ca is None:
@@ -89,7 +91,7 @@ class AgentSettings:
                 "--router auto dials whatever advertises _stratus._tcp: give --tls-ca, so the agent "
                 "verifies the router's certificate before it sends anything, or --insecure"
             )
-        if self.router == "auto" or self.router.startswith(DNS_PREFIX):
+        if self.router == "auto" or named:
             return  # each address found is checked as it is dialled (may_dial)
         for address in self.router.split(","):
             if address.strip() and not self.may_dial(address.strip()):

@@ -38,7 +38,7 @@ from stratus.process import announce, raise_open_files_limit, stop_on_signals
 from stratus.serving.auth import RouterCredentials, insecure_warning
 from stratus.serving.channels import bind, create_server
 from stratus.serving.client_limits import ClientLimits
-from stratus.serving.discovery import Advertisement
+from stratus.serving.discovery import Advertisement, dns_target
 from stratus.serving.health import Health
 from stratus.serving.servicer import InferenceServicer, add_inference_service
 from stratus.wire import fleet_pb2_grpc as fpb_grpc
@@ -154,6 +154,8 @@ def _checked_credentials(settings: RouterSettings) -> RouterCredentials:
     """Everything that refuses a setting runs before anything starts, so a bad one binds no port."""
     credentials = settings.credentials()
     settings.check_exposure(credentials)
+    if settings.peers:
+        dns_target(settings.peers, "--peers")  # a malformed DNS name stops it here, not each round
     if settings.openai:
         check_listen(settings.openai, settings.openai_api_key)
         server_tls(settings.openai_tls_cert, settings.openai_tls_key)  # a bad pair stops it here

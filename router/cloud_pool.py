@@ -33,6 +33,7 @@ from router.cloud_models import NamedModel
 from stratus.errors import ConfigError, Unavailable
 from stratus.families.description import FamilyDescription
 from stratus.obs.stats import LatencyWindow
+from stratus.serving.discovery import dns_target
 from stratus.wire import fleet_pb2 as fpb
 from stratus.wire import inference_pb2 as pb
 
@@ -101,9 +102,9 @@ class CloudTarget:
     @classmethod
     def parse(cls, spec: str) -> CloudTarget:
         spec = spec.strip()
-        if spec.startswith("dns:"):
-            name, port = _host_port(spec.removeprefix("dns:").removeprefix("//").lstrip("/"), spec)
-            return cls(dns_name=name, dns_port=port)
+        named = dns_target(spec, "--cloud")
+        if named is not None:
+            return cls(dns_name=named.name, dns_port=named.port)
         addresses = tuple(part.strip() for part in spec.split(",") if part.strip())
         if not addresses:
             raise ConfigError(f"--cloud {spec!r} names no gateway: give HOST:PORT, a list, or dns:///NAME:PORT")

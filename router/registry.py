@@ -32,12 +32,12 @@ from stratus.convert.fleet import family_from_wire
 from stratus.convert.hardware import describe as describe_hardware
 from stratus.convert.hardware import from_hello as hardware_from_hello
 from stratus.errors import (
+    AlreadyHeld,
     ConfigError,
     DeadlineExceeded,
     InvalidInput,
     NotFound,
     Overloaded,
-    PermissionDenied,
 )
 from stratus.families.description import FamilyDescription
 from stratus.obs.metrics import RouterMetrics
@@ -120,14 +120,14 @@ class FleetRegistry:
         heartbeats, and the id is free again), and the pool holds at most what its operator
         configured (``--agent-pool NAME=MAX``)."""
         if previous is not None and previous.state != State.LOST:
-            raise PermissionDenied(
+            raise AlreadyHeld(
                 f"agent id {agent_id!r} is linked by another member of pool {identity[len(POOL_PREFIX):]!r}; "
                 "a pool member never replaces a linked one (retry once that link is gone)"
             )
         most = self.pool_sizes.get(identity[len(POOL_PREFIX) :], 0)
         linked = sum(1 for a in self.agents.values() if a.identity == identity and a.state != State.LOST)
         if linked >= most:
-            raise PermissionDenied(
+            raise Overloaded(
                 f"pool {identity[len(POOL_PREFIX):]!r} has {linked} agents linked, the most its operator "
                 f"configured (--agent-pool {identity[len(POOL_PREFIX):]}={most})"
             )
@@ -145,7 +145,7 @@ class FleetRegistry:
         check_hello_bounds(hello)
         previous = self.agents.get(hello.agent_id)
         if previous is not None and previous.state != State.LOST and previous.identity != identity:
-            raise PermissionDenied(
+            raise AlreadyHeld(
                 f"agent id {hello.agent_id!r} is linked by another identity; it is not replaced"
             )
         if identity.startswith(POOL_PREFIX):

@@ -58,6 +58,13 @@ class Overloaded(StratusError):
     status_name = "RESOURCE_EXHAUSTED"
 
 
+class AlreadyHeld(StratusError):
+    """An id another live link holds: asking again once that link is gone may succeed, so an
+    agent retries it (where a refused credential, PERMISSION_DENIED, never changes by retrying)."""
+
+    status_name = "ALREADY_EXISTS"
+
+
 class DeadlineExceeded(StratusError):
     """The request's budget or deadline ran out before an answer."""
 

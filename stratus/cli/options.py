@@ -13,6 +13,7 @@ from stratus.cli.config import settings_class
 from stratus.errors import ConfigError
 from stratus.serving.auth import is_loopback
 from stratus.serving.channels import TlsSettings
+from stratus.serving.discovery import dns_target
 
 T = TypeVar("T")
 
@@ -37,7 +38,8 @@ def operator_token(args: argparse.Namespace) -> str:
     read it and be the operator (security2 N14)."""
     token = role_token(args, "operator")
     router = getattr(args, "router", "") or ""
-    host = router.removeprefix("dns:").removeprefix("///").rsplit(":", 1)[0]
+    named = dns_target(router, "--router")
+    host = named.name if named is not None else router.rsplit(":", 1)[0]
     if token and not tls_of(args).enabled and host and not is_loopback(host):
         raise ConfigError(
             f"the operator token would go to {router} in plaintext: give --tls-ca (and, under mutual "

@@ -175,7 +175,7 @@ def add_router(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "router",
         "peers",
         "--peers",
-        help="the site's other routers (HOST:PORT,... or dns:NAME:PORT), to share rollouts with",
+        help="the site's other routers (HOST:PORT,... or dns:///NAME:PORT), to share rollouts with",
     )
     option(
         router,

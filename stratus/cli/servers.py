@@ -202,7 +202,7 @@ def _add_agent(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "agent",
         "router",
         "--router",
-        help="HOST:PORT[,HOST:PORT...] (a link to each), dns:NAME:PORT (every address NAME resolves "
+        help="HOST:PORT[,HOST:PORT...] (a link to each), dns:///NAME:PORT (every address NAME resolves "
         "to, e.g. a headless Service), or auto (every router zeroconf finds; needs --tls-ca); "
         "required: here, or router in [agent]",
     )

@@ -12,16 +12,47 @@ import contextlib
 import ipaddress
 import socket
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from zeroconf import IPVersion, ServiceStateChange, Zeroconf
 from zeroconf.asyncio import AsyncServiceBrowser, AsyncServiceInfo, AsyncZeroconf
 
 from stratus import __version__
-from stratus.errors import Unavailable
+from stratus.errors import ConfigError, Unavailable
 
 SERVICE_TYPE = "_stratus._tcp.local."
-# ``dns:NAME:PORT``: every address NAME resolves to (a Kubernetes headless Service).
+# ``dns:NAME:PORT``, or gRPC's own ``dns:///NAME:PORT``: every address NAME resolves to (a
+# Kubernetes headless Service).
 DNS_PREFIX = "dns:"
+
+
+@dataclass(frozen=True)
+class DnsTarget:
+    """A name to resolve again and again, and the port every address it gives listens on."""
+
+    name: str
+    port: int
+
+
+def dns_target(spec: str, flag: str = "--router") -> DnsTarget | None:
+    """``spec`` read as a DNS name, or None when it is not one (``host:port`` lists, ``auto``).
+
+    Both spellings users meet are taken: ``dns:NAME:PORT`` and gRPC's ``dns:///NAME:PORT``
+    (what ``--cloud`` and most Kubernetes guides write). ``dns://SERVER/NAME:PORT`` asks gRPC
+    for a resolver of its own, which Stratus does not run: refused, as is a missing port, so
+    a mistyped name stops the process at start instead of linking to nothing."""
+    if not spec.startswith(DNS_PREFIX):
+        return None
+    rest = spec.removeprefix(DNS_PREFIX)
+    if rest.startswith("//") and not rest.startswith("///"):
+        raise ConfigError(
+            f"{flag} {spec!r}: a DNS server of its own (dns://SERVER/...) is not supported; "
+            "give dns:///NAME:PORT, resolved by this machine's resolver"
+        )
+    name, sep, port = rest.removeprefix("///").rpartition(":")
+    if not sep or not name or "/" in name or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(f"{flag} {spec!r} is not dns:///NAME:PORT (or dns:NAME:PORT)")
+    return DnsTarget(name.strip("[]"), int(port))
 
 
 async def resolve_all(name: str, port: int) -> list[str]:
@@ -32,19 +63,18 @@ async def resolve_all(name: str, port: int) -> list[str]:
 
 
 async def addresses_of(spec: str) -> list[str]:
-    """``host:port[,host:port...]`` as listed, or ``dns:NAME:PORT`` resolved now."""
-    if spec.startswith(DNS_PREFIX):
-        name, _, port = spec.removeprefix(DNS_PREFIX).rpartition(":")
-        return await resolve_all(name, int(port))
+    """``host:port[,host:port...]`` as listed, or a DNS spec resolved now."""
+    target = dns_target(spec)
+    if target is not None:
+        return await resolve_all(target.name, target.port)
     return [a.strip() for a in spec.split(",") if a.strip()]
 
 
 def server_name_of(spec: str) -> str | None:
-    """The name a ``dns:NAME:PORT`` spec's addresses answer to: each is dialled by IP, and its
-    TLS certificate is checked against NAME (pod IPs are never known in advance)."""
-    if spec.startswith(DNS_PREFIX):
-        return spec.removeprefix(DNS_PREFIX).rpartition(":")[0]
-    return None
+    """The name a DNS spec's addresses answer to: each is dialled by IP, and its TLS
+    certificate is checked against NAME (pod IPs are never known in advance)."""
+    target = dns_target(spec)
+    return target.name if target is not None else None
 
 
 def _interfaces(host: str) -> Sequence[str] | None:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -62,7 +64,34 @@ def test_an_agent_pointed_at_a_cloud_gateway_says_so_and_stops(cluster: Cluster)
     # the gateway's UNIMPLEMENTED came back, seen twice under load, is retried, rightly, once.)
     assert not any("reconnecting" in line for line in said[refused[0] :]), done.stderr[-2000:]
     assert sum("reconnecting" in line for line in said) <= 1, done.stderr[-2000:]
-    assert done.stderr.rstrip().endswith(f"stratus: error: none of {cloud} is a Stratus router (see the log)")
+    assert done.stderr.rstrip().endswith(
+        f"stratus: error: no router links this agent: {cloud} is not a Stratus router (it has no "
+        "AgentLink service: a cloud gateway, or an agent's --serve port?)"
+    )
+
+
+@pytest.mark.parametrize("named", ["{router}", "dns:///{router}"])
+def test_an_agent_whose_credential_is_refused_says_so_and_stops(
+    cluster: Cluster, tmp_path: Path, named: str
+) -> None:
+    """A refused credential cannot change by retrying: the agent used to retry every ~1.5 s
+    forever and exit 0 when stopped. It stops with the router's reason, status 2, whether it
+    was given the router or found it by a DNS name (then once every router found refused it)."""
+    tokens = tmp_path / "agents.tokens"
+    tokens.write_text("dev-1 a-token-of-thirty-two-characters-x\n")
+    router = cluster.router("--agent-tokens-file", str(tokens)).address
+    done = subprocess.run(
+        [sys.executable, "-m", "stratus.cli", "agent", "--tier", "device", "--models", str(MODELS),
+         "--router", named.format(router=router), "--name", "dev-1"],
+        capture_output=True, text=True, timeout=120, check=False,
+        env={**os.environ, "STRATUS_AGENT_TOKEN": "the-wrong-token-of-thirty-two-chars"},
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "reconnecting" not in done.stderr, done.stderr[-2000:]
+    assert done.stderr.rstrip().endswith(
+        f"stratus: error: no router links this agent: router {router} refused this agent: "
+        "UNAUTHENTICATED: the token of agent 'dev-1' is missing, wrong or revoked"
+    ), done.stderr[-2000:]
 
 
 def test_a_bad_cloud_address_is_one_line() -> None:
@@ -74,6 +103,8 @@ def test_a_bad_cloud_address_is_one_line() -> None:
     ("args", "why"),
     [
         (["agent", "--tier", "device", "--router", "127.0.0.1:1", "--concurrency", "0"], "--concurrency: must be at least 1, not 0"),
+        (["agent", "--tier", "device", "--router", "dns://10.0.0.2/routers:8001"], "a DNS server of its own (dns://SERVER/...) is not supported"),
+        (["agent", "--tier", "device", "--router", "dns:///routers", "--insecure"], "--router 'dns:///routers' is not dns:///NAME:PORT"),
         (["agent", "--tier", "device", "--router", "127.0.0.1:1", "--queue-limit", "-1"], "--queue-limit: must not be negative, not -1"),
         (["cloud", "--listen", "127.0.0.1:0", "--concurrency", "0"], "--concurrency: must be at least 1"),
         (

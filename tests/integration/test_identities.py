@@ -50,7 +50,14 @@ def stratus(
 
 
 def refused(agent: Launched, why: str) -> bool:
-    return why in agent.log() and "reconnecting" in agent.log()
+    """Refused for good (a credential that retrying cannot change): the reason is in its log,
+    and it stopped with status 2 instead of retrying."""
+    return why in agent.log() and "not linking to it" in agent.log() and agent.process.poll() == 2
+
+
+def turned_away(agent: Launched, why: str) -> bool:
+    """Refused for now (an id, or a pool's room, held by a live link): it retries."""
+    return why in agent.log() and "reconnecting" in agent.log() and agent.process.poll() is None
 
 
 def first_answer(router: str, hello: fpb.Hello) -> str:
@@ -123,7 +130,7 @@ def test_certificates_bind_ids_and_roles(cluster: Cluster, pki) -> None:  # type
     cluster.agent("pool.a", router, *tls_args(pki["pool"]))
     wait_until(lambda: "pool.a" in {a.id for a in fleet_status(router, pki["operator"]).agents})
     rival = cluster.agent("pool.a", router, *tls_args(pki["pool.a"]), tier="edge")
-    wait_until(lambda: refused(rival, "agent id 'pool.a' is linked by another identity"))
+    wait_until(lambda: turned_away(rival, "ALREADY_EXISTS: agent id 'pool.a' is linked by another identity"))
     assert {a.id for a in fleet_status(router, pki["operator"]).agents} == {"dev-1", "pool.a", "pool.b"}
     # Roles: an operator drains, an agent's or a client's certificate does not.
     for who in ("dev-1", "client"):
@@ -375,12 +382,14 @@ def test_one_agent_certificate_is_one_agent_and_a_pool_holds_what_its_operator_s
     wait_until(lambda: ready_count(router, pki["operator"]) == 3)
     third = cluster.agent("pool.n3", router, *tls_args(pki["pool"]))
     wait_until(
-        lambda: refused(
-            third, "pool 'pool' has 2 agents linked, the most its operator configured (--agent-pool pool=2)"
+        lambda: turned_away(
+            third, "RESOURCE_EXHAUSTED: pool 'pool' has 2 agents linked, the most its operator configured (--agent-pool pool=2)"
         )
     )
     takeover = cluster.agent("pool.n1", router, *tls_args(pki["pool"]), tier="edge")
-    wait_until(lambda: refused(takeover, "agent id 'pool.n1' is linked by another member of pool 'pool'"))
+    wait_until(
+        lambda: turned_away(takeover, "ALREADY_EXISTS: agent id 'pool.n1' is linked by another member of pool 'pool'")
+    )
     agents = fleet_status(router, pki["operator"]).agents
     assert sorted((a.id, a.tier) for a in agents) == [
         ("dev-1", fpb.TIER_DEVICE), ("pool.n1", fpb.TIER_DEVICE), ("pool.n2", fpb.TIER_DEVICE)

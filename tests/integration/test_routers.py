@@ -11,6 +11,7 @@ from pathlib import Path
 
 import grpc
 import numpy as np
+import pytest
 
 from edge_agent.sdk import Client
 from stratus.serving.channels import grpc_options
@@ -139,13 +140,16 @@ def test_the_health_service_follows_readiness_and_liveness_stays_up(cluster: Clu
     assert status("liveness") == serving
 
 
-def test_an_agent_links_to_a_router_named_by_dns(cluster: Cluster) -> None:
+@pytest.mark.parametrize("spelling", ["dns:{host}:{port}", "dns:///{host}:{port}"])
+def test_an_agent_links_to_a_router_named_by_dns(cluster: Cluster, spelling: str) -> None:
+    """Both spellings: gRPC's ``dns:///`` (what --cloud and the README write) used to print
+    STRATUS READY and link to nothing, resolving the name "///HOST"."""
     from stratus.serving.discovery import resolve_all
 
     router = cluster.router().address
     host, port = router.rsplit(":", 1)
     assert asyncio.run(resolve_all(host, int(port))) == [router]
-    cluster.agent("dev-1", f"dns:{host}:{port}")  # what a Kubernetes headless Service gives
+    cluster.agent("dev-1", spelling.format(host=host, port=port))  # what a headless Service gives
     wait_until(lambda: ready_count(router) == 1)
 
 

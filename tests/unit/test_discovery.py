@@ -6,7 +6,10 @@ import asyncio
 import socket
 from typing import Any
 
-from stratus.serving.discovery import addresses_of, resolve_all
+import pytest
+
+from stratus.errors import ConfigError
+from stratus.serving.discovery import DnsTarget, addresses_of, dns_target, resolve_all, server_name_of
 
 
 class TwoRouterLoop(asyncio.SelectorEventLoop):
@@ -42,3 +45,45 @@ def test_a_dns_spec_resolves_now_and_a_list_is_taken_as_listed() -> None:
     assert found == ["10.0.0.7:7070", "[fd00::8]:7070"]
     listed, asked = run_on_two_routers(addresses_of(" a:1, b:2 ,"))
     assert (listed, asked) == (["a:1", "b:2"], [])
+
+
+@pytest.mark.parametrize(
+    ("spec", "name", "port"),
+    [
+        ("dns:routers.stratus.svc:7070", "routers.stratus.svc", 7070),
+        ("dns:///routers.stratus.svc:7070", "routers.stratus.svc", 7070),  # gRPC's spelling
+        ("dns:///[fd00::8]:7070", "fd00::8", 7070),
+    ],
+)
+def test_both_dns_spellings_name_the_same_target(spec: str, name: str, port: int) -> None:
+    assert dns_target(spec) == DnsTarget(name, port)
+    assert server_name_of(spec) == name
+
+
+def test_gRPCs_spelling_resolves_like_the_short_one() -> None:
+    """``dns:///NAME:PORT`` used to be resolved as the name ``///NAME``: nothing, forever."""
+    found, asked = run_on_two_routers(addresses_of("dns:///routers.stratus.svc:7070"))
+    assert found == ["10.0.0.7:7070", "[fd00::8]:7070"]
+    assert asked == [("routers.stratus.svc", 7070)]
+
+
+@pytest.mark.parametrize(
+    ("spec", "says"),
+    [
+        ("dns://8.8.8.8/routers:7070", "a DNS server of its own (dns://SERVER/...) is not supported"),
+        ("dns:///routers", "is not dns:///NAME:PORT"),
+        ("dns:routers:port", "is not dns:///NAME:PORT"),
+        ("dns:///:7070", "is not dns:///NAME:PORT"),
+        ("dns:///a/b:7070", "is not dns:///NAME:PORT"),
+        ("dns:routers:70000", "is not dns:///NAME:PORT"),
+    ],
+)
+def test_a_malformed_dns_spec_is_refused_naming_the_flag(spec: str, says: str) -> None:
+    with pytest.raises(ConfigError, match=r"^--peers ") as refused:
+        dns_target(spec, "--peers")
+    assert says in str(refused.value) and repr(spec) in str(refused.value)
+
+
+@pytest.mark.parametrize("spec", ["auto", "a:1,b:2", "routers:7070"])
+def test_a_spec_that_is_not_dns_is_none(spec: str) -> None:
+    assert dns_target(spec) is None
