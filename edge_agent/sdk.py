@@ -264,7 +264,7 @@ class Client:
             return settled
         response = self._send(call, escalation(call, local, unsure=unsure))
         if isinstance(response, Failed):
-            return self._local_result(local, degraded=True)
+            return self._local_result(local, degraded=True, reason=response.reason(local, unsure))
         return merged_answer(local, unsure, response)
 
     def _send(self, call: Call, request: pb.ModelInferRequest) -> pb.ModelInferResponse | Failed:
@@ -310,7 +310,7 @@ class Client:
             return settled
         response = await self._asend(call, escalation(call, local, unsure=unsure))
         if isinstance(response, Failed):
-            return self._local_result(local, degraded=True)
+            return self._local_result(local, degraded=True, reason=response.reason(local, unsure))
         return merged_answer(local, unsure, response)
 
     async def _asend(self, call: Call, request: pb.ModelInferRequest) -> pb.ModelInferResponse | Failed:

@@ -12,7 +12,7 @@ import numpy as np
 
 from edge_agent.sdk_routers import status_of
 from stratus.convert import codec
-from stratus.convert.parameters import RequestOptions, Served
+from stratus.convert.parameters import RequestOptions, Served, unanswered_reason
 from stratus.datatypes import Array
 from stratus.errors import Unavailable
 from stratus.families.confidence import threshold_for
@@ -116,6 +116,11 @@ class Failed:
     def add(self, address: str, exc: grpc.RpcError) -> None:
         code, details = status_of(exc)
         self.errors.append(f"{address}: {code.name if code is not None else type(exc).__name__}: {details}")
+
+    def reason(self, local: LocalRun, unsure: Array) -> str:
+        """``stratus.reason`` of the local answer degraded because no router answered."""
+        why = f"no router answered ({'; '.join(self.errors) or 'none found'})"
+        return unanswered_reason(int(unsure.size), local.variant.tier, why)
 
     def error(self, call: Call) -> Unavailable:
         skipped = f"min_tier={call.options.min_tier.label} skips the {call.variant.tier.label} model here"

@@ -35,6 +35,7 @@ from stratus.convert.parameters import (
     RequestOptions,
     Served,
     held_reason,
+    unanswered_reason,
 )
 from stratus.convert.tensors import Tensors
 from stratus.errors import DeadlineExceeded, Overloaded, StratusError, Unavailable
@@ -263,11 +264,14 @@ class ClassifyCascade:
         tiers = [self.best[i][0].tier for i in items]
         self.degraded = degraded
         self.tier_label = max(tiers, default=self.answers[-1].tier).label
+        last = max(self.answers, key=lambda a: a.tier)
         if degraded:
             problem = self.state.problem
             reason = _STOPPED.get(type(problem), "no_higher_tier") if problem else "no_higher_tier"
             self.context.observer.degraded(job.label, reason)
-        last = max(self.answers, key=lambda a: a.tier)
+            why = str(problem) if problem is not None else "no tier above could take them in the budget"
+            self.reason = self.reason or unanswered_reason(len(self.pending), last.tier, why)
+
         served = Served(
             tier=max(tiers, default=last.tier),
             agent=last.agent,

@@ -235,6 +235,13 @@ def _why_not(attempt: Attempt, snapshot: FleetSnapshot[C]) -> NoTarget:
         return NoTarget(
             reason=f"no tier can answer '{model}' within {attempt.remaining_ms:.1f} ms", too_slow=True
         )
+    down = [
+        tier.label
+        for tier, pool in sorted(snapshot.pools.items())
+        if _tier_allowed(tier, attempt) and any(not a.ready and a.id not in attempt.exclude for a in pool)
+    ]
+    if down:  # listed, none ready: the cloud's link down or its breaker open, agents draining
+        return NoTarget(reason=f"the {'/'.join(down)} tier serving '{model}' is not ready now")
     return NoTarget(reason=f"nothing in the fleet above the tiers tried can serve '{model}'")
 
 

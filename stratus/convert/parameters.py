@@ -159,6 +159,13 @@ def held_reason(max_tier: Tier, items: int, tier: Tier) -> str:
     return f"{MAX_TIER}={max_tier.label}: {items} item(s) below the {tier.label} threshold were not sent higher"
 
 
+def unanswered_reason(items: int, tier: Tier, why: str) -> str:
+    """``stratus.reason`` of an answer degraded because the tiers above failed its unsure items
+    (the cloud away, overloaded, too slow for the budget; no router reached, for the SDK): how
+    many stayed, where, and the last error met. The router and the SDK say it alike."""
+    return f"{items} item(s) below the {tier.label} threshold got no answer from a tier above: {why}"
+
+
 def _number(parameters: Mapping[str, ParameterValue | None], key: str) -> float | None:
     if key not in parameters:
         return None

@@ -217,3 +217,26 @@ def test_next_action_draws_a_pair_with_the_climbs_random_source() -> None:
         assert isinstance(again, Dispatch) and again.target.id == action.target.id
         ids.add(action.target.id)
     assert ids == {"a", "b"}
+
+
+def test_a_tier_listed_but_not_ready_is_named_as_not_ready() -> None:
+    """The cloud's link down (or its breaker open) used to read "nothing in the fleet ... can
+    serve", as if no cloud were configured; a degraded answer then carries this reason."""
+    chosen = pick(Attempt(model="digits", remaining_ms=None), Agent(id="c", tier=CLOUD, ready=False))
+    assert chosen == NoTarget(reason="the cloud tier serving 'digits' is not ready now")
+    two = pick(  # listed cloud first: named in tier order all the same
+        Attempt(model="digits", remaining_ms=None),
+        Agent(id="c", tier=CLOUD, ready=False),
+        Agent(id="e", tier=EDGE, ready=False),
+    )
+    assert two == NoTarget(reason="the edge/cloud tier serving 'digits' is not ready now")
+
+
+def test_a_tier_not_ready_is_not_named_when_excluded_or_outside_the_attempt() -> None:
+    """A target this request already failed on, or a tier its max_tier leaves out, says nothing
+    about what could still be tried: the plain reason."""
+    plain = NoTarget(reason="nothing in the fleet above the tiers tried can serve 'digits'")
+    failed = Attempt(model="digits", remaining_ms=None, exclude=frozenset({"c"}))
+    assert pick(failed, Agent(id="c", tier=CLOUD, ready=False)) == plain
+    kept_low = Attempt(model="digits", remaining_ms=None, max_tier=EDGE)
+    assert pick(kept_low, Agent(id="c", tier=CLOUD, ready=False)) == plain

@@ -166,7 +166,9 @@ async def test_a_cloud_that_is_down_leaves_a_degraded_answer_from_below() -> Non
         f.agent("e1", EDGE, confidence=confidences({}, 0.5))
         cloud = f.with_cloud(up=False)
         said = served(await f.plane.infer(classify([1]), timeout_s=None))
-        assert (said.tier, said.path, said.degraded, said.reason) == (EDGE, (DEVICE, EDGE), True, "")
+        # why it stayed below is said, not only counted: the cloud is listed but not ready
+        why = f"1 item(s) below the edge threshold got no answer from a tier above: the cloud tier serving '{FAMILY}' is not ready now"
+        assert (said.tier, said.path, said.degraded, said.reason) == (EDGE, (DEVICE, EDGE), True, why)
         assert cloud.asked == []
         assert f.count("degraded_answers", family=FAMILY, reason="unavailable") == 1
         assert f.count("requests", family=FAMILY, tier="edge", outcome="degraded") == 1
