@@ -111,10 +111,32 @@ def _demo(args: argparse.Namespace) -> int:
     from edge_agent.sdk import Client
     from stratus.cli.demo import run_demo
 
-    def sdk(router: str) -> Client:
-        return Client(args.models, router=router, cache_dir=args.cache_dir)
+    models = demo_models(args.models)
 
-    return run_demo(models=args.models, as_json=args.json, sdk_factory=sdk)
+    def sdk(router: str) -> Client:
+        return Client(models, router=router, cache_dir=args.cache_dir)
+
+    return run_demo(models=models, as_json=args.json, sdk_factory=sdk)
+
+
+# Where the demo's models are when --models is not given: a checkout's, then the image's.
+DEMO_MODELS = (Path("models"), Path("/app/models"))
+
+
+def demo_models(given: Path | None, places: tuple[Path, ...] = DEMO_MODELS) -> Path:
+    """The models folder the demo runs: ``--models``, or the first of ``places`` that exists.
+    The wheel carries no models (they are built into a checkout's models/ and the image's
+    /app/models), so outside both the demo says where to get them rather than a bare path."""
+    if given is not None:
+        return given
+    for place in places:
+        if place.is_dir():
+            return place
+    raise ConfigError(
+        "stratus demo runs the models of a Stratus checkout (its models/ folder) or of the image "
+        f"(/app/models), and neither is here ({Path.cwd()}): run it from a checkout, in the image, "
+        "or give --models DIR"
+    )
 
 
 def add_fleet(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -161,7 +183,9 @@ def add_fleet(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
         changes.append(change)
     _add_fleet_changes(sub, status, *changes)
     demo = commands.add_parser("demo", help="a whole local fleet on loopback, end to end")
-    demo.add_argument("--models", type=Path, default=Path("models"), help="the models folder")
+    demo.add_argument(
+        "--models", type=Path, default=None, help="the models folder (default: ./models, else the image's /app/models)"
+    )
     demo.add_argument("--json", action="store_true", help="the report as JSON")
     demo.add_argument("--cache-dir", type=Path, default=default_cache(), help="runtime caches")
     demo.set_defaults(handler=_demo)

@@ -48,7 +48,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     handler: Handler = args.handler
     try:
-        return handler(args)
+        code = handler(args)
+        sys.stdout.flush()  # a closed pipe is met here, where BrokenPipeError is caught, not at exit
+        return code
     except StratusError as exc:
         print(f"stratus: error: {exc}", file=sys.stderr)
         return 2
@@ -63,6 +65,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # the reader went away (`stratus fleet status | head`): stop quietly,
+        # as Unix tools do, and keep the interpreter's last flush off the closed pipe
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141  # 128 + SIGPIPE, what a shell reports for a tool the pipe ended
 
 
 if __name__ == "__main__":

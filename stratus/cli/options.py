@@ -99,8 +99,8 @@ def option(parser: argparse.ArgumentParser, role: str, field: str, *flags: str, 
     """A flag for one field of a role's settings, its dest the field's name (``tls.cert``:
     ``tls_cert``). Not given, it is ``None``, so that the config file, the ``STRATUS_*``
     variables and the dataclass's one default apply; its help shows that default."""
-    if kwargs.get("action") not in ("store_true", "store_const"):
-        kwargs.setdefault("metavar", flags[0].lstrip("-").replace("-", "_").upper())
+    if kwargs.get("action") not in ("store_true", "store_const") and "choices" not in kwargs:
+        kwargs.setdefault("metavar", flags[0].lstrip("-").replace("-", "_").upper())  # choices show as {a,b}
     action = parser.add_argument(*flags, dest=field.replace(".", "_"), default=None, **kwargs)
     action.setting = (role, field)  # type: ignore[attr-defined]
 
@@ -129,6 +129,8 @@ class _Help(argparse.HelpFormatter):
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
         setting = getattr(action, "setting", None)
+        if setting is not None and action.nargs == 0:  # a switch: its help says what it does
+            return text  # ("--no-advertise ... (default: true)" read as the switch's own default)
         if setting is not None and "default" not in text:
             return text + _setting_default(*setting)
         shown = action.default not in (None, False, argparse.SUPPRESS, [])

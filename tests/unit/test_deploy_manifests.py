@@ -1080,3 +1080,13 @@ def test_the_checks_above_catch_insecure_and_a_default_token() -> None:
     assert re.search(r"\$\{[A-Za-z_][A-Za-z0-9_]*:?-", "${X-y}")
     with pytest.raises(AssertionError, match="--tls-ca"):
         tls_paths(argparse.Namespace(command="router", tls_cert="c", tls_key="k", tls_ca=None))
+
+
+def test_the_image_has_a_generative_runtime_by_default() -> None:
+    """The chart's openai.enabled=true served an OpenAI API from an image without the `llm`
+    extra, so no agent or gateway in it could generate anything."""
+    (extras,) = [arg for op, arg in dockerfile_instructions() if op == "ARG" and arg.startswith("EXTRAS=")]
+    chosen = {e.strip() for e in json.loads(extras.removeprefix("EXTRAS=")).split(",")}
+    optional = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert "llm" in chosen and chosen <= set(optional), chosen
+    assert any(dep.startswith("openvino-genai") for dep in optional["llm"])
