@@ -295,12 +295,8 @@ def call_error(exc: grpc.RpcError, address: str, tls: TlsSettings = NO_TLS) -> s
     code, details = exc.code(), exc.details() or ""
     if code == grpc.StatusCode.UNAVAILABLE and "Connection refused" in details:
         return f"nothing answers at {address}: is the router running, and is that its port?"
-    if code == grpc.StatusCode.UNAVAILABLE and not tls.enabled and "Socket closed" in details:
-        return f"{address} closed the connection: it may speak TLS; give --tls-ca (and --tls-cert, --tls-key)"
-    if code == grpc.StatusCode.UNAVAILABLE and tls.enabled and "handshake" in details.lower():
-        return (
-            f"the TLS handshake with {address} failed: check --tls-ca, --tls-cert and --tls-key ({details})"
-        )
+    if code == grpc.StatusCode.UNAVAILABLE and (hint := _tls_hint(details, address, tls)) is not None:
+        return hint
     if code == grpc.StatusCode.UNIMPLEMENTED:
         return (
             f"{address} is not a Stratus router (it has no Fleet service): is it a cloud gateway or an "
@@ -309,6 +305,24 @@ def call_error(exc: grpc.RpcError, address: str, tls: TlsSettings = NO_TLS) -> s
     if code == grpc.StatusCode.DEADLINE_EXCEEDED and "Deadline" in details:
         return f"{address} did not answer in time: is it a gRPC server?"
     return f"{code.name}: {details}"
+
+
+def _tls_hint(details: str, address: str, tls: TlsSettings) -> str | None:
+    """What an UNAVAILABLE means when TLS is likely why: plaintext to a TLS port, no client
+    certificate for a router under mutual TLS, or a handshake that failed."""
+    if not tls.enabled:
+        if "Socket closed" in details:
+            return f"{address} closed the connection: it may speak TLS; give --tls-ca (and --tls-cert, --tls-key)"
+        return None
+    if tls.cert is None:
+        return (
+            f"{address} ended the TLS connection: a router under mutual TLS takes only callers with a "
+            "certificate of its CA; give --tls-cert and --tls-key (an operator's, from `stratus certs`; "
+            f"or $STRATUS_TLS_CERT, $STRATUS_TLS_KEY) ({details})"
+        )
+    if "handshake" in details.lower():
+        return f"the TLS handshake with {address} failed: check --tls-ca, --tls-cert and --tls-key ({details})"
+    return None
 
 
 def _call_failed(exc: grpc.RpcError, address: str = "the router", tls: TlsSettings = NO_TLS) -> int:

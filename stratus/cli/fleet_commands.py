@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from stratus.cli.options import add_tls, default_cache, operator_token, share, tls_of
+from stratus.cli.options import add_router, add_tls, default_cache, operator_token, share, tls_of
 from stratus.cli.thresholds import add_parser as add_thresholds_parser
 from stratus.errors import ConfigError
 
@@ -143,7 +143,7 @@ def add_fleet(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
     fleet = commands.add_parser("fleet", help="see and steer the fleet")
     sub = fleet.add_subparsers(dest="fleet_command", required=True)
     status = sub.add_parser("status", help="agents, tiers and the cloud link")
-    status.add_argument("--router", required=True, help="the router's HOST:PORT")
+    add_router(status)
     status.add_argument("--json", action="store_true", help="everything, every agent included, as JSON")
     status.add_argument("--agents", action="store_true", help="list every agent, not only the summary")
     status.add_argument(
@@ -175,7 +175,7 @@ def add_fleet(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
     ):
         change = sub.add_parser(command, help=what)
         change.add_argument("agent_id")
-        change.add_argument("--router", required=True, help="the router's HOST:PORT")
+        add_router(change)
         change.add_argument(
             "--operator-token-file", type=Path, default=None, help="default: $STRATUS_OPERATOR_TOKEN"
         )
@@ -234,7 +234,7 @@ def _add_fleet_changes(
     for parser in (*others, reload, rollout, accuracy, thresholds):
         add_tls(parser)
     for parser in (reload, rollout, accuracy, thresholds):
-        parser.add_argument("--router", required=True, help="the router's HOST:PORT")
+        add_router(parser)
         parser.add_argument(
             "--operator-token-file", type=Path, default=None, help="default: $STRATUS_OPERATOR_TOKEN"
         )

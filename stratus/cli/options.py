@@ -64,6 +64,22 @@ def tls_of(args: argparse.Namespace) -> TlsSettings:
     return TlsSettings(cert=args.tls_cert, key=args.tls_key, ca=args.tls_ca, trust_domain=domain or "stratus")
 
 
+# What an operator's shell may hold once, instead of four flags on every `fleet` command.
+ROUTER_ENV = "STRATUS_ROUTER"
+CLIENT_TLS_ENV = "STRATUS_TLS_{}"  # CERT, KEY, CA, TRUST_DOMAIN: a command's own certificate
+
+
+def add_router(parser: argparse.ArgumentParser) -> None:
+    """``--router``, required unless ``$STRATUS_ROUTER`` names it."""
+    given = os.environ.get(ROUTER_ENV) or None
+    parser.add_argument(
+        "--router",
+        default=given,
+        required=given is None,
+        help=f"the router's HOST:PORT (default: ${ROUTER_ENV})",
+    )
+
+
 def add_tls(parser: argparse.ArgumentParser, role: str | None = None) -> None:
     """TLS flags; on a server (``role``) they are its settings' ``tls.cert``, ``tls.key``, ``tls.ca``."""
     for name, what in (
@@ -71,12 +87,16 @@ def add_tls(parser: argparse.ArgumentParser, role: str | None = None) -> None:
         ("key", "its private key (PEM)"),
         ("ca", "CA that peers' certificates must chain to; on a server this turns on mutual TLS"),
     ):
-        action = parser.add_argument(f"--tls-{name}", type=Path, default=None, help=what)
+        # A server's come from its settings (STRATUS_ROLE_TLS_*); a command's from $STRATUS_TLS_*.
+        variable = CLIENT_TLS_ENV.format(name.upper())
+        given = os.environ.get(variable) if role is None else None
+        shown = what if role is not None else f"{what} (default: ${variable})"
+        action = parser.add_argument(f"--tls-{name}", type=Path, default=Path(given) if given else None, help=shown)
         if role is not None:
             action.setting = (role, f"tls.{name}")  # type: ignore[attr-defined]
     domain = parser.add_argument(
         "--tls-trust-domain",
-        default=None,
+        default=os.environ.get(CLIENT_TLS_ENV.format("TRUST_DOMAIN")) if role is None else None,
         metavar="DOMAIN",
         help="the fleet's SPIFFE trust domain (default: stratus): peers' certificates must be of it, "
         "and a router or cloud dialled with --tls-ca must carry its role's name in it",

@@ -37,8 +37,22 @@ def test_fleet_status_says_what_it_reached(cluster: Cluster, pki) -> None:  # ty
         stratus("fleet", "status", "--router", cloud)
     )
     assert "it may speak TLS; give --tls-ca" in one_line(stratus("fleet", "status", "--router", tls_router))
+    ca_only = one_line(stratus("fleet", "status", "--router", tls_router, "--tls-ca", str(pki["operator"].ca)))
+    assert ca_only.startswith(  # it said "UNAVAILABLE: ... Socket closed" and nothing of certificates
+        f"stratus: error: {tls_router} ended the TLS connection: a router under mutual TLS takes only "
+        "callers with a certificate of its CA; give --tls-cert and --tls-key"
+    ), ca_only
     shown = stratus("fleet", "status", "--router", tls_router, *tls_args(pki["operator"]))
     assert shown.returncode == 0, shown.stderr
+    # The router and the command's certificate once in the shell, not on every command.
+    operator = pki["operator"]
+    from_env = subprocess.run(
+        [sys.executable, "-m", "stratus.cli", "fleet", "status"],
+        capture_output=True, text=True, timeout=60, check=False,
+        env={**os.environ, "STRATUS_ROUTER": tls_router, "STRATUS_TLS_CERT": str(operator.cert),
+             "STRATUS_TLS_KEY": str(operator.key), "STRATUS_TLS_CA": str(operator.ca)},
+    )  # fmt: skip
+    assert (from_env.returncode, from_env.stdout) == (0, shown.stdout), from_env.stderr
 
 
 @pytest.mark.parametrize("role", ["router", "cloud"])
