@@ -496,6 +496,10 @@ class FleetRegistry:
     def own_thresholds(self, family: str) -> Mapping[Tier, float]:
         return self.book.own_thresholds(family)
 
+    def family_tiers(self, family: str) -> frozenset[Tier]:
+        """The tiers with an agent of ``family`` listed (ready, draining or lost)."""
+        return self.index.tiers(family)
+
     def describe(self, family: FamilyDescription) -> None:
         self.book.describe(family)
 

@@ -317,6 +317,8 @@ class FamilyThresholds(Protocol):
 
     def own_thresholds(self, family: str) -> Mapping[Tier, float]: ...
 
+    def family_tiers(self, family: str) -> frozenset[Tier]: ...
+
 
 def steer(
     pushes: ThresholdPushes,
@@ -336,15 +338,28 @@ def steer(
         raise NotFound(f"no agent serves a family '{family}'")
     author, why = request.author or "operator", request.reason or "no reason given"
     if action == fpb.THRESHOLDS_ACTION_APPLY:
-        version = pushes.apply(
-            family, pushable(request.thresholds), author=author, reason=why, expected=request.expected_version
-        )
+        thresholds = pushable(request.thresholds)
+        _check_tiers_served(family, thresholds, registry)
+        version = pushes.apply(family, thresholds, author=author, reason=why, expected=request.expected_version)
     elif action == fpb.THRESHOLDS_ACTION_REVERT:
         version = pushes.revert(family, author=author, reason=why, expected=request.expected_version)
     else:
         raise InvalidInput(f"unknown thresholds action {action}")
     shown = labelled(version.thresholds) or "the agents' own"
     return reply(pushes, registry, family, f"version {version.version} in force: {shown}")
+
+
+def _check_tiers_served(family: str, thresholds: Mapping[Tier, float], registry: FamilyThresholds) -> None:
+    """A push names only tiers the family has: an agent of it listed there, or a threshold of
+    its own there. ``edge=0.5`` for a device-and-cloud family was kept and never read."""
+    has = registry.family_tiers(family) | set(registry.own_thresholds(family))
+    missing = sorted(tier for tier in thresholds if tier not in has)
+    if missing:
+        served = "/".join(t.label for t in sorted(has - {Tier.CLOUD})) or "no tier below the cloud"
+        raise InvalidInput(
+            f"'{family}' has no {'/'.join(t.label for t in missing)} tier (no agent of it there, no "
+            f"threshold of its own there): push thresholds for {served}"
+        )
 
 
 def pushable(named: Mapping[str, float]) -> dict[Tier, float]:

@@ -348,3 +348,25 @@ def test_a_second_variant_for_digits_is_verified_on_its_bundled_data(
     # fitted on the bundled calibration split, as models/build/ fitted digits-small's own
     assert result.variant.temperature == before.variant("digits-small").temperature != 1.0
     assert any("temperature" in note and "calibration split" in note for note in result.notes)
+
+
+def test_the_import_command_warns_that_a_tier_without_a_threshold_answers_everything(
+    tmp_path: Path, root: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Imported without thresholds, a tier settled every answer and the cloud was never asked,
+    silently; the command now says so and what chooses one."""
+    from stratus.cli.main import main
+
+    model = random_linear(tmp_path / "toy.onnx")
+    args = ["models", "import", str(model), "--family", "toy", "--tier", "device", "--models", str(root)]
+    assert main(args) == 0
+    said = capsys.readouterr().out
+    assert (
+        "warning: the device tier has no threshold yet: every device answer is final and nothing climbs "
+        "to a tier above, until `stratus models calibrate toy --target-accuracy 0.97 --data FILE.npz` "
+        "chooses one (or `stratus fleet thresholds toy --apply device=0.9` sets one on a running fleet)"
+    ) in said
+    assert "warning: the cloud" not in said
+    cloud = random_linear(tmp_path / "big.onnx", seed=1)
+    assert main(["models", "import", str(cloud), "--family", "toy", "--tier", "cloud", "--models", str(root)]) == 0
+    assert "no threshold" not in capsys.readouterr().out  # the top tier answers whatever its confidence

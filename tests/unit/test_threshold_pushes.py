@@ -160,6 +160,30 @@ def test_steer_refuses_an_unknown_family_and_reports_what_is_in_force() -> None:
         steer(book, reg, fpb.ThresholdsRequest(family="other", action=fpb.THRESHOLDS_ACTION_APPLY))
 
 
+def test_a_push_naming_a_tier_the_family_does_not_have_is_refused() -> None:
+    """``--apply edge=0.5`` for a family of device agents with a device threshold only was kept
+    (version 1) and never read; now it is refused, naming the tiers it has."""
+    reg = FleetRegistry()
+    reg.register(hello("d1", threshold=0.5), peer="t")
+    book = pushes()
+    book.listeners.append(reg.override_thresholds)
+
+    def apply(**named: float) -> fpb.ThresholdsReply:
+        request = fpb.ThresholdsRequest(family="digits", action=fpb.THRESHOLDS_ACTION_APPLY, thresholds=named)
+        return steer(book, reg, request)
+
+    with pytest.raises(InvalidInput) as refused:
+        apply(device=0.6, edge=0.5)
+    assert str(refused.value) == (
+        "'digits' has no edge tier (no agent of it there, no threshold of its own there): push "
+        "thresholds for device"
+    )
+    assert book.record("digits") is None  # nothing kept
+    assert dict(apply(device=0.6).in_force) == {"device": 0.6}
+    reg.register(hello("e1", tier=fpb.TIER_EDGE, threshold=0.5), peer="t")  # an edge agent joins
+    assert dict(apply(device=0.6, edge=0.5).in_force) == {"device": 0.6, "edge": 0.5}
+
+
 def test_the_version_and_thresholds_in_force_are_exported_and_shown_with_the_accuracy() -> None:
     from stratus.cli.accuracy import accuracy_table
 

@@ -133,6 +133,8 @@ def _import(plan: _Plan, staged: _Staged, options: ImportOptions, cache: Path) -
             "served only when pinned by name (or as a rollout candidate) until [current] names it"
         )
     family = load_family(staged.folder / CONFIG_NAME)
+    if plan.tier is not Tier.CLOUD and plan.tier not in family.thresholds:
+        warnings.append(_no_threshold(family.name, plan.tier))
     return ImportResult(
         family=family,
         variant=family.variant(plan.name),
@@ -142,6 +144,17 @@ def _import(plan: _Plan, staged: _Staged, options: ImportOptions, cache: Path) -
         report=report,
         labelled=measured_on,
         warnings=tuple(warnings),
+    )
+
+
+def _no_threshold(family: str, tier: Tier) -> str:
+    """A tier with no threshold settles every answer (nothing above it is ever asked), silently
+    unless said here, with the command that chooses one."""
+    return (
+        f"the {tier.label} tier has no threshold yet: every {tier.label} answer is final and nothing "
+        f"climbs to a tier above, until `stratus models calibrate {family} --target-accuracy 0.97 "
+        f"--data FILE.npz` chooses one (or `stratus fleet thresholds {family} --apply {tier.label}=0.9` "
+        "sets one on a running fleet)"
     )
 
 
