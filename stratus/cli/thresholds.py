@@ -216,7 +216,12 @@ def _suggestion(rows: list[fpb.AuditRow], asked: Asked) -> tuple[dict[str, float
 
     target, share = _goal(asked)
     chosen = suggest(rows, target_accuracy=target, max_escalation=share)
-    return {tier.label: value for tier, value in chosen.thresholds.items()}, chosen.notes
+    top = chosen.tiers[-1].label
+    predicted = (
+        f"on those rows it predicts agreement with the {top} tier of {chosen.outcome.accuracy:.1%}, "
+        f"{chosen.outcome.reached[-1]:.1%} of requests reaching the {top} tier"
+    )
+    return {tier.label: value for tier, value in chosen.thresholds.items()}, (predicted, *chosen.notes)
 
 
 def _goal(asked: Asked) -> tuple[float | None, float | None]:

@@ -150,10 +150,30 @@ def test_too_few_rows_are_refused_saying_how_many_are_needed() -> None:
     for i in range(10):
         book.add("digits", (TierAnswer(Tier.DEVICE, 0.8, i % 3),), Tier.CLOUD, i % 3)
     rows = [r.to_wire() for r in book.rows("digits")]
-    with pytest.raises(ConfigError, match="10 audit rows so far; a suggestion needs at least 200"):
+    with pytest.raises(ConfigError, match="10 audit rows so far; a suggestion needs at least 200") as few:
         suggest(rows, target_accuracy=0.9)
-    with pytest.raises(ConfigError, match="no audit rows yet"):
+    with pytest.raises(ConfigError, match="no audit rows yet") as none:
         suggest([], target_accuracy=0.9)
+    for refused in (few, none):  # how to get there: rows come at the audit share, which can be raised
+        assert "about 100 requests a row" in str(refused.value)
+        assert "`stratus router --audit-share 0.05`" in str(refused.value)
+
+
+def test_a_suggestion_says_what_it_predicts_on_its_rows() -> None:
+    """The suggestion's agreement and top-tier share on the rows, counted here by hand: the
+    table and the JSON say both (they showed only the thresholds)."""
+    from stratus.cli.thresholds import Asked, _suggestion
+
+    rows, truth, mine, sure = audited_rows()
+    asked = Asked(family="digits", apply=None, suggest=True, revert=False, target_accuracy=0.95)
+    thresholds, notes = _suggestion(rows, asked)
+    device = thresholds["device"]
+    climbs = [c < device for c in sure]
+    right = sum(1 if up else int(m == t) for up, m, t in zip(climbs, mine, truth, strict=True))
+    assert notes[0] == (
+        f"on those rows it predicts agreement with the cloud tier of {right / ITEMS:.1%}, "
+        f"{sum(climbs) / ITEMS:.1%} of requests reaching the cloud tier"
+    )
 
 
 def test_sure_errors_pass_the_tier_by_and_the_suggestion_says_why() -> None:

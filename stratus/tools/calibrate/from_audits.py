@@ -39,6 +39,12 @@ from stratus.wire import fleet_pb2 as fpb
 
 # Fewer rows than this and the counted accuracy moves in steps of a percent: no suggestion.
 MIN_ROWS: Final = 200
+# How rows accrue, said with every "too few": at the default share, 200 rows are ~20,000 requests.
+_AUDIT_PACE: Final = (
+    ". Audits ask the top tier about 1% of answers by default, so that is about 100 requests a row: "
+    "wait for more, or audit more for a while (`stratus router --audit-share 0.05`, or the family's "
+    "[audit] share)"
+)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -54,7 +60,7 @@ class Suggestion:
 def audit_scores(rows: Sequence[fpb.AuditRow], *, min_rows: int = MIN_ROWS) -> list[TierScores]:
     """Calibrate's per-tier scores from audit rows, the top tier's class as the label."""
     if not rows:
-        raise ConfigError(f"no audit rows yet: a suggestion needs at least {min_rows}")
+        raise ConfigError(f"no audit rows yet: a suggestion needs at least {min_rows}{_AUDIT_PACE}")
     top = rows[-1].top_tier
     rows = [r for r in rows if r.top_tier == top]  # audits asked another top before the fleet changed
     lower = sorted({Tier.parse(a.tier) for r in rows for a in r.tiers})
@@ -65,10 +71,7 @@ def audit_scores(rows: Sequence[fpb.AuditRow], *, min_rows: int = MIN_ROWS) -> l
             "low were not asked of every tier between): a suggestion needs each row to hold every tier"
         )
     if len(rows) < min_rows:
-        raise ConfigError(
-            f"{len(rows)} audit rows so far; a suggestion needs at least {min_rows}: wait for more audits, "
-            "or raise the family's [audit] share"
-        )
+        raise ConfigError(f"{len(rows)} audit rows so far; a suggestion needs at least {min_rows}{_AUDIT_PACE}")
     labels = np.array([r.label for r in rows])
     scores = [_tier_scores(tier, [r.tiers[i] for r in rows], labels) for i, tier in enumerate(lower)]
     ones = np.ones(len(rows))
