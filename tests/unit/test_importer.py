@@ -370,3 +370,49 @@ def test_the_import_command_warns_that_a_tier_without_a_threshold_answers_everyt
     cloud = random_linear(tmp_path / "big.onnx", seed=1)
     assert main(["models", "import", str(cloud), "--family", "toy", "--tier", "cloud", "--models", str(root)]) == 0
     assert "no threshold" not in capsys.readouterr().out  # the top tier answers whatever its confidence
+
+
+def external_data_model(tmp_path: Path) -> Path:
+    """What ``torch.onnx.export`` writes for a model past its size threshold: ``toy.onnx``
+    holding the graph, and ``toy.onnx.data`` beside it holding the weights."""
+    from onnx import load, save_model
+
+    (tmp_path / "one").mkdir()
+    one_file = random_linear(tmp_path / "one" / "toy.onnx")
+    split = tmp_path / "exported" / "toy.onnx"
+    split.parent.mkdir()
+    save_model(load(str(one_file)), str(split), save_as_external_data=True, location="toy.onnx.data", size_threshold=0)
+    return split
+
+
+def test_a_model_with_external_data_is_imported_as_one_file(tmp_path: Path, root: Path) -> None:
+    """It was refused ("keeps weights in external data files; save the model as one file")."""
+    import onnx
+    import onnxruntime as ort
+
+    model = external_data_model(tmp_path)
+    data = model.with_name("toy.onnx.data")
+    assert data.stat().st_size >= FEATURES * CLASSES * 4  # the weights are out of the .onnx file
+    result = import_model(model, options(root))
+    assert result.report.ok
+    placed = root / "toy" / "toy-device.onnx"
+    assert [p.name for p in sorted((root / "toy").glob("*.data"))] == []  # one file, nothing beside
+    inline = onnx.load(str(placed), load_external_data=False)
+    assert all(t.data_location != onnx.TensorProto.EXTERNAL for t in inline.graph.initializer)
+    assert any(f"with its external data (toy.onnx.data) into one file, {placed}" in n for n in result.notes)
+    x = np.random.default_rng(3).normal(size=(5, FEATURES)).astype(np.float32)
+    original = ort.InferenceSession(str(model)).run(None, {"x": x})[0]
+    imported = ort.InferenceSession(str(placed)).run(None, {"x": x})[0]
+    np.testing.assert_array_equal(imported, original)  # the same weights, not a copy of the graph alone
+
+
+def test_a_model_whose_external_data_is_missing_is_refused_by_name(tmp_path: Path, root: Path) -> None:
+    model = external_data_model(tmp_path)
+    model.with_name("toy.onnx.data").unlink()
+    with pytest.raises(ConfigError) as refused:
+        import_model(model, options(root))
+    assert str(refused.value) == (
+        f"{model}: keeps its weights in 'toy.onnx.data', which is not beside it: copy the .onnx file "
+        "with its data file(s), as the export wrote them"
+    )
+    assert not (root / "toy").exists()  # nothing imported

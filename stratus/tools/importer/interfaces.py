@@ -124,8 +124,7 @@ def _onnx_interface(source: Path) -> Interface:
         model = onnx.load(str(source), load_external_data=False)
     except Exception as exc:  # a protobuf that is not a model: onnx raises several types
         raise ConfigError(f"{source}: not a readable ONNX model ({exc})") from None
-    if any(t.data_location == onnx.TensorProto.EXTERNAL for t in model.graph.initializer):
-        raise ConfigError(f"{source}: keeps weights in external data files; save the model as one file")
+    external_data_files(source, model)  # refused here when missing or past one file's 2 GiB
     _check_operators(source, model, onnx)
     try:
         model = onnx.shape_inference.infer_shapes(model)
@@ -142,6 +141,45 @@ def _onnx_interface(source: Path) -> Interface:
         inputs=tuple(spec("input", t) for t in model.graph.input if t.name not in initializers),
         outputs=tuple(spec("output", t) for t in model.graph.output),
     )
+
+
+# protobuf's limit on one message: an ONNX model folded into one file must stay under it.
+ONE_FILE_BYTES: Final = 2**31 - 2**20
+
+
+def external_data_files(source: Path, model: Any | None = None) -> list[Path]:
+    """The files an ONNX model keeps its weights in beside it (``torch.onnx.export`` writes
+    ``model.onnx.data`` past a size), each checked to exist inside the model's folder; none
+    for a model in one file. Refused when they could not be folded into one file (2 GiB)."""
+    if model is None:
+        model = importlib.import_module("onnx").load(str(source), load_external_data=False)
+    onnx = importlib.import_module("onnx")
+    folder = source.resolve().parent
+    named = {
+        entry.value
+        for tensor in model.graph.initializer
+        if tensor.data_location == onnx.TensorProto.EXTERNAL
+        for entry in tensor.external_data
+        if entry.key == "location"
+    }
+    files = []
+    for location in sorted(named):
+        path = (folder / location).resolve()
+        if not path.is_relative_to(folder):
+            raise ConfigError(f"{source}: its external data '{location}' lies outside the model's folder")
+        if not path.is_file():
+            raise ConfigError(
+                f"{source}: keeps its weights in '{location}', which is not beside it: copy the .onnx "
+                "file with its data file(s), as the export wrote them"
+            )
+        files.append(path)
+    total = source.stat().st_size + sum(p.stat().st_size for p in files)
+    if files and total > ONE_FILE_BYTES:
+        raise ConfigError(
+            f"{source}: its weights ({total / 2**30:.1f} GiB with external data) do not fit one ONNX "
+            "file (2 GiB, protobuf's limit), which Stratus serves; import a smaller model"
+        )
+    return files
 
 
 ZIPMAP_HINT: Final = "export with options={id(model): {'zipmap': False}} for a probabilities tensor"

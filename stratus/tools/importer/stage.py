@@ -4,6 +4,7 @@ claimed first and removed again if the import is refused."""
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import os
 import shutil
 from collections.abc import Mapping
@@ -21,7 +22,13 @@ from stratus.tiers import Tier
 from stratus.tools.calibrate import labelled_data
 from stratus.tools.datasets import Split
 from stratus.tools.importer.family_toml import _extended_text, _new_family_text
-from stratus.tools.importer.interfaces import Interface, _first_reason, _openvino, _openvino_interface
+from stratus.tools.importer.interfaces import (
+    Interface,
+    _first_reason,
+    _openvino,
+    _openvino_interface,
+    external_data_files,
+)
 from stratus.tools.importer.options import ImportOptions, ImportResult
 from stratus.tools.importer.probe import Runtimes, _fit_temperature, _output_kind, _probe_family
 from stratus.tools.verify.classifier import (
@@ -191,8 +198,15 @@ def _place_files(plan: _Plan, staged: _Staged, *, convert: bool) -> tuple[dict[s
     files = {fmt: target}
     if fmt == "openvino":
         shutil.copyfile(source.with_suffix(".bin"), staged.claim(target.with_suffix(".bin")))
-    shutil.copyfile(source, target)
-    notes = [f"copied {source} to {target}"]
+    external = external_data_files(source) if fmt == "onnx" else []
+    if external:  # one file: what the agents' runtimes and the cache digest expect of a variant
+        onnx = importlib.import_module("onnx")
+        onnx.save_model(onnx.load(str(source)), str(target), save_as_external_data=False)
+        shown = ", ".join(p.name for p in external)
+        notes = [f"copied {source} with its external data ({shown}) into one file, {target}"]
+    else:
+        shutil.copyfile(source, target)
+        notes = [f"copied {source} to {target}"]
     if fmt == "openvino" or not convert:
         return files, notes
     xml = staged.claim(staged.folder / f"{plan.name}.xml")
