@@ -16,6 +16,7 @@ families name, MLServer through its repository index.
 from __future__ import annotations
 
 import signal
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -105,6 +106,19 @@ def foreign(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
         (built.server if built else server).stop()
 
 
+def _settled(foreign: Foreign, *, quiet_s: float = 0.5) -> float:
+    """The server's counter once it has stopped moving: a server may count a request a
+    moment after its answer left (Triton does), so a count read right after an earlier
+    request can still be short of it."""
+    count = foreign.server.served()
+    while True:
+        time.sleep(quiet_s)
+        latest = foreign.server.served()
+        if latest == count:
+            return latest
+        count = latest
+
+
 def _counted(foreign: Foreign, before: float, requests: int) -> None:
     """The server's own counter has gone up by exactly ``requests`` (it may publish late)."""
     wait_until(lambda: foreign.server.served() - before >= requests, timeout_s=5)
@@ -136,7 +150,7 @@ def test_escalations_reach_the_server_and_answer_as_onnx_runtime(
 ) -> None:  # type: ignore[no-untyped-def]
     x = digits.held_out.x[:12].astype(np.float32)
     expected = onnx_runtime.run(None, {"input": x})[0]
-    before = foreign.server.served()
+    before = _settled(foreign)
     for index in range(len(x)):
         response, served = infer(foreign.router, x[index : index + 1], min_confidence=1.0)
         assert (served.tier, served.path, served.degraded) == (Tier.CLOUD, (Tier.DEVICE, Tier.CLOUD), False)
@@ -174,7 +188,7 @@ def test_the_server_going_away_degrades_and_its_return_is_picked_up(foreign: For
     cap_s = dict(RECONNECT_OPTIONS)["grpc.max_reconnect_backoff_ms"] / 1000
     back_s = wait_until(lambda: _escalates(foreign.router), timeout_s=20)
     assert back_s < cap_s + 2.0, f"escalations stayed degraded {back_s:.1f} s after {foreign.setup.server} was back"
-    before = foreign.server.served()
+    before = _settled(foreign)
     assert infer(foreign.router, x[1:2], min_confidence=1.0)[1].tier is Tier.CLOUD
     _counted(foreign, before, 1)
 
@@ -182,7 +196,7 @@ def test_the_server_going_away_degrades_and_its_return_is_picked_up(foreign: For
 @pytest.mark.parametrize("foreign", ["triton"], indirect=True)
 def test_hardened_triton_serves_only_callers_with_its_token(foreign: Foreign, digits, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     x = digits.held_out.x[:1].astype(np.float32)
-    before = foreign.server.served()
+    before = _settled(foreign)
     asked = pb.ModelInferRequest(model_name=NAME)
     asked.inputs.add(name="input", datatype="FP32", shape=list(x.shape))
     asked.raw_input_contents.append(x.tobytes())
