@@ -1,20 +1,23 @@
 """Gray release under load: a full rollout of a good candidate, then a bad one rolled back.
 
-Builds a models folder holding the shipped digits family plus two device candidates, made
-the way a user would add them (an ONNX file and `stratus models import`): `digits-small-v2`
-(digits-small's weights) and `digits-small-shuffled` (the same weights shuffled within each
-tensor: it answers, but unsure and mostly wrong). Starts a router, two device agents and an
-edge agent, and sends the digits held-out split at a steady open-loop rate. Then:
+Builds a models folder holding the shipped digits family plus three device candidates,
+made the way a user would add them (an ONNX file and `stratus models import`):
+`digits-small-v2` (digits-small's weights), `digits-small-shuffled` (the same weights
+shuffled within each tensor: it answers, but unsure and mostly wrong) and
+`digits-small-swapped` (classes 3 and 8 traded after import: as sure and as fast, wrong on
+about a fifth). Starts a router, two device agents and an edge agent (the tier above, which
+audits the device arms), and sends the digits held-out split at a steady open-loop rate. Then:
 
 1. `stratus fleet rollout digits --tier device --candidate digits-small-v2` (steps 5, 25,
    50, 100) until it completes;
-2. the same with `digits-small-shuffled` until the router rolls it back.
+2. the same with `digits-small-shuffled`, then `digits-small-swapped`, until the router rolls
+   each back (the first on its unsure share, the second only on its agreement).
 
 Per step: the router's own evidence for each variant on the device tier (requests, errors,
-p99, unsure share, sampled every 50 ms until the step changed), what was decided and why,
-and what clients saw meanwhile (sent, answered, failed, lost, p99).
+p99, unsure share, audits and agreement, sampled every 50 ms until the step changed), what
+was decided and why, and what clients saw meanwhile (sent, answered, failed, lost, p99).
 
-    python benchmarks/rollout.py [--rate 150] [--min-requests 200]
+    python benchmarks/rollout.py [--rate 150] [--min-requests 200] [--audit-max-per-s 50]
 """
 
 from __future__ import annotations
@@ -41,22 +44,27 @@ from stratus.serving.channels import open_sync_channel  # noqa: E402
 from stratus.tools.datasets import digits_splits  # noqa: E402
 from stratus.wire import fleet_pb2 as fpb  # noqa: E402
 from stratus.wire import fleet_pb2_grpc as fpb_grpc  # noqa: E402
-from tests.integration.variants import shuffled_copy  # noqa: E402
+from tests.integration.variants import shuffled_copy, swapped_copy  # noqa: E402
 
 
 def build_models(root: Path) -> Path:
     models = root / "models"
     shutil.copytree(ROOT / "models" / "digits", models / "digits")
     good, bad = root / "digits-small-v2.onnx", root / "digits-small-shuffled.onnx"
+    sure = root / "digits-small-swapped.onnx"
     shutil.copy(ROOT / "models" / "digits" / "digits-small.onnx", good)
+    shutil.copy(good, sure)
     shuffled_copy(good, bad)
-    for path in (good, bad):
+    for path in (good, bad, sure):
         subprocess.run(
             [sys.executable, "-m", "stratus.cli", "models", "import", str(path), "--family", "digits",
-             "--tier", "device", "--variant", path.stem, "--dir", str(models)],
+             "--tier", "device", "--variant", path.stem, "--dir", str(models),
+             *(["--no-convert"] if path is sure else [])],  # its ONNX file alone, so the swap holds
             check=True,
             capture_output=True,
         )  # fmt: skip
+    imported = models / "digits" / sure.name  # swapped after import: its temperature is digits-small's
+    swapped_copy(imported, imported, (3, 8))
     return models
 
 
@@ -97,6 +105,7 @@ async def follow(
             steps=steps,
             min_requests=args.min_requests,
             max_p99_ratio=args.max_p99_ratio,
+            max_disagreement_increase=args.max_disagreement_increase,
         ),
     )
     last = started.rollouts[0]
@@ -123,7 +132,7 @@ async def follow(
 def print_steps(records: list[StepRecord]) -> None:
     header = (
         f"{'candidate':<23}{'share':>6}{'variant':>24}{'requests':>9}{'errors':>7}{'p99 ms':>8}"
-        f"{'unsure':>8}{'secs':>6}{'sent':>7}{'failed':>7}{'lost':>5}{'client p99':>11}"
+        f"{'unsure':>8}{'audits':>7}{'agree':>7}{'secs':>6}{'sent':>7}{'failed':>7}{'lost':>5}{'client p99':>11}"
     )
     print(header)
     print("-" * len(header))
@@ -139,7 +148,7 @@ def print_steps(records: list[StepRecord]) -> None:
             share = f"{r.share:>5g}%" if index == 0 else " " * 6
             print(
                 f"{name:<23}{share}{arm.variant or '-':>24}{arm.requests:>9}{arm.errors:>7}{arm.p99_ms:>8.1f}"
-                f"{arm.unsure_share:>8.1%}{tail}"
+                f"{arm.unsure_share:>8.1%}{arm.audited:>7}{arm.agreement:>7.1%}{tail}"
             )
         print(f"  -> {r.decision}")
 
@@ -154,6 +163,7 @@ async def main_async(args: argparse.Namespace, router: str) -> list[StepRecord]:
     records = await follow(steering, generator, "digits-small-v2", args)
     await asyncio.get_running_loop().run_in_executor(None, lambda: steering.call(fpb.ROLLOUT_ACTION_PROMOTE))
     records += await follow(steering, generator, "digits-small-shuffled", args)
+    records += await follow(steering, generator, "digits-small-swapped", args)
     stop.set()
     await runner
     return records
@@ -165,13 +175,25 @@ def main() -> None:
     parser.add_argument("--steps", default="5,25,50,100")
     parser.add_argument("--min-requests", type=int, default=200)
     parser.add_argument("--max-p99-ratio", type=float, default=1.5)
-    parser.add_argument("--timeout", type=float, default=120.0, help="seconds per rollout, at most")
+    parser.add_argument("--max-disagreement-increase", type=float, default=0.01)
+    parser.add_argument("--audit-max-per-s", default="50", help="the router's audit budget per arm")
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds per rollout, at most")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as scratch:
         root = Path(scratch)
         models = build_models(root)
         router = launch(
-            ["router", "--listen", "127.0.0.1:0", "--no-advertise", *QUIET], role="router", log_dir=root
+            [
+                "router",
+                "--listen",
+                "127.0.0.1:0",
+                "--no-advertise",
+                "--audit-max-per-s",
+                args.audit_max_per_s,
+                *QUIET,
+            ],
+            role="router",
+            log_dir=root,
         )
         agents = [
             launch_agent(models, router.address, name, root, tier=tier)

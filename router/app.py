@@ -78,7 +78,7 @@ async def serve(settings: RouterSettings, stop: asyncio.Event | None = None) -> 
     metrics.collect_with(lambda: fleet_levels(registry, cloud))
     if cloud is not None:
         cloud.start()
-    audits, capture = _auditor(settings, registry, cloud, recorder)
+    audits, capture = _auditor(settings, registry, cloud, recorder, rollouts)
     metrics.collect_with(lambda: audit_levels(audits))
     plane = RouterDataPlane(
         registry,
@@ -180,12 +180,21 @@ async def _close_the_rest(
 
 
 def _auditor(
-    settings: RouterSettings, registry: FleetRegistry, cloud: CloudPool | None, recorder: RouterMetrics
+    settings: RouterSettings,
+    registry: FleetRegistry,
+    cloud: CloudPool | None,
+    recorder: RouterMetrics,
+    rollouts: Rollouts,
 ) -> tuple[Auditor, CaptureHook | None]:
-    """The background audits, and where they keep items under --capture."""
+    """The background audits, and where they keep items under --capture. Audits are a
+    rollout's evidence too: a step on a tier with a tier above waits for each arm's."""
     wanted = settings.capture.resolved()
     capture = CaptureHook(wanted, recorder) if wanted is not None else None
-    return Auditor(registry, cloud, policy=settings.audit, metrics=recorder, capture=capture), capture
+    audits = Auditor(
+        registry, cloud, policy=settings.audit, metrics=recorder, capture=capture, rollouts=rollouts
+    )
+    rollouts.auditable = lambda family, tier: (top := audits.top_of(family)) is not None and top > tier
+    return audits, capture
 
 
 def _cloud_link(settings: RouterSettings, registry: FleetRegistry) -> CloudPool | None:
@@ -305,7 +314,7 @@ def _count_rollback(recorder: RouterMetrics, rollouts: Rollouts, plan: Plan) -> 
     if plan.state != ROLLED_BACK or plan.origin != rollouts.router_id:
         return
     detail = plan.reason.split(": ", 1)[-1]
-    reason = next((r for r in ("errors", "p99", "unsure") if detail.startswith(r)), "other")
+    reason = next((r for r in ("errors", "p99", "unsure", "agreement") if detail.startswith(r)), "other")
     recorder.rollbacks.labels(plan.family, plan.tier.label, reason).inc()
 
 

@@ -64,6 +64,7 @@ from stratus.wire import inference_pb2 as pb
 
 if TYPE_CHECKING:
     from router.cascade.classify import Answer
+    from router.rollout import Plan
 
 log = logging.getLogger("stratus.audit")
 
@@ -73,6 +74,19 @@ DROPPED: Final = "dropped"
 # Agents of the top tier drawn when looking for one with a free slot (a bounded look, whatever
 # the tier's size).
 DRAWS: Final = 4
+
+
+class RolloutEvidence(Protocol):
+    """Where an audited answer of a rollout's arm goes (router.rollout.Rollouts): the step's
+    judge weighs each arm's agreement with the top tier."""
+
+    def record_audit(self, plan: Plan, *, candidate: bool, agreed: bool) -> None: ...
+
+
+# While a rollout's step is judged, every settled answer of either arm may be audited (within
+# the family's rate, each arm on its own budget): the judge waits for each arm's audits, and
+# the candidate may hold 5% of the traffic.
+ROLLOUT_SHARE: Final = 1.0
 
 
 class Capture(Protocol):
@@ -100,6 +114,7 @@ class Auditor:
     clock: Callable[[], float] = time.monotonic
     dropped: int = 0
     capture: Capture | None = None  # --capture: audited and escalated items kept as Parquet
+    rollouts: RolloutEvidence | None = None  # told of each audited answer of a rollout's arm
 
     def __post_init__(self) -> None:
         self.book = self._new_book()  # the unbiased estimate
@@ -189,6 +204,7 @@ class Auditor:
                     visited=tuple(visited.get(item, ()) for item, _ in pairs),
                     confidences=tuple(answer.confidences[row] for _, row in pairs),
                     request_id=view.job.id,
+                    arm=answer.arm,
                 )
             )
 
@@ -212,13 +228,13 @@ class Auditor:
         thresholds = self.registry.thresholds(info.name)
         share, rate = self.share_of(info), self.rate_of(info)
         chosen: dict[int, tuple[Answer, list[tuple[int, int]]]] = {}
-        if share <= 0.0:
+        if share <= 0.0 and not any(a.arm is not None and a.arm.plan.judging for a, _ in view.best.values()):
             return chosen
         for item, (answer, row) in sorted(view.best.items()):
             own = accepts(answer.confidences[row], answer.tier, thresholds=thresholds, min_confidence=None)
             if answer.tier >= top or not own or output not in answer.outputs.names():
                 continue
-            if self.sampler.draw(info.name, share, rate):
+            if self.sampler.draw(*_drawn_as(info.name, answer, share), rate):
                 chosen.setdefault(id(answer), (answer, []))[1].append((item, row))
         return chosen
 
@@ -366,6 +382,8 @@ class Auditor:
                 return
             for mine, theirs in zip(audit.classes, reference.classes, strict=True):
                 self._record(audit.key, mine == theirs)
+                if audit.arm is not None and self.rollouts is not None:
+                    self.rollouts.record_audit(audit.arm.plan, candidate=audit.arm.candidate, agreed=mine == theirs)
             if capture is not None:
                 capture.audited(audit, reference)
             visited = await self._between(audit)
@@ -476,6 +494,15 @@ class Auditor:
         log.debug("audit of %s (%s) dropped: %s", audit.key.family, audit.key.agent, why)
         if self.metrics is not None:
             self.metrics.audits.labels(audit.key.family, audit.key.tier.label, DROPPED).inc(audit.items)
+
+
+def _drawn_as(family: str, answer: Answer, share: float) -> tuple[str, float]:
+    """The sampler's bucket and share for one settled answer: the family's own, or, for an
+    answer of a rollout's arm, that arm's bucket at ROLLOUT_SHARE (so the current arm's 95%
+    of the traffic cannot spend the candidate's audits)."""
+    if answer.arm is None or not answer.arm.plan.judging:  # complete or promoted: as any answer
+        return family, share
+    return f"{family}\0rollout:{'candidate' if answer.arm.candidate else 'current'}", ROLLOUT_SHARE
 
 
 def calibrated_top(info: FamilyDescription) -> Tier | None:

@@ -8,7 +8,7 @@ import math
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 import numpy as np
 
@@ -20,6 +20,9 @@ from stratus.errors import ConfigError
 from stratus.families.audit import EXACT, NUMBER
 from stratus.tiers import Tier
 from stratus.wire import inference_pb2 as pb
+
+if TYPE_CHECKING:
+    from router.cascade.classify import Arm
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -142,6 +145,9 @@ class Audit:
     # the missing tiers are asked for the row.
     reference_text: str | None = None
     request_id: str = ""
+    # The rollout arm the answer was given for (router.cascade.classify.Arm), where a rollout's
+    # step on its tier is judged: its outcome is that arm's evidence too.
+    arm: Arm | None = None
 
     @property
     def items(self) -> int:

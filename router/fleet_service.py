@@ -18,7 +18,7 @@ from router.family_view import family_statuses
 from router.index import line_key
 from router.peers import sync_parts
 from router.registry import MAX_RELOAD_WAIT_S, FleetRegistry
-from router.rollout import DEFAULT_STEPS, Plan, Rollouts
+from router.rollout import DEFAULT_MIN_AUDITS, DEFAULT_STEPS, Plan, Rollouts
 from router.rollout_judge import ArmWindow, Margins
 from router.thresholds import ThresholdPushes, steer, to_wire
 from stratus import __version__
@@ -220,6 +220,8 @@ def arm_stats(variant: str, window: ArmWindow) -> fpb.ArmStats:
         errors=window.errors,
         p99_ms=window.p99_ms,
         unsure_share=window.unsure_share,
+        audited=window.audited,
+        agreement=window.agreement,
     )
 
 
@@ -242,6 +244,7 @@ def rollout_status(rollouts: Rollouts, plan: Plan, current: str) -> fpb.RolloutS
         shadow_agreement=shadow_agreed / shadow_items if shadow_items else 0.0,
         history=plan.history,
         min_requests=plan.min_requests,
+        min_audits=plan.min_audits if rollouts.auditable(plan.family, plan.tier) else 0,
     )
 
 
@@ -427,6 +430,7 @@ class FleetServicer(fpb_grpc.FleetServicer):
             max_error_increase=request.max_error_increase or Margins.max_error_increase,
             max_p99_ratio=request.max_p99_ratio or Margins.max_p99_ratio,
             max_unsure_increase=request.max_unsure_increase or Margins.max_unsure_increase,
+            max_disagreement_increase=request.max_disagreement_increase or Margins.max_disagreement_increase,
         )
         return self._rollouts.start(
             family,
@@ -434,6 +438,7 @@ class FleetServicer(fpb_grpc.FleetServicer):
             candidate,
             steps=list(request.steps) or DEFAULT_STEPS,
             min_requests=request.min_requests or 100,
+            min_audits=request.min_audits or DEFAULT_MIN_AUDITS,
             shadow=request.shadow_percent,
             margins=margins,
         )

@@ -9,6 +9,14 @@ judges it against the current variant over the same window, once each has served
 * more errors than the current variant beyond ``max_error_increase`` (absolute share),
 * a p99 latency above ``max_p99_ratio`` times the current one (and ``p99_slack_ms`` more),
 * more unsure answers (items that had to escalate) beyond ``max_unsure_increase``,
+* a lower agreement with the family's top tier, from the audits (router.audit), which ask the
+  top tier about both arms' settled answers at a raised share while a step is judged. A model
+  wrong and sure of itself has no more errors, latency or unsure answers than a good one,
+  and looked better on those alone. Where a tier above audits the rollout's tier, a step
+  waits for ``min_audits`` of each arm, then advances only once the candidate's agreement is
+  surely within ``max_disagreement_increase`` of the current's, and rolls back once it is
+  surely lower at all; in between it waits, looking again at 1.5 times the audits
+  (router.rollout_judge.agreement_verdict says what that costs and catches),
 
 and any of them rolls it back to 0% at once, saying which and by how much. Shares are
 compared with their sampling noise: a share rolls back only when even the lower end of a
@@ -28,6 +36,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import random
 import tempfile
@@ -37,7 +46,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Final
 
-from router.rollout_judge import ArmWindow, Margins, judge
+from router.rollout_judge import AUDIT_LOOK_GROWTH, ArmWindow, Margins, judge
 from stratus.errors import ConfigError, InvalidInput, NotFound
 from stratus.tiers import Tier
 
@@ -50,6 +59,9 @@ ROLLED_BACK: Final = "rolled_back"
 ABORTED: Final = "aborted"
 STATES: Final = (RUNNING, COMPLETE, PROMOTED, ROLLED_BACK, ABORTED)
 DEFAULT_STEPS: Final = (5.0, 25.0, 50.0, 100.0)
+# Audits of each arm a step waits for: enough that 20 points of agreement lost show at once.
+DEFAULT_MIN_AUDITS: Final = 50
+MAX_MIN_AUDITS: Final = 100_000
 # Judging sorts the window; at most this often per rollout, however busy the router.
 JUDGE_EVERY_S: Final = 0.05
 FORMAT_VERSION: Final = 1
@@ -74,6 +86,7 @@ class Plan:
     candidate: str
     steps: tuple[float, ...] = DEFAULT_STEPS
     min_requests: int = 100
+    min_audits: int = DEFAULT_MIN_AUDITS  # of each arm per step, where a tier above audits it
     shadow: float = 0.0  # percent of the current variant's requests mirrored to the candidate
     margins: Margins = field(default_factory=Margins)
     state: str = RUNNING
@@ -95,6 +108,8 @@ class Plan:
             raise InvalidInput("the cloud tier has no rollouts")
         if self.min_requests < 1 or not 0 <= self.shadow <= 100:
             raise InvalidInput("min_requests must be at least 1 and shadow a percent between 0 and 100")
+        if not 0 <= self.min_audits <= MAX_MIN_AUDITS:
+            raise InvalidInput(f"min_audits must lie between 0 and {MAX_MIN_AUDITS}")
         if not 1 <= self.revision <= MAX_REVISION or len(self.history) > MAX_HISTORY:
             raise InvalidInput(
                 f"rollout revision {self.revision} or history of {len(self.history)} is out of bounds"
@@ -138,6 +153,7 @@ class Plan:
                 candidate=str(data["candidate"]),
                 steps=tuple(float(s) for s in data["steps"]),
                 min_requests=int(data["min_requests"]),
+                min_audits=int(data.get("min_audits", DEFAULT_MIN_AUDITS)),
                 shadow=float(data.get("shadow", 0.0)),
                 margins=Margins(**data.get("margins", {})),
                 state=_state(str(data["state"])),
@@ -183,6 +199,7 @@ class _Live:
     shadow_items: int = 0
     shadow_agreed: int = 0
     judged_at: float = 0.0
+    audits_wanted: int = 0  # of each arm before agreement is next looked at (0: the plan's)
 
 
 Listener = Callable[[Plan, str], None]
@@ -207,6 +224,9 @@ class Rollouts:
         self._clock = clock
         self._live: dict[tuple[str, Tier], _Live] = {}
         self.listeners: list[Listener] = []  # told of every change: (plan, "why")
+        # Whether a tier of a family has a tier above that audits it (the auditor says):
+        # there a step waits for each arm's audits, elsewhere requests alone decide.
+        self.auditable: Callable[[str, Tier], bool] = lambda family, tier: False
         if state_path is not None and state_path.exists():
             try:
                 self.merge_json(state_path.read_text(encoding="utf-8"), persist=False)
@@ -222,6 +242,7 @@ class Rollouts:
         *,
         steps: Sequence[float] = DEFAULT_STEPS,
         min_requests: int = 100,
+        min_audits: int = DEFAULT_MIN_AUDITS,
         shadow: float = 0.0,
         margins: Margins | None = None,
     ) -> Plan:
@@ -239,6 +260,7 @@ class Rollouts:
             candidate=candidate,
             steps=check_steps(steps),
             min_requests=min_requests,
+            min_audits=min_audits,
             shadow=shadow,
             margins=margins or Margins(),
             state=COMPLETE if len(steps) == 1 else RUNNING,
@@ -302,6 +324,17 @@ class Rollouts:
             live.judged_at = now
             self._judge(live)
 
+    def record_audit(self, plan: Plan, *, candidate: bool, agreed: bool) -> None:
+        """One audited answer of an arm: the family's top tier answered it alike, or not."""
+        live = self._live.get(plan.key)
+        if live is None or live.plan is not plan or not plan.judging:  # the step moved on since
+            return
+        (live.candidate if candidate else live.current).add_audit(agreed=agreed)
+        now = self._clock()
+        if now - live.judged_at >= JUDGE_EVERY_S:
+            live.judged_at = now
+            self._judge(live)
+
     def record_shadow(self, plan: Plan, agreed: int, items: int) -> None:
         live = self._live.get(plan.key)
         if live is not None and live.plan is plan:
@@ -310,7 +343,17 @@ class Rollouts:
 
     def _judge(self, live: _Live) -> None:
         plan = live.plan
-        verdict = judge(live.current, live.candidate, min_requests=plan.min_requests, margins=plan.margins)
+        min_audits = max(plan.min_audits, live.audits_wanted) if self.auditable(plan.family, plan.tier) else 0
+        verdict = judge(
+            live.current,
+            live.candidate,
+            min_requests=plan.min_requests,
+            margins=plan.margins,
+            min_audits=min_audits,
+        )
+        if verdict.inconclusive:  # looked at these audits: the next look needs more of them
+            audited = min(live.current.audited, live.candidate.audited)
+            live.audits_wanted = max(audited + 1, math.ceil(audited * AUDIT_LOOK_GROWTH))
         if verdict.action == "wait":
             return
         share = plan.share

@@ -29,10 +29,16 @@ class Margins:
     # Below a few milliseconds a ratio alone would judge scheduler noise.
     p99_slack_ms: float = 2.0
     max_unsure_increase: float = 0.05
+    # Agreement with the family's top tier, from the audits: a model wrong and sure of itself
+    # has no more errors, latency or unsure answers than a good one, only this. A step advances
+    # once the candidate's agreement is surely within this of the current's, and rolls back
+    # once it is surely below it at all (see agreement_verdict).
+    max_disagreement_increase: float = 0.01
 
     def __post_init__(self) -> None:
-        if not 0 <= self.max_error_increase <= 1 or not 0 <= self.max_unsure_increase <= 1:
-            raise InvalidInput("error and unsure margins are shares between 0 and 1")
+        shares = (self.max_error_increase, self.max_unsure_increase, self.max_disagreement_increase)
+        if not all(0 <= share <= 1 for share in shares):
+            raise InvalidInput("error, unsure and disagreement margins are shares between 0 and 1")
         if self.max_p99_ratio < 1 or self.p99_slack_ms < 0:
             raise InvalidInput("the p99 ratio must be at least 1 and its slack not negative")
 
@@ -46,6 +52,17 @@ class ArmWindow:
     items: int = 0
     unsure: int = 0
     latencies_ms: list[float] = field(default_factory=list)  # sorted
+    audited: int = 0  # its answers the family's top tier was asked too (router.audit)
+    disagreed: int = 0  # of those, the ones the top tier answered otherwise
+
+    def add_audit(self, *, agreed: bool) -> None:
+        self.audited += 1
+        self.disagreed += 0 if agreed else 1
+
+    @property
+    def agreement(self) -> float:
+        """The share of its audited answers the top tier answered alike (1 with none audited)."""
+        return 1.0 - self.disagreed / self.audited if self.audited else 1.0
 
     def add(self, *, ok: bool, latency_ms: float, items: int, unsure: int) -> None:
         self.requests += 1
@@ -75,40 +92,92 @@ class ArmWindow:
 class Verdict:
     action: str  # "wait", "advance" or "rollback"
     reason: str
+    # Waiting because the audits so far neither show the candidate within the margin nor
+    # surely worse: the next look needs more of them (router.rollout grows the count).
+    inconclusive: bool = False
 
 
-def judge(current: ArmWindow, candidate: ArmWindow, *, min_requests: int, margins: Margins) -> Verdict:
-    """The candidate against the current variant over one window (pure)."""
+def judge(
+    current: ArmWindow, candidate: ArmWindow, *, min_requests: int, margins: Margins, min_audits: int = 0
+) -> Verdict:
+    """The candidate against the current variant over one window (pure). ``min_audits``: the
+    audits each arm needs before it is judged (0 where nothing above the tier can audit it)."""
     if current.requests < min_requests or candidate.requests < min_requests:
         return Verdict(
             "wait",
             f"{candidate.requests} candidate and {current.requests} current requests of {min_requests} each",
         )
-    if worse_beyond(candidate.errors, candidate.requests, current.errors, current.requests) > (
-        margins.max_error_increase
-    ):
+    worse = _worse(current, candidate, margins)
+    if worse:  # what the requests show needs no audit
+        return Verdict("rollback", worse)
+    if current.audited < min_audits or candidate.audited < min_audits:
         return Verdict(
-            "rollback",
-            f"errors {candidate.error_share:.1%} vs {current.error_share:.1%} "
-            f"(margin {margins.max_error_increase:.1%})",
+            "wait", f"{candidate.audited} candidate and {current.audited} current audits of {min_audits} each"
         )
-    slower = _slower(current, candidate, margins)
-    if slower:
-        return Verdict("rollback", slower)
-    if worse_beyond(candidate.unsure, candidate.items, current.unsure, current.items) > (
-        margins.max_unsure_increase
-    ):
-        return Verdict(
-            "rollback",
-            f"unsure {candidate.unsure_share:.1%} vs {current.unsure_share:.1%} "
-            f"(margin {margins.max_unsure_increase:.1%})",
-        )
+    agreement = agreement_verdict(current, candidate, margins) if min_audits else None
+    if agreement is not None and agreement.action != "advance":
+        return agreement
+    agreed = f", {agreement.reason}" if agreement is not None else ""
     return Verdict(
         "advance",
         f"no worse over {candidate.requests}/{current.requests} requests: errors "
         f"{candidate.error_share:.1%} vs {current.error_share:.1%}, p99 {candidate.p99_ms:.1f} vs "
-        f"{current.p99_ms:.1f} ms, unsure {candidate.unsure_share:.1%} vs {current.unsure_share:.1%}",
+        f"{current.p99_ms:.1f} ms, unsure {candidate.unsure_share:.1%} vs {current.unsure_share:.1%}{agreed}",
     )
+
+
+def _worse(current: ArmWindow, candidate: ArmWindow, margins: Margins) -> str:
+    """Why the candidate's requests are worse beyond a margin (errors, tail, unsure), or ""."""
+    if worse_beyond(candidate.errors, candidate.requests, current.errors, current.requests) > (
+        margins.max_error_increase
+    ):
+        return (
+            f"errors {candidate.error_share:.1%} vs {current.error_share:.1%} "
+            f"(margin {margins.max_error_increase:.1%})"
+        )
+    slower = _slower(current, candidate, margins)
+    if slower:
+        return slower
+    if worse_beyond(candidate.unsure, candidate.items, current.unsure, current.items) > (
+        margins.max_unsure_increase
+    ):
+        return (
+            f"unsure {candidate.unsure_share:.1%} vs {current.unsure_share:.1%} "
+            f"(margin {margins.max_unsure_increase:.1%})"
+        )
+    return ""
+
+
+# Looks at the audits are repeated as they accrue, and each look at an equal candidate could
+# wrongly find it worse: a rollback on agreement asks for a one-sided 99.5% interval, and
+# router.rollout spaces the looks (each needs AUDIT_LOOK_GROWTH times the audits of the last).
+# Simulated with the default margin (tests/unit/test_rollout_judge.py does it): equal arms at
+# 98% or 95% agreement are wrongly rolled back at 3.5% or 4.5% of steps.
+_Z_WORSE: Final = 2.576
+AUDIT_LOOK_GROWTH: Final = 1.5
+
+
+def agreement_verdict(current: ArmWindow, candidate: ArmWindow, margins: Margins) -> Verdict:
+    """The candidate's agreement with the top tier against the current variant's, from each
+    arm's audited answers: "rollback" when it is surely lower at all, "advance" when surely
+    no more than ``max_disagreement_increase`` lower, else an inconclusive "wait". A 1.3-point
+    loss (99.5% against 98.2%, the review's case) is rolled back at 83% of steps, the median
+    step deciding at about 860 audits an arm."""
+    margin = margins.max_disagreement_increase
+    figures = (
+        f"agreement {candidate.agreement:.1%} vs {current.agreement:.1%} with the top tier over "
+        f"{candidate.audited}/{current.audited} audits"
+    )
+    if (
+        worse_beyond(candidate.disagreed, candidate.audited, current.disagreed, current.audited, z=_Z_WORSE)
+        > 0
+    ):
+        return Verdict("rollback", f"{figures} (surely lower)")
+    # the upper end of the difference's interval: how much worse it could still be
+    could_be = -worse_beyond(current.disagreed, current.audited, candidate.disagreed, candidate.audited)
+    if could_be < margin:
+        return Verdict("advance", f"{figures} (within {margin:.1%})")
+    return Verdict("wait", f"{figures}: not yet surely within {margin:.1%}", inconclusive=True)
 
 
 # The share of requests a p99 leaves out: a candidate must surely exceed the current
@@ -118,14 +187,15 @@ TAIL_SHARE: Final = 0.01
 _Z = 1.645
 
 
-def worse_beyond(bad_a: int, n_a: int, bad_b: int, n_b: int) -> float:
+def worse_beyond(bad_a: int, n_a: int, bad_b: int, n_b: int, *, z: float = _Z) -> float:
     """How much A's share of bad outcomes surely exceeds B's: the lower end of a one-sided
-    95% interval for the difference (Wald, with a continuity floor so 0/n is not certain)."""
+    95% interval for the difference (Wald, with a continuity floor so 0/n is not certain;
+    ``z`` for another confidence)."""
     if n_a == 0 or n_b == 0:
         return 0.0
     p_a, p_b = bad_a / n_a, bad_b / n_b
     noise = math.sqrt(max(p_a * (1 - p_a), 0.25 / n_a) / n_a + max(p_b * (1 - p_b), 0.25 / n_b) / n_b)
-    return (p_a - p_b) - _Z * noise
+    return (p_a - p_b) - z * noise
 
 
 def _slower(current: ArmWindow, candidate: ArmWindow, margins: Margins) -> str:

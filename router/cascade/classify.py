@@ -9,6 +9,7 @@ the items (to an agent, the cloud, or a rollout's candidate) and builds the resp
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -59,6 +60,7 @@ class Answer:
     compute: str = ""  # the arithmetic its runtime computed in, where it is known
     queue_ms: float = 0.0  # of elapsed_ms, waiting for a slot (where the tier said so)
     compute_ms: float = 0.0  # ... and running in a runtime
+    arm: Arm | None = None  # the rollout arm it answered for, where a rollout runs on its tier
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -164,6 +166,7 @@ class ClassifyCascade:
             return
         accepted = self._accepted(answer, snapshot, thresholds, final=action.final)
         if arm is not None:
+            answer = dataclasses.replace(answer, arm=arm)  # its audits judge the arm too
             record_arm(self.context, arm, answer=answer, accepted=accepted, items=items)
             if not arm.candidate and self.context.rollouts.shadow_wanted(arm.plan):
                 sent = self.job.inputs.take(self.pending)
@@ -269,8 +272,9 @@ class ClassifyCascade:
             problem = self.state.problem
             reason = _STOPPED.get(type(problem), "no_higher_tier") if problem else "no_higher_tier"
             self.context.observer.degraded(job.label, reason)
-            why = str(problem) if problem is not None else "no tier above could take them in the budget"
-            self.reason = self.reason or unanswered_reason(len(self.pending), last.tier, why)
+            # a climb that stopped below the top found nowhere higher (_note_short said so) or met
+            # a problem: a failure, or no target (router.policy.climb names one for that)
+            self.reason = self.reason or unanswered_reason(len(self.pending), last.tier, str(problem))
 
         served = Served(
             tier=max(tiers, default=last.tier),

@@ -359,6 +359,8 @@ def rollout_json(status: fpb.RolloutStatus) -> dict[str, Any]:
             "errors": stats.errors,
             "p99_ms": round(stats.p99_ms, 3),
             "unsure_share": round(stats.unsure_share, 4),
+            "audited": stats.audited,
+            "agreement": round(stats.agreement, 4) if stats.audited else None,
         }
 
     return {
@@ -370,6 +372,7 @@ def rollout_json(status: fpb.RolloutStatus) -> dict[str, Any]:
         "step": status.step,
         "steps": list(status.steps),
         "min_requests": status.min_requests,
+        "min_audits": status.min_audits,
         "reason": status.reason,
         "revision": status.revision,
         "current": arm(status.current),
@@ -386,17 +389,20 @@ def rollout_table(statuses: list[fpb.RolloutStatus]) -> str:
     for s in statuses:
         r = rollout_json(s)
         steps = ",".join(f"{x:g}" for x in r["steps"])
+        audits = f" and {r['min_audits']} audits" if r["min_audits"] else ""
         lines.append(
             f"{r['family']}/{r['tier']}: {r['candidate']} {r['state']} at {r['share_percent']:g}% "
-            f"(steps {steps}; at least {r['min_requests']} requests each)"
+            f"(steps {steps}; at least {r['min_requests']} requests{audits} each)"
         )
         lines.append(
-            f"  {'variant':<24}{'requests':>9}{'errors':>8}{'p99 ms':>9}{'unsure':>9}   (this step, this router)"
+            f"  {'variant':<24}{'requests':>9}{'errors':>8}{'p99 ms':>9}{'unsure':>9}{'audited':>9}{'agree':>8}"
+            "   (this step, this router)"
         )
         for arm in (r["current"], r["candidate_stats"]):
+            agree = f"{arm['agreement']:.1%}" if arm["agreement"] is not None else "-"
             lines.append(
                 f"  {arm['variant'] or '-':<24}{arm['requests']:>9}{arm['errors']:>8}{arm['p99_ms']:>9.2f}"
-                f"{arm['unsure_share']:>9.1%}"
+                f"{arm['unsure_share']:>9.1%}{arm['audited']:>9}{agree:>8}"
             )
         if r["shadow"]["requests"]:
             lines.append(f"  shadow: {r['shadow']['requests']} items, {r['shadow']['agreement']:.1%} agree")

@@ -103,6 +103,8 @@ def _fleet_rollout(args: argparse.Namespace) -> int:
         max_error_increase=args.max_error_increase,
         max_p99_ratio=args.max_p99_ratio,
         max_unsure_increase=args.max_unsure_increase,
+        min_audits=args.min_audits,
+        max_disagreement_increase=args.max_disagreement_increase,
     )
     return rollout(args.router, request, as_json=args.json, tls=tls_of(args))
 
@@ -221,6 +223,20 @@ def _add_fleet_changes(
         type=share,
         default=0.05,
         help="rolled back past this rise in unsure answers",
+    )
+    rollout.add_argument(
+        "--min-audits",
+        type=int,
+        default=50,
+        help="audits per variant (answers asked of the top tier too) before a step is judged, where a "
+        "tier above audits it",
+    )
+    rollout.add_argument(
+        "--max-disagreement-increase",
+        type=share,
+        default=0.01,
+        help="a step advances once the candidate's agreement with the top tier is surely within this "
+        "of the current's, and is rolled back once surely lower; until then it waits for more audits",
     )
     steer = rollout.add_mutually_exclusive_group()
     steer.add_argument("--status", action="store_true", help="where the family's rollouts stand")

@@ -1541,6 +1541,8 @@ class RolloutRequest(_message.Message):
     MAX_ERROR_INCREASE_FIELD_NUMBER: _builtins.int
     MAX_P99_RATIO_FIELD_NUMBER: _builtins.int
     MAX_UNSURE_INCREASE_FIELD_NUMBER: _builtins.int
+    MIN_AUDITS_FIELD_NUMBER: _builtins.int
+    MAX_DISAGREEMENT_INCREASE_FIELD_NUMBER: _builtins.int
     action: Global___RolloutAction.ValueType
     token: _builtins.str
     family: _builtins.str
@@ -1559,6 +1561,13 @@ class RolloutRequest(_message.Message):
     """candidate p99 / current p99"""
     max_unsure_increase: _builtins.float
     """absolute share of items escalated"""
+    min_audits: _builtins.int
+    """Audits (answers asked of the family's top tier too) each variant needs in a step before it
+    is judged, where the family has a tier above; and how much lower the candidate's agreement
+    with the top tier may at most be for a step to advance (absolute share of audited items;
+    surely lower at all rolls it back, in between the step waits for more audits).
+    """
+    max_disagreement_increase: _builtins.float
     @_builtins.property
     def steps(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]:
         """Shares of the tier's traffic, in percent, one per step: 5, 25, 50, 100."""
@@ -1577,10 +1586,12 @@ class RolloutRequest(_message.Message):
         max_error_increase: _builtins.float = ...,
         max_p99_ratio: _builtins.float = ...,
         max_unsure_increase: _builtins.float = ...,
+        min_audits: _builtins.int = ...,
+        max_disagreement_increase: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["action", b"action", "candidate", b"candidate", "family", b"family", "max_error_increase", b"max_error_increase", "max_p99_ratio", b"max_p99_ratio", "max_unsure_increase", b"max_unsure_increase", "min_requests", b"min_requests", "shadow_percent", b"shadow_percent", "steps", b"steps", "tier", b"tier", "token", b"token"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["action", b"action", "candidate", b"candidate", "family", b"family", "max_disagreement_increase", b"max_disagreement_increase", "max_error_increase", b"max_error_increase", "max_p99_ratio", b"max_p99_ratio", "max_unsure_increase", b"max_unsure_increase", "min_audits", b"min_audits", "min_requests", b"min_requests", "shadow_percent", b"shadow_percent", "steps", b"steps", "tier", b"tier", "token", b"token"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1597,11 +1608,18 @@ class ArmStats(_message.Message):
     ERRORS_FIELD_NUMBER: _builtins.int
     P99_MS_FIELD_NUMBER: _builtins.int
     UNSURE_SHARE_FIELD_NUMBER: _builtins.int
+    AUDITED_FIELD_NUMBER: _builtins.int
+    AGREEMENT_FIELD_NUMBER: _builtins.int
     variant: _builtins.str
     requests: _builtins.int
     errors: _builtins.int
     p99_ms: _builtins.float
     unsure_share: _builtins.float
+    audited: _builtins.int
+    """Its answers audited against the family's top tier in this step, and the share of those
+    the top tier answered alike.
+    """
+    agreement: _builtins.float
     def __init__(
         self,
         *,
@@ -1610,10 +1628,12 @@ class ArmStats(_message.Message):
         errors: _builtins.int = ...,
         p99_ms: _builtins.float = ...,
         unsure_share: _builtins.float = ...,
+        audited: _builtins.int = ...,
+        agreement: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["errors", b"errors", "p99_ms", b"p99_ms", "requests", b"requests", "unsure_share", b"unsure_share", "variant", b"variant"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agreement", b"agreement", "audited", b"audited", "errors", b"errors", "p99_ms", b"p99_ms", "requests", b"requests", "unsure_share", b"unsure_share", "variant", b"variant"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1638,6 +1658,7 @@ class RolloutStatus(_message.Message):
     SHADOW_AGREEMENT_FIELD_NUMBER: _builtins.int
     HISTORY_FIELD_NUMBER: _builtins.int
     MIN_REQUESTS_FIELD_NUMBER: _builtins.int
+    MIN_AUDITS_FIELD_NUMBER: _builtins.int
     family: _builtins.str
     tier: Global___Tier.ValueType
     candidate: _builtins.str
@@ -1651,6 +1672,8 @@ class RolloutStatus(_message.Message):
     shadow_requests: _builtins.int
     shadow_agreement: _builtins.float
     min_requests: _builtins.int
+    min_audits: _builtins.int
+    """Audits of each arm a step waits for; 0 where no tier above the rollout's audits it."""
     @_builtins.property
     def steps(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]: ...
     @_builtins.property
@@ -1679,10 +1702,11 @@ class RolloutStatus(_message.Message):
         shadow_agreement: _builtins.float = ...,
         history: _abc.Iterable[_builtins.str] | None = ...,
         min_requests: _builtins.int = ...,
+        min_audits: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["candidate_stats", b"candidate_stats", "current", b"current"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["candidate", b"candidate", "candidate_stats", b"candidate_stats", "current", b"current", "family", b"family", "history", b"history", "min_requests", b"min_requests", "reason", b"reason", "revision", b"revision", "shadow_agreement", b"shadow_agreement", "shadow_requests", b"shadow_requests", "share_percent", b"share_percent", "state", b"state", "step", b"step", "steps", b"steps", "tier", b"tier"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["candidate", b"candidate", "candidate_stats", b"candidate_stats", "current", b"current", "family", b"family", "history", b"history", "min_audits", b"min_audits", "min_requests", b"min_requests", "reason", b"reason", "revision", b"revision", "shadow_agreement", b"shadow_agreement", "shadow_requests", b"shadow_requests", "share_percent", b"share_percent", "state", b"state", "step", b"step", "steps", b"steps", "tier", b"tier"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

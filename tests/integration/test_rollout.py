@@ -5,6 +5,7 @@ across restarts."""
 from __future__ import annotations
 
 import json
+import re
 import socket
 import subprocess
 import sys
@@ -50,16 +51,28 @@ def models(tmp_path: Path) -> Path:
     root = copy_digits(tmp_path / "models")
     add_device_variant(root, "digits-small-v2")
     add_device_variant(root, "digits-small-shuffled", shuffled=True)
+    add_device_variant(root, "digits-small-swapped", swapped=(3, 8))
     return root
 
 
-def test_bad_candidate_rolls_back_good_one_reaches_100(cluster: Cluster, models: Path, digits) -> None:  # type: ignore[no-untyped-def]
+def test_bad_candidates_roll_back_good_one_reaches_100(cluster: Cluster, models: Path, digits) -> None:  # type: ignore[no-untyped-def]
+    """An unsure candidate is caught on its requests; one wrong and sure of itself (two
+    classes swapped: as sure, as fast) only on its agreement with the edge tier above it,
+    which audits both arms; a good one climbs every step, its agreement measured."""
     metrics = f"127.0.0.1:{free_port()}"
-    router = cluster.router("--metrics", metrics).address
+    # audits at up to 200 a second an arm, so that a step's few hundred come in seconds
+    router = cluster.router("--metrics", metrics, "--audit-max-per-s", "200").address
     cluster.agent("device-1", router, "--models", str(models))
     cluster.agent("edge-1", router, "--models", str(models), tier="edge")
     wait_until(lambda: ready_count(router) == 2, timeout_s=60)
-    steps = {"steps": [20, 50, 100], "min_requests": 40, "max_p99_ratio": 3.0}
+    # a 5-point agreement margin: equal arms advance at the first look (50 audits each), where
+    # a wrong rollback is 0.2% likely a step (simulated); the swapped candidate is surely lower
+    steps = {
+        "steps": [20, 50, 100],
+        "min_requests": 40,
+        "max_p99_ratio": 3.0,
+        "max_disagreement_increase": 0.05,
+    }
     with Load(router, digits.held_out.x) as load:
         started = start(router, "digits-small-shuffled", **steps)
         assert (started.state, started.share_percent) == ("running", 20.0)
@@ -83,8 +96,24 @@ def test_bad_candidate_rolls_back_good_one_reaches_100(cluster: Cluster, models:
         assert sum(since.values()) > 0, "no device answers since the rollback: nothing to judge"
         assert since["digits-small-shuffled"] == 0, since
 
+        start(router, "digits-small-swapped", **steps)
+        wait_until(lambda: state_of(router) == "rolled_back", timeout_s=60)
+        status = rollout(router)
+        assert status is not None and status.share_percent == 0.0
+        # 3s and 8s swapped: the edge tier above disagrees with its settled answers on those
+        found = re.match(
+            r"rolled back at 20%: agreement ([\d.]+)% vs ([\d.]+)% with the top tier over (\d+)/(\d+) audits",
+            status.reason,
+        )
+        assert found, status.reason
+        candidate_agrees, current_agrees, candidate_audits, current_audits = map(float, found.groups())
+        assert candidate_agrees < 95.0 < current_agrees and min(candidate_audits, current_audits) >= 50
+        time.sleep(1.0)
+        counted = samples(scrape(metrics))
+        assert value(counted, "stratus_router_rollout_rollbacks_total", reason="agreement", **device) == 1
+
         start(router, "digits-small-v2", **steps)
-        wait_until(lambda: state_of(router) == "complete", timeout_s=90)
+        wait_until(lambda: state_of(router) == "complete", timeout_s=120)
         completed = time.monotonic()
         time.sleep(1.0)
         after = load.device_variants(after=completed + 0.5)
@@ -95,6 +124,9 @@ def test_bad_candidate_rolls_back_good_one_reaches_100(cluster: Cluster, models:
         "advanced from 20% to 50%",
         "advanced from 50% to 100%",
     ]
+    advanced = status.history[1:]
+    assert all(re.search(r"agreement [\d.]+% vs [\d.]+% with the top tier over \d+/\d+ audits \(within 5\.0%\)$", line)
+               for line in advanced), advanced  # fmt: skip
     assert set(after) == {"digits-small-v2"}, after
     assert not load.errors, load.errors
     assert len(load.answers) > 500
@@ -106,6 +138,9 @@ def test_bad_candidate_rolls_back_good_one_reaches_100(cluster: Cluster, models:
         check=True,
     )
     assert "digits/device: digits-small-v2 complete at 100%" in listed.stdout, listed.stdout
+    assert "at least 40 requests and 50 audits each" in listed.stdout and "agree" in listed.stdout, (
+        listed.stdout
+    )
 
 
 def test_refusals_name_what_is_wrong(cluster: Cluster, models: Path) -> None:

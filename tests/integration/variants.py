@@ -34,10 +34,36 @@ def shuffled_copy(source: Path, target: Path, seed: int = 0) -> None:
     onnx.save(model, target)
 
 
-def add_device_variant(models: Path, name: str, *, shuffled: bool = False, broken: bool = False) -> None:
-    """``name``: digits-small's weights (a good candidate), shuffled (a bad one), or a file
-    that is not a model at all (``broken``: written straight into the config, since import
-    would rightly refuse it)."""
+def swapped_copy(source: Path, target: Path, classes: tuple[int, int]) -> None:
+    """The same network answering two classes each as the other: every answer exactly as
+    sure as the original's (the same probabilities, two of them trading places), so errors,
+    latency and unsure answers match (where its temperature is the original's), and about a
+    fifth of them are wrong. A candidate only audits against the tier above tell from a
+    good one."""
+    model = onnx.load(source)
+    last_matmul = [n for n in model.graph.node if n.op_type == "MatMul"][-1]
+    last_add = [n for n in model.graph.node if n.op_type == "Add"][-1]
+    names = {last_matmul.input[1], last_add.input[1]}  # the output layer's weight and bias
+    a, b = classes
+    for tensor in model.graph.initializer:
+        if tensor.name in names:
+            values = numpy_helper.to_array(tensor).copy()
+            values[..., [a, b]] = values[..., [b, a]]
+            tensor.CopyFrom(numpy_helper.from_array(values, tensor.name))
+    onnx.save(model, target)
+
+
+def add_device_variant(
+    models: Path,
+    name: str,
+    *,
+    shuffled: bool = False,
+    swapped: tuple[int, int] | None = None,
+    broken: bool = False,
+) -> None:
+    """``name``: digits-small's weights (a good candidate), shuffled (a bad one, unsure),
+    with two classes swapped (a bad one, sure of itself), or a file that is not a model at
+    all (``broken``: written straight into the config, since import would rightly refuse it)."""
     folder = models / "digits"
     source = models.parent / f"{name}.onnx"
     if broken:
@@ -54,3 +80,6 @@ def add_device_variant(models: Path, name: str, *, shuffled: bool = False, broke
     import_model(
         source, ImportOptions(family="digits", tier="device", variant=name, root=models, convert=False)
     )
+    if swapped is not None:  # after import, so its fitted temperature is digits-small's: as sure
+        imported = folder / source.name
+        swapped_copy(imported, imported, swapped)

@@ -565,3 +565,57 @@ def test_a_text_row_asks_only_the_missing_tiers_and_none_is_kept_when_one_cannot
     assert row is not None and [(a.tier, a.agrees) for a in row] == [(Tier.DEVICE, False), (Tier.EDGE, True)]
     assert asked == [Tier.EDGE]
     assert asyncio.run(text_row((), [Tier.DEVICE, Tier.EDGE], "85", same=same_text, ask=ask)) is None
+
+
+# -- a rollout's evidence (issue 34 §1) -----------------------------------------------------------
+
+
+@dataclass
+class ArmEvidence:
+    """What Rollouts.record_audit would be told, in order."""
+
+    told: list[tuple[object, bool, bool]] = field(default_factory=list)
+
+    def record_audit(self, plan: object, *, candidate: bool, agreed: bool) -> None:
+        self.told.append((plan, candidate, agreed))
+
+
+def test_answers_of_a_rollouts_arms_are_audited_at_the_rollout_share_and_told_to_it() -> None:
+    """The family's share is 0 (no audits at all); during a judged step both arms' settled
+    answers are audited anyway, each outcome told to the rollout with its arm. Once the step is
+    no longer judged (complete), they are sampled as any answer: not at all here."""
+    from router.cascade.classify import Arm
+    from router.rollout import COMPLETE, Plan
+
+    async def body() -> None:
+        pool, link = cloud_pool()
+        audits, _, _ = auditor(pool, share=0.0, max_per_s=1000.0)
+        evidence = ArmEvidence()
+        audits.rollouts = evidence
+        audits.start()
+        try:
+            await both_arms(audits, link, evidence)
+        finally:
+            await audits.close()
+
+    async def both_arms(audits: Auditor, link: CannedCloud, evidence: ArmEvidence) -> None:
+        judged = Plan(family="digits", tier=Tier.DEVICE, candidate="digits-small-v2", steps=(20.0, 100.0))
+        view = View(job(4))
+        truth = link.classes(codec.decode_request_inputs(pool_request(view))["input"])
+        wrong = [(truth[0] + 1) % CLASSES, *truth[1:2]]  # the candidate's first answer is wrong
+        candidate = dataclasses.replace(answer(Tier.DEVICE, wrong, [0.9] * 2), arm=Arm(plan=judged, candidate=True))
+        current = dataclasses.replace(answer(Tier.DEVICE, truth[2:], [0.9] * 2), arm=Arm(plan=judged, candidate=False))
+        view.answered(candidate, [0, 1])
+        view.answered(current, [2, 3])
+        audits.classified(view)
+        await settle(audits, lambda: len(evidence.told) == 4)
+        assert sorted((c, a) for _, c, a in evidence.told) == [(False, True), (False, True), (True, False), (True, True)]
+        assert all(plan is judged for plan, _, _ in evidence.told)
+        done = dataclasses.replace(judged, state=COMPLETE, step=1)
+        later = View(job(2))
+        later.answered(dataclasses.replace(answer(Tier.DEVICE, truth[:2], [0.9] * 2), arm=Arm(plan=done, candidate=True)), [0, 1])
+        audits.classified(later)
+        await asyncio.sleep(0.05)
+        assert len(evidence.told) == 4 and len(link.asked) == 2  # nothing more was asked
+
+    run(body)

@@ -144,6 +144,65 @@ def test_a_bad_candidate_goes_to_zero_and_gets_no_more_requests() -> None:
     assert rollouts.arm("digits", Tier.DEVICE) is None
 
 
+def audit_all(rollouts: Rollouts, clock: Clock, *, candidate_wrong_every: int, count: int) -> None:
+    """``count`` requests on the rollout's tier, each arm's answer audited by the tier above:
+    the current arm's always agree, every ``candidate_wrong_every``-th of the candidate's not
+    (0: none)."""
+    candidate_audits = 0
+    for _ in range(count):
+        drawn = rollouts.arm("digits", Tier.DEVICE)
+        if drawn is None:
+            return
+        plan, to_candidate = drawn
+        clock.now += 0.1
+        rollouts.record(plan, candidate=to_candidate, ok=True, latency_ms=1.0, items=1, unsure=0)
+        candidate_audits += 1 if to_candidate else 0
+        wrong = to_candidate and candidate_wrong_every > 0 and candidate_audits % candidate_wrong_every == 0
+        rollouts.record_audit(plan, candidate=to_candidate, agreed=not wrong)
+
+
+def test_where_a_tier_above_audits_a_step_waits_for_each_arms_audits() -> None:
+    clock = Clock()
+    rollouts = Rollouts(router_id="a", rng=random.Random(3), clock=clock)
+    rollouts.auditable = lambda family, tier: (family, tier) == ("digits", Tier.DEVICE)
+    rollouts.start("digits", Tier.DEVICE, "digits-small-v2", steps=(50, 100), min_requests=20, min_audits=40)
+    serve(rollouts, clock, candidate_unsure=False, count=200)  # requests enough, no audit yet
+    assert rollouts.plan("digits", Tier.DEVICE).state == RUNNING
+    audit_all(rollouts, clock, candidate_wrong_every=0, count=100)  # 40 each: too few to tell
+    assert rollouts.plan("digits", Tier.DEVICE).state == RUNNING
+    audit_all(rollouts, clock, candidate_wrong_every=0, count=400)
+    plan = rollouts.plan("digits", Tier.DEVICE)
+    assert plan.state == COMPLETE, plan.reason
+    found = re.search(r"agreement 100\.0% vs 100\.0% with the top tier over (\d+)/(\d+) audits \(within 1\.0%\)$", plan.reason)
+    assert found, plan.reason
+    # all agreeing, an arm needs 117 audits before 1.645 x sqrt(2 x 0.25 / n) / n is under 1%
+    assert min(int(found[1]), int(found[2])) >= 117, plan.reason
+
+
+def test_a_candidate_wrong_and_sure_is_rolled_back_on_its_agreement() -> None:
+    clock = Clock()
+    rollouts = Rollouts(router_id="a", rng=random.Random(4), clock=clock)
+    rollouts.auditable = lambda family, tier: True
+    rollouts.start("digits", Tier.DEVICE, "digits-small-bad", steps=(50, 100), min_requests=20, min_audits=40)
+    audit_all(rollouts, clock, candidate_wrong_every=5, count=400)  # no more errors, tail or unsure
+    plan = rollouts.plan("digits", Tier.DEVICE)
+    assert plan.state == ROLLED_BACK, plan.reason
+    assert re.match(r"rolled back at 50%: agreement 8\d\.\d% vs 100\.0% with the top tier", plan.reason), plan.reason
+
+
+def test_without_a_tier_above_requests_alone_decide_and_stale_audits_are_ignored() -> None:
+    clock = Clock()
+    rollouts = Rollouts(router_id="a", rng=random.Random(5), clock=clock)  # nothing is auditable
+    first = rollouts.start("digits", Tier.DEVICE, "digits-small-v2", steps=(50, 100), min_requests=20)
+    serve(rollouts, clock, candidate_unsure=False, count=100)
+    plan = rollouts.plan("digits", Tier.DEVICE)
+    assert plan.state == COMPLETE and "agreement" not in plan.reason, plan.reason
+    clock.now += 1.0
+    for _ in range(100):  # audits of the first step's plan, arriving after it advanced
+        rollouts.record_audit(first, candidate=True, agreed=False)
+    assert rollouts.plan("digits", Tier.DEVICE) == plan
+
+
 def test_operators_promote_and_abort_and_cannot_start_twice() -> None:
     rollouts = Rollouts(router_id="a")
     rollouts.start("digits", Tier.EDGE, "digits-medium-v2")

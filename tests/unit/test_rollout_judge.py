@@ -8,11 +8,20 @@ import math
 import numpy as np
 import pytest
 
-from router.rollout_judge import WINDOW_LATENCIES, ArmWindow, Margins, judge, top1, worse_beyond
+from router.rollout_judge import (
+    AUDIT_LOOK_GROWTH,
+    WINDOW_LATENCIES,
+    ArmWindow,
+    Margins,
+    Verdict,
+    judge,
+    top1,
+    worse_beyond,
+)
 from stratus.convert.tensors import RawTensor, Tensors
 from stratus.errors import InvalidInput
 
-SHARES = "error and unsure margins are shares between 0 and 1"
+SHARES = "error, unsure and disagreement margins are shares between 0 and 1"
 P99 = "the p99 ratio must be at least 1 and its slack not negative"
 
 
@@ -37,6 +46,8 @@ def arm(requests: int, *, errors: int = 0, unsure: int = 0, latency_ms: float = 
         {"max_error_increase": 1.0},
         {"max_unsure_increase": 0.0},
         {"max_unsure_increase": 1.0},
+        {"max_disagreement_increase": 0.0},
+        {"max_disagreement_increase": 1.0},
         {"max_p99_ratio": 1.0},
         {"p99_slack_ms": 0.0},
         {"p99_slack_ms": 0.5},
@@ -57,6 +68,8 @@ def test_margins_accept_their_closed_bounds(kwargs: dict[str, float]) -> None:
         ({"max_error_increase": 1.5}, SHARES),
         ({"max_unsure_increase": -0.01}, SHARES),
         ({"max_unsure_increase": 1.5}, SHARES),
+        ({"max_disagreement_increase": -0.01}, SHARES),
+        ({"max_disagreement_increase": 1.01}, SHARES),
         ({"max_p99_ratio": 0.99}, P99),
         ({"p99_slack_ms": -0.1}, P99),
     ],
@@ -197,3 +210,107 @@ def test_top1_reads_the_outputs_datatype() -> None:
 def test_top1_has_no_classes_without_a_fixed_size_two_axis_output(tensors: Tensors) -> None:
     """No outputs, a 1-D output or a BYTES one: nothing to compare."""
     assert top1(tensors) is None
+
+
+# -- agreement with the top tier (issue 34 §1) ----------------------------------------------------
+
+
+def audited(window: ArmWindow, audits: int, *, disagreed: int) -> ArmWindow:
+    for index in range(audits):
+        window.add_audit(agreed=index >= disagreed)
+    return window
+
+
+def test_a_candidate_wrong_and_sure_of_itself_is_rolled_back_on_its_agreement() -> None:
+    """The issue's case: no more errors, no slower, unsure no higher (0 here against 2%), but
+    the top tier disagrees with 22% of its audited answers against 2% of the current's."""
+    current = audited(arm(100, unsure=2), 50, disagreed=1)
+    candidate = audited(arm(100), 50, disagreed=11)
+    verdict = judge(current, candidate, min_requests=100, margins=Margins(), min_audits=50)
+    assert verdict == Verdict(
+        "rollback", "agreement 78.0% vs 98.0% with the top tier over 50/50 audits (surely lower)"
+    )
+    # Wald by hand: 0.20 - 2.576 * sqrt(0.22 * 0.78 / 50 + 0.02 * 0.98 / 50) = 0.20 - 0.1592
+    assert worse_beyond(11, 50, 1, 50, z=2.576) == pytest.approx(0.0408, abs=1e-4)
+
+
+def test_a_candidate_as_good_as_the_current_advances_and_says_both_agreements() -> None:
+    current = audited(arm(100), 400, disagreed=4)
+    candidate = audited(arm(100), 400, disagreed=3)
+    verdict = judge(current, candidate, min_requests=100, margins=Margins(), min_audits=50)
+    assert verdict.action == "advance"
+    assert verdict.reason.endswith(
+        ", agreement 99.2% vs 99.0% with the top tier over 400/400 audits (within 1.0%)"
+    ), verdict.reason
+
+
+def test_a_step_waits_for_each_arms_audits_where_the_tier_can_be_audited() -> None:
+    current = audited(arm(100), 50, disagreed=0)
+    candidate = audited(arm(100), 49, disagreed=0)
+    waiting = judge(current, candidate, min_requests=100, margins=Margins(), min_audits=50)
+    assert waiting == Verdict("wait", "49 candidate and 50 current audits of 50 each")
+    # where nothing above the tier audits it (min_audits 0), requests alone decide, as before
+    unaudited = judge(arm(100), arm(100), min_requests=100, margins=Margins())
+    assert unaudited.action == "advance" and "agreement" not in unaudited.reason
+
+
+def test_too_few_audits_to_tell_are_inconclusive_not_an_advance() -> None:
+    """50 audits each, 2 against 1 disagreeing: not surely worse, but it could still be 6
+    points worse, past the 1% margin; the judge waits for more rather than promote it."""
+    current = audited(arm(100), 50, disagreed=1)
+    candidate = audited(arm(100), 50, disagreed=2)
+    verdict = judge(current, candidate, min_requests=100, margins=Margins(), min_audits=50)
+    assert verdict == Verdict(
+        "wait",
+        "agreement 96.0% vs 98.0% with the top tier over 50/50 audits: not yet surely within 1.0%",
+        inconclusive=True,
+    )
+
+
+def test_the_agreement_margin_is_how_much_lower_it_may_at_most_be() -> None:
+    """Advance where the upper end of the difference's interval is below the margin."""
+    current = audited(arm(100), 100, disagreed=0)
+    candidate = audited(arm(100), 100, disagreed=1)
+    could_be = -worse_beyond(0, 100, 1, 100)  # the upper end of (candidate - current)
+    assert 0.01 < could_be < 1
+    within = Margins(max_disagreement_increase=math.nextafter(could_be, 1.0))
+    assert judge(current, candidate, min_requests=100, margins=within, min_audits=1).action == "advance"
+    at = Margins(max_disagreement_increase=could_be)
+    assert judge(current, candidate, min_requests=100, margins=at, min_audits=1).inconclusive
+    assert ArmWindow().agreement == 1.0 and candidate.agreement == pytest.approx(0.99)
+
+
+@pytest.mark.parametrize(
+    ("current_agrees", "candidate_agrees", "rolled_back_at_least", "rolled_back_at_most"),
+    [(0.98, 0.98, 0.0, 0.10), (0.995, 0.982, 0.70, 1.0), (0.99, 0.80, 1.0, 1.0)],
+    ids=["equal", "the review's 1.3 points worse", "wrong on a fifth"],
+)
+def test_looks_spaced_by_growth_keep_false_rollbacks_rare_and_catch_a_worse_model(
+    current_agrees: float, candidate_agrees: float, rolled_back_at_least: float, rolled_back_at_most: float
+) -> None:
+    """A step judged as router.rollout does, looked at when each arm has the audits wanted
+    (50, then AUDIT_LOOK_GROWTH times the last look's):
+    over 200 seeded steps, an equal candidate is seldom rolled back and the review's worse
+    model usually is (the simulation that chose the defaults)."""
+    rng = np.random.default_rng(7)
+    rolled_back = 0
+    for _ in range(200):
+        current, candidate, wanted = arm(100), arm(100), 50
+        while True:  # the audits up to the next look arrive, then the judge looks
+            for window, agrees in ((current, current_agrees), (candidate, candidate_agrees)):
+                arriving = wanted - window.audited
+                window.audited += arriving
+                window.disagreed += int(rng.binomial(arriving, 1.0 - agrees))
+            verdict = judge(current, candidate, min_requests=100, margins=Margins(), min_audits=wanted)
+            assert verdict.action != "wait" or verdict.inconclusive, verdict
+            if verdict.action != "wait":
+                rolled_back += verdict.action == "rollback"
+                break
+            wanted = math.ceil(wanted * AUDIT_LOOK_GROWTH)
+    assert rolled_back_at_least <= rolled_back / 200 <= rolled_back_at_most
+
+
+def test_what_the_requests_show_rolls_back_before_any_audit_is_in() -> None:
+    """A candidate unsure 40% against 0% is rolled back at once: audits only hold up an advance."""
+    verdict = judge(arm(100), arm(100, unsure=40), min_requests=100, margins=Margins(), min_audits=50)
+    assert verdict.action == "rollback" and verdict.reason.startswith("unsure 40.0% vs 0.0%")

@@ -381,6 +381,41 @@ async def test_the_auditor_is_told_which_items_each_answer_was_for() -> None:
         assert cascade.sent == [[0, 1], [1]]
 
 
+async def test_an_answer_of_a_rollouts_arm_carries_the_arm_to_the_audits() -> None:
+    """Audits of a rollout's arms are the step's agreement evidence (router.audit): the
+    answer the auditor is handed names the arm it was given for, and the candidate's
+    answers the candidate."""
+    async with fleet() as f:
+        line_agent(f, "d1", DEVICE, candidate=CANDIDATE, confidence=confidences({1: 0.9}, 0.5))
+        f.agent("e1", EDGE)
+        plans = rollouts(f, ALMOST_ALWAYS_CANDIDATE)
+        audits = AuditRecorder()
+        f.plane.audits = audits  # type: ignore[assignment]
+        await f.plane.infer(classify([1, 2]), timeout_s=None)
+        await asyncio.sleep(0)
+        (cascade,) = audits.classified_cascades
+        device_answer, _ = cascade.best[0]
+        assert device_answer.tier is DEVICE and device_answer.arm is not None
+        assert device_answer.arm.candidate and device_answer.arm.plan is plans.plan(FAMILY, DEVICE)
+        edge_answer, _ = cascade.best[1]
+        assert edge_answer.tier is EDGE and edge_answer.arm is None  # no rollout on the edge
+
+
+async def test_a_climb_stopped_by_the_budget_says_so_in_its_reason() -> None:
+    """Nothing failed: the tier above was predicted too slow for what was left, and the
+    degraded answer's reason says how many items stayed where, and that."""
+    async with fleet() as f:
+        f.agent("d1", DEVICE, confidence=confidences({}, 0.5))
+        f.agent("e1", EDGE).heartbeat(mean_ms=500.0)
+        said = served(await f.plane.infer(classify([1], budget_ms=50.0), timeout_s=None))
+        assert (said.tier, said.degraded) == (DEVICE, True)
+        assert said.reason.startswith(
+            "1 item(s) below the device threshold got no answer from a tier above: "
+            "no tier can answer 'toy' within "
+        ), said.reason
+        assert f.count("degraded_answers", family=FAMILY, reason="too_slow") == 1
+
+
 # -- the budget each tier is given ------------------------------------------------------------------------
 
 
