@@ -16,15 +16,22 @@ from .cluster import Cluster, fleet_status, infer, ready_count, wait_until
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def _checkout_listing() -> set[str]:
+    """The checkout's top level and build/ (where `make mutation` may have left its work)."""
+    build = ROOT / "build"
+    return {p.name for p in ROOT.iterdir()} | ({f"build/{p.name}" for p in build.iterdir()} if build.exists() else set())
+
+
 def test_an_agent_installed_offline_from_its_bundle_serves(cluster: Cluster, tmp_path: Path, digits) -> None:  # type: ignore[no-untyped-def]
     bundle = tmp_path / "agent.tar.gz"
+    before = _checkout_listing()
     built = subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "agent_bundle.py"), "--platform", platform.machine(),
          "--python", f"{sys.version_info.major}.{sys.version_info.minor}", "--out", str(bundle)],
         capture_output=True, text=True, timeout=600, check=False,
     )  # fmt: skip
     assert built.returncode == 0, built.stderr[-2000:]
-    assert not (ROOT / "build").exists()  # the checkout is left as it was
+    assert _checkout_listing() == before  # the checkout is left as it was
     with tarfile.open(bundle) as archive:
         names = archive.getnames()
         archive.extractall(tmp_path, filter="data")
