@@ -40,7 +40,14 @@ from aiohttp import web
 
 from router.cascade.generate import Generation, TextGenerator
 from router.openai_replies import Reply, model_entry
-from router.openai_requests import options_of, prompts_of, settings_of, text_request, usage_asked
+from router.openai_requests import (
+    check_fields,
+    options_of,
+    prompts_of,
+    settings_of,
+    text_request,
+    usage_asked,
+)
 from stratus.convert.errors import http_status
 from stratus.convert.inference import TextRequest
 from stratus.errors import (
@@ -212,6 +219,7 @@ class OpenAiApi:
     async def _answer(
         self, http: web.Request, body: Mapping[str, Any], prompts: Sequence[str], *, chat: bool
     ) -> web.StreamResponse:
+        check_fields(body, chat=chat)
         model = body.get("model")
         if not isinstance(model, str) or not model:
             raise FieldError("model", "'model' is required")

@@ -15,30 +15,131 @@ from stratus.convert.inference import TextRequest
 from stratus.convert.parameters import PREFIX, RequestOptions
 from stratus.errors import InvalidInput
 from stratus.families.generation import MAX_TOKENS, GenerationParams
-from stratus.families.sampling import SETTINGS, FieldError, settings_from
+from stratus.families.sampling import SETTINGS, UNSUPPORTED, FieldError, settings_from
 
 _OPTIONS: Final = {"budget_ms": float, "min_confidence": float, "max_tier": str, "min_tier": str}
-# Fields OpenAI's API takes that Stratus does not honour: each refused when it asks for
-# something other than its default, never silently ignored.
-_UNSUPPORTED: Final = {
-    "presence_penalty": 0,
-    "frequency_penalty": 0,
-    "best_of": 1,
-    "echo": False,
-    "suffix": None,
-    "logit_bias": None,
+# What both endpoints honour (besides the sampling SETTINGS); ``user`` and ``metadata`` only
+# tag a request at OpenAI too (abuse reports, stored completions), so taking them changes
+# no answer.
+_TAKEN: Final = frozenset(
+    {
+        "model",
+        "max_completion_tokens",
+        "stream",
+        "stream_options",
+        "logprobs",
+        "n",
+        "stratus",
+        "user",
+        "metadata",
+    }
+) | frozenset(SETTINGS)
+_TAKEN_ONLY_BY: Final = {False: frozenset({"prompt"}), True: frozenset({"messages", "top_logprobs"})}
+# Fields of OpenAI's API, or vLLM's extensions of it, that Stratus does not honour, with the
+# values that ask for nothing: each refused by name when it asks for something else, never
+# silently ignored (a client counting on JSON mode, tools or top_k would get a plain answer).
+_UNSUPPORTED: Final[dict[str, tuple[Any, ...]]] = {
+    "presence_penalty": (0,),
+    "frequency_penalty": (0,),
+    "best_of": (1, None),
+    "echo": (False, None),
+    "suffix": (None, ""),
+    "logit_bias": (None, {}),
+    "response_format": (None, {"type": "text"}),
+    "tools": (None, []),
+    "tool_choice": (None, "none", "auto"),  # with no tools, both ask for text
+    "functions": (None, []),
+    "function_call": (None, "none", "auto"),
+    "parallel_tool_calls": (None, True, False),
+    "modalities": (None, ["text"]),
+    "audio": (None,),
+    "prediction": (None,),
+    "reasoning_effort": (None,),
+    "web_search_options": (None,),
+    "store": (None, False),
+    "service_tier": (None, "auto", "default"),
+    "guided_json": (None,),
+    "guided_regex": (None,),
+    "guided_choice": (None, []),
+    "guided_grammar": (None,),
+    "guided_whitespace_pattern": (None,),
+    "guided_decoding_backend": (None,),
+    "chat_template": (None,),
+    "chat_template_kwargs": (None, {}),
+    "add_generation_prompt": (None, True),
+    "continue_final_message": (None, False),
+    "priority": (None, 0),
+    "truncate_prompt_tokens": (None,),
+    "return_tokens_as_token_ids": (None, False),
+    **{name: values for name, values in UNSUPPORTED.items() if name not in _TAKEN},
 }
 # The most prompts one completion request may list: each climbs on its own, holding a router slot.
 MAX_PROMPTS: Final = 32
 
 
-def refuse_unsupported(body: Mapping[str, Any]) -> None:
-    for field, default in _UNSUPPORTED.items():
-        value = body.get(field, default)
-        if value == default or value in ({}, [], ""):
+def check_fields(body: Mapping[str, Any], *, chat: bool) -> None:
+    """Every field of the body is one Stratus honours, or one it does not at a value that asks
+    for nothing; anything else is refused by name (``param``), as OpenAI refuses an argument
+    it does not recognise."""
+    taken = _TAKEN | _TAKEN_ONLY_BY[chat]
+    for field in body:
+        if field in taken or field in _UNSUPPORTED:  # the latter: refuse_unsupported's
             continue
+        elsewhere = "/v1/completions" if chat else "/v1/chat/completions"
+        where = f"; it belongs to {elsewhere}" if field in _TAKEN_ONLY_BY[not chat] else ""
         raise FieldError(
-            field, f"'{field}' is not supported by Stratus; leave it out or at {json.dumps(default)}"
+            field, f"unrecognized field '{field[:64]}'{where}; this endpoint takes {', '.join(sorted(taken))}"
+        )
+    refuse_unsupported(body)
+    _check_logprobs(body, chat=chat)
+
+
+def refuse_unsupported(body: Mapping[str, Any]) -> None:
+    """A field Stratus does not honour, at a value asking for something, is refused by name."""
+    for field, defaults in _UNSUPPORTED.items():
+        if field in body and not _asks_nothing(body[field], defaults):
+            listed = " or ".join(json.dumps(d) for d in defaults)
+            raise FieldError(field, f"'{field}' is not supported by Stratus; leave it out or at {listed}")
+
+
+def _asks_nothing(value: Any, defaults: tuple[Any, ...]) -> bool:
+    """Whether ``value`` is one of ``defaults``: numbers by value (1.0 is 1), booleans only as
+    booleans (True is not the 1 of ``n``)."""
+    return any(_same(value, default) for default in defaults)
+
+
+def _same(value: Any, default: Any) -> bool:
+    if isinstance(value, bool) or isinstance(default, bool):
+        return type(value) is type(default) and value == default
+    number, wanted = _numeric(value), _numeric(default)
+    if number is not None and wanted is not None:
+        return number == wanted
+    return type(value) is type(default) and bool(value == default)
+
+
+def _numeric(value: Any) -> float | None:
+    """A JSON number as a float; None for anything else (booleans included)."""
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
+
+
+def _check_logprobs(body: Mapping[str, Any], *, chat: bool) -> None:
+    """``logprobs`` turns on the chosen tokens' log-probabilities; alternatives (chat's
+    ``top_logprobs``, a completion's ``logprobs`` above 1) are not returned, so not taken."""
+    logprobs = body.get("logprobs")
+    if chat and logprobs is not None and not isinstance(logprobs, bool):
+        raise FieldError("logprobs", "'logprobs' must be true or false")
+    if not chat and logprobs is not None and not isinstance(logprobs, bool | int):
+        raise FieldError("logprobs", "'logprobs' must be 0 or 1 (the chosen tokens' log-probabilities)")
+    count = _numeric(logprobs)
+    if not chat and count is not None and not 0 <= count <= 1:
+        raise FieldError(
+            "logprobs",
+            "'logprobs' above 1 asks for alternatives, which Stratus does not return: 0 or 1 (the chosen tokens)",
+        )
+    top = body.get("top_logprobs")
+    if chat and top is not None and _numeric(top) != 0:
+        raise FieldError(
+            "top_logprobs", "'top_logprobs' asks for alternatives, which Stratus does not return: 0"
         )
 
 
@@ -64,7 +165,7 @@ def _token_ids(value: Any) -> bool:
 
 def settings_of(body: Mapping[str, Any], model: str, limit: int) -> GenerationParams:
     """The generation's settings from the body, checked as for every front."""
-    if body.get("n", 1) != 1:
+    if not _asks_nothing(body.get("n", 1), (1,)):
         raise FieldError("n", "'n' must be 1")
     refuse_unsupported(body)
     values = {key: body[key] for key in SETTINGS if key in body}

@@ -229,8 +229,26 @@ def test_bad_requests_get_openai_errors_and_lose_nothing(llm: LlmFleet) -> None:
                          ("prompt", [1, 2, 3]), ("prompt", [])):  # fmt: skip
         code, answer = post(url, json.dumps({**good, field: value}).encode())
         assert code == 400 and answer["error"]["param"] == field, (field, answer)  # type: ignore[index]
-    for field, default in (("top_p", 1), ("seed", None), ("stop", []), ("presence_penalty", 0)):
-        code, answer = post(url, json.dumps({**good, field: default}).encode())
+    # Fields OpenAI's API or vLLM's take that Stratus does not honour (JSON mode, tools, vLLM's
+    # sampling extras, guided decoding) and unknown ones: refused by name, never ignored.
+    chat_url, chat = f"{llm.openai_url}/chat/completions", {"model": "arith", "messages": [{"role": "user", "content": "1+1="}], "max_tokens": 2}  # fmt: skip
+    tool = {"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}
+    for where, body, field, value in (
+        (chat_url, chat, "response_format", {"type": "json_object"}), (chat_url, chat, "tools", [tool]),
+        (url, good, "top_k", 5), (url, good, "min_p", 0.1), (url, good, "repetition_penalty", 1.2),
+        (url, good, "guided_json", {"type": "object"}), (url, good, "ignore_eos", True),
+        (chat_url, chat, "top_logprobs", 2), (url, good, "logprobs", 3), (url, good, "frobnicate", 1),
+        (url, good, "messages", []), (chat_url, chat, "prompt", "1+1="),
+    ):  # fmt: skip
+        code, answer = post(where, json.dumps({**body, field: value}).encode())
+        assert code == 400 and answer["error"]["param"] == field, (field, answer)  # type: ignore[index]
+    for where, body, field, default in (
+        (url, good, "top_p", 1), (url, good, "seed", None), (url, good, "stop", []), (url, good, "presence_penalty", 0),
+        (chat_url, chat, "response_format", {"type": "text"}), (chat_url, chat, "tools", []),
+        (url, good, "top_k", -1), (url, good, "repetition_penalty", 1.0), (chat_url, chat, "top_logprobs", 0),
+        (url, good, "user", "someone"),
+    ):  # fmt: skip
+        code, answer = post(where, json.dumps({**body, field: default}).encode())
         assert code == 200, (field, answer)  # the default asks for nothing Stratus lacks
     code, answer = post(url, json.dumps(good).encode())  # the router still answers
     assert code == 200 and answer["choices"]

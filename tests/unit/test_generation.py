@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
 
-from router.openai_requests import options_of, settings_of, text_request
+from router.openai_requests import check_fields, options_of, settings_of, text_request
 from stratus.convert import codec
 from stratus.convert.inference import InferRequest, TextRequest
 from stratus.convert.parameters import RequestOptions
@@ -174,6 +175,52 @@ def test_the_openai_body_becomes_a_checked_request_whose_wire_form_reads_back_th
     ]:
         with pytest.raises(InvalidInput, match=words):
             openai_request(bad)
+
+
+@pytest.mark.parametrize(
+    ("chat", "field", "value", "words"),
+    [
+        (True, "response_format", {"type": "json_object"}, 'leave it out or at null or {"type": "text"}'),
+        (True, "tools", [{"type": "function"}], "'tools' is not supported by Stratus"),
+        (True, "tool_choice", "required", "'tool_choice' is not supported"),
+        (False, "top_k", 5, "leave it out or at 0 or -1"),
+        (False, "min_p", 0.1, "'min_p' is not supported"),
+        (False, "repetition_penalty", 1.2, "leave it out or at 1"),
+        (False, "guided_json", {"type": "object"}, "'guided_json' is not supported"),
+        (False, "ignore_eos", True, "leave it out or at false"),
+        (False, "n", True, "'n' must be 1"),  # True is not 1
+        (True, "top_logprobs", 2, "does not return: 0"),
+        (True, "logprobs", 1, "must be true or false"),
+        (False, "logprobs", 3, "0 or 1 (the chosen tokens)"),
+        (False, "logprobs", "yes", "must be 0 or 1"),
+        (False, "frobnicate", 1, "unrecognized field 'frobnicate'; this endpoint takes"),
+        (False, "messages", [], "it belongs to /v1/chat/completions"),
+        (True, "prompt", "1+1=", "it belongs to /v1/completions"),
+        (False, "top_logprobs", 0, "unrecognized field 'top_logprobs'"),  # chat's alone
+    ],
+)
+def test_openai_fields_not_honoured_are_refused_by_name(chat: bool, field: str, value: object, words: str) -> None:
+    body = {"model": "arith", ("messages" if chat else "prompt"): [] if chat else "1+1=", field: value}
+    with pytest.raises(FieldError, match=re.escape(words)) as refused:
+        check_fields(body, chat=chat)
+        settings_of(body, "arith", 4)
+    assert refused.value.param == field
+
+
+@pytest.mark.parametrize(
+    ("chat", "fields"),
+    [
+        (True, {"response_format": {"type": "text"}, "tools": [], "tool_choice": "none", "top_logprobs": 0}),
+        (True, {"logprobs": True, "parallel_tool_calls": False, "store": False, "user": "u-1", "metadata": {}}),
+        (False, {"top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0, "ignore_eos": False, "n": 1.0}),
+        (False, {"logprobs": 1, "echo": False, "best_of": 1, "guided_json": None, "max_completion_tokens": 2}),
+        (False, {"max_tokens": 2, "stop": ["\n"], "temperature": 0.5, "top_p": 0.9, "seed": 3, "stream": False}),
+    ],
+)
+def test_openai_fields_at_values_that_ask_for_nothing_are_taken(chat: bool, fields: dict[str, object]) -> None:
+    body = {"model": "arith", ("messages" if chat else "prompt"): [] if chat else "1+1=", **fields}
+    check_fields(body, chat=chat)
+    assert settings_of(body, "arith", 4).max_tokens in (2, 4)
 
 
 def test_the_cloud_link_knows_a_text_model_and_its_max_tokens_from_its_description() -> None:
