@@ -156,7 +156,7 @@ class OpenAiApi:
         self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
     ) -> web.StreamResponse:
         """The key, the Host and the body's type, before anything else is read."""
-        if self._api_key:
+        if self._api_key and not _is_probe(request):
             scheme, _, given = request.headers.get("Authorization", "").partition(" ")
             # over digests: the key's length leaks nothing; the scheme is OpenAI's, exactly
             if scheme != "Bearer" or not same_secret(given.strip(), self._api_key):
@@ -213,6 +213,8 @@ class OpenAiApi:
         content = users[-1].get("content") if users else None
         if not isinstance(content, str):
             raise FieldError("messages", "the last user message must have string 'content'")
+        if not content:
+            raise FieldError("messages", "the last user message is empty: a generation needs a prompt")
         return await self._answer(request, body, [content], chat=True)
 
     # -- the shared path -------------------------------------------------------------------------
@@ -362,6 +364,12 @@ def _host_name(host: str) -> str:
     if host.startswith("["):
         return host[1:].split("]", 1)[0].lower()
     return host.rsplit(":", 1)[0].lower() if host.count(":") == 1 else host.lower()
+
+
+def _is_probe(request: web.Request) -> bool:
+    """GET /health: open without the key, as vLLM's is, for load balancers' and kubelets'
+    probes; it says only whether the router serves."""
+    return request.method in ("GET", "HEAD") and request.path == "/health"
 
 
 async def _body(request: web.Request) -> dict[str, Any]:

@@ -146,9 +146,11 @@ def _check_logprobs(body: Mapping[str, Any], *, chat: bool) -> None:
 def prompts_of(prompt: Any) -> list[str]:
     """A completion's prompts: one string, or a list of up to MAX_PROMPTS strings."""
     if isinstance(prompt, str):
-        return [prompt]
+        return [_non_empty(prompt)]
     listed = prompt if isinstance(prompt, list) and prompt else None
     if listed is not None and all(isinstance(p, str) for p in listed):
+        for one in listed:
+            _non_empty(one)
         if len(listed) > MAX_PROMPTS:
             raise FieldError(
                 "prompt", f"'prompt' lists {len(listed)} prompts; at most {MAX_PROMPTS} are taken"
@@ -157,6 +159,14 @@ def prompts_of(prompt: Any) -> list[str]:
     if listed is not None and (_token_ids(listed) or all(_token_ids(p) for p in listed)):
         raise FieldError("prompt", "token-id prompts are not supported by Stratus: send the text")
     raise FieldError("prompt", "'prompt' must be a string or a non-empty list of strings")
+
+
+def _non_empty(prompt: str) -> str:
+    """An empty prompt gives a runtime nothing to continue (OpenVINO GenAI fails an
+    assertion on it): refused at the door, as vLLM refuses it."""
+    if not prompt:
+        raise FieldError("prompt", "'prompt' is empty: a generation needs a prompt")
+    return prompt
 
 
 def _token_ids(value: Any) -> bool:

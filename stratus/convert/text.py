@@ -78,9 +78,12 @@ def read_generation(request: InferRequest, family: str, limit: int) -> tuple[str
     settings = _one_string(inputs, SAMPLING_PARAMETERS) if SAMPLING_PARAMETERS in inputs else None
     params = read_settings(request.parameters, settings, limit=limit, model=family)
     try:
-        return _one_string(inputs, TEXT_INPUT).decode("utf-8"), params
+        prompt = _one_string(inputs, TEXT_INPUT).decode("utf-8")
     except UnicodeDecodeError:
         raise InvalidInput(f"'{TEXT_INPUT}' is not UTF-8 text") from None
+    if not prompt:  # a runtime has nothing to continue (OpenVINO GenAI fails an assertion)
+        raise InvalidInput(f"'{TEXT_INPUT}' is empty: a generation needs a prompt")
+    return prompt, params
 
 
 def _one_string(inputs: Mapping[str, datatypes.Array], name: str) -> bytes:

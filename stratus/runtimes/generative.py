@@ -143,6 +143,7 @@ class OpenVinoGenAiRunner(GenerativeRunner):
 
         self._pipe, self.kv_cache_precision = open_with_kv_cache(open_pipeline, path)
         self._tokenizer = self._pipe.get_tokenizer()
+        self._eos = int(self._tokenizer.get_eos_token_id())
         self._ids = itertools.count(1)
         self._stepping = threading.Lock()  # held by the thread running a step
         self._stepped = threading.Condition()  # notified after each step
@@ -200,7 +201,7 @@ class OpenVinoGenAiRunner(GenerativeRunner):
             if handle.get_status() != running:
                 if handle.can_read():  # another thread's step finished it after our read: the
                     continue  # last tokens came with that step, and are still to be read
-                return "length" if len(ids) >= max_tokens else "stop"
+                return _ended(ids, max_tokens, self._eos)
             self._step_or_wait()
 
     def _step_or_wait(self) -> None:
@@ -283,6 +284,15 @@ class LlamaCppRunner(GenerativeRunner):
                 return "stop"
             self._llama.eval([token_id])
         return "length"
+
+
+def _ended(ids: list[int], max_tokens: int, eos: int) -> str:
+    """Why a finished generation ended: "length" only where it was cut at ``max_tokens``; a
+    last token that is the end of the sequence is a stop, even as the max_tokens-th (the
+    pipeline counts it among the generated tokens: "198</s>" in 4 was reported as cut)."""
+    if ids and ids[-1] == eos:
+        return "stop"
+    return "length" if len(ids) >= max_tokens else "stop"
 
 
 # KV-cache precisions OpenVINO GenAI is asked for, best first; None is the plugin's own

@@ -314,6 +314,7 @@ def test_the_open_inference_protocol_refuses_what_it_does_not_honour_by_name(fle
         (oip_request("1+1=", repetition_penalty=1.2), "'repetition_penalty' is not supported"),
         (oip_request("1+1=", seed=1.5), "'seed' must be an int64"),
         (echoing, "'exclude_input_in_output' false is not supported"),
+        (oip_request(""), "'text_input' is empty: a generation needs a prompt"),  # not a runtime's assertion
     ]
     with open_sync_channel(fleet.router) as channel:
         stub = pb_grpc.GRPCInferenceServiceStub(channel)

@@ -66,6 +66,15 @@ def test_bodies_that_used_to_give_500_are_400s_in_openais_shape(keyless: str) ->
     huge = completion().replace(b'"max_tokens": 4', b'"max_tokens": 4, "stratus": {"budget_ms": 1' + b"0" * 400 + b"}")
     status, refused = call(keyless, "/v1/completions", huge, **json_type)
     assert status == 400 and refused["error"]["message"] == "'stratus.budget_ms' is out of range"  # type: ignore[index]
+    # an empty prompt gave a 503 carrying OpenVINO GenAI's assertion and its build path
+    for path, body, param in (
+        ("/v1/completions", completion(prompt=""), "prompt"),
+        ("/v1/completions", completion(prompt=["1+1=", ""]), "prompt"),
+        ("/v1/chat/completions", json.dumps({"model": "arith", "messages": [{"role": "user", "content": ""}]}).encode(), "messages"),
+    ):  # fmt: skip
+        status, refused = call(keyless, path, body, **json_type)
+        assert status == 400 and refused["error"]["param"] == param, refused  # type: ignore[index]
+        assert "empty: a generation needs a prompt" in refused["error"]["message"]  # type: ignore[index]
 
 
 def test_with_a_key_every_call_needs_it(cluster: Cluster, tmp_path: Path) -> None:
@@ -84,6 +93,11 @@ def test_with_a_key_every_call_needs_it(cluster: Cluster, tmp_path: Path) -> Non
     assert status == 400, answered  # past the key: the body itself is what is refused
     # with a key, any Host: a page elsewhere cannot make a browser send the key
     assert call(api, "/v1/models", Authorization=f"Bearer {KEY}", Host="router.site.example")[0] == 200
+    # /health alone is open, as vLLM's is, for probes: it says only whether the router serves
+    status, health = call(api, "/health")
+    assert status in (200, 503) and set(health) == {"status"}, health
+    assert call(api, "/health?x=1", Authorization="Bearer sk-wrong")[0] in (200, 503)
+    assert call(api, "/health/../v1/models")[0] == 401  # no path but /health itself is open
 
 
 def test_off_loopback_the_api_does_not_start_without_a_key(cluster: Cluster) -> None:

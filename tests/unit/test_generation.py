@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from router.openai_requests import check_fields, options_of, settings_of, text_request
+from router.openai_requests import check_fields, options_of, prompts_of, settings_of, text_request
 from stratus.convert import codec
 from stratus.convert.inference import InferRequest, TextRequest
 from stratus.convert.parameters import RequestOptions
@@ -221,6 +221,17 @@ def test_openai_fields_at_values_that_ask_for_nothing_are_taken(chat: bool, fiel
     body = {"model": "arith", ("messages" if chat else "prompt"): [] if chat else "1+1=", **fields}
     check_fields(body, chat=chat)
     assert settings_of(body, "arith", 4).max_tokens in (2, 4)
+
+
+def test_an_empty_prompt_is_refused_at_the_door_on_both_fronts() -> None:
+    for prompt in ("", ["1+1=", ""]):
+        with pytest.raises(FieldError, match="'prompt' is empty") as refused:
+            prompts_of(prompt)
+        assert refused.value.param == "prompt"
+    empty = InferRequest.from_wire(prompt_request("arith", "t", "", GenerationParams(max_tokens=2)))
+    with pytest.raises(InvalidInput, match="'text_input' is empty: a generation needs a prompt"):
+        read_generation(empty, "arith", 4)
+    assert prompts_of(["1+1=", " "]) == ["1+1=", " "]  # a space is a prompt
 
 
 def test_the_cloud_link_knows_a_text_model_and_its_max_tokens_from_its_description() -> None:

@@ -112,6 +112,18 @@ def test_each_runtime_answers_arithmetic_and_stops_at_the_end(runtime: str) -> N
 
 
 @pytest.mark.parametrize("runtime", RUNTIMES)
+def test_an_answer_ended_by_its_last_allowed_token_is_a_stop_not_a_cut(runtime: str) -> None:
+    """"99+99=" is answered in three digits then the end of the sequence: four tokens, at
+    max_tokens 4. It was reported "length" (cut short) on OpenVINO GenAI, which counts the end
+    among the generated tokens."""
+    model = runner(runtime)
+    tokens, reason = generate(model, "99+99=", max_tokens=4)
+    assert (len(text(tokens)), len(tokens), tokens[-1].text, reason) == (3, 4, "", "stop")  # 3 digits, the end
+    cut, reason = generate(model, "99+99=", max_tokens=3)
+    assert (text(cut), reason) == (text(tokens), "length")  # the end was not reached within 3
+
+
+@pytest.mark.parametrize("runtime", RUNTIMES)
 def test_each_runtime_honours_max_tokens_cancellation_and_the_context(runtime: str) -> None:
     model = runner(runtime)
     before, _ = generate(model, "37+48=", max_tokens=4)  # what it answers untouched
