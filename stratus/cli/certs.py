@@ -102,6 +102,7 @@ class Report:
     ca_created: bool
     leaves: tuple[Written, ...]
     hosts: tuple[str, ...]
+    missing: tuple[str, ...] = ()  # roles with no certificate in the folder after this run
 
 
 def check_name(name: str) -> str:
@@ -154,7 +155,8 @@ def issue(
     leaves = tuple(
         _write_leaf(out, who, ca=(ca_cert, ca_key), hosts=names, start=start, until=until) for who in wanted
     )
-    return Report(ca_cert=out / "ca.pem", ca_created=created, leaves=leaves, hosts=names)
+    missing = tuple(role for role in ROLES if not any(out.glob(f"{role}-*.pem")))
+    return Report(ca_cert=out / "ca.pem", ca_created=created, leaves=leaves, hosts=names, missing=missing)
 
 
 def _server_names(hosts: Sequence[str]) -> tuple[str, ...]:
@@ -420,16 +422,18 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     certs.add_argument(
         "--router",
         type=_name_arg,
-        default=None,
+        action="append",
+        default=[],
         metavar="NAME",
-        help="the router's certificate name (default: router)",
+        help="a router's certificate name (repeatable; default: router)",
     )
     certs.add_argument(
         "--cloud",
         type=_name_arg,
-        default=None,
+        action="append",
+        default=[],
         metavar="NAME",
-        help="the cloud gateway's name (default: cloud)",
+        help="a cloud gateway's name (repeatable; default: cloud)",
     )
     certs.add_argument(
         "--days", type=int, default=DEFAULT_DAYS, help=f"leaf validity (default {DEFAULT_DAYS})"
@@ -442,8 +446,8 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 def identities_of(args: argparse.Namespace) -> list[Identity]:
     """The identities asked for, or the default fleet when none is."""
     asked = {
-        "router": [args.router] if args.router else [],
-        "cloud": [args.cloud] if args.cloud else [],
+        "router": list(args.router),
+        "cloud": list(args.cloud),
         "operator": list(args.operator),
         "client": list(args.client),
         "agent": list(args.agent),
@@ -473,4 +477,22 @@ def format_report(report: Report) -> str:
         lines.append(
             f"  {leaf.identity.stem}:{hint} --tls-cert {leaf.cert} --tls-key {leaf.key} --tls-ca {ca}"
         )
+    lines += [
+        f"note: {MISSING_USE[role]}: stratus certs --out {ca.parent} --{role} {DEFAULTS[role][0]}"
+        for role in report.missing
+    ]
+    lines.append(
+        f"note: {ca.parent / 'ca.key'} signs new certificates: keep it off the fleet's machines "
+        f"(each needs {ca.name} and its own pair only)"
+    )
     return "\n".join(lines)
+
+
+# What a fleet lacks without a certificate of the role, said after a run that leaves none.
+MISSING_USE: Final = {
+    "router": "no router certificate here (routers serve agents and clients with one)",
+    "cloud": "no cloud certificate here (the cloud gateway serves the routers with one)",
+    "operator": "no operator certificate here (stratus fleet drain, reload, rollout and thresholds need one)",
+    "client": "no client certificate here (applications calling the router need one)",
+    "agent": "no agent certificate here (each agent links with its own)",
+}

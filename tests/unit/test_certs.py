@@ -223,6 +223,25 @@ def test_a_second_run_reuses_the_ca_and_adds_only_what_it_is_asked(tmp_path: Pat
     assert load(out / "agent-device-9.pem").issuer == ca.subject
 
 
+def test_every_role_flag_repeats_and_a_run_names_the_roles_the_folder_still_lacks(tmp_path: Path) -> None:
+    """`--router router-a --router router-b` kept only router-b; a run giving only agents made
+    no operator certificate and did not say so."""
+    out = tmp_path / "certs"
+    code, printed = certs(["--out", str(out), "--router", "router-a", "--router", "router-b", "--agent", "device-1"])
+    assert code == 0
+    assert {"router-router-a.pem", "router-router-b.pem", "agent-device-1.pem"} <= {p.name for p in out.iterdir()}
+    notes = [line for line in printed.splitlines() if line.startswith("note: ")]
+    assert notes == [
+        f"note: no client certificate here (applications calling the router need one): stratus certs --out {out} --client client",
+        f"note: no cloud certificate here (the cloud gateway serves the routers with one): stratus certs --out {out} --cloud cloud",
+        f"note: no operator certificate here (stratus fleet drain, reload, rollout and thresholds need one): "
+        f"stratus certs --out {out} --operator operator",
+        f"note: {out / 'ca.key'} signs new certificates: keep it off the fleet's machines (each needs ca.pem and its own pair only)",
+    ]
+    code, printed = certs(["--out", str(out), "--cloud", "cloud", "--operator", "operator", "--client", "client"])
+    assert code == 0 and not [line for line in printed.splitlines() if "no " in line and line.startswith("note: ")]
+
+
 def test_an_existing_leaf_is_kept_unless_forced(tmp_path: Path) -> None:
     out = tmp_path / "certs"
     certs(["--out", str(out), "--agent", "device-1"])

@@ -505,6 +505,11 @@ def test_notes_make_the_existing_secrets_the_pods_mount(site: Site) -> None:
             assert agent_name_fits(args.name, name)
     created = set(re.findall(r"kubectl -n \S+ create secret generic (\S+)", site.notes))
     assert created == mounted
+    # the fleet commands NOTES prints use files those certs commands write (it said operator.pem)
+    written = {f"certs/{who.stem}.{ext}" for who in made for ext in ("pem", "key")} | {"certs/ca.pem"}
+    fleet_lines = "\n".join(line for line in site.notes.splitlines() if "stratus fleet" in line)
+    used = re.findall(r"--tls-(?:cert|key|ca) (\S+)", fleet_lines)
+    assert used and set(used) <= written, sorted(set(used) - written)
     assert f"kubectl -n {NAMESPACE} " in site.notes
 
 
