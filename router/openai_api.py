@@ -42,6 +42,8 @@ from router.cascade.generate import Generation, TextGenerator
 from router.openai_replies import Reply, model_entry
 from router.openai_requests import (
     check_fields,
+    choice_params,
+    choices_of,
     options_of,
     prompts_of,
     settings_of,
@@ -230,13 +232,19 @@ class OpenAiApi:
             raise NotFound(f"the model '{model}' does not exist or does not generate text")
         params = settings_of(body, model, info.max_tokens)
         options = options_of(body)
-        requests = [text_request(model, prompt, params, options) for prompt in prompts]
+        n = choices_of(body, len(prompts))
+        requests = [  # choice index = prompt index * n + choice, as OpenAI numbers them
+            text_request(model, prompt, choice_params(params, choice), options)
+            for prompt in prompts
+            for choice in range(n)
+        ]
         stream = body.get("stream") is True
         reply = Reply(
             model=model,
             chat=chat,
             logprobs=bool(body.get("logprobs")),
             usage_chunk=usage_asked(body, stream),
+            per_prompt=n,
         )
         if stream:
             return await self._stream(http, requests, reply)

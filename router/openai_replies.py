@@ -24,8 +24,11 @@ class Reply:
     choices, has the counts. With one prompt the ``stratus`` object is the answer's; with
     several, each choice has its own."""
 
-    def __init__(self, *, model: str, chat: bool, logprobs: bool, usage_chunk: bool) -> None:
+    def __init__(
+        self, *, model: str, chat: bool, logprobs: bool, usage_chunk: bool, per_prompt: int = 1
+    ) -> None:
         self.model = model
+        self.per_prompt = per_prompt  # ``n``: each prompt's choices, consecutive
         self.chat = chat
         self.logprobs = logprobs
         self.usage_chunk = usage_chunk
@@ -42,7 +45,7 @@ class Reply:
     def whole(self, results: Sequence[Generation]) -> dict[str, Any]:
         choices = [self._choice(i, r, alone=len(results) == 1) for i, r in enumerate(results)]
         kind = "chat.completion" if self.chat else "text_completion"
-        answer = {**self._head(kind), "choices": choices, "usage": usage(results)}
+        answer = {**self._head(kind), "choices": choices, "usage": usage(results, self.per_prompt)}
         return answer | ({"stratus": stratus_object(results[0])} if len(results) == 1 else {})
 
     def _choice(self, index: int, result: Generation, *, alone: bool) -> dict[str, Any]:
@@ -76,15 +79,17 @@ class Reply:
         return {**self._chunk([choice]), "stratus": stratus_object(result)}
 
     def usage(self, results: Sequence[Generation]) -> dict[str, Any]:
-        return {**self._chunk([]), "usage": usage(results)}
+        return {**self._chunk([]), "usage": usage(results, self.per_prompt)}
 
 
-def usage(results: Sequence[Generation]) -> dict[str, int | None]:
+def usage(results: Sequence[Generation], per_prompt: int = 1) -> dict[str, int | None]:
     """OpenAI's ``usage``, summed over the prompts: the answering tiers' own counts (the
-    tokens of tiers climbed past are in ``stratus.tokens``). A tier that did not count the
+    tokens of tiers climbed past are in ``stratus.tokens``). A prompt's ``n`` choices count
+    its tokens once, as OpenAI's do (the first choice's count). A tier that did not count the
     prompt (a foreign cloud) leaves ``prompt_tokens`` and ``total_tokens`` null."""
-    known = [r.prompt_tokens for r in results if r.prompt_tokens is not None]
-    prompt = sum(known) if len(known) == len(results) else None
+    firsts = results[::per_prompt]
+    known = [r.prompt_tokens for r in firsts if r.prompt_tokens is not None]
+    prompt = sum(known) if len(known) == len(firsts) else None
     completion = sum(r.completion_tokens for r in results)
     return {
         "prompt_tokens": prompt,

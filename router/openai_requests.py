@@ -6,6 +6,7 @@ Protocol request the cascade takes. Whatever is not honoured is refused by name 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import uuid
 from collections.abc import Mapping
@@ -175,13 +176,39 @@ def _token_ids(value: Any) -> bool:
 
 def settings_of(body: Mapping[str, Any], model: str, limit: int) -> GenerationParams:
     """The generation's settings from the body, checked as for every front."""
-    if not _asks_nothing(body.get("n", 1), (1,)):
-        raise FieldError("n", "'n' must be 1")
     refuse_unsupported(body)
     values = {key: body[key] for key in SETTINGS if key in body}
     if MAX_TOKENS not in values and "max_completion_tokens" in body:
         values[MAX_TOKENS] = body["max_completion_tokens"]
     return settings_from(values, limit=limit, model=model)
+
+
+def choices_of(body: Mapping[str, Any], prompts: int) -> int:
+    """``n``: choices per prompt, each generated (and climbing) on its own; at most
+    MAX_PROMPTS choices in all, as a list of prompts."""
+    n = body.get("n", 1)
+    count = _numeric(n)
+    if count is None or count != int(count) or count < 1:
+        raise FieldError("n", "'n' must be a whole number of choices, at least 1")
+    if int(count) * prompts > MAX_PROMPTS:
+        raise FieldError(
+            "n",
+            f"'n' of {int(count)} for {prompts} prompt(s) asks for {int(count) * prompts} choices; at most {MAX_PROMPTS}",
+        )
+    return int(count)
+
+
+def choice_params(params: GenerationParams, choice: int) -> GenerationParams:
+    """The settings of one of a prompt's ``n`` choices: a seed given is the first choice's,
+    and each next choice draws from the next seed (int64, wrapping), so n sampled choices
+    differ and repeat; greedy choices are alike, as vLLM's are."""
+    if params.seed is None or choice == 0:
+        return params
+    seed = (params.seed + choice + _HALF) % (2 * _HALF) - _HALF
+    return dataclasses.replace(params, seed=seed)
+
+
+_HALF: Final = 1 << 63
 
 
 def usage_asked(body: Mapping[str, Any], stream: bool) -> bool:

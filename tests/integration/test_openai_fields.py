@@ -227,6 +227,31 @@ def test_a_list_of_prompts_gets_one_choice_each_climbing_on_its_own(fleet: Fleet
         assert refused.value.body["param"] == "prompt" and words in refused.value.body["message"]  # type: ignore[index]
 
 
+def test_n_choices_per_prompt_each_generated_on_its_own_and_counted_once(fleet: Fleet, count: Count) -> None:
+    """``n`` choices of each prompt, numbered prompt by prompt (OpenAI's order). Greedy ones
+    are alike; sampled from a seed they differ from one another and repeat as a whole; the
+    prompt's tokens count once. Streamed, each choice has its own index and closing chunk."""
+    greedy = complete(fleet, PROMPTS[:2], ON["device"], n=2)
+    assert [c.index for c in greedy.choices] == [0, 1, 2, 3]
+    alone = [complete(fleet, p, ON["device"]).choices[0].text for p in PROMPTS[:2]]
+    assert [c.text for c in greedy.choices] == [alone[0], alone[0], alone[1], alone[1]]
+    assert greedy.usage.prompt_tokens == count(PROMPTS[0]) + count(PROMPTS[1])
+    sampled = {"temperature": 2.0, "top_p": 1.0, "seed": 11}
+    drawn = complete(fleet, "zz", ON["device"], n=4, **sampled)
+    again = complete(fleet, "zz", ON["device"], n=4, **sampled)
+    texts = [c.text for c in drawn.choices]
+    assert texts == [c.text for c in again.choices]  # each choice from its own seed: repeatable
+    assert len(set(texts)) > 1, texts  # and not all one draw
+    assert drawn.usage.prompt_tokens == count("zz")
+    events = sse(fleet, {"prompt": PROMPTS[0], "n": 2, "stratus": ON["device"]})
+    closings = [c["choices"][0] for c in events if c["choices"][0]["finish_reason"] is not None]
+    assert sorted(c["index"] for c in closings) == [0, 1]
+    for n, words in ((0, "at least 1"), (33, "at most 32")):
+        with pytest.raises(openai.BadRequestError) as refused:
+            complete(fleet, PROMPTS[0], {}, n=n)
+        assert refused.value.body["param"] == "n" and words in refused.value.body["message"]  # type: ignore[index]
+
+
 def test_sampling_is_honoured_by_every_tier_reproducibly_from_a_seed(fleet: Fleet) -> None:
     for tier, options in ON.items():
         greedy = complete(fleet, "zz", options).choices[0].text

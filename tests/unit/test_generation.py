@@ -11,7 +11,15 @@ from pathlib import Path
 
 import pytest
 
-from router.openai_requests import check_fields, options_of, prompts_of, settings_of, text_request
+from router.openai_requests import (
+    check_fields,
+    choice_params,
+    choices_of,
+    options_of,
+    prompts_of,
+    settings_of,
+    text_request,
+)
 from stratus.convert import codec
 from stratus.convert.inference import InferRequest, TextRequest
 from stratus.convert.parameters import RequestOptions
@@ -163,7 +171,6 @@ def test_the_openai_body_becomes_a_checked_request_whose_wire_form_reads_back_th
         ({"seed": 1 << 63}, "seed", "int64"),
         ({"stop": ["a", "b", "c", "d", "e"]}, "stop", "at most 4 strings"),
         ({"stop": [1]}, "stop", "a string or a list of strings"),
-        ({"n": 2}, "n", "'n' must be 1"),
         ({"presence_penalty": 0.5}, "presence_penalty", "not supported"),
     ]:
         with pytest.raises(FieldError, match=words) as refused:
@@ -188,7 +195,6 @@ def test_the_openai_body_becomes_a_checked_request_whose_wire_form_reads_back_th
         (False, "repetition_penalty", 1.2, "leave it out or at 1"),
         (False, "guided_json", {"type": "object"}, "'guided_json' is not supported"),
         (False, "ignore_eos", True, "leave it out or at false"),
-        (False, "n", True, "'n' must be 1"),  # True is not 1
         (True, "top_logprobs", 2, "does not return: 0"),
         (True, "logprobs", 1, "must be true or false"),
         (False, "logprobs", 3, "0 or 1 (the chosen tokens)"),
@@ -221,6 +227,48 @@ def test_openai_fields_at_values_that_ask_for_nothing_are_taken(chat: bool, fiel
     body = {"model": "arith", ("messages" if chat else "prompt"): [] if chat else "1+1=", **fields}
     check_fields(body, chat=chat)
     assert settings_of(body, "arith", 4).max_tokens in (2, 4)
+
+
+def test_n_choices_per_prompt_are_bounded_and_each_draws_from_its_own_seed() -> None:
+    assert choices_of({}, 3) == 1 and choices_of({"n": 4}, 8) == 4 and choices_of({"n": 2.0}, 1) == 2
+    for n, prompts, words in [
+        (0, 1, "at least 1"),
+        (True, 1, "a whole number"),
+        (1.5, 1, "a whole number"),
+        ("2", 1, "a whole number"),
+        (17, 2, "asks for 34 choices; at most 32"),
+    ]:
+        with pytest.raises(FieldError, match=words) as refused:
+            choices_of({"n": n}, prompts)
+        assert refused.value.param == "n"
+    seeded = GenerationParams(max_tokens=2, temperature=0.7, seed=(1 << 63) - 2)
+    assert [choice_params(seeded, c).seed for c in range(3)] == [(1 << 63) - 2, (1 << 63) - 1, -(1 << 63)]
+    unseeded = GenerationParams(max_tokens=2, temperature=0.7)
+    assert choice_params(unseeded, 5) is unseeded  # each draw its own anyway
+
+
+def test_usage_counts_a_prompts_tokens_once_whatever_its_choices() -> None:
+    from router.cascade.generate import Generation
+    from router.openai_replies import usage
+
+    def generated(prompt_tokens: int, completion_tokens: int) -> Generation:
+        return Generation(
+            text="x" * completion_tokens,
+            tokens=(),
+            tier=Tier.DEVICE,
+            agent="d1",
+            variant="arith-small",
+            confidence=1.0,
+            finish_reason="stop",
+            path=(Tier.DEVICE,),
+            timings_ms={},
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+        )
+
+    # two prompts of 5 and 7 tokens, two choices each
+    results = [generated(5, 1), generated(5, 2), generated(7, 3), generated(7, 4)]
+    assert usage(results, 2) == {"prompt_tokens": 12, "completion_tokens": 10, "total_tokens": 22}
 
 
 def test_an_empty_prompt_is_refused_at_the_door_on_both_fronts() -> None:
