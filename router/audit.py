@@ -63,7 +63,7 @@ from stratus.tiers import Tier
 from stratus.wire import inference_pb2 as pb
 
 if TYPE_CHECKING:
-    from router.cascade.classify import Answer
+    from router.cascade.classify import Answer, Arm
     from router.rollout import Plan
 
 log = logging.getLogger("stratus.audit")
@@ -228,7 +228,7 @@ class Auditor:
         thresholds = self.registry.thresholds(info.name)
         share, rate = self.share_of(info), self.rate_of(info)
         chosen: dict[int, tuple[Answer, list[tuple[int, int]]]] = {}
-        if share <= 0.0 and not any(a.arm is not None and a.arm.plan.judging for a, _ in view.best.values()):
+        if share <= 0.0 and not any(_judged_arm(a) for a, _ in view.best.values()):
             return chosen
         for item, (answer, row) in sorted(view.best.items()):
             own = accepts(answer.confidences[row], answer.tier, thresholds=thresholds, min_confidence=None)
@@ -500,9 +500,15 @@ def _drawn_as(family: str, answer: Answer, share: float) -> tuple[str, float]:
     """The sampler's bucket and share for one settled answer: the family's own, or, for an
     answer of a rollout's arm, that arm's bucket at ROLLOUT_SHARE (so the current arm's 95%
     of the traffic cannot spend the candidate's audits)."""
-    if answer.arm is None or not answer.arm.plan.judging:  # complete or promoted: as any answer
+    arm = _judged_arm(answer)
+    if arm is None:  # no rollout, or one complete or promoted: as any answer
         return family, share
-    return f"{family}\0rollout:{'candidate' if answer.arm.candidate else 'current'}", ROLLOUT_SHARE
+    return f"{family}\0rollout:{'candidate' if arm.candidate else 'current'}", ROLLOUT_SHARE
+
+
+def _judged_arm(answer: Answer) -> Arm | None:
+    """The rollout arm the answer was given for, where that rollout's step is still judged."""
+    return answer.arm if answer.arm is not None and answer.arm.plan.judging else None
 
 
 def calibrated_top(info: FamilyDescription) -> Tier | None:

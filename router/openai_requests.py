@@ -79,19 +79,18 @@ MAX_PROMPTS: Final = 32
 
 
 def check_fields(body: Mapping[str, Any], *, chat: bool) -> None:
-    """Every field of the body is one Stratus honours, or one it does not at a value that asks
-    for nothing; anything else is refused by name (``param``), as OpenAI refuses an argument
-    it does not recognise."""
+    """Every field of the body is one Stratus honours, or one it does not (whose value
+    settings_of checks asks for nothing); anything else is refused by name (``param``), as
+    OpenAI refuses an argument it does not recognise."""
     taken = _TAKEN | _TAKEN_ONLY_BY[chat]
     for field in body:
-        if field in taken or field in _UNSUPPORTED:  # the latter: refuse_unsupported's
+        if field in taken or field in _UNSUPPORTED:  # the latter: settings_of's, by value
             continue
         elsewhere = "/v1/completions" if chat else "/v1/chat/completions"
         where = f"; it belongs to {elsewhere}" if field in _TAKEN_ONLY_BY[not chat] else ""
         raise FieldError(
             field, f"unrecognized field '{field[:64]}'{where}; this endpoint takes {', '.join(sorted(taken))}"
         )
-    refuse_unsupported(body)
     _check_logprobs(body, chat=chat)
 
 

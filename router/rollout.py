@@ -319,10 +319,8 @@ class Rollouts:
         (live.candidate if candidate else live.current).add(
             ok=ok, latency_ms=latency_ms, items=items, unsure=unsure
         )
-        now = self._clock()
-        if plan.judging and now - live.judged_at >= JUDGE_EVERY_S:
-            live.judged_at = now
-            self._judge(live)
+        if plan.judging:
+            self._judge_at_most_every(live)
 
     def record_audit(self, plan: Plan, *, candidate: bool, agreed: bool) -> None:
         """One audited answer of an arm: the family's top tier answered it alike, or not."""
@@ -330,6 +328,10 @@ class Rollouts:
         if live is None or live.plan is not plan or not plan.judging:  # the step moved on since
             return
         (live.candidate if candidate else live.current).add_audit(agreed=agreed)
+        self._judge_at_most_every(live)
+
+    def _judge_at_most_every(self, live: _Live) -> None:
+        """Judge the step on new evidence, at most every JUDGE_EVERY_S (judging sorts the window)."""
         now = self._clock()
         if now - live.judged_at >= JUDGE_EVERY_S:
             live.judged_at = now
