@@ -40,6 +40,7 @@ from stratus.serving.channels import bind, create_server
 from stratus.serving.client_limits import ClientLimits
 from stratus.serving.discovery import Advertisement, dns_target
 from stratus.serving.health import Health
+from stratus.serving.rest import RestApi, server_context
 from stratus.serving.servicer import InferenceServicer, add_inference_service
 from stratus.wire import fleet_pb2_grpc as fpb_grpc
 
@@ -97,7 +98,8 @@ async def serve(settings: RouterSettings, stop: asyncio.Event | None = None) -> 
         revoked=credentials.revoked if settings.tls.mutual else None,
     )
     limits = ClientLimits(settings.max_requests_per_client, items_per_client=settings.max_items_per_client)
-    add_inference_service(InferenceServicer(plane, limits=limits), server)
+    servicer = InferenceServicer(plane, limits=limits)
+    add_inference_service(servicer, server)
     gate = AdmissionGate(rate_per_s=settings.admit_per_s, max_waiting=settings.admit_waiting)
     fpb_grpc.add_AgentLinkServicer_to_server(
         AgentLinkServicer(
@@ -131,6 +133,7 @@ async def serve(settings: RouterSettings, stop: asyncio.Event | None = None) -> 
     host = settings.listen.rsplit(":", 1)[0]
     closers: list[Callable[[], Awaitable[None]]] = [audits.close, *([capture.close] if capture else [])]
     closers += await _start_extras(settings, plane, metrics, name=name, host=host, port=port)
+    closers += await _start_rest(settings, servicer, credentials)
     audits.start()
     watchdog = asyncio.create_task(_watch_heartbeats(registry), name="stratus-heartbeat-watchdog")
     warning = insecure_warning(
@@ -247,6 +250,26 @@ async def _start_extras(
         await advertisement.start()
         closers.append(advertisement.close)
     return closers
+
+
+async def _start_rest(
+    settings: RouterSettings, servicer: InferenceServicer, credentials: RouterCredentials
+) -> list[Callable[[], Awaitable[None]]]:
+    """The REST front of the inference service (--http), with the gRPC port's TLS (its
+    certificate; a client certificate under mutual TLS), client token and revocations."""
+    if not settings.http:
+        return []
+    tls = settings.tls
+    api = RestApi(
+        servicer,
+        client_token=settings.client_token,
+        tls=server_context(str(tls.cert), str(tls.key), str(tls.ca) if tls.ca else None)
+        if tls.cert
+        else None,
+        revoked=credentials.revoked if tls.mutual else None,
+    )
+    log.info("REST API (Open Inference Protocol over HTTP) on %s", await api.start(settings.http))
+    return [api.stop]
 
 
 def _rollouts(settings: RouterSettings, metrics: Metrics, recorder: RouterMetrics) -> Rollouts:

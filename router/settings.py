@@ -103,6 +103,9 @@ class RouterSettings:
     rollout_state: Path | None = None
     # The other routers of this site (host:port,... or dns:NAME:PORT), to share rollouts with.
     peers: str | None = None
+    # HOST:PORT for the Open Inference Protocol over HTTP/REST (Triton's port 8000; the same
+    # data plane, credentials and TLS as the gRPC port); None: not served.
+    http: str | None = None
     # HOST:PORT for the OpenAI API (/v1/completions, /v1/chat/completions); None: not served.
     openai: str | None = None
     # Its API key (required off loopback), and Host names it answers besides loopback's.
@@ -190,6 +193,16 @@ class RouterSettings:
                 insecure=False,
                 needs="client authentication (--tls-ca for mutual TLS, or --client-token-file): "
                 "strangers would reach the cloud through it on this router's token; or say "
+                "--anonymous-inference",
+            )
+        if self.http:
+            check_exposure(
+                "the router's REST API",
+                self.http,
+                tls=self.tls.cert is not None,
+                callers_authenticated=self.anonymous_inference or self.tls.mutual or bool(self.client_token),
+                insecure=self.insecure,
+                needs="client authentication (--tls-ca for mutual TLS, or --client-token-file), or "
                 "--anonymous-inference",
             )
         check_secrets(

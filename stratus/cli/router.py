@@ -196,6 +196,15 @@ def _add_openai(router: argparse.ArgumentParser) -> None:
     option(
         router,
         "router",
+        "http",
+        "--http",
+        metavar="HOST:PORT",
+        help="serve the Open Inference Protocol over HTTP/REST here too (Triton's /v2 routes, as "
+        "on its port 8000, for curl and tritonclient.http), with the gRPC port's credentials and TLS",
+    )
+    option(
+        router,
+        "router",
         "openai",
         "--openai",
         metavar="HOST:PORT",

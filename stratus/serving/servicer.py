@@ -217,15 +217,40 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
 
     async def ModelInfer(self, request: bytes, context: Any) -> pb.ModelInferResponse:  # type: ignore[override]
         """``request`` comes as its bytes (:func:`add_inference_service`), bounded before it is parsed."""
+        return await self.infer(read_infer_request(request), peer=context.peer(), timeout_s=context.time_remaining())
+
+    async def infer(
+        self, message: pb.ModelInferRequest, *, peer: str, timeout_s: float | None
+    ) -> pb.ModelInferResponse:
+        """One request from any front (gRPC's ModelInfer, the REST API), within the client's
+        limits and counted in the statistics alike."""
         started, result = time.perf_counter_ns(), None
-        asked = InferRequest.from_wire(read_infer_request(request))
+        asked = InferRequest.from_wire(message)
         try:
             check_version(asked.model_name, asked.model_version)
-            with self._limits.hold(context.peer(), asked.items):
-                result = await self._plane.infer(asked, timeout_s=context.time_remaining())
+            with self._limits.hold(peer, asked.items):
+                result = await self._plane.infer(asked, timeout_s=timeout_s)
             return result.to_wire()
         finally:
             self.statistics.record(asked, started, result)
+
+    async def generate(
+        self, message: pb.ModelInferRequest, *, peer: str, timeout_s: float | None
+    ) -> AsyncIterator[pb.ModelInferResponse]:
+        """A generative request answered chunk by chunk (the REST API's generate_stream), within
+        the client's limits and counted in the statistics as a stream's request is."""
+        started, answered = time.perf_counter_ns(), None
+        asked = InferRequest.from_wire(message)
+        try:
+            check_version(asked.model_name, asked.model_version)
+            with self._limits.hold(peer, asked.items):
+                last = None
+                async for chunk in self._plane.generate(asked, timeout_s=timeout_s):
+                    last = chunk
+                    yield chunk.to_wire()
+                answered = last if last is not None else InferResult(model_name="", id="", outputs={})
+        finally:
+            self.statistics.record(asked, started, answered)
 
     async def ModelStatistics(
         self, request: pb.ModelStatisticsRequest, context: Any

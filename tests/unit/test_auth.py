@@ -279,6 +279,29 @@ def test_off_loopback_inference_needs_client_authentication_or_saying_anonymous(
     said.check_exposure(said.credentials())
 
 
+def test_the_rest_port_off_loopback_needs_tls_and_client_authentication(tmp_path: Path) -> None:
+    """--http is the inference API over HTTP: exposed on the same terms as the gRPC port, even
+    when that port itself stays on loopback."""
+    cert, key = tmp_path / "router.pem", tmp_path / "router.key"
+    cert.write_text("PEM")
+    key.write_text("PEM")
+    tls = TlsSettings(cert=cert, key=key)
+
+    def checked(**settings: object) -> None:
+        router = RouterSettings(listen="127.0.0.1:8001", http="0.0.0.0:8000", **settings)  # type: ignore[arg-type]
+        router.check_exposure(router.credentials())
+
+    with pytest.raises(ConfigError, match=r"REST API would listen on 0\.0\.0\.0:8000 without TLS"):
+        checked(anonymous_inference=True)
+    with pytest.raises(ConfigError, match=r"REST API would listen on 0\.0\.0\.0:8000 without client authentication"):
+        checked(tls=tls)
+    checked(tls=tls, client_token="client-token-00000001")
+    checked(tls=tls, anonymous_inference=True)
+    checked(insecure=True)
+    loopback = RouterSettings(http="127.0.0.1:8000")  # a demo needs nothing
+    loopback.check_exposure(loopback.credentials())
+
+
 def test_off_loopback_one_secret_cannot_fill_several_roles_nor_be_short(tmp_path: Path) -> None:
     """security2 N5: STRATUS_TOKEN=x made every device that held it an operator and a peer."""
     shared = _reachable_router(tmp_path, token="x")
