@@ -8,6 +8,10 @@ people reading the certificate. Certificates of processes that serve (router, cl
 
 The CA is made once and reused, so a new agent is one more run (``--agent device-9``); a leaf
 that exists is never overwritten without ``--force``. Keys are written 0600 in a 0700 folder.
+The CA's key, which signs new identities, is kept apart from the leaves the fleet's machines
+are given: ``DIR/private/ca.key`` by default (a folder ``kubectl create secret --from-file=DIR``,
+``scp DIR/*`` and Compose mounts of ``DIR/*`` leave out), or wherever ``--ca-key`` says. A folder
+from before (``DIR/ca.key`` beside the leaves) still works, and each run says how to move it.
 ``cryptography`` is imported only when certificates are written: the parser costs nothing to import.
 """
 
@@ -50,6 +54,7 @@ TRUST_DOMAIN: Final = "stratus"
 _TRUST_DOMAIN: Final = re.compile(r"[a-z0-9._-]{1,255}")
 _DNS_LABEL: Final = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)")
 ALWAYS_HOSTS: Final = ("localhost", "127.0.0.1")
+PRIVATE: Final = "private"  # the subfolder of --out holding the CA's key, unless --ca-key says
 CA_DAYS: Final = 3650
 DEFAULT_DAYS: Final = 825
 # Not-before a little in the past: a peer whose clock is a few minutes behind still accepts.
@@ -99,6 +104,7 @@ class Report:
     """What one run did: the CA (made now or reused) and the leaves it wrote."""
 
     ca_cert: Path
+    ca_key: Path
     ca_created: bool
     leaves: tuple[Written, ...]
     hosts: tuple[str, ...]
@@ -135,9 +141,11 @@ def issue(
     days: int = DEFAULT_DAYS,
     force: bool = False,
     now: dt.datetime | None = None,
+    ca_key: Path | None = None,
 ) -> Report:
     """Write a leaf for each identity into ``out``, signed by ``out/ca.pem`` (made first if
-    absent). Checks everything (names, hosts, days, existing files) before writing anything."""
+    absent) and the CA's key (``ca_key``, else :func:`ca_key_path`'s). Checks everything
+    (names, hosts, days, existing files) before writing anything."""
     wanted = tuple(dict.fromkeys(identities))
     names = _server_names(hosts)
     if days < 1:
@@ -145,18 +153,37 @@ def issue(
     if not force:
         _refuse_existing(out, wanted)
     start = (now or dt.datetime.now(dt.UTC)) - _SKEW
+    key_path = ca_key or ca_key_path(out)
     _make_folder(out)
-    ca_cert, ca_key, created = _load_or_make_ca(out, start)
+    ca_cert, signer, created = _load_or_make_ca(out / "ca.pem", key_path, start)
     until = start + dt.timedelta(days=days)
     if until > ca_cert.not_valid_after_utc:
         raise ConfigError(
             f"--days {days} outlives the CA in {out / 'ca.pem'} (until {ca_cert.not_valid_after_utc:%Y-%m-%d})"
         )
     leaves = tuple(
-        _write_leaf(out, who, ca=(ca_cert, ca_key), hosts=names, start=start, until=until) for who in wanted
+        _write_leaf(out, who, ca=(ca_cert, signer), hosts=names, start=start, until=until) for who in wanted
     )
     missing = tuple(role for role in ROLES if not any(out.glob(f"{role}-*.pem")))
-    return Report(ca_cert=out / "ca.pem", ca_created=created, leaves=leaves, hosts=names, missing=missing)
+    return Report(
+        ca_cert=out / "ca.pem",
+        ca_key=key_path,
+        ca_created=created,
+        leaves=leaves,
+        hosts=names,
+        missing=missing,
+    )
+
+
+def ca_key_path(out: Path) -> Path:
+    """Where the CA's key is without --ca-key: ``out/private/ca.key``, or ``out/ca.key`` where a
+    folder from before keeps it there (and only there)."""
+    private, beside = out / PRIVATE / "ca.key", out / "ca.key"
+    if beside.exists() and private.exists():
+        raise ConfigError(
+            f"{out} holds two CA keys, {beside} and {private}: keep one, or name it with --ca-key"
+        )
+    return beside if beside.exists() else private
 
 
 def _server_names(hosts: Sequence[str]) -> tuple[str, ...]:
@@ -199,15 +226,20 @@ def _write_atomic(path: Path, data: bytes, mode: int) -> None:
         raise
 
 
-def _load_or_make_ca(out: Path, start: dt.datetime) -> tuple[x509.Certificate, CaKey, bool]:
-    cert_path, key_path = out / "ca.pem", out / "ca.key"
+def _load_or_make_ca(
+    cert_path: Path, key_path: Path, start: dt.datetime
+) -> tuple[x509.Certificate, CaKey, bool]:
     if cert_path.exists() and key_path.exists():
         cert, key = _load_ca(cert_path, key_path)
         return cert, key, False
     if cert_path.exists() or key_path.exists():
         present, missing = (cert_path, key_path) if cert_path.exists() else (key_path, cert_path)
-        raise ConfigError(f"{present} exists without {missing}: restore it, or move both away for a new CA")
+        raise ConfigError(
+            f"{present} exists without {missing}: restore it (or say where it is with --ca-key), or move "
+            "both away for a new CA"
+        )
     key, cert = _make_ca(start)
+    _make_folder(key_path.parent)
     _write_atomic(key_path, _key_pem(key), 0o600)
     _write_atomic(cert_path, _cert_pem(cert), 0o644)
     return cert, key, True
@@ -402,7 +434,8 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "certs",
         help="make the fleet's CA and certificates (mutual TLS)",
         description="Without --agent/--operator/--client/--router/--cloud: a router, a cloud, an operator, "
-        f"a client and the agents {' '.join(DEFAULTS['agent'])}. An existing DIR/ca.pem is reused.",
+        f"a client and the agents {' '.join(DEFAULTS['agent'])}. An existing DIR/ca.pem is reused, with "
+        "its key from --ca-key (default DIR/private/ca.key).",
     )
     certs.add_argument(
         "--out", type=Path, required=True, metavar="DIR", help="where the files go (made 0700)"
@@ -438,6 +471,13 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     certs.add_argument(
         "--days", type=int, default=DEFAULT_DAYS, help=f"leaf validity (default {DEFAULT_DAYS})"
     )
+    certs.add_argument(
+        "--ca-key",
+        type=Path,
+        metavar="FILE",
+        help="the CA's private key, read or made there (default: DIR/private/ca.key, or DIR/ca.key "
+        "where an older folder keeps it); it signs new identities, so no fleet machine needs it",
+    )
     certs.add_argument("--force", action="store_true", help="replace leaves that exist (never the CA)")
     certs.set_defaults(handler=run)
     return certs
@@ -457,7 +497,9 @@ def identities_of(args: argparse.Namespace) -> list[Identity]:
 
 
 def run(args: argparse.Namespace) -> int:
-    report = issue(args.out, identities_of(args), hosts=args.host, days=args.days, force=args.force)
+    report = issue(
+        args.out, identities_of(args), hosts=args.host, days=args.days, force=args.force, ca_key=args.ca_key
+    )
     print(format_report(report))
     return 0
 
@@ -482,9 +524,16 @@ def format_report(report: Report) -> str:
         for role in report.missing
     ]
     lines.append(
-        f"note: {ca.parent / 'ca.key'} signs new certificates: keep it off the fleet's machines "
+        f"note: {report.ca_key} signs new certificates: keep it off the fleet's machines "
         f"(each needs {ca.name} and its own pair only)"
     )
+    if report.ca_key.parent == ca.parent:
+        private = ca.parent / PRIVATE
+        lines.append(
+            f"note: {report.ca_key} sits beside the leaves, so a copy of the folder carries it: move it "
+            f"with `mkdir -m 700 {private} && mv {report.ca_key} {private}/` (found there from then on), "
+            "or anywhere else and pass --ca-key"
+        )
     return "\n".join(lines)
 
 

@@ -84,10 +84,12 @@ def test_default_fleet_files_and_modes(fleet: Path) -> None:
         "agent-edge-1",
     ]
     assert sorted(p.name for p in fleet.iterdir()) == sorted(
-        ["ca.pem", "ca.key", *(f"{s}.pem" for s in stems), *(f"{s}.key" for s in stems)]
+        ["ca.pem", "private", *(f"{s}.pem" for s in stems), *(f"{s}.key" for s in stems)]
     )
-    assert stat.S_IMODE(fleet.stat().st_mode) == 0o700
-    for key in fleet.glob("*.key"):
+    # the CA's key apart from the leaves a machine is given (issue 34 §5: it sat beside them)
+    assert [p.name for p in (fleet / "private").iterdir()] == ["ca.key"]
+    assert stat.S_IMODE(fleet.stat().st_mode) == stat.S_IMODE((fleet / "private").stat().st_mode) == 0o700
+    for key in [*fleet.glob("*.key"), fleet / "private" / "ca.key"]:
         assert stat.S_IMODE(key.stat().st_mode) == 0o600, key.name
 
 
@@ -203,17 +205,17 @@ def test_openssl_reads_the_files(fleet: Path) -> None:
 def test_a_second_run_reuses_the_ca_and_adds_only_what_it_is_asked(tmp_path: Path) -> None:
     out = tmp_path / "certs"
     assert certs(["--out", str(out), "--agent", "device-1"])[0] == 0
-    ca_pem, ca_key = (out / "ca.pem").read_bytes(), (out / "ca.key").read_bytes()
+    ca_pem, ca_key = (out / "ca.pem").read_bytes(), (out / "private" / "ca.key").read_bytes()
     code, printed = certs(["--out", str(out), "--agent", "device-9"])
     assert code == 0 and "(reused)" in printed and "device-9" in printed
-    assert (out / "ca.pem").read_bytes() == ca_pem and (out / "ca.key").read_bytes() == ca_key
+    assert (out / "ca.pem").read_bytes() == ca_pem and (out / "private" / "ca.key").read_bytes() == ca_key
     assert sorted(p.name for p in out.iterdir()) == [
         "agent-device-1.key",
         "agent-device-1.pem",
         "agent-device-9.key",
         "agent-device-9.pem",
-        "ca.key",
         "ca.pem",
+        "private",
     ]
     ca = load(out / "ca.pem")
     store = verification.Store([ca])
@@ -236,7 +238,7 @@ def test_every_role_flag_repeats_and_a_run_names_the_roles_the_folder_still_lack
         f"note: no cloud certificate here (the cloud gateway serves the routers with one): stratus certs --out {out} --cloud cloud",
         f"note: no operator certificate here (stratus fleet drain, reload, rollout and thresholds need one): "
         f"stratus certs --out {out} --operator operator",
-        f"note: {out / 'ca.key'} signs new certificates: keep it off the fleet's machines (each needs ca.pem and its own pair only)",
+        f"note: {out / 'private' / 'ca.key'} signs new certificates: keep it off the fleet's machines (each needs ca.pem and its own pair only)",
     ]
     code, printed = certs(["--out", str(out), "--cloud", "cloud", "--operator", "operator", "--client", "client"])
     assert code == 0 and not [line for line in printed.splitlines() if "no " in line and line.startswith("note: ")]
@@ -259,17 +261,47 @@ def test_an_existing_leaf_is_kept_unless_forced(tmp_path: Path) -> None:
 def test_a_ca_half_present_is_refused(tmp_path: Path) -> None:
     out = tmp_path / "certs"
     certs(["--out", str(out), "--client", "c1"])
-    (out / "ca.key").unlink()
-    with pytest.raises(ConfigError, match=r"ca\.pem exists without .*ca\.key"):
+    (out / "private" / "ca.key").unlink()
+    with pytest.raises(ConfigError, match=r"ca\.pem exists without .*private/ca\.key: restore it \(or say where it is with --ca-key\)"):
         certs(["--out", str(out), "--client", "c2"])
 
 
 def test_a_key_that_is_not_the_cas_is_refused(tmp_path: Path) -> None:
     out = tmp_path / "certs"
     certs(["--out", str(out), "--client", "c1"])
-    (out / "ca.key").write_bytes((out / "client-c1.key").read_bytes())
+    (out / "private" / "ca.key").write_bytes((out / "client-c1.key").read_bytes())
     with pytest.raises(ConfigError, match="is not the key of"):
         certs(["--out", str(out), "--client", "c2"])
+
+
+def test_a_folder_from_before_keeps_its_ca_key_beside_the_leaves_and_is_told_how_to_move_it(tmp_path: Path) -> None:
+    out = tmp_path / "certs"
+    certs(["--out", str(out), "--client", "c1"])
+    (out / "private" / "ca.key").rename(out / "ca.key")  # the layout every earlier run wrote
+    (out / "private").rmdir()
+    code, printed = certs(["--out", str(out), "--client", "c2"])
+    assert code == 0 and "(reused)" in printed and not (out / "private").exists()
+    assert f"note: {out / 'ca.key'} sits beside the leaves, so a copy of the folder carries it: move it with " in printed
+    moved = f"mkdir -m 700 {out / 'private'} && mv {out / 'ca.key'} {out / 'private'}/"
+    assert moved in printed
+    (out / "private").mkdir(mode=0o700)
+    (out / "ca.key").rename(out / "private" / "ca.key")  # as the note says
+    code, printed = certs(["--out", str(out), "--client", "c3"])
+    assert code == 0 and "(reused)" in printed and "sits beside the leaves" not in printed
+    (out / "ca.key").write_bytes((out / "private" / "ca.key").read_bytes())
+    with pytest.raises(ConfigError, match="holds two CA keys"):
+        certs(["--out", str(out), "--client", "c4"])
+
+
+def test_the_ca_key_lives_where_ca_key_says(tmp_path: Path) -> None:
+    out, vault = tmp_path / "certs", tmp_path / "vault" / "fleet-ca.key"
+    code, printed = certs(["--out", str(out), "--client", "c1", "--ca-key", str(vault)])
+    assert code == 0 and "(created)" in printed and vault.exists() and not (out / "private").exists()
+    assert stat.S_IMODE(vault.stat().st_mode) == 0o600
+    code, printed = certs(["--out", str(out), "--client", "c2", "--ca-key", str(vault)])
+    assert code == 0 and "(reused)" in printed
+    with pytest.raises(ConfigError, match=r"ca\.pem exists without .*private/ca\.key"):
+        certs(["--out", str(out), "--client", "c3"])  # not given: the default place has none
 
 
 @pytest.mark.parametrize("bad", ["../evil", "-dash", "a/b", "", "x" * 129, "dev ice", "ü"])

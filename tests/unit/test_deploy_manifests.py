@@ -817,7 +817,8 @@ def test_compose_mounts_files_that_exist(compose: Doc) -> None:
         for source, target, _ in mounts(service):
             # a key is mounted only where it is used: never the whole folder, never the CA's key
             assert source.rstrip("/") != CERTS.rstrip("/"), f"{name} mounts {source}"
-            assert source != f"{CERTS}ca.key", f"{name} mounts the CA's key"
+            assert source not in (f"{CERTS}ca.key", f"{CERTS}private/ca.key"), f"{name} mounts the CA's key"
+            assert not source.startswith(f"{CERTS}private"), f"{name} mounts the CA's folder"
             if source.startswith(CERTS):
                 continue  # made by `stratus certs`: test_compose_certs_command_makes_what_is_mounted
             if source.startswith("."):
