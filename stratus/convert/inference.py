@@ -34,6 +34,7 @@ from stratus.convert.tensors import (
 )
 from stratus.datatypes import Array, ParameterValue
 from stratus.errors import InvalidInput
+from stratus.families.chat import Message
 from stratus.families.generation import STREAM, GenerationParams
 from stratus.families.spec import TensorSpec
 from stratus.wire import inference_pb2 as pb
@@ -155,10 +156,11 @@ class TextRequest:
 
     model_name: str  # a family, or a pinned variant
     id: str
-    prompt: str
+    prompt: str  # what a variant without a chat template generates from
     params: GenerationParams
     options: RequestOptions = field(default_factory=RequestOptions)
     raw: bool = True  # the answer's text as a raw buffer (or typed, as a typed prompt came)
+    messages: tuple[Message, ...] = ()  # a chat's conversation, checked, for each tier's template
 
     def __post_init__(self) -> None:
         """Whichever front built it, a prompt over MAX_PROMPT_BYTES goes no further."""

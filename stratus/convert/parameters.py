@@ -17,7 +17,9 @@ and ``stratus.compute_ms`` (doubles) say where the request's time went where it 
 for a slot (the router's queue for an agent, the agent's or the gateway's own), and running in a
 runtime (the batches that held its items), summed over the tiers it ran on; every server's
 ModelStatistics adds them up as Triton's ``queue`` and ``compute_infer``. Parameters of the wrong type
-are refused by name, since a budget silently ignored is a promise silently broken.
+are refused by name, since a budget silently ignored is a promise silently broken. A generative
+request's conversation (``stratus.messages``) and an answer's ``stratus.chat_template`` are
+:mod:`stratus.families.chat`'s.
 """
 
 from __future__ import annotations

@@ -1,20 +1,24 @@
 """Generative requests and responses in the Open Inference Protocol, as Triton's vLLM
 backend has them: one prompt in ``text_input`` (and optional ``sampling_parameters``), text
 out in ``text_output``, streamed chunk by chunk with token log-probabilities and counts as
-parameters. Read and written here for every server and client of a text model."""
+parameters. A chat's conversation rides beside the prompt as the ``stratus.messages``
+parameter, and an answer says ``stratus.chat_template`` where a tier rendered it
+(:mod:`stratus.families.chat`). Read and written here for every server and client of a text
+model."""
 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Protocol
 
 from stratus import datatypes
 from stratus.convert import codec
 from stratus.convert.inference import MAX_PROMPT_BYTES, Addressed, InferRequest, InferResult, TextRequest
-from stratus.convert.parameters import MODEL_VERSION, VARIANT, set_parameter
+from stratus.convert.parameters import MODEL_VERSION, VARIANT, RequestOptions, set_parameter
 from stratus.datatypes import ParameterValue
 from stratus.errors import InvalidInput
+from stratus.families.chat import CHAT_TEMPLATE, MESSAGES, Message, conversation_json, read_conversation
 from stratus.families.generation import (
     COMPLETION_TOKENS,
     MAX_TOKENS,
@@ -47,14 +51,28 @@ def text_request(request: InferRequest, family: str, limit: int) -> TextRequest:
     """An OIP generative request as the router's cascade takes it (as the OpenAI API builds
     one): its prompt and settings read and checked, and what it asks of the router."""
     prompt, params = read_generation(request, family, limit)
+    asked = {key: value for key, value in request.parameters.items() if key != MESSAGES}
     return TextRequest(
         model_name=request.model_name,
         id=request.id,
         prompt=prompt,
         params=params,
-        options=request.options(),
+        options=RequestOptions.from_values(asked),
         raw=not request.typed,
+        messages=conversation_of(request),
     )
+
+
+def conversation_of(request: InferRequest) -> tuple[Message, ...]:
+    """The conversation a request carries in ``stratus.messages``, checked; () without one."""
+    return read_conversation(request.parameters[MESSAGES]) if MESSAGES in request.parameters else ()
+
+
+def chat_templated(parameters: Mapping[str, ParameterValue | None], *, asked: bool) -> bool | None:
+    """Whether the tier that answered rendered the request's conversation with its chat
+    template (a tier that does not say did not: it generated from ``text_input``); None for
+    a request with no conversation."""
+    return parameters.get(CHAT_TEMPLATE) is True if asked else None
 
 
 def read_generation(request: InferRequest, family: str, limit: int) -> tuple[str, GenerationParams]:
@@ -118,12 +136,15 @@ def check_prompt_size(request: InferRequest) -> None:
 
 
 def prompt_request(
-    model: str, request_id: str, prompt: str, params: GenerationParams
+    model: str, request_id: str, prompt: str, params: GenerationParams, messages: Sequence[Message] = ()
 ) -> pb.ModelInferRequest:
     """A generative request holding only a checked prompt and its settings (what agents and
     the cloud are sent): ``max_tokens`` as a parameter, the rest, where asked for, in a
-    ``sampling_parameters`` input as Triton's vLLM backend takes them."""
+    ``sampling_parameters`` input as Triton's vLLM backend takes them; a chat's checked
+    conversation as ``stratus.messages``."""
     request = pb.ModelInferRequest(model_name=model, id=request_id)
+    if messages:
+        set_parameter(request.parameters, MESSAGES, conversation_json(messages))
     inputs = {TEXT_INPUT: text_array(prompt)}
     settings = sampling_object(params)
     if settings is not None:

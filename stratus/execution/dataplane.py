@@ -14,6 +14,7 @@ from stratus.convert.tensors import MAX_REQUEST_ITEMS
 from stratus.convert.text import chunk_result, generative_config, generative_metadata, read_usage
 from stratus.errors import DeadlineExceeded
 from stratus.execution.models import LocalAnswer, LocalModels
+from stratus.families.chat import CHAT_TEMPLATE
 from stratus.families.generation import FINAL, FINISH_REASON, Chunk
 from stratus.families.spec import TensorSpec
 from stratus.obs.metrics import counted
@@ -96,6 +97,8 @@ class LocalDataPlane(DataPlane):
         final = chunk_result(request, ending)
         final.parameters[FINAL] = True
         final.parameters.update(self._served(answer).values())
+        if CHAT_TEMPLATE in answer.result.parameters:  # a chat's: how its prompt was made
+            final.parameters[CHAT_TEMPLATE] = answer.result.parameters[CHAT_TEMPLATE]
         yield final
 
     def _served(self, answer: LocalAnswer) -> Served:

@@ -1,4 +1,5 @@
-"""Generative variants loaded on this machine, and how a prompt becomes a stream of chunks.
+"""Generative variants loaded on this machine, and how a prompt (or a chat's conversation,
+rendered by each variant's own chat template where its GGUF has one) becomes a stream of chunks.
 
 Used beside :class:`stratus.execution.models.LocalModels` (which owns it) by the edge agent and the
 cloud gateway. A generation runs on an executor thread; each token crosses to the event
@@ -20,7 +21,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from stratus.convert.inference import InferRequest
-from stratus.convert.text import prompt_and_params
+from stratus.convert.text import conversation_of, prompt_and_params
 from stratus.errors import ModelLoadError, NotFound, Overloaded, RuntimeUnavailable
 from stratus.families.generation import (
     Chunk,
@@ -54,6 +55,9 @@ class Generated:
     service_ms: float
     prompt_tokens: int
     completion_tokens: int
+    chat_template: bool | None = (
+        None  # a chat's: rendered by the variant's template (or its last user message)
+    )
 
 
 # Threads for generations; how many run at once per variant is the runtime's ``parallel``
@@ -267,6 +271,7 @@ class LocalGenerators:
         family, variant = self.variant_for(request.model_name)
         assert family.generation is not None
         prompt, params = prompt_and_params(request, family)
+        conversation = conversation_of(request)
         loop = asyncio.get_running_loop()
         tokens: asyncio.Queue[Token | None] = asyncio.Queue()
         stop = threading.Event()
@@ -279,7 +284,7 @@ class LocalGenerators:
 
         def run() -> Finished:
             try:
-                return self.runners[variant.name].generate(prompt, params, emit)
+                return self.runners[variant.name].converse(conversation, prompt, params, emit)
             finally:
                 loop.call_soon_threadsafe(tokens.put_nowait, None)
 
@@ -310,6 +315,7 @@ class LocalGenerators:
             service_ms=clock.since_arrival_s() * 1000.0,
             prompt_tokens=finished.prompt_tokens,
             completion_tokens=made,
+            chat_template=finished.templated if conversation else None,
         )
 
     async def _start(self, name: str, run: Callable[[], Finished]) -> asyncio.Future[Finished]:

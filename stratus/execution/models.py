@@ -40,6 +40,7 @@ from stratus.execution.loading import (
     load_variant,
     select_variants,
 )
+from stratus.families.chat import CHAT_TEMPLATE
 from stratus.families.confidence import confidence
 from stratus.families.generation import FINISH_REASON, Chunk
 from stratus.families.precision import Hardware, this_hardware
@@ -369,6 +370,8 @@ class LocalModels:
         done = await self.generators.generate(request, on_chunk)
         result = text_result(request, done.text)
         result.parameters[FINISH_REASON] = done.finish_reason
+        if done.chat_template is not None:
+            result.parameters[CHAT_TEMPLATE] = done.chat_template
         usage = Chunk(tokens=(), prompt_tokens=done.prompt_tokens, completion_tokens=done.completion_tokens)
         result.parameters.update(usage.usage())
         return LocalAnswer(

@@ -124,15 +124,25 @@ def sampling_object(params: GenerationParams) -> dict[str, Any] | None:
     return {MAX_TOKENS: params.max_tokens, **extra} if extra else None
 
 
-def _sampling_object(raw: bytes) -> dict[str, Any]:
-    if len(raw) > MAX_SETTINGS_BYTES:
-        raise FieldError(SAMPLING_PARAMETERS, f"'{SAMPLING_PARAMETERS}' is over {MAX_SETTINGS_BYTES} bytes")
+def read_json(raw: str | bytes, name: str, *, limit: int, kind: type, shape: str) -> Any:
+    """``raw`` (a request's input or parameter) parsed as JSON of type ``kind``, each refusal
+    naming ``name``; over ``limit`` bytes (a string's characters, which are no more) it is
+    refused before it is parsed."""
+    if len(raw) > limit:
+        raise FieldError(name, f"'{name}' is over {limit} bytes")
     try:
-        values = json.loads(raw)
+        value = json.loads(raw)
     except (ValueError, RecursionError):
-        raise FieldError(SAMPLING_PARAMETERS, f"'{SAMPLING_PARAMETERS}' is not JSON") from None
-    if not isinstance(values, dict):
-        raise FieldError(SAMPLING_PARAMETERS, f"'{SAMPLING_PARAMETERS}' must be a JSON object")
+        raise FieldError(name, f"'{name}' is not JSON") from None
+    if not isinstance(value, kind):
+        raise FieldError(name, f"'{name}' must be {shape}")
+    return value
+
+
+def _sampling_object(raw: bytes) -> dict[str, Any]:
+    values: dict[str, Any] = read_json(
+        raw, SAMPLING_PARAMETERS, limit=MAX_SETTINGS_BYTES, kind=dict, shape="a JSON object"
+    )
     unknown = sorted(set(values) - set(SETTINGS) - set(UNSUPPORTED))
     if unknown:
         raise FieldError(

@@ -18,11 +18,16 @@ Runtimes, best first where both are installed:
   top-2 margin.
 
 :func:`generative_order` says which comes first on each tier.
+
+A chat request's conversation is rendered here, by :meth:`GenerativeRunner.converse`, with
+the chat template the variant's own GGUF carries (:mod:`stratus.runtimes.chat_template`, the
+same for both runtimes), or, where it carries none, replaced by the last user message.
 """
 
 from __future__ import annotations
 
 import abc
+import dataclasses
 import itertools
 import logging
 import secrets
@@ -33,9 +38,11 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from stratus.errors import InvalidInput, ModelLoadError, NotFound, RuntimeUnavailable
+from stratus.families.chat import Message
 from stratus.families.generation import GenerationParams, StopCut, Token
 from stratus.families.spec import FamilySpec, VariantSpec
 from stratus.runtimes.base import Availability, LoadFailure, LoadOptions, RuntimeDescription, warmed_up
+from stratus.runtimes.chat_template import ChatTemplate, chat_template_of
 from stratus.tiers import Tier
 
 Emit = Callable[[Token], bool]
@@ -45,10 +52,12 @@ log = logging.getLogger("stratus.runtimes")
 @dataclass(frozen=True, kw_only=True)
 class Finished:
     """How a generation ended ("stop", "length", or "cancelled" when ``emit`` said stop),
-    and how many tokens the runtime's tokenizer made of the prompt."""
+    how many tokens the runtime's tokenizer made of the prompt, and whether that prompt was
+    a conversation rendered by the model's chat template."""
 
     reason: str
     prompt_tokens: int
+    templated: bool = False
 
 
 class GenerativeRunner(abc.ABC):
@@ -62,6 +71,7 @@ class GenerativeRunner(abc.ABC):
         self.path = path
         self.options = options
         self.context = context
+        self.chat: ChatTemplate | None = None  # the GGUF's, read once the runtime took the file
 
     @staticmethod
     @abc.abstractmethod
@@ -77,8 +87,26 @@ class GenerativeRunner(abc.ABC):
         return Availability(available=True)
 
     @abc.abstractmethod
-    def generate(self, prompt: str, params: GenerationParams, emit: Emit) -> Finished:
-        """The tokens for ``prompt`` through ``emit``, up to a stop string's last token."""
+    def generate(
+        self, prompt: str, params: GenerationParams, emit: Emit, *, special: bool = False
+    ) -> Finished:
+        """The tokens for ``prompt`` through ``emit``, up to a stop string's last token.
+
+        ``special``: the prompt was rendered by a chat template, so the text of a special
+        token in it (``<s>``) is that token, and the tokenizer adds no BOS of its own (the
+        template writes it where the model wants it), as transformers tokenizes a rendered
+        chat; a plain prompt's text is only text."""
+
+    def converse(
+        self, conversation: Sequence[Message], fallback: str, params: GenerationParams, emit: Emit
+    ) -> Finished:
+        """A chat request's generation: the conversation as this model's chat template
+        renders it (on the calling executor thread: a long one is no work for the event
+        loop), or, where the GGUF carries none, ``fallback`` as a plain prompt."""
+        if self.chat is None or not conversation:
+            return self.generate(fallback, params, emit)
+        prompt = self.chat.render(conversation)
+        return dataclasses.replace(self.generate(prompt, params, emit, special=True), templated=True)
 
     def describe(self) -> RuntimeDescription:
         return RuntimeDescription(
@@ -170,9 +198,12 @@ class OpenVinoGenAiRunner(GenerativeRunner):
             config.include_stop_str_in_output = True  # emitted as made; the caller cuts it
         return config
 
-    def generate(self, prompt: str, params: GenerationParams, emit: Emit) -> Finished:
-        """The prompt is tokenized here (as the pipeline would), for its count."""
-        ids = self._tokenizer.encode(prompt).input_ids
+    def generate(
+        self, prompt: str, params: GenerationParams, emit: Emit, *, special: bool = False
+    ) -> Finished:
+        """The prompt is tokenized here (as the pipeline would), for its count; GenAI's
+        tokenizer reads a special token's text as that token either way."""
+        ids = self._tokenizer.encode(prompt, add_special_tokens=not special).input_ids
         self.check_context(ids.get_size(), params)
         handle = self._pipe.add_request(next(self._ids), ids, self._config(params))
         try:
@@ -255,8 +286,10 @@ class LlamaCppRunner(GenerativeRunner):
     def library() -> Any:
         return _llama_cpp()
 
-    def generate(self, prompt: str, params: GenerationParams, emit: Emit) -> Finished:
-        prompt_ids = self._llama.tokenize(prompt.encode("utf-8"), add_bos=False, special=False)
+    def generate(
+        self, prompt: str, params: GenerationParams, emit: Emit, *, special: bool = False
+    ) -> Finished:
+        prompt_ids = self._llama.tokenize(prompt.encode("utf-8"), add_bos=False, special=special)
         self.check_context(len(prompt_ids), params)
         with self._lock:
             self._llama.reset()
@@ -479,4 +512,9 @@ def _warm_generator(
     """A runner that has generated its warm-up token; a failing warm-up is a refusal too."""
     assert family.generation is not None
     runner = cls(variant=variant, path=path, options=options, context=family.generation.context)
+    try:  # after the runtime's own reading: a file it refuses says so in its words
+        runner.chat = chat_template_of(path)
+    except ModelLoadError:
+        runner.close()
+        raise
     return warmed_up(runner, cls.runtime, path)

@@ -15,11 +15,13 @@ import pytest
 
 from stratus.convert.inference import InferRequest
 from stratus.errors import InvalidInput, ModelLoadError, NotFound
+from stratus.families.chat import Message
 from stratus.families.generation import GenerationParams, Token
 from stratus.families.repository import ModelRepository
 from stratus.runtimes.base import LoadOptions
 from stratus.runtimes.generative import (
     GENERATORS,
+    Finished,
     GenerativeRunner,
     _greedy_step,
     _sampled_step,
@@ -29,6 +31,7 @@ from stratus.runtimes.generative import (
 )
 from stratus.tiers import Tier
 from stratus.tools.arith import solve
+from tests.gguf_kv import templated_arith
 
 MODELS = Path(__file__).resolve().parents[2] / "models"
 PROMPTS = ["37+48=", "90-45=", "12+5=", "81-19="]
@@ -415,3 +418,60 @@ def test_a_burst_of_requests_through_local_generators_answers_each_alike(
         generators.close()
     assert together == alone
     assert sum(text == solve(p) for text, p in zip(alone, prompts, strict=True)) >= 16  # real answers, mostly right
+
+
+JOINED = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+CONVERSATION = (
+    Message(role="user", content="12+"),
+    Message(role="assistant", content=""),
+    Message(role="user", content="30="),
+)
+
+
+def templated_runner(runtime: str, tmp_path: Path, template: str) -> GenerativeRunner:
+    """arith-medium from a copy of the family whose GGUF carries ``template``."""
+    repository = ModelRepository.load(templated_arith(tmp_path / "models", {"arith-medium": template}))
+    options = LoadOptions(tier=Tier.EDGE, cache_dir=Path("/nonexistent"))
+    model = load_generator(repository.family("arith"), repository.variant("arith-medium"), options, runtimes=[runtime])
+    OPENED.append(model)
+    return model
+
+
+def converse(model: GenerativeRunner, fallback: str) -> tuple[list[Token], Finished]:
+    tokens: list[Token] = []
+    finished = model.converse(CONVERSATION, fallback, GenerationParams(max_tokens=4), lambda t: tokens.append(t) or True)  # type: ignore[func-returns-value]
+    return tokens, finished
+
+
+@pytest.mark.parametrize("runtime", RUNTIMES)
+def test_each_runtime_generates_from_the_conversation_its_gguf_template_renders(runtime: str, tmp_path: Path) -> None:
+    model = templated_runner(runtime, tmp_path, JOINED)
+    tokens, finished = converse(model, "30=")
+    alone, _ = generate(model, "12+30=", max_tokens=4)
+    assert finished.templated and text(tokens) == text(alone) == solve("12+30=")
+    assert finished.prompt_tokens == generate_finished(model, "12+30=")[1].prompt_tokens
+    plain = runner(runtime, "arith-medium")  # the shipped file: no template, the last user message
+    tokens, finished = converse(plain, "30=")
+    assert not finished.templated and text(tokens) == text(generate(plain, "30=", max_tokens=4)[0])
+    assert finished.prompt_tokens == generate_finished(plain, "30=")[1].prompt_tokens
+
+
+@pytest.mark.parametrize("runtime", RUNTIMES)
+def test_a_rendered_prompts_special_token_text_is_that_token_and_no_bos_is_added(runtime: str, tmp_path: Path) -> None:
+    model = templated_runner(runtime, tmp_path, "{{ bos_token }}" + JOINED + "{{ eos_token }}")
+    _, finished = converse(model, "30=")
+    # <s> and </s> one token each (as text, llama.cpp would make three and four of them)
+    assert finished.prompt_tokens == 1 + generate_finished(model, "12+30=")[1].prompt_tokens + 1
+
+
+@pytest.mark.parametrize("runtime", RUNTIMES)
+def test_a_template_that_raises_refuses_the_conversation(runtime: str, tmp_path: Path) -> None:
+    model = templated_runner(runtime, tmp_path, "{{ raise_exception('one user message only') }}")
+    with pytest.raises(InvalidInput, match=r"arith-medium\.gguf refused the conversation: TemplateError: one user message only"):
+        converse(model, "30=")
+
+
+def generate_finished(model: GenerativeRunner, prompt: str) -> tuple[list[Token], Finished]:
+    tokens: list[Token] = []
+    finished = model.generate(prompt, GenerationParams(max_tokens=1), lambda t: tokens.append(t) or True)  # type: ignore[func-returns-value]
+    return tokens, finished
