@@ -246,9 +246,9 @@ class RouterDataPlane(DataPlane):
         family, pinned = self._family_of(request.model_name)
         params, options = request.params, request.options
         check_max_tokens(params.max_tokens, info.max_tokens, family)
-        # The tiers get the checked prompt and settings alone, never the client's message
-        # (whatever else it carried would travel on every agent's link).
-        checked = prompt_request(pinned or family, request.id, request.prompt, params)
+        # The tiers get the checked prompt, settings and conversation alone, never the client's
+        # message (whatever else it carried would travel on every agent's link).
+        checked = prompt_request(pinned or family, request.id, request.prompt, params, request.messages)
         if pinned is not None:  # a pinned variant runs exactly there, on its own tier only
             options = pinned_options(options, self.registry.index.tiers(pinned))
         label = self._family_label(request.model_name)

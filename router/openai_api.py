@@ -17,8 +17,20 @@ by name (``param``), not ignored. Every answer carries ``usage`` (the answering 
 counts), and a stream with ``stream_options.include_usage`` ends with a chunk of it. A
 completion's ``prompt`` may be a list of strings: one choice per prompt, each climbing on its
 own (streamed too, chunks by ``index``). ``/health`` and ``/v1/models/{id}`` answer as vLLM's
-do. A chat request's prompt is its last user message (the shipped families have no chat
-template).
+do.
+
+A chat request's whole conversation (``system``, ``user`` and ``assistant`` messages, in
+order; each content a string or a list of ``text`` parts, joined by newlines as vLLM joins
+them; any other role, part type, or message field asking for something is a 400 naming
+``messages``) goes to every tier it climbs to, and each renders it with its own model's chat
+template, where the variant's GGUF carries one (``tokenizer.chat_template``: Jinja2, sandboxed,
+``add_generation_prompt`` true, ``bos_token`` and ``eos_token`` given, as transformers renders
+it). A variant whose GGUF has none (the shipped arith models) generates from the last user
+message alone, as before. Which of the two happened is in the answer: the ``stratus`` object's
+``chat_template`` is true where the answering tier rendered the conversation, false where it
+did not, with a ``note`` saying that the earlier messages were not seen. A template that
+refuses the conversation, or a rendered prompt past the model's context, is a 400 naming
+``messages``; ``usage.prompt_tokens`` counts the rendered prompt.
 
 Bodies are read and checked by :mod:`router.openai_requests`, answers shaped by
 :mod:`router.openai_replies`; this module serves them. Errors come back in OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``,
@@ -38,12 +50,13 @@ from typing import Any
 
 from aiohttp import web
 
-from router.cascade.generate import Generation, TextGenerator
+from router.cascade.generate import Generation, Sink, TextGenerator
 from router.openai_replies import Reply, model_entry
 from router.openai_requests import (
     check_fields,
     choice_params,
     choices_of,
+    messages_of,
     options_of,
     prompts_of,
     settings_of,
@@ -59,6 +72,7 @@ from stratus.errors import (
     StratusError,
     drop_frames,
 )
+from stratus.families.chat import Message, last_user_message
 from stratus.families.generation import Chunk
 from stratus.families.sampling import FieldError
 from stratus.serving.auth import is_loopback, same_secret
@@ -207,21 +221,21 @@ class OpenAiApi:
         return await self._answer(request, body, prompts_of(body.get("prompt")), chat=False)
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
+        """The conversation travels to each tier; the last user message is the prompt of a
+        variant without a chat template."""
         body = await _body(request)
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages:
-            raise FieldError("messages", "'messages' must be a non-empty list")
-        users = [m for m in messages if isinstance(m, dict) and m.get("role") == "user"]
-        content = users[-1].get("content") if users else None
-        if not isinstance(content, str):
-            raise FieldError("messages", "the last user message must have string 'content'")
-        if not content:
-            raise FieldError("messages", "the last user message is empty: a generation needs a prompt")
-        return await self._answer(request, body, [content], chat=True)
+        messages = messages_of(body.get("messages"))
+        return await self._answer(request, body, [last_user_message(messages)], chat=True, messages=messages)
 
     # -- the shared path -------------------------------------------------------------------------
     async def _answer(
-        self, http: web.Request, body: Mapping[str, Any], prompts: Sequence[str], *, chat: bool
+        self,
+        http: web.Request,
+        body: Mapping[str, Any],
+        prompts: Sequence[str],
+        *,
+        chat: bool,
+        messages: tuple[Message, ...] = (),
     ) -> web.StreamResponse:
         check_fields(body, chat=chat)
         model = body.get("model")
@@ -234,7 +248,7 @@ class OpenAiApi:
         options = options_of(body)
         n = choices_of(body, len(prompts))
         requests = [  # choice index = prompt index * n + choice, as OpenAI numbers them
-            text_request(model, prompt, choice_params(params, choice), options)
+            text_request(model, prompt, choice_params(params, choice), options, messages)
             for prompt in prompts
             for choice in range(n)
         ]
@@ -248,7 +262,7 @@ class OpenAiApi:
         )
         if stream:
             return await self._stream(http, requests, reply)
-        works = [asyncio.create_task(self.plane.generate_text(r, timeout_s=None)) for r in requests]
+        works = [asyncio.create_task(self._generate(r)) for r in requests]
         try:
             results = await asyncio.gather(*works)
         finally:
@@ -294,9 +308,21 @@ class OpenAiApi:
         async def sink(chunk: Chunk) -> None:
             events.put_nowait((index, chunk))
 
-        work = asyncio.create_task(self.plane.generate_text(request, timeout_s=None, sink=sink))
+        work = asyncio.create_task(self._generate(request, sink))
         work.add_done_callback(lambda done: events.put_nowait((index, _outcome(done))))
         return work
+
+    async def _generate(self, request: TextRequest, sink: Sink | None = None) -> Generation:
+        """One choice through the tiers. A tier's refusal of a chat's prompt (its template
+        raised, or the rendered prompt is past its context) names ``messages``: every other
+        field was checked here before any tier saw the request, and a refusal crosses the
+        link as a status and a text, without a ``param``."""
+        try:
+            return await self.plane.generate_text(request, timeout_s=None, sink=sink)
+        except InvalidInput as exc:
+            if not request.messages or getattr(exc, "param", None) is not None:
+                raise
+            raise FieldError("messages", str(exc)) from None
 
     async def _relay(
         self,

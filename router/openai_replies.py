@@ -102,8 +102,17 @@ def model_entry(name: str) -> dict[str, Any]:
     return {"id": name, "object": "model", "created": 0, "owned_by": "stratus"}
 
 
+# What a chat's answer says where its tier did not render the conversation.
+NO_TEMPLATE_NOTE = (
+    "the answering variant has no chat template (its GGUF carries none, or its tier does not "
+    "render conversations): its prompt was the last user message alone, and the earlier "
+    "messages were not seen"
+)
+
+
 def stratus_object(result: Generation) -> dict[str, Any]:
-    return {
+    """Where the answer came from; for a chat, whether its tier rendered the conversation."""
+    served = {
         "tier": result.tier.label,
         "agent": result.agent,
         "variant": result.variant,
@@ -113,6 +122,10 @@ def stratus_object(result: Generation) -> dict[str, Any]:
         "timings_ms": {t.label: round(ms, 3) for t, ms in result.timings_ms.items()},
         "tokens": {t.label: n for t, n in result.generated.items()},
     }
+    if result.chat_template is None:
+        return served
+    note = {} if result.chat_template else {"note": NO_TEMPLATE_NOTE}
+    return {**served, "chat_template": result.chat_template, **note}
 
 
 def _finish(reason: str) -> str:

@@ -1,7 +1,8 @@
-"""The OpenAI API's request bodies, read and checked: the prompts, the generation's settings
-(:mod:`stratus.families.sampling`, the same rules as over the Open Inference Protocol), the
-``stream_options``, Stratus's own ``stratus`` options, and each prompt as the Open Inference
-Protocol request the cascade takes. Whatever is not honoured is refused by name (``param``).
+"""The OpenAI API's request bodies, read and checked: the prompts, a chat's messages, the
+generation's settings (:mod:`stratus.families.sampling`, the same rules as over the Open
+Inference Protocol), the ``stream_options``, Stratus's own ``stratus`` options, and each
+prompt as the Open Inference Protocol request the cascade takes. Whatever is not honoured is
+refused by name (``param``).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any, Final
 from stratus.convert.inference import TextRequest
 from stratus.convert.parameters import PREFIX, RequestOptions
 from stratus.errors import InvalidInput
+from stratus.families.chat import MAX_MESSAGES, Message, check_conversation, last_user_message
 from stratus.families.generation import MAX_TOKENS, GenerationParams
 from stratus.families.sampling import SETTINGS, UNSUPPORTED, FieldError, settings_from
 
@@ -161,6 +163,65 @@ def prompts_of(prompt: Any) -> list[str]:
     raise FieldError("prompt", "'prompt' must be a string or a non-empty list of strings")
 
 
+def messages_of(listed: Any) -> tuple[Message, ...]:
+    """A chat's whole conversation, in order: each message's role (system, user or
+    assistant), its content (a string, or a list of text parts, joined by newlines as vLLM
+    joins them; an assistant's may be null) and its name; checked as every front checks one,
+    and with a last user message to generate from where a model has no chat template."""
+    if not isinstance(listed, list) or not listed:
+        raise FieldError("messages", "'messages' must be a non-empty list")
+    if len(listed) > MAX_MESSAGES:
+        raise FieldError(
+            "messages", f"'messages' holds {len(listed)} messages; at most {MAX_MESSAGES} are taken"
+        )
+    messages = tuple(_message(index, item) for index, item in enumerate(listed))
+    check_conversation(messages, param="messages")
+    if not last_user_message(messages):
+        raise FieldError("messages", "the last user message is empty: a generation needs a prompt")
+    return messages
+
+
+def _message(index: int, item: Any) -> Message:
+    """One OpenAI message; a key other than role, content and name is taken only where it
+    asks for nothing (an answer's ``tool_calls: []`` sent back), else refused by name."""
+    where = f"messages[{index}]"
+    if not isinstance(item, dict) or not isinstance(item.get("role"), str):
+        raise FieldError("messages", f"{where} must be an object with a string 'role'")
+    for key, value in item.items():
+        if key not in ("role", "content", "name") and not _empty(value):
+            raise FieldError("messages", f"{where} has '{str(key)[:32]}', which Stratus does not take")
+    name = item.get("name")
+    if name is not None and not isinstance(name, str):
+        raise FieldError("messages", f"{where}.name must be a string")
+    return Message(role=item["role"], content=_content(where, item["role"], item.get("content")), name=name)
+
+
+def _content(where: str, role: str, content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if content is None and role == "assistant":  # OpenAI's schema: an assistant's is optional
+        return ""
+    if isinstance(content, list) and content:
+        return "\n".join(_text(f"{where}.content[{i}]", part) for i, part in enumerate(content))
+    raise FieldError("messages", f"{where}.content must be a string or a non-empty list of text parts")
+
+
+def _text(where: str, part: Any) -> str:
+    """A content part's text: only ``{"type": "text", "text": ...}`` parts are taken."""
+    kind = part.get("type") if isinstance(part, dict) else None
+    if kind != "text":
+        named = f"a '{str(kind)[:32]}' part" if isinstance(kind, str) else "not a content part"
+        raise FieldError("messages", f"{where} is {named}; Stratus takes only text parts")
+    if not isinstance(part.get("text"), str) or set(part) != {"type", "text"}:
+        raise FieldError("messages", f"{where} must be exactly {{'type': 'text', 'text': a string}}")
+    text: str = part["text"]
+    return text
+
+
+def _empty(value: Any) -> bool:
+    return value is None or (isinstance(value, str | list | dict) and not value)
+
+
 def _non_empty(prompt: str) -> str:
     """An empty prompt gives a runtime nothing to continue (OpenVINO GenAI fails an
     assertion on it): refused at the door, as vLLM refuses it."""
@@ -246,15 +307,21 @@ def options_of(body: Mapping[str, Any]) -> dict[str, float | str]:
 
 
 def text_request(
-    model: str, prompt: str, params: GenerationParams, options: Mapping[str, float | str]
+    model: str,
+    prompt: str,
+    params: GenerationParams,
+    options: Mapping[str, float | str],
+    messages: tuple[Message, ...] = (),
 ) -> TextRequest:
-    """One prompt as the request the cascade takes: no protobuf is built for it."""
+    """One prompt (and a chat's conversation) as the request the cascade takes: no protobuf
+    is built for it."""
     return TextRequest(
         model_name=model,
         id=uuid.uuid4().hex[:16],
         prompt=prompt,
         params=params,
         options=RequestOptions.from_values(options),
+        messages=messages,
     )
 
 

@@ -46,9 +46,10 @@ from router.policy.climb import (
 )
 from stratus.convert.inference import TextRequest
 from stratus.convert.parameters import RequestOptions, Served, values_of
-from stratus.convert.text import read_usage
+from stratus.convert.text import chat_templated, read_usage
 from stratus.datatypes import ParameterValue
 from stratus.errors import StratusError
+from stratus.families.chat import CHAT_TEMPLATE, MESSAGES
 from stratus.families.confidence import accepts, threshold_for
 from stratus.families.description import FamilyDescription
 from stratus.families.generation import (
@@ -104,6 +105,7 @@ class Generation:
     precision: str = ""  # of the variant that answered, where it is known
     prompt_tokens: int | None = None  # the answering tier's count; None where it did not say
     completion_tokens: int = 0  # tokens the answering tier generated for this answer
+    chat_template: bool | None = None  # a chat's: the answering tier rendered it (else its last user message)
 
 
 @dataclass
@@ -306,7 +308,8 @@ class GenerationCascade:
         try:
             result = await target.candidate.generate(self.request, on_chunk, budget_ms=remaining)
             show(answer.finish())
-            prompt_tokens, completion_tokens = read_usage(values_of(result.response.parameters))
+            said = values_of(result.response.parameters)
+            prompt_tokens, completion_tokens = read_usage(said)
         except asyncio.CancelledError as exc:
             if exc.args == ("hopeless",) and asyncio.current_task() is work:
                 work.uncancel()  # type: ignore[union-attr]
@@ -333,6 +336,7 @@ class GenerationCascade:
             timings_ms=dict(self.timings),
             prompt_tokens=prompt_tokens,
             completion_tokens=completion_tokens,
+            chat_template=chat_templated(said, asked=MESSAGES in self.request.parameters),
         )
 
     async def _pump(self, shown: asyncio.Queue[Chunk | None]) -> None:
@@ -360,6 +364,8 @@ def generation_values(result: Generation) -> dict[str, ParameterValue]:
         timings_ms=result.timings_ms,
     ).values()
     values[FINISH_REASON] = result.finish_reason
+    if result.chat_template is not None:
+        values[CHAT_TEMPLATE] = result.chat_template
     answer = Chunk(
         tokens=result.tokens, prompt_tokens=result.prompt_tokens, completion_tokens=result.completion_tokens
     )

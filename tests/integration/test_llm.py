@@ -153,6 +153,13 @@ def test_chat_and_a_pinned_variant(llm: LlmFleet) -> None:
     )  # fmt: skip
     text, _ = complete(llm, PROMPTS[0], min_confidence=0.0)
     assert chat.choices[0].message.content == text
+    # The shipped GGUFs carry no chat template: the last user message alone, and the answer says so.
+    turns = [{"role": "user", "content": "12+"}, {"role": "assistant", "content": ""}, {"role": "user", "content": PROMPTS[0]}]  # fmt: skip
+    told = client.chat.completions.create(model="arith", messages=turns, max_tokens=4, extra_body={"stratus": {"min_confidence": 0.0}})  # type: ignore[arg-type]  # fmt: skip
+    said = (told.model_extra or {})["stratus"]
+    assert told.choices[0].message.content == text and told.usage is not None and told.usage.prompt_tokens == chat.usage.prompt_tokens  # type: ignore[union-attr]  # fmt: skip
+    assert said["chat_template"] is False and "the earlier messages were not seen" in said["note"]
+    assert "chat_template" not in (complete(llm, PROMPTS[0])[1])  # a completion has no conversation
     pinned = client.completions.create(model="arith-medium", prompt=PROMPTS[0], max_tokens=4, logprobs=1)
     assert (pinned.model_extra or {})["stratus"]["variant"] == "arith-medium"
     assert pinned.choices[0].logprobs is not None and all(
