@@ -21,15 +21,14 @@ import argparse
 import contextlib
 import datetime as dt
 import ipaddress
-import os
 import re
 import sys
-import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Final
 
+from stratus.durable import write_atomically
 from stratus.errors import ConfigError
 from stratus.serving.auth import NAME_PATTERN, role_server_name
 from stratus.serving.auth import ROLES as AUTH_ROLES
@@ -209,23 +208,6 @@ def _make_folder(out: Path) -> None:
         raise ConfigError(f"{out} is not a folder")
 
 
-def _write_atomic(path: Path, data: bytes, mode: int) -> None:
-    """Write whole or not at all: a scratch file in the same folder (mkstemp: 0600, a name
-    nobody can predict), then a rename over ``path``."""
-    fd, scratch = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.chmod(scratch, mode)
-        os.replace(scratch, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(scratch)
-        raise
-
-
 def _load_or_make_ca(
     cert_path: Path, key_path: Path, start: dt.datetime
 ) -> tuple[x509.Certificate, CaKey, bool]:
@@ -240,8 +222,8 @@ def _load_or_make_ca(
         )
     key, cert = _make_ca(start)
     _make_folder(key_path.parent)
-    _write_atomic(key_path, _key_pem(key), 0o600)
-    _write_atomic(cert_path, _cert_pem(cert), 0o644)
+    write_atomically(key_path, _key_pem(key), mode=0o600)
+    write_atomically(cert_path, _cert_pem(cert), mode=0o644)
     return cert, key, True
 
 
@@ -328,8 +310,8 @@ def _write_leaf(
     key = ec.generate_private_key(ec.SECP256R1())
     cert = _leaf(who, key, ca=ca, hosts=names_for(who.role, hosts), start=start, until=until)
     written = Written(identity=who, cert=out / f"{who.stem}.pem", key=out / f"{who.stem}.key")
-    _write_atomic(written.key, _key_pem(key), 0o600)
-    _write_atomic(written.cert, _cert_pem(cert), 0o644)
+    write_atomically(written.key, _key_pem(key), mode=0o600)
+    write_atomically(written.cert, _cert_pem(cert), mode=0o644)
     return written
 
 
