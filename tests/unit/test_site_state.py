@@ -1,6 +1,7 @@
-"""The site state store of a lone router (``file:PATH``).
+"""The site state store of a lone router (``file:PATH``), and how a URL opens a store.
 
-The contract's own tests (tests/site_contract.py) run here against the file."""
+The contract's own tests (tests/site_contract.py) run here against the file; NATS runs the
+same ones in tests/integration/test_site_store.py."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ import pytest
 from router.site import SiteState, StoreUnavailable
 from router.site import file as site_file
 from router.site.file import FileSiteState
+from router.site.nats_config import credentials_of, servers_of
+from router.site.open import open_site_state
 from stratus.errors import ConfigError
 from tests.site_contract import SiteStateContract
 
@@ -115,3 +118,62 @@ def test_a_store_not_started_or_closed_refuses_naming_itself(tmp_path: Path) -> 
             await store.put("a", b"x")
 
     asyncio.run(main())
+
+
+# -- opening a store by URL --------------------------------------------------------------
+
+
+def test_a_url_opens_its_kind_of_store(tmp_path: Path) -> None:
+    assert isinstance(open_site_state(f"file:{tmp_path}/s.json"), FileSiteState)
+    assert open_site_state(f"file://{tmp_path}/s.json").path == tmp_path / "s.json"  # type: ignore[attr-defined]
+    from router.site.nats import NatsSiteState
+
+    nats = open_site_state("nats://10.0.0.1:4222,10.0.0.2")
+    assert isinstance(nats, NatsSiteState) and not nats.connected and "unreachable" in nats.describe()
+
+
+@pytest.mark.parametrize("url", ["redis://admin:hunter2@db:6379", "nats:/x", "etcd://h:2379", "", "hunter2"])
+def test_any_other_url_is_refused_with_the_two_forms_and_no_secret(url: str) -> None:
+    with pytest.raises(ConfigError, match=r"file:PATH.*nats://HOST:PORT") as refused:
+        open_site_state(url)
+    assert "hunter2" not in str(refused.value)
+
+
+def test_a_file_store_takes_no_tls_or_credentials(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="nats://"):
+        open_site_state(f"file:{tmp_path}/s.json", creds=tmp_path / "c")
+
+
+@pytest.mark.parametrize("url", ["nats://router:hunter2@h:4222", "nats://h:4222,tok3n-hunter2@h2:4222"])
+def test_a_nats_url_with_a_secret_is_refused_without_echoing_it(url: str) -> None:
+    with pytest.raises(ConfigError, match="put them in a file") as refused:
+        servers_of(url)
+    assert "hunter2" not in str(refused.value)
+
+
+def test_a_nats_url_names_one_or_more_servers() -> None:
+    assert servers_of("nats://a:4222,b:4223") == ["nats://a:4222", "nats://b:4223"]
+    assert servers_of("nats://a,nats://b:1") == ["nats://a:4222", "nats://b:1"]
+    assert servers_of("tls://a:4443") == ["tls://a:4443"]
+    for bad in ("nats://a:0", "nats://a:x", "nats://:4222", "nats://", "http://a:1"):
+        with pytest.raises(ConfigError):
+            servers_of(bad)
+
+
+def test_a_credentials_file_holds_a_user_and_password_a_token_or_is_a_creds_file(tmp_path: Path) -> None:
+    pair, token, empty, jwt = (tmp_path / name for name in ("pair", "token", "empty", "user.creds"))
+    pair.write_text("\nrouter:pa:ss\n")
+    token.write_text("s3cret\n")
+    empty.write_text("\n")
+    jwt.write_text("-----BEGIN NATS USER JWT-----\neyJ0\n------END NATS USER JWT------\n")
+    got = credentials_of(pair)
+    assert (got.user, got.password, got.token) == ("router", "pa:ss", None) and "pa:ss" not in repr(got)
+    assert credentials_of(token).token == "s3cret"
+    with pytest.raises(ConfigError, match=f"{empty} is empty"):
+        credentials_of(empty)
+    with pytest.raises(ConfigError, match="cannot be read"):
+        credentials_of(tmp_path / "missing")
+    try:
+        assert credentials_of(jwt).creds_file == str(jwt)
+    except ConfigError as refused:  # nats-py reads a JWT with nkeys, an extra of its own
+        assert "pip install nkeys" in str(refused)

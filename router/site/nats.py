@@ -1,0 +1,483 @@
+"""``nats://HOST:PORT[,HOST:PORT]``: a site's shared state in a JetStream key-value bucket.
+
+One task of the store's own (started by :meth:`NatsSiteState.start`, ended by ``close``)
+connects, binds the bucket (creating it if missing) and binds it again after every reconnect;
+nats-py reconnects forever in the background. Until the bucket answers, ``connected`` is false
+and every operation fails at once with StoreUnavailable naming the URL: an operator's change is
+refused, never left waiting, and the request path never calls the store.
+
+A watch is an ephemeral push consumer of the watch's own, made again after each reconnect from
+the last revision the watch handled plus one (the first one delivers each key's last revision,
+as NATS's KV watchers do), so what changed meanwhile comes first and nothing is given twice.
+Revisions are the stream's sequence numbers: one order for the whole bucket, as the contract has it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import enum
+import logging
+import ssl
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Final, TypeVar
+
+import nats.errors
+import nats.js.errors
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext, api
+from nats.js.kv import KV_DEL, KV_MARKER_REASON, KV_OP, KV_PURGE, KeyValue
+
+from router.site import MAX_VALUE_BYTES, Entry, SiteState, check_key, unavailable
+from router.site.common import WatchCursor, check_prefix, check_value, conflict
+from router.site.nats_config import client_context, credentials_of, servers_of
+from stratus.errors import ConfigError
+from stratus.serving.channels import TlsSettings
+
+log = logging.getLogger("stratus.site-state")
+T = TypeVar("T")
+# What a failed call to the server raises: nats-py's errors (KV ones included), the socket's, a timeout.
+FAILURES: Final = (nats.errors.Error, OSError, asyncio.TimeoutError)
+# What a closed connection raises, whatever closed it.
+BARE_FAILURES: Final = (ConnectionResetError, BrokenPipeError, nats.errors.UnexpectedEOF)
+WRONG_LAST_SEQUENCE: Final = (10071, 10164)  # JetStream's "wrong last sequence" error codes
+MAX_HISTORY: Final = 64  # NATS KV keeps at most 64 revisions per key
+ACK_V1_TOKENS: Final = 9  # $JS.ACK.<stream>.<consumer>.<delivered>.<stream seq>.<seq>.<time>.<pending>
+# A watch's consumer outlives a short disconnect (then it is made again anyway), not a gone client.
+CONSUMER_IDLE_S: Final = 30.0
+
+
+class _Signal(enum.Enum):
+    RESET = "the store reconnected: subscribe again"
+    CLOSED = "the store closed"
+
+
+@dataclass(frozen=True)
+class _Delivered:
+    generation: int  # the subscription it came on: one cut off may still hand some over
+    entry: Entry
+    pending: int  # what the consumer had left to deliver: 0, it has caught up
+
+
+@dataclass(eq=False)
+class _Watch:
+    prefix: str
+    queue: asyncio.Queue[_Delivered | _Signal] = field(default_factory=asyncio.Queue)
+    cursor: WatchCursor = field(init=False)
+    generation: int = 0
+    subscription: JetStreamContext.PushSubscription | None = None
+    caught_up: bool = False  # every key's last revision delivered: resume by sequence from now on
+
+    def __post_init__(self) -> None:
+        self.cursor = WatchCursor(self.prefix)
+
+
+class NatsSiteState(SiteState):
+    """The bucket ``bucket`` on the servers of ``url``, keeping ``history`` revisions per key."""
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        bucket: str = "stratus-site",
+        tls: ssl.SSLContext | TlsSettings | None = None,
+        creds: Path | str | None = None,
+        history: int = 16,
+        connect_timeout_s: float = 2.0,
+        op_timeout_s: float = 2.0,
+        reconnect_wait_s: float = 0.5,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        if not 1 <= history <= MAX_HISTORY:
+            raise ConfigError(
+                f"{url}: a NATS bucket keeps 1 to {MAX_HISTORY} revisions per key, not {history}"
+            )
+        self.url, self.bucket = url, bucket
+        self._servers = servers_of(url)
+        self._tls = client_context(tls)
+        self._credentials = credentials_of(creds)
+        self._history, self._clock = history, clock
+        self._connect_timeout_s, self._op_timeout_s = connect_timeout_s, op_timeout_s
+        self._reconnect_wait_s = reconnect_wait_s
+        self._stream, self._subjects = f"KV_{bucket}", f"$KV.{bucket}."
+        self._client = Client()
+        self._js: JetStreamContext | None = None
+        self._kv: KeyValue | None = None  # set while the bucket answers
+        self._keeper: asyncio.Task[None] | None = None
+        self._reconnected = asyncio.Event()
+        self._watches: set[_Watch] = set()
+        self._closed = False
+        self._down_since: float | None = None
+        self._why, self._why_tells = "not started", False
+
+    # -- connection ------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Returns at once: the store's task connects, and keeps connecting while it cannot."""
+        if self._keeper is None and not self._closed:
+            self._down_since, self._why = self._clock(), "connecting"
+            self._keeper = asyncio.create_task(self._keep(), name=f"site state {self.url}")
+
+    async def close(self) -> None:
+        self._closed, self._kv = True, None
+        for watch in self._watches:
+            watch.queue.put_nowait(_Signal.CLOSED)
+        if self._keeper is not None:  # a client never started has nothing to close
+            self._keeper.cancel()
+            await asyncio.gather(self._keeper, return_exceptions=True)
+            await self._client.close()
+
+    @property
+    def connected(self) -> bool:
+        return self._kv is not None and self._client.is_connected
+
+    def describe(self) -> str:
+        where = f"{self.url} (bucket {self.bucket})"
+        if self._closed:
+            return f"{where}: closed"
+        if self.connected:
+            return f"{where}: connected"
+        since = datetime.datetime.fromtimestamp(self._down_since or self._clock(), datetime.UTC)
+        return f"{where}: unreachable since {since:%Y-%m-%d %H:%M:%S} UTC ({self._why})"
+
+    async def _keep(self) -> None:
+        try:
+            await self._connect()  # nats-py tries again until it connects
+        except Exception as exc:  # not a server's answer (those it retries): say so, keep `connected` false
+            log.exception("site state %s: cannot connect", self.url)
+            self._why = f"cannot connect: {exc}"
+            return
+        while True:
+            await self._bind()
+            for watch in self._watches:
+                watch.queue.put_nowait(_Signal.RESET)
+            await self._reconnected.wait()
+            self._reconnected.clear()
+
+    async def _connect(self) -> None:
+        credentials = self._credentials
+        await self._client.connect(
+            servers=self._servers,
+            tls=self._tls,
+            # nats-py annotates these seconds as int; it hands them to asyncio, which takes floats
+            connect_timeout=self._connect_timeout_s,  # type: ignore[arg-type]
+            reconnect_time_wait=self._reconnect_wait_s,  # type: ignore[arg-type]
+            allow_reconnect=True,
+            max_reconnect_attempts=-1,
+            ping_interval=5,  # a silent peer is found within three pings, not nats-py's 4 minutes
+            max_outstanding_pings=2,
+            error_cb=self._on_error,
+            disconnected_cb=self._on_disconnected,
+            reconnected_cb=self._on_reconnected,
+            name="stratus-router",
+            user=credentials.user,
+            password=credentials.password,
+            token=credentials.token,
+            user_credentials=credentials.creds_file,
+        )
+
+    async def _bind(self) -> None:
+        """Bind the bucket (make it if it is missing), trying again while JetStream cannot answer
+        (it is still recovering its streams for a moment after a server restarts)."""
+        while True:
+            try:
+                self._kv = await asyncio.wait_for(self._bucket(), self._op_timeout_s)
+            except FAILURES as exc:
+                self._note_down(exc)
+                await asyncio.sleep(self._reconnect_wait_s)
+                continue
+            log.info("site state %s: connected", self.url)
+            self._down_since, self._why_tells = None, False
+            return
+
+    async def _bucket(self) -> KeyValue:
+        self._js = self._client.jetstream(timeout=self._op_timeout_s)
+        try:
+            return await self._js.key_value(self.bucket)
+        except nats.js.errors.BucketNotFoundError:
+            return await self._js.create_key_value(
+                bucket=self.bucket, history=self._history, max_value_size=MAX_VALUE_BYTES
+            )
+
+    def _note_down(self, why: object) -> None:
+        self._kv = None
+        self._note_why(why)
+        if self._down_since is None:
+            self._down_since = self._clock()
+            log.warning("site state %s: unreachable (%s)", self.url, self._why)
+
+    def _note_why(self, why: object) -> None:
+        """Keep the telling reason of an outage: a refused certificate or password shows up as a
+        TLS alert or an authorization error, then again as the connection it closed, which says nothing."""
+        bare = isinstance(why, BARE_FAILURES) or why == "disconnected"
+        if not (bare and self._why_tells):
+            self._why, self._why_tells = (str(why) or type(why).__name__), not bare
+
+    async def _on_error(self, error: Exception) -> None:
+        self._note_why(error)
+
+    async def _on_disconnected(self) -> None:
+        if not self._closed:
+            self._note_down(self._client.last_error or "disconnected")
+
+    async def _on_reconnected(self) -> None:
+        self._reconnected.set()
+
+    async def _call(self, what: str, call: Callable[[JetStreamContext, KeyValue], Awaitable[T]]) -> T:
+        """``call`` on the bucket within the operation timeout; the store unreachable or slow
+        becomes StoreUnavailable at once (nats-py would buffer while it reconnects)."""
+        js, kv = self._js, self._kv
+        if js is None or kv is None or not self._client.is_connected:
+            raise unavailable(self.url, what, self._why)
+        try:
+            return await asyncio.wait_for(call(js, kv), self._op_timeout_s)
+        except FAILURES as exc:
+            raise unavailable(self.url, what, str(exc) or type(exc).__name__) from exc
+
+    # -- the contract ----------------------------------------------------------------------
+
+    async def get(self, key: str) -> Entry | None:
+        check_key(key)
+        return await self._call(f"the read of {key}", lambda js, _: self._latest(js, key))
+
+    async def put(self, key: str, value: bytes, *, expected: int | None = None) -> Entry:
+        check_value(key, value)
+        return await self._call(f"the put of {key}", lambda js, kv: self._put(js, kv, key, value, expected))
+
+    async def delete(self, key: str, *, expected: int | None = None) -> None:
+        """A key with no live revision stays as it is (no tombstone), as the file backend does."""
+        check_key(key)
+        await self._call(f"the delete of {key}", lambda js, kv: self._delete(js, kv, key, expected))
+
+    async def history(self, key: str) -> list[Entry]:
+        check_key(key)
+        return await self._call(f"the history of {key}", lambda js, _: self._history_of(js, key))
+
+    async def entries(self, prefix: str) -> list[Entry]:
+        check_prefix(prefix)
+        return await self._call(f"the listing of {prefix or 'every key'}", lambda *_: self._snapshot(prefix))
+
+    async def watch(self, prefix: str) -> AsyncIterator[Entry]:
+        """Waits while the store is unreachable (a router watches from its start, whatever the store)."""
+        check_prefix(prefix)
+        watch = _Watch(prefix)
+        if self._closed:
+            return
+        self._watches.add(watch)
+        try:
+            while (entry := await self._next(watch)) is not None:
+                yield entry
+        finally:
+            self._watches.discard(watch)
+            await self._unsubscribe(watch)
+
+    # -- one operation each ----------------------------------------------------------------
+
+    async def _latest(self, js: JetStreamContext, key: str) -> Entry | None:
+        try:
+            raw = await js.get_msg(self._stream, subject=self._subjects + key)
+        except nats.js.errors.NotFoundError:
+            return None
+        entry = _entry_of_raw(key, raw)
+        return None if entry.deleted else entry
+
+    async def _live_revision(self, js: JetStreamContext, key: str) -> int:
+        entry = await self._latest(js, key)
+        return entry.revision if entry else 0
+
+    async def _put(
+        self, js: JetStreamContext, kv: KeyValue, key: str, value: bytes, expected: int | None
+    ) -> Entry:
+        try:
+            if expected is None:
+                revision = await kv.put(key, value)
+            elif expected == 0:
+                revision = await kv.create(key, value)  # over a tombstone too: nats-py reads it first
+            else:
+                revision = await kv.update(key, value, last=expected)
+        except nats.js.errors.KeyWrongLastSequenceError:
+            raise conflict(key, expected or 0, await self._live_revision(js, key)) from None
+        return Entry(key=key, value=bytes(value), revision=revision, at=await self._taken_at(js, revision))
+
+    async def _taken_at(self, js: JetStreamContext, revision: int) -> float:
+        """The server's time for a revision (the ack has none), so that the entry a put returns
+        is the one a read or a watch gives; this router's clock if the server cannot say now:
+        the put is made, and must not be reported as lost."""
+        try:
+            raw = await js.get_msg(self._stream, seq=revision)
+        except FAILURES:
+            return self._clock()
+        return _seconds(raw.time) if raw.time is not None else self._clock()
+
+    async def _delete(self, js: JetStreamContext, kv: KeyValue, key: str, expected: int | None) -> None:
+        current = await self._live_revision(js, key)
+        if expected is not None and expected != current:
+            raise conflict(key, expected, current)
+        if not current:
+            return
+        try:
+            await kv.delete(key, last=expected)  # the server checks the revision again
+        except nats.js.errors.APIError as exc:
+            if exc.err_code not in WRONG_LAST_SEQUENCE:
+                raise
+            raise conflict(key, expected or 0, await self._live_revision(js, key)) from None
+
+    async def _history_of(self, js: JetStreamContext, key: str) -> list[Entry]:
+        """Each kept message of the key, by "next message of this subject from sequence N": one
+        request a revision, no consumer to make and clean up."""
+        found: list[Entry] = []
+        sequence = 1
+        while len(found) <= MAX_HISTORY:
+            try:
+                raw = await js.get_msg(self._stream, seq=sequence, subject=self._subjects + key, next=True)
+            except nats.js.errors.NotFoundError:
+                break
+            found.append(_entry_of_raw(key, raw))
+            sequence = (raw.seq or sequence) + 1
+        return found
+
+    async def _snapshot(self, prefix: str) -> list[Entry]:
+        """Each live key's last revision: a watch read until its consumer has caught up."""
+        watch = _Watch(prefix)
+        live: dict[str, Entry] = {}
+        try:
+            await self._subscribe(watch)
+            while not watch.caught_up:
+                item = await watch.queue.get()
+                if not isinstance(item, _Delivered) or (entry := self._take(watch, item)) is None:
+                    continue
+                if entry.deleted:
+                    del live[entry.key]  # the cursor gives only the end of a key it gave
+                else:
+                    live[entry.key] = entry
+        finally:
+            await self._unsubscribe(watch)
+        return sorted(live.values(), key=lambda entry: entry.revision)
+
+    # -- watches ---------------------------------------------------------------------------
+
+    async def _next(self, watch: _Watch) -> Entry | None:
+        """The watch's next entry; None once the store is closed."""
+        while True:
+            if watch.subscription is None and self.connected:
+                try:
+                    await self._subscribe(watch)
+                except FAILURES as exc:
+                    log.debug("site state %s: a watch could not subscribe yet (%s)", self.url, exc)
+            item = await self._wait(watch)
+            if item is _Signal.CLOSED:
+                return None
+            if item is _Signal.RESET:
+                await self._unsubscribe(watch)
+            elif isinstance(item, _Delivered) and (entry := self._take(watch, item)):
+                return entry
+
+    async def _wait(self, watch: _Watch) -> _Delivered | _Signal | None:
+        """The next item; while not subscribed, None after a moment (to try subscribing again)."""
+        if watch.subscription is not None:
+            return await watch.queue.get()
+        try:
+            return await asyncio.wait_for(watch.queue.get(), self._reconnect_wait_s)
+        except TimeoutError:
+            return None
+
+    @staticmethod
+    def _take(watch: _Watch, item: _Delivered) -> Entry | None:
+        if item.generation != watch.generation:
+            return None
+        if item.pending == 0:
+            watch.caught_up = True
+        return watch.cursor.accept(item.entry)
+
+    async def _subscribe(self, watch: _Watch) -> None:
+        """A consumer from where the watch is: each key's last revision at first, then every
+        message after the last one handled."""
+        js = self._js
+        if js is None:
+            raise nats.errors.ConnectionClosedError
+        watch.generation += 1
+        config = api.ConsumerConfig(
+            ack_policy=api.AckPolicy.NONE,
+            mem_storage=True,
+            num_replicas=1,
+            inactive_threshold=CONSUMER_IDLE_S,
+        )
+        before = 0
+        if watch.caught_up:
+            config.deliver_policy, config.opt_start_seq = (
+                api.DeliverPolicy.BY_START_SEQUENCE,
+                watch.cursor.last + 1,
+            )
+        else:
+            config.deliver_policy = api.DeliverPolicy.LAST_PER_SUBJECT
+            before = (await js.stream_info(self._stream)).state.last_seq
+        subscription = await js.subscribe(
+            self._subjects + _filter(watch.prefix), stream=self._stream, cb=self._feed(watch), config=config
+        )
+        watch.subscription = subscription
+        if not watch.caught_up:
+            info = await subscription.consumer_info()
+            if info.num_pending == 0 and (info.delivered is None or not info.delivered.consumer_seq):
+                watch.caught_up = True  # nothing under the prefix: the changes start after `before`
+                watch.cursor.last = max(watch.cursor.last, before)
+
+    def _feed(self, watch: _Watch) -> Callable[[Msg], Awaitable[None]]:
+        generation, skip = watch.generation, len(self._subjects)
+
+        async def delivered(msg: Msg) -> None:
+            meta = msg.metadata
+            entry = _entry(
+                msg.subject[skip:], msg.data, meta.sequence.stream, _delivered_at(msg), msg.headers
+            )
+            watch.queue.put_nowait(_Delivered(generation, entry, meta.num_pending))
+
+        return delivered
+
+    async def _unsubscribe(self, watch: _Watch) -> None:
+        subscription, watch.subscription = watch.subscription, None
+        watch.generation += 1  # what the old one still hands over is dropped
+        if subscription is not None:
+            try:
+                await subscription.unsubscribe()
+            except FAILURES as exc:  # the connection is gone; the server drops the consumer itself
+                log.debug("site state %s: a watch's consumer was left to expire (%s)", self.url, exc)
+
+
+def _filter(prefix: str) -> str:
+    """The subject filter for ``prefix``: NATS wildcards match whole words, so a prefix that
+    ends mid-word is filtered on the words before it and the rest is left to the cursor."""
+    words = prefix.rpartition(".")[0] if not prefix.endswith(".") else prefix[:-1]
+    return f"{words}.>" if words else ">"
+
+
+def _entry_of_raw(key: str, raw: api.RawStreamMsg) -> Entry:
+    return _entry(key, raw.data, raw.seq or 0, _seconds(raw.time) if raw.time else 0.0, raw.headers)
+
+
+def _entry(key: str, data: bytes | None, revision: int, at: float, headers: dict[str, str] | None) -> Entry:
+    headers = headers or {}
+    deleted = headers.get(KV_OP) in (KV_DEL, KV_PURGE) or KV_MARKER_REASON in headers
+    return Entry(
+        key=key, value=b"" if deleted else bytes(data or b""), revision=revision, at=at, deleted=deleted
+    )
+
+
+# Both ways the server tells a message's time end in whole microseconds, made seconds by one
+# exact division, so that a read, a watch and a put give one entry the same ``at``: a direct
+# read's ISO time is cut to microseconds by nats-py, a delivery's nanoseconds are cut here.
+_EPOCH: Final = datetime.datetime(1970, 1, 1, tzinfo=datetime.UTC)
+_MICROSECOND: Final = datetime.timedelta(microseconds=1)
+
+
+def _seconds(at: datetime.datetime) -> float:
+    return ((at - _EPOCH) // _MICROSECOND) / 1_000_000
+
+
+def _delivered_at(msg: Msg) -> float:
+    tokens = Msg.Metadata._get_metadata_fields(msg.reply)
+    nanoseconds = int(tokens[7] if len(tokens) == ACK_V1_TOKENS else tokens[Msg.Ack.Timestamp])
+    return (nanoseconds // 1000) / 1_000_000
