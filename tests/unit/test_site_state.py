@@ -1,4 +1,4 @@
-"""The site state store of a lone router (``file:PATH``), and how a URL opens a store.
+"""The site state store of a lone router (``file:PATH``), its lease, and how a URL opens a store.
 
 The contract's own tests (tests/site_contract.py) run here against the file; NATS runs the
 same ones in tests/integration/test_site_store.py."""
@@ -11,9 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from router.site import SiteState, StoreUnavailable
+from router.site import Entry, SiteState, StoreUnavailable
 from router.site import file as site_file
 from router.site.file import FileSiteState
+from router.site.lease import Lease, LeaseRecord
 from router.site.nats_config import credentials_of, servers_of
 from router.site.open import open_site_state
 from stratus.errors import ConfigError
@@ -177,3 +178,160 @@ def test_a_credentials_file_holds_a_user_and_password_a_token_or_is_a_creds_file
         assert credentials_of(jwt).creds_file == str(jwt)
     except ConfigError as refused:  # nats-py reads a JWT with nkeys, an extra of its own
         assert "pip install nkeys" in str(refused)
+
+
+# -- the lease, on a fake clock ----------------------------------------------------------
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1_000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class Interleaving(FileSiteState):
+    """A file store whose reads yield to the loop, so that two lease steps read before either writes."""
+
+    async def get(self, key: str) -> Entry | None:
+        entry = await super().get(key)
+        await asyncio.sleep(0)
+        return entry
+
+
+class Unreachable(FileSiteState):
+    """A file store that can be cut off, as a NATS server can."""
+
+    down = False
+
+    async def get(self, key: str) -> Entry | None:
+        if self.down:
+            raise StoreUnavailable("the site state store file:x cannot be reached (cut off)")
+        return await super().get(key)
+
+
+def _run_leases(path: Path, body, *, store_type: type[FileSiteState] = FileSiteState) -> None:  # type: ignore[no-untyped-def]
+    async def main() -> None:
+        clock = Clock()
+        store = store_type(path, clock=clock)
+        await store.start()
+        try:
+            await body(store, clock)
+        finally:
+            await store.close()
+
+    asyncio.run(main())
+
+
+def test_one_holder_at_a_time_and_a_takeover_only_after_the_ttl(tmp_path: Path) -> None:
+    async def body(store: FileSiteState, clock: Clock) -> None:
+        a, b = (Lease(store, "lease.judge", name, ttl_s=9.0, clock=clock) for name in ("a", "b"))
+        assert await a.step() == pytest.approx(3.0) and a.held
+        wait = await b.step()
+        assert not b.held and 0 < wait <= 3.0
+        for _ in range(10):  # a renews every ttl/3: b never gets it
+            clock.now += 3.0
+            await a.step()
+            await b.step()
+            assert a.held and not b.held
+        clock.now += 8.9  # a stops renewing: b waits out the whole ttl
+        await b.step()
+        assert a.held and not b.held
+        clock.now += 0.2
+        assert not a.held  # by a's own clock, before b has even looked
+        await b.step()
+        assert b.held and not a.held
+        await a.step()  # a comes back: b holds it now
+        assert b.held and not a.held
+        record = LeaseRecord.decode((await store.get("lease.judge")).value)  # type: ignore[union-attr]
+        assert (record.holder, record.until) == ("b", clock.now + 9.0)
+
+    _run_leases(tmp_path / "site.json", body)
+
+
+def test_two_takers_at_once_cannot_both_win(tmp_path: Path) -> None:
+    async def body(store: FileSiteState, clock: Clock) -> None:
+        a, b, c = (Lease(store, "lease.judge", name, ttl_s=6.0, clock=clock) for name in "abc")
+        await a.step()
+        clock.now += 6.0
+        await asyncio.gather(b.step(), c.step())
+        assert [b.held, c.held].count(True) == 1 and not a.held
+        holder = LeaseRecord.decode((await store.get("lease.judge")).value).holder  # type: ignore[union-attr]
+        assert holder == ("b" if b.held else "c")
+
+    _run_leases(tmp_path / "site.json", body, store_type=Interleaving)
+
+
+def test_a_release_hands_over_at_once(tmp_path: Path) -> None:
+    async def body(store: FileSiteState, clock: Clock) -> None:
+        changes: list[bool] = []
+        a = Lease(store, "lease.judge", "a", ttl_s=30.0, clock=clock, on_change=changes.append)
+        b = Lease(store, "lease.judge", "b", ttl_s=30.0, clock=clock)
+        await a.step()
+        await b.step()
+        await a.release()
+        assert not a.held and changes == [True, False]
+        await b.step()  # the clock has not moved
+        assert b.held
+        await a.release()  # held by b now: a's release must not delete b's record
+        assert LeaseRecord.decode((await store.get("lease.judge")).value).holder == "b"  # type: ignore[union-attr]
+
+    _run_leases(tmp_path / "site.json", body)
+
+
+def test_a_holder_cut_off_from_the_store_drops_the_lease_at_its_own_until(tmp_path: Path) -> None:
+    async def body(store: Unreachable, clock: Clock) -> None:
+        changes: list[bool] = []
+        a = Lease(store, "lease.judge", "a", ttl_s=9.0, clock=clock, on_change=changes.append)
+        await a.step()
+        store.down = True
+        clock.now += 3.0
+        assert await a.step() == pytest.approx(3.0) and a.held  # renewal failed, until not passed
+        clock.now += 5.0
+        assert await a.step() == pytest.approx(1.0) and a.held  # next look at its until
+        clock.now += 1.0
+        await a.step()
+        assert not a.held and changes == [True, False]
+
+    _run_leases(tmp_path / "site.json", body, store_type=Unreachable)
+
+
+def test_a_record_nobody_could_have_written_is_taken_over(tmp_path: Path) -> None:
+    async def body(store: FileSiteState, clock: Clock) -> None:
+        await store.put("lease.judge", b"not json")
+        a = Lease(store, "lease.judge", "a", ttl_s=9.0, clock=clock)
+        await a.step()
+        assert a.held
+
+    _run_leases(tmp_path / "site.json", body)
+
+
+def test_run_keeps_the_lease_and_a_stop_hands_it_over_at_once(tmp_path: Path) -> None:
+    """Real time, a short ttl: the successor follows the key, so it takes over on the release
+    long before its own next look (ttl/3 away)."""
+
+    async def main() -> None:
+        store = await _opened(tmp_path / "site.json")
+        a = Lease(store, "lease.judge", "a", ttl_s=3.0)
+        b = Lease(store, "lease.judge", "b", ttl_s=3.0)
+        runs = [asyncio.create_task(a.run())]
+        try:
+            while not a.held:
+                await asyncio.sleep(0.01)
+            runs.append(asyncio.create_task(b.run()))
+            await asyncio.sleep(0.1)
+            assert a.held and not b.held
+            runs[0].cancel()
+            stopped = asyncio.get_running_loop().time()
+            await asyncio.gather(runs[0], return_exceptions=True)
+            while not b.held:
+                await asyncio.sleep(0.01)
+                assert asyncio.get_running_loop().time() - stopped < 0.5
+        finally:
+            for run in runs:
+                run.cancel()
+            await asyncio.gather(*runs, return_exceptions=True)
+            await store.close()
+
+    asyncio.run(main())
