@@ -26,6 +26,8 @@ from router.peers import RolloutPeers
 from router.registry import FleetRegistry
 from router.rollout import ROLLED_BACK, Plan, Rollouts
 from router.settings import OnCloudFailure, RouterSettings
+from router.site.mirror import SiteMirror
+from router.site.open import open_site_state
 from router.threshold_auto import AutoThresholds, auto_levels
 from router.thresholds import ThresholdPushes, state_path_beside, threshold_levels
 from stratus.convert.fleet import family_from_wire
@@ -79,6 +81,7 @@ async def serve(settings: RouterSettings, stop: asyncio.Event | None = None) -> 
     metrics.collect_with(lambda: fleet_levels(registry, cloud))
     if cloud is not None:
         cloud.start()
+    site = _site_mirror(settings, rollouts, pushes, registry)
     audits, capture = _auditor(settings, registry, cloud, recorder, rollouts)
     metrics.collect_with(lambda: audit_levels(audits))
     plane = RouterDataPlane(
@@ -121,17 +124,17 @@ async def serve(settings: RouterSettings, stop: asyncio.Event | None = None) -> 
         audits=audits,
         pushes=pushes,
         peers=settings.peers,
+        site=site,
     )
     fpb_grpc.add_FleetServicer_to_server(fleet, server)
     health = Health(server, plane.ready)
     port = bind(server, settings.listen, settings.tls)
     name = settings.name or f"router-{socket.gethostname()}-{port}"
-    rollouts.router_id = name
-    pushes.router_id = name
+    closers = await _named(name, rollouts, pushes, site)
     await server.start()
     await health.start()
     host = settings.listen.rsplit(":", 1)[0]
-    closers: list[Callable[[], Awaitable[None]]] = [audits.close, *([capture.close] if capture else [])]
+    closers += [audits.close, *([capture.close] if capture else [])]
     closers += await _start_extras(settings, plane, metrics, name=name, host=host, port=port)
     closers += await _start_rest(settings, servicer, credentials)
     audits.start()
@@ -153,10 +156,24 @@ async def serve(settings: RouterSettings, stop: asyncio.Event | None = None) -> 
     log.info("stopped")
 
 
+async def _named(
+    name: str, rollouts: Rollouts, pushes: ThresholdPushes, site: SiteMirror | None
+) -> list[Callable[[], Awaitable[None]]]:
+    """The router's name where its records say who changed what; the site's store started
+    (what the site agreed on, applied before the first call is taken); what closes it."""
+    rollouts.router_id = pushes.router_id = name
+    if site is None:
+        return []
+    site.router_id = name
+    await site.start()
+    return [site.close]
+
+
 def _checked_credentials(settings: RouterSettings) -> RouterCredentials:
     """Everything that refuses a setting runs before anything starts, so a bad one binds no port."""
     credentials = settings.credentials()
     settings.check_exposure(credentials)
+    settings.check_site_state()
     if settings.peers:
         dns_target(settings.peers, "--peers")  # a malformed DNS name stops it here, not each round
     if settings.openai:
@@ -283,6 +300,18 @@ def own_families(folder: Path) -> dict[str, FamilyDescription]:
     """Each family of the operator's models folder as an agent's Hello would describe it."""
     repository = ModelRepository.load(folder)
     return {name: family_from_wire(family_info(spec)) for name, spec in repository.families.items()}
+
+
+def _site_mirror(
+    settings: RouterSettings, rollouts: Rollouts, pushes: ThresholdPushes, registry: FleetRegistry
+) -> SiteMirror | None:
+    """The site's store (--site-state), mirrored here: None without one."""
+    if not settings.site_state:
+        return None
+    # tls://: the store's server holds a certificate of the fleet CA, and this router shows its own
+    tls = settings.tls if settings.site_state.startswith("tls://") else None
+    state = open_site_state(settings.site_state, tls=tls, creds=settings.site_state_creds)
+    return SiteMirror(state, rollouts=rollouts, pushes=pushes, registry=registry, router_id=settings.name or "")
 
 
 def _threshold_pushes(settings: RouterSettings, registry: FleetRegistry) -> ThresholdPushes:

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from prometheus_client.core import Metric
@@ -20,6 +21,8 @@ from router.peers import sync_parts
 from router.registry import MAX_RELOAD_WAIT_S, FleetRegistry
 from router.rollout import DEFAULT_MIN_AUDITS, DEFAULT_STEPS, Plan, Rollouts
 from router.rollout_judge import ArmWindow, Margins
+from router.site import SiteState
+from router.site.mirror import SiteMirror
 from router.thresholds import ThresholdPushes, steer, to_wire
 from stratus import __version__
 from stratus.convert.fleet import wire_tier
@@ -193,6 +196,7 @@ def fleet_status(
     include_families: bool = False,
     rollouts: Rollouts | None = None,
     max_bytes: int | None = None,
+    site: SiteState | None = None,
 ) -> fpb.FleetStatus:
     limit = MAX_STATUS_BYTES if max_bytes is None else max_bytes
     agents, omitted = _listed_agents(registry, limit) if include_agents else ([], 0)
@@ -205,7 +209,12 @@ def fleet_status(
         router_version=__version__,
         heartbeat_interval_s=registry.pace_s,
         families=family_statuses(registry, cloud, plans) if include_families else [],
+        site_state=site_state_status(site) if site is not None else None,
     )
+
+
+def site_state_status(site: SiteState) -> fpb.SiteStateStatus:
+    return fpb.SiteStateStatus(url=site.url, connected=site.connected, detail=site.describe())
 
 
 # A watcher gets at most this many updates a second, however fast the fleet changes (a
@@ -274,7 +283,9 @@ class FleetServicer(fpb_grpc.FleetServicer):
         audits: Auditor | None = None,
         pushes: ThresholdPushes | None = None,
         peers: str | None = None,
+        site: SiteMirror | None = None,
     ) -> None:
+        self._site = site  # --site-state: changes are written there (router/site/mirror.py)
         self._audits = audits
         self._peers = peers  # --peers: where the other routers of the site are
         self._pushes = pushes or ThresholdPushes(router_id="router")
@@ -303,6 +314,7 @@ class FleetServicer(fpb_grpc.FleetServicer):
             include_agents=request.include_agents,
             include_families=request.include_families,
             rollouts=self._rollouts,
+            site=self._site.state if self._site is not None else None,
         )
 
     async def Watch(self, request: fpb.FleetWatchRequest, context: Any) -> AsyncIterator[fpb.FleetEvent]:
@@ -337,6 +349,7 @@ class FleetServicer(fpb_grpc.FleetServicer):
                 include_families=include_families,
                 rollouts=self._rollouts,
                 max_bytes=MAX_WATCH_STATUS_BYTES,
+                site=self._site.state if self._site is not None else None,
             )
             # Stamped when built, not when asked: a build slower than half a gap would otherwise
             # be redone by every watcher in turn (80 watchers, 80 builds a round).
@@ -356,18 +369,28 @@ class FleetServicer(fpb_grpc.FleetServicer):
 
     async def Drain(self, request: fpb.DrainRequest, context: Any) -> fpb.DrainResponse:
         self._authorize(request.token, context, "Drain")
-        handle = self._registry.drain(request.agent_id)
-        return fpb.DrainResponse(accepted=True, message=f"agent {handle.id} is draining")
+        handle = await self._mark(request.agent_id, "drained", self._registry.drain)
+        return fpb.DrainResponse(accepted=True, message=f"agent {handle.id} is draining{self._site_wide}")
 
     async def Undrain(self, request: fpb.DrainRequest, context: Any) -> fpb.DrainResponse:
         self._authorize(request.token, context, "Undrain")
-        handle = self._registry.undrain(request.agent_id)
-        return fpb.DrainResponse(accepted=True, message=f"agent {handle.id} is ready again")
+        handle = await self._mark(request.agent_id, "ready", self._registry.undrain)
+        return fpb.DrainResponse(accepted=True, message=f"agent {handle.id} is ready again{self._site_wide}")
 
     async def Forget(self, request: fpb.DrainRequest, context: Any) -> fpb.DrainResponse:
         self._authorize(request.token, context, "Forget")
-        handle = self._registry.forget(request.agent_id)
-        return fpb.DrainResponse(accepted=True, message=f"agent {handle.id} is forgotten")
+        handle = await self._mark(request.agent_id, "forgotten", self._registry.forget)
+        return fpb.DrainResponse(accepted=True, message=f"agent {handle.id} is forgotten{self._site_wide}")
+
+    async def _mark(self, agent_id: str, mark: str, apply: Callable[[str], AgentHandle]) -> AgentHandle:
+        """Here alone, or, with a site store, written there for every router first."""
+        if self._site is None:
+            return apply(agent_id)
+        return await self._site.mark_agent(agent_id, mark, lambda: apply(agent_id))
+
+    @property
+    def _site_wide(self) -> str:
+        return f" on every router of the site ({self._site.state.url})" if self._site is not None else ""
 
     async def Reload(self, request: fpb.ReloadRequest, context: Any) -> fpb.ReloadResponse:
         self._authorize(request.token, context, "Reload")
@@ -397,13 +420,14 @@ class FleetServicer(fpb_grpc.FleetServicer):
         self._authorize(request.token, context, "changing a rollout")
         tier = _tier(request.tier)
         if action == fpb.ROLLOUT_ACTION_START:
-            plan = self._start(request, tier)
+            make = functools.partial(self._start, request, tier)
         elif action == fpb.ROLLOUT_ACTION_PROMOTE:
-            plan = self._rollouts.promote(request.family, tier)
+            make = functools.partial(self._rollouts.promote, request.family, tier)
         elif action == fpb.ROLLOUT_ACTION_ABORT:
-            plan = self._rollouts.abort(request.family, tier)
+            make = functools.partial(self._rollouts.abort, request.family, tier)
         else:
             raise InvalidInput(f"unknown rollout action {action}")
+        plan = await self._site.change_rollout(request.family, tier, make) if self._site is not None else make()
         if self._synced is not None:
             self._synced.set()
         return fpb.RolloutReply(rollouts=[self._status(plan)], message=plan.reason)
@@ -465,7 +489,8 @@ class FleetServicer(fpb_grpc.FleetServicer):
                 answer.router_id, answer.peers = self._rollouts.router_id, self._peers or ""
             return answer
         self._authorize(request.token, context, "pushing thresholds")
-        answer = steer(self._pushes, self._registry, request)
+        change = functools.partial(steer, self._pushes, self._registry, request)
+        answer = await self._site.change_thresholds(request.family, change) if self._site is not None else change()
         if self._synced is not None:
             self._synced.set()
         return answer

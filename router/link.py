@@ -249,6 +249,8 @@ class AgentLinkServicer(fpb_grpc.AgentLinkServicer):
                 )
             )
             handle.sent = 1
+            if self._registry.site_mark(handle.id) == "drained":  # drained site-wide, before it linked here
+                self._registry.drain(handle.id)
             while (message := await handle.work.outbox.get()) is not None:
                 yield message
                 handle.sent += 1

@@ -110,6 +110,9 @@ class FleetRegistry:
         self._watchers: set[asyncio.Queue[None]] = set()
         self._watcher_address: dict[int, str] = {}  # each watcher's client address, by id(queue)
         self.pool_sizes: Mapping[str, int] = dict(pool_sizes or {})  # --agent-pool NAME=MAX
+        # What the site's store says an operator made of an agent ("drained", "ready",
+        # "forgotten"; None: nothing), so an agent drained site-wide stays so when it links here.
+        self.site_mark: Callable[[str], str | None] = lambda agent_id: None
 
     def now(self) -> float:
         return self._clock()
@@ -382,10 +385,26 @@ class FleetRegistry:
                 self._forget(handle)
                 self.changed()
 
-    def drain(self, agent_id: str) -> AgentHandle:
+    def check_mark(self, agent_id: str, mark: str) -> AgentHandle:
+        """The agent an operator's drain, undrain or forget names, if it may be done here:
+        NotFound or ConfigError saying why not (asked before a site-wide mark is written)."""
         handle = self.agents.get(agent_id)
+        if mark == "forgotten":
+            if handle is None:
+                raise NotFound(f"no agent '{agent_id}' is listed")
+            if handle.state != State.LOST:
+                raise ConfigError(f"agent {agent_id} is {handle.state}: only a lost or left agent is forgotten")
+            return handle
         if handle is None or handle.state == State.LOST:
             raise NotFound(f"no linked agent '{agent_id}'")
+        if mark == "ready" and (handle.state != State.DRAINING or not handle.operator_drained):
+            raise ConfigError(
+                f"agent {agent_id} is {handle.state}, not drained by an operator: nothing to take back"
+            )
+        return handle
+
+    def drain(self, agent_id: str) -> AgentHandle:
+        handle = self.check_mark(agent_id, "drained")
         handle.work.outbox.put_nowait(fpb.RouterMessage(drain=fpb.Drain(reason="drained by operator")))
         handle.operator_drained = True
         self.draining(handle)
@@ -393,13 +412,7 @@ class FleetRegistry:
 
     def undrain(self, agent_id: str) -> AgentHandle:
         """An operator's Drain taken back; an agent draining because it is stopping stays so."""
-        handle = self.agents.get(agent_id)
-        if handle is None or handle.state == State.LOST:
-            raise NotFound(f"no linked agent '{agent_id}'")
-        if handle.state != State.DRAINING or not handle.operator_drained:
-            raise ConfigError(
-                f"agent {agent_id} is {handle.state}, not drained by an operator: nothing to take back"
-            )
+        handle = self.check_mark(agent_id, "ready")
         handle.operator_drained = False
         handle.state = State.READY
         self.index.ready(handle)
@@ -409,11 +422,7 @@ class FleetRegistry:
 
     def forget(self, agent_id: str) -> AgentHandle:
         """A lost or left agent dropped from the status now."""
-        handle = self.agents.get(agent_id)
-        if handle is None:
-            raise NotFound(f"no agent '{agent_id}' is listed")
-        if handle.state != State.LOST:
-            raise ConfigError(f"agent {agent_id} is {handle.state}: only a lost or left agent is forgotten")
+        handle = self.check_mark(agent_id, "forgotten")
         self._forget(handle)
         self.changed()
         return handle

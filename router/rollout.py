@@ -47,7 +47,7 @@ from pathlib import Path
 from typing import Any, Final
 
 from router.rollout_judge import AUDIT_LOOK_GROWTH, ArmWindow, Margins, judge
-from stratus.errors import ConfigError, InvalidInput, NotFound
+from stratus.errors import ConfigError, Conflict, InvalidInput, NotFound
 from stratus.tiers import Tier
 
 log = logging.getLogger("stratus.rollout")
@@ -224,6 +224,8 @@ class Rollouts:
         self._clock = clock
         self._live: dict[tuple[str, Tier], _Live] = {}
         self.listeners: list[Listener] = []  # told of every change: (plan, "why")
+        # Told of each change made here (an operator's, the judge's), to write to the site's store.
+        self.on_change: Callable[[Plan], None] | None = None
         # Whether a tier of a family has a tier above that audits it (the auditor says):
         # there a step waits for each arm's audits, elsewhere requests alone decide.
         self.auditable: Callable[[str, Tier], bool] = lambda family, tier: False
@@ -248,7 +250,7 @@ class Rollouts:
     ) -> Plan:
         live = self._live.get((family, tier))
         if live is not None and live.plan.state == RUNNING:
-            raise InvalidInput(
+            raise Conflict(
                 f"a rollout of {live.plan.candidate} on the {tier.label} tier of '{family}' is running; "
                 "promote or abort it first"
             )
@@ -384,7 +386,28 @@ class Rollouts:
         self._adopt(plan)
         log.info("rollout of %s on %s/%s: %s", plan.candidate, plan.family, plan.tier.label, why)
         self._persist()
+        if self.on_change is not None:
+            self.on_change(plan)
         return plan
+
+    # -- the site's store (router/site/mirror.py) ------------------------------------------------
+    def adopt(self, plan: Plan) -> None:
+        """A record from the site's store: the site's order is the store's, so it is taken
+        whatever its revision (a record that lost a compare-and-swap never gets there)."""
+        if plan.key not in self._live and len(self._live) >= MAX_PLANS:
+            log.warning("rollout of %r on %r not adopted: %d rollouts kept already", plan.candidate, plan.family, MAX_PLANS)
+            return
+        self._adopt(plan)
+
+    def snapshot(self, family: str, tier: Tier) -> _Live | None:
+        """What :meth:`restore` puts back: a change refused by the store is undone whole."""
+        return self._live.get((family, tier))
+
+    def restore(self, family: str, tier: Tier, live: _Live | None) -> None:
+        if live is None:
+            self._live.pop((family, tier), None)
+        else:
+            self._live[(family, tier)] = live
 
     def _adopt(self, plan: Plan) -> None:
         """Make ``plan`` the live one; a new step (or state) starts a new window."""

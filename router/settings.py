@@ -103,6 +103,11 @@ class RouterSettings:
     rollout_state: Path | None = None
     # The other routers of this site (host:port,... or dns:NAME:PORT), to share rollouts with.
     peers: str | None = None
+    # The site's shared state (router/site): file:PATH or nats://HOST:PORT; None: none (this
+    # router's rollouts and pushes in memory, or in --rollout-state).
+    site_state: str | None = None
+    # Credentials for a NATS store: a .creds file or a user/password file (never in the URL).
+    site_state_creds: Path | None = None
     # HOST:PORT for the Open Inference Protocol over HTTP/REST (Triton's port 8000; the same
     # data plane, credentials and TLS as the gRPC port); None: not served.
     http: str | None = None
@@ -153,6 +158,15 @@ class RouterSettings:
             raise ConfigError(
                 "--agent-token-file (one token for every agent) and --agent-tokens-file (a token "
                 "per agent) together would let any id in on the shared one: give one of them"
+            )
+
+    def check_site_state(self) -> None:
+        """The site's store replaces the peer protocol and the state file: not both at once."""
+        if self.site_state and (self.peers or self.rollout_state):
+            given = " and ".join(f for f, v in (("--peers", self.peers), ("--rollout-state", self.rollout_state)) if v)
+            raise ConfigError(
+                f"--site-state keeps what {given} kept: give --site-state alone (every router of the site "
+                "on the same store)"
             )
 
     def all_cloud_headers(self) -> tuple[tuple[str, str], ...]:

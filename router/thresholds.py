@@ -28,7 +28,7 @@ from typing import Any, Final, Protocol
 
 from router.audit_rows import Row
 from router.rollout import write_whole
-from stratus.errors import ConfigError, InvalidInput, NotFound
+from stratus.errors import ConfigError, Conflict, InvalidInput, NotFound
 from stratus.families.confidence import threshold_problem
 from stratus.families.description import FamilyDescription
 from stratus.obs.metrics import Metric, gauge
@@ -172,6 +172,8 @@ class ThresholdPushes:
         self._wall = wall_clock
         self._records: dict[str, Record] = {}
         self.listeners: list[Listener] = []
+        # Told of each push made here (an operator's, --auto-thresholds'), to write to the site's store.
+        self.on_change: Callable[[str], None] | None = None
         if state_path is not None and state_path.exists():
             try:
                 self.merge_json(state_path.read_text(encoding="utf-8"), persist=False)
@@ -221,7 +223,7 @@ class ThresholdPushes:
         current = record.current if record is not None else None
         version = current.version if current is not None else 0
         if expected and expected != version:
-            raise InvalidInput(
+            raise Conflict(
                 f"'{family}' is at threshold version {version}, not {expected}: someone changed it; read it again"
             )
         if current is None and family not in self._records and len(self._records) >= MAX_FAMILIES:
@@ -246,7 +248,26 @@ class ThresholdPushes:
         log.info("thresholds of %s: version %d %s by %s: %s", family, version.version,
                  labelled(thresholds) or "(the agents' own)", author, reason)  # fmt: skip
         self._persist()
+        if self.on_change is not None:
+            self.on_change(family)
         return version
+
+    # -- the site's store (router/site/mirror.py) ------------------------------------------------
+    def adopt(self, record: Record) -> None:
+        """A record from the site's store, taken whatever its version (the store orders them)."""
+        if record.family not in self._records and len(self._records) >= MAX_FAMILIES:
+            log.warning("thresholds of %r not adopted: %d families kept already", record.family, MAX_FAMILIES)
+            return
+        self._adopt(record)
+
+    def restore(self, family: str, record: Record | None) -> None:
+        """Put back the record a refused change replaced (None: the family had none)."""
+        if record is None:
+            self._records.pop(family, None)
+            for listener in self.listeners:
+                listener(family, {})
+        else:
+            self._adopt(record)
 
     def _adopt(self, record: Record) -> None:
         self._records[record.family] = record

@@ -34,6 +34,13 @@ class ConfigError(StratusError):
     status_name = "FAILED_PRECONDITION"
 
 
+class Conflict(StratusError):
+    """A change made on a state someone else changed first (a version or revision read before
+    it is not the latest any more); the message names the one it lost to. Read again, retry."""
+
+    status_name = "FAILED_PRECONDITION"
+
+
 class RuntimeUnavailable(StratusError):
     """An inference runtime cannot run here (library missing, no GPU); the message says why."""
 

@@ -24,9 +24,9 @@ import abc
 import re
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import ClassVar, Final
+from typing import Final
 
-from stratus.errors import StratusError, Unavailable
+from stratus.errors import Conflict, Unavailable
 
 KEY_PATTERN: Final = re.compile(r"[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)*")
 # The most bytes one entry may hold: a rollout's record with its history is a few KiB; NATS's
@@ -34,10 +34,8 @@ KEY_PATTERN: Final = re.compile(r"[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)*")
 MAX_VALUE_BYTES: Final = 256 * 1024
 
 
-class StoreConflict(StratusError):
+class StoreConflict(Conflict):
     """A compare-and-swap lost: the entry is at another revision than the one the change read."""
-
-    status_name: ClassVar[str] = "FAILED_PRECONDITION"
 
     def __init__(self, message: str, *, key: str, expected: int, current: int) -> None:
         super().__init__(message)

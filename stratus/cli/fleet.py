@@ -72,6 +72,15 @@ def status_json(status: fpb.FleetStatus) -> dict[str, Any]:
         "cloud": cloud_json(status.cloud),
         "families": [family_json(f) for f in status.families],
         "heartbeat_interval_s": status.heartbeat_interval_s,
+        "site_state": (
+            {
+                "url": status.site_state.url,
+                "connected": status.site_state.connected,
+                "detail": status.site_state.detail,
+            }
+            if status.HasField("site_state")
+            else None
+        ),
     }
 
 
@@ -182,6 +191,8 @@ def status_table(status: fpb.FleetStatus) -> str:
         lines += ["", *families_table(status.families)]
     lines.append("")
     lines.append(f"heartbeats   every {status.heartbeat_interval_s:g} s")
+    if status.HasField("site_state"):
+        lines.append(f"site state   {status.site_state.detail or status.site_state.url}")
     return "\n".join(lines)
 
 
@@ -293,7 +304,12 @@ def drain(router: str, agent_id: str, *, token: str, tls: TlsSettings = NO_TLS, 
 def call_error(exc: grpc.RpcError, address: str, tls: TlsSettings = NO_TLS) -> str:
     """One line for a failed call, with what the everyday causes mean and what to do."""
     code, details = exc.code(), exc.details() or ""
-    if code == grpc.StatusCode.UNAVAILABLE and "Connection refused" in details:
+    # gRPC's own words for no server there; a router's UNAVAILABLE (its site store away) is its own
+    if (
+        code == grpc.StatusCode.UNAVAILABLE
+        and "failed to connect to all addresses" in details
+        and "Connection refused" in details
+    ):
         return f"nothing answers at {address}: is the router running, and is that its port?"
     if code == grpc.StatusCode.UNAVAILABLE and (hint := _tls_hint(details, address, tls)) is not None:
         return hint
@@ -321,7 +337,9 @@ def _tls_hint(details: str, address: str, tls: TlsSettings) -> str | None:
             f"or $STRATUS_TLS_CERT, $STRATUS_TLS_KEY) ({details})"
         )
     if "handshake" in details.lower():
-        return f"the TLS handshake with {address} failed: check --tls-ca, --tls-cert and --tls-key ({details})"
+        return (
+            f"the TLS handshake with {address} failed: check --tls-ca, --tls-cert and --tls-key ({details})"
+        )
     return None
 
 

@@ -180,6 +180,24 @@ def add_router(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     option(
         router,
         "router",
+        "site_state",
+        "--site-state",
+        metavar="URL",
+        help="the site's shared state: nats://HOST:PORT (NATS JetStream, every router of the site on "
+        "it: rollouts, threshold pushes, drains) or file:PATH (a lone router's, kept across restarts)",
+    )
+    option(
+        router,
+        "router",
+        "site_state_creds",
+        "--site-state-creds",
+        type=Path,
+        metavar="FILE",
+        help="the NATS store's credentials: a .creds file (nkey and JWT) or a file of USER:PASSWORD",
+    )
+    option(
+        router,
+        "router",
         "keepalive_s",
         "--keepalive-s",
         type=float,

@@ -1320,6 +1320,7 @@ class FleetStatus(_message.Message):
     HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _builtins.int
     OMITTED_AGENTS_FIELD_NUMBER: _builtins.int
     FAMILIES_FIELD_NUMBER: _builtins.int
+    SITE_STATE_FIELD_NUMBER: _builtins.int
     router_version: _builtins.str
     heartbeat_interval_s: _builtins.float
     """The interval the router currently asks agents to heartbeat at."""
@@ -1339,6 +1340,10 @@ class FleetStatus(_message.Message):
     def families(self) -> _containers.RepeatedCompositeFieldContainer[Global___FamilyStatus]:
         """Empty unless the request asked for include_families; by name."""
 
+    @_builtins.property
+    def site_state(self) -> Global___SiteStateStatus:
+        """The site's shared state (--site-state); unset on a router without one."""
+
     def __init__(
         self,
         *,
@@ -1349,14 +1354,47 @@ class FleetStatus(_message.Message):
         heartbeat_interval_s: _builtins.float = ...,
         omitted_agents: _builtins.int = ...,
         families: _abc.Iterable[Global___FamilyStatus] | None = ...,
+        site_state: Global___SiteStateStatus | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["cloud", b"cloud"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["cloud", b"cloud", "site_state", b"site_state"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agents", b"agents", "cloud", b"cloud", "families", b"families", "heartbeat_interval_s", b"heartbeat_interval_s", "omitted_agents", b"omitted_agents", "router_version", b"router_version", "tiers", b"tiers"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agents", b"agents", "cloud", b"cloud", "families", b"families", "heartbeat_interval_s", b"heartbeat_interval_s", "omitted_agents", b"omitted_agents", "router_version", b"router_version", "site_state", b"site_state", "tiers", b"tiers"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___FleetStatus: _TypeAlias = FleetStatus  # noqa: Y015
+
+@_typing.final
+class SiteStateStatus(_message.Message):
+    """Where a router keeps what the site agrees on (rollouts, threshold pushes, drains), and
+    whether it reaches it now: while it does not, the router serves on what it last read and
+    refuses changes.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    URL_FIELD_NUMBER: _builtins.int
+    CONNECTED_FIELD_NUMBER: _builtins.int
+    DETAIL_FIELD_NUMBER: _builtins.int
+    url: _builtins.str
+    """The store's URL, without credentials (file:PATH, nats://HOST:PORT)."""
+    connected: _builtins.bool
+    detail: _builtins.str
+    """One line: connected, or unreachable since when and why."""
+    def __init__(
+        self,
+        *,
+        url: _builtins.str = ...,
+        connected: _builtins.bool = ...,
+        detail: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["connected", b"connected", "detail", b"detail", "url", b"url"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SiteStateStatus: _TypeAlias = SiteStateStatus  # noqa: Y015
 
 @_typing.final
 class FleetWatchRequest(_message.Message):

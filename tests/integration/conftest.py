@@ -14,6 +14,7 @@ import pytest
 from stratus.cli.demo import Fleet, start_fleet
 
 from .cluster import Cluster
+from .natsd import nats  # noqa: F401 (a fixture: a NATS server with JetStream)
 from .pki import pki  # noqa: F401 (a fixture: the test fleet's certificates)
 
 MODELS = Path(__file__).resolve().parents[2] / "models"

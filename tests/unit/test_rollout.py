@@ -11,7 +11,7 @@ import pytest
 
 from router.rollout import ABORTED, COMPLETE, PROMOTED, ROLLED_BACK, RUNNING, Rollouts, check_steps
 from router.rollout_judge import ArmWindow, Margins, judge, worse_beyond
-from stratus.errors import ConfigError, InvalidInput, NotFound
+from stratus.errors import ConfigError, Conflict, InvalidInput, NotFound
 from stratus.tiers import Tier
 
 
@@ -206,7 +206,7 @@ def test_without_a_tier_above_requests_alone_decide_and_stale_audits_are_ignored
 def test_operators_promote_and_abort_and_cannot_start_twice() -> None:
     rollouts = Rollouts(router_id="a")
     rollouts.start("digits", Tier.EDGE, "digits-medium-v2")
-    with pytest.raises(InvalidInput, match="is running; promote or abort it first"):
+    with pytest.raises(Conflict, match="is running; promote or abort it first"):
         rollouts.start("digits", Tier.EDGE, "digits-medium-v3")
     assert rollouts.promote("digits", Tier.EDGE).share == 100.0
     assert rollouts.plan("digits", Tier.EDGE).state == PROMOTED

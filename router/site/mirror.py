@@ -1,0 +1,262 @@
+"""This router's view of the site's store: what it watched, kept in memory where the request
+path reads it, and the changes made here written back with compare-and-swap.
+
+Keys and what they hold (JSON):
+
+* ``rollout.FAMILY.TIER``: a rollout's :class:`~router.rollout.Plan`;
+* ``thresholds.FAMILY``: a family's pushed thresholds (:class:`~router.thresholds.Record`);
+* ``agent.ID``: what an operator said of an agent for the whole site, ``{"mark": "drained" |
+  "ready" | "forgotten", "by", "at"}``: each router drains (undrains, forgets) its own link to
+  it, and a router the agent links to later, or one restarted, drains it on its Hello.
+
+An operator's change (a rollout started, promoted or aborted, a threshold push or revert, a
+drain) is made here, then written with the revision this router last saw of its key: if
+another router changed the key first the write loses, the change is undone here and the
+operator is told FAILED_PRECONDITION naming the revision it lost to; if the store cannot be
+reached it is undone too, UNAVAILABLE naming the store. What the rollout judge decides on
+its own (a step advanced, a candidate rolled back) is written in the background, retried
+while the store is away; where it loses, the store's record is taken. Every change any
+router makes reaches every other through the watch, in the store's order, which is the
+site's order: the watch is the only way state changes here besides this router's own writes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import Callable
+from typing import Any, Final, TypeVar
+
+from router.agent_handle import AgentHandle
+from router.registry import FleetRegistry
+from router.rollout import Plan, Rollouts
+from router.site import Entry, SiteState, StoreConflict, StoreUnavailable
+from router.thresholds import Record, ThresholdPushes
+from stratus.errors import ConfigError, InvalidInput, NotFound
+from stratus.tiers import Tier
+
+log = logging.getLogger("stratus.site")
+
+T = TypeVar("T")
+RETRY_S: Final = 1.0
+MARKS: Final = ("drained", "ready", "forgotten")
+
+
+def rollout_key(family: str, tier: Tier) -> str:
+    return f"rollout.{family}.{tier.label}"
+
+
+def thresholds_key(family: str) -> str:
+    return f"thresholds.{family}"
+
+
+def agent_key(agent_id: str) -> str:
+    return f"agent.{agent_id}"
+
+
+class SiteMirror:
+    """Owned by the router's event loop; ``start`` loads and watches, ``close`` stops."""
+
+    def __init__(
+        self,
+        state: SiteState,
+        *,
+        rollouts: Rollouts,
+        pushes: ThresholdPushes,
+        registry: FleetRegistry,
+        router_id: str,
+    ) -> None:
+        self.state = state
+        self._rollouts, self._pushes, self._registry = rollouts, pushes, registry
+        self.router_id = router_id
+        self.revisions: dict[str, int] = {}  # per key, the revision last applied or written here
+        self.marks: dict[str, str] = {}  # per agent id, the site's mark
+        # Changes made here on their own (the rollout judge's, --auto-thresholds'), not yet written.
+        self._pending: dict[str, Callable[[], bytes]] = {}
+        self._wake = asyncio.Event()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._operator_change = False  # set while an operator's change is made (not the judge's)
+        rollouts.on_change = self._judged
+        pushes.on_change = self._pushed
+        registry.site_mark = self.marks.get
+
+    async def start(self) -> None:
+        await self.state.start()
+        self._tasks = [
+            asyncio.create_task(self._watch(), name="stratus-site-watch"),
+            asyncio.create_task(self._write_judged(), name="stratus-site-writer"),
+        ]
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.state.close()
+
+    # -- operator changes ----------------------------------------------------------------------
+    async def change_rollout(self, family: str, tier: Tier, make: Callable[[], Plan]) -> Plan:
+        """A rollout change made here and written; undone here when the write fails."""
+        before = self._rollouts.snapshot(family, tier)
+        return await self._change(
+            rollout_key(family, tier), make, _plan_bytes, lambda: self._rollouts.restore(family, tier, before)
+        )
+
+    async def change_thresholds(self, family: str, make: Callable[[], T]) -> T:
+        before = self._pushes.record(family)
+        return await self._change(
+            thresholds_key(family),
+            make,
+            lambda _: self._record_bytes(family),
+            lambda: self._pushes.restore(family, before),
+        )
+
+    async def mark_agent(self, agent_id: str, mark: str, apply: Callable[[], AgentHandle]) -> AgentHandle:
+        """An operator's drain, undrain or forget: written for the site first, then made here."""
+        key = agent_key(agent_id)
+        expected = self.revisions.get(key, 0)
+        handle = self._registry.check_mark(agent_id, mark)  # refused here before anything is written
+        value = _json_bytes({"mark": mark, "by": self.router_id, "at": time.time()})
+        await self._put(key, value, expected)
+        self.marks[agent_id] = mark
+        try:
+            return apply()
+        except (NotFound, ConfigError):  # the store's echo of this very write was applied first
+            return handle
+
+    async def _change(
+        self, key: str, make: Callable[[], T], encode: Callable[[T], bytes], undo: Callable[[], None]
+    ) -> T:
+        expected = self.revisions.get(key, 0)  # what the change is made on: read before it is made
+        self._operator_change = True
+        try:
+            made = make()
+        finally:
+            self._operator_change = False
+        try:
+            await self._put(key, encode(made), expected)
+        except StoreUnavailable:
+            undo()
+            raise
+        except StoreConflict:  # undone, then the winner taken (its echo may have come meanwhile)
+            undo()
+            with contextlib.suppress(StoreUnavailable):
+                await self._take(key)
+            raise
+        self._pending.pop(key, None)
+        return made
+
+    async def _put(self, key: str, value: bytes, expected: int | None = None) -> Entry:
+        """A compare-and-swap write on the revision the change was made on (by default, the
+        last this router saw)."""
+        expected = self.revisions.get(key, 0) if expected is None else expected
+        try:
+            entry = await self.state.put(key, value, expected=expected)
+        except StoreConflict as lost:
+            raise StoreConflict(
+                f"{key} was changed first elsewhere in the site (it is at revision {lost.current}; this "
+                f"router had read revision {expected}): read it again (`stratus fleet status`), then retry",
+                key=key,
+                expected=expected,
+                current=lost.current,
+            ) from None
+        self.revisions[key] = max(entry.revision, self.revisions.get(key, 0))
+        return entry
+
+    # -- changes made here on their own, written in the background ------------------------------
+    def _judged(self, plan: Plan) -> None:
+        if not self._operator_change:
+            self._later(rollout_key(plan.family, plan.tier), lambda: _plan_bytes(plan))
+
+    def _pushed(self, family: str) -> None:
+        if not self._operator_change:
+            self._later(thresholds_key(family), lambda: self._record_bytes(family))
+
+    def _record_bytes(self, family: str) -> bytes:
+        record = self._pushes.record(family)
+        assert record is not None
+        return _json_bytes(record.to_json())
+
+    def _later(self, key: str, value: Callable[[], bytes]) -> None:
+        self._pending[key] = value
+        self._wake.set()
+
+    async def _write_judged(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            for key, value in list(self._pending.items()):
+                try:
+                    await self._put(key, value())
+                except StoreConflict:  # another router's record came first: the store's is the site's
+                    log.info("%s: another router's change came first; taking the store's", key)
+                    await self._take(key)
+                except StoreUnavailable as exc:
+                    log.warning("%s not written yet: %s; retrying in %.0f s", key, exc, RETRY_S)
+                    await asyncio.sleep(RETRY_S)
+                    self._wake.set()
+                    break
+                if self._pending.get(key) is value:
+                    del self._pending[key]
+
+    async def _take(self, key: str) -> None:
+        entry = await self.state.get(key)
+        if entry is not None:
+            self.revisions.pop(key, None)
+            self.apply(entry)
+
+    # -- what the store says -----------------------------------------------------------------
+    async def _watch(self) -> None:
+        while True:
+            try:
+                async for entry in self.state.watch(""):
+                    self.apply(entry)
+            except StoreUnavailable as exc:
+                log.warning("site state watch: %s; retrying in %.0f s", exc, RETRY_S)
+            except Exception:  # one bad round must not end the site's watch for good
+                log.exception("site state watch failed; retrying in %.0f s", RETRY_S)
+            await asyncio.sleep(RETRY_S)
+
+    def apply(self, entry: Entry) -> None:
+        """One entry of the store, applied here unless this router has it already. An entry
+        that does not parse is logged and skipped: one bad record must not stop the rest."""
+        if entry.revision <= self.revisions.get(entry.key, 0):
+            return
+        self.revisions[entry.key] = entry.revision
+        if entry.deleted:
+            return
+        kind, _, rest = entry.key.partition(".")
+        try:
+            data = json.loads(entry.value)
+            if kind == "rollout":
+                self._rollouts.adopt(Plan.from_json(data))
+            elif kind == "thresholds":
+                self._pushes.adopt(Record.from_json(data))
+            elif kind == "agent":
+                self._apply_mark(rest, data)
+        except (ValueError, KeyError, TypeError, AttributeError, ConfigError, InvalidInput) as exc:
+            log.warning(
+                "site state %s (revision %d) is not valid and was skipped: %s", entry.key, entry.revision, exc
+            )
+
+    def _apply_mark(self, agent_id: str, data: dict[str, Any]) -> None:
+        mark = data["mark"]
+        if mark not in MARKS:
+            raise ValueError(f"unknown mark {mark!r}")
+        self.marks[agent_id] = mark
+        with contextlib.suppress(NotFound, ConfigError):  # not linked here, or already so: nothing to do
+            {
+                "drained": self._registry.drain,
+                "ready": self._registry.undrain,
+                "forgotten": self._registry.forget,
+            }[mark](agent_id)
+
+
+def _json_bytes(value: object) -> bytes:
+    return json.dumps(value, sort_keys=True, separators=(",", ":")).encode()
+
+
+def _plan_bytes(plan: Plan) -> bytes:
+    return _json_bytes(plan.to_json())
