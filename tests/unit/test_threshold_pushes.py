@@ -21,7 +21,7 @@ from router.thresholds import (
     threshold_levels,
     to_wire,
 )
-from stratus.errors import ConfigError, InvalidInput, NotFound
+from stratus.errors import ConfigError, Conflict, InvalidInput, NotFound
 from stratus.families.confidence import PASS_ALL
 from stratus.tiers import Tier
 from stratus.wire import fleet_pb2 as fpb
@@ -59,7 +59,7 @@ def test_revert_walks_back_one_version_each_time_then_to_the_agents_own() -> Non
 def test_a_stale_expected_version_is_refused() -> None:
     book = pushes()
     book.apply("digits", {DEVICE: 0.8}, author="ana", reason="one")
-    with pytest.raises(InvalidInput, match="at threshold version 1, not 3"):
+    with pytest.raises(Conflict, match="at threshold version 1, not 3"):
         book.apply("digits", {DEVICE: 0.9}, author="bo", reason="late", expected=3)
     assert book.apply("digits", {DEVICE: 0.9}, author="bo", reason="read", expected=1).version == 2
 
