@@ -11,6 +11,7 @@ import numpy as np
 
 from models import cnn
 from models.build.family import OPSET, OUTPUT, Family, Layer
+from stratus.tools import lower_precision
 
 
 def save_onnx(nodes: list[Any], initializers: list[Any], family: Family, path: Path) -> None:
@@ -88,12 +89,7 @@ def write_onnx_cnn(network: cnn.Network, family: Family, path: Path) -> None:
 
 def write_openvino(onnx_path: Path, xml_path: Path, *, fp16: bool = False) -> None:
     """An IR of an ONNX file: FP32 weights kept as they are, or compressed to FP16."""
-    import openvino as ov
-
-    # Core.read_model, not ov.convert_model: the latter leaves OpenBLAS's threads spinning,
-    # and every later numpy matmul in this process hangs.
-    model = ov.Core().read_model(str(onnx_path))
-    ov.save_model(model, str(xml_path), compress_to_fp16=fp16)
+    lower_precision.save_ir(onnx_path, xml_path, fp16=fp16)
     _strip_conversion_paths(xml_path)
 
 
@@ -110,38 +106,4 @@ def _strip_conversion_paths(xml_path: Path) -> None:
 
 def write_onnx_fp16(fp32_path: Path, family: Family, path: Path) -> None:
     """FP16 weights and arithmetic; Cast nodes keep the family's FP32 input and output."""
-    import onnx
-    from onnxruntime.transformers.float16 import convert_float_to_float16
-
-    model = convert_float_to_float16(onnx.load(str(fp32_path)), keep_io_types=True)
-    model.graph.name = path.stem
-    _rename_casts(model.graph, family)
-    _sort_topologically(model.graph)
-    onnx.checker.check_model(model)
-    path.write_bytes(model.SerializeToString())
-
-
-def _rename_casts(graph: Any, family: Family) -> None:
-    """Name the converter's FP16 tensors after the FP32 ones they carry (``input_fp16``).
-
-    OpenVINO folds an FP16->FP32 Cast at the output into one tensor holding both names and
-    reports the first in sort order; ``probabilities_fp16`` sorts after ``probabilities``
-    where the converter's ``graph_output_cast_0`` sorted before it.
-    """
-    renames = {"graph_input_cast_0": f"{family.input}_fp16", "graph_output_cast_0": f"{OUTPUT}_fp16"}
-    for node in graph.node:
-        node.input[:] = [renames.get(name, name) for name in node.input]
-        node.output[:] = [renames.get(name, name) for name in node.output]
-
-
-def _sort_topologically(graph: Any) -> None:
-    """The converter appends its input Casts last; the ONNX checker wants producers first."""
-    available = {i.name for i in graph.input} | {i.name for i in graph.initializer}
-    pending, ordered = list(graph.node), []
-    while pending:
-        ready = next(n for n in pending if all(not name or name in available for name in n.input))
-        pending.remove(ready)
-        ordered.append(ready)
-        available.update(ready.output)
-    del graph.node[:]
-    graph.node.extend(ordered)
+    lower_precision.write_onnx_fp16(fp32_path, path)

@@ -14,6 +14,7 @@ from models import cnn
 from models.build.family import OUTPUT, Family, Layer, _chunks, hidden_activations
 from models.build.onnx_files import save_onnx
 from models.build.tflite_files import _Codes, _Op, _TfliteWriter
+from stratus.tools import lower_precision
 
 
 @dataclass(frozen=True)
@@ -292,36 +293,9 @@ class _QdqGraph:
 # ---------------------------------------------------------------------------------------------
 
 
-class _CalibrationReader:
-    """Feeds the calibration split to ONNX Runtime's quantizer, in batches of 64."""
-
-    def __init__(self, name: str, x: np.ndarray) -> None:
-        self._batches = iter([{name: x[i : i + 64]} for i in range(0, len(x), 64)])
-
-    def get_next(self) -> dict[str, np.ndarray] | None:
-        return next(self._batches, None)
-
-
 def write_onnx_int8(fp32_path: Path, family: Family, calibration: np.ndarray, path: Path) -> None:
-    """QDQ static quantization of every MatMul: int8 weights (symmetric), uint8 activations.
-
-    QDQ, not QOperator: OpenVINO reads QuantizeLinear/DequantizeLinear pairs as its own
-    FakeQuantize, and ONNX Runtime fuses them into integer kernels, so one file serves both.
-    """
-    import logging
-
-    from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_static
-
-    # Its advice to pre-process (shape inference, fusions) changes nothing in these graphs.
-    logging.getLogger().setLevel(logging.ERROR)
-    quantize_static(
-        str(fp32_path),
-        str(path),
-        _CalibrationReader(family.input, calibration),  # type: ignore[arg-type]
-        quant_format=QuantFormat.QDQ,
-        op_types_to_quantize=["MatMul"],
-        per_channel=False,
-        activation_type=QuantType.QUInt8,
-        weight_type=QuantType.QInt8,
-        calibrate_method=CalibrationMethod.MinMax,
+    """QDQ static quantization of every MatMul (an MLP's only heavy operator), made as
+    ``stratus models import`` makes a user's INT8 child (:mod:`stratus.tools.lower_precision`)."""
+    lower_precision.write_onnx_int8(
+        fp32_path, path, input_name=family.input, calibration=calibration, op_types=("MatMul",)
     )
