@@ -54,6 +54,24 @@ _X86_FP16: Final = ("avx512_fp16", "avx512fp16", "amx_fp16")
 _ARM_INT8: Final = ("asimddp",)
 _ARM_FP16: Final = ("fphp", "asimdhp")
 _ARM_MACHINES: Final = ("aarch64", "arm64")
+# By precision, then by architecture: the flags that make it native (what the choice reads).
+NATIVE_FLAGS: Final[Mapping[str, Mapping[str, tuple[str, ...]]]] = {
+    "INT8": {"x86": _X86_INT8, "ARM": _ARM_INT8},
+    "FP16": {"x86": _X86_FP16, "ARM": _ARM_FP16},
+}
+
+
+def native_on(precision: str) -> str:
+    """The CPUs that run ``precision`` natively, in words: where an agent would choose a child
+    of that precision (FP32: every CPU)."""
+    by_arch = NATIVE_FLAGS.get(precision.upper())
+    if by_arch is None:
+        return "every CPU"
+    return "; ".join(f"{arch} CPUs with {_either(flags)}" for arch, flags in by_arch.items())
+
+
+def _either(names: tuple[str, ...]) -> str:
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} or {names[-1]}"
 
 
 @dataclass(frozen=True, kw_only=True)
