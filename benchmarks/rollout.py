@@ -59,7 +59,7 @@ def build_models(root: Path) -> Path:
         subprocess.run(
             [sys.executable, "-m", "stratus.cli", "models", "import", str(path), "--family", "digits",
              "--tier", "device", "--variant", path.stem, "--dir", str(models),
-             *(["--no-convert"] if path is sure else [])],  # its ONNX file alone, so the swap holds
+             *(["--no-convert", "--no-children"] if path is sure else [])],  # its ONNX file alone, so the swap holds
             check=True,
             capture_output=True,
         )  # fmt: skip

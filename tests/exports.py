@@ -67,6 +67,42 @@ def skl_onnx(model: Any, path: Path, *, zipmap: bool = True, input_name: str = "
     return path
 
 
+def mlp_onnx(model: Any, path: Path, *, input_name: str = "x", output_name: str = "probabilities") -> Path:
+    """A fitted scikit-learn MLP (ReLU, softmax) written as a plain ONNX graph (MatMul, Add,
+    Relu, Softmax), as a hand-made exporter writes one: unlike skl2onnx's, with no
+    ``ai.onnx.ml`` label branch, so that ONNX Runtime and OpenVINO both run it."""
+    from onnx import TensorProto, helper, numpy_helper, save
+
+    nodes, weights, current = [], [], input_name
+    layers = list(zip(model.coefs_, model.intercepts_, strict=True))
+    for index, (w, b) in enumerate(layers):
+        weights += [
+            numpy_helper.from_array(w.astype(np.float32), f"w{index}"),
+            numpy_helper.from_array(b.astype(np.float32), f"b{index}"),
+        ]
+        nodes += [
+            helper.make_node("MatMul", [current, f"w{index}"], [f"m{index}"]),
+            helper.make_node("Add", [f"m{index}", f"b{index}"], [f"z{index}"]),
+        ]
+        current = f"z{index}"
+        if index < len(layers) - 1:
+            nodes.append(helper.make_node("Relu", [current], [f"h{index}"]))
+            current = f"h{index}"
+    nodes.append(helper.make_node("Softmax", [current], [output_name], axis=-1))
+    classes = layers[-1][1].shape[0]
+    graph = helper.make_graph(
+        nodes,
+        path.stem,
+        [helper.make_tensor_value_info(input_name, TensorProto.FLOAT, ["batch", FEATURES])],
+        [helper.make_tensor_value_info(output_name, TensorProto.FLOAT, ["batch", classes])],
+        weights,
+    )
+    onnx_model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    onnx_model.ir_version = 8
+    save(onnx_model, str(path))
+    return path
+
+
 def torch_cnn(data: Digits, path: Path, *, channels: int = 8, epochs: int = 30, seed: int = 0) -> Path:
     """A small CNN on the 8x8 images (input ``image`` [N, 1, 8, 8], output ``logits``),
     trained for a few seconds on the CPU and exported with ``torch.onnx.export``."""

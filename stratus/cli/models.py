@@ -177,6 +177,7 @@ def _models_import(args: argparse.Namespace) -> int:
         convert=not args.no_convert,
         cache_dir=args.cache_dir,
         runtimes=_runtime_list(args.runtimes),
+        children=not args.no_children,
     )
     result = import_model(args.file, options)
     print(describe(result))
@@ -300,8 +301,21 @@ def _add_import(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
         const=False,
         help="the first output is probabilities (default: detected by running the model)",
     )
-    command.add_argument("--data", type=Path, help="labelled .npz: verify measures accuracy on it")
+    command.add_argument(
+        "--data",
+        type=Path,
+        help="labelled .npz: the temperature and the INT8 child are calibrated on one part, verify "
+        "measures accuracy on the other",
+    )
     command.add_argument("--no-convert", action="store_true", help="keep only the given format")
+    command.add_argument(
+        "--no-children",
+        action="store_true",
+        help="import the FP32 variant alone; by default an ONNX file with labelled data (--data, or a "
+        "shipped family's bundled splits) also gets an INT8 child (ONNX Runtime static quantization "
+        "calibrated on that data) and an FP16 one, each kept only when verified within the family's "
+        "max_accuracy_drop and served where the CPU runs its arithmetic natively",
+    )
     command.add_argument(
         "--runtimes",
         metavar="R1,R2",

@@ -8,9 +8,10 @@ onnxruntime and OpenVINO are imported when a function is called, never with this
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, Final
 
@@ -52,19 +53,31 @@ def write_onnx_int8(
     dot products (VNNI, AMX, ARM's dotprod), which do not saturate as VPMADDUBSW does.
     """
     quantization = importlib.import_module("onnxruntime.quantization")
-    # Its advice to pre-process (shape inference, fusions) changes nothing that it quantizes.
-    logging.getLogger().setLevel(logging.ERROR)
-    quantization.quantize_static(
-        str(fp32_path),
-        str(path),
-        _CalibrationReader(input_name, calibration),
-        quant_format=quantization.QuantFormat.QDQ,
-        op_types_to_quantize=list(op_types),
-        per_channel=False,
-        activation_type=quantization.QuantType.QUInt8,
-        weight_type=quantization.QuantType.QInt8,
-        calibrate_method=quantization.CalibrationMethod.MinMax,
-    )
+    with _root_logger_quiet():
+        quantization.quantize_static(
+            str(fp32_path),
+            str(path),
+            _CalibrationReader(input_name, calibration),
+            quant_format=quantization.QuantFormat.QDQ,
+            op_types_to_quantize=list(op_types),
+            per_channel=False,
+            activation_type=quantization.QuantType.QUInt8,
+            weight_type=quantization.QuantType.QInt8,
+            calibrate_method=quantization.CalibrationMethod.MinMax,
+        )
+
+
+@contextlib.contextmanager
+def _root_logger_quiet() -> Iterator[None]:
+    """The quantizer warns on the root logger that the model was not pre-processed (shape
+    inference, fusions), which changes nothing it quantizes; its level is put back after."""
+    root = logging.getLogger()
+    level = root.level
+    root.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        root.setLevel(level)
 
 
 def fp16_model(fp32_path: Path, name: str) -> Any:

@@ -151,10 +151,15 @@ def site(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Site]:
     report_x = {"lr": x, "rf": x, "cnn": exports.images(x)}
     fleet = Cluster(tmp / "logs")
     try:
-        cloud = fleet.start("cloud", ["cloud", "--listen", "127.0.0.1:0", "--models", str(root), *QUIET])
+        # FP32 served (the model as exported, which the answers are checked against), not the
+        # INT8/FP16 children import built beside it, which a CPU with native INT8 would serve.
+        fp32 = ["--precision", "fp32"]
+        cloud = fleet.start(
+            "cloud", ["cloud", "--listen", "127.0.0.1:0", "--models", str(root), *fp32, *QUIET]
+        )
         router = fleet.router("--cloud", cloud.address).address
         fleet.start("agent", ["agent", "--tier", "device", "--models", str(root), "--router", router,
-                              "--name", "dev-1", *QUIET])  # fmt: skip
+                              "--name", "dev-1", *fp32, *QUIET])  # fmt: skip
         wait_until(
             lambda: ready_count(router) == 1 and fleet_status(router).cloud.state == "connected", timeout_s=60
         )

@@ -14,6 +14,7 @@ from onnx import TensorProto, helper, numpy_helper, save
 
 from stratus.errors import ConfigError
 from stratus.families.confidence import ConfidenceMethod
+from stratus.families.precision import load_verification
 from stratus.families.repository import ModelRepository, load_family
 from stratus.tiers import Tier
 from stratus.tools.importer import ImportOptions, ImportResult, import_model
@@ -343,7 +344,18 @@ def test_a_second_variant_for_digits_is_verified_on_its_bundled_data(
     assert result.labelled is not None and "bundled held-out split of 'digits'" in result.labelled
     assert all(r.accuracy is not None and r.accuracy > 0.9 for r in result.report.rows)
     after = load_family(config)
-    assert after.variants[:-1] == before.variants  # the others untouched, in order
+    assert after.variants[: len(before.variants)] == before.variants  # the others untouched, in order
+    # its children, calibrated on the bundled calibration split (no --data given)
+    assert [(v.name, v.parent) for v in after.variants[len(before.variants) :]] == [
+        ("digits-edge-v2", None),
+        ("digits-edge-v2-int8", "digits-edge-v2"),
+        ("digits-edge-v2-fp16", "digits-edge-v2"),
+    ]
+    assert any("calibrated (MinMax) on the bundled calibration split of 'digits'" in n for n in result.notes)
+    shipped, record = load_verification(models_dir / "digits"), load_verification(tmp_path / "digits")
+    assert shipped is not None and record is not None
+    assert {name: record.variants[name] for name in shipped.variants} == shipped.variants  # kept as they were
+    assert record.variants["digits-edge-v2-int8"].within_tolerance
     assert after.thresholds == before.thresholds and after.confidence == before.confidence
     # fitted on the bundled calibration split, as models/build/ fitted digits-small's own
     assert result.variant.temperature == before.variant("digits-small").temperature != 1.0

@@ -19,13 +19,21 @@ variant of a family, for one tier:
    ``[confidence]``, ``[thresholds]`` (empty), ``[current]``, ``[[variants]]``) or extended
    (a ``[[variants]]`` block appended; the tier's ``[current]`` entry written where the file
    names none);
-4. the new variant is verified (``stratus.tools.verify``) in every runtime here, on the report
-   part of ``--data FILE.npz``, else a shipped family's bundled held-out split, else on
-   synthetic inputs (accuracy then not measured).
+4. from an ONNX file with labelled data at hand (the calibration part of ``--data``, else a
+   shipped family's bundled calibration split), its INT8 and FP16 children are made
+   (:mod:`.children`: ``VARIANT-int8``, ``VARIANT-fp16``, each with its OpenVINO IR where the
+   variant has one and its own temperature), unless ``--no-children``; never from synthetic
+   inputs, nor from ``.tflite`` or IR (nothing here converts those to ONNX): a note says why;
+5. the new variant and its children are verified (``stratus.tools.verify``) in every runtime
+   here, on the report part of ``--data FILE.npz``, else a shipped family's bundled held-out
+   split, else on synthetic inputs (accuracy then not measured); a child that loses more than
+   the family's ``max_accuracy_drop`` against the variant (or whose runtimes disagree) is
+   dropped, its files removed, with a note giving its drop; ``verified.toml`` gets the kept
+   line's entries (what agents trust to serve a child where the CPU runs it natively).
 
 The new text is parsed as a family config and the variant verified *before* the file is
-replaced (a temporary file, then a rename): a refused import leaves ``family.toml`` and the
-folder as they were.
+replaced (a temporary file, then a rename; ``verified.toml`` likewise): a refused import leaves
+``family.toml``, ``verified.toml`` and the folder as they were.
 
 The default variant name is ``FAMILY-TIER`` (``defects-edge``). The first variant of a tier
 becomes its current variant; a later one is added beside it, served only when a request
@@ -50,14 +58,16 @@ from stratus.errors import ConfigError, StratusError
 from stratus.tools.importer.interfaces import _first_reason, check_fits, format_of, read_interface
 from stratus.tools.importer.options import ImportOptions, ImportResult, _check_names, _Names, _tier
 from stratus.tools.importer.probe import probe_runtimes
-from stratus.tools.importer.stage import _import, _Plan, _Staged
+from stratus.tools.importer.stage import _import, _Plan
+from stratus.tools.importer.staging import _Staged
 from stratus.tools.verify.report import format_report
 
 __all__ = ["ImportOptions", "ImportResult", "describe", "import_model"]
 
 
 def import_model(source: Path, options: ImportOptions) -> ImportResult:
-    """Add ``source`` to a family as a new FP32 variant; refuse with a reason naming the file.
+    """Add ``source`` to a family as a new FP32 variant (with its INT8 and FP16 children where
+    they can be made and verified); refuse with a reason naming the file.
 
     Every refusal is a ConfigError with one line of reason (then the verify table, where
     verify refused it): a model file is the user's input, and an odd one that trips
@@ -102,6 +112,7 @@ def _import_checked(source: Path, options: ImportOptions) -> ImportResult:
             interface=interface,
             existing=existing,
             runtimes=runtimes,
+            taken=names.used,
         )
         staged = _Staged(folder)
         try:
@@ -131,8 +142,9 @@ def describe(result: ImportResult) -> str:
         for t in items
     )
     role = "current" if result.current else "not current"
+    kept = "".join(f", {c.name} ({c.precision})" for c in result.children)
     lines = [
-        f"imported {variant.name} ({variant.tier.label} tier, FP32, {role}) into family '{family.name}' ({created})",
+        f"imported {variant.name} ({variant.tier.label} tier, FP32, {role}){kept} into family '{family.name}' ({created})",
         *(f"  {note}" for note in result.notes),
         f"  {tensors}",
         f"  confidence: {spec.method.value} of '{spec.output}', apply_softmax = {str(spec.apply_softmax).lower()}",
@@ -142,6 +154,7 @@ def describe(result: ImportResult) -> str:
         f"accuracy above: on {result.labelled}"
         if result.labelled
         else "accuracy: n/a (no labelled data; verified on synthetic inputs; pass --data FILE.npz to measure it)",
+        *result.serving,
         *(f"warning: {warning}" for warning in result.warnings),
     ]
     return "\n".join(lines)

@@ -32,16 +32,29 @@ def _tensor_tables(kind: str, specs: Sequence[TensorSpec]) -> list[str]:
 
 
 def variant_block(variant: VariantSpec, source: Path, refused: Mapping[str, str] | None = None) -> str:
+    comments = [
+        f"# Imported from {source.name} by `stratus models import`.",
+        *(f"# {runtime} cannot run it: {why}" for runtime, why in (refused or {}).items()),
+    ]
+    return _block(comments, variant)
+
+
+def child_block(child: VariantSpec, how: str) -> str:
+    """A lower-precision child's table, under a comment saying how it was made from its parent."""
+    return _block([f"# {how}"], child)
+
+
+def _block(comments: Sequence[str], variant: VariantSpec) -> str:
     files = ", ".join(f"{fmt} = {_quoted(path.name)}" for fmt, path in variant.files.items())
     runtimes = ", ".join(_quoted(r) for r in variant.runtimes)
     return "\n".join(
         [
-            f"# Imported from {source.name} by `stratus models import`.",
-            *(f"# {runtime} cannot run it: {why}" for runtime, why in (refused or {}).items()),
+            *comments,
             "[[variants]]",
             f"name = {_quoted(variant.name)}",
             f'tier = "{variant.tier.label}"',
-            'precision = "FP32"',
+            f'precision = "{variant.precision}"',
+            *([f"parent = {_quoted(variant.parent)}"] if variant.parent else []),
             *([f"temperature = {variant.temperature:g}"] if variant.temperature != 1.0 else []),
             f"files = {{ {files} }}",
             *([f"runtimes = [{runtimes}]"] if variant.runtimes else []),
@@ -62,6 +75,9 @@ def _new_family_text(
         "[family]",
         f"name = {_quoted(family.name)}",
         f"description = {_quoted(f'Imported from {source.name}.')}",
+        "# How much held-out accuracy an INT8/FP16 child may lose against its FP32 parent (absolute);",
+        "# `stratus models import` keeps no child that loses more, and agents never serve one.",
+        f"max_accuracy_drop = {family.max_accuracy_drop:g}",
         "",
         *_tensor_tables("inputs", family.inputs),
         *_tensor_tables("outputs", family.outputs),

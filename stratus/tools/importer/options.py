@@ -11,6 +11,7 @@ from typing import Final
 
 from stratus.errors import ConfigError, InvalidInput
 from stratus.families.confidence import ConfidenceMethod
+from stratus.families.precision import Hardware
 from stratus.families.repository import CONFIG_NAME, load_family
 from stratus.families.spec import FamilySpec, VariantSpec
 from stratus.tiers import Tier
@@ -35,6 +36,10 @@ class ImportOptions:
     # Only these runtimes may serve the variant (recorded in family.toml); None: every
     # runtime here that runs the file.
     runtimes: tuple[str, ...] | None = None
+    # Build the INT8 and FP16 children (of an ONNX file, with labelled data at hand).
+    children: bool = True
+    # The CPU whose choice of precision the import reports; None: this one (this_hardware()).
+    hardware: Hardware | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -49,6 +54,11 @@ class ImportResult:
     # What the user should act on (also printed to stderr): a temperature fitted at the edge
     # of its search grid, for one.
     warnings: tuple[str, ...] = ()
+    # The lower-precision children kept (verified within the family's max_accuracy_drop).
+    children: tuple[VariantSpec, ...] = ()
+    # Which variant of the line an agent on this CPU would serve and why, and which CPUs
+    # would choose each child.
+    serving: tuple[str, ...] = ()
 
 
 def _tier(text: str, source: Path) -> Tier:

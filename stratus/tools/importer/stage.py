@@ -1,5 +1,6 @@
 """Placing the files, writing the config, verifying: every file an import creates is
-claimed first and removed again if the import is refused."""
+claimed first and removed again if the import is refused, and every file it replaces
+(``family.toml``, ``verified.toml``) is put back."""
 
 from __future__ import annotations
 
@@ -7,12 +8,13 @@ import dataclasses
 import importlib
 import os
 import shutil
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
 from stratus.errors import ConfigError, InvalidInput
+from stratus.families.precision import record_path, this_hardware, variant_files
 from stratus.families.repository import CONFIG_NAME, load_family
 from stratus.families.spec import FamilySpec, VariantSpec
 from stratus.runtimes import (
@@ -21,23 +23,25 @@ from stratus.runtimes import (
 from stratus.tiers import Tier
 from stratus.tools.calibrate import labelled_data
 from stratus.tools.datasets import Split
-from stratus.tools.importer.family_toml import _extended_text, _new_family_text
+from stratus.tools.importer import children
+from stratus.tools.importer.family_toml import _extended_text, _new_family_text, child_block
 from stratus.tools.importer.interfaces import (
     Interface,
     _first_reason,
-    _openvino,
     _openvino_interface,
     external_data_files,
 )
 from stratus.tools.importer.options import ImportOptions, ImportResult
 from stratus.tools.importer.probe import Runtimes, _fit_temperature, _output_kind, _probe_family
+from stratus.tools.importer.staging import _Staged
+from stratus.tools.lower_precision import save_ir
 from stratus.tools.verify.classifier import (
     bundled_held_out,
     excluded_runtimes,
     synthetic_inputs,
     verify_family,
 )
-from stratus.tools.verify.report import VerifyReport, format_report
+from stratus.tools.verify.report import VerifyReport, VerifyRow, format_report
 
 SUFFIXES: Final = {"onnx": ".onnx", "tflite": ".tflite", "openvino": ".xml"}
 
@@ -53,47 +57,42 @@ class _Plan:
     interface: Interface
     existing: FamilySpec | None
     runtimes: Runtimes
+    taken: Mapping[str, str] = dataclasses.field(default_factory=dict)  # names in use -> their family
 
 
-@dataclass
-class _Staged:
-    """What an import has created so far, removed again if it is refused."""
+@dataclass(frozen=True, kw_only=True)
+class _Prepared:
+    """The FP32 variant placed, its output kind and temperature found: what the config says."""
 
-    folder: Path
-    created: Path | None = None  # the topmost folder this import made
-    paths: list[Path] = dataclasses.field(default_factory=list)
+    variant: VariantSpec
+    probe: FamilySpec  # the family as it will read, with only the new variant
+    labelled: labelled_data.LabelledData | None
+    original: str | None  # family.toml before the import (None: a new family)
+    why: str  # why its output counts as logits or probabilities
+    notes: list[str]
+    warnings: list[str]
 
-    def mkdir(self) -> None:
-        missing = [p for p in (self.folder, *self.folder.parents) if not p.exists()]
-        if missing:
-            self.folder.mkdir(parents=True)
-            self.created = missing[-1]
 
-    def claim(self, path: Path) -> Path:
-        if path.exists():
-            raise ConfigError(f"{path} already exists; choose another variant name with --variant")
-        self.paths.append(path)
-        return path
+@dataclass(frozen=True, kw_only=True)
+class _Verified:
+    """What verify kept: the children within tolerance, and the report on them and the parent."""
 
-    def scratch(self) -> Path:
-        """Where the new config is checked; one a killed import left behind is replaced."""
-        path = self.folder / f".{CONFIG_NAME}.import"
-        path.unlink(missing_ok=True)
-        return self.claim(path)
-
-    def keep(self) -> None:
-        """The import is committed: what it created now belongs to the family."""
-        self.paths.clear()
-        self.created = None
-
-    def undo(self) -> None:
-        for path in self.paths:
-            path.unlink(missing_ok=True)
-        if self.created is not None:
-            shutil.rmtree(self.created, ignore_errors=True)
+    children: tuple[VariantSpec, ...]
+    report: VerifyReport
+    measured_on: str | None
+    notes: list[str]
 
 
 def _import(plan: _Plan, staged: _Staged, options: ImportOptions, cache: Path) -> ImportResult:
+    ready = _prepare(plan, staged, options, cache)
+    made = _children(plan, staged, options, ready, cache)
+    verified = _write_and_verify(plan, staged, ready, made, cache)
+    _commit(staged.folder / f".{CONFIG_NAME}.import", staged.folder / CONFIG_NAME, ready.original)
+    staged.keep()
+    return _result(plan, options, ready, made, verified, folder=staged.folder)
+
+
+def _prepare(plan: _Plan, staged: _Staged, options: ImportOptions, cache: Path) -> _Prepared:
     staged.mkdir()
     convert = options.convert and "openvino" in plan.runtimes.accepted
     files, notes = _place_files(plan, staged, convert=convert)
@@ -117,40 +116,121 @@ def _import(plan: _Plan, staged: _Staged, options: ImportOptions, cache: Path) -
     if fitted:
         notes.append(fitted)
     probe = dataclasses.replace(probe, variants=(variant,))
-    refusals = plan.runtimes.refused
-    if existing is not None and original is not None:
-        text = _extended_text(original, existing, variant, plan.source, refusals)
-    else:
-        text = _new_family_text(probe, variant, plan.source, why, refusals)
+    return _Prepared(
+        variant=variant,
+        probe=probe,
+        labelled=labelled,
+        original=original,
+        why=why,
+        notes=notes,
+        warnings=warnings,
+    )
+
+
+def _children(
+    plan: _Plan, staged: _Staged, options: ImportOptions, ready: _Prepared, cache: Path
+) -> children.Made:
+    """The INT8 and FP16 children, where they can be made honestly; else a note saying why."""
+    calibration = children.calibration_of(ready.probe, ready.labelled)
+    why = children.why_none(plan.fmt, options.children, calibration)
+    if why is not None or calibration is None:
+        return children.Made(notes=(why,) if why else ())
+    source = children.Source(
+        parent=ready.variant,
+        family=ready.probe,
+        labelled=ready.labelled,
+        calibration=calibration[0],
+        calibration_name=calibration[1],
+        taken=plan.taken,
+    )
+    return children.make_children(source, staged, cache)
+
+
+def _write_and_verify(
+    plan: _Plan, staged: _Staged, ready: _Prepared, made: children.Made, cache: Path
+) -> _Verified:
+    """The config written beside the old one with the variant and its children, verified:
+    refused where the FP32 variant fails; a child outside tolerance is dropped (its files
+    removed); then the family's record staged, and the config rewritten without the dropped."""
     scratch = staged.scratch()
-    scratch.write_text(text, encoding="utf-8")
-    split, measured_on = _held_out(probe, labelled)
-    report = _verify(load_family(scratch), plan.name, split, cache, refusals)
-    if not report.ok:
-        hint = " (--no-convert keeps only the file's own format)" if len(files) > 1 else ""
+    scratch.write_text(_config_text(plan, ready, made.children, made.how), encoding="utf-8")
+    split, measured_on = _held_out(ready.probe, ready.labelled)
+    family = load_family(scratch)
+    line = [plan.name, *(c.name for c in made.children)]
+    report = _verify(family, line, split, cache, plan.runtimes.refused)
+    parent_rows = [r for r in report.rows if r.name == plan.name]
+    if not parent_rows or any(r.failed for r in parent_rows):
+        hint = " (--no-convert keeps only the file's own format)" if len(ready.variant.files) > 1 else ""
         raise ConfigError(
             f"{plan.source}: verify failed, nothing was imported{hint}:\n{format_report(report)}"
         )
-    _commit(scratch, staged.folder / CONFIG_NAME, original)
-    staged.keep()
+    kept, notes = children.judged(family, made.children, report.rows)
+    for dropped in (c for c in made.children if c not in kept):
+        staged.discard(variant_files(family, family.variant(dropped.name)).values())
+    if len(kept) < len(made.children):
+        scratch.write_text(_config_text(plan, ready, kept, made.how), encoding="utf-8")
+        family = load_family(scratch)
+    line = [plan.name, *(c.name for c in kept)]
+    rows = [r for r in report.rows if r.name in line]
+    records = _stage_record(staged, family, line, rows)
+    final = _verify_report(family, line, rows, plan.runtimes.refused, records)
+    return _Verified(children=tuple(kept), report=final, measured_on=measured_on, notes=notes)
+
+
+def _config_text(plan: _Plan, ready: _Prepared, kept: Sequence[VariantSpec], how: Mapping[str, str]) -> str:
+    """The family's config: the old one (or a new one) with the variant and its children."""
+    existing, original, refusals = plan.existing, ready.original, plan.runtimes.refused
+    if existing is not None and original is not None:
+        text = _extended_text(original, existing, ready.variant, plan.source, refusals)
+    else:
+        text = _new_family_text(ready.probe, ready.variant, plan.source, ready.why, refusals)
+    return "\n".join([text, *(child_block(child, how[child.name]) for child in kept)])
+
+
+def _stage_record(
+    staged: _Staged, family: FamilySpec, line: Sequence[str], rows: Sequence[VerifyRow]
+) -> dict[str, str]:
+    """``verified.toml`` written with the line's entries (put back if the import is refused)."""
+    text = children.record_text(family, line, rows)
+    if text is None:
+        return {}
+    path = record_path(family)
+    staged.replace(path, text)
+    return {family.name: f"written: {path}"}
+
+
+def _result(
+    plan: _Plan,
+    options: ImportOptions,
+    ready: _Prepared,
+    made: children.Made,
+    verified: _Verified,
+    *,
+    folder: Path,
+) -> ImportResult:
+    existing = plan.existing
+    notes, warnings = [*ready.notes, *made.notes, *verified.notes], [*ready.warnings, *made.warnings]
     current = existing is None or plan.tier not in existing.current
     if existing is not None and not current:
         notes.append(
             f"the {plan.tier.label} tier's current variant stays {existing.current[plan.tier]}; {plan.name} is "
             "served only when pinned by name (or as a rollout candidate) until [current] names it"
         )
-    family = load_family(staged.folder / CONFIG_NAME)
+    family = load_family(folder / CONFIG_NAME)
     if plan.tier is not Tier.CLOUD and plan.tier not in family.thresholds:
         warnings.append(_no_threshold(family.name, plan.tier))
+    variant = family.variant(plan.name)
     return ImportResult(
         family=family,
-        variant=family.variant(plan.name),
+        variant=variant,
         new_family=existing is None,
         current=current,
         notes=tuple(notes),
-        report=report,
-        labelled=measured_on,
+        report=verified.report,
+        labelled=verified.measured_on,
         warnings=tuple(warnings),
+        children=tuple(family.variant(c.name) for c in verified.children),
+        serving=tuple(children.serving(family, variant, options.hardware or this_hardware())),
     )
 
 
@@ -212,8 +292,7 @@ def _place_files(plan: _Plan, staged: _Staged, *, convert: bool) -> tuple[dict[s
     xml = staged.claim(staged.folder / f"{plan.name}.xml")
     staged.claim(xml.with_suffix(".bin"))
     try:
-        model = _openvino().Core().read_model(str(target))
-        _openvino().save_model(model, str(xml), compress_to_fp16=False)
+        save_ir(target, xml, fp16=False)
     except Exception as exc:  # a model OpenVINO cannot convert still serves in its own runtime
         if fmt == "onnx":
             raise ConfigError(f"{source}: OpenVINO cannot convert it: {_first_reason(str(exc))}") from None
@@ -243,20 +322,32 @@ def _held_out(
 
 
 def _verify(
-    family: FamilySpec, name: str, data: Split | None, cache: Path, refused: Mapping[str, str]
+    family: FamilySpec, line: Sequence[str], data: Split | None, cache: Path, refused: Mapping[str, str]
 ) -> VerifyReport:
-    """The new variant in every runtime here that may serve it (labelled data, or synthetic
-    inputs); those it skips say why."""
+    """The new variant and its children in every runtime here that may serve them (labelled
+    data, or synthetic inputs), each child against the variant; those skipped say why."""
+    usable = {n for n, status in available_runtimes().items() if status.available}
+    only = dataclasses.replace(family, variants=tuple(family.variant(name) for name in line))
+    rows = verify_family(only, data if data is not None else synthetic_inputs(family), usable, cache)
+    return _verify_report(family, line, rows, refused, {})
+
+
+def _verify_report(
+    family: FamilySpec,
+    line: Sequence[str],
+    rows: Sequence[VerifyRow],
+    refused: Mapping[str, str],
+    records: dict[str, str],
+) -> VerifyReport:
     availability = available_runtimes()
     usable = {n for n, status in availability.items() if status.available}
-    only = dataclasses.replace(family, variants=(family.variant(name),))
-    rows = verify_family(only, data if data is not None else synthetic_inputs(family), usable, cache)
+    only = dataclasses.replace(family, variants=tuple(family.variant(name) for name in line))
     skipped = {n: status.reason for n, status in availability.items() if not status.available}
     skipped.update(excluded_runtimes(only, usable))
     skipped.update(
-        {f"{runtime} for {name}": f"it cannot run the file: {why}" for runtime, why in refused.items()}
+        {f"{runtime} for {line[0]}": f"it cannot run the file: {why}" for runtime, why in refused.items()}
     )
-    return VerifyReport(rows=tuple(rows), skipped=skipped)
+    return VerifyReport(rows=tuple(rows), skipped=skipped, records=records)
 
 
 def _commit(scratch: Path, config: Path, original: str | None) -> None:
