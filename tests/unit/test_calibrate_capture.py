@@ -12,7 +12,9 @@ import pytest
 
 from stratus.cli.main import main
 from stratus.errors import ConfigError
+from stratus.families.spec import FamilySpec, VariantSpec
 from stratus.obs.capture import CapturedItem, CaptureWriter, TierAnswer
+from stratus.runtimes import LoadOptions, load_runner
 from stratus.tools.calibrate import classifier, labelled_data
 from stratus.tools.datasets import Split
 
@@ -112,12 +114,27 @@ def test_verify_measures_accuracy_against_the_top_tier_on_a_folder(
     captured: tuple[Path, np.ndarray, np.ndarray],
     capsys: pytest.CaptureFixture[str],
 ) -> None:
+    """Every variant verify lists (each tier's FP32 parent and the INT8/FP16 children the import
+    made) is scored on the folder's report part against the top tier's captured answers."""
     root, _, cache = user
     folder = captured[0]
     family = family_of(root)
     report = labelled_data.load_labelled(family, folder).report
-    expected = {s.variant: float(s.correct.mean()) for s in classifier.tier_scores(family, report, cache)}
+    expected = {variant.name: accuracy_of(family, variant, report, cache) for variant in family.variants}
+    parents = {s.variant: float(s.correct.mean()) for s in classifier.tier_scores(family, report, cache)}
+    assert parents.items() <= expected.items()  # the parents as calibrate scores them
+    assert len(expected) > len(parents)  # children too, or this would test only the parents
     for data in (str(folder), f"user={folder}"):
         assert main(["models", "verify", str(root), "--json", "--data", data]) == 0
         rows = json.loads(capsys.readouterr().out)["variants"]
         assert {r["name"]: r["accuracy"] for r in rows} == pytest.approx(expected)
+
+
+def accuracy_of(family: FamilySpec, variant: VariantSpec, split: Split, cache: Path) -> float:
+    """The share of ``split`` whose label is the variant's top class, run here in its runtime."""
+    runner = load_runner(family, variant, LoadOptions(tier=variant.tier, cache_dir=cache))
+    try:
+        outputs = runner.infer({family.inputs[0].name: split.x})[family.confidence.output]
+    finally:
+        runner.close()
+    return float((outputs.argmax(axis=1) == split.y).mean())
