@@ -1,6 +1,6 @@
 """The security review's attacks, each at its strongest within today's limits, against a live fleet.
 
-A real fleet on loopback (a cloud gateway, a router with agent, operator and peer tokens and the
+A real fleet on loopback (a cloud gateway, a router with agent and operator tokens and the
 OpenAI API, two device agents and an edge agent) serves legitimate digits traffic at 100 req/s
 from a process of its own, which also pings ServerLive every 20 ms and samples the router's
 RSS from /proc. Each attack runs for ``--duration-s`` while that goes on; then one row says what
@@ -54,7 +54,6 @@ from abuse_membership import (  # noqa: E402
     f1_stolen_token_takeover,
     f2_conflicting_family,
     f3_drain_reload,
-    f4_poisoned_sync,
     f12_hello_flood,
     f13_silent_streams,
     f16_watchers,
@@ -106,7 +105,6 @@ ATTACKS: tuple[Attack, ...] = (
     Attack("F1b", "stolen-token takeover", f1_stolen_token_takeover),
     Attack("F2", "conflicting family", f2_conflicting_family),
     Attack("F3", "Drain/Reload loop", f3_drain_reload),
-    Attack("F4", "poisoned SyncRollouts", f4_poisoned_sync),
     Attack("F5", "thousands of inputs", f5_many_inputs),
     Attack("F6", "INT64 contents", f6_int64_contents),
     Attack("F7", "message-size prompt", f7_huge_prompt),

@@ -69,7 +69,6 @@ class Tokens:
 
     agent: str  # the agents' shared token: what an attacker who took one device holds
     operator: str
-    peer: str
     client: str  # the cloud gateway's client token, which the router presents
     folder: Path
 
@@ -83,10 +82,10 @@ class Tokens:
     @classmethod
     def write(cls, folder: Path) -> Tokens:
         tokens = cls(
-            agent="agent-s3cret", operator="operator-s3cret", peer="peer-s3cret", client="client-s3cret",
+            agent="agent-s3cret", operator="operator-s3cret", client="client-s3cret",
             folder=folder,
         )  # fmt: skip
-        for role in ("agent", "operator", "peer", "client"):
+        for role in ("agent", "operator", "client"):
             _secret_file(tokens.file(role), getattr(tokens, role))
         lines = []
         for _, name in AGENTS:
@@ -122,7 +121,6 @@ def role_args(role: str, tokens: Tokens, *, cloud: str = "", router: str = "", o
             # so the attacks that hold it (F1, F12) meet the refusal a real router gives
             "--agent-tokens-file", str(tokens.folder / "agents.tokens"),
             "--operator-token-file", str(tokens.file("operator")),
-            "--peer-token-file", str(tokens.file("peer")),
             "--hello-timeout-s", str(HELLO_TIMEOUT_S),
             "--openai", openai, *quiet,
         ]  # fmt: skip

@@ -1,10 +1,9 @@
 """The attacks on fleet membership and control: rogue and flooding Hellos, a stolen token, a
-conflicting family, Drain/Reload loops, poisoned rollout syncs and Watch floods."""
+conflicting family, Drain/Reload loops and Watch floods."""
 
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
@@ -26,11 +25,9 @@ from abuse_kit import (
 )
 
 from router.hello import MAX_VARIANTS_PER_AGENT
-from router.peers import sync_parts
 from stratus.convert import codec
 from stratus.devtools.launcher import launch
-from stratus.serving.channels import MAX_MESSAGE_BYTES, MAX_STREAMS_PER_CONNECTION
-from stratus.serving.sync_proofs import SYNC_REQUEST, sync_proof
+from stratus.serving.channels import MAX_STREAMS_PER_CONNECTION
 from stratus.wire import fleet_pb2 as fpb
 from stratus.wire import fleet_pb2_grpc as fpb_grpc
 from stratus.wire import inference_pb2 as pb
@@ -48,7 +45,7 @@ async def f1_rogue_hello(ctx: Context) -> Outcome:
     agent, and under the ids of the real agents (a takeover)."""
     tokens = ctx.fleet.tokens
     tries = [("rogue", ""), ("device-1", ""), ("device-1", "guess"), ("device-2", tokens.operator),
-             ("edge-1", tokens.peer)]  # fmt: skip
+             ("edge-1", tokens.client)]  # fmt: skip
     async with ctx.channel() as channel:
         stub = aio(fpb_grpc.AgentLinkStub(channel))
         sent = 0
@@ -120,7 +117,7 @@ async def f2_conflicting_family(ctx: Context) -> Outcome:
 
 
 async def f3_drain_reload(ctx: Context) -> Outcome:
-    """Drain, Reload and rollout changes in a loop, anonymously and with the agent and peer
+    """Drain, Reload and rollout changes in a loop, anonymously and with the agent and client
     tokens (credentials that are not the operator's)."""
     tokens = ctx.fleet.tokens
     async with ctx.channel() as channel:
@@ -132,7 +129,7 @@ async def f3_drain_reload(ctx: Context) -> Outcome:
             lambda t: stub.Rollout(fpb.RolloutRequest(action=fpb.ROLLOUT_ACTION_ABORT, family="digits",
                                                        tier=fpb.TIER_DEVICE, token=t), timeout=5),
         ]  # fmt: skip
-        wrong = ["", tokens.agent, tokens.peer]
+        wrong = ["", tokens.agent, tokens.client]
         sent = 0
 
         async def one() -> str:
@@ -141,51 +138,8 @@ async def f3_drain_reload(ctx: Context) -> Outcome:
             return await ctx.code_of(calls[sent % len(calls)](wrong[sent % len(wrong)]))
 
         tally = await repeat(ctx.mark(), 8, one)
-    return Outcome(f"{sum(tally.values())} Drain/Reload/abort, no/agent/peer token",
+    return Outcome(f"{sum(tally.values())} Drain/Reload/abort, no/agent/client token",
                    f"{codes(tally)}; {await ready_after(ctx)}")  # fmt: skip
-
-
-def poisoned_state(revision: int) -> list[str]:
-    """Rollout states a peer might push: the plan that made every digits request INTERNAL,
-    a history as long as a message carries, and 1,000 plans for made-up families."""
-    base = {"family": "digits", "tier": "device", "candidate": "digits-small", "min_requests": 1,
-            "state": "running", "reason": "x", "revision": revision, "updated": 0.0, "origin": "evil"}  # fmt: skip
-    step9 = {**base, "steps": [5.0], "step": 9}
-    entries = (MAX_MESSAGE_BYTES - 64 * 1024) // 1004  # as long a history as one message carries
-    history = {**base, "steps": [5.0, 100.0], "step": 0, "history": ["h" * 1000] * entries}
-    many = [{**base, "family": f"made-up-{i}", "steps": [5.0, 100.0], "step": 0} for i in range(1000)]
-    return [json.dumps({"version": 1, "rollouts": rollouts}) for rollouts in ([step9], [history], many)]
-
-
-async def f4_poisoned_sync(ctx: Context) -> Outcome:
-    """SyncRollouts of poisoned states, anonymously, with the agent and operator tokens as
-    proof, and with a real proof of the peer token (a malicious or hijacked peer): only
-    validation stands then."""
-    tokens = ctx.fleet.tokens
-    states = poisoned_state(revision=10**9)
-    async with ctx.channel() as channel:
-        stub = aio(fpb_grpc.FleetStub(channel))
-        outsiders: Counter[str] = Counter()
-        peer: Counter[str] = Counter()
-        sent = 0
-
-        async def one() -> str:
-            nonlocal sent
-            sent += 1
-            token = ["", tokens.agent, tokens.operator, tokens.peer][sent % 4]
-            message = fpb.RolloutSync(router_id=f"evil-{sent}", state_json=states[sent % 3], token=token)
-            if token == tokens.peer:  # a real peer proves the token over the message (HMAC)
-                message.token = sync_proof(token, SYNC_REQUEST, *sync_parts(message))
-            code = await ctx.code_of(stub.SyncRollouts(message, timeout=10))
-            (peer if token == tokens.peer else outsiders)[code] += 1
-            return code
-
-        await repeat(ctx.mark(), 4, one)
-        plans = await stub.Rollout(fpb.RolloutRequest(action=fpb.ROLLOUT_ACTION_STATUS), timeout=10)
-    digits = [p for p in plans.rollouts if p.family == "digits"]
-    return Outcome(f"{sent} syncs: step 9/{len(states[1]) / 2**20:.1f} MiB history/1000 plans",
-                   f"others {codes(outsiders)}; peer {codes(peer)}; "
-                   f"{len(plans.rollouts)} plans kept, {len(digits)} for digits")  # fmt: skip
 
 
 async def f12_hello_flood(ctx: Context) -> Outcome:

@@ -22,14 +22,13 @@ from router.dataplane import RouterDataPlane
 from router.fleet_service import FleetServicer, fleet_levels, rollout_levels
 from router.link import AdmissionGate, AgentLinkServicer
 from router.openai_api import OpenAiApi, check_listen, server_tls
-from router.peers import RolloutPeers
 from router.registry import FleetRegistry
 from router.rollout import ROLLED_BACK, Plan, Rollouts
 from router.settings import OnCloudFailure, RouterSettings
 from router.site.mirror import SiteMirror
 from router.site.open import open_site_state
 from router.threshold_auto import AutoThresholds, auto_levels
-from router.thresholds import ThresholdPushes, state_path_beside, threshold_levels
+from router.thresholds import ThresholdPushes, threshold_levels
 from stratus.convert.fleet import family_from_wire
 from stratus.execution.describe import family_info
 from stratus.families.description import FamilyDescription
@@ -40,7 +39,7 @@ from stratus.process import announce, raise_open_files_limit, stop_on_signals
 from stratus.serving.auth import RouterCredentials, insecure_warning
 from stratus.serving.channels import bind, create_server
 from stratus.serving.client_limits import ClientLimits
-from stratus.serving.discovery import Advertisement, dns_target
+from stratus.serving.discovery import Advertisement
 from stratus.serving.health import Health
 from stratus.serving.rest import RestApi, server_context
 from stratus.serving.servicer import InferenceServicer, add_inference_service
@@ -113,27 +112,24 @@ async def serve(settings: RouterSettings, stop: asyncio.Event | None = None) -> 
         ),
         server,
     )
-    synced = asyncio.Event()
     fleet = FleetServicer(
         registry,
         cloud,
         credentials=credentials,
         private_status=settings.private_status,
         rollouts=rollouts,
-        synced=synced,
         audits=audits,
         pushes=pushes,
-        peers=settings.peers,
         site=site,
     )
     fpb_grpc.add_FleetServicer_to_server(fleet, server)
     health = Health(server, plane.ready)
     port = bind(server, settings.listen, settings.tls)
     name = settings.name or f"router-{socket.gethostname()}-{port}"
-    closers = await _named(name, rollouts, pushes, site)
+    host = settings.listen.rsplit(":", 1)[0]
+    closers = await _named(name, rollouts, pushes, site, address=site_address(settings, host, port))
     await server.start()
     await health.start()
-    host = settings.listen.rsplit(":", 1)[0]
     closers += [audits.close, *([capture.close] if capture else [])]
     closers += await _start_extras(settings, plane, metrics, name=name, host=host, port=port)
     closers += await _start_rest(settings, servicer, credentials)
@@ -145,28 +141,37 @@ async def serve(settings: RouterSettings, stop: asyncio.Event | None = None) -> 
         tls=settings.tls.cert is not None,
         callers_authenticated=credentials.callers_authenticated,
     )
-    sharing = _share_rollouts(settings, rollouts, synced, pushes)
-    stepping = _auto_thresholds(settings, pushes, registry, audits, metrics)
+    stepping = _auto_thresholds(settings, pushes, registry, audits, metrics, site=site)
     log.info("router listening on %s:%d (cloud: %s)", host, port, settings.cloud or "none")
     announce("router", f"{host}:{port}")
     await stop.wait()
     log.info("stopping: not ready now, finishing %d request(s) in flight", plane.active)
     await _shut_down(plane, registry, server, health, settings.drain_timeout_s)
-    await _close_the_rest([watchdog, warning, sharing, stepping], closers, cloud)
+    await _close_the_rest([watchdog, warning, stepping], closers, cloud)
     log.info("stopped")
 
 
 async def _named(
-    name: str, rollouts: Rollouts, pushes: ThresholdPushes, site: SiteMirror | None
+    name: str, rollouts: Rollouts, pushes: ThresholdPushes, site: SiteMirror | None, *, address: str
 ) -> list[Callable[[], Awaitable[None]]]:
     """The router's name where its records say who changed what; the site's store started
     (what the site agreed on, applied before the first call is taken); what closes it."""
     rollouts.router_id = pushes.router_id = name
     if site is None:
         return []
-    site.router_id = name
+    site.router_id, site.address = name, address
     await site.start()
     return [site.close]
+
+
+def site_address(settings: RouterSettings, host: str, port: int) -> str:
+    """Where the site's other routers (and an operator's CLI) reach this one: --site-address,
+    else the listening address, with this host's name for a wildcard one."""
+    if settings.site_address:
+        return settings.site_address
+    if host in ("", "0.0.0.0", "::", "[::]"):
+        host = socket.getfqdn()
+    return f"{host}:{port}"
 
 
 def _checked_credentials(settings: RouterSettings) -> RouterCredentials:
@@ -174,8 +179,6 @@ def _checked_credentials(settings: RouterSettings) -> RouterCredentials:
     credentials = settings.credentials()
     settings.check_exposure(credentials)
     settings.check_site_state()
-    if settings.peers:
-        dns_target(settings.peers, "--peers")  # a malformed DNS name stops it here, not each round
     if settings.openai:
         check_listen(settings.openai, settings.openai_api_key)
         server_tls(settings.openai_tls_cert, settings.openai_tls_key)  # a bad pair stops it here
@@ -290,7 +293,7 @@ async def _start_rest(
 
 
 def _rollouts(settings: RouterSettings, metrics: Metrics, recorder: RouterMetrics) -> Rollouts:
-    rollouts = Rollouts(router_id=settings.name, state_path=settings.rollout_state)
+    rollouts = Rollouts(router_id=settings.name)
     rollouts.listeners.append(lambda plan, why: _count_rollback(recorder, rollouts, plan))
     metrics.collect_with(lambda: rollout_levels(rollouts))
     return rollouts
@@ -311,15 +314,20 @@ def _site_mirror(
     # tls://: the store's server holds a certificate of the fleet CA, and this router shows its own
     tls = settings.tls if settings.site_state.startswith("tls://") else None
     state = open_site_state(settings.site_state, tls=tls, creds=settings.site_state_creds)
-    return SiteMirror(state, rollouts=rollouts, pushes=pushes, registry=registry, router_id=settings.name or "")
+    return SiteMirror(
+        state,
+        rollouts=rollouts,
+        pushes=pushes,
+        registry=registry,
+        router_id=settings.name or "",
+        lease_s=settings.site_lease_s,
+    )
 
 
 def _threshold_pushes(settings: RouterSettings, registry: FleetRegistry) -> ThresholdPushes:
-    """The pushed thresholds (kept beside the rollout state), in force before any agent links."""
-    pushes = ThresholdPushes(router_id=settings.name, state_path=state_path_beside(settings.rollout_state))
+    """The pushed thresholds, in force as the site's store gives them (before any agent links)."""
+    pushes = ThresholdPushes(router_id=settings.name)
     pushes.listeners.append(registry.override_thresholds)
-    for family in pushes.families():
-        registry.override_thresholds(family, pushes.in_force(family))
     return pushes
 
 
@@ -329,36 +337,21 @@ def _auto_thresholds(
     registry: FleetRegistry,
     audits: Auditor,
     metrics: Metrics,
+    *,
+    site: SiteMirror | None,
 ) -> asyncio.Task[None] | None:
-    """The --auto-thresholds controller, where the operator asks for one."""
+    """The --auto-thresholds controller, where the operator asks for one: on a site, stepping
+    only while this router holds the site's judge lease."""
     if not settings.auto_thresholds.enabled:
         return None
 
     def chosen() -> dict[str, str]:
         return {name: info.audit.auto for name, info in registry.families.items() if info.audit.auto}
 
-    auto = AutoThresholds(settings.auto_thresholds, pushes, registry, audits.rows.rows, chosen)
+    here = site.judges_here if site is not None else (lambda: True)
+    auto = AutoThresholds(settings.auto_thresholds, pushes, registry, audits.rows.rows, chosen, here=here)
     metrics.collect_with(lambda: auto_levels(auto))
     return asyncio.create_task(auto.run(), name="stratus-auto-thresholds")
-
-
-def _share_rollouts(
-    settings: RouterSettings, rollouts: Rollouts, synced: asyncio.Event, pushes: ThresholdPushes
-) -> asyncio.Task[None] | None:
-    """Every change reaches the peers at once (and all state every SYNC_S)."""
-    rollouts.listeners.append(lambda plan, why: synced.set())
-    pushes.listeners.append(lambda family, thresholds: synced.set())
-    if not settings.peers:
-        return None
-    peers = RolloutPeers(
-        rollouts,
-        settings.peers,
-        tls=settings.tls,
-        token=settings.peer_token or settings.token,
-        changed=synced,
-        pushes=pushes,
-    )
-    return asyncio.create_task(peers.run(), name="stratus-rollout-peers")
 
 
 def _count_rollback(recorder: RouterMetrics, rollouts: Rollouts, plan: Plan) -> None:

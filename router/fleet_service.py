@@ -17,11 +17,9 @@ from router.audit import Auditor
 from router.cloud_pool import CloudTier
 from router.family_view import family_statuses
 from router.index import line_key
-from router.peers import sync_parts
 from router.registry import MAX_RELOAD_WAIT_S, FleetRegistry
 from router.rollout import DEFAULT_MIN_AUDITS, DEFAULT_STEPS, Plan, Rollouts
 from router.rollout_judge import ArmWindow, Margins
-from router.site import SiteState
 from router.site.mirror import SiteMirror
 from router.thresholds import ThresholdPushes, steer, to_wire
 from stratus import __version__
@@ -31,7 +29,6 @@ from stratus.obs.metrics import gauge
 from stratus.serving.auth import RouterCredentials
 from stratus.serving.channels import MAX_MESSAGE_BYTES
 from stratus.serving.client_limits import client_of
-from stratus.serving.sync_proofs import SYNC_ANSWER, SYNC_REQUEST, SeenNonces, proof_holds, sync_proof
 from stratus.tiers import Tier
 from stratus.wire import fleet_pb2 as fpb
 from stratus.wire import fleet_pb2_grpc as fpb_grpc
@@ -196,7 +193,7 @@ def fleet_status(
     include_families: bool = False,
     rollouts: Rollouts | None = None,
     max_bytes: int | None = None,
-    site: SiteState | None = None,
+    site: SiteMirror | None = None,
 ) -> fpb.FleetStatus:
     limit = MAX_STATUS_BYTES if max_bytes is None else max_bytes
     agents, omitted = _listed_agents(registry, limit) if include_agents else ([], 0)
@@ -213,8 +210,11 @@ def fleet_status(
     )
 
 
-def site_state_status(site: SiteState) -> fpb.SiteStateStatus:
-    return fpb.SiteStateStatus(url=site.url, connected=site.connected, detail=site.describe())
+def site_state_status(site: SiteMirror) -> fpb.SiteStateStatus:
+    store = site.state
+    return fpb.SiteStateStatus(
+        url=store.url, connected=store.connected, detail=store.describe(), judge=site.judge(), routers=site.other_routers()
+    )
 
 
 # A watcher gets at most this many updates a second, however fast the fleet changes (a
@@ -279,25 +279,20 @@ class FleetServicer(fpb_grpc.FleetServicer):
         credentials: RouterCredentials | None = None,
         private_status: bool = False,
         rollouts: Rollouts | None = None,
-        synced: asyncio.Event | None = None,
         audits: Auditor | None = None,
         pushes: ThresholdPushes | None = None,
-        peers: str | None = None,
         site: SiteMirror | None = None,
     ) -> None:
         self._site = site  # --site-state: changes are written there (router/site/mirror.py)
         self._audits = audits
-        self._peers = peers  # --peers: where the other routers of the site are
         self._pushes = pushes or ThresholdPushes(router_id="router")
         self._registry = registry
         self._cloud = cloud
         self._credentials = credentials or RouterCredentials()
         self._private_status = private_status  # Status, Watch and rollout status need an operator
         self._rollouts = rollouts or Rollouts(router_id="router")
-        self._synced = synced  # set when a change should reach the other routers now
         # Watch's shared status, by what it lists (include_agents, include_families)
         self._built: dict[tuple[bool, bool], tuple[float, fpb.FleetStatus]] = {}
-        self._seen_proofs = SeenNonces()  # a peer's proof is taken once (security2 N6)
 
     def _authorize(self, token: str, context: Any, what: str) -> None:
         self._credentials.require_operator(token, context, what)
@@ -314,7 +309,7 @@ class FleetServicer(fpb_grpc.FleetServicer):
             include_agents=request.include_agents,
             include_families=request.include_families,
             rollouts=self._rollouts,
-            site=self._site.state if self._site is not None else None,
+            site=self._site,
         )
 
     async def Watch(self, request: fpb.FleetWatchRequest, context: Any) -> AsyncIterator[fpb.FleetEvent]:
@@ -349,7 +344,7 @@ class FleetServicer(fpb_grpc.FleetServicer):
                 include_families=include_families,
                 rollouts=self._rollouts,
                 max_bytes=MAX_WATCH_STATUS_BYTES,
-                site=self._site.state if self._site is not None else None,
+                site=self._site,
             )
             # Stamped when built, not when asked: a build slower than half a gap would otherwise
             # be redone by every watcher in turn (80 watchers, 80 builds a round).
@@ -428,8 +423,6 @@ class FleetServicer(fpb_grpc.FleetServicer):
         else:
             raise InvalidInput(f"unknown rollout action {action}")
         plan = await self._site.change_rollout(request.family, tier, make) if self._site is not None else make()
-        if self._synced is not None:
-            self._synced.set()
         return fpb.RolloutReply(rollouts=[self._status(plan)], message=plan.reason)
 
     def _start(self, request: fpb.RolloutRequest, tier: Tier) -> Plan:
@@ -486,35 +479,12 @@ class FleetServicer(fpb_grpc.FleetServicer):
             rows = self._audits.rows.rows if self._audits is not None else None
             answer = steer(self._pushes, self._registry, request, rows)
             if request.include_rows:
-                answer.router_id, answer.peers = self._rollouts.router_id, self._peers or ""
+                answer.router_id = self._rollouts.router_id
+                answer.site_routers = ",".join(self._site.other_routers()) if self._site is not None else ""
             return answer
         self._authorize(request.token, context, "pushing thresholds")
         change = functools.partial(steer, self._pushes, self._registry, request)
-        answer = await self._site.change_thresholds(request.family, change) if self._site is not None else change()
-        if self._synced is not None:
-            self._synced.set()
-        return answer
-
-    async def SyncRollouts(self, request: fpb.RolloutSync, context: Any) -> fpb.RolloutSync:
-        """A peer router's rollouts in, ours out: both keep the newest record of each."""
-        peer_token = self._credentials.peer_token
-        proven = (
-            proof_holds(peer_token, SYNC_REQUEST, request.token, *sync_parts(request), seen=self._seen_proofs)
-            if peer_token
-            else None
-        )
-        self._credentials.require_peer(proven, context, "SyncRollouts")
-        if request.router_id != self._rollouts.router_id:
-            self._rollouts.merge_json(request.state_json)
-            self._pushes.merge_json(request.thresholds_json)
-        answer = fpb.RolloutSync(
-            router_id=self._rollouts.router_id,
-            state_json=self._rollouts.to_json(),
-            thresholds_json=self._pushes.to_json(),
-        )
-        if peer_token:  # our proof answers theirs: the caller learns it reached a real peer
-            answer.token = sync_proof(peer_token, SYNC_ANSWER, request.token, *sync_parts(answer))
-        return answer
+        return await self._site.change_thresholds(request.family, change) if self._site is not None else change()
 
 
 def _tier(value: int) -> Tier:

@@ -26,24 +26,21 @@ worse one (65% unsure against 2%) is caught at the first judgement. A candidate
 no worse moves to the next step; the last step is where it stays (100%: complete) until
 an operator promotes it (its line becomes what the tier serves, here) or aborts it.
 
-The plan (not the windows) is the state that matters: it is written to a JSON file on
-every change, so it survives a restart, and exchanged with the other routers of the site,
-which keep, per family and tier, the record with the highest revision. Every router
-judges the requests it sees; the first decision made anywhere is the one all adopt.
+The plan (not the windows) is the state that matters: every change is written to the site's
+store (``router/site/mirror.py``: a file for a lone router, NATS JetStream for a site), so it
+survives a restart and every router of the site sends the same shares. Every router measures
+the requests it routes; on a site, only the router holding the site's judge lease judges
+(``judging_here``), so one decision is made at a time, and the store orders them.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import math
-import os
 import random
-import tempfile
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
-from pathlib import Path
 from typing import Any, Final
 
 from router.rollout_judge import AUDIT_LOOK_GROWTH, ArmWindow, Margins, judge
@@ -64,17 +61,14 @@ DEFAULT_MIN_AUDITS: Final = 50
 MAX_MIN_AUDITS: Final = 100_000
 # Judging sorts the window; at most this often per rollout, however busy the router.
 JUDGE_EVERY_S: Final = 0.05
-FORMAT_VERSION: Final = 1
-# Bounds on a rollout record, wherever it comes from (an operator, a peer, the state file).
+# Bounds on a rollout record, wherever it comes from (an operator, the site's store).
 MAX_STEPS: Final = 20
 MAX_HISTORY: Final = 50
 MAX_TEXT: Final = 1000
 MAX_REVISION: Final = 2**53  # a revision past it could never be followed by a higher one exactly
-# Rollouts one router keeps; records past it (from a peer or the file) are not adopted.
-MAX_PLANS: Final = 256
-# How far past ours a record's revision may be and still be adopted: each change adds 1, so
-# honest routers stay far inside it, and a record cannot win every later merge by a huge one.
-MAX_REVISION_JUMP: Final = 1000
+# Rollouts one router keeps (at most ~50 KiB each); records past it (from the site's store)
+# are not adopted. A site's store holds one per family and tier being rolled out, far fewer.
+MAX_PLANS: Final = 1024
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -98,9 +92,9 @@ class Plan:
     history: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
-        """Every record, whether an operator's, a peer's or the state file's, is checked as a
-        new rollout is: a bad one (``step`` past its steps, a 15 MiB history) used to make
-        every request of the family fail INTERNAL, and spread to the other routers."""
+        """Every record, whether an operator's or the site's store's, is checked as a new
+        rollout is: a bad one (``step`` past its steps, a 15 MiB history) used to make every
+        request of the family fail INTERNAL, and spread to the other routers."""
         check_steps(self.steps)
         if not 0 <= self.step < len(self.steps):
             raise InvalidInput(f"rollout step {self.step} is outside its {len(self.steps)} steps")
@@ -132,10 +126,6 @@ class Plan:
     @property
     def judging(self) -> bool:
         return self.state == RUNNING and self.step < len(self.steps) - 1
-
-    def rank(self) -> tuple[int, float, str]:
-        """Which of two records of one rollout wins: later revision, then later change."""
-        return (self.revision, self.updated, self.origin)
 
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
@@ -206,19 +196,17 @@ Listener = Callable[[Plan, str], None]
 
 
 class Rollouts:
-    """The rollouts one router applies, judges, persists and shares. Owned by its event loop."""
+    """The rollouts one router applies and judges. Owned by its event loop."""
 
     def __init__(
         self,
         *,
         router_id: str,
-        state_path: Path | None = None,
         rng: random.Random | None = None,
         wall_clock: Callable[[], float] = time.time,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.router_id = router_id
-        self.state_path = state_path
         self._rng = rng or random.Random()
         self._wall = wall_clock
         self._clock = clock
@@ -229,11 +217,8 @@ class Rollouts:
         # Whether a tier of a family has a tier above that audits it (the auditor says):
         # there a step waits for each arm's audits, elsewhere requests alone decide.
         self.auditable: Callable[[str, Tier], bool] = lambda family, tier: False
-        if state_path is not None and state_path.exists():
-            try:
-                self.merge_json(state_path.read_text(encoding="utf-8"), persist=False)
-            except ConfigError as exc:
-                raise ConfigError(f"{state_path}: {exc}") from None
+        # Whether this router judges steps now: on a site, while it holds the judge lease.
+        self.judging_here: Callable[[], bool] = lambda: True
 
     # -- operator actions ------------------------------------------------------------------
     def start(
@@ -335,7 +320,7 @@ class Rollouts:
     def _judge_at_most_every(self, live: _Live) -> None:
         """Judge the step on new evidence, at most every JUDGE_EVERY_S (judging sorts the window)."""
         now = self._clock()
-        if now - live.judged_at >= JUDGE_EVERY_S:
+        if now - live.judged_at >= JUDGE_EVERY_S and self.judging_here():
             live.judged_at = now
             self._judge(live)
 
@@ -371,7 +356,7 @@ class Rollouts:
             f"advanced from {share:g}% to {plan.steps[step]:g}%: {verdict.reason}",
         )
 
-    # -- changes, persistence and peers --------------------------------------------------------
+    # -- changes ---------------------------------------------------------------------------------
     def _change(self, plan: Plan, why: str, *, new: bool = False) -> Plan:
         previous = self._live.get(plan.key)
         history = () if new or previous is None else previous.plan.history
@@ -385,7 +370,6 @@ class Rollouts:
         )
         self._adopt(plan)
         log.info("rollout of %s on %s/%s: %s", plan.candidate, plan.family, plan.tier.label, why)
-        self._persist()
         if self.on_change is not None:
             self.on_change(plan)
         return plan
@@ -424,57 +408,3 @@ class Rollouts:
             live.plan = plan
         for listener in self.listeners:
             listener(plan, plan.reason)
-
-    def to_json(self) -> str:
-        return json.dumps(
-            {"version": FORMAT_VERSION, "rollouts": [p.to_json() for p in self.plans()]}, sort_keys=True
-        )
-
-    def merge_json(self, text: str, *, persist: bool = True) -> bool:
-        """Adopt every record newer than ours; True when anything changed."""
-        try:
-            data = json.loads(text) if text else {"rollouts": []}
-            records = [Plan.from_json(r) for r in data.get("rollouts", [])]
-        except (json.JSONDecodeError, AttributeError) as exc:
-            raise ConfigError(f"rollout state is not valid: {exc}") from None
-        return self.merge(records, persist=persist)
-
-    def merge(self, records: Iterable[Plan], *, persist: bool = True) -> bool:
-        changed = False
-        for plan in records:
-            live = self._live.get(plan.key)
-            if live is None and len(self._live) >= MAX_PLANS:
-                log.warning(
-                    "rollout of %r on %r not adopted: %d rollouts kept already",
-                    plan.candidate,
-                    plan.family,
-                    MAX_PLANS,
-                )
-                continue
-            if plan.revision > (live.plan.revision if live else 0) + MAX_REVISION_JUMP:
-                log.warning(
-                    "rollout of %r on %r not adopted: revision %d jumps past ours by more than %d",
-                    plan.candidate, plan.family, plan.revision, MAX_REVISION_JUMP,
-                )  # fmt: skip
-                continue
-            if live is None or plan.rank() > live.plan.rank():
-                self._adopt(plan)
-                changed = True
-        if changed and persist:
-            self._persist()
-        return changed
-
-    def _persist(self) -> None:
-        """Write the plans atomically: a crash mid-write leaves the previous file."""
-        if self.state_path is not None:
-            write_whole(self.state_path, self.to_json())
-
-
-def write_whole(path: Path, text: str) -> None:
-    """Write atomically: a crash mid-write leaves the previous file. A new file of our own
-    (O_EXCL), never one a link in a shared folder points at."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, scratch = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    with os.fdopen(fd, "w", encoding="utf-8") as out:
-        out.write(text)
-    os.replace(scratch, path)

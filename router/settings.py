@@ -55,9 +55,11 @@ class RouterSettings:
     keepalive_timeout_s: float = setting(1.0, check=positive)
     token: str = secret("STRATUS_TOKEN")  # one token for every role, where a role has none of its own
     # Each role's own credential: agents' Hellos, operators' changes (drain, reload,
-    # rollouts), and peer routers' rollout sync (sent and checked). Empty: the fleet token.
+    # rollouts). Empty: the fleet token.
     agent_token: str = secret("STRATUS_AGENT_TOKEN")
     operator_token: str = secret("STRATUS_OPERATOR_TOKEN")
+    # Removed with the peer protocol (issue 35): given, each stops the router saying what
+    # replaces it, rather than a site silently sharing nothing after an upgrade.
     peer_token: str = secret("STRATUS_PEER_TOKEN")
     # Per-agent tokens (AGENT_ID TOKEN lines): each id bound to its own token.
     agent_tokens_file: Path | None = None
@@ -99,13 +101,20 @@ class RouterSettings:
     metrics_open: bool = False
     # On SIGTERM: how long requests in flight may take to finish before the router exits.
     drain_timeout_s: float = setting(20.0, check=not_negative)
-    # Where rollout state is kept across restarts; None: in memory only.
+    # Removed with the peer protocol (issue 35), refused by name: see check_site_state.
     rollout_state: Path | None = None
-    # The other routers of this site (host:port,... or dns:NAME:PORT), to share rollouts with.
     peers: str | None = None
-    # The site's shared state (router/site): file:PATH or nats://HOST:PORT; None: none (this
-    # router's rollouts and pushes in memory, or in --rollout-state).
+    # The site's shared state (router/site): file:PATH (a lone router's, kept across restarts)
+    # or nats://HOST:PORT / tls://HOST:PORT (every router of the site on one store); None: this
+    # router's rollouts, threshold pushes and drains in memory only.
     site_state: str | None = None
+    # The address the site's other routers and `fleet thresholds --suggest` reach this router
+    # at, registered in a shared store; empty: --listen's, or this host's name with its port
+    # where --listen is a wildcard.
+    site_address: str = ""
+    # How long the site's judge lease (rollout steps, --auto-thresholds) outlives its holder's
+    # last renewal: another router takes the judging over within it when that one dies.
+    site_lease_s: float = setting(15.0, check=positive)
     # Credentials for a NATS store: a .creds file or a user/password file (never in the URL).
     site_state_creds: Path | None = None
     # HOST:PORT for the Open Inference Protocol over HTTP/REST (Triton's port 8000; the same
@@ -161,13 +170,16 @@ class RouterSettings:
             )
 
     def check_site_state(self) -> None:
-        """The site's store replaces the peer protocol and the state file: not both at once."""
-        if self.site_state and (self.peers or self.rollout_state):
-            given = " and ".join(f for f, v in (("--peers", self.peers), ("--rollout-state", self.rollout_state)) if v)
-            raise ConfigError(
-                f"--site-state keeps what {given} kept: give --site-state alone (every router of the site "
-                "on the same store)"
-            )
+        """The site's store replaced the peer protocol and the state file: either given stops
+        the router, saying what to give instead (README: "Migrating from --peers")."""
+        removed = {
+            "--peers": (self.peers, "give every router of the site --site-state nats://HOST:PORT (one NATS JetStream store)"),
+            "--peer-token-file / STRATUS_PEER_TOKEN": (self.peer_token, "the store's own credentials replace it (--site-state-creds, or tls:// with the router's certificate)"),
+            "--rollout-state": (self.rollout_state, "give --site-state file:PATH (a lone router) or nats://HOST:PORT (a site)"),
+        }  # fmt: skip
+        for flag, (value, instead) in removed.items():
+            if value:
+                raise ConfigError(f"{flag} was removed with the routers' peer protocol: {instead}")
 
     def all_cloud_headers(self) -> tuple[tuple[str, str], ...]:
         """The metadata sent on every call to the cloud: the flags', then the file's."""
@@ -180,7 +192,6 @@ class RouterSettings:
             agent_token="" if self.agent_tokens_file else self.agent_token or self.token,
             agent_tokens=AgentTokens(self.agent_tokens_file) if self.agent_tokens_file else None,
             operator_token=self.operator_token or self.token,
-            peer_token=self.peer_token or self.token,
             agent_pools=dict(self.agent_pools),
             trust_domain=self.tls.trust_domain,
             off_loopback=not is_loopback(self.listen.rsplit(":", 1)[0]),
@@ -225,7 +236,6 @@ class RouterSettings:
             {
                 "the agent token": credentials.agent_token,
                 "the operator token": credentials.operator_token,
-                "the peer token": credentials.peer_token,
                 "the client token": self.client_token,
                 "the cloud token": self.cloud_token,
             },

@@ -3,7 +3,7 @@
 Off by default, and per family. Every ``interval_s`` the controller asks calibrate's chooser
 (``stratus.tools.calibrate.from_audits``) for the family's goal on this router's audit rows,
 and pushes one bounded step toward it (``stratus fleet thresholds`` versions, author "auto",
-so every step is logged, shared with the peers, shown in ``fleet accuracy`` and undone by
+so every step is logged, written to the site's store, shown in ``fleet accuracy`` and undone by
 ``--revert``):
 
 * each threshold moves at most ``max_step`` per interval;
@@ -17,8 +17,10 @@ Which families, and toward which goal, the operator names (``digits=target_accur
 or lets the families choose: with ``families`` in the list, each family whose files name a goal
 (``[audit] auto = "target_accuracy 0.98"``) steps toward it, a goal named on the router winning.
 Each interval's outcome per family is counted (``stratus_router_threshold_auto_total``).
-Enable it on one router of a site: each router judges its own rows, and two controllers
-would step the same family twice (which is why a family's files alone never start one).
+On a site whose routers share a store, it steps only on the router holding the site's judge
+lease (``router/site/lease.py``), so a family is never stepped twice an interval, and moves to
+another router within the lease's ttl when that one dies; it judges that router's own rows.
+A family's files alone never start one: the router's flag does.
 """
 
 from __future__ import annotations
@@ -163,9 +165,13 @@ class AutoThresholds:
         registry: FamilyThresholds,
         rows: Callable[[str], Sequence[Row]],
         chosen: Callable[[], Mapping[str, str]] = dict,
+        *,
+        here: Callable[[], bool] = lambda: True,
     ) -> None:
-        """``chosen``: each served family's own goal ([audit] auto), read at every interval."""
+        """``chosen``: each served family's own goal ([audit] auto), read at every interval;
+        ``here``: whether this router steps now (it holds the site's judge lease)."""
         self.policy = policy
+        self._here = here
         self._pushes = pushes
         self._registry = registry
         self._rows = rows
@@ -178,6 +184,8 @@ class AutoThresholds:
     async def run(self) -> None:
         while True:
             await asyncio.sleep(self.policy.interval_s)
+            if not self._here():
+                continue
             for family, goal in sorted(self.goals().items()):
                 self.step_once(family, goal)
 

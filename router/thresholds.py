@@ -9,25 +9,21 @@ are no longer refused for it, and ``--revert`` makes a new version holding what 
 force before the current one (walking back one version per revert; past the first, the
 agents' own thresholds again).
 
-Versions only grow: the other routers of the site get the record with the peers' rollout
-sync (``router/peers.py``, under the same proof) and keep, per family, the one with the
-highest version (then the latest change, then the router id, so two routers that changed
-the same version at once still agree). The records are written to a file beside the rollout
-state on every change, so a restarted router applies them before its first agent links.
+Versions only grow: every change is written to the site's store (``router/site/mirror.py``)
+by compare-and-swap on the revision it was made on, so of two routers changing one family at
+once one wins and the other's operator is told; every router follows the store, and a
+restarted router applies the records before its first agent links.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Final, Protocol
 
 from router.audit_rows import Row
-from router.rollout import write_whole
 from stratus.errors import ConfigError, Conflict, InvalidInput, NotFound
 from stratus.families.confidence import threshold_problem
 from stratus.families.description import FamilyDescription
@@ -37,14 +33,14 @@ from stratus.wire import fleet_pb2 as fpb
 
 log = logging.getLogger("stratus.thresholds")
 
-FORMAT_VERSION: Final = 1
-# Bounds on a record, wherever it comes from (an operator, a peer, the state file).
+# Bounds on a record, wherever it comes from (an operator, the site's store).
 MAX_HISTORY: Final = 50
 MAX_TEXT: Final = 1000
-MAX_FAMILIES: Final = 256
+# Families with pushed thresholds one router keeps: a site's store holds one record per family
+# (benchmarks/site_state.py found 256 too few: a router restarted on a store of 500 dropped the
+# family it served, the last one written).
+MAX_FAMILIES: Final = 4096
 MAX_VERSION: Final = 2**53
-# How far past ours a peer's version may be and still be adopted (each change adds 1).
-MAX_VERSION_JUMP: Final = 1000
 
 Thresholds = Mapping[Tier, float]
 Listener = Callable[[str, Thresholds], None]
@@ -63,7 +59,7 @@ class Version:
     base: int = 0  # the version whose thresholds this one replaced (0: the agents' own)
 
     def __post_init__(self) -> None:
-        """Checked whoever made it: a bad record from a peer or a file must not reach the cascade."""
+        """Checked whoever made it: a bad record from the store must not reach the cascade."""
         if not 1 <= self.version <= MAX_VERSION or not 0 <= self.base < self.version:
             raise InvalidInput(f"threshold version {self.version} (base {self.base}) is out of bounds")
         check_thresholds(self.thresholds)
@@ -136,10 +132,6 @@ class Record:
     def current(self) -> Version:
         return self.history[-1]
 
-    def rank(self) -> tuple[int, float, str]:
-        """Which of two records of one family wins: later version, then later change, then origin."""
-        return (self.current.version, self.current.updated, self.current.origin)
-
     def find(self, version: int) -> Version | None:
         return next((v for v in self.history if v.version == version), None)
 
@@ -157,28 +149,21 @@ class Record:
 
 
 class ThresholdPushes:
-    """The pushed thresholds one router applies, persists and shares. Owned by its event loop;
+    """The pushed thresholds one router applies. Owned by its event loop;
     ``listeners`` are told (family, thresholds in force; empty: the agents' own) of every change."""
 
     def __init__(
         self,
         *,
         router_id: str,
-        state_path: Path | None = None,
         wall_clock: Callable[[], float] = time.time,
     ) -> None:
         self.router_id = router_id
-        self.state_path = state_path
         self._wall = wall_clock
         self._records: dict[str, Record] = {}
         self.listeners: list[Listener] = []
         # Told of each push made here (an operator's, --auto-thresholds'), to write to the site's store.
         self.on_change: Callable[[str], None] | None = None
-        if state_path is not None and state_path.exists():
-            try:
-                self.merge_json(state_path.read_text(encoding="utf-8"), persist=False)
-            except ConfigError as exc:
-                raise ConfigError(f"{state_path}: {exc}") from None
 
     # -- operator actions ------------------------------------------------------------------
     def apply(
@@ -217,7 +202,7 @@ class ThresholdPushes:
     def families(self) -> list[str]:
         return sorted(self._records)
 
-    # -- changes, persistence and peers --------------------------------------------------------
+    # -- changes ---------------------------------------------------------------------------------
     def _current(self, family: str, expected: int) -> Version | None:
         record = self._records.get(family)
         current = record.current if record is not None else None
@@ -247,7 +232,6 @@ class ThresholdPushes:
         self._adopt(Record(family=family, history=(*history, version)[-MAX_HISTORY:]))
         log.info("thresholds of %s: version %d %s by %s: %s", family, version.version,
                  labelled(thresholds) or "(the agents' own)", author, reason)  # fmt: skip
-        self._persist()
         if self.on_change is not None:
             self.on_change(family)
         return version
@@ -273,55 +257,6 @@ class ThresholdPushes:
         self._records[record.family] = record
         for listener in self.listeners:
             listener(record.family, record.current.thresholds)
-
-    def to_json(self) -> str:
-        """The records as JSON; empty where there are none (a peer sync then says nothing of them)."""
-        if not self._records:
-            return ""
-        records = [self._records[f].to_json() for f in sorted(self._records)]
-        return json.dumps({"version": FORMAT_VERSION, "thresholds": records}, sort_keys=True)
-
-    def merge_json(self, text: str, *, persist: bool = True) -> bool:
-        """Adopt every record newer than ours; True when anything changed."""
-        try:
-            data = json.loads(text) if text else {}
-            records = [Record.from_json(r) for r in data.get("thresholds", [])]
-        except (json.JSONDecodeError, AttributeError) as exc:
-            raise ConfigError(f"threshold state is not valid: {exc}") from None
-        return self.merge(records, persist=persist)
-
-    def merge(self, records: Iterable[Record], *, persist: bool = True) -> bool:
-        changed = False
-        for record in records:
-            if self._adoptable(record):
-                self._adopt(record)
-                changed = True
-        if changed and persist:
-            self._persist()
-        return changed
-
-    def _adoptable(self, record: Record) -> bool:
-        mine = self._records.get(record.family)
-        if mine is None and len(self._records) >= MAX_FAMILIES:
-            log.warning("thresholds of %r not adopted: %d families kept already", record.family, MAX_FAMILIES)
-            return False
-        ours = mine.current.version if mine is not None else 0
-        if record.current.version > ours + MAX_VERSION_JUMP:
-            log.warning("thresholds of %r not adopted: version %d jumps past ours by more than %d",
-                        record.family, record.current.version, MAX_VERSION_JUMP)  # fmt: skip
-            return False
-        return mine is None or record.rank() > mine.rank()
-
-    def _persist(self) -> None:
-        if self.state_path is not None:
-            write_whole(self.state_path, self.to_json())
-
-
-def state_path_beside(rollout_state: Path | None) -> Path | None:
-    """Where the pushed thresholds are kept: beside the rollout state (``--rollout-state``)."""
-    if rollout_state is None:
-        return None
-    return rollout_state.with_name(f"{rollout_state.stem}.thresholds.json")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -92,10 +92,9 @@ TARGETS: tuple[Target, ...] = (
     ),
     Target(
         "auth",
-        ("stratus/serving/auth.py", "stratus/serving/sync_proofs.py"),
+        ("stratus/serving/auth.py",),
         (
             "tests/unit/test_auth.py",
-            "tests/unit/test_sync_proofs.py",
             "tests/unit/test_threshold_pushes.py",
             "tests/unit/test_auth_mutants.py",
         ),

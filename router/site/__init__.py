@@ -69,6 +69,9 @@ class SiteState(abc.ABC):
     StoreUnavailable; ``put`` and ``delete`` may raise StoreConflict."""
 
     url: str  # as given, without credentials: what errors and `fleet status` name
+    # Whether many routers may share it (NATS): only then is there a site to register in and a
+    # judge lease to hold; a file is one router's alone.
+    shared: bool = False
 
     @abc.abstractmethod
     async def start(self) -> None:

@@ -7,7 +7,14 @@ Keys and what they hold (JSON):
 * ``thresholds.FAMILY``: a family's pushed thresholds (:class:`~router.thresholds.Record`);
 * ``agent.ID``: what an operator said of an agent for the whole site, ``{"mark": "drained" |
   "ready" | "forgotten", "by", "at"}``: each router drains (undrains, forgets) its own link to
-  it, and a router the agent links to later, or one restarted, drains it on its Hello.
+  it, and a router the agent links to later, or one restarted, drains it on its Hello;
+* ``router.NAME`` (a shared store only): where each router of the site is reached,
+  ``{"address", "at"}``, renewed every MEMBER_EVERY_S and deleted on a clean stop, so
+  ``fleet thresholds --suggest`` reads every router's audit rows (soft state, kept in each
+  router's memory) without a list of peers;
+* ``lease.judge`` (a shared store only): the router that judges rollout steps and steps
+  ``--auto-thresholds`` (:class:`~router.site.lease.Lease`): one at a time, another within
+  the lease's ttl when it dies.
 
 An operator's change (a rollout started, promoted or aborted, a threshold push or revert, a
 drain) is made here, then written with the revision this router last saw of its key: if
@@ -34,6 +41,7 @@ from router.agent_handle import AgentHandle
 from router.registry import FleetRegistry
 from router.rollout import Plan, Rollouts
 from router.site import Entry, SiteState, StoreConflict, StoreUnavailable
+from router.site.lease import Lease
 from router.thresholds import Record, ThresholdPushes
 from stratus.errors import ConfigError, InvalidInput, NotFound
 from stratus.tiers import Tier
@@ -43,6 +51,14 @@ log = logging.getLogger("stratus.site")
 T = TypeVar("T")
 RETRY_S: Final = 1.0
 MARKS: Final = ("drained", "ready", "forgotten")
+JUDGE_LEASE: Final = "lease.judge"
+# A router's registration is renewed this often; one older than MEMBER_STALE_S is gone.
+MEMBER_EVERY_S: Final = 10.0
+MEMBER_STALE_S: Final = 3 * MEMBER_EVERY_S
+MAX_ADDRESS: Final = 300
+# How long a starting router waits for the store, so that what the site agreed on (a drain, a
+# push, a rollout) applies before its first call; past it, it serves and catches up when it can.
+START_WAIT_S: Final = 5.0
 
 
 def rollout_key(family: str, tier: Tier) -> str:
@@ -57,6 +73,11 @@ def agent_key(agent_id: str) -> str:
     return f"agent.{agent_id}"
 
 
+def router_key(name: str) -> str:
+    """A router's name as one key word: the characters a key cannot hold become ``_``."""
+    return "router." + "".join(c if c.isalnum() or c in "-_" else "_" for c in name)
+
+
 class SiteMirror:
     """Owned by the router's event loop; ``start`` loads and watches, ``close`` stops."""
 
@@ -68,10 +89,16 @@ class SiteMirror:
         pushes: ThresholdPushes,
         registry: FleetRegistry,
         router_id: str,
+        lease_s: float = 15.0,
+        clock: Callable[[], float] = time.time,
     ) -> None:
         self.state = state
         self._rollouts, self._pushes, self._registry = rollouts, pushes, registry
         self.router_id = router_id
+        self.address = ""  # where the site reaches this router: set before start
+        self._lease_s, self._clock = lease_s, clock
+        self._lease: Lease | None = None
+        self.members: dict[str, tuple[str, float]] = {}  # per router key: (address, when registered)
         self.revisions: dict[str, int] = {}  # per key, the revision last applied or written here
         self.marks: dict[str, str] = {}  # per agent id, the site's mark
         # Changes made here on their own (the rollout judge's, --auto-thresholds'), not yet written.
@@ -82,19 +109,80 @@ class SiteMirror:
         rollouts.on_change = self._judged
         pushes.on_change = self._pushed
         registry.site_mark = self.marks.get
+        rollouts.judging_here = self.judges_here
 
     async def start(self) -> None:
         await self.state.start()
+        await self._load()
         self._tasks = [
             asyncio.create_task(self._watch(), name="stratus-site-watch"),
             asyncio.create_task(self._write_judged(), name="stratus-site-writer"),
         ]
+        if self.state.shared:
+            self._lease = Lease(self.state, JUDGE_LEASE, self.router_id, ttl_s=self._lease_s)
+            self._tasks += [
+                asyncio.create_task(self._lease.run(), name="stratus-site-judge-lease"),
+                asyncio.create_task(self._register(), name="stratus-site-member"),
+            ]
+
+    async def _load(self) -> None:
+        """Every live entry applied now, within START_WAIT_S (the watch then skips what it has)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + START_WAIT_S
+        while not self.state.connected and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        try:
+            entries = await self.state.entries("")
+        except StoreUnavailable as exc:
+            log.warning("serving before the site's state is read (%s); it applies once the store answers", exc)
+            return
+        for entry in entries:
+            self.apply(entry)
 
     async def close(self) -> None:
+        """Stop following the store; the lease is released (a successor takes it at once) and
+        this router's registration deleted, each where the store still answers."""
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self.state.shared:
+            with contextlib.suppress(StoreUnavailable, StoreConflict):
+                await self.state.delete(router_key(self.router_id))
         await self.state.close()
+
+    # -- the site's routers, and the one that judges ----------------------------------------------
+    def judges_here(self) -> bool:
+        """Whether this router judges rollout steps and steps --auto-thresholds now: a lone
+        router's store (a file) always; a shared one while this router holds the lease."""
+        if not self.state.shared:
+            return True
+        return self._lease is not None and self._lease.held
+
+    def judge(self) -> str:
+        """For `fleet status`: who judges the site's rollouts, as this router knows it."""
+        if not self.state.shared:
+            return "this router (a lone router's store)"
+        return "this router" if self.judges_here() else "another router of the site (the lease is not held here)"
+
+    def other_routers(self) -> list[str]:
+        """The addresses the site's other routers registered, fresh ones only, sorted."""
+        now = self._clock()
+        mine = router_key(self.router_id)
+        return sorted(
+            address for key, (address, at) in self.members.items() if key != mine and now - at < MEMBER_STALE_S
+        )
+
+    async def _register(self) -> None:
+        """This router's address in the store, renewed while it runs (no compare-and-swap: the
+        key is this router's alone, and the latest write is the truth)."""
+        key = router_key(self.router_id)
+        while True:
+            value = _json_bytes({"address": self.address, "at": self._clock()})
+            try:
+                await self.state.put(key, value)
+            except StoreUnavailable as exc:
+                log.debug("site registration not renewed: %s", exc)
+            await asyncio.sleep(MEMBER_EVERY_S)
 
     # -- operator changes ----------------------------------------------------------------------
     async def change_rollout(self, family: str, tier: Tier, make: Callable[[], Plan]) -> Plan:
@@ -226,6 +314,7 @@ class SiteMirror:
             return
         self.revisions[entry.key] = entry.revision
         if entry.deleted:
+            self.members.pop(entry.key, None)
             return
         kind, _, rest = entry.key.partition(".")
         try:
@@ -236,6 +325,8 @@ class SiteMirror:
                 self._pushes.adopt(Record.from_json(data))
             elif kind == "agent":
                 self._apply_mark(rest, data)
+            elif kind == "router":
+                self._apply_member(entry.key, data)
         except (ValueError, KeyError, TypeError, AttributeError, ConfigError, InvalidInput) as exc:
             log.warning(
                 "site state %s (revision %d) is not valid and was skipped: %s", entry.key, entry.revision, exc
@@ -252,6 +343,13 @@ class SiteMirror:
                 "ready": self._registry.undrain,
                 "forgotten": self._registry.forget,
             }[mark](agent_id)
+
+
+    def _apply_member(self, key: str, data: dict[str, Any]) -> None:
+        address, at = str(data["address"]), float(data["at"])
+        if not address or len(address) > MAX_ADDRESS or ":" not in address:
+            raise ValueError(f"{address[:40]!r} is not HOST:PORT")
+        self.members[key] = (address, at)
 
 
 def _json_bytes(value: object) -> bytes:

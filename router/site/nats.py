@@ -79,6 +79,8 @@ class _Watch:
 class NatsSiteState(SiteState):
     """The bucket ``bucket`` on the servers of ``url``, keeping ``history`` revisions per key."""
 
+    shared = True
+
     def __init__(
         self,
         url: str,

@@ -77,6 +77,8 @@ def status_json(status: fpb.FleetStatus) -> dict[str, Any]:
                 "url": status.site_state.url,
                 "connected": status.site_state.connected,
                 "detail": status.site_state.detail,
+                "judge": status.site_state.judge,
+                "routers": list(status.site_state.routers),
             }
             if status.HasField("site_state")
             else None
@@ -193,6 +195,10 @@ def status_table(status: fpb.FleetStatus) -> str:
     lines.append(f"heartbeats   every {status.heartbeat_interval_s:g} s")
     if status.HasField("site_state"):
         lines.append(f"site state   {status.site_state.detail or status.site_state.url}")
+        if status.site_state.judge:
+            lines.append(f"site judge   {status.site_state.judge}")
+        if status.site_state.routers:
+            lines.append(f"site peers   {', '.join(status.site_state.routers)}")
     return "\n".join(lines)
 
 

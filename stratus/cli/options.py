@@ -23,8 +23,8 @@ def default_cache() -> Path:
 
 
 def role_token(args: argparse.Namespace, role: str) -> str:
-    """One role's credential (agent, operator, peer, client, cloud): --ROLE-token-file, else
-    STRATUS_ROLE_TOKEN, else (agents, operators, peers) the fleet token STRATUS_TOKEN. Never
+    """One role's credential (agent, operator, client, cloud): --ROLE-token-file, else
+    STRATUS_ROLE_TOKEN, else (agents, operators) the fleet token STRATUS_TOKEN. Never
     from the command line, where every user of the machine can read it."""
     own = secret(getattr(args, f"{role}_token_file", None), f"STRATUS_{role.upper()}_TOKEN")
     if own or role in ("client", "cloud"):

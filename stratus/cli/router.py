@@ -44,11 +44,10 @@ def add_router(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     for role, what in (
         ("agent", "agents' Hellos must carry (one for all)"),
         ("operator", "drain, reload and rollout changes must carry"),
-        ("peer", "proves rollout syncs with the other routers, both ways"),
         ("client", "inference callers must send as 'authorization: Bearer TOKEN'"),
         ("cloud", "this router sends the cloud gateway as 'authorization: Bearer TOKEN'"),
     ):
-        fallback = ", else $STRATUS_TOKEN" if role in ("agent", "operator", "peer") else ""
+        fallback = ", else $STRATUS_TOKEN" if role in ("agent", "operator") else ""
         option(
             router,
             "router",
@@ -160,23 +159,8 @@ def add_router(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         type=float,
         help="seconds a new AgentLink may stay silent before its Hello",
     )
-    option(
-        router,
-        "router",
-        "rollout_state",
-        "--rollout-state",
-        type=Path,
-        metavar="FILE",
-        help="keep rollout state here, so it survives a restart (default: in memory only)",
-    )
+    _add_removed(router)
     _add_openai(router)
-    option(
-        router,
-        "router",
-        "peers",
-        "--peers",
-        help="the site's other routers (HOST:PORT,... or dns:///NAME:PORT), to share rollouts with",
-    )
     option(
         router,
         "router",
@@ -198,6 +182,15 @@ def add_router(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     option(
         router,
         "router",
+        "site_address",
+        "--site-address",
+        metavar="HOST:PORT",
+        help="where the site's other routers and `fleet thresholds --suggest` reach this router, "
+        "registered in a shared store (default: --listen's address, or this host's name where it is a wildcard)",
+    )
+    option(
+        router,
+        "router",
         "keepalive_s",
         "--keepalive-s",
         type=float,
@@ -208,6 +201,14 @@ def add_router(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     _add_capture(router)
     router.set_defaults(handler=_router)
     return router
+
+
+def _add_removed(router: argparse.ArgumentParser) -> None:
+    """The peer protocol's flags, hidden: given, the router stops saying what replaced each
+    (``RouterSettings.check_site_state``) instead of argparse's bare "unrecognized arguments"."""
+    option(router, "router", "rollout_state", "--rollout-state", type=Path, help=argparse.SUPPRESS)
+    option(router, "router", "peers", "--peers", help=argparse.SUPPRESS)
+    option(router, "router", "peer_token_file", "--peer-token-file", type=Path, help=argparse.SUPPRESS)
 
 
 def _add_openai(router: argparse.ArgumentParser) -> None:

@@ -2,10 +2,10 @@
 
 * no action: the thresholds in force, the agents' own, and the versions pushed so far;
 * ``--suggest``: the thresholds calibrate would choose on the audit rows of the router and of
-  every router its ``--peers`` name, each read once (``stratus.tools.calibrate.from_audits``) for ``--target-accuracy`` / ``--max-escalation``,
+  every router of its site (as they registered in the site's store), each read once (``stratus.tools.calibrate.from_audits``) for ``--target-accuracy`` / ``--max-escalation``,
   or the goal ``[calibration]`` recorded (``--models DIR`` reads it), and what they would change;
 * ``--apply device=0.9,edge=0.8`` (or ``--suggest --apply``): a new version on every router
-  of the site at once (the router shares it with its ``--peers``), only over the version read
+  of the site at once (written to the site's store), only over the version read
   just before, so two operators never overwrite each other unseen;
 * ``--revert``: a new version holding what was in force before the current one.
 """
@@ -126,7 +126,7 @@ def run_thresholds(router: str, asked: Asked, *, tls: TlsSettings = NO_TLS, toke
     return 0
 
 
-# Routers a suggestion reads the rows of, at most: a site's, through each one's --peers.
+# Routers a suggestion reads the rows of, at most: a site's, as its store lists them.
 MAX_SITE_ROUTERS = 64
 
 
@@ -136,18 +136,19 @@ class SiteRows:
 
     rows: list[fpb.AuditRow]
     routers: list[str]  # the router ids read, the asked one first
-    unreachable: list[str]  # "address: why", for each peer that did not answer
+    unreachable: list[str]  # "address: why", for each router of the site that did not answer
 
 
 Fetch = Callable[[str, str | None], fpb.ThresholdsReply]
 
 
 def site_rows(first: fpb.ThresholdsReply, fetch: Fetch) -> SiteRows:
-    """``first``'s rows and those of every router its ``--peers`` name, theirs in turn, each
-    router once (by id: a router's own address in a peer list is not read twice). Each
-    router audits only the traffic it routes, so one router's rows are one share of the site's."""
+    """``first``'s rows and those of every router of the site it lists (the addresses the
+    routers registered in the site's store), and any those list in turn, each router once (by
+    id: a router reached at two addresses is not read twice). Each router audits only the
+    traffic it routes, so one router's rows are one share of the site's."""
     site = SiteRows(rows=list(first.rows), routers=[first.router_id or "?"], unreachable=[])
-    seen, specs, asked = {first.router_id}, [first.peers], set[str]()
+    seen, specs, asked = {first.router_id}, [first.site_routers], set[str]()
     while specs and len(site.routers) < MAX_SITE_ROUTERS:
         spec = specs.pop(0)
         for address in _addresses(spec, site):
@@ -164,7 +165,7 @@ def site_rows(first: fpb.ThresholdsReply, fetch: Fetch) -> SiteRows:
             seen.add(reply.router_id)
             site.rows.extend(reply.rows)
             site.routers.append(reply.router_id)
-            specs.append(reply.peers)
+            specs.append(reply.site_routers)
     return site
 
 
@@ -311,7 +312,7 @@ def thresholds_table(
         lines.append(line)
     if suggested is not None:
         lines.append(f"(suggested on {found['audit_rows']} audit rows of {_routers(found['routers'])})")
-        lines += [f"(peer not read: {problem})" for problem in found["unreachable"]]
+        lines += [f"(router of the site not read: {problem})" for problem in found["unreachable"]]
         lines += [f"note: {note}" for note in found["notes"]]
     if found["history"]:
         lines += ["", "versions, the last in force:"]

@@ -1,8 +1,8 @@
 """Who a caller is, and what each role may do.
 
 A Stratus fleet has five roles: ``agent`` (joins a router over an AgentLink), ``operator``
-(drains, reloads, rollout changes; reads a private status), ``router`` (a peer's rollout sync,
-a router's calls to the cloud), ``cloud`` (a cloud gateway's server identity) and ``client``
+(drains, reloads, rollout changes; reads a private status), ``router`` (a router's server identity,
+its calls to the cloud and to the site's NATS store), ``cloud`` (a cloud gateway's server identity) and ``client``
 (inference callers). A caller proves its role one of two ways:
 
 * **mutual TLS**: its certificate chains to the fleet CA and carries a SPIFFE id
@@ -179,10 +179,10 @@ def parse_agent_pool(text: str) -> tuple[str, int]:
 
 @dataclass(frozen=True, kw_only=True)
 class RouterCredentials:
-    """What a router checks agents, operators and peers against.
+    """What a router checks agents and operators against.
 
     ``mutual_tls``: the router's server asks every caller for a certificate from the fleet CA,
-    so roles and agent ids come from certificates. An operator or a peer proves its role with
+    so roles and agent ids come from certificates. An operator proves its role with
     either its certificate or its token; an agent with its certificate and, where per-agent or
     fleet agent tokens are configured, its token too.
     """
@@ -191,7 +191,6 @@ class RouterCredentials:
     agent_token: str = ""
     agent_tokens: AgentTokenTable | None = None
     operator_token: str = ""
-    peer_token: str = ""
     # Agent certificates that are pools (name -> most members linked at once): --agent-pool.
     agent_pools: Mapping[str, int] = field(default_factory=dict)
     # The fleet's SPIFFE trust domain (--tls-trust-domain): a certificate of another is no one.
@@ -266,18 +265,6 @@ class RouterCredentials:
                 raise Unauthenticated(f"{what} needs the operator token")
             return
         self._refuse_without_credential(cert, context, what, "operator", "--operator-token-file")
-
-    def require_peer(self, token_ok: bool | None, context: Any, what: str) -> None:
-        """A peer router: its certificate's role, or (with a peer token) proof that it holds
-        the token (``token_ok``, checked by the caller against the message)."""
-        cert = self._trusted(context, what)
-        if cert is not None and cert.role == "router":
-            return
-        if self.peer_token:
-            if not token_ok:
-                raise Unauthenticated(f"{what} needs proof of the peer token")
-            return
-        self._refuse_without_credential(cert, context, what, "router", "--peer-token-file")
 
     def _refuse_without_credential(
         self, cert: CertIdentity | None, context: Any, what: str, role: str, flag: str

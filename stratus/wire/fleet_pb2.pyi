@@ -1376,21 +1376,33 @@ class SiteStateStatus(_message.Message):
     URL_FIELD_NUMBER: _builtins.int
     CONNECTED_FIELD_NUMBER: _builtins.int
     DETAIL_FIELD_NUMBER: _builtins.int
+    JUDGE_FIELD_NUMBER: _builtins.int
+    ROUTERS_FIELD_NUMBER: _builtins.int
     url: _builtins.str
     """The store's URL, without credentials (file:PATH, nats://HOST:PORT)."""
     connected: _builtins.bool
     detail: _builtins.str
     """One line: connected, or unreachable since when and why."""
+    judge: _builtins.str
+    """Who judges the site's rollout steps and steps --auto-thresholds (the judge lease), as
+    this router knows it: "this router", or another.
+    """
+    @_builtins.property
+    def routers(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The addresses the site's other routers registered in a shared store."""
+
     def __init__(
         self,
         *,
         url: _builtins.str = ...,
         connected: _builtins.bool = ...,
         detail: _builtins.str = ...,
+        judge: _builtins.str = ...,
+        routers: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["connected", b"connected", "detail", b"detail", "url", b"url"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["connected", b"connected", "detail", b"detail", "judge", b"judge", "routers", b"routers", "url", b"url"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1772,44 +1784,6 @@ class RolloutReply(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___RolloutReply: _TypeAlias = RolloutReply  # noqa: Y015
-
-@_typing.final
-class RolloutSync(_message.Message):
-    """Every rollout a router knows, as the JSON document it persists; the receiver keeps,
-    per family and tier, the record with the higher revision, and answers with its own.
-    """
-
-    DESCRIPTOR: _descriptor.Descriptor
-
-    ROUTER_ID_FIELD_NUMBER: _builtins.int
-    STATE_JSON_FIELD_NUMBER: _builtins.int
-    TOKEN_FIELD_NUMBER: _builtins.int
-    THRESHOLDS_JSON_FIELD_NUMBER: _builtins.int
-    router_id: _builtins.str
-    state_json: _builtins.str
-    token: _builtins.str
-    """With a peer token: "v1:MS:HMAC", a proof over this message that the sender holds the
-    token (an answer's proof also covers the request's), never the token itself.
-    """
-    thresholds_json: _builtins.str
-    """The fleet-wide threshold overrides (router/thresholds.py), exchanged beside the rollouts
-    and covered by the same proof.
-    """
-    def __init__(
-        self,
-        *,
-        router_id: _builtins.str = ...,
-        state_json: _builtins.str = ...,
-        token: _builtins.str = ...,
-        thresholds_json: _builtins.str = ...,
-    ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
-    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["router_id", b"router_id", "state_json", b"state_json", "thresholds_json", b"thresholds_json", "token", b"token"]  # noqa: Y015
-    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
-
-Global___RolloutSync: _TypeAlias = RolloutSync  # noqa: Y015
 
 @_typing.final
 class GatewayReloadRequest(_message.Message):
@@ -2293,15 +2267,15 @@ class ThresholdsReply(_message.Message):
     MESSAGE_FIELD_NUMBER: _builtins.int
     ROWS_FIELD_NUMBER: _builtins.int
     ROUTER_ID_FIELD_NUMBER: _builtins.int
-    PEERS_FIELD_NUMBER: _builtins.int
+    SITE_ROUTERS_FIELD_NUMBER: _builtins.int
     family: _builtins.str
     message: _builtins.str
     router_id: _builtins.str
-    """With include_rows: who answered (its router id), and its --peers as given
-    ("host:port,..." or "dns:NAME:PORT"), so a suggestion can read every router's rows of the
-    site: each router audits only the traffic it routes.
+    """With include_rows: who answered (its router id), and the addresses ("host:port,...") of
+    the site's other routers as they registered in the site's store, so a suggestion can read
+    every router's rows of the site: each router audits only the traffic it routes.
     """
-    peers: _builtins.str
+    site_routers: _builtins.str
     @_builtins.property
     def history(self) -> _containers.RepeatedCompositeFieldContainer[Global___ThresholdVersion]:
         """Oldest first; the last is the version in force. Empty: never pushed."""
@@ -2326,11 +2300,11 @@ class ThresholdsReply(_message.Message):
         message: _builtins.str = ...,
         rows: _abc.Iterable[Global___AuditRow] | None = ...,
         router_id: _builtins.str = ...,
-        peers: _builtins.str = ...,
+        site_routers: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agents", b"agents", "family", b"family", "history", b"history", "in_force", b"in_force", "message", b"message", "peers", b"peers", "router_id", b"router_id", "rows", b"rows"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agents", b"agents", "family", b"family", "history", b"history", "in_force", b"in_force", "message", b"message", "router_id", b"router_id", "rows", b"rows", "site_routers", b"site_routers"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -157,11 +157,6 @@ class FleetStub:
                 request_serializer=stratus_dot_v1_dot_fleet__pb2.RolloutRequest.SerializeToString,
                 response_deserializer=stratus_dot_v1_dot_fleet__pb2.RolloutReply.FromString,
                 _registered_method=True)
-        self.SyncRollouts = channel.unary_unary(
-                '/stratus.v1.Fleet/SyncRollouts',
-                request_serializer=stratus_dot_v1_dot_fleet__pb2.RolloutSync.SerializeToString,
-                response_deserializer=stratus_dot_v1_dot_fleet__pb2.RolloutSync.FromString,
-                _registered_method=True)
         self.Accuracy = channel.unary_unary(
                 '/stratus.v1.Fleet/Accuracy',
                 request_serializer=stratus_dot_v1_dot_fleet__pb2.AccuracyRequest.SerializeToString,
@@ -232,15 +227,9 @@ class FleetServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def SyncRollouts(self, request, context):
-        """Routers of one site exchange rollout state, so every router sends the same shares.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
     def Accuracy(self, request, context):
-        """How well each tier of a family agrees with its top tier now (background audits), beside
+        """(SyncRollouts, the peer protocol, was removed: a site's routers share one store.)
+        How well each tier of a family agrees with its top tier now (background audits), beside
         what calibration measured: is the cascade still as accurate as it was calibrated to be?
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -297,11 +286,6 @@ def add_FleetServicer_to_server(servicer, server):
                     servicer.Rollout,
                     request_deserializer=stratus_dot_v1_dot_fleet__pb2.RolloutRequest.FromString,
                     response_serializer=stratus_dot_v1_dot_fleet__pb2.RolloutReply.SerializeToString,
-            ),
-            'SyncRollouts': grpc.unary_unary_rpc_method_handler(
-                    servicer.SyncRollouts,
-                    request_deserializer=stratus_dot_v1_dot_fleet__pb2.RolloutSync.FromString,
-                    response_serializer=stratus_dot_v1_dot_fleet__pb2.RolloutSync.SerializeToString,
             ),
             'Accuracy': grpc.unary_unary_rpc_method_handler(
                     servicer.Accuracy,
@@ -531,33 +515,6 @@ class Fleet:
             '/stratus.v1.Fleet/Rollout',
             stratus_dot_v1_dot_fleet__pb2.RolloutRequest.SerializeToString,
             stratus_dot_v1_dot_fleet__pb2.RolloutReply.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def SyncRollouts(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/stratus.v1.Fleet/SyncRollouts',
-            stratus_dot_v1_dot_fleet__pb2.RolloutSync.SerializeToString,
-            stratus_dot_v1_dot_fleet__pb2.RolloutSync.FromString,
             options,
             channel_credentials,
             insecure,

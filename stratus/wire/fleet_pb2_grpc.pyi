@@ -88,10 +88,9 @@ class FleetStub:
     """
     Rollout: _grpc.UnaryUnaryMultiCallable[_fleet_pb2.RolloutRequest, _fleet_pb2.RolloutReply]
     """Start, read, promote or abort a gray release of a candidate variant."""
-    SyncRollouts: _grpc.UnaryUnaryMultiCallable[_fleet_pb2.RolloutSync, _fleet_pb2.RolloutSync]
-    """Routers of one site exchange rollout state, so every router sends the same shares."""
     Accuracy: _grpc.UnaryUnaryMultiCallable[_fleet_pb2.AccuracyRequest, _fleet_pb2.AccuracyReply]
-    """How well each tier of a family agrees with its top tier now (background audits), beside
+    """(SyncRollouts, the peer protocol, was removed: a site's routers share one store.)
+    How well each tier of a family agrees with its top tier now (background audits), beside
     what calibration measured: is the cascade still as accurate as it was calibrated to be?
     """
     Thresholds: _grpc.UnaryUnaryMultiCallable[_fleet_pb2.ThresholdsRequest, _fleet_pb2.ThresholdsReply]
@@ -119,10 +118,9 @@ class FleetAsyncStub(FleetStub):
     """
     Rollout: _aio.UnaryUnaryMultiCallable[_fleet_pb2.RolloutRequest, _fleet_pb2.RolloutReply]  # type: ignore[assignment]
     """Start, read, promote or abort a gray release of a candidate variant."""
-    SyncRollouts: _aio.UnaryUnaryMultiCallable[_fleet_pb2.RolloutSync, _fleet_pb2.RolloutSync]  # type: ignore[assignment]
-    """Routers of one site exchange rollout state, so every router sends the same shares."""
     Accuracy: _aio.UnaryUnaryMultiCallable[_fleet_pb2.AccuracyRequest, _fleet_pb2.AccuracyReply]  # type: ignore[assignment]
-    """How well each tier of a family agrees with its top tier now (background audits), beside
+    """(SyncRollouts, the peer protocol, was removed: a site's routers share one store.)
+    How well each tier of a family agrees with its top tier now (background audits), beside
     what calibration measured: is the cascade still as accurate as it was calibrated to be?
     """
     Thresholds: _aio.UnaryUnaryMultiCallable[_fleet_pb2.ThresholdsRequest, _fleet_pb2.ThresholdsReply]  # type: ignore[assignment]
@@ -197,20 +195,13 @@ class FleetServicer(metaclass=_abc_1.ABCMeta):
         """Start, read, promote or abort a gray release of a candidate variant."""
 
     @_abc_1.abstractmethod
-    def SyncRollouts(
-        self,
-        request: _fleet_pb2.RolloutSync,
-        context: _ServicerContext,
-    ) -> _typing.Union[_fleet_pb2.RolloutSync, _abc.Awaitable[_fleet_pb2.RolloutSync]]:
-        """Routers of one site exchange rollout state, so every router sends the same shares."""
-
-    @_abc_1.abstractmethod
     def Accuracy(
         self,
         request: _fleet_pb2.AccuracyRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_fleet_pb2.AccuracyReply, _abc.Awaitable[_fleet_pb2.AccuracyReply]]:
-        """How well each tier of a family agrees with its top tier now (background audits), beside
+        """(SyncRollouts, the peer protocol, was removed: a site's routers share one store.)
+        How well each tier of a family agrees with its top tier now (background audits), beside
         what calibration measured: is the cascade still as accurate as it was calibrated to be?
         """
 

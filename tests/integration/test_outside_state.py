@@ -1,9 +1,10 @@
 """What comes from outside is checked before it is used, against real processes (security
 review F2, F4, F16, F19): a Hello describing a family unlike the fleet, declared sizes past the
-maxima, a poisoned rollout state file, and more Watch calls than the router keeps."""
+maxima, a poisoned rollout record in the site's store, and more Watch calls than the router keeps."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import subprocess
@@ -79,26 +80,58 @@ def test_a_conflicting_family_is_refused_alone_and_sizes_are_clamped(cluster: Cl
     assert "agent rogue-1: not serving ['digits'] here" in router.log()
 
 
-def test_a_poisoned_rollout_state_file_stops_the_router_naming_it(tmp_path: Path) -> None:
-    """The plan that once made every digits request INTERNAL: refused when read, with the file
-    and the problem named, before the router serves anything from it."""
-    state = tmp_path / "rollouts.json"
+def test_a_poisoned_rollout_record_in_the_sites_store_is_skipped_and_named(
+    cluster: Cluster, tmp_path: Path, digits  # type: ignore[no-untyped-def]
+) -> None:
+    """The plan that once made every digits request INTERNAL, written into the store by whoever
+    could: refused when read, the key and the problem named in the log, and the family served
+    on its current variant; a record of the store's that is fine still applies beside it."""
+    from router.site.file import FileSiteState
+
     plan = {"family": "digits", "tier": "device", "candidate": "digits-small", "min_requests": 1,
             "state": "running", "reason": "x", "revision": 9, "updated": 0.0, "origin": "evil",
             "steps": [5.0], "step": 9}  # fmt: skip
-    state.write_text(json.dumps({"version": 1, "rollouts": [plan]}))
+    pushed = {"family": "digits", "history": [{"version": 1, "thresholds": {"device": 0.5}}]}
+    path = tmp_path / "site.json"
+
+    async def poison() -> None:
+        store = FileSiteState(path)
+        await store.start()
+        await store.put("rollout.digits.device", json.dumps(plan).encode())
+        await store.put("thresholds.digits", json.dumps(pushed).encode())
+        await store.close()
+
+    asyncio.run(poison())
+    router = cluster.router("--site-state", f"file:{path}")
+    cluster.agent("device-1", router.address)
+    wait_until(lambda: ready_count(router.address) == 1)
+    response, _ = infer(router.address, digits.held_out.x[:4])
+    assert response.outputs  # served, not INTERNAL
+    assert "site state rollout.digits.device (revision 1) is not valid and was skipped" in router.log()
+    assert "rollout step 9 is outside its 1 steps" in router.log()
+    with grpc.insecure_channel(router.address) as channel:
+        reply = fpb_grpc.FleetStub(channel).Thresholds(fpb.ThresholdsRequest(family="digits"), timeout=5)
+    assert reply.in_force["device"] == 0.5
+
+
+@pytest.mark.parametrize(
+    ("flag", "says"),
+    [
+        (("--peers", "127.0.0.1:9"), "--peers was removed with the routers' peer protocol"),
+        (("--rollout-state", "rollouts.json"), "--rollout-state was removed with the routers' peer protocol"),
+    ],
+)
+def test_the_peer_protocols_flags_stop_the_router_saying_what_replaced_them(
+    flag: tuple[str, str], says: str
+) -> None:
     done = subprocess.run(
-        [sys.executable, "-m", "stratus.cli", "router", "--listen", "127.0.0.1:0", "--no-advertise",
-         "--rollout-state", str(state)],
+        [sys.executable, "-m", "stratus.cli", "router", "--listen", "127.0.0.1:0", "--no-advertise", *flag],
         capture_output=True, text=True, timeout=60, check=False,
     )  # fmt: skip
     assert done.returncode == 2, done
-    assert (
-        done.stderr.strip()
-        .splitlines()[-1]
-        .startswith(f"stratus: error: {state}: a rollout record is malformed")
-    )
-    assert "step 9 is outside its 1 steps" in done.stderr and "Traceback" not in done.stderr
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"stratus: error: {says}") and "--site-state" in last, done.stderr
+    assert "Traceback" not in done.stderr
 
 
 def test_watch_calls_past_the_cap_are_refused_and_the_operator_keeps_a_place(cluster: Cluster, tmp_path) -> None:  # type: ignore[no-untyped-def]

@@ -4,6 +4,7 @@ across restarts."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import socket
@@ -21,6 +22,7 @@ from stratus.wire import fleet_pb2_grpc as fpb_grpc
 
 from .cluster import Cluster, ready_count, wait_until
 from .load import Load
+from .natsd import NatsServer
 from .test_metrics import samples, scrape, value
 from .variants import add_device_variant, copy_digits
 
@@ -183,39 +185,41 @@ def _free_ports(count: int) -> list[int]:
     return ports
 
 
-def shadows_in(state: Path, candidate: str) -> list[object]:
-    """The shadow share of each rollout of ``candidate`` in a router's state file."""
-    found: list[object] = []
+def stored_plan(url: str) -> dict[str, object]:
+    """digits' device rollout as the site's store holds it."""
+    from router.site.nats import NatsSiteState
 
-    def walk(node: object) -> None:
-        if isinstance(node, dict):
-            if node.get("candidate") == candidate:
-                found.append(node.get("shadow"))
-            for value in node.values():
-                walk(value)
-        elif isinstance(node, list):
-            for value in node:
-                walk(value)
+    async def read() -> bytes:
+        store = NatsSiteState(url)
+        await store.start()
+        try:
+            async with asyncio.timeout(10):
+                while not store.connected:  # start() connects in the background
+                    await asyncio.sleep(0.05)
+            entry = await store.get("rollout.digits.device")
+        finally:
+            await store.close()
+        assert entry is not None
+        return entry.value
 
-    walk(json.loads(state.read_text()) if state.exists() else {})
+    found: dict[str, object] = json.loads(asyncio.run(read()))
     return found
 
 
 def test_routers_share_rollout_state_and_keep_it_across_a_restart(
-    cluster: Cluster, models: Path, tmp_path: Path
+    cluster: Cluster, models: Path, nats: NatsServer
 ) -> None:
     a, b = (f"127.0.0.1:{port}" for port in _free_ports(2))
-    state_a, state_b = tmp_path / "a" / "rollouts.json", tmp_path / "b" / "rollouts.json"
-    cluster.router("--peers", f"{a},{b}", "--rollout-state", str(state_a), role="router-a", listen=a)
-    cluster.router("--peers", a, "--rollout-state", str(state_b), role="router-b", listen=b)
+    cluster.router("--site-state", nats.url, role="router-a", listen=a)
+    cluster.router("--site-state", nats.url, role="router-b", listen=b)
     cluster.agent("device-1", f"{a},{b}", "--models", str(models))
     wait_until(lambda: ready_count(a) == 1 and ready_count(b) == 1, timeout_s=60)
 
     started = start(a, "digits-small-v2", steps=[10, 100], min_requests=1_000_000, shadow_percent=50)
     wait_until(lambda: (rollout(b) or fpb.RolloutStatus()).revision == started.revision, timeout_s=10)
-    assert rollout(b).share_percent == 10.0  # type: ignore[union-attr]
-    # the whole plan travels, the shadow share with it, and b keeps it in its own state file
-    wait_until(lambda: shadows_in(state_b, "digits-small-v2") == [50.0], timeout_s=10)
+    shared = rollout(b)
+    assert shared is not None and shared.share_percent == 10.0
+    assert stored_plan(nats.url)["shadow"] == 50.0  # the whole plan is the site's, the shadow share with it
 
     steer(b, fpb.ROLLOUT_ACTION_ABORT)
     wait_until(lambda: state_of(a) == "aborted", timeout_s=10)
@@ -224,9 +228,9 @@ def test_routers_share_rollout_state_and_keep_it_across_a_restart(
 
     cluster.latest("router-a").stop()
     cluster.latest("router-b").stop()
-    cluster.router("--rollout-state", str(state_a), role="router-a2", listen=a)
-    cluster.router("--rollout-state", str(state_b), role="router-b2", listen=b)
-    for restarted in (a, b):  # each kept what it was told, from its own state file
+    cluster.router("--site-state", nats.url, role="router-a2", listen=a)
+    cluster.router("--site-state", nats.url, role="router-b2", listen=b)
+    for restarted in (a, b):  # each read back what the site agreed on from the store
         restored = rollout(restarted)
         assert restored is not None
         assert (restored.state, restored.revision, list(restored.history)) == (

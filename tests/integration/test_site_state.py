@@ -8,6 +8,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import grpc
@@ -179,3 +180,40 @@ def test_a_lone_router_keeps_the_sites_state_in_a_file_across_restarts(
     wait_until(lambda: agent_state(router, "dev-1") == fpb.AGENT_STATE_DRAINING, 60)
     assert thresholds(router).in_force["device"] == 0.5
     assert fleet_status(router).site_state.url == url
+
+
+def judge_of(router: str) -> str:
+    return fleet_status(router).site_state.judge
+
+
+def test_one_router_of_the_site_judges_and_another_takes_over_when_it_dies(
+    cluster: Cluster, nats: NatsServer
+) -> None:
+    """The judge lease (rollout steps, --auto-thresholds): exactly one holder among live
+    routers, each lists the others' addresses from the store, a killed holder's lease passes to
+    a survivor once its ttl has run out, and a clean stop hands it over at once."""
+    ttl_s = 9.0
+    lease = {"STRATUS_ROUTER_SITE_LEASE_S": str(ttl_s)}
+    routers = {
+        name: cluster.router("--site-state", nats.url, role=name, env=lease).address
+        for name in ("router-a", "router-b", "router-c")
+    }
+    holders = lambda: [n for n, r in routers.items() if judge_of(r) == "this router"]  # noqa: E731
+    wait_until(lambda: len(holders()) == 1, 10)
+    for name, address in routers.items():
+        others = sorted(a for n, a in routers.items() if n != name)
+        wait_until(lambda r=address, o=others: sorted(fleet_status(r).site_state.routers) == o, 15)
+    (first,) = holders()
+    killed_at = time.monotonic()
+    cluster.latest(first).kill()  # no release: the lease must run out
+    del routers[first]
+    wait_until(lambda: len(holders()) == 1, 2 * ttl_s, interval_s=0.05)
+    assert time.monotonic() - killed_at < ttl_s + ttl_s / 3 + 1  # the ttl, then one look
+    (second,) = holders()
+    cluster.latest(second).stop()  # a clean stop releases it
+    stopped_at = time.monotonic()
+    del routers[second]
+    (last,) = routers.values()
+    wait_until(lambda: judge_of(last) == "this router", ttl_s, interval_s=0.05)
+    # Without the release it would wait out the ttl from the last renewal (at least ttl*2/3 - the stop's length).
+    assert time.monotonic() - stopped_at < 1.5

@@ -192,20 +192,12 @@ def test_operator_calls_need_the_operator_role() -> None:
         mtls.require_operator("", Context(spiffe="spiffe://stratus/agent/device-1"), "Drain")
 
 
-def test_peer_syncs_need_a_proof_or_a_router_certificate() -> None:
-    credentials = RouterCredentials(peer_token="peer-secret")
-    credentials.require_peer(True, REMOTE, "SyncRollouts")
-    for proven in (False, None):
-        with pytest.raises(Unauthenticated, match="proof of the peer token"):
-            credentials.require_peer(proven, Context(), "SyncRollouts")
-    RouterCredentials(mutual_tls=True).require_peer(None, Context(spiffe="spiffe://stratus/router/r2"), "Sync")
-    with pytest.raises(PermissionDenied, match="router role"):
-        RouterCredentials(mutual_tls=True).require_peer(None, Context(spiffe="spiffe://stratus/agent/a"), "Sync")
-    # security2 N13: a router certificate of another trust domain is no one here
-    with pytest.raises(PermissionDenied, match="router role; this certificate has no Stratus identity"):
-        RouterCredentials(mutual_tls=True).require_peer(None, Context(spiffe="spiffe://other/router/r2"), "Sync")
-    RouterCredentials(mutual_tls=True, trust_domain="other").require_peer(
-        None, Context(spiffe="spiffe://other/router/r2"), "Sync"
+def test_a_certificate_of_another_trust_domain_is_no_one() -> None:
+    """security2 N13: an operator certificate of another trust domain is no operator here."""
+    with pytest.raises(PermissionDenied, match="operator role; this certificate has no Stratus identity"):
+        RouterCredentials(mutual_tls=True).require_operator("", Context(spiffe="spiffe://other/operator/o"), "Drain")
+    RouterCredentials(mutual_tls=True, trust_domain="other").require_operator(
+        "", Context(spiffe="spiffe://other/operator/o"), "Drain"
     )
 
 
@@ -303,16 +295,15 @@ def test_the_rest_port_off_loopback_needs_tls_and_client_authentication(tmp_path
 
 
 def test_off_loopback_one_secret_cannot_fill_several_roles_nor_be_short(tmp_path: Path) -> None:
-    """security2 N5: STRATUS_TOKEN=x made every device that held it an operator and a peer."""
+    """security2 N5: STRATUS_TOKEN=x made every device that held it an operator."""
     shared = _reachable_router(tmp_path, token="x")
     with pytest.raises(ConfigError, match="shorter than 16 characters"):
         shared.check_exposure(shared.credentials())
     shared = _reachable_router(tmp_path, token="one-long-token-for-all-roles")
-    with pytest.raises(ConfigError, match="one secret for the agent token, the operator token, the peer token"):
+    with pytest.raises(ConfigError, match="one secret for the agent token, the operator token"):
         shared.check_exposure(shared.credentials())
     own = _reachable_router(
         tmp_path, agent_token="agent-token-0000000001", operator_token="operator-token-00000001",
-        peer_token="peer-token-0000000000001",
     )  # fmt: skip
     own.check_exposure(own.credentials())
     loopback = RouterSettings(token="x")  # a demo on one machine needs nothing

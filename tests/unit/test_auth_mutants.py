@@ -178,7 +178,7 @@ def test_with_a_certificate_the_fleet_token_adds_a_check_not_an_identity() -> No
         both.agent_identity("device-1", "", AGENT_CERT)
 
 
-# --- operators and peers ----------------------------------------------------------------------
+# --- operators ----------------------------------------------------------------------------
 
 
 def test_an_open_router_tells_a_remote_operator_which_flag_to_give() -> None:
@@ -216,24 +216,11 @@ def test_revoked_certificates_are_refused_naming_the_call() -> None:
     operator = Context(spiffe="spiffe://stratus/operator/alice")
     with refusal(PermissionDenied, "Drain: certificate is stolen"):
         credentials.require_operator("", operator, "Drain")
-    with refusal(PermissionDenied, "SyncRollouts: certificate is stolen"):
-        credentials.require_peer(None, Context(spiffe="spiffe://stratus/router/r2"), "SyncRollouts")
 
 
-def test_a_peer_refusal_says_whose_certificate_was_shown() -> None:
-    with refusal(PermissionDenied, "Sync needs the router role; this certificate is a agent 'a''s"):
-        RouterCredentials(mutual_tls=True).require_peer(
-            None, Context(spiffe="spiffe://stratus/agent/a"), "Sync"
-        )
-
-
-def test_an_open_router_tells_a_remote_peer_which_flag_to_give() -> None:
-    with refusal(
-        PermissionDenied,
-        "SyncRollouts from ipv4:10.1.2.3:5000: this router has no credential for it, so only callers "
-        "on its own machine may do it; give it --peer-token-file or mutual TLS",
-    ):
-        RouterCredentials().require_peer(None, REMOTE, "SyncRollouts")
+def test_an_operator_refusal_says_whose_certificate_was_shown() -> None:
+    with refusal(PermissionDenied, "Drain needs the operator role; this certificate is a agent 'a''s"):
+        RouterCredentials(mutual_tls=True).require_operator("", Context(spiffe="spiffe://stratus/agent/a"), "Drain")
 
 
 def test_is_operator_answers_as_require_operator_decides() -> None:

@@ -5,6 +5,7 @@ where it came from."""
 from __future__ import annotations
 
 import argparse
+import re
 from pathlib import Path
 
 import pytest
@@ -248,10 +249,30 @@ def test_a_tokens_flag_beats_its_variable_beats_the_files_key(tmp_path: Path) ->
     in_flag, in_file = tmp_path / "flag.token", tmp_path / "file.token"
     in_flag.write_text("from-flag\n", encoding="utf-8")
     in_file.write_text("from-file\n", encoding="utf-8")
-    path = write(tmp_path, f"[router]\npeer_token_file = '{in_file}'\n")
-    environ = {"STRATUS_PEER_TOKEN": "from-variable"}
-    assert load(RouterSettings, "router", file=path).built.peer_token == "from-file"
-    assert load(RouterSettings, "router", file=path, environ=environ).built.peer_token == "from-variable"
-    args = server_args("router", "--peer-token-file", str(in_flag))
+    path = write(tmp_path, f"[router]\noperator_token_file = '{in_file}'\n")
+    environ = {"STRATUS_OPERATOR_TOKEN": "from-variable"}
+    assert load(RouterSettings, "router", file=path).built.operator_token == "from-file"
+    assert load(RouterSettings, "router", file=path, environ=environ).built.operator_token == "from-variable"
+    args = server_args("router", "--operator-token-file", str(in_flag))
     loaded = load(RouterSettings, "router", file=path, environ=environ, flags=flags(args))
-    assert (loaded.built.peer_token, loaded.origins["peer_token"]) == ("from-flag", "--peer-token-file")
+    assert (loaded.built.operator_token, loaded.origins["operator_token"]) == ("from-flag", "--operator-token-file")
+
+
+@pytest.mark.parametrize(
+    ("given", "instead"),
+    [
+        ({"peers": "10.0.0.2:8001"}, "--peers was removed with the routers' peer protocol: give every router "
+         "of the site --site-state nats://HOST:PORT"),
+        ({"peer_token": "a-peer-token-of-old"}, "--peer-token-file / STRATUS_PEER_TOKEN was removed with the "
+         "routers' peer protocol: the store's own credentials replace it"),
+        ({"rollout_state": Path("rollouts.json")}, "--rollout-state was removed with the routers' peer "
+         "protocol: give --site-state file:PATH"),
+    ],
+)  # fmt: skip
+def test_the_peer_protocols_settings_stop_the_router_saying_what_replaced_them(
+    given: dict[str, object], instead: str
+) -> None:
+    """An upgraded site must not go on silently sharing nothing (issue 35: the README's migration)."""
+    with pytest.raises(ConfigError, match=re.escape(instead)):
+        RouterSettings(**given).check_site_state()  # type: ignore[arg-type]
+    RouterSettings(site_state="file:/tmp/x").check_site_state()

@@ -79,8 +79,8 @@ def test_gRPCs_spelling_resolves_like_the_short_one() -> None:
     ],
 )
 def test_a_malformed_dns_spec_is_refused_naming_the_flag(spec: str, says: str) -> None:
-    with pytest.raises(ConfigError, match=r"^--peers ") as refused:
-        dns_target(spec, "--peers")
+    with pytest.raises(ConfigError, match=r"^--cloud ") as refused:
+        dns_target(spec, "--cloud")
     assert says in str(refused.value) and repr(spec) in str(refused.value)
 
 

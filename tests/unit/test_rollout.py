@@ -1,17 +1,15 @@
-"""Gray release, the pure parts: the verdict, the steps, persistence and the merge of peers."""
+"""Gray release, the pure parts: the verdict and the steps (the site's store: tests/unit/test_rollout_records.py)."""
 
 from __future__ import annotations
 
-import json
 import random
 import re
-from pathlib import Path
 
 import pytest
 
 from router.rollout import ABORTED, COMPLETE, PROMOTED, ROLLED_BACK, RUNNING, Rollouts, check_steps
 from router.rollout_judge import ArmWindow, Margins, judge, worse_beyond
-from stratus.errors import ConfigError, Conflict, InvalidInput, NotFound
+from stratus.errors import Conflict, InvalidInput, NotFound
 from stratus.tiers import Tier
 
 
@@ -144,6 +142,24 @@ def test_a_bad_candidate_goes_to_zero_and_gets_no_more_requests() -> None:
     assert rollouts.arm("digits", Tier.DEVICE) is None
 
 
+def test_a_router_that_does_not_hold_the_judge_lease_measures_but_never_judges() -> None:
+    """On a site only the lease's holder decides a step; the others keep counting, so the
+    evidence is there the moment the lease comes to them."""
+    clock = Clock()
+    here = [False]
+    rollouts = Rollouts(router_id="a", rng=random.Random(2), clock=clock)
+    rollouts.judging_here = lambda: here[0]
+    rollouts.start("digits", Tier.DEVICE, "digits-small-bad", steps=(25, 100), min_requests=20)
+    serve(rollouts, clock, candidate_unsure=True, count=400)
+    plan = rollouts.plan("digits", Tier.DEVICE)
+    assert plan.state == RUNNING and plan.share == 25.0  # plenty of evidence, no decision
+    current, candidate, _, _ = rollouts.evidence("digits", Tier.DEVICE)
+    assert candidate.requests >= 20 and current.requests >= 20
+    here[0] = True  # the lease came here: the next request decides on what was counted
+    serve(rollouts, clock, candidate_unsure=True, count=1)
+    assert rollouts.plan("digits", Tier.DEVICE).state == ROLLED_BACK
+
+
 def audit_all(rollouts: Rollouts, clock: Clock, *, candidate_wrong_every: int, count: int) -> None:
     """``count`` requests on the rollout's tier, each arm's answer audited by the tier above:
     the current arm's always agree, every ``candidate_wrong_every``-th of the candidate's not
@@ -219,32 +235,3 @@ def test_operators_promote_and_abort_and_cannot_start_twice() -> None:
     assert restarted.history == ("started by an operator at 5%",)
     with pytest.raises(NotFound, match="no rollout on the device tier"):
         rollouts.abort("digits", Tier.DEVICE)
-
-
-def test_state_survives_a_restart(tmp_path: Path) -> None:
-    path = tmp_path / "state" / "rollouts.json"
-    first = Rollouts(router_id="a", state_path=path)
-    first.start("digits", Tier.DEVICE, "digits-small-v2", steps=(5, 100), min_requests=7, shadow=10.0)
-    first.abort("digits", Tier.DEVICE)
-    again = Rollouts(router_id="a", state_path=path)
-    assert again.plans() == first.plans()
-    assert again.plan("digits", Tier.DEVICE).min_requests == 7
-    assert not list(path.parent.glob(".*")), "no scratch file left behind"
-
-
-def test_a_corrupt_state_file_is_refused_precisely(tmp_path: Path) -> None:
-    path = tmp_path / "rollouts.json"
-    path.write_text(json.dumps({"rollouts": [{"family": "digits"}]}))
-    with pytest.raises(ConfigError, match="malformed: KeyError"):
-        Rollouts(router_id="a", state_path=path)
-
-
-def test_peers_keep_the_newest_record_of_each_rollout() -> None:
-    a, b = Rollouts(router_id="a"), Rollouts(router_id="b")
-    a.start("digits", Tier.DEVICE, "digits-small-v2")
-    assert b.merge_json(a.to_json())
-    assert b.plan("digits", Tier.DEVICE) == a.plan("digits", Tier.DEVICE)
-    b.abort("digits", Tier.DEVICE)
-    assert a.merge_json(b.to_json()) and a.plan("digits", Tier.DEVICE).state == ABORTED
-    assert not a.merge_json(b.to_json()), "the same record twice changes nothing"
-    assert not b.merge_json(json.dumps({"rollouts": [a.plans()[0].to_json() | {"revision": 1}]}))

@@ -9,11 +9,11 @@ from stratus.cli.thresholds import site_rows, thresholds_json, thresholds_table
 from stratus.wire import fleet_pb2 as fpb
 
 
-def reply(router_id: str, rows: int, peers: str = "") -> fpb.ThresholdsReply:
+def reply(router_id: str, rows: int, site_routers: str = "") -> fpb.ThresholdsReply:
     return fpb.ThresholdsReply(
         family="digits",
         router_id=router_id,
-        peers=peers,
+        site_routers=site_routers,
         rows=[fpb.AuditRow(top_tier="cloud", label=index) for index in range(rows)],
     )
 
@@ -26,7 +26,7 @@ class Down(grpc.RpcError):
         return "connection refused"
 
 
-def test_the_peers_of_peers_are_read_once_each_by_router_id() -> None:
+def test_the_routers_each_lists_are_read_once_each_by_router_id() -> None:
     site = {  # a lists itself and b; b lists a and c; c lists nobody
         "127.0.0.1:1": reply("a", 3, "127.0.0.1:1,127.0.0.1:2"),
         "127.0.0.1:2": reply("b", 5, "127.0.0.1:1,127.0.0.1:3"),
@@ -44,7 +44,7 @@ def test_the_peers_of_peers_are_read_once_each_by_router_id() -> None:
     assert read.unreachable == []
 
 
-def test_a_peer_that_does_not_answer_is_named_and_the_rest_are_read() -> None:
+def test_a_router_that_does_not_answer_is_named_and_the_rest_are_read() -> None:
     def fetch(address: str, name: str | None) -> fpb.ThresholdsReply:
         if address.endswith(":2"):
             raise Down()
@@ -55,10 +55,10 @@ def test_a_peer_that_does_not_answer_is_named_and_the_rest_are_read() -> None:
     assert read.unreachable == ["127.0.0.1:2: UNAVAILABLE: connection refused"]
     shown = thresholds_table(reply("a", 2), {"device": 0.9}, site=read)
     assert "(suggested on 6 audit rows of 2 routers: a, c)" in shown
-    assert "(peer not read: 127.0.0.1:2: UNAVAILABLE: connection refused)" in shown
+    assert "(router of the site not read: 127.0.0.1:2: UNAVAILABLE: connection refused)" in shown
 
 
-def test_a_router_without_peers_is_read_alone() -> None:
+def test_a_router_alone_in_its_site_is_read_alone() -> None:
     def fetch(address: str, name: str | None) -> fpb.ThresholdsReply:
         pytest.fail(f"nothing to dial, yet {address} was")
 

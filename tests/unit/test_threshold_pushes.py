@@ -1,27 +1,21 @@
-"""Fleet-wide threshold pushes: versions only grow, a revert walks back one version, peers
-and the state file keep the newest record, and the registry serves the pushed thresholds
-(an agent announcing other ones is no longer refused for them)."""
+"""Fleet-wide threshold pushes: versions only grow, a revert walks back one version, and the
+registry serves the pushed thresholds (an agent announcing other ones is no longer refused for
+them). How a site's routers share them: tests/unit/test_rollout_records.py and the site store's
+integration tests."""
 
 from __future__ import annotations
-
-import json
-from pathlib import Path
 
 import pytest
 
 from router.registry import FleetRegistry
 from router.thresholds import (
-    MAX_VERSION_JUMP,
-    Record,
     ThresholdPushes,
-    Version,
     pushable,
-    state_path_beside,
     steer,
     threshold_levels,
     to_wire,
 )
-from stratus.errors import ConfigError, Conflict, InvalidInput, NotFound
+from stratus.errors import Conflict, InvalidInput, NotFound
 from stratus.families.confidence import PASS_ALL
 from stratus.tiers import Tier
 from stratus.wire import fleet_pb2 as fpb
@@ -30,8 +24,8 @@ from tests.unit.test_index import hello
 DEVICE, EDGE = Tier.DEVICE, Tier.EDGE
 
 
-def pushes(router_id: str = "a", state: Path | None = None, now: float = 1000.0) -> ThresholdPushes:
-    return ThresholdPushes(router_id=router_id, state_path=state, wall_clock=lambda: now)
+def pushes(router_id: str = "a", now: float = 1000.0) -> ThresholdPushes:
+    return ThresholdPushes(router_id=router_id, wall_clock=lambda: now)
 
 
 def test_versions_grow_and_each_says_who_why_and_what_it_replaced() -> None:
@@ -81,45 +75,6 @@ def test_a_tier_can_be_pushed_to_pass_every_request_up() -> None:
 def test_the_cloud_threshold_is_not_pushed() -> None:
     with pytest.raises(InvalidInput, match="cloud tier answers"):
         pushable({"cloud": 0.5})
-
-
-def test_peers_keep_the_newest_record_and_tell_their_listeners() -> None:
-    a, b = pushes("a"), pushes("b")
-    told: list[tuple[str, dict[Tier, float]]] = []
-    b.listeners.append(lambda family, thresholds: told.append((family, dict(thresholds))))
-    a.apply("digits", {DEVICE: 0.8}, author="ana", reason="one")
-    assert b.merge_json(a.to_json())
-    assert told == [("digits", {DEVICE: 0.8})]
-    b.apply("digits", {DEVICE: 0.6}, author="bo", reason="two")
-    assert not b.merge_json(a.to_json())  # older: ignored
-    assert a.merge_json(b.to_json()) and a.in_force("digits") == {DEVICE: 0.6}
-
-
-def test_a_record_jumping_far_past_ours_is_not_adopted() -> None:
-    far = MAX_VERSION_JUMP + 5
-    record = Record(family="digits", history=(Version(version=far, thresholds={DEVICE: 0.1}),))
-    book = pushes()
-    assert not book.merge([record])
-    assert book.in_force("digits") == {}
-
-
-def test_a_malformed_record_from_a_peer_or_a_file_is_refused() -> None:
-    bad = {"thresholds": [{"family": "digits", "history": [{"version": 1, "thresholds": {"device": 7}}]}]}
-    with pytest.raises(ConfigError, match="malformed"):
-        pushes().merge_json(json.dumps(bad))
-    with pytest.raises(ConfigError, match="not valid"):
-        pushes().merge_json("{not json")
-
-
-def test_the_state_file_brings_the_pushes_back_after_a_restart(tmp_path: Path) -> None:
-    state = state_path_beside(tmp_path / "rollouts.json")
-    assert state == tmp_path / "rollouts.thresholds.json"
-    pushes("a", state).apply("digits", {DEVICE: 0.85}, author="ana", reason="one")
-    restarted = pushes("a", state)
-    record = restarted.record("digits")
-    assert (
-        record is not None and record.current.version == 1 and restarted.in_force("digits") == {DEVICE: 0.85}
-    )
 
 
 def test_the_registry_serves_the_pushed_thresholds_and_its_agents_own_after_a_revert() -> None:
@@ -204,20 +159,6 @@ def test_the_version_and_thresholds_in_force_are_exported_and_shown_with_the_acc
         in accuracy_table(reply)
     )
     assert "pushed version" not in accuracy_table(fpb.AccuracyReply(family="digits", top_tier=fpb.TIER_EDGE))
-
-
-def test_a_sync_proof_covers_the_pushes_whether_there_are_any_or_not() -> None:
-    """v2 proofs length-prefix every field, so an empty one is covered too (v1 dropped it to
-    stay readable by routers from before pushes; v2 is read by no v1 router anyway)."""
-    from router.peers import sync_parts
-
-    book = pushes()
-    assert book.to_json() == ""
-    plain = fpb.RolloutSync(router_id="a", state_json="{}", thresholds_json=book.to_json())
-    assert sync_parts(plain) == ("a", "{}", "")
-    book.apply("digits", {DEVICE: 0.8}, author="ana", reason="one")
-    carrying = fpb.RolloutSync(router_id="a", state_json="{}", thresholds_json=book.to_json())
-    assert sync_parts(carrying) == ("a", "{}", book.to_json())
 
 
 def recalibrated(name: str) -> fpb.Hello:
