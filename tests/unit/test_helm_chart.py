@@ -8,9 +8,10 @@ deploy/k8s is (tests/unit/test_deploy_manifests.py, whose helpers these are): bu
 kubernetes-validate --strict, custom resources against schemas written from their projects'
 documented fields, every Stratus command line against the real CLI parser, probes, mounts and
 Services; and what the chart promises: routers reach every cloud pod (dns:/// and a headless
-Service), share rollouts with every router and keep them on a volume, agents outside the cluster
-reach them, certificates carry the SPIFFE ids and the names dialled, and bad values fail with a
-message that names them."""
+Service), share one store (the chart's NATS JetStream server, running deploy/nats/nats-server.conf
+with its trust domain, which nats-server itself checks; or one of the operator's), agents outside
+the cluster reach them, certificates carry the SPIFFE ids and the names dialled, and bad values
+fail with a message that names them."""
 
 from __future__ import annotations
 
@@ -38,18 +39,28 @@ from stratus.cli import certs
 from stratus.serving import auth
 from tests.unit.test_deploy_manifests import (
     K8S_VERSION,
+    NATS_CONFIG,
+    NATS_PORT,
+    STRATUS_IMAGE,
+    Fleet,
     agent_name_fits,
     certs_parser,
     check_args_ports_and_probes,
     check_config_file,
     check_container_config,
     check_every_pod_behind,
+    check_nats_pod,
+    check_no_peer_flags,
+    check_routers_dial_the_store,
     check_services_select_pods,
     config_file_text,
     container_env,
     dialled,
+    documented_nats_cert_commands,
     expand,
     issued,
+    nats_check,
+    nats_users,
     parse,
     router_addresses,
     secret_volume_key,
@@ -69,7 +80,6 @@ ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
 CHART = DEPLOY / "helm" / "stratus"
 NAMESPACE = "site-a"  # not the chart's name, so a hard-coded namespace shows
-STATE_FILE = "/var/lib/stratus/rollouts.json"
 Doc = dict[str, Any]
 Values = dict[str, Any]
 
@@ -127,6 +137,17 @@ VARIANTS: dict[str, tuple[str, Values]] = {
         {"tls": {"secrets": {"router": "site-router", "cloud": "site-cloud", "agent": "site-agent"}}},
     ),
     "keda": ("stratus", {"cloud": {"keda": {"enabled": True}}}),
+    # the operator's own NATS server, with a credentials file from a Secret
+    "external-store": (
+        "stratus",
+        {
+            "siteState": {
+                "nats": {"enabled": False},
+                "url": "tls://nats.factory.example:4222",
+                "credentials": {"secretName": "site-store-creds"},
+            }
+        },
+    ),
     "openai": ("stratus", {"openai": OPENAI}),
     "everything": (
         "factory",
@@ -136,7 +157,8 @@ VARIANTS: dict[str, tuple[str, Values]] = {
             "openai": OPENAI,
             "tokens": {"client": {"secretName": "client-token"}, "cloud": {"secretName": "cloud-token"}},
             "models": {"volume": {"persistentVolumeClaim": {"claimName": "models", "readOnly": True}}},
-            "router": {"rolloutState": {"persistence": {"enabled": False}}, "service": {"type": "NodePort"}},
+            "router": {"service": {"type": "NodePort"}},
+            "siteState": {"nats": {"persistence": {"size": "2Gi", "storageClassName": "fast"}}},
             "cloud": {"keda": {"enabled": True}},
             "edgeAgents": {"kind": "Deployment", "certificateName": "line-7"},
             "monitoring": {
@@ -196,13 +218,38 @@ class Site:
     def workloads(self) -> list[Doc]:
         return [d for d in self.docs if d["kind"] in {"Deployment", "StatefulSet", "DaemonSet"}]
 
+    def stratus_workloads(self) -> list[Doc]:
+        """The workloads running the Stratus image (all but the store's NATS server)."""
+        return [
+            w
+            for w in self.workloads()
+            if all(
+                c["image"].split(":")[0] == STRATUS_IMAGE for c in w["spec"]["template"]["spec"]["containers"]
+            )
+        ]
+
+    @property
+    def configs(self) -> dict[str, dict[str, str]]:
+        return {c["metadata"]["name"]: dict(c["data"]) for c in self.of_kind("ConfigMap")}
+
     def containers(self) -> Iterator[tuple[Doc, Doc, argparse.Namespace]]:
-        """Every (workload, container, parsed args): each command line through the real CLI parser."""
-        configs = {c["metadata"]["name"]: dict(c["data"]) for c in self.of_kind("ConfigMap")}
-        for workload in self.workloads():
+        """Every Stratus (workload, container, parsed args): each command line through the real CLI parser."""
+        configs = self.configs
+        for workload in self.stratus_workloads():
             for container in workload["spec"]["template"]["spec"]["containers"]:
                 args = parse(expand([str(a) for a in container["args"]], container_env(container, configs)))
                 yield workload, container, args
+
+    @property
+    def own_store(self) -> bool:
+        """The chart runs the site's store (siteState.nats.enabled, the default)."""
+        return bool(self.values.get("siteState", {}).get("nats", {}).get("enabled", True))
+
+    def nats(self) -> tuple[Doc, Doc]:
+        """The store's StatefulSet and its one container."""
+        workload = self.named("StatefulSet", f"{self.fullname}-nats")
+        (container,) = workload["spec"]["template"]["spec"]["containers"]
+        return workload, container
 
     def role(self, command: str) -> tuple[Doc, Doc, argparse.Namespace]:
         (found,) = [item for item in self.containers() if item[2].command == command]
@@ -221,6 +268,11 @@ class Site:
 @pytest.fixture(params=sorted(VARIANTS))
 def site(request: pytest.FixtureRequest) -> Site:
     return Site(request.param)
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory: pytest.TempPathFactory) -> Fleet:
+    return Fleet(tmp_path_factory.mktemp("fleet"))
 
 
 def merged(*updates: Values) -> Values:
@@ -267,6 +319,18 @@ SCHEMA_REFUSES: dict[str, tuple[Values, str]] = {
         {"cloud": {"keda": {"demandThreshold": 600}}},
         r"/cloud/keda/demandThreshold.*string",
     ),
+    "store URL with a password": (
+        {"siteState": {"nats": {"enabled": False}, "url": "tls://router:secret@nats.example:4222"}},
+        r"/siteState/url.*does not match",
+    ),
+    "store URL in plain text": (
+        {"siteState": {"nats": {"enabled": False}, "url": "nats://nats.example:4222"}},
+        r"/siteState/url.*does not match",
+    ),
+    "the removed rollout state": (
+        {"router": {"rolloutState": {"persistence": {"enabled": True}}}},
+        r"(?s)/router.*additional properties 'rolloutState' not allowed",
+    ),
 }
 # Refused by the chart's checks across values (templates/_helpers.tpl, stratus.checkValues), at
 # install or render; Helm's lint mode deliberately lets `fail` pass, so lint does not see them.
@@ -287,6 +351,18 @@ CHECKS_REFUSE: dict[str, tuple[Values, str]] = {
     "PDB blocks every drain": (
         {"router": {"podDisruptionBudget": {"minAvailable": 2}}},
         r"minAvailable \(2\) must be below the fewest routers \(2\)",
+    ),
+    "no store": (
+        {"siteState": {"nats": {"enabled": False}}},
+        r"the routers of a site share one store: set siteState.nats.enabled=true, or siteState.url",
+    ),
+    "two stores": (
+        {"siteState": {"url": "tls://nats.example:4222"}},
+        r"give siteState.nats.enabled .* or siteState.url .*, not both",
+    ),
+    "credentials for the chart's store": (
+        {"siteState": {"credentials": {"secretName": "creds"}}},
+        r"siteState.credentials is for siteState.url",
     ),
 }
 
@@ -399,6 +475,7 @@ def test_the_site_has_every_part(site: Site) -> None:
         ("StatefulSet", f"{site.fullname}-router"),
         ("Deployment", f"{site.fullname}-cloud"),
         (agents, f"{site.fullname}-edge-agent"),
+        *([("StatefulSet", f"{site.fullname}-nats")] if site.own_store else []),
     }
     assert sorted(args.command for _, _, args in site.containers()) == ["agent", "cloud", "router"]
 
@@ -454,14 +531,28 @@ def test_certificates_carry_each_roles_spiffe_id_and_the_names_dialled(site: Sit
         missing = dialled_by_role.get(args.command, set()) - names
         assert not missing, f"the {args.command} certificate lacks {sorted(missing)}, which clients dial"
         assert {"server auth", "client auth"} <= set(spec["usages"])
+    if site.own_store:  # the store's server: no Stratus identity, the name routers dial
+        nats_workload, nats_container = site.nats()
+        (secret, _) = secret_volume_key(
+            nats_workload["spec"]["template"]["spec"], nats_container, nats_container["env"][0]["value"]
+        )
+        spec = certificates[secret]["spec"]
+        assert "uris" not in spec and not [n for n in spec["dnsNames"] if n.endswith(".spiffe.invalid")]
+        assert store_host(site) in spec["dnsNames"] and spec["usages"] == ["digital signature", "server auth"]
     check_issuer(site, certificates.values())
+
+
+def store_host(site: Site) -> str:
+    """The host routers dial for the site's store (--site-state tls://HOST:PORT)."""
+    _, _, router = site.role("router")
+    return dialled(router.site_state.removeprefix("tls://"))[0]
 
 
 def names_dialled(site: Site) -> dict[str, set[str]]:
     """The names clients dial, per server role: the cloud by the routers, the routers by agents
-    and peers (inside the cluster) and by whatever is outside (router.service.hosts)."""
+    (inside the cluster) and by whatever is outside (router.service.hosts)."""
     _, _, router = site.role("router")
-    dialled_names = {"cloud": {dialled(router.cloud)[0]}, "router": {dialled(router.peers)[0]}}
+    dialled_names: dict[str, set[str]] = {"cloud": {dialled(router.cloud)[0]}, "router": set()}
     _, _, agent = site.role("agent")
     dialled_names["router"] |= {dialled(a)[0] for a in router_addresses(agent)}
     dialled_names["router"] |= set(site.values.get("router", {}).get("service", {}).get("hosts", []))
@@ -503,6 +594,20 @@ def test_notes_make_the_existing_secrets_the_pods_mount(site: Site) -> None:
         if args.command == "agent":
             (name,) = [who.name for who in made if who.role == "agent"]
             assert agent_name_fits(args.name, name)
+    if site.own_store:  # the store's server: its Secret, from server-cert.sh with the name dialled
+        nats_workload, nats_container = site.nats()
+        secret, _ = secret_volume_key(
+            nats_workload["spec"]["template"]["spec"], nats_container, nats_container["env"][0]["value"]
+        )
+        mounted.add(secret)
+        (command,) = documented_nats_cert_commands(site.notes)
+        assert store_host(site) in command.host
+        assert (
+            "--from-file=tls.crt=certs/nats-server.pem --from-file=tls.key=certs/nats-server.key"
+            in site.notes
+        )
+    else:
+        assert not documented_nats_cert_commands(site.notes)
     created = set(re.findall(r"kubectl -n \S+ create secret generic (\S+)", site.notes))
     assert created == mounted
     # the fleet commands NOTES prints use files those certs commands write (it said operator.pem)
@@ -517,11 +622,12 @@ def test_tokens_and_keys_are_files_from_secrets(site: Site) -> None:
     """A token or key is a file in a read-only Secret volume, never an arg's value or env."""
     for workload, container, args in site.containers():
         pod = workload["spec"]["template"]["spec"]
-        for flag in ("client_token_file", "cloud_token_file", "openai_api_key_file"):
+        for flag in ("client_token_file", "cloud_token_file", "openai_api_key_file", "site_state_creds"):
             path = getattr(args, flag, None)
             if path is not None:
                 secret, key = secret_volume_key(pod, container, str(path))
-                assert secret in {"openai-key", "client-token", "cloud-token"} and key in {"api-key", "token"}
+                assert secret in {"openai-key", "client-token", "cloud-token", "site-store-creds"}
+                assert key in {"api-key", "token", "creds"}
         assert not [v for v in container.get("env", []) if "TOKEN" in v["name"] or "KEY" in v["name"]]
         assert "--insecure" not in container["args"]
     tokens = site.values.get("tokens", {})
@@ -541,33 +647,63 @@ def test_routers_spread_their_cloud_link_over_every_cloud_pod(site: Site) -> Non
     assert dialled(router.cloud)[0] == site.fqdn(service["metadata"]["name"])
 
 
-def test_routers_share_rollouts_with_every_router_and_keep_them(site: Site) -> None:
-    """--peers names the headless Service of the routers' own pods (the StatefulSet's), which
-    lists pods before they are ready (a router with no cloud link is ready once agents link), and
-    --rollout-state lies on the pod's own claim (or an emptyDir when persistence is off)."""
+def test_routers_share_the_site_store(site: Site) -> None:
+    """Every router runs on one store (--site-state): the chart's NATS server (tls:// to its
+    ClusterIP Service, a name its certificate carries, the router's certificate its identity, no
+    credentials file) or siteState.url with siteState.credentials; no router keeps state of its
+    own (no peer flag, no volume), and agents link to every router pod through the headless Service."""
     routers, container, args = site.role("router")
     assert routers["kind"] == "StatefulSet"
-    assert args.peers.startswith("dns:") and not args.peers.startswith("dns:///")
-    host, port = dialled(args.peers)
-    headless = site.named("Service", routers["spec"]["serviceName"])
-    assert host == site.fqdn(headless["metadata"]["name"]) and headless["spec"]["clusterIP"] == "None"
-    assert headless["spec"]["publishNotReadyAddresses"] is True
-    assert headless["spec"]["selector"].items() <= routers["spec"]["template"]["metadata"]["labels"].items()
-    assert port == args_port(args.listen) and port in [p["port"] for p in headless["spec"]["ports"]]
-    assert str(args.rollout_state) == STATE_FILE
-    (mount,) = [
-        m for m in container["volumeMounts"] if STATE_FILE.startswith(m["mountPath"].rstrip("/") + "/")
-    ]
-    assert not mount.get("readOnly"), "the state file is written"
-    claims = {c["metadata"]["name"]: c for c in routers["spec"].get("volumeClaimTemplates", [])}
-    volumes = {v["name"]: v for v in routers["spec"]["template"]["spec"]["volumes"]}
-    if site.values.get("router", {}).get("rolloutState", {}).get("persistence", {}).get("enabled", True):
-        assert mount["name"] in claims and mount["name"] not in volumes
-        assert claims[mount["name"]]["spec"]["accessModes"] == ["ReadWriteOnce"]
+    check_no_peer_flags(f"{site.variant} router", [str(a) for a in container["args"]])
+    assert not routers["spec"].get("volumeClaimTemplates"), "a router keeps state of its own"
+    store = site.values.get("siteState", {})
+    if site.own_store:
+        nats, _ = site.nats()
+        names: set[str] = set()
+        if site.values.get("tls", {}).get("source") == "certManager":
+            names = set(site.named("Certificate", f"{site.fullname}-nats")["spec"]["dnsNames"])
+        else:
+            (command,) = documented_nats_cert_commands(site.notes)
+            names = set(command.host)
+        check_routers_dial_the_store(args, site.services, nats, names)
+        assert args.site_state == f"tls://{site.fqdn(site.fullname + '-nats')}:{NATS_PORT}"
+        assert args.site_state_creds is None
     else:
-        assert "emptyDir" in volumes[mount["name"]] and not claims
+        assert args.site_state == store["url"]
+        assert not [w for w in site.workloads() if w["metadata"]["name"].endswith("-nats")]
+        secret, key = secret_volume_key(
+            routers["spec"]["template"]["spec"], container, str(args.site_state_creds)
+        )
+        assert (secret, key) == (store["credentials"]["secretName"], store["credentials"].get("key", "creds"))
+    headless = site.named("Service", routers["spec"]["serviceName"])
+    assert headless["spec"]["clusterIP"] == "None" and headless["spec"]["publishNotReadyAddresses"] is True
+    host, port = dialled(args.site_address.replace("<pod_name>", "pod"))
+    assert host == f"pod.{site.fqdn(headless['metadata']['name'])}" and port == args_port(args.listen)
     _, _, agent = site.role("agent")
-    assert router_addresses(agent) == [args.peers], "agents link to every router the peers list"
+    assert router_addresses(agent) == [f"dns:{site.fqdn(headless['metadata']['name'])}:{port}"]
+
+
+def test_the_store_runs_the_committed_config_in_the_release_trust_domain(
+    site: Site, fleet: Fleet, tmp_path: Path
+) -> None:
+    """The store's ConfigMap is deploy/nats/nats-server.conf with the release's trust domain in its
+    router users, so the routers' certificates (cert-manager's: their Certificate's URI) are users
+    there; nats-server's own check takes it; the pod runs it as deploy/k8s's does."""
+    if not site.own_store:
+        assert not [c for c in site.of_kind("ConfigMap") if "nats-server.conf" in c["data"]]
+        return
+    config, secret = check_nats_pod(*site.nats(), site.configs)
+    domain = site.values.get("tls", {}).get("certManager", {}).get("trustDomain", "stratus")
+    assert config == NATS_CONFIG.read_text().replace("spiffe://stratus/", f"spiffe://{domain}/")
+    assert nats_users(config) == {f"spiffe://{domain}/router/router"}
+    if site.values.get("tls", {}).get("source") == "certManager":
+        (uri,) = site.named("Certificate", f"{site.fullname}-router")["spec"]["uris"]
+        assert uri in nats_users(config), f"the routers' certificate ({uri}) is no user of the store"
+    tls = site.values.get("tls", {})
+    given = "" if tls.get("source") == "certManager" else tls.get("secrets", {}).get("nats", "")
+    assert secret == (given or f"{site.fullname}-nats-tls")
+    checked = nats_check(config, fleet, tmp_path)
+    assert checked.returncode == 0, checked.stderr
 
 
 def args_port(address: str) -> int:
@@ -742,7 +878,7 @@ def test_every_pod_is_scraped_exactly_once(site: Site) -> None:
     selector = monitor["spec"]["selector"]["matchLabels"]
     ports = {e["port"] for e in monitor["spec"]["endpoints"]}
     assert monitor["spec"]["jobLabel"] == "app.kubernetes.io/name"
-    for workload in site.workloads():
+    for workload in site.stratus_workloads():
         labels = workload["spec"]["template"]["metadata"]["labels"]
         scrapes = [
             s
@@ -775,6 +911,7 @@ def test_the_charts_rules_and_dashboard_are_links_to_the_originals() -> None:
     for name, original in (
         ("rules.yml", DEPLOY / "prometheus" / "rules.yml"),
         ("stratus.json", DEPLOY / "grafana" / "stratus.json"),
+        ("nats-server.conf", NATS_CONFIG),
     ):
         link = CHART / "files" / name
         assert link.is_symlink(), f"{link} is a copy: it would drift from {original}"
@@ -845,8 +982,9 @@ def selects(selector: Doc, labels: dict[str, str]) -> bool:
 
 def test_each_pod_admits_its_own_ports_and_the_cloud_only_routers(site: Site) -> None:
     """security2: no NetworkPolicy shipped. Every pod is selected by one policy that opens each
-    port it serves, no other; the cloud's gRPC admits this release's routers alone (a stranger
-    never reaches the largest models), /metrics the configured Prometheus alone."""
+    port it serves, no other; the cloud's gRPC and the store's client port admit this release's
+    routers alone (a stranger never reaches the largest models, nor the site's desired state),
+    /metrics the configured Prometheus alone (the store serves none)."""
     policies = site.of_kind("NetworkPolicy")
     metrics_from = site.values.get("networkPolicy", {}).get("metricsFrom") or [
         {"namespaceSelector": {}, "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}}}
@@ -861,10 +999,16 @@ def test_each_pod_admits_its_own_ports_and_the_cloud_only_routers(site: Site) ->
             p["containerPort"] for c in workload["spec"]["template"]["spec"]["containers"] for p in c["ports"]
         }
         assert set(rules) == served, (component, rules, served)
-        assert rules[9464] == metrics_from
-        if component == "cloud":
-            (only,) = rules[8002]
+        if component == "nats":
+            assert served == {NATS_PORT}
+        else:
+            assert rules[9464] == metrics_from
+        for port in (8002, NATS_PORT):
+            if port not in rules:
+                continue
+            (only,) = rules[port]
             assert selects(only["podSelector"], labels_of["router"]) and set(only) == {"podSelector"}
             assert not any(selects(only["podSelector"], labels_of[c]) for c in labels_of if c != "router")
         if component == "router":
             assert rules[8001] is None  # agents dial in from outside the cluster: any source
+    assert ("nats" in pods) == site.own_store

@@ -57,9 +57,24 @@ app.kubernetes.io/instance: {{ (index . 0).Release.Name }}
 {{- end -}}
 {{- end -}}
 
-{{/* Routers, agents and peers reach every router pod through the headless Service (dns:NAME:PORT). */}}
+{{/* Agents reach every router pod through the headless Service (dns:NAME:PORT). */}}
 {{- define "stratus.routerAddress" -}}
 {{- printf "dns:%s:8001" (include "stratus.fqdn" (list . "router-headless")) -}}
+{{- end -}}
+
+{{/* The site's store every router shares (--site-state): the chart's NATS server, or siteState.url. */}}
+{{- define "stratus.siteStateAddress" -}}
+{{- if .Values.siteState.nats.enabled -}}
+{{- printf "tls://%s:4222" (include "stratus.fqdn" (list . "nats")) -}}
+{{- else -}}
+{{- .Values.siteState.url -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The names the NATS server's certificate carries: its Service's, short and fully qualified. */}}
+{{- define "stratus.natsHosts" -}}
+{{- $name := include "stratus.name" (list . "nats") -}}
+{{- printf "%s %s.%s.svc %s" $name $name .Release.Namespace (include "stratus.fqdn" (list . "nats")) -}}
 {{- end -}}
 
 {{/* Routers spread their cloud link over every ready cloud pod (dns:/// and the headless Service). */}}
@@ -210,6 +225,16 @@ saying what to set.
 {{- $fewest := ternary $a.minReplicas .Values.router.replicas $a.enabled -}}
 {{- if ge (int .Values.router.podDisruptionBudget.minAvailable) (int $fewest) -}}
 {{- fail (printf "router.podDisruptionBudget.minAvailable (%d) must be below the fewest routers (%d), or no node could ever be drained" (int .Values.router.podDisruptionBudget.minAvailable) (int $fewest)) -}}
+{{- end -}}
+{{- $site := .Values.siteState -}}
+{{- if and $site.nats.enabled $site.url -}}
+{{- fail "siteState: give siteState.nats.enabled (the chart's NATS server) or siteState.url (yours), not both" -}}
+{{- end -}}
+{{- if not (or $site.nats.enabled $site.url) -}}
+{{- fail "siteState: the routers of a site share one store: set siteState.nats.enabled=true, or siteState.url to your NATS server (tls://HOST:PORT)" -}}
+{{- end -}}
+{{- if and $site.credentials.secretName $site.nats.enabled -}}
+{{- fail "siteState.credentials is for siteState.url: the chart's NATS server takes each router's certificate as its user" -}}
 {{- end -}}
 {{- $k := .Values.cloud.keda -}}
 {{- if and $k.enabled (gt (int $k.minReplicaCount) (int $k.maxReplicaCount)) -}}
