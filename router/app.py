@@ -8,6 +8,7 @@ import logging
 import random
 import socket
 from collections.abc import Awaitable, Callable
+from dataclasses import replace
 from pathlib import Path
 
 import grpc
@@ -42,6 +43,7 @@ from stratus.serving.client_limits import ClientLimits
 from stratus.serving.discovery import Advertisement
 from stratus.serving.health import Health
 from stratus.serving.rest import RestApi, server_context
+from stratus.serving.revocations import AnyRevoked
 from stratus.serving.servicer import InferenceServicer, add_inference_service
 from stratus.wire import fleet_pb2_grpc as fpb_grpc
 
@@ -81,6 +83,7 @@ async def serve(settings: RouterSettings, stop: asyncio.Event | None = None) -> 
     if cloud is not None:
         cloud.start()
     site = _site_mirror(settings, rollouts, pushes, registry)
+    credentials = with_site_revocations(credentials, site)
     audits, capture = _auditor(settings, registry, cloud, recorder, rollouts)
     metrics.collect_with(lambda: audit_levels(audits))
     plane = RouterDataPlane(
@@ -162,6 +165,15 @@ async def _named(
     site.router_id, site.address = name, address
     await site.start()
     return [site.close]
+
+
+def with_site_revocations(credentials: RouterCredentials, site: SiteMirror | None) -> RouterCredentials:
+    """The site's revocations (`fleet revoke`) checked beside the router's own file: a revoked
+    certificate on every call and link under mutual TLS, a revoked agent id in any mode."""
+    if site is None:
+        return credentials
+    lists = [r for r in (credentials.revoked, site.revocations) if r is not None]
+    return replace(credentials, revoked=AnyRevoked(lists), revoked_agent=site.revocations.agent_revoked)
 
 
 def site_address(settings: RouterSettings, host: str, port: int) -> str:

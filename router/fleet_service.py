@@ -377,6 +377,34 @@ class FleetServicer(fpb_grpc.FleetServicer):
         handle = await self._mark(request.agent_id, "forgotten", self._registry.forget)
         return fpb.DrainResponse(accepted=True, message=f"agent {handle.id} is forgotten{self._site_wide}")
 
+    async def Revoke(self, request: fpb.RevokeRequest, context: Any) -> fpb.RevokeReply:
+        """A credential revoked (or lifted) for every router of the site, or the list of them."""
+        if not request.credential:
+            self._authorize_read(request.token, context, "listing revocations")
+            return self._revocations("")
+        self._authorize(request.token, context, "lifting a revocation" if request.lift else "Revoke")
+        if self._site is None:
+            raise ConfigError(
+                "site-wide revocations are kept in the site's store and this router has none (--site-state): "
+                "list the certificate in its --revoked-certificates file, or delete the agent's line from "
+                "--agent-tokens-file"
+            )
+        if request.lift:
+            lifted = await self._site.lift(request.credential)
+            return self._revocations(f"{lifted} is trusted again on every router of the site")
+        made = await self._site.revoke(request.credential, by=request.author, reason=request.reason)
+        return self._revocations(
+            f"{made.credential} is revoked on every router of the site ({self._site.state.url}): its calls "
+            "are refused and an agent holding it is cut off at its next heartbeat"
+        )
+
+    def _revocations(self, message: str) -> fpb.RevokeReply:
+        listed = self._site.revocations.listed() if self._site is not None else []
+        return fpb.RevokeReply(
+            revoked=[fpb.Revocation(credential=r.credential, by=r.by, at=r.at, reason=r.reason) for r in listed],
+            message=message,
+        )
+
     async def _mark(self, agent_id: str, mark: str, apply: Callable[[str], AgentHandle]) -> AgentHandle:
         """Here alone, or, with a site store, written there for every router first."""
         if self._site is None:

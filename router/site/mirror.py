@@ -12,6 +12,10 @@ Keys and what they hold (JSON):
   ``{"address", "at"}``, renewed every MEMBER_EVERY_S and deleted on a clean stop, so
   ``fleet thresholds --suggest`` reads every router's audit rows (soft state, kept in each
   router's memory) without a list of peers;
+* ``revoked.DIGEST``: a credential revoked for the whole site (``stratus fleet revoke``),
+  ``{"credential", "by", "at", "reason"}`` (:mod:`stratus.serving.revocations`): a certificate's
+  SPIFFE id or serial, or an agent id, refused by every router at its next call or heartbeat,
+  and kept across restarts; lifting it deletes the key;
 * ``lease.judge`` (a shared store only): the router that judges rollout steps and steps
   ``--auto-thresholds`` (:class:`~router.site.lease.Lease`): one at a time, another within
   the lease's ttl when it dies.
@@ -44,6 +48,13 @@ from router.site import Entry, SiteState, StoreConflict, StoreUnavailable
 from router.site.lease import Lease
 from router.thresholds import Record, ThresholdPushes
 from stratus.errors import ConfigError, InvalidInput, NotFound
+from stratus.serving.revocations import (
+    MAX_CREDENTIAL,
+    Revoked,
+    SiteRevocations,
+    credential_key,
+    parse_credential,
+)
 from stratus.tiers import Tier
 
 log = logging.getLogger("stratus.site")
@@ -71,6 +82,10 @@ def thresholds_key(family: str) -> str:
 
 def agent_key(agent_id: str) -> str:
     return f"agent.{agent_id}"
+
+
+def revoked_key(credential: str) -> str:
+    return f"revoked.{credential_key(credential)}"
 
 
 def router_key(name: str) -> str:
@@ -101,6 +116,7 @@ class SiteMirror:
         self.members: dict[str, tuple[str, float]] = {}  # per router key: (address, when registered)
         self.revisions: dict[str, int] = {}  # per key, the revision last applied or written here
         self.marks: dict[str, str] = {}  # per agent id, the site's mark
+        self.revocations = SiteRevocations()  # what the store revokes, checked on every call
         # Changes made here on their own (the rollout judge's, --auto-thresholds'), not yet written.
         self._pending: dict[str, Callable[[], bytes]] = {}
         self._wake = asyncio.Event()
@@ -214,6 +230,28 @@ class SiteMirror:
         except (NotFound, ConfigError):  # the store's echo of this very write was applied first
             return handle
 
+    async def revoke(self, credential: str, *, by: str, reason: str) -> Revoked:
+        """An operator's revocation, written for the site; applied here once written (the
+        watch brings it to every other router)."""
+        revoked = Revoked(credential=parse_credential(credential), by=by[:MAX_CREDENTIAL], at=time.time(),
+                          reason=reason[:MAX_CREDENTIAL])  # fmt: skip
+        key = revoked_key(revoked.credential)
+        value = _json_bytes({"credential": revoked.credential, "by": revoked.by, "at": revoked.at,
+                             "reason": revoked.reason})  # fmt: skip
+        await self._put(key, value)
+        self.revocations.put(key, revoked)
+        return revoked
+
+    async def lift(self, credential: str) -> str:
+        """An operator's lifting of a site-wide revocation: NotFound if the site has none."""
+        credential = parse_credential(credential)
+        key = revoked_key(credential)
+        if not any(r.credential == credential for r in self.revocations.listed()):
+            raise NotFound(f"{credential} is not revoked site-wide (`stratus fleet revoke --list`)")
+        await self.state.delete(key)
+        self.revocations.remove(key)
+        return credential
+
     async def _change(
         self, key: str, make: Callable[[], T], encode: Callable[[T], bytes], undo: Callable[[], None]
     ) -> T:
@@ -315,6 +353,7 @@ class SiteMirror:
         self.revisions[entry.key] = entry.revision
         if entry.deleted:
             self.members.pop(entry.key, None)
+            self.revocations.remove(entry.key)
             return
         kind, _, rest = entry.key.partition(".")
         try:
@@ -327,6 +366,8 @@ class SiteMirror:
                 self._apply_mark(rest, data)
             elif kind == "router":
                 self._apply_member(entry.key, data)
+            elif kind == "revoked":
+                self._apply_revoked(entry.key, data)
         except (ValueError, KeyError, TypeError, AttributeError, ConfigError, InvalidInput) as exc:
             log.warning(
                 "site state %s (revision %d) is not valid and was skipped: %s", entry.key, entry.revision, exc
@@ -344,6 +385,16 @@ class SiteMirror:
                 "forgotten": self._registry.forget,
             }[mark](agent_id)
 
+
+    def _apply_revoked(self, key: str, data: dict[str, Any]) -> None:
+        credential = parse_credential(str(data["credential"]))
+        if revoked_key(credential) != key:
+            raise ValueError(f"it revokes {credential[:80]!r}, which is not the credential its key names")
+        self.revocations.put(
+            key,
+            Revoked(credential=credential, by=str(data.get("by", ""))[:MAX_CREDENTIAL], at=float(data.get("at", 0.0)),
+                    reason=str(data.get("reason", ""))[:MAX_CREDENTIAL]),
+        )  # fmt: skip
 
     def _apply_member(self, key: str, data: dict[str, Any]) -> None:
         address, at = str(data["address"]), float(data["at"])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import sys
 import time
@@ -305,6 +306,36 @@ def drain(router: str, agent_id: str, *, token: str, tls: TlsSettings = NO_TLS, 
         response = call(fpb.DrainRequest(agent_id=agent_id, token=token), timeout=5.0)
     print(response.message)
     return 0 if response.accepted else 1
+
+
+def revoke(
+    router: str,
+    credential: str,
+    *,
+    lift: bool,
+    reason: str,
+    as_json: bool,
+    token: str,
+    tls: TlsSettings = NO_TLS,
+) -> int:
+    """Revoke a credential site-wide, lift a revocation, or (no credential) list them."""
+    import getpass
+
+    request = fpb.RevokeRequest(token=token, credential=credential, lift=lift, reason=reason, author=getpass.getuser())
+    channel, stub = _stub(router, tls)
+    with channel:
+        reply = stub.Revoke(request, timeout=10.0)
+    if as_json:
+        listed = [{"credential": r.credential, "by": r.by, "at": r.at, "reason": r.reason} for r in reply.revoked]
+        print(json.dumps({"message": reply.message, "revoked": listed}, indent=2))
+        return 0
+    if reply.message:
+        print(reply.message)
+    print(f"revoked site-wide: {len(reply.revoked) or 'none'}")
+    for r in reply.revoked:
+        when = dt.datetime.fromtimestamp(r.at, dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        print(f"  {r.credential}  by {r.by or '?'} at {when}" + (f": {r.reason}" if r.reason else ""))
+    return 0
 
 
 def call_error(exc: grpc.RpcError, address: str, tls: TlsSettings = NO_TLS) -> str:

@@ -1,4 +1,4 @@
-"""``stratus fleet`` (status, drain, undrain, forget, reload, rollout, accuracy, thresholds)
+"""``stratus fleet`` (status, drain, undrain, forget, revoke, reload, rollout, accuracy, thresholds)
 and ``stratus demo``: their flags, and each handler, which calls :mod:`stratus.cli.fleet` or the
 view it names."""
 
@@ -58,6 +58,24 @@ def _fleet_drain(args: argparse.Namespace) -> int:
     action = {"drain": "Drain", "undrain": "Undrain", "forget": "Forget"}[args.fleet_command]
     return drain(
         args.router, args.agent_id, token=operator_token(args), tls=tls_of(args), action=action
+    )
+
+
+def _fleet_revoke(args: argparse.Namespace) -> int:
+    from stratus.cli.fleet import revoke
+
+    if args.list == (args.credential is not None):
+        raise ConfigError("give a CREDENTIAL to revoke (or to --lift), or --list for the site's revocations: one of them")
+    if args.lift and args.list:
+        raise ConfigError("--lift names the CREDENTIAL whose revocation ends, not --list")
+    return revoke(
+        args.router,
+        args.credential or "",
+        lift=args.lift,
+        reason=args.reason,
+        as_json=args.json,
+        token=operator_token(args),
+        tls=tls_of(args),
     )
 
 
@@ -183,7 +201,7 @@ def add_fleet(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
         )
         change.set_defaults(handler=_fleet_drain)
         changes.append(change)
-    _add_fleet_changes(sub, status, *changes)
+    _add_fleet_changes(sub, status, *changes, _add_revoke(sub))
     demo = commands.add_parser("demo", help="a whole local fleet on loopback, end to end")
     demo.add_argument(
         "--models", type=Path, default=None, help="the models folder (default: ./models, else the image's /app/models)"
@@ -191,6 +209,27 @@ def add_fleet(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
     demo.add_argument("--json", action="store_true", help="the report as JSON")
     demo.add_argument("--cache-dir", type=Path, default=default_cache(), help="runtime caches")
     demo.set_defaults(handler=_demo)
+
+
+def _add_revoke(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> argparse.ArgumentParser:
+    revoke = sub.add_parser(
+        "revoke",
+        help="refuse a credential on every router of the site (kept in the site's store, --site-state)",
+    )
+    revoke.add_argument(
+        "credential",
+        nargs="?",
+        help="spiffe://DOMAIN/ROLE/NAME (every certificate of an identity), serial:HEX (one certificate) "
+        "or agent:ID (an agent id, whatever it proves itself with)",
+    )
+    revoke.add_argument("--lift", action="store_true", help="trust the credential again")
+    revoke.add_argument("--list", action="store_true", help="the site's revocations")
+    revoke.add_argument("--reason", default="", help="why, kept with the revocation")
+    revoke.add_argument("--json", action="store_true", help="the revocations as JSON")
+    add_router(revoke)
+    revoke.add_argument("--operator-token-file", type=Path, default=None, help="default: $STRATUS_OPERATOR_TOKEN")
+    revoke.set_defaults(handler=_fleet_revoke)
+    return revoke
 
 
 def _add_fleet_changes(

@@ -25,7 +25,7 @@ import hmac
 import ipaddress
 import logging
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final, NamedTuple, Protocol
@@ -195,8 +195,10 @@ class RouterCredentials:
     agent_pools: Mapping[str, int] = field(default_factory=dict)
     # The fleet's SPIFFE trust domain (--tls-trust-domain): a certificate of another is no one.
     trust_domain: str = "stratus"
-    # Certificates revoked though they chain to the CA (--revoked-certificates).
+    # Certificates revoked though they chain to the CA (--revoked-certificates, and the site's
+    # store's `fleet revoke`), and agent ids revoked whatever they prove themselves with.
     revoked: Revocations | None = None
+    revoked_agent: Callable[[str], str | None] | None = None
     # The router listens off loopback (with --insecure): then no caller counts as local, since a
     # proxy or sidecar on its machine (Istio's 127.0.0.6, nginx, ssh -L) makes every one look so.
     off_loopback: bool = False
@@ -219,6 +221,9 @@ class RouterCredentials:
         pool certificate), ``token:ID`` (a per-agent token), ``fleet-token`` or ``anonymous``. A
         link never takes over an id another identity holds, so an id is only as bound as its
         credential: a shared token or none binds nothing."""
+        why = self.revoked_agent(agent_id) if self.revoked_agent is not None else None
+        if why is not None:
+            raise PermissionDenied(why)
         identity = "anonymous"
         if self.mutual_tls:
             cert = self._certificate(context, "an agent")

@@ -11,6 +11,7 @@ from typing import Generic, TypeVar
 
 from stratus.errors import ConfigError
 from stratus.serving.auth import NAME_PATTERN, spiffe_identity
+from stratus.serving.revocations import CertificateSerials, certificate_revoked
 
 log = logging.getLogger("stratus.auth")
 
@@ -105,7 +106,7 @@ class RevokedCertificates:
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self._serial_of: dict[bytes, int] = {}
+        self._parsed = CertificateSerials()
         self._file = WatchedFile(
             path,
             parse_revoked,
@@ -122,28 +123,7 @@ class RevokedCertificates:
                 "trusted until it is fixed"
             )
         revoked_ids, serials = listed
-        ids = {v.decode("ascii", "replace") for v in auth_context.get("peer_spiffe_id") or ()}
-        if ids & revoked_ids:
-            return f"certificate {sorted(ids & revoked_ids)[0]} is revoked"
-        if serials:
-            for pem in auth_context.get("x509_pem_cert") or ():
-                if self._serial(pem) in serials:
-                    return f"certificate serial {self._serial(pem):x} is revoked"
-        return None
-
-    def _serial(self, pem: bytes) -> int:
-        """The certificate's serial (parsed once per certificate); -1 for what does not parse
-        (the TLS stack hands over the PEM it verified, so that is never a real peer's)."""
-        if pem not in self._serial_of:
-            from cryptography import x509
-
-            if len(self._serial_of) > 4096:
-                self._serial_of.clear()
-            try:
-                self._serial_of[pem] = x509.load_pem_x509_certificate(pem).serial_number
-            except ValueError:
-                self._serial_of[pem] = -1
-        return self._serial_of[pem]
+        return certificate_revoked(revoked_ids, serials, auth_context, self._parsed)
 
 
 def parse_revoked(text: str, path: Path) -> tuple[frozenset[str], frozenset[int]]:

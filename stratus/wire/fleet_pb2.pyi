@@ -2217,6 +2217,95 @@ class ThresholdVersion(_message.Message):
 Global___ThresholdVersion: _TypeAlias = ThresholdVersion  # noqa: Y015
 
 @_typing.final
+class RevokeRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TOKEN_FIELD_NUMBER: _builtins.int
+    CREDENTIAL_FIELD_NUMBER: _builtins.int
+    LIFT_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    AUTHOR_FIELD_NUMBER: _builtins.int
+    token: _builtins.str
+    credential: _builtins.str
+    """"spiffe://DOMAIN/ROLE/NAME" (every certificate of an identity), "serial:HEX" (one
+    certificate) or "agent:ID" (an agent id, whatever it proves itself with). Empty: list.
+    """
+    lift: _builtins.bool
+    """Lift the revocation of `credential` instead of making one."""
+    reason: _builtins.str
+    author: _builtins.str
+    def __init__(
+        self,
+        *,
+        token: _builtins.str = ...,
+        credential: _builtins.str = ...,
+        lift: _builtins.bool = ...,
+        reason: _builtins.str = ...,
+        author: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["author", b"author", "credential", b"credential", "lift", b"lift", "reason", b"reason", "token", b"token"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RevokeRequest: _TypeAlias = RevokeRequest  # noqa: Y015
+
+@_typing.final
+class Revocation(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CREDENTIAL_FIELD_NUMBER: _builtins.int
+    BY_FIELD_NUMBER: _builtins.int
+    AT_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    credential: _builtins.str
+    by: _builtins.str
+    at: _builtins.float
+    """Unix time it was revoked."""
+    reason: _builtins.str
+    def __init__(
+        self,
+        *,
+        credential: _builtins.str = ...,
+        by: _builtins.str = ...,
+        at: _builtins.float = ...,
+        reason: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["at", b"at", "by", b"by", "credential", b"credential", "reason", b"reason"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Revocation: _TypeAlias = Revocation  # noqa: Y015
+
+@_typing.final
+class RevokeReply(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REVOKED_FIELD_NUMBER: _builtins.int
+    MESSAGE_FIELD_NUMBER: _builtins.int
+    message: _builtins.str
+    @_builtins.property
+    def revoked(self) -> _containers.RepeatedCompositeFieldContainer[Global___Revocation]:
+        """Every site-wide revocation in force after the call, oldest first."""
+
+    def __init__(
+        self,
+        *,
+        revoked: _abc.Iterable[Global___Revocation] | None = ...,
+        message: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["message", b"message", "revoked", b"revoked"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RevokeReply: _TypeAlias = RevokeReply  # noqa: Y015
+
+@_typing.final
 class ThresholdsReply(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

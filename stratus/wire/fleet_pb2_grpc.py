@@ -167,6 +167,11 @@ class FleetStub:
                 request_serializer=stratus_dot_v1_dot_fleet__pb2.ThresholdsRequest.SerializeToString,
                 response_deserializer=stratus_dot_v1_dot_fleet__pb2.ThresholdsReply.FromString,
                 _registered_method=True)
+        self.Revoke = channel.unary_unary(
+                '/stratus.v1.Fleet/Revoke',
+                request_serializer=stratus_dot_v1_dot_fleet__pb2.RevokeRequest.SerializeToString,
+                response_deserializer=stratus_dot_v1_dot_fleet__pb2.RevokeReply.FromString,
+                _registered_method=True)
 
 
 class FleetServicer:
@@ -244,6 +249,14 @@ class FleetServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Revoke(self, request, context):
+        """Credentials revoked for the whole site, kept in the site's store (the router needs
+        --site-state): revoke one, lift one, or list them. Revoking and lifting need an operator.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_FleetServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -296,6 +309,11 @@ def add_FleetServicer_to_server(servicer, server):
                     servicer.Thresholds,
                     request_deserializer=stratus_dot_v1_dot_fleet__pb2.ThresholdsRequest.FromString,
                     response_serializer=stratus_dot_v1_dot_fleet__pb2.ThresholdsReply.SerializeToString,
+            ),
+            'Revoke': grpc.unary_unary_rpc_method_handler(
+                    servicer.Revoke,
+                    request_deserializer=stratus_dot_v1_dot_fleet__pb2.RevokeRequest.FromString,
+                    response_serializer=stratus_dot_v1_dot_fleet__pb2.RevokeReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -569,6 +587,33 @@ class Fleet:
             '/stratus.v1.Fleet/Thresholds',
             stratus_dot_v1_dot_fleet__pb2.ThresholdsRequest.SerializeToString,
             stratus_dot_v1_dot_fleet__pb2.ThresholdsReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Revoke(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/stratus.v1.Fleet/Revoke',
+            stratus_dot_v1_dot_fleet__pb2.RevokeRequest.SerializeToString,
+            stratus_dot_v1_dot_fleet__pb2.RevokeReply.FromString,
             options,
             channel_credentials,
             insecure,

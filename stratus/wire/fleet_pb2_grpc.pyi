@@ -97,6 +97,10 @@ class FleetStub:
     """A family's escalation thresholds pushed to every router of the site at once, versioned:
     read, apply or revert (router/thresholds.py). Applying and reverting need an operator.
     """
+    Revoke: _grpc.UnaryUnaryMultiCallable[_fleet_pb2.RevokeRequest, _fleet_pb2.RevokeReply]
+    """Credentials revoked for the whole site, kept in the site's store (the router needs
+    --site-state): revoke one, lift one, or list them. Revoking and lifting need an operator.
+    """
 
 @_typing.type_check_only
 class FleetAsyncStub(FleetStub):
@@ -126,6 +130,10 @@ class FleetAsyncStub(FleetStub):
     Thresholds: _aio.UnaryUnaryMultiCallable[_fleet_pb2.ThresholdsRequest, _fleet_pb2.ThresholdsReply]  # type: ignore[assignment]
     """A family's escalation thresholds pushed to every router of the site at once, versioned:
     read, apply or revert (router/thresholds.py). Applying and reverting need an operator.
+    """
+    Revoke: _aio.UnaryUnaryMultiCallable[_fleet_pb2.RevokeRequest, _fleet_pb2.RevokeReply]  # type: ignore[assignment]
+    """Credentials revoked for the whole site, kept in the site's store (the router needs
+    --site-state): revoke one, lift one, or list them. Revoking and lifting need an operator.
     """
 
 class FleetServicer(metaclass=_abc_1.ABCMeta):
@@ -213,6 +221,16 @@ class FleetServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_fleet_pb2.ThresholdsReply, _abc.Awaitable[_fleet_pb2.ThresholdsReply]]:
         """A family's escalation thresholds pushed to every router of the site at once, versioned:
         read, apply or revert (router/thresholds.py). Applying and reverting need an operator.
+        """
+
+    @_abc_1.abstractmethod
+    def Revoke(
+        self,
+        request: _fleet_pb2.RevokeRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_fleet_pb2.RevokeReply, _abc.Awaitable[_fleet_pb2.RevokeReply]]:
+        """Credentials revoked for the whole site, kept in the site's store (the router needs
+        --site-state): revoke one, lift one, or list them. Revoking and lifting need an operator.
         """
 
 def add_FleetServicer_to_server(servicer: FleetServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

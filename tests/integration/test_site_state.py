@@ -5,6 +5,7 @@ requests, and the site converges when it is back (issue 35)."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import threading
@@ -217,3 +218,39 @@ def test_one_router_of_the_site_judges_and_another_takes_over_when_it_dies(
     wait_until(lambda: judge_of(last) == "this router", ttl_s, interval_s=0.05)
     # Without the release it would wait out the ttl from the last renewal (at least ttl*2/3 - the stop's length).
     assert time.monotonic() - stopped_at < 1.5
+
+
+def test_a_credential_revoked_on_one_router_is_refused_by_every_router_and_kept_across_restarts(
+    cluster: Cluster, nats: NatsServer
+) -> None:
+    """`fleet revoke agent:ID` on router A: the agent's link to router B ends at its next
+    heartbeat and its Hellos are refused by both (so it stops, refused everywhere); a router
+    restarted reads the revocation back; lifted, the same agent joins again."""
+    a, b = site(cluster, nats.url, "router-a", "router-b")
+    revoked = fleet_cli(a, "revoke", "agent:dev-1", "--reason", "device stolen")
+    assert revoked.returncode == 0, revoked
+    assert "agent:dev-1 is revoked on every router of the site" in revoked.stdout
+    seconds = seconds_until(lambda: ready_count(b) == 0 and ready_count(a) == 0, 10)
+    assert seconds < 5, seconds  # one heartbeat, on each router
+    agent = cluster.latest("dev-1")
+    wait_until(lambda: agent.process.poll() is not None, 30)  # refused by every router: it stops
+    assert agent.process.returncode == 2 and "agent 'dev-1' is revoked (site-wide)" in agent.log()
+    restart(cluster, "router-b", nats.url, b)
+    listed = fleet_cli(b, "revoke", "--list", "--json")
+    assert listed.returncode == 0, listed
+    (entry,) = json.loads(listed.stdout)["revoked"]
+    assert (entry["credential"], entry["reason"]) == ("agent:dev-1", "device stolen")
+    lifted = fleet_cli(b, "revoke", "--lift", "agent:dev-1")
+    assert lifted.returncode == 0 and "agent:dev-1 is trusted again" in lifted.stdout, lifted
+    cluster.agent("dev-1", f"{a},{b}")
+    wait_until(lambda: ready_count(a) == 1 and ready_count(b) == 1, 60)
+    malformed = fleet_cli(a, "revoke", "dev-1")
+    assert malformed.returncode != 0 and "INVALID_ARGUMENT" in malformed.stderr, malformed
+    assert "give a SPIFFE id" in malformed.stderr
+
+
+def test_a_router_without_a_store_refuses_a_site_wide_revocation_saying_what_to_do(cluster: Cluster) -> None:
+    router = cluster.router().address
+    refused = fleet_cli(router, "revoke", "agent:dev-1")
+    assert refused.returncode != 0 and "FAILED_PRECONDITION" in refused.stderr, refused
+    assert "--revoked-certificates" in refused.stderr and "--site-state" in refused.stderr
