@@ -49,9 +49,11 @@ from stratus.wire import fleet_pb2_grpc as fpb_grpc
 
 log = logging.getLogger("stratus.router")
 
-# On SIGTERM, how long the router keeps serving after turning not-ready, so that clients
-# and load balancers that watch its health stop sending before it refuses new calls.
+# On SIGTERM, how long the router keeps serving after turning not-ready, at least, so that
+# clients and load balancers that watch its health stop sending before it refuses new calls;
+# then until no call has come for QUIET_S (plain clients moved on at their connection's age).
 NOTICE_S = 1.0
+QUIET_S = 0.5
 
 
 async def _watch_heartbeats(registry: FleetRegistry) -> None:
@@ -101,6 +103,7 @@ async def serve(settings: RouterSettings, stop: asyncio.Event | None = None) -> 
         keepalive_timeout_s=settings.keepalive_timeout_s,
         client_token=settings.client_token,
         revoked=credentials.revoked if settings.tls.mutual else None,
+        max_connection_age_s=settings.connection_age_s,
     )
     limits = ClientLimits(settings.max_requests_per_client, items_per_client=settings.max_items_per_client)
     servicer = InferenceServicer(plane, limits=limits)
@@ -149,7 +152,7 @@ async def serve(settings: RouterSettings, stop: asyncio.Event | None = None) -> 
     announce("router", f"{host}:{port}")
     await stop.wait()
     log.info("stopping: not ready now, finishing %d request(s) in flight", plane.active)
-    await _shut_down(plane, registry, server, health, settings.drain_timeout_s)
+    await _shut_down(plane, registry, server, health, settings)
     await _close_the_rest([watchdog, warning, stepping], closers, cloud)
     log.info("stopped")
 
@@ -376,20 +379,25 @@ def _count_rollback(recorder: RouterMetrics, rollouts: Rollouts, plan: Plan) -> 
 
 
 async def _shut_down(
-    plane: RouterDataPlane, registry: FleetRegistry, server: grpc.aio.Server, health: Health, grace_s: float
+    plane: RouterDataPlane, registry: FleetRegistry, server: grpc.aio.Server, health: Health, settings: RouterSettings
 ) -> None:
-    """A rolling update loses nothing: not ready at once, no new calls, in-flight ones finished.
+    """A rolling update loses nothing: not ready at once, clients moved on, in-flight calls finished.
 
-    Readiness (ServerReady, the health service) turns false first. ``server.stop`` then
-    sends GOAWAY, so clients' channels move new calls to the other routers while the calls
-    already here go on, on agent links that stay open until the last of them is answered.
+    Readiness (ServerReady, the health service) turns false first, so a balancer's probe sends
+    new connections elsewhere and health-checking clients move at once. Plain clients keep
+    their connection; each is sent a graceful GOAWAY at its age (``connection_age_s``), its
+    next call then goes through the balancer to another router. The router serves on until
+    calls stop arriving (or the longest a connection can live has passed: nobody else takes
+    them), and only then calls ``server.stop``, whose own GOAWAY cancels calls that reach it
+    before a handler takes them (grpc/grpc#41785). Calls in flight finish, on agent links that
+    stay open until the last of them is answered.
     """
     plane.stopping = True
     await health.stop()
-    # Clients that watch the health service (round_robin with a healthCheckConfig) move
-    # their new calls away now; give them a moment, still serving, before refusing calls
-    # (gRPC cancels calls that reach a stopping server before a handler takes them).
-    await asyncio.sleep(NOTICE_S)
+    grace_s = settings.drain_timeout_s
+    moved_s = await _until_clients_moved(plane, limit_s=min(grace_s, settings.connection_age_s * 1.1 + NOTICE_S))
+    log.info("stopping: %s", f"no new call for {QUIET_S:g} s, {moved_s:.1f} s after not ready" if moved_s
+             is not None else "calls still arrive (no other router takes them): closing connections now")  # fmt: skip
     stopped = asyncio.create_task(server.stop(grace=grace_s))
     loop = asyncio.get_running_loop()
     deadline = loop.time() + grace_s
@@ -400,3 +408,18 @@ async def _shut_down(
     for handle in list(registry.agents.values()):
         handle.work.outbox.put_nowait(None)
     await stopped
+
+
+async def _until_clients_moved(plane: RouterDataPlane, *, limit_s: float) -> float | None:
+    """Serve on for NOTICE_S, then until no inference call has arrived for QUIET_S (an idle
+    router stops after the notice): the seconds that took, or None once ``limit_s`` passed
+    with calls still coming."""
+    loop = asyncio.get_running_loop()
+    start, seen = loop.time(), plane.admitted
+    await asyncio.sleep(min(NOTICE_S, limit_s))
+    while plane.admitted != seen:
+        if loop.time() - start >= limit_s:
+            return None
+        seen = plane.admitted
+        await asyncio.sleep(QUIET_S)
+    return loop.time() - start

@@ -81,6 +81,7 @@ class RouterDataPlane(DataPlane):
         self.warned_short: set[str] = set()  # families whose unsure answers had nowhere higher to go
         self.max_requests = max_requests
         self.active = 0
+        self.admitted = 0  # inference calls taken, ever: a stopping router watches it fall quiet
         self.registry = registry
         self._cloud_backend: CloudBackend | None = None
         self.cloud = cloud
@@ -257,6 +258,7 @@ class RouterDataPlane(DataPlane):
         if self.active >= self.max_requests:
             raise Overloaded(f"router request queue is full: {self.max_requests} requests in flight")
         self.active += 1
+        self.admitted += 1
         try:
             budget = request_budget(options.budget_ms, timeout_s)
             stops = params.stopping_also_at(info.stop).stop
@@ -342,6 +344,7 @@ class RouterDataPlane(DataPlane):
             if self.active >= self.max_requests:
                 raise Overloaded(f"router request queue is full: {self.max_requests} requests in flight")
             self.active += 1
+            self.admitted += 1
             try:
                 cascade = ClassifyCascade(self, self._job(request, timeout_s))
                 result = await cascade.run()

@@ -101,6 +101,10 @@ class RouterSettings:
     metrics_open: bool = False
     # On SIGTERM: how long requests in flight may take to finish before the router exits.
     drain_timeout_s: float = setting(20.0, check=not_negative)
+    # Every client connection is moved on (a graceful GOAWAY) at this age, so that on SIGTERM
+    # a router waits at most this long, still serving, for its clients to reconnect elsewhere
+    # before it stops (router/app.py _shut_down); agents' links and streams run on regardless.
+    connection_age_s: float = setting(10.0, check=positive)
     # Removed with the peer protocol (issue 35), refused by name: see check_site_state.
     rollout_state: Path | None = None
     peers: str | None = None

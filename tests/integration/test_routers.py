@@ -20,6 +20,7 @@ from stratus.wire import inference_pb2_grpc as pb_grpc
 from .cluster import MODELS, Cluster, ready_count, request, wait_until
 
 CLIENTS = 8  # requests in flight at any moment
+CLIENTS_BEHIND_SERVICE = 16
 
 
 class Load:
@@ -185,3 +186,58 @@ def test_an_agent_links_to_every_router_a_lookup_gives(cluster: Cluster, tmp_pat
         asyncio.run(linked_to_both())
     finally:
         models.close()
+
+
+def test_plain_clients_behind_a_service_lose_nothing_when_a_router_is_restarted(
+    cluster: Cluster, digits  # type: ignore[no-untyped-def]
+) -> None:
+    """issue 35 §7: tritonclients with one address, a Kubernetes-like Service in front (new
+    connections to ready routers only), 16 calls in flight; router A gets SIGTERM. Its own
+    shutdown's GOAWAY cancelled the calls that reached it before a handler took them (about
+    12 a restart, CANCELLED, grpc/grpc#41785); now it serves on until its connections have
+    aged out and the clients' calls come through the Service to router B."""
+    import tritonclient.grpc as triton
+    from tritonclient.utils import InferenceServerException
+
+    from .balancer import Balancer
+
+    age = {"STRATUS_ROUTER_CONNECTION_AGE_S": "3"}
+    a = cluster.router(role="router-a", env=age)
+    b = cluster.router(role="router-b", env=age)
+    cluster.agent("dev-1", f"{a.address},{b.address}")
+    wait_until(lambda: ready_count(a.address) == 1 and ready_count(b.address) == 1, 60)
+    x = digits.held_out.x.astype(np.float32)
+    outcomes: Counter[str] = Counter()
+    done = threading.Event()
+
+    def client(first: int, service: str) -> None:
+        # a connection of its own (gRPC shares one per target otherwise), so both routers hold some
+        caller = triton.InferenceServerClient(service, channel_args=[("grpc.use_local_subchannel_pool", 1)])
+        row = first
+        while not done.is_set():
+            tensor = triton.InferInput("input", [1, 64], "FP32")
+            tensor.set_data_from_numpy(x[row % len(x)][None, :])
+            row += CLIENTS_BEHIND_SERVICE
+            try:
+                caller.infer("digits", [tensor], client_timeout=10)
+                outcomes["ok"] += 1
+            except InferenceServerException as exc:
+                outcomes[f"{exc.status()}: {exc.message()}"] += 1
+
+    with Balancer([a.address, b.address]) as service:
+        wait_until(lambda: len(service.ready) == 2, 10)
+        threads = [threading.Thread(target=client, args=(i, service.address)) for i in range(CLIENTS_BEHIND_SERVICE)]
+        for thread in threads:
+            thread.start()
+        try:
+            wait_until(lambda: outcomes["ok"] > 200 and service.connections[a.address] > 0, 30)
+            assert a.stop(timeout=60) == 0  # SIGTERM
+            answered_before = outcomes["ok"]
+            wait_until(lambda: outcomes["ok"] > answered_before + 200, 30)  # B takes them on
+        finally:
+            done.set()
+            for thread in threads:
+                thread.join(30)
+    assert set(outcomes) == {"ok"}, outcomes
+    assert service.connections[b.address] >= 1
+    assert "stopping: no new call for 0.5 s" in a.log(), a.log()[-2000:]
