@@ -395,7 +395,9 @@ async def _shut_down(
     plane.stopping = True
     await health.stop()
     grace_s = settings.drain_timeout_s
-    moved_s = await _until_clients_moved(plane, limit_s=min(grace_s, settings.connection_age_s * 1.1 + NOTICE_S))
+    # A balancer may still send new connections until its probe sees not-ready (up to about one
+    # connection age here), and each then lives one age more (jittered by 10%).
+    moved_s = await _until_clients_moved(plane, limit_s=min(grace_s, 2.2 * settings.connection_age_s + NOTICE_S))
     log.info("stopping: %s", f"no new call for {QUIET_S:g} s, {moved_s:.1f} s after not ready" if moved_s
              is not None else "calls still arrive (no other router takes them): closing connections now")  # fmt: skip
     stopped = asyncio.create_task(server.stop(grace=grace_s))
