@@ -152,8 +152,11 @@ class Auditor:
 
     # -- what a family asks for ------------------------------------------------------------------
     def top_of(self, family: str) -> Tier | None:
-        """The tier audits ask: the cloud where it serves the family, else its highest agent tier."""
-        if self.cloud is not None and self.cloud.models.get(family, False):
+        """The tier audits ask: the cloud where it serves the family (and the family lets its
+        inputs leave the site), else its highest agent tier."""
+        info = self.registry.family(family)
+        escalates = info is None or info.escalate
+        if self.cloud is not None and self.cloud.models.get(family, False) and escalates:
             return Tier.CLOUD
         tiers = self.registry.index.tiers(family)
         return max(tiers) if tiers else None

@@ -42,7 +42,7 @@ from stratus.convert.text import (
     text_request,
     text_result,
 )
-from stratus.errors import NotFound, Overloaded, StratusError
+from stratus.errors import NotFound, Overloaded, PermissionDenied, StratusError
 from stratus.execution.dataplane import model_config
 from stratus.families.description import FamilyDescription
 from stratus.families.generation import FINAL, Chunk
@@ -110,10 +110,22 @@ class RouterDataPlane(DataPlane):
         return not self.stopping and (self.registry.index.any_ready() or self._cloud_takes_calls())
 
     def model_ready(self, name: str) -> bool:
-        served_by_cloud = (
-            self._cloud_takes_calls() and self.cloud is not None and self.cloud.models.get(name, False)
-        )
+        served_by_cloud = self._cloud_takes_calls() and self.cloud_serves(name)
         return self.registry.index.serves(name) or served_by_cloud
+
+    def escalates(self, model: str) -> bool:
+        """Whether ``model``'s items may leave the site for the cloud: not those of a family whose
+        files say ``[privacy] escalate = false`` (its variants, and the cloud's models of it, too)."""
+        family = self.registry.index.family_of(model)
+        if family is None:
+            named = self.cloud.named if self.cloud is not None else ()
+            family = family_of(model, self.registry.families, named) or model
+        info = self.registry.family(family)
+        return info is None or info.escalate
+
+    def cloud_serves(self, model: str) -> bool:
+        """The cloud serves ``model`` and may be sent its items (up or down)."""
+        return self.cloud is not None and self.cloud.models.get(model, False) and self.escalates(model)
 
     def _cloud_takes_calls(self) -> bool:
         return self.cloud is not None and self.cloud.available
@@ -125,7 +137,10 @@ class RouterDataPlane(DataPlane):
         return sorted({*families, *variants})
 
     def knows(self, name: str) -> bool:
-        return self._resolve(name) is not None
+        try:
+            return self._resolve(name) is not None
+        except PermissionDenied:  # a name that exists, refused to this caller
+            return True
 
     def _names(self) -> tuple[list[str], list[str]]:
         """(families, every other name that works), each sorted: what NOT_FOUND lists."""
@@ -144,6 +159,11 @@ class RouterDataPlane(DataPlane):
         if family is not None:
             return family, name
         if self.cloud is not None and self.cloud.models.get(name):
+            if not self.escalates(name):  # the cloud's model of a family kept on the site
+                raise PermissionDenied(
+                    f"{name[:128]!r} runs on the cloud, and its family keeps its inputs on the site "
+                    "([privacy] escalate = false): ask the family by its name"
+                )
             return name, None
         return None
 
@@ -408,8 +428,7 @@ class RouterDataPlane(DataPlane):
     def snapshot(self, model: str) -> FleetSnapshot[Backend]:
         """The targets for ``model``: its agents, and the cloud (up or down) when it serves it."""
         cloud = self._cloud_backend
-        serves = cloud is not None and cloud.cloud.models.get(model, False)
-        return self.registry.snapshot(model, cloud if serves else None)
+        return self.registry.snapshot(model, cloud if self.cloud_serves(model) else None)
 
     def now(self) -> float:
         return self._clock()

@@ -210,6 +210,12 @@ class ClassifyCascade:
             self.reason = held_reason(options.max_tier, short, answer.tier)
             return
         self.nowhere_higher = True
+        if not self.context.escalates(self.job.model):  # the cloud may serve it, but not be sent it
+            self.reason = (
+                f"'{family}' keeps its inputs on the site ([privacy] escalate = false): {short} item(s) "
+                f"stayed below the {tier} threshold"
+            )
+            return
         self.reason = (
             f"no tier above {tier} serves '{family}': {short} item(s) stayed below the {tier} threshold"
         )

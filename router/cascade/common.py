@@ -61,6 +61,14 @@ class CascadeContext(Protocol):
 
     def snapshot(self, model: str) -> FleetSnapshot[Backend]: ...
 
+    def cloud_serves(self, model: str) -> bool:
+        """The cloud serves ``model`` and may be sent its items ([privacy] escalate)."""
+        ...
+
+    def escalates(self, model: str) -> bool:
+        """Whether ``model``'s family lets its items leave the site."""
+        ...
+
     def background(self, work: Callable[[], Coroutine[Any, Any, None]]) -> bool:
         """Run ``work`` beside the request (a shadow); False when too many already run."""
         ...
@@ -71,9 +79,7 @@ def cloud_facts(context: CascadeContext, model: str) -> CloudFacts | None:
     cloud = context.cloud
     if cloud is None:
         return None
-    return CloudFacts(
-        serves=cloud.models.get(model, False), status=cloud.status, fail_without=context.fail_without_cloud
-    )
+    return CloudFacts(serves=context.cloud_serves(model), status=cloud.status, fail_without=context.fail_without_cloud)
 
 
 def request_budget(budget_ms: float | None, timeout_s: float | None) -> float:

@@ -133,6 +133,7 @@ def family_from_wire(info: fpb.FamilyInfo) -> FamilyDescription:
             auto=info.audit.auto,
         ),
         tier_accuracy={_tier(name, where): _calibration(f) for name, f in info.calibrated.items()},
+        escalate=not info.keep_on_site,
     )
 
 

@@ -126,11 +126,11 @@ def _generator_infos(generators: LocalGenerators) -> list[fleet_pb2.VariantInfo]
 
 
 def family_info_fields(family: FamilySpec) -> dict[str, Any]:
-    """The FamilyInfo fields for a family's audits (keyword arguments of its constructor)."""
+    """The FamilyInfo fields for a family's audits and privacy (keyword arguments of its constructor)."""
     audit = fleet_pb2.AuditSettings(compare=family.audit.compare, auto=family.audit.auto)
     if family.audit.share is not None:
         audit.share = family.audit.share
     if family.audit.max_per_s is not None:
         audit.max_per_s = family.audit.max_per_s
     calibrated = {tier.label: calibration_info(f) for tier, f in family.tier_accuracy.items()}
-    return {"audit": audit, "calibrated": calibrated}
+    return {"audit": audit, "calibrated": calibrated, "keep_on_site": not family.escalate}

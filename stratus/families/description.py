@@ -32,6 +32,8 @@ class FamilyDescription:
     calibrated_cloud_share: float | None = None
     audit: AuditSpec = field(default_factory=AuditSpec)
     tier_accuracy: Mapping[Tier, TierCalibration] = field(default_factory=dict)
+    # [privacy] escalate = false: no item of the family is ever sent to the cloud tier.
+    escalate: bool = True
 
     @property
     def generative(self) -> bool:

@@ -152,7 +152,7 @@ def load_family(path: Path) -> FamilySpec:
         raise ConfigError(f"{path}: not valid TOML: {exc}") from None
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read: {exc.strerror}") from None
-    reader.unknown_keys(data, TABLES | {"audit", "tier_accuracy"}, "")
+    reader.unknown_keys(data, TABLES | {"audit", "tier_accuracy", "privacy"}, "")
     head = reader.get(data, "family", dict, "")
     name = reader.get(head, "name", str, "family")
     reader.unknown_keys(head, {"name", "description", "max_accuracy_drop", "kind"}, "family")
@@ -176,6 +176,7 @@ def load_family(path: Path) -> FamilySpec:
         calibration=_calibration(reader, data),
         audit=parse_audit(reader, data, generative=False),
         tier_accuracy=parse_tier_accuracy(reader, data),
+        escalate=_escalate(reader, data),
     )
 
 
@@ -221,7 +222,16 @@ def _generative_family(
         ),
         audit=parse_audit(reader, data, generative=True),
         tier_accuracy=parse_tier_accuracy(reader, data),
+        escalate=_escalate(reader, data),
     )
+
+
+def _escalate(reader: _Reader, data: Mapping[str, Any]) -> bool:
+    """``[privacy] escalate``: false keeps the family's inputs on the site (never the cloud's)."""
+    table = reader.get(data, "privacy", dict, "", {})
+    reader.unknown_keys(table, {"escalate"}, "privacy")
+    escalate: bool = reader.get(table, "escalate", bool, "privacy", True)
+    return escalate
 
 
 def _fraction(reader: _Reader, table: Mapping[str, Any], key: str, where: str, default: Any = ...) -> float:

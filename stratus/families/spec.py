@@ -131,6 +131,8 @@ class FamilySpec:
     # the top tier, and each tier's figures as calibrated.
     audit: AuditSpec = field(default_factory=AuditSpec)
     tier_accuracy: Mapping[Tier, TierCalibration] = field(default_factory=dict)
+    # [privacy] escalate: whether the family's inputs may leave the site for the cloud tier.
+    escalate: bool = True
 
     @property
     def generative(self) -> bool:

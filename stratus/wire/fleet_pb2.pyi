@@ -265,6 +265,7 @@ class FamilyInfo(_message.Message):
     CALIBRATED_CLOUD_SHARE_FIELD_NUMBER: _builtins.int
     AUDIT_FIELD_NUMBER: _builtins.int
     CALIBRATED_FIELD_NUMBER: _builtins.int
+    KEEP_ON_SITE_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     kind: _builtins.str
     """"generative" for a family that answers prompts with text; empty for a classifier."""
@@ -278,6 +279,10 @@ class FamilyInfo(_message.Message):
     `stratus models calibrate` recorded it (family.toml's [calibration] cloud_share); unset
     for thresholds that were never calibrated. The router exports it as
     stratus_router_family_calibrated_cloud_share, the cloud-share alert's baseline.
+    """
+    keep_on_site: _builtins.bool
+    """family.toml's [privacy] escalate = false: the family's inputs never leave the site (no
+    escalation, audit or deferral reaches the cloud). Unset (an agent of before): they may.
     """
     @_builtins.property
     def inputs(self) -> _containers.RepeatedCompositeFieldContainer[_inference_pb2.ModelMetadataResponse.TensorMetadata]: ...
@@ -320,10 +325,11 @@ class FamilyInfo(_message.Message):
         calibrated_cloud_share: _builtins.float | None = ...,
         audit: Global___AuditSettings | None = ...,
         calibrated: _abc.Mapping[_builtins.str, Global___TierCalibration] | None = ...,
+        keep_on_site: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_calibrated_cloud_share", b"_calibrated_cloud_share", "audit", b"audit", "calibrated_cloud_share", b"calibrated_cloud_share"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_calibrated_cloud_share", b"_calibrated_cloud_share", "audit", b"audit", "calibrated", b"calibrated", "calibrated_cloud_share", b"calibrated_cloud_share", "cloud_variants", b"cloud_variants", "confidence_method", b"confidence_method", "inputs", b"inputs", "kind", b"kind", "max_tokens", b"max_tokens", "name", b"name", "outputs", b"outputs", "stop", b"stop", "thresholds", b"thresholds"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_calibrated_cloud_share", b"_calibrated_cloud_share", "audit", b"audit", "calibrated", b"calibrated", "calibrated_cloud_share", b"calibrated_cloud_share", "cloud_variants", b"cloud_variants", "confidence_method", b"confidence_method", "inputs", b"inputs", "keep_on_site", b"keep_on_site", "kind", b"kind", "max_tokens", b"max_tokens", "name", b"name", "outputs", b"outputs", "stop", b"stop", "thresholds", b"thresholds"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__calibrated_cloud_share: _TypeAlias = _typing.Literal["calibrated_cloud_share"]  # noqa: Y015
     _WhichOneofArgType__calibrated_cloud_share: _TypeAlias = _typing.Literal["_calibrated_cloud_share", b"_calibrated_cloud_share"]  # noqa: Y015

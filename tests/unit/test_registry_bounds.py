@@ -185,6 +185,21 @@ def test_an_agent_whose_calibration_differs_is_refused_saying_so() -> None:
     assert "(calibrated_cloud_share differ)" in refused.reason
 
 
+def test_an_agent_that_would_let_a_kept_family_leave_the_site_is_refused() -> None:
+    """[privacy] escalate is part of a family's description: an agent saying otherwise than the
+    fleet (a device whose files lost the setting) cannot widen where its items may go."""
+    reg = registry()
+    first = hello("first")
+    first.families[0].keep_on_site = True
+    reg.register(first, peer="t")
+    assert reg.family("digits") is not None and not reg.family("digits").escalate  # type: ignore[union-attr]
+    other = hello("second")
+    other.variants.add(name="defects-small", family="defects")
+    other.families.add(name="defects", thresholds={"device": 0.8})
+    (refused,) = reg.register(other, peer="t").unavailable
+    assert "(escalate differ)" in refused.reason
+
+
 def test_thresholds_are_read_once_at_the_hello_and_leave_with_the_family() -> None:
     clock = Clock()
     reg = registry(clock)

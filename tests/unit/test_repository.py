@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import shutil
 from pathlib import Path
 
@@ -240,3 +241,28 @@ def test_a_file_outside_the_family_folder_is_refused(family_copy: Path, where: s
     with pytest.raises(ConfigError, match="is outside the family folder") as refused:
         load_family(family_copy)
     assert "key 'variants[0].files.onnx'" in str(refused.value)
+
+
+def test_a_family_may_keep_its_inputs_on_the_site(family_copy: Path) -> None:
+    """[privacy] escalate (issue 36 §2): true unless the file says false; it travels in the
+    Hello, so a router sees what the agent's files say."""
+    from stratus.convert.fleet import family_from_wire
+    from stratus.execution.describe import family_info
+
+    toml = family_copy
+    assert load_family(toml).escalate
+    assert family_from_wire(family_info(load_family(toml))).escalate
+    toml.write_text(toml.read_text() + "\n[privacy]\nescalate = false\n")
+    kept = load_family(toml)
+    assert not kept.escalate and not family_from_wire(family_info(kept)).escalate
+
+
+@pytest.mark.parametrize(
+    ("table", "says"),
+    [("escalate = 0", "key 'privacy.escalate': must be a bool, not int"), ("share = true", "key 'privacy.share': is not a known setting")],
+)
+def test_a_malformed_privacy_table_is_refused_by_key(family_copy: Path, table: str, says: str) -> None:
+    toml = family_copy
+    toml.write_text(toml.read_text() + f"\n[privacy]\n{table}\n")
+    with pytest.raises(ConfigError, match=re.escape(says)):
+        load_family(toml)
