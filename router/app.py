@@ -395,11 +395,14 @@ async def _shut_down(
     plane.stopping = True
     await health.stop()
     grace_s = settings.drain_timeout_s
-    # A balancer may still send new connections until its probe sees not-ready (up to about one
-    # connection age here), and each then lives one age more (jittered by 10%).
-    moved_s = await _until_clients_moved(plane, limit_s=min(grace_s, 2.2 * settings.connection_age_s + NOTICE_S))
+    # The longest a connection made before not-ready lives on (gRPC jitters the age by 10%), and
+    # a moment to see calls stop: clients that dial this router itself (the SDK's list, a
+    # --router A,B) come straight back, and move only once the server stops, by their retry.
+    limit_s = 1.1 * settings.connection_age_s + NOTICE_S + 2 * QUIET_S
+    moved_s = await _until_clients_moved(plane, limit_s=min(grace_s, limit_s))
     log.info("stopping: %s", f"no new call for {QUIET_S:g} s, {moved_s:.1f} s after not ready" if moved_s
-             is not None else "calls still arrive (no other router takes them): closing connections now")  # fmt: skip
+             is not None else "calls still arrive (clients that dial this router itself): stopping the server, "
+             "their retries go elsewhere")  # fmt: skip
     stopped = asyncio.create_task(server.stop(grace=grace_s))
     loop = asyncio.get_running_loop()
     deadline = loop.time() + grace_s

@@ -385,7 +385,6 @@ class SiteMirror:
                 "forgotten": self._registry.forget,
             }[mark](agent_id)
 
-
     def _apply_revoked(self, key: str, data: dict[str, Any]) -> None:
         credential = parse_credential(str(data["credential"]))
         if revoked_key(credential) != key:
