@@ -95,6 +95,7 @@ TARGETS: tuple[Target, ...] = (
         ("stratus/serving/auth.py",),
         (
             "tests/unit/test_auth.py",
+            "tests/unit/test_site_revocations.py",
             "tests/unit/test_threshold_pushes.py",
             "tests/unit/test_auth_mutants.py",
         ),

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import time
@@ -236,9 +237,7 @@ class SiteMirror:
         revoked = Revoked(credential=parse_credential(credential), by=by[:MAX_CREDENTIAL], at=time.time(),
                           reason=reason[:MAX_CREDENTIAL])  # fmt: skip
         key = revoked_key(revoked.credential)
-        value = _json_bytes({"credential": revoked.credential, "by": revoked.by, "at": revoked.at,
-                             "reason": revoked.reason})  # fmt: skip
-        await self._put(key, value)
+        await self._put(key, _json_bytes(dataclasses.asdict(revoked)))
         self.revocations.put(key, revoked)
         return revoked
 

@@ -42,7 +42,8 @@ class AgentTokenTable(Protocol):
 
 
 class Revocations(Protocol):
-    """Revoked certificates (stratus.serving.credential_files.RevokedCertificates)."""
+    """Revoked certificates: a router's file (credential_files.RevokedCertificates), the site's
+    store's (revocations.SiteRevocations), or both (revocations.AnyRevoked)."""
 
     def why_revoked(self, auth_context: Mapping[str, Sequence[bytes]]) -> str | None: ...
 

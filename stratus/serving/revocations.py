@@ -17,20 +17,16 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Final, Protocol
+from typing import Final
 
 from stratus.errors import InvalidInput
-from stratus.serving.auth import NAME_PATTERN, spiffe_identity
+from stratus.serving.auth import NAME_PATTERN, Revocations, spiffe_identity
 
 AGENT_PREFIX: Final = "agent:"
 SERIAL_PREFIX: Final = "serial:"
 MAX_CREDENTIAL: Final = 512
 # Certificates' serials parsed and kept (one per distinct certificate seen): past it, parsed again.
 MAX_SERIALS_CACHED: Final = 4096
-
-
-class Revocations(Protocol):
-    def why_revoked(self, auth_context: Mapping[str, Sequence[bytes]]) -> str | None: ...
 
 
 def parse_credential(text: str) -> str:

