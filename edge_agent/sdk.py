@@ -23,9 +23,10 @@ where it has not, it keeps its own and logs why.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
 
 import grpc
@@ -49,6 +50,8 @@ from stratus.families.confidence import threshold_problem
 from stratus.families.repository import ModelRepository
 from stratus.serving.channels import NO_TLS, TlsSettings
 from stratus.tiers import Tier
+from stratus.wire import fleet_pb2 as fpb
+from stratus.wire import fleet_pb2_grpc as fpb_grpc
 from stratus.wire import inference_pb2 as pb
 from stratus.wire import inference_pb2_grpc as pb_grpc
 
@@ -61,6 +64,7 @@ FOLLOW_EVERY_S = 30.0
 # The longest a check may wait for a router's answer (it runs inside a call when due).
 FOLLOW_TIMEOUT_S = 1.0
 TierArg = Tier | str | None
+MAX_SEEN = 10_000  # corrections remembered to give none twice after moving to another router
 _UNREACHED = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 
 
@@ -389,6 +393,40 @@ class Client:
             item_tiers=(tier,) * len(local.confidences),
             reason=reason,
         )
+
+    async def corrections(
+        self, *, family: str | None = None, since_unix: float = 0.0, follow: bool = True
+    ) -> AsyncIterator[fpb.Correction]:
+        """The provisional answers the cloud later disagreed with (``stratus.provisional`` answers
+        name their ``stratus.request_id``; each correction names it and the item): those judged
+        since ``since_unix``, then, with ``follow``, each new one as the router makes it. A router
+        lost midway is left for the next one the SDK knows, from the last correction seen on
+        (none is given twice). Corrections are kept by the router that answered provisionally."""
+        seen: set[tuple[str, int, float]] = set()
+        since = since_unix
+        while True:
+            addresses = await self._routers.ato_try()
+            if not addresses:
+                raise ConfigError("no router to read corrections from (the SDK was made with router=None)")
+            for address in addresses:
+                stub = fpb_grpc.FleetStub(self._routers.achannel(address))
+                request = fpb.CorrectionsRequest(family=family or "", since_unix=since, follow=follow)
+                try:
+                    async for correction in stub.Corrections(request, metadata=self._metadata or None):
+                        key = (correction.request_id, correction.item, correction.judged_unix)
+                        if key not in seen:
+                            seen.add(key)
+                            since = max(since, correction.judged_unix)
+                            if len(seen) > MAX_SEEN:  # only those at the boundary can come again
+                                seen = {k for k in seen if k[2] >= since}
+                            yield correction
+                    if not follow:
+                        return
+                except grpc.aio.AioRpcError as exc:
+                    if exc.code() not in _UNREACHED:
+                        raise
+                    self._routers.failed(address)
+            await asyncio.sleep(FOLLOW_TIMEOUT_S)
 
     def close(self) -> None:
         self._routers.close()

@@ -15,6 +15,7 @@ import grpc
 
 from router.audit import Auditor
 from router.audit_metrics import audit_levels
+from router.backends.cloud import CloudBackend
 from router.capture_hook import CaptureHook
 from router.cloud import CloudLink
 from router.cloud_models import parse_cloud_models
@@ -22,6 +23,7 @@ from router.cloud_pool import CloudPool
 from router.dataplane import RouterDataPlane
 from router.fleet_service import FleetServicer, fleet_levels, rollout_levels
 from router.link import AdmissionGate, AgentLinkServicer
+from router.offline import Offline, OfflineSettings
 from router.openai_api import OpenAiApi, check_listen, server_tls
 from router.registry import FleetRegistry
 from router.rollout import ROLLED_BACK, Plan, Rollouts
@@ -31,6 +33,7 @@ from router.site.open import open_site_state
 from router.threshold_auto import AutoThresholds, auto_levels
 from router.thresholds import ThresholdPushes, threshold_levels
 from stratus.convert.fleet import family_from_wire
+from stratus.errors import ConfigError
 from stratus.execution.describe import family_info
 from stratus.families.description import FamilyDescription
 from stratus.families.repository import ModelRepository
@@ -88,6 +91,7 @@ async def serve(settings: RouterSettings, stop: asyncio.Event | None = None) -> 
     credentials = with_site_revocations(credentials, site)
     audits, capture = _auditor(settings, registry, cloud, recorder, rollouts)
     metrics.collect_with(lambda: audit_levels(audits))
+    offline = _offline(settings, registry, (metrics, recorder), capture, cloud=lambda: plane.cloud_backend)
     plane = RouterDataPlane(
         registry,
         cloud,
@@ -97,6 +101,7 @@ async def serve(settings: RouterSettings, stop: asyncio.Event | None = None) -> 
         metrics=recorder,
         rollouts=rollouts,
         audits=audits,
+        offline=offline,
     )
     server = create_server(
         keepalive_s=settings.keepalive_s,
@@ -127,6 +132,7 @@ async def serve(settings: RouterSettings, stop: asyncio.Event | None = None) -> 
         audits=audits,
         pushes=pushes,
         site=site,
+        corrections=offline.corrections if offline is not None else None,
     )
     fpb_grpc.add_FleetServicer_to_server(fleet, server)
     health = Health(server, plane.ready)
@@ -134,6 +140,7 @@ async def serve(settings: RouterSettings, stop: asyncio.Event | None = None) -> 
     name = settings.name or f"router-{socket.gethostname()}-{port}"
     host = settings.listen.rsplit(":", 1)[0]
     closers = await _named(name, rollouts, pushes, site, address=site_address(settings, host, port))
+    closers += await _start_offline(offline, name)
     await server.start()
     await health.start()
     closers += [audits.close, *([capture.close] if capture else [])]
@@ -168,6 +175,38 @@ async def _named(
     site.router_id, site.address = name, address
     await site.start()
     return [site.close]
+
+
+def _offline(
+    settings: RouterSettings,
+    registry: FleetRegistry,
+    metrics: tuple[Metrics, RouterMetrics],
+    capture: CaptureHook | None,
+    *,
+    cloud: Callable[[], CloudBackend | None],
+) -> Offline | None:
+    """Deferred requests, corrections and decision records, where --state-dir keeps them."""
+    if settings.state_dir is None:
+        if settings.decision_log is not None:
+            raise ConfigError("--decision-log needs --state-dir (where the router keeps its offline state)")
+        return None
+    offline = OfflineSettings(
+        state_dir=settings.state_dir,
+        adjudicate_share=settings.adjudicate_share,
+        decision_log=settings.decision_log,
+        decision_log_share=settings.decision_log_share,
+    )
+    return Offline(offline, router="router", cloud=cloud, describe=registry.family, metrics=metrics,
+                   labels=capture)  # fmt: skip
+
+
+async def _start_offline(offline: Offline | None, name: str) -> list[Callable[[], Awaitable[None]]]:
+    """What an earlier run deferred, read before the first call is taken; what closes it."""
+    if offline is None:
+        return []
+    offline.router = name
+    await offline.start()
+    return [offline.close]
 
 
 def with_site_revocations(credentials: RouterCredentials, site: SiteMirror | None) -> RouterCredentials:

@@ -45,7 +45,6 @@ from router.audit_sampling import (
     Said,
     Sampler,
     same_text,
-    top1,
 )
 from router.backends.base import Backend, Classified
 from router.backends.cloud import CloudBackend
@@ -53,7 +52,7 @@ from router.cascade.generate import Generation
 from router.cloud_pool import CloudTier
 from router.policy import Target
 from router.registry import FleetRegistry
-from stratus.convert.tensors import Tensors
+from stratus.convert.tensors import Tensors, top1
 from stratus.errors import StratusError
 from stratus.families.audit import EXACT
 from stratus.families.confidence import accepts

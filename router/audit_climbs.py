@@ -19,8 +19,9 @@ from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Protocol
 
 from router.audit_rows import TierAnswer
-from router.audit_sampling import Said, top1
+from router.audit_sampling import Said
 from router.cascade.generate import Generation
+from stratus.convert.tensors import top1
 from stratus.tiers import Tier
 
 if TYPE_CHECKING:

@@ -8,13 +8,10 @@ import math
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Final
-
-import numpy as np
+from typing import TYPE_CHECKING, Final
 
 from router.agreement import WINDOW_AUDITS, WINDOW_S, AuditKey
 from router.audit_rows import TierAnswer
-from stratus import datatypes
 from stratus.convert.tensors import Tensors
 from stratus.errors import ConfigError
 from stratus.families.audit import EXACT, NUMBER
@@ -99,18 +96,6 @@ def same_number(lower: str, top: str) -> bool:
 
 
 COMPARATORS: Final[dict[str, Callable[[str, str], bool]]] = {EXACT: same_text, NUMBER: same_number}
-
-
-def top1(tensors: Tensors, output: str) -> np.ndarray[Any, Any] | None:
-    """Each item's highest-scoring class in ``output``; None where it holds no scores."""
-    if output not in tensors.names():
-        return None
-    raw = tensors.get(output)
-    if not raw.fixed_size or len(raw.shape) < 2 or not raw.items:
-        return None
-    values = np.frombuffer(raw.data, dtype=datatypes.numpy_dtype(raw.datatype))
-    best: np.ndarray[Any, Any] = values.reshape(raw.shape[0], -1).argmax(axis=1)
-    return best
 
 
 @dataclass(frozen=True)

@@ -21,15 +21,15 @@ from typing import TYPE_CHECKING, Any, Final
 
 import numpy as np
 
-from router.audit_sampling import top1
 from stratus import datatypes
 from stratus.convert.inference import InferRequest
-from stratus.convert.tensors import Tensors
+from stratus.convert.tensors import Tensors, top1
 from stratus.convert.text import read_generation
 from stratus.errors import ConfigError
 from stratus.obs.capture import CapturedItem, CaptureLimits, CaptureWriter, TierAnswer
 from stratus.obs.metrics import RouterMetrics
 from stratus.tiers import Tier
+from stratus.wire import fleet_pb2 as fpb
 from stratus.wire import inference_pb2 as pb
 
 if TYPE_CHECKING:
@@ -40,6 +40,7 @@ if TYPE_CHECKING:
 
 AUDIT: Final = "audit"
 ESCALATED: Final = "escalated"
+JUDGED: Final = "judged"  # a provisional answer the cloud judged once back (router/offline/judge.py)
 UNKNOWN_CONFIDENCE: Final = math.nan  # a top tier that did not say how sure it was
 PROMPT_LIMIT: Final = 1 << 20  # read_generation's max_tokens bound; the prompt was checked on arrival
 
@@ -137,6 +138,16 @@ class CaptureHook:
             self._offer(CapturedItem(family=view.job.family, source=ESCALATED, inputs=inputs, answers=rows,
                                      top=rows[-1], request_id=view.job.id))  # fmt: skip
 
+    def judged(self, record: fpb.DeferredRequest, cloud: Sequence[fpb.ProvisionalAnswer]) -> None:
+        """One row per judged item: each answer it got on its way up, and the cloud's (the label)."""
+        if not self.wants(record.family):
+            return
+        inputs = Tensors.from_request(record.inputs)
+        for row, (item, theirs) in enumerate(zip(record.items, cloud, strict=True)):
+            answers = [_provisional(a) for a in (*item.answers, theirs)]
+            self._offer(CapturedItem(family=record.family, source=JUDGED, inputs=item_arrays(inputs, row),
+                                     answers=answers, top=answers[-1], request_id=record.request_id))  # fmt: skip
+
     # -- generative items ------------------------------------------------------------------
     def audited_text(self, audit: Audit, reference: Reference) -> None:
         assert audit.prompt is not None
@@ -207,6 +218,11 @@ def _answer(answer: Answer, row: int, classes: np.ndarray[Any, Any] | None) -> T
     label = int(classes[row]) if classes is not None else None
     return TierAnswer(tier=answer.tier.label, variant=answer.variant, agent=answer.agent,
                       confidence=answer.confidences[row], label=label)  # fmt: skip
+
+
+def _provisional(answer: fpb.ProvisionalAnswer) -> TierAnswer:
+    return TierAnswer(tier=answer.tier, variant=answer.variant, agent=answer.agent, confidence=answer.confidence,
+                      label=answer.label)  # fmt: skip
 
 
 def _generated(answer: Generation) -> TierAnswer:

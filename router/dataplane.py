@@ -55,6 +55,7 @@ from stratus.wire import inference_pb2 as pb
 
 if TYPE_CHECKING:
     from router.audit import Auditor
+    from router.offline import Offline
 
 log = logging.getLogger("stratus.router")
 
@@ -72,8 +73,10 @@ class RouterDataPlane(DataPlane):
         metrics: RouterMetrics | None = None,
         rollouts: Rollouts | None = None,
         audits: Auditor | None = None,
+        offline: Offline | None = None,
     ) -> None:
-        self.observer = observer_for(metrics)  # every metric the request path records
+        self.observer = observer_for(metrics)
+        self.offline = offline  # deferred requests, corrections, decision records (router/offline)  # every metric the request path records
         self.audits = audits  # samples settled answers for the top tier to check (router/audit.py)
         self.rollouts = rollouts or Rollouts(router_id="router")
         self._shadows: set[asyncio.Task[None]] = set()
@@ -375,6 +378,8 @@ class RouterDataPlane(DataPlane):
             raise
         if self.audits is not None:  # sampled once the answer is on its way
             asyncio.get_running_loop().call_soon(self.audits.classified, cascade)
+        if self.offline is not None and self.offline.decisions is not None:
+            self.offline.log_decision(cascade.decision())
         self._count_answer(family, cascade.tier_label, cascade.degraded, started)
         return result
 

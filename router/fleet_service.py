@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import math
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -17,6 +18,7 @@ from router.audit import Auditor
 from router.cloud_pool import CloudTier
 from router.family_view import family_statuses
 from router.index import line_key
+from router.offline.corrections import CorrectionLog
 from router.registry import MAX_RELOAD_WAIT_S, FleetRegistry
 from router.rollout import DEFAULT_MIN_AUDITS, DEFAULT_STEPS, Plan, Rollouts
 from router.rollout_judge import ArmWindow, Margins
@@ -282,8 +284,10 @@ class FleetServicer(fpb_grpc.FleetServicer):
         audits: Auditor | None = None,
         pushes: ThresholdPushes | None = None,
         site: SiteMirror | None = None,
+        corrections: CorrectionLog | None = None,
     ) -> None:
         self._site = site  # --site-state: changes are written there (router/site/mirror.py)
+        self._corrections = corrections  # the cloud's verdicts on provisional answers (router/offline)
         self._audits = audits
         self._pushes = pushes or ThresholdPushes(router_id="router")
         self._registry = registry
@@ -397,6 +401,21 @@ class FleetServicer(fpb_grpc.FleetServicer):
             f"{made.credential} is revoked on every router of the site ({self._site.state.url}): its calls "
             "are refused and an agent holding it is cut off at its next heartbeat"
         )
+
+    async def Corrections(self, request: fpb.CorrectionsRequest, context: Any) -> AsyncIterator[fpb.Correction]:
+        """The provisional answers the cloud disagreed with, from ``since_unix`` on; with
+        ``follow``, then each new one until the caller cancels."""
+        self._credentials.require_answers_reader(request.token, context, "Corrections")
+        if self._corrections is None:
+            raise ConfigError(
+                "this router defers nothing and so keeps no corrections: start it with --state-dir "
+                "(and give the families [offline] defer = true)"
+            )
+        if not math.isfinite(request.since_unix) or request.since_unix < 0:
+            raise InvalidInput(f"since_unix must be a time in seconds since the epoch, not {request.since_unix}")
+        reading = self._corrections.read(since_unix=request.since_unix, family=request.family, follow=request.follow)
+        async for correction in reading:
+            yield correction
 
     def _revocations(self, message: str) -> fpb.RevokeReply:
         listed = self._site.revocations.listed() if self._site is not None else []

@@ -68,7 +68,7 @@ MAX_RELOAD_WAIT_S = 600.0
 
 
 # What two descriptions of a family must agree on to be served together.
-_DESCRIBED: Final = ("inputs", "outputs", "thresholds", "calibrated_cloud_share", "generation", "escalate")
+_DESCRIBED: Final = ("inputs", "outputs", "thresholds", "calibrated_cloud_share", "generation", "escalate", "offline")
 
 
 def pace_for(agents: int, *, base_s: float, max_per_s: float) -> float:

@@ -12,7 +12,7 @@ from router.capture_hook import CaptureOptions
 from router.cloud_models import parse_cloud_models, parse_header, secret_headers
 from router.cloud_pool import CloudTarget
 from router.threshold_auto import AutoPolicy
-from stratus.config import at_least_one, not_negative, positive, secret, setting, validate
+from stratus.config import at_least_one, not_negative, positive, secret, setting, share, validate
 from stratus.errors import ConfigError
 from stratus.obs.metrics import check_metrics_exposure
 from stratus.sched.batching import DEFAULT_MAX_DELAY_S
@@ -150,6 +150,15 @@ class RouterSettings:
     auto_thresholds: AutoPolicy = field(default_factory=AutoPolicy)
     # --capture: audited and escalated items of the families named, as Parquet (router/capture_hook.py).
     capture: CaptureOptions = field(default_factory=CaptureOptions)
+    # Offline-first (router/offline): where a lone router keeps requests answered provisionally
+    # while the cloud was away (deferred/) and the cloud's corrections (corrections.jsonl),
+    # across restarts and crashes; None: nothing is deferred (answers are degraded, as before).
+    state_dir: Path | None = None
+    # The share of the cloud's capacity judging deferred requests may take, out of its spare room.
+    adjudicate_share: float = setting(0.1, check=share)
+    # Decision records as Parquet (every provisional request's, and this share of the others').
+    decision_log: Path | None = None
+    decision_log_share: float = setting(0.0, check=share)
 
     def __post_init__(self) -> None:
         validate(self)
@@ -200,6 +209,7 @@ class RouterSettings:
             trust_domain=self.tls.trust_domain,
             off_loopback=not is_loopback(self.listen.rsplit(":", 1)[0]),
             revoked=RevokedCertificates(self.revoked_certificates) if self.revoked_certificates else None,
+            client_token=self.client_token,
         )
 
     def check_exposure(self, credentials: RouterCredentials) -> None:

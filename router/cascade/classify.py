@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from router.backends.base import Backend
 from router.cascade.common import DEFAULT_BUDGET_MS, CascadeContext, allowed_ms, cloud_facts
 from router.index import line_key
+from router.offline.decisions import Decision, Hop, answered_hop, decision_of, failed_hop, skipped_hops
+from router.offline.provisional import cloud_was_needed
 from router.policy import Attempt, FleetSnapshot, NoTarget, Target, choose, top_tier
 from router.policy.climb import (
     Accept,
@@ -33,6 +35,7 @@ from router.rollout import Plan
 from router.rollout_judge import top1
 from stratus.convert.inference import InferResult
 from stratus.convert.parameters import (
+    DECISION,
     RequestOptions,
     Served,
     held_reason,
@@ -112,9 +115,15 @@ class ClassifyCascade:
         self.tier_label = "none"
         self.reason = ""  # why unsure items were answered where they were (stratus.reason)
         self.nowhere_higher = False  # ... because no tier above serves the family: degraded
+        self.hops: list[Hop] = []  # each tier's part, for the decision record
+        self.provisional = False  # its unsure items were kept for the cloud to judge
+        self.request_id = job.id
 
     def remaining_ms(self) -> float:
-        return self.job.budget_ms - (self.context.now() - self.job.started) * 1000.0
+        return self.job.budget_ms - self.elapsed_ms()
+
+    def elapsed_ms(self) -> float:
+        return (self.context.now() - self.job.started) * 1000.0
 
     async def run(self) -> InferResult:
         job = self.job
@@ -137,10 +146,33 @@ class ClassifyCascade:
             cloud=cloud_facts(self.context, job.model),
         )
         if isinstance(end, Accept):
-            return self._respond(degraded=self.nowhere_higher)
+            return self._explained(self._respond(degraded=self.nowhere_higher))
         if isinstance(end, Degrade):
-            return self._respond(degraded=True)
+            await self._defer()
+            return self._explained(self._respond(degraded=True))
         raise end.error
+
+    async def _defer(self) -> None:
+        """Keep the unsure items for the cloud to judge when the climb stopped below a cloud
+        that could not answer, where the family asks for it: the answer is then provisional."""
+        offline = self.context.offline
+        deferral = await offline.defer_unsure(self, self.context.cloud) if offline is not None else None
+        if deferral is not None:
+            self.request_id, self.provisional, self.reason = deferral
+
+    def _explained(self, result: InferResult) -> InferResult:
+        if self.job.options.explain:
+            result.parameters[DECISION] = self.decision().to_json()
+        return result
+
+    def decision(self) -> Decision:
+        """The request's decision record (router/offline/decisions.py)."""
+        cloud = self.context.cloud
+        held = cloud is not None and not self.context.escalates(self.job.model)
+        away = cloud is not None and self.degraded and cloud_was_needed(cloud, self.job.model, self.state)
+        return decision_of(
+            self, cloud_held=held, cloud_away=f"the cloud is {cloud.status}" if away and cloud else ""
+        )
 
     async def _step(
         self,
@@ -159,6 +191,10 @@ class ClassifyCascade:
             self.context.observer.escalated(self.job.label, step.left, step.to, step.reason)
         model = line_key(arm.plan.candidate) if arm is not None and arm.candidate else None
         items = len(self.pending)
+        tried = [hop.tier for hop in self.hops]
+        self.hops.extend(
+            skipped_hops(snapshot.tiers, lowest=self.state.min_tier, before=target.tier, tried=tried)
+        )
         answer = await self._try(target, remaining, model)
         if answer is None:
             if arm is not None:
@@ -172,10 +208,18 @@ class ClassifyCascade:
                 sent = self.job.inputs.take(self.pending)
                 shadow(self.context, arm.plan, self.job, attempt=attempt, items=sent, answer=answer)
         self._record(answer, accepted)
+        self.hops.append(answered_hop(answer.tier, target=answer.agent, variant=answer.variant,
+                                      confidences=answer.confidences, accepted=accepted, thresholds=thresholds,
+                                      ms=answer.elapsed_ms))  # fmt: skip
         after_answer(self.state, answer.tier)
 
     def _accepted(
-        self, answer: Answer, snapshot: FleetSnapshot[Backend], thresholds: Mapping[Tier, float], *, final: bool
+        self,
+        answer: Answer,
+        snapshot: FleetSnapshot[Backend],
+        thresholds: Mapping[Tier, float],
+        *,
+        final: bool,
     ) -> list[bool]:
         """Which items of ``answer`` stop climbing: each sure one, or all of a final answer."""
         job = self.job
@@ -189,7 +233,9 @@ class ClassifyCascade:
             min_confidence=job.options.min_confidence,
         )
 
-    def _note_short(self, answer: Answer, snapshot: FleetSnapshot[Backend], thresholds: Mapping[Tier, float]) -> None:
+    def _note_short(
+        self, answer: Answer, snapshot: FleetSnapshot[Backend], thresholds: Mapping[Tier, float]
+    ) -> None:
         """A final answer with items below its tier's threshold: never silently wrong. Where no
         tier above serves the family (no cloud variant, no such agents), the answer is degraded
         and the router says so once in its log; where ``stratus.max_tier`` kept the items, the
@@ -256,13 +302,18 @@ class ClassifyCascade:
                 return chosen, Arm(plan=plan, candidate=True)
         return target, Arm(plan=plan, candidate=False)
 
-    async def _try(self, target: Target[Backend], remaining: float, model: str | None = None) -> Answer | None:
+    async def _try(
+        self, target: Target[Backend], remaining: float, model: str | None = None
+    ) -> Answer | None:
         items = self.job.inputs.take(self.pending)
+        started = self.context.now()
         try:
             return await dispatch(self.context, target, self.job, items, allowed_ms(remaining), model=model)
         except StratusError as exc:
             if not retryable(exc):
                 raise
+            ms = (self.context.now() - started) * 1000.0
+            self.hops.append(failed_hop(target.tier, target=target.id, items=items.items, error=exc, ms=ms))
             log.info("%s failed for %r: %s", target.id, self.job.id[:64], exc)
             after_failure(self.state, target, exc)
             return None
@@ -296,9 +347,15 @@ class ClassifyCascade:
             reason=self.reason,
             queue_ms=self.queue_ms,
             compute_ms=self.compute_ms,
+            provisional=self.provisional,
+            request_id=self.request_id,
         )
         return InferResult(
-            model_name=job.asked_for, id=job.id, outputs=self._outputs(), raw=job.raw, parameters=served.values()
+            model_name=job.asked_for,
+            id=self.request_id,
+            outputs=self._outputs(),
+            raw=job.raw,
+            parameters=served.values(),
         )
 
     def _outputs(self) -> Tensors:

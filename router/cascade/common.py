@@ -15,6 +15,7 @@ from typing import Any, Protocol
 from router.backends.base import Backend
 from router.cloud_pool import CloudTier
 from router.obs import RouterObserver
+from router.offline import Offline
 from router.policy import FleetSnapshot
 from router.policy.climb import CloudFacts
 from router.registry import FleetRegistry
@@ -40,6 +41,11 @@ class CascadeContext(Protocol):
 
     @property
     def rollouts(self) -> Rollouts: ...
+
+    @property
+    def offline(self) -> Offline | None:
+        """Deferred requests, corrections and decision records (router/offline), where kept."""
+        ...
 
     @property
     def observer(self) -> RouterObserver: ...

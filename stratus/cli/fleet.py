@@ -241,7 +241,7 @@ def ready_agents(status: fpb.FleetStatus) -> int:
     return sum(t.ready for t in status.tiers)
 
 
-def _stub(router: str, tls: TlsSettings) -> tuple[grpc.Channel, fpb_grpc.FleetStub]:
+def fleet_stub(router: str, tls: TlsSettings) -> tuple[grpc.Channel, fpb_grpc.FleetStub]:
     channel = open_sync_channel(router, tls, server_options("router", tls))
     return channel, fpb_grpc.FleetStub(channel)
 
@@ -260,7 +260,7 @@ def show_status(
     """Agents and families are listed when asked for, or in JSON; the table alone stays short
     at any size. ``watch``: on every change, or with ``interval_s`` a fresh status each time
     that many seconds have passed since the last was printed."""
-    channel, stub = _stub(router, tls)
+    channel, stub = fleet_stub(router, tls)
     agents, families = agents or as_json, families or as_json
     with channel:
         if not watch:
@@ -300,7 +300,7 @@ def _every(
 
 def drain(router: str, agent_id: str, *, token: str, tls: TlsSettings = NO_TLS, action: str = "Drain") -> int:
     """Drain an agent, or (``action``) Undrain it, or Forget a lost or left one."""
-    channel, stub = _stub(router, tls)
+    channel, stub = fleet_stub(router, tls)
     with channel:
         call = getattr(stub, action)
         response = call(fpb.DrainRequest(agent_id=agent_id, token=token), timeout=5.0)
@@ -322,7 +322,7 @@ def revoke(
     import getpass
 
     request = fpb.RevokeRequest(token=token, credential=credential, lift=lift, reason=reason, author=getpass.getuser())
-    channel, stub = _stub(router, tls)
+    channel, stub = fleet_stub(router, tls)
     with channel:
         reply = stub.Revoke(request, timeout=10.0)
     if as_json:
@@ -390,7 +390,7 @@ def reload(
 ) -> int:
     """Ask an agent, or (``agent_id`` None) the router's cloud gateway, through the router,
     to load what changed in its models folder."""
-    channel, stub = _stub(router, tls)
+    channel, stub = fleet_stub(router, tls)
     try:
         with channel:
             if agent_id is None:
@@ -467,7 +467,7 @@ def rollout_table(statuses: list[fpb.RolloutStatus]) -> str:
 
 def rollout(router: str, request: fpb.RolloutRequest, *, as_json: bool, tls: TlsSettings = NO_TLS) -> int:
     """Start, read, promote or abort a rollout, and print where it stands."""
-    channel, stub = _stub(router, tls)
+    channel, stub = fleet_stub(router, tls)
     try:
         with channel:
             reply = stub.Rollout(request, timeout=10.0)

@@ -1,4 +1,4 @@
-"""``stratus fleet`` (status, drain, undrain, forget, revoke, reload, rollout, accuracy, thresholds)
+"""``stratus fleet`` (status, drain, undrain, forget, revoke, corrections, reload, rollout, accuracy, thresholds)
 and ``stratus demo``: their flags, and each handler, which calls :mod:`stratus.cli.fleet` or the
 view it names."""
 
@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from stratus.cli.corrections import add_corrections
 from stratus.cli.options import add_router, add_tls, default_cache, operator_token, share, tls_of
 from stratus.cli.thresholds import add_parser as add_thresholds_parser
 from stratus.errors import ConfigError
@@ -202,6 +203,7 @@ def add_fleet(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
         change.set_defaults(handler=_fleet_drain)
         changes.append(change)
     _add_fleet_changes(sub, status, *changes, _add_revoke(sub))
+    add_corrections(sub)
     demo = commands.add_parser("demo", help="a whole local fleet on loopback, end to end")
     demo.add_argument(
         "--models", type=Path, default=None, help="the models folder (default: ./models, else the image's /app/models)"

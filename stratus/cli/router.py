@@ -199,6 +199,7 @@ def add_router(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     add_batch_delay(router, "router")
     _add_audits(router)
     _add_capture(router)
+    _add_offline(router)
     router.set_defaults(handler=_router)
     return router
 
@@ -257,6 +258,20 @@ def _add_openai(router: argparse.ArgumentParser) -> None:
             help=f"serve the OpenAI API over HTTPS with this {what}, for the names its clients "
             "dial (not the fleet's role-named leaf)",
         )
+
+
+def _add_offline(router: argparse.ArgumentParser) -> None:
+    option(router, "router", "state_dir", "--state-dir", type=Path, metavar="DIR",
+           help="keep requests answered provisionally while the cloud is away (families with [offline] "
+                "defer = true) and the cloud's corrections here, across restarts; without it nothing is deferred")  # fmt: skip
+    option(router, "router", "adjudicate_share", "--adjudicate-share", type=float, metavar="SHARE",
+           help="the share of the cloud's capacity judging deferred requests may take, out of its spare "
+                "room only (default 0.1)")  # fmt: skip
+    option(router, "router", "decision_log", "--decision-log", type=Path, metavar="DIR",
+           help="write decision records (each tier tried, and why the climb stopped) as Parquet: every "
+                "provisional request's, and --decision-log-share of the others'")  # fmt: skip
+    option(router, "router", "decision_log_share", "--decision-log-share", type=float, metavar="SHARE",
+           help="the share of requests not provisional whose decision records --decision-log writes (default 0)")  # fmt: skip
 
 
 def _add_capture(router: argparse.ArgumentParser) -> None:

@@ -11,6 +11,7 @@ from stratus.families.audit import AuditSpec, TierCalibration
 from stratus.families.confidence import threshold_problem
 from stratus.families.description import FamilyDescription
 from stratus.families.generation import Chunk, GenerationMethod, Token
+from stratus.families.offline import OfflineSpec
 from stratus.families.spec import GenerationSpec, TensorSpec
 from stratus.obs.stats import LatencySummary
 from stratus.tiers import Tier
@@ -134,7 +135,20 @@ def family_from_wire(info: fpb.FamilyInfo) -> FamilyDescription:
         ),
         tier_accuracy={_tier(name, where): _calibration(f) for name, f in info.calibrated.items()},
         escalate=not info.keep_on_site,
+        offline=_offline(info.offline, where) if info.HasField("offline") else OfflineSpec(),
     )
+
+
+def _offline(settings: fpb.OfflineSettings, where: str) -> OfflineSpec:
+    try:
+        return OfflineSpec(
+            defer=settings.defer,
+            max_items=settings.max_items,
+            max_bytes=settings.max_bytes,
+            max_age_s=settings.max_age_s,
+        )
+    except ValueError as exc:
+        raise InvalidInput(f"{where}: [offline] {exc}") from None
 
 
 def tensor_specs(tensors: Iterable[TensorMetadata]) -> tuple[TensorSpec, ...]:

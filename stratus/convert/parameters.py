@@ -38,7 +38,9 @@ BUDGET_MS = "stratus.budget_ms"
 MIN_CONFIDENCE = "stratus.min_confidence"
 MAX_TIER = "stratus.max_tier"
 MIN_TIER = "stratus.min_tier"
-KNOWN_REQUEST = (BUDGET_MS, MIN_CONFIDENCE, MAX_TIER, MIN_TIER)
+# A bool: the response carries the router's decision record (``stratus.decision``, JSON).
+EXPLAIN = "stratus.explain"
+KNOWN_REQUEST = (BUDGET_MS, MIN_CONFIDENCE, MAX_TIER, MIN_TIER, EXPLAIN)
 # The longest budget a request may ask for: every request holds a router slot, queue places
 # and perhaps a cloud slot until it is answered or its budget is spent.
 MAX_BUDGET_MS = 600_000.0
@@ -56,6 +58,13 @@ ITEM_TIERS = "stratus.item_tiers"
 REASON = "stratus.reason"
 QUEUE_MS = "stratus.queue_ms"
 COMPUTE_MS = "stratus.compute_ms"
+# Offline-first (router/offline): an answer given while the cloud was away, whose unsure items
+# are kept for the cloud to judge, carries ``stratus.provisional`` (bool) and the id its
+# correction will name (``stratus.request_id``: the client's request id, else one the router made).
+PROVISIONAL = "stratus.provisional"
+REQUEST_ID = "stratus.request_id"
+# The decision record asked for with ``stratus.explain`` (router/offline/decisions.py), as JSON.
+DECISION = "stratus.decision"
 # Where models run (an agent's --serve endpoint, the cloud gateway): items in the batch
 # this request ran in, its own and those of requests merged with it.
 BATCH_SIZE = "stratus.batch_size"
@@ -109,6 +118,7 @@ class RequestOptions:
     min_confidence: float | None = None
     max_tier: Tier = Tier.CLOUD
     min_tier: Tier = Tier.DEVICE
+    explain: bool = False
 
     def __post_init__(self) -> None:
         """The same bounds whoever builds the options: the router from a request's
@@ -141,6 +151,7 @@ class RequestOptions:
             min_confidence=_number(parameters, MIN_CONFIDENCE),
             max_tier=_tier(parameters, MAX_TIER, Tier.CLOUD),
             min_tier=_tier(parameters, MIN_TIER, Tier.DEVICE),
+            explain=_flag(parameters, EXPLAIN),
         )
 
     def write(self, parameters: Mapping[str, pb.InferParameter]) -> None:
@@ -153,6 +164,8 @@ class RequestOptions:
             set_parameter(parameters, MAX_TIER, self.max_tier.label)
         if self.min_tier is not Tier.DEVICE:
             set_parameter(parameters, MIN_TIER, self.min_tier.label)
+        if self.explain:
+            set_parameter(parameters, EXPLAIN, True)
 
 
 def held_reason(max_tier: Tier, items: int, tier: Tier) -> str:
@@ -177,6 +190,15 @@ def _number(parameters: Mapping[str, ParameterValue | None], key: str) -> float 
     if not math.isfinite(value):
         raise InvalidInput(f"parameter '{key}' must be finite, got {value}")
     return float(value)
+
+
+def _flag(parameters: Mapping[str, ParameterValue | None], key: str) -> bool:
+    if key not in parameters:
+        return False
+    value = parameters[key]
+    if not isinstance(value, bool):
+        raise InvalidInput(f"parameter '{key}' must be a bool, got {type(value).__name__}")
+    return value
 
 
 def _tier(parameters: Mapping[str, ParameterValue | None], key: str, default: Tier) -> Tier:
@@ -209,6 +231,9 @@ class Served:
     # Where the time went, where it was measured (None: not, e.g. a foreign cloud's share).
     queue_ms: float | None = None
     compute_ms: float | None = None
+    # Answered while the cloud was away, its unsure items kept for the cloud to judge.
+    provisional: bool = False
+    request_id: str = ""  # written with a provisional answer: what its correction names
 
     def write(self, parameters: Mapping[str, pb.InferParameter]) -> None:
         for key, value in self.values().items():
@@ -237,6 +262,9 @@ class Served:
         for key, ms in ((QUEUE_MS, self.queue_ms), (COMPUTE_MS, self.compute_ms)):
             if ms is not None:
                 values[key] = float(ms)
+        if self.provisional:
+            values[PROVISIONAL] = True
+            values[REQUEST_ID] = self.request_id
         return values
 
     @classmethod
@@ -271,6 +299,8 @@ class Served:
             reason=str(get(REASON) or ""),
             queue_ms=reported_value(get(QUEUE_MS)),
             compute_ms=reported_value(get(COMPUTE_MS)),
+            provisional=get(PROVISIONAL) is True,
+            request_id=str(get(REQUEST_ID) or ""),
         )
 
 

@@ -17,7 +17,9 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Final
+from typing import Any, Final
+
+import numpy as np
 
 from stratus import datatypes
 from stratus.convert import codec
@@ -290,3 +292,16 @@ def requested_outputs(request: pb.ModelInferRequest, family: str, known: Sequenc
         if name not in known:
             raise InvalidInput(f"model '{family}' has no output '{name}'; it gives {sorted(known)}")
     return wanted
+
+
+def top1(tensors: Tensors, output: str) -> np.ndarray[Any, Any] | None:
+    """Each item's highest-scoring class in ``output``; None where it holds no scores (what
+    audits, capture and the offline judge compare answers by)."""
+    if output not in tensors.names():
+        return None
+    raw = tensors.get(output)
+    if not raw.fixed_size or len(raw.shape) < 2 or not raw.items:
+        return None
+    values = np.frombuffer(raw.data, dtype=datatypes.numpy_dtype(raw.datatype))
+    best: np.ndarray[Any, Any] = values.reshape(raw.shape[0], -1).argmax(axis=1)
+    return best

@@ -133,4 +133,8 @@ def family_info_fields(family: FamilySpec) -> dict[str, Any]:
     if family.audit.max_per_s is not None:
         audit.max_per_s = family.audit.max_per_s
     calibrated = {tier.label: calibration_info(f) for tier, f in family.tier_accuracy.items()}
-    return {"audit": audit, "calibrated": calibrated, "keep_on_site": not family.escalate}
+    offline = family.offline
+    settings = fleet_pb2.OfflineSettings(
+        defer=offline.defer, max_items=offline.max_items, max_bytes=offline.max_bytes, max_age_s=offline.max_age_s
+    )
+    return {"audit": audit, "calibrated": calibrated, "keep_on_site": not family.escalate, "offline": settings}

@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from stratus.families.audit import AuditSpec, TierCalibration
+from stratus.families.offline import OfflineSpec
 from stratus.families.spec import GenerationSpec, TensorSpec
 from stratus.tiers import Tier
 
@@ -34,6 +35,8 @@ class FamilyDescription:
     tier_accuracy: Mapping[Tier, TierCalibration] = field(default_factory=dict)
     # [privacy] escalate = false: no item of the family is ever sent to the cloud tier.
     escalate: bool = True
+    # [offline]: unsure answers deferred for the cloud while it is away, and the bounds of that store.
+    offline: OfflineSpec = field(default_factory=OfflineSpec)
 
     @property
     def generative(self) -> bool:

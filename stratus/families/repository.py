@@ -25,6 +25,7 @@ from stratus.errors import ConfigError, InvalidInput, NotFound
 from stratus.families.audit import parse_audit, parse_tier_accuracy
 from stratus.families.confidence import ConfidenceMethod, threshold_problem
 from stratus.families.generation import TEXT_INPUT, TEXT_OUTPUT, GenerationMethod
+from stratus.families.offline import parse_offline
 from stratus.families.spec import (
     CalibrationRecord,
     ConfidenceSpec,
@@ -152,7 +153,7 @@ def load_family(path: Path) -> FamilySpec:
         raise ConfigError(f"{path}: not valid TOML: {exc}") from None
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read: {exc.strerror}") from None
-    reader.unknown_keys(data, TABLES | {"audit", "tier_accuracy", "privacy"}, "")
+    reader.unknown_keys(data, TABLES | {"audit", "tier_accuracy", "privacy", "offline"}, "")
     head = reader.get(data, "family", dict, "")
     name = reader.get(head, "name", str, "family")
     reader.unknown_keys(head, {"name", "description", "max_accuracy_drop", "kind"}, "family")
@@ -177,6 +178,7 @@ def load_family(path: Path) -> FamilySpec:
         audit=parse_audit(reader, data, generative=False),
         tier_accuracy=parse_tier_accuracy(reader, data),
         escalate=_escalate(reader, data),
+        offline=parse_offline(reader, data, generative=False),
     )
 
 
@@ -223,6 +225,7 @@ def _generative_family(
         audit=parse_audit(reader, data, generative=True),
         tier_accuracy=parse_tier_accuracy(reader, data),
         escalate=_escalate(reader, data),
+        offline=parse_offline(reader, data, generative=True),
     )
 
 

@@ -14,6 +14,7 @@ from stratus.errors import InvalidInput, NotFound
 from stratus.families.audit import AuditSpec, TierCalibration
 from stratus.families.confidence import ConfidenceMethod
 from stratus.families.generation import GenerationMethod
+from stratus.families.offline import OfflineSpec
 from stratus.tiers import Tier
 
 
@@ -133,6 +134,8 @@ class FamilySpec:
     tier_accuracy: Mapping[Tier, TierCalibration] = field(default_factory=dict)
     # [privacy] escalate: whether the family's inputs may leave the site for the cloud tier.
     escalate: bool = True
+    # [offline]: unsure answers kept for the cloud to judge while it is away (stratus/families/offline.py).
+    offline: OfflineSpec = field(default_factory=OfflineSpec)
 
     @property
     def generative(self) -> bool:

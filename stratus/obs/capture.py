@@ -101,6 +101,15 @@ def _row(item: CapturedItem) -> dict[str, Any]:
 
 
 @dataclass(frozen=True, kw_only=True)
+class RowFormat:
+    """What a writer's files hold: their name's prefix, their schema, and an item's row."""
+
+    prefix: str
+    schema: Callable[[], Any]
+    row: Callable[[Any], dict[str, Any]]
+
+
+@dataclass(frozen=True, kw_only=True)
 class CaptureLimits:
     max_file_bytes: int = 64 << 20
     max_file_age_s: float = 300.0
@@ -118,16 +127,18 @@ class CaptureWriter:
         *,
         on_drop: Callable[[str, str], None] = lambda family, reason: None,
         clock: Callable[[], float] = time.monotonic,
+        rows: RowFormat | None = None,
     ) -> None:
         import pyarrow  # noqa: F401  (a missing extra fails at start, not at the first item)
 
+        self.format = rows or RowFormat(prefix="capture", schema=_schema, row=_row)
         self.folder = folder
         self.limits = limits
         self.dropped = 0
         self.written = 0
         self._on_drop = on_drop
         self._clock = clock
-        self._queue: queue.Queue[CapturedItem | None] = queue.Queue(maxsize=limits.queue_items)
+        self._queue: queue.Queue[Any] = queue.Queue(maxsize=limits.queue_items)
         folder.mkdir(parents=True, exist_ok=True)
         for stale in folder.glob(f"*{PARTIAL}"):  # a crash's half-written file
             stale.unlink(missing_ok=True)
@@ -135,8 +146,9 @@ class CaptureWriter:
         self._thread = threading.Thread(target=self._run, name="stratus-capture", daemon=True)
         self._thread.start()
 
-    def offer(self, item: CapturedItem) -> bool:
-        """Hand an item over without waiting; False (and counted) when the queue is full."""
+    def offer(self, item: Any) -> bool:
+        """Hand an item (of the writer's format; it has a ``family``) over without waiting;
+        False (and counted) when the queue is full."""
         try:
             self._queue.put_nowait(item)
         except queue.Full:
@@ -157,14 +169,14 @@ class CaptureWriter:
         last_flush = self._clock()
         stopping = False
         while not stopping:
-            item: CapturedItem | object | None
+            item: Any
             try:
                 item = self._queue.get(timeout=FLUSH_S)
             except queue.Empty:  # nothing new: a flush or a rotation may still be due
                 item = _IDLE
             stopping = item is None
-            if isinstance(item, CapturedItem):
-                rows.append(_row(item))
+            if item is not None and item is not _IDLE:
+                rows.append(self.format.row(item))
             if stopping or (rows and (len(rows) >= ROWS_PER_GROUP or self._clock() - last_flush >= FLUSH_S)):
                 current = self._write(current, rows)
                 rows, last_flush = [], self._clock()
@@ -179,8 +191,8 @@ class CaptureWriter:
         try:
             if current is None:
                 self._sequence += 1
-                name = f"capture-{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}-{os.getpid()}-{self._sequence:06d}"
-                current = _OpenFile(self.folder / name, self._clock())
+                name = f"{self.format.prefix}-{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}-{os.getpid()}-{self._sequence:06d}"
+                current = _OpenFile(self.folder / name, self._clock(), self.format.schema())
             current.write(rows)
             self.written += len(rows)
         except OSError as exc:  # a full disk: drop these, keep serving
@@ -207,19 +219,20 @@ _IDLE: Final = object()  # what the thread saw when the queue stayed empty
 class _OpenFile:
     """A Parquet file being written under its ``.tmp`` name."""
 
-    def __init__(self, stem: Path, opened_at: float) -> None:
+    def __init__(self, stem: Path, opened_at: float, schema: Any) -> None:
         import pyarrow.parquet as pq
 
+        self.schema = schema
         self.final = stem.with_suffix(SUFFIX)
         self.partial = stem.with_suffix(PARTIAL)
         self.opened_at = opened_at
         self._sink = open(self.partial, "wb")  # noqa: SIM115  (closed in finish)
-        self._writer = pq.ParquetWriter(self._sink, _schema())
+        self._writer = pq.ParquetWriter(self._sink, schema)
 
     def write(self, rows: list[dict[str, Any]]) -> None:
         import pyarrow as pa
 
-        self._writer.write_table(pa.Table.from_pylist(rows, schema=_schema()))
+        self._writer.write_table(pa.Table.from_pylist(rows, schema=self.schema))
         self._sink.flush()
 
     def full(self, limits: CaptureLimits, now: float) -> bool:

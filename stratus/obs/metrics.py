@@ -222,6 +222,27 @@ class RouterMetrics:
             ["family", "reason"],
             registry=r,
         )
+        # Offline-first (router/offline); the backlog's gauges are collected at scrape time there.
+        self.deferred = Counter(
+            "stratus_router_deferred",
+            "Requests answered provisionally and kept for the cloud to judge (outcome kept), or not kept: "
+            "full_items, full_bytes (the family's [offline] bounds), store_failed.",
+            ["family", "outcome"],
+            registry=r,
+        )
+        self.deferred_dropped = Counter(
+            "stratus_router_deferred_dropped_items",
+            "Deferred items that left the store unjudged, by reason: expired (older than max_age_s), "
+            "refused_by_cloud, unreadable, family_changed.",
+            ["family", "reason"],
+            registry=r,
+        )
+        self.judged = Counter(
+            "stratus_router_judged_items",
+            "Provisional items the cloud judged, by the tier that answered them and verdict: agreed or corrected.",
+            ["family", "tier", "verdict"],
+            registry=r,
+        )
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -203,6 +203,9 @@ class RouterCredentials:
     # The router listens off loopback (with --insecure): then no caller counts as local, since a
     # proxy or sidecar on its machine (Istio's 127.0.0.6, nginx, ssh -L) makes every one look so.
     off_loopback: bool = False
+    # Inference callers' token (--client-token-file): a caller holding it may also read the
+    # corrections of answers (Fleet.Corrections), which are its answers.
+    client_token: str = ""
 
     @property
     def agents_authenticated(self) -> bool:
@@ -271,6 +274,24 @@ class RouterCredentials:
                 raise Unauthenticated(f"{what} needs the operator token")
             return
         self._refuse_without_credential(cert, context, what, "operator", "--operator-token-file")
+
+    def require_answers_reader(self, token: str, context: Any, what: str) -> None:
+        """An operator, or a caller this router serves inference to: the client token where one
+        is set, else (under mutual TLS) a client certificate; with neither, whoever may call
+        inference here may read what concerns its answers."""
+        if self.is_operator(token, context):
+            return
+        if self.client_token:
+            metadata = dict(context.invocation_metadata() or ()) if context is not None else {}
+            presented = metadata.get("authorization", "")
+            if isinstance(presented, str) and same_secret(presented, f"Bearer {self.client_token}"):
+                return
+            raise Unauthenticated(f"{what} needs 'authorization: Bearer TOKEN' (the client token) or the operator's")
+        if self.mutual_tls:
+            cert = self._trusted(context, what)
+            if cert is None or cert.role != "client":
+                shown = f"this certificate is a {cert}'s" if cert else "this certificate has no Stratus identity"
+                raise PermissionDenied(f"{what} needs a client or operator certificate; {shown}")
 
     def _refuse_without_credential(
         self, cert: CertIdentity | None, context: Any, what: str, role: str, flag: str

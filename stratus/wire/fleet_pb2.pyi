@@ -266,6 +266,7 @@ class FamilyInfo(_message.Message):
     AUDIT_FIELD_NUMBER: _builtins.int
     CALIBRATED_FIELD_NUMBER: _builtins.int
     KEEP_ON_SITE_FIELD_NUMBER: _builtins.int
+    OFFLINE_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     kind: _builtins.str
     """"generative" for a family that answers prompts with text; empty for a classifier."""
@@ -310,6 +311,10 @@ class FamilyInfo(_message.Message):
         measured for the items its thresholds settle on each tier.
         """
 
+    @_builtins.property
+    def offline(self) -> Global___OfflineSettings:
+        """family.toml's [offline]: unsure answers kept for the cloud to judge while it is away."""
+
     def __init__(
         self,
         *,
@@ -326,16 +331,47 @@ class FamilyInfo(_message.Message):
         audit: Global___AuditSettings | None = ...,
         calibrated: _abc.Mapping[_builtins.str, Global___TierCalibration] | None = ...,
         keep_on_site: _builtins.bool = ...,
+        offline: Global___OfflineSettings | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_calibrated_cloud_share", b"_calibrated_cloud_share", "audit", b"audit", "calibrated_cloud_share", b"calibrated_cloud_share"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_calibrated_cloud_share", b"_calibrated_cloud_share", "audit", b"audit", "calibrated_cloud_share", b"calibrated_cloud_share", "offline", b"offline"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_calibrated_cloud_share", b"_calibrated_cloud_share", "audit", b"audit", "calibrated", b"calibrated", "calibrated_cloud_share", b"calibrated_cloud_share", "cloud_variants", b"cloud_variants", "confidence_method", b"confidence_method", "inputs", b"inputs", "keep_on_site", b"keep_on_site", "kind", b"kind", "max_tokens", b"max_tokens", "name", b"name", "outputs", b"outputs", "stop", b"stop", "thresholds", b"thresholds"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_calibrated_cloud_share", b"_calibrated_cloud_share", "audit", b"audit", "calibrated", b"calibrated", "calibrated_cloud_share", b"calibrated_cloud_share", "cloud_variants", b"cloud_variants", "confidence_method", b"confidence_method", "inputs", b"inputs", "keep_on_site", b"keep_on_site", "kind", b"kind", "max_tokens", b"max_tokens", "name", b"name", "offline", b"offline", "outputs", b"outputs", "stop", b"stop", "thresholds", b"thresholds"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__calibrated_cloud_share: _TypeAlias = _typing.Literal["calibrated_cloud_share"]  # noqa: Y015
     _WhichOneofArgType__calibrated_cloud_share: _TypeAlias = _typing.Literal["_calibrated_cloud_share", b"_calibrated_cloud_share"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType__calibrated_cloud_share) -> _WhichOneofReturnType__calibrated_cloud_share | None: ...
 
 Global___FamilyInfo: _TypeAlias = FamilyInfo  # noqa: Y015
+
+@_typing.final
+class OfflineSettings(_message.Message):
+    """family.toml's [offline] table. Unset (an agent of before, or no table): nothing is deferred."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    DEFER_FIELD_NUMBER: _builtins.int
+    MAX_ITEMS_FIELD_NUMBER: _builtins.int
+    MAX_BYTES_FIELD_NUMBER: _builtins.int
+    MAX_AGE_S_FIELD_NUMBER: _builtins.int
+    defer: _builtins.bool
+    max_items: _builtins.int
+    max_bytes: _builtins.int
+    max_age_s: _builtins.float
+    def __init__(
+        self,
+        *,
+        defer: _builtins.bool = ...,
+        max_items: _builtins.int = ...,
+        max_bytes: _builtins.int = ...,
+        max_age_s: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["defer", b"defer", "max_age_s", b"max_age_s", "max_bytes", b"max_bytes", "max_items", b"max_items"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___OfflineSettings: _TypeAlias = OfflineSettings  # noqa: Y015
 
 @_typing.final
 class AuditSettings(_message.Message):
@@ -2404,3 +2440,193 @@ class ThresholdsReply(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ThresholdsReply: _TypeAlias = ThresholdsReply  # noqa: Y015
+
+@_typing.final
+class ProvisionalAnswer(_message.Message):
+    """-- offline-first (issue 36) ---------------------------------------------------------------
+
+    What one tier answered for one deferred item on its way up.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TIER_FIELD_NUMBER: _builtins.int
+    VARIANT_FIELD_NUMBER: _builtins.int
+    AGENT_FIELD_NUMBER: _builtins.int
+    LABEL_FIELD_NUMBER: _builtins.int
+    CONFIDENCE_FIELD_NUMBER: _builtins.int
+    tier: _builtins.str
+    variant: _builtins.str
+    agent: _builtins.str
+    label: _builtins.int
+    """top-1 class of the family's first output"""
+    confidence: _builtins.float
+    def __init__(
+        self,
+        *,
+        tier: _builtins.str = ...,
+        variant: _builtins.str = ...,
+        agent: _builtins.str = ...,
+        label: _builtins.int = ...,
+        confidence: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent", b"agent", "confidence", b"confidence", "label", b"label", "tier", b"tier", "variant", b"variant"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ProvisionalAnswer: _TypeAlias = ProvisionalAnswer  # noqa: Y015
+
+@_typing.final
+class DeferredItem(_message.Message):
+    """One item of a deferred request: its index in the client's batch and each tier's answer,
+    lowest first; the last is the provisional answer the client got.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    INDEX_FIELD_NUMBER: _builtins.int
+    ANSWERS_FIELD_NUMBER: _builtins.int
+    index: _builtins.int
+    @_builtins.property
+    def answers(self) -> _containers.RepeatedCompositeFieldContainer[Global___ProvisionalAnswer]: ...
+    def __init__(
+        self,
+        *,
+        index: _builtins.int = ...,
+        answers: _abc.Iterable[Global___ProvisionalAnswer] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["answers", b"answers", "index", b"index"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DeferredItem: _TypeAlias = DeferredItem  # noqa: Y015
+
+@_typing.final
+class DeferredRequest(_message.Message):
+    """A request answered provisionally while the cloud was away, kept (durably) for the cloud
+    to judge once it is back: its unsure items only, as the cloud will be asked them.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    KEY_FIELD_NUMBER: _builtins.int
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    FAMILY_FIELD_NUMBER: _builtins.int
+    MODEL_FIELD_NUMBER: _builtins.int
+    CREATED_UNIX_FIELD_NUMBER: _builtins.int
+    ROUTER_FIELD_NUMBER: _builtins.int
+    INPUTS_FIELD_NUMBER: _builtins.int
+    ITEMS_FIELD_NUMBER: _builtins.int
+    key: _builtins.str
+    """unique in the store (the request id may repeat across clients)"""
+    request_id: _builtins.str
+    family: _builtins.str
+    model: _builtins.str
+    """what the cloud is asked for (the family, or a pinned variant)"""
+    created_unix: _builtins.float
+    """when the provisional answer was given"""
+    router: _builtins.str
+    @_builtins.property
+    def inputs(self) -> _inference_pb2.ModelInferRequest: ...
+    @_builtins.property
+    def items(self) -> _containers.RepeatedCompositeFieldContainer[Global___DeferredItem]: ...
+    def __init__(
+        self,
+        *,
+        key: _builtins.str = ...,
+        request_id: _builtins.str = ...,
+        family: _builtins.str = ...,
+        model: _builtins.str = ...,
+        created_unix: _builtins.float = ...,
+        router: _builtins.str = ...,
+        inputs: _inference_pb2.ModelInferRequest | None = ...,
+        items: _abc.Iterable[Global___DeferredItem] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["inputs", b"inputs"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["created_unix", b"created_unix", "family", b"family", "inputs", b"inputs", "items", b"items", "key", b"key", "model", b"model", "request_id", b"request_id", "router", b"router"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DeferredRequest: _TypeAlias = DeferredRequest  # noqa: Y015
+
+@_typing.final
+class CorrectionsRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TOKEN_FIELD_NUMBER: _builtins.int
+    FAMILY_FIELD_NUMBER: _builtins.int
+    SINCE_UNIX_FIELD_NUMBER: _builtins.int
+    FOLLOW_FIELD_NUMBER: _builtins.int
+    token: _builtins.str
+    """the operator token, where the caller is no client of inference"""
+    family: _builtins.str
+    """empty: every family"""
+    since_unix: _builtins.float
+    """only corrections judged at or after it; 0: every one kept"""
+    follow: _builtins.bool
+    """then each new one as it is made, until the caller cancels"""
+    def __init__(
+        self,
+        *,
+        token: _builtins.str = ...,
+        family: _builtins.str = ...,
+        since_unix: _builtins.float = ...,
+        follow: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["family", b"family", "follow", b"follow", "since_unix", b"since_unix", "token", b"token"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CorrectionsRequest: _TypeAlias = CorrectionsRequest  # noqa: Y015
+
+@_typing.final
+class Correction(_message.Message):
+    """A provisional answer the cloud disagreed with, by request id and item."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    FAMILY_FIELD_NUMBER: _builtins.int
+    ITEM_FIELD_NUMBER: _builtins.int
+    PROVISIONAL_FIELD_NUMBER: _builtins.int
+    CLOUD_FIELD_NUMBER: _builtins.int
+    PROVISIONAL_UNIX_FIELD_NUMBER: _builtins.int
+    JUDGED_UNIX_FIELD_NUMBER: _builtins.int
+    ROUTER_FIELD_NUMBER: _builtins.int
+    request_id: _builtins.str
+    family: _builtins.str
+    item: _builtins.int
+    provisional_unix: _builtins.float
+    judged_unix: _builtins.float
+    router: _builtins.str
+    """the router that gave the provisional answer"""
+    @_builtins.property
+    def provisional(self) -> Global___ProvisionalAnswer: ...
+    @_builtins.property
+    def cloud(self) -> Global___ProvisionalAnswer: ...
+    def __init__(
+        self,
+        *,
+        request_id: _builtins.str = ...,
+        family: _builtins.str = ...,
+        item: _builtins.int = ...,
+        provisional: Global___ProvisionalAnswer | None = ...,
+        cloud: Global___ProvisionalAnswer | None = ...,
+        provisional_unix: _builtins.float = ...,
+        judged_unix: _builtins.float = ...,
+        router: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["cloud", b"cloud", "provisional", b"provisional"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cloud", b"cloud", "family", b"family", "item", b"item", "judged_unix", b"judged_unix", "provisional", b"provisional", "provisional_unix", b"provisional_unix", "request_id", b"request_id", "router", b"router"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Correction: _TypeAlias = Correction  # noqa: Y015

@@ -172,6 +172,11 @@ class FleetStub:
                 request_serializer=stratus_dot_v1_dot_fleet__pb2.RevokeRequest.SerializeToString,
                 response_deserializer=stratus_dot_v1_dot_fleet__pb2.RevokeReply.FromString,
                 _registered_method=True)
+        self.Corrections = channel.unary_stream(
+                '/stratus.v1.Fleet/Corrections',
+                request_serializer=stratus_dot_v1_dot_fleet__pb2.CorrectionsRequest.SerializeToString,
+                response_deserializer=stratus_dot_v1_dot_fleet__pb2.Correction.FromString,
+                _registered_method=True)
 
 
 class FleetServicer:
@@ -257,6 +262,15 @@ class FleetServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Corrections(self, request, context):
+        """The cloud's verdicts on provisional answers (issue 36): each provisional answer the cloud,
+        judging it once it was back, disagreed with. Past ones (since a time), then, with follow,
+        each new one as it is made. An operator, or a caller allowed inference here, may read it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_FleetServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -314,6 +328,11 @@ def add_FleetServicer_to_server(servicer, server):
                     servicer.Revoke,
                     request_deserializer=stratus_dot_v1_dot_fleet__pb2.RevokeRequest.FromString,
                     response_serializer=stratus_dot_v1_dot_fleet__pb2.RevokeReply.SerializeToString,
+            ),
+            'Corrections': grpc.unary_stream_rpc_method_handler(
+                    servicer.Corrections,
+                    request_deserializer=stratus_dot_v1_dot_fleet__pb2.CorrectionsRequest.FromString,
+                    response_serializer=stratus_dot_v1_dot_fleet__pb2.Correction.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -614,6 +633,33 @@ class Fleet:
             '/stratus.v1.Fleet/Revoke',
             stratus_dot_v1_dot_fleet__pb2.RevokeRequest.SerializeToString,
             stratus_dot_v1_dot_fleet__pb2.RevokeReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Corrections(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/stratus.v1.Fleet/Corrections',
+            stratus_dot_v1_dot_fleet__pb2.CorrectionsRequest.SerializeToString,
+            stratus_dot_v1_dot_fleet__pb2.Correction.FromString,
             options,
             channel_credentials,
             insecure,

@@ -101,6 +101,11 @@ class FleetStub:
     """Credentials revoked for the whole site, kept in the site's store (the router needs
     --site-state): revoke one, lift one, or list them. Revoking and lifting need an operator.
     """
+    Corrections: _grpc.UnaryStreamMultiCallable[_fleet_pb2.CorrectionsRequest, _fleet_pb2.Correction]
+    """The cloud's verdicts on provisional answers (issue 36): each provisional answer the cloud,
+    judging it once it was back, disagreed with. Past ones (since a time), then, with follow,
+    each new one as it is made. An operator, or a caller allowed inference here, may read it.
+    """
 
 @_typing.type_check_only
 class FleetAsyncStub(FleetStub):
@@ -134,6 +139,11 @@ class FleetAsyncStub(FleetStub):
     Revoke: _aio.UnaryUnaryMultiCallable[_fleet_pb2.RevokeRequest, _fleet_pb2.RevokeReply]  # type: ignore[assignment]
     """Credentials revoked for the whole site, kept in the site's store (the router needs
     --site-state): revoke one, lift one, or list them. Revoking and lifting need an operator.
+    """
+    Corrections: _aio.UnaryStreamMultiCallable[_fleet_pb2.CorrectionsRequest, _fleet_pb2.Correction]  # type: ignore[assignment]
+    """The cloud's verdicts on provisional answers (issue 36): each provisional answer the cloud,
+    judging it once it was back, disagreed with. Past ones (since a time), then, with follow,
+    each new one as it is made. An operator, or a caller allowed inference here, may read it.
     """
 
 class FleetServicer(metaclass=_abc_1.ABCMeta):
@@ -231,6 +241,17 @@ class FleetServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_fleet_pb2.RevokeReply, _abc.Awaitable[_fleet_pb2.RevokeReply]]:
         """Credentials revoked for the whole site, kept in the site's store (the router needs
         --site-state): revoke one, lift one, or list them. Revoking and lifting need an operator.
+        """
+
+    @_abc_1.abstractmethod
+    def Corrections(
+        self,
+        request: _fleet_pb2.CorrectionsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_fleet_pb2.Correction], _abc.AsyncIterator[_fleet_pb2.Correction]]:
+        """The cloud's verdicts on provisional answers (issue 36): each provisional answer the cloud,
+        judging it once it was back, disagreed with. Past ones (since a time), then, with follow,
+        each new one as it is made. An operator, or a caller allowed inference here, may read it.
         """
 
 def add_FleetServicer_to_server(servicer: FleetServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -29,6 +29,9 @@ DASHBOARD = ROOT / "deploy" / "grafana" / "stratus.json"
 
 COUNTERS = {
     "stratus_router_requests",
+    "stratus_router_deferred",
+    "stratus_router_deferred_dropped_items",
+    "stratus_router_judged_items",
     "stratus_router_escalations",
     "stratus_router_degraded_answers",
     "stratus_router_refusals",
@@ -75,6 +78,9 @@ GAUGES = {
     "stratus_router_audit_calibrated_agreement",
     "stratus_router_threshold_version",
     "stratus_router_threshold",
+    "stratus_router_deferred_items",
+    "stratus_router_deferred_oldest_age_seconds",
+    "stratus_router_deferred_max_age_seconds",
 }
 # The series names Prometheus stores: counters end in _total; a classic histogram has no series
 # under its own name, only _bucket, _sum and _count.
