@@ -91,7 +91,7 @@ async def serve(settings: RouterSettings, stop: asyncio.Event | None = None) -> 
     credentials = with_site_revocations(credentials, site)
     audits, capture = _auditor(settings, registry, cloud, recorder, rollouts)
     metrics.collect_with(lambda: audit_levels(audits))
-    offline = _offline(settings, registry, (metrics, recorder), capture, cloud=lambda: plane.cloud_backend)
+    offline = _offline(settings, registry, (metrics, recorder), capture, site, cloud=lambda: plane.cloud_backend)
     plane = RouterDataPlane(
         registry,
         cloud,
@@ -182,14 +182,24 @@ def _offline(
     registry: FleetRegistry,
     metrics: tuple[Metrics, RouterMetrics],
     capture: CaptureHook | None,
+    site: SiteMirror | None,
     *,
     cloud: Callable[[], CloudBackend | None],
 ) -> Offline | None:
-    """Deferred requests, corrections and decision records, where --state-dir keeps them."""
-    if settings.state_dir is None:
+    """Deferred requests, corrections and decision records: in the site's NATS where the router
+    shares one (any router of the site judges them), else under --state-dir; neither: none."""
+    shared = site.state if site is not None and site.state.shared else None
+    if settings.state_dir is None and shared is None:
         if settings.decision_log is not None:
-            raise ConfigError("--decision-log needs --state-dir (where the router keeps its offline state)")
+            raise ConfigError("--decision-log needs --state-dir or a nats:// --site-state (where offline state is kept)")
         return None
+    store, sink = None, None
+    if shared is not None:
+        from router.offline.nats_store import NatsCorrections, NatsDeferredStore
+        from router.site.nats import NatsSiteState
+
+        assert isinstance(shared, NatsSiteState)  # the one shared kind of store
+        store, sink = NatsDeferredStore(shared), NatsCorrections(shared)
     offline = OfflineSettings(
         state_dir=settings.state_dir,
         adjudicate_share=settings.adjudicate_share,
@@ -197,7 +207,7 @@ def _offline(
         decision_log_share=settings.decision_log_share,
     )
     return Offline(offline, router="router", cloud=cloud, describe=registry.family, metrics=metrics,
-                   labels=capture)  # fmt: skip
+                   labels=capture, store=store, sink=sink)  # fmt: skip
 
 
 async def _start_offline(offline: Offline | None, name: str) -> list[Callable[[], Awaitable[None]]]:

@@ -32,7 +32,7 @@ from prometheus_client.core import Metric
 
 from router.backends.cloud import CloudBackend
 from router.cloud_pool import CloudTier
-from router.offline.corrections import CorrectionLog
+from router.offline.corrections import CorrectionLog, CorrectionSink, FileCorrections
 from router.offline.decisions import Decision, as_row, decision_schema
 from router.offline.judge import Judge, LabelSink
 from router.offline.provisional import UnsureClimb, cloud_was_needed, provisional_items, provisional_reason
@@ -118,6 +118,7 @@ class Offline:
         metrics: tuple[Metrics, RouterMetrics] | None = None,
         labels: LabelSink | None = None,
         store: DeferredStore | None = None,
+        sink: CorrectionSink | None = None,
         rng: random.Random | None = None,
     ) -> None:
         self.settings = settings
@@ -126,7 +127,9 @@ class Offline:
         if store is None and state is None:
             raise ValueError("deferred requests need --state-dir (or a site store) to be kept in")
         self.store = store or LocalDeferredStore(state / "deferred")  # type: ignore[operator]
-        self.corrections = CorrectionLog(state / "corrections.jsonl" if state else None)
+        self.corrections = CorrectionLog(
+            sink or (FileCorrections(state / "corrections.jsonl") if state else None)
+        )
         self.metrics = OfflineMetrics(*metrics, self.store, describe) if metrics is not None else None
         observer = self.metrics or _NoMetrics()
         self.judge = Judge(self.store, self.corrections, cloud=cloud, describe=describe,
@@ -150,7 +153,7 @@ class Offline:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
         await self.judge.close()
-        self.corrections.close()
+        await self.corrections.close()
         await self.store.close()
         if self.decisions is not None:
             await asyncio.to_thread(self.decisions.close)

@@ -5,20 +5,23 @@ the cloud's answer, and both times. :class:`CorrectionLog` keeps them for reader
 fleet corrections``, the ``Fleet.Corrections`` stream, the SDK's ``Client.corrections()``):
 past ones from a time on, and each new one to every follower as it is made.
 
-On a lone router the log is a JSON-lines file under ``--state-dir`` (``corrections.jsonl``,
-appended and synced before the deferred request it judges is removed, so a crash between the
-two judges that request again rather than losing its correction; rotated once to ``.1`` past
-``MAX_FILE_BYTES``). The newest ``MAX_KEPT`` are also held in memory for readers.
+Where they are kept is a :class:`CorrectionSink`'s: on a lone router a JSON-lines file under
+``--state-dir`` (:class:`FileCorrections`: ``corrections.jsonl``, appended and synced before the
+deferred request it judges is removed, so a crash between the two judges that request again
+rather than losing its correction; rotated once to ``.1`` past ``MAX_FILE_BYTES``); at a site
+the site's NATS (router/offline/nats_store.py), read back by every router. The newest
+``MAX_KEPT`` are held in memory for readers.
 """
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import collections
 import contextlib
 import logging
 import os
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 from pathlib import Path
 from typing import Final
 
@@ -35,33 +38,69 @@ FOLLOWER_QUEUE: Final = 4096  # corrections a follower may fall behind by before
 MAX_FOLLOWERS: Final = 64
 
 
-class CorrectionLog:
-    """Corrections in memory, optionally in a file; followers get each new one."""
+class CorrectionSink(abc.ABC):
+    """Where corrections are kept. ``start`` hands over what is kept already (and, where the
+    sink is shared, each one another router adds) through ``deliver``."""
 
-    def __init__(self, path: Path | None = None) -> None:
+    @abc.abstractmethod
+    async def start(self, deliver: Callable[[fpb.Correction], None]) -> None: ...
+
+    async def close(self) -> None:
+        return None
+
+    @abc.abstractmethod
+    async def append(self, corrections: list[fpb.Correction]) -> None:
+        """Kept durably when it returns."""
+
+    # A shared sink delivers what is appended here too (it reads everything back); a local
+    # one does not, and the log delivers its own at once.
+    delivers_own: bool = False
+
+
+class FileCorrections(CorrectionSink):
+    def __init__(self, path: Path) -> None:
         self.path = path
+
+    async def start(self, deliver: Callable[[fpb.Correction], None]) -> None:
+        for correction in await asyncio.to_thread(_read_all, self.path):
+            deliver(correction)
+
+    async def append(self, corrections: list[fpb.Correction]) -> None:
+        await asyncio.to_thread(_append, self.path, corrections)
+
+
+class CorrectionLog:
+    """Corrections in memory, kept where ``sink`` keeps them; followers get each new one."""
+
+    def __init__(self, sink: CorrectionSink | None = None) -> None:
+        self.sink = sink
         self.kept: collections.deque[fpb.Correction] = collections.deque(maxlen=MAX_KEPT)
         self._followers: set[asyncio.Queue[fpb.Correction | None]] = set()
         self.closed = False
 
     async def start(self) -> None:
-        if self.path is not None:
-            self.kept.extend(await asyncio.to_thread(_read_all, self.path))
+        if self.sink is not None:
+            await self.sink.start(self._deliver)
 
     async def add(self, corrections: Iterable[fpb.Correction]) -> None:
-        """Keep (and sync to the file) ``corrections``, then hand each to every follower."""
+        """Keep ``corrections`` where the sink keeps them (durably), then hand each to every follower."""
         made = list(corrections)
         if not made:
             return
-        if self.path is not None:
-            await asyncio.to_thread(_append, self.path, made)
-        self.kept.extend(made)
+        if self.sink is not None:
+            await self.sink.append(made)
+            if self.sink.delivers_own:
+                return
+        for correction in made:
+            self._deliver(correction)
+
+    def _deliver(self, correction: fpb.Correction) -> None:
+        self.kept.append(correction)
         for queue in list(self._followers):
-            for correction in made:
-                if queue.qsize() >= FOLLOWER_QUEUE:  # too slow a reader: cut off, not held in memory
-                    self._followers.discard(queue)
-                    queue.put_nowait(None)  # the one place kept for the end mark
-                    break
+            if queue.qsize() >= FOLLOWER_QUEUE:  # too slow a reader: cut off, not held in memory
+                self._followers.discard(queue)
+                queue.put_nowait(None)  # the one place kept for the end mark
+            else:
                 queue.put_nowait(correction)
 
     def since(self, since_unix: float = 0.0, family: str = "") -> list[fpb.Correction]:
@@ -94,7 +133,9 @@ class CorrectionLog:
         finally:
             self._followers.discard(queue)
 
-    def close(self) -> None:
+    async def close(self) -> None:
+        if self.sink is not None:
+            await self.sink.close()
         self.closed = True
         for queue in list(self._followers):
             with contextlib.suppress(asyncio.QueueFull):

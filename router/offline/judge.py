@@ -28,7 +28,7 @@ from typing import Final, Protocol
 
 from router.backends.cloud import CloudBackend
 from router.offline.corrections import CorrectionLog
-from router.offline.store import DeferredStore, Kept
+from router.offline.store import DeferredStore
 from stratus.convert.tensors import Tensors, top1
 from stratus.errors import DeadlineExceeded, Overloaded, StratusError, Unavailable
 from stratus.families.description import FamilyDescription
@@ -44,7 +44,6 @@ CORRECTED: Final = "corrected"
 # Why a deferred request left the store without a verdict (the dropped counter's reason).
 EXPIRED: Final = "expired"
 REFUSED: Final = "refused_by_cloud"
-UNREADABLE: Final = "unreadable"
 NO_LONGER: Final = "family_changed"  # its description has no outputs to judge by
 
 
@@ -90,7 +89,7 @@ class Judge:
     async def run(self) -> None:
         while True:
             await self._expire()
-            self._send()
+            await self._send()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), timeout=POLL_S)
             self._wake.clear()
@@ -110,24 +109,16 @@ class Judge:
         limit = max(1.0, cloud.capacity * self.share)
         return max(0, int(limit - cloud.in_flight))
 
-    def _send(self) -> None:
+    async def _send(self) -> None:
         room = self.room()
         if not room:
             return
-        waiting = frozenset(self.judging) | self._undescribed()
-        for kept in self.store.oldest_first(room, skip=waiting):
-            task = asyncio.create_task(self._judge(kept), name="stratus-judge")
-            self.judging[kept.key] = task
-            task.add_done_callback(self._finished(kept.key))
-
-    def _undescribed(self) -> frozenset[str]:
-        """The keys of families no agent describes now (after a restart, until they link again)."""
-        return frozenset(
-            key
-            for family, backlog in self.store.backlogs.items()
-            if self._describe(family) is None
-            for key in backlog.requests
-        )
+        # a family no agent describes now (after a restart, until they link again) waits
+        families = frozenset(f for f in self.store.families() if self._describe(f) is not None)
+        for record in await self.store.claim(room, families):
+            task = asyncio.create_task(self._judge(record), name="stratus-judge")
+            self.judging[record.key] = task
+            task.add_done_callback(self._finished(record.key))
 
     def _finished(self, key: str) -> Callable[[asyncio.Task[None]], None]:
         return lambda _task: self._done(key)
@@ -138,29 +129,34 @@ class Judge:
 
     async def _expire(self) -> None:
         ages = {}
-        for family in self.store.backlogs:
+        for family in self.store.families():
             info = self._describe(family)  # a family no agent describes now: the default bound
             ages[family] = info.offline.max_age_s if info is not None else DEFAULT_MAX_AGE_S
         for kept in self.store.expired(self._clock(), ages):
-            if kept.key not in self.judging:
-                await self._drop(kept, EXPIRED)
+            await self.store.remove(kept.key)
+            self.observer.deferred_dropped(kept.family, EXPIRED, kept.items)
 
-    async def _drop(self, kept: Kept, reason: str) -> None:
-        await self.store.remove(kept.key)
-        self.observer.deferred_dropped(kept.family, reason, kept.items)
+    async def _drop(self, record: fpb.DeferredRequest, reason: str) -> None:
+        await self.store.remove(record.key)
+        self.observer.deferred_dropped(record.family, reason, len(record.items))
 
-    async def _judge(self, kept: Kept) -> None:
-        record = await self.store.load(kept.key)
-        if record is None:
-            await self._drop(kept, UNREADABLE)
-            return
+    async def _judge(self, record: fpb.DeferredRequest) -> None:
+        left = False
+        try:
+            left = await self._judged(record)
+        finally:
+            if not left:  # not judged now (or cancelled): claimable again later
+                await self.store.release(record.key)
+
+    async def _judged(self, record: fpb.DeferredRequest) -> bool:
+        """Judge one claimed request: True once it left the store (judged or dropped)."""
         info = self._describe(record.family)
         cloud = self._cloud()
-        if info is None or cloud is None:  # its agents not linked again yet (after a restart): wait
-            return
+        if info is None or cloud is None:  # its agents gone again meanwhile: later
+            return False
         if not info.outputs:
-            await self._drop(kept, NO_LONGER)
-            return
+            await self._drop(record, NO_LONGER)
+            return True
         try:
             answered = await cloud.classify(
                 Tensors.from_request(record.inputs),
@@ -171,19 +167,19 @@ class Judge:
             )
         except (Unavailable, Overloaded, DeadlineExceeded) as exc:
             self._backoff_until = self._clock() + POLL_S
-            log.debug("judging %s waits: %s", kept.key, exc)
-            return
+            log.debug("judging %s waits: %s", record.key, exc)
+            return False
         except StratusError as exc:
             log.warning(
-                "the cloud refused to judge deferred request %s (%s): %s", kept.key, record.family, exc
+                "the cloud refused to judge deferred request %s (%s): %s", record.key, record.family, exc
             )
-            await self._drop(kept, REFUSED)
-            return
+            await self._drop(record, REFUSED)
+            return True
         classes = top1(answered.outputs, info.outputs[0].name)
         if classes is None or len(classes) != len(record.items):
-            log.warning("the cloud's answer to deferred request %s holds no classes to judge by", kept.key)
-            await self._drop(kept, REFUSED)
-            return
+            log.warning("the cloud's answer to deferred request %s holds no classes to judge by", record.key)
+            await self._drop(record, REFUSED)
+            return True
         cloud_answers = [
             fpb.ProvisionalAnswer(
                 tier="cloud",
@@ -197,7 +193,8 @@ class Judge:
         await self.corrections.add(self._verdicts(record, cloud_answers))
         if self.labels is not None:
             self.labels.judged(record, cloud_answers)
-        await self.store.remove(kept.key)
+        await self.store.remove(record.key)
+        return True
 
     def _verdicts(
         self, record: fpb.DeferredRequest, cloud: list[fpb.ProvisionalAnswer]

@@ -74,6 +74,7 @@ class DeferredStore(abc.ABC):
 
     def __init__(self) -> None:
         self.backlogs: dict[str, FamilyBacklog] = {}
+        self.claimed: set[str] = set()  # keys handed to the judge and not removed or released yet
 
     @abc.abstractmethod
     async def start(self) -> None:
@@ -88,25 +89,29 @@ class DeferredStore(abc.ABC):
         ``full_bytes``, ``store_failed``)."""
 
     @abc.abstractmethod
-    async def load(self, key: str) -> fpb.DeferredRequest | None:
-        """A kept request's body (None: gone, or unreadable and set aside)."""
+    async def claim(self, limit: int, families: frozenset[str]) -> list[fpb.DeferredRequest]:
+        """Up to ``limit`` kept requests of ``families`` to judge now, oldest first, none
+        claimed already (by this router, or, at a site, by another)."""
 
     @abc.abstractmethod
     async def remove(self, key: str) -> None:
-        """Forget a judged (or expired, or refused) request."""
+        """Forget a claimed request: judged, or dropped."""
+
+    @abc.abstractmethod
+    async def release(self, key: str) -> None:
+        """A claimed request not judged now (the cloud failed it): claimable again later."""
+
+    def families(self) -> set[str]:
+        """The families with requests kept."""
+        return set(self.backlogs)
 
     def outstanding(self) -> dict[str, tuple[int, float | None]]:
         """Per family: items kept and when the oldest was deferred."""
         return {family: (b.items, b.oldest) for family, b in self.backlogs.items()}
 
-    def oldest_first(self, limit: int, *, skip: frozenset[str] = frozenset()) -> list[Kept]:
-        """Up to ``limit`` kept requests, oldest first across families, leaving out ``skip``."""
-        everything = [k for b in self.backlogs.values() for k in b.requests.values() if k.key not in skip]
-        everything.sort(key=lambda k: k.key)
-        return everything[:limit]
-
     def expired(self, now: float, ages: Mapping[str, float]) -> list[Kept]:
-        """Every kept request older than its family's ``max_age_s`` (``ages``)."""
+        """Every kept request older than its family's ``max_age_s`` (``ages``), unclaimed; at a
+        site the stream drops them itself, and this finds none."""
         late = []
         for family, backlog in self.backlogs.items():
             age = ages.get(family)
@@ -115,7 +120,8 @@ class DeferredStore(abc.ABC):
             for kept in backlog.requests.values():
                 if now - kept.created <= age:
                     break  # oldest first: the rest are younger
-                late.append(kept)
+                if kept.key not in self.claimed:
+                    late.append(kept)
         return late
 
     # -- the index, for the backends ---------------------------------------------------------
@@ -187,13 +193,33 @@ class LocalDeferredStore(DeferredStore):
             return STORE_FAILED
         return None
 
-    async def load(self, key: str) -> fpb.DeferredRequest | None:
-        return await asyncio.to_thread(_read, self._path(key))
+    async def claim(self, limit: int, families: frozenset[str]) -> list[fpb.DeferredRequest]:
+        everything = [
+            k
+            for f in families
+            if (b := self.backlogs.get(f))
+            for k in b.requests.values()
+            if k.key not in self.claimed
+        ]
+        everything.sort(key=lambda k: k.key)
+        claimed = []
+        for kept in everything[:limit]:
+            record = await asyncio.to_thread(_read, self._path(kept.key))
+            if record is None:  # gone, or set aside as unreadable
+                self._unindex(kept.key)
+                continue
+            self.claimed.add(kept.key)
+            claimed.append(record)
+        return claimed
 
     async def remove(self, key: str) -> None:
+        self.claimed.discard(key)
         if self._unindex(key) is not None:
             with contextlib.suppress(FileNotFoundError):
                 await asyncio.to_thread(os.unlink, self._path(key))
+
+    async def release(self, key: str) -> None:
+        self.claimed.discard(key)
 
     def _path(self, key: str) -> Path:
         return self.folder / f"{key}{SUFFIX}"

@@ -137,6 +137,20 @@ class NatsSiteState(SiteState):
     def connected(self) -> bool:
         return self._kv is not None and self._client.is_connected
 
+    @property
+    def jetstream(self) -> JetStreamContext | None:
+        """The connection's JetStream, while the store answers: what else the site keeps in
+        NATS (router/offline/nats_store.py: deferred requests and corrections) uses it."""
+        return self._js if self.connected else None
+
+    @property
+    def client(self) -> Client:
+        return self._client
+
+    @property
+    def op_timeout_s(self) -> float:
+        return self._op_timeout_s
+
     def describe(self) -> str:
         where = f"{self.url} (bucket {self.bucket})"
         if self._closed:

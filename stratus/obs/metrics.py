@@ -233,7 +233,7 @@ class RouterMetrics:
         self.deferred_dropped = Counter(
             "stratus_router_deferred_dropped_items",
             "Deferred items that left the store unjudged, by reason: expired (older than max_age_s), "
-            "refused_by_cloud, unreadable, family_changed.",
+            "refused_by_cloud, family_changed.",
             ["family", "reason"],
             registry=r,
         )

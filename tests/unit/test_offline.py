@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from router.offline.corrections import FOLLOWER_QUEUE, CorrectionLog
+from router.offline.corrections import FOLLOWER_QUEUE, CorrectionLog, FileCorrections
 from router.offline.decisions import SKIPPED, Decision, Hop, answered_hop, failed_hop, skipped_hops
 from router.offline.judge import AGREED, CORRECTED, EXPIRED, Judge
 from router.offline.provisional import cloud_was_needed, provisional_items
@@ -150,12 +150,12 @@ def test_the_store_reads_back_what_an_earlier_run_kept_and_skips_the_rest(tmp_pa
     async def second() -> tuple[list[float], fpb.DeferredRequest | None]:
         store = LocalDeferredStore(tmp_path)
         await store.start()
-        oldest = store.oldest_first(10)
-        return [k.created for k in oldest], await store.load(oldest[0].key)
+        claimed = await store.claim(10, frozenset({"digits"}))
+        return [r.created_unix for r in claimed], claimed[0]
 
     created, loaded = asyncio.run(second())
     assert created == [3.0, 4.0, 5.0]  # oldest first; the scratch and the unreadable one are not among them
-    assert loaded is not None and loaded.request_id == "r3.0"
+    assert loaded.request_id == "r3.0"
     assert not list(tmp_path.glob("*.tmp")) and len(list(tmp_path.glob("*.bad"))) == 1
 
 
@@ -165,8 +165,11 @@ def test_the_store_forgets_what_is_removed_and_finds_what_expired(tmp_path: Path
         await store.start()
         for created in (10.0, 20.0, 30.0):
             await store.keep(_record(items=2, created=created), OfflineSpec(defer=True))
-        first = store.oldest_first(1)[0]
+        (first,) = await store.claim(1, frozenset({"digits"}))
         await store.remove(first.key)
+        (claimed,) = await store.claim(1, frozenset({"digits"}))  # the next; claimed: not expired
+        assert claimed.created_unix == 20.0 and store.expired(100.0, {"digits": 75.0}) == []
+        await store.release(claimed.key)
         late = store.expired(100.0, {"digits": 75.0})  # older than 75 s at t=100: created before 25
         return store.outstanding(), [k.created for k in late]
 
@@ -189,12 +192,12 @@ def test_corrections_are_kept_in_a_file_and_read_since_a_time(tmp_path: Path) ->
     path = tmp_path / "corrections.jsonl"
 
     async def run() -> tuple[list[str], list[str]]:
-        log = CorrectionLog(path)
+        log = CorrectionLog(FileCorrections(path))
         await log.start()
         await log.add(
             [_correction("a", 10.0), _correction("b", 20.0, family="other"), _correction("c", 30.0)]
         )
-        again = CorrectionLog(path)  # a restart reads the file back
+        again = CorrectionLog(FileCorrections(path))  # a restart reads the file back
         await again.start()
         since = [c.request_id async for c in again.read(since_unix=15.0)]
         family = [c.request_id async for c in again.read(family="digits")]
@@ -207,7 +210,7 @@ def test_corrections_are_kept_in_a_file_and_read_since_a_time(tmp_path: Path) ->
 
 
 async def _read_all(path: Path) -> list[fpb.Correction]:
-    log = CorrectionLog(path)
+    log = CorrectionLog(FileCorrections(path))
     await log.start()
     return list(log.kept)
 
@@ -317,7 +320,7 @@ def test_the_judge_records_a_correction_for_each_item_the_cloud_answers_otherwis
         record = _record(items=2, created=90.0)  # provisional labels 0 and 1
         record.items[1].answers[0].label = 5
         await judge.store.keep(record, DIGITS.offline)
-        judge._send()
+        await judge._send()
         await asyncio.gather(*judge.judging.values())
         return judge, list(judge.corrections.kept)
 
@@ -334,7 +337,7 @@ def test_the_judge_counts_verdicts_and_keeps_what_the_cloud_could_not_answer(tmp
         judge, counted = _judge(tmp_path / str(id(cloud)), cloud)
         await judge.store.start()
         await judge.store.keep(_record(items=1, created=90.0), DIGITS.offline)
-        judge._send()
+        await judge._send()
         await asyncio.gather(*judge.judging.values())
         return judge, counted
 
@@ -343,6 +346,7 @@ def test_the_judge_counts_verdicts_and_keeps_what_the_cloud_could_not_answer(tmp
     for error in (Unavailable("gone"), Overloaded("full"), DeadlineExceeded("slow")):
         judge, counted = asyncio.run(run(FakeCloud([0], error=error)))
         assert judge.store.backlogs and not counted.judged_items  # kept for the next try
+        assert not judge.store.claimed  # ... and claimable again
     judge, counted = asyncio.run(run(FakeCloud([0], error=InvalidInput("shape"))))
     assert not judge.store.backlogs and counted.dropped == {("digits", "refused_by_cloud"): 1}
     assert CORRECTED not in {k[2] for k in counted.judged_items}
