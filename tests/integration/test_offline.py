@@ -190,7 +190,10 @@ def test_a_full_store_refuses_new_items_and_counts_them(cluster: Cluster, tmp_pa
 def test_explain_returns_the_path_the_request_took(cluster: Cluster, tmp_path: Path, digits) -> None:  # type: ignore[no-untyped-def]
     cloud = cluster.cloud()
     models = deferring(copy_digits(tmp_path / "models"))
-    router = cluster.router("--cloud", cloud.address, "--state-dir", str(tmp_path / "state")).address
+    decisions = tmp_path / "decisions"
+    router = cluster.router(
+        "--cloud", cloud.address, "--state-dir", str(tmp_path / "state"), "--decision-log", str(decisions)
+    ).address
     cluster.agent("dev-1", router, "--models", str(models))
     wait_until(lambda: ready_count(router) == 1, 60)
     x = digits.held_out.x[:4].astype(np.float32)
@@ -220,3 +223,11 @@ def test_explain_returns_the_path_the_request_took(cluster: Cluster, tmp_path: P
         record
     )
     assert record["reason"] == served.reason
+
+    assert cluster.latest("router").stop() == 0  # its decision log's file is finished on the way out
+    import pyarrow.parquet as pq
+
+    (written,) = decisions.glob("decisions-*.parquet")
+    rows = pq.read_table(written).to_pylist()  # every provisional request's record, no other (share 0)
+    assert [(r["request_id"], r["provisional"]) for r in rows] == [("asked", True)]
+    assert [h["outcome"] for h in rows[0]["hops"]] == [h["outcome"] for h in record["hops"]]

@@ -469,3 +469,19 @@ def test_decision_records_are_written_as_parquet(tmp_path: Path) -> None:
         "accepted",
     ]
     assert os.path.getsize(written) > 0
+
+
+def test_a_family_kept_on_the_site_is_never_deferred(tmp_path: Path) -> None:
+    from dataclasses import replace
+
+    from router.offline import Offline, OfflineSettings
+
+    kept_here = replace(DIGITS, escalate=False)
+    families = {"digits": DIGITS, "private": replace(kept_here, name="private"), "off": replace(DIGITS, name="off",
+                offline=OfflineSpec())}  # fmt: skip
+    offline = Offline(
+        OfflineSettings(state_dir=tmp_path), router="r", cloud=lambda: None, describe=families.get
+    )
+    assert offline.defers("digits") is DIGITS
+    assert offline.defers("private") is None  # [privacy] escalate = false: its inputs never leave
+    assert offline.defers("off") is None and offline.defers("unknown") is None
