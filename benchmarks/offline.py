@@ -18,7 +18,7 @@ accuracy against the held-out labels: the cascade with the cloud up (phases befo
 the outage's answers as given, and the outage's answers with the corrections applied (each
 corrected request's answer replaced by the cloud's, by request id).
 
-    python benchmarks/offline.py [--rate 100] [--outage-s 300] [--before-s 30] [--after-s 30]
+    python benchmarks/offline.py [--rate 100] [--outage-s 300] [--before-s 30] [--after-s 30] [--adjudicate-share 0.01]
 """
 
 from __future__ import annotations
@@ -116,7 +116,7 @@ class Load:
 
 
 class Fleet:
-    def __init__(self, work: Path) -> None:
+    def __init__(self, work: Path, share: float) -> None:
         self.work = work
         self.models = work / "models"
         shutil.copytree(MODELS / "digits", self.models / "digits")
@@ -127,7 +127,7 @@ class Fleet:
         self.cloud = self._cloud()
         self.router = launch(
             ["router", "--listen", "127.0.0.1:0", "--cloud", self.cloud_address, "--no-advertise",
-             "--state-dir", str(self.state), *QUIET],
+             "--state-dir", str(self.state), "--adjudicate-share", str(share), *QUIET],
             role="router", log_dir=work,
         )  # fmt: skip
         self.agents = [
@@ -226,6 +226,7 @@ def main() -> None:
     parser.add_argument("--before-s", type=float, default=30.0)
     parser.add_argument("--outage-s", type=float, default=300.0)
     parser.add_argument("--after-s", type=float, default=30.0)
+    parser.add_argument("--adjudicate-share", type=float, default=0.01, help="the router's --adjudicate-share")
     parser.add_argument(
         "--judge-limit-s", type=float, default=600.0, help="stop waiting for the backlog after this"
     )
@@ -233,7 +234,7 @@ def main() -> None:
     splits = digits_splits()
     x, y = splits.held_out.x.astype(np.float32), splits.held_out.y
     with tempfile.TemporaryDirectory(prefix="stratus-offline-") as work:
-        fleet = Fleet(Path(work))
+        fleet = Fleet(Path(work), args.adjudicate_share)
         try:
             load = Load(fleet.router.address, x, args.rate)
             marks = asyncio.run(drive(fleet, load, args))

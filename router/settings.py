@@ -11,6 +11,7 @@ from router.audit_sampling import AuditPolicy
 from router.capture_hook import CaptureOptions
 from router.cloud_models import parse_cloud_models, parse_header, secret_headers
 from router.cloud_pool import CloudTarget
+from router.offline import DEFAULT_ADJUDICATE_SHARE
 from router.threshold_auto import AutoPolicy
 from stratus.config import at_least_one, not_negative, positive, secret, setting, share, validate
 from stratus.errors import ConfigError
@@ -155,7 +156,7 @@ class RouterSettings:
     # across restarts and crashes; None: nothing is deferred (answers are degraded, as before).
     state_dir: Path | None = None
     # The share of the cloud's capacity judging deferred requests may take, out of its spare room.
-    adjudicate_share: float = setting(0.1, check=share)
+    adjudicate_share: float = setting(DEFAULT_ADJUDICATE_SHARE, check=share)
     # Decision records as Parquet (every provisional request's, and this share of the others').
     decision_log: Path | None = None
     decision_log_share: float = setting(0.0, check=share)

@@ -266,7 +266,7 @@ def _add_offline(router: argparse.ArgumentParser) -> None:
                 "defer = true) and the cloud's corrections here, across restarts; without it nothing is deferred")  # fmt: skip
     option(router, "router", "adjudicate_share", "--adjudicate-share", type=float, metavar="SHARE",
            help="the share of the cloud's capacity judging deferred requests may take, out of its spare "
-                "room only (default 0.1)")  # fmt: skip
+                "room only (default 0.01)")  # fmt: skip
     option(router, "router", "decision_log", "--decision-log", type=Path, metavar="DIR",
            help="write decision records (each tier tried, and why the climb stopped) as Parquet: every "
                 "provisional request's, and --decision-log-share of the others'")  # fmt: skip
