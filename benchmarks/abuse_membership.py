@@ -24,7 +24,7 @@ from abuse_kit import (
     repeat,
 )
 
-from router.hello import MAX_VARIANTS_PER_AGENT
+from router.fleet.hello import MAX_VARIANTS_PER_AGENT
 from stratus.convert import codec
 from stratus.devtools.launcher import launch
 from stratus.serving.channels import MAX_STREAMS_PER_CONNECTION

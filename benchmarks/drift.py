@@ -80,7 +80,7 @@ import grpc  # noqa: E402
 from loadgen import MODELS, QUIET  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
-from router.agreement import MARGIN, MIN_AUDITS, wilson  # noqa: E402
+from router.audit.agreement import MARGIN, MIN_AUDITS, wilson  # noqa: E402
 from stratus.cli.demo import PathReport, launch_agent, through_gateway, wait_for_agents  # noqa: E402
 from stratus.convert import codec  # noqa: E402
 from stratus.convert.parameters import Served  # noqa: E402

@@ -16,7 +16,7 @@ serves on the router it is made on. Then, in one run:
    the store holding, besides ``digits``' record:
 
    - 10 other families' threshold records (``thresholds.bench-fam-NNNN``, written straight
-     into the bucket with the router's own NatsSiteState and ``router.thresholds.Record``,
+     into the bucket with the router's own NatsSiteState and ``router.thresholds.pushes.Record``,
      one valid version each, as the mirror writes them);
    - 500 such families (a router keeps at most ``MAX_FAMILIES`` families' pushes, 4,096: any
      past it are in the store and watched, but logged as not adopted; the count is printed);
@@ -71,7 +71,7 @@ from loadgen import QUIET, OpenLoop, Tally, launch_agent, make_requests  # noqa:
 
 from router.site.mirror import agent_key, thresholds_key  # noqa: E402
 from router.site.nats import NatsSiteState  # noqa: E402
-from router.thresholds import MAX_FAMILIES, Record, Version  # noqa: E402
+from router.thresholds.pushes import MAX_FAMILIES, Record, Version  # noqa: E402
 from stratus.devtools.launcher import Launched, launch  # noqa: E402
 from stratus.serving.channels import open_sync_channel  # noqa: E402
 from stratus.tiers import Tier  # noqa: E402

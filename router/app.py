@@ -13,25 +13,25 @@ from pathlib import Path
 
 import grpc
 
-from router.audit import Auditor
-from router.audit_metrics import audit_levels
+from router.api.fleet_service import FleetServicer, fleet_levels, rollout_levels
+from router.api.link import AdmissionGate, AgentLinkServicer
+from router.api.openai.api import OpenAiApi, check_listen, server_tls
+from router.audit.auditor import Auditor
+from router.audit.capture import CaptureHook
+from router.audit.metrics import audit_levels
 from router.backends.cloud import CloudBackend
-from router.capture_hook import CaptureHook
-from router.cloud import CloudLink
-from router.cloud_models import parse_cloud_models
-from router.cloud_pool import CloudPool
+from router.cloud.link import CloudLink
+from router.cloud.models import parse_cloud_models
+from router.cloud.pool import CloudPool
 from router.dataplane import RouterDataPlane
-from router.fleet_service import FleetServicer, fleet_levels, rollout_levels
-from router.link import AdmissionGate, AgentLinkServicer
+from router.fleet.registry import FleetRegistry
 from router.offline import Offline, OfflineSettings
-from router.openai_api import OpenAiApi, check_listen, server_tls
-from router.registry import FleetRegistry
-from router.rollout import ROLLED_BACK, Plan, Rollouts
+from router.rollout.plans import ROLLED_BACK, Plan, Rollouts
 from router.settings import OnCloudFailure, RouterSettings
 from router.site.mirror import SiteMirror
 from router.site.open import open_site_state
-from router.threshold_auto import AutoThresholds, auto_levels
-from router.thresholds import ThresholdPushes, threshold_levels
+from router.thresholds.auto import AutoThresholds, auto_levels
+from router.thresholds.pushes import ThresholdPushes, threshold_levels
 from stratus.convert.fleet import family_from_wire
 from stratus.errors import ConfigError
 from stratus.execution.describe import family_info
@@ -195,7 +195,7 @@ def _offline(
         return None
     store, sink = None, None
     if shared is not None:
-        from router.offline.nats_store import NatsCorrections, NatsDeferredStore
+        from router.site.deferred import NatsCorrections, NatsDeferredStore
         from router.site.nats import NatsSiteState
 
         assert isinstance(shared, NatsSiteState)  # the one shared kind of store
@@ -285,7 +285,7 @@ def _auditor(
 
 
 def _cloud_link(settings: RouterSettings, registry: FleetRegistry) -> CloudPool | None:
-    """A link to each cloud gateway (router/cloud_pool.py), which learns what it serves for
+    """A link to each cloud gateway (router/cloud/pool.py), which learns what it serves for
     the families agents bring."""
     if not settings.cloud:
         return None

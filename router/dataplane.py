@@ -25,12 +25,12 @@ from router.backends.cloud import CloudBackend
 from router.cascade.classify import ClassifyCascade, Job
 from router.cascade.common import pinned_options, request_budget
 from router.cascade.generate import Generation, GenerationCascade, Sink, generation_values
-from router.cloud_models import family_of
-from router.cloud_pool import CloudTier
+from router.cloud.models import family_of
+from router.cloud.pool import CloudTier
+from router.fleet.registry import FleetRegistry
 from router.obs import observer_for
 from router.policy import FleetSnapshot
-from router.registry import FleetRegistry
-from router.rollout import PROMOTED, Rollouts
+from router.rollout.plans import PROMOTED, Rollouts
 from stratus.convert.inference import InferRequest, InferResult, TextRequest
 from stratus.convert.parameters import CONFIG_CURRENT, CONFIG_THRESHOLD, CONFIG_VARIANTS, MODEL_VERSION
 from stratus.convert.tensors import check_inputs
@@ -54,7 +54,7 @@ from stratus.tiers import Tier
 from stratus.wire import inference_pb2 as pb
 
 if TYPE_CHECKING:
-    from router.audit import Auditor
+    from router.audit.auditor import Auditor
     from router.offline import Offline
 
 log = logging.getLogger("stratus.router")
@@ -77,7 +77,7 @@ class RouterDataPlane(DataPlane):
     ) -> None:
         self.observer = observer_for(metrics)
         self.offline = offline  # deferred requests, corrections, decision records (router/offline)  # every metric the request path records
-        self.audits = audits  # samples settled answers for the top tier to check (router/audit.py)
+        self.audits = audits  # samples settled answers for the top tier to check (router/audit/auditor.py)
         self.rollouts = rollouts or Rollouts(router_id="router")
         self._shadows: set[asyncio.Task[None]] = set()
         self.stopping = False  # set on SIGTERM: not ready, finishing what is in flight

@@ -7,12 +7,12 @@ import enum
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from router.audit_sampling import AuditPolicy
-from router.capture_hook import CaptureOptions
-from router.cloud_models import parse_cloud_models, parse_header, secret_headers
-from router.cloud_pool import CloudTarget
+from router.audit.capture import CaptureOptions
+from router.audit.sampling import AuditPolicy
+from router.cloud.models import parse_cloud_models, parse_header, secret_headers
+from router.cloud.pool import CloudTarget
 from router.offline import DEFAULT_ADJUDICATE_SHARE
-from router.threshold_auto import AutoPolicy
+from router.thresholds.auto import AutoPolicy
 from stratus.config import at_least_one, not_negative, positive, secret, setting, share, validate
 from stratus.errors import ConfigError
 from stratus.obs.metrics import check_metrics_exposure
@@ -142,14 +142,14 @@ class RouterSettings:
     # The same from a file (--cloud-header-file: KEY=VALUE lines), for values that are secrets:
     # a flag's value shows in `ps` and shell history.
     cloud_header: str = secret("STRATUS_CLOUD_HEADER")
-    # Background audits (router/audit.py): the share of the items settled below a family's
+    # Background audits (router/audit/auditor.py): the share of the items settled below a family's
     # top tier also asked of it, and at most this many a second per family; a family's
     # [audit] table overrides both.
     audit: AuditPolicy = field(default_factory=AuditPolicy)
     # --auto-thresholds: families whose thresholds step toward the audits' suggestion by
-    # themselves (router/threshold_auto.py); none by default.
+    # themselves (router/thresholds/auto.py); none by default.
     auto_thresholds: AutoPolicy = field(default_factory=AutoPolicy)
-    # --capture: audited and escalated items of the families named, as Parquet (router/capture_hook.py).
+    # --capture: audited and escalated items of the families named, as Parquet (router/audit/capture.py).
     capture: CaptureOptions = field(default_factory=CaptureOptions)
     # Offline-first (router/offline): where a lone router keeps requests answered provisionally
     # while the cloud was away (deferred/) and the cloud's corrections (corrections.jsonl),

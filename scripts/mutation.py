@@ -113,7 +113,7 @@ TARGETS: tuple[Target, ...] = (
     ),
     Target(
         "rollout-judge",
-        ("router/rollout_judge.py",),
+        ("router/rollout/judge.py",),
         (
             "tests/unit/test_rollout.py",
             "tests/unit/test_rollout_records.py",

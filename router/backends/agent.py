@@ -4,7 +4,7 @@
 its AgentLink stream writes), the Work it was sent and waits on, the generations whose
 Chunks it relays, and the :class:`~stratus.sched.batching.Batcher` that merges requests into
 Work while the agent is busy. The agent's identity, state and estimates stay on its
-handle (:class:`router.registry.AgentHandle`), which answers the policy; the handle's
+handle (:class:`router.fleet.registry.AgentHandle`), which answers the policy; the handle's
 ``classify`` and ``generate`` come here. Membership (joining, heartbeats, losing) is the
 registry's; it tells this side when the link is gone (:meth:`AgentWork.fail`).
 """

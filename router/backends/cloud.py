@@ -1,6 +1,6 @@
 """The cloud tier as a backend: one more candidate for the policy, on ``Tier.CLOUD``.
 
-The cloud is one gateway or a pool of them (:mod:`router.cloud_pool` spreads calls over
+The cloud is one gateway or a pool of them (:mod:`router.cloud.pool` spreads calls over
 the pool itself), so the router sees it as one target: ready while it takes calls, with
 no queue limit of its own (a gateway refuses for itself when full), and with the moving
 round-trip estimate of its link as the whole of its predicted latency.
@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from router.backends.base import Classified, Generated, OnChunk
-from router.cloud_pool import CloudTier
+from router.cloud.pool import CloudTier
 from stratus.convert.parameters import (
     COMPUTE_MS,
     COMPUTE_PRECISION,

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from router.backends.base import Backend
 from router.cascade.common import DEFAULT_BUDGET_MS, CascadeContext, allowed_ms, cloud_facts
-from router.index import line_key
+from router.fleet.index import line_key
 from router.offline.decisions import Decision, Hop, answered_hop, decision_of, failed_hop, skipped_hops
 from router.offline.provisional import cloud_was_needed
 from router.policy import Attempt, FleetSnapshot, NoTarget, Target, choose, top_tier
@@ -31,8 +31,8 @@ from router.policy.climb import (
     next_action,
     retryable,
 )
-from router.rollout import Plan
-from router.rollout_judge import top1
+from router.rollout.judge import top1
+from router.rollout.plans import Plan
 from stratus.convert.inference import InferResult
 from stratus.convert.parameters import (
     DECISION,

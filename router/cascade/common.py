@@ -13,13 +13,13 @@ from collections.abc import Callable, Coroutine
 from typing import Any, Protocol
 
 from router.backends.base import Backend
-from router.cloud_pool import CloudTier
+from router.cloud.pool import CloudTier
+from router.fleet.registry import FleetRegistry
 from router.obs import RouterObserver
 from router.offline import Offline
 from router.policy import FleetSnapshot
 from router.policy.climb import CloudFacts
-from router.registry import FleetRegistry
-from router.rollout import Rollouts
+from router.rollout.plans import Rollouts
 from stratus.convert.parameters import RequestOptions
 from stratus.tiers import Tier
 

@@ -31,7 +31,7 @@ from typing import Final
 from prometheus_client.core import Metric
 
 from router.backends.cloud import CloudBackend
-from router.cloud_pool import CloudTier
+from router.cloud.pool import CloudTier
 from router.offline.corrections import CorrectionLog, CorrectionSink, FileCorrections
 from router.offline.decisions import Decision, as_row, decision_schema
 from router.offline.judge import Judge, LabelSink

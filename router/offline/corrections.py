@@ -9,7 +9,7 @@ Where they are kept is a :class:`CorrectionSink`'s: on a lone router a JSON-line
 ``--state-dir`` (:class:`FileCorrections`: ``corrections.jsonl``, appended and synced before the
 deferred request it judges is removed, so a crash between the two judges that request again
 rather than losing its correction; rotated once to ``.1`` past ``MAX_FILE_BYTES``); at a site
-the site's NATS (router/offline/nats_store.py), read back by every router. The newest
+the site's NATS (router/site/deferred.py), read back by every router. The newest
 ``MAX_KEPT`` are held in memory for readers.
 """
 

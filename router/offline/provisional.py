@@ -12,7 +12,7 @@ from typing import Protocol
 
 import numpy as np
 
-from router.cloud_pool import CloudTier
+from router.cloud.pool import CloudTier
 from router.policy.climb import ClimbState
 from stratus.convert.tensors import Tensors, top1
 from stratus.tiers import Tier

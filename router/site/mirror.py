@@ -3,8 +3,8 @@ path reads it, and the changes made here written back with compare-and-swap.
 
 Keys and what they hold (JSON):
 
-* ``rollout.FAMILY.TIER``: a rollout's :class:`~router.rollout.Plan`;
-* ``thresholds.FAMILY``: a family's pushed thresholds (:class:`~router.thresholds.Record`);
+* ``rollout.FAMILY.TIER``: a rollout's :class:`~router.rollout.plans.Plan`;
+* ``thresholds.FAMILY``: a family's pushed thresholds (:class:`~router.thresholds.pushes.Record`);
 * ``agent.ID``: what an operator said of an agent for the whole site, ``{"mark": "drained" |
   "ready" | "forgotten", "by", "at"}``: each router drains (undrains, forgets) its own link to
   it, and a router the agent links to later, or one restarted, drains it on its Hello;
@@ -42,12 +42,12 @@ import time
 from collections.abc import Callable
 from typing import Any, Final, TypeVar
 
-from router.agent_handle import AgentHandle
-from router.registry import FleetRegistry
-from router.rollout import Plan, Rollouts
+from router.fleet.agent_handle import AgentHandle
+from router.fleet.registry import FleetRegistry
+from router.rollout.plans import Plan, Rollouts
 from router.site import Entry, SiteState, StoreConflict, StoreUnavailable
 from router.site.lease import Lease
-from router.thresholds import Record, ThresholdPushes
+from router.thresholds.pushes import Record, ThresholdPushes
 from stratus.errors import ConfigError, InvalidInput, NotFound
 from stratus.serving.revocations import (
     MAX_CREDENTIAL,

@@ -140,7 +140,7 @@ class NatsSiteState(SiteState):
     @property
     def jetstream(self) -> JetStreamContext | None:
         """The connection's JetStream, while the store answers: what else the site keeps in
-        NATS (router/offline/nats_store.py: deferred requests and corrections) uses it."""
+        NATS (router/site/deferred.py: deferred requests and corrections) uses it."""
         return self._js if self.connected else None
 
     @property

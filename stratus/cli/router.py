@@ -314,7 +314,7 @@ def _add_audits(router: argparse.ArgumentParser) -> None:
         metavar="FAMILY=GOAL:VALUE,...",
         help="step these families' thresholds toward what the audits suggest (digits=target_accuracy:0.98 "
         "or digits=max_escalation:0.05; 'families': each family whose [audit] auto names a goal), upward "
-        "only, bounded (router/threshold_auto.py); off by default",
+        "only, bounded (router/thresholds/auto.py); off by default",
     )
     option(router, "router", "auto_thresholds.max_step", "--auto-max-step", type=share,
             help="most a threshold moves per interval")  # fmt: skip
@@ -334,7 +334,7 @@ def _agent_pool(text: str) -> tuple[str, int]:
 
 
 def _cloud_header(text: str) -> tuple[str, str]:
-    from router.cloud_models import parse_header
+    from router.cloud.models import parse_header
 
     try:
         return parse_header(text)
@@ -343,7 +343,7 @@ def _cloud_header(text: str) -> tuple[str, str]:
 
 
 def _cloud_models(text: str) -> str:
-    from router.cloud_models import parse_cloud_models
+    from router.cloud.models import parse_cloud_models
 
     try:
         parse_cloud_models(text)

@@ -61,7 +61,7 @@ class AgentTokens:
     """Per-agent tokens: a file of ``AGENT_ID TOKEN`` lines (``#`` comments, blank lines).
 
     The file is read again whenever it changes, so revoking an agent is deleting its line,
-    with no restart: a link whose token is gone ends at its next heartbeat (router/link.py).
+    with no restart: a link whose token is gone ends at its next heartbeat (router/api/link.py).
     A file that stops parsing, or is deleted, fails closed: no agent is admitted, and live
     links end, until it is fixed (said as an ERROR at each change), since keeping the last
     good table would silently keep a revoked agent in (security2 N4).

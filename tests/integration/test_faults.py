@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from edge_agent.sdk import Client
-from router.cloud import RECONNECT_OPTIONS
+from router.cloud.link import RECONNECT_OPTIONS
 from stratus.convert.parameters import Served
 from stratus.devtools.launcher import free_port
 from stratus.serving.channels import grpc_options

@@ -26,7 +26,7 @@ import grpc
 import numpy as np
 import pytest
 
-from router.cloud import RECONNECT_OPTIONS
+from router.cloud.link import RECONNECT_OPTIONS
 from stratus.serving.channels import open_sync_channel
 from stratus.tiers import Tier
 from stratus.wire import inference_pb2 as pb

@@ -12,8 +12,8 @@ from pathlib import Path
 import numpy as np
 
 from router.offline.corrections import CorrectionLog
-from router.offline.nats_store import NatsCorrections, NatsDeferredStore
 from router.offline.store import FULL_ITEMS, new_key
+from router.site.deferred import NatsCorrections, NatsDeferredStore
 from router.site.nats import NatsSiteState
 from stratus.convert import codec
 from stratus.devtools.launcher import free_port

@@ -7,10 +7,10 @@ import random
 
 import pytest
 
-from router.accuracy import accuracy_reply
-from router.agreement import DRIFTED, IN_LINE, NOT_CALIBRATED, TOO_FEW, AuditKey
-from router.audit import Auditor
-from router.registry import FleetRegistry
+from router.api.accuracy import accuracy_reply
+from router.audit.agreement import DRIFTED, IN_LINE, NOT_CALIBRATED, TOO_FEW, AuditKey
+from router.audit.auditor import Auditor
+from router.fleet.registry import FleetRegistry
 from stratus.cli.accuracy import accuracy_json, accuracy_table
 from stratus.errors import NotFound
 from stratus.families.audit import TierCalibration

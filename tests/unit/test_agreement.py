@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from router.agreement import (
+from router.audit.agreement import (
     DRIFTED,
     IN_LINE,
     NOT_CALIBRATED,

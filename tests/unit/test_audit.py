@@ -12,16 +12,16 @@ from dataclasses import dataclass, field
 import numpy as np
 import pytest
 
-from router.agreement import AuditKey, Estimate
-from router.audit import Auditor
-from router.audit_climbs import finished, missing, text_row
-from router.audit_metrics import audit_levels
-from router.audit_sampling import AuditPolicy, Said, Sampler, same_number, same_text
+from router.audit.agreement import AuditKey, Estimate
+from router.audit.auditor import Auditor
+from router.audit.climbs import finished, missing, text_row
+from router.audit.metrics import audit_levels
+from router.audit.sampling import AuditPolicy, Said, Sampler, same_number, same_text
 from router.cascade.classify import Answer, Job
 from router.cascade.generate import Generation
-from router.cloud import CloudLink, OnChunk
-from router.cloud_pool import CloudPool
-from router.registry import FleetRegistry
+from router.cloud.link import CloudLink, OnChunk
+from router.cloud.pool import CloudPool
+from router.fleet.registry import FleetRegistry
 from stratus.convert import codec
 from stratus.convert.fleet import family_from_wire
 from stratus.convert.parameters import RequestOptions
@@ -585,7 +585,7 @@ def test_answers_of_a_rollouts_arms_are_audited_at_the_rollout_share_and_told_to
     answers are audited anyway, each outcome told to the rollout with its arm. Once the step is
     no longer judged (complete), they are sampled as any answer: not at all here."""
     from router.cascade.classify import Arm
-    from router.rollout import COMPLETE, Plan
+    from router.rollout.plans import COMPLETE, Plan
 
     async def body() -> None:
         pool, link = cloud_pool()

@@ -11,7 +11,7 @@ import pytest
 from edge_agent.agent import Agent
 from edge_agent.link import Link, receive
 from edge_agent.settings import AgentSettings
-from router.registry import FleetRegistry
+from router.fleet.registry import FleetRegistry
 from stratus.convert import codec
 from stratus.convert.tensors import Tensors
 from stratus.errors import DeadlineExceeded

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from router.capture_hook import CaptureHook, CaptureSettings
+from router.audit.capture import CaptureHook, CaptureSettings
 from router.cascade.generate import Generation
 from stratus.cli.main import main
 from stratus.convert import codec

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from router.openai_requests import messages_of
+from router.api.openai.requests import messages_of
 from stratus.convert import codec
 from stratus.convert.inference import InferRequest
 from stratus.convert.parameters import set_parameter

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from router.cloud_breaker import CircuitBreaker
+from router.cloud.breaker import CircuitBreaker
 
 
 class Clock:

@@ -1,5 +1,5 @@
 """What the router asks a cloud for, and which of its models answers each family
-(router.cloud_models): flags, names, tensor checks and the choice of route."""
+(router.cloud.models): flags, names, tensor checks and the choice of route."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from router.cloud_models import (
+from router.cloud.models import (
     Found,
     NamedModel,
     descriptions,

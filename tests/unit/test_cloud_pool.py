@@ -8,8 +8,8 @@ from collections import Counter
 
 import pytest
 
-from router.cloud import CloudLink
-from router.cloud_pool import CloudPool, CloudTarget, resolve_addresses
+from router.cloud.link import CloudLink
+from router.cloud.pool import CloudPool, CloudTarget, resolve_addresses
 from stratus.errors import ConfigError, Unavailable
 from stratus.wire import inference_pb2 as pb
 

@@ -10,11 +10,11 @@ from typing import Any
 import pytest
 
 from cloud_gateway.reload import what_changed
-from router.cloud import CloudLink
-from router.cloud_models import answered_by
-from router.family_view import DEGRADED, SERVING, UNAVAILABLE, TierSeen, family_statuses, judge
-from router.fleet_service import agent_status, cloud_status
-from router.rollout import Rollouts
+from router.api.family_view import DEGRADED, SERVING, UNAVAILABLE, TierSeen, family_statuses, judge
+from router.api.fleet_service import agent_status, cloud_status
+from router.cloud.link import CloudLink
+from router.cloud.models import answered_by
+from router.rollout.plans import Rollouts
 from stratus.cli.fleet import cloud_table, duration, families_table, family_json, status_json
 from stratus.convert.fleet import family_from_wire
 from stratus.errors import InvalidInput

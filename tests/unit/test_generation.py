@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from router.openai_requests import (
+from router.api.openai.requests import (
     check_fields,
     choice_params,
     choices_of,
@@ -248,8 +248,8 @@ def test_n_choices_per_prompt_are_bounded_and_each_draws_from_its_own_seed() -> 
 
 
 def test_usage_counts_a_prompts_tokens_once_whatever_its_choices() -> None:
+    from router.api.openai.replies import usage
     from router.cascade.generate import Generation
-    from router.openai_replies import usage
 
     def generated(prompt_tokens: int, completion_tokens: int) -> Generation:
         return Generation(
@@ -283,8 +283,8 @@ def test_an_empty_prompt_is_refused_at_the_door_on_both_fronts() -> None:
 
 
 def test_the_cloud_link_knows_a_text_model_and_its_max_tokens_from_its_description() -> None:
-    from router.cloud_catalog import UNDECLARED_MAX_TOKENS, _max_tokens
-    from router.cloud_models import generates as _generates
+    from router.cloud.catalog import UNDECLARED_MAX_TOKENS, _max_tokens
+    from router.cloud.models import generates as _generates
     from stratus.convert.text import generative_config, generative_metadata
     from stratus.wire import inference_pb2 as pb
 

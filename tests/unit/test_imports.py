@@ -168,9 +168,9 @@ def test_the_scan_sees_the_kinds_of_import_it_tells_apart() -> None:
     at_import = {(e.source, e.target) for e in edges if e.at_import}
     lazy = {(e.source, e.target) for e in edges if e.lazy}
     typing = {(e.source, e.target) for e in edges if e.typing}
-    assert ("router.link", "router.registry") in at_import and ("stratus.cli.router", "router.app") in lazy
-    assert ("router.dataplane", "router.audit") in typing - at_import
-    assert {"stratus.wire.fleet_pb2", "router.cloud"} <= set(modules())
+    assert ("router.api.link", "router.fleet.registry") in at_import and ("stratus.cli.router", "router.app") in lazy
+    assert ("router.dataplane", "router.audit.auditor") in typing - at_import
+    assert {"stratus.wire.fleet_pb2", "router.cloud.link"} <= set(modules())
 
 
 def test_no_cycle_among_the_imports_that_run_at_import_time() -> None:
@@ -299,3 +299,54 @@ def test_no_module_of_stratus_imports_from_a_layer_above_it() -> None:
         and layer_of(edge.target) > layer_of(edge.source)
     ]
     assert not upward, "imports up a layer of stratus/:\n  " + "\n  ".join(upward)
+
+
+# router/ by role (docs/architecture.md, "The parts and where they live"): each folder's floor. A
+# room imports from its own floor or the ones below, never above; the composition root on top.
+ROUTER_LAYERS = {
+    "router": 0,  # the package itself
+    "router.policy": 0,  # the pure climb
+    "router.obs": 0,
+    "router.rollout": 0,
+    "router.cloud": 0,
+    "router.backends": 1,
+    "router.fleet": 2,
+    "router.offline": 3,
+    "router.cascade": 4,
+    "router.audit": 5,
+    "router.thresholds": 6,
+    "router.site": 7,
+    "router.dataplane": 8,
+    "router.api": 9,
+    "router.settings": 9,
+    "router.app": 10,
+}
+
+
+def router_layer_of(module: str) -> int:
+    parts = module.split(".")
+    for end in range(len(parts), 0, -1):
+        prefix = ".".join(parts[:end])
+        if prefix in ROUTER_LAYERS:
+            return ROUTER_LAYERS[prefix]
+    raise AssertionError(f"{module} is in no floor of router/: add its folder to ROUTER_LAYERS")
+
+
+def test_every_module_of_the_router_has_a_floor() -> None:
+    rooms = [name for name in modules() if name.split(".")[0] == "router"]
+    assert len(rooms) > 40
+    for name in rooms:
+        router_layer_of(name)
+
+
+def test_no_module_of_the_router_imports_from_a_floor_above_it() -> None:
+    """Lazy and TYPE_CHECKING imports count too."""
+    upward = [
+        str(edge)
+        for edge in all_imports()
+        if edge.source.split(".")[0] == "router"
+        and edge.target.split(".")[0] == "router"
+        and router_layer_of(edge.target) > router_layer_of(edge.source)
+    ]
+    assert not upward, "imports up a floor of router/:\n  " + "\n  ".join(upward)
+

@@ -8,10 +8,10 @@ import random
 
 import pytest
 
-from router.index import Pool
-from router.link import AdmissionGate
+from router.api.link import AdmissionGate
+from router.fleet.index import Pool
+from router.fleet.registry import FORGET_LOST_S, MISSED_HEARTBEATS, FleetRegistry, pace_for
 from router.policy import Attempt, Target, choose
-from router.registry import FORGET_LOST_S, MISSED_HEARTBEATS, FleetRegistry, pace_for
 from stratus.errors import InvalidInput, Overloaded
 from stratus.obs.stats import RateMeter
 from stratus.tiers import Tier

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from router.index import AgentIndex
+from router.fleet.index import AgentIndex
 from router.policy import (
     DRAWS,
     Attempt,

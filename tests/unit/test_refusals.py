@@ -7,7 +7,7 @@ import logging
 
 import pytest
 
-from router.link import HelloRate, Refusals
+from router.api.link import HelloRate, Refusals
 from stratus.errors import Overloaded, Unauthenticated
 
 

@@ -8,10 +8,10 @@ import math
 
 import pytest
 
-from router import registry as registry_module
 from router.backends.agent import split_result
 from router.dataplane import listing
-from router.registry import FORGET_LOST_S, MAX_OPERATOR_WATCHERS, MAX_WATCHERS, MAX_WATCHERS_PER_ADDRESS
+from router.fleet import registry as registry_module
+from router.fleet.registry import FORGET_LOST_S, MAX_OPERATOR_WATCHERS, MAX_WATCHERS, MAX_WATCHERS_PER_ADDRESS
 from stratus.errors import InvalidInput, Overloaded
 from stratus.tiers import Tier
 from stratus.wire import fleet_pb2 as fpb
@@ -106,7 +106,7 @@ def test_an_agent_that_describes_one_family_differently_still_serves_the_others(
 
 
 def test_a_status_lists_agents_up_to_its_size_limit_linked_ones_first(monkeypatch: pytest.MonkeyPatch) -> None:
-    from router import fleet_service
+    from router.api import fleet_service
 
     reg = registry()
     for index in range(10):
@@ -122,7 +122,7 @@ def test_a_status_lists_agents_up_to_its_size_limit_linked_ones_first(monkeypatc
 
 
 def test_a_watch_lists_less_than_a_status(monkeypatch: pytest.MonkeyPatch) -> None:
-    from router import fleet_service
+    from router.api import fleet_service
 
     reg = registry()
     for index in range(6):
@@ -136,7 +136,7 @@ def test_a_watch_lists_less_than_a_status(monkeypatch: pytest.MonkeyPatch) -> No
 
 def calibrated(reg: registry_module.FleetRegistry) -> dict[str, float]:
     """The router's calibrated-share gauge, as a scrape would read it."""
-    from router.fleet_service import calibrated_shares
+    from router.api.fleet_service import calibrated_shares
 
     return {sample.labels["family"]: sample.value for sample in calibrated_shares(reg).samples}
 

@@ -8,7 +8,7 @@ import math
 import numpy as np
 import pytest
 
-from router.rollout_judge import (
+from router.rollout.judge import (
     AUDIT_LOOK_GROWTH,
     WINDOW_LATENCIES,
     ArmWindow,
@@ -288,7 +288,7 @@ def test_the_agreement_margin_is_how_much_lower_it_may_at_most_be() -> None:
 def test_looks_spaced_by_growth_keep_false_rollbacks_rare_and_catch_a_worse_model(
     current_agrees: float, candidate_agrees: float, rolled_back_at_least: float, rolled_back_at_most: float
 ) -> None:
-    """A step judged as router.rollout does, looked at when each arm has the audits wanted
+    """A step judged as router.rollout.plans does, looked at when each arm has the audits wanted
     (50, then AUDIT_LOOK_GROWTH times the last look's):
     over 200 seeded steps, an equal candidate is seldom rolled back and the review's worse
     model usually is (the simulation that chose the defaults)."""

@@ -12,13 +12,13 @@ from typing import Any
 
 import pytest
 
-from router import rollout as rollout_module
-from router.registry import FleetRegistry
-from router.rollout import Plan, Rollouts
+from router.fleet.registry import FleetRegistry
+from router.rollout import plans as rollout_module
+from router.rollout.plans import Plan, Rollouts
 from router.site import Entry
 from router.site.file import FileSiteState
 from router.site.mirror import SiteMirror, rollout_key, router_key, thresholds_key
-from router.thresholds import ThresholdPushes
+from router.thresholds.pushes import ThresholdPushes
 from stratus.tiers import Tier
 
 

@@ -13,12 +13,12 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from router.registry import FleetRegistry
-from router.rollout import Rollouts
+from router.fleet.registry import FleetRegistry
+from router.rollout.plans import Rollouts
 from router.site import Entry
 from router.site.file import FileSiteState
 from router.site.mirror import SiteMirror, revoked_key
-from router.thresholds import ThresholdPushes
+from router.thresholds.pushes import ThresholdPushes
 from stratus.errors import InvalidInput, PermissionDenied
 from stratus.serving.auth import RouterCredentials
 from stratus.serving.revocations import AnyRevoked, Revoked, SiteRevocations, credential_key, parse_credential

@@ -7,9 +7,9 @@ from collections.abc import Mapping
 
 import pytest
 
-from router.audit_rows import Row, TierAnswer
-from router.registry import FleetRegistry
-from router.threshold_auto import (
+from router.audit.rows import Row, TierAnswer
+from router.fleet.registry import FleetRegistry
+from router.thresholds.auto import (
     CAPPED,
     HELD,
     IN_LINE,
@@ -21,7 +21,7 @@ from router.threshold_auto import (
     parse_goals,
     plan_step,
 )
-from router.thresholds import ThresholdPushes
+from router.thresholds.pushes import ThresholdPushes
 from stratus.errors import ConfigError
 from stratus.tiers import Tier
 from stratus.tools.calibrate.from_audits import suggest

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from router.registry import FleetRegistry
-from router.thresholds import (
+from router.fleet.registry import FleetRegistry
+from router.thresholds.pushes import (
     ThresholdPushes,
     pushable,
     steer,

@@ -13,7 +13,7 @@ import asyncio
 import numpy as np
 import pytest
 
-from router.audit_rows import RowBook, TierAnswer
+from router.audit.rows import RowBook, TierAnswer
 from stratus.convert import codec
 from stratus.errors import ConfigError
 from stratus.families.confidence import PASS_ALL

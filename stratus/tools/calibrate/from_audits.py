@@ -1,6 +1,6 @@
 """Thresholds suggested from the fleet's audits, by calibrate's own chooser.
 
-The router keeps audit rows (``router/audit_rows.py``): an unbiased share of the traffic, each
+The router keeps audit rows (``router/audit/rows.py``): an unbiased share of the traffic, each
 item with every lower tier's confidence and class, labelled with the top tier's class (for a
 generative family: each lower tier's confidence and whether its text agreed with the top's). Those
 rows are a labelled split like calibrate's, with one difference: the label *is* the top tier's

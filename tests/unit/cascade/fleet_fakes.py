@@ -24,12 +24,12 @@ from dataclasses import dataclass, field
 import grpc
 import numpy as np
 
-from router.agent_handle import AgentHandle
 from router.cascade.classify import ClassifyCascade
 from router.cascade.generate import Generation
-from router.cloud import CloudLink, OnChunk
+from router.cloud.link import CloudLink, OnChunk
 from router.dataplane import RouterDataPlane
-from router.registry import FleetRegistry
+from router.fleet.agent_handle import AgentHandle
+from router.fleet.registry import FleetRegistry
 from stratus.convert import codec
 from stratus.convert.inference import InferRequest, InferResult, TextRequest
 from stratus.convert.parameters import CONFIDENCE, VARIANT, RequestOptions, Served, set_parameter

@@ -20,7 +20,7 @@ import grpc
 import numpy as np
 import pytest
 
-from router.rollout import Rollouts
+from router.rollout.plans import Rollouts
 from stratus.convert import codec
 from stratus.convert.inference import InferRequest, TextRequest
 from stratus.convert.parameters import (
@@ -382,7 +382,7 @@ async def test_the_auditor_is_told_which_items_each_answer_was_for() -> None:
 
 
 async def test_an_answer_of_a_rollouts_arm_carries_the_arm_to_the_audits() -> None:
-    """Audits of a rollout's arms are the step's agreement evidence (router.audit): the
+    """Audits of a rollout's arms are the step's agreement evidence (router.audit.auditor): the
     answer the auditor is handed names the arm it was given for, and the candidate's
     answers the candidate."""
     async with fleet() as f:

@@ -10,8 +10,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final
 
-from router.agreement import WINDOW_AUDITS, WINDOW_S, AuditKey
-from router.audit_rows import TierAnswer
+from router.audit.agreement import WINDOW_AUDITS, WINDOW_S, AuditKey
+from router.audit.rows import TierAnswer
 from stratus.convert.tensors import Tensors
 from stratus.errors import ConfigError
 from stratus.families.audit import EXACT, NUMBER
@@ -122,9 +122,9 @@ class Audit:
     prompt: pb.ModelInferRequest | None = None
     text: str = ""
     compare: str = EXACT
-    # Per item, what each tier it visited said (router/audit_rows.py): a row once the top answers.
+    # Per item, what each tier it visited said (router/audit/rows.py): a row once the top answers.
     visited: tuple[tuple[TierAnswer, ...], ...] = ()
-    # A prompt's whole answers below the top (router/audit_climbs.py), for its row.
+    # A prompt's whole answers below the top (router/audit/climbs.py), for its row.
     said: tuple[Said, ...] = ()
     # Set on a row's job alone: the top tier's text, already given. Nothing is audited then;
     # the missing tiers are asked for the row.

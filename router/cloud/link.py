@@ -9,7 +9,7 @@ every escalation on it (the data plane then answers with the best lower-tier res
 marked degraded) and is re-opened with backoff. What the cloud serves is learnt each time
 the link opens, and again whenever agents bring new families: from RepositoryIndex where
 the cloud allows it, and from ModelReady/ModelMetadata for the names the families and the
-operator give (see :mod:`router.cloud_models`). Every call carries the operator's headers
+operator give (see :mod:`router.cloud.models`). Every call carries the operator's headers
 (``--cloud-header``: Triton's access token, an ingress's bearer token).
 """
 
@@ -25,9 +25,9 @@ from typing import Any
 
 import grpc
 
-from router.cloud_breaker import CircuitBreaker
-from router.cloud_catalog import LINK_DOWN, CloudCatalog, Families, Headers
-from router.cloud_models import NamedModel
+from router.cloud.breaker import CircuitBreaker
+from router.cloud.catalog import LINK_DOWN, CloudCatalog, Families, Headers
+from router.cloud.models import NamedModel
 from stratus.convert import codec
 from stratus.convert.errors import error_from_call, error_from_stream
 from stratus.convert.parameters import CONFIDENCE, VARIANT, set_parameter

@@ -21,9 +21,9 @@ from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
-from router.agent_handle import AgentHandle
-from router.hello import check_hello_bounds
-from router.registry import FleetRegistry
+from router.fleet.agent_handle import AgentHandle
+from router.fleet.hello import check_hello_bounds
+from router.fleet.registry import FleetRegistry
 from stratus import __version__
 from stratus.errors import ConfigError, DeadlineExceeded, InvalidInput, Overloaded, StratusError
 from stratus.serving.auth import POOL_PREFIX, RouterCredentials

@@ -2,7 +2,7 @@
 
 The handle is what the policy reads and the cascades ask (:class:`router.backends.base.Backend`);
 its transport is its ``work`` (:class:`router.backends.agent.AgentWork`); the registry
-(:mod:`router.registry`) creates both when the agent says Hello and changes the state.
+(:mod:`router.fleet.registry`) creates both when the agent says Hello and changes the state.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from router.backends.agent import AgentWork
 from router.backends.base import Classified, Generated, OnChunk
-from router.index import line_key
+from router.fleet.index import line_key
 from stratus.convert.fleet import latency_from_wire
 from stratus.convert.tensors import Tensors
 from stratus.obs.stats import LatencySummary, LatencyWindow, RateMeter, ServiceCurve, SizeWindow

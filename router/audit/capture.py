@@ -1,6 +1,6 @@
 """What the router captures for the device to learn next (issue 20 §4): ``--capture DIR``.
 
-The auditor (router/audit.py) already holds, for an audited item and for an item that
+The auditor (router/audit/auditor.py) already holds, for an audited item and for an item that
 climbed to the top tier, its inputs (or its prompt) and every tier's answer. This hook turns
 such an item into a :class:`~stratus.obs.capture.CapturedItem` and hands it to the
 :class:`~stratus.obs.capture.CaptureWriter`, which writes Parquet on a thread of its own: the hook
@@ -33,8 +33,8 @@ from stratus.wire import fleet_pb2 as fpb
 from stratus.wire import inference_pb2 as pb
 
 if TYPE_CHECKING:
-    from router.audit_climbs import CascadeView
-    from router.audit_sampling import Audit, Reference
+    from router.audit.climbs import CascadeView
+    from router.audit.sampling import Audit, Reference
     from router.cascade.classify import Answer
     from router.cascade.generate import Generation
 

@@ -9,7 +9,7 @@ background and only on spare capacity, as audits are asked (:func:`text_row`). A
 cannot be completed is not kept: a half row would bias the suggestion toward the tiers that
 happened to answer.
 
-Rows hold no text (``router.audit_rows``): each tier's answer becomes whether it agreed with
+Rows hold no text (``router.audit.rows``): each tier's answer becomes whether it agreed with
 the top tier's, by the family's comparator.
 """
 
@@ -18,8 +18,8 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Protocol
 
-from router.audit_rows import TierAnswer
-from router.audit_sampling import Said
+from router.audit.rows import TierAnswer
+from router.audit.sampling import Said
 from router.cascade.generate import Generation
 from stratus.convert.tensors import top1
 from stratus.tiers import Tier

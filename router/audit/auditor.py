@@ -6,7 +6,7 @@ So the router samples items that settled below the family's top tier *by their o
 (each with probability ``share``, at most ``max_per_s`` a second per family), asks the top tier
 the same question in the background, and compares the two answers: top-1 class for a
 classifier; the text for a generative family (exactly, stripped, or as numbers). Each outcome
-lands in an :class:`~router.agreement.AgreementBook` keyed by (family, tier, variant, agent).
+lands in an :class:`~router.audit.agreement.AgreementBook` keyed by (family, tier, variant, agent).
 
 An audit never delays the client (the answer has gone back before it is queued) and never
 displaces client traffic: it waits in a bounded queue (the oldest is dropped when it is full),
@@ -34,10 +34,10 @@ from typing import TYPE_CHECKING, Any, Final, Protocol
 
 import numpy as np
 
-from router.agreement import AgreementBook, AuditKey
-from router.audit_climbs import CascadeView, agreement_row, finished, missing, text_row, visits
-from router.audit_rows import RowBook, TierAnswer
-from router.audit_sampling import (
+from router.audit.agreement import AgreementBook, AuditKey
+from router.audit.climbs import CascadeView, agreement_row, finished, missing, text_row, visits
+from router.audit.rows import RowBook, TierAnswer
+from router.audit.sampling import (
     COMPARATORS,
     Audit,
     AuditPolicy,
@@ -49,9 +49,9 @@ from router.audit_sampling import (
 from router.backends.base import Backend, Classified
 from router.backends.cloud import CloudBackend
 from router.cascade.generate import Generation
-from router.cloud_pool import CloudTier
+from router.cloud.pool import CloudTier
+from router.fleet.registry import FleetRegistry
 from router.policy import Target
-from router.registry import FleetRegistry
 from stratus.convert.tensors import Tensors, top1
 from stratus.errors import StratusError
 from stratus.families.audit import EXACT
@@ -63,7 +63,7 @@ from stratus.wire import inference_pb2 as pb
 
 if TYPE_CHECKING:
     from router.cascade.classify import Answer, Arm
-    from router.rollout import Plan
+    from router.rollout.plans import Plan
 
 log = logging.getLogger("stratus.audit")
 
@@ -76,7 +76,7 @@ DRAWS: Final = 4
 
 
 class RolloutEvidence(Protocol):
-    """Where an audited answer of a rollout's arm goes (router.rollout.Rollouts): the step's
+    """Where an audited answer of a rollout's arm goes (router.rollout.plans.Rollouts): the step's
     judge weighs each arm's agreement with the top tier."""
 
     def record_audit(self, plan: Plan, *, candidate: bool, agreed: bool) -> None: ...
@@ -89,7 +89,7 @@ ROLLOUT_SHARE: Final = 1.0
 
 
 class Capture(Protocol):
-    """Where audited and escalated items go under ``--capture`` (router/capture_hook.py's
+    """Where audited and escalated items go under ``--capture`` (router/audit/capture.py's
     CaptureHook; a protocol here, so that the auditor does not import what imports it)."""
 
     def wants(self, family: str) -> bool: ...

@@ -2,7 +2,7 @@
 
 One channel to a Kubernetes Service's ClusterIP sticks to one pod for as long as its
 connection lives, so the replicas an autoscaler adds get nothing. The pool instead keeps a
-:class:`~router.cloud.CloudLink` (its own channel, stream and circuit breaker) per gateway
+:class:`~router.cloud.link.CloudLink` (its own channel, stream and circuit breaker) per gateway
 and sends each escalation or generation to the less busy of two gateways picked at random
 (power of two choices: near-even load without a global view, and one slow gateway is
 avoided as soon as its in-flight count grows).
@@ -28,8 +28,8 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
-from router.cloud import UNMEASURED_MS, CloudLink, OnChunk
-from router.cloud_models import NamedModel
+from router.cloud.link import UNMEASURED_MS, CloudLink, OnChunk
+from router.cloud.models import NamedModel
 from stratus.errors import ConfigError, Unavailable
 from stratus.families.description import FamilyDescription
 from stratus.obs.stats import LatencyWindow

@@ -1,5 +1,5 @@
 """The families a router serves: as its agents' Hellos describe them, and with the thresholds
-an operator pushed fleet-wide (router/thresholds.py) over theirs.
+an operator pushed fleet-wide (router/thresholds/pushes.py) over theirs.
 
 Each description arrives read (``stratus.convert.fleet.family_from_wire``, once per Hello), so
 nothing here holds a Hello's messages. Under a push, the agents' own description is kept

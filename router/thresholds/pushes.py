@@ -23,7 +23,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final, Protocol
 
-from router.audit_rows import Row
+from router.audit.rows import Row
 from stratus.errors import ConfigError, Conflict, InvalidInput, NotFound
 from stratus.families.confidence import threshold_problem
 from stratus.families.description import FamilyDescription
@@ -265,7 +265,7 @@ class ThresholdPushes:
 
 
 class FamilyThresholds(Protocol):
-    """What a push reads of the registry (``router.registry.FleetRegistry``)."""
+    """What a push reads of the registry (``router.fleet.registry.FleetRegistry``)."""
 
     def family(self, name: str) -> FamilyDescription | None: ...
 

@@ -35,8 +35,8 @@ from typing import Final
 
 from prometheus_client.core import CounterMetricFamily
 
-from router.audit_rows import Row
-from router.thresholds import FamilyThresholds, ThresholdPushes
+from router.audit.rows import Row
+from router.thresholds.pushes import FamilyThresholds, ThresholdPushes
 from stratus.errors import ConfigError
 from stratus.families.audit import goal_problem
 from stratus.obs.metrics import Metric

@@ -21,12 +21,12 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Final
 
-from router.agent_handle import AgentHandle, State
 from router.backends.agent import AgentWork, WorkSettings
 from router.backends.base import Backend
-from router.family_book import FamilyBook
-from router.hello import check_hello_bounds
-from router.index import AgentIndex
+from router.fleet.agent_handle import AgentHandle, State
+from router.fleet.family_book import FamilyBook
+from router.fleet.hello import check_hello_bounds
+from router.fleet.index import AgentIndex
 from router.policy import FleetSnapshot
 from stratus.convert.fleet import family_from_wire
 from stratus.convert.hardware import describe as describe_hardware

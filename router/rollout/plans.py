@@ -9,14 +9,14 @@ judges it against the current variant over the same window, once each has served
 * more errors than the current variant beyond ``max_error_increase`` (absolute share),
 * a p99 latency above ``max_p99_ratio`` times the current one (and ``p99_slack_ms`` more),
 * more unsure answers (items that had to escalate) beyond ``max_unsure_increase``,
-* a lower agreement with the family's top tier, from the audits (router.audit), which ask the
+* a lower agreement with the family's top tier, from the audits (router.audit.auditor), which ask the
   top tier about both arms' settled answers at a raised share while a step is judged. A model
   wrong and sure of itself has no more errors, latency or unsure answers than a good one,
   and looked better on those alone. Where a tier above audits the rollout's tier, a step
   waits for ``min_audits`` of each arm, then advances only once the candidate's agreement is
   surely within ``max_disagreement_increase`` of the current's, and rolls back once it is
   surely lower at all; in between it waits, looking again at 1.5 times the audits
-  (router.rollout_judge.agreement_verdict says what that costs and catches),
+  (router.rollout.judge.agreement_verdict says what that costs and catches),
 
 and any of them rolls it back to 0% at once, saying which and by how much. Shares are
 compared with their sampling noise: a share rolls back only when even the lower end of a
@@ -43,7 +43,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Final
 
-from router.rollout_judge import AUDIT_LOOK_GROWTH, ArmWindow, Margins, judge
+from router.rollout.judge import AUDIT_LOOK_GROWTH, ArmWindow, Margins, judge
 from stratus.errors import ConfigError, Conflict, InvalidInput, NotFound
 from stratus.tiers import Tier
 

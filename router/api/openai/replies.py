@@ -1,7 +1,7 @@
 """The OpenAI API's answers, in the shapes vLLM uses: whole, or as server-sent chunks.
 
-Kept apart from the server (:mod:`router.openai_api`) and the reading of bodies
-(:mod:`router.openai_requests`): these functions only turn what the cascade answered into
+Kept apart from the server (:mod:`router.api.openai.api`) and the reading of bodies
+(:mod:`router.api.openai.requests`): these functions only turn what the cascade answered into
 JSON.
 """
 

@@ -13,10 +13,10 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from router.cloud_models import family_of
-from router.cloud_pool import CloudTier
-from router.registry import FleetRegistry
-from router.rollout import Plan
+from router.cloud.models import family_of
+from router.cloud.pool import CloudTier
+from router.fleet.registry import FleetRegistry
+from router.rollout.plans import Plan
 from stratus.convert.fleet import wire_tier
 from stratus.families.description import FamilyDescription
 from stratus.tiers import Tier

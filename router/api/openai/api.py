@@ -32,8 +32,8 @@ did not, with a ``note`` saying that the earlier messages were not seen. A templ
 refuses the conversation, or a rendered prompt past the model's context, is a 400 naming
 ``messages``; ``usage.prompt_tokens`` counts the rendered prompt.
 
-Bodies are read and checked by :mod:`router.openai_requests`, answers shaped by
-:mod:`router.openai_replies`; this module serves them. Errors come back in OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``,
+Bodies are read and checked by :mod:`router.api.openai.requests`, answers shaped by
+:mod:`router.api.openai.replies`; this module serves them. Errors come back in OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``,
 with the status that fits: 400 for a malformed body or a bad value, 404 for an unknown
 model, 429 when the router is full, 503 when nothing can serve, 504 past the budget.
 """
@@ -50,9 +50,8 @@ from typing import Any
 
 from aiohttp import web
 
-from router.cascade.generate import Generation, Sink, TextGenerator
-from router.openai_replies import Reply, model_entry
-from router.openai_requests import (
+from router.api.openai.replies import Reply, model_entry
+from router.api.openai.requests import (
     check_fields,
     choice_params,
     choices_of,
@@ -63,6 +62,7 @@ from router.openai_requests import (
     text_request,
     usage_asked,
 )
+from router.cascade.generate import Generation, Sink, TextGenerator
 from stratus.convert.errors import http_status
 from stratus.convert.inference import TextRequest
 from stratus.errors import (

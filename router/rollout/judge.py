@@ -1,6 +1,6 @@
 """Judging one rollout step (pure): what each arm did over the step's window, and whether
 the candidate is worse than the current variant beyond the rollout's margins, with the
-sampling noise of the shares taken into account. ``router.rollout`` holds the plans and
+sampling noise of the shares taken into account. ``router.rollout.plans`` holds the plans and
 acts on the verdicts."""
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ class ArmWindow:
     items: int = 0
     unsure: int = 0
     latencies_ms: list[float] = field(default_factory=list)  # sorted
-    audited: int = 0  # its answers the family's top tier was asked too (router.audit)
+    audited: int = 0  # its answers the family's top tier was asked too (router.audit.auditor)
     disagreed: int = 0  # of those, the ones the top tier answered otherwise
 
     def add_audit(self, *, agreed: bool) -> None:
@@ -93,7 +93,7 @@ class Verdict:
     action: str  # "wait", "advance" or "rollback"
     reason: str
     # Waiting because the audits so far neither show the candidate within the margin nor
-    # surely worse: the next look needs more of them (router.rollout grows the count).
+    # surely worse: the next look needs more of them (router.rollout.plans grows the count).
     inconclusive: bool = False
 
 
@@ -150,7 +150,7 @@ def _worse(current: ArmWindow, candidate: ArmWindow, margins: Margins) -> str:
 
 # Looks at the audits are repeated as they accrue, and each look at an equal candidate could
 # wrongly find it worse: a rollback on agreement asks for a one-sided 99.5% interval, and
-# router.rollout spaces the looks (each needs AUDIT_LOOK_GROWTH times the audits of the last).
+# router.rollout.plans spaces the looks (each needs AUDIT_LOOK_GROWTH times the audits of the last).
 # Simulated with the default margin (tests/unit/test_rollout_judge.py does it): equal arms at
 # 98% or 95% agreement are wrongly rolled back at 3.5% or 4.5% of steps.
 _Z_WORSE: Final = 2.576

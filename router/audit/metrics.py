@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from router.agreement import Estimate, total
-from router.audit import Auditor
+from router.audit.agreement import Estimate, total
+from router.audit.auditor import Auditor
 from stratus.obs.metrics import Metric, gauge
 
 

@@ -1,8 +1,8 @@
 """What the cloud serves, learnt over the router's link to it: ``CloudCatalog`` is the part
-of :class:`router.cloud.CloudLink` that asks (RepositoryIndex, ModelReady, ModelMetadata,
+of :class:`router.cloud.link.CloudLink` that asks (RepositoryIndex, ModelReady, ModelMetadata,
 ModelConfig) when the link opens and whenever agents bring families it did not know, and
 keeps the answers (which request names the cloud serves, under which names, answered by
-which variant, and which generate text). :mod:`router.cloud_models` decides from them."""
+which variant, and which generate text). :mod:`router.cloud.models` decides from them."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 import grpc
 
-from router.cloud_models import Found, NamedModel, answered_by, descriptions, generates, probe_names, routes
+from router.cloud.models import Found, NamedModel, answered_by, descriptions, generates, probe_names, routes
 from stratus.convert.fleet import tensor_specs
 from stratus.convert.parameters import VARIANT
 from stratus.families.description import FamilyDescription

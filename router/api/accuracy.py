@@ -1,7 +1,7 @@
 """Fleet.Accuracy: each tier's live agreement with the top tier, beside its calibrated figures.
 
 Per tier below the family's top tier, one row: what ``models calibrate`` recorded, the live
-estimate from audits (unbiased), its verdict (:func:`router.agreement.verdict`), and the biased
+estimate from audits (unbiased), its verdict (:func:`router.audit.agreement.verdict`), and the biased
 sample escalations carry, kept apart. With agents, one row per (agent, variant), ranked by the
 upper bound of their interval, highest first: the agent that is surely worst comes last, and
 one unlucky audit (agreement 0, upper bound 0.79) does not outrank thirty bad ones.
@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from router.agreement import MARGIN, MIN_AUDITS, AuditKey, Estimate, total, verdict
-from router.audit import Auditor, calibrated_top
+from router.audit.agreement import MARGIN, MIN_AUDITS, AuditKey, Estimate, total, verdict
+from router.audit.auditor import Auditor, calibrated_top
 from stratus.convert.fleet import wire_tier
 from stratus.errors import NotFound
 from stratus.families.audit import calibration_info

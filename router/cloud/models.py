@@ -9,7 +9,7 @@ for the names it has reason to expect (each family's own name, and those the ope
 names with ``--cloud-models``), and routes a family to a model only when the model's
 tensors are the family's. This module holds the pure parts of that: parsing the flags,
 resolving a name to its family, checking tensors, and choosing the name a request for a
-family is sent under. No I/O here; :mod:`router.cloud` asks the questions.
+family is sent under. No I/O here; :mod:`router.cloud.link` asks the questions.
 """
 
 from __future__ import annotations

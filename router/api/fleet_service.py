@@ -12,18 +12,18 @@ from typing import Any
 
 from prometheus_client.core import Metric
 
-from router.accuracy import accuracy_reply
-from router.agent_handle import AgentHandle, State, shown_state
-from router.audit import Auditor
-from router.cloud_pool import CloudTier
-from router.family_view import family_statuses
-from router.index import line_key
+from router.api.accuracy import accuracy_reply
+from router.api.family_view import family_statuses
+from router.audit.auditor import Auditor
+from router.cloud.pool import CloudTier
+from router.fleet.agent_handle import AgentHandle, State, shown_state
+from router.fleet.index import line_key
+from router.fleet.registry import MAX_RELOAD_WAIT_S, FleetRegistry
 from router.offline.corrections import CorrectionLog
-from router.registry import MAX_RELOAD_WAIT_S, FleetRegistry
-from router.rollout import DEFAULT_MIN_AUDITS, DEFAULT_STEPS, Plan, Rollouts
-from router.rollout_judge import ArmWindow, Margins
+from router.rollout.judge import ArmWindow, Margins
+from router.rollout.plans import DEFAULT_MIN_AUDITS, DEFAULT_STEPS, Plan, Rollouts
 from router.site.mirror import SiteMirror
-from router.thresholds import ThresholdPushes, steer, to_wire
+from router.thresholds.pushes import ThresholdPushes, steer, to_wire
 from stratus import __version__
 from stratus.convert.fleet import wire_tier
 from stratus.errors import ConfigError, InvalidInput, NotFound

@@ -1,0 +1,1 @@
+"""Gray release: the rollout plans and the judge of each step."""

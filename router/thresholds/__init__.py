@@ -1,0 +1,1 @@
+"""Fleet-wide threshold pushes, and the controller that steps them toward the audits' suggestion."""
