@@ -125,7 +125,10 @@ class Lease:
                 poke.clear()
                 delay = await self.step()
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(poke.wait(), delay)
+                    # asyncio.timeout, not wait_for: 3.11's wait_for may swallow a cancel that
+                    # meets a poke, and the loop then outlives its router's shutdown
+                    async with asyncio.timeout(delay):
+                        await poke.wait()
         finally:
             follower.cancel()
             await asyncio.gather(follower, return_exceptions=True)

@@ -201,7 +201,8 @@ class NatsSiteState(SiteState):
         (it is still recovering its streams for a moment after a server restarts)."""
         while True:
             try:
-                self._kv = await asyncio.wait_for(self._bucket(), self._op_timeout_s)
+                async with asyncio.timeout(self._op_timeout_s):  # never swallows a cancel, as 3.11's wait_for may
+                    self._kv = await self._bucket()
             except FAILURES as exc:
                 self._note_down(exc)
                 await asyncio.sleep(self._reconnect_wait_s)
@@ -250,7 +251,8 @@ class NatsSiteState(SiteState):
         if js is None or kv is None or not self._client.is_connected:
             raise unavailable(self.url, what, self._why)
         try:
-            return await asyncio.wait_for(call(js, kv), self._op_timeout_s)
+            async with asyncio.timeout(self._op_timeout_s):
+                return await call(js, kv)
         except FAILURES as exc:
             raise unavailable(self.url, what, str(exc) or type(exc).__name__) from exc
 
@@ -397,7 +399,8 @@ class NatsSiteState(SiteState):
         if watch.subscription is not None:
             return await watch.queue.get()
         try:
-            return await asyncio.wait_for(watch.queue.get(), self._reconnect_wait_s)
+            async with asyncio.timeout(self._reconnect_wait_s):
+                return await watch.queue.get()
         except TimeoutError:
             return None
 

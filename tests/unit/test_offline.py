@@ -485,3 +485,34 @@ def test_a_family_kept_on_the_site_is_never_deferred(tmp_path: Path) -> None:
     assert offline.defers("digits") is DIGITS
     assert offline.defers("private") is None  # [privacy] escalate = false: its inputs never leave
     assert offline.defers("off") is None and offline.defers("unknown") is None
+
+
+def test_the_clouds_verdicts_are_captured_as_labels(tmp_path: Path) -> None:
+    from router.audit.capture import JUDGED, CaptureHook, CaptureSettings
+    from stratus.obs.capture import read_dataset
+
+    hook = CaptureHook(CaptureSettings(folder=tmp_path, families=frozenset({"digits"})))
+    record = fpb.DeferredRequest(key="k", request_id="r7", family="digits", model="digits")
+    record.inputs.inputs.add(name="input", datatype="FP32", shape=[2, 64])
+    record.inputs.raw_input_contents.append(np.arange(128, dtype=np.float32).tobytes())
+    for index, label in ((0, 3), (4, 8)):
+        record.items.add(index=index).answers.add(
+            tier="device", variant="digits-small", label=label, confidence=0.4
+        )
+    cloud = [
+        fpb.ProvisionalAnswer(tier="cloud", variant="digits-large", label=label, confidence=0.9)
+        for label in (5, 8)
+    ]
+    hook.judged(record, cloud)
+    hook.judged(with_family(record, family="other"), cloud)  # a family not named: not captured
+    asyncio.run(hook.close())
+    inputs, labels = read_dataset(tmp_path, "digits", source=JUDGED)
+    assert labels.tolist() == [5, 8]  # the cloud's answers are the labels
+    assert inputs["input"].shape == (2, 64) and inputs["input"][1, 0] == 64.0  # each item's own row
+
+
+def with_family(record: fpb.DeferredRequest, *, family: str) -> fpb.DeferredRequest:
+    copy = fpb.DeferredRequest()
+    copy.CopyFrom(record)
+    copy.family = family
+    return copy
