@@ -13,10 +13,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import platform
 import random
 import signal
-import socket
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
@@ -25,14 +23,11 @@ import grpc
 
 from edge_agent.link import Link, describe, stay_linked
 from edge_agent.settings import SERVE, AgentSettings
-from edge_agent.work import serve_work
-from stratus import __version__
-from stratus.convert.fleet import latency_to_wire, wire_tier
-from stratus.convert.hardware import to_wire as hardware_to_wire
 from stratus.errors import ConfigError, StratusError
 from stratus.execution.dataplane import LocalDataPlane
-from stratus.execution.describe import families_info, unavailable_info, variants_info
+from stratus.execution.describe import Introduction, heartbeat, hello
 from stratus.execution.models import LocalModels
+from stratus.execution.work import serve_work
 from stratus.families.precision import Hardware
 from stratus.obs.metrics import Metrics
 from stratus.obs.metrics import serve as serve_metrics
@@ -76,40 +71,21 @@ class Agent:
         return sum(len(link.work) for link in self.links.values())
 
     def hello(self) -> fpb.AgentMessage:
-        return fpb.AgentMessage(
-            hello=fpb.Hello(
-                agent_id=self.settings.name,
-                tier=wire_tier(self.settings.tier),
-                host=socket.gethostname(),
-                hardware=f"{platform.machine()} {self.models.hardware.model}".strip(),
-                hardware_info=hardware_to_wire(self.models.hardware),
-                runtimes=sorted({info.runtime for info in variants_info(self.models)}),
-                variants=variants_info(self.models),
-                capacity=self.settings.concurrency,
-                token=self.settings.token,
-                version=__version__,
-                families=families_info(self.models),
-                queue_limit=self.settings.queue_limit,
-                unavailable=unavailable_info(self.models),
-                uptime_s=self._clock() - self._started,
-            )
+        who = Introduction(
+            agent_id=self.settings.name,
+            tier=self.settings.tier,
+            capacity=self.settings.concurrency,
+            queue_limit=self.settings.queue_limit,
+            token=self.settings.token,
         )
+        return fpb.AgentMessage(hello=hello(self.models, who, uptime_s=self._clock() - self._started))
 
     def heartbeat(self, link: Link) -> fpb.AgentMessage:
         """Load (all routers' work), and latency only for the variants that ran since this
         link's previous heartbeat."""
-        latency = []
-        for name, window in self.models.latency.items():
-            if link.reported.get(name) == window.count:
-                continue
-            link.reported[name] = window.count
-            latency.append(latency_to_wire(name, window.summary()))
         return fpb.AgentMessage(
-            heartbeat=fpb.Heartbeat(
-                in_flight=self.in_flight,
-                queue_length=self.models.batcher.waiting_items,
-                latency=latency,
-                received=link.received,
+            heartbeat=heartbeat(
+                self.models, in_flight=self.in_flight, reported=link.reported, received=link.received
             )
         )
 

@@ -140,7 +140,8 @@ async def serve(settings: RouterSettings, stop: asyncio.Event | None = None) -> 
     name = settings.name or f"router-{socket.gethostname()}-{port}"
     host = settings.listen.rsplit(":", 1)[0]
     closers = await _named(name, rollouts, pushes, site, address=site_address(settings, host, port))
-    closers += await _start_offline(offline, name)
+    # what earlier runs deferred, and the tier served here, both before the first call is taken
+    closers += await _start_offline(offline, name) + await _start_local_tier(settings, registry, metrics, name)
     await server.start()
     await health.start()
     closers += [audits.close, *([capture.close] if capture else [])]
@@ -217,6 +218,50 @@ async def _start_offline(offline: Offline | None, name: str) -> list[Callable[[]
     offline.router = name
     await offline.start()
     return [offline.close]
+
+
+async def _start_local_tier(
+    settings: RouterSettings, registry: FleetRegistry, metrics: Metrics, name: str
+) -> list[Callable[[], Awaitable[None]]]:
+    """``--local-tier``: that tier's models loaded and warmed here, registered as one more agent
+    of the tier before the first call is taken; what drains and unloads it. Imported only when
+    asked: a router without it loads no runtime."""
+    local = settings.local
+    if local.tier is None:
+        return []
+    from router.fleet.in_process import InProcessAgent
+    from stratus.execution.describe import Introduction
+    from stratus.execution.loading import LocalSettings
+    from stratus.execution.models import LocalModels
+
+    assert settings.models is not None  # RouterSettings requires it with local.tier
+    models = LocalModels(
+        ModelRepository.load(settings.models),
+        LocalSettings(
+            tier=None if local.variants else local.tier,
+            variants=local.variants,
+            cache_dir=local.cache_dir,
+            concurrency=local.concurrency,
+            queue_limit=local.queue_limit,
+            runtimes=local.runtimes,
+            executor_name="stratus-router-infer",
+            max_batch=local.max_batch,
+            precision=local.precision,
+            hardware=settings.hardware,
+        ),
+        metrics=metrics,
+    )
+    who = Introduction(
+        agent_id=local.name or f"{name}-{local.tier.label}",
+        tier=local.tier,
+        capacity=local.concurrency,
+        queue_limit=local.queue_limit,
+    )
+    agent = InProcessAgent(registry, models, who, drain_timeout_s=settings.drain_timeout_s)
+    await agent.start()
+    log.info("serving the %s tier in this process as agent %s: %s", local.tier.label, who.agent_id,
+             sorted(models.served))  # fmt: skip
+    return [agent.close]
 
 
 def with_site_revocations(credentials: RouterCredentials, site: SiteMirror | None) -> RouterCredentials:

@@ -13,10 +13,11 @@ from router.cloud.models import parse_cloud_models, parse_header, secret_headers
 from router.cloud.pool import CloudTarget
 from router.offline import DEFAULT_ADJUDICATE_SHARE
 from router.thresholds.auto import AutoPolicy
-from stratus.config import at_least_one, not_negative, positive, secret, setting, share, validate
+from stratus.config import at_least_one, not_negative, outside, positive, secret, setting, share, validate
 from stratus.errors import ConfigError
+from stratus.families.precision import Hardware, Precision
 from stratus.obs.metrics import check_metrics_exposure
-from stratus.sched.batching import DEFAULT_MAX_DELAY_S
+from stratus.sched.batching import DEFAULT_MAX_BATCH, DEFAULT_MAX_DELAY_S
 from stratus.serving.auth import (
     RouterCredentials,
     check_exposure,
@@ -27,6 +28,28 @@ from stratus.serving.auth import (
 from stratus.serving.channels import NO_TLS, TlsSettings
 from stratus.serving.client_limits import MAX_ITEMS_PER_CLIENT, MAX_REQUESTS_PER_CLIENT
 from stratus.serving.credential_files import AgentTokens, RevokedCertificates
+from stratus.tiers import Tier
+
+
+def _local_tier(tier: Tier | None) -> str | None:
+    return None if tier in (None, Tier.DEVICE, Tier.EDGE) else "is device or edge (the cloud is a gateway)"
+
+
+@dataclass(frozen=True, kw_only=True)
+class LocalTierOptions:
+    """``--local-tier`` and its flags (``[router.local]`` in a config file): a tier of the fleet
+    served in the router's own process from ``--models`` (router/fleet/in_process.py), as an
+    agent of that tier on the same machine would serve it, without its process and its hop."""
+
+    tier: Tier | None = setting(None, check=_local_tier)  # None: none served here
+    name: str = ""  # its agent id; empty: the router's name and the tier (router-x-8001-edge)
+    variants: tuple[str, ...] | None = None  # None: the tier's current variants
+    runtimes: tuple[str, ...] | None = None
+    concurrency: int = setting(2, check=at_least_one)  # runtime calls at once (threads)
+    queue_limit: int = setting(64, check=not_negative)
+    max_batch: int = setting(DEFAULT_MAX_BATCH, check=at_least_one)
+    precision: Precision | None = None  # None: the fastest this CPU runs within tolerance
+    cache_dir: Path = Path.home() / ".cache" / "stratus"  # runtime caches
 
 
 class OnCloudFailure(enum.Enum):
@@ -160,9 +183,14 @@ class RouterSettings:
     # Decision records as Parquet (every provisional request's, and this share of the others').
     decision_log: Path | None = None
     decision_log_share: float = setting(0.0, check=share)
+    # A tier served in this process from --models (router/fleet/in_process.py); off by default.
+    local: LocalTierOptions = field(default_factory=LocalTierOptions)
+    hardware: Hardware | None = outside()  # the CPU --local-tier's precision choice reads
 
     def __post_init__(self) -> None:
         validate(self)
+        if self.local.tier is not None and self.models is None:
+            raise ConfigError("--local-tier serves from the operator's models folder: give --models DIR too")
         check_metrics_exposure(
             self.metrics, token=self.metrics_token, open_to_all=self.metrics_open, insecure=self.insecure
         )

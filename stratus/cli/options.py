@@ -7,13 +7,16 @@ from __future__ import annotations
 import argparse
 import os
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from stratus.cli.config import settings_class
 from stratus.errors import ConfigError
 from stratus.serving.auth import is_loopback
 from stratus.serving.channels import TlsSettings
 from stratus.serving.discovery import dns_target
+
+if TYPE_CHECKING:
+    from stratus.families.precision import Hardware
 
 T = TypeVar("T")
 
@@ -220,3 +223,18 @@ def add_batch_delay(parser: argparse.ArgumentParser, role: str) -> None:
         help="longest a batch waits for more requests while its target is busy (never when idle); "
         f"max_batch_delay_s in [{role}]",
     ).setting = (role, "max_batch_delay_s")  # type: ignore[attr-defined]
+
+
+RUNTIMES_HELP = (
+    "only these runtimes, in this order, e.g. litert, or onnxruntime,openvino, or litert,llama_cpp "
+    "(classifiers and generative models each use the ones of their kind; a family none can run "
+    "is not served)"
+)
+
+
+def cpu_hardware() -> Hardware:
+    """``STRATUS_CPU_FLAGS`` (comma-separated) stands in for the CPU's own flags: for a
+    container that hides them, and for tests of the precision choice."""
+    from stratus.families.precision import this_hardware
+
+    return this_hardware()

@@ -6,7 +6,15 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from stratus.cli.options import add_batch_delay, add_exposure, option, settings_of, share
+from stratus.cli.options import (
+    RUNTIMES_HELP,
+    add_batch_delay,
+    add_exposure,
+    cpu_hardware,
+    option,
+    settings_of,
+    share,
+)
 
 
 def _router(args: argparse.Namespace) -> int:
@@ -15,7 +23,7 @@ def _router(args: argparse.Namespace) -> int:
     from stratus.process import configure_logging, run
 
     configure_logging(args.log_level, args.log_format)
-    run(serve(settings_of(args, RouterSettings, "router")))
+    run(serve(settings_of(args, RouterSettings, "router", hardware=cpu_hardware())))
     return 0
 
 
@@ -200,6 +208,7 @@ def add_router(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     _add_audits(router)
     _add_capture(router)
     _add_offline(router)
+    _add_local_tier(router)
     router.set_defaults(handler=_router)
     return router
 
@@ -272,6 +281,27 @@ def _add_offline(router: argparse.ArgumentParser) -> None:
                 "provisional request's, and --decision-log-share of the others'")  # fmt: skip
     option(router, "router", "decision_log_share", "--decision-log-share", type=float, metavar="SHARE",
            help="the share of requests not provisional whose decision records --decision-log writes (default 0)")  # fmt: skip
+
+
+def _add_local_tier(router: argparse.ArgumentParser) -> None:
+    option(router, "router", "local.tier", "--local-tier", choices=["device", "edge"],
+           help="serve this tier's models from --models in the router's own process, one more agent of "
+                "the tier beside remote ones (batching, rollouts, audits as theirs): an answer from it "
+                "takes one hop, not two; off by default")  # fmt: skip
+    option(router, "router", "local.name", "--local-name",
+           help="its agent id (default: the router's name and the tier)")  # fmt: skip
+    option(router, "router", "local.variants", "--local-variants",
+           help="comma-separated (default: the tier's variants)")  # fmt: skip
+    option(router, "router", "local.runtimes", "--local-runtimes", help=RUNTIMES_HELP)
+    option(router, "router", "local.concurrency", "--local-concurrency", type=int,
+           help="its runtime calls at once (threads)")  # fmt: skip
+    option(router, "router", "local.max_batch", "--local-max-batch", type=int,
+           help="most items merged into one of its runtime calls; 1 turns batching off")  # fmt: skip
+    option(router, "router", "local.precision", "--local-precision", type=str.lower,
+           choices=["fp32", "fp16", "int8"],
+           help="serve this precision of each family (default: the fastest this CPU runs natively "
+                "within the family's accuracy tolerance)")  # fmt: skip
+    option(router, "router", "local.cache_dir", "--cache-dir", type=Path, help="runtime caches")
 
 
 def _add_capture(router: argparse.ArgumentParser) -> None:

@@ -6,21 +6,19 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from stratus.cli.options import (
+    RUNTIMES_HELP,
     add_batch_delay,
     add_config,
     add_exposure,
     add_tls,
+    cpu_hardware,
     flag_names,
     option,
     settings_of,
 )
 from stratus.cli.router import add_router
-
-if TYPE_CHECKING:
-    from stratus.families.precision import Hardware
 
 
 def _cloud(args: argparse.Namespace) -> int:
@@ -29,7 +27,7 @@ def _cloud(args: argparse.Namespace) -> int:
     from stratus.process import configure_logging, run
 
     configure_logging(args.log_level, args.log_format)
-    run(serve(settings_of(args, CloudSettings, "cloud", hardware=_hardware())))
+    run(serve(settings_of(args, CloudSettings, "cloud", hardware=cpu_hardware())))
     return 0
 
 
@@ -42,7 +40,7 @@ def _agent(args: argparse.Namespace) -> int:
     from stratus.process import configure_logging, run, stop_on_signals
 
     configure_logging(args.log_level, args.log_format)
-    settings = settings_of(args, AgentSettings, "agent", hardware=_hardware())
+    settings = settings_of(args, AgentSettings, "agent", hardware=cpu_hardware())
     models = load_models(
         settings.models,
         tier=settings.tier,
@@ -69,21 +67,6 @@ def _agent(args: argparse.Namespace) -> int:
 
 def _list(names: tuple[str, ...] | None) -> list[str] | None:
     return list(names) if names is not None else None
-
-
-def _hardware() -> Hardware:
-    """``STRATUS_CPU_FLAGS`` (comma-separated) stands in for the CPU's own flags: for a
-    container that hides them, and for tests of the precision choice."""
-    from stratus.families.precision import this_hardware
-
-    return this_hardware()
-
-
-RUNTIMES_HELP = (
-    "only these runtimes, in this order, e.g. litert, or onnxruntime,openvino, or litert,llama_cpp "
-    "(classifiers and generative models each use the ones of their kind; a family none can run "
-    "is not served)"
-)
 
 
 def _add_models(parser: argparse.ArgumentParser, role: str, which: str) -> None:

@@ -4,9 +4,14 @@ line, why it was chosen), and the families that could not be loaded, in fleet.pr
 
 from __future__ import annotations
 
+import platform
+import socket
+from dataclasses import dataclass
 from typing import Any
 
-from stratus.convert.fleet import thresholds_to_wire
+from stratus import __version__
+from stratus.convert.fleet import latency_to_wire, thresholds_to_wire, wire_tier
+from stratus.convert.hardware import to_wire as hardware_to_wire
 from stratus.execution.generators import LocalGenerators
 from stratus.execution.models import LocalModels
 from stratus.families.audit import calibration_info
@@ -17,6 +22,54 @@ from stratus.wire import fleet_pb2
 
 # The most of a load failure's reason an agent's Hello carries.
 _REASON_CHARS = 1000
+
+
+@dataclass(frozen=True, kw_only=True)
+class Introduction:
+    """What a Hello says of the one serving, beside its models: an agent's own settings, or
+    a router's for the tier it serves in its own process."""
+
+    agent_id: str
+    tier: Tier
+    capacity: int  # runtime calls at once
+    queue_limit: int  # Work that may wait beyond those running
+    token: str = ""
+
+
+def hello(models: LocalModels, who: Introduction, *, uptime_s: float) -> fleet_pb2.Hello:
+    """The Hello that registers ``models`` with a router (and announces them again after a reload)."""
+    return fleet_pb2.Hello(
+        agent_id=who.agent_id,
+        tier=wire_tier(who.tier),
+        host=socket.gethostname(),
+        hardware=f"{platform.machine()} {models.hardware.model}".strip(),
+        hardware_info=hardware_to_wire(models.hardware),
+        runtimes=sorted({info.runtime for info in variants_info(models)}),
+        variants=variants_info(models),
+        capacity=who.capacity,
+        token=who.token,
+        version=__version__,
+        families=families_info(models),
+        queue_limit=who.queue_limit,
+        unavailable=unavailable_info(models),
+        uptime_s=uptime_s,
+    )
+
+
+def heartbeat(
+    models: LocalModels, *, in_flight: int, reported: dict[str, int], received: int
+) -> fleet_pb2.Heartbeat:
+    """Load, and latency only for the variants that ran since this link's last heartbeat
+    (``reported``: samples per variant then, updated here)."""
+    latency = []
+    for name, window in models.latency.items():
+        if reported.get(name) == window.count:
+            continue
+        reported[name] = window.count
+        latency.append(latency_to_wire(name, window.summary()))
+    return fleet_pb2.Heartbeat(
+        in_flight=in_flight, queue_length=models.batcher.waiting_items, latency=latency, received=received
+    )
 
 
 def families_info(models: LocalModels) -> list[fleet_pb2.FamilyInfo]:
