@@ -8,6 +8,11 @@ every one of them as it is for remote agents, and takes the second process and i
 out of the answer (issue 37): a request answered here crosses one Python process. The
 messages are protobuf objects handed over by reference, never serialized; the models run on
 the executor threads of :class:`~stratus.execution.models.LocalModels`, off the event loop.
+
+One exception, for speed: a classifier's batch (:class:`InProcessWork`) goes from the Batcher in
+front of the agent straight to the models as arrays over the request's own bytes, and its
+outputs come back as tensors, with no Work or Result message built and read in between
+(issue 37 §3). Generations, cancels, drains, reloads and heartbeats keep the messages.
 """
 
 from __future__ import annotations
@@ -18,11 +23,17 @@ import logging
 import time
 from collections.abc import Callable
 
+from router.backends.agent import AgentWork, Part, PartAnswer, Worked, WorkSettings
 from router.fleet.agent_handle import AgentHandle
 from router.fleet.registry import FleetRegistry
+from stratus.convert.errors import error_label
+from stratus.convert.tensors import Tensors
+from stratus.datatypes import Array
+from stratus.errors import DeadlineExceeded, StratusError
 from stratus.execution.describe import Introduction, heartbeat, hello
-from stratus.execution.models import LocalModels
+from stratus.execution.models import LocalModels, LocalRun
 from stratus.execution.work import serve_work
+from stratus.sched.batching import Batch, split_counts
 from stratus.wire import fleet_pb2 as fpb
 
 log = logging.getLogger("stratus.router")
@@ -34,6 +45,67 @@ IDENTITY = "in-process"
 # After the registry lost the link (it missed heartbeats while the loop was stalled), how long
 # before the agent registers again.
 RELINK_S = 0.5
+
+
+class InProcessWork(AgentWork):
+    """The router's own agent's Work side: batches run on the models here, not sent on a link."""
+
+    def __init__(self, agent: Worked, settings: WorkSettings, models: LocalModels) -> None:
+        super().__init__(agent, settings)
+        self.models = models
+        self.running = 0  # batches on the models now (the heartbeat's in_flight counts them)
+
+    async def _send(self, batch: Batch[Part, PartAnswer]) -> list[PartAnswer]:
+        """As a linked agent's Work would: within the latest deadline of the batch's members,
+        learnt from, counted in the same metrics; each member's rows and confidences back."""
+        key = batch.key
+        clock = self.settings.clock
+        sent = clock()
+        budget_ms = max(1.0, (max(p.deadline for p in batch.payloads) - sent) * 1000.0)
+        self.settings.on_batch(batch.size)
+        inputs = Tensors.join([p.inputs for p in batch.payloads]).arrays()
+        ran = await self._run(key.variant, inputs, key.outputs, budget_ms)
+        self.agent.learn(
+            fpb.Result(
+                variant=ran.variant.name,
+                batch_size=ran.batch_size,
+                service_ms=ran.service_ms,
+                queue_ms=ran.queue_ms,
+            ),
+            (clock() - sent) * 1000.0,
+        )
+        outputs = Tensors.from_arrays(ran.outputs)
+        return [
+            PartAnswer(
+                outputs=outputs.rows(start, stop),
+                confidences=ran.confidences[start:stop],
+                variant=ran.variant.name,
+                batch_size=ran.batch_size,
+                queue_ms=(sent - part.queued_at) * 1000.0 + ran.queue_ms,
+                service_ms=ran.service_ms,
+            )
+            for (start, stop), part in zip(split_counts(batch.size, batch.sizes), batch.payloads, strict=True)
+        ]
+
+    async def _run(
+        self, variant: str, inputs: dict[str, Array], outputs: tuple[str, ...], budget_ms: float
+    ) -> LocalRun:
+        self.running += 1
+        outcome = "ok"
+        try:
+            async with asyncio.timeout(budget_ms / 1000.0):
+                return await self.models.run(variant, inputs, outputs)
+        except TimeoutError:
+            outcome = "deadline_exceeded"
+            raise DeadlineExceeded(
+                f"agent {self.agent.id} did not answer within {budget_ms:.1f} ms"
+            ) from None
+        except StratusError as exc:
+            outcome = error_label(exc)
+            raise
+        finally:
+            self.running -= 1
+            self.models.count(outcome, variant)
 
 
 class InProcessAgent:
@@ -70,13 +142,24 @@ class InProcessAgent:
         self._task = asyncio.create_task(self._stay_linked(), name=f"stratus-in-process-{self.who.agent_id}")
         await self._linked.wait()
 
+    @property
+    def in_flight(self) -> int:
+        """Work running here: generations and other messages' Work, and batches run directly."""
+        work = self.handle.work if self.handle is not None else None
+        return len(self.work) + (work.running if isinstance(work, InProcessWork) else 0)
+
     def _hello(self) -> fpb.Hello:
         return hello(self.models, self.who, uptime_s=time.monotonic() - self._started)
 
     async def _stay_linked(self) -> None:
         while not self._closing:
             try:
-                handle = self.registry.register(self._hello(), peer="in-process", identity=IDENTITY)
+                handle = self.registry.register(
+                    self._hello(),
+                    peer="in-process",
+                    identity=IDENTITY,
+                    work=lambda agent, settings: InProcessWork(agent, settings, self.models),
+                )
             except Exception:  # the registry refused its own tier: say why, and try again
                 log.exception("the in-process %s agent could not register", self.who.tier.label)
                 self._linked.set()
@@ -163,7 +246,7 @@ class InProcessAgent:
         while True:
             self._beat_now.clear()
             beat = heartbeat(
-                self.models, in_flight=len(self.work), reported=self._reported, received=self._received
+                self.models, in_flight=self.in_flight, reported=self._reported, received=self._received
             )
             self.outbox.put_nowait(fpb.AgentMessage(heartbeat=beat))
             with contextlib.suppress(TimeoutError):

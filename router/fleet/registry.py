@@ -48,6 +48,10 @@ from stratus.wire import fleet_pb2 as fpb
 
 log = logging.getLogger("stratus.registry")
 
+# What holds an agent's Work side: AgentWork for a linked agent; the router's own tier gives its
+# own (router/fleet/in_process.py), which runs a classifier's batches without a message.
+WorkMaker = Callable[[AgentHandle, WorkSettings], AgentWork]
+
 MISSED_HEARTBEATS = 3
 # A lost agent stays listed (state lost) this long, then is forgotten.
 FORGET_LOST_S = 600.0
@@ -141,7 +145,9 @@ class FleetRegistry:
         return self.book.families
 
     # -- joining and leaving -----------------------------------------------------------
-    def register(self, hello: fpb.Hello, peer: str, identity: str = "anonymous") -> AgentHandle:
+    def register(
+        self, hello: fpb.Hello, peer: str, identity: str = "anonymous", *, work: WorkMaker = AgentWork
+    ) -> AgentHandle:
         """Admit an agent. An id already linked is replaced only by the identity that holds it
         (the agent reconnected before we noticed); another identity is refused, so a stranger
         cannot knock an agent off its link (see :class:`stratus.serving.auth.RouterCredentials`)."""
@@ -176,7 +182,7 @@ class FleetRegistry:
             version=hello.version,
             started=self._started(hello),
         )
-        handle.work = AgentWork(handle, self._work_settings(handle))
+        handle.work = work(handle, self._work_settings(handle))
         for family in described:
             if family.name not in self.families:
                 self.book.learn(family)

@@ -15,7 +15,7 @@ travel whole (their requests run alone, never merged).
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -125,6 +125,16 @@ class Tensors:
             outputs=tuple(outputs),
             batchable=self.splittable,
         )
+
+    def arrays(self) -> dict[str, datatypes.Array]:
+        """Each tensor as an array over its bytes (no copy: read-only), by name."""
+        return {
+            t.name: codec.decode_raw(t.data, tensor=t.name, datatype=t.datatype, shape=t.shape) for t in self.tensors
+        }
+
+    @classmethod
+    def from_arrays(cls, arrays: Mapping[str, datatypes.Array]) -> Tensors:
+        return cls(tuple(_from_array(name, array) for name, array in arrays.items()))
 
     # -- the wire boundary ---------------------------------------------------------------
     @classmethod

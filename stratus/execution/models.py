@@ -78,6 +78,18 @@ class LocalAnswer:
 
 
 @dataclass(frozen=True, kw_only=True)
+class LocalRun:
+    """Arrays run on a variant here: each output, and each item's confidence, in order."""
+
+    outputs: dict[str, Array]
+    variant: VariantSpec
+    confidences: tuple[float, ...]
+    service_ms: float  # running the batch these items ran in
+    queue_ms: float  # waiting for a slot
+    batch_size: int  # items in that batch
+
+
+@dataclass(frozen=True, kw_only=True)
 class _Part:
     """One member's share of a batch that ran."""
 
@@ -345,18 +357,33 @@ class LocalModels:
         """Decode once, check, wait for a slot (maybe sharing a batch), run."""
         if self.generators is not None and self.generators.serves(request.model_name):
             return await self.generate(request)
-        family, variant = self.variant_for(request.model_name)
+        family, _ = self.variant_for(request.model_name)
         request.check_metadata(family.name, family.inputs)  # before decoding anything
         inputs = request.arrays()
         family.check_inputs(inputs)
         wanted = request.requested_outputs(family.name, [s.name for s in family.outputs])
+        ran = await self.run(request.model_name, inputs, wanted)
+        raw = request.answer_raw(datatypes.datatype_of(a) for a in ran.outputs.values())
+        return LocalAnswer(
+            result=InferResult(model_name=request.model_name, id=request.id, outputs=ran.outputs, raw=raw),
+            variant=ran.variant,
+            confidences=ran.confidences,
+            service_ms=ran.service_ms,
+            queue_ms=ran.queue_ms,
+            batch_size=ran.batch_size,
+        )
+
+    async def run(self, model_name: str, inputs: dict[str, Array], outputs: Sequence[str]) -> LocalRun:
+        """Inputs already checked against the family, on the variant ``model_name`` resolves to:
+        wait for a slot (maybe sharing a batch), run. The router's own tier calls this with the
+        arrays it holds, with no request message in between (router/fleet/in_process.py)."""
+        _, variant = self.variant_for(model_name)
         size = next(iter(inputs.values())).shape[0] if inputs else 0
         started = time.perf_counter()
-        part = await self.batcher.submit(_key(variant.name, inputs, wanted), inputs, size=size)
+        part = await self.batcher.submit(_key(variant.name, inputs, outputs), inputs, size=size)
         waited_ms = (time.perf_counter() - started) * 1000.0 - part.service_ms
-        raw = request.answer_raw(datatypes.datatype_of(a) for a in part.outputs.values())
-        return LocalAnswer(
-            result=InferResult(model_name=request.model_name, id=request.id, outputs=part.outputs, raw=raw),
+        return LocalRun(
+            outputs=part.outputs,
             variant=variant,
             confidences=tuple(float(c) for c in part.confidences),
             service_ms=part.service_ms,
