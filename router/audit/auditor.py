@@ -184,13 +184,19 @@ class Auditor:
         top = self.top_of(family)
         if info is None or info.generative or not info.outputs or top is None:
             return
+        if len(view.answers) == 1 and view.answers[0].tier >= top:
+            return  # answered on the top tier at once: no climb to note, nothing below it to audit
         output = info.outputs[0].name
-        self._note_climbs(view, top, output)
-        visited = visits(view, output)
-        self._climbed_rows(view, info, top, visited)
-        if self.capture is not None and self.capture.wants(family):
-            self.capture.escalated(view, top, output)
+        climbed = len(view.answers) > 1
+        visited = visits(view, output) if climbed else {}
+        if climbed:
+            self._note_climbs(view, top, output)
+            self._climbed_rows(view, info, top, visited)
+            if self.capture is not None and self.capture.wants(family):
+                self.capture.escalated(view, top, output)
         chosen = self._sampled_items(view, info, top, output)
+        if chosen and not climbed:
+            visited = visits(view, output)
         for answer, pairs in chosen.values():
             classes = top1(answer.outputs, output)
             if classes is None:
