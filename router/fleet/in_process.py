@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable
 
 from router.backends.agent import AgentWork, Part, PartAnswer, Worked, WorkSettings
-from router.fleet.agent_handle import AgentHandle
+from router.fleet.agent_handle import AgentHandle, State
 from router.fleet.registry import FleetRegistry
 from stratus.convert.errors import error_label
 from stratus.convert.tensors import Tensors
@@ -171,9 +171,10 @@ class InProcessAgent:
             if self.registry.site_mark(handle.id) == "drained":  # drained site-wide before it linked
                 self.registry.drain(handle.id)
             await self._serve(handle)
-            if not self._closing:
-                log.warning("the in-process agent %s was lost; registering again", handle.id)
-                await asyncio.sleep(RELINK_S)
+            if self._closing or handle.state != State.LOST:
+                return  # closed, or the router itself ended its agents' links (it is stopping)
+            log.warning("the in-process agent %s was lost; registering again", handle.id)
+            await asyncio.sleep(RELINK_S)
 
     async def _serve(self, handle: AgentHandle) -> None:
         """Both directions and the heartbeats, until the registry ends the link."""
