@@ -13,7 +13,7 @@ from typing import Protocol
 
 from stratus.convert.errors import error_label
 from stratus.errors import StratusError
-from stratus.obs.metrics import RouterMetrics
+from stratus.obs.metrics import Children, RouterMetrics
 from stratus.tiers import Tier
 
 
@@ -85,10 +85,13 @@ class MetricsObserver:
 
     def __init__(self, metrics: RouterMetrics) -> None:
         self.metrics = metrics
+        # the children every answered request records in, kept (stratus.obs.metrics.Children)
+        self._requests, self._duration = Children(metrics.requests), Children(metrics.duration)
+        self._tier_duration, self._confidence = Children(metrics.tier_duration), Children(metrics.confidence)
 
     def answered(self, family: str, tier: str, *, degraded: bool, seconds: float) -> None:
-        self.metrics.requests.labels(family, tier, "degraded" if degraded else "ok").inc()
-        self.metrics.duration.labels(family).observe(seconds)
+        self._requests(family, tier, "degraded" if degraded else "ok").inc()
+        self._duration(family).observe(seconds)
 
     def refused(self, family: str, error: StratusError) -> None:
         reason = error_label(error)
@@ -103,12 +106,12 @@ class MetricsObserver:
 
     def tier_answered(self, family: str, tier: Tier, elapsed_ms: float, confidences: Sequence[float]) -> None:
         self.tier_time(family, tier, elapsed_ms)
-        histogram = self.metrics.confidence.labels(family, tier.label)
+        histogram = self._confidence(family, tier.label)
         for value in confidences:
             histogram.observe(value)
 
     def tier_time(self, family: str, tier: Tier, elapsed_ms: float) -> None:
-        self.metrics.tier_duration.labels(family, tier.label).observe(elapsed_ms / 1000.0)
+        self._tier_duration(family, tier.label).observe(elapsed_ms / 1000.0)
 
     def tokens(self, family: str, tier: Tier, fate: str, count: int) -> None:
         if count > 0:

@@ -447,8 +447,8 @@ class LocalModels:
         self._judge_inline(key.variant)
         if self.recorder is not None:
             labels = (key.variant, self._runtime[key.variant], variant.precision)
-            self.recorder.inference.labels(*labels).observe(service_ms / 1000.0)
-            self.recorder.batch_items.labels(key.variant).observe(sum(sizes))
+            self.recorder.inference_of(*labels).observe(service_ms / 1000.0)
+            self.recorder.batch_items_of(key.variant).observe(sum(sizes))
         scores = self.score(family, variant, outputs)
         wanted = key.outputs or tuple(s.name for s in family.outputs)
         total = sum(sizes)
