@@ -80,6 +80,8 @@ class Worked(Protocol):
     def precision_of(self, variant: str) -> str: ...
     def compute_of(self, variant: str) -> str: ...
     def learn(self, result: fpb.Result, round_trip_ms: float) -> None: ...
+    def served(self, *, saturated: bool) -> None: ...
+    def missed(self) -> None: ...
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -221,8 +223,9 @@ class AgentWork:
         work.budget_ms = budget_ms
         check_fits(message.ByteSize(), f"a Work of {batch.size} items")  # never one the link cannot carry
         self.settings.on_batch(batch.size)
+        saturated = self.batcher.outstanding >= self.batcher.slots
         result = await self._exchange(request_id, message, budget_ms, "answer")
-        self.agent.learn(result, (self.settings.clock() - sent) * 1000.0)
+        self.learnt(result, (self.settings.clock() - sent) * 1000.0, saturated=saturated)
         waited_ms = [(sent - p.queued_at) * 1000.0 for p in batch.payloads]
         return split_result(self.agent.id, result, batch.sizes, waited_ms)
 
@@ -239,12 +242,29 @@ class AgentWork:
                 return await future
         except TimeoutError:
             self._cancel(request_id)
+            self.missed()
             raise DeadlineExceeded(f"agent {self.agent.id} did not {what} within {budget_ms:.1f} ms") from None
         except asyncio.CancelledError:  # every member gave up
             self._cancel(request_id)
             raise
         finally:
             self.pending.pop(request_id, None)
+
+    def learnt(self, result: fpb.Result, round_trip_ms: float, *, saturated: bool) -> None:
+        """What an answer in time teaches: the agent's costs, and maybe one more trusted slot."""
+        self.agent.learn(result, round_trip_ms)
+        self.agent.served(saturated=saturated)
+        self._fit_slots()
+
+    def missed(self) -> None:
+        """The agent let a Work's budget run out: it is trusted with fewer at once."""
+        self.agent.missed()
+        self._fit_slots()
+
+    def _fit_slots(self) -> None:
+        capacity = self.agent.capacity
+        if capacity != self.batcher.slots:
+            self.batcher.resize(slots=capacity, depth=capacity + min(capacity, max(0, self.agent.queue_limit)))
 
     def _cancel(self, request_id: str) -> None:
         self.outbox.put_nowait(fpb.RouterMessage(cancel=fpb.Cancel(request_id=request_id)))

@@ -23,6 +23,9 @@ from stratus.wire import inference_pb2 as pb
 
 # Most items one agent may say it runs as one batch (a Hello's max_batch is clamped to it).
 MAX_BATCH = 1024
+# Calls at once a newly linked agent is trusted with, at most, until it shows it serves more
+# within budget (AgentHandle.served): a declared capacity bounded by what is measured.
+FIRST_WINDOW = 4
 
 
 class State:
@@ -53,6 +56,8 @@ class AgentHandle:
     peer: str
     runtimes: tuple[str, ...]
     variants: dict[str, fpb.VariantInfo]
+    # Calls at once the router trusts it with now: what its Hello declared (``declared``),
+    # bounded by what it has been measured to serve (``window``, below; security2 N3).
     capacity: int
     queue_limit: int
     heartbeat_s: float
@@ -80,9 +85,28 @@ class AgentHandle:
     unavailable: tuple[fpb.FamilyUnavailable, ...] = ()
     reloads: list[asyncio.Future[str]] = field(default_factory=list)  # waiting for its next Hello
     work: AgentWork = field(init=False, repr=False)  # its transport: set by the registry as it joins
+    declared: int = 0  # the capacity its Hello declared (0: ``capacity`` as given)
+    window: float = field(init=False, default=0.0)  # calls at once it has earned (AIMD)
 
     def __post_init__(self) -> None:
+        self.declared = self.declared or self.capacity
+        self.window = float(min(self.declared, FIRST_WINDOW))
+        self.capacity = max(1, int(self.window))
         self.announce(self.variants)
+
+    def served(self, *, saturated: bool) -> None:
+        """A Work answered within its budget. Only one sent while every trusted slot was busy
+        proves the agent serves that many at once: it earns a window's worth of answers one more
+        slot (additive increase), up to what it declared. A capacity declared is a claim; a
+        black hole declaring 1,024 would otherwise draw every request its way."""
+        if saturated and self.window < self.declared:
+            self.window = min(float(self.declared), self.window + 1.0 / self.window)
+            self.capacity = max(1, int(self.window))
+
+    def missed(self) -> None:
+        """A Work it did not answer within its budget: half the slots (multiplicative decrease)."""
+        self.window = max(1.0, self.window / 2.0)
+        self.capacity = max(1, int(self.window))
 
     def announce(self, variants: dict[str, fpb.VariantInfo]) -> None:
         """What the agent serves: said by its Hello, and again by a Hello after a reload.
@@ -110,7 +134,7 @@ class AgentHandle:
                 names.add(info.line)
         self._model_names = frozenset(names)
         self._max_batch = {name: min(max(1, info.max_batch), MAX_BATCH) for name, info in variants.items()}
-        self._limit = (self.capacity + self.queue_limit) * max(self._max_batch.values(), default=1)
+        self._limit = (self.declared + self.queue_limit) * max(self._max_batch.values(), default=1)
 
     @property
     def variant_families(self) -> Mapping[str, str]:

@@ -64,8 +64,9 @@ class InProcessWork(AgentWork):
         budget_ms = max(1.0, (max(p.deadline for p in batch.payloads) - sent) * 1000.0)
         self.settings.on_batch(batch.size)
         inputs = Tensors.join([p.inputs for p in batch.payloads]).arrays()
+        saturated = self.batcher.outstanding >= self.batcher.slots
         ran = await self._run(key.variant, inputs, key.outputs, budget_ms)
-        self.agent.learn(
+        self.learnt(
             fpb.Result(
                 variant=ran.variant.name,
                 batch_size=ran.batch_size,
@@ -73,6 +74,7 @@ class InProcessWork(AgentWork):
                 queue_ms=ran.queue_ms,
             ),
             (clock() - sent) * 1000.0,
+            saturated=saturated,
         )
         outputs = Tensors.from_arrays(ran.outputs)
         return [
@@ -97,6 +99,7 @@ class InProcessWork(AgentWork):
                 return await self.models.run(variant, inputs, outputs)
         except TimeoutError:
             outcome = "deadline_exceeded"
+            self.missed()
             raise DeadlineExceeded(
                 f"agent {self.agent.id} did not answer within {budget_ms:.1f} ms"
             ) from None

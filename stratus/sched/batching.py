@@ -208,6 +208,19 @@ class Batcher(Generic[P, R]):
     def max_batch(self, key: BatchKey) -> int:
         return max(1, self._max_batch(key))
 
+    @property
+    def outstanding(self) -> int:
+        """Batches at the target now."""
+        return len(self._running)
+
+    def resize(self, *, slots: int, depth: int) -> None:
+        """The target's room changed (a router trusts an agent with more, or fewer, calls at
+        once): batches already out stay; what waits leaves by the new room."""
+        if slots < 1 or depth < slots:
+            raise ValueError("slots >= 1 and depth >= slots")
+        self.slots, self.depth = slots, depth
+        self._pump()
+
     async def submit(
         self,
         key: BatchKey,

@@ -11,6 +11,7 @@ import pytest
 from router.backends.agent import split_result
 from router.dataplane import listing
 from router.fleet import registry as registry_module
+from router.fleet.agent_handle import FIRST_WINDOW
 from router.fleet.registry import FORGET_LOST_S, MAX_OPERATOR_WATCHERS, MAX_WATCHERS, MAX_WATCHERS_PER_ADDRESS
 from stratus.errors import InvalidInput, Overloaded
 from stratus.tiers import Tier
@@ -66,7 +67,38 @@ def test_declared_sizes_are_clamped() -> None:
     greedy.capacity, greedy.queue_limit = 4_000_000_000, 4_000_000_000
     greedy.variants[0].max_batch = 1_000_000
     handle = registry().register(greedy, peer="t")
-    assert (handle.capacity, handle.queue_limit, handle.max_batch("digits-small")) == (1024, 4096, 1024)
+    assert (handle.declared, handle.queue_limit, handle.max_batch("digits-small")) == (1024, 4096, 1024)
+    assert handle.capacity == FIRST_WINDOW  # what it is trusted with until it serves more
+
+
+def test_a_declared_capacity_is_earned_by_serving_it_and_lost_by_missing_deadlines() -> None:
+    """security2 N3: the slots an agent is trusted with grow only while every one is busy and
+    answers come in time (a window's worth of answers for one more), up to what it declared;
+    a budget it lets run out halves them."""
+    greedy = hello("greedy")
+    greedy.capacity = 1024
+    handle = registry().register(greedy, peer="t")
+    assert handle.work.batcher.slots == FIRST_WINDOW
+    for _ in range(100):
+        handle.work.learnt(fpb.Result(variant="digits-small"), 1.0, saturated=False)
+    assert handle.capacity == FIRST_WINDOW, "answers while slots stood idle prove nothing"
+    answers = 0
+    while handle.capacity == FIRST_WINDOW:
+        handle.work.learnt(fpb.Result(variant="digits-small"), 1.0, saturated=True)
+        answers += 1
+    assert FIRST_WINDOW <= answers <= 2 * FIRST_WINDOW  # about a window's worth for one more slot
+    assert handle.capacity == FIRST_WINDOW + 1 and handle.work.batcher.slots == FIRST_WINDOW + 1
+    handle.work.missed()
+    assert handle.capacity == (FIRST_WINDOW + 1) // 2 and handle.work.batcher.slots == handle.capacity
+    for _ in range(20):
+        handle.work.missed()
+    assert handle.capacity == 1
+    small = hello("small")
+    small.capacity = 2
+    honest = registry().register(small, peer="t")
+    for _ in range(1000):
+        honest.work.learnt(fpb.Result(variant="digits-small"), 1.0, saturated=True)
+    assert honest.capacity == 2, "never past what it declared"
 
 
 def test_reported_confidences_are_clamped_to_what_the_policy_compares() -> None:
