@@ -96,6 +96,9 @@ def test_the_in_process_tier_serves_on_when_remote_agents_go_and_is_drained_like
             assert fpb_grpc.FleetStub(channel).Undrain(fpb.DrainRequest(agent_id=LOCAL), timeout=5).accepted
         _, served = infer(router, digits.held_out.x[:8])
         assert served.agent == LOCAL
+        with open_sync_channel(router) as channel:  # an operator's Reload reaches it as any agent's
+            reloaded = fpb_grpc.FleetStub(channel).Reload(fpb.ReloadRequest(agent_id=LOCAL, timeout_s=60), timeout=70)
+        assert reloaded.ok and served_for("digits-medium").name in reloaded.variants
         assert cluster.latest("router").stop() == 0
     finally:
         cluster.stop_all()
