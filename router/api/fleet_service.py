@@ -60,7 +60,7 @@ def agent_status(handle: AgentHandle, now: float) -> fpb.AgentStatus:
         p99_ms=p99,
         requests_per_s=handle.completions.per_second(),
         last_heartbeat_s=max(0.0, now - handle.last_heartbeat),
-        capacity=handle.capacity,
+        capacity=handle.declared,  # as its Hello said (clamped); the metric shows what it is trusted with
         queue_limit=handle.queue_limit,
         mean_batch_size=handle.batch_sizes.mean,
         variant_choices=[_variant_choice(name, info) for name, info in sorted(handle.variants.items())],
@@ -86,13 +86,14 @@ def fleet_levels(registry: FleetRegistry, cloud: CloudTier | None) -> list[Metri
     """What Prometheus reads at each scrape: agents by tier and state, each agent's load,
     and the cloud link's breaker (1 for its current state)."""
     states: dict[tuple[str, str], int] = {}
-    in_flight, queued = [], []
+    in_flight, queued, trusted = [], [], []
     for handle in registry.agents.values():
         key = (handle.tier.label, shown_state(handle))
         states[key] = states.get(key, 0) + 1
         if handle.state != State.LOST:
             in_flight.append(([handle.id], float(handle.work.batcher.running_items)))
             queued.append(([handle.id], float(handle.work.batcher.waiting_items)))
+            trusted.append(([handle.id], float(handle.capacity)))
     families = [
         gauge("stratus_router_agents", "Agents by tier and state.", ["tier", "state"],
               [([tier, state], float(n)) for (tier, state), n in sorted(states.items())]),
@@ -100,6 +101,8 @@ def fleet_levels(registry: FleetRegistry, cloud: CloudTier | None) -> list[Metri
               ["agent"], in_flight),
         gauge("stratus_router_agent_queued_items", "Items waiting in the router for each agent.",
               ["agent"], queued),
+        gauge("stratus_router_agent_trusted_capacity", "Calls at once each agent is trusted with: the capacity "
+              "its Hello declared, bounded by what it has served within budget.", ["agent"], trusted),
     ]  # fmt: skip
     families.append(calibrated_shares(registry))
     if cloud is not None:

@@ -61,6 +61,7 @@ GAUGES = {
     "stratus_router_agents",
     "stratus_router_agent_in_flight_items",
     "stratus_router_agent_queued_items",
+    "stratus_router_agent_trusted_capacity",
     "stratus_router_cloud_breaker",
     "stratus_queue_items",
     "stratus_in_flight_items",
