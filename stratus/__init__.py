@@ -10,7 +10,7 @@ list (``tests/unit/test_imports.py`` holds it to that):
 * the wire boundary, ``convert/`` (each wire concept converted in one module: tensors and the
   codec, ``stratus.*`` parameters, text requests, errors, fleet messages, hardware), and the
   domain, ``families/`` (a family's description, repository, confidence, generation,
-  precision, sampling);
+  precision, sampling, and the threshold search calibrate and the audits share);
 * machinery: ``sched/`` (the batcher, the bounded executor), ``obs/`` (metrics, latency
   estimates, capture), ``runtimes/`` (one contract, one file per runtime), ``execution/``
   (models loaded and run here, and their data plane), ``serving/`` (the inference servicer,

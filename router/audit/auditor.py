@@ -36,7 +36,7 @@ import numpy as np
 
 from router.audit.agreement import AgreementBook, AuditKey
 from router.audit.climbs import CascadeView, agreement_row, finished, missing, text_row, visits
-from router.audit.rows import RowBook, TierAnswer
+from router.audit.rows import RowBook
 from router.audit.sampling import (
     COMPARATORS,
     Audit,
@@ -57,6 +57,7 @@ from stratus.errors import StratusError
 from stratus.families.audit import EXACT
 from stratus.families.confidence import accepts
 from stratus.families.description import FamilyDescription
+from stratus.families.suggest import TierAnswer
 from stratus.obs.metrics import RouterMetrics
 from stratus.tiers import Tier
 from stratus.wire import inference_pb2 as pb

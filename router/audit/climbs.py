@@ -18,10 +18,10 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Protocol
 
-from router.audit.rows import TierAnswer
 from router.audit.sampling import Said
 from router.cascade.generate import Generation
 from stratus.convert.tensors import top1
+from stratus.families.suggest import TierAnswer
 from stratus.tiers import Tier
 
 if TYPE_CHECKING:

@@ -1,7 +1,7 @@
 """Audit rows: per sampled item, what every tier it visited said, labelled with the top tier's answer.
 
 Calibrate chooses thresholds by simulating the cascade over rows that hold *every* lower tier's
-confidence and answer on the same item (``stratus.tools.calibrate.classifier.cascade``). An
+confidence and answer on the same item (``stratus.families.suggest.cascade``). An
 audit's agreement alone (one tier's answer against the top's) cannot feed it, so the auditor
 also keeps such rows, from the same unbiased draw: an item that settled below the top tier is
 a row once the top tier's answer comes back; an item that climbed to the top tier anyway is
@@ -20,46 +20,14 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Final
 
+from stratus.families.suggest import AuditRow, TierAnswer
 from stratus.tiers import Tier
-from stratus.wire import fleet_pb2 as fpb
 
 # Rows kept per family (the oldest go first), and how old one may be: the window audits use.
 MAX_ROWS: Final = 5000
 MAX_ROW_AGE_S: Final = 3600.0
-
-
-@dataclass(frozen=True)
-class TierAnswer:
-    """One tier's answer on one item: its confidence and its top-1 class; for a generative
-    family, whether its text agreed with the top tier's (``answer`` is then 0)."""
-
-    tier: Tier
-    confidence: float
-    answer: int
-    agrees: bool | None = None
-
-
-@dataclass(frozen=True)
-class Row:
-    """One audited item: the lower tiers' answers (bottom first) and the top tier's class."""
-
-    lower: tuple[TierAnswer, ...]
-    top: Tier
-    label: int
-    at: float = 0.0  # monotonic time it was kept
-
-    def to_wire(self) -> fpb.AuditRow:
-        return fpb.AuditRow(
-            tiers=[
-                fpb.TierAnswer(tier=a.tier.label, confidence=a.confidence, answer=a.answer, agrees=a.agrees)
-                for a in self.lower
-            ],
-            top_tier=self.top.label,
-            label=self.label,
-        )
 
 
 class RowBook:
@@ -72,16 +40,16 @@ class RowBook:
         max_age_s: float = MAX_ROW_AGE_S,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self._rows: dict[str, deque[Row]] = {}
+        self._rows: dict[str, deque[AuditRow]] = {}
         self._max_rows = max_rows
         self._max_age_s = max_age_s
         self._clock = clock
 
     def add(self, family: str, lower: tuple[TierAnswer, ...], top: Tier, label: int) -> None:
         kept = self._rows.setdefault(family, deque(maxlen=self._max_rows))
-        kept.append(Row(lower=lower, top=top, label=label, at=self._clock()))
+        kept.append(AuditRow(lower=lower, top=top, label=label, at=self._clock()))
 
-    def rows(self, family: str) -> list[Row]:
+    def rows(self, family: str) -> list[AuditRow]:
         kept = self._rows.get(family)
         if kept is None:
             return []

@@ -11,10 +11,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final
 
 from router.audit.agreement import WINDOW_AUDITS, WINDOW_S, AuditKey
-from router.audit.rows import TierAnswer
 from stratus.convert.tensors import Tensors
 from stratus.errors import ConfigError
 from stratus.families.audit import EXACT, NUMBER
+from stratus.families.suggest import TierAnswer
 from stratus.tiers import Tier
 from stratus.wire import inference_pb2 as pb
 

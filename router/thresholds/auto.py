@@ -1,7 +1,7 @@
 """``--auto-thresholds``: a router that moves a family's thresholds toward what its audits suggest.
 
 Off by default, and per family. Every ``interval_s`` the controller asks calibrate's chooser
-(``stratus.tools.calibrate.from_audits``) for the family's goal on this router's audit rows,
+(``stratus.families.suggest``) for the family's goal on this router's audit rows,
 and pushes one bounded step toward it (``stratus fleet thresholds`` versions, author "auto",
 so every step is logged, written to the site's store, shown in ``fleet accuracy`` and undone by
 ``--revert``):
@@ -35,10 +35,10 @@ from typing import Final
 
 from prometheus_client.core import CounterMetricFamily
 
-from router.audit.rows import Row
 from router.thresholds.pushes import FamilyThresholds, ThresholdPushes
 from stratus.errors import ConfigError
 from stratus.families.audit import goal_problem
+from stratus.families.suggest import AuditRow, audit_scores, cascade, goal_of, suggest
 from stratus.obs.metrics import Metric
 from stratus.tiers import Tier
 
@@ -163,7 +163,7 @@ class AutoThresholds:
         policy: AutoPolicy,
         pushes: ThresholdPushes,
         registry: FamilyThresholds,
-        rows: Callable[[str], Sequence[Row]],
+        rows: Callable[[str], Sequence[AuditRow]],
         chosen: Callable[[], Mapping[str, str]] = dict,
         *,
         here: Callable[[], bool] = lambda: True,
@@ -207,10 +207,7 @@ class AutoThresholds:
         return step
 
     def _decide(self, family: str, goal: str) -> Step:
-        from stratus.tools.calibrate.classifier import cascade
-        from stratus.tools.calibrate.from_audits import audit_scores, goal_of, suggest
-
-        rows = [row.to_wire() for row in self._rows(family)]
+        rows = self._rows(family)
         target, share = goal_of(goal)
         try:
             suggestion = suggest(rows, target_accuracy=target, max_escalation=share)

@@ -23,10 +23,11 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final, Protocol
 
-from router.audit.rows import Row
+from stratus.convert.fleet import audit_row_to_wire
 from stratus.errors import ConfigError, Conflict, InvalidInput, NotFound
 from stratus.families.confidence import threshold_problem
 from stratus.families.description import FamilyDescription
+from stratus.families.suggest import AuditRow
 from stratus.obs.metrics import Metric, gauge
 from stratus.tiers import Tier
 from stratus.wire import fleet_pb2 as fpb
@@ -280,7 +281,7 @@ def steer(
     pushes: ThresholdPushes,
     registry: FamilyThresholds,
     request: fpb.ThresholdsRequest,
-    rows: Callable[[str], Sequence[Row]] | None = None,
+    rows: Callable[[str], Sequence[AuditRow]] | None = None,
 ) -> fpb.ThresholdsReply:
     """Read, apply or revert ``request.family``'s pushed thresholds; the reply says what is in
     force (and, asked for, the audit rows a suggestion is chosen on)."""
@@ -288,7 +289,7 @@ def steer(
     if action == fpb.THRESHOLDS_ACTION_STATUS:
         answer = reply(pushes, registry, family)
         if request.include_rows and rows is not None:
-            answer.rows.extend(row.to_wire() for row in rows(family))
+            answer.rows.extend(audit_row_to_wire(row) for row in rows(family))
         return answer
     if registry.family(family) is None:
         raise NotFound(f"no agent serves a family '{family}'")

@@ -2,7 +2,7 @@
 
 * no action: the thresholds in force, the agents' own, and the versions pushed so far;
 * ``--suggest``: the thresholds calibrate would choose on the audit rows of the router and of
-  every router of its site (as they registered in the site's store), each read once (``stratus.tools.calibrate.from_audits``) for ``--target-accuracy`` / ``--max-escalation``,
+  every router of its site (as they registered in the site's store), each read once (``stratus.families.suggest``, through ``stratus.tools.calibrate.from_audits``) for ``--target-accuracy`` / ``--max-escalation``,
   or the goal ``[calibration]`` recorded (``--models DIR`` reads it), and what they would change;
 * ``--apply device=0.9,edge=0.8`` (or ``--suggest --apply``): a new version on every router
   of the site at once (written to the site's store), only over the version read
@@ -235,7 +235,7 @@ def _goal(asked: Asked) -> tuple[float | None, float | None]:
             "to use the one [calibration] recorded"
         )
     from stratus.families.repository import ModelRepository
-    from stratus.tools.calibrate.from_audits import goal_of
+    from stratus.families.suggest import goal_of
 
     record = ModelRepository.load(asked.models).family(asked.family).calibration
     if record is None:

@@ -13,6 +13,7 @@ from stratus.families.description import FamilyDescription
 from stratus.families.generation import Chunk, GenerationMethod, Token
 from stratus.families.offline import OfflineSpec
 from stratus.families.spec import GenerationSpec, TensorSpec
+from stratus.families.suggest import AuditRow, TierAnswer
 from stratus.obs.stats import LatencySummary
 from stratus.tiers import Tier
 from stratus.wire import fleet_pb2 as fpb
@@ -179,4 +180,32 @@ def _calibration(figures: fpb.TierCalibration) -> TierCalibration:
         accuracy=figures.accuracy,
         agreement=figures.agreement if figures.HasField("agreement") else None,
         items=figures.items,
+    )
+
+
+def audit_row_to_wire(row: AuditRow) -> fpb.AuditRow:
+    return fpb.AuditRow(
+        tiers=[
+            fpb.TierAnswer(tier=a.tier.label, confidence=a.confidence, answer=a.answer, agrees=a.agrees)
+            for a in row.lower
+        ],
+        top_tier=row.top.label,
+        label=row.label,
+    )
+
+
+def audit_row_from_wire(row: fpb.AuditRow) -> AuditRow:
+    """A listed row as a value (an unknown tier name is refused: ConfigError)."""
+    return AuditRow(
+        lower=tuple(
+            TierAnswer(
+                tier=Tier.parse(a.tier),
+                confidence=a.confidence,
+                answer=a.answer,
+                agrees=a.agrees if a.HasField("agrees") else None,
+            )
+            for a in row.tiers
+        ),
+        top=Tier.parse(row.top_tier),
+        label=row.label,
     )

@@ -23,7 +23,7 @@ from router.cloud.link import CloudLink, OnChunk
 from router.cloud.pool import CloudPool
 from router.fleet.registry import FleetRegistry
 from stratus.convert import codec
-from stratus.convert.fleet import family_from_wire
+from stratus.convert.fleet import audit_row_to_wire, family_from_wire
 from stratus.convert.parameters import RequestOptions
 from stratus.convert.tensors import Tensors
 from stratus.convert.text import prompt_request
@@ -522,7 +522,7 @@ def test_generative_rows_hold_each_lower_tiers_agreement_and_no_text() -> None:
         await settle(audits, lambda: len(audits.rows.rows("arith")) == 1)
         (row,) = audits.rows.rows("arith")
         assert [(a.tier, a.confidence, a.agrees) for a in row.lower] == [(Tier.DEVICE, 0.6, False), (Tier.EDGE, 0.9, True)]
-        wire = row.to_wire()
+        wire = audit_row_to_wire(row)
         assert [a.agrees for a in wire.tiers] == [False, True] and wire.label == 0 and "85" not in str(wire)
 
         whole = [generation(Tier.DEVICE, "85", 0.7), generation(Tier.EDGE, "86", 0.5)]
@@ -534,7 +534,7 @@ def test_generative_rows_hold_each_lower_tiers_agreement_and_no_text() -> None:
         await asyncio.sleep(0.05)
         await audits.close()
         assert len(audits.rows.rows("arith")) == 2 and audits.dropped == 0  # a row's job is not an audit
-        scores = audit_scores([r.to_wire() for r in audits.rows.rows("arith")], min_rows=1)
+        scores = audit_scores([audit_row_to_wire(r) for r in audits.rows.rows("arith")], min_rows=1)
         assert [list(s.correct) for s in scores] == [[False, True], [True, False], [True, True]]
 
     run(body)

@@ -14,8 +14,8 @@ from stratus.errors import ConfigError, InvalidInput
 from stratus.execution.describe import family_info_fields
 from stratus.families.audit import TierCalibration, check_family_info
 from stratus.families.repository import load_family
+from stratus.families.suggest import TierScores
 from stratus.tiers import Tier
-from stratus.tools.calibrate.classifier import TierScores
 from stratus.tools.calibrate.tier_accuracy import tier_figures, write_tier_accuracy
 from stratus.wire import fleet_pb2 as fpb
 

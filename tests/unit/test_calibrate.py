@@ -15,14 +15,14 @@ from stratus.families.confidence import (
     softmax,
     tempered,
 )
-from stratus.tiers import Tier
-from stratus.tools.calibrate.classifier import (
+from stratus.families.suggest import (
     TierScores,
     candidate_thresholds,
     cascade,
     for_max_escalation,
     for_target_accuracy,
 )
+from stratus.tiers import Tier
 
 
 def scores() -> list[TierScores]:

@@ -10,8 +10,9 @@ import pytest
 
 from stratus.errors import ConfigError
 from stratus.families.repository import ModelRepository, load_family
+from stratus.families.suggest import TierScores, cascade
 from stratus.tools.arith import arith_splits, solve
-from stratus.tools.calibrate.classifier import TierScores, cascade, describe, write
+from stratus.tools.calibrate.classifier import describe, write
 from stratus.tools.calibrate.generative import calibrate_generative, generative_scores, load_prompts
 
 MODELS = Path(__file__).resolve().parents[2] / "models"

@@ -210,6 +210,18 @@ def test_the_apps_never_import_each_other() -> None:
     assert not across, "one app imports another:\n  " + _offending(across)
 
 
+def test_no_app_imports_the_model_tooling() -> None:
+    """``stratus/tools`` is what ``stratus models`` runs (runtimes opened on data sets, files
+    written); a server never needs it, lazily or not: the threshold search a router runs on its
+    audit rows is the domain's (``stratus/families/suggest.py``)."""
+    found = [
+        str(edge)
+        for edge in all_imports()
+        if edge.source.split(".")[0] in APPS and edge.target.startswith("stratus.tools")
+    ]
+    assert not found, "apps importing stratus.tools:\n  " + "\n  ".join(found)
+
+
 def test_the_generated_wire_imports_nothing_hand_written() -> None:
     out = [
         e

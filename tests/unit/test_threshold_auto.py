@@ -7,7 +7,6 @@ from collections.abc import Mapping
 
 import pytest
 
-from router.audit.rows import Row, TierAnswer
 from router.fleet.registry import FleetRegistry
 from router.thresholds.auto import (
     CAPPED,
@@ -23,6 +22,7 @@ from router.thresholds.auto import (
 )
 from router.thresholds.pushes import ThresholdPushes
 from stratus.errors import ConfigError
+from stratus.families.suggest import AuditRow, TierAnswer
 from stratus.tiers import Tier
 from stratus.tools.calibrate.from_audits import suggest
 from tests.unit.test_index import hello
@@ -71,10 +71,10 @@ def test_goals_and_bounds_are_checked() -> None:
         AutoPolicy(max_step=0.0)
 
 
-def kept_rows() -> list[Row]:
+def kept_rows() -> list[AuditRow]:
     """The auditor's rows of test_threshold_suggestion, as the router keeps them."""
     return [
-        Row(lower=tuple(TierAnswer(Tier.parse(a.tier), a.confidence, a.answer) for a in r.tiers),
+        AuditRow(lower=tuple(TierAnswer(Tier.parse(a.tier), a.confidence, a.answer) for a in r.tiers),
             top=Tier.parse(r.top_tier), label=r.label)
         for r in audited_rows()[0]
     ]  # fmt: skip

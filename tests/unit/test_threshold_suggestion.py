@@ -13,13 +13,14 @@ import asyncio
 import numpy as np
 import pytest
 
-from router.audit.rows import RowBook, TierAnswer
+from router.audit.rows import RowBook
 from stratus.convert import codec
+from stratus.convert.fleet import audit_row_to_wire
 from stratus.errors import ConfigError
 from stratus.families.confidence import PASS_ALL
+from stratus.families.suggest import TierAnswer, TierScores, for_max_escalation, for_target_accuracy, goal_of
 from stratus.tiers import Tier
-from stratus.tools.calibrate.classifier import TierScores, for_max_escalation, for_target_accuracy
-from stratus.tools.calibrate.from_audits import audit_scores, goal_of, suggest
+from stratus.tools.calibrate.from_audits import audit_scores, suggest
 from stratus.wire import fleet_pb2 as fpb
 from tests.unit.test_audit import CLASSES, View, answer, auditor, cloud_pool, job, pool_request, run, settle
 
@@ -56,7 +57,7 @@ def audited_rows() -> tuple[list[fpb.AuditRow], list[int], list[int], list[float
         await settle(audits, lambda: len(audits.rows.rows("digits")) == ITEMS)
         await audits.close()
         rows.extend(
-            fpb.AuditRow.FromString(r.to_wire().SerializeToString()) for r in audits.rows.rows("digits")
+            fpb.AuditRow.FromString(audit_row_to_wire(r).SerializeToString()) for r in audits.rows.rows("digits")
         )
 
     truth: list[int] = []
@@ -149,7 +150,7 @@ def test_too_few_rows_are_refused_saying_how_many_are_needed() -> None:
     book = RowBook()
     for i in range(10):
         book.add("digits", (TierAnswer(Tier.DEVICE, 0.8, i % 3),), Tier.CLOUD, i % 3)
-    rows = [r.to_wire() for r in book.rows("digits")]
+    rows = [audit_row_to_wire(r) for r in book.rows("digits")]
     with pytest.raises(ConfigError, match="10 audit rows so far; a suggestion needs at least 200") as few:
         suggest(rows, target_accuracy=0.9)
     with pytest.raises(ConfigError, match="no audit rows yet") as none:
@@ -185,7 +186,7 @@ def test_sure_errors_pass_the_tier_by_and_the_suggestion_says_why() -> None:
         wrong = i % 25 == 0
         confidence = 1.0 if wrong else 0.5 + (i % 50) / 100
         book.add("defects", (TierAnswer(Tier.DEVICE, confidence, (i + wrong) % 4),), Tier.CLOUD, i % 4)
-    rows = [r.to_wire() for r in book.rows("defects")]
+    rows = [audit_row_to_wire(r) for r in book.rows("defects")]
     held = suggest(rows, target_accuracy=0.99)
     assert held.thresholds == {Tier.DEVICE: PASS_ALL}
     assert held.outcome.accuracy == 1.0 and held.outcome.reached == (1.0, 1.0)
@@ -243,7 +244,7 @@ def test_an_item_settled_on_the_device_is_asked_of_the_edge_too_so_its_row_holds
         await audits.close()
         registry.agents["edge-1"].work.outbox.put_nowait(None)
         await fake
-        rows = [r.to_wire() for r in audits.rows.rows("digits")]
+        rows = [audit_row_to_wire(r) for r in audits.rows.rows("digits")]
         assert seen == ["edge-1"]
         assert [[(a.tier, a.answer) for a in r.tiers] for r in rows] == [
             [("device", 4), ("edge", 4)],
@@ -286,7 +287,7 @@ def test_a_generative_familys_suggestion_is_calibrates_choice_on_agreement() -> 
         lower = (TierAnswer(Tier.DEVICE, float(device[i]), 0, agrees=bool(device_agrees[i])),
                  TierAnswer(Tier.EDGE, float(edge[i]), 0, agrees=bool(edge_agrees[i])))  # fmt: skip
         book.add("arith", lower, Tier.CLOUD, 0)
-    rows = [fpb.AuditRow.FromString(r.to_wire().SerializeToString()) for r in book.rows("arith")]
+    rows = [fpb.AuditRow.FromString(audit_row_to_wire(r).SerializeToString()) for r in book.rows("arith")]
     scores = [
         TierScores(Tier.DEVICE, "arith-small", device, device_agrees),
         TierScores(Tier.EDGE, "arith-medium", edge, edge_agrees),

@@ -30,131 +30,25 @@ Thresholds are chosen among values with ``THRESHOLD_DECIMALS`` decimals, as
 
 from __future__ import annotations
 
-import itertools
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Final
 
 import numpy as np
-import numpy.typing as npt
 
 from stratus.datatypes import Array
 from stratus.errors import ConfigError
 from stratus.families.audit import TierCalibration
-from stratus.families.confidence import PASS_ALL, ConfidenceMethod, confidence
+from stratus.families.confidence import ConfidenceMethod, confidence
 from stratus.families.spec import CalibrationRecord, FamilySpec, VariantSpec
+from stratus.families.suggest import Outcome, TierScores, cascade, for_max_escalation, for_target_accuracy
 from stratus.families.writer import write_thresholds
 from stratus.runtimes import LoadOptions, load_runner
 from stratus.tiers import Tier
 from stratus.tools.calibrate.labelled_data import LabelledData, bundled_data
 from stratus.tools.calibrate.tier_accuracy import describe_figures, tier_figures, write_tier_accuracy
 from stratus.tools.datasets import Split
-
-Floats = npt.NDArray[np.float64]
-Bools = npt.NDArray[np.bool_]
-
-# family.toml keeps thresholds with this many decimals (``write_thresholds``).
-THRESHOLD_DECIMALS: Final = 4
-
-
-@dataclass(frozen=True)
-class TierScores:
-    """One tier's confidence and correctness on every labelled example."""
-
-    tier: Tier
-    variant: str
-    confidence: Floats
-    correct: Bools
-    # Each example's answer (class, or stripped text): agreement with the top tier is read from it.
-    answers: npt.NDArray[Any] | None = None
-
-
-@dataclass(frozen=True)
-class Outcome:
-    accuracy: float
-    reached: tuple[float, ...]  # share of requests that reach each tier, bottom first
-    # Mean confidence of the tier that answered each request: the accuracy that calibrated
-    # (temperature-scaled) confidences predict.
-    expected: float = 0.0
-
-
-def cascade(scores: Sequence[TierScores], thresholds: Sequence[float]) -> Outcome:
-    """Simulate the router's cascade for thresholds of every tier but the top one."""
-    pending = np.ones(len(scores[0].correct), dtype=bool)
-    correct = np.zeros_like(pending)
-    expected = np.zeros(len(pending))
-    reached = []
-    for index, tier in enumerate(scores):
-        reached.append(float(pending.mean()))
-        last = index == len(scores) - 1
-        answers = pending if last else pending & (tier.confidence >= thresholds[index])
-        correct |= answers & tier.correct
-        expected[answers] = tier.confidence[answers]
-        pending &= ~answers
-    return Outcome(accuracy=float(correct.mean()), reached=tuple(reached), expected=float(expected.mean()))
-
-
-def candidate_thresholds(values: Floats, count: int = 60) -> list[float]:
-    """Thresholds worth trying: 0, quantiles of the observed confidences, and the smallest
-    value above the max (``PASS_ALL`` above a confidence of 1.0: the tier then answers
-    nothing), all with ``THRESHOLD_DECIMALS`` decimals."""
-    quantiles = np.quantile(values, np.linspace(0.0, 1.0, count))
-    return sorted({0.0, *(_written(float(q)) for q in quantiles), _just_above(float(values.max()))})
-
-
-def _written(value: float) -> float:
-    """``value`` rounded down to what family.toml stores. The cascade is simulated with this
-    stored value, so writing it changes nothing that was printed."""
-    step = 10**THRESHOLD_DECIMALS
-    return round(math.floor(value * step) / step, THRESHOLD_DECIMALS)
-
-
-def _just_above(value: float) -> float:
-    """The smallest storable threshold above ``value``: every answer of the tier escalates.
-    Above a confidence of 1.0 (a saturated softmax) that is ``PASS_ALL``."""
-    threshold = _written(value)
-    while threshold <= value:
-        threshold = round(threshold + 10.0**-THRESHOLD_DECIMALS, THRESHOLD_DECIMALS)
-    return min(threshold, PASS_ALL)
-
-
-def for_target_accuracy(scores: Sequence[TierScores], target: float) -> tuple[float, ...]:
-    """Fewest requests at the top, then fewest beyond the bottom, with accuracy >= target."""
-    grids = [candidate_thresholds(s.confidence) for s in scores[:-1]]
-    best: tuple[tuple[float, ...], tuple[float, ...]] | None = None
-    for combo in itertools.product(*grids):
-        outcome = cascade(scores, combo)
-        if outcome.accuracy + 1e-12 < target:
-            continue
-        cost = (outcome.reached[-1], *reversed(outcome.reached[1:-1]), -outcome.accuracy)
-        if best is None or cost < best[0]:
-            best = (cost, combo)
-    if best is None:
-        top = scores[-1]
-        raise ConfigError(
-            f"no thresholds reach accuracy {target:.4f} on the calibration split; "
-            f"sending everything to {top.variant} gives {float(top.correct.mean()):.4f}"
-        )
-    return best[1]
-
-
-def for_max_escalation(scores: Sequence[TierScores], share: float) -> tuple[float, ...]:
-    """Highest expected, then counted, accuracy (then highest thresholds) with at most
-    ``share`` reaching the top tier."""
-    grids = [candidate_thresholds(s.confidence) for s in scores[:-1]]
-    best: tuple[tuple[float, ...], tuple[float, ...]] | None = None
-    for combo in itertools.product(*grids):
-        outcome = cascade(scores, combo)
-        if outcome.reached[-1] > share + 1e-12:
-            continue
-        rank = (outcome.expected, outcome.accuracy, sum(combo), *combo)
-        if best is None or rank > best[0]:
-            best = (rank, combo)
-    if best is None:  # unreachable: thresholds of 0 send nothing up
-        raise ConfigError(f"no thresholds keep the top tier's share under {share:.1%}")
-    return best[1]
 
 
 def reference_variant(family: FamilySpec, tier: Tier) -> VariantSpec:

@@ -3,7 +3,7 @@
 Each tier's current variant answers every prompt greedily, here, in the runtime an agent
 would use; an answer is right when its text (stripped) equals the expected one, and its
 confidence is the family's method over its tokens' log-probabilities. From there the
-thresholds are chosen exactly as for a classifier (:func:`stratus.tools.calibrate.classifier.for_target_accuracy`
+thresholds are chosen exactly as for a classifier (:func:`stratus.families.suggest.for_target_accuracy`
 and friends), on the calibration prompts, and reported on the held-out ones.
 
 The shipped ``arith`` family brings its own prompts (:mod:`stratus.tools.arith`); any other
@@ -23,10 +23,11 @@ from stratus.datatypes import Array
 from stratus.errors import ConfigError, NotFound, RuntimeUnavailable
 from stratus.families.generation import GenerationParams, confidence_of
 from stratus.families.spec import FamilySpec, VariantSpec
+from stratus.families.suggest import TierScores
 from stratus.runtimes.base import LoadOptions
 from stratus.runtimes.generative import GenerativeRunner, load_generator
 from stratus.tiers import Tier
-from stratus.tools.calibrate.classifier import Calibration, TierScores, choose
+from stratus.tools.calibrate.classifier import Calibration, choose
 from stratus.tools.calibrate.labelled_data import CALIBRATION_SHARE, MIN_EXAMPLES, SPLIT_SEED, LabelledData
 from stratus.tools.datasets import Split
 
