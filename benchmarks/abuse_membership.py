@@ -116,6 +116,39 @@ async def f2_conflicting_family(ctx: Context) -> Outcome:
                    f"{outcome}, {said}, {works} Work sent to it")  # fmt: skip
 
 
+async def n3_black_hole(ctx: Context) -> Outcome:
+    """device-2's own token, stolen from its machine: a device-2 declaring capacity 1,024 (the
+    most a Hello may) that heartbeats that it reads and answers no Work, held for the window
+    while legitimate traffic flows (the real device-2 is replaced, and comes back when it ends):
+    every Work it is sent is a request held until its budget runs out."""
+    stolen = ctx.fleet.tokens.own_file("device-2").read_text(encoding="ascii").strip()
+    message = digits_hello("device-2", stolen)
+    works, received, outcome = 0, 0, "CLOSED"
+    until = ctx.mark()
+    async with ctx.channel() as channel:
+
+        async def messages() -> Any:
+            yield message
+            while time.monotonic() < until:
+                await asyncio.sleep(0.3)
+                yield fpb.AgentMessage(heartbeat=fpb.Heartbeat(received=received))
+
+        call = aio(fpb_grpc.AgentLinkStub(channel)).Connect(messages())
+        try:
+            async with asyncio.timeout(ctx.duration_s + 5):
+                async for reply in call:
+                    received += 1
+                    kind = reply.WhichOneof("kind")
+                    outcome = "WELCOMED" if kind == "welcome" else outcome
+                    works += kind == "work"
+        except grpc.aio.AioRpcError as error:
+            outcome = ctx.name(error)
+        except TimeoutError:
+            call.cancel()
+    return Outcome(f"stolen device-2 token, capacity 1,024, no Work answered, {ctx.duration_s:g} s",
+                   f"{outcome}, {works} Work sent to it")  # fmt: skip
+
+
 async def f3_drain_reload(ctx: Context) -> Outcome:
     """Drain, Reload and rollout changes in a loop, anonymously and with the agent and client
     tokens (credentials that are not the operator's)."""
