@@ -378,8 +378,8 @@ class RouterDataPlane(DataPlane):
             raise
         if self.audits is not None:  # sampled once the answer is on its way
             asyncio.get_running_loop().call_soon(self.audits.classified, cascade)
-        if self.offline is not None and self.offline.decisions is not None:
-            self.offline.log_decision(cascade.decision())
+        if self.offline is not None:
+            self.offline.log_decision(provisional=cascade.provisional, record=cascade.decision)
         self._count_answer(family, cascade.tier_label, cascade.degraded, started)
         return result
 

@@ -211,12 +211,13 @@ class Offline:
             self.judge.wake()
         return refused
 
-    def log_decision(self, decision: Decision) -> None:
-        """Every provisional request's record, and the share asked for of the rest."""
+    def log_decision(self, *, provisional: bool, record: Callable[[], Decision]) -> None:
+        """Every provisional request's record, and the share asked for of the rest; a record is
+        built only once it is to be written."""
         if self.decisions is None:
             return
-        if decision.provisional or self._rng.random() < self.settings.decision_log_share:
-            self.decisions.offer(decision)
+        if provisional or self._rng.random() < self.settings.decision_log_share:
+            self.decisions.offer(record())
 
 
 def made_request_id() -> str:

@@ -21,7 +21,6 @@ import asyncio
 import contextlib
 import logging
 import os
-import time
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -243,7 +242,3 @@ def _read(path: Path) -> fpb.DeferredRequest | None:
         log.warning("deferred request file %s does not read; set aside as %s", path, bad.name)
         return None
     return record
-
-
-def now_unix() -> float:
-    return time.time()

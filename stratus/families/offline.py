@@ -20,7 +20,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Final, Protocol
+from typing import Any, Final
+
+from stratus.families.audit import Reader
 
 DEFAULT_MAX_ITEMS: Final = 10_000
 DEFAULT_MAX_BYTES: Final = 64 << 20
@@ -54,12 +56,6 @@ def bounds_problem(spec: OfflineSpec) -> str | None:
     if not 0 < spec.max_age_s <= 365 * 86_400:
         return f"max_age_s {spec.max_age_s} must lie in (0, one year]"
     return None
-
-
-class Reader(Protocol):
-    def get(self, table: Mapping[str, Any], key: str, kind: type, where: str, default: Any = ...) -> Any: ...
-    def fail(self, key: str, problem: str) -> Exception: ...
-    def unknown_keys(self, table: Mapping[str, Any], allowed: set[str], where: str) -> None: ...
 
 
 def parse_offline(reader: Reader, data: Mapping[str, Any], *, generative: bool) -> OfflineSpec:
