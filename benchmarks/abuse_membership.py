@@ -80,19 +80,15 @@ async def f1_stolen_token_takeover(ctx: Context) -> Outcome:
                    f"refused {refused} times; device-1's link replaced {replaced} times")  # fmt: skip
 
 
-async def f2_conflicting_family(ctx: Context) -> Outcome:
-    """With the agent token: describe digits unlike the fleet (no tensors, threshold 0, so
-    every answer settles at once), beside a family of its own, hold the link and answer no
-    Work: a black hole if the router sent it any digits request."""
-    forged = fpb.FamilyInfo(name="digits", thresholds={"device": 0.0, "edge": 0.0})
-    own = fpb.FamilyInfo(name="rogue-family")
-    message = digits_hello("rogue-f2", ctx.fleet.tokens.agent, forged, own)
-    message.hello.variants.add(name="rogue-variant", family="rogue-family")
+async def hold_link(ctx: Context, message: fpb.AgentMessage) -> tuple[str, int]:
+    """An AgentLink held for the window, answering no Work: the Hello, then heartbeats that say
+    it reads (so it stays linked). How it ended (WELCOMED, or the refusal's code), and the
+    Works the router sent it."""
     works, received, outcome = 0, 0, "CLOSED"
     until = ctx.mark()
     async with ctx.channel() as channel:
 
-        async def messages() -> Any:  # the Hello, then heartbeats that say it reads: it stays
+        async def messages() -> Any:
             yield message
             while time.monotonic() < until:
                 await asyncio.sleep(0.5)
@@ -110,6 +106,18 @@ async def f2_conflicting_family(ctx: Context) -> Outcome:
             outcome = ctx.name(error)
         except TimeoutError:
             call.cancel()
+    return outcome, works
+
+
+async def f2_conflicting_family(ctx: Context) -> Outcome:
+    """With the agent token: describe digits unlike the fleet (no tensors, threshold 0, so
+    every answer settles at once), beside a family of its own, hold the link and answer no
+    Work: a black hole if the router sent it any digits request."""
+    forged = fpb.FamilyInfo(name="digits", thresholds={"device": 0.0, "edge": 0.0})
+    own = fpb.FamilyInfo(name="rogue-family")
+    message = digits_hello("rogue-f2", ctx.fleet.tokens.agent, forged, own)
+    message.hello.variants.add(name="rogue-variant", family="rogue-family")
+    outcome, works = await hold_link(ctx, message)
     refused = [u for a in (await fleet_status(ctx)).agents if a.id == "rogue-f2" for u in a.unavailable]
     said = "digits refused" if any("digits" in u for u in refused) else "digits NOT refused"
     return Outcome(f"forged digits + own family, held {ctx.duration_s:g} s",
@@ -123,28 +131,7 @@ async def n3_black_hole(ctx: Context) -> Outcome:
     every Work it is sent is a request held until its budget runs out."""
     stolen = ctx.fleet.tokens.own_file("device-2").read_text(encoding="ascii").strip()
     message = digits_hello("device-2", stolen)
-    works, received, outcome = 0, 0, "CLOSED"
-    until = ctx.mark()
-    async with ctx.channel() as channel:
-
-        async def messages() -> Any:
-            yield message
-            while time.monotonic() < until:
-                await asyncio.sleep(0.3)
-                yield fpb.AgentMessage(heartbeat=fpb.Heartbeat(received=received))
-
-        call = aio(fpb_grpc.AgentLinkStub(channel)).Connect(messages())
-        try:
-            async with asyncio.timeout(ctx.duration_s + 5):
-                async for reply in call:
-                    received += 1
-                    kind = reply.WhichOneof("kind")
-                    outcome = "WELCOMED" if kind == "welcome" else outcome
-                    works += kind == "work"
-        except grpc.aio.AioRpcError as error:
-            outcome = ctx.name(error)
-        except TimeoutError:
-            call.cancel()
+    outcome, works = await hold_link(ctx, message)
     return Outcome(f"stolen device-2 token, capacity 1,024, no Work answered, {ctx.duration_s:g} s",
                    f"{outcome}, {works} Work sent to it")  # fmt: skip
 
