@@ -44,6 +44,9 @@ log = logging.getLogger("stratus.agent")
 
 # With --router auto or dns:NAME:PORT, how often to look for routers that joined since.
 REDISCOVER_S = 30.0
+# A link to one of a router's workers gives up after this many failed attempts in a row; once
+# every worker's has, the router's shared port is dialled again (router/workers.py).
+WORKER_ATTEMPTS = 6
 
 
 class Agent:
@@ -64,6 +67,8 @@ class Agent:
         self.links: dict[str, Link] = {}  # by router address, while linked
         self._reload_lock = asyncio.Lock()
         self._reloads: set[asyncio.Task[None]] = set()
+        # Links to the workers a router's shared port named (router/workers.py), by address.
+        self._workers: dict[str, asyncio.Task[str | None]] = {}
 
     @property
     def in_flight(self) -> int:
@@ -95,6 +100,7 @@ class Agent:
         ``--router A,B`` holds a link to each; ``auto`` links to every router zeroconf
         finds, and ``dns:NAME:PORT`` to every address NAME resolves to (a Kubernetes headless
         Service: one per router pod); both look again now and then for routers that joined.
+        A router of several workers is linked at each worker's own address (``link_workers``).
         """
         if self.settings.router == "auto":
             await self._link_found_routers(stop, lambda: discover_all(timeout_s=3.0))
@@ -110,6 +116,27 @@ class Agent:
             if not stop.is_set():  # every link gave up for good
                 raise ConfigError(_no_router(ends))
         await self.finish_work()
+
+    async def link_workers(self, addresses: Sequence[str], stop: asyncio.Event, server_name: str | None) -> None:
+        """A router's workers share its port, so a link through the port reaches one of them:
+        hold a link to each worker's own address instead, until ``stop`` or until every one has
+        failed WORKER_ATTEMPTS times in a row (a worker restarting comes back at its address,
+        which its parent holds; a router restarted has other workers, found through the port
+        again). A worker already linked through another door is not linked twice."""
+        mine = [a for a in addresses if a not in self._workers]
+        for address in mine:
+            self._workers[address] = asyncio.create_task(
+                stay_linked(self, address, stop, self._rng, server_name, give_up_after=WORKER_ATTEMPTS),
+                name=f"stratus-link-{address}",
+            )
+        try:
+            ended = await asyncio.gather(*(self._workers[a] for a in mine), return_exceptions=True)
+        finally:
+            for address in mine:
+                self._workers.pop(address, None)
+        if not stop.is_set():
+            log.warning("every worker of the router stopped answering (%s): dialling its port again",
+                        "; ".join(str(e) for e in ended if e))  # fmt: skip
 
     async def _link_found_routers(
         self, stop: asyncio.Event, find: Callable[[], Awaitable[list[str]]], server_name: str | None = None

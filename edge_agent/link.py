@@ -9,7 +9,7 @@ import asyncio
 import contextlib
 import logging
 import random
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -37,6 +37,11 @@ class Backoff:
 
     def reset(self) -> None:
         self._attempt = 0
+
+    @property
+    def failures(self) -> int:
+        """Attempts since the last healthy session."""
+        return self._attempt
 
 
 @dataclass(eq=False)
@@ -89,6 +94,8 @@ class LinkOwner(Protocol):
 
     async def finish_work(self) -> None: ...
 
+    async def link_workers(self, addresses: Sequence[str], stop: asyncio.Event, server_name: str | None) -> None: ...
+
 
 # What a router answers when it will not take this agent's credential: retrying the same
 # credential cannot change that; the operator must (a token, a certificate, a revocation).
@@ -96,12 +103,23 @@ REFUSALS = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)
 
 
 async def stay_linked(
-    owner: LinkOwner, address: str, stop: asyncio.Event, rng: random.Random, server_name: str | None = None
+    owner: LinkOwner,
+    address: str,
+    stop: asyncio.Event,
+    rng: random.Random,
+    server_name: str | None = None,
+    *,
+    give_up_after: int | None = None,
 ) -> str | None:
     """One router: link, serve, and re-link with backoff whenever the link breaks.
     ``server_name``: what the router's certificate names, where ``address`` is an IP found
     for it (dns:NAME). Returns None once stopped, or why it gave up on this router for good
-    (not one, or it refused this agent), in one line."""
+    (not one, it refused this agent, or ``give_up_after`` attempts in a row failed), in one line.
+
+    A router of several workers (``--workers``) answers through its shared port with every
+    worker's own address: the agent links to each of those instead, and dials ``address``
+    again only once every one of those links has given up (the router restarted with other
+    workers)."""
     settings = owner.settings
     backoff = Backoff(initial_s=settings.backoff_initial_s, max_s=settings.backoff_max_s, rng=rng)
     if not settings.may_dial(address):
@@ -111,8 +129,13 @@ async def stay_linked(
         log.error("not linking: %s", refused)
         return refused
     while not stop.is_set():
+        if give_up_after is not None and backoff.failures >= give_up_after:
+            return f"router worker {address} did not answer {backoff.failures} times in a row"
         try:
-            await _session(owner, address, stop, backoff, server_name)
+            workers = await _session(owner, address, stop, backoff, server_name)
+            if workers:
+                await owner.link_workers(workers, stop, server_name)
+                continue
         except grpc.aio.AioRpcError as exc:
             if (ended := _for_good(address, exc)) is not None:
                 log.error("%s; not linking to it", ended)
@@ -145,7 +168,9 @@ def _for_good(address: str, exc: grpc.aio.AioRpcError) -> str | None:
 
 async def _session(
     owner: LinkOwner, address: str, stop: asyncio.Event, backoff: Backoff, server_name: str | None = None
-) -> None:
+) -> list[str]:
+    """One link, until it ends: nothing, or, where ``address`` was the shared port of a router's
+    workers, their own addresses (the link ends at once: each worker is linked at its own)."""
     link = Link(address=address)
     link.outbox.put_nowait(owner.hello())
     tls = owner.settings.tls
@@ -161,6 +186,14 @@ async def _session(
             link.outbox.put_nowait(None)  # outlives the loop ("Task was destroyed ...")
             await _ended(call)
             raise
+        workers = list(welcome.welcome.router_workers)
+        if workers and address not in workers:
+            log.info("router %s has %d workers: linking to each (%s)", address, len(workers), ", ".join(workers))
+            backoff.reset()
+            link.outbox.put_nowait(None)
+            call.cancel()
+            await _ended(call)
+            return workers
         log.info("linked to router %s as %s", address, welcome.welcome.agent_id)
         link.received = 1  # the Welcome; counts restart with every link
         backoff.reset()
@@ -187,6 +220,7 @@ async def _session(
             if owner.links.get(address) is link:
                 del owner.links[address]
             await _ended(call)
+        return []
 
 
 async def _say_goodbye(owner: LinkOwner, link: Link) -> None:

@@ -109,6 +109,7 @@ async def serve(settings: RouterSettings, stop: asyncio.Event | None = None) -> 
         client_token=settings.client_token,
         revoked=credentials.revoked if settings.tls.mutual else None,
         max_connection_age_s=settings.connection_age_s,
+        reuse_port=bool(settings.worker_address),
     )
     limits = ClientLimits(settings.max_requests_per_client, items_per_client=settings.max_items_per_client)
     servicer = InferenceServicer(plane, limits=limits)
@@ -120,6 +121,7 @@ async def serve(settings: RouterSettings, stop: asyncio.Event | None = None) -> 
             credentials=credentials,
             gate=gate,
             hello_timeout_s=settings.hello_timeout_s,
+            workers=settings.router_workers,
         ),
         server,
     )
@@ -136,9 +138,9 @@ async def serve(settings: RouterSettings, stop: asyncio.Event | None = None) -> 
     )
     fpb_grpc.add_FleetServicer_to_server(fleet, server)
     health = Health(server, plane.ready)
-    port = bind(server, settings.listen, settings.tls)
+    port = _bind(server, settings)
     name = settings.name or f"router-{socket.gethostname()}-{port}"
-    host = settings.listen.rsplit(":", 1)[0]
+    host = (settings.worker_address or settings.listen).rsplit(":", 1)[0]
     closers = await _named(name, rollouts, pushes, site, address=site_address(settings, host, port))
     # what earlier runs deferred, and the tier served here, both before the first call is taken
     closers += await _start_offline(offline, name) + await _start_local_tier(settings, registry, metrics, name)
@@ -163,6 +165,15 @@ async def serve(settings: RouterSettings, stop: asyncio.Event | None = None) -> 
     await _shut_down(plane, registry, server, health, settings)
     await _close_the_rest([watchdog, warning, stepping], closers, cloud)
     log.info("stopped")
+
+
+def _bind(server: grpc.aio.Server, settings: RouterSettings) -> int:
+    """The port this router is reached at: --listen's, or, for one of --workers (which shares
+    --listen with the others), the port of its own address, bound as well."""
+    port = bind(server, settings.listen, settings.tls)
+    if settings.worker_address:
+        port = bind(server, settings.worker_address, settings.tls)
+    return port
 
 
 async def _named(
@@ -276,8 +287,8 @@ def with_site_revocations(credentials: RouterCredentials, site: SiteMirror | Non
 def site_address(settings: RouterSettings, host: str, port: int) -> str:
     """Where the site's other routers (and an operator's CLI) reach this one: --site-address,
     else the listening address, with this host's name for a wildcard one."""
-    if settings.site_address:
-        return settings.site_address
+    if settings.site_address:  # a worker of --workers: the host named there, with its own port
+        return f"{settings.site_address.rpartition(':')[0]}:{port}" if settings.worker_address else settings.site_address
     if host in ("", "0.0.0.0", "::", "[::]"):
         host = socket.getfqdn()
     return f"{host}:{port}"

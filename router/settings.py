@@ -186,6 +186,15 @@ class RouterSettings:
     # A tier served in this process from --models (router/fleet/in_process.py); off by default.
     local: LocalTierOptions = field(default_factory=LocalTierOptions)
     hardware: Hardware | None = outside()  # the CPU --local-tier's precision choice reads
+    # Router processes sharing --listen (SO_REUSEPORT), each on a core of its own
+    # (router/workers.py); 1: this process serves alone.
+    workers: int = setting(1, check=at_least_one)
+    # Set by the parent of --workers for each worker, never by hand: the worker's own address
+    # (agents link to each worker there; an operator reaches one worker there) and every
+    # worker's as agents reach them, which its Welcome names so that an agent that came
+    # through --listen links to each.
+    worker_address: str = ""
+    router_workers: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         validate(self)

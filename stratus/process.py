@@ -15,9 +15,11 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Callable, Coroutine, MutableMapping
+from collections.abc import Awaitable, Callable, Coroutine, MutableMapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 READY_PREFIX = "STRATUS READY"
 # Set by stratus.devtools.launcher: the pid of the process that started this one, which
@@ -168,11 +170,11 @@ def new_event_loop() -> asyncio.AbstractEventLoop:
     return loop
 
 
-def run(main: asyncio.Future[None] | object) -> None:
-    """Run a component's main coroutine on a fresh loop that this process owns."""
+def run(main: Awaitable[T]) -> T:
+    """Run a component's main coroutine on a fresh loop that this process owns; its result."""
     loop = new_event_loop()
     try:
-        loop.run_until_complete(main)  # type: ignore[arg-type]
+        return loop.run_until_complete(main)
     finally:
         loop.run_until_complete(loop.shutdown_asyncgens())
         loop.close()

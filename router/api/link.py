@@ -17,7 +17,7 @@ import asyncio
 import logging
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -199,8 +199,12 @@ class AgentLinkServicer(fpb_grpc.AgentLinkServicer):
         credentials: RouterCredentials | None = None,
         gate: AdmissionGate | None = None,
         hello_timeout_s: float = HELLO_TIMEOUT_S,
+        workers: Sequence[str] = (),
     ) -> None:
+        """``workers``: every worker's own address, where this router is one of several
+        (router/workers.py), named in each Welcome so that an agent links to every one."""
         self._registry = registry
+        self._workers = list(workers)
         self._credentials = credentials or RouterCredentials()
         self._gate = gate or AdmissionGate()
         self._hello_timeout_s = hello_timeout_s
@@ -246,6 +250,7 @@ class AgentLinkServicer(fpb_grpc.AgentLinkServicer):
                     agent_id=handle.id,
                     heartbeat_interval_s=handle.heartbeat_s,
                     router_version=__version__,
+                    router_workers=self._workers,
                 )
             )
             handle.sent = 1

@@ -46,6 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.command_line = list(sys.argv[1:] if argv is None else argv)  # what --workers starts again
     handler: Handler = args.handler
     try:
         code = handler(args)

@@ -23,7 +23,12 @@ def _router(args: argparse.Namespace) -> int:
     from stratus.process import configure_logging, run
 
     configure_logging(args.log_level, args.log_format)
-    run(serve(settings_of(args, RouterSettings, "router", hardware=cpu_hardware())))
+    settings = settings_of(args, RouterSettings, "router", hardware=cpu_hardware())
+    if settings.workers > 1:
+        from router.workers import supervise
+
+        return run(supervise(settings, args.command_line))
+    run(serve(settings))
     return 0
 
 
@@ -209,6 +214,7 @@ def add_router(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     _add_capture(router)
     _add_offline(router)
     _add_local_tier(router)
+    _add_workers(router)
     router.set_defaults(handler=_router)
     return router
 
@@ -302,6 +308,15 @@ def _add_local_tier(router: argparse.ArgumentParser) -> None:
            help="serve this precision of each family (default: the fastest this CPU runs natively "
                 "within the family's accuracy tolerance)")  # fmt: skip
     option(router, "router", "local.cache_dir", "--cache-dir", type=Path, help="runtime caches")
+
+
+def _add_workers(router: argparse.ArgumentParser) -> None:
+    option(router, "router", "workers", "--workers", type=int, metavar="N",
+           help="serve --listen from N router processes sharing its port (SO_REUSEPORT), a core each; "
+                "agents link to every one (each has an address of its own, named in the Welcome), and "
+                "they share the site's state (--site-state nats://…, else a private nats-server)")  # fmt: skip
+    option(router, "router", "worker_address", "--worker-address", help=argparse.SUPPRESS)
+    option(router, "router", "router_workers", "--router-worker", action="append", help=argparse.SUPPRESS)
 
 
 def _add_capture(router: argparse.ArgumentParser) -> None:

@@ -142,6 +142,7 @@ def create_server(
     trust_domain: str = "stratus",
     revoked: Revocations | None = None,
     max_connection_age_s: float | None = None,
+    reuse_port: bool = False,
 ) -> grpc.aio.Server:
     """A server with Stratus's limits; with ``client_token``, inference calls need it as
     ``authorization: Bearer TOKEN``, and with ``inference_roles`` (under mutual TLS) a
@@ -151,7 +152,10 @@ def create_server(
     jitters it by 10%), its calls and streams going on to their end: clients open a new one for
     their next call, through whatever balancer is in front. A stopping router waits for that
     instead of its own shutdown's GOAWAY, which cancels calls that reach it before a handler
-    takes them (grpc/grpc#41785): a plain client behind a Service lost ~12 calls a restart."""
+    takes them (grpc/grpc#41785): a plain client behind a Service lost ~12 calls a restart.
+
+    ``reuse_port``: its ports are bound with SO_REUSEPORT, shared with the router's other
+    workers (router/workers.py); otherwise a port in use is refused, as it should be."""
     guards: list[grpc.aio.ServerInterceptor] = [BearerTokenInterceptor(client_token)] if client_token else []
     if revoked is not None:
         guards.append(RevokedCallers(revoked, exempt=BearerTokenInterceptor.OPEN))
@@ -164,6 +168,8 @@ def create_server(
         ("grpc.server_handshake_timeout_ms", HANDSHAKE_TIMEOUT_MS),
         ("grpc.max_connection_idle_ms", MAX_CONNECTION_IDLE_MS),
     ]
+    if reuse_port:
+        options = [(key, 1 if key == "grpc.so_reuseport" else value) for key, value in options]
     if max_connection_age_s is not None:  # its grace is gRPC's default, unbounded: links run on
         options.append(("grpc.max_connection_age_ms", round(max_connection_age_s * 1000)))
     return grpc.aio.server(

@@ -842,20 +842,29 @@ class Welcome(_message.Message):
     AGENT_ID_FIELD_NUMBER: _builtins.int
     HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _builtins.int
     ROUTER_VERSION_FIELD_NUMBER: _builtins.int
+    ROUTER_WORKERS_FIELD_NUMBER: _builtins.int
     agent_id: _builtins.str
     heartbeat_interval_s: _builtins.float
     """Set from the fleet's size, so that heartbeats cost the router a bounded rate."""
     router_version: _builtins.str
+    @_builtins.property
+    def router_workers(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Every worker of this router (`stratus router --workers N`), each at its own address. They
+        share the listening port, so a link through it reaches one worker only: an agent that
+        dialled an address not listed here links to each worker listed instead, and ends this link.
+        """
+
     def __init__(
         self,
         *,
         agent_id: _builtins.str = ...,
         heartbeat_interval_s: _builtins.float = ...,
         router_version: _builtins.str = ...,
+        router_workers: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_id", b"agent_id", "heartbeat_interval_s", b"heartbeat_interval_s", "router_version", b"router_version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_id", b"agent_id", "heartbeat_interval_s", b"heartbeat_interval_s", "router_version", b"router_version", "router_workers", b"router_workers"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

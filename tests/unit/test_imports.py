@@ -332,6 +332,7 @@ ROUTER_LAYERS = {
     "router.api": 9,
     "router.settings": 9,
     "router.app": 10,
+    "router.workers": 10,  # --workers: the parent of several router processes, beside the one it copies
 }
 
 

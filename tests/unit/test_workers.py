@@ -1,0 +1,64 @@
+"""``--workers``' pure parts: the ports the parent holds and each worker's command line
+(tests/integration/test_workers.py runs the processes)."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+
+from edge_agent.link import Backoff
+from router.settings import RouterSettings
+from router.workers import Workers, hold_port, split_address
+from stratus.cli.main import build_parser
+from stratus.errors import ConfigError
+
+
+def test_a_held_port_is_taken_by_reuse_port_sockets_only() -> None:
+    held = hold_port("127.0.0.1", 0)
+    port = held.getsockname()[1]
+    try:
+        with socket.socket() as plain, pytest.raises(OSError):
+            plain.bind(("127.0.0.1", port))
+        with socket.socket() as sharing:
+            sharing.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+            sharing.bind(("127.0.0.1", port))
+            sharing.listen()
+    finally:
+        held.close()
+
+
+def test_each_worker_gets_the_shared_port_its_own_address_and_every_workers() -> None:
+    settings = RouterSettings(listen="127.0.0.1:0", workers=3, metrics="127.0.0.1:9100")
+    workers = Workers(settings, ["router", "--listen", "127.0.0.1:0", "--workers", "3"])
+    try:
+        shared_port = split_address(workers.shared)[1]
+        assert shared_port != 0
+        own = [w.listen for w in workers.workers]
+        assert len(set(own)) == 3 and workers.shared not in own
+        command = workers.command(workers.workers[2])
+        parsed = build_parser().parse_args(command[3:])  # past "python -m stratus.cli"
+        assert parsed.listen == workers.shared  # the last --listen wins
+        assert parsed.workers == 1  # a worker does not start workers
+        assert parsed.worker_address == own[2]
+        assert parsed.router_workers == own  # loopback: reached where it listens
+        assert parsed.metrics == "127.0.0.1:9102"  # a /metrics port of its own
+    finally:
+        for held in workers._held:
+            held.close()
+
+
+def test_a_listen_address_without_a_port_is_refused() -> None:
+    with pytest.raises(ConfigError, match="numeric port"):
+        split_address("localhost")
+
+
+def test_backoff_counts_failures_since_the_last_healthy_session() -> None:
+    import random
+
+    backoff = Backoff(initial_s=0.1, max_s=1.0, rng=random.Random(0))
+    for _ in range(3):
+        backoff.next_delay()
+    assert backoff.failures == 3
+    backoff.reset()
+    assert backoff.failures == 0
