@@ -16,7 +16,7 @@ import logging
 import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Final, Protocol
 
 from router.backends.base import Classified, Generated, OnChunk
 from stratus.convert.errors import error_from_wire
@@ -57,6 +57,13 @@ class PartAnswer:
     service_ms: float = 0.0  # the agent running the batch that held these items
 
 
+# How long a Work may go unanswered before its requests try elsewhere (AgentHandle.patience_ms):
+# this many times what the router has measured such a batch to take, and never less than the
+# floor. An agent that takes Work and answers none (security2 N3's black hole) then costs each
+# request this, not the whole of its budget.
+PATIENCE_FACTOR: Final = 10.0
+PATIENCE_FLOOR_MS: Final = 1000.0
+
 class Worked(Protocol):
     """What the Work side reads of the agent's handle: who it is, how big, what it costs."""
 
@@ -77,6 +84,7 @@ class Worked(Protocol):
     def variant_for(self, model: str) -> str: ...
     def max_batch(self, model: str) -> int: ...
     def cost_ms(self, model: str, items: int) -> float: ...
+    def patience_ms(self, model: str, items: int) -> float: ...
     def precision_of(self, variant: str) -> str: ...
     def compute_of(self, variant: str) -> str: ...
     def learn(self, result: fpb.Result, round_trip_ms: float) -> None: ...
@@ -224,14 +232,21 @@ class AgentWork:
         check_fits(message.ByteSize(), f"a Work of {batch.size} items")  # never one the link cannot carry
         self.settings.on_batch(batch.size)
         saturated = self.batcher.outstanding >= self.batcher.slots
-        result = await self._exchange(request_id, message, budget_ms, "answer")
+        patience_ms = self.agent.patience_ms(batch.key.variant, batch.size)
+        if patience_ms < budget_ms:  # the requests keep the rest of their budget for elsewhere
+            result = await self._exchange(request_id, message, patience_ms, "answer", patience=True)
+        else:
+            result = await self._exchange(request_id, message, budget_ms, "answer")
         self.learnt(result, (self.settings.clock() - sent) * 1000.0, saturated=saturated)
         waited_ms = [(sent - p.queued_at) * 1000.0 for p in batch.payloads]
         return split_result(self.agent.id, result, batch.sizes, waited_ms)
 
-    async def _exchange(self, request_id: str, message: fpb.RouterMessage, budget_ms: float, what: str) -> fpb.Result:
+    async def _exchange(
+        self, request_id: str, message: fpb.RouterMessage, budget_ms: float, what: str, *, patience: bool = False
+    ) -> fpb.Result:
         """Put one Work on the link and wait for its Result; on the deadline or when the
-        caller gives up, a Cancel follows it."""
+        caller gives up, a Cancel follows it. ``patience``: ``budget_ms`` is the agent's
+        patience (AgentHandle.patience_ms), shorter than the requests' own budgets."""
         if self.agent.lost:  # its link is gone: nothing put on it would ever be answered
             raise Unavailable(f"agent {self.agent.id} was lost before its Work could be sent")
         future: asyncio.Future[fpb.Result] = asyncio.get_running_loop().create_future()
@@ -243,7 +258,14 @@ class AgentWork:
         except TimeoutError:
             self._cancel(request_id)
             self.missed()
-            raise DeadlineExceeded(f"agent {self.agent.id} did not {what} within {budget_ms:.1f} ms") from None
+            if not patience:
+                raise DeadlineExceeded(f"agent {self.agent.id} did not {what} within {budget_ms:.1f} ms") from None
+            late = DeadlineExceeded(
+                f"agent {self.agent.id} did not {what} within {budget_ms:.1f} ms ({PATIENCE_FACTOR:g} times "
+                f"what it has shown such a batch takes, at least {PATIENCE_FLOOR_MS:g} ms)"
+            )
+            self.batcher.fail_waiting(late)  # what waits behind this Work tries elsewhere too
+            raise late from None
         except asyncio.CancelledError:  # every member gave up
             self._cancel(request_id)
             raise

@@ -11,7 +11,7 @@ import asyncio
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from router.backends.agent import AgentWork
+from router.backends.agent import PATIENCE_FACTOR, PATIENCE_FLOOR_MS, AgentWork
 from router.backends.base import Classified, Generated, OnChunk
 from router.fleet.index import line_key
 from stratus.convert.fleet import latency_from_wire
@@ -191,6 +191,16 @@ class AgentHandle:
             return curve.estimate(items)
         reported = self.latency.get(variant)
         return (reported.mean_ms if reported is not None and reported.mean_ms > 0 else 1.0) * max(1, items)
+
+    def patience_ms(self, model: str, items: int) -> float:
+        """How long a Work of ``items`` may go unanswered before its requests try elsewhere.
+
+        From what this router measured (the link, and batches of the variant it answered),
+        never from what the agent reports: heartbeats cannot buy an agent more patience, as
+        they cannot buy it more calls at once (``served``)."""
+        curve = self.curves.get(self.variant_for(model))
+        measured = self.rtt_ms + curve.estimate(items) if curve is not None and curve.known else 0.0
+        return max(PATIENCE_FLOOR_MS, PATIENCE_FACTOR * measured)
 
     def learn(self, result: fpb.Result, round_trip_ms: float) -> None:
         """What a Result teaches: the batch's service time by its size, and the link's cost."""

@@ -2,8 +2,8 @@
 once it has shown it serves within budget, not with what its Hello says.
 
 A black hole, an agent holding a credential that declares capacity 1,024 and answers nothing,
-beside one honest device agent: a burst of requests mostly reaches the honest agent, and the
-black hole is sent a handful of Works, not the burst.
+beside one honest device agent: the black hole is sent a handful of Works, not the burst, and
+the requests in those Works try the honest agent once the black hole has had its patience.
 """
 
 from __future__ import annotations
@@ -92,8 +92,9 @@ def test_an_agent_declaring_a_thousand_slots_is_trusted_with_what_it_serves(clus
     honest = sum(1 for o in outcomes if isinstance(o, Served) and o.agent == "dev-1")
     # Trusted with what it declared (the window off), the black hole was sent 63-76 Works of a
     # burst of 96; trusted with 4 slots first, 6-9. What the window bounds is calls at once, not
-    # items: requests merge into the few Works it holds until its load shows, so the honest
-    # agent answered 62-96 run alone but 38 once beside the whole suite (23-33 with the window
-    # off), too close to assert on a loaded machine.
+    # items: requests merge into the few Works it holds until its load shows.
     assert sent_to_hole <= 24, f"the black hole was sent {sent_to_hole} Works"
-    assert honest > 0, f"the honest agent answered nothing: {outcomes}"
+    # A Work it holds costs its requests the agent's patience (1 s: it never answered, so nothing
+    # measured earns it more), not their budget of 1.5 s: each then tries the honest agent. Waiting
+    # out the budget instead, the burst lost 34-58 of 96 requests to DEADLINE_EXCEEDED.
+    assert honest == BURST, f"answered by the honest agent: {honest} of {BURST}: {outcomes}"

@@ -195,3 +195,30 @@ def test_the_queue_limit_refuses_with_overloaded_and_slack_expiry_says_why() -> 
         await asyncio.gather(running, return_exceptions=True)
 
     asyncio.run(scenario())
+
+
+def test_failing_what_waits_fails_the_queued_members_at_once_and_leaves_the_running_batch() -> None:
+    """A target that let a Work run out of patience: the members queued behind it try elsewhere
+    now, with what is left of their budgets, instead of waiting on it (security2 N3)."""
+
+    async def scenario() -> tuple[str, list[BaseException | str]]:
+        release = asyncio.Event()
+
+        async def run(batch: Batch[str, str]) -> list[str | StratusError]:
+            await release.wait()
+            return ["done"] * len(batch.members)
+
+        batcher: Batcher[str, str] = Batcher(run, slots=1, depth=1)
+        running = asyncio.ensure_future(batcher.submit(KEY, "first", size=1))
+        await asyncio.sleep(0)
+        waiting = [asyncio.ensure_future(batcher.submit(KEY, f"w{i}", size=1, timeout_s=30)) for i in range(3)]
+        await asyncio.sleep(0)
+        batcher.fail_waiting(DeadlineExceeded("the target ran out of patience"))
+        failed = await asyncio.gather(*waiting, return_exceptions=True)
+        assert batcher.waiting_items == 0
+        release.set()
+        return await running, failed
+
+    first, failed = asyncio.run(scenario())
+    assert first == "done"
+    assert all(isinstance(f, DeadlineExceeded) for f in failed), failed

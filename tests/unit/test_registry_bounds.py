@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from router.backends.agent import split_result
+from router.backends.agent import PATIENCE_FACTOR, PATIENCE_FLOOR_MS, split_result
 from router.dataplane import listing
 from router.fleet import registry as registry_module
 from router.fleet.agent_handle import FIRST_WINDOW
@@ -275,3 +275,16 @@ def test_heartbeat_latency_is_kept_as_figures_for_served_variants_only() -> None
     beat.latency.add(variant="digits-small", mean_ms=2.5, p50_ms=2.0, p99_ms=9.0, count=6)
     reg.heartbeat(handle, beat)
     assert handle.cost_ms("digits", 2) == 5.0
+
+
+def test_an_agent_earns_patience_by_what_it_is_measured_to_take_never_by_what_it_reports() -> None:
+    """security2 N3: a Work a black hole holds costs its requests the agent's patience, not their
+    budget; only batches this router timed raise it above the floor."""
+    handle = registry().register(hello("slow"), peer="t")
+    assert handle.patience_ms("digits-small", 8) == PATIENCE_FLOOR_MS  # nothing measured yet
+    handle.update_latency([fpb.LatencyEstimate(variant="digits-small", mean_ms=5_000.0, count=100)])
+    assert handle.cost_ms("digits-small", 1) == 5_000.0  # the policy reads the report ...
+    assert handle.patience_ms("digits-small", 1) == PATIENCE_FLOOR_MS  # ... patience does not
+    for _ in range(20):
+        handle.learn(fpb.Result(variant="digits-small", batch_size=8, service_ms=400.0), 401.0)
+    assert handle.patience_ms("digits-small", 8) == pytest.approx(PATIENCE_FACTOR * (handle.rtt_ms + 400.0), rel=0.05)
