@@ -147,7 +147,7 @@ async def serve(settings: RouterSettings, stop: asyncio.Event | None = None) -> 
     await server.start()
     await health.start()
     closers += [audits.close, *([capture.close] if capture else [])]
-    closers += await _start_extras(settings, plane, metrics, name=name, host=host, port=port)
+    closers += await _start_extras(settings, plane, metrics, limits, name=name, host=host, port=port)
     closers += await _start_rest(settings, servicer, credentials)
     audits.start()
     watchdog = asyncio.create_task(_watch_heartbeats(registry), name="stratus-heartbeat-watchdog")
@@ -365,7 +365,14 @@ def _cloud_link(settings: RouterSettings, registry: FleetRegistry) -> CloudPool 
 
 
 async def _start_extras(
-    settings: RouterSettings, plane: RouterDataPlane, metrics: Metrics, *, name: str, host: str, port: int
+    settings: RouterSettings,
+    plane: RouterDataPlane,
+    metrics: Metrics,
+    limits: ClientLimits,
+    *,
+    name: str,
+    host: str,
+    port: int,
 ) -> list[Callable[[], Awaitable[None]]]:
     """zeroconf, /metrics and the OpenAI API, as the settings ask; their closers, in order."""
     closers: list[Callable[[], Awaitable[None]]] = []
@@ -375,6 +382,7 @@ async def _start_extras(
             api_key=settings.openai_api_key,
             hosts=settings.openai_hosts,
             tls=server_tls(settings.openai_tls_cert, settings.openai_tls_key),
+            limits=limits,
         )
         log.info("OpenAI API on %s", await openai.start(settings.openai))
         closers.append(openai.stop)

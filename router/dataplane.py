@@ -86,6 +86,7 @@ class RouterDataPlane(DataPlane):
         self.active = 0
         self.admitted = 0  # inference calls taken, ever: a stopping router watches it fall quiet
         self.registry = registry
+        registry.cloud_serves = self.cloud_serves  # an agent's patience holds where the cloud is a way on
         self._cloud_backend: CloudBackend | None = None
         self.cloud = cloud
         self.fail_without_cloud = fail_without_cloud

@@ -101,6 +101,10 @@ class WorkSettings:
     max_batch_delay_s: float
     on_batch: Callable[[int], None] = lambda items: None  # the batch-size metric
     on_stuck: Callable[[str], None] = lambda reason: None  # the agent stopped reading its link
+    # Whether a variant's requests could be answered by another agent or the cloud: only then is
+    # a Work bounded by the agent's patience (an agent alone with its family is waited for, slow
+    # or not, for the whole budget: there is nowhere better to go).
+    elsewhere: Callable[[str], bool] = lambda variant: False
 
 
 class AgentWork:
@@ -233,7 +237,7 @@ class AgentWork:
         self.settings.on_batch(batch.size)
         saturated = self.batcher.outstanding >= self.batcher.slots
         patience_ms = self.agent.patience_ms(batch.key.variant, batch.size)
-        if patience_ms < budget_ms:  # the requests keep the rest of their budget for elsewhere
+        if patience_ms < budget_ms and self.settings.elsewhere(batch.key.variant):  # rest of budget: elsewhere
             result = await self._exchange(request_id, message, patience_ms, "answer", patience=True)
         else:
             result = await self._exchange(request_id, message, budget_ms, "answer")

@@ -117,6 +117,9 @@ class FleetRegistry:
         # What the site's store says an operator made of an agent ("drained", "ready",
         # "forgotten"; None: nothing), so an agent drained site-wide stays so when it links here.
         self.site_mark: Callable[[str], str | None] = lambda agent_id: None
+        # Whether the cloud serves a family (set by the app, which knows the cloud): where it does,
+        # an agent's unanswered Work is bounded by its patience (``elsewhere``).
+        self.cloud_serves: Callable[[str], bool] = lambda family: False
 
     def now(self) -> float:
         return self._clock()
@@ -489,7 +492,16 @@ class FleetRegistry:
             max_batch_delay_s=self.max_batch_delay_s,
             on_batch=metrics.batch_items.observe if metrics is not None else lambda items: None,
             on_stuck=lambda reason: self.lose(handle, reason),
+            elsewhere=lambda variant: self.elsewhere(handle, variant),
         )
+
+    def elsewhere(self, handle: AgentHandle, variant: str) -> bool:
+        """Another ready agent, or the cloud (``cloud_serves``, set by the app), serves the family
+        of ``variant`` that ``handle`` runs: its requests have somewhere else to go."""
+        family = self.index.family_of(variant) or variant
+        if self.cloud_serves(family):
+            return True
+        return any(agent is not handle for pool in self.index.pools(family).values() for agent in pool)
 
     # -- reads -------------------------------------------------------------------------------
     def snapshot(self, model: str, cloud: Backend | None = None) -> FleetSnapshot[Backend]:

@@ -11,6 +11,7 @@ import ssl
 import time
 import urllib.error
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -162,3 +163,25 @@ def test_with_a_certificate_the_api_is_https_only(cluster: Cluster, tmp_path: Pa
     untrusting = ssl.create_default_context()  # the system's CAs: this one is not among them
     with pytest.raises(urllib.error.URLError, match="CERTIFICATE_VERIFY_FAILED"):
         urllib.request.urlopen(f"https://{api}/v1/models", timeout=30, context=untrusting)
+
+
+def test_one_client_holds_no_more_of_the_openai_api_than_of_the_grpc_port(cluster: Cluster) -> None:
+    """security2 F21: the per-client limits bound the OpenAI API too (it had only the router's
+    global 4,096). While one completion of three prompts holds a client's three item places
+    (a slowed agent: 400 ms a token), its next call is refused 429, streamed or not; once it is
+    answered, the next is served."""
+    api = f"127.0.0.1:{free_port()}"
+    router = cluster.router("--openai", api, "--max-items-per-client", "3").address
+    cluster.agent("dev-1", router, "--emulate-slow-ms", "400")
+    wait_until(lambda: call(api, "/v1/models")[0] == 200 and bool(call(api, "/v1/models")[1]["data"]), timeout_s=30)
+    json_type = {"Content-Type": "application/json"}
+    with ThreadPoolExecutor(1) as pool:
+        holding = pool.submit(call, api, "/v1/completions", completion(prompt=["1+1=", "2+2=", "3+3="]), **json_type)
+        time.sleep(0.6)  # it reached the router; its first tokens take 400 ms each
+        refusals = [call(api, "/v1/completions", completion(stream=stream), **json_type) for stream in (False, True)]
+        status, answer = holding.result(timeout=60)
+    assert status == 200 and len(answer["choices"]) == 3  # type: ignore[arg-type]
+    for status, refused in refusals:
+        assert status == 429, (status, refused)
+        assert "items in requests in flight here, the most one client may" in refused["error"]["message"]  # type: ignore[index]
+    assert call(api, "/v1/completions", completion(), **json_type)[0] == 200  # its places came back

@@ -288,3 +288,16 @@ def test_an_agent_earns_patience_by_what_it_is_measured_to_take_never_by_what_it
     for _ in range(20):
         handle.learn(fpb.Result(variant="digits-small", batch_size=8, service_ms=400.0), 401.0)
     assert handle.patience_ms("digits-small", 8) == pytest.approx(PATIENCE_FACTOR * (handle.rtt_ms + 400.0), rel=0.05)
+
+
+def test_patience_holds_only_where_the_requests_have_somewhere_else_to_go() -> None:
+    """An agent alone with its family is waited for the whole budget, slow or not; beside another
+    agent of the family, or a cloud that serves it, its Works are bounded by its patience."""
+    reg = registry()
+    alone = reg.register(hello("d1"), peer="t")
+    assert not alone.work.settings.elsewhere("digits-small")
+    reg.cloud_serves = lambda family: family == "digits"
+    assert alone.work.settings.elsewhere("digits-small")
+    reg.cloud_serves = lambda family: False
+    reg.register(hello("d2"), peer="t")
+    assert alone.work.settings.elsewhere("digits-small")

@@ -76,6 +76,8 @@ from stratus.families.chat import Message, last_user_message
 from stratus.families.generation import Chunk
 from stratus.families.sampling import FieldError
 from stratus.serving.auth import is_loopback, same_secret
+from stratus.serving.client_limits import ClientLimits
+from stratus.serving.rest import peer_of
 
 log = logging.getLogger("stratus.openai")
 
@@ -115,8 +117,12 @@ class OpenAiApi:
         api_key: str = "",
         hosts: Sequence[str] = (),
         tls: ssl.SSLContext | None = None,
+        limits: ClientLimits | None = None,
     ) -> None:
+        """``limits``: the gRPC port's per-client limits (requests and items in flight), which a
+        client's OpenAI calls count against too (security2 F21)."""
         self.plane = plane
+        self._limits = limits or ClientLimits(per_client=0)
         self._api_key = api_key
         self._tls = tls
         self._hosts = frozenset(h.lower() for h in hosts)
@@ -252,13 +258,26 @@ class OpenAiApi:
             for prompt in prompts
             for choice in range(n)
         ]
+        with self._limits.hold(peer_of(http), items=len(requests)):
+            return await self._reply(http, body, requests, model=model, chat=chat, per_prompt=n)
+
+    async def _reply(
+        self,
+        http: web.Request,
+        body: Mapping[str, Any],
+        requests: list[TextRequest],
+        *,
+        model: str,
+        chat: bool,
+        per_prompt: int,
+    ) -> web.StreamResponse:
         stream = body.get("stream") is True
         reply = Reply(
             model=model,
             chat=chat,
             logprobs=bool(body.get("logprobs")),
             usage_chunk=usage_asked(body, stream),
-            per_prompt=n,
+            per_prompt=per_prompt,
         )
         if stream:
             return await self._stream(http, requests, reply)
