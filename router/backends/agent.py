@@ -64,6 +64,7 @@ class PartAnswer:
 PATIENCE_FACTOR: Final = 10.0
 PATIENCE_FLOOR_MS: Final = 1000.0
 
+
 class Worked(Protocol):
     """What the Work side reads of the agent's handle: who it is, how big, what it costs."""
 

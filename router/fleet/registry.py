@@ -117,7 +117,7 @@ class FleetRegistry:
         # What the site's store says an operator made of an agent ("drained", "ready",
         # "forgotten"; None: nothing), so an agent drained site-wide stays so when it links here.
         self.site_mark: Callable[[str], str | None] = lambda agent_id: None
-        # Whether the cloud serves a family (set by the app, which knows the cloud): where it does,
+        # Whether the cloud serves a family (set by the data plane, which knows the cloud): where it does,
         # an agent's unanswered Work is bounded by its patience (``elsewhere``).
         self.cloud_serves: Callable[[str], bool] = lambda family: False
 
@@ -496,7 +496,7 @@ class FleetRegistry:
         )
 
     def elsewhere(self, handle: AgentHandle, variant: str) -> bool:
-        """Another ready agent, or the cloud (``cloud_serves``, set by the app), serves the family
+        """Another ready agent, or the cloud (``cloud_serves``, set by the data plane), serves the family
         of ``variant`` that ``handle`` runs: its requests have somewhere else to go."""
         family = self.index.family_of(variant) or variant
         if self.cloud_serves(family):
