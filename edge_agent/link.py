@@ -154,6 +154,14 @@ async def stay_linked(
     return None
 
 
+def worker_addresses(dialled: str, named: Sequence[str]) -> list[str]:
+    """A router's workers as its Welcome names them, each ``HOST:PORT``, or ``:PORT`` on the
+    host this agent dialled (a router listening on every interface cannot know which of its
+    addresses an agent reaches it at)."""
+    host = dialled.rpartition(":")[0]
+    return [f"{host}{entry}" if entry.startswith(":") else entry for entry in named]
+
+
 def _for_good(address: str, exc: grpc.aio.AioRpcError) -> str | None:
     """Why a link's failure cannot change by retrying it, or None when it may."""
     if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
@@ -186,7 +194,7 @@ async def _session(
             link.outbox.put_nowait(None)  # outlives the loop ("Task was destroyed ...")
             await _ended(call)
             raise
-        workers = list(welcome.welcome.router_workers)
+        workers = worker_addresses(address, welcome.welcome.router_workers)
         if workers and address not in workers:
             log.info("router %s has %d workers: linking to each (%s)", address, len(workers), ", ".join(workers))
             backoff.reset()

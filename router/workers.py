@@ -84,13 +84,12 @@ def hold_port(host: str, port: int) -> socket.socket:
 
 
 def reachable_host(settings: RouterSettings, host: str) -> str:
-    """The host agents reach this machine's workers at: --site-address's, else --listen's, else
-    (a wildcard) this host's address, as zeroconf advertises it."""
+    """The host agents reach this machine's workers at: --site-address's, else --listen's; for a
+    wildcard, none (""): each agent then dials the host it reached the shared port at. This
+    host's own name may resolve to an address only it can use (Debian maps it to 127.0.1.1)."""
     if settings.site_address:
         return settings.site_address.rpartition(":")[0]
-    if host not in WILDCARDS:
-        return host
-    return socket.gethostbyname(socket.gethostname())
+    return "" if host in WILDCARDS else host
 
 
 def nats_server_binary() -> str | None:
@@ -151,7 +150,7 @@ class Workers:
             await self._await_ready(stop)
             if not stop.is_set():
                 log.info("router listening on %s with %d workers: %s", self.shared, len(self.workers),
-                         ", ".join(self.reach.values()))  # fmt: skip
+                         ", ".join(w.listen for w in self.workers))  # fmt: skip
                 announce("router", self.shared)
             return await self._watch(stop)
         finally:

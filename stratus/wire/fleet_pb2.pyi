@@ -849,9 +849,10 @@ class Welcome(_message.Message):
     router_version: _builtins.str
     @_builtins.property
     def router_workers(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
-        """Every worker of this router (`stratus router --workers N`), each at its own address. They
-        share the listening port, so a link through it reaches one worker only: an agent that
-        dialled an address not listed here links to each worker listed instead, and ends this link.
+        """Every worker of this router (`stratus router --workers N`), each at its own address, HOST:PORT
+        or :PORT on the host the agent dialled. They share the listening port, so a link through it
+        reaches one worker only: an agent that dialled an address not listed here links to each
+        worker listed instead, and ends this link.
         """
 
     def __init__(

@@ -7,7 +7,7 @@ import socket
 
 import pytest
 
-from edge_agent.link import Backoff
+from edge_agent.link import Backoff, worker_addresses
 from router.settings import RouterSettings
 from router.workers import Workers, hold_port, split_address
 from stratus.cli.main import build_parser
@@ -62,3 +62,21 @@ def test_backoff_counts_failures_since_the_last_healthy_session() -> None:
     assert backoff.failures == 3
     backoff.reset()
     assert backoff.failures == 0
+
+
+def test_workers_on_every_interface_are_named_by_port_on_the_host_the_agent_dialled() -> None:
+    """This host's own name may resolve to an address only it can use (127.0.1.1 on Debian):
+    a wildcard --listen names each worker ``:PORT``, and the agent puts the host it reached the
+    shared port at in front."""
+    settings = RouterSettings(listen="0.0.0.0:0", workers=2, insecure=True)
+    workers = Workers(settings, ["router"])
+    try:
+        parsed = build_parser().parse_args(workers.command(workers.workers[0])[3:])
+        ports = [w.listen.rpartition(":")[2] for w in workers.workers]
+        assert parsed.router_workers == [f":{port}" for port in ports]
+    finally:
+        for held in workers._held:
+            held.close()
+    dialled = worker_addresses("10.0.0.7:8001", [":9001", "edge.example:9002"])
+    assert dialled == ["10.0.0.7:9001", "edge.example:9002"]
+    assert worker_addresses("[fd00::7]:8001", [":9001"]) == ["[fd00::7]:9001"]
