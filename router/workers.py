@@ -16,6 +16,8 @@ across N cores. What the workers must share, and how:
   ``nats-server`` (JetStream, loopback, a scratch folder) for its workers, and refuses to start
   without one installed: workers that did not share a drain would each serve a drained agent.
 * **The tier served in-process** (``--local-tier``): each worker loads its own copy.
+* **A lone router's folders** (``--state-dir``, ``--decision-log``, ``--capture``): each worker
+  writes its own subfolder, ``worker-i``, kept across its restarts; captures share the size.
 
 What stays apart: a client's connection is one worker's (gRPC keeps one connection per
 channel), so one channel's calls are served by one core; many clients, or a client with a few
@@ -139,7 +141,21 @@ class Workers:
         if self.settings.metrics:
             host, port = split_address(self.settings.metrics)
             extra += ["--metrics", f"{host}:{port + worker.index if port else 0}"]
+        for flag, folder in self._folders():  # a lone router's files: a folder of its own each
+            extra += [flag, str(folder / f"worker-{worker.index}")]
+        if self.settings.capture.folder is not None:  # the folder's size, shared out
+            extra += ["--capture-max-bytes", str(self.settings.capture.max_bytes // len(self.workers))]
         return [sys.executable, "-m", "stratus.cli", *self.argv, *extra]
+
+    def _folders(self) -> list[tuple[str, Path]]:
+        """The folders a router writes as if alone (deferred requests and corrections, decision
+        records, captures): each worker gets a subfolder, kept across its restarts."""
+        named = [
+            ("--state-dir", self.settings.state_dir),
+            ("--decision-log", self.settings.decision_log),
+            ("--capture", self.settings.capture.folder),
+        ]
+        return [(flag, folder) for flag, folder in named if folder is not None]
 
     async def run(self, stop: asyncio.Event) -> int:
         try:

@@ -4,10 +4,12 @@
 from __future__ import annotations
 
 import socket
+from pathlib import Path
 
 import pytest
 
 from edge_agent.link import Backoff, worker_addresses
+from router.audit.capture import CaptureOptions
 from router.settings import RouterSettings
 from router.workers import Workers, hold_port, split_address
 from stratus.cli.main import build_parser
@@ -29,7 +31,10 @@ def test_a_held_port_is_taken_by_reuse_port_sockets_only() -> None:
 
 
 def test_each_worker_gets_the_shared_port_its_own_address_and_every_workers() -> None:
-    settings = RouterSettings(listen="127.0.0.1:0", workers=3, metrics="127.0.0.1:9100")
+    capture = CaptureOptions(folder=Path("/var/lib/stratus/capture"), families="digits", max_bytes=3 << 30)
+    settings = RouterSettings(
+        listen="127.0.0.1:0", workers=3, metrics="127.0.0.1:9100", state_dir=Path("/var/lib/stratus"), capture=capture
+    )
     workers = Workers(settings, ["router", "--listen", "127.0.0.1:0", "--workers", "3"])
     try:
         shared_port = split_address(workers.shared)[1]
@@ -43,6 +48,9 @@ def test_each_worker_gets_the_shared_port_its_own_address_and_every_workers() ->
         assert parsed.worker_address == own[2]
         assert parsed.router_workers == own  # loopback: reached where it listens
         assert parsed.metrics == "127.0.0.1:9102"  # a /metrics port of its own
+        assert parsed.state_dir == Path("/var/lib/stratus/worker-2")  # a lone router's folder each
+        assert parsed.capture_folder == Path("/var/lib/stratus/capture/worker-2")
+        assert parsed.capture_max_bytes == 1 << 30  # the folder's size, shared out
     finally:
         for held in workers._held:
             held.close()
