@@ -384,7 +384,7 @@ async def _start_extras(
             tls=server_tls(settings.openai_tls_cert, settings.openai_tls_key),
             limits=limits,
         )
-        log.info("OpenAI API on %s", await openai.start(settings.openai))
+        log.info("OpenAI API on %s", await openai.start(settings.openai, reuse_port=bool(settings.worker_address)))
         closers.append(openai.stop)
     if settings.metrics:
         exporter = await serve_metrics(metrics, settings.metrics, token=settings.metrics_token)
@@ -416,7 +416,7 @@ async def _start_rest(
         else None,
         revoked=credentials.revoked if tls.mutual else None,
     )
-    log.info("REST API (Open Inference Protocol over HTTP) on %s", await api.start(settings.http))
+    log.info("REST API (Open Inference Protocol over HTTP) on %s", await api.start(settings.http, reuse_port=bool(settings.worker_address)))
     return [api.stop]
 
 

@@ -24,7 +24,8 @@ channel), so one channel's calls are served by one core; many clients, or a clie
 channels, spread. ``/metrics`` is one port per worker (``--metrics HOST:PORT`` gives worker ``i``
 port ``PORT+i``): Prometheus scrapes each, and sums.
 
-The parent holds every port it hands out (bound, never listening, with SO_REUSEPORT), so
+The HTTP fronts (``--http``, ``--openai``) are shared as the gRPC port is. The parent holds
+every port it hands out (bound, never listening, with SO_REUSEPORT), so
 ``--listen HOST:0`` names one port for all workers and nothing else takes a worker's port while
 it restarts. It restarts a worker that dies (at most :data:`MAX_RESTARTS` a minute, then it stops
 the others and fails), passes SIGTERM and SIGINT on, and announces the shared address once every
@@ -118,6 +119,8 @@ class Workers:
         host, port = split_address(settings.listen)
         self._held = [hold_port(host, port)]
         self.shared = f"{host}:{self._held[0].getsockname()[1]}"
+        # The HTTP fronts are shared too (SO_REUSEPORT in each worker), their ports held here.
+        self.fronts = {flag: self._hold(address) for flag, address in (("--http", settings.http), ("--openai", settings.openai)) if address}
         self.workers: list[Worker] = []
         for index in range(settings.workers):
             self._held.append(hold_port(host, 0))
@@ -131,6 +134,11 @@ class Workers:
         self._stopping = False
         self._restarts: list[float] = []
 
+    def _hold(self, address: str) -> str:
+        host, port = split_address(address)
+        self._held.append(hold_port(host, port))
+        return f"{host}:{self._held[-1].getsockname()[1]}"
+
     def command(self, worker: Worker) -> list[str]:
         """This process's own command line, and what makes the copy worker ``worker``: flags
         given last win (argparse keeps the last of a repeated flag)."""
@@ -138,6 +146,8 @@ class Workers:
         extra = ["--workers", "1", "--listen", self.shared, "--worker-address", worker.listen, *every]
         if self.site_state:
             extra += ["--site-state", self.site_state]
+        for flag, address in self.fronts.items():
+            extra += [flag, address]
         if self.settings.metrics:
             host, port = split_address(self.settings.metrics)
             extra += ["--metrics", f"{host}:{port + worker.index if port else 0}"]

@@ -86,7 +86,7 @@ class RestApi:
             add.add_post(f"{model}/generate", self.generate)
             add.add_post(f"{model}/generate_stream", self.generate_stream)
 
-    async def start(self, listen: str) -> str:
+    async def start(self, listen: str, *, reuse_port: bool = False) -> str:
         """Serve on ``HOST:PORT`` (port 0: any free one); the address bound."""
         host, _, port = listen.rpartition(":")
         if not port.isdigit():
@@ -96,7 +96,7 @@ class RestApi:
         )
         await self._runner.setup()
         try:
-            await web.TCPSite(self._runner, host or "127.0.0.1", int(port), ssl_context=self._tls).start()
+            await web.TCPSite(self._runner, host or "127.0.0.1", int(port), ssl_context=self._tls, reuse_port=reuse_port).start()
         except OSError as exc:
             raise ConfigError(f"cannot listen on {listen}: {exc.strerror or exc}") from None
         addresses = self._runner.addresses

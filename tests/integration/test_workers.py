@@ -11,12 +11,13 @@ from __future__ import annotations
 import os
 import re
 import signal
+import urllib.request
 from pathlib import Path
 
 import grpc
 import numpy as np
 
-from stratus.devtools.launcher import Launched
+from stratus.devtools.launcher import Launched, free_port
 from stratus.serving.channels import grpc_options
 from stratus.wire import fleet_pb2 as fpb
 from stratus.wire import fleet_pb2_grpc as fpb_grpc
@@ -88,15 +89,20 @@ def ask_over_connections(shared: str, rows: np.ndarray, connections: int) -> lis
 def test_workers_share_the_port_the_agents_and_the_site_state_and_come_back(tmp_path: Path, digits) -> None:  # type: ignore[no-untyped-def]
     cluster = Cluster(tmp_path)
     try:
+        http, openai = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
         router = cluster.router(
             "--models", str(MODELS), "--local-tier", "edge", "--local-name", LOCAL, "--workers", "2",
-            "--log-level", "INFO",
+            "--http", http, "--openai", openai, "--log-level", "INFO",
         )  # fmt: skip
         first, second = workers = worker_addresses(router)
         assert router.address not in workers
         cluster.agent("dev-1", router.address)  # the shared port: its door to both workers
         for worker in workers:
             wait_until(lambda w=worker: state_at(w, "dev-1") == fpb.AGENT_STATE_READY, timeout_s=60)
+
+        for front in (f"http://{http}/v2/health/live", f"http://{openai}/health"):  # the HTTP fronts shared too
+            with urllib.request.urlopen(front, timeout=10) as answer:
+                assert answer.status == 200, front
 
         rows, labels = digits.held_out.x[:64], digits.held_out.y[:64]
         predicted = ask_over_connections(router.address, rows, connections=16)

@@ -134,7 +134,7 @@ class OpenAiApi:
         self.app.router.add_post("/v1/chat/completions", self.chat)
         self._runner: web.AppRunner | None = None
 
-    async def start(self, listen: str) -> str:
+    async def start(self, listen: str, *, reuse_port: bool = False) -> str:
         host, _, port = listen.rpartition(":")
         check_listen(listen, self._api_key)
         if self._tls is None and not is_loopback(host or "127.0.0.1"):
@@ -147,7 +147,7 @@ class OpenAiApi:
             self.app, access_log=None, handler_cancellation=True, keepalive_timeout=IDLE_CONNECTION_S
         )
         await self._runner.setup()
-        site = web.TCPSite(self._runner, host or "127.0.0.1", int(port), ssl_context=self._tls)
+        site = web.TCPSite(self._runner, host or "127.0.0.1", int(port), ssl_context=self._tls, reuse_port=reuse_port)
         await site.start()
         addresses = self._runner.addresses  # (host, port, ...) of each bound socket
         bound = int(addresses[0][1]) if addresses else int(port)
