@@ -120,7 +120,8 @@ class Workers:
         self._held = [hold_port(host, port)]
         self.shared = f"{host}:{self._held[0].getsockname()[1]}"
         # The HTTP fronts are shared too (SO_REUSEPORT in each worker), their ports held here.
-        self.fronts = {flag: self._hold(address) for flag, address in (("--http", settings.http), ("--openai", settings.openai)) if address}
+        fronts = (("--http", settings.http), ("--openai", settings.openai))
+        self.fronts = {flag: self._hold(address) for flag, address in fronts if address}
         self.workers: list[Worker] = []
         for index in range(settings.workers):
             self._held.append(hold_port(host, 0))
@@ -131,7 +132,6 @@ class Workers:
         self.site_state = settings.site_state
         self._nats: asyncio.subprocess.Process | None = None
         self._scratch: tempfile.TemporaryDirectory[str] | None = None
-        self._stopping = False
         self._restarts: list[float] = []
 
     def _hold(self, address: str) -> str:
@@ -180,7 +180,6 @@ class Workers:
                 announce("router", self.shared)
             return await self._watch(stop)
         finally:
-            self._stopping = True
             await self._stop_all()
             for held in self._held:
                 held.close()
