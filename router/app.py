@@ -109,7 +109,7 @@ async def serve(settings: RouterSettings, stop: asyncio.Event | None = None) -> 
         client_token=settings.client_token,
         revoked=credentials.revoked if settings.tls.mutual else None,
         max_connection_age_s=settings.connection_age_s,
-        reuse_port=bool(settings.worker_address),
+        reuse_port=settings.shares_ports,
     )
     limits = ClientLimits(settings.max_requests_per_client, items_per_client=settings.max_items_per_client)
     servicer = InferenceServicer(plane, limits=limits)
@@ -384,7 +384,7 @@ async def _start_extras(
             tls=server_tls(settings.openai_tls_cert, settings.openai_tls_key),
             limits=limits,
         )
-        log.info("OpenAI API on %s", await openai.start(settings.openai, reuse_port=bool(settings.worker_address)))
+        log.info("OpenAI API on %s", await openai.start(settings.openai, reuse_port=settings.shares_ports))
         closers.append(openai.stop)
     if settings.metrics:
         exporter = await serve_metrics(metrics, settings.metrics, token=settings.metrics_token)
@@ -416,7 +416,7 @@ async def _start_rest(
         else None,
         revoked=credentials.revoked if tls.mutual else None,
     )
-    log.info("REST API (Open Inference Protocol over HTTP) on %s", await api.start(settings.http, reuse_port=bool(settings.worker_address)))
+    log.info("REST API (Open Inference Protocol over HTTP) on %s", await api.start(settings.http, reuse_port=settings.shares_ports))
     return [api.stop]
 
 

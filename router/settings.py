@@ -196,6 +196,11 @@ class RouterSettings:
     worker_address: str = ""
     router_workers: tuple[str, ...] = ()
 
+    @property
+    def shares_ports(self) -> bool:
+        """One of --workers: its ports (gRPC, --http, --openai) are bound with SO_REUSEPORT."""
+        return bool(self.worker_address)
+
     def __post_init__(self) -> None:
         validate(self)
         if self.local.tier is not None and self.models is None:

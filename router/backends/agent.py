@@ -324,7 +324,7 @@ class AgentWork:
             if not future.done():
                 future.set_exception(error)
         self.pending.clear()
-        self.batcher.close(error)
+        self.batcher.fail_waiting(error)
 
 
 def items_that_fit(key: BatchKey) -> int:

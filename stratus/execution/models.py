@@ -490,7 +490,7 @@ class LocalModels:
     def close(self) -> None:
         if self.generators is not None:
             self.generators.close()
-        self.batcher.close(Unavailable("the models here are shutting down"))
+        self.batcher.fail_waiting(Unavailable("the models here are shutting down"))
         self.executor.shutdown(wait=True)
         for runner in self.runners.values():
             runner.close()

@@ -140,8 +140,6 @@ def for_max_escalation(scores: Sequence[TierScores], share: float) -> tuple[floa
     return best[1]
 
 
-
-
 @dataclass(frozen=True)
 class TierAnswer:
     """One tier's answer on one audited item: its confidence and its top-1 class; for a
@@ -161,6 +159,7 @@ class AuditRow:
     top: Tier
     label: int
     at: float = 0.0  # monotonic time it was kept (a router's rows age out)
+
 
 # Fewer rows than this and the counted accuracy moves in steps of a percent: no suggestion.
 MIN_ROWS: Final = 200

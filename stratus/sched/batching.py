@@ -367,14 +367,9 @@ class Batcher(Generic[P, R]):
             self.running_items -= batch.size
             self._pump()
 
-    def close(self, error: StratusError) -> None:
-        """Fail everything waiting (the target is gone); running batches fail through ``run``."""
-        self.fail_waiting(error)
-
     def fail_waiting(self, error: StratusError) -> None:
-        """Fail every member still waiting for a slot, now: the target just showed it will not
-        answer in time (a Work ran out of patience), and waiting on would spend their budgets
-        on it; each caller tries elsewhere. Batches running are left to ``run``."""
+        """Fail every member waiting for a slot, now (the target is gone, or a Work ran out of
+        patience there): each caller tries elsewhere. Batches running fail through ``run``."""
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
