@@ -126,6 +126,11 @@ MAX_CONCURRENT_RPCS: Final = 16_384
 # Of those, the most inference calls (ModelInfer, ModelStreamInfer, metadata) may hold: the
 # last quarter is kept for agents' links, Fleet calls, ServerLive and health checks.
 INFERENCE_SHARE: Final = 12_288
+# Calls that have reached the server and wait for its loop to take them. gRPC's defaults drop
+# them at random past 1,000 and all past 3,000, whoever sent them: one client's 4,000 calls at
+# once cost another client's calls CANCELLED within a millisecond (security F21). Past this
+# many, the server's own slots are taken anyway; a client's share is ClientLimits' to refuse.
+MAX_PENDING_CALLS: Final = MAX_CONCURRENT_RPCS
 # A connection that has not finished its handshake in this long is closed (silent TCP
 # connections were held ~100 s each, security2 N10), and one with no call for this long too:
 # clients reconnect on their next call, links and streams hold a call and are never idle.
@@ -167,6 +172,8 @@ def create_server(
         ("grpc.max_concurrent_streams", MAX_STREAMS_PER_CONNECTION),
         ("grpc.server_handshake_timeout_ms", HANDSHAKE_TIMEOUT_MS),
         ("grpc.max_connection_idle_ms", MAX_CONNECTION_IDLE_MS),
+        ("grpc.server.max_pending_requests", MAX_PENDING_CALLS),
+        ("grpc.server.max_pending_requests_hard_limit", MAX_PENDING_CALLS),
     ]
     if reuse_port:
         options = [(key, 1 if key == "grpc.so_reuseport" else value) for key, value in options]
