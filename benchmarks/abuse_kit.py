@@ -64,7 +64,10 @@ class Context:
         return "OK"
 
     def channel(self, address: str = "", options: Iterable[tuple[str, Any]] = ()) -> grpc.aio.Channel:
-        return grpc.aio.insecure_channel(address or self.router, options=[*grpc_options(), *options])
+        given = list(options)  # they replace the defaults they name: gRPC keeps an argument's first value
+        named = {name for name, _ in given}
+        defaults = [(name, value) for name, value in grpc_options() if name not in named]
+        return grpc.aio.insecure_channel(address or self.router, options=[*given, *defaults])
 
 
 def codes(counts: Counter[str], expected: str = "") -> str:

@@ -160,7 +160,9 @@ async def f15_cloud_direct(ctx: Context) -> Outcome:
     batch_bytes = batch.SerializeToString()
     prompt = prompt_request(b"1+" * (MAX_PROMPT_BYTES // 2 - 8)).SerializeToString()
     insider = (("authorization", f"Bearer {ctx.fleet.tokens.client}"),)
-    async with ctx.channel(ctx.cloud) as channel:
+    # No send limit of its own: a client's gRPC refuses to send over 4 MiB, and the attack
+    # would be a loop on the attacker's own core, not the 8 MiB messages the cloud must refuse.
+    async with ctx.channel(ctx.cloud, options=[("grpc.max_send_message_length", -1)]) as channel:
         infer = raw_infer(channel)
         until = ctx.mark()
         anonymous, batches, prompts = await asyncio.gather(
