@@ -170,39 +170,8 @@ def new_event_loop() -> asyncio.AbstractEventLoop:
     return loop
 
 
-# glibc's mallopt parameter for the size from which an allocation is its own mapping.
-_M_MMAP_THRESHOLD = -3
-LARGE_BUFFER_BYTES = 128 * 1024
-
-
-def return_large_buffers(threshold: int = LARGE_BUFFER_BYTES) -> bool:
-    """Give every allocation of ``threshold`` bytes or more its own mapping, returned to the
-    system when freed; True where that was set (glibc), False elsewhere.
-
-    glibc starts there too, but raises the threshold to the size of each mapped block freed,
-    up to 32 MiB: after the first 1 MiB request, a server's requests of 1-4 MiB come from the
-    heap, where small objects allocated among them pin it, and the memory a burst needed stays
-    with the process. A client writing 1 MiB requests on four streams it never reads grew a
-    router by 77-296 MB that way, with 18-144 MB kept after it left (security F11); with a
-    fixed threshold, by 31-33 MB (``benchmarks/abuse.py --only F11``). Fixing the threshold
-    stops that adjustment; ``MALLOC_MMAP_THRESHOLD_`` in the environment wins over this.
-    """
-    if "MALLOC_MMAP_THRESHOLD_" in os.environ or not sys.platform.startswith("linux"):
-        return False
-    import ctypes
-    import ctypes.util
-
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):  # musl (Alpine) has no mallopt: its allocator maps large blocks anyway
-        return False
-    return bool(mallopt(ctypes.c_int(_M_MMAP_THRESHOLD), ctypes.c_int(threshold)))
-
-
 def run(main: Awaitable[T]) -> T:
     """Run a component's main coroutine on a fresh loop that this process owns; its result."""
-    return_large_buffers()
     loop = new_event_loop()
     try:
         return loop.run_until_complete(main)
