@@ -17,7 +17,7 @@ import asyncio
 import logging
 import random
 import time
-from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import TYPE_CHECKING, Any
 
 from router.backends.base import Backend
@@ -25,6 +25,7 @@ from router.backends.cloud import CloudBackend
 from router.cascade.classify import ClassifyCascade, Job
 from router.cascade.common import pinned_options, request_budget
 from router.cascade.generate import Generation, GenerationCascade, Sink, generation_values
+from router.catalog import Catalog, Route
 from router.cloud.models import family_of
 from router.cloud.pool import CloudTier
 from router.fleet.registry import FleetRegistry
@@ -42,7 +43,7 @@ from stratus.convert.text import (
     text_request,
     text_result,
 )
-from stratus.errors import NotFound, Overloaded, PermissionDenied, StratusError
+from stratus.errors import NotFound, Overloaded, StratusError
 from stratus.execution.dataplane import model_config
 from stratus.families.description import FamilyDescription
 from stratus.families.generation import FINAL, Chunk
@@ -86,7 +87,8 @@ class RouterDataPlane(DataPlane):
         self.active = 0
         self.admitted = 0  # inference calls taken, ever: a stopping router watches it fall quiet
         self.registry = registry
-        registry.cloud_serves = self.cloud_serves  # an agent's patience holds where the cloud is a way on
+        self.catalog = Catalog(registry, lambda: self.cloud)
+        registry.cloud_serves = self.catalog.cloud_serves  # an agent's patience holds where the cloud is a way on
         self._cloud_backend: CloudBackend | None = None
         self.cloud = cloud
         self.fail_without_cloud = fail_without_cloud
@@ -118,18 +120,10 @@ class RouterDataPlane(DataPlane):
         return self.registry.index.serves(name) or served_by_cloud
 
     def escalates(self, model: str) -> bool:
-        """Whether ``model``'s items may leave the site for the cloud: not those of a family whose
-        files say ``[privacy] escalate = false`` (its variants, and the cloud's models of it, too)."""
-        family = self.registry.index.family_of(model)
-        if family is None:
-            named = self.cloud.named if self.cloud is not None else ()
-            family = family_of(model, self.registry.families, named) or model
-        info = self.registry.family(family)
-        return info is None or info.escalate
+        return self.catalog.escalates(model)
 
     def cloud_serves(self, model: str) -> bool:
-        """The cloud serves ``model`` and may be sent its items (up or down)."""
-        return self.cloud is not None and self.cloud.models.get(model, False) and self.escalates(model)
+        return self.catalog.cloud_serves(model)
 
     def _cloud_takes_calls(self) -> bool:
         return self.cloud is not None and self.cloud.available
@@ -137,66 +131,17 @@ class RouterDataPlane(DataPlane):
     def model_names(self) -> list[str]:
         """Every name a request may use: families, each variant an agent serves, and each
         model the cloud was found to serve (listed while it is down too, as UNAVAILABLE)."""
-        families, variants = self._names()
+        families, variants = self.catalog.names()
         return sorted({*families, *variants})
 
     def knows(self, name: str) -> bool:
-        try:
-            return self._resolve(name) is not None
-        except PermissionDenied:  # a name that exists, refused to this caller
-            return True
-
-    def _names(self) -> tuple[list[str], list[str]]:
-        """(families, every other name that works), each sorted: what NOT_FOUND lists."""
-        families = set(self.registry.families)
-        others = set(self.registry.index.models())
-        if self.cloud is not None:
-            others |= {name for name, ok in self.cloud.models.items() if ok}
-        return sorted(families), sorted(others - families)
-
-    def _resolve(self, name: str) -> tuple[str, str | None] | None:
-        """(family, pinned variant or None), or None when no agent nor the cloud knows ``name``.
-        A model only the cloud serves is a family of its own here (the cloud is its one tier)."""
-        if name in self.registry.families:
-            return name, None
-        family = self.registry.index.family_of(name)
-        if family is not None:
-            return family, name
-        if self.cloud is not None and self.cloud.models.get(name):
-            if not self.escalates(name):  # the cloud's model of a family kept on the site
-                raise PermissionDenied(
-                    f"{name[:128]!r} runs on the cloud, and its family keeps its inputs on the site "
-                    "([privacy] escalate = false): ask the family by its name"
-                )
-            return name, None
-        return None
-
-    def _family_of(self, name: str) -> tuple[str, str | None]:
-        """As :meth:`_resolve`; NotFound listing every name that works (families first)."""
-        resolved = self._resolve(name)
-        if resolved is None:
-            families, variants = self._names()
-            raise NotFound(f"unknown model {name[:128]!r}; the fleet serves {listing([*families, *variants])}")
-        return resolved
-
-    def _description(self, family: str) -> FamilyDescription | None:
-        """What describes ``family`` (as :meth:`_resolve` names it): its agents' description,
-        else, for a model only the cloud serves, the cloud's own metadata of it."""
-        info = self.registry.family(family)
-        if info is None and self.cloud is not None:
-            info = self.cloud.described.get(family)
-        return info
-
-    def _spec(self, family: str) -> FamilyDescription | None:
-        """The family's description, where it is a classifier's (its tensors are checked)."""
-        info = self._description(family)
-        return info if info is not None and not info.generative else None
+        return self.catalog.knows(name)
 
     def model_metadata(self, name: str) -> pb.ModelMetadataResponse:
         """The family's tensors (a variant's are its family's); a model only the cloud serves,
         the cloud's own. One version, as on every Stratus server: variants are models."""
-        family, _ = self._family_of(name)
-        info = self._description(family)
+        family, _ = self.catalog.family_of(name)
+        info = self.catalog.description(family)
         if info is not None and info.generative and family in self.registry.families:
             return generative_metadata(name, "stratus")  # the layout its ModelConfig says
         response = pb.ModelMetadataResponse(name=name, versions=[MODEL_VERSION], platform="stratus")
@@ -208,12 +153,12 @@ class RouterDataPlane(DataPlane):
     def model_config(self, name: str) -> pb.ModelConfig:
         """Triton's config from the same description as the metadata; a family's also says
         which variants may be pinned and which line each tier serves it with by default."""
-        family, pinned = self._family_of(name)
-        generative = self.generative(family)
-        spec = self._spec(family)
+        family, pinned = self.catalog.family_of(name)
+        generative = self.catalog.generative(family)
+        spec = self.catalog.description(family)
         if generative is not None:  # with the max_tokens a request may ask for, as the cloud says it
             config = generative_config(name, "stratus", generative.max_tokens)
-        elif spec is not None:
+        elif spec is not None and not spec.generative:
             config = model_config(spec, name, "stratus")
         else:
             config = pb.ModelConfig(name=name, platform="stratus", backend="stratus")
@@ -251,24 +196,28 @@ class RouterDataPlane(DataPlane):
     # -- inference ----------------------------------------------------------------------
     def generative(self, name: str) -> FamilyDescription | None:
         """The family's description when ``name`` is a generative family (or one of its variants)."""
+        return self.catalog.generative(name)
+
+    def _generative_route(self, name: str) -> Route:
+        """The route of a generative family's name; NotFound for any other name."""
         try:
-            family, _ = self._family_of(name)
+            route = self.catalog.route(name)
         except NotFound:
-            return None
-        info = self.registry.family(family)
-        if info is None and self.cloud is not None:
-            info = self.cloud.generative.get(family)  # served by the cloud alone
-        return info if info is not None and info.generative else None
+            route = None
+        if route is None or route.generative is None:
+            raise NotFound(f"'{name}' is not a generative model this fleet serves")
+        return route
 
     async def generate_text(
-        self, request: TextRequest, *, timeout_s: float | None, sink: Sink | None = None
+        self, request: TextRequest, *, timeout_s: float | None, sink: Sink | None = None, route: Route | None = None
     ) -> Generation:
-        """A generative request through the tiers; what the client may see goes to ``sink``."""
+        """A generative request through the tiers; what the client may see goes to ``sink``.
+        ``route``: the request's name, where the caller has resolved it already."""
         started = self._clock()
-        info = self.generative(request.model_name)
-        if info is None:
-            raise NotFound(f"'{request.model_name}' is not a generative model this fleet serves")
-        family, pinned = self._family_of(request.model_name)
+        route = route or self._generative_route(request.model_name)
+        info = route.generative
+        assert info is not None  # a generative route's
+        family, pinned, label = route.family, route.pinned, route.label
         params, options = request.params, request.options
         check_max_tokens(params.max_tokens, info.max_tokens, family)
         # The tiers get the checked prompt, settings and conversation alone, never the client's
@@ -276,7 +225,6 @@ class RouterDataPlane(DataPlane):
         checked = prompt_request(pinned or family, request.id, request.prompt, params, request.messages)
         if pinned is not None:  # a pinned variant runs exactly there, on its own tier only
             options = pinned_options(options, self.registry.index.tiers(pinned))
-        label = self._family_label(request.model_name)
         if sink is not None:
             sink = self._timing_first_text(sink, label, started)
         if self.active >= self.max_requests:
@@ -325,27 +273,26 @@ class RouterDataPlane(DataPlane):
         for tier, ms in result.timings_ms.items():
             self.observer.tier_time(family, tier, ms)
 
-    def _text_request(self, request: InferRequest) -> TextRequest:
+    def _text_request(self, request: InferRequest, route: Route) -> TextRequest:
         """An OIP request for a generative family, read as the cascade takes it."""
-        info = self.generative(request.model_name)
-        if info is None:
-            raise NotFound(f"'{request.model_name}' is not a generative model this fleet serves")
-        family, _ = self._family_of(request.model_name)
-        return text_request(request, family, info.max_tokens)
+        info = route.generative
+        assert info is not None  # a generative route's
+        return text_request(request, route.family, info.max_tokens)
 
-    async def _infer_text(self, request: InferRequest, timeout_s: float | None) -> InferResult:
-        asked = self._text_request(request)
-        result = await self.generate_text(asked, timeout_s=timeout_s)
+    async def _infer_text(self, request: InferRequest, route: Route, timeout_s: float | None) -> InferResult:
+        asked = self._text_request(request, route)
+        result = await self.generate_text(asked, timeout_s=timeout_s, route=route)
         answer = text_result(asked, result.text)
         answer.parameters.update(generation_values(result))
         return answer
 
     async def generate(self, request: InferRequest, *, timeout_s: float | None) -> AsyncIterator[InferResult]:
         """Chunks as the client may see them (the final tier's as they come), then the end."""
-        asked = self._text_request(request)
+        route = self._generative_route(request.model_name)
+        asked = self._text_request(request, route)
 
         async def produce(sink: OnItem[Chunk]) -> Generation:
-            return await self.generate_text(asked, timeout_s=timeout_s, sink=sink)
+            return await self.generate_text(asked, timeout_s=timeout_s, sink=sink, route=route)
 
         async with relayed(produce) as relay:
             async for chunk in relay.items():
@@ -359,18 +306,23 @@ class RouterDataPlane(DataPlane):
         yield final
 
     async def infer(self, request: InferRequest, *, timeout_s: float | None) -> InferResult:
-        """Admit (or refuse, past ``max_requests``), check, then climb the tiers."""
-        if self.generative(request.model_name) is not None:
-            return await self._infer_text(request, timeout_s)
+        """Resolve the name once, admit (or refuse, past ``max_requests``), check, then climb the tiers."""
         started = self._clock()
-        family = self._family_label(request.model_name)
+        try:
+            route = self.catalog.route(request.model_name)
+        except NotFound as exc:
+            self._count_refusal(UNKNOWN, exc)
+            raise
+        if route.generative is not None:
+            return await self._infer_text(request, route, timeout_s)
+        family = route.label
         try:
             if self.active >= self.max_requests:
                 raise Overloaded(f"router request queue is full: {self.max_requests} requests in flight")
             self.active += 1
             self.admitted += 1
             try:
-                cascade = ClassifyCascade(self, self._job(request, timeout_s))
+                cascade = ClassifyCascade(self, self._job(request, route, timeout_s, started))
                 result = await cascade.run()
             finally:
                 self.active -= 1
@@ -390,24 +342,10 @@ class RouterDataPlane(DataPlane):
     def _count_answer(self, family: str, tier: str, degraded: bool, started: float) -> None:
         self.observer.answered(family, tier, degraded=degraded, seconds=self._clock() - started)
 
-    def _family_label(self, name: str) -> str:
-        """The family a request names, or "unknown": metric labels stay a bounded set. A
-        variant counts under its family, whether agents serve it or only the cloud does
-        (``digits-large``: "digits"), never as a family of its own."""
-        try:
-            family, _ = self._family_of(name)
-        except NotFound:
-            return UNKNOWN
-        if family in self.registry.families or self.cloud is None:
-            return family
-        return family_of(family, self.registry.families, self.cloud.named) or family
-
-    def _job(self, request: InferRequest, timeout_s: float | None) -> Job:
+    def _job(self, request: InferRequest, route: Route, timeout_s: float | None, started: float) -> Job:
         """Check everything a request says against the family's description, without decoding."""
-        started = self._clock()
         options = request.options()
-        family, pinned = self._family_of(request.model_name)
-        spec = self._spec(family)
+        family, spec = route.family, route.classifier
         if spec is not None:
             request.check_metadata(family, spec.inputs)
         inputs = request.tensors()
@@ -421,8 +359,8 @@ class RouterDataPlane(DataPlane):
             id=request.id,
             asked_for=request.model_name,
             family=family,
-            pinned=pinned,
-            label=self._family_label(request.model_name),
+            pinned=route.pinned,
+            label=route.label,
             options=options,
             inputs=inputs,
             outputs=tuple(outputs) if request.outputs else (),
@@ -452,23 +390,3 @@ class RouterDataPlane(DataPlane):
 # Shadow requests in flight at once, at most: mirroring must never crowd out real work.
 MAX_SHADOWS = 64
 
-
-# What NOT_FOUND lists, at most, in characters of names: its message travels in gRPC
-# metadata (8 KiB by default), which a fleet of thousands of names would pass.
-MAX_LISTED_CHARS = 1024
-
-
-def listing(names: Sequence[str], most_chars: int = MAX_LISTED_CHARS) -> str:
-    """Names for an error message, in order, while they fit in ``most_chars``; then how many
-    more there are, and where to find them all."""
-    shown: list[str] = []
-    size = 0
-    for name in names:
-        size += len(name) + 2
-        if size > most_chars:
-            break
-        shown.append(name)
-    if len(shown) == len(names):
-        return f"[{', '.join(shown)}]"
-    more = f"and {len(names) - len(shown)} more (RepositoryIndex lists them all)"
-    return f"[{', '.join([*shown, more])}]"

@@ -324,6 +324,7 @@ ROUTER_LAYERS = {
     "router.backends": 1,
     "router.fleet": 2,
     "router.offline": 3,
+    "router.catalog": 3,  # names resolved: what agents and the cloud serve, merged
     "router.cascade": 4,
     "router.audit": 5,
     "router.thresholds": 6,

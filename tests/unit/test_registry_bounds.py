@@ -9,7 +9,7 @@ import math
 import pytest
 
 from router.backends.agent import PATIENCE_FACTOR, PATIENCE_FLOOR_MS, split_result
-from router.dataplane import listing
+from router.catalog import listing
 from router.fleet import registry as registry_module
 from router.fleet.agent_handle import FIRST_WINDOW
 from router.fleet.registry import FORGET_LOST_S, MAX_OPERATOR_WATCHERS, MAX_WATCHERS, MAX_WATCHERS_PER_ADDRESS
