@@ -1,0 +1,189 @@
+"""How much of Stratus's own Python one request runs through in a router: the walk, counted.
+
+A router serving the edge tier in its own process (``--local-tier edge``, ``digits-large`` on
+ONNX Runtime in FP32, as ``benchmarks/peers.py`` runs it) is started on this process's event
+loop, and a gRPC client on the same loop sends it held-out digits one at a time. Around each
+request, ``sys.setprofile`` records every call into Stratus's code (``router/``, ``stratus/``
+less the generated ``stratus/wire/``, ``edge_agent/``, ``cloud_gateway/``) on the loop's
+thread: the servicer, the data plane, the cascade, the batcher and the in-process agent.
+gRPC's own Python, asyncio and the runtime are left out; so are the executor threads (the
+small digits model runs on the loop).
+
+Per request it counts:
+
+* **entries**: calls into Stratus's functions, each resumption of a coroutine counting again
+  (what the interpreter does for the request, in Stratus's code);
+* **functions** and **files**: the distinct ones entered;
+* **returns**: each time the walk comes back into a file it had left (the file on top of the
+  stack changes to one seen before in the same request).
+
+The table gives the median, least and most over ``--requests`` requests (a heartbeat or a
+timer that fires inside a request's window adds its own calls to that one), then the
+functions of the median request in the order first entered, and the files entered most.
+This is a dynamic count of everything that runs, so it is larger than a walk read by hand
+that follows one argument; it is the number the cost per request (issue 37) comes down to.
+
+    python benchmarks/walk.py [--requests 200] [--list]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import sys
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import grpc  # noqa: E402
+from peers import MODELS, local_flags  # noqa: E402
+
+import router.app  # noqa: E402
+from router.settings import RouterSettings  # noqa: E402
+from stratus.cli.main import build_parser  # noqa: E402
+from stratus.cli.options import cpu_hardware, settings_of  # noqa: E402
+from stratus.convert import codec  # noqa: E402
+from stratus.serving.channels import grpc_options  # noqa: E402
+from stratus.tools.datasets import digits_splits  # noqa: E402
+from stratus.wire import inference_pb2 as pb  # noqa: E402
+from stratus.wire import inference_pb2_grpc as pb_grpc  # noqa: E402
+
+OURS = tuple(str(ROOT / folder) + "/" for folder in ("router", "stratus", "edge_agent", "cloud_gateway"))
+GENERATED = str(ROOT / "stratus" / "wire") + "/"
+
+
+@dataclass
+class Walk:
+    """One request's calls into Stratus's code, as the profiler saw them."""
+
+    entries: list[tuple[str, str]] = field(default_factory=list)  # (file, qualified name), in order
+    returns: int = 0
+    _stack: list[str] = field(default_factory=list)  # the file of each Stratus frame entered
+    _seen: set[str] = field(default_factory=set)
+    _current: str = ""
+
+    def profile(self, frame: FrameType, event: str, arg: Any) -> None:
+        if event not in ("call", "return"):
+            return
+        filename = frame.f_code.co_filename
+        if not filename.startswith(OURS) or filename.startswith(GENERATED):
+            return
+        if event == "call":
+            self.entries.append((filename, frame.f_code.co_qualname))
+            self._stack.append(filename)
+        elif self._stack:
+            self._stack.pop()
+        self._arrive(self._stack[-1] if self._stack else "")
+
+    def _arrive(self, filename: str) -> None:
+        if filename and filename != self._current:
+            if filename in self._seen:
+                self.returns += 1
+            self._seen.add(filename)
+        self._current = filename
+
+    def functions(self) -> list[tuple[str, str]]:
+        return list(dict.fromkeys(self.entries))
+
+    def files(self) -> set[str]:
+        return {filename for filename, _ in self.entries}
+
+
+def router_settings(extra: list[str]) -> RouterSettings:
+    argv = ["router", "--listen", "127.0.0.1:0", "--no-advertise", "--models", str(MODELS),
+            "--local-tier", "edge", *local_flags(), "--log-level", "WARNING", *extra]  # fmt: skip
+    args = build_parser().parse_args(argv)
+    return settings_of(args, RouterSettings, "router", hardware=cpu_hardware())
+
+
+async def started_router(settings: RouterSettings, stop: asyncio.Event) -> tuple[asyncio.Task[None], str]:
+    """The router's serve() as a task on this loop, and the address it announced."""
+    announced: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+    router.app.announce = lambda role, address: announced.set_result(address)  # type: ignore[assignment]
+    task = asyncio.create_task(router.app.serve(settings, stop))
+    address = await asyncio.wait_for(announced, 120)
+    return task, address
+
+
+async def walks(address: str, requests: int) -> list[Walk]:
+    x = digits_splits().held_out.x
+    messages = []
+    for index in range(requests + 50):
+        message = pb.ModelInferRequest(model_name="digits", id=str(index))
+        codec.encode_request_inputs(message, {"input": x[index % len(x) : index % len(x) + 1]})
+        messages.append(message)
+    async with grpc.aio.insecure_channel(address, options=grpc_options()) as channel:
+        stub: Any = pb_grpc.GRPCInferenceServiceStub(channel)
+        for _ in range(600):  # the in-process agent registers a moment after the router listens
+            if (await stub.ModelReady(pb.ModelReadyRequest(name="digits"))).ready:
+                break
+            await asyncio.sleep(0.1)
+        for message in messages[:50]:  # warm: first calls compile and fill caches
+            await stub.ModelInfer(message)
+        counted = []
+        for message in messages[50:]:
+            walk = Walk()
+            sys.setprofile(walk.profile)
+            try:
+                await stub.ModelInfer(message)
+            finally:
+                sys.setprofile(None)
+            counted.append(walk)
+    return counted
+
+
+def short(filename: str) -> str:
+    return str(Path(filename).relative_to(ROOT))
+
+
+def report(counted: list[Walk], listing: bool) -> None:
+    rows = {
+        "entries (coroutine resumptions too)": [len(w.entries) for w in counted],
+        "functions": [len(w.functions()) for w in counted],
+        "files": [len(w.files()) for w in counted],
+        "returns to a file already left": [w.returns for w in counted],
+    }
+    print(f"one held-out digit through a router with the in-process edge tier, {len(counted)} requests")
+    print(f"{'per request':<38} {'median':>7} {'least':>6} {'most':>6}")
+    for name, values in rows.items():
+        print(f"{name:<38} {statistics.median(values):>7g} {min(values):>6} {max(values):>6}")
+    ordered = sorted(counted, key=lambda w: len(w.entries))
+    median = ordered[len(ordered) // 2]
+    by_file = Counter(short(filename) for filename, _ in median.entries)
+    print("\nentries by file (the median request):")
+    for filename, count in by_file.most_common():
+        print(f"  {count:>4}  {filename}")
+    if listing:
+        print("\nfunctions in the order first entered (the median request):")
+        for filename, name in median.functions():
+            print(f"  {short(filename)}:{name}")
+
+
+async def main_async(args: argparse.Namespace) -> None:
+    stop = asyncio.Event()
+    task, address = await started_router(router_settings([]), stop)
+    try:
+        counted = await walks(address, args.requests)
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 60)
+    report(counted, args.list)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--requests", type=int, default=200)
+    parser.add_argument("--list", action="store_true", help="list the median request's functions in order")
+    asyncio.run(main_async(parser.parse_args()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
