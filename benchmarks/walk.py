@@ -106,7 +106,7 @@ def router_settings(extra: list[str]) -> RouterSettings:
 async def started_router(settings: RouterSettings, stop: asyncio.Event) -> tuple[asyncio.Task[None], str]:
     """The router's serve() as a task on this loop, and the address it announced."""
     announced: asyncio.Future[str] = asyncio.get_running_loop().create_future()
-    router.app.announce = lambda role, address: announced.set_result(address)  # type: ignore[assignment]
+    router.app.announce = lambda role, address: announced.set_result(address)  # type: ignore[attr-defined]
     task = asyncio.create_task(router.app.serve(settings, stop))
     address = await asyncio.wait_for(announced, 120)
     return task, address
