@@ -8,6 +8,7 @@ its transport is its ``work`` (:class:`router.backends.agent.AgentWork`); the re
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -16,6 +17,7 @@ from router.backends.base import Classified, Generated, OnChunk
 from router.fleet.index import line_key
 from stratus.convert.fleet import latency_from_wire
 from stratus.convert.tensors import Tensors
+from stratus.errors import DeadlineExceeded
 from stratus.obs.stats import LatencySummary, LatencyWindow, RateMeter, ServiceCurve, SizeWindow
 from stratus.tiers import Tier
 from stratus.wire import fleet_pb2 as fpb
@@ -107,6 +109,41 @@ class AgentHandle:
         """A Work it did not answer within its budget: half the slots (multiplicative decrease)."""
         self.window = max(1.0, self.window / 2.0)
         self.capacity = max(1, int(self.window))
+
+    def not_reading(self, received: int, beats: int) -> int:
+        """The messages left unread, once the agent's read count (``received``, from its
+        heartbeat) has stood still with messages unread for ``beats`` heartbeats; else 0.
+
+        An agent reads its link as soon as messages arrive, however busy its models are, so
+        messages left unread while its count stands still mean it is not reading at all."""
+        unread = self.sent - received
+        stalled = unread > 0 and received == self.last_received
+        self.unread_beats = self.unread_beats + 1 if stalled else 0
+        self.last_received = received
+        return unread if self.unread_beats >= beats else 0
+
+    async def reload(self, timeout_s: float) -> str:
+        """Ask the agent to reload and wait for its answer: "" or the problem. One Reload is on
+        the link at a time: a caller that comes while one runs waits for the same answer."""
+        waiter: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        if not self.reloads:
+            self.work.outbox.put_nowait(fpb.RouterMessage(reload=fpb.Reload()))
+        self.reloads.append(waiter)
+        try:
+            async with asyncio.timeout(timeout_s):
+                return await waiter
+        except TimeoutError:
+            raise DeadlineExceeded(f"agent {self.id} did not finish reloading within {timeout_s:.0f} s") from None
+        finally:
+            with contextlib.suppress(ValueError):  # a waiter that gave up is not kept
+                self.reloads.remove(waiter)
+
+    def settle_reloads(self, problem: str) -> None:
+        """Every caller waiting for a reload is told how it went ("" or the problem)."""
+        for waiter in self.reloads:
+            if not waiter.done():
+                waiter.set_result(problem)
+        self.reloads.clear()
 
     def announce(self, variants: dict[str, fpb.VariantInfo]) -> None:
         """What the agent serves: said by its Hello, and again by a Hello after a reload.

@@ -14,30 +14,25 @@ doubles each time the fleet would otherwise send more than ``max_heartbeats_per_
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Final
 
 from router.backends.agent import AgentWork, WorkSettings
 from router.backends.base import Backend
 from router.fleet.agent_handle import AgentHandle, State
 from router.fleet.family_book import FamilyBook
-from router.fleet.hello import check_hello_bounds
+from router.fleet.hello import Admission, check_hello_bounds, check_hello_variants, handle_from_hello
 from router.fleet.index import AgentIndex
+from router.fleet.watchers import Watchers
 from router.policy import FleetSnapshot
-from stratus.convert.fleet import family_from_wire
 from stratus.convert.hardware import describe as describe_hardware
-from stratus.convert.hardware import from_hello as hardware_from_hello
 from stratus.errors import (
     AlreadyHeld,
     ConfigError,
-    DeadlineExceeded,
     InvalidInput,
     NotFound,
-    Overloaded,
 )
 from stratus.families.description import FamilyDescription
 from stratus.obs.metrics import RouterMetrics
@@ -55,24 +50,10 @@ WorkMaker = Callable[[AgentHandle, WorkSettings], AgentWork]
 MISSED_HEARTBEATS = 3
 # A lost agent stays listed (state lost) this long, then is forgotten.
 FORGET_LOST_S = 600.0
-MAX_UPTIME_S = 100 * 365 * 86400.0  # past it (or NaN, or negative) a Hello's uptime is not believed
-# A Hello's declared sizes steer how much work an agent is sent: clamped to these.
-MAX_CAPACITY = 1024
-MAX_QUEUE_LIMIT = 4096
 # Lost agents kept for status beyond this many: the oldest are forgotten first.
 MAX_LOST = 4096
-# Fleet.Watch calls open at once (each holds a stream and is sent the fleet's status).
-MAX_WATCHERS = 64
-# ... beyond which only operators may open more, up to this many in all (strangers filling the
-# 64 once locked the operator out of Watch, security2 N16), and what one address may hold.
-MAX_OPERATOR_WATCHERS = 80
-MAX_WATCHERS_PER_ADDRESS = 16
 # Longest a Reload call waits for its agent (the caller chooses less, never more).
 MAX_RELOAD_WAIT_S = 600.0
-
-
-# What two descriptions of a family must agree on to be served together.
-_DESCRIBED: Final = ("inputs", "outputs", "thresholds", "calibrated_cloud_share", "generation", "escalate", "offline")
 
 
 def pace_for(agents: int, *, base_s: float, max_per_s: float) -> float:
@@ -97,10 +78,6 @@ class FleetRegistry:
         own_families: Mapping[str, FamilyDescription] | None = None,
     ) -> None:
         self.metrics = metrics
-        # The families as the operator's own copy of the models folder describes them (--models):
-        # then an agent's Hello must match them, whoever speaks first (security2 F2). None: the
-        # first ready agent's description is the fleet's.
-        self.own_families = dict(own_families) if own_families is not None else None
         self.heartbeat_s = heartbeat_s
         self.max_batch_delay_s = max_batch_delay_s
         self.max_heartbeats_per_s = max_heartbeats_per_s
@@ -111,9 +88,17 @@ class FleetRegistry:
         self.index: AgentIndex[AgentHandle] = AgentIndex()
         self._linked = 0  # agents not lost
         self._ids = itertools.count(1)
-        self._watchers: set[asyncio.Queue[None]] = set()
-        self._watcher_address: dict[int, str] = {}  # each watcher's client address, by id(queue)
-        self.pool_sizes: Mapping[str, int] = dict(pool_sizes or {})  # --agent-pool NAME=MAX
+        self.watchers = Watchers()  # Fleet.Watch calls, told of each change
+        # What a Hello may register: pools up to --agent-pool NAME=MAX; families as the operator's
+        # own copy of the models folder describes them (--models), whoever speaks first
+        # (security2 F2), else as the first ready agent described them.
+        self.admission = Admission(
+            self.book,
+            self.index,
+            self.agents,
+            own_families=dict(own_families) if own_families is not None else None,
+            pool_sizes=dict(pool_sizes or {}),
+        )
         # What the site's store says an operator made of an agent ("drained", "ready",
         # "forgotten"; None: nothing), so an agent drained site-wide stays so when it links here.
         self.site_mark: Callable[[str], str | None] = lambda agent_id: None
@@ -123,24 +108,6 @@ class FleetRegistry:
 
     def now(self) -> float:
         return self._clock()
-
-    def _admit_to_pool(self, agent_id: str, identity: str, previous: AgentHandle | None) -> None:
-        """A pool member (``pool:NAME``): every member holds the same certificate, so a member
-        never takes over an id that is linked (the old link is dropped once it misses its
-        heartbeats, and the id is free again), and the pool holds at most what its operator
-        configured (``--agent-pool NAME=MAX``)."""
-        if previous is not None and previous.state != State.LOST:
-            raise AlreadyHeld(
-                f"agent id {agent_id!r} is linked by another member of pool {identity[len(POOL_PREFIX):]!r}; "
-                "a pool member never replaces a linked one (retry once that link is gone)"
-            )
-        most = self.pool_sizes.get(identity[len(POOL_PREFIX) :], 0)
-        linked = sum(1 for a in self.agents.values() if a.identity == identity and a.state != State.LOST)
-        if linked >= most:
-            raise Overloaded(
-                f"pool {identity[len(POOL_PREFIX):]!r} has {linked} agents linked, the most its operator "
-                f"configured (--agent-pool {identity[len(POOL_PREFIX):]}={most})"
-            )
 
     @property
     def families(self) -> dict[str, FamilyDescription]:
@@ -161,30 +128,14 @@ class FleetRegistry:
                 f"agent id {hello.agent_id!r} is linked by another identity; it is not replaced"
             )
         if identity.startswith(POOL_PREFIX):
-            self._admit_to_pool(hello.agent_id, identity, previous)
-        hello, described = self._agreed(hello)
+            self.admission.check_pool(hello.agent_id, identity, previous)
+        hello, described = self.admission.agreed(hello)
         if previous is not None:
             if previous.state != State.LOST:
                 log.warning("agent %s reconnected from %s; dropping its old link", hello.agent_id, peer)
                 self.lose(previous, "replaced by a new link")
             self._forget(previous)
-        handle = AgentHandle(
-            id=hello.agent_id,
-            tier=Tier.from_wire(hello.tier),
-            host=hello.host,
-            peer=peer,
-            runtimes=tuple(hello.runtimes),
-            variants={v.name: v for v in hello.variants},
-            capacity=min(max(1, hello.capacity), MAX_CAPACITY),
-            queue_limit=min(hello.queue_limit, MAX_QUEUE_LIMIT),
-            last_heartbeat=self.now(),
-            heartbeat_s=self.pace_s,
-            unavailable=tuple(hello.unavailable),
-            identity=identity,
-            hardware=hardware_from_hello(hello),
-            version=hello.version,
-            started=self._started(hello),
-        )
+        handle = handle_from_hello(hello, peer=peer, identity=identity, now=self.now(), heartbeat_s=self.pace_s)
         handle.work = work(handle, self._work_settings(handle))
         for family in described:
             if family.name not in self.families:
@@ -205,77 +156,6 @@ class FleetRegistry:
         self.changed()
         return handle
 
-    def _started(self, hello: fpb.Hello) -> float | None:
-        """When the agent's process started, from the uptime its Hello gave (None: not given)."""
-        uptime = hello.uptime_s
-        return self.now() - uptime if 0 < uptime <= MAX_UPTIME_S else None
-
-    def _agreed(self, hello: fpb.Hello) -> tuple[fpb.Hello, list[FamilyDescription]]:
-        """The Hello without the families it describes unlike the ready agents serving them
-        (those are listed as unavailable on this agent), and the families it still describes,
-        read once, here: requests are checked and routed by one description of each family,
-        and an agent that disagrees on one still serves the others. A Hello left with no
-        variant is refused, saying why."""
-        described = [family_from_wire(family) for family in hello.families]
-        conflicts = self._conflicts(hello, described)
-        if not conflicts:
-            return hello, described
-        reasons = "; ".join(f"family '{f}' {why}" for f, why in conflicts.items())
-        kept = fpb.Hello()
-        kept.CopyFrom(hello)
-        del kept.variants[:], kept.families[:]
-        kept.variants.extend(v for v in hello.variants if v.family not in conflicts)
-        kept.families.extend(f for f in hello.families if f.name not in conflicts)
-        kept.unavailable.extend(
-            fpb.FamilyUnavailable(
-                family=f,
-                variant=",".join(v.name for v in hello.variants if v.family == f),
-                reason=f"refused by the router: {why}",
-            )
-            for f, why in conflicts.items()
-        )
-        if not kept.variants:
-            raise InvalidInput(f"Hello from {hello.agent_id}: {reasons}")
-        log.warning("agent %s: not serving %s here: %s", hello.agent_id, sorted(conflicts), reasons)
-        return kept, [family for family in described if family.name not in conflicts]
-
-    def _unlike_own(self, family: FamilyDescription) -> str | None:
-        """Why an agent's description of ``family`` is not the operator's, or None."""
-        assert self.own_families is not None
-        own = self.own_families.get(family.name)
-        if own is None:
-            return "is not in the router's own models folder (--models): an agent cannot add a family"
-        differs = [f for f in _DESCRIBED if getattr(own, f) != getattr(family, f)]
-        if differs:
-            return f"differs from the router's own models folder ({', '.join(differs)} differ)"
-        return None
-
-    def _conflicts(self, hello: fpb.Hello, described: Sequence[FamilyDescription]) -> dict[str, str]:
-        """Each family this Hello describes (or claims a variant for) unlike the fleet, and why."""
-        conflicts: dict[str, str] = {}
-        for family in described:
-            if self.own_families is not None:
-                if (why := self._unlike_own(family)) is not None:
-                    conflicts[family.name] = why
-                continue
-            known = self.families.get(family.name)
-            if known is None or known == self.book.served(family):
-                continue
-            if not self.index.serves(family.name):  # nobody serves the old description now
-                self.book.forget(family.name)
-                continue
-            differs = [f for f in _DESCRIBED if getattr(known, f) != getattr(family, f)]
-            conflicts[family.name] = (
-                f"differs from the one ready agents serve ({', '.join(differs)} differ); refused until they leave"
-            )
-        for variant in hello.variants:
-            owner = self.index.family_of(variant.name)
-            if owner is not None and owner != variant.family and self.index.serves(variant.name):
-                conflicts[variant.family] = (
-                    f"claims variant '{variant.name}', which belongs to family '{owner}' in this fleet"
-                )
-        return conflicts
-
     def reannounce(self, handle: AgentHandle, hello: fpb.Hello) -> None:
         """A Hello on a live link: the agent reloaded and now serves what it says.
 
@@ -289,11 +169,11 @@ class FleetRegistry:
         self.index.forget(handle)  # its old names, so only other agents count in the check
         try:
             check_hello_bounds(hello)
-            _check_hello_variants(hello)
-            hello, described = self._agreed(hello)
+            check_hello_variants(hello)
+            hello, described = self.admission.agreed(hello)
         except InvalidInput as exc:
             self._readd(handle, ready)
-            self._settle_reloads(handle, f"refused: {exc}")
+            handle.settle_reloads(f"refused: {exc}")
             raise
         handle.announce({v.name: v for v in hello.variants})
         handle.unavailable = tuple(hello.unavailable)
@@ -301,7 +181,7 @@ class FleetRegistry:
             self.book.learn(family)
         self._readd(handle, ready)
         log.info("agent %s reloaded: variants %s", handle.id, sorted(handle.variants))
-        self._settle_reloads(handle, "")
+        handle.settle_reloads("")
         self.changed()
 
     def _readd(self, handle: AgentHandle, ready: bool) -> None:
@@ -311,34 +191,14 @@ class FleetRegistry:
 
     def reload_failed(self, handle: AgentHandle, message: str) -> None:
         log.warning("agent %s could not reload: %r", handle.id, message[:500])
-        self._settle_reloads(handle, message or "reload failed")
-
-    @staticmethod
-    def _settle_reloads(handle: AgentHandle, problem: str) -> None:
-        for waiter in handle.reloads:
-            if not waiter.done():
-                waiter.set_result(problem)
-        handle.reloads.clear()
+        handle.settle_reloads(message or "reload failed")
 
     async def reload(self, agent_id: str, timeout_s: float) -> tuple[AgentHandle, str]:
         """Ask an agent to reload and wait for its answer: ("" or the problem)."""
         handle = self.agents.get(agent_id)
         if handle is None or handle.state == State.LOST:
             raise NotFound(f"no linked agent '{agent_id}'")
-        waiter: asyncio.Future[str] = asyncio.get_running_loop().create_future()
-        if not handle.reloads:  # one Reload on the link at a time: later callers wait for it
-            handle.work.outbox.put_nowait(fpb.RouterMessage(reload=fpb.Reload()))
-        handle.reloads.append(waiter)
-        try:
-            async with asyncio.timeout(min(timeout_s, MAX_RELOAD_WAIT_S)):
-                return handle, await waiter
-        except TimeoutError:
-            raise DeadlineExceeded(
-                f"agent {agent_id} did not finish reloading within {timeout_s:.0f} s"
-            ) from None
-        finally:
-            with contextlib.suppress(ValueError):  # a waiter that gave up is not kept
-                handle.reloads.remove(waiter)
+        return handle, await handle.reload(min(timeout_s, MAX_RELOAD_WAIT_S))
 
     def draining(self, handle: AgentHandle) -> None:
         if handle.state == State.READY:
@@ -357,7 +217,7 @@ class FleetRegistry:
         self.index.unready(handle)
         self._linked -= 1
         handle.work.fail(reason)
-        self._settle_reloads(handle, f"agent lost: {reason}")
+        handle.settle_reloads(f"agent lost: {reason}")
         handle.work.outbox.put_nowait(None)
         if handle.left:
             log.info("agent %s left (it drained first): %s", handle.id, reason)
@@ -439,25 +299,10 @@ class FleetRegistry:
     # -- heartbeats and their pace -------------------------------------------------------
     def heartbeat(self, handle: AgentHandle, beat: fpb.Heartbeat) -> None:
         handle.last_heartbeat = self.now()
-        self._check_reading(handle, beat.received)
+        if unread := handle.not_reading(beat.received, MISSED_HEARTBEATS):  # it heartbeats, yet reads nothing
+            self.lose(handle, f"not reading its link: {unread} messages unread for {MISSED_HEARTBEATS} heartbeats")
         handle.reported_queue = beat.queue_length
         handle.update_latency(beat.latency)
-
-    def _check_reading(self, handle: AgentHandle, received: int) -> None:
-        """Drop a peer that keeps heartbeating but stops reading what it is sent.
-
-        An agent reads its link as soon as messages arrive, however busy its models are,
-        so messages left unread while its read count stands still for three heartbeats
-        mean it is not reading at all.
-        """
-        unread = handle.sent - received
-        stalled = unread > 0 and received == handle.last_received
-        handle.unread_beats = handle.unread_beats + 1 if stalled else 0
-        handle.last_received = received
-        if handle.unread_beats >= MISSED_HEARTBEATS:
-            self.lose(
-                handle, f"not reading its link: {unread} messages unread for {MISSED_HEARTBEATS} heartbeats"
-            )
 
     def _repace(self) -> None:
         """Tell every linked agent the new interval when the fleet's size crosses a step."""
@@ -536,30 +381,10 @@ class FleetRegistry:
         self.changed()
 
     def watch(self, *, address: str = "", operator: bool = False) -> asyncio.Queue[None]:
-        """A queue told of each change; RESOURCE_EXHAUSTED past MAX_WATCHERS at once (an
-        operator's past MAX_OPERATOR_WATCHERS), or past MAX_WATCHERS_PER_ADDRESS from one address
-        that is not an operator's."""
-        most = MAX_OPERATOR_WATCHERS if operator else MAX_WATCHERS
-        if len(self._watchers) >= most:
-            raise Overloaded(f"{len(self._watchers)} Watch calls are open, the most this router serves")
-        held = sum(1 for a in self._watcher_address.values() if a == address)
-        if not operator and held >= MAX_WATCHERS_PER_ADDRESS:
-            raise Overloaded(f"this address holds {held} Watch calls, the most one may")
-        queue: asyncio.Queue[None] = asyncio.Queue(maxsize=1)
-        self._watchers.add(queue)
-        self._watcher_address[id(queue)] = address
-        return queue
+        return self.watchers.watch(address=address, operator=operator)
 
     def unwatch(self, queue: asyncio.Queue[None]) -> None:
-        self._watchers.discard(queue)
-        self._watcher_address.pop(id(queue), None)
+        self.watchers.unwatch(queue)
 
     def changed(self) -> None:
-        for queue in self._watchers:
-            if queue.empty():
-                queue.put_nowait(None)
-
-
-def _check_hello_variants(hello: fpb.Hello) -> None:
-    if not hello.variants:
-        raise InvalidInput(f"Hello from {hello.agent_id}: no variants")
+        self.watchers.changed()

@@ -16,7 +16,8 @@ from pathlib import Path
 import grpc
 import pytest
 
-from router.fleet.registry import MAX_CAPACITY, MAX_QUEUE_LIMIT, MAX_WATCHERS_PER_ADDRESS
+from router.fleet.hello import MAX_CAPACITY, MAX_QUEUE_LIMIT
+from router.fleet.watchers import MAX_WATCHERS_PER_ADDRESS
 from stratus.wire import fleet_pb2 as fpb
 from stratus.wire import fleet_pb2_grpc as fpb_grpc
 

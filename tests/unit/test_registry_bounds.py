@@ -12,7 +12,8 @@ from router.backends.agent import PATIENCE_FACTOR, PATIENCE_FLOOR_MS, split_resu
 from router.catalog import listing
 from router.fleet import registry as registry_module
 from router.fleet.agent_handle import FIRST_WINDOW
-from router.fleet.registry import FORGET_LOST_S, MAX_OPERATOR_WATCHERS, MAX_WATCHERS, MAX_WATCHERS_PER_ADDRESS
+from router.fleet.registry import FORGET_LOST_S
+from router.fleet.watchers import MAX_OPERATOR_WATCHERS, MAX_WATCHERS, MAX_WATCHERS_PER_ADDRESS
 from stratus.errors import InvalidInput, Overloaded
 from stratus.tiers import Tier
 from stratus.wire import fleet_pb2 as fpb
