@@ -8,34 +8,22 @@ import logging
 import random
 import socket
 from collections.abc import Awaitable, Callable
-from dataclasses import replace
-from pathlib import Path
 
 import grpc
 
-from router.api.fleet_service import FleetServicer, fleet_levels, rollout_levels
+from router import parts
+from router.api.fleet_service import FleetServicer, fleet_levels
 from router.api.link import AdmissionGate, AgentLinkServicer
-from router.api.openai.api import OpenAiApi, check_listen, server_tls
-from router.audit.auditor import Auditor
-from router.audit.capture import CaptureHook
+from router.api.openai.api import OpenAiApi, server_tls
 from router.audit.metrics import audit_levels
-from router.backends.cloud import CloudBackend
-from router.cloud.link import CloudLink
-from router.cloud.models import parse_cloud_models
 from router.cloud.pool import CloudPool
 from router.dataplane import RouterDataPlane
 from router.fleet.registry import FleetRegistry
-from router.offline import Offline, OfflineSettings
-from router.rollout.plans import ROLLED_BACK, Plan, Rollouts
+from router.offline import Offline
+from router.rollout.plans import Rollouts
 from router.settings import OnCloudFailure, RouterSettings
 from router.site.mirror import SiteMirror
-from router.site.open import open_site_state
-from router.thresholds.auto import AutoThresholds, auto_levels
 from router.thresholds.pushes import ThresholdPushes, threshold_levels
-from stratus.convert.fleet import family_from_wire
-from stratus.errors import ConfigError
-from stratus.execution.describe import family_info
-from stratus.families.description import FamilyDescription
 from stratus.families.repository import ModelRepository
 from stratus.obs.metrics import Metrics, RouterMetrics
 from stratus.obs.metrics import serve as serve_metrics
@@ -46,7 +34,6 @@ from stratus.serving.client_limits import ClientLimits
 from stratus.serving.discovery import Advertisement
 from stratus.serving.health import Health
 from stratus.serving.rest import RestApi, server_context
-from stratus.serving.revocations import AnyRevoked
 from stratus.serving.servicer import InferenceServicer, add_inference_service
 from stratus.wire import fleet_pb2_grpc as fpb_grpc
 
@@ -66,32 +53,32 @@ async def _watch_heartbeats(registry: FleetRegistry) -> None:
 
 
 async def serve(settings: RouterSettings, stop: asyncio.Event | None = None) -> None:
-    credentials = _checked_credentials(settings)
+    credentials = parts.credentials(settings)
     stop = stop or asyncio.Event()
     stop_on_signals(stop)
     raise_open_files_limit()  # one descriptor per linked agent
     metrics = Metrics()
     recorder = RouterMetrics(metrics)
-    rollouts = _rollouts(settings, metrics, recorder)
+    rollouts = parts.rollouts(settings, metrics, recorder)
     registry = FleetRegistry(
         heartbeat_s=settings.heartbeat_s,
         max_heartbeats_per_s=settings.max_heartbeats_per_s,
         max_batch_delay_s=settings.max_batch_delay_s,
         metrics=recorder,
         pool_sizes=dict(settings.agent_pools),
-        own_families=own_families(settings.models) if settings.models is not None else None,
+        own_families=parts.own_families(settings.models) if settings.models is not None else None,
     )
-    pushes = _threshold_pushes(settings, registry)
+    pushes = parts.threshold_pushes(settings, registry)
     metrics.collect_with(lambda: threshold_levels(pushes, registry))
-    cloud = _cloud_link(settings, registry)
+    cloud = parts.cloud(settings, registry)
     metrics.collect_with(lambda: fleet_levels(registry, cloud))
     if cloud is not None:
         cloud.start()
-    site = _site_mirror(settings, rollouts, pushes, registry)
-    credentials = with_site_revocations(credentials, site)
-    audits, capture = _auditor(settings, registry, cloud, recorder, rollouts)
+    site = parts.site_mirror(settings, rollouts, pushes, registry)
+    credentials = parts.with_site_revocations(credentials, site)
+    audits, capture = parts.auditor(settings, registry, cloud, recorder, rollouts)
     metrics.collect_with(lambda: audit_levels(audits))
-    offline = _offline(settings, registry, (metrics, recorder), capture, site, cloud=lambda: plane.cloud_backend)
+    offline = parts.offline(settings, registry, (metrics, recorder), capture, site, cloud=lambda: plane.cloud_backend)
     plane = RouterDataPlane(
         registry,
         cloud,
@@ -157,7 +144,7 @@ async def serve(settings: RouterSettings, stop: asyncio.Event | None = None) -> 
         tls=settings.tls.cert is not None,
         callers_authenticated=credentials.callers_authenticated,
     )
-    stepping = _auto_thresholds(settings, pushes, registry, audits, metrics, site=site)
+    stepping = parts.auto_thresholds(settings, pushes, registry, audits, metrics, site=site)
     log.info("router listening on %s:%d (cloud: %s)", host, port, settings.cloud or "none")
     announce("router", f"{host}:{port}")
     await stop.wait()
@@ -187,39 +174,6 @@ async def _named(
     site.router_id, site.address = name, address
     await site.start()
     return [site.close]
-
-
-def _offline(
-    settings: RouterSettings,
-    registry: FleetRegistry,
-    metrics: tuple[Metrics, RouterMetrics],
-    capture: CaptureHook | None,
-    site: SiteMirror | None,
-    *,
-    cloud: Callable[[], CloudBackend | None],
-) -> Offline | None:
-    """Deferred requests, corrections and decision records: in the site's NATS where the router
-    shares one (any router of the site judges them), else under --state-dir; neither: none."""
-    shared = site.state if site is not None and site.state.shared else None
-    if settings.state_dir is None and shared is None:
-        if settings.decision_log is not None:
-            raise ConfigError("--decision-log needs --state-dir or a nats:// --site-state (where offline state is kept)")
-        return None
-    store, sink = None, None
-    if shared is not None:
-        from router.site.deferred import NatsCorrections, NatsDeferredStore
-        from router.site.nats import NatsSiteState
-
-        assert isinstance(shared, NatsSiteState)  # the one shared kind of store
-        store, sink = NatsDeferredStore(shared), NatsCorrections(shared)
-    offline = OfflineSettings(
-        state_dir=settings.state_dir,
-        adjudicate_share=settings.adjudicate_share,
-        decision_log=settings.decision_log,
-        decision_log_share=settings.decision_log_share,
-    )
-    return Offline(offline, router="router", cloud=cloud, describe=registry.family, metrics=metrics,
-                   labels=capture, store=store, sink=sink)  # fmt: skip
 
 
 async def _start_offline(offline: Offline | None, name: str) -> list[Callable[[], Awaitable[None]]]:
@@ -275,15 +229,6 @@ async def _start_local_tier(
     return [agent.close]
 
 
-def with_site_revocations(credentials: RouterCredentials, site: SiteMirror | None) -> RouterCredentials:
-    """The site's revocations (`fleet revoke`) checked beside the router's own file: a revoked
-    certificate on every call and link under mutual TLS, a revoked agent id in any mode."""
-    if site is None:
-        return credentials
-    lists = [r for r in (credentials.revoked, site.revocations) if r is not None]
-    return replace(credentials, revoked=AnyRevoked(lists), revoked_agent=site.revocations.agent_revoked)
-
-
 def site_address(settings: RouterSettings, host: str, port: int) -> str:
     """Where the site's other routers (and an operator's CLI) reach this one: --site-address,
     else the listening address, with this host's name for a wildcard one."""
@@ -292,17 +237,6 @@ def site_address(settings: RouterSettings, host: str, port: int) -> str:
     if host in ("", "0.0.0.0", "::", "[::]"):
         host = socket.getfqdn()
     return f"{host}:{port}"
-
-
-def _checked_credentials(settings: RouterSettings) -> RouterCredentials:
-    """Everything that refuses a setting runs before anything starts, so a bad one binds no port."""
-    credentials = settings.credentials()
-    settings.check_exposure(credentials)
-    settings.check_site_state()
-    if settings.openai:
-        check_listen(settings.openai, settings.openai_api_key)
-        server_tls(settings.openai_tls_cert, settings.openai_tls_key)  # a bad pair stops it here
-    return credentials
 
 
 async def _close_the_rest(
@@ -320,48 +254,6 @@ async def _close_the_rest(
             await close()
     if cloud is not None:
         await cloud.close()
-
-
-def _auditor(
-    settings: RouterSettings,
-    registry: FleetRegistry,
-    cloud: CloudPool | None,
-    recorder: RouterMetrics,
-    rollouts: Rollouts,
-) -> tuple[Auditor, CaptureHook | None]:
-    """The background audits, and where they keep items under --capture. Audits are a
-    rollout's evidence too: a step on a tier with a tier above waits for each arm's."""
-    wanted = settings.capture.resolved()
-    capture = CaptureHook(wanted, recorder) if wanted is not None else None
-    audits = Auditor(
-        registry, cloud, policy=settings.audit, metrics=recorder, capture=capture, rollouts=rollouts
-    )
-    rollouts.auditable = lambda family, tier: (top := audits.top_of(family)) is not None and top > tier
-    return audits, capture
-
-
-def _cloud_link(settings: RouterSettings, registry: FleetRegistry) -> CloudPool | None:
-    """A link to each cloud gateway (router/cloud/pool.py), which learns what it serves for
-    the families agents bring."""
-    if not settings.cloud:
-        return None
-    headers = (
-        *settings.all_cloud_headers(),
-        *((("authorization", f"Bearer {settings.cloud_token}"),) if settings.cloud_token else ()),
-    )
-    named = parse_cloud_models(settings.cloud_models)
-
-    def link(address: str, server_name: str | None) -> CloudLink:
-        return CloudLink(
-            address,
-            tls=settings.tls,
-            headers=headers,
-            named=named,
-            families=lambda: registry.families,
-            server_name=server_name,
-        )
-
-    return CloudPool(settings.cloud, link, named=named)
 
 
 async def _start_extras(
@@ -418,77 +310,6 @@ async def _start_rest(
     )
     log.info("REST API (Open Inference Protocol over HTTP) on %s", await api.start(settings.http, reuse_port=settings.shares_ports))
     return [api.stop]
-
-
-def _rollouts(settings: RouterSettings, metrics: Metrics, recorder: RouterMetrics) -> Rollouts:
-    rollouts = Rollouts(router_id=settings.name)
-    rollouts.listeners.append(lambda plan, why: _count_rollback(recorder, rollouts, plan))
-    metrics.collect_with(lambda: rollout_levels(rollouts))
-    return rollouts
-
-
-def own_families(folder: Path) -> dict[str, FamilyDescription]:
-    """Each family of the operator's models folder as an agent's Hello would describe it."""
-    repository = ModelRepository.load(folder)
-    return {name: family_from_wire(family_info(spec)) for name, spec in repository.families.items()}
-
-
-def _site_mirror(
-    settings: RouterSettings, rollouts: Rollouts, pushes: ThresholdPushes, registry: FleetRegistry
-) -> SiteMirror | None:
-    """The site's store (--site-state), mirrored here: None without one."""
-    if not settings.site_state:
-        return None
-    # tls://: the store's server holds a certificate of the fleet CA, and this router shows its own
-    tls = settings.tls if settings.site_state.startswith("tls://") else None
-    state = open_site_state(settings.site_state, tls=tls, creds=settings.site_state_creds)
-    return SiteMirror(
-        state,
-        rollouts=rollouts,
-        pushes=pushes,
-        registry=registry,
-        router_id=settings.name or "",
-        lease_s=settings.site_lease_s,
-    )
-
-
-def _threshold_pushes(settings: RouterSettings, registry: FleetRegistry) -> ThresholdPushes:
-    """The pushed thresholds, in force as the site's store gives them (before any agent links)."""
-    pushes = ThresholdPushes(router_id=settings.name)
-    pushes.listeners.append(registry.override_thresholds)
-    return pushes
-
-
-def _auto_thresholds(
-    settings: RouterSettings,
-    pushes: ThresholdPushes,
-    registry: FleetRegistry,
-    audits: Auditor,
-    metrics: Metrics,
-    *,
-    site: SiteMirror | None,
-) -> asyncio.Task[None] | None:
-    """The --auto-thresholds controller, where the operator asks for one: on a site, stepping
-    only while this router holds the site's judge lease."""
-    if not settings.auto_thresholds.enabled:
-        return None
-
-    def chosen() -> dict[str, str]:
-        return {name: info.audit.auto for name, info in registry.families.items() if info.audit.auto}
-
-    here = site.judges_here if site is not None else (lambda: True)
-    auto = AutoThresholds(settings.auto_thresholds, pushes, registry, audits.rows.rows, chosen, here=here)
-    metrics.collect_with(lambda: auto_levels(auto))
-    return asyncio.create_task(auto.run(), name="stratus-auto-thresholds")
-
-
-def _count_rollback(recorder: RouterMetrics, rollouts: Rollouts, plan: Plan) -> None:
-    """A rollback decided here (not one adopted from a peer) counts once, by what was worse."""
-    if plan.state != ROLLED_BACK or plan.origin != rollouts.router_id:
-        return
-    detail = plan.reason.split(": ", 1)[-1]
-    reason = next((r for r in ("errors", "p99", "unsure", "agreement") if detail.startswith(r)), "other")
-    recorder.rollbacks.labels(plan.family, plan.tier.label, reason).inc()
 
 
 async def _shut_down(

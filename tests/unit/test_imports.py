@@ -333,6 +333,7 @@ ROUTER_LAYERS = {
     "router.api": 9,
     "router.settings": 9,
     "router.app": 10,
+    "router.parts": 10,  # each part of a router built from its settings, for app.serve to wire
     "router.workers": 10,  # --workers: the parent of several router processes, beside the one it copies
 }
 
