@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import re
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Final
 
 from router.fleet.agent_handle import AgentHandle, State
@@ -103,25 +104,17 @@ def handle_from_hello(hello: fpb.Hello, *, peer: str, identity: str, now: float,
 _DESCRIBED: Final = ("inputs", "outputs", "thresholds", "calibrated_cloud_share", "generation", "escalate", "offline")
 
 
+@dataclass
 class Admission:
     """What a Hello may register in this fleet, given its agents (``agents``, ``index``), the
     families they describe (``book``), the operator's own descriptions (``own_families``; None:
     the first ready agent's description is the fleet's) and pool sizes (``--agent-pool``)."""
 
-    def __init__(
-        self,
-        book: FamilyBook,
-        index: AgentIndex[AgentHandle],
-        agents: Mapping[str, AgentHandle],
-        *,
-        own_families: Mapping[str, FamilyDescription] | None,
-        pool_sizes: Mapping[str, int],
-    ) -> None:
-        self.book = book
-        self.index = index
-        self.agents = agents
-        self.own_families = own_families
-        self.pool_sizes = pool_sizes
+    book: FamilyBook
+    index: AgentIndex[AgentHandle]
+    agents: Mapping[str, AgentHandle]
+    own_families: Mapping[str, FamilyDescription] | None
+    pool_sizes: Mapping[str, int]
 
     def check_pool(self, agent_id: str, identity: str, previous: AgentHandle | None) -> None:
         """A pool member (``pool:NAME``): every member holds the same certificate, so a member
