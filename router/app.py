@@ -12,7 +12,8 @@ from collections.abc import Awaitable, Callable
 import grpc
 
 from router import parts
-from router.api.fleet_service import FleetServicer, fleet_levels
+from router.api.fleet_service import FleetServicer
+from router.api.fleet_status import fleet_levels
 from router.api.link import AdmissionGate, AgentLinkServicer
 from router.api.openai.api import OpenAiApi, server_tls
 from router.audit.metrics import audit_levels

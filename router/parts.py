@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
-from router.api.fleet_service import rollout_levels
+from router.api.fleet_status import rollout_levels
 from router.api.openai.api import check_listen, server_tls
 from router.audit.auditor import Auditor
 from router.audit.capture import CaptureHook

@@ -11,7 +11,7 @@ import pytest
 
 from cloud_gateway.reload import what_changed
 from router.api.family_view import DEGRADED, SERVING, UNAVAILABLE, TierSeen, family_statuses, judge
-from router.api.fleet_service import agent_status, cloud_status
+from router.api.fleet_status import agent_status, cloud_status
 from router.cloud.link import CloudLink
 from router.cloud.models import answered_by
 from router.rollout.plans import Rollouts

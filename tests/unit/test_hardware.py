@@ -7,7 +7,7 @@ import logging
 
 import pytest
 
-from router.api.fleet_service import agent_status
+from router.api.fleet_status import agent_status
 from stratus.cli.fleet import agents_table, status_json
 from stratus.convert.hardware import MAX_FLAGS, MAX_TEXT, describe, from_hello, to_wire
 from stratus.families.precision import hardware_precisions

@@ -169,7 +169,7 @@ def test_a_watch_lists_less_than_a_status(monkeypatch: pytest.MonkeyPatch) -> No
 
 def calibrated(reg: registry_module.FleetRegistry) -> dict[str, float]:
     """The router's calibrated-share gauge, as a scrape would read it."""
-    from router.api.fleet_service import calibrated_shares
+    from router.api.fleet_status import calibrated_shares
 
     return {sample.labels["family"]: sample.value for sample in calibrated_shares(reg).samples}
 
