@@ -137,9 +137,6 @@ def tier_summaries(registry: FleetRegistry) -> list[fpb.TierSummary]:
 # 18.8 MB, which no client could receive (over the message limit) and which took the loop
 # seconds to build. 2,000 agents of three variants each take about 0.6 MB.
 MAX_STATUS_BYTES = MAX_MESSAGE_BYTES * 3 // 4
-# A Watch event is serialized once per watcher, every half second: its listing is kept to this
-# (80 watchers of a 3.9 MB status stalled the router's loop for 2.6 s).
-MAX_WATCH_STATUS_BYTES = 1024 * 1024
 
 
 def _listed_agents(registry: FleetRegistry, max_bytes: int) -> tuple[list[fpb.AgentStatus], int]:

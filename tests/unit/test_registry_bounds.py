@@ -139,32 +139,32 @@ def test_an_agent_that_describes_one_family_differently_still_serves_the_others(
 
 
 def test_a_status_lists_agents_up_to_its_size_limit_linked_ones_first(monkeypatch: pytest.MonkeyPatch) -> None:
-    from router.api import fleet_service
+    from router.api import fleet_status
 
     reg = registry()
     for index in range(10):
         handle = reg.register(hello(f"d{index}"), peer="t")
         if index < 5:
             reg.lose(handle, "gone")
-    one = fleet_service.agent_status(reg.agents["d5"], 0.0).ByteSize() + 8
-    monkeypatch.setattr(fleet_service, "MAX_STATUS_BYTES", one * 7)
-    status = fleet_service.fleet_status(reg, None, include_agents=True)
+    one = fleet_status.agent_status(reg.agents["d5"], 0.0).ByteSize() + 8
+    monkeypatch.setattr(fleet_status, "MAX_STATUS_BYTES", one * 7)
+    status = fleet_status.fleet_status(reg, None, include_agents=True)
     assert [a.id for a in status.agents][:5] == ["d5", "d6", "d7", "d8", "d9"]  # the linked ones first
     assert len(status.agents) == 7 and status.omitted_agents == 3
     assert all(a.state == fpb.AGENT_STATE_LOST for a in status.agents[5:])
 
 
 def test_a_watch_lists_less_than_a_status(monkeypatch: pytest.MonkeyPatch) -> None:
-    from router.api import fleet_service
+    from router.api import fleet_service, fleet_status
 
     reg = registry()
     for index in range(6):
         reg.register(hello(f"d{index}"), peer="t")
-    one = fleet_service.agent_status(reg.agents["d0"], 0.0).ByteSize() + 8
+    one = fleet_status.agent_status(reg.agents["d0"], 0.0).ByteSize() + 8
     monkeypatch.setattr(fleet_service, "MAX_WATCH_STATUS_BYTES", one * 2)
     watched = fleet_service.FleetServicer(reg, None)._shared_status(include_agents=True)
     assert (len(watched.agents), watched.omitted_agents) == (2, 4)
-    assert len(fleet_service.fleet_status(reg, None, include_agents=True).agents) == 6  # Status lists all
+    assert len(fleet_status.fleet_status(reg, None, include_agents=True).agents) == 6  # Status lists all
 
 
 def calibrated(reg: registry_module.FleetRegistry) -> dict[str, float]:
