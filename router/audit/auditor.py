@@ -13,6 +13,7 @@ displaces client traffic: it waits in a bounded queue (the oldest is dropped whe
 one of ``workers`` background tasks takes it, and it is sent only while the top tier has spare
 capacity: the cloud under ``cloud_spare`` of its links' capacity busy, or a top-tier agent with
 a free slot. Otherwise it is dropped (and counted): audits are the first thing load sheds.
+That background is :mod:`router.audit.workers`; this module chooses what it audits.
 
 Escalated items give a second sample for free: an unsure item that climbed to the top tier
 anyway carries both answers. That sample is biased (unsure items only) and is kept in a book
@@ -21,39 +22,31 @@ of its own, reported beside the unbiased estimate, never mixed into it.
 
 from __future__ import annotations
 
-import asyncio
-import itertools
-import logging
-import math
 import random
 import time
-from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Final, Protocol
+from typing import TYPE_CHECKING, Any, Final
 
 import numpy as np
 
 from router.audit.agreement import AgreementBook, AuditKey
-from router.audit.climbs import CascadeView, agreement_row, finished, missing, text_row, visits
+from router.audit.climbs import CascadeView, agreement_row, finished, missing, visits
 from router.audit.rows import RowBook
 from router.audit.sampling import (
     COMPARATORS,
     Audit,
     AuditPolicy,
-    Reference,
     Said,
     Sampler,
     same_text,
 )
-from router.backends.base import Backend, Classified
+from router.audit.workers import AuditWorkers, Capture, RolloutEvidence
 from router.backends.cloud import CloudBackend
 from router.cascade.generate import Generation
 from router.cloud.pool import CloudTier
 from router.fleet.registry import FleetRegistry
-from router.policy import Target
-from stratus.convert.tensors import Tensors, top1
-from stratus.errors import StratusError
+from stratus.convert.tensors import top1
 from stratus.families.audit import EXACT
 from stratus.families.confidence import accepts
 from stratus.families.description import FamilyDescription
@@ -64,42 +57,11 @@ from stratus.wire import inference_pb2 as pb
 
 if TYPE_CHECKING:
     from router.cascade.classify import Answer, Arm
-    from router.rollout.plans import Plan
-
-log = logging.getLogger("stratus.audit")
-
-AGREED: Final = "agreed"
-DISAGREED: Final = "disagreed"
-DROPPED: Final = "dropped"
-# Agents of the top tier drawn when looking for one with a free slot (a bounded look, whatever
-# the tier's size).
-DRAWS: Final = 4
-
-
-class RolloutEvidence(Protocol):
-    """Where an audited answer of a rollout's arm goes (router.rollout.plans.Rollouts): the step's
-    judge weighs each arm's agreement with the top tier."""
-
-    def record_audit(self, plan: Plan, *, candidate: bool, agreed: bool) -> None: ...
-
 
 # While a rollout's step is judged, every settled answer of either arm may be audited (within
 # the family's rate, each arm on its own budget): the judge waits for each arm's audits, and
 # the candidate may hold 5% of the traffic.
 ROLLOUT_SHARE: Final = 1.0
-
-
-class Capture(Protocol):
-    """Where audited and escalated items go under ``--capture`` (router/audit/capture.py's
-    CaptureHook; a protocol here, so that the auditor does not import what imports it)."""
-
-    def wants(self, family: str) -> bool: ...
-    def audited(self, audit: Audit, reference: Reference) -> None: ...
-    def audited_text(self, audit: Audit, reference: Reference) -> None: ...
-    def escalated(self, view: CascadeView, top: Tier, output: str) -> None: ...
-    def escalated_text(
-        self, family: str, prompt: pb.ModelInferRequest, result: Generation, climbed: Sequence[Generation]
-    ) -> None: ...
 
 
 @dataclass
@@ -112,7 +74,6 @@ class Auditor:
     metrics: RouterMetrics | None = None
     rng: random.Random = field(default_factory=random.Random)
     clock: Callable[[], float] = time.monotonic
-    dropped: int = 0
     capture: Capture | None = None  # --capture: audited and escalated items kept as Parquet
     rollouts: RolloutEvidence | None = None  # told of each audited answer of a rollout's arm
 
@@ -122,11 +83,17 @@ class Auditor:
         self.sampler = Sampler(rng=self.rng, clock=self.clock)
         self.rows = RowBook(clock=self.clock)  # what a threshold suggestion is chosen on
         self._climbed = Sampler(rng=self.rng, clock=self.clock)  # rows of items that climbed anyway
-        self._queue: deque[Audit] = deque()
-        self._wakeup = asyncio.Event()
-        self._workers: list[asyncio.Task[None]] = []
-        self._ids = itertools.count(1)
-        self._cloud_target = CloudBackend(self.cloud) if self.cloud is not None else None
+        self.workers = AuditWorkers(
+            self.registry,
+            CloudBackend(self.cloud) if self.cloud is not None else None,
+            self.policy,
+            self.book,
+            self.rows,
+            self.rng,
+            self.clock,
+            self,
+            metrics=self.metrics,
+        )
 
     def _new_book(self) -> AgreementBook:
         policy = self.policy
@@ -134,21 +101,23 @@ class Auditor:
 
     # -- life --------------------------------------------------------------------------------
     def start(self) -> None:
-        self._workers = [
-            asyncio.create_task(self._work(), name=f"stratus-audit-{i}") for i in range(self.policy.workers)
-        ]
+        self.workers.start()
 
     async def close(self) -> None:
-        """Cancel the workers (an audit in flight is abandoned) and wait for them."""
-        for worker in self._workers:
-            worker.cancel()
-        await asyncio.gather(*self._workers, return_exceptions=True)
-        self._workers = []
-        self._queue.clear()
+        await self.workers.close()
 
     @property
     def queued(self) -> int:
-        return len(self._queue)
+        return len(self.workers.waiting)
+
+    @property
+    def dropped(self) -> int:
+        """Items of audits dropped, ever."""
+        return self.workers.dropped
+
+    @dropped.setter
+    def dropped(self, items: int) -> None:
+        self.workers.dropped = items
 
     # -- what a family asks for ------------------------------------------------------------------
     def top_of(self, family: str) -> Tier | None:
@@ -202,7 +171,7 @@ class Auditor:
             classes = top1(answer.outputs, output)
             if classes is None:
                 continue
-            self._enqueue(
+            self.workers.enqueue(
                 Audit(
                     key=AuditKey(family, answer.tier, answer.variant, answer.agent),
                     top=top,
@@ -290,7 +259,7 @@ class Auditor:
         threshold = info.thresholds.get(result.tier)
         own = threshold is None or result.confidence >= threshold
         if own and self.sampler.draw(info.name, self.share_of(info), self.rate_of(info)):
-            self._enqueue(
+            self.workers.enqueue(
                 Audit(key=_key(info.name, result), top=top, queued_at=self.clock(), prompt=_asked(prompt, info.name),
                       text=result.text, compare=compare, confidences=(result.confidence,), said=said,
                       request_id=prompt.id)
@@ -309,7 +278,7 @@ class Auditor:
         """The row of a prompt that climbed to the top: at once when its climb holds every
         tier's whole answer, else a job that asks the missing tiers (with its own copy of the
         prompt, as an audit has)."""
-        below = self._below(info.name, top)
+        below = self.workers.below(info.name, top)
         if not below:  # no tier below the top serves it now: a row would hold nothing
             return
         if not missing(said, below):
@@ -318,10 +287,7 @@ class Auditor:
         key = AuditKey(info.name, top, "", "")
         job = Audit(key=key, top=top, queued_at=self.clock(), prompt=_asked(prompt, info.name), compare=compare,
                     said=said, reference_text=text, request_id=prompt.id)  # fmt: skip
-        self._enqueue(job)
-
-    def _below(self, family: str, top: Tier) -> list[Tier]:
-        return sorted(t for t in self.registry.index.tiers(family) if t < top)
+        self.workers.enqueue(job)
 
     def _note_generated_climbs(
         self, family: str, result: Generation, climbed: Sequence[Generation], same: Callable[[str, str], bool]
@@ -330,180 +296,6 @@ class Auditor:
         for lower in climbed:
             if lower.tier < result.tier and lower.finish_reason != "cancelled":
                 self.escalated.add(_key(family, lower), same(lower.text, result.text))
-
-    # -- the background -----------------------------------------------------------------------------
-    def _enqueue(self, audit: Audit) -> None:
-        if len(self._queue) >= self.policy.queue_limit:
-            self._drop(self._queue.popleft(), "the audit queue is full")
-        self._queue.append(audit)
-        self._wakeup.set()
-
-    async def _next(self) -> Audit:
-        while not self._queue:
-            self._wakeup.clear()
-            await self._wakeup.wait()
-        return self._queue.popleft()
-
-    async def _work(self) -> None:
-        while True:
-            audit = await self._next()
-            if self.clock() - audit.queued_at > self.policy.max_wait_s:
-                self._drop(audit, "it waited too long")
-                continue
-            if audit.reference_text is not None:  # a row's job: the top tier has answered already
-                job = self._text_row(audit, audit.reference_text)
-            elif (target := self._spare(audit)) is not None:
-                job = self._audit(audit, target)
-            else:
-                self._drop(audit, f"the {audit.top.label} tier has no spare capacity")
-                continue
-            try:
-                await job
-            except StratusError as exc:
-                self._drop(audit, f"the {audit.top.label} tier failed it: {exc}")
-            except Exception:  # a bug: said, and the worker outlives it
-                log.exception("an audit of %s failed", audit.key.family)
-                self._drop(audit, "an unexpected error")
-
-    def _spare(self, audit: Audit) -> Target[Backend] | None:
-        """Where the audit may go now without taking room from client work; None: nowhere."""
-        if audit.top is Tier.CLOUD:
-            cloud = self._cloud_target
-            room = cloud is not None and cloud.ready
-            if cloud is None or not room or cloud.in_flight + 1 > cloud.capacity * self.policy.cloud_spare:
-                return None
-            return Target(tier=Tier.CLOUD, candidate=cloud)
-        return self._spare_agent(audit.key.family, audit.top)
-
-    def _spare_agent(self, family: str, tier: Tier) -> Target[Backend] | None:
-        """An agent of ``tier`` serving ``family`` with a free slot, from a bounded draw."""
-        pool = self.registry.index.pools(family).get(tier, ())
-        drawn = [pool[self.rng.randrange(len(pool))] for _ in range(DRAWS)] if len(pool) > DRAWS else pool
-        idle = [a for a in drawn if a.ready and a.in_flight < a.capacity]  # a slot is free
-        return Target(tier=tier, candidate=min(idle, key=lambda a: a.in_flight)) if idle else None
-
-    async def _audit(self, audit: Audit, target: Target[Backend]) -> None:
-        capture = self.capture if self.capture is not None and self.capture.wants(audit.key.family) else None
-        if audit.inputs is not None:
-            reference = await self._classes(audit, target)
-            if reference is None or len(reference.classes) != audit.items:
-                self._drop(audit, "the top tier's answer holds no classes to compare")
-                return
-            for mine, theirs in zip(audit.classes, reference.classes, strict=True):
-                self._record(audit.key, mine == theirs)
-                if audit.arm is not None and self.rollouts is not None:
-                    self.rollouts.record_audit(audit.arm.plan, candidate=audit.arm.candidate, agreed=mine == theirs)
-            if capture is not None:
-                capture.audited(audit, reference)
-            visited = await self._between(audit)
-            for lower, theirs in zip(visited, reference.classes, strict=False):
-                self.rows.add(audit.key.family, lower, audit.top, int(theirs))
-            return
-        reference = await self._text(audit, target)
-        self._record(audit.key, COMPARATORS.get(audit.compare, same_text)(audit.text, reference.text))
-        if capture is not None:
-            capture.audited_text(audit, reference)
-        await self._text_row(audit, reference.text)
-
-    async def _text_row(self, audit: Audit, top_text: str) -> None:
-        """Keep a prompt's row, asking each tier below the top its climb lacks (on spare
-        capacity only: none free, no row)."""
-        below = self._below(audit.key.family, audit.top)
-        if not below:
-            return
-        same = COMPARATORS.get(audit.compare, same_text)
-        row = await text_row(audit.said, below, top_text, same=same, ask=lambda tier: self._said(audit, tier))
-        if row is not None:
-            self.rows.add(audit.key.family, row, audit.top, 0)
-
-    async def _said(self, audit: Audit, tier: Tier) -> Said | None:
-        """``tier``'s whole answer to the audit's prompt, from an agent with a free slot."""
-        target = self._spare_agent(audit.key.family, tier)
-        if target is None or audit.prompt is None:
-            return None
-        parts: list[str] = []
-        try:
-            generated = await target.candidate.generate(
-                audit.prompt, lambda chunk: parts.append(chunk.text), budget_ms=self.policy.timeout_s * 1000
-            )
-        except StratusError as exc:
-            log.debug("audit row of %s: the %s tier failed it: %s", audit.key.family, tier.label, exc)
-            return None
-        confidence = math.nan if generated.confidence is None else generated.confidence
-        return Said(tier, confidence, "".join(parts))
-
-    async def _between(self, audit: Audit) -> tuple[tuple[TierAnswer, ...], ...]:
-        """The items' visits with each tier between theirs and the top asked too (only where an
-        agent there has a free slot): a row needs every tier below the top. Nothing where one
-        cannot be asked (the agreement is kept; the rows are not)."""
-        family, visited = audit.key.family, list(audit.visited)
-        for tier in (t for t in self.registry.index.tiers(family) if audit.key.tier < t < audit.top):
-            target = self._spare_agent(family, tier)
-            if target is None or audit.inputs is None:
-                return ()
-            try:
-                part = await self._ask(target, audit, audit.inputs)
-            except StratusError as exc:
-                log.debug("audit row of %s: the %s tier failed it: %s", family, tier.label, exc)
-                return ()
-            classes = top1(part.outputs, audit.output)
-            if classes is None or len(classes) != len(visited) or len(part.confidences) != len(visited):
-                return ()
-            visited = [
-                (*v, TierAnswer(tier, float(c), int(k)))
-                for v, c, k in zip(visited, part.confidences, classes, strict=True)
-            ]
-        return tuple(visited)
-
-    async def _ask(self, target: Target[Backend], audit: Audit, inputs: Tensors) -> Classified:
-        return await target.candidate.classify(
-            inputs,
-            model=audit.key.family,
-            outputs=(audit.output,),
-            request_id=f"audit-{next(self._ids)}",
-            budget_ms=self.policy.timeout_s * 1000,
-        )
-
-    async def _classes(self, audit: Audit, target: Target[Backend]) -> Reference | None:
-        assert audit.inputs is not None
-        answered = await self._ask(target, audit, audit.inputs)
-        classes = top1(answered.outputs, audit.output)
-        if classes is None:
-            return None
-        said = answered.confidences if answered.said_confidence else (math.nan,) * len(classes)
-        return Reference(
-            variant=answered.variant,
-            agent=answered.agent,
-            confidences=said,
-            classes=tuple(int(c) for c in classes),
-        )
-
-    async def _text(self, audit: Audit, target: Target[Backend]) -> Reference:
-        assert audit.prompt is not None
-        parts: list[str] = []
-        generated = await target.candidate.generate(
-            audit.prompt, lambda chunk: parts.append(chunk.text), budget_ms=self.policy.timeout_s * 1000
-        )
-        confidence = math.nan if generated.confidence is None else generated.confidence
-        return Reference(
-            variant=generated.variant, agent=generated.agent, confidences=(confidence,), text="".join(parts)
-        )
-
-    # -- what was learnt -----------------------------------------------------------------------------
-    def _record(self, key: AuditKey, agreed: bool) -> None:
-        self.book.add(key, agreed)
-        if self.metrics is not None:
-            self.metrics.audits.labels(key.family, key.tier.label, AGREED if agreed else DISAGREED).inc()
-
-    def _drop(self, audit: Audit, why: str) -> None:
-        if audit.reference_text is not None:  # a row's job, not an audit: nothing to count
-            log.debug("an audit row of %s was not kept: %s", audit.key.family, why)
-            return
-        self.dropped += audit.items
-        log.debug("audit of %s (%s) dropped: %s", audit.key.family, audit.key.agent, why)
-        if self.metrics is not None:
-            self.metrics.audits.labels(audit.key.family, audit.key.tier.label, DROPPED).inc(audit.items)
-
 
 def _drawn_as(family: str, answer: Answer, share: float) -> tuple[str, float]:
     """The sampler's bucket and share for one settled answer: the family's own, or, for an

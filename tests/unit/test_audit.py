@@ -280,7 +280,7 @@ def test_only_items_settled_below_the_top_by_their_own_confidence_are_audited() 
         view.answered(device, [0, 1, 2])
         view.answered(answer(Tier.CLOUD, [2], [1.0], agent="cloud@x"), [1])
         audits.classified(view)
-        (queued,) = list(audits._queue)
+        (queued,) = list(audits.workers.waiting)
         assert queued.classes == (1,) and queued.inputs is not None and queued.inputs.items == 1
         # the free, biased sample: item 1's device answer against the cloud's, kept apart
         key = AuditKey("digits", Tier.DEVICE, "digits-device", "device-1")
@@ -325,7 +325,7 @@ def test_a_full_queue_drops_the_oldest_and_stale_audits_are_dropped() -> None:
             view.answered(answer(Tier.DEVICE, [index], [0.9]), [0])
             audits.classified(view)
         assert audits.queued == 4 and audits.dropped == 3
-        assert [a.classes for a in audits._queue] == [(3,), (4,), (5,), (6,)]  # the newest kept
+        assert [a.classes for a in audits.workers.waiting] == [(3,), (4,), (5,), (6,)]  # the newest kept
         clock.now += 6.0  # now all of them waited too long
         audits.start()
         await settle(audits, lambda: audits.queued == 0 and audits.dropped == 7)
