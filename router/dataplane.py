@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING, Any
 
 from router.backends.base import Backend
 from router.backends.cloud import CloudBackend
-from router.cascade.classify import ClassifyCascade, Job
-from router.cascade.common import pinned_options, request_budget
+from router.cascade.classify import ClassifyCascade
+from router.cascade.common import Job, pinned_options, request_budget
 from router.cascade.generate import Generation, GenerationCascade, Sink, generation_values
 from router.catalog import Catalog, Route
 from router.cloud.models import family_of

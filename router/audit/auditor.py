@@ -56,7 +56,7 @@ from stratus.tiers import Tier
 from stratus.wire import inference_pb2 as pb
 
 if TYPE_CHECKING:
-    from router.cascade.classify import Answer, Arm
+    from router.cascade.common import Answer, Arm
 
 # While a rollout's step is judged, every settled answer of either arm may be audited (within
 # the family's rate, each arm on its own budget): the judge waits for each arm's audits, and

@@ -35,7 +35,7 @@ from stratus.wire import inference_pb2 as pb
 if TYPE_CHECKING:
     from router.audit.climbs import CascadeView
     from router.audit.sampling import Audit, Reference
-    from router.cascade.classify import Answer
+    from router.cascade.common import Answer
     from router.cascade.generate import Generation
 
 AUDIT: Final = "audit"

@@ -25,7 +25,7 @@ from stratus.families.suggest import TierAnswer
 from stratus.tiers import Tier
 
 if TYPE_CHECKING:
-    from router.cascade.classify import Answer, Job
+    from router.cascade.common import Answer, Job
 
 CANCELLED = "cancelled"
 

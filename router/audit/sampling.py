@@ -19,7 +19,7 @@ from stratus.tiers import Tier
 from stratus.wire import inference_pb2 as pb
 
 if TYPE_CHECKING:
-    from router.cascade.classify import Arm
+    from router.cascade.common import Arm
 
 
 @dataclass(frozen=True, kw_only=True)

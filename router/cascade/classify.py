@@ -12,14 +12,14 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 
 from router.backends.base import Backend
-from router.cascade.common import DEFAULT_BUDGET_MS, CascadeContext, allowed_ms, cloud_facts
+from router.cascade.common import Answer, CascadeContext, Job, allowed_ms, cloud_facts, dispatch
+from router.cascade.gray import arm_of, record_arm, shadow
 from router.fleet.index import line_key
 from router.offline.decisions import Decision, Hop, answered_hop, decision_of, failed_hop, skipped_hops
 from router.offline.provisional import cloud_was_needed
-from router.policy import Attempt, FleetSnapshot, NoTarget, Target, choose, top_tier
+from router.policy import Attempt, FleetSnapshot, Target, top_tier
 from router.policy.climb import (
     Accept,
     ClimbState,
@@ -31,12 +31,9 @@ from router.policy.climb import (
     next_action,
     retryable,
 )
-from router.rollout.judge import top1
-from router.rollout.plans import Plan
 from stratus.convert.inference import InferResult
 from stratus.convert.parameters import (
     DECISION,
-    RequestOptions,
     Served,
     held_reason,
     unanswered_reason,
@@ -47,53 +44,6 @@ from stratus.families.confidence import settled
 from stratus.tiers import Tier
 
 log = logging.getLogger("stratus.router")
-
-
-@dataclass(frozen=True, kw_only=True)
-class Answer:
-    """One tier's answer for the items it was sent."""
-
-    tier: Tier
-    agent: str
-    variant: str
-    outputs: Tensors
-    confidences: tuple[float, ...]
-    elapsed_ms: float
-    precision: str = ""  # of the variant that answered, where it is known
-    compute: str = ""  # the arithmetic its runtime computed in, where it is known
-    queue_ms: float = 0.0  # of elapsed_ms, waiting for a slot (where the tier said so)
-    compute_ms: float = 0.0  # ... and running in a runtime
-    arm: Arm | None = None  # the rollout arm it answered for, where a rollout runs on its tier
-
-
-@dataclass(frozen=True, kw_only=True)
-class Job:
-    """One client request, checked and converted once at the boundary."""
-
-    id: str
-    asked_for: str  # the model name the client used
-    family: str
-    pinned: str | None
-    label: str  # the family its metrics count it under (a variant only the cloud serves: its family's)
-    options: RequestOptions
-    inputs: Tensors
-    outputs: tuple[str, ...]  # requested outputs; empty: all
-    raw: bool  # answer with raw buffers (else typed contents, as the client sent)
-    budget_ms: float
-    started: float
-
-    @property
-    def model(self) -> str:
-        """What agents and the cloud are asked to run."""
-        return self.pinned or self.family
-
-
-@dataclass(frozen=True, kw_only=True)
-class Arm:
-    """The rollout arm a step's items went to: the candidate's, or the current line's."""
-
-    plan: Plan
-    candidate: bool
 
 
 class ClassifyCascade:
@@ -185,7 +135,7 @@ class ClassifyCascade:
         """Send the unsure items where the climb said (or to a rollout's arm on that tier)."""
         target, arm = action.target, None
         if self.job.pinned is None:  # the tiers with rollouts (never the cloud's) draw an arm
-            target, arm = self._arm(target, attempt)
+            target, arm = arm_of(self.context, self.job.family, target, attempt)
         if action.escalation is not None:
             step = action.escalation
             self.context.observer.escalated(self.job.label, step.left, step.to, step.reason)
@@ -289,19 +239,6 @@ class ClassifyCascade:
             self.best[item] = (answer, row)
         self.pending = [item for item, ok in zip(self.pending, accepted, strict=True) if not ok]
 
-    def _arm(self, target: Target[Backend], attempt: Attempt) -> tuple[Target[Backend], Arm | None]:
-        """Under a rollout on the target's tier, the step's share goes to the candidate
-        (on an agent that serves it); the rest, and any the candidate cannot take, stay."""
-        drawn = self.context.rollouts.arm(self.job.family, target.tier)
-        if drawn is None:
-            return target, None
-        plan, to_candidate = drawn
-        if to_candidate:
-            chosen = candidate_target(self.context, plan, attempt)
-            if chosen is not None:
-                return chosen, Arm(plan=plan, candidate=True)
-        return target, Arm(plan=plan, candidate=False)
-
     async def _try(
         self, target: Target[Backend], remaining: float, model: str | None = None
     ) -> Answer | None:
@@ -381,85 +318,3 @@ _STOPPED: dict[type[StratusError], str] = {
     DeadlineExceeded: "too_slow",
     Unavailable: "unavailable",
 }
-
-
-async def dispatch(
-    context: CascadeContext,
-    target: Target[Backend],
-    job: Job,
-    items: Tensors,
-    remaining_ms: float,
-    *,
-    model: str | None = None,
-) -> Answer:
-    """Send items to the chosen target (an agent or the cloud); the answer holds one row per
-    item. ``model`` is what the target is asked for when it is not the job's own (a
-    rollout's line key)."""
-    started = context.now()
-    answered = await target.candidate.classify(
-        items, model=model or job.model, outputs=job.outputs, request_id=job.id, budget_ms=remaining_ms
-    )
-    return Answer(
-        tier=target.tier,
-        agent=answered.agent,
-        variant=answered.variant,
-        outputs=answered.outputs,
-        confidences=answered.confidences,
-        elapsed_ms=(context.now() - started) * 1000.0,
-        precision=answered.precision,
-        compute=answered.compute,
-        queue_ms=answered.queue_ms,
-        compute_ms=answered.compute_ms,
-    )
-
-
-# -- gray release ----------------------------------------------------------------------------
-
-
-def candidate_target(context: CascadeContext, plan: Plan, attempt: Attempt) -> Target[Backend] | None:
-    """An agent of the rollout's tier that serves its candidate and can take the items."""
-    key = line_key(plan.candidate)
-    narrowed = Attempt(
-        model=key,
-        remaining_ms=attempt.remaining_ms,
-        items=attempt.items,
-        min_tier=plan.tier,
-        max_tier=plan.tier,
-        exclude=attempt.exclude,
-    )
-    target = choose(narrowed, context.snapshot(key), context.rng)
-    return None if isinstance(target, NoTarget) else target
-
-
-def record_arm(
-    context: CascadeContext, arm: Arm, *, answer: Answer | None, accepted: Sequence[bool], items: int
-) -> None:
-    latency = answer.elapsed_ms if answer is not None else 0.0
-    unsure = sum(1 for ok in accepted if not ok)
-    plan = arm.plan
-    context.rollouts.record(
-        plan, candidate=arm.candidate, ok=answer is not None, latency_ms=latency, items=items, unsure=unsure
-    )
-    context.observer.rollout_request(plan.family, plan.tier, candidate=arm.candidate, ok=answer is not None)
-
-
-def shadow(
-    context: CascadeContext, plan: Plan, job: Job, *, attempt: Attempt, items: Tensors, answer: Answer
-) -> None:
-    """Mirror items the current variant answered to the candidate, in the background;
-    its answers are only compared (top-1 agreement), never returned."""
-    target = candidate_target(context, plan, attempt)
-    if target is None:
-        return
-
-    async def mirror() -> None:
-        try:
-            budget_ms = attempt.remaining_ms or DEFAULT_BUDGET_MS
-            mirrored = await dispatch(context, target, job, items, budget_ms, model=line_key(plan.candidate))
-        except StratusError:
-            return
-        mine, theirs = top1(answer.outputs), top1(mirrored.outputs)
-        if mine is not None and theirs is not None and mine.shape == theirs.shape:
-            context.rollouts.record_shadow(plan, int((mine == theirs).sum()), len(mine))
-
-    context.background(mirror)

@@ -1,4 +1,5 @@
-"""What both cascades share: the narrow view of the router they run in, and the budget.
+"""What both cascades share: the narrow view of the router they run in, and the budget; and
+a classifier request's values (its Job, each tier's Answer, a rollout's Arm) and its one send.
 
 A cascade performs the climb that :mod:`router.policy.climb` decides. It needs the fleet
 (the registry and the cloud), a clock, a random source, the snapshot of a model and an
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from router.backends.base import Backend
@@ -17,10 +19,11 @@ from router.cloud.pool import CloudTier
 from router.fleet.registry import FleetRegistry
 from router.obs import RouterObserver
 from router.offline import Offline
-from router.policy import FleetSnapshot
+from router.policy import FleetSnapshot, Target
 from router.policy.climb import CloudFacts
-from router.rollout.plans import Rollouts
+from router.rollout.plans import Plan, Rollouts
 from stratus.convert.parameters import RequestOptions
+from stratus.convert.tensors import Tensors
 from stratus.tiers import Tier
 
 # A request with neither a budget nor a deadline still ends: nothing waits forever on a
@@ -106,3 +109,80 @@ def pinned_options(options: RequestOptions, tiers: frozenset[Tier]) -> RequestOp
         return options
     tier = min(tiers)
     return RequestOptions(budget_ms=options.budget_ms, min_confidence=0.0, min_tier=tier, max_tier=tier)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Answer:
+    """One tier's answer for the items it was sent."""
+
+    tier: Tier
+    agent: str
+    variant: str
+    outputs: Tensors
+    confidences: tuple[float, ...]
+    elapsed_ms: float
+    precision: str = ""  # of the variant that answered, where it is known
+    compute: str = ""  # the arithmetic its runtime computed in, where it is known
+    queue_ms: float = 0.0  # of elapsed_ms, waiting for a slot (where the tier said so)
+    compute_ms: float = 0.0  # ... and running in a runtime
+    arm: Arm | None = None  # the rollout arm it answered for, where a rollout runs on its tier
+
+
+@dataclass(frozen=True, kw_only=True)
+class Job:
+    """One client request, checked and converted once at the boundary."""
+
+    id: str
+    asked_for: str  # the model name the client used
+    family: str
+    pinned: str | None
+    label: str  # the family its metrics count it under (a variant only the cloud serves: its family's)
+    options: RequestOptions
+    inputs: Tensors
+    outputs: tuple[str, ...]  # requested outputs; empty: all
+    raw: bool  # answer with raw buffers (else typed contents, as the client sent)
+    budget_ms: float
+    started: float
+
+    @property
+    def model(self) -> str:
+        """What agents and the cloud are asked to run."""
+        return self.pinned or self.family
+
+
+@dataclass(frozen=True, kw_only=True)
+class Arm:
+    """The rollout arm a step's items went to: the candidate's, or the current line's."""
+
+    plan: Plan
+    candidate: bool
+
+
+async def dispatch(
+    context: CascadeContext,
+    target: Target[Backend],
+    job: Job,
+    items: Tensors,
+    remaining_ms: float,
+    *,
+    model: str | None = None,
+) -> Answer:
+    """Send items to the chosen target (an agent or the cloud); the answer holds one row per
+    item. ``model`` is what the target is asked for when it is not the job's own (a
+    rollout's line key)."""
+    started = context.now()
+    answered = await target.candidate.classify(
+        items, model=model or job.model, outputs=job.outputs, request_id=job.id, budget_ms=remaining_ms
+    )
+    return Answer(
+        tier=target.tier,
+        agent=answered.agent,
+        variant=answered.variant,
+        outputs=answered.outputs,
+        confidences=answered.confidences,
+        elapsed_ms=(context.now() - started) * 1000.0,
+        precision=answered.precision,
+        compute=answered.compute,
+        queue_ms=answered.queue_ms,
+        compute_ms=answered.compute_ms,
+    )

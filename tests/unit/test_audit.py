@@ -17,7 +17,7 @@ from router.audit.auditor import Auditor
 from router.audit.climbs import finished, missing, text_row
 from router.audit.metrics import audit_levels
 from router.audit.sampling import AuditPolicy, Said, Sampler, same_number, same_text
-from router.cascade.classify import Answer, Job
+from router.cascade.common import Answer, Job
 from router.cascade.generate import Generation
 from router.cloud.link import CloudLink, OnChunk
 from router.cloud.pool import CloudPool
@@ -584,7 +584,7 @@ def test_answers_of_a_rollouts_arms_are_audited_at_the_rollout_share_and_told_to
     """The family's share is 0 (no audits at all); during a judged step both arms' settled
     answers are audited anyway, each outcome told to the rollout with its arm. Once the step is
     no longer judged (complete), they are sampled as any answer: not at all here."""
-    from router.cascade.classify import Arm
+    from router.cascade.common import Arm
     from router.rollout.plans import COMPLETE, Plan
 
     async def body() -> None:
