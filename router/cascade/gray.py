@@ -5,6 +5,7 @@ to the candidate's agents (:func:`arm_of`), each arm's outcome is told to the pl
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 from router.backends.base import Backend
@@ -36,14 +37,7 @@ def arm_of(
 def candidate_target(context: CascadeContext, plan: Plan, attempt: Attempt) -> Target[Backend] | None:
     """An agent of the rollout's tier that serves its candidate and can take the items."""
     key = line_key(plan.candidate)
-    narrowed = Attempt(
-        model=key,
-        remaining_ms=attempt.remaining_ms,
-        items=attempt.items,
-        min_tier=plan.tier,
-        max_tier=plan.tier,
-        exclude=attempt.exclude,
-    )
+    narrowed = dataclasses.replace(attempt, model=key, min_tier=plan.tier, max_tier=plan.tier, above=None)
     target = choose(narrowed, context.snapshot(key), context.rng)
     return None if isinstance(target, NoTarget) else target
 
