@@ -39,7 +39,8 @@ from nats.js import JetStreamContext, api
 
 from router.offline.corrections import CorrectionSink
 from router.offline.store import FULL_BYTES, FULL_ITEMS, STORE_FAILED, DeferredStore, Kept
-from router.site.nats import FAILURES, NatsSiteState
+from router.site.nats import NatsSiteState
+from router.site.nats_watch import FAILURES
 from stratus.families.offline import OfflineSpec
 from stratus.wire import fleet_pb2 as fpb
 

@@ -10,72 +10,40 @@ A watch is an ephemeral push consumer of the watch's own, made again after each 
 the last revision the watch handled plus one (the first one delivers each key's last revision,
 as NATS's KV watchers do), so what changed meanwhile comes first and nothing is given twice.
 Revisions are the stream's sequence numbers: one order for the whole bucket, as the contract has it.
+Watches and the entries messages are read as: :mod:`router.site.nats_watch`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import datetime
-import enum
 import logging
 import ssl
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final, TypeVar
 
 import nats.errors
 import nats.js.errors
 from nats.aio.client import Client
-from nats.aio.msg import Msg
-from nats.js import JetStreamContext, api
-from nats.js.kv import KV_DEL, KV_MARKER_REASON, KV_OP, KV_PURGE, KeyValue
+from nats.js import JetStreamContext
+from nats.js.kv import KeyValue
 
 from router.site import MAX_VALUE_BYTES, Entry, SiteState, check_key, unavailable
-from router.site.common import WatchCursor, check_prefix, check_value, conflict
+from router.site.common import check_prefix, check_value, conflict
 from router.site.nats_config import client_context, credentials_of, servers_of
+from router.site.nats_watch import FAILURES, Consumers, Signal, Watch, entry_of_raw, seconds
 from stratus.errors import ConfigError
 from stratus.serving.channels import TlsSettings
 
 log = logging.getLogger("stratus.site-state")
 T = TypeVar("T")
 # What a failed call to the server raises: nats-py's errors (KV ones included), the socket's, a timeout.
-FAILURES: Final = (nats.errors.Error, OSError, asyncio.TimeoutError)
 # What a closed connection raises, whatever closed it.
 BARE_FAILURES: Final = (ConnectionResetError, BrokenPipeError, nats.errors.UnexpectedEOF)
 WRONG_LAST_SEQUENCE: Final = (10071, 10164)  # JetStream's "wrong last sequence" error codes
 MAX_HISTORY: Final = 64  # NATS KV keeps at most 64 revisions per key
-ACK_V1_TOKENS: Final = 9  # $JS.ACK.<stream>.<consumer>.<delivered>.<stream seq>.<seq>.<time>.<pending>
-# A watch's consumer outlives a short disconnect (then it is made again anyway), not a gone client.
-CONSUMER_IDLE_S: Final = 30.0
-
-
-class _Signal(enum.Enum):
-    RESET = "the store reconnected: subscribe again"
-    CLOSED = "the store closed"
-
-
-@dataclass(frozen=True)
-class _Delivered:
-    generation: int  # the subscription it came on: one cut off may still hand some over
-    entry: Entry
-    pending: int  # what the consumer had left to deliver: 0, it has caught up
-
-
-@dataclass(eq=False)
-class _Watch:
-    prefix: str
-    queue: asyncio.Queue[_Delivered | _Signal] = field(default_factory=asyncio.Queue)
-    cursor: WatchCursor = field(init=False)
-    generation: int = 0
-    subscription: JetStreamContext.PushSubscription | None = None
-    caught_up: bool = False  # every key's last revision delivered: resume by sequence from now on
-
-    def __post_init__(self) -> None:
-        self.cursor = WatchCursor(self.prefix)
-
-
 class NatsSiteState(SiteState):
     """The bucket ``bucket`` on the servers of ``url``, keeping ``history`` revisions per key."""
 
@@ -111,7 +79,15 @@ class NatsSiteState(SiteState):
         self._kv: KeyValue | None = None  # set while the bucket answers
         self._keeper: asyncio.Task[None] | None = None
         self._reconnected = asyncio.Event()
-        self._watches: set[_Watch] = set()
+        self._watches: set[Watch] = set()
+        self._consumers = Consumers(
+            url,
+            self._stream,
+            self._subjects,
+            jetstream=lambda: self._js,
+            connected=lambda: self.connected,
+            retry_s=reconnect_wait_s,
+        )
         self._closed = False
         self._down_since: float | None = None
         self._why, self._why_tells = "not started", False
@@ -127,7 +103,7 @@ class NatsSiteState(SiteState):
     async def close(self) -> None:
         self._closed, self._kv = True, None
         for watch in self._watches:
-            watch.queue.put_nowait(_Signal.CLOSED)
+            watch.queue.put_nowait(Signal.CLOSED)
         if self._keeper is not None:  # a client never started has nothing to close
             self._keeper.cancel()
             await asyncio.gather(self._keeper, return_exceptions=True)
@@ -170,7 +146,7 @@ class NatsSiteState(SiteState):
         while True:
             await self._bind()
             for watch in self._watches:
-                watch.queue.put_nowait(_Signal.RESET)
+                watch.queue.put_nowait(Signal.RESET)
             await self._reconnected.wait()
             self._reconnected.clear()
 
@@ -277,21 +253,21 @@ class NatsSiteState(SiteState):
 
     async def entries(self, prefix: str) -> list[Entry]:
         check_prefix(prefix)
-        return await self._call(f"the listing of {prefix or 'every key'}", lambda *_: self._snapshot(prefix))
+        return await self._call(f"the listing of {prefix or 'every key'}", lambda *_: self._consumers.snapshot(prefix))
 
     async def watch(self, prefix: str) -> AsyncIterator[Entry]:
         """Waits while the store is unreachable (a router watches from its start, whatever the store)."""
         check_prefix(prefix)
-        watch = _Watch(prefix)
+        watch = Watch(prefix)
         if self._closed:
             return
         self._watches.add(watch)
         try:
-            while (entry := await self._next(watch)) is not None:
+            while (entry := await self._consumers.next(watch)) is not None:
                 yield entry
         finally:
             self._watches.discard(watch)
-            await self._unsubscribe(watch)
+            await self._consumers.unsubscribe(watch)
 
     # -- one operation each ----------------------------------------------------------------
 
@@ -300,7 +276,7 @@ class NatsSiteState(SiteState):
             raw = await js.get_msg(self._stream, subject=self._subjects + key)
         except nats.js.errors.NotFoundError:
             return None
-        entry = _entry_of_raw(key, raw)
+        entry = entry_of_raw(key, raw)
         return None if entry.deleted else entry
 
     async def _live_revision(self, js: JetStreamContext, key: str) -> int:
@@ -329,7 +305,7 @@ class NatsSiteState(SiteState):
             raw = await js.get_msg(self._stream, seq=revision)
         except FAILURES:
             return self._clock()
-        return _seconds(raw.time) if raw.time is not None else self._clock()
+        return seconds(raw.time) if raw.time is not None else self._clock()
 
     async def _delete(self, js: JetStreamContext, kv: KeyValue, key: str, expected: int | None) -> None:
         current = await self._live_revision(js, key)
@@ -354,149 +330,6 @@ class NatsSiteState(SiteState):
                 raw = await js.get_msg(self._stream, seq=sequence, subject=self._subjects + key, next=True)
             except nats.js.errors.NotFoundError:
                 break
-            found.append(_entry_of_raw(key, raw))
+            found.append(entry_of_raw(key, raw))
             sequence = (raw.seq or sequence) + 1
         return found
-
-    async def _snapshot(self, prefix: str) -> list[Entry]:
-        """Each live key's last revision: a watch read until its consumer has caught up."""
-        watch = _Watch(prefix)
-        live: dict[str, Entry] = {}
-        try:
-            await self._subscribe(watch)
-            while not watch.caught_up:
-                item = await watch.queue.get()
-                if not isinstance(item, _Delivered) or (entry := self._take(watch, item)) is None:
-                    continue
-                if entry.deleted:
-                    del live[entry.key]  # the cursor gives only the end of a key it gave
-                else:
-                    live[entry.key] = entry
-        finally:
-            await self._unsubscribe(watch)
-        return sorted(live.values(), key=lambda entry: entry.revision)
-
-    # -- watches ---------------------------------------------------------------------------
-
-    async def _next(self, watch: _Watch) -> Entry | None:
-        """The watch's next entry; None once the store is closed."""
-        while True:
-            if watch.subscription is None and self.connected:
-                try:
-                    await self._subscribe(watch)
-                except FAILURES as exc:
-                    log.debug("site state %s: a watch could not subscribe yet (%s)", self.url, exc)
-            item = await self._wait(watch)
-            if item is _Signal.CLOSED:
-                return None
-            if item is _Signal.RESET:
-                await self._unsubscribe(watch)
-            elif isinstance(item, _Delivered) and (entry := self._take(watch, item)):
-                return entry
-
-    async def _wait(self, watch: _Watch) -> _Delivered | _Signal | None:
-        """The next item; while not subscribed, None after a moment (to try subscribing again)."""
-        if watch.subscription is not None:
-            return await watch.queue.get()
-        try:
-            async with asyncio.timeout(self._reconnect_wait_s):
-                return await watch.queue.get()
-        except TimeoutError:
-            return None
-
-    @staticmethod
-    def _take(watch: _Watch, item: _Delivered) -> Entry | None:
-        if item.generation != watch.generation:
-            return None
-        if item.pending == 0:
-            watch.caught_up = True
-        return watch.cursor.accept(item.entry)
-
-    async def _subscribe(self, watch: _Watch) -> None:
-        """A consumer from where the watch is: each key's last revision at first, then every
-        message after the last one handled."""
-        js = self._js
-        if js is None:
-            raise nats.errors.ConnectionClosedError
-        watch.generation += 1
-        config = api.ConsumerConfig(
-            ack_policy=api.AckPolicy.NONE,
-            mem_storage=True,
-            num_replicas=1,
-            inactive_threshold=CONSUMER_IDLE_S,
-        )
-        before = 0
-        if watch.caught_up:
-            config.deliver_policy, config.opt_start_seq = (
-                api.DeliverPolicy.BY_START_SEQUENCE,
-                watch.cursor.last + 1,
-            )
-        else:
-            config.deliver_policy = api.DeliverPolicy.LAST_PER_SUBJECT
-            before = (await js.stream_info(self._stream)).state.last_seq
-        subscription = await js.subscribe(
-            self._subjects + _filter(watch.prefix), stream=self._stream, cb=self._feed(watch), config=config
-        )
-        watch.subscription = subscription
-        if not watch.caught_up:
-            info = await subscription.consumer_info()
-            if info.num_pending == 0 and (info.delivered is None or not info.delivered.consumer_seq):
-                watch.caught_up = True  # nothing under the prefix: the changes start after `before`
-                watch.cursor.last = max(watch.cursor.last, before)
-
-    def _feed(self, watch: _Watch) -> Callable[[Msg], Awaitable[None]]:
-        generation, skip = watch.generation, len(self._subjects)
-
-        async def delivered(msg: Msg) -> None:
-            meta = msg.metadata
-            entry = _entry(
-                msg.subject[skip:], msg.data, meta.sequence.stream, _delivered_at(msg), msg.headers
-            )
-            watch.queue.put_nowait(_Delivered(generation, entry, meta.num_pending))
-
-        return delivered
-
-    async def _unsubscribe(self, watch: _Watch) -> None:
-        subscription, watch.subscription = watch.subscription, None
-        watch.generation += 1  # what the old one still hands over is dropped
-        if subscription is not None:
-            try:
-                await subscription.unsubscribe()
-            except FAILURES as exc:  # the connection is gone; the server drops the consumer itself
-                log.debug("site state %s: a watch's consumer was left to expire (%s)", self.url, exc)
-
-
-def _filter(prefix: str) -> str:
-    """The subject filter for ``prefix``: NATS wildcards match whole words, so a prefix that
-    ends mid-word is filtered on the words before it and the rest is left to the cursor."""
-    words = prefix.rpartition(".")[0] if not prefix.endswith(".") else prefix[:-1]
-    return f"{words}.>" if words else ">"
-
-
-def _entry_of_raw(key: str, raw: api.RawStreamMsg) -> Entry:
-    return _entry(key, raw.data, raw.seq or 0, _seconds(raw.time) if raw.time else 0.0, raw.headers)
-
-
-def _entry(key: str, data: bytes | None, revision: int, at: float, headers: dict[str, str] | None) -> Entry:
-    headers = headers or {}
-    deleted = headers.get(KV_OP) in (KV_DEL, KV_PURGE) or KV_MARKER_REASON in headers
-    return Entry(
-        key=key, value=b"" if deleted else bytes(data or b""), revision=revision, at=at, deleted=deleted
-    )
-
-
-# Both ways the server tells a message's time end in whole microseconds, made seconds by one
-# exact division, so that a read, a watch and a put give one entry the same ``at``: a direct
-# read's ISO time is cut to microseconds by nats-py, a delivery's nanoseconds are cut here.
-_EPOCH: Final = datetime.datetime(1970, 1, 1, tzinfo=datetime.UTC)
-_MICROSECOND: Final = datetime.timedelta(microseconds=1)
-
-
-def _seconds(at: datetime.datetime) -> float:
-    return ((at - _EPOCH) // _MICROSECOND) / 1_000_000
-
-
-def _delivered_at(msg: Msg) -> float:
-    tokens = Msg.Metadata._get_metadata_fields(msg.reply)
-    nanoseconds = int(tokens[7] if len(tokens) == ACK_V1_TOKENS else tokens[Msg.Ack.Timestamp])
-    return (nanoseconds // 1000) / 1_000_000
