@@ -15,7 +15,8 @@ from router import parts
 from router.api.fleet_service import FleetServicer
 from router.api.fleet_status import fleet_levels
 from router.api.link import AdmissionGate, AgentLinkServicer
-from router.api.openai.api import OpenAiApi, server_tls
+from router.api.openai.api import OpenAiApi
+from router.api.openai.door import server_tls
 from router.audit.metrics import audit_levels
 from router.cloud.pool import CloudPool
 from router.dataplane import RouterDataPlane

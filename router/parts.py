@@ -12,7 +12,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from router.api.fleet_status import rollout_levels
-from router.api.openai.api import check_listen, server_tls
+from router.api.openai.door import check_listen, server_tls
 from router.audit.auditor import Auditor
 from router.audit.capture import CaptureHook
 from router.backends.cloud import CloudBackend

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from router.api.openai.api import IDLE_CONNECTION_S
+from router.api.openai.door import IDLE_CONNECTION_S
 from stratus.devtools.launcher import free_port
 from stratus.errors import Unavailable
 

@@ -32,8 +32,9 @@ did not, with a ``note`` saying that the earlier messages were not seen. A templ
 refuses the conversation, or a rendered prompt past the model's context, is a 400 naming
 ``messages``; ``usage.prompt_tokens`` counts the rendered prompt.
 
-Bodies are read and checked by :mod:`router.api.openai.requests`, answers shaped by
-:mod:`router.api.openai.replies`; this module serves them. Errors come back in OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``,
+Who may call is :mod:`router.api.openai.door`'s to say; bodies are read and checked by
+:mod:`router.api.openai.requests`, answers shaped by :mod:`router.api.openai.replies`; this
+module serves them. Errors come back in OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``,
 with the status that fits: 400 for a malformed body or a bad value, 404 for an unknown
 model, 429 when the router is full, 503 when nothing can serve, 504 past the budget.
 """
@@ -44,12 +45,12 @@ import asyncio
 import json
 import logging
 import ssl
-from collections.abc import Awaitable, Callable, Mapping, Sequence
-from pathlib import Path
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from aiohttp import web
 
+from router.api.openai.door import IDLE_CONNECTION_S, Door, check_listen, error_of
 from router.api.openai.replies import Reply, model_entry
 from router.api.openai.requests import (
     check_fields,
@@ -63,43 +64,20 @@ from router.api.openai.requests import (
     usage_asked,
 )
 from router.cascade.generate import Generation, Sink, TextGenerator
-from stratus.convert.errors import http_status
 from stratus.convert.inference import TextRequest
 from stratus.errors import (
-    ConfigError,
     InvalidInput,
     NotFound,
     StratusError,
-    drop_frames,
 )
 from stratus.families.chat import Message, last_user_message
 from stratus.families.generation import Chunk
 from stratus.families.sampling import FieldError
-from stratus.serving.auth import is_loopback, same_secret
+from stratus.serving.auth import is_loopback
 from stratus.serving.client_limits import ClientLimits
 from stratus.serving.rest import peer_of
 
 log = logging.getLogger("stratus.openai")
-
-
-def error_body(status: int, kind: str, message: str, param: str | None = None) -> dict[str, Any]:
-    return {"error": {"message": message, "type": kind, "param": param, "code": status}}
-
-
-def error_of(exc: StratusError) -> tuple[int, dict[str, Any]]:
-    """The HTTP status and OpenAI error body for a Stratus error."""
-    status, kind = http_status(exc)
-    return status, error_body(status, kind, str(exc), getattr(exc, "param", None))
-
-
-def _error_response(exc: StratusError) -> web.Response:
-    status, body = error_of(exc)
-    return web.json_response(body, status=status)
-
-
-# A connection with no request in this long is closed, before its first request as after its last
-# (aiohttp's default held a silent TCP connection an hour: security2 N10); a client reconnects.
-IDLE_CONNECTION_S = 15.0
 
 
 class OpenAiApi:
@@ -125,8 +103,8 @@ class OpenAiApi:
         self._limits = limits or ClientLimits(per_client=0)
         self._api_key = api_key
         self._tls = tls
-        self._hosts = frozenset(h.lower() for h in hosts)
-        self.app = web.Application(client_max_size=1 << 20, middlewares=[self._errors, self._guard])
+        door = Door(api_key, hosts)
+        self.app = web.Application(client_max_size=1 << 20, middlewares=[door.errors, door.guard])
         self.app.router.add_get("/health", self.health)
         self.app.router.add_get("/v1/models", self.models)
         self.app.router.add_get("/v1/models/{model}", self.model)
@@ -156,53 +134,6 @@ class OpenAiApi:
     async def stop(self) -> None:
         if self._runner is not None:
             await self._runner.cleanup()
-
-    @web.middleware
-    async def _errors(
-        self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
-    ) -> web.StreamResponse:
-        try:
-            return await handler(request)
-        except StratusError as exc:
-            answer = _error_response(exc)
-            drop_frames(exc)
-            return answer
-        except web.HTTPException as exc:
-            return web.json_response(
-                error_body(exc.status, "invalid_request_error", exc.reason or "bad request"),
-                status=exc.status,
-            )
-
-    @web.middleware
-    async def _guard(
-        self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
-    ) -> web.StreamResponse:
-        """The key, the Host and the body's type, before anything else is read."""
-        if self._api_key and not _is_probe(request):
-            scheme, _, given = request.headers.get("Authorization", "").partition(" ")
-            # over digests: the key's length leaks nothing; the scheme is OpenAI's, exactly
-            if scheme != "Bearer" or not same_secret(given.strip(), self._api_key):
-                return web.json_response(
-                    error_body(
-                        401, "authentication_error", "a valid API key is needed (Authorization: Bearer KEY)"
-                    ),
-                    status=401,
-                )
-        # Without a key (loopback only), a browser on this machine is the risk: its pages may
-        # reach 127.0.0.1, or a name rebound to it, so only loopback names (and those given)
-        # are served. A key is a header no other site's page can make a browser send.
-        host = _host_name(request.host or "")
-        if not self._api_key and not (is_loopback(host) or host in self._hosts):
-            return web.json_response(
-                error_body(421, "invalid_request_error", f"Host {host[:64]!r} is not one this API serves"),
-                status=421,
-            )
-        if request.method == "POST" and request.content_type != "application/json":
-            return web.json_response(
-                error_body(415, "invalid_request_error", "the body must be Content-Type: application/json"),
-                status=415,
-            )
-        return await handler(request)
 
     # -- endpoints ----------------------------------------------------------------------------
     async def health(self, request: web.Request) -> web.Response:
@@ -375,54 +306,6 @@ def _outcome(work: asyncio.Task[Generation]) -> Generation | BaseException:
     if work.cancelled():
         return asyncio.CancelledError()
     return work.exception() or work.result()
-
-
-# The shortest API key the OpenAI API takes off loopback (security2 N15: a 1-character key was).
-MIN_API_KEY_CHARS = 32
-
-
-def server_tls(cert: Path | None, key: Path | None) -> ssl.SSLContext | None:
-    """An HTTPS server context (TLS 1.2 at least) for the API, or None without a certificate."""
-    if cert is None or key is None:
-        return None
-    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    context.minimum_version = ssl.TLSVersion.TLSv1_2
-    try:
-        context.load_cert_chain(cert, key)
-    except (OSError, ssl.SSLError) as exc:
-        raise ConfigError(f"the OpenAI API's certificate {cert} and key {key} do not load: {exc}") from None
-    return context
-
-
-def check_listen(listen: str, api_key: str) -> None:
-    """Refuse (before anything starts) an OpenAI API off loopback without a key of at least
-    MIN_API_KEY_CHARS characters."""
-    host = listen.rpartition(":")[0] or "127.0.0.1"
-    if is_loopback(host):
-        return
-    if not api_key:
-        raise ConfigError(
-            f"the OpenAI API on {listen} is off loopback: give it a key "
-            "(--openai-api-key-file, or STRATUS_OPENAI_API_KEY)"
-        )
-    if len(api_key) < MIN_API_KEY_CHARS:
-        raise ConfigError(
-            f"the OpenAI API on {listen} is off loopback with a key of {len(api_key)} characters: "
-            f"give one of at least {MIN_API_KEY_CHARS} (e.g. `openssl rand -hex 32`)"
-        )
-
-
-def _host_name(host: str) -> str:
-    """The Host header without its port: ``[::1]:8080`` -> ``::1``, ``a.b:80`` -> ``a.b``."""
-    if host.startswith("["):
-        return host[1:].split("]", 1)[0].lower()
-    return host.rsplit(":", 1)[0].lower() if host.count(":") == 1 else host.lower()
-
-
-def _is_probe(request: web.Request) -> bool:
-    """GET /health: open without the key, as vLLM's is, for load balancers' and kubelets'
-    probes; it says only whether the router serves."""
-    return request.method in ("GET", "HEAD") and request.path == "/health"
 
 
 async def _body(request: web.Request) -> dict[str, Any]:
