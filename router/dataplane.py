@@ -31,7 +31,8 @@ from router.cloud.pool import CloudTier
 from router.fleet.registry import FleetRegistry
 from router.obs import observer_for
 from router.policy import FleetSnapshot
-from router.rollout.plans import PROMOTED, Rollouts
+from router.rollout.plan import PROMOTED
+from router.rollout.plans import Rollouts
 from stratus.convert.inference import InferRequest, InferResult, TextRequest
 from stratus.convert.parameters import CONFIG_CURRENT, CONFIG_THRESHOLD, CONFIG_VARIANTS, MODEL_VERSION
 from stratus.convert.tensors import check_inputs

@@ -21,7 +21,8 @@ from router.cloud.models import parse_cloud_models
 from router.cloud.pool import CloudPool
 from router.fleet.registry import FleetRegistry
 from router.offline import Offline, OfflineSettings
-from router.rollout.plans import ROLLED_BACK, Plan, Rollouts
+from router.rollout.plan import ROLLED_BACK, Plan
+from router.rollout.plans import Rollouts
 from router.settings import RouterSettings
 from router.site.mirror import SiteMirror
 from router.site.open import open_site_state

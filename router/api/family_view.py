@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from router.cloud.models import family_of
 from router.cloud.pool import CloudTier
 from router.fleet.registry import FleetRegistry
-from router.rollout.plans import Plan
+from router.rollout.plan import Plan
 from stratus.convert.fleet import wire_tier
 from stratus.families.description import FamilyDescription
 from stratus.tiers import Tier

@@ -19,7 +19,8 @@ from router.fleet.index import line_key
 from router.fleet.registry import MAX_RELOAD_WAIT_S, FleetRegistry
 from router.offline.corrections import CorrectionLog
 from router.rollout.judge import Margins
-from router.rollout.plans import DEFAULT_MIN_AUDITS, DEFAULT_STEPS, Plan, Rollouts
+from router.rollout.plan import DEFAULT_MIN_AUDITS, DEFAULT_STEPS, Plan
+from router.rollout.plans import Rollouts
 from router.site.mirror import SiteMirror
 from router.thresholds.pushes import ThresholdPushes, steer, to_wire
 from stratus.errors import ConfigError, InvalidInput, NotFound

@@ -12,7 +12,8 @@ from router.cloud.pool import CloudTier
 from router.fleet.agent_handle import AgentHandle, State, shown_state
 from router.fleet.registry import FleetRegistry
 from router.rollout.judge import ArmWindow
-from router.rollout.plans import Plan, Rollouts
+from router.rollout.plan import Plan
+from router.rollout.plans import Rollouts
 from router.site.mirror import SiteMirror
 from stratus import __version__
 from stratus.convert.fleet import wire_tier

@@ -37,7 +37,7 @@ from stratus.tiers import Tier
 from stratus.wire import inference_pb2 as pb
 
 if TYPE_CHECKING:
-    from router.rollout.plans import Plan
+    from router.rollout.plan import Plan
 
 log = logging.getLogger("stratus.audit")
 

@@ -21,7 +21,8 @@ from router.obs import RouterObserver
 from router.offline import Offline
 from router.policy import FleetSnapshot, Target
 from router.policy.climb import CloudFacts
-from router.rollout.plans import Plan, Rollouts
+from router.rollout.plan import Plan
+from router.rollout.plans import Rollouts
 from stratus.convert.parameters import RequestOptions
 from stratus.convert.tensors import Tensors
 from stratus.tiers import Tier

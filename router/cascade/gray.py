@@ -13,7 +13,7 @@ from router.cascade.common import DEFAULT_BUDGET_MS, Answer, Arm, CascadeContext
 from router.fleet.index import line_key
 from router.policy import Attempt, NoTarget, Target, choose
 from router.rollout.judge import top1
-from router.rollout.plans import Plan
+from router.rollout.plan import Plan
 from stratus.convert.tensors import Tensors
 from stratus.errors import StratusError
 

@@ -3,7 +3,7 @@ path reads it, and the changes made here written back with compare-and-swap.
 
 Keys and what they hold (JSON):
 
-* ``rollout.FAMILY.TIER``: a rollout's :class:`~router.rollout.plans.Plan`;
+* ``rollout.FAMILY.TIER``: a rollout's :class:`~router.rollout.plan.Plan`;
 * ``thresholds.FAMILY``: a family's pushed thresholds (:class:`~router.thresholds.pushes.Record`);
 * ``agent.ID``: what an operator said of an agent for the whole site, ``{"mark": "drained" |
   "ready" | "forgotten", "by", "at"}``: each router drains (undrains, forgets) its own link to
@@ -44,7 +44,8 @@ from typing import Any, Final, TypeVar
 
 from router.fleet.agent_handle import AgentHandle
 from router.fleet.registry import FleetRegistry
-from router.rollout.plans import Plan, Rollouts
+from router.rollout.plan import Plan
+from router.rollout.plans import Rollouts
 from router.site import Entry, SiteState, StoreConflict, StoreUnavailable
 from router.site.lease import Lease
 from router.thresholds.pushes import Record, ThresholdPushes

@@ -585,7 +585,7 @@ def test_answers_of_a_rollouts_arms_are_audited_at_the_rollout_share_and_told_to
     answers are audited anyway, each outcome told to the rollout with its arm. Once the step is
     no longer judged (complete), they are sampled as any answer: not at all here."""
     from router.cascade.common import Arm
-    from router.rollout.plans import COMPLETE, Plan
+    from router.rollout.plan import COMPLETE, Plan
 
     async def body() -> None:
         pool, link = cloud_pool()

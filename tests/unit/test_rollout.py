@@ -8,7 +8,8 @@ import re
 import pytest
 
 from router.rollout.judge import ArmWindow, Margins, judge, worse_beyond
-from router.rollout.plans import ABORTED, COMPLETE, PROMOTED, ROLLED_BACK, RUNNING, Rollouts, check_steps
+from router.rollout.plan import ABORTED, COMPLETE, PROMOTED, ROLLED_BACK, RUNNING, check_steps
+from router.rollout.plans import Rollouts
 from stratus.errors import Conflict, InvalidInput, NotFound
 from stratus.tiers import Tier
 

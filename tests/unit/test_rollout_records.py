@@ -14,7 +14,8 @@ import pytest
 
 from router.fleet.registry import FleetRegistry
 from router.rollout import plans as rollout_module
-from router.rollout.plans import Plan, Rollouts
+from router.rollout.plan import Plan
+from router.rollout.plans import Rollouts
 from router.site import Entry
 from router.site.file import FileSiteState
 from router.site.mirror import SiteMirror, rollout_key, router_key, thresholds_key
