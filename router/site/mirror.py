@@ -1,24 +1,7 @@
 """This router's view of the site's store: what it watched, kept in memory where the request
 path reads it, and the changes made here written back with compare-and-swap.
 
-Keys and what they hold (JSON):
-
-* ``rollout.FAMILY.TIER``: a rollout's :class:`~router.rollout.plan.Plan`;
-* ``thresholds.FAMILY``: a family's pushed thresholds (:class:`~router.thresholds.pushes.Record`);
-* ``agent.ID``: what an operator said of an agent for the whole site, ``{"mark": "drained" |
-  "ready" | "forgotten", "by", "at"}``: each router drains (undrains, forgets) its own link to
-  it, and a router the agent links to later, or one restarted, drains it on its Hello;
-* ``router.NAME`` (a shared store only): where each router of the site is reached,
-  ``{"address", "at"}``, renewed every MEMBER_EVERY_S and deleted on a clean stop, so
-  ``fleet thresholds --suggest`` reads every router's audit rows (soft state, kept in each
-  router's memory) without a list of peers;
-* ``revoked.DIGEST``: a credential revoked for the whole site (``stratus fleet revoke``),
-  ``{"credential", "by", "at", "reason"}`` (:mod:`stratus.serving.revocations`): a certificate's
-  SPIFFE id or serial, or an agent id, refused by every router at its next call or heartbeat,
-  and kept across restarts; lifting it deletes the key;
-* ``lease.judge`` (a shared store only): the router that judges rollout steps and steps
-  ``--auto-thresholds`` (:class:`~router.site.lease.Lease`): one at a time, another within
-  the lease's ttl when it dies.
+Its keys, and what each holds, are :mod:`router.site.keys`'s.
 
 An operator's change (a rollout started, promoted or aborted, a threshold push or revert, a
 drain) is made here, then written with the revision this router last saw of its key: if
@@ -47,6 +30,15 @@ from router.fleet.registry import FleetRegistry
 from router.rollout.plan import Plan
 from router.rollout.plans import Rollouts
 from router.site import Entry, SiteState, StoreConflict, StoreUnavailable
+from router.site.keys import (
+    agent_key,
+    json_bytes,
+    plan_bytes,
+    revoked_key,
+    rollout_key,
+    router_key,
+    thresholds_key,
+)
 from router.site.lease import Lease
 from router.thresholds.pushes import Record, ThresholdPushes
 from stratus.errors import ConfigError, InvalidInput, NotFound
@@ -54,7 +46,6 @@ from stratus.serving.revocations import (
     MAX_CREDENTIAL,
     Revoked,
     SiteRevocations,
-    credential_key,
     parse_credential,
 )
 from stratus.tiers import Tier
@@ -72,27 +63,6 @@ MAX_ADDRESS: Final = 300
 # How long a starting router waits for the store, so that what the site agreed on (a drain, a
 # push, a rollout) applies before its first call; past it, it serves and catches up when it can.
 START_WAIT_S: Final = 5.0
-
-
-def rollout_key(family: str, tier: Tier) -> str:
-    return f"rollout.{family}.{tier.label}"
-
-
-def thresholds_key(family: str) -> str:
-    return f"thresholds.{family}"
-
-
-def agent_key(agent_id: str) -> str:
-    return f"agent.{agent_id}"
-
-
-def revoked_key(credential: str) -> str:
-    return f"revoked.{credential_key(credential)}"
-
-
-def router_key(name: str) -> str:
-    """A router's name as one key word: the characters a key cannot hold become ``_``."""
-    return "router." + "".join(c if c.isalnum() or c in "-_" else "_" for c in name)
 
 
 class SiteMirror:
@@ -195,7 +165,7 @@ class SiteMirror:
         key is this router's alone, and the latest write is the truth)."""
         key = router_key(self.router_id)
         while True:
-            value = _json_bytes({"address": self.address, "at": self._clock()})
+            value = json_bytes({"address": self.address, "at": self._clock()})
             try:
                 await self.state.put(key, value)
             except StoreUnavailable as exc:
@@ -207,7 +177,7 @@ class SiteMirror:
         """A rollout change made here and written; undone here when the write fails."""
         before = self._rollouts.snapshot(family, tier)
         return await self._change(
-            rollout_key(family, tier), make, _plan_bytes, lambda: self._rollouts.restore(family, tier, before)
+            rollout_key(family, tier), make, plan_bytes, lambda: self._rollouts.restore(family, tier, before)
         )
 
     async def change_thresholds(self, family: str, make: Callable[[], T]) -> T:
@@ -224,7 +194,7 @@ class SiteMirror:
         key = agent_key(agent_id)
         expected = self.revisions.get(key, 0)
         handle = self._registry.check_mark(agent_id, mark)  # refused here before anything is written
-        value = _json_bytes({"mark": mark, "by": self.router_id, "at": time.time()})
+        value = json_bytes({"mark": mark, "by": self.router_id, "at": time.time()})
         await self._put(key, value, expected)
         self.marks[agent_id] = mark
         try:
@@ -238,7 +208,7 @@ class SiteMirror:
         revoked = Revoked(credential=parse_credential(credential), by=by[:MAX_CREDENTIAL], at=time.time(),
                           reason=reason[:MAX_CREDENTIAL])  # fmt: skip
         key = revoked_key(revoked.credential)
-        await self._put(key, _json_bytes(dataclasses.asdict(revoked)))
+        await self._put(key, json_bytes(dataclasses.asdict(revoked)))
         self.revocations.put(key, revoked)
         return revoked
 
@@ -294,7 +264,7 @@ class SiteMirror:
     # -- changes made here on their own, written in the background ------------------------------
     def _judged(self, plan: Plan) -> None:
         if not self._operator_change:
-            self._later(rollout_key(plan.family, plan.tier), lambda: _plan_bytes(plan))
+            self._later(rollout_key(plan.family, plan.tier), lambda: plan_bytes(plan))
 
     def _pushed(self, family: str) -> None:
         if not self._operator_change:
@@ -303,7 +273,7 @@ class SiteMirror:
     def _record_bytes(self, family: str) -> bytes:
         record = self._pushes.record(family)
         assert record is not None
-        return _json_bytes(record.to_json())
+        return json_bytes(record.to_json())
 
     def _later(self, key: str, value: Callable[[], bytes]) -> None:
         self._pending[key] = value
@@ -400,11 +370,3 @@ class SiteMirror:
         if not address or len(address) > MAX_ADDRESS or ":" not in address:
             raise ValueError(f"{address[:40]!r} is not HOST:PORT")
         self.members[key] = (address, at)
-
-
-def _json_bytes(value: object) -> bytes:
-    return json.dumps(value, sort_keys=True, separators=(",", ":")).encode()
-
-
-def _plan_bytes(plan: Plan) -> bytes:
-    return _json_bytes(plan.to_json())

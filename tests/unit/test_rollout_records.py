@@ -18,7 +18,8 @@ from router.rollout.plan import Plan
 from router.rollout.plans import Rollouts
 from router.site import Entry
 from router.site.file import FileSiteState
-from router.site.mirror import SiteMirror, rollout_key, router_key, thresholds_key
+from router.site.keys import rollout_key, router_key, thresholds_key
+from router.site.mirror import SiteMirror
 from router.thresholds.pushes import ThresholdPushes
 from stratus.tiers import Tier
 

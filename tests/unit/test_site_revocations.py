@@ -17,7 +17,8 @@ from router.fleet.registry import FleetRegistry
 from router.rollout.plans import Rollouts
 from router.site import Entry
 from router.site.file import FileSiteState
-from router.site.mirror import SiteMirror, revoked_key
+from router.site.keys import revoked_key
+from router.site.mirror import SiteMirror
 from router.thresholds.pushes import ThresholdPushes
 from stratus.errors import InvalidInput, PermissionDenied
 from stratus.serving.auth import RouterCredentials
