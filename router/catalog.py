@@ -56,6 +56,11 @@ class Catalog:
         self.registry = registry
         self._cloud = cloud
 
+    @property
+    def cloud(self) -> CloudTier | None:
+        """The router's cloud tier as it is now (None: no cloud)."""
+        return self._cloud()
+
     def route(self, name: str) -> Route:
         """What ``name`` asks for; NotFound (listing every name that works) or PermissionDenied
         (a cloud model of a family kept on the site) where it asks for nothing it may have."""

@@ -26,33 +26,27 @@ from router.cascade.classify import ClassifyCascade
 from router.cascade.common import Job, pinned_options, request_budget
 from router.cascade.generate import Generation, GenerationCascade, Sink, generation_values
 from router.catalog import Catalog, Route
-from router.cloud.models import family_of
 from router.cloud.pool import CloudTier
 from router.fleet.registry import FleetRegistry
+from router.metadata import config_of, metadata_of
 from router.obs import observer_for
 from router.policy import FleetSnapshot
-from router.rollout.plan import PROMOTED
 from router.rollout.plans import Rollouts
 from stratus.convert.inference import InferRequest, InferResult, TextRequest
-from stratus.convert.parameters import CONFIG_CURRENT, CONFIG_THRESHOLD, CONFIG_VARIANTS, MODEL_VERSION
 from stratus.convert.tensors import check_inputs
 from stratus.convert.text import (
     chunk_result,
-    generative_config,
-    generative_metadata,
     prompt_request,
     text_request,
     text_result,
 )
 from stratus.errors import NotFound, Overloaded, StratusError
-from stratus.execution.dataplane import model_config
 from stratus.families.description import FamilyDescription
 from stratus.families.generation import FINAL, Chunk
 from stratus.families.sampling import check_max_tokens
 from stratus.obs.metrics import UNKNOWN, RouterMetrics
 from stratus.sched.streams import OnItem, relayed
-from stratus.serving.servicer import DataPlane, tensor_metadata
-from stratus.tiers import Tier
+from stratus.serving.servicer import DataPlane
 from stratus.wire import inference_pb2 as pb
 
 if TYPE_CHECKING:
@@ -139,60 +133,10 @@ class RouterDataPlane(DataPlane):
         return self.catalog.knows(name)
 
     def model_metadata(self, name: str) -> pb.ModelMetadataResponse:
-        """The family's tensors (a variant's are its family's); a model only the cloud serves,
-        the cloud's own. One version, as on every Stratus server: variants are models."""
-        family, _ = self.catalog.family_of(name)
-        info = self.catalog.description(family)
-        if info is not None and info.generative and family in self.registry.families:
-            return generative_metadata(name, "stratus")  # the layout its ModelConfig says
-        response = pb.ModelMetadataResponse(name=name, versions=[MODEL_VERSION], platform="stratus")
-        if info is not None:
-            response.inputs.extend(tensor_metadata(info.inputs))
-            response.outputs.extend(tensor_metadata(info.outputs))
-        return response
+        return metadata_of(self.catalog, name)
 
     def model_config(self, name: str) -> pb.ModelConfig:
-        """Triton's config from the same description as the metadata; a family's also says
-        which variants may be pinned and which line each tier serves it with by default."""
-        family, pinned = self.catalog.family_of(name)
-        generative = self.catalog.generative(family)
-        spec = self.catalog.description(family)
-        if generative is not None:  # with the max_tokens a request may ask for, as the cloud says it
-            config = generative_config(name, "stratus", generative.max_tokens)
-        elif spec is not None and not spec.generative:
-            config = model_config(spec, name, "stratus")
-        else:
-            config = pb.ModelConfig(name=name, platform="stratus", backend="stratus")
-        if pinned is None and family_of(family, self.registry.families) in (None, family):
-            self._describe_lines(config, family)  # a family, not a variant only the cloud serves
-        return config
-
-    def _describe_lines(self, config: pb.ModelConfig, family: str) -> None:
-        variants = self.registry.index.variants_of(family)
-        if self.cloud is not None:
-            cloud = [n for n in self.cloud.models if n != family and family_of(n, [family]) == family]
-            variants = sorted({*variants, *cloud})
-        if variants:
-            config.parameters[CONFIG_VARIANTS].string_value = ",".join(variants)
-        for tier, line in self.current_lines(family).items():
-            config.parameters[CONFIG_CURRENT + tier.label].string_value = line
-        for tier, threshold in self.registry.thresholds(family).items():
-            config.parameters[CONFIG_THRESHOLD + tier.label].string_value = repr(float(threshold))
-
-    def current_lines(self, family: str) -> dict[Tier, str]:
-        """The line each agents' tier serves ``family`` with by default: a promoted rollout's
-        candidate, else the current variant of a ready agent there (its FP32 name)."""
-        lines: dict[Tier, str] = {}
-        for tier, pool in self.registry.index.pools(family).items():
-            if pool:
-                agent = pool[0]
-                variant = agent.variant_for(family)
-                info = agent.variants.get(variant)
-                lines[tier] = info.line if info is not None and info.line else variant
-        for plan in self.rollouts.plans():
-            if plan.family == family and plan.state == PROMOTED:
-                lines[plan.tier] = plan.candidate
-        return lines
+        return config_of(self.catalog, self.rollouts, name)
 
     # -- inference ----------------------------------------------------------------------
     def generative(self, name: str) -> FamilyDescription | None:

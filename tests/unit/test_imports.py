@@ -325,6 +325,7 @@ ROUTER_LAYERS = {
     "router.fleet": 2,
     "router.offline": 3,
     "router.catalog": 3,  # names resolved: what agents and the cloud serve, merged
+    "router.metadata": 4,  # what a client is told of a model, from the catalog's description
     "router.cascade": 4,
     "router.audit": 5,
     "router.thresholds": 6,
