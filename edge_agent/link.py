@@ -9,13 +9,14 @@ import asyncio
 import contextlib
 import logging
 import random
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import grpc
 
 from stratus.errors import StratusError
+from stratus.sched.streams import until_none
 from stratus.serving.channels import TlsSettings, open_channel, server_options
 from stratus.wire import fleet_pb2 as fpb
 from stratus.wire import fleet_pb2_grpc as fpb_grpc
@@ -185,7 +186,7 @@ async def _session(
     async with open_channel(
         address, tls, extra_options=server_options("router", tls, server_name)
     ) as channel:
-        call = fpb_grpc.AgentLinkStub(channel).Connect(_drain_queue(link.outbox))
+        call = fpb_grpc.AgentLinkStub(channel).Connect(until_none(link.outbox))
         try:
             welcome = await call.read()
             if not isinstance(welcome, fpb.RouterMessage) or not welcome.HasField("welcome"):
@@ -279,11 +280,6 @@ async def _ended(call: grpc.aio.StreamStreamCall[fpb.AgentMessage, fpb.RouterMes
     call.cancel()
     with contextlib.suppress(grpc.aio.AioRpcError, asyncio.CancelledError):
         await call.code()
-
-
-async def _drain_queue(outbox: asyncio.Queue[fpb.AgentMessage | None]) -> AsyncIterator[fpb.AgentMessage]:
-    while (message := await outbox.get()) is not None:
-        yield message
 
 
 def describe(exc: BaseException) -> str:

@@ -20,23 +20,31 @@ import itertools
 import logging
 import random
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import Any
 
 import grpc
 
 from router.cloud.breaker import CircuitBreaker
-from router.cloud.catalog import LINK_DOWN, CloudCatalog, Families, Headers
+from router.cloud.catalog import CloudCatalog, Families, Headers
 from router.cloud.models import NamedModel
-from stratus.convert import codec
-from stratus.convert.errors import error_from_call, error_from_stream
-from stratus.convert.parameters import CONFIDENCE, VARIANT, set_parameter
+from router.cloud.replies import (
+    call_error,
+    chunk_of,
+    described,
+    is_final,
+    judged,
+    on_the_wire,
+    refused_at_once,
+    server_of,
+)
+from stratus.convert.errors import error_from_stream
 from stratus.errors import ConfigError, DeadlineExceeded, Overloaded, StratusError, Unavailable
-from stratus.families.confidence import max_probability
 from stratus.families.description import FamilyDescription
-from stratus.families.generation import FINAL, TEXT_OUTPUT, Chunk
 from stratus.families.generation import STREAM as STREAM_PARAMETER
+from stratus.families.generation import Chunk
 from stratus.obs.stats import LatencyWindow
+from stratus.sched.streams import until_none
 from stratus.serving.channels import NO_TLS, TlsSettings, check_fits, open_channel, server_options
 from stratus.wire import fleet_pb2 as fpb
 from stratus.wire import fleet_pb2_grpc as fpb_grpc
@@ -52,9 +60,6 @@ UNARY = "unary"
 # (read as ModelStreamInferResponse, its model name lands in error_message) and binds the
 # stream to the first request's model.
 OWN_STREAM = frozenset({"mlserver"})
-# How long a new stream may take to be refused (UNIMPLEMENTED comes at once); a server that
-# sends its headers with its first answer (Triton) is taken to accept it.
-STREAM_CHECK_S = 0.2
 UNMEASURED_MS = 5.0  # a cloud not measured yet is taken to be as cheap as a near one
 
 # How fast the channel to the cloud redials after losing it: gRPC's defaults (1 s, growing
@@ -171,7 +176,7 @@ class CloudLink(CloudCatalog):
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
-                log.warning("cloud link to %s: %s", self.address, _described(exc))
+                log.warning("cloud link to %s: %s", self.address, described(exc))
             self.state = "down"
             self._fail_pending("the cloud link broke")
             # Only a cloud that answers yet refuses the link gets here twice in a row.
@@ -183,7 +188,7 @@ class CloudLink(CloudCatalog):
         following the families that agents bring."""
         stub = pb_grpc.GRPCInferenceServiceStub(channel)
         await stub.ServerLive(pb.ServerLiveRequest(), timeout=2.0, metadata=self._headers)
-        server = self.server = await self._server(stub)
+        server = self.server = await server_of(stub, self._headers)
         self._learnt_for = None
         await self._learn_models(stub)
         following = asyncio.create_task(self._follow_families(stub), name="stratus-cloud-families")
@@ -195,18 +200,6 @@ class CloudLink(CloudCatalog):
         finally:
             following.cancel()
             await asyncio.gather(following, return_exceptions=True)
-
-    async def _server(self, stub: pb_grpc.GRPCInferenceServiceAsyncStub) -> str:
-        """ "name version" from ServerMetadata ("triton 2.59.0"); "unknown" where not told."""
-        try:
-            metadata = await stub.ServerMetadata(
-                pb.ServerMetadataRequest(), timeout=2.0, metadata=self._headers
-            )
-        except grpc.aio.AioRpcError as exc:
-            if exc.code() in LINK_DOWN:
-                raise
-            return "unknown"
-        return f"{metadata.name or 'unknown'} {metadata.version}".strip()
 
     def _connected(self, transport: str) -> None:
         self.transport = transport
@@ -227,7 +220,7 @@ class CloudLink(CloudCatalog):
                     f"cloud {self.address} ({self.server or 'unknown server'}) is not a Stratus cloud "
                     "gateway: it has no Reload; load new models its own way"
                 ) from None
-            raise _call_error(exc, timeout_s) from None
+            raise call_error(exc, timeout_s) from None
 
     async def learn_now(self) -> None:
         """Learn what the cloud serves now (after it reloaded), where the link is up."""
@@ -243,9 +236,9 @@ class CloudLink(CloudCatalog):
     ) -> None:
         """Escalations over one ModelStreamInfer stream; a cloud that has none gets unary calls."""
         self._outbox = asyncio.Queue()
-        call = stub.ModelStreamInfer(self._outgoing(self._outbox), metadata=self._headers)
+        call = stub.ModelStreamInfer(until_none(self._outbox), metadata=self._headers)
         try:
-            if await _refused_at_once(call):
+            if await refused_at_once(call):
                 log.info("cloud %s (%s) has no ModelStreamInfer: unary ModelInfer", self.address, server)
                 self._no_stream = server
                 await self._serve_unary(channel)
@@ -272,13 +265,6 @@ class CloudLink(CloudCatalog):
             state = channel.get_state()
         raise Unavailable(f"the connection to the cloud closed ({state.name})")
 
-    @staticmethod
-    async def _outgoing(
-        outbox: asyncio.Queue[pb.ModelInferRequest | None],
-    ) -> AsyncIterator[pb.ModelInferRequest]:
-        while (request := await outbox.get()) is not None:
-            yield request
-
     def _fail_pending(self, reason: str) -> None:
         for future in self._pending.values():
             if not future.done():
@@ -287,37 +273,13 @@ class CloudLink(CloudCatalog):
 
     # -- escalations -----------------------------------------------------------------------
     async def infer(self, request: pb.ModelInferRequest, *, timeout_s: float | None) -> pb.ModelInferResponse:
-        asked = self._on_the_wire(request)
+        asked = on_the_wire(request, self.wire_names)
         exchange = self._exchange if self.transport == STREAM else self._call
         response = await self._guarded(exchange(asked, timeout_s))
         response.id = request.id
-        self._judge(response, request.model_name, asked.model_name)
+        families = self._families()
+        judged(response, families.get(request.model_name) or families.get(response.model_name), asked.model_name)
         return response
-
-    def _on_the_wire(self, request: pb.ModelInferRequest) -> pb.ModelInferRequest:
-        """The request as the cloud knows it: the family named as the cloud serves it."""
-        wire_name = self.wire_names.get(request.model_name, request.model_name)
-        if wire_name == request.model_name:
-            return request
-        asked = pb.ModelInferRequest()
-        asked.CopyFrom(request)
-        asked.model_name = wire_name
-        return asked
-
-    def _judge(self, response: pb.ModelInferResponse, model: str, wire_name: str) -> None:
-        """A cloud that is not Stratus's says neither how sure it is nor which variant
-        answered: the variant is the model it was asked for, and the confidence is the
-        family's (the top probability of its first output; the batch's least sure item)."""
-        params = response.parameters
-        if VARIANT not in params:
-            set_parameter(params, VARIANT, wire_name)
-        family = self._families().get(model) or self._families().get(response.model_name)
-        if CONFIDENCE in params or family is None or family.generative or not family.outputs:
-            return
-        scores = codec.decode_response_outputs(response).get(family.outputs[0].name)
-        if scores is not None and scores.ndim >= 1 and scores.size:
-            rows = scores.astype("float64").reshape(scores.shape[0], -1)
-            set_parameter(params, CONFIDENCE, float(max_probability(rows).min()))
 
     async def _call(self, request: pb.ModelInferRequest, timeout_s: float | None) -> pb.ModelInferResponse:
         """One escalation as a unary ModelInfer (a cloud with no stream of the protocol's)."""
@@ -328,7 +290,7 @@ class CloudLink(CloudCatalog):
         try:
             response = await stub.ModelInfer(request, timeout=timeout_s, metadata=self._headers)
         except grpc.aio.AioRpcError as exc:
-            raise _call_error(exc, timeout_s) from None
+            raise call_error(exc, timeout_s) from None
         finally:
             self._generating -= 1
         self.latency.add((time.perf_counter() - started) * 1000.0)
@@ -345,7 +307,7 @@ class CloudLink(CloudCatalog):
         cloud's generation at once: the call's cancellation reaches the gateway's handler.
         A cloud with no stream answers the generation whole, as one chunk.
         """
-        asked = self._on_the_wire(request)
+        asked = on_the_wire(request, self.wire_names)
         if self.transport == UNARY:
             return await self._guarded(self._whole(asked, on_chunk, timeout_s))
         return await self._guarded(self._stream(asked, on_chunk, timeout_s))
@@ -354,8 +316,7 @@ class CloudLink(CloudCatalog):
         self, request: pb.ModelInferRequest, on_chunk: OnChunk, timeout_s: float | None
     ) -> pb.ModelInferResponse:
         response = await self._call(request, timeout_s)
-        params = {k: v.string_param for k, v in response.parameters.items() if v.string_param}
-        chunk = Chunk.from_parts(_text_output(response), params, final=False)
+        chunk = chunk_of(response)
         if chunk.tokens:
             await on_chunk(chunk)
         response.id = request.id
@@ -399,16 +360,15 @@ class CloudLink(CloudCatalog):
                 if message.error_message:
                     raise error_from_stream(message, "cloud")
                 response = message.infer_response
-                params = {k: v.string_param for k, v in response.parameters.items() if v.string_param}
-                chunk = Chunk.from_parts(_text_output(response), params, final=False)
+                chunk = chunk_of(response)
                 if chunk.tokens:  # the final message may carry the last tokens, or none
                     await on_chunk(chunk)
-                if _is_final(response):
+                if is_final(response):
                     self.latency.add((time.perf_counter() - started) * 1000.0)
                     response.id = request.id
                     return response
         except grpc.aio.AioRpcError as exc:
-            raise _call_error(exc, timeout_s) from None
+            raise call_error(exc, timeout_s) from None
         finally:
             call.cancel()  # a no-op once the call ended; otherwise the gateway stops generating
             self._generating -= 1
@@ -438,47 +398,3 @@ class CloudLink(CloudCatalog):
         if message.error_message:
             raise error_from_stream(message, "cloud")
         return message.infer_response
-
-
-async def _refused_at_once(call: Any) -> bool:
-    """Whether a new stream was refused before any answer: True for UNIMPLEMENTED (KServe
-    has no stream), Unavailable for any other refusal (Triton without its token)."""
-    try:
-        await asyncio.wait_for(asyncio.shield(call.initial_metadata()), STREAM_CHECK_S)
-    except TimeoutError:
-        return False  # headers come with the first answer: a stream that is being served
-    if not call.done():
-        return False
-    code = await call.code()
-    if code == grpc.StatusCode.UNIMPLEMENTED:
-        return True
-    raise Unavailable(f"the cloud refused the stream: {code.name}: {await call.details()}")
-
-
-def _call_error(exc: grpc.aio.AioRpcError, timeout_s: float | None) -> StratusError:
-    if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
-        return DeadlineExceeded(f"cloud did not finish within {(timeout_s or 0) * 1000:.1f} ms")
-    return error_from_call(exc, "cloud")
-
-
-def _described(exc: Exception) -> str:
-    if isinstance(exc, grpc.aio.AioRpcError):
-        return f"{exc.code().name}: {exc.details()}"
-    return str(exc)
-
-
-
-
-def _is_final(response: pb.ModelInferResponse) -> bool:
-    parameter = response.parameters.get(FINAL)
-    return parameter is not None and parameter.bool_param
-
-
-def _text_output(response: pb.ModelInferResponse) -> str:
-    """The response's ``text_output`` (one UTF-8 string), or "" when it has none."""
-    outputs = codec.decode_response_outputs(response)
-    values = outputs.get(TEXT_OUTPUT)
-    if values is None or values.size == 0:
-        return ""
-    first = values.reshape(-1)[0]
-    return first.decode("utf-8", "replace") if isinstance(first, bytes) else str(first)

@@ -60,3 +60,9 @@ async def relayed(produce: Callable[[OnItem[Item]], Awaitable[Result]]) -> Async
         yield relay
     finally:
         await relay.stop()
+
+
+async def until_none(queue: asyncio.Queue[Item | None]) -> AsyncIterator[Item]:
+    """A queue's items as a stream (a gRPC call's requests), ending at the None put to end it."""
+    while (item := await queue.get()) is not None:
+        yield item
