@@ -33,7 +33,7 @@ from stratus.convert.inference import MAX_PROMPT_BYTES
 from stratus.convert.parameters import MAX_BUDGET_MS, set_parameter
 from stratus.serving.channels import MAX_MESSAGE_BYTES, MAX_STREAMS_PER_CONNECTION
 from stratus.serving.client_limits import SILENT_STREAM_S
-from stratus.serving.servicer import STREAM_WINDOW
+from stratus.serving.stream import STREAM_WINDOW
 from stratus.wire import inference_pb2 as pb
 from stratus.wire import inference_pb2_grpc as pb_grpc
 

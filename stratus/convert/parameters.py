@@ -29,7 +29,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from stratus.datatypes import ParameterValue
-from stratus.errors import InvalidInput
+from stratus.errors import InvalidInput, NotFound
 from stratus.tiers import Tier
 from stratus.wire import inference_pb2 as pb
 
@@ -315,3 +315,12 @@ def reported_value(value: ParameterValue | None) -> float | None:
     if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= MAX_BUDGET_MS:
         return None
     return float(value)
+
+
+def check_version(name: str, version: str) -> None:
+    """NOT_FOUND for a version other than the one every model has, naming it."""
+    if version not in ("", MODEL_VERSION):
+        raise NotFound(
+            f"model '{name[:128]}' has no version {version[:32]!r}: every model here has one version, "
+            f"'{MODEL_VERSION}' (a family's variants are models of their own, by name)"
+        )

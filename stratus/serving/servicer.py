@@ -10,34 +10,27 @@ gateway's and an agent's local endpoint (which run models here). Errors are rais
 from __future__ import annotations
 
 import abc
-import asyncio
-import contextlib
 import functools
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Final, cast
 
 import grpc
 
 from stratus import __version__
-from stratus.convert.errors import stream_error
 from stratus.convert.inference import InferRequest, InferResult
-from stratus.convert.parameters import MODEL_VERSION
-from stratus.convert.wire_scan import read_infer_request, request_header
-from stratus.errors import DeadlineExceeded, InvalidInput, NotFound, StratusError, drop_frames
-from stratus.serving.channels import MAX_MESSAGE_BYTES
-from stratus.serving.client_limits import IDLE_STREAMS_PER_CLIENT, ClientLimits
+from stratus.convert.parameters import MODEL_VERSION, check_version
+from stratus.convert.wire_scan import read_infer_request
+from stratus.errors import InvalidInput, NotFound
+from stratus.serving.client_limits import ClientLimits
+from stratus.serving.stream import StreamSession
 from stratus.wire import inference_pb2 as pb
 from stratus.wire import inference_pb2_grpc as pb_grpc
 
 log = logging.getLogger("stratus.serving")
 
-# Requests one ModelStreamInfer stream may have in flight before its reader waits.
-STREAM_WINDOW: Final = 256
-# ... and bytes of requests (two full-size messages), whichever runs out first.
-STREAM_WINDOW_BYTES: Final = 2 * MAX_MESSAGE_BYTES
 EXTENSIONS: Final = ("model_configuration", "stratus_tiers")
 
 
@@ -76,15 +69,6 @@ class DataPlane(abc.ABC):
         A ModelStreamInfer request whose ``stream`` parameter is true comes here; a data
         plane with no generative model refuses it."""
         raise InvalidInput(f"model '{request.model_name}' does not generate text here")
-
-
-def check_version(name: str, version: str) -> None:
-    """NOT_FOUND for a version other than the one every model has, naming it."""
-    if version not in ("", MODEL_VERSION):
-        raise NotFound(
-            f"model '{name[:128]}' has no version {version[:32]!r}: every model here has one version, "
-            f"'{MODEL_VERSION}' (a family's variants are models of their own, by name)"
-        )
 
 
 def version_ready(plane: DataPlane, name: str, version: str) -> bool:
@@ -264,161 +248,10 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         request refused from its bytes is answered with an error and the stream goes on."""
         hold = functools.partial(self._limits.hold, context.peer())
         with self._limits.stream(context.peer()) as silent_s:
-            session = _StreamSession(self._plane, request_iterator, hold, self.statistics.record, silent_s=silent_s)
+            session = StreamSession(self._plane, request_iterator, hold, self.statistics.record, silent_s=silent_s)
             async with session:
                 async for response in session.responses():
                     yield response
-
-
-@dataclass(frozen=True)
-class _Header:
-    """Who a request refused from its bytes was, for its error on the stream."""
-
-    id: str
-    model_name: str
-
-
-@dataclass(frozen=True)
-class _Answered:
-    """An outbox entry after a request's last response: its window slot (and its bytes) are
-    free once every response before it has been written."""
-
-    size: int
-
-
-class ByteWindow:
-    """Bytes of requests one stream may have read and not yet answered: the count window alone
-    let 256 requests of 1 MiB each (a client that never reads) hold 256 MiB per stream."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self.held = 0
-        self._freed = asyncio.Event()
-
-    async def acquire(self, size: int) -> None:
-        while self.held and self.held + size > self.limit:  # one request always fits alone
-            self._freed.clear()
-            await self._freed.wait()
-        self.held += size
-
-    def release(self, size: int) -> None:
-        self.held -= size
-        self._freed.set()
-
-
-class _StreamSession:
-    """One ModelStreamInfer stream: a reader task, one task per request, an ordered outbox.
-
-    At most STREAM_WINDOW requests are read ahead of what has been written back: a slot is
-    freed only when its answer has gone out, so a client that sends and never reads holds
-    STREAM_WINDOW answers in memory at most, not every answer it asked for."""
-
-    _DONE: Final = None
-
-    def __init__(
-        self,
-        plane: DataPlane,
-        requests: AsyncIterator[bytes],
-        hold: Callable[[int], contextlib.AbstractContextManager[None]] = lambda items: contextlib.nullcontext(),
-        record: Callable[[InferRequest, int, InferResult | None], None] | None = None,
-        *,
-        silent_s: float | None = None,
-    ) -> None:
-        self._plane = plane
-        self._requests = requests
-        self._silent_s = silent_s  # how long the stream may wait for its first request
-        self._hold = hold  # the client's share of the server (ClientLimits)
-        self._record = record  # Statistics.record
-        self._outbox: asyncio.Queue[pb.ModelStreamInferResponse | _Answered | None] = asyncio.Queue()
-        self._window = asyncio.Semaphore(STREAM_WINDOW)
-        self._bytes = ByteWindow(STREAM_WINDOW_BYTES)
-        self._tasks: set[asyncio.Task[None]] = set()
-        self._reader: asyncio.Task[None] | None = None
-
-    async def __aenter__(self) -> _StreamSession:
-        self._reader = asyncio.create_task(self._read(), name="stratus-stream-reader")
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        for task in [*self._tasks, *([self._reader] if self._reader else [])]:
-            task.cancel()
-        await asyncio.gather(*self._tasks, *([self._reader] if self._reader else []), return_exceptions=True)
-
-    async def responses(self) -> AsyncIterator[pb.ModelStreamInferResponse]:
-        while (item := await self._outbox.get()) is not self._DONE:
-            if isinstance(item, _Answered):
-                self._window.release()  # every response of that request has been written
-                self._bytes.release(item.size)
-                continue
-            assert item is not None
-            yield item
-        if self._reader is not None:
-            await self._reader  # re-raise a broken request stream
-
-    async def _read(self) -> None:
-        try:
-            requests = aiter(self._requests)
-            first = await self._first(requests)
-            if first is not None:
-                await self._take(first)
-                async for request in requests:
-                    await self._take(request)
-            await asyncio.gather(*self._tasks, return_exceptions=True)
-        finally:
-            self._outbox.put_nowait(self._DONE)
-
-    async def _first(self, requests: AsyncIterator[bytes]) -> bytes | None:
-        """The stream's first request, or None when it ends without one; a stream that may not
-        stay silent and sends nothing in time is closed, saying why."""
-        if self._silent_s is None:
-            return await anext(requests, None)
-        try:
-            return await asyncio.wait_for(anext(requests, None), self._silent_s)
-        except TimeoutError:
-            raise DeadlineExceeded(
-                f"this stream sent no request in {self._silent_s:g} s; the client holds more streams "
-                f"than the {IDLE_STREAMS_PER_CLIENT} that may wait for their first request"
-            ) from None
-
-    async def _take(self, raw: bytes) -> None:
-        await self._window.acquire()
-        try:
-            asked = InferRequest.from_wire(read_infer_request(raw))
-        except InvalidInput as exc:
-            model_name, request_id = request_header(raw)
-            self._outbox.put_nowait(stream_error(_Header(id=request_id, model_name=model_name), exc))
-            self._outbox.put_nowait(_Answered(0))
-            return
-        size = len(raw)
-        await self._bytes.acquire(size)
-        task = asyncio.create_task(self._answer(asked, size))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
-    async def _answer(self, request: InferRequest, size: int) -> None:
-        started, answered = time.perf_counter_ns(), None
-        try:
-            check_version(request.model_name, request.model_version)
-            with self._hold(request.items):
-                if request.streams():  # decoupled: many responses, the last marked final
-                    last = None
-                    async for chunk in self._plane.generate(request, timeout_s=None):
-                        self._outbox.put_nowait(pb.ModelStreamInferResponse(infer_response=chunk.to_wire()))
-                        last = chunk
-                    answered = last if last is not None else InferResult(model_name="", id="", outputs={})
-                    return
-                result = await self._plane.infer(request, timeout_s=None)
-                self._outbox.put_nowait(pb.ModelStreamInferResponse(infer_response=result.to_wire()))
-            answered = result
-        except Exception as exc:  # one bad request must not end the stream for the others
-            if not isinstance(exc, StratusError):
-                log.exception("unexpected error in a streamed request")
-            self._outbox.put_nowait(stream_error(request, exc))
-            drop_frames(exc)  # a failed generation's task and frames hold each other (and the request)
-        finally:
-            if self._record is not None:
-                self._record(request, started, answered)
-            self._outbox.put_nowait(_Answered(size))
 
 
 # The calls whose requests come as bytes, so that wire_scan bounds them before they are parsed.

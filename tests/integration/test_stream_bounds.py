@@ -21,7 +21,7 @@ from stratus.convert.tensors import MAX_REQUEST_ITEMS
 from stratus.devtools.launcher import free_port
 from stratus.serving.channels import grpc_options
 from stratus.serving.client_limits import IDLE_STREAMS_PER_CLIENT, MAX_STREAMS_PER_CLIENT, SILENT_STREAM_S
-from stratus.serving.servicer import STREAM_WINDOW, STREAM_WINDOW_BYTES
+from stratus.serving.stream import STREAM_WINDOW, STREAM_WINDOW_BYTES
 from stratus.wire import fleet_pb2 as fpb
 from stratus.wire import fleet_pb2_grpc as fpb_grpc
 from stratus.wire import inference_pb2 as pb

@@ -18,7 +18,8 @@ import pytest
 
 from stratus.errors import StratusError, drop_frames
 from stratus.execution.dataplane import LocalDataPlane
-from stratus.serving.servicer import DataPlane, _StreamSession
+from stratus.serving.servicer import DataPlane
+from stratus.serving.stream import StreamSession
 from stratus.tiers import Tier
 from stratus.wire import inference_pb2 as pb
 
@@ -57,7 +58,7 @@ async def stream_once(plane: DataPlane, request: pb.ModelInferRequest) -> list[s
     async def requests() -> AsyncIterator[bytes]:
         yield request.SerializeToString()  # a server's streams take their requests as bytes
 
-    async with _StreamSession(plane, requests()) as session:
+    async with StreamSession(plane, requests()) as session:
         return [r.error_message async for r in session.responses()]
 
 

@@ -7,9 +7,16 @@ import time
 import pytest
 
 from stratus.convert.inference import InferRequest, InferResult
-from stratus.convert.parameters import COMPUTE_MS, QUEUE_MS, reported_ms, set_parameter, values_of
+from stratus.convert.parameters import (
+    COMPUTE_MS,
+    QUEUE_MS,
+    check_version,
+    reported_ms,
+    set_parameter,
+    values_of,
+)
 from stratus.errors import NotFound
-from stratus.serving.servicer import DataPlane, Statistics, check_version, version_ready
+from stratus.serving.servicer import DataPlane, Statistics, version_ready
 from stratus.wire import inference_pb2 as pb
 
 
