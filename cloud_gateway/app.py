@@ -29,8 +29,8 @@ from stratus.execution.dataplane import LocalDataPlane
 from stratus.execution.loading import LocalSettings
 from stratus.execution.models import LocalModels
 from stratus.families.repository import ModelRepository
+from stratus.obs.endpoint import serve as serve_metrics
 from stratus.obs.metrics import Metrics, ModelMetrics
-from stratus.obs.metrics import serve as serve_metrics
 from stratus.process import announce, stop_on_signals
 from stratus.serving.auth import check_endpoint, insecure_warning, is_loopback
 from stratus.serving.channels import bind, create_server

@@ -29,8 +29,8 @@ from stratus.execution.describe import Introduction, heartbeat, hello
 from stratus.execution.models import LocalModels
 from stratus.execution.work import serve_work
 from stratus.families.precision import Hardware
+from stratus.obs.endpoint import serve as serve_metrics
 from stratus.obs.metrics import Metrics
-from stratus.obs.metrics import serve as serve_metrics
 from stratus.process import announce, process_uptime_s, start_collapsed
 from stratus.serving.auth import insecure_warning
 from stratus.serving.channels import bind, create_server

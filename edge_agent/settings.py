@@ -10,7 +10,7 @@ from pathlib import Path
 from stratus.config import at_least_one, not_negative, outside, positive, secret, setting, validate
 from stratus.errors import ConfigError
 from stratus.families.precision import Hardware, Precision
-from stratus.obs.metrics import check_metrics_exposure
+from stratus.obs.endpoint import check_metrics_exposure
 from stratus.sched.batching import DEFAULT_MAX_BATCH
 from stratus.serving.auth import check_endpoint, clients_authenticated, is_loopback
 from stratus.serving.channels import NO_TLS, TlsSettings

@@ -27,8 +27,8 @@ from router.settings import OnCloudFailure, RouterSettings
 from router.site.mirror import SiteMirror
 from router.thresholds.pushes import ThresholdPushes, threshold_levels
 from stratus.families.repository import ModelRepository
+from stratus.obs.endpoint import serve as serve_metrics
 from stratus.obs.metrics import Metrics, RouterMetrics
-from stratus.obs.metrics import serve as serve_metrics
 from stratus.process import announce, raise_open_files_limit, stop_on_signals
 from stratus.serving.auth import RouterCredentials, insecure_warning
 from stratus.serving.channels import bind, create_server
