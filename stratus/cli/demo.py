@@ -26,7 +26,7 @@ from typing import Any, Protocol
 import grpc
 import numpy as np
 
-from stratus.cli.fleet import ready_agents, status_json, status_table
+from stratus.cli.fleet_views import ready_agents, status_json, status_table
 from stratus.convert import codec
 from stratus.convert.parameters import Served
 from stratus.devtools.launcher import Launched, launch

@@ -8,7 +8,7 @@ import time
 from collections import Counter
 
 from router.fleet.registry import pace_for
-from stratus.cli.fleet import ready_agents
+from stratus.cli.fleet_views import ready_agents
 from stratus.devtools.launcher import free_port
 from stratus.wire import fleet_pb2 as fpb
 from tests.integration.cluster import MODELS, Cluster, fleet_status, infer, ready_count, states, wait_until

@@ -15,7 +15,7 @@ from router.api.fleet_status import agent_status, cloud_status
 from router.cloud.link import CloudLink
 from router.cloud.models import answered_by
 from router.rollout.plans import Rollouts
-from stratus.cli.fleet import cloud_table, duration, families_table, family_json, status_json
+from stratus.cli.fleet_views import cloud_table, duration, families_table, family_json, status_json
 from stratus.convert.fleet import family_from_wire
 from stratus.errors import InvalidInput
 from stratus.families.description import FamilyDescription

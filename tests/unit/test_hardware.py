@@ -8,7 +8,7 @@ import logging
 import pytest
 
 from router.api.fleet_status import agent_status
-from stratus.cli.fleet import agents_table, status_json
+from stratus.cli.fleet_views import agents_table, status_json
 from stratus.convert.hardware import MAX_FLAGS, MAX_TEXT, describe, from_hello, to_wire
 from stratus.families.precision import hardware_precisions
 from stratus.wire import fleet_pb2 as fpb
@@ -79,7 +79,7 @@ def test_the_router_keeps_it_logs_it_and_status_shows_it(caplog: pytest.LogCaptu
 
 
 def test_the_agents_table_cuts_with_an_ellipsis_and_shows_no_data_as_a_dash() -> None:
-    from stratus.cli.fleet import fit
+    from stratus.cli.fleet_views import fit
 
     assert (
         fit("short", 8) == "short"
