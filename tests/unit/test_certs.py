@@ -20,7 +20,8 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509 import verification
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from stratus.cli.certs import Identity, add_parser, issue
+from stratus.cli.certs import add_parser
+from stratus.cli.pki import Identity, issue
 from stratus.errors import ConfigError
 from stratus.serving.auth import role_server_name, spiffe_identity
 

@@ -39,7 +39,7 @@ import pytest
 import yaml
 
 from stratus import probe
-from stratus.cli import certs
+from stratus.cli import certs, pki
 from stratus.cli.config import check as config_check
 from stratus.cli.config import settings_class
 from stratus.cli.main import build_parser
@@ -162,12 +162,12 @@ def documented_certs_commands(path: Path) -> list[argparse.Namespace]:
     return [certs_parser().parse_args(argv[1:]) for argv in commands]
 
 
-def issued(commands: list[argparse.Namespace]) -> dict[certs.Identity, set[str]]:
+def issued(commands: list[argparse.Namespace]) -> dict[pki.Identity, set[str]]:
     """Each identity the commands make, with the server names its certificate carries."""
-    made: dict[certs.Identity, set[str]] = {}
+    made: dict[pki.Identity, set[str]] = {}
     for args in commands:
         for who in certs.identities_of(args):
-            hosts = {*certs.ALWAYS_HOSTS, *args.host} if who.role in certs.SERVER_ROLES else set()
+            hosts = {*pki.ALWAYS_HOSTS, *args.host} if who.role in pki.SERVER_ROLES else set()
             made[who] = hosts
     return made
 
@@ -268,7 +268,7 @@ class Fleet:
 
     def __init__(self, folder: Path) -> None:
         self.folder = folder
-        certs.issue(folder, [certs.Identity("router", "router"), certs.Identity("agent", "device-1")])
+        pki.issue(folder, [pki.Identity("router", "router"), pki.Identity("agent", "device-1")])
         self.ca = folder / "ca.pem"
         made = self.make_server_certificate("--host", "127.0.0.1")
         assert made.returncode == 0, f"{NATS_CERT_SCRIPT} failed: {made.stderr}"
@@ -783,7 +783,7 @@ def test_k8s_secrets_are_placeholders_made_by_the_documented_commands() -> None:
             assert annotations["stratus.dev/made-by"] == NATS_CERT_SCRIPT, secret["metadata"]["name"]
             continue
         role, name = annotations["stratus.dev/spiffe-id"].removeprefix("spiffe://stratus/").split("/")
-        assert certs.Identity(role, name) in made, (
+        assert pki.Identity(role, name) in made, (
             f"{secret['metadata']['name']}: no command makes {role}/{name}"
         )
     config = settings()

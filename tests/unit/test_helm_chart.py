@@ -35,7 +35,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from stratus.cli import certs
+from stratus.cli import pki
 from stratus.serving import auth
 from tests.unit.test_deploy_manifests import (
     K8S_VERSION,
@@ -973,7 +973,7 @@ def test_certs_commands_in_notes_parse(site: Site) -> None:
 def test_identity_parser_refuses_a_foreign_uri() -> None:
     """The SPIFFE check above can fail: a URI of another shape is no Stratus identity."""
     assert auth.spiffe_identity({"peer_spiffe_id": [b"spiffe://stratus/robot/x"]}) is None
-    assert certs.Identity("router", "router").spiffe_id == "spiffe://stratus/router/router"
+    assert pki.Identity("router", "router").spiffe_id == "spiffe://stratus/router/router"
 
 
 def selects(selector: Doc, labels: dict[str, str]) -> bool:

@@ -15,7 +15,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from stratus.cli.certs import Identity, issue
+from stratus.cli.pki import Identity, issue
 from stratus.serving.health import Health
 
 ROOT = Path(__file__).resolve().parents[2]
