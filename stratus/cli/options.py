@@ -164,7 +164,8 @@ class _Help(argparse.HelpFormatter):
 
 def _setting_default(role: str, field: str) -> str:
     """`` (default: X)`` for a setting's flag, X its dataclass's one default."""
-    from stratus.config import default_of, show_value
+    from stratus.config import default_of
+    from stratus.config_values import show_value
 
     default = default_of(settings_class(role), field)
     if default is None or default is False or default in ((), ""):

@@ -267,6 +267,7 @@ LAYERS = {
     "stratus.errors": 0,
     "stratus.tiers": 0,
     "stratus.config": 0,
+    "stratus.config_values": 0,
     "stratus.datatypes": 0,
     "stratus.process": 0,
     "stratus.wire": 0,
