@@ -32,10 +32,11 @@ from stratus.families.repository import ModelRepository
 from stratus.obs.endpoint import serve as serve_metrics
 from stratus.obs.metrics import Metrics, ModelMetrics
 from stratus.process import announce, stop_on_signals
-from stratus.serving.auth import check_endpoint, insecure_warning, is_loopback
+from stratus.serving.auth import is_loopback
 from stratus.serving.channels import bind, create_server
 from stratus.serving.client_limits import ClientLimits
 from stratus.serving.credential_files import RevokedCertificates
+from stratus.serving.exposure import check_endpoint, insecure_warning
 from stratus.serving.health import Health
 from stratus.serving.servicer import DataPlane, InferenceServicer, add_inference_service
 from stratus.tiers import Tier

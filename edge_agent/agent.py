@@ -32,9 +32,9 @@ from stratus.families.precision import Hardware
 from stratus.obs.endpoint import serve as serve_metrics
 from stratus.obs.metrics import Metrics
 from stratus.process import announce, process_uptime_s, start_collapsed
-from stratus.serving.auth import insecure_warning
 from stratus.serving.channels import bind, create_server
 from stratus.serving.discovery import discover_all, dns_target, resolve_all
+from stratus.serving.exposure import insecure_warning
 from stratus.serving.health import Health
 from stratus.serving.servicer import InferenceServicer, add_inference_service
 from stratus.tiers import Tier

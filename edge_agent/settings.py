@@ -12,9 +12,10 @@ from stratus.errors import ConfigError
 from stratus.families.precision import Hardware, Precision
 from stratus.obs.endpoint import check_metrics_exposure
 from stratus.sched.batching import DEFAULT_MAX_BATCH
-from stratus.serving.auth import check_endpoint, clients_authenticated, is_loopback
+from stratus.serving.auth import is_loopback
 from stratus.serving.channels import NO_TLS, TlsSettings
 from stratus.serving.discovery import dns_target
+from stratus.serving.exposure import check_endpoint, clients_authenticated
 from stratus.tiers import Tier
 
 SERVE = "the agent's --serve endpoint"

@@ -30,10 +30,11 @@ from stratus.families.repository import ModelRepository
 from stratus.obs.endpoint import serve as serve_metrics
 from stratus.obs.metrics import Metrics, RouterMetrics
 from stratus.process import announce, raise_open_files_limit, stop_on_signals
-from stratus.serving.auth import RouterCredentials, insecure_warning
+from stratus.serving.auth import RouterCredentials
 from stratus.serving.channels import bind, create_server
 from stratus.serving.client_limits import ClientLimits
 from stratus.serving.discovery import Advertisement
+from stratus.serving.exposure import insecure_warning
 from stratus.serving.health import Health
 from stratus.serving.rest import RestApi, server_context
 from stratus.serving.servicer import InferenceServicer, add_inference_service

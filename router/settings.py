@@ -18,16 +18,11 @@ from stratus.errors import ConfigError
 from stratus.families.precision import Hardware, Precision
 from stratus.obs.endpoint import check_metrics_exposure
 from stratus.sched.batching import DEFAULT_MAX_BATCH, DEFAULT_MAX_DELAY_S
-from stratus.serving.auth import (
-    RouterCredentials,
-    check_exposure,
-    check_secrets,
-    is_loopback,
-    parse_agent_pool,
-)
+from stratus.serving.auth import RouterCredentials, is_loopback, parse_agent_pool
 from stratus.serving.channels import NO_TLS, TlsSettings
 from stratus.serving.client_limits import MAX_ITEMS_PER_CLIENT, MAX_REQUESTS_PER_CLIENT
 from stratus.serving.credential_files import AgentTokens, RevokedCertificates
+from stratus.serving.exposure import check_exposure, check_secrets
 from stratus.tiers import Tier
 
 

@@ -76,7 +76,7 @@ TARGETS: tuple[Target, ...] = (
     ),
     Target(
         "cascades",
-        ("router/cascade/classify.py", "router/cascade/generate.py", "router/cascade/common.py"),
+        ("router/cascade/classify.py", "router/cascade/generate.py", "router/cascade/common.py", "router/cascade/gray.py"),
         ("tests/unit/cascade",),
     ),
     Target(
@@ -92,7 +92,7 @@ TARGETS: tuple[Target, ...] = (
     ),
     Target(
         "auth",
-        ("stratus/serving/auth.py",),
+        ("stratus/serving/auth.py", "stratus/serving/exposure.py"),
         (
             "tests/unit/test_auth.py",
             "tests/unit/test_site_revocations.py",

@@ -12,12 +12,7 @@ from typing import Any, Final
 import grpc
 
 from stratus.errors import ConfigError, InvalidInput
-from stratus.serving.auth import (
-    TRUST_DOMAIN_PATTERN,
-    BearerTokenInterceptor,
-    Revocations,
-    role_server_name,
-)
+from stratus.serving.auth import TRUST_DOMAIN_PATTERN, BearerTokenInterceptor, Revocations, role_server_name
 from stratus.serving.interceptor import CallerRoles, ErrorInterceptor, InferenceShare, RevokedCallers
 
 # Every server and channel refuses messages past this size (a digits batch of 64 is 16 KiB,

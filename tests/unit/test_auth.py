@@ -11,16 +11,11 @@ import pytest
 
 from router.settings import RouterSettings
 from stratus.errors import ConfigError, Overloaded, PermissionDenied, Unauthenticated
-from stratus.serving.auth import (
-    CertIdentity,
-    RouterCredentials,
-    check_exposure,
-    is_loopback_peer,
-    spiffe_identity,
-)
+from stratus.serving.auth import CertIdentity, RouterCredentials, is_loopback_peer, spiffe_identity
 from stratus.serving.channels import TlsSettings
 from stratus.serving.client_limits import ClientLimits, client_of
 from stratus.serving.credential_files import AgentTokens, RevokedCertificates
+from stratus.serving.exposure import check_exposure
 
 AGENT_TOKEN = "a-long-agent-token-0001"
 

@@ -20,18 +20,20 @@ from stratus.serving.auth import (
     CertIdentity,
     RouterCredentials,
     caller_certificate,
-    check_endpoint,
-    check_exposure,
-    check_secrets,
-    clients_authenticated,
-    exposed_insecurely,
     id_fits_certificate,
-    insecure_warning,
     is_loopback,
     is_loopback_peer,
     parse_agent_pool,
     role_server_name,
     spiffe_identity,
+)
+from stratus.serving.exposure import (
+    check_endpoint,
+    check_exposure,
+    check_secrets,
+    clients_authenticated,
+    exposed_insecurely,
+    insecure_warning,
     warn_insecure_forever,
 )
 from tests.unit.test_auth import AGENT_TOKEN, Context
