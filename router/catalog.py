@@ -17,7 +17,6 @@ from router.cloud.pool import CloudTier
 from router.fleet.registry import FleetRegistry
 from stratus.errors import NotFound, PermissionDenied
 from stratus.families.description import FamilyDescription
-from stratus.obs.metrics import UNKNOWN
 
 # What NOT_FOUND lists, at most, in characters of names: its message travels in gRPC
 # metadata (8 KiB by default), which a fleet of thousands of names would pass.
@@ -70,14 +69,6 @@ class Catalog:
         if info is None and cloud is not None:  # served by the cloud alone
             info = cloud.generative.get(family) or cloud.described.get(family)
         return Route(family=family, pinned=pinned, description=info, label=self._label(family, cloud))
-
-    def label(self, name: str) -> str:
-        """The family a name counts under, or "unknown": metric labels stay a bounded set."""
-        try:
-            family, _ = self.family_of(name)
-        except NotFound:
-            return UNKNOWN
-        return self._label(family, self._cloud())
 
     def _label(self, family: str, cloud: CloudTier | None) -> str:
         """A variant counts under its family, whether agents serve it or only the cloud does
