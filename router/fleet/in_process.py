@@ -13,7 +13,8 @@ for a model that takes under 0.2 ms, where the hand-over would cost more than th
 One exception, for speed: a classifier's batch (:class:`InProcessWork`) goes from the Batcher in
 front of the agent straight to the models as arrays over the request's own bytes, and its
 outputs come back as tensors, with no Work or Result message built and read in between
-(issue 37 §3). Generations, cancels, drains, reloads and heartbeats keep the messages.
+(issue 37 §3), and runs at once: that Batcher formed the batch and holds its slot, so the
+models' own batcher is not asked again. Generations, cancels, drains, reloads and heartbeats keep the messages.
 """
 
 from __future__ import annotations
@@ -97,7 +98,7 @@ class InProcessWork(AgentWork):
         outcome = "ok"
         try:
             async with asyncio.timeout(budget_ms / 1000.0):
-                return await self.models.run(variant, inputs, outputs)
+                return await self.models.run(variant, inputs, outputs, batched=True)
         except TimeoutError:
             outcome = "deadline_exceeded"
             self.missed()

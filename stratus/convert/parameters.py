@@ -27,6 +27,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Final
 
 from stratus.datatypes import ParameterValue
 from stratus.errors import InvalidInput, NotFound
@@ -97,17 +98,18 @@ def values_of(parameters: Mapping[str, pb.InferParameter]) -> dict[str, Paramete
     return {key: parameter_value(value) for key, value in parameters.items()}
 
 
+# The field each Python type is written to, by exact type: a response carries a dozen
+# parameters, and a lookup costs a third of the isinstance chain it saves (issue 37 §3).
+_PARAMETER_FIELDS: Final = {bool: "bool_param", int: "int64_param", float: "double_param", str: "string_param"}
+
+
 def set_parameter(parameters: Mapping[str, pb.InferParameter], key: str, value: ParameterValue) -> None:
     """Write one typed parameter into a protobuf parameters map."""
-    target = parameters[key]  # protobuf map: creates the entry
-    if isinstance(value, bool):
-        target.bool_param = value
-    elif isinstance(value, int):
-        target.int64_param = value
-    elif isinstance(value, float):
-        target.double_param = value
-    else:
-        target.string_param = value
+    field = _PARAMETER_FIELDS.get(type(value))
+    if field is None:  # a subclass (numpy's float64 is a float): bool before int, as bool is one
+        kind = next((kind for kind in _PARAMETER_FIELDS if isinstance(value, kind)), str)
+        field = _PARAMETER_FIELDS[kind]
+    setattr(parameters[key], field, value)  # protobuf map: creates the entry
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -76,6 +76,9 @@ _METHODS = {
 }
 
 
+_TINY: Final = np.finfo(np.float64).tiny
+
+
 def tempered(probabilities: FloatArray, temperature: float) -> FloatArray:
     """Probabilities re-spread as if their logits were divided by ``temperature``.
 
@@ -85,7 +88,7 @@ def tempered(probabilities: FloatArray, temperature: float) -> FloatArray:
     """
     if temperature == 1.0:
         return probabilities
-    logits = np.log(np.clip(probabilities, np.finfo(np.float64).tiny, None))
+    logits = np.log(np.maximum(probabilities, _TINY))  # np.clip's Python wrapper costs more than the call
     return softmax(logits / temperature)
 
 
