@@ -23,6 +23,13 @@ functions of the median request in the order first entered, and the files entere
 This is a dynamic count of everything that runs, so it is larger than a walk read by hand
 that follows one argument; it is the number the cost per request (issue 37) comes down to.
 
+It then counts the review's walk (reviews/structure2.md §2) as it runs: the request
+``RouterDataPlane.infer`` is handed, followed through every call that is handed it or the
+wire message inside it (:class:`Followed`), until ``infer`` answers. The review read its walk
+from the source, every branch at once (the generative path's too), so its figures are larger
+than one classifier request's; this tool gave 23 stays, 4 rooms and 11 returns at ``758dc97``,
+the commit the review measured 75, 17 and 58 at.
+
     python benchmarks/walk.py [--requests 200] [--list]
 """
 
@@ -36,7 +43,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import Any, TypeVar
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -96,6 +103,61 @@ class Walk:
         return {filename for filename, _ in self.entries}
 
 
+@dataclass
+class Followed:
+    """The review's walk (reviews/structure2.md §2), counted as it runs: the request that
+    ``RouterDataPlane.infer`` is handed, followed through every call it is handed to.
+
+    A *stay* is a call one of whose arguments (``self`` included) is the request or the wire
+    message inside it; a coroutine resumed is not a new stay. *Rooms* are the files of the
+    stays, and a *return* is a stay in a file the walk had left before (the file of the
+    previous stay differs, and this one was seen earlier). What the request's values become
+    (its tensors, the Job) is not followed, as the review's reading did not follow them."""
+
+    stays: list[tuple[str, str]] = field(default_factory=list)
+    returns: int = 0
+    _followed: tuple[object, ...] = ()
+    _entered: set[int] = field(default_factory=set)
+    _frames: list[FrameType] = field(default_factory=list)  # kept alive: their ids stay theirs
+    _seen: set[str] = field(default_factory=set)
+    _root: FrameType | None = None
+
+    def profile(self, frame: FrameType, event: str, arg: Any) -> None:
+        if event != "call":
+            return
+        code = frame.f_code
+        if not code.co_filename.startswith(OURS) or code.co_filename.startswith(GENERATED):
+            return
+        if not self._followed:
+            if code.co_qualname != "RouterDataPlane.infer":
+                return
+            request = frame.f_locals["request"]
+            self._followed = (request, getattr(request, "_wire", request))
+            self._root = frame
+        if id(frame) in self._entered or not self._inside(frame):
+            return  # a coroutine resumed, or a call made after the plane answered
+        names = code.co_varnames[: code.co_argcount + code.co_kwonlyargcount]
+        if not any(frame.f_locals.get(name) is value for name in names for value in self._followed):
+            return
+        self._entered.add(id(frame))
+        self._frames.append(frame)
+        if self.stays and self.stays[-1][0] != code.co_filename and code.co_filename in self._seen:
+            self.returns += 1
+        self._seen.add(code.co_filename)
+        self.stays.append((code.co_filename, code.co_qualname))
+
+    def _inside(self, frame: FrameType | None) -> bool:
+        """Whether ``frame`` runs within the plane's ``infer`` (an await chain runs on one stack)."""
+        while frame is not None:
+            if frame is self._root:
+                return True
+            frame = frame.f_back
+        return False
+
+    def rooms(self) -> set[str]:
+        return {filename for filename, _ in self.stays}
+
+
 def router_settings(extra: list[str]) -> RouterSettings:
     argv = ["router", "--listen", "127.0.0.1:0", "--no-advertise", "--models", str(MODELS),
             "--local-tier", "edge", *local_flags(), "--log-level", "WARNING", *extra]  # fmt: skip
@@ -112,7 +174,20 @@ async def started_router(settings: RouterSettings, stop: asyncio.Event) -> tuple
     return task, address
 
 
-async def walks(address: str, requests: int) -> list[Walk]:
+Profiler = TypeVar("Profiler", Walk, Followed)
+
+
+async def profiled(stub: Any, message: pb.ModelInferRequest, profiler: Profiler) -> Profiler:
+    """One request sent with ``profiler`` watching this thread's calls until its answer."""
+    sys.setprofile(profiler.profile)
+    try:
+        await stub.ModelInfer(message)
+    finally:
+        sys.setprofile(None)
+    return profiler
+
+
+async def walks(address: str, requests: int) -> tuple[list[Walk], list[Followed]]:
     x = digits_splits().held_out.x
     messages = []
     for index in range(requests + 50):
@@ -127,20 +202,23 @@ async def walks(address: str, requests: int) -> list[Walk]:
             await asyncio.sleep(0.1)
         for message in messages[:50]:  # warm: first calls compile and fill caches
             await stub.ModelInfer(message)
-        counted = []
-        for message in messages[50:]:
-            walk = Walk()
-            sys.setprofile(walk.profile)
-            try:
-                await stub.ModelInfer(message)
-            finally:
-                sys.setprofile(None)
-            counted.append(walk)
-    return counted
+        counted = [await profiled(stub, message, Walk()) for message in messages[50:]]
+        followed = [await profiled(stub, message, Followed()) for message in messages[50:60]]
+    return counted, followed
 
 
 def short(filename: str) -> str:
     return str(Path(filename).relative_to(ROOT))
+
+
+def report_followed(followed: list[Followed], listing: bool) -> None:
+    sizes = sorted(followed, key=lambda f: len(f.stays))
+    median = sizes[len(sizes) // 2]
+    print(f"\nthe request followed from RouterDataPlane.infer (the review's walk), the median of {len(followed)}:")
+    print(f"  stays {len(median.stays)}, rooms {len(median.rooms())}, returns to a room left {median.returns}")
+    if listing:
+        for filename, name in median.stays:
+            print(f"  {short(filename)}:{name}")
 
 
 def report(counted: list[Walk], listing: bool) -> None:
@@ -170,11 +248,12 @@ async def main_async(args: argparse.Namespace) -> None:
     stop = asyncio.Event()
     task, address = await started_router(router_settings([]), stop)
     try:
-        counted = await walks(address, args.requests)
+        counted, followed = await walks(address, args.requests)
     finally:
         stop.set()
         await asyncio.wait_for(task, 60)
     report(counted, args.list)
+    report_followed(followed, args.list)
 
 
 def main() -> int:

@@ -33,7 +33,6 @@ from router.obs import observer_for
 from router.policy import FleetSnapshot
 from router.rollout.plans import Rollouts
 from stratus.convert.inference import InferRequest, InferResult, TextRequest
-from stratus.convert.tensors import check_inputs
 from stratus.convert.text import (
     chunk_result,
     prompt_request,
@@ -290,25 +289,19 @@ class RouterDataPlane(DataPlane):
     def _job(self, request: InferRequest, route: Route, timeout_s: float | None, started: float) -> Job:
         """Check everything a request says against the family's description, without decoding."""
         options = request.options()
-        family, spec = route.family, route.classifier
-        if spec is not None:
-            request.check_metadata(family, spec.inputs)
-        inputs = request.tensors()
-        outputs = list(request.outputs)
-        datatypes = ["FP32"]
-        if spec is not None:
-            check_inputs(family, spec.inputs, inputs)
-            outputs = request.requested_outputs(family, [o.name for o in spec.outputs])
-            datatypes = [o.datatype for o in spec.outputs if o.name in outputs]
+        spec = route.classifier
+        inputs, outputs = (spec.inputs, spec.outputs) if spec is not None else (None, None)
+        checked = request.checked(route.family, inputs, outputs)
+        datatypes = [o.datatype for o in checked.wanted(spec.outputs)] if spec is not None else ["FP32"]
         return Job(
             id=request.id,
             asked_for=request.model_name,
-            family=family,
+            family=route.family,
             pinned=route.pinned,
             label=route.label,
             options=options,
-            inputs=inputs,
-            outputs=tuple(outputs) if request.outputs else (),
+            inputs=checked.inputs,
+            outputs=checked.outputs,
             raw=request.answer_raw(datatypes),
             budget_ms=request_budget(options.budget_ms, timeout_s),
             started=started,

@@ -28,6 +28,7 @@ from stratus.convert.parameters import (
 from stratus.convert.tensors import (
     Tensors,
     answer_raw,
+    check_inputs,
     check_request_metadata,
     named_inputs,
     requested_outputs,
@@ -127,13 +128,27 @@ class InferRequest:
             return False
         return bool(self.arrays()[STREAM].all())
 
+    def checked(
+        self, family: str, inputs: Sequence[TensorSpec] | None, outputs: Sequence[TensorSpec] | None
+    ) -> Checked:
+        """Everything the request says checked against the family's tensors, in the one call
+        both planes make: names, datatypes and shapes first, from metadata alone, before a
+        byte is read (a request the family cannot take costs no memory); then each buffer's
+        length; then the outputs it names. ``None``: a family with no description here (a
+        model only the cloud serves), whose server checks what it takes."""
+        if inputs is not None:
+            self.check_metadata(family, inputs)
+        tensors = self.tensors()
+        if inputs is not None:
+            check_inputs(family, inputs, tensors)
+        named = self.outputs
+        if outputs is not None and named:
+            named = tuple(requested_outputs(self._wire, family, [o.name for o in outputs]))
+        return Checked(inputs=tensors, outputs=named)
+
     def check_metadata(self, family: str, specs: Sequence[TensorSpec]) -> None:
         """Names, datatypes and shapes against the family, before anything is decoded."""
         check_request_metadata(family, specs, self._wire)
-
-    def requested_outputs(self, family: str, known: Sequence[str]) -> list[str]:
-        """The outputs to answer with (all when none are named); unknown names refused."""
-        return requested_outputs(self._wire, family, known)
 
     def answer_raw(self, datatypes: Iterable[str]) -> bool:
         """Raw buffers, unless the request was typed and every output can be typed."""
@@ -146,6 +161,21 @@ class InferRequest:
     def arrays(self) -> dict[str, Array]:
         """The inputs decoded, as a runtime takes them."""
         return codec.decode_request_inputs(self._wire)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Checked:
+    """A request's tensors as :meth:`InferRequest.checked` found them fit for its family."""
+
+    inputs: Tensors  # raw buffers, never decoded (an agent's runtime views them as arrays)
+    outputs: tuple[str, ...]  # the outputs it asked for by name, each one the family gives; (): all
+
+    def wanted(self, outputs: Sequence[TensorSpec]) -> list[TensorSpec]:
+        """Of the family's ``outputs``, those to answer with, in the order asked (all: the family's)."""
+        if not self.outputs:
+            return list(outputs)
+        by_name = {o.name: o for o in outputs}
+        return [by_name[name] for name in self.outputs]
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -360,15 +360,13 @@ class LocalModels:
         return sorted(names)
 
     async def answer(self, request: InferRequest) -> LocalAnswer:
-        """Decode once, check, wait for a slot (maybe sharing a batch), run."""
+        """Check, view the buffers as arrays, wait for a slot (maybe sharing a batch), run."""
         if self.generators is not None and self.generators.serves(request.model_name):
             return await self.generate(request)
         family, _ = self.variant_for(request.model_name)
-        request.check_metadata(family.name, family.inputs)  # before decoding anything
-        inputs = request.arrays()
-        family.check_inputs(inputs)
-        wanted = request.requested_outputs(family.name, [s.name for s in family.outputs])
-        ran = await self.run(request.model_name, inputs, wanted)
+        checked = request.checked(family.name, family.inputs, family.outputs)  # before decoding anything
+        wanted = [spec.name for spec in checked.wanted(family.outputs)]
+        ran = await self.run(request.model_name, checked.inputs.arrays(), wanted)
         raw = request.answer_raw(datatypes.datatype_of(a) for a in ran.outputs.values())
         return LocalAnswer(
             result=InferResult(model_name=request.model_name, id=request.id, outputs=ran.outputs, raw=raw),

@@ -500,10 +500,11 @@ def test_the_request_answers_for_its_outputs_and_its_answer_form() -> None:
     request = typed_request(("FP32", [1.0]))
     request.outputs.add(name="b")
     wrapped = InferRequest.from_wire(request)
-    assert wrapped.requested_outputs("toy", ["a", "b"]) == ["b"]
+    a, b = (TensorSpec(name=name, datatype="FP32", shape=(-1,)) for name in "ab")
+    assert wrapped.checked("toy", None, [a, b]).outputs == ("b",)
     request.outputs.add(name="c")
     assert (
-        refused(wrapped.requested_outputs, "toy", ["b", "a"])
+        refused(wrapped.checked, "toy", None, [b, a])
         == "model 'toy' has no output 'c'; it gives ['a', 'b']"
     )
     assert wrapped.answer_raw(["FP32"]) is False
