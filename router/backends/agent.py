@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Final, Protocol
 
-from router.backends.base import Classified, Generated, OnChunk
+from router.backends.base import Classified, Generated, OnChunk, Ran
 from stratus.convert.errors import error_from_wire
 from stratus.convert.fleet import chunk_from_wire
 from stratus.convert.tensors import Tensors
@@ -88,7 +88,7 @@ class Worked(Protocol):
     def patience_ms(self, model: str, items: int) -> float: ...
     def precision_of(self, variant: str) -> str: ...
     def compute_of(self, variant: str) -> str: ...
-    def learn(self, result: fpb.Result, round_trip_ms: float) -> None: ...
+    def learn(self, ran: Ran, round_trip_ms: float) -> None: ...
     def served(self, *, saturated: bool) -> None: ...
     def missed(self) -> None: ...
 
@@ -277,9 +277,9 @@ class AgentWork:
         finally:
             self.pending.pop(request_id, None)
 
-    def learnt(self, result: fpb.Result, round_trip_ms: float, *, saturated: bool) -> None:
+    def learnt(self, ran: Ran, round_trip_ms: float, *, saturated: bool) -> None:
         """What an answer in time teaches: the agent's costs, and maybe one more trusted slot."""
-        self.agent.learn(result, round_trip_ms)
+        self.agent.learn(ran, round_trip_ms)
         self.agent.served(saturated=saturated)
         self._fit_slots()
 

@@ -20,6 +20,32 @@ from stratus.wire import inference_pb2 as pb
 OnChunk = Callable[[Chunk], None]
 
 
+class Ran(Protocol):
+    """How a batch ran, as its answer says: a linked agent's Result, or the in-process tier's run."""
+
+    @property
+    def variant(self) -> str: ...
+
+    @property
+    def batch_size(self) -> int: ...
+
+    @property
+    def service_ms(self) -> float: ...
+
+    @property
+    def queue_ms(self) -> float: ...
+
+
+@dataclass(slots=True)
+class RanHere:
+    """How a batch ran in this process (router/fleet/in_process.py): no message is built."""
+
+    variant: str
+    batch_size: int
+    service_ms: float
+    queue_ms: float
+
+
 @dataclass(frozen=True, kw_only=True)
 class Classified:
     """A target's answer for some items: one output row and one confidence per item."""

@@ -13,7 +13,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from router.backends.agent import PATIENCE_FACTOR, PATIENCE_FLOOR_MS, AgentWork
-from router.backends.base import Classified, Generated, OnChunk
+from router.backends.base import Classified, Generated, OnChunk, Ran
 from router.fleet.index import line_key
 from stratus.convert.fleet import latency_from_wire
 from stratus.convert.tensors import Tensors
@@ -239,13 +239,13 @@ class AgentHandle:
         measured = self.rtt_ms + curve.estimate(items) if curve is not None and curve.known else 0.0
         return max(PATIENCE_FLOOR_MS, PATIENCE_FACTOR * measured)
 
-    def learn(self, result: fpb.Result, round_trip_ms: float) -> None:
-        """What a Result teaches: the batch's service time by its size, and the link's cost."""
-        if result.batch_size > 0:
-            self.batch_sizes.add(result.batch_size)
-        if result.batch_size > 0 and result.service_ms > 0:
-            self.curves.setdefault(result.variant, ServiceCurve()).add(result.batch_size, result.service_ms)
-        self.link_ms.add(max(0.0, round_trip_ms - result.service_ms - result.queue_ms))
+    def learn(self, ran: Ran, round_trip_ms: float) -> None:
+        """What an answer teaches: the batch's service time by its size, and the link's cost."""
+        if ran.batch_size > 0:
+            self.batch_sizes.add(ran.batch_size)
+        if ran.batch_size > 0 and ran.service_ms > 0:
+            self.curves.setdefault(ran.variant, ServiceCurve()).add(ran.batch_size, ran.service_ms)
+        self.link_ms.add(max(0.0, round_trip_ms - ran.service_ms - ran.queue_ms))
 
     def update_latency(self, estimates: Iterable[fpb.LatencyEstimate]) -> None:
         """Merge what changed (for status, and as the estimate before any Result); read into

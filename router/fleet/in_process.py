@@ -26,6 +26,7 @@ import time
 from collections.abc import Callable
 
 from router.backends.agent import AgentWork, Part, PartAnswer, Worked, WorkSettings
+from router.backends.base import RanHere
 from router.fleet.agent_handle import AgentHandle, State
 from router.fleet.registry import FleetRegistry
 from stratus.convert.errors import error_label
@@ -68,16 +69,8 @@ class InProcessWork(AgentWork):
         inputs = Tensors.join([p.inputs for p in batch.payloads]).arrays()
         saturated = self.batcher.outstanding >= self.batcher.slots
         ran = await self._run(key.variant, inputs, key.outputs, budget_ms)
-        self.learnt(
-            fpb.Result(
-                variant=ran.variant.name,
-                batch_size=ran.batch_size,
-                service_ms=ran.service_ms,
-                queue_ms=ran.queue_ms,
-            ),
-            (clock() - sent) * 1000.0,
-            saturated=saturated,
-        )
+        learnt = RanHere(ran.variant.name, ran.batch_size, ran.service_ms, ran.queue_ms)
+        self.learnt(learnt, (clock() - sent) * 1000.0, saturated=saturated)
         outputs = Tensors.from_arrays(ran.outputs)
         return [
             PartAnswer(
@@ -97,6 +90,8 @@ class InProcessWork(AgentWork):
         self.running += 1
         outcome = "ok"
         try:
+            if self.models.runs_inline(variant):  # to its end on this loop: no timer fires meanwhile
+                return await self.models.run(variant, inputs, outputs, batched=True)
             async with asyncio.timeout(budget_ms / 1000.0):
                 return await self.models.run(variant, inputs, outputs, batched=True)
         except TimeoutError:

@@ -449,6 +449,10 @@ class LocalModels:
             return self._infer_batch(key, members, sizes)
         return await self.executor.run(self._infer_batch, key, members, sizes)
 
+    def runs_inline(self, model_name: str) -> bool:
+        """Whether ``model_name``'s batches run on the event loop now (see :meth:`_infer_now`)."""
+        return self.variant_for(model_name)[1].name in self._inline
+
     def _judge_inline(self, variant: str) -> None:
         """Every INLINE_REVIEW calls: may this variant run on the event loop?"""
         window = self.latency[variant]

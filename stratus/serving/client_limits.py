@@ -68,36 +68,65 @@ class ClientLimits:
         with _place(self.streams, client_of(peer), self.streams_per_client, refusal) as before:
             yield None if before < self.idle_streams_per_client else self.silent_stream_s
 
-    @contextlib.contextmanager
-    def hold(self, peer: str, items: int = 1) -> Iterator[None]:
-        """One of the client's request places, and ``items`` of its item places, while a request runs."""
-        client = client_of(peer)
-        refusal = "requests in flight here, the most one client may; wait for answers before sending more"
-        items_refusal = (
-            "items in requests in flight here, the most one client may; wait for answers before sending more"
-        )
-        with (
-            _place(self.held, client, self.per_client, refusal),
-            # a shape's dimension 0 is not checked yet: a negative one must not free others' places
-            _place(self.items, client, self.items_per_client, items_refusal, weight=max(1, items)),
-        ):
-            yield
+    def hold(self, peer: str, items: int = 1) -> Held:
+        """One of the client's request places, and ``items`` of its item places, while a request
+        runs (``with limits.hold(peer, items):``)."""
+        # a shape's dimension 0 is not checked yet: a negative one must not free others' places
+        return Held(self, client_of(peer), max(1, items))
+
+
+_REQUESTS_REFUSAL: Final = "requests in flight here, the most one client may; wait for answers before sending more"
+_ITEMS_REFUSAL: Final = "items in requests in flight here, the most one client may; wait for answers before sending more"
+
+
+class Held:
+    """A request's places, taken on entry and given back on exit. A class, not a generator:
+    every request enters one, and a generator's context manager costs three times as much."""
+
+    __slots__ = ("_client", "_items", "_limits")
+
+    def __init__(self, limits: ClientLimits, client: str, items: int) -> None:
+        self._limits, self._client, self._items = limits, client, items
+
+    def __enter__(self) -> None:
+        limits, client = self._limits, self._client
+        _take(limits.held, client, 1, limits.per_client, _REQUESTS_REFUSAL)
+        try:
+            _take(limits.items, client, self._items, limits.items_per_client, _ITEMS_REFUSAL)
+        except Overloaded:
+            _give(limits.held, client, 1)
+            raise
+
+    def __exit__(self, *exc: object) -> None:
+        _give(self._limits.items, self._client, self._items)
+        _give(self._limits.held, self._client, 1)
 
 
 @contextlib.contextmanager
 def _place(table: dict[str, int], client: str, most: int, refusal: str, *, weight: int = 1) -> Iterator[int]:
     """``weight`` of ``client``'s places in ``table`` while the block runs (yields how many it held
-    before); Overloaded when that would take it past ``most`` (0: no limit). A client holding
-    nothing always gets its places, so that one request larger than the limit is not refused forever."""
+    before); Overloaded when that would take it past ``most`` (0: no limit)."""
+    count = _take(table, client, weight, most, refusal)
+    try:
+        yield count
+    finally:
+        _give(table, client, weight)
+
+
+def _take(table: dict[str, int], client: str, weight: int, most: int, refusal: str) -> int:
+    """Take ``weight`` places (how many were held before), or refuse past ``most``. A client
+    holding nothing always gets its places, so that one request larger than the limit is not
+    refused forever."""
     count = table.get(client, 0)
     if most > 0 and count and count + weight > most:
         raise Overloaded(f"this client has {count} {refusal}")
     table[client] = count + weight
-    try:
-        yield count
-    finally:
-        left = table[client] - weight
-        if left:
-            table[client] = left
-        else:
-            del table[client]
+    return count
+
+
+def _give(table: dict[str, int], client: str, weight: int) -> None:
+    left = table[client] - weight
+    if left:
+        table[client] = left
+    else:
+        del table[client]
