@@ -28,7 +28,7 @@ from router.backends.base import Backend, Classified
 from router.backends.cloud import CloudBackend
 from router.cascade.generate import Generation
 from router.fleet.registry import FleetRegistry
-from router.policy import Target
+from router.policy import Target, spare
 from stratus.convert.tensors import Tensors, top1
 from stratus.errors import StratusError
 from stratus.families.suggest import TierAnswer
@@ -44,9 +44,6 @@ log = logging.getLogger("stratus.audit")
 AGREED: Final = "agreed"
 DISAGREED: Final = "disagreed"
 DROPPED: Final = "dropped"
-# Agents of the top tier drawn when looking for one with a free slot (a bounded look, whatever
-# the tier's size).
-DRAWS: Final = 4
 
 
 class RolloutEvidence(Protocol):
@@ -153,19 +150,13 @@ class AuditWorkers:
     def _spare(self, audit: Audit) -> Target[Backend] | None:
         """Where the audit may go now without taking room from client work; None: nowhere."""
         if audit.top is Tier.CLOUD:
-            cloud = self.cloud
-            room = cloud is not None and cloud.ready
-            if cloud is None or not room or cloud.in_flight + 1 > cloud.capacity * self.policy.cloud_spare:
-                return None
-            return Target(tier=Tier.CLOUD, candidate=cloud)
+            pool = [self.cloud] if self.cloud is not None else []
+            return _target(Tier.CLOUD, spare(pool, self.rng, share=self.policy.cloud_spare))
         return self._spare_agent(audit.key.family, audit.top)
 
     def _spare_agent(self, family: str, tier: Tier) -> Target[Backend] | None:
-        """An agent of ``tier`` serving ``family`` with a free slot, from a bounded draw."""
-        pool = self.registry.index.pools(family).get(tier, ())
-        drawn = [pool[self.rng.randrange(len(pool))] for _ in range(DRAWS)] if len(pool) > DRAWS else pool
-        idle = [a for a in drawn if a.ready and a.in_flight < a.capacity]  # a slot is free
-        return Target(tier=tier, candidate=min(idle, key=lambda a: a.in_flight)) if idle else None
+        """An agent of ``tier`` serving ``family`` with a free slot (the policy's spare choice)."""
+        return _target(tier, spare(self.registry.index.pools(family).get(tier, ()), self.rng))
 
     async def _audit(self, audit: Audit, target: Target[Backend]) -> None:
         capture = self.outlets.capture if self.outlets.capture is not None and self.outlets.capture.wants(audit.key.family) else None
@@ -287,3 +278,7 @@ class AuditWorkers:
         log.debug("audit of %s (%s) dropped: %s", audit.key.family, audit.key.agent, why)
         if self.metrics is not None:
             self.metrics.audits.labels(audit.key.family, audit.key.tier.label, DROPPED).inc(audit.items)
+
+
+def _target(tier: Tier, chosen: Backend | None) -> Target[Backend] | None:
+    return Target(tier=tier, candidate=chosen) if chosen is not None else None

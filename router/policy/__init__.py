@@ -206,6 +206,16 @@ def two_choices(pool: Sequence[C], attempt: Attempt, rng: random.Random) -> C | 
     return min(pair, key=lambda a: (load(a), predicted_ms(a, attempt.model, attempt.items)))
 
 
+def spare(pool: Sequence[C], rng: random.Random, *, share: float = 1.0) -> C | None:
+    """A target with room for background work (an audit, a row of thresholds) that client
+    work does not need: ready, with ``in_flight + 1`` within ``share`` of its capacity; the
+    least busy of a bounded draw, drawn as :func:`two_choices` draws; None when none has room.
+    The cloud's share is smaller (``AuditPolicy.cloud_spare``): its room is every router's."""
+    drawn = [pool[rng.randrange(len(pool))] for _ in range(DRAWS)] if len(pool) > DRAWS else pool
+    roomy = [target for target in drawn if target.ready and target.in_flight + 1 <= target.capacity * share]
+    return min(roomy, key=lambda target: target.in_flight) if roomy else None
+
+
 def _why_not(attempt: Attempt, snapshot: FleetSnapshot[C]) -> NoTarget:
     """The most useful reason nothing was chosen: every target's queue full; queues too long
     for the budget (though a target would fit it idle, so waiting helps); or a budget too

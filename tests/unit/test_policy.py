@@ -19,6 +19,7 @@ from router.policy import (
     Target,
     choose,
     predicted_ms,
+    spare,
     top_tier,
 )
 from stratus.families.confidence import accepts, settled
@@ -237,17 +238,20 @@ def test_draws_skip_agents_that_are_not_ready_even_when_a_pool_holds_them() -> N
     assert {(t.tier, t.id) for t in picks} == {(Tier.DEVICE, "d7")}  # type: ignore[union-attr]
 
 
+class Counting(list):  # type: ignore[type-arg]
+    """A tier that counts the agents read from it, and refuses to be walked."""
+
+    reads = 0
+
+    def __getitem__(self, index):  # type: ignore[no-untyped-def]
+        Counting.reads += 1
+        return super().__getitem__(index)
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        raise AssertionError("a tier with usable agents is never walked")
+
+
 def test_a_decision_reads_a_few_agents_whatever_the_size_of_the_tier() -> None:
-    class Counting(list):  # type: ignore[type-arg]
-        reads = 0
-
-        def __getitem__(self, index):  # type: ignore[no-untyped-def]
-            Counting.reads += 1
-            return super().__getitem__(index)
-
-        def __iter__(self):  # type: ignore[no-untyped-def]
-            raise AssertionError("a tier with usable agents is never walked")
-
     for size in (10, 5000):
         Counting.reads = 0
         crowd = Counting(agent(f"d{i}", Tier.DEVICE, in_flight=i % 3) for i in range(size))
@@ -256,6 +260,27 @@ def test_a_decision_reads_a_few_agents_whatever_the_size_of_the_tier() -> None:
             choose(Attempt(model="digits", remaining_ms=None), snapshot, random.Random(1)), Target
         )
         assert Counting.reads <= DRAWS
+
+
+def test_background_work_goes_only_where_a_slot_is_spare_within_the_share() -> None:
+    """Audits take room client work does not need: the least busy target with in_flight + 1
+    within its share of capacity; the cloud's share is a quarter of its capacity."""
+    rng = random.Random(3)
+    busy, idle = agent("d1", Tier.EDGE, in_flight=3), agent("d2", Tier.EDGE, in_flight=1)
+    assert spare([busy, idle], rng) == idle
+    assert spare([agent("d3", Tier.EDGE, in_flight=4)], rng) is None  # every slot taken
+    assert spare([agent("d4", Tier.EDGE, ready=False)], rng) is None
+    assert spare([], rng) is None
+    cloud = agent("cloud", Tier.CLOUD, capacity=8, in_flight=1)
+    assert spare([cloud], rng, share=0.25) == cloud  # 2 of 8 once it is sent
+    assert spare([agent("cloud", Tier.CLOUD, capacity=8, in_flight=2)], rng, share=0.25) is None
+
+
+def test_the_spare_choice_reads_a_few_agents_whatever_the_size_of_the_tier() -> None:
+    Counting.reads = 0
+    crowd = Counting(agent(f"d{i}", Tier.EDGE, in_flight=4 - i % 2) for i in range(5000))
+    found = spare(crowd, random.Random(1))
+    assert found is not None and found.in_flight == 3 and Counting.reads == DRAWS
 
 
 def test_predicted_latency_counts_queued_items_in_batches_at_the_learnt_cost() -> None:
