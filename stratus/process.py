@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import json
 import logging
 import os
@@ -68,7 +69,19 @@ def configure_logging(level: str = "INFO", log_format: str = "text") -> None:
 
 
 def announce(role: str, address: str) -> None:
+    """Say the process serves, once it is started (and settle what starting made, first)."""
+    settle_heap()
     print(f"{READY_PREFIX} {role} {address}", flush=True)
+
+
+def settle_heap() -> None:
+    """Move every object made while starting (modules, models, tables: they live as long as
+    the process) out of the cyclic collector's reach. A full collection scanned them all: on a
+    router about 147,000 objects, one pause of 60-100 ms every few thousand requests and ~13 us
+    a request on average (issue 37). Refcounting still frees them; only a reference cycle among
+    them would stay, which is what the permanent tables are."""
+    gc.collect()  # what starting left as garbage goes now, not into the frozen generation
+    gc.freeze()
 
 
 def stop_on_signals(stop: asyncio.Event) -> None:
