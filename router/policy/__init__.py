@@ -202,7 +202,9 @@ def two_choices(pool: Sequence[C], attempt: Attempt, rng: random.Random) -> C | 
     found = list(drawn.values()) if len(drawn) == 2 else [a for a in pool if usable(a, attempt)]
     if not found:
         return None
-    pair = found if len(found) <= 2 else rng.sample(found, 2)
+    if len(found) == 1:
+        return found[0]
+    pair = found if len(found) == 2 else rng.sample(found, 2)
     return min(pair, key=lambda a: (load(a), predicted_ms(a, attempt.model, attempt.items)))
 
 

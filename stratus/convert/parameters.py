@@ -143,6 +143,8 @@ class RequestOptions:
 
     @classmethod
     def from_values(cls, parameters: Mapping[str, ParameterValue | None]) -> RequestOptions:
+        if not parameters:  # most requests: the defaults, made once (they are frozen)
+            return _DEFAULT_OPTIONS
         unknown = [k for k in parameters if k.startswith(PREFIX) and k not in KNOWN_REQUEST]
         if unknown:
             raise InvalidInput(
@@ -168,6 +170,9 @@ class RequestOptions:
             set_parameter(parameters, MIN_TIER, self.min_tier.label)
         if self.explain:
             set_parameter(parameters, EXPLAIN, True)
+
+
+_DEFAULT_OPTIONS: Final = RequestOptions()
 
 
 def held_reason(max_tier: Tier, items: int, tier: Tier) -> str:

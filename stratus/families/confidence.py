@@ -97,8 +97,21 @@ def confidence(
 ) -> FloatArray:
     """Confidence per batch item, as the family config (and the variant's temperature) says."""
     values = scores.astype(np.float64)
+    if method is ConfidenceMethod.MAX_SOFTMAX:  # the top probability, without the whole softmax
+        if not apply_softmax and temperature == 1.0:
+            return max_probability(values)
+        logits = values if apply_softmax else np.log(np.maximum(values, _TINY))
+        return _top_probability(logits / temperature)
     probabilities = softmax(values / temperature) if apply_softmax else tempered(values, temperature)
     return _METHODS[method](probabilities)
+
+
+def _top_probability(logits: FloatArray) -> FloatArray:
+    """``max_probability(softmax(logits))``, bit for bit: the top class's term is exp(0) = 1,
+    so its probability is 1 / the sum, and every other is no larger."""
+    exp = np.exp(logits - logits.max(axis=-1, keepdims=True))
+    result: FloatArray = 1.0 / exp.sum(axis=-1)
+    return result
 
 
 # The range fit_temperature searches; a fit at either end may be the end, not the best

@@ -10,7 +10,14 @@ import numpy as np
 import pytest
 
 from stratus.execution.models import LocalModels
-from stratus.families.confidence import ConfidenceMethod, confidence, margin, normalized_entropy, softmax
+from stratus.families.confidence import (
+    ConfidenceMethod,
+    confidence,
+    margin,
+    normalized_entropy,
+    softmax,
+    tempered,
+)
 from stratus.families.repository import load_family
 
 
@@ -86,3 +93,25 @@ def test_a_family_config_may_name_entropy_and_agents_score_with_it(models_dir: P
     )
     np.testing.assert_allclose(scores, expected)
     assert scores[0] > 0.5 > scores[1]
+
+
+def test_the_top_probability_is_the_whole_softmax_top_bit_for_bit() -> None:
+    """max_softmax takes 1 / sum(exp(z - max z)), not the whole softmax: the same numbers,
+    for logits and for probabilities (zeros among them), at any temperature."""
+    rng = np.random.default_rng(7)
+    for trial in range(400):
+        logits = rng.normal(size=(int(rng.integers(1, 5)), int(rng.integers(2, 12)))) * rng.uniform(0.1, 20.0)
+        probabilities = np.exp(logits) / np.exp(logits).sum(axis=1, keepdims=True)
+        if trial % 5 == 0:
+            probabilities[0, : probabilities.shape[1] // 2] = 0.0
+        for temperature in (1.0, 0.5, 1.7):
+            for apply_softmax, scores in ((True, logits), (False, probabilities)):
+                values = scores.astype(np.float32).astype(np.float64)
+                whole = softmax(values / temperature) if apply_softmax else tempered(values, temperature)
+                got = confidence(
+                    scores.astype(np.float32),
+                    method=ConfidenceMethod.MAX_SOFTMAX,
+                    apply_softmax=apply_softmax,
+                    temperature=temperature,
+                )
+                assert np.array_equal(got, whole.max(axis=-1))
