@@ -398,7 +398,7 @@ class LocalModels:
         return LocalRun(
             outputs=part.outputs,
             variant=variant,
-            confidences=tuple(float(c) for c in part.confidences),
+            confidences=tuple(part.confidences.tolist()),  # Python floats, as float() makes them
             service_ms=part.service_ms,
             queue_ms=max(0.0, waited_ms),
             batch_size=part.batch_size,
