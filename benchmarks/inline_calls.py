@@ -41,7 +41,7 @@ def measure(runtime: str, calls: int, cache: Path) -> tuple[float, bool]:
 
     try:
         asyncio.run(ask())
-        return models.latency["digits-small"].percentile(90, last=calls), "digits-small" in models._inline
+        return models.latency["digits-small"].percentile(90, last=calls), "digits-small" in models.running.inline
     finally:
         models.close()
 

@@ -46,6 +46,7 @@ from stratus.datatypes import Array
 from stratus.errors import ConfigError
 from stratus.execution.loading import LocalSettings
 from stratus.execution.models import LocalModels
+from stratus.execution.running import score
 from stratus.families.confidence import threshold_problem
 from stratus.families.repository import ModelRepository
 from stratus.serving.channels import NO_TLS, TlsSettings
@@ -362,7 +363,7 @@ class Client:
         started = time.perf_counter()
         outputs = self._models.runners[call.variant.name].infer(call.inputs)
         ms = (time.perf_counter() - started) * 1000.0
-        scores = self._models.score(call.family, call.variant, outputs)
+        scores = score(call.family, call.variant, outputs)
         return LocalRun(
             family=call.family, variant=call.variant, inputs=call.inputs, outputs=outputs, confidences=scores, ms=ms,
             pushed=self._thresholds.get(call.family.name),

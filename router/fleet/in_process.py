@@ -34,7 +34,8 @@ from stratus.convert.tensors import Tensors
 from stratus.datatypes import Array
 from stratus.errors import DeadlineExceeded, StratusError
 from stratus.execution.describe import Introduction, heartbeat, hello
-from stratus.execution.models import LocalModels, LocalRun
+from stratus.execution.models import LocalModels
+from stratus.execution.running import LocalRun
 from stratus.execution.work import serve_work
 from stratus.sched.batching import Batch, split_counts
 from stratus.wire import fleet_pb2 as fpb

@@ -3,9 +3,9 @@
 what a Hello says about them in ``stratus.execution.describe``.
 
 Used by the edge agent (for Work from the router and for its local ``--serve``
-endpoint), the cloud gateway and the on-device SDK: decode and check the request, run
-the variant on the bounded executor, compute the confidence as the family config says,
-encode the answer. A batch's confidence is its least confident item: one unsure item is
+endpoint), the cloud gateway and the on-device SDK: check the request, run the variant
+(``stratus.execution.running``: on the bounded executor, or on the loop for a tiny model),
+compute the confidence as the family config says, encode the answer. A batch's confidence is its least confident item: one unsure item is
 reason enough to ask a bigger model about the batch.
 """
 
@@ -18,8 +18,6 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
-
-import numpy as np
 
 from stratus import datatypes
 from stratus.convert.inference import InferRequest, InferResult
@@ -40,27 +38,21 @@ from stratus.execution.loading import (
     load_variant,
     select_variants,
 )
+from stratus.execution.running import LocalRun, Part, Running, batch_key
 from stratus.families.chat import CHAT_TEMPLATE
-from stratus.families.confidence import confidence
 from stratus.families.generation import FINISH_REASON, Chunk
 from stratus.families.precision import Hardware, this_hardware
 from stratus.families.repository import ModelRepository
 from stratus.families.spec import FamilySpec, VariantSpec
 from stratus.obs.metrics import UNKNOWN, Metric, Metrics, ModelMetrics, gauge
-from stratus.obs.stats import LatencyWindow
 from stratus.runtimes import LoadFailure, ModelRunner
-from stratus.sched.batching import Batch, Batcher, BatchKey, split_counts
-from stratus.sched.executor import BoundedExecutor
+from stratus.sched.batching import Batch, Batcher
 from stratus.tiers import Tier
 
 log = logging.getLogger("stratus.models")
 
 if TYPE_CHECKING:
     from stratus.execution.generators import OnChunk
-
-# Calls between two looks at whether a variant is fast enough to run on the event loop.
-INLINE_REVIEW = 64
-
 
 @dataclass(frozen=True, kw_only=True)
 class LocalAnswer:
@@ -75,28 +67,6 @@ class LocalAnswer:
     def confidence(self) -> float:
         """The least confident item's: one unsure item is reason to look again."""
         return min(self.confidences, default=1.0)
-
-
-@dataclass(frozen=True, kw_only=True)
-class LocalRun:
-    """Arrays run on a variant here: each output, and each item's confidence, in order."""
-
-    outputs: dict[str, Array]
-    variant: VariantSpec
-    confidences: tuple[float, ...]
-    service_ms: float  # running the batch these items ran in
-    queue_ms: float  # waiting for a slot
-    batch_size: int  # items in that batch
-
-
-@dataclass(frozen=True, kw_only=True)
-class _Part:
-    """One member's share of a batch that ran."""
-
-    outputs: dict[str, Array]
-    confidences: Array
-    service_ms: float
-    batch_size: int
 
 
 class LocalModels:
@@ -120,19 +90,18 @@ class LocalModels:
         self.generators = load_generators(repository, settings, self.recorder)
         if not chosen and not (self.generators and (self.generators.variants or self.generators.unavailable)):
             raise NotFound(f"no variants to load (tier={settings.tier}, variants={settings.variants})")
-        self.runners: dict[str, ModelRunner] = {}
-        self.latency: dict[str, LatencyWindow] = {}
         self.reasons: dict[str, str] = {}
         self.variants: dict[str, VariantSpec] = {}  # loaded, including any still retiring
         self.families: dict[str, FamilySpec] = {}
+        self.running = Running(settings, self.variants, self.families, self.recorder)
+        self.runners, self.latency = self.running.runners, self.running.latency
+        self.executor = self.running.executor
         self.served: set[str] = set()  # the variants announced: not retiring
         self.current: set[str] = set()  # served variants that answer their family's requests
         self._stamps: dict[str, tuple[VariantSpec, tuple[tuple[int, int], ...]]] = {}
         self._dynamic_batch: dict[str, bool] = {}
-        self._runtime: dict[str, str] = {}
         # The arithmetic each loaded variant's runtime computes in (RuntimeDescription.compute).
         self.computes: dict[str, str] = {}
-        self._inline: set[str] = set()  # variants fast enough to run on the event loop
         # Every runtime that refused a file, and the families (by name) whose current variant
         # no runtime here could load: those are not ready here, and say why.
         self.load_failures: list[LoadFailure] = []
@@ -148,11 +117,8 @@ class LocalModels:
             raise ModelLoadError(
                 f"nothing could be loaded here: {self.unavailable_reasons() or 'no variants'}"
             )
-        # Each thread may have one closed batch ready behind the one it runs, so it never
-        # waits on the event loop between batches; the batcher holds everything else.
         workers = settings.concurrency
-        self.executor = BoundedExecutor(name=settings.executor_name, workers=workers, queue_limit=workers)
-        self.batcher: Batcher[dict[str, Array], _Part] = Batcher(
+        self.batcher: Batcher[dict[str, Array], Part] = Batcher(
             self._run_batch,
             slots=workers,
             depth=2 * workers,
@@ -161,7 +127,6 @@ class LocalModels:
             queue_limit=settings.queue_limit,
             name=settings.executor_name,
         )
-        self.formed_items = 0  # items of batches formed elsewhere running here (run(batched=True))
         if metrics is not None:
             metrics.collect_with(self._levels)
 
@@ -203,12 +168,9 @@ class LocalModels:
         for c in chosen:
             name = c.variant.name
             if self.runners.get(name) is not runners[name]:
-                self.runners[name] = runners[name]
-                self.latency[name] = LatencyWindow()
-                self._inline.discard(name)
                 described = runners[name].describe()
+                self.running.install(name, runners[name], described.runtime)
                 self._dynamic_batch[name] = described.dynamic_batch
-                self._runtime[name] = described.runtime
                 self.computes[name] = described.compute
             self.variants[name] = c.variant
             self.families[c.family.name] = c.family
@@ -261,8 +223,8 @@ class LocalModels:
     def _retire(self, name: str, runner: ModelRunner) -> None:
         """Close a runner replaced by a reload once its grace is over (unless it came back)."""
         if self.runners.get(name) is runner and name not in self.served:
-            del self.runners[name], self.variants[name]
-            self.latency.pop(name, None)
+            self.running.forget(name)
+            del self.variants[name]
         if self.runners.get(name) is not runner:
             runner.close()
 
@@ -277,7 +239,7 @@ class LocalModels:
     @property
     def running_items(self) -> int:
         """Items in a runtime now: batches of this batcher's, and batches formed elsewhere."""
-        return self.batcher.running_items + self.formed_items
+        return self.batcher.running_items + self.running.formed_items
 
     def count(self, outcome: str, model_name: str, ran: VariantSpec | None = None) -> None:
         """One request answered here (Work from a router or a direct call): ok, or its error;
@@ -389,9 +351,9 @@ class LocalModels:
         _, variant = self.variant_for(model_name)
         size = next(iter(inputs.values())).shape[0] if inputs else 0
         started = time.perf_counter()
-        key = _key(variant.name, inputs, outputs)
+        key = batch_key(variant.name, inputs, outputs)
         if batched:
-            part = await self._run_formed(key, inputs, size)
+            part = await self.running.run_formed(key, inputs, size)
         else:
             part = await self.batcher.submit(key, inputs, size=size)
         waited_ms = (time.perf_counter() - started) * 1000.0 - part.service_ms
@@ -403,15 +365,6 @@ class LocalModels:
             queue_ms=max(0.0, waited_ms),
             batch_size=part.batch_size,
         )
-
-    async def _run_formed(self, key: BatchKey, inputs: dict[str, Array], size: int) -> _Part:
-        """A batch formed elsewhere, run as :meth:`_run_batch` runs one (counted as running)."""
-        self.formed_items += size
-        try:
-            (part,) = await self._infer_now(key, (inputs,), (size,))
-        finally:
-            self.formed_items -= size
-        return part
 
     async def generate(self, request: InferRequest, on_chunk: OnChunk | None = None) -> LocalAnswer:
         """A generative request: its text (and each chunk to ``on_chunk`` as it is made)."""
@@ -432,110 +385,16 @@ class LocalModels:
             batch_size=1,
         )
 
-    async def _run_batch(self, batch: Batch[dict[str, Array], _Part]) -> list[_Part]:
-        return await self._infer_now(batch.key, batch.payloads, batch.sizes)
-
-    async def _infer_now(
-        self, key: BatchKey, members: Sequence[dict[str, Array]], sizes: Sequence[int]
-    ) -> list[_Part]:
-        """On the executor; or right here when this variant's calls are known to be tiny.
-
-        Handing a call to a thread and back costs two wake-ups and a GIL hand-over, which
-        for a model that runs in tens of microseconds is most of the request. Once a
-        variant's recent p90 is under ``inline_below_ms``, its batches run on the event loop,
-        which they hold for less than that; a variant that slows down goes back to a thread.
-        """
-        if key.variant in self._inline:
-            return self._infer_batch(key, members, sizes)
-        return await self.executor.run(self._infer_batch, key, members, sizes)
+    async def _run_batch(self, batch: Batch[dict[str, Array], Part]) -> list[Part]:
+        return await self.running.run(batch.key, batch.payloads, batch.sizes)
 
     def runs_inline(self, model_name: str) -> bool:
-        """Whether ``model_name``'s batches run on the event loop now (see :meth:`_infer_now`)."""
-        return self.variant_for(model_name)[1].name in self._inline
-
-    def _judge_inline(self, variant: str) -> None:
-        """Every INLINE_REVIEW calls: may this variant run on the event loop?"""
-        window = self.latency[variant]
-        if window.count % INLINE_REVIEW:
-            return
-        # p90, not p99: a call that a busy machine happened to preempt is not the call's cost
-        recent = window.percentile(90, last=INLINE_REVIEW)
-        fast = self.settings.inline_below_ms > 0 and recent < self.settings.inline_below_ms
-        if fast:
-            self._inline.add(variant)
-        else:
-            self._inline.discard(variant)
-
-    def _infer_batch(
-        self, key: BatchKey, members: Sequence[Mapping[str, Array]], sizes: Sequence[int]
-    ) -> list[_Part]:
-        """On an executor thread: join the members' inputs, run once, split per member."""
-        variant = self.variants[key.variant]
-        family = self.families[variant.family]
-        joined = members[0] if len(members) == 1 else _join(members)
-        outputs, service_ms = self._timed_infer(key.variant, joined)
-        self.latency[key.variant].add(service_ms)
-        self._judge_inline(key.variant)
-        if self.recorder is not None:
-            labels = (key.variant, self._runtime[key.variant], variant.precision)
-            self.recorder.inference_of(*labels).observe(service_ms / 1000.0)
-            self.recorder.batch_items_of(key.variant).observe(sum(sizes))
-        scores = self.score(family, variant, outputs)
-        wanted = key.outputs or tuple(s.name for s in family.outputs)
-        total = sum(sizes)
-        return [
-            _Part(
-                outputs={name: outputs[name][start:stop] for name in wanted},
-                confidences=scores[start:stop],
-                service_ms=service_ms,
-                batch_size=total,
-            )
-            for start, stop in split_counts(total, sizes)
-        ]
-
-    @staticmethod
-    def score(family: FamilySpec, variant: VariantSpec, outputs: Mapping[str, Array]) -> Array:
-        """Each item's confidence, as the family says, at the variant's fitted temperature."""
-        spec = family.confidence
-        return confidence(
-            outputs[spec.output],
-            method=spec.method,
-            apply_softmax=spec.apply_softmax,
-            temperature=variant.temperature,
-        )
-
-    def _timed_infer(self, variant: str, inputs: Mapping[str, Array]) -> tuple[dict[str, Array], float]:
-        started = time.perf_counter()
-        batch = next(iter(inputs.values())).shape[0]
-        if batch == 0:
-            family = self.families[self.variants[variant].family]
-            outputs = {
-                s.name: np.zeros((0, *s.shape[1:]), datatypes.numpy_dtype(s.datatype)) for s in family.outputs
-            }
-        else:
-            outputs = self.runners[variant].infer(inputs)
-        if self.settings.emulated_extra_ms:
-            time.sleep(self.settings.emulated_extra_ms / 1000.0)  # on an executor thread, like real compute
-        return outputs, (time.perf_counter() - started) * 1000.0
+        """Whether ``model_name``'s batches run on the event loop now (see :meth:`Running.run`)."""
+        return self.variant_for(model_name)[1].name in self.running.inline
 
     def close(self) -> None:
         if self.generators is not None:
             self.generators.close()
         self.batcher.fail_waiting(Unavailable("the models here are shutting down"))
-        self.executor.shutdown(wait=True)
-        for runner in self.runners.values():
-            runner.close()
+        self.running.close()
 
-
-def _key(variant: str, inputs: Mapping[str, Array], outputs: Sequence[str]) -> BatchKey:
-    """Requests share a batch only with the same variant, per-item input shapes and outputs."""
-    return BatchKey(
-        variant=variant,
-        inputs=tuple((name, a.dtype.str, tuple(a.shape[1:])) for name, a in inputs.items()),
-        outputs=tuple(outputs),
-        batchable=all(a.ndim > 0 and a.dtype.kind not in "OSU" for a in inputs.values()),
-    )
-
-
-def _join(members: Sequence[Mapping[str, Array]]) -> dict[str, Array]:
-    return {name: np.concatenate([m[name] for m in members]) for name in members[0]}

@@ -16,6 +16,7 @@ from stratus.convert import codec
 from stratus.convert.parameters import Served, set_parameter
 from stratus.execution.loading import LocalSettings
 from stratus.execution.models import LocalModels
+from stratus.execution.running import score
 from stratus.families.repository import ModelRepository
 from stratus.serving.channels import grpc_options
 from stratus.tiers import Tier
@@ -59,7 +60,7 @@ def test_escalation_happens_exactly_below_the_device_threshold(router: str, digi
         x = digits.held_out.x[:150]
         family = repository.family("digits")
         outputs = local.runners[child.name].infer({"input": x})
-        confidences = local.score(family, child, outputs)  # at its temperature
+        confidences = score(family, child, outputs)  # at its temperature
     finally:
         local.close()
     checked = 0

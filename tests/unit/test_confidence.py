@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from stratus.execution.models import LocalModels
+from stratus.execution.running import score
 from stratus.families.confidence import (
     ConfidenceMethod,
     confidence,
@@ -84,7 +84,7 @@ def test_a_family_config_may_name_entropy_and_agents_score_with_it(models_dir: P
     assert family.confidence.method is ConfidenceMethod.ENTROPY
     variant = family.variant("digits-small")
     outputs = {"probabilities": np.array([[0.91] + [0.01] * 9, [0.1] * 10])}
-    scores = LocalModels.score(family, variant, outputs)
+    scores = score(family, variant, outputs)
     expected = confidence(
         outputs["probabilities"],
         method=ConfidenceMethod.ENTROPY,

@@ -15,7 +15,8 @@ from stratus.convert.inference import InferRequest
 from stratus.errors import ConfigError
 from stratus.execution.describe import variants_info
 from stratus.execution.loading import LocalSettings
-from stratus.execution.models import INLINE_REVIEW, LocalModels
+from stratus.execution.models import LocalModels
+from stratus.execution.running import INLINE_REVIEW
 from stratus.families.repository import ModelRepository
 from stratus.tiers import Tier
 from stratus.wire import inference_pb2 as pb
@@ -36,7 +37,7 @@ def answered(tmp_path: Path, repository: ModelRepository, **settings: float) -> 
 
     try:
         confidence = asyncio.run(ask())
-        return set(models._inline), confidence
+        return set(models.running.inline), confidence
     finally:
         models.close()
 
