@@ -10,10 +10,10 @@ from router.cloud.models import family_of
 from router.fleet.registry import FleetRegistry
 from router.rollout.plan import PROMOTED
 from router.rollout.plans import Rollouts
+from stratus.convert.fleet import tensor_metadata
 from stratus.convert.parameters import CONFIG_CURRENT, CONFIG_THRESHOLD, CONFIG_VARIANTS, MODEL_VERSION
 from stratus.convert.text import generative_config, generative_metadata
 from stratus.execution.dataplane import model_config
-from stratus.serving.servicer import tensor_metadata
 from stratus.tiers import Tier
 from stratus.wire import inference_pb2 as pb
 

@@ -28,9 +28,8 @@ from router.site.mirror import SiteMirror
 from router.site.open import open_site_state
 from router.thresholds.auto import AutoThresholds, auto_levels
 from router.thresholds.pushes import ThresholdPushes
-from stratus.convert.fleet import family_from_wire
+from stratus.convert.fleet import family_from_wire, family_to_wire
 from stratus.errors import ConfigError
-from stratus.execution.describe import family_info
 from stratus.families.description import FamilyDescription
 from stratus.families.repository import ModelRepository
 from stratus.obs.metrics import Metrics, RouterMetrics
@@ -143,7 +142,7 @@ def rollouts(settings: RouterSettings, metrics: Metrics, recorder: RouterMetrics
 def own_families(folder: Path) -> dict[str, FamilyDescription]:
     """Each family of the operator's models folder as an agent's Hello would describe it."""
     repository = ModelRepository.load(folder)
-    return {name: family_from_wire(family_info(spec)) for name, spec in repository.families.items()}
+    return {name: family_from_wire(family_to_wire(spec)) for name, spec in repository.families.items()}
 
 
 def site_mirror(

@@ -4,19 +4,20 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping
-from typing import Protocol
+from typing import Any, Protocol
 
 from stratus.errors import InvalidInput
-from stratus.families.audit import AuditSpec, TierCalibration
+from stratus.families.audit import AuditSpec, TierCalibration, calibration_info
 from stratus.families.confidence import threshold_problem
 from stratus.families.description import FamilyDescription
 from stratus.families.generation import Chunk, GenerationMethod, Token
 from stratus.families.offline import OfflineSpec
-from stratus.families.spec import GenerationSpec, TensorSpec
+from stratus.families.spec import FamilySpec, GenerationSpec, TensorSpec
 from stratus.families.suggest import AuditRow, TierAnswer
 from stratus.obs.stats import LatencySummary
 from stratus.tiers import Tier
 from stratus.wire import fleet_pb2 as fpb
+from stratus.wire import inference_pb2 as pb
 
 
 class TensorMetadata(Protocol):
@@ -115,6 +116,54 @@ def chunk_from_wire(message: fpb.Chunk) -> Chunk:
     return Chunk(tokens=tokens or (Token(text=message.text, logprob=0.0),))
 
 
+def family_to_wire(family: FamilySpec) -> fpb.FamilyInfo:
+    """A family as a Hello describes it (as a router's own copy of the models folder reads it
+    too): what :func:`family_from_wire` reads back."""
+    info = fpb.FamilyInfo(
+        name=family.name,
+        inputs=tensor_metadata(family.inputs),
+        outputs=tensor_metadata(family.outputs),
+        thresholds=thresholds_to_wire(family.thresholds),
+        cloud_variants=cloud_variants(family),
+        calibrated_cloud_share=calibrated_cloud_share(family),
+        **family_fields(family),
+    )
+    if family.generation is not None:
+        info.kind = "generative"
+        info.confidence_method = family.generation.method.value
+        info.max_tokens = family.generation.max_tokens
+        info.stop.extend(family.generation.stop)
+    return info
+
+
+def family_fields(family: FamilySpec) -> dict[str, Any]:
+    """The FamilyInfo fields for a family's audits and privacy (keyword arguments of its constructor)."""
+    audit = fpb.AuditSettings(compare=family.audit.compare, auto=family.audit.auto)
+    if family.audit.share is not None:
+        audit.share = family.audit.share
+    if family.audit.max_per_s is not None:
+        audit.max_per_s = family.audit.max_per_s
+    calibrated = {tier.label: calibration_info(f) for tier, f in family.tier_accuracy.items()}
+    offline = family.offline
+    settings = fpb.OfflineSettings(
+        defer=offline.defer, max_items=offline.max_items, max_bytes=offline.max_bytes, max_age_s=offline.max_age_s
+    )
+    return {"audit": audit, "calibrated": calibrated, "keep_on_site": not family.escalate, "offline": settings}
+
+
+def calibrated_cloud_share(family: FamilySpec) -> float | None:
+    """What calibrate recorded the thresholds send to the cloud; None (the field stays unset,
+    and the router exports no baseline) for thresholds never calibrated."""
+    return family.calibration.cloud_share if family.calibration is not None else None
+
+
+def cloud_variants(family: FamilySpec) -> list[str]:
+    """The family's cloud-tier variants, its current line first, then that line's children."""
+    current = family.current.get(Tier.CLOUD)
+    names = [v.name for v in family.variants_for(Tier.CLOUD)]
+    return sorted(names, key=lambda n: (n != current, not n.startswith(f"{current}-"), n))
+
+
 def family_from_wire(info: fpb.FamilyInfo) -> FamilyDescription:
     """What an agent's Hello says of a family, read once, when it arrives; a
     threshold or figure keyed by no tier, or a confidence method this version does not know,
@@ -155,6 +204,11 @@ def _offline(settings: fpb.OfflineSettings, where: str) -> OfflineSpec:
 def tensor_specs(tensors: Iterable[TensorMetadata]) -> tuple[TensorSpec, ...]:
     """Tensors as metadata describes them (a Hello's, a cloud's ModelMetadata)."""
     return tuple(TensorSpec(name=t.name, datatype=t.datatype, shape=tuple(t.shape)) for t in tensors)
+
+
+def tensor_metadata(specs: Iterable[TensorSpec]) -> list[pb.ModelMetadataResponse.TensorMetadata]:
+    """Tensors as metadata describes them: what :func:`tensor_specs` reads back."""
+    return [pb.ModelMetadataResponse.TensorMetadata(name=s.name, datatype=s.datatype, shape=s.shape) for s in specs]
 
 
 def _generation(info: fpb.FamilyInfo, where: str) -> GenerationSpec:

@@ -8,6 +8,7 @@ import asyncio
 from collections.abc import AsyncIterator, Sequence
 from typing import Protocol
 
+from stratus.convert.fleet import tensor_metadata
 from stratus.convert.inference import InferRequest, InferResult
 from stratus.convert.parameters import BATCH_SIZE, MODEL_VERSION, VARIANT, Served
 from stratus.convert.tensors import MAX_REQUEST_ITEMS
@@ -19,7 +20,7 @@ from stratus.families.generation import FINAL, FINISH_REASON, Chunk
 from stratus.families.spec import TensorSpec
 from stratus.obs.metrics import counted
 from stratus.sched.streams import OnItem, relayed
-from stratus.serving.servicer import DataPlane, tensor_metadata
+from stratus.serving.servicer import DataPlane
 from stratus.tiers import Tier
 from stratus.wire import inference_pb2 as pb
 

@@ -1,22 +1,19 @@
-"""What an agent's Hello says about the models loaded here: each family (tensors,
-thresholds, audits, calibration, cloud variants) and each variant (runtime, precision,
-line, why it was chosen), and the families that could not be loaded, in fleet.proto's types."""
+"""What an agent's Hello says about the models loaded here: each family served (written by
+``stratus.convert.fleet.family_to_wire``, beside the reader a router uses), each variant
+(runtime, precision, line, why it was chosen), and the families that could not be loaded,
+in fleet.proto's types; and what its heartbeats say."""
 
 from __future__ import annotations
 
 import platform
 import socket
 from dataclasses import dataclass
-from typing import Any
 
 from stratus import __version__
-from stratus.convert.fleet import latency_to_wire, thresholds_to_wire, wire_tier
+from stratus.convert.fleet import family_to_wire, latency_to_wire, wire_tier
 from stratus.convert.hardware import to_wire as hardware_to_wire
 from stratus.execution.generators import LocalGenerators
 from stratus.execution.models import LocalModels
-from stratus.families.audit import calibration_info
-from stratus.families.spec import FamilySpec
-from stratus.serving.servicer import tensor_metadata
 from stratus.tiers import Tier
 from stratus.wire import fleet_pb2
 
@@ -76,24 +73,9 @@ def families_info(models: LocalModels) -> list[fleet_pb2.FamilyInfo]:
     served = {models.variants[name].family for name in models.served}
     generative = list(models.generators.families.values()) if models.generators is not None else []
     return [
-        *map(_family_info, generative),
-        *[family_info(f) for f in models.families.values() if f.name in served],
+        *map(family_to_wire, generative),
+        *[family_to_wire(f) for f in models.families.values() if f.name in served],
     ]
-
-
-def family_info(family: FamilySpec) -> fleet_pb2.FamilyInfo:
-    """A family as a Hello describes it (as a router's own copy of the models folder reads it too)."""
-    if family.generative:
-        return _family_info(family)
-    return fleet_pb2.FamilyInfo(
-        name=family.name,
-        inputs=tensor_metadata(family.inputs),
-        outputs=tensor_metadata(family.outputs),
-        thresholds=thresholds_to_wire(family.thresholds),
-        cloud_variants=cloud_variants(family),
-        calibrated_cloud_share=calibrated_cloud_share(family),
-        **family_info_fields(family),
-    )
 
 
 def variants_info(models: LocalModels) -> list[fleet_pb2.VariantInfo]:
@@ -127,37 +109,6 @@ def unavailable_info(models: LocalModels) -> list[fleet_pb2.FamilyUnavailable]:
     ]
 
 
-def _family_info(family: FamilySpec) -> fleet_pb2.FamilyInfo:
-    """A generative family as the router needs it: its tensors, thresholds and limits."""
-    assert family.generation is not None
-    return fleet_pb2.FamilyInfo(
-        name=family.name,
-        inputs=tensor_metadata(family.inputs),
-        outputs=tensor_metadata(family.outputs),
-        thresholds=thresholds_to_wire(family.thresholds),
-        kind="generative",
-        confidence_method=family.generation.method.value,
-        max_tokens=family.generation.max_tokens,
-        stop=family.generation.stop,
-        cloud_variants=cloud_variants(family),
-        calibrated_cloud_share=calibrated_cloud_share(family),
-        **family_info_fields(family),
-    )
-
-
-def calibrated_cloud_share(family: FamilySpec) -> float | None:
-    """What calibrate recorded the thresholds send to the cloud; None (the field stays unset,
-    and the router exports no baseline) for thresholds never calibrated."""
-    return family.calibration.cloud_share if family.calibration is not None else None
-
-
-def cloud_variants(family: FamilySpec) -> list[str]:
-    """The family's cloud-tier variants, its current line first, then that line's children."""
-    current = family.current.get(Tier.CLOUD)
-    names = [v.name for v in family.variants_for(Tier.CLOUD)]
-    return sorted(names, key=lambda n: (n != current, not n.startswith(f"{current}-"), n))
-
-
 def _generator_infos(generators: LocalGenerators) -> list[fleet_pb2.VariantInfo]:
     return [
         fleet_pb2.VariantInfo(
@@ -177,17 +128,3 @@ def _generator_infos(generators: LocalGenerators) -> list[fleet_pb2.VariantInfo]
         for name, variant in sorted(generators.variants.items())
     ]
 
-
-def family_info_fields(family: FamilySpec) -> dict[str, Any]:
-    """The FamilyInfo fields for a family's audits and privacy (keyword arguments of its constructor)."""
-    audit = fleet_pb2.AuditSettings(compare=family.audit.compare, auto=family.audit.auto)
-    if family.audit.share is not None:
-        audit.share = family.audit.share
-    if family.audit.max_per_s is not None:
-        audit.max_per_s = family.audit.max_per_s
-    calibrated = {tier.label: calibration_info(f) for tier, f in family.tier_accuracy.items()}
-    offline = family.offline
-    settings = fleet_pb2.OfflineSettings(
-        defer=offline.defer, max_items=offline.max_items, max_bytes=offline.max_bytes, max_age_s=offline.max_age_s
-    )
-    return {"audit": audit, "calibrated": calibrated, "keep_on_site": not family.escalate, "offline": settings}

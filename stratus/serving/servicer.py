@@ -13,7 +13,7 @@ import abc
 import functools
 import logging
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any, Final, cast
 
@@ -285,9 +285,3 @@ def add_inference_service(servicer: InferenceServicer, server: grpc.aio.Server) 
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(collected.service, handlers),))
     server.add_registered_method_handlers(collected.service, handlers)
 
-
-def tensor_metadata(specs: Sequence[Any]) -> list[pb.ModelMetadataResponse.TensorMetadata]:
-    return [
-        pb.ModelMetadataResponse.TensorMetadata(name=s.name, datatype=s.datatype, shape=s.shape)
-        for s in specs
-    ]

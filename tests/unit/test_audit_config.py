@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import shutil
 from pathlib import Path
@@ -9,9 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from stratus.convert.fleet import family_from_wire
+from stratus.convert.fleet import family_fields, family_from_wire, family_to_wire
 from stratus.errors import ConfigError, InvalidInput
-from stratus.execution.describe import family_info_fields
 from stratus.families.audit import TierCalibration, check_family_info
 from stratus.families.repository import load_family
 from stratus.families.suggest import TierScores
@@ -56,7 +56,7 @@ def test_an_audit_table_is_read_and_checked(digits_toml: Path) -> None:
 def test_a_family_names_its_own_auto_goal_and_the_hello_carries_it(digits_toml: Path) -> None:
     family = load_family(with_text(digits_toml, '\n[audit]\nauto = "target_accuracy 0.98"\n'))
     assert family.audit.auto == "target_accuracy 0.98"
-    info = fpb.FamilyInfo(name="digits", **family_info_fields(family))
+    info = fpb.FamilyInfo(name="digits", **family_fields(family))
     assert info.audit.auto == "target_accuracy 0.98"
     assert family_from_wire(info).audit.auto == "target_accuracy 0.98"
 
@@ -120,7 +120,7 @@ def test_tier_figures_follow_the_cascade() -> None:
 
 
 def test_the_hello_carries_the_tables(repository) -> None:  # type: ignore[no-untyped-def]
-    info = fpb.FamilyInfo(name="arith", **family_info_fields(repository.family("arith")))
+    info = fpb.FamilyInfo(name="arith", **family_fields(repository.family("arith")))
     assert info.audit.compare == "number" and not info.audit.HasField("share")
     assert info.calibrated["device"].HasField("agreement") and not info.calibrated["cloud"].HasField(
         "agreement"
@@ -145,3 +145,23 @@ def test_a_hello_with_audit_settings_out_of_range_is_refused(spoil) -> None:  # 
     spoil(info)
     with pytest.raises(InvalidInput, match="Hello from device-1: family 'digits'"):
         check_family_info("device-1", info)
+
+
+def test_every_shipped_family_reads_back_from_its_hello_as_its_files_say() -> None:
+    """One codec, both directions (convert/fleet.py): what a Hello writes of a family is what
+    the router reads of it, classifier or generative."""
+    from stratus.families.repository import ModelRepository
+
+    repository = ModelRepository.load(MODELS)
+    arith = repository.family("arith")
+    assert arith.generation is not None
+    stopping = dataclasses.replace(arith, generation=dataclasses.replace(arith.generation, stop=("\n", "=")))
+    for family in [*repository.families.values(), stopping]:
+        read = family_from_wire(family_to_wire(family))
+        assert (read.name, read.inputs, read.outputs) == (family.name, family.inputs, family.outputs)
+        assert dict(read.thresholds) == dict(family.thresholds)
+        assert read.generation == family.generation
+        assert read.escalate == family.escalate and read.offline == family.offline
+        assert dict(read.tier_accuracy) == dict(family.tier_accuracy) and read.audit == family.audit
+        current = family.current.get(Tier.CLOUD)
+        assert read.cloud_variants[:1] == ((current,) if current else ())

@@ -72,14 +72,13 @@ def test_a_bad_offline_table_is_refused_by_key(tmp_path: Path, table: str, named
 
 
 def test_the_hello_carries_the_table_to_the_router(tmp_path: Path) -> None:
-    from stratus.convert.fleet import family_from_wire
-    from stratus.execution.describe import family_info
+    from stratus.convert.fleet import family_from_wire, family_to_wire
 
     spec = ModelRepository.load(_family_with(tmp_path, "[offline]\ndefer = true\nmax_items = 9\n")).families[
         "digits"
     ]
-    assert family_from_wire(family_info(spec)).offline == OfflineSpec(defer=True, max_items=9)
-    old = family_info(spec)
+    assert family_from_wire(family_to_wire(spec)).offline == OfflineSpec(defer=True, max_items=9)
+    old = family_to_wire(spec)
     old.ClearField("offline")  # an agent of before says nothing: nothing is deferred
     assert not family_from_wire(old).offline.defer
 
