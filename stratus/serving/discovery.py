@@ -13,6 +13,7 @@ import ipaddress
 import socket
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Final
 
 from zeroconf import IPVersion, ServiceStateChange, Zeroconf
 from zeroconf.asyncio import AsyncServiceBrowser, AsyncServiceInfo, AsyncZeroconf
@@ -116,6 +117,12 @@ class Advertisement:
         await self._zeroconf.async_close()
 
 
+# How long a look listens after the first router answers: zeroconf's browser asks again about
+# a second after its first question, and a router whose first answer was lost or late (a busy
+# machine) answers that one. At 0.5 s, such a router waited for the agent's next look.
+SETTLE_S: Final = 1.5
+
+
 async def discover(*, timeout_s: float = 5.0, interface: str | None = "127.0.0.1") -> str:
     """The first router found, as ``host:port``; Unavailable when none answers in time.
 
@@ -126,10 +133,13 @@ async def discover(*, timeout_s: float = 5.0, interface: str | None = "127.0.0.1
 
 
 async def discover_all(
-    *, timeout_s: float = 5.0, settle_s: float = 0.5, interface: str | None = "127.0.0.1"
+    *, timeout_s: float = 5.0, settle_s: float = SETTLE_S, interface: str | None = "127.0.0.1"
 ) -> list[str]:
     """Every router that answers: wait for the first (Unavailable after ``timeout_s``), then
-    ``settle_s`` more for the others."""
+    ``settle_s`` more for the others. Each name seen by then is resolved, at once and each
+    within a second: resolving them one after another let a busy machine spend the settle
+    window on the first and drop the others (an agent then found a router a look later,
+    REDISCOVER_S on)."""
     zeroconf = AsyncZeroconf(interfaces=[interface] if interface else "all", ip_version=IPVersion.V4Only)
     names: asyncio.Queue[str] = asyncio.Queue()
 
@@ -138,27 +148,36 @@ async def discover_all(
             names.put_nowait(name)
 
     browser = AsyncServiceBrowser(zeroconf.zeroconf, [SERVICE_TYPE], handlers=[on_change])
-    found: list[str] = []
+    resolving: list[asyncio.Task[str | None]] = []
+    arrival: asyncio.Task[str] | None = None
     try:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
-        while True:
-            left = deadline - loop.time()
-            if left <= 0:
-                break
-            try:
-                name = await asyncio.wait_for(names.get(), timeout=left)
-            except TimeoutError:
-                break
-            info = AsyncServiceInfo(SERVICE_TYPE, name)
-            if await info.async_request(zeroconf.zeroconf, 1000):
-                addresses = info.parsed_addresses(IPVersion.V4Only)
-                if addresses and info.port and f"{addresses[0]}:{info.port}" not in found:
-                    found.append(f"{addresses[0]}:{info.port}")
-                    deadline = min(deadline, loop.time() + settle_s)
+        while (left := deadline - loop.time()) > 0:
+            arrival = arrival or asyncio.create_task(names.get())
+            waiting = [arrival, *(task for task in resolving if not task.done())]
+            await asyncio.wait(waiting, timeout=left, return_when=asyncio.FIRST_COMPLETED)
+            if arrival.done():
+                resolving.append(asyncio.create_task(_resolve(zeroconf.zeroconf, arrival.result())))
+                arrival = None
+            if any(task.done() and task.result() for task in resolving):  # one router found: settle
+                deadline = min(deadline, loop.time() + settle_s)
+        addresses = await asyncio.gather(*resolving)
     finally:
+        for task in [*resolving, *([arrival] if arrival is not None else [])]:
+            task.cancel()
         await browser.async_cancel()
         await zeroconf.async_close()
+    found = list(dict.fromkeys(address for address in addresses if address))
     if not found:
         raise Unavailable(f"no Stratus router answered on {SERVICE_TYPE} within {timeout_s:g} s")
     return found
+
+
+async def _resolve(zeroconf: Zeroconf, name: str) -> str | None:
+    """``host:port`` of a router's advertised name (None: it did not answer within a second)."""
+    info = AsyncServiceInfo(SERVICE_TYPE, name)
+    if not await info.async_request(zeroconf, 1000):
+        return None
+    addresses = info.parsed_addresses(IPVersion.V4Only)
+    return f"{addresses[0]}:{info.port}" if addresses and info.port else None

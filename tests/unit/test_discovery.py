@@ -87,3 +87,34 @@ def test_a_malformed_dns_spec_is_refused_naming_the_flag(spec: str, says: str) -
 @pytest.mark.parametrize("spec", ["auto", "a:1,b:2", "routers:7070"])
 def test_a_spec_that_is_not_dns_is_none(spec: str) -> None:
     assert dns_target(spec) is None
+
+
+def test_one_look_finds_every_advertised_router_when_resolving_each_is_slow(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Real zeroconf on loopback: four routers advertised, each name taking 0.6 s to resolve (a
+    busy machine). Zeroconf's browser hears most of them at its second question, about a second
+    after the first answer: resolved one after another, the settle window ran out before the
+    fourth; resolved at once, one look finds all four."""
+    from zeroconf.asyncio import AsyncServiceInfo
+
+    from stratus.serving.discovery import Advertisement, discover_all
+
+    resolve = AsyncServiceInfo.async_request
+
+    async def slow(self: AsyncServiceInfo, *args: Any, **kwargs: Any) -> bool:
+        await asyncio.sleep(0.6)
+        return await resolve(self, *args, **kwargs)
+
+    monkeypatch.setattr(AsyncServiceInfo, "async_request", slow)
+
+    async def look() -> list[str]:
+        ads = [Advertisement(name=f"slow-{port}", host="127.0.0.1", port=port) for port in (41001, 41002, 41003, 41004)]
+        for ad in ads:
+            await ad.start()
+        try:
+            return await discover_all(timeout_s=10.0)
+        finally:
+            for ad in ads:
+                await ad.close()
+
+    found = asyncio.run(look())
+    assert {f"127.0.0.1:{port}" for port in (41001, 41002, 41003, 41004)} <= set(found), found
