@@ -14,7 +14,8 @@ One exception, for speed: a classifier's batch (:class:`InProcessWork`) goes fro
 front of the agent straight to the models as arrays over the request's own bytes, and its
 outputs come back as tensors, with no Work or Result message built and read in between
 (issue 37 §3), and runs at once: that Batcher formed the batch and holds its slot, so the
-models' own batcher is not asked again. Generations, cancels, drains, reloads and heartbeats keep the messages.
+models' own batcher is not asked again. Generations, cancels, drains, reloads and heartbeats
+keep the messages.
 """
 
 from __future__ import annotations

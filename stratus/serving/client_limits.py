@@ -75,8 +75,9 @@ class ClientLimits:
         return Held(self, client_of(peer), max(1, items))
 
 
-_REQUESTS_REFUSAL: Final = "requests in flight here, the most one client may; wait for answers before sending more"
-_ITEMS_REFUSAL: Final = "items in requests in flight here, the most one client may; wait for answers before sending more"
+_WAIT: Final = "the most one client may; wait for answers before sending more"
+_REQUESTS_REFUSAL: Final = f"requests in flight here, {_WAIT}"
+_ITEMS_REFUSAL: Final = f"items in requests in flight here, {_WAIT}"
 
 
 class Held:
