@@ -29,7 +29,7 @@ from router.catalog import Catalog, Route
 from router.cloud.pool import CloudTier
 from router.fleet.registry import FleetRegistry
 from router.metadata import config_of, metadata_of
-from router.obs import observer_for
+from router.observer import observer_for
 from router.policy import FleetSnapshot
 from router.rollout.plans import Rollouts
 from stratus.convert.inference import InferRequest, InferResult, TextRequest

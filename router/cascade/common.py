@@ -17,7 +17,7 @@ from typing import Any, Protocol
 from router.backends.base import Backend
 from router.cloud.pool import CloudTier
 from router.fleet.registry import FleetRegistry
-from router.obs import RouterObserver
+from router.observer import RouterObserver
 from router.offline import Offline
 from router.policy import FleetSnapshot, Target
 from router.policy.climb import CloudFacts

@@ -319,7 +319,7 @@ def test_no_module_of_stratus_imports_from_a_layer_above_it() -> None:
 ROUTER_LAYERS = {
     "router": 0,  # the package itself
     "router.policy": 0,  # the pure climb
-    "router.obs": 0,
+    "router.observer": 0,  # what the data plane and cascades tell the metrics, as events
     "router.rollout": 0,
     "router.cloud": 0,
     "router.backends": 1,
