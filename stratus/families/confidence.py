@@ -115,7 +115,7 @@ def _top_probability(logits: FloatArray) -> FloatArray:
 
 
 # The range fit_temperature searches; a fit at either end may be the end, not the best
-# (``stratus.tools.importer.probe.temperature_warning`` says so).
+# (``stratus.tools.importer.trial.temperature_warning`` says so).
 TEMPERATURE_GRID: Final = (0.25, 4.0)
 
 

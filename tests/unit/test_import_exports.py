@@ -22,7 +22,7 @@ from stratus.tiers import Tier
 from stratus.tools.calibrate import classifier, labelled_data
 from stratus.tools.datasets import Split
 from stratus.tools.importer import ImportOptions, import_model, stage
-from stratus.tools.importer.probe import temperature_warning
+from stratus.tools.importer.trial import temperature_warning
 from tests import exports
 from tests.unit.test_importer import random_linear
 

@@ -57,9 +57,9 @@ from pathlib import Path
 from stratus.errors import ConfigError, StratusError
 from stratus.tools.importer.interfaces import _first_reason, check_fits, format_of, read_interface
 from stratus.tools.importer.options import ImportOptions, ImportResult, _check_names, _Names, _tier
-from stratus.tools.importer.probe import probe_runtimes
 from stratus.tools.importer.stage import _import, _Plan
 from stratus.tools.importer.staging import _Staged
+from stratus.tools.importer.trial import probe_runtimes
 from stratus.tools.verify.report import format_report
 
 __all__ = ["ImportOptions", "ImportResult", "describe", "import_model"]

@@ -38,8 +38,8 @@ from stratus.families.spec import FamilySpec, VariantSpec
 from stratus.tools.calibrate import labelled_data
 from stratus.tools.datasets import Split
 from stratus.tools.importer.interfaces import _first_reason, _nodes
-from stratus.tools.importer.probe import _bundled_calibration, _fit_temperature
 from stratus.tools.importer.staging import _Staged
+from stratus.tools.importer.trial import _bundled_calibration, _fit_temperature
 from stratus.tools.lower_precision import QUANTIZED_OPS, fp16_model, save_ir, write_onnx_int8
 from stratus.tools.verify.classifier import build_record
 from stratus.tools.verify.report import VerifyRow

@@ -32,8 +32,8 @@ from stratus.tools.importer.interfaces import (
     external_data_files,
 )
 from stratus.tools.importer.options import ImportOptions, ImportResult
-from stratus.tools.importer.probe import Runtimes, _fit_temperature, _output_kind, _probe_family
 from stratus.tools.importer.staging import _Staged
+from stratus.tools.importer.trial import Runtimes, _fit_temperature, _output_kind, _probe_family
 from stratus.tools.lower_precision import save_ir
 from stratus.tools.verify.classifier import (
     bundled_held_out,
