@@ -28,17 +28,21 @@ It then counts the review's walk (reviews/structure2.md §2) as it runs: the req
 wire message inside it (:class:`Followed`), until ``infer`` answers. The review read its walk
 from the source, every branch at once (the generative path's too), so its figures are larger
 than one classifier request's; this tool gave 23 stays, 4 rooms and 11 returns at ``758dc97``,
-the commit the review measured 75, 17 and 58 at.
+the commit the review measured 75, 17 and 58 at. With ``--agent`` it counts the agent's walk
+too, in a real edge agent process: the Work ``serve_work`` is handed (``walk_hook/``); 10 stays,
+4 rooms and 3 returns, at ``758dc97`` as now.
 
-    python benchmarks/walk.py [--requests 200] [--list]
+    python benchmarks/walk.py [--requests 200] [--list] [--agent]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import statistics
 import sys
+import tempfile
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -50,13 +54,16 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import grpc  # noqa: E402
-from peers import MODELS, local_flags  # noqa: E402
+from loadgen import QUIET  # noqa: E402
+from peers import MODELS, SAME_MODEL, local_flags  # noqa: E402
+from walk_follow import Followed  # noqa: E402
 
 import router.app  # noqa: E402
 from router.settings import RouterSettings  # noqa: E402
 from stratus.cli.main import build_parser  # noqa: E402
 from stratus.cli.options import cpu_hardware, settings_of  # noqa: E402
 from stratus.convert import codec  # noqa: E402
+from stratus.devtools.launcher import launch  # noqa: E402
 from stratus.serving.channels import grpc_options  # noqa: E402
 from stratus.tools.datasets import digits_splits  # noqa: E402
 from stratus.wire import inference_pb2 as pb  # noqa: E402
@@ -103,64 +110,10 @@ class Walk:
         return {filename for filename, _ in self.entries}
 
 
-@dataclass
-class Followed:
-    """The review's walk (reviews/structure2.md §2), counted as it runs: the request that
-    ``RouterDataPlane.infer`` is handed, followed through every call it is handed to.
-
-    A *stay* is a call one of whose arguments (``self`` included) is the request or the wire
-    message inside it; a coroutine resumed is not a new stay. *Rooms* are the files of the
-    stays, and a *return* is a stay in a file the walk had left before (the file of the
-    previous stay differs, and this one was seen earlier). What the request's values become
-    (its tensors, the Job) is not followed, as the review's reading did not follow them."""
-
-    stays: list[tuple[str, str]] = field(default_factory=list)
-    returns: int = 0
-    _followed: tuple[object, ...] = ()
-    _entered: set[int] = field(default_factory=set)
-    _frames: list[FrameType] = field(default_factory=list)  # kept alive: their ids stay theirs
-    _seen: set[str] = field(default_factory=set)
-    _root: FrameType | None = None
-
-    def profile(self, frame: FrameType, event: str, arg: Any) -> None:
-        if event != "call":
-            return
-        code = frame.f_code
-        if not code.co_filename.startswith(OURS) or code.co_filename.startswith(GENERATED):
-            return
-        if not self._followed:
-            if code.co_qualname != "RouterDataPlane.infer":
-                return
-            request = frame.f_locals["request"]
-            self._followed = (request, getattr(request, "_wire", request))
-            self._root = frame
-        if id(frame) in self._entered or not self._inside(frame):
-            return  # a coroutine resumed, or a call made after the plane answered
-        names = code.co_varnames[: code.co_argcount + code.co_kwonlyargcount]
-        if not any(frame.f_locals.get(name) is value for name in names for value in self._followed):
-            return
-        self._entered.add(id(frame))
-        self._frames.append(frame)
-        if self.stays and self.stays[-1][0] != code.co_filename and code.co_filename in self._seen:
-            self.returns += 1
-        self._seen.add(code.co_filename)
-        self.stays.append((code.co_filename, code.co_qualname))
-
-    def _inside(self, frame: FrameType | None) -> bool:
-        """Whether ``frame`` runs within the plane's ``infer`` (an await chain runs on one stack)."""
-        while frame is not None:
-            if frame is self._root:
-                return True
-            frame = frame.f_back
-        return False
-
-    def rooms(self) -> set[str]:
-        return {filename for filename, _ in self.stays}
-
-
-def router_settings(extra: list[str]) -> RouterSettings:
+def router_settings(extra: list[str], *, local: bool = True) -> RouterSettings:
+    tier = ["--local-tier", "edge", *local_flags()] if local else []
     argv = ["router", "--listen", "127.0.0.1:0", "--no-advertise", "--models", str(MODELS),
-            "--local-tier", "edge", *local_flags(), "--log-level", "WARNING", *extra]  # fmt: skip
+            *tier, "--log-level", "WARNING", *extra]  # fmt: skip
     args = build_parser().parse_args(argv)
     return settings_of(args, RouterSettings, "router", hardware=cpu_hardware())
 
@@ -175,6 +128,11 @@ async def started_router(settings: RouterSettings, stop: asyncio.Event) -> tuple
 
 
 Profiler = TypeVar("Profiler", Walk, Followed)
+
+
+def plane_walk() -> Followed:
+    """The review's router walk: the request ``RouterDataPlane.infer`` is handed."""
+    return Followed("RouterDataPlane.infer", "request", OURS, GENERATED)
 
 
 async def profiled(stub: Any, message: pb.ModelInferRequest, profiler: Profiler) -> Profiler:
@@ -203,7 +161,7 @@ async def walks(address: str, requests: int) -> tuple[list[Walk], list[Followed]
         for message in messages[:50]:  # warm: first calls compile and fill caches
             await stub.ModelInfer(message)
         counted = [await profiled(stub, message, Walk()) for message in messages[50:]]
-        followed = [await profiled(stub, message, Followed()) for message in messages[50:60]]
+        followed = [await profiled(stub, message, plane_walk()) for message in messages[50:60]]
     return counted, followed
 
 
@@ -244,6 +202,48 @@ def report(counted: list[Walk], listing: bool) -> None:
             print(f"  {short(filename)}:{name}")
 
 
+async def agent_walks(requests: int, log_dir: Path) -> list[list[tuple[str, str]]]:
+    """The review's agent walk, in a real agent process: a router on this loop (no tier of its
+    own) and an edge agent started with ``walk_hook/`` on its path, which counts each Work's
+    walk from ``serve_work`` and writes them down (the last one once the next Work begins)."""
+    out = log_dir / "agent-walks.json"
+    env = {"PYTHONPATH": f"{ROOT / 'benchmarks' / 'walk_hook'}:{ROOT}", "STRATUS_WALK_OUT": str(out),
+           "STRATUS_WALK_BENCH": str(ROOT / "benchmarks"), "STRATUS_WALK_ROOT": str(ROOT)}  # fmt: skip
+    stop = asyncio.Event()
+    task, address = await started_router(router_settings([], local=False), stop)
+    agent = launch(
+        ["agent", "--tier", "edge", "--models", str(MODELS), "--router", address, "--name", "edge-walk",
+         *SAME_MODEL, *QUIET], role="edge-walk", log_dir=log_dir, env=env,
+    )  # fmt: skip
+    try:
+        x = digits_splits().held_out.x
+        async with grpc.aio.insecure_channel(address, options=grpc_options()) as channel:
+            stub: Any = pb_grpc.GRPCInferenceServiceStub(channel)
+            for index in range(requests + 1):
+                message = pb.ModelInferRequest(model_name="digits", id=str(index))
+                codec.encode_request_inputs(message, {"input": x[index : index + 1]})
+                await stub.ModelInfer(message, timeout=30)
+    finally:
+        agent.stop()
+        stop.set()
+        await asyncio.wait_for(task, 60)
+    return [[(f, name) for f, name in walk] for walk in json.loads(out.read_text())[:requests]]
+
+
+def report_agent(walks_seen: list[list[tuple[str, str]]], listing: bool) -> None:
+    median = sorted(walks_seen, key=len)[len(walks_seen) // 2]
+    returns, seen = 0, set()
+    for index, (filename, _) in enumerate(median):
+        returns += index > 0 and median[index - 1][0] != filename and filename in seen
+        seen.add(filename)
+    rooms = len({filename for filename, _ in median})
+    print(f"\nthe Work followed from serve_work (the review's agent walk), the median of {len(walks_seen)}:")
+    print(f"  stays {len(median)}, rooms {rooms}, returns to a room left {returns}")
+    if listing:
+        for filename, name in median:
+            print(f"  {filename}:{name}")
+
+
 async def main_async(args: argparse.Namespace) -> None:
     stop = asyncio.Event()
     task, address = await started_router(router_settings([]), stop)
@@ -254,12 +254,16 @@ async def main_async(args: argparse.Namespace) -> None:
         await asyncio.wait_for(task, 60)
     report(counted, args.list)
     report_followed(followed, args.list)
+    if args.agent:
+        with tempfile.TemporaryDirectory(prefix="stratus-walk-") as tmp:
+            report_agent(await agent_walks(10, Path(tmp)), args.list)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=200)
     parser.add_argument("--list", action="store_true", help="list the median request's functions in order")
+    parser.add_argument("--agent", action="store_true", help="also the agent's walk, in a real agent process")
     asyncio.run(main_async(parser.parse_args()))
     return 0
 
