@@ -151,7 +151,8 @@ async def stay_linked(
         delay = backoff.next_delay()
         log.info("reconnecting to %s in %.2f s", address, delay)
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(stop.wait(), timeout=delay)
+            async with asyncio.timeout(delay):
+                await stop.wait()
     return None
 
 
@@ -246,7 +247,8 @@ async def _heartbeats(owner: LinkOwner, link: Link) -> None:
         link.beat_now.clear()
         link.outbox.put_nowait(owner.heartbeat(link))
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(link.beat_now.wait(), timeout=link.interval)
+            async with asyncio.timeout(link.interval):  # not wait_for: see stratus/cancellation.py
+                await link.beat_now.wait()
 
 
 async def receive(

@@ -254,7 +254,8 @@ class Workers:
         patience = self.settings.drain_timeout_s + self.settings.connection_age_s + 10.0
         for process in running:
             try:
-                await asyncio.wait_for(process.wait(), patience)
+                async with asyncio.timeout(patience):
+                    await process.wait()
             except TimeoutError:
                 process.kill()
                 await process.wait()

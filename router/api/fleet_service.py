@@ -96,7 +96,8 @@ class FleetServicer(fpb_grpc.FleetServicer):
                 )
                 await asyncio.sleep(WATCH_MIN_GAP_S)
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(changes.get(), timeout=self._registry.heartbeat_s)
+                    async with asyncio.timeout(self._registry.heartbeat_s):
+                        await changes.get()
         finally:
             self._registry.unwatch(changes)
 

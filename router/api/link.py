@@ -215,7 +215,8 @@ class AgentLinkServicer(fpb_grpc.AgentLinkServicer):
         self, request_iterator: AsyncIterator[fpb.AgentMessage], context: Any
     ) -> AsyncIterator[fpb.RouterMessage]:
         try:  # a stream that says nothing is not held: the Hello comes first, and soon
-            first = await asyncio.wait_for(anext(aiter(request_iterator), None), self._hello_timeout_s)
+            async with asyncio.timeout(self._hello_timeout_s):
+                first = await anext(aiter(request_iterator), None)
         except TimeoutError:
             raise DeadlineExceeded(
                 f"no Hello within {self._hello_timeout_s:g} s of opening an AgentLink"

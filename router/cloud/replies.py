@@ -56,7 +56,8 @@ async def refused_at_once(call: Any) -> bool:
     """Whether a new stream was refused before any answer: True for UNIMPLEMENTED (KServe
     has no stream), Unavailable for any other refusal (Triton without its token)."""
     try:
-        await asyncio.wait_for(asyncio.shield(call.initial_metadata()), STREAM_CHECK_S)
+        async with asyncio.timeout(STREAM_CHECK_S):
+            await asyncio.shield(call.initial_metadata())
     except TimeoutError:
         return False  # headers come with the first answer: a stream that is being served
     if not call.done():

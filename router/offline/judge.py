@@ -29,6 +29,7 @@ from typing import Final, Protocol
 from router.backends.cloud import CloudBackend
 from router.offline.corrections import CorrectionLog
 from router.offline.store import DeferredStore
+from stratus.cancellation import CancelWatch
 from stratus.convert.tensors import Tensors, top1
 from stratus.errors import DeadlineExceeded, Overloaded, StratusError, Unavailable
 from stratus.families.description import FamilyDescription
@@ -87,11 +88,13 @@ class Judge:
         self._wake.set()
 
     async def run(self) -> None:
+        cancels = CancelWatch()  # a store on nats-py may swallow the cancel that ends this loop
         while True:
+            cancels.check()
             await self._expire()
             await self._send()
             with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(POLL_S):  # unlike 3.11's wait_for, never swallows a cancel
+                async with asyncio.timeout(POLL_S):  # not wait_for: see stratus/cancellation.py
                     await self._wake.wait()
             self._wake.clear()
 

@@ -41,6 +41,7 @@ from router.offline.corrections import CorrectionSink
 from router.offline.store import FULL_BYTES, FULL_ITEMS, STORE_FAILED, DeferredStore, Kept
 from router.site.nats import NatsSiteState
 from router.site.nats_watch import FAILURES
+from stratus.cancellation import CancelWatch
 from stratus.families.offline import OfflineSpec
 from stratus.wire import fleet_pb2 as fpb
 
@@ -216,7 +217,9 @@ class NatsDeferredStore(DeferredStore):
                 await message.nak(delay=RETRY_DELAY_S)
 
     async def _refresh_forever(self) -> None:
+        cancels = CancelWatch()  # nats-py may swallow the cancel of close()
         while True:
+            cancels.check()
             with contextlib.suppress(*FAILURES):
                 await self._refresh()
             await asyncio.sleep(REFRESH_S)
@@ -289,8 +292,9 @@ class NatsCorrections(CorrectionSink):
 
     async def _read(self, deliver: Callable[[fpb.Correction], None]) -> None:
         """Every correction in the stream, then each new one, across reconnects."""
-        last = 0
+        last, cancels = 0, CancelWatch()  # nats-py may swallow the cancel of close()
         while True:
+            cancels.check()
             try:
                 js = await self._ready()
                 subscription = await js.subscribe(

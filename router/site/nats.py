@@ -34,6 +34,7 @@ from router.site import MAX_VALUE_BYTES, Entry, SiteState, check_key, unavailabl
 from router.site.common import check_prefix, check_value, conflict
 from router.site.nats_config import client_context, credentials_of, servers_of
 from router.site.nats_watch import FAILURES, Consumers, Signal, Watch, entry_of_raw, seconds
+from stratus.cancellation import CancelWatch, keeping_cancel
 from stratus.errors import ConfigError
 from stratus.serving.channels import TlsSettings
 
@@ -44,6 +45,8 @@ T = TypeVar("T")
 BARE_FAILURES: Final = (ConnectionResetError, BrokenPipeError, nats.errors.UnexpectedEOF)
 WRONG_LAST_SEQUENCE: Final = (10071, 10164)  # JetStream's "wrong last sequence" error codes
 MAX_HISTORY: Final = 64  # NATS KV keeps at most 64 revisions per key
+
+
 class NatsSiteState(SiteState):
     """The bucket ``bucket`` on the servers of ``url``, keeping ``history`` revisions per key."""
 
@@ -138,7 +141,7 @@ class NatsSiteState(SiteState):
 
     async def _keep(self) -> None:
         try:
-            await self._connect()  # nats-py tries again until it connects
+            await keeping_cancel(self._connect())  # nats-py tries again until it connects
         except Exception as exc:  # not a server's answer (those it retries): say so, keep `connected` false
             log.exception("site state %s: cannot connect", self.url)
             self._why = f"cannot connect: {exc}"
@@ -175,14 +178,17 @@ class NatsSiteState(SiteState):
     async def _bind(self) -> None:
         """Bind the bucket (make it if it is missing), trying again while JetStream cannot answer
         (it is still recovering its streams for a moment after a server restarts)."""
+        cancels = CancelWatch()
         while True:
             try:
-                async with asyncio.timeout(self._op_timeout_s):  # never swallows a cancel, as 3.11's wait_for may
+                async with asyncio.timeout(self._op_timeout_s):
                     self._kv = await self._bucket()
             except FAILURES as exc:
+                cancels.check()
                 self._note_down(exc)
                 await asyncio.sleep(self._reconnect_wait_s)
                 continue
+            cancels.check()
             log.info("site state %s: connected", self.url)
             self._down_since, self._why_tells = None, False
             return
@@ -226,11 +232,15 @@ class NatsSiteState(SiteState):
         js, kv = self._js, self._kv
         if js is None or kv is None or not self._client.is_connected:
             raise unavailable(self.url, what, self._why)
+        cancels = CancelWatch()  # outside the timeout: its own cancel, swallowed, is no caller's
         try:
             async with asyncio.timeout(self._op_timeout_s):
-                return await call(js, kv)
+                done = await call(js, kv)
         except FAILURES as exc:
+            cancels.check()
             raise unavailable(self.url, what, str(exc) or type(exc).__name__) from exc
+        cancels.check()
+        return done
 
     # -- the contract ----------------------------------------------------------------------
 

@@ -20,6 +20,7 @@ from nats.js.kv import KV_DEL, KV_MARKER_REASON, KV_OP, KV_PURGE
 
 from router.site import Entry
 from router.site.common import WatchCursor
+from stratus.cancellation import CancelWatch, keeping_cancel
 
 log = logging.getLogger("stratus.site-state")
 
@@ -76,7 +77,7 @@ class Consumers:
         watch = Watch(prefix)
         live: dict[str, Entry] = {}
         try:
-            await self.subscribe(watch)
+            await keeping_cancel(self.subscribe(watch))
             while not watch.caught_up:
                 item = await watch.queue.get()
                 if not isinstance(item, Delivered) or (entry := self._take(watch, item)) is None:
@@ -91,7 +92,9 @@ class Consumers:
 
     async def next(self, watch: Watch) -> Entry | None:
         """The watch's next entry; None once the store is closed."""
+        cancels = CancelWatch()
         while True:
+            cancels.check()
             if watch.subscription is None and self._connected():
                 try:
                     await self.subscribe(watch)

@@ -89,7 +89,8 @@ async def serve(metrics: Metrics, address: str, *, token: str = "") -> asyncio.S
         with contextlib.suppress(
             ConnectionError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, TimeoutError
         ):
-            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), timeout=5.0)
+            async with asyncio.timeout(5.0):
+                head = await reader.readuntil(b"\r\n\r\n")
             body, status, kind = response(head)
             writer.write(
                 b"HTTP/1.1 " + status + b"\r\nContent-Type: " + kind

@@ -113,7 +113,8 @@ class Advertisement:
         await asyncio.gather(self._announcing, return_exceptions=True)
         goodbye = await self._zeroconf.async_unregister_service(self.info)
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(goodbye, timeout=3.0)
+            async with asyncio.timeout(3.0):
+                await goodbye
         await self._zeroconf.async_close()
 
 

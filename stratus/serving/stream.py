@@ -140,7 +140,8 @@ class StreamSession:
         if self._silent_s is None:
             return await anext(requests, None)
         try:
-            return await asyncio.wait_for(anext(requests, None), self._silent_s)
+            async with asyncio.timeout(self._silent_s):
+                return await anext(requests, None)
         except TimeoutError:
             raise DeadlineExceeded(
                 f"this stream sent no request in {self._silent_s:g} s; the client holds more streams "
