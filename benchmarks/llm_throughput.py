@@ -24,8 +24,9 @@ sys.path.insert(0, str(ROOT))
 
 from stratus.families.generation import GenerationParams  # noqa: E402
 from stratus.families.repository import ModelRepository  # noqa: E402
+from stratus.runtimes import GENERATORS, load_generator  # noqa: E402
 from stratus.runtimes.base import LoadOptions  # noqa: E402
-from stratus.runtimes.generative import GENERATORS, GenerativeRunner, load_generator  # noqa: E402
+from stratus.runtimes.generative import GenerativeRunner  # noqa: E402
 from stratus.tools.arith import arith_splits  # noqa: E402
 
 PARAMS = GenerationParams(max_tokens=4)

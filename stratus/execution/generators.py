@@ -32,8 +32,9 @@ from stratus.families.generation import (
 from stratus.families.repository import ModelRepository
 from stratus.families.spec import FamilySpec, VariantSpec
 from stratus.obs.metrics import GenerationTiming, Metric, ModelMetrics, gauge
+from stratus.runtimes import load_generator
 from stratus.runtimes.base import LoadFailure, LoadOptions
-from stratus.runtimes.generative import Finished, GenerativeRunner, load_generator
+from stratus.runtimes.generative import Finished, GenerativeRunner
 from stratus.tiers import Tier
 
 log = logging.getLogger("stratus.generation")

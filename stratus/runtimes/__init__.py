@@ -34,7 +34,11 @@ from stratus.runtimes.base import (
     RuntimeDescription,
     warmed_up,
 )
+from stratus.runtimes.chat_template import chat_template_of
+from stratus.runtimes.generative import GenerativeRunner
 from stratus.runtimes.litert import LiteRtRunner
+from stratus.runtimes.llama_cpp_rt import LlamaCppRunner
+from stratus.runtimes.openvino_genai_rt import OpenVinoGenAiRunner
 from stratus.runtimes.openvino_rt import OpenVinoRunner
 from stratus.runtimes.ort import OnnxRuntimeRunner
 from stratus.runtimes.tensorrt_rt import TensorRtRunner
@@ -99,8 +103,6 @@ def candidates(
     generative runtimes, which classifiers ignore; naming none of theirs leaves none). A
     variant that names its own ``runtimes`` (family.toml) is offered to those alone.
     """
-    from stratus.runtimes.generative import GENERATORS
-
     order = preference(tier=tier, gpu=gpu)
     if runtimes is not None:
         unknown = [r for r in runtimes if r not in RUNNERS and r not in GENERATORS]
@@ -192,7 +194,79 @@ def open_runner(
         raise ModelLoadError(f"{choice.runtime} cannot load {choice.path}: {exc}") from exc
 
 
+GENERATORS: dict[str, type[GenerativeRunner]] = {
+    cls.runtime: cls for cls in (OpenVinoGenAiRunner, LlamaCppRunner)
+}
+# Which runtime first, where both are installed: on a device, llama.cpp (a small library made
+# for such machines, and it gives the top-2 margin); on edge servers and in the cloud,
+# OpenVINO GenAI (its continuous-batching pipeline, tuned for server CPUs).
+_GENERATIVE_DEVICE_ORDER: tuple[tuple[str, str], ...] = (("llama_cpp", "gguf"), ("openvino_genai", "gguf"))
+_GENERATIVE_SERVER_ORDER: tuple[tuple[str, str], ...] = (("openvino_genai", "gguf"), ("llama_cpp", "gguf"))
+
+
+def generative_order(tier: Tier) -> tuple[tuple[str, str], ...]:
+    """(runtime, file format) pairs in the order a variant of ``tier`` tries them."""
+    return _GENERATIVE_DEVICE_ORDER if tier is Tier.DEVICE else _GENERATIVE_SERVER_ORDER
+
+
+def load_generator(
+    family: FamilySpec,
+    variant: VariantSpec,
+    options: LoadOptions,
+    *,
+    runtimes: Sequence[str] | None = None,
+    failures: list[LoadFailure] | None = None,
+) -> GenerativeRunner:
+    """A generative variant in the first runtime here that runs one of its files, warmed up.
+
+    ``runtimes``: only the generative runtimes it names, in that order (others are ignored).
+    A runtime that refuses the file is noted in ``failures`` and the next one is tried."""
+    assert family.generation is not None
+    reasons = []
+    refused = False
+    order = generative_order(variant.tier)
+    if runtimes is not None:  # only those, in that order (a list of classifier runtimes: none)
+        order = tuple(pair for r in runtimes for pair in order if pair[0] == r)
+        if not order:
+            raise NotFound(f"no generative runtime among the runtimes allowed here ({', '.join(runtimes)})")
+    for runtime, fmt in order:
+        if fmt not in variant.files:
+            continue
+        status = GENERATORS[runtime].availability()
+        if not status.available:
+            reasons.append(f"{runtime}: {status.reason}")
+            continue
+        try:
+            return _warm_generator(GENERATORS[runtime], family, variant, variant.files[fmt], options)
+        except ModelLoadError as exc:
+            refused = True
+            reasons.append(str(exc))
+            if failures is not None:
+                failures.append(LoadFailure(variant=variant.name, runtime=runtime, reason=str(exc)))
+    if not reasons:
+        raise NotFound(
+            f"variant '{variant.name}' ships no file a generative runtime here reads ({sorted(variant.files)})"
+        )
+    message = f"no runtime can generate with '{variant.name}' here: {'; '.join(reasons)}"
+    raise ModelLoadError(message) if refused else RuntimeUnavailable(message)
+
+
+def _warm_generator(
+    cls: type[GenerativeRunner], family: FamilySpec, variant: VariantSpec, path: Path, options: LoadOptions
+) -> GenerativeRunner:
+    """A runner that has generated its warm-up token; a failing warm-up is a refusal too."""
+    assert family.generation is not None
+    runner = cls(variant=variant, path=path, options=options, context=family.generation.context)
+    try:  # after the runtime's own reading: a file it refuses says so in its words
+        runner.chat = chat_template_of(path)
+    except ModelLoadError:
+        runner.close()
+        raise
+    return warmed_up(runner, cls.runtime, path)
+
+
 __all__ = [
+    "GENERATORS",
     "RUNNERS",
     "Availability",
     "Choice",
@@ -203,6 +277,8 @@ __all__ = [
     "availability_of",
     "available_runtimes",
     "candidates",
+    "generative_order",
+    "load_generator",
     "load_runner",
     "open_runner",
     "preference",

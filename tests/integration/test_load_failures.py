@@ -19,7 +19,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from stratus.devtools.launcher import free_port
-from stratus.runtimes.generative import GENERATORS
+from stratus.runtimes import GENERATORS
 from stratus.wire import inference_pb2 as pb
 from stratus.wire import inference_pb2_grpc as pb_grpc
 

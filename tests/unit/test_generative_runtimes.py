@@ -18,17 +18,10 @@ from stratus.errors import InvalidInput, ModelLoadError, NotFound
 from stratus.families.chat import Message
 from stratus.families.generation import GenerationParams, Token
 from stratus.families.repository import ModelRepository
+from stratus.runtimes import GENERATORS, generative_order, load_generator
 from stratus.runtimes.base import LoadOptions
-from stratus.runtimes.generative import (
-    GENERATORS,
-    Finished,
-    GenerativeRunner,
-    _greedy_step,
-    _sampled_step,
-    _stop_at,
-    generative_order,
-    load_generator,
-)
+from stratus.runtimes.decoding import greedy_step, sampled_step, stop_at
+from stratus.runtimes.generative import Finished, GenerativeRunner
 from stratus.tiers import Tier
 from stratus.tools.arith import solve
 from tests.gguf_kv import templated_arith
@@ -77,7 +70,7 @@ def text(tokens: list[Token]) -> str:
 
 def test_the_greedy_step_picks_the_top_token_with_its_log_probability_and_margin() -> None:
     logits = np.array([1.0, 3.0, 2.0, -1.0])
-    chosen, token = _greedy_step(logits)
+    chosen, token = greedy_step(logits)
     probabilities = np.exp(logits) / np.exp(logits).sum()
     assert chosen == 1
     assert token.logprob == pytest.approx(math.log(probabilities[1]))
@@ -85,9 +78,9 @@ def test_the_greedy_step_picks_the_top_token_with_its_log_probability_and_margin
 
 
 def test_stop_strings_are_found_at_their_first_start() -> None:
-    assert _stop_at("12\n\n34", ["\n\n"]) == 2
-    assert _stop_at("12 34", ["\n", " 3"]) == 2
-    assert _stop_at("1234", ["\n", ""]) is None
+    assert stop_at("12\n\n34", ["\n\n"]) == 2
+    assert stop_at("12 34", ["\n", " 3"]) == 2
+    assert stop_at("1234", ["\n", ""]) is None
 
 
 def test_devices_try_llama_cpp_first_servers_openvino_genai() -> None:
@@ -202,7 +195,7 @@ def test_a_sampled_step_draws_within_top_p_and_scores_by_the_models_own_distribu
 
     def draws(**settings: float) -> list[tuple[int, Token]]:
         params = GenerationParams(max_tokens=1, **settings)  # type: ignore[arg-type]
-        return [_sampled_step(logits, params, rng) for _ in range(400)]
+        return [sampled_step(logits, params, rng) for _ in range(400)]
 
     nucleus = draws(temperature=1.0, top_p=0.9)  # p = .64, .24, .09, .03: the first three reach 0.9
     assert {chosen for chosen, _ in nucleus} == {0, 1, 2}
@@ -286,7 +279,7 @@ def test_the_plugins_own_refusal_of_an_f32_cache_falls_back_on_a_bf16_cpu() -> N
     import openvino_genai as genai
 
     from stratus.families.precision import cpu_flags
-    from stratus.runtimes.generative import open_with_kv_cache
+    from stratus.runtimes.openvino_genai_rt import open_with_kv_cache
 
     path = MODELS / "arith" / "arith-small.gguf"
 
@@ -315,7 +308,7 @@ def test_prompts_both_runtimes_escalate_are_served_alike_whatever_their_text() -
 def test_openvino_genai_falls_back_to_a_kv_cache_the_cpu_plugin_accepts() -> None:
     """The refusal an AVX-512/AMX CPU gives (its text as OpenVINO 2025 words it): the next
     precision in the order is tried, and what was chosen is said."""
-    from stratus.runtimes.generative import KV_CACHE_ORDER, open_with_kv_cache, pipeline_config
+    from stratus.runtimes.openvino_genai_rt import KV_CACHE_ORDER, open_with_kv_cache, pipeline_config
 
     refused = (
         "Exception from src/inference/src/cpp/core.cpp:117:\nCheck 'key_cache_type == ov::element::bf16' "

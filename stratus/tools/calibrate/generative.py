@@ -24,8 +24,9 @@ from stratus.errors import ConfigError, NotFound, RuntimeUnavailable
 from stratus.families.generation import GenerationParams, confidence_of
 from stratus.families.spec import FamilySpec, VariantSpec
 from stratus.families.suggest import TierScores
+from stratus.runtimes import load_generator
 from stratus.runtimes.base import LoadOptions
-from stratus.runtimes.generative import GenerativeRunner, load_generator
+from stratus.runtimes.generative import GenerativeRunner
 from stratus.tiers import Tier
 from stratus.tools.calibrate.classifier import Calibration, choose
 from stratus.tools.calibrate.labelled_data import CALIBRATION_SHARE, MIN_EXAMPLES, SPLIT_SEED, LabelledData

@@ -34,8 +34,9 @@ from pathlib import Path
 from stratus.errors import ConfigError
 from stratus.families.generation import GenerationParams, Token, confidence_of
 from stratus.families.spec import FamilySpec, VariantSpec
+from stratus.runtimes import GENERATORS, generative_order
 from stratus.runtimes.base import LoadOptions
-from stratus.runtimes.generative import GENERATORS, GenerativeRunner, generative_order
+from stratus.runtimes.generative import GenerativeRunner
 from stratus.tools.datasets import Split
 from stratus.tools.verify.report import VerifyRow
 
