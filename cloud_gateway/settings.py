@@ -7,7 +7,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from stratus.config import at_least_one, not_negative, outside, secret, setting, validate
-from stratus.families.precision import Hardware, Precision
+from stratus.families.cpu import Hardware
+from stratus.families.precision import Precision
 from stratus.obs.endpoint import check_metrics_exposure
 from stratus.sched.batching import DEFAULT_MAX_BATCH, DEFAULT_MAX_DELAY_S
 from stratus.serving.channels import NO_TLS, TlsSettings

@@ -28,7 +28,7 @@ from stratus.execution.dataplane import LocalDataPlane
 from stratus.execution.describe import Introduction, heartbeat, hello
 from stratus.execution.models import LocalModels
 from stratus.execution.work import serve_work
-from stratus.families.precision import Hardware
+from stratus.families.cpu import Hardware
 from stratus.obs.endpoint import serve as serve_metrics
 from stratus.obs.metrics import Metrics
 from stratus.process import announce, process_uptime_s, start_collapsed

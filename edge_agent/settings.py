@@ -9,7 +9,8 @@ from pathlib import Path
 
 from stratus.config import at_least_one, not_negative, outside, positive, secret, setting, validate
 from stratus.errors import ConfigError
-from stratus.families.precision import Hardware, Precision
+from stratus.families.cpu import Hardware
+from stratus.families.precision import Precision
 from stratus.obs.endpoint import check_metrics_exposure
 from stratus.sched.batching import DEFAULT_MAX_BATCH
 from stratus.serving.auth import is_loopback

@@ -15,7 +15,8 @@ from router.offline import DEFAULT_ADJUDICATE_SHARE
 from router.thresholds.auto import AutoPolicy
 from stratus.config import at_least_one, not_negative, outside, positive, secret, setting, share, validate
 from stratus.errors import ConfigError
-from stratus.families.precision import Hardware, Precision
+from stratus.families.cpu import Hardware
+from stratus.families.precision import Precision
 from stratus.obs.endpoint import check_metrics_exposure
 from stratus.sched.batching import DEFAULT_MAX_BATCH, DEFAULT_MAX_DELAY_S
 from stratus.serving.auth import RouterCredentials, is_loopback, parse_agent_pool

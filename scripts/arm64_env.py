@@ -433,7 +433,7 @@ def command(
 
 # Run in the chroot with the work tree on PYTHONPATH: every module a string run there names is
 # checked to import by tests/unit/test_arm64_env.py (a moved module once broke every arm64 run).
-HWCAP_PROBE: Final = "from stratus.families.precision import arm_hwcap_flags as f; print(' '.join(f()))"
+HWCAP_PROBE: Final = "from stratus.families.cpu import arm_hwcap_flags as f; print(' '.join(f()))"
 
 
 def cpuinfo_for(cpu: str) -> Path:

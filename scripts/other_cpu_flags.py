@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Final
 
-from stratus.families.precision import this_hardware
+from stratus.families.cpu import this_hardware
 
 AVX512_AMX: Final = "avx512f,avx512_vnni,avx512_bf16,avx512_fp16,amx_int8,amx_bf16"
 AVX2_ONLY: Final = "avx2,fma,f16c"

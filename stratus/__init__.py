@@ -6,11 +6,13 @@ list (``tests/unit/test_imports.py`` holds it to that):
 * core: ``errors`` (the one exception tree), ``tiers``, ``datatypes`` (the protocol's datatypes
   and shape bounds, as numpy knows them), ``config`` (TOML < ``STRATUS_*`` < flags; a value read
   as its type: ``config_values``), ``process`` (logging, signals, the READY line), ``durable``
-  (files written whole or not at all), ``wire/`` (generated stubs only);
+  (files written whole or not at all), ``cancellation`` (a cancel a library swallowed, raised
+  again), ``wire/`` (generated stubs only);
 * the wire boundary, ``convert/`` (each wire concept converted in one module: tensors and the
   codec, ``stratus.*`` parameters, text requests, errors, fleet messages, hardware), and the
   domain, ``families/`` (a family's description, repository, confidence, generation,
-  precision, sampling, and the threshold search calibrate and the audits share);
+  precision and what this CPU runs natively (``cpu``), sampling, and the threshold search
+  calibrate and the audits share);
 * machinery: ``sched/`` (the batcher, the bounded executor), ``obs/`` (metrics, latency
   estimates, capture), ``runtimes/`` (one contract, one file per runtime), ``execution/``
   (models loaded and run here, and their data plane), ``serving/`` (the inference servicer,

@@ -16,7 +16,7 @@ from stratus.serving.channels import TlsSettings
 from stratus.serving.discovery import dns_target
 
 if TYPE_CHECKING:
-    from stratus.families.precision import Hardware
+    from stratus.families.cpu import Hardware
 
 T = TypeVar("T")
 
@@ -236,6 +236,6 @@ RUNTIMES_HELP = (
 def cpu_hardware() -> Hardware:
     """``STRATUS_CPU_FLAGS`` (comma-separated) stands in for the CPU's own flags: for a
     container that hides them, and for tests of the precision choice."""
-    from stratus.families.precision import this_hardware
+    from stratus.families.cpu import this_hardware
 
     return this_hardware()

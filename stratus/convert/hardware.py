@@ -10,7 +10,8 @@ from __future__ import annotations
 import re
 from typing import Final
 
-from stratus.families.precision import BY_SPEED, Hardware
+from stratus.families.cpu import Hardware
+from stratus.families.precision import BY_SPEED
 from stratus.wire import fleet_pb2 as fpb
 
 MAX_TEXT: Final = 128

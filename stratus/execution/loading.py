@@ -13,7 +13,8 @@ from typing import TYPE_CHECKING
 
 from stratus.errors import ConfigError, ModelLoadError, RuntimeUnavailable, StratusError
 from stratus.execution.generators import NotLoaded
-from stratus.families.precision import Hardware, choose_variant, load_verification, this_hardware
+from stratus.families.cpu import Hardware, this_hardware
+from stratus.families.precision import choose_variant, load_verification
 from stratus.families.repository import ModelRepository
 from stratus.families.spec import FamilySpec, VariantSpec
 from stratus.obs.metrics import ModelMetrics

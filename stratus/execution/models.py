@@ -40,8 +40,8 @@ from stratus.execution.loading import (
 )
 from stratus.execution.running import LocalRun, Part, Running, batch_key
 from stratus.families.chat import CHAT_TEMPLATE
+from stratus.families.cpu import Hardware, this_hardware
 from stratus.families.generation import FINISH_REASON, Chunk
-from stratus.families.precision import Hardware, this_hardware
 from stratus.families.repository import ModelRepository
 from stratus.families.spec import FamilySpec, VariantSpec
 from stratus.obs.metrics import UNKNOWN, Metric, Metrics, ModelMetrics, gauge

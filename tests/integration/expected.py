@@ -14,7 +14,8 @@ import functools
 
 import numpy as np
 
-from stratus.families.precision import choose_variant, load_verification, this_hardware
+from stratus.families.cpu import this_hardware
+from stratus.families.precision import choose_variant, load_verification
 from stratus.families.repository import ModelRepository
 from stratus.families.spec import VariantSpec
 from stratus.tools.verify.report import FP16_TOLERANCE

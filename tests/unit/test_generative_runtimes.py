@@ -278,7 +278,7 @@ def test_the_plugins_own_refusal_of_an_f32_cache_falls_back_on_a_bf16_cpu() -> N
     elsewhere f32 opens. This is why the runner asks for F32 arithmetic as well."""
     import openvino_genai as genai
 
-    from stratus.families.precision import cpu_flags
+    from stratus.families.cpu import cpu_flags
     from stratus.runtimes.openvino_genai_rt import open_with_kv_cache
 
     path = MODELS / "arith" / "arith-small.gguf"

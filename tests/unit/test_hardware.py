@@ -10,7 +10,7 @@ import pytest
 from router.api.fleet_status import agent_status
 from stratus.cli.fleet_views import agents_table, status_json
 from stratus.convert.hardware import MAX_FLAGS, MAX_TEXT, describe, from_hello, to_wire
-from stratus.families.precision import hardware_precisions
+from stratus.families.cpu import hardware_precisions
 from stratus.wire import fleet_pb2 as fpb
 
 from .test_index import hello, registry

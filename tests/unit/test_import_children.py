@@ -15,13 +15,11 @@ from onnx import TensorProto, numpy_helper
 
 from stratus.cli.main import main
 from stratus.errors import ConfigError
+from stratus.families.cpu import NATIVE_FLAGS, hardware_precisions, native_on
 from stratus.families.precision import (
-    NATIVE_FLAGS,
     choose_variant,
     file_sha256,
-    hardware_precisions,
     load_verification,
-    native_on,
     record_path,
     variant_files,
 )

@@ -9,20 +9,17 @@ from pathlib import Path
 import pytest
 
 from stratus.errors import ConfigError, NotFound
-from stratus.families import precision
-from stratus.families.precision import (
+from stratus.families import cpu
+from stratus.families.cpu import (
     Hardware,
-    VerificationRecord,
     arm_hwcap_flags,
-    choose_variant,
     cpu_flags,
     cpu_model,
     decode_hwcap,
-    format_record,
     hardware_precisions,
-    load_verification,
     this_hardware,
 )
+from stratus.families.precision import VerificationRecord, choose_variant, format_record, load_verification
 from stratus.families.repository import ModelRepository, load_family
 from stratus.families.spec import FamilySpec
 from stratus.tiers import Tier
@@ -211,12 +208,12 @@ def test_on_aarch64_the_kernels_hwcap_wins_over_a_cpuinfo_an_emulator_passed_thr
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """QEMU 7.2 shows the host's x86 cpuinfo to an aarch64 guest: HWCAP is the emulated CPU's."""
-    monkeypatch.setattr(precision, "arm_hwcap_flags", lambda: decode_hwcap(PI5_HWCAP))
-    monkeypatch.setattr(precision, "cpu_flags", lambda: {"avx2", "avx512_vnni"})
-    assert precision.machine_flags("aarch64") == (set(decode_hwcap(PI5_HWCAP)), "hwcap")
-    assert precision.machine_flags("x86_64") == ({"avx2", "avx512_vnni"}, "/proc/cpuinfo")
-    monkeypatch.setattr(precision, "arm_hwcap_flags", lambda: [])  # no getauxval: cpuinfo it is
-    assert precision.machine_flags("aarch64")[1] == "/proc/cpuinfo"
+    monkeypatch.setattr(cpu, "arm_hwcap_flags", lambda: decode_hwcap(PI5_HWCAP))
+    monkeypatch.setattr(cpu, "cpu_flags", lambda: {"avx2", "avx512_vnni"})
+    assert cpu.machine_flags("aarch64") == (set(decode_hwcap(PI5_HWCAP)), "hwcap")
+    assert cpu.machine_flags("x86_64") == ({"avx2", "avx512_vnni"}, "/proc/cpuinfo")
+    monkeypatch.setattr(cpu, "arm_hwcap_flags", lambda: [])  # no getauxval: cpuinfo it is
+    assert cpu.machine_flags("aarch64")[1] == "/proc/cpuinfo"
     hardware = hardware_precisions(machine="aarch64")
     assert hardware.flags_from == "/proc/cpuinfo" and hardware.precisions == {"FP32"}
 

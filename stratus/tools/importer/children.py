@@ -24,14 +24,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
+from stratus.families.cpu import CPU_FLAGS_VARIABLE, Hardware, native_on
 from stratus.families.precision import (
-    CPU_FLAGS_VARIABLE,
-    Hardware,
     VerificationRecord,
     choose_variant,
     format_record,
     load_verification,
-    native_on,
     record_path,
 )
 from stratus.families.spec import FamilySpec, VariantSpec

@@ -11,7 +11,7 @@ from typing import Final
 
 from stratus.errors import ConfigError, InvalidInput
 from stratus.families.confidence import ConfidenceMethod
-from stratus.families.precision import Hardware
+from stratus.families.cpu import Hardware
 from stratus.families.repository import CONFIG_NAME, load_family
 from stratus.families.spec import FamilySpec, VariantSpec
 from stratus.tiers import Tier

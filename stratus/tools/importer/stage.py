@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import Final
 
 from stratus.errors import ConfigError, InvalidInput
-from stratus.families.precision import record_path, this_hardware, variant_files
+from stratus.families.cpu import this_hardware
+from stratus.families.precision import record_path, variant_files
 from stratus.families.repository import CONFIG_NAME, load_family
 from stratus.families.spec import FamilySpec, VariantSpec
 from stratus.runtimes import (
