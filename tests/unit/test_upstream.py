@@ -20,18 +20,16 @@ import pytest
 from aiohttp import web
 
 from cloud_gateway.generative import QUEUE, GenerativeModel, UpstreamDataPlane
-from cloud_gateway.upstream import (
-    OpenAIUpstream,
+from cloud_gateway.openai_wire import (
     SseDecoder,
     UpstreamLoad,
-    UpstreamSettings,
     chunk_from_choice,
     error_message,
     margin,
     parse_metrics,
-    served_model,
     token_texts,
 )
+from cloud_gateway.upstream import OpenAIUpstream, UpstreamSettings, served_model
 from stratus.convert import codec
 from stratus.convert.inference import InferRequest, InferResult
 from stratus.convert.parameters import Served, parameter_value, set_parameter
@@ -692,14 +690,14 @@ def test_an_answer_past_the_body_cap_is_unavailable_not_held(monkeypatch: pytest
 
 
 def test_an_event_that_never_ends_is_unavailable(monkeypatch: pytest.MonkeyPatch) -> None:
-    from cloud_gateway import upstream as upstream_module
+    from cloud_gateway import openai_wire
 
-    monkeypatch.setattr(upstream_module, "MAX_EVENT_BYTES", 1000)
-    decoder = upstream_module.SseDecoder()
+    monkeypatch.setattr(openai_wire, "MAX_EVENT_BYTES", 1000)
+    decoder = openai_wire.SseDecoder()
     with pytest.raises(Unavailable, match="an event of more than 1000 bytes"):
         for _ in range(100):
             decoder.feed("data: " + "x" * 50)
-    assert upstream_module.SseDecoder().feed("data: " + "x" * 50) is None  # one line is fine
+    assert openai_wire.SseDecoder().feed("data: " + "x" * 50) is None  # one line is fine
 
 
 def test_a_stream_with_more_tokens_than_asked_is_unavailable() -> None:
