@@ -25,9 +25,10 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Final, Protocol
+from typing import Any, Final
 
-from stratus.errors import ConfigError, InvalidInput
+from stratus.errors import InvalidInput
+from stratus.families.toml_reader import TableReader
 from stratus.tiers import Tier
 from stratus.wire import fleet_pb2 as fpb
 
@@ -39,15 +40,6 @@ GENERATIVE_COMPARES: Final = (EXACT, NUMBER)
 # A family may ask for at most this many audits a second (each costs a top-tier call).
 MAX_AUDITS_PER_S: Final = 10_000.0
 TABLE: Final = "tier_accuracy"
-
-
-class Reader(Protocol):
-    """What :mod:`stratus.families.repository`'s TOML reader offers: typed access, errors naming the key."""
-
-    def fail(self, key: str, problem: str) -> ConfigError: ...
-    def get(self, table: Mapping[str, Any], key: str, kind: type, where: str, default: Any = ...) -> Any: ...
-    def choice(self, table: Mapping[str, Any], key: str, choices: tuple[str, ...], where: str) -> str: ...
-    def unknown_keys(self, table: Mapping[str, Any], allowed: set[str], where: str) -> None: ...
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -71,7 +63,7 @@ class TierCalibration:
     items: int
 
 
-def parse_audit(reader: Reader, data: Mapping[str, Any], *, generative: bool) -> AuditSpec:
+def parse_audit(reader: TableReader, data: Mapping[str, Any], *, generative: bool) -> AuditSpec:
     table = reader.get(data, "audit", dict, "", {})
     reader.unknown_keys(table, {"share", "max_per_s", "compare", "auto"}, "audit")
     share = reader.get(table, "share", float, "audit", None)
@@ -103,7 +95,7 @@ def goal_problem(goal: str) -> str | None:
     return None
 
 
-def parse_tier_accuracy(reader: Reader, data: Mapping[str, Any]) -> dict[Tier, TierCalibration]:
+def parse_tier_accuracy(reader: TableReader, data: Mapping[str, Any]) -> dict[Tier, TierCalibration]:
     table = reader.get(data, TABLE, dict, "", {})
     figures = {}
     for key in table:
@@ -122,14 +114,14 @@ def parse_tier_accuracy(reader: Reader, data: Mapping[str, Any]) -> dict[Tier, T
     return figures
 
 
-def _share(reader: Reader, table: Mapping[str, Any], key: str, where: str) -> float:
+def _share(reader: TableReader, table: Mapping[str, Any], key: str, where: str) -> float:
     value: float = reader.get(table, key, float, where)
     if not 0.0 <= value <= 1.0:
         raise reader.fail(f"{where}.{key}", f"{value} must lie between 0 and 1")
     return value
 
 
-def _count(reader: Reader, table: Mapping[str, Any], where: str) -> int:
+def _count(reader: TableReader, table: Mapping[str, Any], where: str) -> int:
     value: int = reader.get(table, "items", int, where)
     if value < 0:
         raise reader.fail(f"{where}.items", f"{value} must not be negative")

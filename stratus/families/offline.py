@@ -22,7 +22,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
-from stratus.families.audit import Reader
+from stratus.families.toml_reader import TableReader
 
 DEFAULT_MAX_ITEMS: Final = 10_000
 DEFAULT_MAX_BYTES: Final = 64 << 20
@@ -58,7 +58,7 @@ def bounds_problem(spec: OfflineSpec) -> str | None:
     return None
 
 
-def parse_offline(reader: Reader, data: Mapping[str, Any], *, generative: bool) -> OfflineSpec:
+def parse_offline(reader: TableReader, data: Mapping[str, Any], *, generative: bool) -> OfflineSpec:
     """``[offline]`` read and checked; absent: nothing is deferred."""
     table = reader.get(data, "offline", dict, "", {})
     reader.unknown_keys(table, {"defer", "max_items", "max_bytes", "max_age_s"}, "offline")
