@@ -1,5 +1,5 @@
 """The Open Inference Protocol's HTTP/REST wire (KServe v2, as Triton serves it) to and from
-the protocol's protobuf messages, both directions, and nowhere else.
+the protocol's protobuf messages: requests here, answers in ``rest_answers``, and nowhere else.
 
 A REST request is a JSON header, optionally followed by binary tensor data (Triton's binary
 extension, which ``tritonclient.http`` uses by default): the header's length is then the
@@ -11,9 +11,7 @@ errors: JSON ``data`` lands in the typed ``contents`` lists (checked for count a
 in ``raw_input_contents``. Where a request mixes the two, every input goes raw, as the
 protocol wants raw for all inputs or none.
 
-An answer goes back as JSON ``data`` (row-major, flat), or binary where the request asked
-(``parameters.binary_data`` on a requested output, or ``binary_data_output`` on the request).
-FP16 has no JSON form in Triton's; here it does (numbers), so ``curl`` users are served too.
+Answers go back through :mod:`stratus.convert.rest_answers`.
 """
 
 from __future__ import annotations
@@ -25,11 +23,9 @@ from dataclasses import dataclass, field
 from typing import Any, Final
 
 import numpy as np
-from google.protobuf.descriptor import FieldDescriptor
-from google.protobuf.message import Message
 
 from stratus.convert import codec
-from stratus.convert.parameters import parameter_value, set_parameter
+from stratus.convert.parameters import set_parameter
 from stratus.datatypes import spec_of
 from stratus.errors import InvalidInput
 from stratus.wire import inference_pb2 as pb
@@ -41,9 +37,6 @@ ALL_BINARY: Final = "binary_data_output"
 _REQUEST_FIELDS: Final = frozenset({"id", "parameters", "inputs", "outputs"})
 _INPUT_FIELDS: Final = frozenset({"name", "shape", "datatype", "parameters", "data"})
 _OUTPUT_FIELDS: Final = frozenset({"name", "parameters"})
-_INT64: Final = frozenset(
-    {FieldDescriptor.TYPE_INT64, FieldDescriptor.TYPE_UINT64, FieldDescriptor.TYPE_SINT64}
-)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -332,112 +325,3 @@ def _kind(value: Any) -> str | None:
     if isinstance(value, int):
         return "INT64"
     return "FP64" if isinstance(value, float) else None
-
-
-def generate_response(response: pb.ModelInferResponse) -> dict[str, Any]:
-    """Triton's generate answer: each output a field (one element as a value, more as a list),
-    beside ``model_name`` and ``model_version`` (and Stratus's parameters)."""
-    document: dict[str, Any] = {"model_name": response.model_name, "model_version": response.model_version}
-    if response.id:
-        document["id"] = response.id
-    raw = response.raw_output_contents
-    for index, tensor in enumerate(response.outputs):
-        data = _json_data(raw[index] if raw else codec.encode_raw(_output_array(tensor)), tensor)
-        document[tensor.name] = data[0] if len(data) == 1 else data
-    if response.parameters:
-        document["parameters"] = parameters_json(response.parameters)
-    return document
-
-
-# ---------------------------------------------------------------------------------------------
-# Answers
-# ---------------------------------------------------------------------------------------------
-
-
-def infer_response(response: pb.ModelInferResponse, asked: RestRequest) -> tuple[bytes, int | None]:
-    """(the body, the JSON header's length where binary data follows it, else None)."""
-    outputs, blobs = [], []
-    raw = response.raw_output_contents
-    for index, tensor in enumerate(response.outputs):
-        entry: dict[str, Any] = {
-            "name": tensor.name,
-            "datatype": tensor.datatype,
-            "shape": list(tensor.shape),
-        }
-        parameters = parameters_json(tensor.parameters)
-        data = raw[index] if raw else codec.encode_raw(_output_array(tensor))
-        if asked.binary(tensor.name):
-            parameters[BINARY_SIZE] = len(data)
-            blobs.append(data)
-        else:
-            entry["data"] = _json_data(data, tensor)
-        if parameters:
-            entry["parameters"] = parameters
-        outputs.append(entry)
-    document: dict[str, Any] = {"model_name": response.model_name, "model_version": response.model_version}
-    if response.id:
-        document["id"] = response.id
-    if response.parameters:
-        document["parameters"] = parameters_json(response.parameters)
-    document["outputs"] = outputs
-    header = json.dumps(document, separators=(",", ":")).encode()
-    if not blobs:
-        return header, None
-    return b"".join([header, *blobs]), len(header)
-
-
-def _output_array(tensor: pb.ModelInferResponse.InferOutputTensor) -> Any:
-    return codec.decode_contents(
-        tensor.contents, tensor=tensor.name, datatype=tensor.datatype, shape=tensor.shape
-    )
-
-
-def _json_data(data: bytes, tensor: pb.ModelInferResponse.InferOutputTensor) -> list[Any]:
-    array = codec.decode_raw(data, tensor=tensor.name, datatype=tensor.datatype, shape=tensor.shape)
-    if tensor.datatype != "BYTES":
-        return list(array.ravel().tolist())
-    try:
-        return [bytes(v).decode("utf-8") for v in array.ravel()]
-    except UnicodeDecodeError:
-        raise InvalidInput(
-            f"output '{tensor.name}' holds bytes that are not UTF-8 text; ask for it as binary data "
-            f"(outputs[].parameters.{BINARY_OUTPUT} = true)"
-        ) from None
-
-
-def parameters_json(parameters: Mapping[str, pb.InferParameter]) -> dict[str, Any]:
-    return {key: parameter_value(value) for key, value in sorted(parameters.items())}
-
-
-def message_json(message: Message) -> dict[str, Any]:
-    """A protobuf message as the JSON Triton's REST API writes for it: field names as in the
-    .proto, 64-bit integers as numbers (protobuf's own JSON mapping makes them strings, which
-    no REST client of the protocol reads), maps as objects, unset fields left out."""
-    out: dict[str, Any] = {}
-    for descriptor, value in message.ListFields():
-        out[descriptor.name] = _field_json(descriptor, value)
-    return out
-
-
-def _field_json(descriptor: FieldDescriptor, value: Any) -> Any:
-    if descriptor.message_type is not None and descriptor.message_type.GetOptions().map_entry:
-        value_field = descriptor.message_type.fields_by_name["value"]
-        return {key: _scalar_json(value_field, item) for key, item in value.items()}
-    if descriptor.is_repeated:  # protobuf >= 6.31 (label() is deprecated there)
-        return [_scalar_json(descriptor, item) for item in value]
-    return _scalar_json(descriptor, value)
-
-
-def _scalar_json(descriptor: FieldDescriptor, value: Any) -> Any:
-    if descriptor.type == FieldDescriptor.TYPE_MESSAGE:
-        if isinstance(value, pb.InferParameter):
-            return parameter_value(value)
-        return message_json(value)
-    if descriptor.type == FieldDescriptor.TYPE_ENUM and descriptor.enum_type is not None:
-        known = descriptor.enum_type.values_by_number.get(value)
-        return known.name if known is not None else value
-    if descriptor.type == FieldDescriptor.TYPE_BYTES:
-        return value.decode("utf-8", "replace")
-    if descriptor.type in _INT64:
-        return int(value)
-    return value

@@ -31,7 +31,7 @@ from typing import Any, Final
 from aiohttp import web
 
 from stratus import __version__
-from stratus.convert import rest
+from stratus.convert import rest, rest_answers
 from stratus.convert.errors import http_status
 from stratus.convert.wire_scan import check_infer_request
 from stratus.errors import ConfigError, InvalidInput, StratusError, drop_frames
@@ -146,7 +146,7 @@ class RestApi:
     async def model_metadata(self, request: web.Request) -> web.Response:
         name, version = _model(request)
         answer = await self._servicer.ModelMetadata(pb.ModelMetadataRequest(name=name, version=version), None)
-        return web.json_response(rest.message_json(answer))
+        return web.json_response(rest_answers.message_json(answer))
 
     async def model_ready(self, request: web.Request) -> web.Response:
         name, version = _model(request)
@@ -156,12 +156,12 @@ class RestApi:
     async def model_config(self, request: web.Request) -> web.Response:
         name, version = _model(request)
         answer = await self._servicer.ModelConfig(pb.ModelConfigRequest(name=name, version=version), None)
-        return web.json_response(rest.message_json(answer.config))
+        return web.json_response(rest_answers.message_json(answer.config))
 
     async def statistics(self, request: web.Request) -> web.Response:
         name, version = _model(request)
         asked = pb.ModelStatisticsRequest(name=name, version=version)
-        return web.json_response(rest.message_json(await self._servicer.ModelStatistics(asked, None)))
+        return web.json_response(rest_answers.message_json(await self._servicer.ModelStatistics(asked, None)))
 
     async def repository_index(self, request: web.Request) -> web.Response:
         body = await request.read()
@@ -170,7 +170,7 @@ class RestApi:
         if not isinstance(ready, bool):
             raise InvalidInput("'ready' must be true or false")
         index = await self._servicer.RepositoryIndex(pb.RepositoryIndexRequest(ready=ready), None)
-        return web.json_response([rest.message_json(model) for model in index.models])
+        return web.json_response([rest_answers.message_json(model) for model in index.models])
 
     async def infer(self, request: web.Request) -> web.Response:
         name, version = _model(request)
@@ -179,7 +179,7 @@ class RestApi:
         )
         check_infer_request(asked.message.SerializeToString())  # the gRPC front's bounds, exactly
         answer = await self._servicer.infer(asked.message, peer=peer_of(request), timeout_s=None)
-        body, header_length = rest.infer_response(answer, asked)
+        body, header_length = rest_answers.infer_response(answer, asked)
         if header_length is None:
             return web.Response(body=body, content_type="application/json")
         return web.Response(
@@ -194,7 +194,7 @@ class RestApi:
         message = rest.generate_request(name, version, await request.read())
         check_infer_request(message.SerializeToString())
         answer = await self._servicer.infer(message, peer=peer_of(request), timeout_s=None)
-        return web.json_response(rest.generate_response(answer))
+        return web.json_response(rest_answers.generate_response(answer))
 
     async def generate_stream(self, request: web.Request) -> web.StreamResponse:
         """... and as server-sent events, one per chunk; an error after the first chunk is an
@@ -210,9 +210,9 @@ class RestApi:
         await response.prepare(request)
         try:
             if first is not None:
-                await _event(response, rest.generate_response(first))
+                await _event(response, rest_answers.generate_response(first))
             async for chunk in chunks:
-                await _event(response, rest.generate_response(chunk))
+                await _event(response, rest_answers.generate_response(chunk))
         except StratusError as exc:
             await _event(response, {"error": str(exc)})
             drop_frames(exc)

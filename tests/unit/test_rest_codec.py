@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import tritonclient.http as triton_http
 
-from stratus.convert import codec, rest
+from stratus.convert import codec, rest, rest_answers
 from stratus.convert.parameters import values_of
 from stratus.errors import InvalidInput
 from stratus.wire import inference_pb2 as pb
@@ -175,7 +175,7 @@ def test_answers_read_back_by_tritonclient(outputs: Any, all_binary: bool, binar
     if all_binary:
         document["parameters"] = {"binary_data_output": True}
     asked = rest.infer_request("m", "", json.dumps(document).encode(), None)
-    body, header_length = rest.infer_response(_answer(), asked)
+    body, header_length = rest_answers.infer_response(_answer(), asked)
     assert (header_length is not None) is bool(binary)
     result = triton_http.InferResult.from_response_body(body, header_length=header_length)
     assert result.as_numpy("p").tolist() == [[0.25, 0.75]]
@@ -192,13 +192,13 @@ def test_text_that_is_not_utf8_must_be_asked_as_binary() -> None:
     codec.encode_response_outputs(response, {"t": np.array([b"\xff"], dtype=object)}, raw=True)
     asked = rest.infer_request("m", "", json.dumps(_one(data=[1, 2])).encode(), None)
     with pytest.raises(InvalidInput, match="not UTF-8 text; ask for it as binary data"):
-        rest.infer_response(response, asked)
+        rest_answers.infer_response(response, asked)
 
 
 def test_messages_become_the_json_triton_writes() -> None:
     metadata = pb.ModelMetadataResponse(name="m", versions=["1"], platform="p")
     metadata.inputs.add(name="x", datatype="FP32", shape=[-1, 64])
-    assert rest.message_json(metadata) == {
+    assert rest_answers.message_json(metadata) == {
         "name": "m",
         "versions": ["1"],
         "platform": "p",
@@ -206,7 +206,7 @@ def test_messages_become_the_json_triton_writes() -> None:
     }
     stats = pb.ModelStatisticsResponse()
     stats.model_stats.add(name="m", inference_count=5).inference_stats.success.ns = 1 << 40
-    assert rest.message_json(stats) == {
+    assert rest_answers.message_json(stats) == {
         "model_stats": [{"name": "m", "inference_count": 5, "inference_stats": {"success": {"ns": 1 << 40}}}]
     }
 
@@ -223,7 +223,7 @@ def test_generate_fields_become_inputs_and_its_answer_fields() -> None:
             rest.generate_request("arith", "", json.dumps(bad).encode())
     response = pb.ModelInferResponse(model_name="arith", id="g")
     codec.encode_response_outputs(response, {"text_output": np.array([b"2"], dtype=object)}, raw=True)
-    assert rest.generate_response(response) == {
+    assert rest_answers.generate_response(response) == {
         "model_name": "arith",
         "model_version": "",
         "id": "g",
