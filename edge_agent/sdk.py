@@ -23,7 +23,6 @@ where it has not, it keeps its own and logs why.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Mapping
@@ -36,23 +35,25 @@ from edge_agent.sdk_calls import (
     Failed,
     InferResult,
     LocalRun,
+    asend,
     escalation,
     merged_answer,
     remote_answer,
+    send,
 )
-from edge_agent.sdk_routers import Routers, status_of
-from stratus.convert.parameters import CONFIG_CURRENT, CONFIG_THRESHOLD, RequestOptions, held_reason
+from edge_agent.sdk_corrections import read_corrections
+from edge_agent.sdk_follow import RouterFollower
+from edge_agent.sdk_routers import Routers
+from stratus.convert.parameters import RequestOptions, held_reason
 from stratus.datatypes import Array
 from stratus.errors import ConfigError
 from stratus.execution.loading import LocalSettings
 from stratus.execution.models import LocalModels
 from stratus.execution.running import score
-from stratus.families.confidence import threshold_problem
 from stratus.families.repository import ModelRepository
 from stratus.serving.channels import NO_TLS, TlsSettings
 from stratus.tiers import Tier
 from stratus.wire import fleet_pb2 as fpb
-from stratus.wire import fleet_pb2_grpc as fpb_grpc
 from stratus.wire import inference_pb2 as pb
 from stratus.wire import inference_pb2_grpc as pb_grpc
 
@@ -60,13 +61,7 @@ __all__ = ["Client", "InferResult"]
 
 log = logging.getLogger("stratus.sdk")
 
-# How often the local variants are checked against what the router serves (at the next call).
-FOLLOW_EVERY_S = 30.0
-# The longest a check may wait for a router's answer (it runs inside a call when due).
-FOLLOW_TIMEOUT_S = 1.0
 TierArg = Tier | str | None
-MAX_SEEN = 10_000  # corrections remembered to give none twice after moving to another router
-_UNREACHED = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 
 
 class Client:
@@ -119,9 +114,7 @@ class Client:
         self._router = router
         self._routers = Routers(router, discover_timeout_s=discover_timeout_s, tls=tls)
         self.name = name
-        self._follow_at = 0.0  # when the local variants are next checked against the router's
-        self._missing: dict[str, str] = {}  # family -> a line the router serves that is not here
-        self._thresholds: dict[str, float] = {}  # family -> the router's threshold for its tier here
+        self._follower = RouterFollower(self._models, self._routers, self._metadata, enabled=router is not None)
 
     def wait_ready(self, timeout_s: float = 10.0) -> bool:
         """Whether a router answered ready within ``timeout_s`` (zeroconf looked up first with
@@ -149,98 +142,20 @@ class Client:
                 return False
             time.sleep(0.1)
 
-    # -- following the router's current variants -------------------------------------
+    # -- following the router's current variants (edge_agent/sdk_follow.py) ----------
     def follow_router(self) -> dict[str, str]:
-        """Serve each family here with the line the router serves its tier with by default
-        (a promoted rollout's candidate, else its agents' current variant), where this
-        models folder has that line; returns the lines now current here, by family.
-
-        Called by :meth:`wait_ready`, and by a call when the last look is ``FOLLOW_EVERY_S``
-        old; a router that does not say (or none reachable) changes nothing."""
-        self._follow_at = time.monotonic() + FOLLOW_EVERY_S
-        for family in self._families():
-            for address in self._routers.fresh():
-                stub = pb_grpc.GRPCInferenceServiceStub(self._routers.channel(address))
-                try:
-                    config = stub.ModelConfig(
-                        pb.ModelConfigRequest(name=family), timeout=FOLLOW_TIMEOUT_S, metadata=self._metadata
-                    ).config
-                except grpc.RpcError as exc:
-                    self._unanswered(address, exc)
-                    continue
-                self._follow(config, family=family)
-                break
-        return self.current_lines()
+        """Serve each family here with the line the router serves its tier with, where this
+        models folder has it (see :class:`~edge_agent.sdk_follow.RouterFollower`); returns the
+        lines now current here, by family."""
+        return self._follower.follow()
 
     async def afollow_router(self) -> dict[str, str]:
         """:meth:`follow_router` on the caller's event loop."""
-        self._follow_at = time.monotonic() + FOLLOW_EVERY_S
-        for family in self._families():
-            for address in self._routers.fresh():
-                stub = pb_grpc.GRPCInferenceServiceStub(self._routers.achannel(address))
-                try:
-                    answer = await stub.ModelConfig(
-                        pb.ModelConfigRequest(name=family), timeout=FOLLOW_TIMEOUT_S, metadata=self._metadata
-                    )
-                except grpc.aio.AioRpcError as exc:
-                    self._unanswered(address, exc)
-                    continue
-                self._follow(answer.config, family=family)
-                break
-        return self.current_lines()
+        return await self._follower.afollow()
 
     def current_lines(self) -> dict[str, str]:
         """The line (FP32 variant name) answering each family here now."""
-        lines = {}
-        for family in self._families():
-            variant = self._models.variant_for(family)[1]
-            lines[family] = variant.parent or variant.name
-        return lines
-
-    def _families(self) -> list[str]:
-        """The families answered here (those with a current variant loaded)."""
-        models = self._models
-        return sorted({models.variants[name].family for name in models.current})
-
-    def _unanswered(self, address: str, exc: grpc.RpcError) -> None:
-        """A router that cannot be reached is skipped for a while (the next family's look
-        and the next escalation go elsewhere); one that answered an error was reached."""
-        if status_of(exc)[0] in _UNREACHED:
-            self._routers.failed(address)
-
-    def _follow(self, config: pb.ModelConfig, *, family: str) -> None:
-        tier = self._models.variant_for(family)[1].tier
-        self._follow_threshold(config, family=family, tier=tier)
-        wanted = config.parameters.get(CONFIG_CURRENT + tier.label)
-        if wanted is None or not wanted.string_value or wanted.string_value == self.current_lines()[family]:
-            return
-        line = wanted.string_value
-        if self._models.follow(family, tier, line):
-            log.info("%s: answering with %s here, as the router serves the %s tier", family, line, tier.label)
-        elif self._missing.get(family) != line:  # said once per line
-            self._missing[family] = line
-            log.warning(
-                "%s: the router serves the %s tier with %s, which %s does not hold: answering with %s here",
-                family, tier.label, line, self._models.repository.root, self.current_lines()[family],
-            )  # fmt: skip
-
-    def _follow_threshold(self, config: pb.ModelConfig, *, family: str, tier: Tier) -> None:
-        """Judge this tier's answers by the threshold the router uses for it (a fleet-wide push
-        wins over this folder's family.toml), where the router says one."""
-        said = config.parameters.get(CONFIG_THRESHOLD + tier.label)
-        try:
-            value = float(said.string_value) if said is not None else None
-        except ValueError:
-            value = None
-        if value is None or threshold_problem(value) is not None:  # PASS_ALL is one: every answer climbs
-            self._thresholds.pop(family, None)
-            return
-        if self._thresholds.get(family) != value:
-            log.info("%s: judging %s answers here by the router's threshold %g", family, tier.label, value)
-        self._thresholds[family] = value
-
-    def _follow_due(self) -> bool:
-        return self._router is not None and time.monotonic() >= self._follow_at
+        return self._follower.current_lines()
 
     # -- synchronous ------------------------------------------------------------------
     def infer(
@@ -255,39 +170,22 @@ class Client:
     ) -> InferResult:
         """Answer here, and send the unsure items up; ``max_tier`` and ``min_tier`` (a Tier or
         "device", "edge", "cloud") bound the tiers as the router's parameters of those names do."""
-        if self._follow_due():
-            self.follow_router()
+        if self._follower.due():
+            self._follower.follow()
         call = self._call(
             model, x, budget_ms=budget_ms, min_confidence=min_confidence, max_tier=max_tier, min_tier=min_tier
         )
         if not call.local:
-            return remote_answer(call, self._send(call, call.request()))
+            return remote_answer(call, send(self._routers, self._metadata, call, call.request()))
         local = self._run_locally(call)
         unsure = local.unsure(call.options.min_confidence)
         settled = self._settled(call, local, unsure)
         if settled is not None:
             return settled
-        response = self._send(call, escalation(call, local, unsure=unsure))
+        response = send(self._routers, self._metadata, call, escalation(call, local, unsure=unsure))
         if isinstance(response, Failed):
             return self._local_result(local, degraded=True, reason=response.reason(local, unsure))
         return merged_answer(local, unsure, response)
-
-    def _send(self, call: Call, request: pb.ModelInferRequest) -> pb.ModelInferResponse | Failed:
-        """The first router's answer, trying each in turn; what went wrong where none answered."""
-        failed = Failed(self._router)
-        for address in self._routers.to_try():
-            stub = pb_grpc.GRPCInferenceServiceStub(self._routers.channel(address))
-            try:
-                response: pb.ModelInferResponse = stub.ModelInfer(
-                    request, timeout=call.timeout_s(), metadata=self._metadata
-                )
-            except grpc.RpcError as exc:
-                self._routers.failed(address)
-                failed.add(address, exc)
-                continue
-            self._routers.answered(address)
-            return response
-        return failed
 
     # -- asynchronous -----------------------------------------------------------------
     async def ainfer(
@@ -301,38 +199,22 @@ class Client:
         min_tier: TierArg = None,
     ) -> InferResult:
         """:meth:`infer` on the caller's event loop (the model runs on the bounded executor)."""
-        if self._follow_due():
-            await self.afollow_router()
+        if self._follower.due():
+            await self._follower.afollow()
         call = self._call(
             model, x, budget_ms=budget_ms, min_confidence=min_confidence, max_tier=max_tier, min_tier=min_tier
         )
         if not call.local:
-            return remote_answer(call, await self._asend(call, call.request()))
+            return remote_answer(call, await asend(self._routers, self._metadata, call, call.request()))
         local = await self._models.executor.run(self._run_locally, call)
         unsure = local.unsure(call.options.min_confidence)
         settled = self._settled(call, local, unsure)
         if settled is not None:
             return settled
-        response = await self._asend(call, escalation(call, local, unsure=unsure))
+        response = await asend(self._routers, self._metadata, call, escalation(call, local, unsure=unsure))
         if isinstance(response, Failed):
             return self._local_result(local, degraded=True, reason=response.reason(local, unsure))
         return merged_answer(local, unsure, response)
-
-    async def _asend(self, call: Call, request: pb.ModelInferRequest) -> pb.ModelInferResponse | Failed:
-        failed = Failed(self._router)
-        for address in await self._routers.ato_try():
-            stub = pb_grpc.GRPCInferenceServiceStub(self._routers.achannel(address))
-            try:
-                response: pb.ModelInferResponse = await stub.ModelInfer(
-                    request, timeout=call.timeout_s(), metadata=self._metadata
-                )
-            except grpc.aio.AioRpcError as exc:
-                self._routers.failed(address)
-                failed.add(address, exc)
-                continue
-            self._routers.answered(address)
-            return response
-        return failed
 
     # -- shared -------------------------------------------------------------------------
     def _call(
@@ -366,7 +248,7 @@ class Client:
         scores = score(call.family, call.variant, outputs)
         return LocalRun(
             family=call.family, variant=call.variant, inputs=call.inputs, outputs=outputs, confidences=scores, ms=ms,
-            pushed=self._thresholds.get(call.family.name),
+            pushed=self._follower.threshold(call.family.name),
         )  # fmt: skip
 
     def _settled(self, call: Call, local: LocalRun, unsure: Array) -> InferResult | None:
@@ -395,39 +277,12 @@ class Client:
             reason=reason,
         )
 
-    async def corrections(
+    def corrections(
         self, *, family: str | None = None, since_unix: float = 0.0, follow: bool = True
     ) -> AsyncIterator[fpb.Correction]:
-        """The provisional answers the cloud later disagreed with (``stratus.provisional`` answers
-        name their ``stratus.request_id``; each correction names it and the item): those judged
-        since ``since_unix``, then, with ``follow``, each new one as the router makes it. A router
-        lost midway is left for the next one the SDK knows, from the last correction seen on
-        (none is given twice). Corrections are kept by the router that answered provisionally."""
-        seen: set[tuple[str, int, float]] = set()
-        since = since_unix
-        while True:
-            addresses = await self._routers.ato_try()
-            if not addresses:
-                raise ConfigError("no router to read corrections from (the SDK was made with router=None)")
-            for address in addresses:
-                stub = fpb_grpc.FleetStub(self._routers.achannel(address))
-                request = fpb.CorrectionsRequest(family=family or "", since_unix=since, follow=follow)
-                try:
-                    async for correction in stub.Corrections(request, metadata=self._metadata or None):
-                        key = (correction.request_id, correction.item, correction.judged_unix)
-                        if key not in seen:
-                            seen.add(key)
-                            since = max(since, correction.judged_unix)
-                            if len(seen) > MAX_SEEN:  # only those at the boundary can come again
-                                seen = {k for k in seen if k[2] >= since}
-                            yield correction
-                    if not follow:
-                        return
-                except grpc.aio.AioRpcError as exc:
-                    if exc.code() not in _UNREACHED:
-                        raise
-                    self._routers.failed(address)
-            await asyncio.sleep(FOLLOW_TIMEOUT_S)
+        """The provisional answers the cloud later disagreed with, from the routers this client
+        knows (see :func:`~edge_agent.sdk_corrections.read_corrections`)."""
+        return read_corrections(self._routers, self._metadata, family=family, since_unix=since_unix, follow=follow)
 
     def close(self) -> None:
         self._routers.close()

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import grpc
 import numpy as np
 
-from edge_agent.sdk_routers import status_of
+from edge_agent.sdk_routers import Metadata, Routers, status_of
 from stratus.convert import codec
 from stratus.convert.parameters import RequestOptions, Served, unanswered_reason
 from stratus.datatypes import Array
@@ -19,6 +19,7 @@ from stratus.families.confidence import threshold_for
 from stratus.families.spec import FamilySpec, VariantSpec
 from stratus.tiers import Tier
 from stratus.wire import inference_pb2 as pb
+from stratus.wire import inference_pb2_grpc as pb_grpc
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -182,3 +183,43 @@ def merged_answer(local: LocalRun, unsure: Array, response: pb.ModelInferRespons
         item_tiers=tuple(tiers),
         reason=served.reason,
     )
+
+
+def send(
+    routers: Routers, metadata: Metadata, call: Call, request: pb.ModelInferRequest
+) -> pb.ModelInferResponse | Failed:
+    """The first router's answer, trying each in turn; what went wrong where none answered."""
+    failed = Failed(routers.named)
+    for address in routers.to_try():
+        stub = pb_grpc.GRPCInferenceServiceStub(routers.channel(address))
+        try:
+            response: pb.ModelInferResponse = stub.ModelInfer(
+                request, timeout=call.timeout_s(), metadata=metadata
+            )
+        except grpc.RpcError as exc:
+            routers.failed(address)
+            failed.add(address, exc)
+            continue
+        routers.answered(address)
+        return response
+    return failed
+
+
+async def asend(
+    routers: Routers, metadata: Metadata, call: Call, request: pb.ModelInferRequest
+) -> pb.ModelInferResponse | Failed:
+    """:func:`send` on the caller's event loop."""
+    failed = Failed(routers.named)
+    for address in await routers.ato_try():
+        stub = pb_grpc.GRPCInferenceServiceStub(routers.achannel(address))
+        try:
+            response: pb.ModelInferResponse = await stub.ModelInfer(
+                request, timeout=call.timeout_s(), metadata=metadata
+            )
+        except grpc.aio.AioRpcError as exc:
+            routers.failed(address)
+            failed.add(address, exc)
+            continue
+        routers.answered(address)
+        return response
+    return failed

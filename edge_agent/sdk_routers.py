@@ -15,6 +15,7 @@ from stratus.serving.discovery import discover_all
 
 # After a failed attempt to reach the router, answer locally for this long before retrying.
 RETRY_ROUTER_AFTER_S = 5.0
+Metadata = tuple[tuple[str, str], ...]  # what every call to a router carries (its client token)
 
 
 class Routers:
@@ -27,6 +28,7 @@ class Routers:
     """
 
     def __init__(self, router: str | None, *, discover_timeout_s: float, tls: TlsSettings) -> None:
+        self.named = router  # as the client was given it: what a failure's message names
         self._auto = router == "auto"
         self._addresses = (
             [] if router in (None, "auto") else [a.strip() for a in router.split(",") if a.strip()]
