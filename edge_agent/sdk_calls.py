@@ -110,11 +110,14 @@ class Call:
 class Failed:
     """Why no router answered a call: each one's error, for the caller when nothing else can answer."""
 
-    def __init__(self, router: str | None) -> None:
-        self.router = router
+    def __init__(self, routers: Routers) -> None:
+        self.router = routers.named
         self.errors: list[str] = []
+        self._routers = routers
 
     def add(self, address: str, exc: grpc.RpcError) -> None:
+        """``address`` failed the call: it goes to the back of the line, and its error is kept."""
+        self._routers.failed(address)
         code, details = status_of(exc)
         self.errors.append(f"{address}: {code.name if code is not None else type(exc).__name__}: {details}")
 
@@ -189,7 +192,7 @@ def send(
     routers: Routers, metadata: Metadata, call: Call, request: pb.ModelInferRequest
 ) -> pb.ModelInferResponse | Failed:
     """The first router's answer, trying each in turn; what went wrong where none answered."""
-    failed = Failed(routers.named)
+    failed = Failed(routers)
     for address in routers.to_try():
         stub = pb_grpc.GRPCInferenceServiceStub(routers.channel(address))
         try:
@@ -197,7 +200,6 @@ def send(
                 request, timeout=call.timeout_s(), metadata=metadata
             )
         except grpc.RpcError as exc:
-            routers.failed(address)
             failed.add(address, exc)
             continue
         routers.answered(address)
@@ -209,7 +211,7 @@ async def asend(
     routers: Routers, metadata: Metadata, call: Call, request: pb.ModelInferRequest
 ) -> pb.ModelInferResponse | Failed:
     """:func:`send` on the caller's event loop."""
-    failed = Failed(routers.named)
+    failed = Failed(routers)
     for address in await routers.ato_try():
         stub = pb_grpc.GRPCInferenceServiceStub(routers.achannel(address))
         try:
@@ -217,7 +219,6 @@ async def asend(
                 request, timeout=call.timeout_s(), metadata=metadata
             )
         except grpc.aio.AioRpcError as exc:
-            routers.failed(address)
             failed.add(address, exc)
             continue
         routers.answered(address)
