@@ -1,4 +1,5 @@
-"""The Fleet service: status for operators, a stream of changes, Drain, reloads and rollouts."""
+"""The Fleet service: status for operators, a stream of changes, Drain, reloads and rollouts (whose
+requests are read against the fleet in router/api/rollout_requests.py)."""
 
 from __future__ import annotations
 
@@ -11,22 +12,19 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from router.api.accuracy import accuracy_reply
-from router.api.fleet_status import fleet_status, rollout_status
+from router.api.fleet_status import fleet_status
+from router.api.rollout_requests import plan_status, rollout_tier, start_plan
 from router.audit.auditor import Auditor
 from router.cloud.pool import CloudTier
 from router.fleet.agent_handle import AgentHandle
-from router.fleet.index import line_key
 from router.fleet.registry import MAX_RELOAD_WAIT_S, FleetRegistry
 from router.offline.corrections import CorrectionLog
-from router.rollout.judge import Margins
-from router.rollout.plan import DEFAULT_MIN_AUDITS, DEFAULT_STEPS, Plan
 from router.rollout.plans import Rollouts
 from router.site.mirror import SiteMirror
 from router.thresholds.pushes import ThresholdPushes, steer, to_wire
-from stratus.errors import ConfigError, InvalidInput, NotFound
+from stratus.errors import ConfigError, InvalidInput
 from stratus.serving.auth import RouterCredentials
 from stratus.serving.client_limits import client_of
-from stratus.tiers import Tier
 from stratus.wire import fleet_pb2 as fpb
 from stratus.wire import fleet_pb2_grpc as fpb_grpc
 
@@ -225,11 +223,11 @@ class FleetServicer(fpb_grpc.FleetServicer):
         if action == fpb.ROLLOUT_ACTION_STATUS:
             self._authorize_read(request.token, context, "rollout status")
             plans = [p for p in self._rollouts.plans() if not request.family or p.family == request.family]
-            return fpb.RolloutReply(rollouts=[self._status(p) for p in plans])
+            return fpb.RolloutReply(rollouts=[plan_status(self._registry, self._rollouts, p) for p in plans])
         self._authorize(request.token, context, "changing a rollout")
-        tier = _tier(request.tier)
+        tier = rollout_tier(request.tier)
         if action == fpb.ROLLOUT_ACTION_START:
-            make = functools.partial(self._start, request, tier)
+            make = functools.partial(start_plan, self._registry, self._rollouts, request, tier)
         elif action == fpb.ROLLOUT_ACTION_PROMOTE:
             make = functools.partial(self._rollouts.promote, request.family, tier)
         elif action == fpb.ROLLOUT_ACTION_ABORT:
@@ -237,55 +235,9 @@ class FleetServicer(fpb_grpc.FleetServicer):
         else:
             raise InvalidInput(f"unknown rollout action {action}")
         plan = await self._site.change_rollout(request.family, tier, make) if self._site is not None else make()
-        return fpb.RolloutReply(rollouts=[self._status(plan)], message=plan.reason)
-
-    def _start(self, request: fpb.RolloutRequest, tier: Tier) -> Plan:
-        """Refuse what could never work: an unknown family, a candidate no agent of the
-        tier serves, the current variant itself, or the cloud tier."""
-        family, candidate = request.family, request.candidate
-        if self._registry.family(family) is None:
-            raise NotFound(f"no agent serves a family '{family}'")
-        if tier is Tier.CLOUD:
-            raise InvalidInput(
-                "the cloud tier is one gateway with its own models folder: roll a new cloud variant "
-                "out by deploying a gateway beside the old one"
-            )
-        if tier not in self._registry.index.tiers(line_key(candidate)):
-            raise NotFound(
-                f"no {tier.label} agent serves '{candidate}': add it to their models folder and "
-                "reload them (stratus fleet reload AGENT, or SIGHUP)"
-            )
-        if candidate in self._current_lines(family, tier):
-            raise InvalidInput(f"'{candidate}' is already the current {tier.label} variant of '{family}'")
-        margins = Margins(
-            max_error_increase=request.max_error_increase or Margins.max_error_increase,
-            max_p99_ratio=request.max_p99_ratio or Margins.max_p99_ratio,
-            max_unsure_increase=request.max_unsure_increase or Margins.max_unsure_increase,
-            max_disagreement_increase=request.max_disagreement_increase or Margins.max_disagreement_increase,
+        return fpb.RolloutReply(
+            rollouts=[plan_status(self._registry, self._rollouts, plan)], message=plan.reason
         )
-        return self._rollouts.start(
-            family,
-            tier,
-            candidate,
-            steps=list(request.steps) or DEFAULT_STEPS,
-            min_requests=request.min_requests or 100,
-            min_audits=request.min_audits or DEFAULT_MIN_AUDITS,
-            shadow=request.shadow_percent,
-            margins=margins,
-        )
-
-    def _current_lines(self, family: str, tier: Tier) -> set[str]:
-        """The lines agents of ``tier`` serve ``family`` requests with now."""
-        lines = set()
-        for handle in self._registry.index.pools(family).get(tier, ()):
-            info = handle.variants.get(handle.variant_for(family))
-            if info is not None:
-                lines.add(info.line or info.name)
-        return lines
-
-    def _status(self, plan: Plan) -> fpb.RolloutStatus:
-        current = sorted(self._current_lines(plan.family, plan.tier) - {plan.candidate})
-        return rollout_status(self._rollouts, plan, ",".join(current))
 
     async def Thresholds(self, request: fpb.ThresholdsRequest, context: Any) -> fpb.ThresholdsReply:
         if request.action == fpb.THRESHOLDS_ACTION_STATUS:
@@ -300,9 +252,3 @@ class FleetServicer(fpb_grpc.FleetServicer):
         change = functools.partial(steer, self._pushes, self._registry, request)
         return await self._site.change_thresholds(request.family, change) if self._site is not None else change()
 
-
-def _tier(value: int) -> Tier:
-    try:
-        return Tier.from_wire(value)
-    except InvalidInput:
-        raise InvalidInput("a rollout names its tier: device or edge") from None

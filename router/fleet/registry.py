@@ -7,8 +7,9 @@ asks the agents there (each handle's Work goes through its own ``work``,
 stream breaks (HTTP/2 keepalive tells a dead or frozen peer within seconds), or that
 misses three heartbeats, is marked lost at once and every request it held fails over.
 
-Heartbeats cost the router a bounded rate: the interval the router asks for (the pace)
-doubles each time the fleet would otherwise send more than ``max_heartbeats_per_s``.
+Where each agent stands (ready, draining, lost), the moves between those states and the
+heartbeats' pace are kept by :class:`router.fleet.states.AgentStates`; the registry admits
+agents, takes their reloads, wires their Work and answers reads.
 """
 
 from __future__ import annotations
@@ -25,15 +26,11 @@ from router.fleet.agent_handle import AgentHandle, State
 from router.fleet.family_book import FamilyBook
 from router.fleet.hello import Admission, check_hello_bounds, check_hello_variants, handle_from_hello
 from router.fleet.index import AgentIndex
+from router.fleet.states import AgentStates
 from router.fleet.watchers import Watchers
 from router.policy import FleetSnapshot
 from stratus.convert.hardware import describe as describe_hardware
-from stratus.errors import (
-    AlreadyHeld,
-    ConfigError,
-    InvalidInput,
-    NotFound,
-)
+from stratus.errors import AlreadyHeld, InvalidInput, NotFound
 from stratus.families.description import FamilyDescription
 from stratus.obs.metrics import RouterMetrics
 from stratus.sched.batching import DEFAULT_MAX_DELAY_S
@@ -47,22 +44,8 @@ log = logging.getLogger("stratus.registry")
 # own (router/fleet/in_process.py), which runs a classifier's batches without a message.
 WorkMaker = Callable[[AgentHandle, WorkSettings], AgentWork]
 
-MISSED_HEARTBEATS = 3
-# A lost agent stays listed (state lost) this long, then is forgotten.
-FORGET_LOST_S = 600.0
-# Lost agents kept for status beyond this many: the oldest are forgotten first.
-MAX_LOST = 4096
 # Longest a Reload call waits for its agent (the caller chooses less, never more).
 MAX_RELOAD_WAIT_S = 600.0
-
-
-def pace_for(agents: int, *, base_s: float, max_per_s: float) -> float:
-    """The heartbeat interval for a fleet of ``agents``: ``base_s`` doubled until the whole
-    fleet sends at most ``max_per_s`` heartbeats a second (steps, so it rarely changes)."""
-    pace = base_s
-    while agents / pace > max_per_s:
-        pace *= 2
-    return pace
 
 
 class FleetRegistry:
@@ -80,15 +63,22 @@ class FleetRegistry:
         self.metrics = metrics
         self.heartbeat_s = heartbeat_s
         self.max_batch_delay_s = max_batch_delay_s
-        self.max_heartbeats_per_s = max_heartbeats_per_s
-        self.pace_s = heartbeat_s
         self._clock = clock
         self.agents: dict[str, AgentHandle] = {}
         self.book = FamilyBook()  # the families the agents describe, and thresholds pushed over them
         self.index: AgentIndex[AgentHandle] = AgentIndex()
-        self._linked = 0  # agents not lost
         self._ids = itertools.count(1)
         self.watchers = Watchers()  # Fleet.Watch calls, told of each change
+        # Each agent's state and the moves between them (drains, losses, the heartbeats' pace).
+        self.states = AgentStates(
+            self.agents,
+            self.index,
+            self.book,
+            heartbeat_s=heartbeat_s,
+            max_heartbeats_per_s=max_heartbeats_per_s,
+            clock=clock,
+            changed=self.changed,
+        )
         # What a Hello may register: pools up to --agent-pool NAME=MAX; families as the operator's
         # own copy of the models folder describes them (--models), whoever speaks first
         # (security2 F2), else as the first ready agent described them.
@@ -110,11 +100,16 @@ class FleetRegistry:
         return self._clock()
 
     @property
+    def pace_s(self) -> float:
+        """The heartbeat interval agents are asked for now (:func:`router.fleet.states.pace_for`)."""
+        return self.states.pace_s
+
+    @property
     def families(self) -> dict[str, FamilyDescription]:
         """Each family as this fleet serves it (a push's thresholds over its agents')."""
         return self.book.families
 
-    # -- joining and leaving -----------------------------------------------------------
+    # -- joining and reloading ---------------------------------------------------------
     def register(
         self, hello: fpb.Hello, peer: str, identity: str = "anonymous", *, work: WorkMaker = AgentWork
     ) -> AgentHandle:
@@ -134,16 +129,12 @@ class FleetRegistry:
             if previous.state != State.LOST:
                 log.warning("agent %s reconnected from %s; dropping its old link", hello.agent_id, peer)
                 self.lose(previous, "replaced by a new link")
-            self._forget(previous)
+            self.states.drop(previous)
         handle = handle_from_hello(hello, peer=peer, identity=identity, now=self.now(), heartbeat_s=self.pace_s)
         handle.work = work(handle, self._work_settings(handle))
         for family in described:
             if family.name not in self.families:
                 self.book.learn(family)
-        self.agents[handle.id] = handle
-        self.index.add(handle)
-        self.index.ready(handle)
-        self._linked += 1
         log.info(
             "agent %s joined: tier %s, hardware %s, variants %s, from %s",
             handle.id,
@@ -152,7 +143,7 @@ class FleetRegistry:
             sorted(handle.variants),
             peer,
         )
-        self._repace()
+        self.states.joined(handle)
         self.changed()
         return handle
 
@@ -200,126 +191,30 @@ class FleetRegistry:
             raise NotFound(f"no linked agent '{agent_id}'")
         return handle, await handle.reload(min(timeout_s, MAX_RELOAD_WAIT_S))
 
+    # -- where agents stand: router/fleet/states.py ---------------------------------------
     def draining(self, handle: AgentHandle) -> None:
-        if handle.state == State.READY:
-            handle.state = State.DRAINING
-            self.index.unready(handle)
-            log.info("agent %s is draining", handle.id)
-            self.changed()
+        self.states.draining(handle)
 
     def lose(self, handle: AgentHandle, reason: str) -> None:
-        """The agent's link is gone: fail over its requests at once."""
-        if self.agents.get(handle.id) is not handle or handle.state == State.LOST:
-            return
-        handle.left = handle.state == State.DRAINING  # it said goodbye first: not a fault
-        handle.state = State.LOST
-        handle.lost_at = self.now()
-        self.index.unready(handle)
-        self._linked -= 1
-        handle.work.fail(reason)
-        handle.settle_reloads(f"agent lost: {reason}")
-        handle.work.outbox.put_nowait(None)
-        if handle.left:
-            log.info("agent %s left (it drained first): %s", handle.id, reason)
-        else:
-            log.warning("agent %s lost: %s", handle.id, reason)
-        self._forget_oldest_lost()
-        self._repace()
-        self.changed()
+        self.states.lose(handle, reason)
 
-    def _forget(self, handle: AgentHandle) -> None:
-        """Drop a lost agent, and the description of each family no listed agent serves now."""
-        if self.agents.get(handle.id) is handle:
-            del self.agents[handle.id]
-            self.index.forget(handle)
-            for family in {info.family for info in handle.variants.values()}:
-                if not self.index.tiers(family) and not self.index.variants_of(family):
-                    self.book.undescribe(family)
-
-    def _forget_oldest_lost(self) -> None:
-        """Keep at most MAX_LOST lost agents listed: agents that join and leave in bulk must
-        not grow the router without bound."""
-        lost = [h for h in self.agents.values() if h.state == State.LOST]
-        for handle in sorted(lost, key=lambda h: h.lost_at)[: max(0, len(lost) - MAX_LOST)]:
-            self._forget(handle)
+    def heartbeat(self, handle: AgentHandle, beat: fpb.Heartbeat) -> None:
+        self.states.heartbeat(handle, beat)
 
     def check_heartbeats(self) -> None:
-        """Mark silent agents lost; forget agents lost for longer than FORGET_LOST_S."""
-        now = self.now()
-        for handle in list(self.agents.values()):
-            if handle.state != State.LOST:
-                if now - handle.last_heartbeat > MISSED_HEARTBEATS * handle.heartbeat_s:
-                    self.lose(handle, f"missed {MISSED_HEARTBEATS} heartbeats")
-            elif now - handle.lost_at > FORGET_LOST_S:
-                self._forget(handle)
-                self.changed()
+        self.states.check_heartbeats()
 
     def check_mark(self, agent_id: str, mark: str) -> AgentHandle:
-        """The agent an operator's drain, undrain or forget names, if it may be done here:
-        NotFound or ConfigError saying why not (asked before a site-wide mark is written)."""
-        handle = self.agents.get(agent_id)
-        if mark == "forgotten":
-            if handle is None:
-                raise NotFound(f"no agent '{agent_id}' is listed")
-            if handle.state != State.LOST:
-                raise ConfigError(f"agent {agent_id} is {handle.state}: only a lost or left agent is forgotten")
-            return handle
-        if handle is None or handle.state == State.LOST:
-            raise NotFound(f"no linked agent '{agent_id}'")
-        if mark == "ready" and (handle.state != State.DRAINING or not handle.operator_drained):
-            raise ConfigError(
-                f"agent {agent_id} is {handle.state}, not drained by an operator: nothing to take back"
-            )
-        return handle
+        return self.states.check_mark(agent_id, mark)
 
     def drain(self, agent_id: str) -> AgentHandle:
-        handle = self.check_mark(agent_id, "drained")
-        handle.work.outbox.put_nowait(fpb.RouterMessage(drain=fpb.Drain(reason="drained by operator")))
-        handle.operator_drained = True
-        self.draining(handle)
-        return handle
+        return self.states.drain(agent_id)
 
     def undrain(self, agent_id: str) -> AgentHandle:
-        """An operator's Drain taken back; an agent draining because it is stopping stays so."""
-        handle = self.check_mark(agent_id, "ready")
-        handle.operator_drained = False
-        handle.state = State.READY
-        self.index.ready(handle)
-        log.info("agent %s is ready again (undrained by an operator)", agent_id)
-        self.changed()
-        return handle
+        return self.states.undrain(agent_id)
 
     def forget(self, agent_id: str) -> AgentHandle:
-        """A lost or left agent dropped from the status now."""
-        handle = self.check_mark(agent_id, "forgotten")
-        self._forget(handle)
-        self.changed()
-        return handle
-
-    # -- heartbeats and their pace -------------------------------------------------------
-    def heartbeat(self, handle: AgentHandle, beat: fpb.Heartbeat) -> None:
-        handle.last_heartbeat = self.now()
-        if unread := handle.not_reading(beat.received, MISSED_HEARTBEATS):  # it heartbeats, yet reads nothing
-            self.lose(handle, f"not reading its link: {unread} messages unread for {MISSED_HEARTBEATS} heartbeats")
-        handle.reported_queue = beat.queue_length
-        handle.update_latency(beat.latency)
-
-    def _repace(self) -> None:
-        """Tell every linked agent the new interval when the fleet's size crosses a step."""
-        pace = pace_for(self._linked, base_s=self.heartbeat_s, max_per_s=self.max_heartbeats_per_s)
-        if pace == self.pace_s:
-            return
-        log.info("fleet of %d agents: heartbeats every %.1f s (was %.1f s)", self._linked, pace, self.pace_s)
-        slower, self.pace_s = pace > self.pace_s, pace
-        message = fpb.RouterMessage(pace=fpb.Pace(heartbeat_interval_s=pace))
-        now = self.now()
-        for handle in self.agents.values():
-            if handle.state == State.LOST:
-                continue
-            handle.work.outbox.put_nowait(message)
-            handle.heartbeat_s = pace
-            if not slower:  # time silence from the new pace, not from the old, longer gap
-                handle.last_heartbeat = max(handle.last_heartbeat, now)
+        return self.states.forget(agent_id)
 
     # -- work ------------------------------------------------------------------------------
     def result(self, handle: AgentHandle, result: fpb.Result) -> None:

@@ -17,7 +17,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from router.fleet.registry import MISSED_HEARTBEATS
+from router.fleet.states import MISSED_HEARTBEATS
 from stratus.convert.errors import wire_error
 from stratus.convert.parameters import set_parameter
 from stratus.devtools.launcher import Launched

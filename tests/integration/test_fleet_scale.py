@@ -7,7 +7,7 @@ import signal
 import time
 from collections import Counter
 
-from router.fleet.registry import pace_for
+from router.fleet.states import pace_for
 from stratus.cli.fleet_views import ready_agents
 from stratus.devtools.launcher import free_port
 from stratus.wire import fleet_pb2 as fpb

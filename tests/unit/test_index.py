@@ -10,7 +10,8 @@ import pytest
 
 from router.api.link import AdmissionGate
 from router.fleet.index import Pool
-from router.fleet.registry import FORGET_LOST_S, MISSED_HEARTBEATS, FleetRegistry, pace_for
+from router.fleet.registry import FleetRegistry
+from router.fleet.states import FORGET_LOST_S, MISSED_HEARTBEATS, pace_for
 from router.policy import Attempt, Target, choose
 from stratus.errors import InvalidInput, Overloaded
 from stratus.obs.stats import RateMeter

@@ -11,8 +11,9 @@ import pytest
 from router.backends.agent import PATIENCE_FACTOR, PATIENCE_FLOOR_MS, split_result
 from router.catalog import listing
 from router.fleet import registry as registry_module
+from router.fleet import states as states_module
 from router.fleet.agent_handle import FIRST_WINDOW
-from router.fleet.registry import FORGET_LOST_S
+from router.fleet.states import FORGET_LOST_S
 from router.fleet.watchers import MAX_OPERATOR_WATCHERS, MAX_WATCHERS, MAX_WATCHERS_PER_ADDRESS
 from stratus.errors import InvalidInput, Overloaded
 from stratus.tiers import Tier
@@ -36,7 +37,7 @@ def test_a_family_description_leaves_with_its_last_agent() -> None:
 
 
 def test_lost_agents_past_the_cap_are_forgotten_oldest_first(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(registry_module, "MAX_LOST", 3)
+    monkeypatch.setattr(states_module, "MAX_LOST", 3)
     clock = Clock()
     reg = registry(clock)
     for index in range(5):
