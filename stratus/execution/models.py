@@ -1,6 +1,7 @@
 """Models loaded on this machine, served: the data plane over them is in
-``stratus.execution.dataplane``, choosing and loading them in ``stratus.execution.loading``, and
-what a Hello says about them in ``stratus.execution.describe``.
+``stratus.execution.dataplane``, choosing and loading them in ``stratus.execution.loading``,
+which are loaded and served, and every change to that (a reload, a rollout followed), in
+``stratus.execution.lineup``, and what a Hello says about them in ``stratus.execution.describe``.
 
 Used by the edge agent (for Work from the router and for its local ``--serve``
 endpoint), the cloud gateway and the on-device SDK: check the request, run the variant
@@ -11,11 +12,9 @@ reason enough to ask a bigger model about the batch.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
@@ -23,33 +22,19 @@ from stratus import datatypes
 from stratus.convert.inference import InferRequest, InferResult
 from stratus.convert.text import text_result
 from stratus.datatypes import Array
-from stratus.errors import (
-    ModelLoadError,
-    NotFound,
-    StratusError,
-    Unavailable,
-)
-from stratus.execution.generators import RETIRE_GRACE_S, NotLoaded
-from stratus.execution.loading import (
-    Chosen,
-    LocalSettings,
-    load_at_start,
-    load_generators,
-    load_variant,
-    select_variants,
-)
-from stratus.execution.running import LocalRun, Part, Running, batch_key
+from stratus.errors import NotFound, StratusError, Unavailable
+from stratus.execution.generators import NotLoaded
+from stratus.execution.lineup import Lineup
+from stratus.execution.loading import LocalSettings, load_generators, select_variants
+from stratus.execution.running import LocalRun, Part, batch_key
 from stratus.families.chat import CHAT_TEMPLATE
 from stratus.families.cpu import Hardware, this_hardware
 from stratus.families.generation import FINISH_REASON, Chunk
 from stratus.families.repository import ModelRepository
 from stratus.families.spec import FamilySpec, VariantSpec
 from stratus.obs.metrics import UNKNOWN, Metric, Metrics, ModelMetrics, gauge
-from stratus.runtimes import LoadFailure, ModelRunner
 from stratus.sched.batching import Batch, Batcher
 from stratus.tiers import Tier
-
-log = logging.getLogger("stratus.models")
 
 if TYPE_CHECKING:
     from stratus.execution.generators import OnChunk
@@ -70,7 +55,9 @@ class LocalAnswer:
 
 
 class LocalModels:
-    """Variants loaded into their best runtimes here, warmed up before first use.
+    """Variants loaded into their best runtimes here, warmed up before first use: which are
+    loaded and served is the :class:`~stratus.execution.lineup.Lineup`'s to change; this
+    resolves each request's name against its tables and runs it.
 
     One :class:`~stratus.sched.batching.Batcher` owns the queue in front of the runtimes: it
     admits up to ``queue_limit`` waiting requests, runs ``concurrency`` batches at once on
@@ -90,33 +77,13 @@ class LocalModels:
         self.generators = load_generators(repository, settings, self.recorder)
         if not chosen and not (self.generators and (self.generators.variants or self.generators.unavailable)):
             raise NotFound(f"no variants to load (tier={settings.tier}, variants={settings.variants})")
-        self.reasons: dict[str, str] = {}
-        self.variants: dict[str, VariantSpec] = {}  # loaded, including any still retiring
-        self.families: dict[str, FamilySpec] = {}
-        self.running = Running(settings, self.variants, self.families, self.recorder)
+        self.lineup = Lineup(chosen, settings, self.generators, self.recorder)
+        # Its tables, read on every request (changed in place; served and current are replaced whole)
+        self.variants, self.families = self.lineup.variants, self.lineup.families
+        self.reasons, self.computes = self.lineup.reasons, self.lineup.computes
+        self.running = self.lineup.running
         self.runners, self.latency = self.running.runners, self.running.latency
         self.executor = self.running.executor
-        self.served: set[str] = set()  # the variants announced: not retiring
-        self.current: set[str] = set()  # served variants that answer their family's requests
-        self._stamps: dict[str, tuple[VariantSpec, tuple[tuple[int, int], ...]]] = {}
-        self._dynamic_batch: dict[str, bool] = {}
-        # The arithmetic each loaded variant's runtime computes in (RuntimeDescription.compute).
-        self.computes: dict[str, str] = {}
-        # Every runtime that refused a file, and the families (by name) whose current variant
-        # no runtime here could load: those are not ready here, and say why.
-        self.load_failures: list[LoadFailure] = []
-        self.unavailable: dict[str, NotLoaded] = {}
-        loaded = [
-            pair
-            for c in chosen
-            if (pair := load_at_start(c, settings, self.load_failures, self.unavailable)) is not None
-        ]
-        self._install([c for c, _ in loaded], {c.variant.name: runner for c, runner in loaded})
-        self._count_load_failures()
-        if not self.runners and not (self.generators and self.generators.runners):
-            raise ModelLoadError(
-                f"nothing could be loaded here: {self.unavailable_reasons() or 'no variants'}"
-            )
         workers = settings.concurrency
         self.batcher: Batcher[dict[str, Array], Part] = Batcher(
             self._run_batch,
@@ -136,48 +103,19 @@ class LocalModels:
         assert self.settings.hardware is not None  # set in __init__
         return self.settings.hardware
 
-    def _count_load_failures(self) -> None:
-        """Each refusal once: in the log, and in ``stratus_model_load_failures_total``."""
-        failures = [*self.load_failures, *(self.generators.load_failures if self.generators else ())]
-        for failure in failures:
-            log.warning("%s: %s refused it: %s", failure.variant, failure.runtime, failure.reason)
-            if self.recorder is not None:
-                self.recorder.load_failures.labels(failure.variant, failure.runtime).inc()
+    @property
+    def served(self) -> set[str]:
+        """The variants announced here: not retiring (:class:`Lineup`'s)."""
+        return self.lineup.served
+
+    @property
+    def current(self) -> set[str]:
+        """The served variants that answer their family's requests (:class:`Lineup`'s)."""
+        return self.lineup.current
 
     def unavailable_families(self) -> dict[str, NotLoaded]:
-        """Families meant to be served here that no runtime could load (classifiers and
-        generative ones), unless another of their variants serves them here after all."""
-        generative = self.generators.unavailable if self.generators is not None else {}
-        found = {**self.unavailable, **generative}
-        return {name: why for name, why in found.items() if not self._family_served(name)}
-
-    def unavailable_reasons(self) -> str:
-        return "; ".join(
-            f"{n.family} ({n.variant}): {n.reason}" for n in self.unavailable_families().values()
-        )
-
-    def _family_served(self, family: str) -> bool:
-        if any(self.variants[name].family == family for name in self.current):
-            return True
-        return self.generators is not None and any(
-            self.generators.variants[name].family == family for name in self.generators.current
-        )
-
-    def _install(self, chosen: Sequence[Chosen], runners: Mapping[str, ModelRunner]) -> None:
-        """Serve exactly ``chosen`` from now on; variants left out stay loaded but retiring."""
-        for c in chosen:
-            name = c.variant.name
-            if self.runners.get(name) is not runners[name]:
-                described = runners[name].describe()
-                self.running.install(name, runners[name], described.runtime)
-                self._dynamic_batch[name] = described.dynamic_batch
-                self.computes[name] = described.compute
-            self.variants[name] = c.variant
-            self.families[c.family.name] = c.family
-            self.reasons[name] = c.reason
-            self._stamps[name] = (c.variant, c.variant.file_stamps())
-        self.served = {c.variant.name for c in chosen}
-        self.current = {c.variant.name for c in chosen if c.current}
+        """Families meant to be served here that no runtime could load (:class:`Lineup`'s)."""
+        return self.lineup.unavailable_families()
 
     async def reload(self) -> list[str]:
         """Re-read the models folder; load and warm what is new or changed, then serve it.
@@ -188,45 +126,9 @@ class LocalModels:
         it was and raises, saying why.
         """
         repository = ModelRepository.load(self.repository.root)
-        chosen = select_variants(repository, self.settings)
-        if not chosen and self.generators is None:
-            raise NotFound(f"no variants to load from {self.repository.root}")
-        loop = asyncio.get_running_loop()
-        runners: dict[str, ModelRunner] = {}
-        fresh: list[ModelRunner] = []
-        try:
-            for c in chosen:
-                name = c.variant.name
-                if name in self.runners and self._stamps.get(name) == (c.variant, c.variant.file_stamps()):
-                    runners[name] = self.runners[name]
-                    continue
-                log.info("loading %s (%s) from %s", name, c.variant.precision, self.repository.root)
-                runners[name] = await loop.run_in_executor(
-                    None, load_variant, c, self.settings, self.load_failures
-                )
-                fresh.append(runners[name])
-            if self.generators is not None:
-                await self.generators.reload(repository)  # all or nothing, like the rest
-        except Exception:
-            for runner in fresh:
-                runner.close()
-            raise
-        replaced = {n: r for n, r in self.runners.items() if runners.get(n) is not r}
+        served = await self.lineup.reload(repository)
         self.repository = repository
-        self._install(chosen, runners)
-        for name, runner in replaced.items():
-            loop.call_later(RETIRE_GRACE_S, self._retire, name, runner)
-        served = sorted({*self.served, *(self.generators.variants if self.generators else ())})
-        log.info("reloaded: serving %s", served)
         return served
-
-    def _retire(self, name: str, runner: ModelRunner) -> None:
-        """Close a runner replaced by a reload once its grace is over (unless it came back)."""
-        if self.runners.get(name) is runner and name not in self.served:
-            self.running.forget(name)
-            del self.variants[name]
-        if self.runners.get(name) is not runner:
-            runner.close()
 
     def _levels(self) -> list[Metric]:
         """Queue depth and items running (and generations waiting and running), read at each scrape."""
@@ -264,7 +166,7 @@ class LocalModels:
 
     def max_batch(self, variant: str) -> int:
         """What this variant may merge: the setting, where its runtime takes a dynamic batch."""
-        return self.settings.max_batch if self._dynamic_batch.get(variant, False) else 1
+        return self.settings.max_batch if self.lineup.dynamic_batch.get(variant, False) else 1
 
     def generates(self, model_name: str) -> bool:
         return self.generators is not None and self.generators.serves(model_name)
@@ -279,7 +181,7 @@ class LocalModels:
         if child is not None:
             return self.families[child.family], child
         family = self.families.get(model_name)
-        local = [v for v in family.variants if v.name in self.current] if family else []
+        local = [v for v in family.variants if v.name in self.lineup.current] if family else []
         if family is not None and local:
             return family, max(local, key=lambda v: v.tier)
         if self.generators is not None and self.generators.serves(model_name):
@@ -290,25 +192,15 @@ class LocalModels:
         raise NotFound(f"model '{model_name}' is not served here; serving {self.model_names()}")
 
     def follow(self, family: str, tier: Tier, line: str) -> bool:
-        """Answer ``family``'s requests on ``tier`` with ``line`` (in the precision chosen for
-        it here) from now on, as a router serves it after a promoted rollout; False, changing
-        nothing, where that line is not loaded here (its file is not in this folder)."""
-        loaded = [
-            name
-            for name in sorted(self.served)
-            if (v := self.variants[name]).family == family and v.tier is tier and (v.parent or v.name) == line
-        ]
-        if not loaded:
-            return False
-        others = {n for n in self.current if self.variants[n].family == family and self.variants[n].tier is tier}
-        self.current = (self.current - others) | {loaded[0]}
-        return True
+        """Answer ``family``'s requests on ``tier`` with ``line`` from now on, as a router serves
+        it after a promoted rollout; False, changing nothing, where that line is not loaded here."""
+        return self.lineup.follow(family, tier, line)
 
     def _child_serving(self, line: str) -> VariantSpec | None:
         """The lower-precision variant served here in place of FP32 variant ``line``: its
         name keeps working whatever precision the hardware chose."""
-        children = [self.variants[n] for n in self.served if self.variants[n].parent == line]
-        return min(children, key=lambda v: v.name not in self.current) if children else None
+        children = [self.variants[n] for n in self.lineup.served if self.variants[n].parent == line]
+        return min(children, key=lambda v: v.name not in self.lineup.current) if children else None
 
     def model_names(self) -> list[str]:
         """The families with a current variant here, every variant served, and the FP32

@@ -1,8 +1,9 @@
 """A variant's batches run on its runtime: on the event loop for a variant known to be tiny,
 else on the bounded executor's threads; timed, recorded, scored, split per member.
 
-:class:`~stratus.execution.models.LocalModels` decides what is loaded and served, and which
-variant a name runs on; :class:`Running` holds the loaded runtimes and runs their batches.
+:class:`~stratus.execution.lineup.Lineup` decides what is loaded and served,
+:class:`~stratus.execution.models.LocalModels` which variant a name runs on; :class:`Running`
+holds the loaded runtimes and runs their batches.
 """
 
 from __future__ import annotations

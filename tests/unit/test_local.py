@@ -68,9 +68,9 @@ def test_reload_loads_what_changed_and_retires_what_was_replaced(
 ) -> None:
     import shutil
 
-    import stratus.execution.models
+    import stratus.execution.lineup
 
-    monkeypatch.setattr(stratus.execution.models, "RETIRE_GRACE_S", 0.2)
+    monkeypatch.setattr(stratus.execution.lineup, "RETIRE_GRACE_S", 0.2)
     root = tmp_path / "models"
     shutil.copytree(models_dir / "digits", root / "digits")
     settings = LocalSettings(tier=Tier.EDGE, runtimes=["onnxruntime"], cache_dir=tmp_path, precision="fp32")
