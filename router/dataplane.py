@@ -8,7 +8,9 @@ can answer in time, the best answer so far is returned marked ``stratus.degraded
 
 This module admits requests (or refuses them past ``max_requests``), resolves the names they
 use and answers metadata. The climb's rules are :mod:`router.policy.climb`'s; the cascades
-in :mod:`router.cascade` perform them, through this plane as their ``CascadeContext``.
+in :mod:`router.cascade` perform them, through this plane as their ``CascadeContext``. What
+only a generative request needs (its route, its OIP form read as text, what its generation
+tells the observer) is :mod:`router.cascade.text_requests`'.
 """
 
 from __future__ import annotations
@@ -25,6 +27,12 @@ from router.backends.cloud import CloudBackend
 from router.cascade.classify import ClassifyCascade
 from router.cascade.common import Job, pinned_options, request_budget
 from router.cascade.generate import Generation, GenerationCascade, Sink, generation_values
+from router.cascade.text_requests import (
+    count_generation,
+    generative_route,
+    text_request_of,
+    timing_first_text,
+)
 from router.catalog import Catalog, Route
 from router.cloud.pool import CloudTier
 from router.fleet.registry import FleetRegistry
@@ -33,12 +41,7 @@ from router.observer import observer_for
 from router.policy import FleetSnapshot
 from router.rollout.plans import Rollouts
 from stratus.convert.inference import InferRequest, InferResult, TextRequest
-from stratus.convert.text import (
-    chunk_result,
-    prompt_request,
-    text_request,
-    text_result,
-)
+from stratus.convert.text import chunk_result, prompt_request, text_result
 from stratus.errors import NotFound, Overloaded, StratusError
 from stratus.families.description import FamilyDescription
 from stratus.families.generation import FINAL, Chunk
@@ -142,23 +145,13 @@ class RouterDataPlane(DataPlane):
         """The family's description when ``name`` is a generative family (or one of its variants)."""
         return self.catalog.generative(name)
 
-    def _generative_route(self, name: str) -> Route:
-        """The route of a generative family's name; NotFound for any other name."""
-        try:
-            route = self.catalog.route(name)
-        except NotFound:
-            route = None
-        if route is None or route.generative is None:
-            raise NotFound(f"'{name}' is not a generative model this fleet serves")
-        return route
-
     async def generate_text(
         self, request: TextRequest, *, timeout_s: float | None, sink: Sink | None = None, route: Route | None = None
     ) -> Generation:
         """A generative request through the tiers; what the client may see goes to ``sink``.
         ``route``: the request's name, where the caller has resolved it already."""
         started = self._clock()
-        route = route or self._generative_route(request.model_name)
+        route = route or generative_route(self.catalog, request.model_name)
         info = route.generative
         assert info is not None  # a generative route's
         family, pinned, label = route.family, route.pinned, route.label
@@ -170,7 +163,7 @@ class RouterDataPlane(DataPlane):
         if pinned is not None:  # a pinned variant runs exactly there, on its own tier only
             options = pinned_options(options, self.registry.index.tiers(pinned))
         if sink is not None:
-            sink = self._timing_first_text(sink, label, started)
+            sink = timing_first_text(sink, self.observer, self._clock, label, started)
         if self.active >= self.max_requests:
             raise Overloaded(f"router request queue is full: {self.max_requests} requests in flight")
         self.active += 1
@@ -192,39 +185,11 @@ class RouterDataPlane(DataPlane):
                 self.audits.generated, info, checked, result, cascade.climbed
             )
         self._count_answer(label, result.tier.label, result.degraded, started)
-        self._count_generation(label, result)
+        count_generation(self.observer, label, result)
         return result
 
-    def _timing_first_text(self, sink: Sink, family: str, started: float) -> Sink:
-        """``sink``, noting when the first text reaches it."""
-        seen = False
-
-        async def timed(chunk: Chunk) -> None:
-            nonlocal seen
-            if not seen and chunk.text:
-                seen = True
-                self.observer.first_text(family, self._clock() - started)
-            await sink(chunk)
-
-        return timed
-
-    def _count_generation(self, family: str, result: Generation) -> None:
-        """Tokens each tier made, answered or discarded; escalations and each tier's time."""
-        for tier, made in result.generated.items():
-            answered = len(result.tokens) if tier is result.tier else 0
-            for fate, count in (("answered", answered), ("discarded", made - answered)):
-                self.observer.tokens(family, tier, fate, count)
-        for tier, ms in result.timings_ms.items():
-            self.observer.tier_time(family, tier, ms)
-
-    def _text_request(self, request: InferRequest, route: Route) -> TextRequest:
-        """An OIP request for a generative family, read as the cascade takes it."""
-        info = route.generative
-        assert info is not None  # a generative route's
-        return text_request(request, route.family, info.max_tokens)
-
     async def _infer_text(self, request: InferRequest, route: Route, timeout_s: float | None) -> InferResult:
-        asked = self._text_request(request, route)
+        asked = text_request_of(request, route)
         result = await self.generate_text(asked, timeout_s=timeout_s, route=route)
         answer = text_result(asked, result.text)
         answer.parameters.update(generation_values(result))
@@ -232,8 +197,8 @@ class RouterDataPlane(DataPlane):
 
     async def generate(self, request: InferRequest, *, timeout_s: float | None) -> AsyncIterator[InferResult]:
         """Chunks as the client may see them (the final tier's as they come), then the end."""
-        route = self._generative_route(request.model_name)
-        asked = self._text_request(request, route)
+        route = generative_route(self.catalog, request.model_name)
+        asked = text_request_of(request, route)
 
         async def produce(sink: OnItem[Chunk]) -> Generation:
             return await self.generate_text(asked, timeout_s=timeout_s, sink=sink, route=route)
