@@ -16,10 +16,11 @@ from collections.abc import Mapping, Sequence
 from router.backends.base import Backend
 from router.cascade.common import Answer, CascadeContext, Job, allowed_ms, cloud_facts, dispatch
 from router.cascade.gray import arm_of, record_arm, shadow
+from router.cascade.unsure import kept_unsure
 from router.fleet.index import line_key
 from router.offline.decisions import Decision, Hop, answered_hop, decision_of, failed_hop, skipped_hops
 from router.offline.provisional import cloud_was_needed
-from router.policy import Attempt, FleetSnapshot, Target, top_tier
+from router.policy import Attempt, FleetSnapshot, Target
 from router.policy.climb import (
     Accept,
     ClimbState,
@@ -32,12 +33,7 @@ from router.policy.climb import (
     retryable,
 )
 from stratus.convert.inference import InferResult
-from stratus.convert.parameters import (
-    DECISION,
-    Served,
-    held_reason,
-    unanswered_reason,
-)
+from stratus.convert.parameters import DECISION, Served, unanswered_reason
 from stratus.convert.tensors import Tensors
 from stratus.errors import DeadlineExceeded, Overloaded, StratusError, Unavailable
 from stratus.families.confidence import settled
@@ -171,10 +167,14 @@ class ClassifyCascade:
         *,
         final: bool,
     ) -> list[bool]:
-        """Which items of ``answer`` stop climbing: each sure one, or all of a final answer."""
+        """Which items of ``answer`` stop climbing: each sure one, or all of a final answer
+        (which says why it keeps any unsure ones: :mod:`router.cascade.unsure`)."""
         job = self.job
         if final and job.pinned is None and answer.tier < Tier.CLOUD:  # nothing is above the cloud
-            self._note_short(answer, snapshot, thresholds)
+            kept = kept_unsure(self.context, job, answer, snapshot, thresholds)
+            if kept is not None:
+                self.reason = kept.reason
+                self.nowhere_higher |= kept.nowhere_higher
         return settled(
             answer.confidences,
             answer.tier,
@@ -182,47 +182,6 @@ class ClassifyCascade:
             thresholds=thresholds,
             min_confidence=job.options.min_confidence,
         )
-
-    def _note_short(
-        self, answer: Answer, snapshot: FleetSnapshot[Backend], thresholds: Mapping[Tier, float]
-    ) -> None:
-        """A final answer with items below its tier's threshold: never silently wrong. Where no
-        tier above serves the family (no cloud variant, no such agents), the answer is degraded
-        and the router says so once in its log; where ``stratus.max_tier`` kept the items, the
-        answer says so (the client asked for it)."""
-        options = self.job.options
-        short = settled(
-            answer.confidences,
-            answer.tier,
-            final=False,
-            thresholds=thresholds,
-            min_confidence=options.min_confidence,
-        ).count(False)
-        if not short:
-            return
-        higher = top_tier(snapshot, Tier.CLOUD)
-        family, tier = self.job.family, answer.tier.label
-        if higher is not None and higher > answer.tier:
-            self.reason = held_reason(options.max_tier, short, answer.tier)
-            return
-        self.nowhere_higher = True
-        if not self.context.escalates(self.job.model):  # the cloud may serve it, but not be sent it
-            self.reason = (
-                f"'{family}' keeps its inputs on the site ([privacy] escalate = false): {short} item(s) "
-                f"stayed below the {tier} threshold"
-            )
-            return
-        self.reason = (
-            f"no tier above {tier} serves '{family}': {short} item(s) stayed below the {tier} threshold"
-        )
-        if family not in self.context.warned_short:
-            self.context.warned_short.add(family)
-            log.warning(
-                "%s: unsure answers are degraded (no tier above %s serves it: give the cloud a variant "
-                "of it, or agents of a higher tier)",
-                family,
-                tier,
-            )
 
     def _record(self, answer: Answer, accepted: Sequence[bool]) -> None:
         """Keep each sent item's newest answer; only the unsure items stay pending."""
@@ -266,7 +225,7 @@ class ClassifyCascade:
             problem = self.state.problem
             reason = _STOPPED.get(type(problem), "no_higher_tier") if problem else "no_higher_tier"
             self.context.observer.degraded(job.label, reason)
-            # a climb that stopped below the top found nowhere higher (_note_short said so) or met
+            # a climb that stopped below the top found nowhere higher (kept_unsure said so) or met
             # a problem: a failure, or no target (router.policy.climb names one for that)
             self.reason = self.reason or unanswered_reason(len(self.pending), last.tier, str(problem))
 
