@@ -4,7 +4,8 @@ KServe, MLServer).
 Escalations are multiplexed by request id over one long-lived ModelStreamInfer stream
 where the cloud has the protocol's stream; where it has none (KServe answers UNIMPLEMENTED)
 or another one (MLServer's answers ModelInferResponse, one model per stream), each
-escalation is a unary ModelInfer. A stream that breaks, or a connection that closes, fails
+escalation is a unary ModelInfer (the calls themselves, and what is in flight on them:
+:mod:`router.cloud.calls`). A stream that breaks, or a connection that closes, fails
 every escalation on it (the data plane then answers with the best lower-tier result,
 marked degraded) and is re-opened with backoff. What the cloud serves is learnt each time
 the link opens, and again whenever agents bring new families: from RepositoryIndex where
@@ -16,36 +17,22 @@ operator give (see :mod:`router.cloud.models`). Every call carries the operator'
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import random
-import time
-from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from collections.abc import Coroutine, Sequence
 from typing import Any
 
 import grpc
 
 from router.cloud.breaker import CircuitBreaker
+from router.cloud.calls import CloudCalls, OnChunk
 from router.cloud.catalog import CloudCatalog, Families, Headers
 from router.cloud.models import NamedModel
-from router.cloud.replies import (
-    call_error,
-    chunk_of,
-    described,
-    is_final,
-    judged,
-    on_the_wire,
-    refused_at_once,
-    server_of,
-)
-from stratus.convert.errors import error_from_stream
+from router.cloud.replies import call_error, described, judged, on_the_wire, refused_at_once, server_of
 from stratus.errors import ConfigError, DeadlineExceeded, Overloaded, StratusError, Unavailable
 from stratus.families.description import FamilyDescription
-from stratus.families.generation import STREAM as STREAM_PARAMETER
-from stratus.families.generation import Chunk
 from stratus.obs.stats import LatencyWindow
-from stratus.sched.streams import until_none
-from stratus.serving.channels import NO_TLS, TlsSettings, check_fits, open_channel, server_options
+from stratus.serving.channels import NO_TLS, TlsSettings, open_channel, server_options
 from stratus.wire import fleet_pb2 as fpb
 from stratus.wire import fleet_pb2_grpc as fpb_grpc
 from stratus.wire import inference_pb2 as pb
@@ -53,7 +40,8 @@ from stratus.wire import inference_pb2_grpc as pb_grpc
 
 log = logging.getLogger("stratus.cloud-link")
 
-OnChunk = Callable[[Chunk], Awaitable[None]]
+# OnChunk is the calls' (router.cloud.calls), named here too for those who take the link's.
+__all__ = ["RECONNECT_OPTIONS", "UNMEASURED_MS", "CloudLink", "OnChunk"]
 STREAM = "stream"
 UNARY = "unary"
 # Servers whose ModelStreamInfer is not the protocol's: MLServer's answers ModelInferResponse
@@ -94,12 +82,10 @@ class CloudLink(CloudCatalog):
         self.transport = STREAM
         self.latency = LatencyWindow()
         self._rng = rng or random.Random()
-        self._ids = itertools.count(1)
-        self._pending: dict[str, asyncio.Future[pb.ModelStreamInferResponse]] = {}
-        self._outbox: asyncio.Queue[pb.ModelInferRequest | None] = asyncio.Queue()
         self._task: asyncio.Task[None] | None = None
         self._channel: grpc.aio.Channel | None = None
         self._headers: Headers = tuple(headers)
+        self._calls = CloudCalls(address, self._headers, self.latency, channel=lambda: self._channel)
         self._named = tuple(named)
         self._families = families
         self._learnt_for: frozenset[str] | None = None
@@ -111,7 +97,6 @@ class CloudLink(CloudCatalog):
         self.generative: dict[str, FamilyDescription] = {}  # the cloud's text models, as families
         # Each name in ``models`` as the cloud's own metadata describes it (cloud_models.descriptions).
         self.described: dict[str, FamilyDescription] = {}
-        self._generating = 0
 
     @property
     def named(self) -> tuple[NamedModel, ...]:
@@ -125,7 +110,7 @@ class CloudLink(CloudCatalog):
     @property
     def in_flight(self) -> int:
         """Escalations waiting on the shared stream or a unary call, and generations streaming."""
-        return len(self._pending) + self._generating
+        return self._calls.in_flight
 
     @property
     def capacity(self) -> int:
@@ -178,7 +163,7 @@ class CloudLink(CloudCatalog):
             except Exception as exc:
                 log.warning("cloud link to %s: %s", self.address, described(exc))
             self.state = "down"
-            self._fail_pending("the cloud link broke")
+            self._calls.fail_waiting("the cloud link broke")
             # Only a cloud that answers yet refuses the link gets here twice in a row.
             await asyncio.sleep(self._rng.uniform(delay / 2, delay))
             delay = min(delay * 2, 1.0)
@@ -235,8 +220,7 @@ class CloudLink(CloudCatalog):
         self, stub: pb_grpc.GRPCInferenceServiceAsyncStub, channel: grpc.aio.Channel, server: str
     ) -> None:
         """Escalations over one ModelStreamInfer stream; a cloud that has none gets unary calls."""
-        self._outbox = asyncio.Queue()
-        call = stub.ModelStreamInfer(until_none(self._outbox), metadata=self._headers)
+        call = self._calls.open_stream(stub)
         try:
             if await refused_at_once(call):
                 log.info("cloud %s (%s) has no ModelStreamInfer: unary ModelInfer", self.address, server)
@@ -244,16 +228,13 @@ class CloudLink(CloudCatalog):
                 await self._serve_unary(channel)
                 return
             self._connected(STREAM)
-            async for message in call:
-                future = self._pending.pop(message.infer_response.id, None)
-                if future is not None and not future.done():
-                    future.set_result(message)
+            await self._calls.answer_from(call)
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.UNIMPLEMENTED:  # refused late: unary from the next connect
                 self._no_stream = server
             raise
         finally:
-            self._outbox.put_nowait(None)
+            self._calls.end_stream()
         raise Unavailable("the cloud ended the stream")
 
     async def _serve_unary(self, channel: grpc.aio.Channel) -> None:
@@ -265,62 +246,26 @@ class CloudLink(CloudCatalog):
             state = channel.get_state()
         raise Unavailable(f"the connection to the cloud closed ({state.name})")
 
-    def _fail_pending(self, reason: str) -> None:
-        for future in self._pending.values():
-            if not future.done():
-                future.set_exception(Unavailable(f"cloud {self.address}: {reason}"))
-        self._pending.clear()
-
     # -- escalations -----------------------------------------------------------------------
     async def infer(self, request: pb.ModelInferRequest, *, timeout_s: float | None) -> pb.ModelInferResponse:
         asked = on_the_wire(request, self.wire_names)
-        exchange = self._exchange if self.transport == STREAM else self._call
+        exchange = self._calls.exchange if self.transport == STREAM else self._calls.unary
         response = await self._guarded(exchange(asked, timeout_s))
         response.id = request.id
         families = self._families()
         judged(response, families.get(request.model_name) or families.get(response.model_name), asked.model_name)
         return response
 
-    async def _call(self, request: pb.ModelInferRequest, timeout_s: float | None) -> pb.ModelInferResponse:
-        """One escalation as a unary ModelInfer (a cloud with no stream of the protocol's)."""
-        assert self._channel is not None
-        stub = pb_grpc.GRPCInferenceServiceStub(self._channel)
-        started = time.perf_counter()
-        self._generating += 1  # counts toward max_pending, like an escalation on the stream
-        try:
-            response = await stub.ModelInfer(request, timeout=timeout_s, metadata=self._headers)
-        except grpc.aio.AioRpcError as exc:
-            raise call_error(exc, timeout_s) from None
-        finally:
-            self._generating -= 1
-        self.latency.add((time.perf_counter() - started) * 1000.0)
-        return response
-
     async def generate(
         self, request: pb.ModelInferRequest, on_chunk: OnChunk, *, timeout_s: float | None
     ) -> pb.ModelInferResponse:
         """A generation streamed back as the cloud makes it: each chunk to ``on_chunk`` as
-        it arrives, then the final response (finish reason, confidence, variant).
-
-        Each generation has a ModelStreamInfer call of its own on the link's channel (not
-        the shared stream), so that cancelling it (a client gone, a budget spent) ends the
-        cloud's generation at once: the call's cancellation reaches the gateway's handler.
-        A cloud with no stream answers the generation whole, as one chunk.
+        it arrives, then the final response (finish reason, confidence, variant). It has a
+        call of its own (:meth:`CloudCalls.generation`); a cloud with no stream answers it whole.
         """
         asked = on_the_wire(request, self.wire_names)
-        if self.transport == UNARY:
-            return await self._guarded(self._whole(asked, on_chunk, timeout_s))
-        return await self._guarded(self._stream(asked, on_chunk, timeout_s))
-
-    async def _whole(
-        self, request: pb.ModelInferRequest, on_chunk: OnChunk, timeout_s: float | None
-    ) -> pb.ModelInferResponse:
-        response = await self._call(request, timeout_s)
-        chunk = chunk_of(response)
-        if chunk.tokens:
-            await on_chunk(chunk)
-        response.id = request.id
-        return response
+        generation = self._calls.whole if self.transport == UNARY else self._calls.generation
+        return await self._guarded(generation(asked, on_chunk, timeout_s))
 
     async def _guarded(self, call: Coroutine[Any, Any, pb.ModelInferResponse]) -> pb.ModelInferResponse:
         """Refuse at once while the link is down, full or its breaker open; feed the breaker."""
@@ -343,58 +288,3 @@ class CloudLink(CloudCatalog):
             raise
         self.breaker.success()
         return response
-
-    async def _stream(
-        self, request: pb.ModelInferRequest, on_chunk: OnChunk, timeout_s: float | None
-    ) -> pb.ModelInferResponse:
-        assert self._channel is not None
-        stub = pb_grpc.GRPCInferenceServiceStub(self._channel)
-        asked = pb.ModelInferRequest()
-        asked.CopyFrom(request)
-        asked.parameters[STREAM_PARAMETER].bool_param = True
-        started = time.perf_counter()
-        call = stub.ModelStreamInfer(iter([asked]), timeout=timeout_s, metadata=self._headers)
-        self._generating += 1  # counts toward max_pending, like an escalation on the stream
-        try:
-            async for message in call:
-                if message.error_message:
-                    raise error_from_stream(message, "cloud")
-                response = message.infer_response
-                chunk = chunk_of(response)
-                if chunk.tokens:  # the final message may carry the last tokens, or none
-                    await on_chunk(chunk)
-                if is_final(response):
-                    self.latency.add((time.perf_counter() - started) * 1000.0)
-                    response.id = request.id
-                    return response
-        except grpc.aio.AioRpcError as exc:
-            raise call_error(exc, timeout_s) from None
-        finally:
-            call.cancel()  # a no-op once the call ended; otherwise the gateway stops generating
-            self._generating -= 1
-        raise Unavailable("the cloud gateway ended a generation without its final response")
-
-    async def _exchange(
-        self, request: pb.ModelInferRequest, timeout_s: float | None
-    ) -> pb.ModelInferResponse:
-        wire_id = f"c{next(self._ids)}"
-        forwarded = pb.ModelInferRequest()
-        forwarded.CopyFrom(request)
-        forwarded.id = wire_id
-        check_fits(forwarded.ByteSize(), "this escalation")  # over the limit, it would end the shared stream
-        future: asyncio.Future[pb.ModelStreamInferResponse] = asyncio.get_running_loop().create_future()
-        self._pending[wire_id] = future
-        loop = asyncio.get_running_loop()
-        started = loop.time()
-        self._outbox.put_nowait(forwarded)
-        try:
-            async with asyncio.timeout(timeout_s):
-                message = await future
-        except TimeoutError:
-            raise DeadlineExceeded(f"cloud did not answer within {(timeout_s or 0) * 1000:.1f} ms") from None
-        finally:
-            self._pending.pop(wire_id, None)
-        self.latency.add((loop.time() - started) * 1000.0)
-        if message.error_message:
-            raise error_from_stream(message, "cloud")
-        return message.infer_response
