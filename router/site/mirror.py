@@ -9,7 +9,8 @@ another router changed the key first the write loses, the change is undone here 
 operator is told FAILED_PRECONDITION naming the revision it lost to; if the store cannot be
 reached it is undone too, UNAVAILABLE naming the store. What the rollout judge decides on
 its own (a step advanced, a candidate rolled back) is written in the background, retried
-while the store is away; where it loses, the store's record is taken. Every change any
+while the store is away; where it loses, the store's record is taken. The writing is
+:mod:`router.site.writer`'s; the mirror makes the changes and applies. Every change any
 router makes reaches every other through the watch, in the store's order, which is the
 site's order: the watch is the only way state changes here besides this router's own writes.
 """
@@ -40,6 +41,7 @@ from router.site.keys import (
     thresholds_key,
 )
 from router.site.lease import Lease
+from router.site.writer import RETRY_S, SiteWriter
 from router.thresholds.pushes import Record, ThresholdPushes
 from stratus.errors import ConfigError, InvalidInput, NotFound
 from stratus.serving.revocations import (
@@ -53,7 +55,6 @@ from stratus.tiers import Tier
 log = logging.getLogger("stratus.site")
 
 T = TypeVar("T")
-RETRY_S: Final = 1.0
 MARKS: Final = ("drained", "ready", "forgotten")
 JUDGE_LEASE: Final = "lease.judge"
 # A router's registration is renewed this often; one older than MEMBER_STALE_S is gone.
@@ -89,11 +90,8 @@ class SiteMirror:
         self.revisions: dict[str, int] = {}  # per key, the revision last applied or written here
         self.marks: dict[str, str] = {}  # per agent id, the site's mark
         self.revocations = SiteRevocations()  # what the store revokes, checked on every call
-        # Changes made here on their own (the rollout judge's, --auto-thresholds'), not yet written.
-        self._pending: dict[str, Callable[[], bytes]] = {}
-        self._wake = asyncio.Event()
+        self._writer = SiteWriter(state, self.revisions, apply=self.apply)
         self._tasks: list[asyncio.Task[None]] = []
-        self._operator_change = False  # set while an operator's change is made (not the judge's)
         rollouts.on_change = self._judged
         pushes.on_change = self._pushed
         registry.site_mark = self.marks.get
@@ -104,7 +102,7 @@ class SiteMirror:
         await self._load()
         self._tasks = [
             asyncio.create_task(self._watch(), name="stratus-site-watch"),
-            asyncio.create_task(self._write_judged(), name="stratus-site-writer"),
+            asyncio.create_task(self._writer.run(), name="stratus-site-writer"),
         ]
         if self.state.shared:
             self._lease = Lease(self.state, JUDGE_LEASE, self.router_id, ttl_s=self._lease_s)
@@ -176,13 +174,13 @@ class SiteMirror:
     async def change_rollout(self, family: str, tier: Tier, make: Callable[[], Plan]) -> Plan:
         """A rollout change made here and written; undone here when the write fails."""
         before = self._rollouts.snapshot(family, tier)
-        return await self._change(
+        return await self._writer.change(
             rollout_key(family, tier), make, plan_bytes, lambda: self._rollouts.restore(family, tier, before)
         )
 
     async def change_thresholds(self, family: str, make: Callable[[], T]) -> T:
         before = self._pushes.record(family)
-        return await self._change(
+        return await self._writer.change(
             thresholds_key(family),
             make,
             lambda _: self._record_bytes(family),
@@ -195,7 +193,7 @@ class SiteMirror:
         expected = self.revisions.get(key, 0)
         handle = self._registry.check_mark(agent_id, mark)  # refused here before anything is written
         value = json_bytes({"mark": mark, "by": self.router_id, "at": time.time()})
-        await self._put(key, value, expected)
+        await self._writer.put(key, value, expected)
         self.marks[agent_id] = mark
         try:
             return apply()
@@ -208,7 +206,7 @@ class SiteMirror:
         revoked = Revoked(credential=parse_credential(credential), by=by[:MAX_CREDENTIAL], at=time.time(),
                           reason=reason[:MAX_CREDENTIAL])  # fmt: skip
         key = revoked_key(revoked.credential)
-        await self._put(key, json_bytes(dataclasses.asdict(revoked)))
+        await self._writer.put(key, json_bytes(dataclasses.asdict(revoked)))
         self.revocations.put(key, revoked)
         return revoked
 
@@ -222,86 +220,17 @@ class SiteMirror:
         self.revocations.remove(key)
         return credential
 
-    async def _change(
-        self, key: str, make: Callable[[], T], encode: Callable[[T], bytes], undo: Callable[[], None]
-    ) -> T:
-        expected = self.revisions.get(key, 0)  # what the change is made on: read before it is made
-        self._operator_change = True
-        try:
-            made = make()
-        finally:
-            self._operator_change = False
-        try:
-            await self._put(key, encode(made), expected)
-        except StoreUnavailable:
-            undo()
-            raise
-        except StoreConflict:  # undone, then the winner taken (its echo may have come meanwhile)
-            undo()
-            with contextlib.suppress(StoreUnavailable):
-                await self._take(key)
-            raise
-        self._pending.pop(key, None)
-        return made
-
-    async def _put(self, key: str, value: bytes, expected: int | None = None) -> Entry:
-        """A compare-and-swap write on the revision the change was made on (by default, the
-        last this router saw)."""
-        expected = self.revisions.get(key, 0) if expected is None else expected
-        try:
-            entry = await self.state.put(key, value, expected=expected)
-        except StoreConflict as lost:
-            raise StoreConflict(
-                f"{key} was changed first elsewhere in the site (it is at revision {lost.current}; this "
-                f"router had read revision {expected}): read it again (`stratus fleet status`), then retry",
-                key=key,
-                expected=expected,
-                current=lost.current,
-            ) from None
-        self.revisions[key] = max(entry.revision, self.revisions.get(key, 0))
-        return entry
-
-    # -- changes made here on their own, written in the background ------------------------------
+    # -- changes made here on their own, which the writer writes in the background -------------
     def _judged(self, plan: Plan) -> None:
-        if not self._operator_change:
-            self._later(rollout_key(plan.family, plan.tier), lambda: plan_bytes(plan))
+        self._writer.later(rollout_key(plan.family, plan.tier), lambda: plan_bytes(plan))
 
     def _pushed(self, family: str) -> None:
-        if not self._operator_change:
-            self._later(thresholds_key(family), lambda: self._record_bytes(family))
+        self._writer.later(thresholds_key(family), lambda: self._record_bytes(family))
 
     def _record_bytes(self, family: str) -> bytes:
         record = self._pushes.record(family)
         assert record is not None
         return json_bytes(record.to_json())
-
-    def _later(self, key: str, value: Callable[[], bytes]) -> None:
-        self._pending[key] = value
-        self._wake.set()
-
-    async def _write_judged(self) -> None:
-        while True:
-            await self._wake.wait()
-            self._wake.clear()
-            for key, value in list(self._pending.items()):
-                try:
-                    await self._put(key, value())
-                except StoreConflict:  # another router's record came first: the store's is the site's
-                    log.info("%s: another router's change came first; taking the store's", key)
-                    await self._take(key)
-                except StoreUnavailable as exc:
-                    log.warning("%s not written yet: %s; retrying in %.0f s", key, exc, RETRY_S)
-                    await asyncio.sleep(RETRY_S)
-                    self._wake.set()
-                    break
-                if self._pending.get(key) is value:
-                    del self._pending[key]
-
-    async def _take(self, key: str) -> None:
-        entry = await self.state.get(key)
-        if entry is not None:
-            self.revisions.pop(key, None)
-            self.apply(entry)
 
     # -- what the store says -----------------------------------------------------------------
     async def _watch(self) -> None:
