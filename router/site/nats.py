@@ -10,7 +10,8 @@ A watch is an ephemeral push consumer of the watch's own, made again after each 
 the last revision the watch handled plus one (the first one delivers each key's last revision,
 as NATS's KV watchers do), so what changed meanwhile comes first and nothing is given twice.
 Revisions are the stream's sequence numbers: one order for the whole bucket, as the contract has it.
-Watches and the entries messages are read as: :mod:`router.site.nats_watch`.
+Watches and the entries messages are read as: :mod:`router.site.nats_watch`; the requests each
+operation makes: :mod:`router.site.nats_ops`.
 """
 
 from __future__ import annotations
@@ -31,9 +32,10 @@ from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
 
 from router.site import MAX_VALUE_BYTES, Entry, SiteState, check_key, unavailable
-from router.site.common import check_prefix, check_value, conflict
+from router.site.common import check_prefix, check_value
 from router.site.nats_config import client_context, credentials_of, servers_of
-from router.site.nats_watch import FAILURES, Consumers, Signal, Watch, entry_of_raw, seconds
+from router.site.nats_ops import MAX_HISTORY, BucketOperations
+from router.site.nats_watch import FAILURES, Consumers, Signal, Watch
 from stratus.cancellation import CancelWatch, keeping_cancel
 from stratus.errors import ConfigError
 from stratus.serving.channels import TlsSettings
@@ -43,8 +45,6 @@ T = TypeVar("T")
 # What a failed call to the server raises: nats-py's errors (KV ones included), the socket's, a timeout.
 # What a closed connection raises, whatever closed it.
 BARE_FAILURES: Final = (ConnectionResetError, BrokenPipeError, nats.errors.UnexpectedEOF)
-WRONG_LAST_SEQUENCE: Final = (10071, 10164)  # JetStream's "wrong last sequence" error codes
-MAX_HISTORY: Final = 64  # NATS KV keeps at most 64 revisions per key
 
 
 class NatsSiteState(SiteState):
@@ -76,7 +76,8 @@ class NatsSiteState(SiteState):
         self._history, self._clock = history, clock
         self._connect_timeout_s, self._op_timeout_s = connect_timeout_s, op_timeout_s
         self._reconnect_wait_s = reconnect_wait_s
-        self._stream, self._subjects = f"KV_{bucket}", f"$KV.{bucket}."
+        stream, subjects = f"KV_{bucket}", f"$KV.{bucket}."
+        self._ops = BucketOperations(stream, subjects, clock=clock)
         self._client = Client()
         self._js: JetStreamContext | None = None
         self._kv: KeyValue | None = None  # set while the bucket answers
@@ -85,8 +86,8 @@ class NatsSiteState(SiteState):
         self._watches: set[Watch] = set()
         self._consumers = Consumers(
             url,
-            self._stream,
-            self._subjects,
+            stream,
+            subjects,
             jetstream=lambda: self._js,
             connected=lambda: self.connected,
             retry_s=reconnect_wait_s,
@@ -246,20 +247,22 @@ class NatsSiteState(SiteState):
 
     async def get(self, key: str) -> Entry | None:
         check_key(key)
-        return await self._call(f"the read of {key}", lambda js, _: self._latest(js, key))
+        return await self._call(f"the read of {key}", lambda js, _: self._ops.latest(js, key))
 
     async def put(self, key: str, value: bytes, *, expected: int | None = None) -> Entry:
         check_value(key, value)
-        return await self._call(f"the put of {key}", lambda js, kv: self._put(js, kv, key, value, expected))
+        return await self._call(
+            f"the put of {key}", lambda js, kv: self._ops.put(js, kv, key, value, expected)
+        )
 
     async def delete(self, key: str, *, expected: int | None = None) -> None:
         """A key with no live revision stays as it is (no tombstone), as the file backend does."""
         check_key(key)
-        await self._call(f"the delete of {key}", lambda js, kv: self._delete(js, kv, key, expected))
+        await self._call(f"the delete of {key}", lambda js, kv: self._ops.delete(js, kv, key, expected))
 
     async def history(self, key: str) -> list[Entry]:
         check_key(key)
-        return await self._call(f"the history of {key}", lambda js, _: self._history_of(js, key))
+        return await self._call(f"the history of {key}", lambda js, _: self._ops.history(js, key))
 
     async def entries(self, prefix: str) -> list[Entry]:
         check_prefix(prefix)
@@ -278,68 +281,3 @@ class NatsSiteState(SiteState):
         finally:
             self._watches.discard(watch)
             await self._consumers.unsubscribe(watch)
-
-    # -- one operation each ----------------------------------------------------------------
-
-    async def _latest(self, js: JetStreamContext, key: str) -> Entry | None:
-        try:
-            raw = await js.get_msg(self._stream, subject=self._subjects + key)
-        except nats.js.errors.NotFoundError:
-            return None
-        entry = entry_of_raw(key, raw)
-        return None if entry.deleted else entry
-
-    async def _live_revision(self, js: JetStreamContext, key: str) -> int:
-        entry = await self._latest(js, key)
-        return entry.revision if entry else 0
-
-    async def _put(
-        self, js: JetStreamContext, kv: KeyValue, key: str, value: bytes, expected: int | None
-    ) -> Entry:
-        try:
-            if expected is None:
-                revision = await kv.put(key, value)
-            elif expected == 0:
-                revision = await kv.create(key, value)  # over a tombstone too: nats-py reads it first
-            else:
-                revision = await kv.update(key, value, last=expected)
-        except nats.js.errors.KeyWrongLastSequenceError:
-            raise conflict(key, expected or 0, await self._live_revision(js, key)) from None
-        return Entry(key=key, value=bytes(value), revision=revision, at=await self._taken_at(js, revision))
-
-    async def _taken_at(self, js: JetStreamContext, revision: int) -> float:
-        """The server's time for a revision (the ack has none), so that the entry a put returns
-        is the one a read or a watch gives; this router's clock if the server cannot say now:
-        the put is made, and must not be reported as lost."""
-        try:
-            raw = await js.get_msg(self._stream, seq=revision)
-        except FAILURES:
-            return self._clock()
-        return seconds(raw.time) if raw.time is not None else self._clock()
-
-    async def _delete(self, js: JetStreamContext, kv: KeyValue, key: str, expected: int | None) -> None:
-        current = await self._live_revision(js, key)
-        if expected is not None and expected != current:
-            raise conflict(key, expected, current)
-        if not current:
-            return
-        try:
-            await kv.delete(key, last=expected)  # the server checks the revision again
-        except nats.js.errors.APIError as exc:
-            if exc.err_code not in WRONG_LAST_SEQUENCE:
-                raise
-            raise conflict(key, expected or 0, await self._live_revision(js, key)) from None
-
-    async def _history_of(self, js: JetStreamContext, key: str) -> list[Entry]:
-        """Each kept message of the key, by "next message of this subject from sequence N": one
-        request a revision, no consumer to make and clean up."""
-        found: list[Entry] = []
-        sequence = 1
-        while len(found) <= MAX_HISTORY:
-            try:
-                raw = await js.get_msg(self._stream, seq=sequence, subject=self._subjects + key, next=True)
-            except nats.js.errors.NotFoundError:
-                break
-            found.append(entry_of_raw(key, raw))
-            sequence = (raw.seq or sequence) + 1
-        return found
