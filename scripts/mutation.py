@@ -76,7 +76,14 @@ TARGETS: tuple[Target, ...] = (
     ),
     Target(
         "cascades",
-        ("router/cascade/classify.py", "router/cascade/generate.py", "router/cascade/common.py", "router/cascade/gray.py"),
+        (
+            "router/cascade/classify.py",
+            "router/cascade/generate.py",
+            "router/cascade/common.py",
+            "router/cascade/gray.py",
+            "router/cascade/unsure.py",
+            "router/cascade/text_requests.py",
+        ),
         ("tests/unit/cascade",),
     ),
     Target(
