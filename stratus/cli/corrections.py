@@ -80,7 +80,7 @@ def line(correction: fpb.Correction) -> str:
 
 
 def corrections(args: argparse.Namespace) -> int:
-    from stratus.cli.fleet import fleet_stub
+    from stratus.cli.fleet_calls import fleet_stub
 
     request = fpb.CorrectionsRequest(
         token=operator_token(args),

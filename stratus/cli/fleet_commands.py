@@ -1,5 +1,5 @@
 """``stratus fleet`` (status, drain, undrain, forget, revoke, corrections, reload, rollout, accuracy, thresholds)
-and ``stratus demo``: their flags, and each handler, which calls :mod:`stratus.cli.fleet` or the
+and ``stratus demo``: their flags, and each handler, which calls :mod:`stratus.cli.fleet_calls` or the
 view it names."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from stratus.errors import ConfigError
 def _fleet_status(args: argparse.Namespace) -> int:
     import math
 
-    from stratus.cli.fleet import show_status
+    from stratus.cli.fleet_calls import show_status
 
     if args.interval is not None and not 0 < args.interval < math.inf:
         raise ConfigError(f"--interval is a number of seconds more than 0, not {args.interval:g}")
@@ -54,7 +54,7 @@ def _fleet_thresholds(args: argparse.Namespace) -> int:
 
 
 def _fleet_drain(args: argparse.Namespace) -> int:
-    from stratus.cli.fleet import drain
+    from stratus.cli.fleet_calls import drain
 
     action = {"drain": "Drain", "undrain": "Undrain", "forget": "Forget"}[args.fleet_command]
     return drain(
@@ -63,7 +63,7 @@ def _fleet_drain(args: argparse.Namespace) -> int:
 
 
 def _fleet_revoke(args: argparse.Namespace) -> int:
-    from stratus.cli.fleet import revoke
+    from stratus.cli.fleet_calls import revoke
 
     if args.list == (args.credential is not None):
         raise ConfigError("give a CREDENTIAL to revoke (or to --lift), or --list for the site's revocations: one of them")
@@ -81,7 +81,7 @@ def _fleet_revoke(args: argparse.Namespace) -> int:
 
 
 def _fleet_reload(args: argparse.Namespace) -> int:
-    from stratus.cli.fleet import reload
+    from stratus.cli.fleet_calls import reload
 
     if (args.agent_id is None) == (not args.cloud):
         raise ConfigError("give an AGENT_ID, or --cloud for the router's cloud gateway (one of them)")
@@ -95,7 +95,7 @@ def _fleet_reload(args: argparse.Namespace) -> int:
 
 
 def _fleet_rollout(args: argparse.Namespace) -> int:
-    from stratus.cli.fleet import rollout
+    from stratus.cli.fleet_calls import rollout
     from stratus.convert.fleet import wire_tier
     from stratus.tiers import Tier
     from stratus.wire import fleet_pb2 as fpb

@@ -56,7 +56,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"stratus: error: {exc}", file=sys.stderr)
         return 2
     except grpc.RpcError as exc:  # a call of `stratus fleet` or `models`: one line, not a traceback
-        from stratus.cli.fleet import call_error
+        from stratus.cli.fleet_calls import call_error
 
         address = getattr(args, "router", None) or "the server"
         print(
