@@ -16,9 +16,9 @@ from stratus.errors import ConfigError
 from stratus.families.confidence import ConfidenceMethod
 from stratus.families.precision import load_verification
 from stratus.families.repository import ModelRepository, load_family
+from stratus.families.writer import with_current_entry
 from stratus.tiers import Tier
 from stratus.tools.importer import ImportOptions, ImportResult, import_model
-from stratus.tools.importer.family_toml import with_current_entry
 
 FEATURES, CLASSES = 6, 4
 

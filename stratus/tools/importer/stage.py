@@ -18,6 +18,7 @@ from stratus.families.cpu import this_hardware
 from stratus.families.precision import record_path, variant_files
 from stratus.families.repository import CONFIG_NAME, load_family
 from stratus.families.spec import FamilySpec, VariantSpec
+from stratus.families.writer import child_block, extended_text, new_family_text
 from stratus.runtimes import (
     available_runtimes,
 )
@@ -25,7 +26,6 @@ from stratus.tiers import Tier
 from stratus.tools.calibrate import labelled_data
 from stratus.tools.datasets import Split
 from stratus.tools.importer import children
-from stratus.tools.importer.family_toml import _extended_text, _new_family_text, child_block
 from stratus.tools.importer.interfaces import (
     Interface,
     _first_reason,
@@ -182,9 +182,9 @@ def _config_text(plan: _Plan, ready: _Prepared, kept: Sequence[VariantSpec], how
     """The family's config: the old one (or a new one) with the variant and its children."""
     existing, original, refusals = plan.existing, ready.original, plan.runtimes.refused
     if existing is not None and original is not None:
-        text = _extended_text(original, existing, ready.variant, plan.source, refusals)
+        text = extended_text(original, existing, ready.variant, plan.source, refusals)
     else:
-        text = _new_family_text(ready.probe, ready.variant, plan.source, ready.why, refusals)
+        text = new_family_text(ready.probe, ready.variant, plan.source, ready.why, refusals)
     return "\n".join([text, *(child_block(child, how[child.name]) for child in kept)])
 
 
