@@ -23,7 +23,7 @@ sys.path.insert(0, str(ROOT))
 from stratus.convert import codec  # noqa: E402
 from stratus.convert.inference import InferRequest  # noqa: E402
 from stratus.execution.loading import LocalSettings  # noqa: E402
-from stratus.execution.models import LocalModels  # noqa: E402
+from stratus.execution.local_models import LocalModels  # noqa: E402
 from stratus.families.repository import ModelRepository  # noqa: E402
 from stratus.wire import inference_pb2 as pb  # noqa: E402
 

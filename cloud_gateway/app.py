@@ -27,7 +27,7 @@ from cloud_gateway.upstream import OpenAIUpstream, UpstreamSettings, served_mode
 from stratus.errors import NotFound
 from stratus.execution.dataplane import LocalDataPlane
 from stratus.execution.loading import LocalSettings
-from stratus.execution.models import LocalModels
+from stratus.execution.local_models import LocalModels
 from stratus.families.repository import ModelRepository
 from stratus.obs.endpoint import serve as serve_metrics
 from stratus.obs.metrics import Metrics, ModelMetrics

@@ -3,7 +3,7 @@
 On SIGHUP (as agents reload) or a router's ``CloudGateway.Reload`` (``stratus fleet reload
 --cloud``), it re-reads the folder, loads and warms new or changed variants, and stops
 announcing those gone; work in flight on a replaced variant finishes on it
-(:meth:`stratus.execution.models.LocalModels.reload`). A folder that no longer loads leaves the old set
+(:meth:`stratus.execution.local_models.LocalModels.reload`). A folder that no longer loads leaves the old set
 serving. Either way one log line says what changed, or why nothing did.
 """
 
@@ -14,7 +14,7 @@ import logging
 from typing import Any
 
 from stratus.errors import ConfigError, PermissionDenied, Unauthenticated
-from stratus.execution.models import LocalModels
+from stratus.execution.local_models import LocalModels
 from stratus.process import start_collapsed
 from stratus.serving.auth import caller_certificate, is_loopback_peer, same_secret
 from stratus.wire import fleet_pb2 as fpb

@@ -26,7 +26,7 @@ from edge_agent.settings import SERVE, AgentSettings
 from stratus.errors import ConfigError, StratusError
 from stratus.execution.dataplane import LocalDataPlane
 from stratus.execution.describe import Introduction, heartbeat, hello
-from stratus.execution.models import LocalModels
+from stratus.execution.local_models import LocalModels
 from stratus.execution.work import serve_work
 from stratus.families.cpu import Hardware
 from stratus.obs.endpoint import serve as serve_metrics

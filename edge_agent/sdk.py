@@ -48,7 +48,7 @@ from stratus.convert.parameters import RequestOptions, held_reason
 from stratus.datatypes import Array
 from stratus.errors import ConfigError
 from stratus.execution.loading import LocalSettings
-from stratus.execution.models import LocalModels
+from stratus.execution.local_models import LocalModels
 from stratus.execution.running import score
 from stratus.families.repository import ModelRepository
 from stratus.serving.channels import NO_TLS, TlsSettings

@@ -18,7 +18,7 @@ import grpc
 
 from edge_agent.sdk_routers import Metadata, Routers, status_of
 from stratus.convert.parameters import CONFIG_CURRENT, CONFIG_THRESHOLD
-from stratus.execution.models import LocalModels
+from stratus.execution.local_models import LocalModels
 from stratus.families.confidence import threshold_problem
 from stratus.tiers import Tier
 from stratus.wire import inference_pb2 as pb

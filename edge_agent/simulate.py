@@ -24,7 +24,7 @@ from pathlib import Path
 
 from edge_agent.agent import Agent, load_models
 from edge_agent.settings import AgentSettings
-from stratus.execution.models import LocalModels
+from stratus.execution.local_models import LocalModels
 from stratus.process import announce, configure_logging, raise_open_files_limit, run, stop_on_signals
 from stratus.tiers import Tier
 

@@ -200,7 +200,7 @@ async def _start_local_tier(
     from router.fleet.in_process import InProcessAgent
     from stratus.execution.describe import Introduction
     from stratus.execution.loading import LocalSettings
-    from stratus.execution.models import LocalModels
+    from stratus.execution.local_models import LocalModels
 
     assert settings.models is not None  # RouterSettings requires it with local.tier
     models = LocalModels(

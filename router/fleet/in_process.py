@@ -7,7 +7,7 @@ fed by a Hello, heartbeats and Results. Feeding the same messages through two qu
 every one of them as it is for remote agents, and takes the second process and its gRPC hop
 out of the answer (issue 37): a request answered here crosses one Python process. The
 messages are protobuf objects handed over by reference, never serialized; the models run on
-the executor threads of :class:`~stratus.execution.models.LocalModels` (on the event loop only
+the executor threads of :class:`~stratus.execution.local_models.LocalModels` (on the event loop only
 for a model that takes under 0.2 ms, where the hand-over would cost more than the call).
 
 One exception, for speed: a classifier's batch (:class:`InProcessWork`) goes from the Batcher in
@@ -35,7 +35,7 @@ from stratus.convert.tensors import Tensors
 from stratus.datatypes import Array
 from stratus.errors import DeadlineExceeded, StratusError
 from stratus.execution.describe import Introduction, heartbeat, hello
-from stratus.execution.models import LocalModels
+from stratus.execution.local_models import LocalModels
 from stratus.execution.running import LocalRun
 from stratus.execution.work import serve_work
 from stratus.sched.batching import Batch, split_counts

@@ -14,7 +14,7 @@ from stratus.convert.parameters import BATCH_SIZE, MODEL_VERSION, VARIANT, Serve
 from stratus.convert.tensors import MAX_REQUEST_ITEMS
 from stratus.convert.text import chunk_result, generative_config, generative_metadata, read_usage
 from stratus.errors import DeadlineExceeded
-from stratus.execution.models import LocalAnswer, LocalModels
+from stratus.execution.local_models import LocalAnswer, LocalModels
 from stratus.families.chat import CHAT_TEMPLATE
 from stratus.families.generation import FINAL, FINISH_REASON, Chunk
 from stratus.families.spec import TensorSpec

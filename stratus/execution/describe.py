@@ -13,7 +13,7 @@ from stratus import __version__
 from stratus.convert.fleet import family_to_wire, latency_to_wire, wire_tier
 from stratus.convert.hardware import to_wire as hardware_to_wire
 from stratus.execution.generators import LocalGenerators
-from stratus.execution.models import LocalModels
+from stratus.execution.local_models import LocalModels
 from stratus.tiers import Tier
 from stratus.wire import fleet_pb2
 

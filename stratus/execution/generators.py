@@ -1,7 +1,7 @@
 """Generative variants loaded on this machine, and how a prompt (or a chat's conversation,
 rendered by each variant's own chat template where its GGUF has one) becomes a stream of chunks.
 
-Used beside :class:`stratus.execution.models.LocalModels` (which owns it) by the edge agent and the
+Used beside :class:`stratus.execution.local_models.LocalModels` (which owns it) by the edge agent and the
 cloud gateway. A generation runs on an executor thread; each token crosses to the event
 loop as soon as it is made, so the agent can put it on its AgentLink at once, and a
 cancelled Work stops the runtime at its next token. What reaches the caller is cut at the

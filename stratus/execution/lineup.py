@@ -1,7 +1,7 @@
 """Which classifier variants are loaded here and which of them serve, and every change to that:
 the load at start, a reload, a rollout followed, a replaced runner retired after its grace.
 
-:class:`~stratus.execution.models.LocalModels` resolves each request's name against the
+:class:`~stratus.execution.local_models.LocalModels` resolves each request's name against the
 tables kept here (read on every request) and runs it; only :class:`Lineup` changes them,
 and rarely, so the request path never holds the code that swaps what it reads. Each loaded
 variant's runner is installed in the :class:`~stratus.execution.running.Running` kept here,

@@ -1,7 +1,7 @@
 """Which variants this machine serves, and loading them: the settings that say so, the
 choice per family and tier (named variants, or each line in its best precision here), a
 failed child's fallback to its FP32 parent, and the generative variants beside them.
-``LocalModels`` (``stratus.execution.models``) holds what this loads and serves it."""
+``LocalModels`` (``stratus.execution.local_models``) holds what this loads and serves it."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 else on the bounded executor's threads; timed, recorded, scored, split per member.
 
 :class:`~stratus.execution.lineup.Lineup` decides what is loaded and served,
-:class:`~stratus.execution.models.LocalModels` which variant a name runs on; :class:`Running`
+:class:`~stratus.execution.local_models.LocalModels` which variant a name runs on; :class:`Running`
 holds the loaded runtimes and runs their batches.
 """
 

@@ -13,7 +13,7 @@ from stratus.convert.errors import error_to_wire, wire_error, wire_error_label
 from stratus.convert.fleet import chunk_to_wire
 from stratus.convert.inference import InferRequest
 from stratus.errors import DeadlineExceeded, StratusError
-from stratus.execution.models import LocalModels
+from stratus.execution.local_models import LocalModels
 from stratus.families.generation import Chunk
 from stratus.families.spec import VariantSpec
 from stratus.serving.channels import check_fits

@@ -161,7 +161,7 @@ def test_an_agent_links_to_every_router_a_lookup_gives(cluster: Cluster, tmp_pat
     from edge_agent.agent import Agent
     from edge_agent.settings import AgentSettings
     from stratus.execution.loading import LocalSettings
-    from stratus.execution.models import LocalModels
+    from stratus.execution.local_models import LocalModels
     from stratus.families.repository import ModelRepository
     from stratus.tiers import Tier
 

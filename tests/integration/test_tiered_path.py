@@ -15,7 +15,7 @@ from stratus.cli.demo import Fleet, through_gateway
 from stratus.convert import codec
 from stratus.convert.parameters import Served, set_parameter
 from stratus.execution.loading import LocalSettings
-from stratus.execution.models import LocalModels
+from stratus.execution.local_models import LocalModels
 from stratus.execution.running import score
 from stratus.families.repository import ModelRepository
 from stratus.serving.channels import grpc_options

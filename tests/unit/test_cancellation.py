@@ -15,7 +15,7 @@ from router.fleet.registry import FleetRegistry
 from stratus.convert import codec
 from stratus.convert.tensors import Tensors
 from stratus.errors import DeadlineExceeded
-from stratus.execution.models import LocalAnswer, LocalModels
+from stratus.execution.local_models import LocalAnswer, LocalModels
 from stratus.tiers import Tier
 from stratus.wire import fleet_pb2 as fpb
 from stratus.wire import inference_pb2 as pb

@@ -15,7 +15,7 @@ from stratus.convert.inference import InferRequest
 from stratus.errors import ConfigError
 from stratus.execution.describe import variants_info
 from stratus.execution.loading import LocalSettings
-from stratus.execution.models import LocalModels
+from stratus.execution.local_models import LocalModels
 from stratus.execution.running import INLINE_REVIEW
 from stratus.families.repository import ModelRepository
 from stratus.tiers import Tier

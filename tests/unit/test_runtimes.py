@@ -256,7 +256,7 @@ def test_an_agent_that_runs_litert_never_imports_the_other_runtimes(tmp_path: Pa
     script = f"""
 import sys
 from pathlib import Path
-from stratus.execution.models import LocalModels
+from stratus.execution.local_models import LocalModels
 from stratus.execution.loading import LocalSettings
 from stratus.families.repository import ModelRepository
 from stratus.tiers import Tier
