@@ -16,7 +16,19 @@ import pytest
 from stratus.errors import DeadlineExceeded, NotFound, Overloaded, Unavailable
 from stratus.tiers import Tier
 
-from .fleet_fakes import FAMILY, MARK, Fleet, classify, confidences, fill, fleet, release, scores, served
+from .fleet_fakes import (
+    FAMILY,
+    MARK,
+    Fleet,
+    classifier_family,
+    classify,
+    confidences,
+    fill,
+    fleet,
+    release,
+    scores,
+    served,
+)
 
 DEVICE, EDGE, CLOUD = Tier.DEVICE, Tier.EDGE, Tier.CLOUD
 
@@ -264,6 +276,25 @@ async def test_no_tier_above_leaves_a_degraded_answer_with_the_reason(cloud: str
         said = served(await f.plane.infer(classify([1, 2]), timeout_s=None))
         assert (said.tier, said.item_tiers, said.degraded) == (EDGE, (EDGE, EDGE), True)
         assert said.reason == "no tier above edge serves 'toy': 1 item(s) stayed below the edge threshold"
+        assert f.count("degraded_answers", family=FAMILY, reason="no_higher_tier") == 1
+
+
+async def test_a_family_kept_on_the_site_stops_below_a_cloud_that_serves_it_and_says_why() -> None:
+    """[privacy] escalate = false: the cloud serves the family but is never sent its items; the
+    answer is degraded (nowhere higher could be asked), with the privacy rule as its reason."""
+    kept = classifier_family()
+    kept.keep_on_site = True
+    async with fleet(family=kept) as f:
+        f.agent("d1", DEVICE, confidence=confidences({}, 0.5))
+        f.agent("e1", EDGE, confidence=confidences({1: 0.9}, 0.5))
+        cloud = f.with_cloud()
+        said = served(await f.plane.infer(classify([1, 2]), timeout_s=None))
+        assert (said.tier, said.item_tiers, said.degraded) == (EDGE, (EDGE, EDGE), True)
+        assert said.reason == (
+            "'toy' keeps its inputs on the site ([privacy] escalate = false): 1 item(s) stayed below "
+            "the edge threshold"
+        )
+        assert cloud.asked == []
         assert f.count("degraded_answers", family=FAMILY, reason="no_higher_tier") == 1
 
 
