@@ -20,7 +20,6 @@ from dataclasses import dataclass
 from typing import Final
 
 from router.site import Entry, SiteState, StoreConflict, StoreUnavailable, check_key
-from stratus.cancellation import CancelWatch
 from stratus.errors import ConfigError, StratusError
 
 log = logging.getLogger("stratus.site-lease")
@@ -121,12 +120,10 @@ class Lease:
         by another holder (a release above all) cuts the wait short."""
         poke = asyncio.Event()
         follower = asyncio.create_task(self._follow(poke), name=f"lease {self.key} follower")
-        cancels = CancelWatch()  # a store's client may swallow the cancel that ends this loop
         try:
             while True:
                 poke.clear()
                 delay = await self.step()
-                cancels.check()
                 with contextlib.suppress(TimeoutError):
                     # asyncio.timeout, not wait_for: 3.11's wait_for may swallow a cancel that
                     # meets a poke, and the loop then outlives its router's shutdown
