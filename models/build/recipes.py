@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from models import cnn
+from models import cnn, cnn_train
 from models.build.family import Family, Recipe
 from models.build.train import TrainCnn, TrainMlp
 from stratus.tools.datasets import DEFECT_SIDE, defects_splits, digits_splits
@@ -23,7 +23,7 @@ DEFECTS_RECIPES = (
         TrainCnn(
             "defects-small",
             cnn.Architecture(((8,), (16,), (32,)), DEFECT_CLASSES),
-            cnn.Schedule(epochs=8, seed=1),
+            cnn_train.Schedule(epochs=8, seed=1),
         ),
         ("tflite", "onnx"),
         ("INT8",),
@@ -34,7 +34,7 @@ DEFECTS_RECIPES = (
         TrainCnn(
             "defects-medium",
             cnn.Architecture(((16,), (32,), (64,)), DEFECT_CLASSES),
-            cnn.Schedule(epochs=8, seed=2),
+            cnn_train.Schedule(epochs=8, seed=2),
         ),
         ("onnx", "openvino"),
         ("FP16",),
@@ -45,7 +45,7 @@ DEFECTS_RECIPES = (
         TrainCnn(
             "defects-large",
             cnn.Architecture(((16,), (32, 32), (64, 64)), DEFECT_CLASSES),
-            cnn.Schedule(epochs=8, seed=3),
+            cnn_train.Schedule(epochs=8, seed=3),
         ),
         ("onnx",),
         (),

@@ -1,5 +1,5 @@
 """Training: the digits MLPs (scikit-learn, in this process) and the defects CNNs
-(``models/cnn.py``, in worker processes), each returned as a :class:`Model` that writes
+(``models/cnn_train.py``, in worker processes), each returned as a :class:`Model` that writes
 itself in every format."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from models import cnn
+from models import cnn, cnn_train
 from models.build.family import Family, Layer, Model, hidden_activations
 from models.build.onnx_files import write_onnx, write_onnx_cnn
 from models.build.quantize import (
@@ -96,7 +96,7 @@ class Mlp:
 
 
 # ---------------------------------------------------------------------------------------------
-# defects: convolutional networks (models/cnn.py)
+# defects: convolutional networks (models/cnn.py, trained by models/cnn_train.py)
 # ---------------------------------------------------------------------------------------------
 
 
@@ -106,7 +106,7 @@ class TrainCnn:
 
     name: str
     architecture: cnn.Architecture
-    schedule: cnn.Schedule
+    schedule: cnn_train.Schedule
 
     @property
     def cost(self) -> float:
@@ -117,7 +117,7 @@ class TrainCnn:
         def log(line: str) -> None:
             print(f"{self.name}:{line}", flush=True)
 
-        return Cnn(cnn.train(self.architecture, fit.x, fit.y, self.schedule, log=log))
+        return Cnn(cnn_train.train(self.architecture, fit.x, fit.y, self.schedule, log=log))
 
 
 class Cnn:

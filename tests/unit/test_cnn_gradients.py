@@ -6,18 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from models.cnn import (
-    EPSILON,
-    Architecture,
-    Schedule,
-    activations,
-    dihedral,
-    im2col,
-    initialise,
-    loss_and_gradients,
-    probabilities,
-    train,
-)
+from models.cnn import EPSILON, Architecture, activations, im2col, initialise, probabilities
+from models.cnn_train import Schedule, dihedral, loss_and_gradients, train
 
 ARCHITECTURE = Architecture(stages=((3,), (4, 5)), classes=4, channels=2)
 
