@@ -18,6 +18,7 @@ from stratus.tools.arith import MAX_ANSWER_CHARS
 
 BOS, EOS = "<s>", "</s>"
 CONTEXT = 512
+VOCAB_SIZE = 259  # <s>, </s>, 256 bytes, two spaces
 
 
 # ---------------------------------------------------------------------------------------------
