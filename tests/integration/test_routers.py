@@ -7,6 +7,7 @@ import json
 import threading
 import time
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -23,6 +24,18 @@ CLIENTS = 8  # requests in flight at any moment
 CLIENTS_BEHIND_SERVICE = 16
 
 
+@dataclass(frozen=True)
+class Lost:
+    """A call that failed: which client sent it, when it was sent and ended, and why."""
+
+    phase: str
+    client: int
+    sent: float
+    ended: float
+    code: str
+    details: str
+
+
 class Load:
     """Clients using gRPC's round_robin over both routers, and an SDK client, until stopped;
     each outcome is counted under the phase it ended in."""
@@ -35,6 +48,7 @@ class Load:
         self.phase = "steady"
         self.outcomes: Counter[tuple[str, str]] = Counter()
         self.sdk: Counter[tuple[str, str]] = Counter()
+        self.lost: list[Lost] = []
         self._stop = threading.Event()
         self._threads = [
             threading.Thread(target=lambda: asyncio.run(self._clients()), name="load-clients"),
@@ -68,11 +82,14 @@ class Load:
                     # agents that have linked to it so far
                     message = request(self.x[(index + sent * CLIENTS) % len(self.x)][None, :])
                     sent += 1
+                    sent_at = time.monotonic()
                     try:
                         await stub.ModelInfer(message, timeout=10)
                         self.outcomes[(self.phase, "ok")] += 1
                     except grpc.aio.AioRpcError as exc:
                         self.outcomes[(self.phase, exc.code().name)] += 1
+                        code, ended = exc.code().name, time.monotonic()
+                        self.lost.append(Lost(self.phase, index, sent_at, ended, code, exc.details() or ""))
 
             await asyncio.gather(*(client(i) for i in range(CLIENTS)))
 
@@ -118,7 +135,15 @@ def test_a_rolling_restart_loses_nothing_and_a_crash_only_what_was_in_flight(
 
     assert load.answered("steady") > 0 and load.failed("steady") == 0
     assert load.answered("rolling restart") > 0 and load.failed("rolling restart") == 0, load.outcomes
-    assert load.failed("crash") <= CLIENTS, load.outcomes  # at most what was in flight on it
+    crash = [lost for lost in load.lost if lost.phase == "crash"]
+    assert {lost.code for lost in crash} <= {"UNAVAILABLE"}, crash
+    # Only what it held: every loss ends in one burst, when the dead router's connection
+    # closes (0.1-0.4 ms wide here). A count of CLIENTS was the bound once, but the channel
+    # can write a client's next call into that connection before its picker has heard it
+    # closed ("sendmsg: Broken pipe"): CI lost 9 calls with 8 clients. A living router
+    # failing calls, or a channel that kept picking the dead one, spreads over the phase.
+    if crash:
+        assert max(lost.ended for lost in crash) - min(lost.ended for lost in crash) < 0.5, crash
     assert load.answered("after the crash") > 0 and load.failed("after the crash") == 0, load.outcomes
     assert sum(load.sdk.values()) > 0 and load.sdk.get(("crash", "degraded"), 0) == 0, load.sdk
     assert not [key for key in load.sdk if key[1] == "degraded"], load.sdk
