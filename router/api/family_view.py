@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from router.cloud.link import LinkState
 from router.cloud.models import family_of
 from router.cloud.pool import CloudTier
 from router.fleet.registry import FleetRegistry
@@ -131,7 +132,7 @@ def cloud_seen(cloud: CloudTier | None, family: str) -> CloudSeen | None:
     if cloud is None:
         return None
     status = cloud.status
-    if status == "connected" and not cloud.available:  # up, but its queue is full
+    if status == LinkState.CONNECTED and not cloud.available:  # up, but its queue is full
         status = f"full ({cloud.in_flight} escalations in flight)"
     return CloudSeen(
         serves=cloud.models.get(family, False),

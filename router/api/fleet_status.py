@@ -26,7 +26,7 @@ _STATES = {
     State.READY: fpb.AGENT_STATE_READY,
     State.DRAINING: fpb.AGENT_STATE_DRAINING,
     State.LOST: fpb.AGENT_STATE_LOST,
-    "left": fpb.AGENT_STATE_LEFT,
+    State.LEFT: fpb.AGENT_STATE_LEFT,
 }
 
 

@@ -31,14 +31,14 @@ from typing import TYPE_CHECKING, Any, Final
 import numpy as np
 
 from router.audit.agreement import AgreementBook, AuditKey
-from router.audit.climbs import CascadeView, agreement_row, finished, missing, visits
+from router.audit.climbs import CascadeView, agreement_row, item_visits, tiers_missing, whole_answers
 from router.audit.rows import RowBook
 from router.audit.sampling import (
     COMPARATORS,
     Audit,
     AuditPolicy,
-    Said,
     Sampler,
+    WholeAnswer,
     same_text,
 )
 from router.audit.workers import AuditWorkers, Capture, RolloutEvidence
@@ -158,7 +158,7 @@ class Auditor:
             return  # answered on the top tier at once: no climb to note, nothing below it to audit
         output = info.outputs[0].name
         climbed = len(view.answers) > 1
-        visited = visits(view, output) if climbed else {}
+        visited = item_visits(view, output) if climbed else {}
         if climbed:
             self._note_climbs(view, top, output)
             self._climbed_rows(view, info, top, visited)
@@ -166,7 +166,7 @@ class Auditor:
                 self.capture.escalated(view, top, output)
         chosen = self._sampled_items(view, info, top, output)
         if chosen and not climbed:
-            visited = visits(view, output)
+            visited = item_visits(view, output)
         for answer, pairs in chosen.values():
             classes = top1(answer.outputs, output)
             if classes is None:
@@ -248,7 +248,7 @@ class Auditor:
         compare = info.audit.compare or EXACT
         if top is None or result.degraded:
             return
-        said = finished(result, climbed, top)
+        said = whole_answers(result, climbed, top)
         if result.tier == top:
             self._note_generated_climbs(info.name, result, climbed, COMPARATORS.get(compare, same_text))
             if self.capture is not None and self.capture.wants(info.name):
@@ -270,7 +270,7 @@ class Auditor:
         info: FamilyDescription,
         top: Tier,
         prompt: pb.ModelInferRequest,
-        said: tuple[Said, ...],
+        said: tuple[WholeAnswer, ...],
         *,
         text: str,
         compare: str,
@@ -281,7 +281,7 @@ class Auditor:
         below = self.workers.below(info.name, top)
         if not below:  # no tier below the top serves it now: a row would hold nothing
             return
-        if not missing(said, below):
+        if not tiers_missing(said, below):
             self.rows.add(info.name, agreement_row(said, text, COMPARATORS.get(compare, same_text)), top, 0)
             return
         key = AuditKey(info.name, top, "", "")

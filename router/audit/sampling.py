@@ -99,7 +99,7 @@ COMPARATORS: Final[dict[str, Callable[[str, str], bool]]] = {EXACT: same_text, N
 
 
 @dataclass(frozen=True)
-class Said:
+class WholeAnswer:
     """One tier's whole answer to a prompt, and how sure it was (a generative audit row's part)."""
 
     tier: Tier
@@ -125,7 +125,7 @@ class Audit:
     # Per item, what each tier it visited said (router/audit/rows.py): a row once the top answers.
     visited: tuple[tuple[TierAnswer, ...], ...] = ()
     # A prompt's whole answers below the top (router/audit/climbs.py), for its row.
-    said: tuple[Said, ...] = ()
+    said: tuple[WholeAnswer, ...] = ()
     # Set on a row's job alone: the top tier's text, already given. Nothing is audited then;
     # the missing tiers are asked for the row.
     reference_text: str | None = None

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Final, Protocol
 from router.audit.agreement import AgreementBook, AuditKey
 from router.audit.climbs import CascadeView, text_row
 from router.audit.rows import RowBook
-from router.audit.sampling import COMPARATORS, Audit, AuditPolicy, Reference, Said, same_text
+from router.audit.sampling import COMPARATORS, Audit, AuditPolicy, Reference, WholeAnswer, same_text
 from router.backends.base import Backend, Classified
 from router.backends.cloud import CloudBackend
 from router.cascade.generate import Generation
@@ -171,7 +171,7 @@ class AuditWorkers:
                     self.outlets.rollouts.record_audit(audit.arm.plan, candidate=audit.arm.candidate, agreed=mine == theirs)
             if capture is not None:
                 capture.audited(audit, reference)
-            visited = await self._between(audit)
+            visited = await self._asked_between(audit)
             for lower, theirs in zip(visited, reference.classes, strict=False):
                 self.rows.add(audit.key.family, lower, audit.top, int(theirs))
             return
@@ -192,7 +192,7 @@ class AuditWorkers:
         if row is not None:
             self.rows.add(audit.key.family, row, audit.top, 0)
 
-    async def _said(self, audit: Audit, tier: Tier) -> Said | None:
+    async def _said(self, audit: Audit, tier: Tier) -> WholeAnswer | None:
         """``tier``'s whole answer to the audit's prompt, from an agent with a free slot."""
         target = self._spare_agent(audit.key.family, tier)
         if target is None or audit.prompt is None:
@@ -206,9 +206,9 @@ class AuditWorkers:
             log.debug("audit row of %s: the %s tier failed it: %s", audit.key.family, tier.label, exc)
             return None
         confidence = math.nan if generated.confidence is None else generated.confidence
-        return Said(tier, confidence, "".join(parts))
+        return WholeAnswer(tier, confidence, "".join(parts))
 
-    async def _between(self, audit: Audit) -> tuple[tuple[TierAnswer, ...], ...]:
+    async def _asked_between(self, audit: Audit) -> tuple[tuple[TierAnswer, ...], ...]:
         """The items' visits with each tier between theirs and the top asked too (only where an
         agent there has a free slot): a row needs every tier below the top. Nothing where one
         cannot be asked (the agreement is kept; the rows are not)."""

@@ -65,7 +65,7 @@ PATIENCE_FACTOR: Final = 10.0
 PATIENCE_FLOOR_MS: Final = 1000.0
 
 
-class Worked(Protocol):
+class LinkedAgent(Protocol):
     """What the Work side reads of the agent's handle: who it is, how big, what it costs."""
 
     @property
@@ -111,7 +111,7 @@ class WorkSettings:
 class AgentWork:
     """One agent's outbox, the Work out on its link, and the queue in front of it."""
 
-    def __init__(self, agent: Worked, settings: WorkSettings) -> None:
+    def __init__(self, agent: LinkedAgent, settings: WorkSettings) -> None:
         self.agent = agent
         self.settings = settings
         self.outbox: asyncio.Queue[fpb.RouterMessage | None] = asyncio.Queue()

@@ -303,7 +303,9 @@ class GenerationCascade:
             if not final and watch and gone and work is not None:
                 work.cancel(msg="hopeless")
 
-        pump = asyncio.create_task(self._pump(shown)) if final and self.sink is not None else None
+        pump = None
+        if final and self.sink is not None:
+            pump = asyncio.create_task(self._pump(shown), name="stratus-generation-pump")
         prompt_tokens = completion_tokens = None
         try:
             result = await target.candidate.generate(self.request, on_chunk, budget_ms=remaining)

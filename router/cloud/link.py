@@ -20,6 +20,7 @@ import asyncio
 import logging
 import random
 from collections.abc import Coroutine, Sequence
+from enum import StrEnum
 from typing import Any
 
 import grpc
@@ -41,9 +42,17 @@ from stratus.wire import inference_pb2_grpc as pb_grpc
 log = logging.getLogger("stratus.cloud-link")
 
 # OnChunk is the calls' (router.cloud.calls), named here too for those who take the link's.
-__all__ = ["RECONNECT_OPTIONS", "UNMEASURED_MS", "CloudLink", "OnChunk"]
+__all__ = ["RECONNECT_OPTIONS", "UNMEASURED_MS", "CloudLink", "LinkState", "OnChunk"]
 STREAM = "stream"
 UNARY = "unary"
+
+
+class LinkState(StrEnum):
+    CONNECTING = "connecting"  # not connected yet since the router started
+    CONNECTED = "connected"
+    DOWN = "down"  # was connected, or was refused; redialling with backoff
+
+
 # Servers whose ModelStreamInfer is not the protocol's: MLServer's answers ModelInferResponse
 # (read as ModelStreamInferResponse, its model name lands in error_message) and binds the
 # stream to the first request's model.
@@ -78,7 +87,7 @@ class CloudLink(CloudCatalog):
         self._tls = tls
         self.max_pending = max_pending
         self.breaker = breaker or CircuitBreaker()
-        self.state = "connecting"
+        self.state = LinkState.CONNECTING
         self.transport = STREAM
         self.latency = LatencyWindow()
         self._rng = rng or random.Random()
@@ -105,7 +114,7 @@ class CloudLink(CloudCatalog):
 
     @property
     def available(self) -> bool:
-        return self.state == "connected" and self.breaker.allows() and self.in_flight < self.max_pending
+        return self.state == LinkState.CONNECTED and self.breaker.allows() and self.in_flight < self.max_pending
 
     @property
     def in_flight(self) -> int:
@@ -124,12 +133,12 @@ class CloudLink(CloudCatalog):
     @property
     def circuit(self) -> str:
         """The breaker's state; a link that is down refuses at once, as an open breaker does."""
-        return self.breaker.state if self.state == "connected" else "open"
+        return self.breaker.state if self.state == LinkState.CONNECTED else "open"
 
     @property
     def status(self) -> str:
         """What `stratus fleet status` shows: the link's state, or the breaker's when open."""
-        if self.state == "connected" and self.breaker.state != "closed":
+        if self.state == LinkState.CONNECTED and self.breaker.state != "closed":
             return f"circuit {self.breaker.state}"
         return self.state
 
@@ -162,7 +171,7 @@ class CloudLink(CloudCatalog):
                 raise
             except Exception as exc:
                 log.warning("cloud link to %s: %s", self.address, described(exc))
-            self.state = "down"
+            self.state = LinkState.DOWN
             self._calls.fail_waiting("the cloud link broke")
             # Only a cloud that answers yet refuses the link gets here twice in a row.
             await asyncio.sleep(self._rng.uniform(delay / 2, delay))
@@ -188,7 +197,7 @@ class CloudLink(CloudCatalog):
 
     def _connected(self, transport: str) -> None:
         self.transport = transport
-        self.state = "connected"
+        self.state = LinkState.CONNECTED
         self.breaker.success()  # a fresh link to a live cloud: stop failing fast
         log.info("cloud link to %s connected (%s)", self.address, transport)
 
@@ -209,7 +218,7 @@ class CloudLink(CloudCatalog):
 
     async def learn_now(self) -> None:
         """Learn what the cloud serves now (after it reloaded), where the link is up."""
-        if self._channel is None or self.state != "connected":
+        if self._channel is None or self.state != LinkState.CONNECTED:
             raise Unavailable(
                 f"cloud {self.address} is {self.status}: what it serves is learnt when it is back"
             )
@@ -270,7 +279,7 @@ class CloudLink(CloudCatalog):
     async def _guarded(self, call: Coroutine[Any, Any, pb.ModelInferResponse]) -> pb.ModelInferResponse:
         """Refuse at once while the link is down, full or its breaker open; feed the breaker."""
         try:
-            if self.state != "connected" or not self.breaker.allows():
+            if self.state != LinkState.CONNECTED or not self.breaker.allows():
                 raise Unavailable(f"cloud {self.address} is {self.status}")
             if self.in_flight >= self.max_pending:
                 raise Overloaded(f"cloud link queue is full ({self.max_pending} escalations in flight)")

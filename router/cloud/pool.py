@@ -28,7 +28,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
-from router.cloud.link import UNMEASURED_MS, CloudLink, OnChunk
+from router.cloud.link import UNMEASURED_MS, CloudLink, LinkState, OnChunk
 from router.cloud.models import NamedModel
 from stratus.errors import ConfigError, Unavailable
 from stratus.families.description import FamilyDescription
@@ -239,8 +239,8 @@ class CloudPool:
             return "resolving" if not self._resolved_once else f"no gateway behind {self.target.dns_name}"
         if len(links) == 1:
             return links[0].status
-        ready = sum(1 for link in links if link.status == "connected")
-        return "connected" if ready == len(links) else f"{ready}/{len(links)} gateways connected"
+        ready = sum(1 for link in links if link.status == LinkState.CONNECTED)
+        return LinkState.CONNECTED if ready == len(links) else f"{ready}/{len(links)} gateways connected"
 
     @property
     def circuit(self) -> str:
@@ -355,4 +355,4 @@ class CloudPool:
 
     async def learn_now(self) -> None:
         """Learn again from every gateway that is up (one that is down learns when back)."""
-        await asyncio.gather(*(link.learn_now() for link in self.links.values() if link.state == "connected"))
+        await asyncio.gather(*(link.learn_now() for link in self.links.values() if link.state == LinkState.CONNECTED))

@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from enum import StrEnum
 
 from router.backends.agent import PATIENCE_FACTOR, PATIENCE_FLOOR_MS, AgentWork
 from router.backends.base import Classified, Generated, OnChunk, Ran
@@ -30,15 +31,16 @@ MAX_BATCH = 1024
 FIRST_WINDOW = 4
 
 
-class State:
+class State(StrEnum):
     READY = "ready"
     DRAINING = "draining"
     LOST = "lost"
+    LEFT = "left"  # shown only: a lost agent that drained first
 
 
-def shown_state(handle: AgentHandle) -> str:
+def shown_state(handle: AgentHandle) -> State:
     """The state status and metrics report: a gone agent that drained first has ``left``."""
-    return "left" if handle.state == State.LOST and handle.left else handle.state
+    return State.LEFT if handle.state == State.LOST and handle.left else handle.state
 
 
 @dataclass(eq=False)
@@ -70,7 +72,7 @@ class AgentHandle:
     hardware: fpb.HardwareInfo = field(default_factory=fpb.HardwareInfo)
     version: str = ""  # its Stratus version, as its Hello said
     started: float | None = None  # when its process started, on the registry's clock; None: not said
-    state: str = State.READY
+    state: State = State.READY
     last_heartbeat: float = 0.0
     lost_at: float = 0.0
     reported_queue: int = 0

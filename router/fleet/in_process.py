@@ -26,7 +26,7 @@ import logging
 import time
 from collections.abc import Callable
 
-from router.backends.agent import AgentWork, Part, PartAnswer, Worked, WorkSettings
+from router.backends.agent import AgentWork, LinkedAgent, Part, PartAnswer, WorkSettings
 from router.backends.base import RanHere
 from router.fleet.agent_handle import AgentHandle, State
 from router.fleet.registry import FleetRegistry
@@ -55,7 +55,7 @@ RELINK_S = 0.5
 class InProcessWork(AgentWork):
     """The router's own agent's Work side: batches run on the models here, not sent on a link."""
 
-    def __init__(self, agent: Worked, settings: WorkSettings, models: LocalModels) -> None:
+    def __init__(self, agent: LinkedAgent, settings: WorkSettings, models: LocalModels) -> None:
         super().__init__(agent, settings)
         self.models = models
         self.running = 0  # batches on the models now (the heartbeat's in_flight counts them)

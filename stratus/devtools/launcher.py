@@ -16,7 +16,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from stratus.errors import Unavailable
@@ -30,7 +30,6 @@ class Launched:
     process: subprocess.Popen[str]
     log_path: Path
     address: str = ""
-    extra_env: dict[str, str] = field(default_factory=dict)
 
     def stop(self, *, timeout: float = 20.0) -> int:
         """SIGTERM, wait, then SIGKILL: the exit code it ended with. Whatever the process
@@ -99,7 +98,7 @@ def launch(
             env=child_env,
             start_new_session=True,
         )
-    launched = Launched(role=role, args=list(args), process=process, log_path=log_path, extra_env=env or {})
+    launched = Launched(role=role, args=list(args), process=process, log_path=log_path)
     launched.address = _await_ready(launched, timeout)
     return launched
 

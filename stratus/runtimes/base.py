@@ -17,7 +17,8 @@ from typing import ClassVar, Final, Protocol, TypeVar
 
 import numpy as np
 
-from stratus.datatypes import Array
+from stratus.datatypes import Array, numpy_dtype
+from stratus.errors import ModelLoadError
 from stratus.families.spec import TensorSpec, VariantSpec
 from stratus.tiers import Tier
 
@@ -136,8 +137,6 @@ Warms = TypeVar("Warms", bound=_Warms)
 def warmed_up(runner: Warms, runtime: str, path: Path) -> Warms:
     """``runner`` once its warm-up has run; a warm-up that fails is the runtime refusing the
     file (ModelLoadError), so the caller tries the next runtime."""
-    from stratus.errors import ModelLoadError
-
     try:
         runner.warmup()
     except Exception as exc:
@@ -163,7 +162,5 @@ def check_outputs(specs: tuple[TensorSpec, ...], outputs: Mapping[str, Array], b
 
 def zeros_for(spec: TensorSpec, batch: int) -> Array:
     """A zero input of the spec's shape, with ``batch`` for the -1 dimension."""
-    from stratus.datatypes import numpy_dtype
-
     shape = tuple(batch if d == -1 else d for d in spec.shape)
     return np.zeros(shape, dtype=numpy_dtype(spec.datatype, tensor=spec.name))

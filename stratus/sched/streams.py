@@ -30,7 +30,7 @@ class Relay(Generic[Item, Result]):
         async def run() -> Result:
             return await produce(self._put)
 
-        self.task: asyncio.Task[Result] = asyncio.create_task(run())
+        self.task: asyncio.Task[Result] = asyncio.create_task(run(), name="stratus-producer")
         self.task.add_done_callback(lambda _: self._items.put_nowait(None))
 
     async def _put(self, item: Item) -> None:

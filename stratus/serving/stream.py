@@ -159,7 +159,7 @@ class StreamSession:
             return
         size = len(raw)
         await self._bytes.acquire(size)
-        task = asyncio.create_task(self._answer(asked, size))
+        task = asyncio.create_task(self._answer(asked, size), name="stratus-stream-answer")
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 

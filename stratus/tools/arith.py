@@ -19,7 +19,6 @@ import re
 from dataclasses import dataclass
 from typing import Final, NamedTuple
 
-OPERATORS: Final = ("+", "-")
 LARGEST: Final = 99  # operands are 0..LARGEST
 SEED: Final = 10  # issue 10
 CALIBRATION_SIZE: Final = 1000

@@ -44,9 +44,6 @@ class Splits:
     held_out: Split
 
 
-DigitsSplits = Splits  # the name from when digits was the only family
-
-
 def _sklearn() -> tuple[Any, Any]:
     try:
         from sklearn.datasets import load_digits

@@ -14,9 +14,9 @@ import pytest
 
 from router.audit.agreement import AuditKey, Estimate
 from router.audit.auditor import Auditor
-from router.audit.climbs import finished, missing, text_row
+from router.audit.climbs import text_row, tiers_missing, whole_answers
 from router.audit.metrics import audit_levels
-from router.audit.sampling import AuditPolicy, Said, Sampler, same_number, same_text
+from router.audit.sampling import AuditPolicy, Sampler, WholeAnswer, same_number, same_text
 from router.cascade.common import Answer, Job
 from router.cascade.generate import Generation
 from router.cloud.link import CloudLink, OnChunk
@@ -543,12 +543,12 @@ def test_generative_rows_hold_each_lower_tiers_agreement_and_no_text() -> None:
 def test_finished_keeps_whole_answers_below_the_top_bottom_first() -> None:
     cancelled = dataclasses.replace(generation(Tier.EDGE, "8", 0.2), finish_reason="cancelled")
     result = generation(Tier.CLOUD, "85", 1.0)
-    assert finished(result, [cancelled, generation(Tier.DEVICE, "84", 0.4)], Tier.CLOUD) == (
-        Said(Tier.DEVICE, 0.4, "84"),
+    assert whole_answers(result, [cancelled, generation(Tier.DEVICE, "84", 0.4)], Tier.CLOUD) == (
+        WholeAnswer(Tier.DEVICE, 0.4, "84"),
     )
-    assert missing(finished(result, [cancelled], Tier.CLOUD), [Tier.DEVICE, Tier.EDGE]) == [Tier.DEVICE, Tier.EDGE]
+    assert tiers_missing(whole_answers(result, [cancelled], Tier.CLOUD), [Tier.DEVICE, Tier.EDGE]) == [Tier.DEVICE, Tier.EDGE]
     settled = generation(Tier.EDGE, "85", 0.9)
-    assert [s.tier for s in finished(settled, [generation(Tier.DEVICE, "84", 0.4)], Tier.CLOUD)] == [
+    assert [s.tier for s in whole_answers(settled, [generation(Tier.DEVICE, "84", 0.4)], Tier.CLOUD)] == [
         Tier.DEVICE, Tier.EDGE,
     ]
 
@@ -556,11 +556,11 @@ def test_finished_keeps_whole_answers_below_the_top_bottom_first() -> None:
 def test_a_text_row_asks_only_the_missing_tiers_and_none_is_kept_when_one_cannot_answer() -> None:
     asked: list[Tier] = []
 
-    async def ask(tier: Tier) -> Said | None:
+    async def ask(tier: Tier) -> WholeAnswer | None:
         asked.append(tier)
-        return Said(tier, 0.5, "85") if tier is Tier.EDGE else None
+        return WholeAnswer(tier, 0.5, "85") if tier is Tier.EDGE else None
 
-    known = (Said(Tier.DEVICE, 0.9, "84"),)
+    known = (WholeAnswer(Tier.DEVICE, 0.9, "84"),)
     row = asyncio.run(text_row(known, [Tier.DEVICE, Tier.EDGE], "85", same=same_text, ask=ask))
     assert row is not None and [(a.tier, a.agrees) for a in row] == [(Tier.DEVICE, False), (Tier.EDGE, True)]
     assert asked == [Tier.EDGE]

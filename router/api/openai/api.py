@@ -212,7 +212,7 @@ class OpenAiApi:
         )
         if stream:
             return await self._stream(http, requests, reply)
-        works = [asyncio.create_task(self._generate(r)) for r in requests]
+        works = [asyncio.create_task(self._generate(r), name="stratus-openai-choice") for r in requests]
         try:
             results = await asyncio.gather(*works)
         finally:
@@ -258,7 +258,7 @@ class OpenAiApi:
         async def sink(chunk: Chunk) -> None:
             events.put_nowait((index, chunk))
 
-        work = asyncio.create_task(self._generate(request, sink))
+        work = asyncio.create_task(self._generate(request, sink), name="stratus-openai-stream")
         work.add_done_callback(lambda done: events.put_nowait((index, _outcome(done))))
         return work
 
