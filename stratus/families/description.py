@@ -2,45 +2,30 @@
 it, read once, when it arrives (``stratus.convert.fleet.family_from_wire``).
 
 Not a :class:`~stratus.families.spec.FamilySpec`: that is a family's folder (files, variants,
-a source path), which a router never has. A router has only what serving the family needs:
-its tensors, thresholds, how it generates, the names a cloud may know it by, and what its
-calibration measured, against which its audits are judged.
+a source path), which a router never has. Both are a
+:class:`~stratus.families.spec.ServedFamily`, what serving the family takes (its tensors,
+thresholds, how it generates, its audits, privacy and offline settings); a description adds
+the names a cloud may know it by and what its calibration measured, against which its
+audits are judged.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from stratus.families.audit import AuditSpec, TierCalibration
-from stratus.families.offline import OfflineSpec
-from stratus.families.spec import GenerationSpec, TensorSpec
+from stratus.families.spec import ServedFamily
 from stratus.tiers import Tier
 
 
 @dataclass(frozen=True, kw_only=True)
-class FamilyDescription:
-    name: str
-    inputs: tuple[TensorSpec, ...] = ()
-    outputs: tuple[TensorSpec, ...] = ()
-    thresholds: Mapping[Tier, float] = field(default_factory=dict)
-    generation: GenerationSpec | None = None  # a generative family's limits and confidence method
+class FamilyDescription(ServedFamily):
     # The repository's cloud-tier variants, current first: the names a router asks a cloud
     # about when the cloud does not list its models (PyTriton, KServe).
     cloud_variants: tuple[str, ...] = ()
     # What calibrate recorded the thresholds send to the cloud; None where never calibrated.
     calibrated_cloud_share: float | None = None
-    audit: AuditSpec = field(default_factory=AuditSpec)
-    tier_accuracy: Mapping[Tier, TierCalibration] = field(default_factory=dict)
-    # [privacy] escalate = false: no item of the family is ever sent to the cloud tier.
-    escalate: bool = True
-    # [offline]: unsure answers deferred for the cloud while it is away, and the bounds of that store.
-    offline: OfflineSpec = field(default_factory=OfflineSpec)
-
-    @property
-    def generative(self) -> bool:
-        return self.generation is not None
 
     @property
     def max_tokens(self) -> int:

@@ -109,25 +109,18 @@ class CalibrationRecord:
 
 
 @dataclass(frozen=True, kw_only=True)
-class FamilySpec:
+class ServedFamily:
+    """What serving a family takes, wherever it is known from: its folder (:class:`FamilySpec`,
+    what agents and the cloud gateway load) or what agents and a cloud say of it
+    (:class:`stratus.families.description.FamilyDescription`, all a router has)."""
+
     name: str
-    description: str
-    inputs: tuple[TensorSpec, ...]
-    outputs: tuple[TensorSpec, ...]
-    confidence: ConfidenceSpec
-    thresholds: Mapping[Tier, float]
-    variants: tuple[VariantSpec, ...]
-    source: Path
-    # Held-out accuracy a lower-precision variant may lose against its FP32 parent.
-    max_accuracy_drop: float = 0.01
-    # Each tier's current FP32 variant: what the tier serves unless a request pins another
-    # variant or a rollout sends it a candidate. Its lower-precision children go with it.
-    current: Mapping[Tier, str] = field(default_factory=dict)
-    # Set for a generative family (kind = "generative"): prompts in, text out.
+    inputs: tuple[TensorSpec, ...] = ()
+    outputs: tuple[TensorSpec, ...] = ()
+    thresholds: Mapping[Tier, float] = field(default_factory=dict)
+    # Set for a generative family (kind = "generative"): prompts in, text out; its limits and
+    # confidence method.
     generation: GenerationSpec | None = None
-    # What the thresholds gave when calibrated; None for thresholds set by hand (or before
-    # calibrate recorded it): such a family has no calibrated cloud share, and no alert on it.
-    calibration: CalibrationRecord | None = None
     # [audit] and [tier_accuracy] (stratus.families.audit): how answers are audited against
     # the top tier, and each tier's figures as calibrated.
     audit: AuditSpec = field(default_factory=AuditSpec)
@@ -140,6 +133,25 @@ class FamilySpec:
     @property
     def generative(self) -> bool:
         return self.generation is not None
+
+
+@dataclass(frozen=True, kw_only=True)
+class FamilySpec(ServedFamily):
+    """A family's folder as ``family.toml`` describes it: what serving it takes, and its
+    variants and files, which only the processes that load models have."""
+
+    description: str
+    confidence: ConfidenceSpec
+    variants: tuple[VariantSpec, ...]
+    source: Path
+    # Held-out accuracy a lower-precision variant may lose against its FP32 parent.
+    max_accuracy_drop: float = 0.01
+    # Each tier's current FP32 variant: what the tier serves unless a request pins another
+    # variant or a rollout sends it a candidate. Its lower-precision children go with it.
+    current: Mapping[Tier, str] = field(default_factory=dict)
+    # What the thresholds gave when calibrated; None for thresholds set by hand (or before
+    # calibrate recorded it): such a family has no calibrated cloud share, and no alert on it.
+    calibration: CalibrationRecord | None = None
 
     @property
     def folder(self) -> Path:
