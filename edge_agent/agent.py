@@ -23,6 +23,7 @@ import grpc
 
 from edge_agent.link import Link, describe, stay_linked
 from edge_agent.settings import SERVE, AgentSettings
+from stratus.convert.fleet import heartbeat_to_wire
 from stratus.errors import ConfigError, StratusError
 from stratus.execution.dataplane import LocalDataPlane
 from stratus.execution.describe import Introduction, heartbeat, hello
@@ -88,11 +89,8 @@ class Agent:
     def heartbeat(self, link: Link) -> fpb.AgentMessage:
         """Load (all routers' work), and latency only for the variants that ran since this
         link's previous heartbeat."""
-        return fpb.AgentMessage(
-            heartbeat=heartbeat(
-                self.models, in_flight=self.in_flight, reported=link.reported, received=link.received
-            )
-        )
+        report = heartbeat(self.models, in_flight=self.in_flight, reported=link.reported, received=link.received)
+        return fpb.AgentMessage(heartbeat=heartbeat_to_wire(report))
 
     async def run(self, stop: asyncio.Event) -> None:
         """Stay linked to every router until ``stop``; then drain and return.

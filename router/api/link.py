@@ -25,6 +25,7 @@ from router.fleet.agent_handle import AgentHandle
 from router.fleet.hello import check_hello_bounds
 from router.fleet.registry import FleetRegistry
 from stratus import __version__
+from stratus.convert.fleet import heartbeat_from_wire
 from stratus.errors import ConfigError, DeadlineExceeded, InvalidInput, Overloaded, StratusError
 from stratus.serving.auth import POOL_PREFIX, RouterCredentials
 from stratus.serving.client_limits import client_of
@@ -277,7 +278,7 @@ class AgentLinkServicer(fpb_grpc.AgentLinkServicer):
                     if revoked is not None:
                         reason = revoked
                         break
-                    self._registry.heartbeat(handle, message.heartbeat)
+                    self._registry.heartbeat(handle, heartbeat_from_wire(message.heartbeat))
                 elif kind == "result":
                     self._registry.result(handle, message.result)
                 elif kind == "chunk":

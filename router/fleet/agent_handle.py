@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 
 from router.backends.agent import PATIENCE_FACTOR, PATIENCE_FLOOR_MS, AgentWork
 from router.backends.base import Classified, Generated, OnChunk, Ran
 from router.fleet.index import line_key
-from stratus.convert.fleet import latency_from_wire
 from stratus.convert.tensors import Tensors
 from stratus.errors import DeadlineExceeded
 from stratus.obs.stats import LatencySummary, LatencyWindow, RateMeter, ServiceCurve, SizeWindow
@@ -249,12 +248,11 @@ class AgentHandle:
             self.curves.setdefault(ran.variant, ServiceCurve()).add(ran.batch_size, ran.service_ms)
         self.link_ms.add(max(0.0, round_trip_ms - ran.service_ms - ran.queue_ms))
 
-    def update_latency(self, estimates: Iterable[fpb.LatencyEstimate]) -> None:
-        """Merge what changed (for status, and as the estimate before any Result); read into
-        figures, as a kept sub-message would keep its whole heartbeat alive."""
-        for estimate in estimates:
-            if estimate.variant in self.variants:  # another name is nothing it serves
-                self.latency[estimate.variant] = latency_from_wire(estimate)
+    def update_latency(self, estimates: Mapping[str, LatencySummary]) -> None:
+        """Merge what changed (for status, and as the estimate before any Result)."""
+        for variant, summary in estimates.items():
+            if variant in self.variants:  # another name is nothing it serves
+                self.latency[variant] = summary
 
     async def classify(
         self, items: Tensors, *, model: str, outputs: Sequence[str], request_id: str, budget_ms: float

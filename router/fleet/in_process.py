@@ -31,6 +31,7 @@ from router.backends.base import RanHere
 from router.fleet.agent_handle import AgentHandle, State
 from router.fleet.registry import FleetRegistry
 from stratus.convert.errors import error_label
+from stratus.convert.fleet import heartbeat_from_wire, heartbeat_to_wire
 from stratus.convert.tensors import Tensors
 from stratus.datatypes import Array
 from stratus.errors import DeadlineExceeded, StratusError
@@ -232,7 +233,7 @@ class InProcessAgent:
         handlers: dict[str, Callable[[fpb.AgentMessage], None]] = {
             "result": lambda m: registry.result(handle, m.result),
             "chunk": lambda m: registry.chunk(handle, m.chunk),
-            "heartbeat": lambda m: registry.heartbeat(handle, m.heartbeat),
+            "heartbeat": lambda m: registry.heartbeat(handle, heartbeat_from_wire(m.heartbeat)),
             "draining": lambda m: registry.draining(handle),
             "hello": lambda m: registry.reannounce(handle, m.hello),
             "reload_failed": lambda m: registry.reload_failed(handle, m.reload_failed.message),
@@ -248,10 +249,10 @@ class InProcessAgent:
         """At the registry's pace, as a remote agent's: load, and what its latency learnt."""
         while True:
             self._beat_now.clear()
-            beat = heartbeat(
+            report = heartbeat(
                 self.models, in_flight=self.in_flight, reported=self._reported, received=self._received
             )
-            self.outbox.put_nowait(fpb.AgentMessage(heartbeat=beat))
+            self.outbox.put_nowait(fpb.AgentMessage(heartbeat=heartbeat_to_wire(report)))
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(self._interval):
                     await self._beat_now.wait()

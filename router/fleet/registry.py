@@ -33,6 +33,7 @@ from stratus.convert.hardware import describe as describe_hardware
 from stratus.errors import AlreadyHeld, InvalidInput, NotFound
 from stratus.families.description import FamilyDescription
 from stratus.obs.metrics import RouterMetrics
+from stratus.obs.stats import LoadReport
 from stratus.sched.batching import DEFAULT_MAX_DELAY_S
 from stratus.serving.auth import POOL_PREFIX
 from stratus.tiers import Tier
@@ -198,7 +199,7 @@ class FleetRegistry:
     def lose(self, handle: AgentHandle, reason: str) -> None:
         self.states.lose(handle, reason)
 
-    def heartbeat(self, handle: AgentHandle, beat: fpb.Heartbeat) -> None:
+    def heartbeat(self, handle: AgentHandle, beat: LoadReport) -> None:
         self.states.heartbeat(handle, beat)
 
     def check_heartbeats(self) -> None:

@@ -20,6 +20,7 @@ from router.fleet.agent_handle import AgentHandle, State
 from router.fleet.family_book import FamilyBook
 from router.fleet.index import AgentIndex
 from stratus.errors import ConfigError, NotFound
+from stratus.obs.stats import LoadReport
 from stratus.wire import fleet_pb2 as fpb
 
 log = logging.getLogger("stratus.registry")
@@ -169,7 +170,7 @@ class AgentStates:
         return handle
 
     # -- heartbeats and their pace -------------------------------------------------------
-    def heartbeat(self, handle: AgentHandle, beat: fpb.Heartbeat) -> None:
+    def heartbeat(self, handle: AgentHandle, beat: LoadReport) -> None:
         handle.last_heartbeat = self._clock()
         if unread := handle.not_reading(beat.received, MISSED_HEARTBEATS):  # it heartbeats, yet reads nothing
             self.lose(

@@ -14,7 +14,7 @@ from stratus.families.generation import Chunk, GenerationMethod, Token
 from stratus.families.offline import OfflineSpec
 from stratus.families.spec import FamilySpec, GenerationSpec, TensorSpec
 from stratus.families.suggest import AuditRow, TierAnswer
-from stratus.obs.stats import LatencySummary
+from stratus.obs.stats import LatencySummary, LoadReport
 from stratus.tiers import Tier
 from stratus.wire import fleet_pb2 as fpb
 from stratus.wire import inference_pb2 as pb
@@ -90,6 +90,25 @@ def latency_from_wire(estimate: fpb.LatencyEstimate) -> LatencySummary:
 
 def _time(ms: float) -> float:
     return ms if math.isfinite(ms) and ms > 0 else 0.0
+
+
+def heartbeat_to_wire(report: LoadReport) -> fpb.Heartbeat:
+    return fpb.Heartbeat(
+        in_flight=report.in_flight,
+        queue_length=report.queue_length,
+        received=report.received,
+        latency=[latency_to_wire(variant, summary) for variant, summary in report.latency.items()],
+    )
+
+
+def heartbeat_from_wire(beat: fpb.Heartbeat) -> LoadReport:
+    """What :func:`heartbeat_to_wire` wrote (a variant named twice: its last estimate)."""
+    return LoadReport(
+        in_flight=beat.in_flight,
+        queue_length=beat.queue_length,
+        received=beat.received,
+        latency={estimate.variant: latency_from_wire(estimate) for estimate in beat.latency},
+    )
 
 
 def chunk_to_wire(request_id: str, chunk: Chunk) -> fpb.Chunk:

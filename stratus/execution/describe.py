@@ -1,7 +1,8 @@
 """What an agent's Hello says about the models loaded here: each family served (written by
 ``stratus.convert.fleet.family_to_wire``, beside the reader a router uses), each variant
 (runtime, precision, line, why it was chosen), and the families that could not be loaded,
-in fleet.proto's types; and what its heartbeats say."""
+in fleet.proto's types; and what its heartbeats say (a LoadReport, which
+``stratus.convert.fleet.heartbeat_to_wire`` writes)."""
 
 from __future__ import annotations
 
@@ -10,10 +11,11 @@ import socket
 from dataclasses import dataclass
 
 from stratus import __version__
-from stratus.convert.fleet import family_to_wire, latency_to_wire, wire_tier
+from stratus.convert.fleet import family_to_wire, wire_tier
 from stratus.convert.hardware import to_wire as hardware_to_wire
 from stratus.execution.generators import LocalGenerators
 from stratus.execution.local_models import LocalModels
+from stratus.obs.stats import LoadReport
 from stratus.tiers import Tier
 from stratus.wire import fleet_pb2
 
@@ -53,18 +55,16 @@ def hello(models: LocalModels, who: Introduction, *, uptime_s: float) -> fleet_p
     )
 
 
-def heartbeat(
-    models: LocalModels, *, in_flight: int, reported: dict[str, int], received: int
-) -> fleet_pb2.Heartbeat:
+def heartbeat(models: LocalModels, *, in_flight: int, reported: dict[str, int], received: int) -> LoadReport:
     """Load, and latency only for the variants that ran since this link's last heartbeat
     (``reported``: samples per variant then, updated here)."""
-    latency = []
+    latency = {}
     for name, window in models.latency.items():
         if reported.get(name) == window.count:
             continue
         reported[name] = window.count
-        latency.append(latency_to_wire(name, window.summary()))
-    return fleet_pb2.Heartbeat(
+        latency[name] = window.summary()
+    return LoadReport(
         in_flight=in_flight, queue_length=models.batcher.waiting_items, latency=latency, received=received
     )
 

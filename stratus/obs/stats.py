@@ -5,8 +5,8 @@ from __future__ import annotations
 import collections
 import math
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -15,6 +15,18 @@ class LatencySummary:
     p50_ms: float
     p99_ms: float
     count: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoadReport:
+    """What an agent's heartbeat says: its load (runtime calls at once, items queued), how
+    many of the link's messages it has read, and the latency of each variant that ran since
+    its previous heartbeat on that link."""
+
+    in_flight: int = 0
+    queue_length: int = 0
+    received: int = 0
+    latency: Mapping[str, LatencySummary] = field(default_factory=dict)
 
 
 class LatencyWindow:

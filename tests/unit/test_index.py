@@ -13,6 +13,7 @@ from router.fleet.index import Pool
 from router.fleet.registry import FleetRegistry
 from router.fleet.states import FORGET_LOST_S, MISSED_HEARTBEATS, pace_for
 from router.policy import Attempt, Target, choose
+from stratus.convert.fleet import heartbeat_from_wire
 from stratus.errors import InvalidInput, Overloaded
 from stratus.obs.stats import RateMeter
 from stratus.tiers import Tier
@@ -82,8 +83,9 @@ def test_agents_appear_change_drain_get_lost_and_are_forgotten() -> None:
     assert reg.index.family_of("digits-small") == "digits"
 
     # change: a heartbeat carries only what changed; the rest is kept
-    reg.heartbeat(device, fpb.Heartbeat(latency=[fpb.LatencyEstimate(variant="digits-small", mean_ms=2.5)]))
-    reg.heartbeat(device, fpb.Heartbeat())
+    beat = fpb.Heartbeat(latency=[fpb.LatencyEstimate(variant="digits-small", mean_ms=2.5)])
+    reg.heartbeat(device, heartbeat_from_wire(beat))
+    reg.heartbeat(device, heartbeat_from_wire(fpb.Heartbeat()))
     assert device.cost_ms("digits", 1) == device.cost_ms("digits-small", 1) == 2.5
 
     reg.draining(edge)

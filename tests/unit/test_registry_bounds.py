@@ -15,7 +15,9 @@ from router.fleet import states as states_module
 from router.fleet.agent_handle import FIRST_WINDOW
 from router.fleet.states import FORGET_LOST_S
 from router.fleet.watchers import MAX_OPERATOR_WATCHERS, MAX_WATCHERS, MAX_WATCHERS_PER_ADDRESS
+from stratus.convert.fleet import heartbeat_from_wire
 from stratus.errors import InvalidInput, Overloaded
+from stratus.obs.stats import LatencySummary
 from stratus.tiers import Tier
 from stratus.wire import fleet_pb2 as fpb
 
@@ -268,14 +270,14 @@ def test_heartbeat_latency_is_kept_as_figures_for_served_variants_only() -> None
     beat = fpb.Heartbeat(received=1)
     beat.latency.add(variant="digits-small", mean_ms=math.nan, p50_ms=math.inf, p99_ms=-3.0, count=5)
     beat.latency.extend(fpb.LatencyEstimate(variant=f"made-up-{i}", mean_ms=1.0) for i in range(50))
-    reg.heartbeat(handle, beat)
+    reg.heartbeat(handle, heartbeat_from_wire(beat))
     assert list(handle.latency) == ["digits-small"]
     figures = handle.latency["digits-small"]
     assert (figures.mean_ms, figures.p50_ms, figures.p99_ms, figures.count) == (0.0, 0.0, 0.0, 5)
     assert handle.cost_ms("digits", 3) == 3.0  # an unknown mean: 1 ms an item, as before any Result
     beat = fpb.Heartbeat(received=2)
     beat.latency.add(variant="digits-small", mean_ms=2.5, p50_ms=2.0, p99_ms=9.0, count=6)
-    reg.heartbeat(handle, beat)
+    reg.heartbeat(handle, heartbeat_from_wire(beat))
     assert handle.cost_ms("digits", 2) == 5.0
 
 
@@ -284,7 +286,7 @@ def test_an_agent_earns_patience_by_what_it_is_measured_to_take_never_by_what_it
     budget; only batches this router timed raise it above the floor."""
     handle = registry().register(hello("slow"), peer="t")
     assert handle.patience_ms("digits-small", 8) == PATIENCE_FLOOR_MS  # nothing measured yet
-    handle.update_latency([fpb.LatencyEstimate(variant="digits-small", mean_ms=5_000.0, count=100)])
+    handle.update_latency({"digits-small": LatencySummary(mean_ms=5_000.0, p50_ms=0.0, p99_ms=0.0, count=100)})
     assert handle.cost_ms("digits-small", 1) == 5_000.0  # the policy reads the report ...
     assert handle.patience_ms("digits-small", 1) == PATIENCE_FLOOR_MS  # ... patience does not
     for _ in range(20):

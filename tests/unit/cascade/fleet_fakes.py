@@ -31,6 +31,7 @@ from router.dataplane import RouterDataPlane
 from router.fleet.agent_handle import AgentHandle
 from router.fleet.registry import FleetRegistry
 from stratus.convert import codec
+from stratus.convert.fleet import heartbeat_from_wire
 from stratus.convert.inference import InferRequest, InferResult, TextRequest
 from stratus.convert.parameters import CONFIDENCE, VARIANT, RequestOptions, Served, set_parameter
 from stratus.convert.text import prompt_request, text_result
@@ -149,7 +150,7 @@ class FakeAgent:
         """Report a service time, as a heartbeat does, for the policy's predictions."""
         variant = next(iter(self.handle.variants))
         estimate = fpb.LatencyEstimate(variant=variant, mean_ms=mean_ms, count=10)
-        self.registry.heartbeat(self.handle, fpb.Heartbeat(latency=[estimate]))
+        self.registry.heartbeat(self.handle, heartbeat_from_wire(fpb.Heartbeat(latency=[estimate])))
 
     async def _read(self) -> None:
         while (message := await self.handle.work.outbox.get()) is not None:
@@ -526,7 +527,7 @@ def line_agent(
 def heartbeat_variant(agent: FakeAgent, variant: str, mean_ms: float) -> None:
     """Report a service time for one of the agent's variants (a rollout's candidate, say)."""
     estimate = fpb.LatencyEstimate(variant=variant, mean_ms=mean_ms, count=10)
-    agent.registry.heartbeat(agent.handle, fpb.Heartbeat(latency=[estimate]))
+    agent.registry.heartbeat(agent.handle, heartbeat_from_wire(fpb.Heartbeat(latency=[estimate])))
 
 
 class ReportingCloud(FakeCloud):

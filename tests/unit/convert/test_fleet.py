@@ -10,6 +10,8 @@ import pytest
 from stratus.convert.fleet import (
     chunk_to_wire,
     family_from_wire,
+    heartbeat_from_wire,
+    heartbeat_to_wire,
     thresholds_from_wire,
     thresholds_to_wire,
     tier_label,
@@ -19,6 +21,7 @@ from stratus.errors import InvalidInput
 from stratus.families.audit import AuditSpec, TierCalibration
 from stratus.families.generation import Chunk, GenerationMethod, Token
 from stratus.families.spec import GenerationSpec, TensorSpec
+from stratus.obs.stats import LatencySummary, LoadReport
 from stratus.tiers import Tier
 from stratus.wire import fleet_pb2 as fpb
 from stratus.wire import inference_pb2 as pb
@@ -81,6 +84,29 @@ def test_a_chunk_crosses_with_its_text_log_probabilities_and_margins() -> None:
     sent = chunk_to_wire("w1", chunk)
     assert (sent.request_id, sent.text, list(sent.logprobs)) == ("w1", "42", [-0.1, -0.3])
     assert sent.margins[0] == 2.5 and math.isnan(sent.margins[1])  # a margin not given is NaN
+
+
+def test_a_heartbeat_crosses_as_it_was_written() -> None:
+    report = LoadReport(
+        in_flight=3,
+        queue_length=17,
+        received=41,
+        latency={
+            "digits-small": LatencySummary(mean_ms=1.5, p50_ms=1.25, p99_ms=4.0, count=9),
+            "digits-small-int8": LatencySummary(mean_ms=0.75, p50_ms=0.5, p99_ms=2.0, count=2),
+        },
+    )
+    assert heartbeat_from_wire(fpb.Heartbeat.FromString(heartbeat_to_wire(report).SerializeToString())) == report
+
+
+def test_a_heartbeats_times_that_are_no_times_read_as_unknown_and_a_name_twice_as_its_last() -> None:
+    beat = fpb.Heartbeat()
+    beat.latency.add(variant="v", mean_ms=math.nan, p50_ms=math.inf, p99_ms=-3.0, count=5)
+    beat.latency.add(variant="w", mean_ms=1.0, count=1)
+    beat.latency.add(variant="w", mean_ms=2.0, count=2)
+    read = heartbeat_from_wire(beat)
+    assert read.latency["v"] == LatencySummary(mean_ms=0.0, p50_ms=0.0, p99_ms=0.0, count=5)
+    assert read.latency["w"].mean_ms == 2.0 and list(read.latency) == ["v", "w"]
 
 
 def _described_arith() -> fpb.FamilyInfo:
