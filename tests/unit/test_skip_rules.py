@@ -64,7 +64,10 @@ def outcomes(folder: Path) -> dict[str, str]:
     found = {}
     for case in ElementTree.parse(report).getroot().iter("testcase"):
         ended = [child.tag for child in case if child.tag in ("skipped", "failure", "error")]
-        found[case.get("name") or case.get("classname", "")] = ended[0] if ended else "passed"
+        # a collection error is named by the file's dotted path, which runs from the root
+        # only where the folder lies under it (not for a checkout in /tmp): its last part
+        name = (case.get("name") or case.get("classname", "")).rsplit(".", 1)[-1]
+        found[name] = ended[0] if ended else "passed"
     return found
 
 
