@@ -81,7 +81,7 @@ async def serve(settings: RouterSettings, stop: asyncio.Event | None = None) -> 
     credentials = parts.with_site_revocations(credentials, site)
     audits, capture = parts.auditor(settings, registry, cloud, recorder, rollouts)
     metrics.collect_with(lambda: audit_levels(audits))
-    offline = parts.offline(settings, registry, (metrics, recorder), capture, site, cloud=lambda: plane.cloud_backend)
+    offline = parts.offline(settings, registry, (metrics, recorder), capture, site, cloud=lambda: plane.cloud)
     plane = RouterDataPlane(
         registry,
         cloud,

@@ -23,7 +23,7 @@ from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import TYPE_CHECKING, Any
 
 from router.backends.base import Backend
-from router.backends.cloud import CloudBackend
+from router.backends.cloud import gateway_backends
 from router.cascade.classify import ClassifyCascade
 from router.cascade.common import Job, pinned_options, request_budget
 from router.cascade.generate import Generation, GenerationCascade, Sink, generation_values
@@ -86,25 +86,10 @@ class RouterDataPlane(DataPlane):
         self.registry = registry
         self.catalog = Catalog(registry, lambda: self.cloud)
         registry.cloud_serves = self.catalog.cloud_serves  # an agent's patience holds where the cloud is a way on
-        self._cloud_backend: CloudBackend | None = None
-        self.cloud = cloud
+        self.cloud = cloud  # the cloud link or pool, if the router has one
         self.fail_without_cloud = fail_without_cloud
         self.rng = rng or random.Random()
         self._clock = clock
-
-    @property
-    def cloud(self) -> CloudTier | None:
-        """The cloud link or pool, if the router has one."""
-        return self._cloud_backend.cloud if self._cloud_backend is not None else None
-
-    @cloud.setter
-    def cloud(self, cloud: CloudTier | None) -> None:
-        self._cloud_backend = CloudBackend(cloud) if cloud is not None else None
-
-    @property
-    def cloud_backend(self) -> CloudBackend | None:
-        """The cloud as a target, beside the agents."""
-        return self._cloud_backend
 
     # -- health and metadata ---------------------------------------------------------
     def ready(self) -> bool:
@@ -273,9 +258,10 @@ class RouterDataPlane(DataPlane):
         )
 
     def snapshot(self, model: str) -> FleetSnapshot[Backend]:
-        """The targets for ``model``: its agents, and the cloud (up or down) when it serves it."""
-        cloud = self._cloud_backend
-        return self.registry.snapshot(model, cloud if self.cloud_serves(model) else None)
+        """The targets for ``model``: its agents, and the cloud's gateways that serve it (up
+        or down) where its items may go there."""
+        gateways = gateway_backends(self.cloud, model) if self.cloud_serves(model) else ()
+        return self.registry.snapshot(model, gateways)
 
     def now(self) -> float:
         return self._clock()

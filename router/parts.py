@@ -15,10 +15,9 @@ from router.api.fleet_status import rollout_levels
 from router.api.openai.door import check_listen, server_tls
 from router.audit.auditor import Auditor
 from router.audit.capture import CaptureHook
-from router.backends.cloud import CloudBackend
 from router.cloud.link import CloudLink
 from router.cloud.models import parse_cloud_models
-from router.cloud.pool import CloudPool
+from router.cloud.pool import CloudPool, CloudTier
 from router.fleet.registry import FleetRegistry
 from router.offline import Offline, OfflineSettings
 from router.rollout.plan import ROLLED_BACK, Plan
@@ -44,7 +43,7 @@ def offline(
     capture: CaptureHook | None,
     site: SiteMirror | None,
     *,
-    cloud: Callable[[], CloudBackend | None],
+    cloud: Callable[[], CloudTier | None],
 ) -> Offline | None:
     """Deferred requests, corrections and decision records: in the site's NATS where the router
     shares one (any router of the site judges them), else under --state-dir; neither: none."""

@@ -42,7 +42,6 @@ from router.audit.sampling import (
     same_text,
 )
 from router.audit.workers import AuditWorkers, Capture, RolloutEvidence
-from router.backends.cloud import CloudBackend
 from router.cascade.generate import Generation
 from router.cloud.pool import CloudTier
 from router.fleet.registry import FleetRegistry
@@ -85,7 +84,7 @@ class Auditor:
         self._climbed = Sampler(rng=self.rng, clock=self.clock)  # rows of items that climbed anyway
         self.workers = AuditWorkers(
             self.registry,
-            CloudBackend(self.cloud) if self.cloud is not None else None,
+            self.cloud,
             self.policy,
             self.book,
             self.rows,

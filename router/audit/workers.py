@@ -25,8 +25,9 @@ from router.audit.climbs import CascadeView, text_row
 from router.audit.rows import RowBook
 from router.audit.sampling import COMPARATORS, Audit, AuditPolicy, Reference, WholeAnswer, same_text
 from router.backends.base import Backend, Classified
-from router.backends.cloud import CloudBackend
+from router.backends.cloud import gateway_backends
 from router.cascade.generate import Generation
+from router.cloud.pool import CloudTier
 from router.fleet.registry import FleetRegistry
 from router.policy import Target, spare
 from stratus.convert.tensors import Tensors, top1
@@ -81,7 +82,7 @@ class AuditWorkers:
     """The queue of audits waiting, and the tasks that ask the top tier for them."""
 
     registry: FleetRegistry
-    cloud: CloudBackend | None
+    cloud: CloudTier | None
     policy: AuditPolicy
     book: AgreementBook  # each audited answer's agreement with the top tier
     rows: RowBook  # what a threshold suggestion is chosen on
@@ -150,8 +151,8 @@ class AuditWorkers:
     def _spare(self, audit: Audit) -> Target[Backend] | None:
         """Where the audit may go now without taking room from client work; None: nowhere."""
         if audit.top is Tier.CLOUD:
-            pool = [self.cloud] if self.cloud is not None else []
-            return _target(Tier.CLOUD, spare(pool, self.rng, share=self.policy.cloud_spare))
+            gateways = gateway_backends(self.cloud, audit.key.family)
+            return _target(Tier.CLOUD, spare(gateways, self.rng, share=self.policy.cloud_spare))
         return self._spare_agent(audit.key.family, audit.top)
 
     def _spare_agent(self, family: str, tier: Tier) -> Target[Backend] | None:

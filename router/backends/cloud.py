@@ -1,16 +1,22 @@
-"""The cloud tier as a backend: one more candidate for the policy, on ``Tier.CLOUD``.
+"""Each cloud gateway as a backend: candidates for the policy on ``Tier.CLOUD``, as agents are
+on theirs.
 
-The cloud is one gateway or a pool of them (:mod:`router.cloud.pool` spreads calls over
-the pool itself), so the router sees it as one target: ready while it takes calls, with
-no queue limit of its own (a gateway refuses for itself when full), and with the moving
-round-trip estimate of its link as the whole of its predicted latency.
+The cloud is one gateway or a pool of them (:mod:`router.cloud.pool`). Each gateway's link is
+one target, chosen by the same rules as an agent (:func:`router.policy.two_choices`: the less
+busy of two, within the budget), and a gateway that fails a request is excluded from its
+climb, which then tries another gateway or degrades (:mod:`router.policy.climb`); audits and
+the offline judge take the spare one (:func:`router.policy.spare`). A gateway is ready while
+its link takes calls; it has no queue limit of its own (it refuses for itself when full), and
+the moving round trip of its link is the whole of its predicted latency.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Mapping, Sequence
 
 from router.backends.base import Classified, Generated, OnChunk
+from router.cloud.link import CloudLink
 from router.cloud.pool import CloudTier
 from stratus.convert.parameters import (
     COMPUTE_MS,
@@ -28,12 +34,33 @@ from stratus.families.generation import Chunk
 from stratus.tiers import Tier
 from stratus.wire import inference_pb2 as pb
 
+# One backend per gateway for as long as its link lives: a snapshot per request builds none.
+_BACKENDS: weakref.WeakKeyDictionary[CloudLink, CloudBackend] = weakref.WeakKeyDictionary()
+
+
+def gateway_backends(cloud: CloudTier | None, model: str | None = None) -> tuple[CloudBackend, ...]:
+    """The cloud's gateways as backends: those whose link has learnt that it serves ``model``
+    (up or down: one down is listed, not ready), or every gateway when no model is given."""
+    if cloud is None:
+        return ()
+    links = cloud.gateways()
+    if model is not None:
+        links = [link for link in links if link.models.get(model, False)]
+    return tuple(_backend(link) for link in links)
+
+
+def _backend(link: CloudLink) -> CloudBackend:
+    backend = _BACKENDS.get(link)
+    if backend is None:
+        backend = _BACKENDS[link] = CloudBackend(link)
+    return backend
+
 
 class CloudBackend:
-    """The cloud link (or pool), as the policy and the cascades see every target."""
+    """One cloud gateway's link, as the policy and the cascades see every target."""
 
-    def __init__(self, cloud: CloudTier) -> None:
-        self.cloud = cloud
+    def __init__(self, link: CloudLink) -> None:
+        self.cloud = link
 
     @property
     def id(self) -> str:
@@ -53,7 +80,7 @@ class CloudBackend:
 
     @property
     def capacity(self) -> int:
-        return max(1, self.cloud.capacity)
+        return max(1, self.cloud.capacity)  # calls its link may hold at once
 
     @property
     def limit(self) -> int:

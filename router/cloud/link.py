@@ -142,6 +142,10 @@ class CloudLink(CloudCatalog):
             return f"circuit {self.breaker.state}"
         return self.state
 
+    def gateways(self) -> tuple[CloudLink, ...]:
+        """A link is a cloud tier of one gateway: itself."""
+        return (self,)
+
     def start(self) -> None:
         self._task = asyncio.create_task(self._maintain(), name="stratus-cloud-link")
 

@@ -1,11 +1,12 @@
-"""The cloud tier as several gateways: one link to each, and two random choices per call.
+"""The cloud tier as several gateways: one link to each.
 
 One channel to a Kubernetes Service's ClusterIP sticks to one pod for as long as its
 connection lives, so the replicas an autoscaler adds get nothing. The pool instead keeps a
-:class:`~router.cloud.link.CloudLink` (its own channel, stream and circuit breaker) per gateway
-and sends each escalation or generation to the less busy of two gateways picked at random
-(power of two choices: near-even load without a global view, and one slow gateway is
-avoided as soon as its in-flight count grows).
+:class:`~router.cloud.link.CloudLink` (its own channel, stream and circuit breaker) per gateway.
+Each gateway is a backend of the cloud tier (:mod:`router.backends.cloud`), chosen per call by
+the routing policy as agents are: the less busy of two drawn at random, within the budget, and
+another one after a gateway fails the call. The pool finds the gateways, follows DNS, and sums
+them up for status; it chooses nothing.
 
 Where the gateways are comes from ``--cloud``:
 
@@ -28,14 +29,13 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
-from router.cloud.link import UNMEASURED_MS, CloudLink, LinkState, OnChunk
+from router.cloud.link import UNMEASURED_MS, CloudLink, LinkState
 from router.cloud.models import NamedModel
 from stratus.errors import ConfigError, Unavailable
 from stratus.families.description import FamilyDescription
 from stratus.obs.stats import LatencyWindow
 from stratus.serving.discovery import dns_target
 from stratus.wire import fleet_pb2 as fpb
-from stratus.wire import inference_pb2 as pb
 
 log = logging.getLogger("stratus.router.cloud")
 
@@ -81,12 +81,11 @@ class CloudTier(Protocol):
     def circuit(self) -> str: ...
     @property
     def capacity(self) -> int: ...  # calls it may hold at once (audits measure their room by it)
+    def gateways(self) -> Sequence[CloudLink]:
+        """Each gateway's link, which the policy chooses among (router.backends.cloud)."""
+        ...
     def start(self) -> None: ...
     async def close(self) -> None: ...
-    async def infer(self, request: pb.ModelInferRequest, *, timeout_s: float | None) -> pb.ModelInferResponse: ...
-    async def generate(
-        self, request: pb.ModelInferRequest, on_chunk: OnChunk, *, timeout_s: float | None
-    ) -> pb.ModelInferResponse: ...
     async def reload(self, *, timeout_s: float) -> fpb.ReloadResponse: ...
     async def learn_now(self) -> None: ...
 
@@ -248,9 +247,9 @@ class CloudPool:
         states = {link.circuit for link in self.links.values()}
         return next((s for s in ("closed", "half-open") if s in states), "open")
 
-    def gateways(self) -> list[tuple[str, str, int]]:
-        """(address, status, in flight) of each gateway, for `stratus fleet status`."""
-        return [(address, link.status, link.in_flight) for address, link in sorted(self.links.items())]
+    def gateways(self) -> tuple[CloudLink, ...]:
+        """Each gateway's link (the retired ones, finishing their calls, take no new ones)."""
+        return tuple(self.links.values())
 
     # -- life -------------------------------------------------------------------------------
     def start(self) -> None:
@@ -303,36 +302,6 @@ class CloudPool:
         idle = [link for link in self._retired if link.in_flight == 0]
         self._retired = [link for link in self._retired if link.in_flight > 0]
         await asyncio.gather(*(link.close() for link in idle), return_exceptions=True)
-
-    # -- calls ------------------------------------------------------------------------------
-    def pick(self, model: str, *, avoid: CloudLink | None = None) -> CloudLink:
-        """The less busy of two gateways drawn at random from those that can take ``model``
-        now (ties go to the first drawn, so sequential calls spread evenly too)."""
-        able = [link for link in self.links.values() if link.available and link is not avoid]
-        serving = [link for link in able if link.models.get(model, False)] or able
-        if not serving:
-            raise Unavailable(f"cloud {self.address} is {self.status}")
-        if len(serving) == 1:
-            return serving[0]
-        first, second = self._rng.sample(serving, 2)
-        return second if second.in_flight < first.in_flight else first
-
-    async def infer(self, request: pb.ModelInferRequest, *, timeout_s: float | None) -> pb.ModelInferResponse:
-        """On one gateway; once more on another if that one's link broke under the call."""
-        link = self.pick(request.model_name)
-        try:
-            return await link.infer(request, timeout_s=timeout_s)
-        except Unavailable:
-            if link.available or not any(other.available for other in self.links.values() if other is not link):
-                raise
-            log.info("cloud %s: gateway %s broke under a call; asking another", self.address, link.address)
-            return await self.pick(request.model_name, avoid=link).infer(request, timeout_s=timeout_s)
-
-    async def generate(
-        self, request: pb.ModelInferRequest, on_chunk: OnChunk, *, timeout_s: float | None
-    ) -> pb.ModelInferResponse:
-        """On one gateway (not retried: its chunks may already have reached the client)."""
-        return await self.pick(request.model_name).generate(request, on_chunk, timeout_s=timeout_s)
 
     # -- reloads ----------------------------------------------------------------------------
     async def reload(self, *, timeout_s: float) -> fpb.ReloadResponse:

@@ -245,13 +245,13 @@ class FleetRegistry:
         return any(agent is not handle for pool in self.index.pools(family).values() for agent in pool)
 
     # -- reads -------------------------------------------------------------------------------
-    def snapshot(self, model: str, cloud: Backend | None = None) -> FleetSnapshot[Backend]:
-        """What the policy needs for one model, ``cloud`` with it when the cloud serves it:
+    def snapshot(self, model: str, cloud: Sequence[Backend] = ()) -> FleetSnapshot[Backend]:
+        """What the policy needs for one model, with ``cloud``'s gateways that serve it:
         constant cost, whatever the fleet's size."""
         pools: Mapping[Tier, Sequence[Backend]] = self.index.pools(model)
         tiers = self.index.tiers(model)
-        if cloud is not None:
-            pools = {**pools, Tier.CLOUD: (cloud,)}
+        if cloud:
+            pools = {**pools, Tier.CLOUD: cloud}
             tiers = tiers | {Tier.CLOUD}
         return FleetSnapshot(pools=pools, tiers=tiers)
 

@@ -30,7 +30,6 @@ from typing import Final
 
 from prometheus_client.core import Metric
 
-from router.backends.cloud import CloudBackend
 from router.cloud.pool import CloudTier
 from router.offline.corrections import CorrectionLog, CorrectionSink, FileCorrections
 from router.offline.decisions import Decision, as_row, decision_schema
@@ -116,7 +115,7 @@ class Offline:
         settings: OfflineSettings,
         *,
         router: str,
-        cloud: Callable[[], CloudBackend | None],
+        cloud: Callable[[], CloudTier | None],
         describe: Callable[[str], FamilyDescription | None],
         metrics: tuple[Metrics, RouterMetrics] | None = None,
         labels: LabelSink | None = None,

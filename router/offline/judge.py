@@ -22,13 +22,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import random
 import time
 from collections.abc import Callable
 from typing import Final, Protocol
 
-from router.backends.cloud import CloudBackend
+from router.backends.cloud import CloudBackend, gateway_backends
+from router.cloud.pool import CloudTier
 from router.offline.corrections import CorrectionLog
 from router.offline.store import DeferredStore
+from router.policy import spare
 from stratus.cancellation import CancelWatch
 from stratus.convert.tensors import Tensors, top1
 from stratus.errors import DeadlineExceeded, Overloaded, StratusError, Unavailable
@@ -65,17 +68,19 @@ class Judge:
         store: DeferredStore,
         corrections: CorrectionLog,
         *,
-        cloud: Callable[[], CloudBackend | None],
+        cloud: Callable[[], CloudTier | None],
         describe: Callable[[str], FamilyDescription | None],
         share: float,
         observer: JudgeObserver,
         labels: LabelSink | None = None,
         clock: Callable[[], float] = time.time,
+        rng: random.Random | None = None,
     ) -> None:
         self.store = store
         self.corrections = corrections
         self._cloud = cloud
         self._describe = describe
+        self._rng = rng or random.Random()
         self.share = share
         self.observer = observer
         self.labels = labels
@@ -108,9 +113,9 @@ class Judge:
     def room(self) -> int:
         """Judging calls that may start now (see the module's docstring)."""
         cloud = self._cloud()
-        if cloud is None or not cloud.ready or self._clock() < self._backoff_until or self.share <= 0:
+        if cloud is None or not cloud.available or self._clock() < self._backoff_until or self.share <= 0:
             return 0
-        limit = max(1.0, cloud.capacity * self.share)
+        limit = max(1.0, max(1, cloud.capacity) * self.share)
         return max(0, int(limit - cloud.in_flight))
 
     async def _send(self) -> None:
@@ -162,7 +167,7 @@ class Judge:
             await self._drop(record, NO_LONGER)
             return True
         try:
-            answered = await cloud.classify(
+            answered = await self._gateway(cloud, record.model).classify(
                 Tensors.from_request(record.inputs),
                 model=record.model,
                 outputs=(),
@@ -199,6 +204,13 @@ class Judge:
             self.labels.judged(record, cloud_answers)
         await self.store.remove(record.key)
         return True
+
+    def _gateway(self, cloud: CloudTier, model: str) -> CloudBackend:
+        """A gateway serving ``model`` with a free slot (the policy's spare choice)."""
+        gateway = spare(gateway_backends(cloud, model), self._rng)
+        if gateway is None:
+            raise Unavailable(f"no gateway of cloud {cloud.address} serving {model!r} has a free slot")
+        return gateway
 
     def _verdicts(
         self, record: fpb.DeferredRequest, cloud: list[fpb.ProvisionalAnswer]

@@ -1,4 +1,5 @@
-"""The cloud tier as several gateways: reading --cloud, two random choices, DNS changes."""
+"""The cloud tier as several gateways: reading --cloud, each gateway a backend the policy
+chooses among (two random choices, passing over one down or failed), DNS changes."""
 
 from __future__ import annotations
 
@@ -8,21 +9,21 @@ from collections import Counter
 
 import pytest
 
+from router.backends.cloud import gateway_backends
 from router.cloud.link import CloudLink
 from router.cloud.pool import CloudPool, CloudTarget, resolve_addresses
-from stratus.errors import ConfigError, Unavailable
-from stratus.wire import inference_pb2 as pb
+from router.policy import Attempt, FleetSnapshot, NoTarget, choose
+from stratus.errors import ConfigError
+from stratus.tiers import Tier
 
 
 class CannedLink(CloudLink):
-    """A link that connects at once and answers every call itself (no gateway behind it)."""
+    """A link that connects at once, serving digits (no gateway behind it)."""
 
     def __init__(self, address: str, server_name: str | None = None) -> None:
         super().__init__(address, server_name=server_name)
         self.server_name = server_name
-        self.calls = 0
         self.busy = 0  # calls it pretends to hold besides the ones made here
-        self.fail_with: Exception | None = None
         self.closed = False
 
     @property
@@ -35,13 +36,6 @@ class CannedLink(CloudLink):
 
     async def close(self) -> None:
         self.closed = True
-
-    async def infer(self, request: pb.ModelInferRequest, *, timeout_s: float | None) -> pb.ModelInferResponse:
-        self.calls += 1
-        if self.fail_with is not None:
-            self.state = "down"
-            raise self.fail_with
-        return pb.ModelInferResponse(model_name=request.model_name, id=self.address)
 
 
 def pool_of(spec: str, **kwargs: object) -> tuple[CloudPool, dict[str, CannedLink]]:
@@ -75,15 +69,18 @@ def test_a_bad_cloud_spec_is_a_config_error(spec: str) -> None:
         CloudTarget.parse(spec)
 
 
+def choice(pool: CloudPool, rng: random.Random, *, exclude: frozenset[str] = frozenset()) -> str | NoTarget:
+    """The gateway the routing policy sends a 'digits' escalation to (by address), or why none."""
+    snapshot = FleetSnapshot(pools={Tier.CLOUD: gateway_backends(pool, "digits")}, tiers=frozenset({Tier.CLOUD}))
+    target = choose(Attempt(model="digits", remaining_ms=None, exclude=exclude), snapshot, rng)
+    return target if isinstance(target, NoTarget) else target.candidate.cloud.address
+
+
 def test_sequential_calls_spread_evenly_over_the_gateways() -> None:
     pool, _ = pool_of("a:1,b:2,c:3")
-
-    async def scenario() -> Counter[str]:
-        pool.start()
-        answered = [await pool.infer(pb.ModelInferRequest(model_name="digits"), timeout_s=1) for _ in range(600)]
-        return Counter(response.id for response in answered)
-
-    spread = asyncio.run(scenario())
+    pool.start()
+    rng = random.Random(7)
+    spread = Counter(choice(pool, rng) for _ in range(600))
     assert set(spread) == {"a:1", "b:2", "c:3"}
     assert all(120 <= n <= 280 for n in spread.values()), spread  # 200 each on average
 
@@ -92,7 +89,8 @@ def test_the_less_busy_of_two_is_chosen() -> None:
     pool, links = pool_of("a:1,b:2")
     pool.start()
     links["a:1"].busy = 5
-    assert {pool.pick("digits").address for _ in range(50)} == {"b:2"}
+    rng = random.Random(7)
+    assert {choice(pool, rng) for _ in range(50)} == {"b:2"}
 
 
 def test_a_gateway_that_lacks_the_model_or_is_down_is_passed_over() -> None:
@@ -100,31 +98,30 @@ def test_a_gateway_that_lacks_the_model_or_is_down_is_passed_over() -> None:
     pool.start()
     links["a:1"].models = {"other": True}
     links["b:2"].state = "down"
-    assert {pool.pick("digits").address for _ in range(50)} == {"c:3"}
-    links["c:3"].state = "down"
-    assert pool.pick("digits").address == "a:1"  # the only one up: it says NOT_FOUND itself
-    links["a:1"].state = "down"
-    with pytest.raises(Unavailable, match="0/3 gateways connected"):
-        pool.pick("digits")
+    rng = random.Random(7)
+    assert {choice(pool, rng) for _ in range(50)} == {"c:3"}
+    links["c:3"].state = "down"  # up, a:1 lacks the model: it is not asked (it would say NOT_FOUND)
+    none = choice(pool, rng)
+    assert isinstance(none, NoTarget) and "cloud tier serving 'digits' is not ready now" in none.reason
 
 
-def test_a_call_whose_gateway_breaks_is_asked_again_elsewhere() -> None:
+def test_a_gateway_that_failed_a_call_is_passed_over_for_the_rest_of_its_climb() -> None:
+    pool, _ = pool_of("a:1,b:2")
+    pool.start()
+    rng = random.Random(7)
+    assert {choice(pool, rng, exclude=frozenset({"cloud@a:1"})) for _ in range(20)} == {"b:2"}
+    none = choice(pool, rng, exclude=frozenset({"cloud@a:1", "cloud@b:2"}))
+    assert isinstance(none, NoTarget) and "nothing in the fleet" in none.reason
+
+
+def test_each_gateway_is_one_backend_for_as_long_as_its_link_lives() -> None:
     pool, links = pool_of("a:1,b:2")
     pool.start()
-    links["a:1"].busy = 0
-    links["b:2"].busy = 9  # a is chosen first
-    links["a:1"].fail_with = Unavailable("the cloud link broke")
-    response = asyncio.run(pool.infer(pb.ModelInferRequest(model_name="digits"), timeout_s=1))
-    assert response.id == "b:2" and links["a:1"].calls == 1
-
-
-def test_a_refusal_by_a_live_gateway_is_not_retried() -> None:
-    pool, links = pool_of("a:1")
-    pool.start()
-    links["a:1"].fail_with = Unavailable("full")
-    with pytest.raises(Unavailable):
-        asyncio.run(pool.infer(pb.ModelInferRequest(model_name="digits"), timeout_s=1))
-    assert links["a:1"].calls == 1
+    first = gateway_backends(pool)
+    assert [b.id for b in first] == ["cloud@a:1", "cloud@b:2"]
+    assert all(a is b for a, b in zip(first, gateway_backends(pool), strict=True))  # none built per request
+    links["b:2"].models = {}
+    assert [b.id for b in gateway_backends(pool, "digits")] == ["cloud@a:1"]
 
 
 def test_status_and_circuit_summarise_the_gateways() -> None:

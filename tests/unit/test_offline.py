@@ -8,18 +8,26 @@ import asyncio
 import json
 import os
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
 
+from router.cloud.link import CloudLink, LinkState
 from router.offline.corrections import FOLLOWER_QUEUE, CorrectionLog, FileCorrections
 from router.offline.decisions import SKIPPED, Decision, Hop, answered_hop, failed_hop, skipped_hops
 from router.offline.judge import AGREED, CORRECTED, EXPIRED, Judge
 from router.offline.provisional import cloud_was_needed, provisional_items
 from router.offline.store import FULL_BYTES, FULL_ITEMS, SUFFIX, LocalDeferredStore, new_key
 from router.policy.climb import ClimbState
-from stratus.convert.parameters import EXPLAIN, PROVISIONAL, REQUEST_ID, RequestOptions, Served
+from stratus.convert.parameters import (
+    EXPLAIN,
+    PROVISIONAL,
+    REQUEST_ID,
+    VARIANT,
+    RequestOptions,
+    Served,
+    set_parameter,
+)
 from stratus.convert.tensors import Tensors
 from stratus.errors import ConfigError, DeadlineExceeded, InvalidInput, Overloaded, Unavailable
 from stratus.families.description import FamilyDescription
@@ -253,33 +261,33 @@ def test_a_follower_that_falls_behind_is_cut_off_with_a_reason() -> None:
 # -- the judge ----------------------------------------------------------------------------------
 
 
-class FakeCloud:
-    """The cloud as the judge sees it (router.backends.cloud.CloudBackend): a GPU-free double of
-    its answer only; the judge's own logic runs as it does in the router."""
+class FakeCloud(CloudLink):
+    """The cloud as the judge sees it: one gateway's link, connected (or down), serving digits,
+    whose calls answer ``labels`` (or raise ``error``) instead of reaching a gateway; the
+    judge's own logic, and its choice of gateway, run as they do in the router."""
 
     def __init__(self, labels: list[int], *, ready: bool = True, capacity: int = 20, in_flight: int = 0,
                  error: Exception | None = None) -> None:  # fmt: skip
-        self.labels, self.ready, self.capacity, self.in_flight, self.error = (
-            labels,
-            ready,
-            capacity,
-            in_flight,
-            error,
-        )
+        super().__init__("cloud.test:8001", max_pending=capacity)
+        self.state = LinkState.CONNECTED if ready else LinkState.DOWN
+        self.models = {"digits": True}
+        self.labels, self.busy, self.error = labels, in_flight, error
         self.calls = 0
 
-    async def classify(self, items: Tensors, **_: Any) -> Any:
-        from router.backends.base import Classified
+    @property
+    def in_flight(self) -> int:
+        return self.busy
 
+    async def infer(self, request: pb.ModelInferRequest, *, timeout_s: float | None) -> pb.ModelInferResponse:
         self.calls += 1
         if self.error is not None:
             raise self.error
         scores = np.eye(10, dtype=np.float32)[self.labels]
-        response = pb.ModelInferResponse()
+        response = pb.ModelInferResponse(model_name=request.model_name, id=request.id)
         response.outputs.add(name="probabilities", datatype="FP32", shape=list(scores.shape))
         response.raw_output_contents.append(scores.tobytes())
-        return Classified(agent="cloud@x", variant="digits-large", outputs=Tensors.from_response(response),
-                          confidences=(1.0,) * len(self.labels))  # fmt: skip
+        set_parameter(response.parameters, VARIANT, "digits-large")
+        return response
 
 
 class Counted:
