@@ -163,7 +163,7 @@ def test_a_server_restart_is_survived_without_action_and_a_watch_misses_nothing(
                 started = time.monotonic()
                 with pytest.raises(StoreUnavailable, match=re.escape(own_server.url)):
                     await watcher.put("rollout.a", b"lost", expected=before.revision)
-                assert time.monotonic() - started < 0.5  # at once, not after a timeout
+                assert time.monotonic() - started < 1.0  # at once, not after the 2 s operation timeout
                 own_server.start()
                 writer = NatsSiteState(own_server.url, bucket="site")
                 await writer.start()
@@ -196,7 +196,7 @@ def test_a_store_unreachable_at_start_connects_once_the_server_is_up(tmp_path: P
         store = NatsSiteState(server.url, bucket="site", reconnect_wait_s=0.2)
         started = time.monotonic()
         await store.start()
-        assert time.monotonic() - started < 0.1 and not store.connected
+        assert time.monotonic() - started < 1.0 and not store.connected  # not after the 2 s connect timeout
         try:
             with pytest.raises(StoreUnavailable, match=re.escape(server.url)):
                 await store.get("rollout.a")
