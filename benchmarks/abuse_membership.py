@@ -24,8 +24,8 @@ from abuse_kit import (
     repeat,
 )
 
-from router.fleet.hello import MAX_VARIANTS_PER_AGENT
 from stratus.convert import codec
+from stratus.convert.hello import MAX_VARIANTS_PER_AGENT
 from stratus.devtools.launcher import launch
 from stratus.serving.channels import MAX_STREAMS_PER_CONNECTION
 from stratus.wire import fleet_pb2 as fpb

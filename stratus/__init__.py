@@ -9,8 +9,9 @@ list (``tests/unit/test_imports.py`` holds it to that):
   (files written whole or not at all), ``cancellation`` (a cancel a library swallowed, raised
   again), ``wire/`` (generated stubs only);
 * the wire boundary, ``convert/`` (each wire concept converted in one module: tensors and the
-  codec, ``stratus.*`` parameters, text requests, errors, fleet messages, hardware), and the
-  domain, ``families/`` (a family's description, repository, confidence, generation,
+  codec, ``stratus.*`` parameters, text requests, errors, fleet messages, an agent's Hello,
+  hardware), and the domain, ``families/`` (a family's description, repository, what an
+  agent's Hello says (``agent_hello``), confidence, generation,
   precision and what this CPU runs natively (``cpu``), sampling, and the threshold search
   calibrate and the audits share);
 * machinery: ``sched/`` (the batcher, the bounded executor), ``obs/`` (metrics, latency

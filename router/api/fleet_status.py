@@ -17,6 +17,8 @@ from router.rollout.plans import Rollouts
 from router.site.mirror import SiteMirror
 from stratus import __version__
 from stratus.convert.fleet import wire_tier
+from stratus.convert.hardware import to_wire as hardware_to_wire
+from stratus.families.agent_hello import VariantServed
 from stratus.obs.metrics import gauge
 from stratus.serving.channels import MAX_MESSAGE_BYTES
 from stratus.tiers import Tier
@@ -52,13 +54,13 @@ def agent_status(handle: AgentHandle, now: float) -> fpb.AgentStatus:
         mean_batch_size=handle.batch_sizes.mean,
         variant_choices=[_variant_choice(name, info) for name, info in sorted(handle.variants.items())],
         unavailable=[f"{u.family} ({u.variant}): {u.reason}" for u in handle.unavailable],
-        hardware=handle.hardware,
+        hardware=hardware_to_wire(handle.hardware),
         version=handle.version,
         uptime_s=now - handle.started if handle.started is not None and handle.state != State.LOST else 0.0,
     )
 
 
-def _variant_choice(name: str, info: fpb.VariantInfo) -> str:
+def _variant_choice(name: str, info: VariantServed) -> str:
     """One variant as status shows it: "digits-small-int8 INT8, computes int8 (int8: native (...))"."""
     return (
         f"{name} {info.precision or 'FP32'}"

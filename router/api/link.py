@@ -22,10 +22,10 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from router.fleet.agent_handle import AgentHandle
-from router.fleet.hello import check_hello_bounds
 from router.fleet.registry import FleetRegistry
 from stratus import __version__
 from stratus.convert.fleet import heartbeat_from_wire
+from stratus.convert.hello import check_hello_bounds, hello_from_wire
 from stratus.errors import ConfigError, DeadlineExceeded, InvalidInput, Overloaded, StratusError
 from stratus.serving.auth import POOL_PREFIX, RouterCredentials
 from stratus.serving.client_limits import client_of
@@ -238,7 +238,8 @@ class AgentLinkServicer(fpb_grpc.AgentLinkServicer):
             raise
         await self._gate.admit(first.hello.agent_id)
         try:
-            handle = self._registry.register(first.hello, peer=context.peer(), identity=identity)
+            hello = hello_from_wire(first.hello)  # bounded above, before anything was logged
+            handle = self._registry.register(hello, peer=context.peer(), identity=identity)
         except StratusError as exc:
             self._refusals.refused(first.hello.agent_id, context.peer(), exc)
             raise
@@ -323,7 +324,12 @@ class AgentLinkServicer(fpb_grpc.AgentLinkServicer):
             return
         held.token = hello.token
         try:
-            self._registry.reannounce(handle, hello)
+            announced = hello_from_wire(hello)
+        except InvalidInput as exc:  # the operator who asked for the reload is told why
+            self._registry.reload_failed(handle, f"its new Hello was refused: {exc}")
+            return
+        try:
+            self._registry.reannounce(handle, announced)
         except InvalidInput as exc:
             log.warning("agent %s: reload refused: %s", handle.id, exc)
 
@@ -340,7 +346,3 @@ def _check_hello(hello: fpb.Hello) -> None:
     if not hello.agent_id:
         raise InvalidInput("Hello.agent_id is empty")
     check_hello_bounds(hello)  # before anything logs the id
-    if hello.tier == fpb.TIER_UNSPECIFIED:
-        raise InvalidInput(f"Hello from {hello.agent_id}: tier is unspecified")
-    if not hello.variants:
-        raise InvalidInput(f"Hello from {hello.agent_id}: no variants")

@@ -18,6 +18,7 @@ from router.backends.base import Classified, Generated, OnChunk, Ran
 from router.fleet.index import line_key
 from stratus.convert.tensors import Tensors
 from stratus.errors import DeadlineExceeded
+from stratus.families.agent_hello import FamilyUnavailable, HardwareSaid, VariantServed
 from stratus.obs.stats import LatencySummary, LatencyWindow, RateMeter, ServiceCurve, SizeWindow
 from stratus.tiers import Tier
 from stratus.wire import fleet_pb2 as fpb
@@ -58,7 +59,7 @@ class AgentHandle:
     host: str
     peer: str
     runtimes: tuple[str, ...]
-    variants: dict[str, fpb.VariantInfo]
+    variants: dict[str, VariantServed]
     # Calls at once the router trusts it with now: what its Hello declared (``declared``),
     # bounded by what it has been measured to serve (``window``, below; security2 N3).
     capacity: int
@@ -68,7 +69,7 @@ class AgentHandle:
     left: bool = False  # gone after draining (a goodbye), as status and metrics report it
     operator_drained: bool = False  # drained by Fleet.Drain, so Fleet.Undrain may take it back
     # What it runs on (machine, CPU, the flags its precision choice read), bounded.
-    hardware: fpb.HardwareInfo = field(default_factory=fpb.HardwareInfo)
+    hardware: HardwareSaid = field(default_factory=HardwareSaid)
     version: str = ""  # its Stratus version, as its Hello said
     started: float | None = None  # when its process started, on the registry's clock; None: not said
     state: State = State.READY
@@ -85,7 +86,7 @@ class AgentHandle:
     unread_beats: int = 0  # consecutive heartbeats with messages unread and no reading progress
 
     # Families it could not load (no runtime there opened their files), as its Hello said.
-    unavailable: tuple[fpb.FamilyUnavailable, ...] = ()
+    unavailable: tuple[FamilyUnavailable, ...] = ()
     reloads: list[asyncio.Future[str]] = field(default_factory=list)  # waiting for its next Hello
     work: AgentWork = field(init=False, repr=False)  # its transport: set by the registry as it joins
     declared: int = 0  # the capacity its Hello declared (0: ``capacity`` as given)
@@ -146,7 +147,7 @@ class AgentHandle:
                 waiter.set_result(problem)
         self.reloads.clear()
 
-    def announce(self, variants: dict[str, fpb.VariantInfo]) -> None:
+    def announce(self, variants: dict[str, VariantServed]) -> None:
         """What the agent serves: said by its Hello, and again by a Hello after a reload.
 
         A family's requests go to its current variant; each line (current or not) is also

@@ -32,6 +32,7 @@ from router.fleet.agent_handle import AgentHandle, State
 from router.fleet.registry import FleetRegistry
 from stratus.convert.errors import error_label
 from stratus.convert.fleet import heartbeat_from_wire, heartbeat_to_wire
+from stratus.convert.hello import hello_from_wire
 from stratus.convert.tensors import Tensors
 from stratus.datatypes import Array
 from stratus.errors import DeadlineExceeded, StratusError
@@ -158,7 +159,7 @@ class InProcessAgent:
         while not self._closing:
             try:
                 handle = self.registry.register(
-                    self._hello(),
+                    hello_from_wire(self._hello()),
                     peer="in-process",
                     identity=IDENTITY,
                     work=lambda agent, settings: InProcessWork(agent, settings, self.models),
@@ -235,7 +236,7 @@ class InProcessAgent:
             "chunk": lambda m: registry.chunk(handle, m.chunk),
             "heartbeat": lambda m: registry.heartbeat(handle, heartbeat_from_wire(m.heartbeat)),
             "draining": lambda m: registry.draining(handle),
-            "hello": lambda m: registry.reannounce(handle, m.hello),
+            "hello": lambda m: registry.reannounce(handle, hello_from_wire(m.hello)),
             "reload_failed": lambda m: registry.reload_failed(handle, m.reload_failed.message),
         }
         while (message := await self.outbox.get()) is not None:

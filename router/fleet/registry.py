@@ -24,13 +24,14 @@ from router.backends.agent import AgentWork, WorkSettings
 from router.backends.base import Backend
 from router.fleet.agent_handle import AgentHandle, State
 from router.fleet.family_book import FamilyBook
-from router.fleet.hello import Admission, check_hello_bounds, check_hello_variants, handle_from_hello
+from router.fleet.hello import Admission, handle_from_hello
 from router.fleet.index import AgentIndex
 from router.fleet.states import AgentStates
 from router.fleet.watchers import Watchers
 from router.policy import FleetSnapshot
 from stratus.convert.hardware import describe as describe_hardware
 from stratus.errors import AlreadyHeld, InvalidInput, NotFound
+from stratus.families.agent_hello import AgentHello
 from stratus.families.description import FamilyDescription
 from stratus.obs.metrics import RouterMetrics
 from stratus.obs.stats import LoadReport
@@ -112,12 +113,11 @@ class FleetRegistry:
 
     # -- joining and reloading ---------------------------------------------------------
     def register(
-        self, hello: fpb.Hello, peer: str, identity: str = "anonymous", *, work: WorkMaker = AgentWork
+        self, hello: AgentHello, peer: str, identity: str = "anonymous", *, work: WorkMaker = AgentWork
     ) -> AgentHandle:
         """Admit an agent. An id already linked is replaced only by the identity that holds it
         (the agent reconnected before we noticed); another identity is refused, so a stranger
         cannot knock an agent off its link (see :class:`stratus.serving.auth.RouterCredentials`)."""
-        check_hello_bounds(hello)
         previous = self.agents.get(hello.agent_id)
         if previous is not None and previous.state != State.LOST and previous.identity != identity:
             raise AlreadyHeld(
@@ -125,7 +125,7 @@ class FleetRegistry:
             )
         if identity.startswith(POOL_PREFIX):
             self.admission.check_pool(hello.agent_id, identity, previous)
-        hello, described = self.admission.agreed(hello)
+        hello = self.admission.agreed(hello)
         if previous is not None:
             if previous.state != State.LOST:
                 log.warning("agent %s reconnected from %s; dropping its old link", hello.agent_id, peer)
@@ -133,7 +133,7 @@ class FleetRegistry:
             self.states.drop(previous)
         handle = handle_from_hello(hello, peer=peer, identity=identity, now=self.now(), heartbeat_s=self.pace_s)
         handle.work = work(handle, self._work_settings(handle))
-        for family in described:
+        for family in hello.families:
             if family.name not in self.families:
                 self.book.learn(family)
         log.info(
@@ -148,28 +148,26 @@ class FleetRegistry:
         self.changed()
         return handle
 
-    def reannounce(self, handle: AgentHandle, hello: fpb.Hello) -> None:
+    def reannounce(self, handle: AgentHandle, hello: AgentHello) -> None:
         """A Hello on a live link: the agent reloaded and now serves what it says.
 
         Work already sent carries on (the agent keeps answering it); the index moves the
         agent to its new names at once. A Hello this fleet would refuse leaves the agent
         registered as it was, and says why, to the operator who asked for the reload.
         """
-        if hello.agent_id != handle.id or Tier.from_wire(hello.tier) is not handle.tier:
+        if hello.agent_id != handle.id or hello.tier is not handle.tier:
             raise InvalidInput(f"a reload may not change the agent's name or tier ({handle.id})")
         ready = handle.ready
         self.index.forget(handle)  # its old names, so only other agents count in the check
         try:
-            check_hello_bounds(hello)
-            check_hello_variants(hello)
-            hello, described = self.admission.agreed(hello)
+            hello = self.admission.agreed(hello)
         except InvalidInput as exc:
             self._readd(handle, ready)
             handle.settle_reloads(f"refused: {exc}")
             raise
         handle.announce({v.name: v for v in hello.variants})
-        handle.unavailable = tuple(hello.unavailable)
-        for family in described:
+        handle.unavailable = hello.unavailable
+        for family in hello.families:
             self.book.learn(family)
         self._readd(handle, ready)
         log.info("agent %s reloaded: variants %s", handle.id, sorted(handle.variants))

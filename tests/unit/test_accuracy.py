@@ -12,6 +12,7 @@ from router.audit.agreement import DRIFTED, IN_LINE, NOT_CALIBRATED, TOO_FEW, Au
 from router.audit.auditor import Auditor
 from router.fleet.registry import FleetRegistry
 from stratus.cli.accuracy import accuracy_json, accuracy_table
+from stratus.convert.hello import hello_from_wire
 from stratus.errors import NotFound
 from stratus.families.audit import TierCalibration
 from stratus.tiers import Tier
@@ -31,8 +32,8 @@ def fleet() -> Auditor:
     """Three device agents and an edge one, no cloud: the edge tier is the top."""
     registry = FleetRegistry()
     for name in ("camera-1", "camera-2", "camera-3"):
-        registry.register(hello(name, fpb.TIER_DEVICE, "digits-small"), peer="test")
-    registry.register(hello("edge-1", fpb.TIER_EDGE, "digits-medium"), peer="test")
+        registry.register(hello_from_wire(hello(name, fpb.TIER_DEVICE, "digits-small")), peer="test")
+    registry.register(hello_from_wire(hello("edge-1", fpb.TIER_EDGE, "digits-medium")), peer="test")
     audits = Auditor(registry, None, rng=random.Random(1))
     audits.dropped = 7
     for agent, agreed, audited in (("camera-1", 199, 200), ("camera-2", 40, 100), ("camera-3", 3, 3)):

@@ -24,6 +24,7 @@ from router.cloud.pool import CloudPool
 from router.fleet.registry import FleetRegistry
 from stratus.convert import codec
 from stratus.convert.fleet import audit_row_to_wire, family_from_wire
+from stratus.convert.hello import hello_from_wire
 from stratus.convert.parameters import RequestOptions
 from stratus.convert.tensors import Tensors
 from stratus.convert.text import prompt_request
@@ -382,7 +383,7 @@ def test_without_a_cloud_audits_go_to_an_idle_top_tier_agent() -> None:
     async def body() -> None:
         audits, recorder, registry = auditor(None, share=1.0, max_per_s=1000.0)
         for name in ("edge-busy", "edge-idle"):
-            registry.register(edge_hello(name), peer="test")
+            registry.register(hello_from_wire(edge_hello(name)), peer="test")
         busy = registry.agents["edge-busy"]
         busy.work.chunks["held"] = lambda chunk: None  # a generation holds its one slot
         seen: list[str] = []
@@ -481,7 +482,7 @@ def test_levels_sum_agents_per_variant_and_carry_the_calibrated_line() -> None:
     assert found[("stratus_router_audit_calibrated_agreement", calibrated)] == pytest.approx(0.995)
     assert not any("agent" in dict(labels) for _, labels in found)  # agents only in the CLI
     edge_top, _, _ = auditor(None)  # no cloud: audits ask the edge, calibration asked the cloud
-    edge_top.registry.register(edge_hello("edge-1"), peer="test")
+    edge_top.registry.register(hello_from_wire(edge_hello("edge-1")), peer="test")
     assert not [
         f
         for f in audit_levels(edge_top)
@@ -513,7 +514,7 @@ def test_generative_rows_hold_each_lower_tiers_agreement_and_no_text() -> None:
         info = family_from_wire(arith_info())
         registry.describe(info)
         for name, tier in (("device-1", fpb.TIER_DEVICE), ("edge-1", fpb.TIER_EDGE)):
-            registry.register(arith_hello(name, tier), peer="test")
+            registry.register(hello_from_wire(arith_hello(name, tier)), peer="test")
         registry.agents["device-1"].capacity = 0  # no slot: a missing device answer cannot be asked
         audits.start()
         prompt = prompt_request("arith", "c1", "37+48=", GenerationParams(max_tokens=4))

@@ -13,6 +13,7 @@ from edge_agent.link import Link, receive
 from edge_agent.settings import AgentSettings
 from router.fleet.registry import FleetRegistry
 from stratus.convert import codec
+from stratus.convert.hello import hello_from_wire
 from stratus.convert.tensors import Tensors
 from stratus.errors import DeadlineExceeded
 from stratus.execution.local_models import LocalAnswer, LocalModels
@@ -112,7 +113,7 @@ def hello() -> fpb.Hello:
 def test_a_cancelled_request_sends_cancel_to_its_agent() -> None:
     async def scenario() -> list[str]:
         registry = FleetRegistry()
-        handle = registry.register(hello(), peer="test")
+        handle = registry.register(hello_from_wire(hello()), peer="test")
         task = asyncio.create_task(
             handle.work.submit(one_item(), variant="digits", outputs=(), budget_ms=30_000.0)
         )
@@ -134,7 +135,7 @@ def test_a_cancelled_request_sends_cancel_to_its_agent() -> None:
 def test_a_request_past_its_budget_cancels_the_work_and_says_so() -> None:
     async def scenario() -> list[str]:
         registry = FleetRegistry()
-        handle = registry.register(hello(), peer="test")
+        handle = registry.register(hello_from_wire(hello()), peer="test")
         with pytest.raises(DeadlineExceeded, match=r"did not answer within \d{1,2}\.\d ms"):
             await handle.work.submit(one_item(), variant="digits", outputs=(), budget_ms=20.0)
         await asyncio.sleep(0.01)  # the Work's own task sends the Cancel as it unwinds
@@ -146,7 +147,7 @@ def test_a_request_past_its_budget_cancels_the_work_and_says_so() -> None:
 def test_losing_an_agent_fails_its_pending_requests_at_once() -> None:
     async def scenario() -> None:
         registry = FleetRegistry()
-        handle = registry.register(hello(), peer="test")
+        handle = registry.register(hello_from_wire(hello()), peer="test")
         task = asyncio.create_task(
             handle.work.submit(one_item(), variant="digits", outputs=(), budget_ms=30_000.0)
         )

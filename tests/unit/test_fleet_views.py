@@ -17,6 +17,7 @@ from router.cloud.models import answered_by
 from router.rollout.plans import Rollouts
 from stratus.cli.fleet_views import cloud_table, duration, families_table, family_json, status_json
 from stratus.convert.fleet import family_from_wire
+from stratus.convert.hello import hello_from_wire
 from stratus.errors import InvalidInput
 from stratus.families.description import FamilyDescription
 from stratus.process import process_uptime_s, quiet_grpc_core
@@ -76,8 +77,8 @@ def test_a_family_nothing_ready_serves_is_unavailable() -> None:
 
 def test_family_statuses_read_thresholds_current_variants_rollouts_and_the_cloud() -> None:
     reg = registry()
-    reg.register(hello("d1", threshold=0.7366), peer="t")
-    reg.register(hello("d2", variant="digits-small-int8", threshold=0.7366), peer="t")
+    reg.register(hello_from_wire(hello("d1", threshold=0.7366)), peer="t")
+    reg.register(hello_from_wire(hello("d2", variant="digits-small-int8", threshold=0.7366)), peer="t")
     cloud = CloudLink("127.0.0.1:1")
     cloud.state = "connected"
     cloud.models, cloud.variants = {"digits": True}, {"digits": "digits-large-fp16"}
@@ -112,7 +113,7 @@ def test_family_statuses_read_thresholds_current_variants_rollouts_and_the_cloud
 
 def test_a_connected_cloud_whose_queue_is_full_says_so() -> None:
     reg = registry()
-    reg.register(hello("d1"), peer="t")
+    reg.register(hello_from_wire(hello("d1")), peer="t")
     cloud = CloudLink("127.0.0.1:1", max_pending=0)  # full from the start
     cloud.state, cloud.models = "connected", {"digits": True}
     (digits,) = family_statuses(reg, cloud, [])
@@ -125,7 +126,7 @@ def test_a_connected_cloud_whose_queue_is_full_says_so() -> None:
 
 def test_the_clouds_own_text_models_are_families_but_its_variants_of_known_ones_are_not() -> None:
     reg = registry()
-    reg.register(hello("d1"), peer="t")
+    reg.register(hello_from_wire(hello("d1")), peer="t")
     cloud = CloudLink("127.0.0.1:1")
     cloud.generative = {
         name: described(name=name, kind="generative") for name in ("digits-large", "llama")
@@ -138,26 +139,26 @@ def test_an_agents_version_and_uptime_come_from_its_hello_and_the_routers_clock(
     reg = registry(clock)
     message = hello("d1")
     message.version, message.uptime_s = "0.3.0+g1a2b", 42.0
-    handle = reg.register(message, peer="t")
+    handle = reg.register(hello_from_wire(message), peer="t")
     clock.now += 10.0
     shown = agent_status(handle, clock.now)
     assert (shown.version, shown.uptime_s) == ("0.3.0+g1a2b", 52.0)
     reg.lose(handle, "test")
     assert agent_status(handle, clock.now).uptime_s == 0.0  # not known while it is away
 
-    old = reg.register(hello("d2"), peer="t")  # an agent older than both fields
+    old = reg.register(hello_from_wire(hello("d2")), peer="t")  # an agent older than both fields
     listed = status_json(fpb.FleetStatus(agents=[agent_status(old, clock.now)]))["agents"][0]
     assert (listed["version"], listed["uptime_s"]) == (None, None)
     odd = hello("d3")
     odd.uptime_s = math.nan
-    assert reg.register(odd, peer="t").started is None
+    assert reg.register(hello_from_wire(odd), peer="t").started is None
 
 
 def test_a_hello_whose_version_is_not_a_version_is_refused() -> None:
     message = hello("d1")
     message.version = "0.1\n2026-01-01 ERROR forged log line"
     with pytest.raises(InvalidInput, match="version"):
-        registry().register(message, peer="t")
+        registry().register(hello_from_wire(message), peer="t")
 
 
 def test_uptimes_read_in_their_two_largest_units() -> None:

@@ -10,6 +10,8 @@ import pytest
 from router.api.fleet_status import agent_status
 from stratus.cli.fleet_views import agents_table, status_json
 from stratus.convert.hardware import MAX_FLAGS, MAX_TEXT, describe, from_hello, to_wire
+from stratus.convert.hello import hello_from_wire
+from stratus.families.agent_hello import HardwareSaid
 from stratus.families.cpu import hardware_precisions
 from stratus.wire import fleet_pb2 as fpb
 
@@ -42,7 +44,7 @@ def test_a_cpu_without_native_int8_or_fp16_says_fp32_only_and_the_basics_it_foun
 def test_an_older_agent_is_shown_by_the_machine_in_its_hardware_string() -> None:
     message = hello("old")
     message.hardware = "aarch64 "
-    assert from_hello(message) == fpb.HardwareInfo(machine="aarch64")
+    assert from_hello(message) == HardwareSaid(machine="aarch64")
 
 
 def test_what_a_hello_says_of_its_hardware_is_cut_to_bounds_never_refused() -> None:
@@ -60,7 +62,7 @@ def test_what_a_hello_says_of_its_hardware_is_cut_to_bounds_never_refused() -> N
 def test_the_router_keeps_it_logs_it_and_status_shows_it(caplog: pytest.LogCaptureFixture) -> None:
     reg = registry()
     with caplog.at_level(logging.INFO, logger="stratus.registry"):
-        handle = reg.register(_arm_hello(), peer="ipv4:127.0.0.1:5000")
+        handle = reg.register(hello_from_wire(_arm_hello()), peer="ipv4:127.0.0.1:5000")
     assert handle.hardware.machine == "aarch64"
     assert "agent pi5 joined: tier device, hardware aarch64 Cortex-A76, native int8 fp16" in caplog.text
     status = fpb.FleetStatus(agents=[agent_status(handle, now=reg.now())])

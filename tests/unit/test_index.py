@@ -14,6 +14,7 @@ from router.fleet.registry import FleetRegistry
 from router.fleet.states import FORGET_LOST_S, MISSED_HEARTBEATS, pace_for
 from router.policy import Attempt, Target, choose
 from stratus.convert.fleet import heartbeat_from_wire
+from stratus.convert.hello import hello_from_wire
 from stratus.errors import InvalidInput, Overloaded
 from stratus.obs.stats import RateMeter
 from stratus.tiers import Tier
@@ -60,7 +61,7 @@ def ids(pool: object) -> set[str]:
 
 def test_pool_adds_removes_and_keeps_random_access_dense() -> None:
     reg = registry()
-    handles = [reg.register(hello(f"d{i}"), peer="t") for i in range(5)]
+    handles = [reg.register(hello_from_wire(hello(f"d{i}")), peer="t") for i in range(5)]
     pool: Pool[object] = Pool()
     for h in handles:
         pool.add(h)
@@ -75,8 +76,8 @@ def test_pool_adds_removes_and_keeps_random_access_dense() -> None:
 def test_agents_appear_change_drain_get_lost_and_are_forgotten() -> None:
     clock = Clock()
     reg = registry(clock)
-    device = reg.register(hello("d1"), peer="t")
-    edge = reg.register(hello("e1", fpb.TIER_EDGE, variant="digits-medium"), peer="t")
+    device = reg.register(hello_from_wire(hello("d1")), peer="t")
+    edge = reg.register(hello_from_wire(hello("e1", fpb.TIER_EDGE, variant="digits-medium")), peer="t")
     assert ids(reg.index.pools("digits")[Tier.DEVICE]) == {"d1"}
     assert ids(reg.index.pools("digits-medium")[Tier.EDGE]) == {"e1"}
     assert reg.index.tiers("digits") == {Tier.DEVICE, Tier.EDGE}
@@ -103,14 +104,14 @@ def test_agents_appear_change_drain_get_lost_and_are_forgotten() -> None:
     assert "d1" not in reg.agents and reg.index.tiers("digits") == {Tier.EDGE}
     assert reg.index.family_of("digits-small") is None
 
-    again = reg.register(hello("d1"), peer="t")  # the same id comes back
+    again = reg.register(hello_from_wire(hello("d1")), peer="t")  # the same id comes back
     assert ids(reg.index.pools("digits")[Tier.DEVICE]) == {"d1"} and again.ready
 
 
 def test_a_reconnect_replaces_the_old_link_in_the_index() -> None:
     reg = registry()
-    old = reg.register(hello("d1"), peer="t")
-    new = reg.register(hello("d1"), peer="t")
+    old = reg.register(hello_from_wire(hello("d1")), peer="t")
+    new = reg.register(hello_from_wire(hello("d1")), peer="t")
     pool = reg.index.pools("digits")[Tier.DEVICE]
     assert len(pool) == 1 and pool[0] is new and not old.ready
     assert reg.index.tiers("digits") == {Tier.DEVICE}
@@ -119,7 +120,7 @@ def test_a_reconnect_replaces_the_old_link_in_the_index() -> None:
 def test_a_silent_agent_is_lost_after_missed_heartbeats_at_its_pace() -> None:
     clock = Clock()
     reg = registry(clock)
-    handle = reg.register(hello("d1"), peer="t")
+    handle = reg.register(hello_from_wire(hello("d1")), peer="t")
     clock.now += MISSED_HEARTBEATS * handle.heartbeat_s - 0.1
     reg.check_heartbeats()
     assert handle.ready
@@ -130,7 +131,7 @@ def test_a_silent_agent_is_lost_after_missed_heartbeats_at_its_pace() -> None:
 
 def test_the_policy_never_picks_a_lost_or_draining_agent() -> None:
     reg = registry()
-    handles = [reg.register(hello(f"d{i}"), peer="t") for i in range(40)]
+    handles = [reg.register(hello_from_wire(hello(f"d{i}")), peer="t") for i in range(40)]
     for h in handles[:20]:
         reg.lose(h, "test")
     for h in handles[20:35]:
@@ -146,8 +147,8 @@ def test_the_policy_never_picks_a_lost_or_draining_agent() -> None:
 
 def test_pinned_variants_route_only_to_agents_that_hold_them() -> None:
     reg = registry()
-    reg.register(hello("d1", variant="digits-small"), peer="t")
-    reg.register(hello("d2", variant="digits-tiny"), peer="t")
+    reg.register(hello_from_wire(hello("d1", variant="digits-small")), peer="t")
+    reg.register(hello_from_wire(hello("d2", variant="digits-tiny")), peer="t")
     target = choose(
         Attempt(model="digits-tiny", remaining_ms=None), reg.snapshot("digits-tiny"), random.Random(0)
     )
@@ -156,23 +157,23 @@ def test_pinned_variants_route_only_to_agents_that_hold_them() -> None:
 
 def test_an_agent_describing_a_family_differently_is_refused_until_the_others_leave() -> None:
     reg = registry()
-    first = reg.register(hello("d1", threshold=0.9), peer="t")
+    first = reg.register(hello_from_wire(hello("d1", threshold=0.9)), peer="t")
     with pytest.raises(InvalidInput, match=r"family 'digits' differs .*thresholds"):
-        reg.register(hello("d2", threshold=0.5), peer="t")
+        reg.register(hello_from_wire(hello("d2", threshold=0.5)), peer="t")
     assert "d2" not in reg.agents
     reg.lose(first, "gone")
-    reg.register(hello("d2", threshold=0.5), peer="t")  # nobody serves the old description now
+    reg.register(hello_from_wire(hello("d2", threshold=0.5)), peer="t")  # nobody serves the old description now
     assert reg.thresholds("digits") == {Tier.DEVICE: 0.5}
 
 
 def test_a_variant_claimed_by_another_family_is_refused() -> None:
     reg = registry()
-    reg.register(hello("d1"), peer="t")
+    reg.register(hello_from_wire(hello("d1")), peer="t")
     other = hello("x1")
     other.variants[0].family = "faces"
     other.families[0].name = "faces"
     with pytest.raises(InvalidInput, match="belongs to family 'digits'"):
-        reg.register(other, peer="t")
+        reg.register(hello_from_wire(other), peer="t")
 
 
 def test_pace_doubles_with_the_fleet_and_every_linked_agent_is_told() -> None:
@@ -180,9 +181,9 @@ def test_pace_doubles_with_the_fleet_and_every_linked_agent_is_told() -> None:
     assert pace_for(1000, base_s=1.0, max_per_s=100) == 16.0  # 1000 / 16 = 62.5 heartbeats a second
     assert pace_for(2000, base_s=1.0, max_per_s=100) == 32.0
     reg = registry(max_heartbeats_per_s=2.0)
-    first = reg.register(hello("d1"), peer="t")
-    second = reg.register(hello("d2"), peer="t")
-    third = reg.register(hello("d3"), peer="t")  # 3 agents at 1 s would be 3/s: 2 s
+    first = reg.register(hello_from_wire(hello("d1")), peer="t")
+    second = reg.register(hello_from_wire(hello("d2")), peer="t")
+    third = reg.register(hello_from_wire(hello("d3")), peer="t")  # 3 agents at 1 s would be 3/s: 2 s
     assert reg.pace_s == 2.0 and all(h.heartbeat_s == 2.0 for h in (first, second, third))
     paces = [m.pace.heartbeat_interval_s for m in first.work.outbox._queue if m is not None and m.HasField("pace")]  # type: ignore[attr-defined]
     assert paces == [2.0]

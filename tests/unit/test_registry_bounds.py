@@ -16,6 +16,7 @@ from router.fleet.agent_handle import FIRST_WINDOW
 from router.fleet.states import FORGET_LOST_S
 from router.fleet.watchers import MAX_OPERATOR_WATCHERS, MAX_WATCHERS, MAX_WATCHERS_PER_ADDRESS
 from stratus.convert.fleet import heartbeat_from_wire
+from stratus.convert.hello import hello_from_wire
 from stratus.errors import InvalidInput, Overloaded
 from stratus.obs.stats import LatencySummary
 from stratus.tiers import Tier
@@ -27,7 +28,7 @@ from .test_index import Clock, hello, registry
 def test_a_family_description_leaves_with_its_last_agent() -> None:
     clock = Clock()
     reg = registry(clock)
-    first, second = (reg.register(hello(name), peer="t") for name in ("d1", "d2"))
+    first, second = (reg.register(hello_from_wire(hello(name)), peer="t") for name in ("d1", "d2"))
     reg.lose(first, "gone")
     clock.now += FORGET_LOST_S + 1
     reg.check_heartbeats()
@@ -44,7 +45,7 @@ def test_lost_agents_past_the_cap_are_forgotten_oldest_first(monkeypatch: pytest
     reg = registry(clock)
     for index in range(5):
         clock.now += 1
-        reg.lose(reg.register(hello(f"d{index}"), peer="t"), "gone")
+        reg.lose(reg.register(hello_from_wire(hello(f"d{index}")), peer="t"), "gone")
     assert sorted(reg.agents) == ["d2", "d3", "d4"]
 
 
@@ -70,7 +71,7 @@ def test_declared_sizes_are_clamped() -> None:
     greedy = hello("greedy")
     greedy.capacity, greedy.queue_limit = 4_000_000_000, 4_000_000_000
     greedy.variants[0].max_batch = 1_000_000
-    handle = registry().register(greedy, peer="t")
+    handle = registry().register(hello_from_wire(greedy), peer="t")
     assert (handle.declared, handle.queue_limit, handle.max_batch("digits-small")) == (1024, 4096, 1024)
     assert handle.capacity == FIRST_WINDOW  # what it is trusted with until it serves more
 
@@ -81,7 +82,7 @@ def test_a_declared_capacity_is_earned_by_serving_it_and_lost_by_missing_deadlin
     a budget it lets run out halves them."""
     greedy = hello("greedy")
     greedy.capacity = 1024
-    handle = registry().register(greedy, peer="t")
+    handle = registry().register(hello_from_wire(greedy), peer="t")
     assert handle.work.batcher.slots == FIRST_WINDOW
     for _ in range(100):
         handle.work.learnt(fpb.Result(variant="digits-small"), 1.0, saturated=False)
@@ -99,14 +100,14 @@ def test_a_declared_capacity_is_earned_by_serving_it_and_lost_by_missing_deadlin
     assert handle.capacity == 1
     small = hello("small")
     small.capacity = 2
-    honest = registry().register(small, peer="t")
+    honest = registry().register(hello_from_wire(small), peer="t")
     for _ in range(1000):
         honest.work.learnt(fpb.Result(variant="digits-small"), 1.0, saturated=True)
     assert honest.capacity == 2, "never past what it declared"
 
 
 def test_reported_confidences_are_clamped_to_what_the_policy_compares() -> None:
-    handle = registry().register(hello("d1"), peer="t")
+    handle = registry().register(hello_from_wire(hello("d1")), peer="t")
     result = fpb.Result(request_id="r1", variant="digits-small", confidences=[math.nan, 7.0, -1.0, 0.5])
     result.response.outputs.add(name="probabilities", datatype="FP32", shape=[4, 1])
     result.response.raw_output_contents.append(b"\0" * 16)
@@ -129,11 +130,11 @@ def test_an_agent_that_describes_one_family_differently_still_serves_the_others(
     """A rogue that registered first must not lock a real agent out of every family (F2):
     only the family described differently is refused, and the agent says so."""
     reg = registry()
-    reg.register(hello("first", threshold=0.9), peer="t")
+    reg.register(hello_from_wire(hello("first", threshold=0.9)), peer="t")
     both = hello("second", threshold=0.5)  # digits unlike the fleet's, defects new
     both.variants.add(name="defects-small", family="defects")
     both.families.add(name="defects", thresholds={"device": 0.8})
-    handle = reg.register(both, peer="t")
+    handle = reg.register(hello_from_wire(both), peer="t")
     assert sorted(handle.variants) == ["defects-small"]
     (refused,) = handle.unavailable
     assert (refused.family, refused.variant) == ("digits", "digits-small")
@@ -146,7 +147,7 @@ def test_a_status_lists_agents_up_to_its_size_limit_linked_ones_first(monkeypatc
 
     reg = registry()
     for index in range(10):
-        handle = reg.register(hello(f"d{index}"), peer="t")
+        handle = reg.register(hello_from_wire(hello(f"d{index}")), peer="t")
         if index < 5:
             reg.lose(handle, "gone")
     one = fleet_status.agent_status(reg.agents["d5"], 0.0).ByteSize() + 8
@@ -162,7 +163,7 @@ def test_a_watch_lists_less_than_a_status(monkeypatch: pytest.MonkeyPatch) -> No
 
     reg = registry()
     for index in range(6):
-        reg.register(hello(f"d{index}"), peer="t")
+        reg.register(hello_from_wire(hello(f"d{index}")), peer="t")
     one = fleet_status.agent_status(reg.agents["d0"], 0.0).ByteSize() + 8
     monkeypatch.setattr(fleet_service, "MAX_WATCH_STATUS_BYTES", one * 2)
     watched = fleet_service.FleetServicer(reg, None)._shared_status(include_agents=True)
@@ -186,13 +187,13 @@ def test_each_familys_calibrated_cloud_share_is_exported_as_its_agents_said() ->
     with_share.families[0].calibrated_cloud_share = 0.0159
     uncalibrated = hello("d2", variant="defects-small")
     uncalibrated.variants[0].family = uncalibrated.families[0].name = "defects"
-    first = reg.register(with_share, peer="t")
-    reg.register(uncalibrated, peer="t")
+    first = reg.register(hello_from_wire(with_share), peer="t")
+    reg.register(hello_from_wire(uncalibrated), peer="t")
     assert calibrated(reg) == {"digits": 0.0159}
     zero = hello("d3", variant="letters-small")
     zero.variants[0].family = zero.families[0].name = "letters"
     zero.families[0].calibrated_cloud_share = 0.0  # nothing reached the cloud: a share, not none
-    reg.register(zero, peer="t")
+    reg.register(hello_from_wire(zero), peer="t")
     assert calibrated(reg) == {"digits": 0.0159, "letters": 0.0}
     reg.lose(first, "gone")
     clock.now += FORGET_LOST_S + 1
@@ -205,19 +206,19 @@ def test_a_calibrated_share_that_is_no_share_is_refused(share: float) -> None:
     bad = hello("d1")
     bad.families[0].calibrated_cloud_share = share
     with pytest.raises(InvalidInput, match=r"digits's calibrated_cloud_share .* must lie between 0 and 1"):
-        registry().register(bad, peer="t")
+        registry().register(hello_from_wire(bad), peer="t")
 
 
 def test_an_agent_whose_calibration_differs_is_refused_saying_so() -> None:
     reg = registry()
     first = hello("first")
     first.families[0].calibrated_cloud_share = 0.02
-    reg.register(first, peer="t")
+    reg.register(hello_from_wire(first), peer="t")
     other = hello("second")
     other.families[0].calibrated_cloud_share = 0.05
     other.variants.add(name="defects-small", family="defects")
     other.families.add(name="defects", thresholds={"device": 0.8})
-    (refused,) = reg.register(other, peer="t").unavailable
+    (refused,) = reg.register(hello_from_wire(other), peer="t").unavailable
     assert "(calibrated_cloud_share differ)" in refused.reason
 
 
@@ -227,19 +228,19 @@ def test_an_agent_that_would_let_a_kept_family_leave_the_site_is_refused() -> No
     reg = registry()
     first = hello("first")
     first.families[0].keep_on_site = True
-    reg.register(first, peer="t")
+    reg.register(hello_from_wire(first), peer="t")
     assert reg.family("digits") is not None and not reg.family("digits").escalate  # type: ignore[union-attr]
     other = hello("second")
     other.variants.add(name="defects-small", family="defects")
     other.families.add(name="defects", thresholds={"device": 0.8})
-    (refused,) = reg.register(other, peer="t").unavailable
+    (refused,) = reg.register(hello_from_wire(other), peer="t").unavailable
     assert "(escalate differ)" in refused.reason
 
 
 def test_thresholds_are_read_once_at_the_hello_and_leave_with_the_family() -> None:
     clock = Clock()
     reg = registry(clock)
-    agent = reg.register(hello("d1", threshold=0.75), peer="t")
+    agent = reg.register(hello_from_wire(hello("d1", threshold=0.75)), peer="t")
     assert reg.thresholds("digits") == {Tier.DEVICE: 0.75}
     reg.lose(agent, "gone")
     clock.now += FORGET_LOST_S + 1
@@ -249,8 +250,8 @@ def test_thresholds_are_read_once_at_the_hello_and_leave_with_the_family() -> No
 
 def test_a_reload_brings_its_thresholds_when_no_other_agent_holds_the_family() -> None:
     reg = registry()
-    agent = reg.register(hello("d1", threshold=0.75), peer="t")
-    reg.reannounce(agent, hello("d1", threshold=0.5))
+    agent = reg.register(hello_from_wire(hello("d1", threshold=0.75)), peer="t")
+    reg.reannounce(agent, hello_from_wire(hello("d1", threshold=0.5)))
     assert reg.thresholds("digits") == {Tier.DEVICE: 0.5}
 
 
@@ -258,7 +259,7 @@ def test_a_hello_with_a_threshold_for_no_tier_is_refused() -> None:
     sky = hello("d1")
     sky.families[0].thresholds["sky"] = 0.5
     with pytest.raises(InvalidInput, match="Hello from d1: family 'digits': thresholds: unknown tier 'sky'"):
-        registry().register(sky, peer="t")
+        registry().register(hello_from_wire(sky), peer="t")
 
 
 def test_heartbeat_latency_is_kept_as_figures_for_served_variants_only() -> None:
@@ -266,7 +267,7 @@ def test_heartbeat_latency_is_kept_as_figures_for_served_variants_only() -> None
     times read as unknown), and names the agent does not serve are not kept: a peer sending
     a new name in every heartbeat would otherwise grow its handle without bound."""
     reg = registry()
-    handle = reg.register(hello("d1"), peer="t")
+    handle = reg.register(hello_from_wire(hello("d1")), peer="t")
     beat = fpb.Heartbeat(received=1)
     beat.latency.add(variant="digits-small", mean_ms=math.nan, p50_ms=math.inf, p99_ms=-3.0, count=5)
     beat.latency.extend(fpb.LatencyEstimate(variant=f"made-up-{i}", mean_ms=1.0) for i in range(50))
@@ -284,7 +285,7 @@ def test_heartbeat_latency_is_kept_as_figures_for_served_variants_only() -> None
 def test_an_agent_earns_patience_by_what_it_is_measured_to_take_never_by_what_it_reports() -> None:
     """security2 N3: a Work a black hole holds costs its requests the agent's patience, not their
     budget; only batches this router timed raise it above the floor."""
-    handle = registry().register(hello("slow"), peer="t")
+    handle = registry().register(hello_from_wire(hello("slow")), peer="t")
     assert handle.patience_ms("digits-small", 8) == PATIENCE_FLOOR_MS  # nothing measured yet
     handle.update_latency({"digits-small": LatencySummary(mean_ms=5_000.0, p50_ms=0.0, p99_ms=0.0, count=100)})
     assert handle.cost_ms("digits-small", 1) == 5_000.0  # the policy reads the report ...
@@ -298,10 +299,10 @@ def test_patience_holds_only_where_the_requests_have_somewhere_else_to_go() -> N
     """An agent alone with its family is waited for the whole budget, slow or not; beside another
     agent of the family, or a cloud that serves it, its Works are bounded by its patience."""
     reg = registry()
-    alone = reg.register(hello("d1"), peer="t")
+    alone = reg.register(hello_from_wire(hello("d1")), peer="t")
     assert not alone.work.settings.elsewhere("digits-small")
     reg.cloud_serves = lambda family: family == "digits"
     assert alone.work.settings.elsewhere("digits-small")
     reg.cloud_serves = lambda family: False
-    reg.register(hello("d2"), peer="t")
+    reg.register(hello_from_wire(hello("d2")), peer="t")
     assert alone.work.settings.elsewhere("digits-small")

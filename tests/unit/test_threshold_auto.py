@@ -21,6 +21,7 @@ from router.thresholds.auto import (
     plan_step,
 )
 from router.thresholds.pushes import ThresholdPushes
+from stratus.convert.hello import hello_from_wire
 from stratus.errors import ConfigError
 from stratus.families.suggest import AuditRow, TierAnswer
 from stratus.tiers import Tier
@@ -86,7 +87,7 @@ def steered(
     """A controller over one digits device agent (threshold 0.5) whose pushes reach the registry."""
     rows = kept_rows()
     registry = FleetRegistry()
-    registry.register(hello("d1", threshold=0.5), peer="t")
+    registry.register(hello_from_wire(hello("d1", threshold=0.5)), peer="t")
     pushes = ThresholdPushes(router_id="a")
     pushes.listeners.append(registry.override_thresholds)
     auto = AutoThresholds(policy, pushes, registry, lambda family: rows, lambda: dict(chosen or {}))

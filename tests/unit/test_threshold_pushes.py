@@ -15,6 +15,7 @@ from router.thresholds.pushes import (
     threshold_levels,
     to_wire,
 )
+from stratus.convert.hello import hello_from_wire
 from stratus.errors import Conflict, InvalidInput, NotFound
 from stratus.families.confidence import PASS_ALL
 from stratus.tiers import Tier
@@ -79,7 +80,7 @@ def test_the_cloud_threshold_is_not_pushed() -> None:
 
 def test_the_registry_serves_the_pushed_thresholds_and_its_agents_own_after_a_revert() -> None:
     reg = FleetRegistry()
-    reg.register(hello("d1", threshold=0.5), peer="t")
+    reg.register(hello_from_wire(hello("d1", threshold=0.5)), peer="t")
     reg.override_thresholds("digits", {DEVICE: 1.0})
     assert reg.thresholds("digits") == {DEVICE: 1.0}
     info = reg.family("digits")
@@ -91,18 +92,18 @@ def test_the_registry_serves_the_pushed_thresholds_and_its_agents_own_after_a_re
 
 def test_an_agent_with_other_thresholds_is_refused_without_a_push_and_served_with_one() -> None:
     reg = FleetRegistry()
-    reg.register(hello("d1", threshold=0.5), peer="t")
+    reg.register(hello_from_wire(hello("d1", threshold=0.5)), peer="t")
     with pytest.raises(InvalidInput, match="thresholds differ"):
-        reg.register(hello("d2", threshold=0.7), peer="t")
+        reg.register(hello_from_wire(hello("d2", threshold=0.7)), peer="t")
     reg.override_thresholds("digits", {DEVICE: 0.9})
-    served = reg.register(hello("d3", threshold=0.7), peer="t")
+    served = reg.register(hello_from_wire(hello("d3", threshold=0.7)), peer="t")
     assert not served.unavailable
     assert reg.thresholds("digits") == {DEVICE: 0.9}
 
 
 def test_steer_refuses_an_unknown_family_and_reports_what_is_in_force() -> None:
     reg = FleetRegistry()
-    reg.register(hello("d1", threshold=0.5), peer="t")
+    reg.register(hello_from_wire(hello("d1", threshold=0.5)), peer="t")
     book = pushes()
     book.listeners.append(reg.override_thresholds)
     apply = fpb.ThresholdsRequest(
@@ -119,7 +120,7 @@ def test_a_push_naming_a_tier_the_family_does_not_have_is_refused() -> None:
     """``--apply edge=0.5`` for a family of device agents with a device threshold only was kept
     (version 1) and never read; now it is refused, naming the tiers it has."""
     reg = FleetRegistry()
-    reg.register(hello("d1", threshold=0.5), peer="t")
+    reg.register(hello_from_wire(hello("d1", threshold=0.5)), peer="t")
     book = pushes()
     book.listeners.append(reg.override_thresholds)
 
@@ -135,7 +136,7 @@ def test_a_push_naming_a_tier_the_family_does_not_have_is_refused() -> None:
     )
     assert book.record("digits") is None  # nothing kept
     assert dict(apply(device=0.6).in_force) == {"device": 0.6}
-    reg.register(hello("e1", tier=fpb.TIER_EDGE, threshold=0.5), peer="t")  # an edge agent joins
+    reg.register(hello_from_wire(hello("e1", tier=fpb.TIER_EDGE, threshold=0.5)), peer="t")  # an edge agent joins
     assert dict(apply(device=0.6, edge=0.5).in_force) == {"device": 0.6, "edge": 0.5}
 
 
@@ -143,7 +144,7 @@ def test_the_version_and_thresholds_in_force_are_exported_and_shown_with_the_acc
     from stratus.cli.accuracy import accuracy_table
 
     reg = FleetRegistry()
-    reg.register(hello("d1", threshold=0.5), peer="t")
+    reg.register(hello_from_wire(hello("d1", threshold=0.5)), peer="t")
     book = pushes()
     book.listeners.append(reg.override_thresholds)
     book.apply("digits", {DEVICE: 0.8}, author="ana", reason="one")
@@ -175,11 +176,11 @@ def test_a_recalibrated_agent_is_refused_without_a_push_and_joins_under_one() ->
     reg = FleetRegistry()
     first = hello("d1", threshold=0.5)
     first.families[0].thresholds["edge"] = 0.6
-    reg.register(first, peer="t")
+    reg.register(hello_from_wire(first), peer="t")
     with pytest.raises(InvalidInput, match="refused until they leave"):
-        reg.register(recalibrated("d2"), peer="t")
+        reg.register(hello_from_wire(recalibrated("d2")), peer="t")
     reg.override_thresholds("digits", {DEVICE: 0.9})
-    joined = reg.register(recalibrated("d3"), peer="t")
+    joined = reg.register(hello_from_wire(recalibrated("d3")), peer="t")
     assert not joined.unavailable
     # the pushed tier, the first agents' other tier; and no calibrated baseline while the push holds
     assert reg.thresholds("digits") == {DEVICE: 0.9, EDGE: 0.6}

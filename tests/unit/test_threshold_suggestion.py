@@ -16,6 +16,7 @@ import pytest
 from router.audit.rows import RowBook
 from stratus.convert import codec
 from stratus.convert.fleet import audit_row_to_wire
+from stratus.convert.hello import hello_from_wire
 from stratus.errors import ConfigError
 from stratus.families.confidence import PASS_ALL
 from stratus.families.suggest import TierAnswer, TierScores, for_max_escalation, for_target_accuracy, goal_of
@@ -232,7 +233,7 @@ def test_an_item_settled_on_the_device_is_asked_of_the_edge_too_so_its_row_holds
     async def body() -> None:
         pool, link = cloud_pool()
         audits, _, registry = auditor(pool, share=1.0, max_per_s=1e9)
-        registry.register(edge_hello("edge-1"), peer="test")
+        registry.register(hello_from_wire(edge_hello("edge-1")), peer="test")
         seen: list[str] = []
         fake = asyncio.create_task(answer_work(registry, "edge-1", [4, 5], seen))
         audits.start()
@@ -262,7 +263,7 @@ def test_without_a_free_edge_slot_the_agreement_is_kept_and_the_incomplete_row_i
     async def body() -> None:
         pool, _ = cloud_pool()
         audits, _, registry = auditor(pool, share=1.0, max_per_s=1e9)
-        registry.register(edge_hello("edge-1"), peer="test")
+        registry.register(hello_from_wire(edge_hello("edge-1")), peer="test")
         registry.agents["edge-1"].capacity = 0
         audits.start()
         view = View(job(2))

@@ -32,6 +32,7 @@ from router.fleet.agent_handle import AgentHandle
 from router.fleet.registry import FleetRegistry
 from stratus.convert import codec
 from stratus.convert.fleet import heartbeat_from_wire
+from stratus.convert.hello import hello_from_wire
 from stratus.convert.inference import InferRequest, InferResult, TextRequest
 from stratus.convert.parameters import CONFIDENCE, VARIANT, RequestOptions, Served, set_parameter
 from stratus.convert.text import prompt_request, text_result
@@ -333,7 +334,7 @@ class Fleet:
             variants=[fpb.VariantInfo(name=variant_name(info, tier), family=info.name, max_batch=max_batch)],
             families=[info],
         )
-        handle = self.registry.register(hello, peer="fake")
+        handle = self.registry.register(hello_from_wire(hello), peer="fake")
         fake = FakeAgent(self.registry, self.clock, handle, Behaviour(**behaviour))  # type: ignore[arg-type]
         fake.start()
         self.agents.append(fake)
@@ -507,7 +508,7 @@ def line_agent(
         variants=variants,
         families=[info],
     )
-    handle = built.registry.register(hello, peer="fake")
+    handle = built.registry.register(hello_from_wire(hello), peer="fake")
     fake = ReportingAgent(
         built.registry,
         built.clock,
