@@ -24,6 +24,7 @@ import grpc
 from edge_agent.link import Link, describe, stay_linked
 from edge_agent.settings import SERVE, AgentSettings
 from stratus.convert.fleet import heartbeat_to_wire
+from stratus.convert.hello import hello_to_wire
 from stratus.errors import ConfigError, StratusError
 from stratus.execution.dataplane import LocalDataPlane
 from stratus.execution.describe import Introduction, heartbeat, hello
@@ -84,7 +85,7 @@ class Agent:
             queue_limit=self.settings.queue_limit,
             token=self.settings.token,
         )
-        return fpb.AgentMessage(hello=hello(self.models, who, uptime_s=self._clock() - self._started))
+        return fpb.AgentMessage(hello=hello_to_wire(hello(self.models, who, uptime_s=self._clock() - self._started)))
 
     def heartbeat(self, link: Link) -> fpb.AgentMessage:
         """Load (all routers' work), and latency only for the variants that ran since this

@@ -29,7 +29,7 @@ from router.thresholds.auto import AutoThresholds, auto_levels
 from router.thresholds.pushes import ThresholdPushes
 from stratus.convert.fleet import family_from_wire, family_to_wire
 from stratus.errors import ConfigError
-from stratus.families.description import FamilyDescription
+from stratus.families.description import FamilyDescription, described
 from stratus.families.repository import ModelRepository
 from stratus.obs.metrics import Metrics, RouterMetrics
 from stratus.serving.auth import RouterCredentials
@@ -141,7 +141,7 @@ def rollouts(settings: RouterSettings, metrics: Metrics, recorder: RouterMetrics
 def own_families(folder: Path) -> dict[str, FamilyDescription]:
     """Each family of the operator's models folder as an agent's Hello would describe it."""
     repository = ModelRepository.load(folder)
-    return {name: family_from_wire(family_to_wire(spec)) for name, spec in repository.families.items()}
+    return {name: family_from_wire(family_to_wire(described(spec))) for name, spec in repository.families.items()}
 
 
 def site_mirror(

@@ -32,7 +32,7 @@ from router.fleet.agent_handle import AgentHandle, State
 from router.fleet.registry import FleetRegistry
 from stratus.convert.errors import error_label
 from stratus.convert.fleet import heartbeat_from_wire, heartbeat_to_wire
-from stratus.convert.hello import hello_from_wire
+from stratus.convert.hello import hello_from_wire, hello_to_wire
 from stratus.convert.tensors import Tensors
 from stratus.datatypes import Array
 from stratus.errors import DeadlineExceeded, StratusError
@@ -153,7 +153,8 @@ class InProcessAgent:
         return len(self.work) + (work.running if isinstance(work, InProcessWork) else 0)
 
     def _hello(self) -> fpb.Hello:
-        return hello(self.models, self.who, uptime_s=time.monotonic() - self._started)
+        """Written and read as a remote agent's is, so the fleet sees it described alike."""
+        return hello_to_wire(hello(self.models, self.who, uptime_s=time.monotonic() - self._started))
 
     async def _stay_linked(self) -> None:
         while not self._closing:

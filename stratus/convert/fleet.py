@@ -12,7 +12,7 @@ from stratus.families.confidence import threshold_problem
 from stratus.families.description import FamilyDescription
 from stratus.families.generation import Chunk, GenerationMethod, Token
 from stratus.families.offline import OfflineSpec
-from stratus.families.spec import FamilySpec, GenerationSpec, TensorSpec
+from stratus.families.spec import GenerationSpec, ServedFamily, TensorSpec
 from stratus.families.suggest import AuditRow, TierAnswer
 from stratus.obs.stats import LatencySummary, LoadReport
 from stratus.tiers import Tier
@@ -135,16 +135,16 @@ def chunk_from_wire(message: fpb.Chunk) -> Chunk:
     return Chunk(tokens=tokens or (Token(text=message.text, logprob=0.0),))
 
 
-def family_to_wire(family: FamilySpec) -> fpb.FamilyInfo:
-    """A family as a Hello describes it (as a router's own copy of the models folder reads it
-    too): what :func:`family_from_wire` reads back."""
+def family_to_wire(family: FamilyDescription) -> fpb.FamilyInfo:
+    """A family as a Hello describes it (an agent's :func:`~stratus.families.description.described`
+    folder): what :func:`family_from_wire` reads back."""
     info = fpb.FamilyInfo(
         name=family.name,
         inputs=tensor_metadata(family.inputs),
         outputs=tensor_metadata(family.outputs),
         thresholds=thresholds_to_wire(family.thresholds),
-        cloud_variants=cloud_variants(family),
-        calibrated_cloud_share=calibrated_cloud_share(family),
+        cloud_variants=family.cloud_variants,
+        calibrated_cloud_share=family.calibrated_cloud_share,
         **family_fields(family),
     )
     if family.generation is not None:
@@ -155,7 +155,7 @@ def family_to_wire(family: FamilySpec) -> fpb.FamilyInfo:
     return info
 
 
-def family_fields(family: FamilySpec) -> dict[str, Any]:
+def family_fields(family: ServedFamily) -> dict[str, Any]:
     """The FamilyInfo fields for a family's audits and privacy (keyword arguments of its constructor)."""
     audit = fpb.AuditSettings(compare=family.audit.compare, auto=family.audit.auto)
     if family.audit.share is not None:
@@ -168,19 +168,6 @@ def family_fields(family: FamilySpec) -> dict[str, Any]:
         defer=offline.defer, max_items=offline.max_items, max_bytes=offline.max_bytes, max_age_s=offline.max_age_s
     )
     return {"audit": audit, "calibrated": calibrated, "keep_on_site": not family.escalate, "offline": settings}
-
-
-def calibrated_cloud_share(family: FamilySpec) -> float | None:
-    """What calibrate recorded the thresholds send to the cloud; None (the field stays unset,
-    and the router exports no baseline) for thresholds never calibrated."""
-    return family.calibration.cloud_share if family.calibration is not None else None
-
-
-def cloud_variants(family: FamilySpec) -> list[str]:
-    """The family's cloud-tier variants, its current line first, then that line's children."""
-    current = family.current.get(Tier.CLOUD)
-    names = [v.name for v in family.variants_for(Tier.CLOUD)]
-    return sorted(names, key=lambda n: (n != current, not n.startswith(f"{current}-"), n))
 
 
 def family_from_wire(info: fpb.FamilyInfo) -> FamilyDescription:

@@ -1,4 +1,5 @@
-"""An agent's Hello ⇄ :class:`~stratus.families.agent_hello.AgentHello`, bounded as it is read.
+"""An agent's Hello ⇄ :class:`~stratus.families.agent_hello.AgentHello`, bounded as it is read:
+the one codec of the Hello, which an agent writes and a router reads.
 
 A Hello comes from a stranger until its credential is checked; its ids and names end up in
 logs, status and metrics labels, so :func:`check_hello_bounds` holds them to a plain charset
@@ -9,11 +10,13 @@ its families as descriptions, its hardware cut to what status shows.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from typing import Final
 
-from stratus.convert.fleet import family_from_wire, thresholds_from_wire
+from stratus.convert.fleet import family_from_wire, family_to_wire, thresholds_from_wire, wire_tier
 from stratus.convert.hardware import from_hello as hardware_from_hello
+from stratus.convert.hardware import to_wire as hardware_to_wire
 from stratus.errors import InvalidInput
 from stratus.families.agent_hello import AgentHello, FamilyUnavailable, VariantServed
 from stratus.families.audit import check_family_info
@@ -84,18 +87,30 @@ def hello_from_wire(hello: fpb.Hello) -> AgentHello:
 
 
 def variant_from_wire(info: fpb.VariantInfo) -> VariantServed:
-    return VariantServed(
-        name=info.name,
-        family=info.family,
-        runtime=info.runtime,
-        device=info.device,
-        precision=info.precision,
-        compute=info.compute,
-        dynamic_batch=info.dynamic_batch,
-        max_batch=info.max_batch,
-        chosen_because=info.chosen_because,
-        line=info.line,
-        current=info.current,
-        kv_cache=info.kv_cache,
+    """Field by field: VariantServed names each of VariantInfo's fields as the message does."""
+    return VariantServed(**{f.name: getattr(info, f.name) for f in dataclasses.fields(VariantServed)})
+
+
+def hello_to_wire(hello: AgentHello) -> fpb.Hello:
+    """What :func:`hello_from_wire` reads back (and ``hardware`` in words, for an older router)."""
+    return fpb.Hello(
+        agent_id=hello.agent_id,
+        tier=wire_tier(hello.tier),
+        host=hello.host,
+        hardware=f"{hello.hardware.machine} {hello.hardware.cpu_model}".strip(),
+        hardware_info=hardware_to_wire(hello.hardware),
+        runtimes=hello.runtimes,
+        variants=[variant_to_wire(v) for v in hello.variants],
+        capacity=hello.capacity,
+        queue_limit=hello.queue_limit,
+        token=hello.token,
+        version=hello.version,
+        families=[family_to_wire(f) for f in hello.families],
+        unavailable=[fpb.FamilyUnavailable(family=u.family, variant=u.variant, reason=u.reason) for u in hello.unavailable],
+        uptime_s=hello.uptime_s,
     )
+
+
+def variant_to_wire(variant: VariantServed) -> fpb.VariantInfo:
+    return fpb.VariantInfo(**{f.name: getattr(variant, f.name) for f in dataclasses.fields(VariantServed)})
 

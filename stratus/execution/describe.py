@@ -1,23 +1,22 @@
-"""What an agent's Hello says about the models loaded here: each family served (written by
-``stratus.convert.fleet.family_to_wire``, beside the reader a router uses), each variant
-(runtime, precision, line, why it was chosen), and the families that could not be loaded,
-in fleet.proto's types; and what its heartbeats say (a LoadReport, which
-``stratus.convert.fleet.heartbeat_to_wire`` writes)."""
+"""What an agent's Hello says about the models loaded here (an AgentHello: each family served,
+as described to a router; each variant, its runtime, precision, line and why it was chosen;
+the families that could not be loaded), and what its heartbeats say (a LoadReport): values,
+which ``stratus.convert.hello.hello_to_wire`` and ``stratus.convert.fleet.heartbeat_to_wire``
+write, beside the readers a router uses."""
 
 from __future__ import annotations
 
-import platform
 import socket
 from dataclasses import dataclass
 
 from stratus import __version__
-from stratus.convert.fleet import family_to_wire, wire_tier
-from stratus.convert.hardware import to_wire as hardware_to_wire
+from stratus.convert.hardware import said_of
 from stratus.execution.generators import LocalGenerators
 from stratus.execution.local_models import LocalModels
+from stratus.families.agent_hello import AgentHello, FamilyUnavailable, VariantServed
+from stratus.families.description import FamilyDescription, described
 from stratus.obs.stats import LoadReport
 from stratus.tiers import Tier
-from stratus.wire import fleet_pb2
 
 # The most of a load failure's reason an agent's Hello carries.
 _REASON_CHARS = 1000
@@ -35,21 +34,22 @@ class Introduction:
     token: str = ""
 
 
-def hello(models: LocalModels, who: Introduction, *, uptime_s: float) -> fleet_pb2.Hello:
-    """The Hello that registers ``models`` with a router (and announces them again after a reload)."""
-    return fleet_pb2.Hello(
+def hello(models: LocalModels, who: Introduction, *, uptime_s: float) -> AgentHello:
+    """The Hello that registers ``models`` with a router (and announces them again after a
+    reload); :func:`stratus.convert.hello.hello_to_wire` writes it."""
+    variants = variants_info(models)
+    return AgentHello(
         agent_id=who.agent_id,
-        tier=wire_tier(who.tier),
+        tier=who.tier,
         host=socket.gethostname(),
-        hardware=f"{platform.machine()} {models.hardware.model}".strip(),
-        hardware_info=hardware_to_wire(models.hardware),
-        runtimes=sorted({info.runtime for info in variants_info(models)}),
-        variants=variants_info(models),
+        hardware=said_of(models.hardware),
+        runtimes=tuple(sorted({info.runtime for info in variants})),
+        variants=variants,
         capacity=who.capacity,
+        queue_limit=who.queue_limit,
         token=who.token,
         version=__version__,
         families=families_info(models),
-        queue_limit=who.queue_limit,
         unavailable=unavailable_info(models),
         uptime_s=uptime_s,
     )
@@ -69,28 +69,28 @@ def heartbeat(models: LocalModels, *, in_flight: int, reported: dict[str, int], 
     )
 
 
-def families_info(models: LocalModels) -> list[fleet_pb2.FamilyInfo]:
+def families_info(models: LocalModels) -> tuple[FamilyDescription, ...]:
     served = {models.variants[name].family for name in models.served}
     generative = list(models.generators.families.values()) if models.generators is not None else []
-    return [
-        *map(family_to_wire, generative),
-        *[family_to_wire(f) for f in models.families.values() if f.name in served],
-    ]
+    return (
+        *map(described, generative),
+        *[described(f) for f in models.families.values() if f.name in served],
+    )
 
 
-def variants_info(models: LocalModels) -> list[fleet_pb2.VariantInfo]:
+def variants_info(models: LocalModels) -> tuple[VariantServed, ...]:
     infos = []
     for name in sorted(models.served):
-        described = models.runners[name].describe()
+        said = models.runners[name].describe()
         infos.append(
-            fleet_pb2.VariantInfo(
+            VariantServed(
                 name=name,
                 family=models.variants[name].family,
-                runtime=described.runtime,
-                device=described.device,
+                runtime=said.runtime,
+                device=said.device,
                 precision=models.variants[name].precision,
-                compute=described.compute,
-                dynamic_batch=described.dynamic_batch,
+                compute=said.compute,
+                dynamic_batch=said.dynamic_batch,
                 max_batch=models.max_batch(name),
                 chosen_because=models.reasons.get(name, ""),
                 line=models.variants[name].parent or name,
@@ -99,19 +99,19 @@ def variants_info(models: LocalModels) -> list[fleet_pb2.VariantInfo]:
         )
     if models.generators is not None:
         infos += _generator_infos(models.generators)
-    return infos
+    return tuple(infos)
 
 
-def unavailable_info(models: LocalModels) -> list[fleet_pb2.FamilyUnavailable]:
-    return [  # bounded: a Hello is checked against a size limit at the router
-        fleet_pb2.FamilyUnavailable(family=n.family, variant=n.variant, reason=n.reason[:_REASON_CHARS])
+def unavailable_info(models: LocalModels) -> tuple[FamilyUnavailable, ...]:
+    return tuple(  # bounded: a Hello is checked against a size limit at the router
+        FamilyUnavailable(family=n.family, variant=n.variant, reason=n.reason[:_REASON_CHARS])
         for n in models.unavailable_families().values()
-    ]
+    )
 
 
-def _generator_infos(generators: LocalGenerators) -> list[fleet_pb2.VariantInfo]:
+def _generator_infos(generators: LocalGenerators) -> list[VariantServed]:
     return [
-        fleet_pb2.VariantInfo(
+        VariantServed(
             name=name,
             family=variant.family,
             runtime=generators.runners[name].runtime,
@@ -127,4 +127,3 @@ def _generator_infos(generators: LocalGenerators) -> list[fleet_pb2.VariantInfo]
         )
         for name, variant in sorted(generators.variants.items())
     ]
-

@@ -15,7 +15,7 @@ import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from stratus.families.spec import ServedFamily
+from stratus.families.spec import FamilySpec, ServedFamily
 from stratus.tiers import Tier
 
 
@@ -47,3 +47,19 @@ class FamilyDescription(ServedFamily):
             tier_accuracy=agents.tier_accuracy,
             calibrated_cloud_share=None,
         )
+
+
+def described(family: FamilySpec) -> FamilyDescription:
+    """A family's folder as an agent describes it to a router: what serving it takes, its
+    cloud variants (the current line first, then that line's children, then the others) and
+    the cloud share its calibration recorded (None for thresholds set by hand)."""
+    current = family.current.get(Tier.CLOUD)
+    names = [v.name for v in family.variants_for(Tier.CLOUD)]
+    cloud = sorted(names, key=lambda n: (n != current, not n.startswith(f"{current}-"), n))
+    served = {f.name: getattr(family, f.name) for f in dataclasses.fields(ServedFamily)}
+    return FamilyDescription(
+        **served,
+        cloud_variants=tuple(cloud),
+        calibrated_cloud_share=family.calibration.cloud_share if family.calibration is not None else None,
+    )
+

@@ -13,6 +13,7 @@ import pytest
 from stratus.convert.fleet import family_fields, family_from_wire, family_to_wire
 from stratus.errors import ConfigError, InvalidInput
 from stratus.families.audit import TierCalibration, check_family_info
+from stratus.families.description import described
 from stratus.families.repository import load_family
 from stratus.families.suggest import TierScores
 from stratus.tiers import Tier
@@ -157,7 +158,7 @@ def test_every_shipped_family_reads_back_from_its_hello_as_its_files_say() -> No
     assert arith.generation is not None
     stopping = dataclasses.replace(arith, generation=dataclasses.replace(arith.generation, stop=("\n", "=")))
     for family in [*repository.families.values(), stopping]:
-        read = family_from_wire(family_to_wire(family))
+        read = family_from_wire(family_to_wire(described(family)))
         assert (read.name, read.inputs, read.outputs) == (family.name, family.inputs, family.outputs)
         assert dict(read.thresholds) == dict(family.thresholds)
         assert read.generation == family.generation

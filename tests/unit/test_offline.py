@@ -81,12 +81,13 @@ def test_a_bad_offline_table_is_refused_by_key(tmp_path: Path, table: str, named
 
 def test_the_hello_carries_the_table_to_the_router(tmp_path: Path) -> None:
     from stratus.convert.fleet import family_from_wire, family_to_wire
+    from stratus.families.description import described
 
     spec = ModelRepository.load(_family_with(tmp_path, "[offline]\ndefer = true\nmax_items = 9\n")).families[
         "digits"
     ]
-    assert family_from_wire(family_to_wire(spec)).offline == OfflineSpec(defer=True, max_items=9)
-    old = family_to_wire(spec)
+    assert family_from_wire(family_to_wire(described(spec))).offline == OfflineSpec(defer=True, max_items=9)
+    old = family_to_wire(described(spec))
     old.ClearField("offline")  # an agent of before says nothing: nothing is deferred
     assert not family_from_wire(old).offline.defer
 

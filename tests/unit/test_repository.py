@@ -247,13 +247,14 @@ def test_a_family_may_keep_its_inputs_on_the_site(family_copy: Path) -> None:
     """[privacy] escalate (issue 36 §2): true unless the file says false; it travels in the
     Hello, so a router sees what the agent's files say."""
     from stratus.convert.fleet import family_from_wire, family_to_wire
+    from stratus.families.description import described
 
     toml = family_copy
     assert load_family(toml).escalate
-    assert family_from_wire(family_to_wire(load_family(toml))).escalate
+    assert family_from_wire(family_to_wire(described(load_family(toml)))).escalate
     toml.write_text(toml.read_text() + "\n[privacy]\nescalate = false\n")
     kept = load_family(toml)
-    assert not kept.escalate and not family_from_wire(family_to_wire(kept)).escalate
+    assert not kept.escalate and not family_from_wire(family_to_wire(described(kept))).escalate
 
 
 @pytest.mark.parametrize(

@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 
 from stratus.convert.hardware import to_wire as hardware_to_wire
-from stratus.convert.hello import hello_from_wire
+from stratus.convert.hello import hello_from_wire, hello_to_wire
 from stratus.errors import InvalidInput
 from stratus.families.agent_hello import FamilyUnavailable, HardwareSaid, VariantServed
 from stratus.tiers import Tier
@@ -52,6 +52,13 @@ def test_every_field_of_a_hello_is_read_as_a_value() -> None:
     )
     (family,) = read.families
     assert (family.name, family.thresholds, [t.shape for t in family.inputs]) == ("digits", {Tier.DEVICE: 0.8}, [(-1, 64)])
+
+
+def test_what_an_agent_writes_a_router_reads_back_as_it_was() -> None:
+    said = hello_from_wire(_hello())
+    written = hello_to_wire(said)
+    assert hello_from_wire(fpb.Hello.FromString(written.SerializeToString())) == said
+    assert written.hardware == "x86_64 EPYC"  # in words too, for a router older than hardware_info
 
 
 def test_the_hardware_status_shows_is_what_was_read() -> None:
