@@ -23,7 +23,6 @@ import asyncio
 import contextlib
 import ipaddress
 import logging
-import random
 import socket
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -141,7 +140,6 @@ class CloudPool:
         spec: str,
         make_link: Callable[[str, str | None], CloudLink],
         *,
-        rng: random.Random | None = None,
         resolve: Resolver = resolve_addresses,
         refresh_s: float = DNS_REFRESH_S,
         named: Sequence[NamedModel] = (),
@@ -149,7 +147,6 @@ class CloudPool:
         self.address = spec
         self.target = CloudTarget.parse(spec)
         self._make_link = make_link
-        self._rng = rng or random.Random()
         self._resolve = resolve
         self._refresh_s = refresh_s
         self._named = tuple(named)

@@ -111,7 +111,7 @@ def cloud_pool() -> tuple[CloudPool, CannedCloud]:
         made.append(CannedCloud(address, server_name))
         return made[-1]
 
-    pool = CloudPool("cloud:8002", make, rng=random.Random(1))
+    pool = CloudPool("cloud:8002", make)
     pool.start()
     return pool, made[0]
 

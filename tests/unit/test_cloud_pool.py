@@ -45,7 +45,7 @@ def pool_of(spec: str, **kwargs: object) -> tuple[CloudPool, dict[str, CannedLin
         made[address] = CannedLink(address, server_name)
         return made[address]
 
-    return CloudPool(spec, make, rng=random.Random(7), **kwargs), made  # type: ignore[arg-type]
+    return CloudPool(spec, make, **kwargs), made  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(
