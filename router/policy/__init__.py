@@ -204,7 +204,7 @@ def two_choices(pool: Sequence[C], attempt: Attempt, rng: random.Random) -> C | 
         return None
     if len(found) == 1:
         return found[0]
-    pair = found if len(found) == 2 else rng.sample(found, 2)
+    pair = rng.sample(found, 2)  # in random order: an exact tie goes to either, never to the first listed
     return min(pair, key=lambda a: (load(a), predicted_ms(a, attempt.model, attempt.items)))
 
 

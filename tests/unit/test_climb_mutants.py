@@ -110,13 +110,16 @@ def test_batches_are_the_models_size() -> None:
 # -- ties and pairs ---------------------------------------------------------------------------
 
 
-def test_equal_agents_keep_the_pools_order() -> None:
-    """Two agents, equally loaded and fast: both are the pair, and the first of equals wins."""
-    for seed in range(20):
-        chosen = pick(
-            Attempt(model="digits", remaining_ms=None), Agent(id="first"), Agent(id="second"), seed=seed
-        )
-        assert isinstance(chosen, Target) and chosen.id == "first"
+def test_equal_agents_split_their_ties() -> None:
+    """Two agents, equally loaded and fast: both are the pair, compared in random order, so a
+    tie goes to either. The first listed won every tie once, and at low concurrency (nothing in
+    flight at each choice) it took every call: 184 of 200 escalations to one of two gateways."""
+    chosen = Counter()
+    for seed in range(40):
+        target = pick(Attempt(model="digits", remaining_ms=None), Agent(id="first"), Agent(id="second"), seed=seed)
+        assert isinstance(target, Target)
+        chosen[target.id] += 1
+    assert set(chosen) == {"first", "second"} and min(chosen.values()) >= 10, chosen
 
 
 def test_three_usable_agents_are_two_random_choices_not_the_best_of_all() -> None:
