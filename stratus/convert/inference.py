@@ -12,6 +12,7 @@ handles them, or arrays as a runtime made them) and its ``stratus.*`` parameters
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -26,12 +27,14 @@ from stratus.convert.parameters import (
     set_parameter,
 )
 from stratus.convert.tensors import (
+    InputHeader,
     Tensors,
     answer_raw,
     check_inputs,
     check_request_metadata,
-    named_inputs,
+    input_headers,
     requested_outputs,
+    unique_names,
 )
 from stratus.datatypes import Array, ParameterValue
 from stratus.errors import InvalidInput
@@ -59,56 +62,51 @@ class Addressed(Protocol):
 
 @dataclass(frozen=True, eq=False)
 class InferRequest:
-    """One inference request. Built by :meth:`from_wire`; the wire message stays inside, read
-    only through the methods below, which check what they read."""
+    """One inference request, read at the door (:meth:`from_wire`) into values: its model,
+    id, ``parameters``, the outputs it asks for, whether its tensors came typed, and each
+    input's header (name, datatype, shape) when first asked. Every check runs on these
+    values; the wire message stays inside only as the reference to the tensors' data, which
+    :meth:`tensors` and :meth:`arrays` read once the checks have passed."""
 
-    _wire: pb.ModelInferRequest = field(repr=False)
+    _wire: pb.ModelInferRequest = field(repr=False)  # the data, read by tensors() and arrays()
     parameters: Parameters
+    model_name: str
+    model_version: str
+    id: str
+    outputs: tuple[str, ...]  # the outputs asked for by name; () asks for all of them
+    typed: bool  # the inputs came as typed contents (then the answer is typed where it can be)
+    items: int  # dimension 0 of the first input: the items a statistic counts (1 without one)
+    stream_input: bool  # a BOOL input named "stream" came (how tritonclient asks for chunks)
 
     @classmethod
     def from_wire(cls, request: pb.ModelInferRequest) -> InferRequest:
         """Reads the header only; nothing here can fail, so a stream can always answer."""
-        parameters = {key: parameter_value(value) for key, value in request.parameters.items()}
-        return cls(request, parameters)
+        return cls(
+            request,
+            parameters={key: parameter_value(value) for key, value in request.parameters.items()},
+            model_name=request.model_name,
+            model_version=request.model_version,
+            id=request.id,
+            outputs=tuple(o.name for o in request.outputs),
+            typed=bool(request.inputs) and not request.raw_input_contents,
+            items=int(request.inputs[0].shape[0]) if request.inputs and request.inputs[0].shape else 1,
+            stream_input=any(t.name == STREAM and t.datatype == "BOOL" for t in request.inputs),
+        )
 
-    @property
-    def model_name(self) -> str:
-        return self._wire.model_name
-
-    @property
-    def model_version(self) -> str:
-        return self._wire.model_version
-
-    @property
-    def id(self) -> str:
-        return self._wire.id
-
-    @property
-    def outputs(self) -> tuple[str, ...]:
-        """The outputs asked for by name; () asks for all of them."""
-        return tuple(o.name for o in self._wire.outputs)
+    @functools.cached_property
+    def inputs(self) -> tuple[InputHeader, ...]:
+        """Each input's header; more inputs than any model takes refused first."""
+        return input_headers(self._wire)
 
     @property
     def raw(self) -> bool:
         """Whether a text answer goes back as raw buffers (the inputs did not come typed)."""
         return not self.typed
 
-    @property
-    def typed(self) -> bool:
-        """Whether the inputs came as typed contents (then the answer is typed where it can be)."""
-        return bool(self._wire.inputs) and not self._wire.raw_input_contents
-
-    @property
-    def items(self) -> int:
-        """Dimension 0 of the first input: the items a statistic counts (1 without one)."""
-        shape = self._wire.inputs[0].shape if self._wire.inputs else ()
-        return int(shape[0]) if shape else 1
-
     def input_names(self) -> list[str]:
         """Each input's name (``#i`` for an unnamed one), in order; too many inputs, or a
         repeated name, refused."""
-        codec.check_input_count(self._wire)
-        return [name for _, name, _ in named_inputs(self._wire)]
+        return [header.name for header in unique_names(self.inputs)]
 
     def input_bytes(self) -> int:
         """The inputs' data as sent: raw buffers, or typed contents' encoded size."""
@@ -124,7 +122,7 @@ class InferRequest:
         parameter = self.parameters.get(STREAM)
         if isinstance(parameter, bool):
             return parameter
-        if not any(t.name == STREAM and t.datatype == "BOOL" for t in self._wire.inputs):
+        if not self.stream_input:
             return False
         return bool(self.arrays()[STREAM].all())
 
@@ -143,16 +141,16 @@ class InferRequest:
             check_inputs(family, inputs, tensors)
         named = self.outputs
         if outputs is not None and named:
-            named = tuple(requested_outputs(self._wire, family, [o.name for o in outputs]))
+            named = tuple(requested_outputs(self.outputs, family, [o.name for o in outputs]))
         return Checked(inputs=tensors, outputs=named)
 
     def check_metadata(self, family: str, specs: Sequence[TensorSpec]) -> None:
         """Names, datatypes and shapes against the family, before anything is decoded."""
-        check_request_metadata(family, specs, self._wire)
+        check_request_metadata(family, specs, self.inputs)
 
     def answer_raw(self, datatypes: Iterable[str]) -> bool:
         """Raw buffers, unless the request was typed and every output can be typed."""
-        return answer_raw(self._wire, datatypes)
+        return answer_raw(self.typed, datatypes)
 
     def tensors(self) -> Tensors:
         """The inputs as checked raw buffers, never decoded (the router's view)."""

@@ -140,15 +140,17 @@ class Tensors:
     @classmethod
     def from_request(cls, request: pb.ModelInferRequest) -> Tensors:
         """A request's inputs, with every count, size and shape checked; raw buffers kept as sent."""
-        codec.check_input_count(request)
+        headers = input_headers(request)
         raw = request.raw_input_contents
         if raw and len(raw) != len(request.inputs):
             raise InvalidInput(
                 f"request has {len(raw)} raw_input_contents buffers for {len(request.inputs)} inputs; "
                 "they must match one to one"
             )
+        inputs = request.inputs
         tensors = [
-            _input(tensor, raw[index] if raw else None, name) for index, name, tensor in named_inputs(request)
+            _input(inputs[index], raw[index] if raw else None, header.name)
+            for index, header in enumerate(unique_names(headers))
         ]
         if not tensors:
             raise InvalidInput(f"request for '{request.model_name}' has no inputs")
@@ -189,9 +191,10 @@ class Tensors:
                 codec.encode_contents(array, out.contents)
 
 
-def answer_raw(request: pb.ModelInferRequest, datatypes: Iterable[str]) -> bool:
-    """Answer as asked: typed contents for a typed request where every output allows it."""
-    if request.raw_input_contents or not request.inputs:
+def answer_raw(typed: bool, datatypes: Iterable[str]) -> bool:
+    """Answer as asked: typed contents for a request whose inputs came typed (``typed``),
+    where every output allows it (FP16 has no typed list)."""
+    if not typed:
         return True
     return any(d == "FP16" for d in datatypes)
 
@@ -228,18 +231,34 @@ def _from_array(name: str, array: datatypes.Array, datatype: str | None = None) 
     return RawTensor(name, datatype or datatypes.datatype_of(array), tuple(array.shape), codec.encode_raw(array))
 
 
-def named_inputs(
-    request: pb.ModelInferRequest,
-) -> Iterator[tuple[int, str, pb.ModelInferRequest.InferInputTensor]]:
-    """Each input with its position and name (``#i`` when unnamed); a repeated name is refused
-    when it is reached (a set, not a scan: thousands of inputs cost no more than a few)."""
+@dataclass(frozen=True, slots=True)
+class InputHeader:
+    """What a request says of one input before its data is read: what it is checked by."""
+
+    name: str  # ``#i`` for the i-th input when unnamed
+    datatype: str
+    shape: tuple[int, ...]
+
+
+def input_headers(request: pb.ModelInferRequest) -> tuple[InputHeader, ...]:
+    """Each input's header, as values (more inputs than any model takes refused first,
+    before any is looked at); a repeated name is refused where it is reached, by the checks."""
+    codec.check_input_count(request)
+    return tuple(
+        InputHeader(tensor.name or f"#{index}", tensor.datatype, tuple(tensor.shape))
+        for index, tensor in enumerate(request.inputs)
+    )
+
+
+def unique_names(inputs: Iterable[InputHeader]) -> Iterator[InputHeader]:
+    """Each input in order; a repeated name refused when it is reached (a set, not a scan:
+    thousands of inputs cost no more than a few)."""
     seen: set[str] = set()
-    for index, tensor in enumerate(request.inputs):
-        name = tensor.name or f"#{index}"
-        if name in seen:
-            raise InvalidInput(f"input '{name}' appears more than once")
-        seen.add(name)
-        yield index, name, tensor
+    for header in inputs:
+        if header.name in seen:
+            raise InvalidInput(f"input '{header.name}' appears more than once")
+        seen.add(header.name)
+        yield header
 
 
 # Items one request may hold, advertised as every model's max_batch_size (ModelConfig) and
@@ -247,18 +266,18 @@ def named_inputs(
 MAX_REQUEST_ITEMS: Final = 1024
 
 
-def check_request_metadata(family: str, specs: Sequence[TensorSpec], request: pb.ModelInferRequest) -> None:
+def check_request_metadata(family: str, specs: Sequence[TensorSpec], inputs: Sequence[InputHeader]) -> None:
     """Names, datatypes and shapes against the family, before any tensor is decoded: a
     request the family cannot take costs no memory (16 M typed INT64 zeros are 15 MiB on the
     wire and were 500 MB decoded)."""
-    codec.check_input_count(request)
     expected = {spec.name: spec for spec in specs}
-    for _, name, tensor in named_inputs(request):
+    for header in unique_names(inputs):
+        name = header.name
         spec = expected.get(name)
         if spec is None:
             raise InvalidInput(f"model '{family}' has no input '{name}'; it takes {sorted(expected)}")
-        shape = datatypes.checked_shape(tensor.shape, tensor=name)
-        check_tensor(spec, tensor.datatype, shape)
+        shape = datatypes.checked_shape(header.shape, tensor=name)
+        check_tensor(spec, header.datatype, shape)
         if spec.shape and spec.shape[0] == -1 and shape and shape[0] > MAX_REQUEST_ITEMS:
             raise InvalidInput(
                 f"input '{name}' holds {shape[0]} items; a request may hold at most {MAX_REQUEST_ITEMS} "
@@ -295,9 +314,9 @@ def check_tensor(spec: TensorSpec, datatype: str, shape: Sequence[int]) -> None:
         )
 
 
-def requested_outputs(request: pb.ModelInferRequest, family: str, known: Sequence[str]) -> list[str]:
+def requested_outputs(asked: Sequence[str], family: str, known: Sequence[str]) -> list[str]:
     """The outputs a request asks for (all when it names none); unknown names refused."""
-    wanted = [o.name for o in request.outputs] or list(known)
+    wanted = list(asked) or list(known)
     for name in wanted:
         if name not in known:
             raise InvalidInput(f"model '{family}' has no output '{name}'; it gives {sorted(known)}")

@@ -21,6 +21,7 @@ from stratus.convert.tensors import (
     answer_raw,
     check_inputs,
     check_request_metadata,
+    input_headers,
     requested_outputs,
 )
 from stratus.convert.wire_scan import (
@@ -396,22 +397,20 @@ def typed_request(*datatypes_and_values: tuple[str, list[float]]) -> pb.ModelInf
 
 
 def test_answers_are_typed_only_for_a_typed_request_whose_outputs_can_be() -> None:
-    typed = typed_request(("FP32", [1.0]))
+    typed = InferRequest.from_wire(typed_request(("FP32", [1.0]))).typed
     assert answer_raw(typed, ["FP32", "INT64"]) is False
     assert answer_raw(typed, ["FP32", "FP16"]) is True  # FP16 has no typed list
     assert answer_raw(typed, []) is False
-    raw = raw_request("x", "FP32", [1], b"\x00" * 4)
+    raw = InferRequest.from_wire(raw_request("x", "FP32", [1], b"\x00" * 4)).typed
     assert answer_raw(raw, ["FP32"]) is True
-    assert answer_raw(pb.ModelInferRequest(), ["FP32"]) is True  # no inputs: nothing came typed
+    nothing = InferRequest.from_wire(pb.ModelInferRequest()).typed
+    assert answer_raw(nothing, ["FP32"]) is True  # no inputs: nothing came typed
 
 
 def test_requested_outputs_are_those_named_or_all_and_unknown_ones_refused() -> None:
-    request = pb.ModelInferRequest(model_name="toy")
-    assert requested_outputs(request, "toy", ("a", "b")) == ["a", "b"]
-    request.outputs.add(name="b")
-    assert requested_outputs(request, "toy", ("a", "b")) == ["b"]
-    request.outputs.add(name="nope")
-    assert refused(requested_outputs, request, "toy", ("b", "a")) == (
+    assert requested_outputs((), "toy", ("a", "b")) == ["a", "b"]
+    assert requested_outputs(("b",), "toy", ("a", "b")) == ["b"]
+    assert refused(requested_outputs, ("b", "nope"), "toy", ("b", "a")) == (
         "model 'toy' has no output 'nope'; it gives ['a', 'b']"
     )
 
@@ -447,8 +446,8 @@ def metadata_request(shape: list[int], *, name: str = "input") -> pb.ModelInferR
 
 
 def test_a_request_holds_at_most_max_request_items_along_the_batch_dimension() -> None:
-    check_request_metadata("toy", SPEC, metadata_request([MAX_REQUEST_ITEMS, 4]))
-    assert refused(check_request_metadata, "toy", SPEC, metadata_request([MAX_REQUEST_ITEMS + 1, 4])) == (
+    check_request_metadata("toy", SPEC, input_headers(metadata_request([MAX_REQUEST_ITEMS, 4])))
+    assert refused(check_request_metadata, "toy", SPEC, input_headers(metadata_request([MAX_REQUEST_ITEMS + 1, 4]))) == (
         f"input 'input' holds {MAX_REQUEST_ITEMS + 1} items; a request may hold at most {MAX_REQUEST_ITEMS} "
         "(the models' max_batch_size): send the rest in further requests"
     )
@@ -457,20 +456,29 @@ def test_a_request_holds_at_most_max_request_items_along_the_batch_dimension() -
 def test_the_item_bound_is_on_the_batch_dimension_only() -> None:
     """A fixed dimension 0 is the model's own size, not a batch: the item bound does not apply."""
     fixed = (TensorSpec(name="input", datatype="FP32", shape=(MAX_REQUEST_ITEMS + 1, 4)),)
-    check_request_metadata("toy", fixed, metadata_request([MAX_REQUEST_ITEMS + 1, 4]))
+    check_request_metadata("toy", fixed, input_headers(metadata_request([MAX_REQUEST_ITEMS + 1, 4])))
     wide = (TensorSpec(name="input", datatype="FP32", shape=(-1, -1)),)
-    check_request_metadata("toy", wide, metadata_request([1, MAX_REQUEST_ITEMS + 1]))
+    check_request_metadata("toy", wide, input_headers(metadata_request([1, MAX_REQUEST_ITEMS + 1])))
+
+
+def test_an_input_named_twice_is_refused_from_its_metadata_where_it_is_reached() -> None:
+    request = metadata_request([1, 4])
+    request.inputs.add(name="input", datatype="FP32", shape=[1, 4])
+    assert refused(check_request_metadata, "toy", SPEC, input_headers(request)) == "input 'input' appears more than once"
+    request = metadata_request([1, 4], name="other")  # reached first: the unknown name is said
+    request.inputs.add(name="other", datatype="FP32", shape=[1, 4])
+    assert refused(check_request_metadata, "toy", SPEC, input_headers(request)).startswith("model 'toy' has no input 'other'")
 
 
 def test_request_metadata_refusals_name_the_input_and_the_model() -> None:
-    assert refused(check_request_metadata, "toy", SPEC, metadata_request([-3, 4])) == (
+    assert refused(check_request_metadata, "toy", SPEC, input_headers(metadata_request([-3, 4]))) == (
         "tensor 'input': dimension 0 is -3; dimensions must be >= 0"
     )
     specs = (
         TensorSpec(name="input", datatype="FP32", shape=(-1, 4)),
         TensorSpec(name="extra", datatype="FP32", shape=(-1,)),
     )
-    assert refused(check_request_metadata, "toy", specs, metadata_request([1, 4], name="other")) == (
+    assert refused(check_request_metadata, "toy", specs, input_headers(metadata_request([1, 4], name="other"))) == (
         "model 'toy' has no input 'other'; it takes ['extra', 'input']"
     )
 
@@ -504,7 +512,7 @@ def test_the_request_answers_for_its_outputs_and_its_answer_form() -> None:
     assert wrapped.checked("toy", None, [a, b]).outputs == ("b",)
     request.outputs.add(name="c")
     assert (
-        refused(wrapped.checked, "toy", None, [b, a])
+        refused(InferRequest.from_wire(request).checked, "toy", None, [b, a])
         == "model 'toy' has no output 'c'; it gives ['a', 'b']"
     )
     assert wrapped.answer_raw(["FP32"]) is False
