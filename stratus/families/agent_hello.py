@@ -55,6 +55,9 @@ class HardwareSaid:
 
 @dataclass(frozen=True, kw_only=True)
 class AgentHello:
+    """One Hello: the agent, its tier and declared sizes (clamped by the registry, which trusts
+    only what it measures), what it serves and how, and what it could not load."""
+
     agent_id: str
     tier: Tier
     host: str = ""
