@@ -38,15 +38,12 @@ from stratus.wire import inference_pb2 as pb
 _BACKENDS: weakref.WeakKeyDictionary[CloudLink, CloudBackend] = weakref.WeakKeyDictionary()
 
 
-def gateway_backends(cloud: CloudTier | None, model: str | None = None) -> tuple[CloudBackend, ...]:
+def gateway_backends(cloud: CloudTier | None, model: str) -> tuple[CloudBackend, ...]:
     """The cloud's gateways as backends: those whose link has learnt that it serves ``model``
-    (up or down: one down is listed, not ready), or every gateway when no model is given."""
+    (up or down: one down is listed, not ready)."""
     if cloud is None:
         return ()
-    links = cloud.gateways()
-    if model is not None:
-        links = [link for link in links if link.models.get(model, False)]
-    return tuple(_backend(link, cloud) for link in links)
+    return tuple(_backend(link, cloud) for link in cloud.gateways() if link.models.get(model, False))
 
 
 def _backend(link: CloudLink, tier: CloudTier) -> CloudBackend:
@@ -59,13 +56,13 @@ def _backend(link: CloudLink, tier: CloudTier) -> CloudBackend:
 class CloudBackend:
     """One cloud gateway's link, as the policy and the cascades see every target."""
 
-    def __init__(self, link: CloudLink, tier: CloudTier | None = None) -> None:
-        self.cloud = link
-        self.pool = tier or link  # the cloud tier it is one gateway of
+    def __init__(self, link: CloudLink, pool: CloudTier) -> None:
+        self.link = link
+        self.pool = pool  # the cloud tier it is one gateway of
 
     @property
     def id(self) -> str:
-        return f"cloud@{self.cloud.address}"
+        return f"cloud@{self.link.address}"
 
     @property
     def tier(self) -> Tier:
@@ -73,15 +70,15 @@ class CloudBackend:
 
     @property
     def ready(self) -> bool:
-        return self.cloud.available
+        return self.link.available
 
     @property
     def in_flight(self) -> int:
-        return self.cloud.in_flight
+        return self.link.in_flight
 
     @property
     def capacity(self) -> int:
-        return max(1, self.cloud.capacity)  # calls its link may hold at once
+        return max(1, self.link.capacity)  # calls its link may hold at once
 
     @property
     def limit(self) -> int:
@@ -110,7 +107,7 @@ class CloudBackend:
         request = pb.ModelInferRequest(model_name=model, id=request_id)
         request.outputs.extend(pb.ModelInferRequest.InferRequestedOutputTensor(name=n) for n in outputs)
         items.write_request(request)
-        response = await self.cloud.infer(request, timeout_s=budget_ms / 1000.0)
+        response = await self.link.infer(request, timeout_s=budget_ms / 1000.0)
         params = response.parameters
         said = CONFIDENCE in params
         confidence = parameter_value(params[CONFIDENCE]) if said else 1.0
@@ -133,7 +130,7 @@ class CloudBackend:
         async def deliver(chunk: Chunk) -> None:
             on_chunk(chunk)
 
-        response = await self.cloud.generate(request, deliver, timeout_s=budget_ms / 1000.0)
+        response = await self.link.generate(request, deliver, timeout_s=budget_ms / 1000.0)
         params = response.parameters
         confidence = parameter_value(params[CONFIDENCE]) if CONFIDENCE in params else None
         return Generated(

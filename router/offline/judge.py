@@ -115,7 +115,7 @@ class Judge:
         cloud = self._cloud()
         if cloud is None or not cloud.available or self._clock() < self._backoff_until or self.share <= 0:
             return 0
-        limit = max(1.0, max(1, cloud.capacity) * self.share)
+        limit = max(1.0, cloud.capacity * self.share)
         return max(0, int(limit - cloud.in_flight))
 
     async def _send(self) -> None:

@@ -32,9 +32,8 @@ def said_of(hardware: Hardware) -> HardwareSaid:
     )
 
 
-def to_wire(hardware: Hardware | HardwareSaid) -> fpb.HardwareInfo:
-    """The hardware as a Hello (an agent's, read by the CPU probe) or status (as a router read it) says it."""
-    said = hardware if isinstance(hardware, HardwareSaid) else said_of(hardware)
+def to_wire(said: HardwareSaid) -> fpb.HardwareInfo:
+    """The hardware as a Hello (an agent's, :func:`said_of` its probe) or status (as a router read it) says it."""
     return fpb.HardwareInfo(
         machine=said.machine,
         cpu_model=said.cpu_model,

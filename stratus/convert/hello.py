@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Final
+from typing import Any, Final
 
 from stratus.convert.fleet import family_from_wire, family_to_wire, thresholds_from_wire, wire_tier
 from stratus.convert.hardware import from_hello as hardware_from_hello
@@ -81,14 +81,13 @@ def hello_from_wire(hello: fpb.Hello) -> AgentHello:
         token=hello.token,
         version=hello.version,
         families=tuple(family_from_wire(f) for f in hello.families),
-        unavailable=tuple(FamilyUnavailable(family=u.family, variant=u.variant, reason=u.reason) for u in hello.unavailable),
+        unavailable=tuple(FamilyUnavailable(**_fields(FamilyUnavailable, u)) for u in hello.unavailable),
         uptime_s=hello.uptime_s,
     )
 
 
 def variant_from_wire(info: fpb.VariantInfo) -> VariantServed:
-    """Field by field: VariantServed names each of VariantInfo's fields as the message does."""
-    return VariantServed(**{f.name: getattr(info, f.name) for f in dataclasses.fields(VariantServed)})
+    return VariantServed(**_fields(VariantServed, info))
 
 
 def hello_to_wire(hello: AgentHello) -> fpb.Hello:
@@ -106,11 +105,17 @@ def hello_to_wire(hello: AgentHello) -> fpb.Hello:
         token=hello.token,
         version=hello.version,
         families=[family_to_wire(f) for f in hello.families],
-        unavailable=[fpb.FamilyUnavailable(family=u.family, variant=u.variant, reason=u.reason) for u in hello.unavailable],
+        unavailable=[fpb.FamilyUnavailable(**_fields(FamilyUnavailable, u)) for u in hello.unavailable],
         uptime_s=hello.uptime_s,
     )
 
 
 def variant_to_wire(variant: VariantServed) -> fpb.VariantInfo:
-    return fpb.VariantInfo(**{f.name: getattr(variant, f.name) for f in dataclasses.fields(VariantServed)})
+    return fpb.VariantInfo(**_fields(VariantServed, variant))
+
+
+def _fields(value_type: type[Any], source: object) -> dict[str, Any]:
+    """``value_type``'s fields as ``source`` holds them: the value types name each field as
+    their message does (VariantServed as VariantInfo, FamilyUnavailable as its message)."""
+    return {f.name: getattr(source, f.name) for f in dataclasses.fields(value_type)}
 

@@ -154,7 +154,7 @@ class InferRequest:
 
     def tensors(self) -> Tensors:
         """The inputs as checked raw buffers, never decoded (the router's view)."""
-        return Tensors.from_request(self._wire)
+        return Tensors.from_request(self._wire, self.inputs)
 
     def arrays(self) -> dict[str, Array]:
         """The inputs decoded, as a runtime takes them."""

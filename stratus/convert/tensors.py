@@ -138,9 +138,10 @@ class Tensors:
 
     # -- the wire boundary ---------------------------------------------------------------
     @classmethod
-    def from_request(cls, request: pb.ModelInferRequest) -> Tensors:
-        """A request's inputs, with every count, size and shape checked; raw buffers kept as sent."""
-        headers = input_headers(request)
+    def from_request(cls, request: pb.ModelInferRequest, headers: Sequence[InputHeader] | None = None) -> Tensors:
+        """A request's inputs, with every count, size and shape checked; raw buffers kept as sent.
+        ``headers``: the request's :func:`input_headers`, where the caller has read them already."""
+        headers = input_headers(request) if headers is None else headers
         raw = request.raw_input_contents
         if raw and len(raw) != len(request.inputs):
             raise InvalidInput(

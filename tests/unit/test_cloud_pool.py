@@ -73,7 +73,7 @@ def choice(pool: CloudPool, rng: random.Random, *, exclude: frozenset[str] = fro
     """The gateway the routing policy sends a 'digits' escalation to (by address), or why none."""
     snapshot = FleetSnapshot(pools={Tier.CLOUD: gateway_backends(pool, "digits")}, tiers=frozenset({Tier.CLOUD}))
     target = choose(Attempt(model="digits", remaining_ms=None, exclude=exclude), snapshot, rng)
-    return target if isinstance(target, NoTarget) else target.candidate.cloud.address
+    return target if isinstance(target, NoTarget) else target.candidate.link.address
 
 
 def test_sequential_calls_spread_evenly_over_the_gateways() -> None:
@@ -117,9 +117,9 @@ def test_a_gateway_that_failed_a_call_is_passed_over_for_the_rest_of_its_climb()
 def test_each_gateway_is_one_backend_for_as_long_as_its_link_lives() -> None:
     pool, links = pool_of("a:1,b:2")
     pool.start()
-    first = gateway_backends(pool)
+    first = gateway_backends(pool, "digits")
     assert [b.id for b in first] == ["cloud@a:1", "cloud@b:2"]
-    assert all(a is b for a, b in zip(first, gateway_backends(pool), strict=True))  # none built per request
+    assert all(a is b for a, b in zip(first, gateway_backends(pool, "digits"), strict=True))  # none built per request
     links["b:2"].models = {}
     assert [b.id for b in gateway_backends(pool, "digits")] == ["cloud@a:1"]
 

@@ -9,7 +9,7 @@ import pytest
 
 from router.api.fleet_status import agent_status
 from stratus.cli.fleet_views import agents_table, status_json
-from stratus.convert.hardware import MAX_FLAGS, MAX_TEXT, describe, from_hello, to_wire
+from stratus.convert.hardware import MAX_FLAGS, MAX_TEXT, describe, from_hello, said_of, to_wire
 from stratus.convert.hello import hello_from_wire
 from stratus.families.agent_hello import HardwareSaid
 from stratus.families.cpu import hardware_precisions
@@ -24,12 +24,12 @@ def _arm_hello(name: str = "pi5") -> fpb.Hello:
     message = hello(name)
     hardware = hardware_precisions(A76, "aarch64", model="Cortex-A76", flags_from="hwcap")
     message.hardware = "aarch64 Cortex-A76"
-    message.hardware_info.CopyFrom(to_wire(hardware))
+    message.hardware_info.CopyFrom(to_wire(said_of(hardware)))
     return message
 
 
 def test_the_wire_form_says_the_machine_the_flags_the_choice_used_and_the_precisions() -> None:
-    info = to_wire(hardware_precisions(A76, "aarch64", model="Cortex-A76", flags_from="hwcap"))
+    info = to_wire(said_of(hardware_precisions(A76, "aarch64", model="Cortex-A76", flags_from="hwcap")))
     assert (info.machine, info.cpu_model, info.flags_from) == ("aarch64", "Cortex-A76", "hwcap")
     assert list(info.flags) == ["asimddp", "asimdhp", "fphp"]
     assert list(info.precisions) == ["INT8", "FP16", "FP32"]
@@ -37,7 +37,7 @@ def test_the_wire_form_says_the_machine_the_flags_the_choice_used_and_the_precis
 
 
 def test_a_cpu_without_native_int8_or_fp16_says_fp32_only_and_the_basics_it_found() -> None:
-    info = to_wire(hardware_precisions(["fp", "asimd", "crc32"], "aarch64", flags_from="/proc/cpuinfo"))
+    info = to_wire(said_of(hardware_precisions(["fp", "asimd", "crc32"], "aarch64", flags_from="/proc/cpuinfo")))
     assert describe(info) == "aarch64, fp32 only (/proc/cpuinfo: asimd)"
 
 
