@@ -13,6 +13,7 @@ import asyncio
 import logging
 from typing import Any
 
+from stratus.convert.work import Reloaded, reloaded_to_wire
 from stratus.errors import ConfigError, PermissionDenied, Unauthenticated
 from stratus.execution.local_models import LocalModels
 from stratus.process import start_collapsed
@@ -56,7 +57,7 @@ class Reloader:
     def __init__(self, models: LocalModels | None) -> None:
         self._models = models
         self._lock = asyncio.Lock()
-        self._pending: set[asyncio.Task[fpb.ReloadResponse]] = set()
+        self._pending: set[asyncio.Task[Reloaded]] = set()
 
     def on_hangup(self) -> None:
         if self._models is None:
@@ -67,7 +68,7 @@ class Reloader:
         if not start_collapsed(self._pending, self.reload, name="stratus-cloud-reload"):
             log.info("SIGHUP: a reload is already waiting; this one joins it")
 
-    async def reload(self) -> fpb.ReloadResponse:
+    async def reload(self) -> Reloaded:
         models = self._models
         if models is None:
             raise ConfigError("this gateway serves only its upstream's family: it has no models to reload")
@@ -78,12 +79,12 @@ class Reloader:
             except Exception as exc:  # any failure to load must leave the gateway serving
                 message = f"reload failed; still serving {', '.join(before)}: {exc}"
                 log.error("%s", message)
-                return fpb.ReloadResponse(ok=False, message=message, variants=before)
+                return Reloaded(ok=False, message=message, variants=tuple(before))
             now = _runners(models)
             replaced = sorted(n for n in after if n in runners and now.get(n) is not runners[n])
             message = f"reloaded {models.repository.root}: {what_changed(before, after, replaced)}"
             log.info("%s; serving %s", message, ", ".join(after))
-            return fpb.ReloadResponse(ok=True, message=message, variants=after)
+            return Reloaded(ok=True, message=message, variants=tuple(after))
 
     async def close(self) -> None:
         for task in self._pending:
@@ -112,7 +113,7 @@ class GatewayServicer(fpb_grpc.CloudGatewayServicer):
 
     async def Reload(self, request: fpb.GatewayReloadRequest, context: Any) -> fpb.ReloadResponse:
         self._authorize(context)
-        return await self._reloader.reload()
+        return reloaded_to_wire(await self._reloader.reload())
 
     def _authorize(self, context: Any) -> None:
         if self._mutual_tls:

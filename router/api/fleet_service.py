@@ -22,6 +22,7 @@ from router.offline.corrections import CorrectionLog
 from router.rollout.plans import Rollouts
 from router.site.mirror import SiteMirror
 from router.thresholds.pushes import ThresholdPushes, steer, to_wire
+from stratus.convert.work import Reloaded, reloaded_to_wire
 from stratus.errors import ConfigError, InvalidInput
 from stratus.serving.auth import RouterCredentials
 from stratus.serving.client_limits import client_of
@@ -203,10 +204,9 @@ class FleetServicer(fpb_grpc.FleetServicer):
         self._authorize(request.token, context, "Reload")
         timeout_s = request.timeout_s if request.timeout_s > 0 else 120.0
         handle, problem = await self._registry.reload(request.agent_id, timeout_s)
-        served = sorted(handle.variants)
-        if problem:
-            return fpb.ReloadResponse(ok=False, message=f"agent {handle.id}: {problem}", variants=served)
-        return fpb.ReloadResponse(ok=True, message=f"agent {handle.id} reloaded", variants=served)
+        served = tuple(sorted(handle.variants))
+        message = f"agent {handle.id}: {problem}" if problem else f"agent {handle.id} reloaded"
+        return reloaded_to_wire(Reloaded(ok=not problem, message=message, variants=served))
 
     async def ReloadCloud(self, request: fpb.CloudReloadRequest, context: Any) -> fpb.ReloadResponse:
         self._authorize(request.token, context, "ReloadCloud")
@@ -216,7 +216,7 @@ class FleetServicer(fpb_grpc.FleetServicer):
         answer = await self._cloud.reload(timeout_s=timeout_s)
         if answer.ok:
             await self._cloud.learn_now()  # so a request for what it just loaded finds it now
-        return answer
+        return reloaded_to_wire(answer)
 
     async def Rollout(self, request: fpb.RolloutRequest, context: Any) -> fpb.RolloutReply:
         action = request.action

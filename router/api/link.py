@@ -24,8 +24,9 @@ from typing import Any, Final
 from router.fleet.agent_handle import AgentHandle
 from router.fleet.registry import FleetRegistry
 from stratus import __version__
-from stratus.convert.fleet import heartbeat_from_wire
+from stratus.convert.fleet import chunk_from_wire, heartbeat_from_wire
 from stratus.convert.hello import check_hello_bounds, hello_from_wire
+from stratus.convert.work import result_from_wire
 from stratus.errors import ConfigError, DeadlineExceeded, InvalidInput, Overloaded, StratusError
 from stratus.serving.auth import POOL_PREFIX, RouterCredentials
 from stratus.serving.client_limits import client_of
@@ -281,9 +282,9 @@ class AgentLinkServicer(fpb_grpc.AgentLinkServicer):
                         break
                     self._registry.heartbeat(handle, heartbeat_from_wire(message.heartbeat))
                 elif kind == "result":
-                    self._registry.result(handle, message.result)
+                    self._registry.result(handle, result_from_wire(message.result, f"agent {handle.id}"))
                 elif kind == "chunk":
-                    self._registry.chunk(handle, message.chunk)
+                    self._registry.chunk(handle, message.chunk.request_id, chunk_from_wire(message.chunk))
                 elif kind == "draining":
                     self._registry.draining(handle)
                 elif kind == "hello":

@@ -19,11 +19,11 @@ from dataclasses import dataclass
 from typing import Final, Protocol
 
 from router.backends.base import Classified, Generated, OnChunk, Ran
-from stratus.convert.errors import error_from_wire
-from stratus.convert.fleet import chunk_from_wire
 from stratus.convert.tensors import Tensors
+from stratus.convert.work import WorkResult
 from stratus.datatypes import numpy_dtype
 from stratus.errors import DeadlineExceeded, Unavailable
+from stratus.families.generation import Chunk
 from stratus.obs.stats import LatencyWindow
 from stratus.sched.batching import Batch, Batcher, BatchKey, split_counts
 from stratus.serving.channels import MAX_WORK_BYTES, check_fits
@@ -115,8 +115,8 @@ class AgentWork:
         self.agent = agent
         self.settings = settings
         self.outbox: asyncio.Queue[fpb.RouterMessage | None] = asyncio.Queue()
-        self.pending: dict[str, asyncio.Future[fpb.Result]] = {}
-        self.chunks: dict[str, Callable[[fpb.Chunk], None]] = {}  # generations, by Work id
+        self.pending: dict[str, asyncio.Future[WorkResult]] = {}
+        self.chunks: dict[str, OnChunk] = {}  # generations, by Work id
         self.batcher = self._batcher()
 
     def _batcher(self) -> Batcher[Part, PartAnswer]:
@@ -161,13 +161,11 @@ class AgentWork:
         )
 
     async def generate(self, request: pb.ModelInferRequest, on_chunk: OnChunk, *, budget_ms: float) -> Generated:
-        result = await self.generation(
-            request, budget_ms=budget_ms, on_chunk=lambda message: on_chunk(chunk_from_wire(message))
-        )
+        result = await self.generation(request, budget_ms=budget_ms, on_chunk=on_chunk)
         return Generated(
             agent=self.agent.id,
             variant=result.variant,
-            response=result.response,
+            said=result.said,
             confidence=result.confidence if result.confidences else None,
             precision=self.agent.precision_of(result.variant),
         )
@@ -194,9 +192,7 @@ class AgentWork:
             timeout_s=budget_ms / 1000.0,
         )
 
-    async def generation(
-        self, request: pb.ModelInferRequest, *, budget_ms: float, on_chunk: Callable[[fpb.Chunk], None]
-    ) -> fpb.Result:
+    async def generation(self, request: pb.ModelInferRequest, *, budget_ms: float, on_chunk: OnChunk) -> WorkResult:
         """One generative Work, not batched: its Chunks go to ``on_chunk`` as they arrive,
         then its Result. Cancelling the caller sends Cancel, which stops the agent's runtime."""
         agent = self.agent
@@ -215,8 +211,8 @@ class AgentWork:
         finally:
             self.chunks.pop(request_id, None)
         agent.link_ms.add(max(0.0, (self.settings.clock() - sent) * 1000.0 - result.service_ms))
-        if result.WhichOneof("outcome") == "error":
-            raise error_from_wire(result.error, f"agent {agent.id}")
+        if result.error is not None:
+            raise result.error
         return result
 
     async def _send(self, batch: Batch[Part, PartAnswer]) -> list[PartAnswer]:
@@ -248,13 +244,13 @@ class AgentWork:
 
     async def _exchange(
         self, request_id: str, message: fpb.RouterMessage, budget_ms: float, what: str, *, patience: bool = False
-    ) -> fpb.Result:
+    ) -> WorkResult:
         """Put one Work on the link and wait for its Result; on the deadline or when the
         caller gives up, a Cancel follows it. ``patience``: ``budget_ms`` is the agent's
         patience (AgentHandle.patience_ms), shorter than the requests' own budgets."""
         if self.agent.lost:  # its link is gone: nothing put on it would ever be answered
             raise Unavailable(f"agent {self.agent.id} was lost before its Work could be sent")
-        future: asyncio.Future[fpb.Result] = asyncio.get_running_loop().create_future()
+        future: asyncio.Future[WorkResult] = asyncio.get_running_loop().create_future()
         self.pending[request_id] = future
         self.outbox.put_nowait(message)
         try:
@@ -296,13 +292,26 @@ class AgentWork:
     def _cancel(self, request_id: str) -> None:
         self.outbox.put_nowait(fpb.RouterMessage(cancel=fpb.Cancel(request_id=request_id)))
 
+    # -- what else the link carries ---------------------------------------------------------
+    def ask_reload(self) -> None:
+        """The agent reloads its models folder, then says hello again (or why it could not)."""
+        self.outbox.put_nowait(fpb.RouterMessage(reload=fpb.Reload()))
+
+    def ask_drain(self, reason: str) -> None:
+        """The agent finishes what it holds, takes no more, and says it is draining."""
+        self.outbox.put_nowait(fpb.RouterMessage(drain=fpb.Drain(reason=reason)))
+
+    def set_pace(self, heartbeat_interval_s: float) -> None:
+        """The agent beats at this interval from now on (the fleet's size sets it)."""
+        self.outbox.put_nowait(fpb.RouterMessage(pace=fpb.Pace(heartbeat_interval_s=heartbeat_interval_s)))
+
     def _check_reading(self) -> None:
         if self.outbox.qsize() >= MAX_OUTBOX:
             self.settings.on_stuck(f"not reading its link ({MAX_OUTBOX} messages waiting)")
             raise Unavailable(f"agent {self.agent.id} is not reading its link")
 
     # -- what comes back on the link ---------------------------------------------------------
-    def result(self, result: fpb.Result) -> bool:
+    def result(self, result: WorkResult) -> bool:
         """Hand a Result to the Work waiting on it; False when none is (finished, or unknown)."""
         future = self.pending.pop(result.request_id, None)
         if future is None:
@@ -312,8 +321,9 @@ class AgentWork:
             future.set_result(result)
         return True
 
-    def chunk(self, chunk: fpb.Chunk) -> None:
-        deliver = self.chunks.get(chunk.request_id)
+    def chunk(self, request_id: str, chunk: Chunk) -> None:
+        """Hand a generation's tokens to the request waiting on them (none: it finished)."""
+        deliver = self.chunks.get(request_id)
         if deliver is not None:
             deliver(chunk)
 
@@ -338,45 +348,28 @@ def items_that_fit(key: BatchKey) -> int:
     return max(1, MAX_WORK_BYTES // per_item) if per_item else MAX_WORK_BYTES
 
 
-def _duration(ms: float) -> float:
-    """A time an agent reported, as statistics may add it up: NaN, infinite or negative is 0."""
-    return ms if math.isfinite(ms) and ms > 0 else 0.0
-
-
-def _confidence(value: float) -> float:
-    """An agent's confidence as the policy may compare it: within [0, 1], NaN as 0 (unsure)."""
-    return 0.0 if math.isnan(value) else min(1.0, max(0.0, value))
-
-
 def split_result(
-    agent: str, result: fpb.Result, sizes: Sequence[int], waited_ms: Sequence[float] = ()
+    agent: str, result: WorkResult, sizes: Sequence[int], waited_ms: Sequence[float] = ()
 ) -> list[PartAnswer]:
     """A Work's Result, back into one answer (or one error) per merged request, in order;
     ``waited_ms``: how long each request waited here before the Work left."""
-    if result.WhichOneof("outcome") == "error":
-        raise error_from_wire(result.error, f"agent {agent}")
-    outputs = Tensors.from_response(result.response)
+    if result.error is not None:
+        raise result.error
+    outputs = result.outputs
     total = sum(sizes)
     if outputs.items != total or (not outputs.splittable and len(sizes) > 1):
         raise Unavailable(f"agent {agent} answered {outputs.items} items for a batch of {total}")
-    confidences = [
-        _confidence(c)
-        for c in (
-            list(result.confidences) if len(result.confidences) == total else [result.confidence] * total
-        )
-    ]
+    confidences = result.item_confidences(total)
     return [
         PartAnswer(
             outputs=outputs.rows(start, stop),
-            confidences=tuple(confidences[start:stop]),
+            confidences=confidences[start:stop],
             variant=result.variant,
             batch_size=result.batch_size,
-            queue_ms=_duration(waited) + _duration(result.queue_ms),
-            service_ms=_duration(result.service_ms),
+            queue_ms=max(0.0, waited) + result.queue_ms,
+            service_ms=result.service_ms,
         )
         for (start, stop), waited in zip(
             split_counts(total, sizes), list(waited_ms) or [0.0] * len(sizes), strict=True
         )
     ]
-
-

@@ -7,12 +7,13 @@ without knowing which kind it is: no ``if cloud`` branch is left in either.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 from router.policy import Candidate
 from stratus.convert.tensors import Tensors
+from stratus.datatypes import ParameterValue
 from stratus.families.generation import Chunk
 from stratus.wire import inference_pb2 as pb
 
@@ -67,7 +68,7 @@ class Generated:
 
     agent: str
     variant: str
-    response: pb.ModelInferResponse  # the final response: finish reason, usage
+    said: Mapping[str, ParameterValue | None]  # the final answer's parameters: finish reason, usage
     confidence: float | None  # the target's own, on the tokens it made; None: it named none
     precision: str = ""
 

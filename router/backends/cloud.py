@@ -27,6 +27,7 @@ from stratus.convert.parameters import (
     VARIANT,
     parameter_value,
     reported_ms,
+    values_of,
 )
 from stratus.convert.tensors import MAX_REQUEST_ITEMS, Tensors
 from stratus.errors import Unavailable
@@ -136,7 +137,7 @@ class CloudBackend:
         return Generated(
             agent=self.id,
             variant=_named(params, VARIANT, request.model_name),
-            response=response,
+            said=values_of(params),
             confidence=float(confidence or 0.0) if confidence is not None else None,
             precision=_named(params, PRECISION, ""),
         )

@@ -26,7 +26,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -45,7 +45,7 @@ from router.policy.climb import (
     retryable,
 )
 from stratus.convert.inference import TextRequest
-from stratus.convert.parameters import RequestOptions, Served, values_of
+from stratus.convert.parameters import RequestOptions, Served
 from stratus.convert.text import chat_templated, read_usage
 from stratus.datatypes import ParameterValue
 from stratus.errors import StratusError
@@ -310,7 +310,7 @@ class GenerationCascade:
         try:
             result = await target.candidate.generate(self.request, on_chunk, budget_ms=remaining)
             show(answer.finish())
-            said = values_of(result.response.parameters)
+            said = result.said
             prompt_tokens, completion_tokens = read_usage(said)
         except asyncio.CancelledError as exc:
             if exc.args == ("hopeless",) and asyncio.current_task() is work:
@@ -333,7 +333,7 @@ class GenerationCascade:
             variant=result.variant,
             precision=result.precision,
             confidence=answer.running.value if own is None else own,
-            finish_reason="stop" if answer.cut.stopped else _finish_reason(result.response),
+            finish_reason="stop" if answer.cut.stopped else _finish_reason(said),
             path=tuple(self.path),
             timings_ms=dict(self.timings),
             prompt_tokens=prompt_tokens,
@@ -348,9 +348,10 @@ class GenerationCascade:
             await self.sink(chunk)
 
 
-def _finish_reason(response: pb.ModelInferResponse) -> str:
-    parameter = response.parameters.get(FINISH_REASON)
-    return parameter.string_param if parameter is not None and parameter.string_param else "stop"
+def _finish_reason(said: Mapping[str, ParameterValue | None]) -> str:
+    """Why the target stopped, as it said (a foreign one that says nothing: it stopped)."""
+    reason = said.get(FINISH_REASON)
+    return reason if isinstance(reason, str) and reason else "stop"
 
 
 def generation_values(result: Generation) -> dict[str, ParameterValue]:

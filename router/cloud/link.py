@@ -30,6 +30,7 @@ from router.cloud.calls import CloudCalls, OnChunk
 from router.cloud.catalog import CloudCatalog, Families, Headers
 from router.cloud.models import NamedModel
 from router.cloud.replies import call_error, described, judged, on_the_wire, refused_at_once, server_of
+from stratus.convert.work import Reloaded, reloaded_from_wire
 from stratus.errors import ConfigError, DeadlineExceeded, Overloaded, StratusError, Unavailable
 from stratus.families.description import FamilyDescription
 from stratus.obs.stats import LatencyWindow
@@ -205,13 +206,13 @@ class CloudLink(CloudCatalog):
         self.breaker.success()  # a fresh link to a live cloud: stop failing fast
         log.info("cloud link to %s connected (%s)", self.address, transport)
 
-    async def reload(self, *, timeout_s: float) -> fpb.ReloadResponse:
+    async def reload(self, *, timeout_s: float) -> Reloaded:
         """Ask a Stratus cloud gateway to reload its models folder, with the link's credential."""
         if self._channel is None:
             raise Unavailable(f"cloud {self.address} is {self.status}")
         stub = fpb_grpc.CloudGatewayStub(self._channel)
         try:
-            return await stub.Reload(fpb.GatewayReloadRequest(), timeout=timeout_s, metadata=self._headers)
+            answer = await stub.Reload(fpb.GatewayReloadRequest(), timeout=timeout_s, metadata=self._headers)
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
                 raise ConfigError(
@@ -219,6 +220,7 @@ class CloudLink(CloudCatalog):
                     "gateway: it has no Reload; load new models its own way"
                 ) from None
             raise call_error(exc, timeout_s) from None
+        return reloaded_from_wire(answer)
 
     async def learn_now(self) -> None:
         """Learn what the cloud serves now (after it reloaded), where the link is up."""

@@ -30,11 +30,11 @@ from typing import Protocol, TypeVar
 
 from router.cloud.link import UNMEASURED_MS, CloudLink, LinkState
 from router.cloud.models import NamedModel
+from stratus.convert.work import Reloaded
 from stratus.errors import ConfigError, Unavailable
 from stratus.families.description import FamilyDescription
 from stratus.obs.stats import LatencyWindow
 from stratus.serving.discovery import dns_target
-from stratus.wire import fleet_pb2 as fpb
 
 log = logging.getLogger("stratus.router.cloud")
 
@@ -85,7 +85,7 @@ class CloudTier(Protocol):
         ...
     def start(self) -> None: ...
     async def close(self) -> None: ...
-    async def reload(self, *, timeout_s: float) -> fpb.ReloadResponse: ...
+    async def reload(self, *, timeout_s: float) -> Reloaded: ...
     async def learn_now(self) -> None: ...
 
 
@@ -301,7 +301,7 @@ class CloudPool:
         await asyncio.gather(*(link.close() for link in idle), return_exceptions=True)
 
     # -- reloads ----------------------------------------------------------------------------
-    async def reload(self, *, timeout_s: float) -> fpb.ReloadResponse:
+    async def reload(self, *, timeout_s: float) -> Reloaded:
         """Every gateway reloads its models folder; ok only if each one did."""
         links = list(self.links.values())
         if not links:
@@ -309,14 +309,11 @@ class CloudPool:
         if len(links) == 1:
             return await links[0].reload(timeout_s=timeout_s)
         tried = await asyncio.gather(*(link.reload(timeout_s=timeout_s) for link in links), return_exceptions=True)
-        answers = [
-            answer if isinstance(answer, fpb.ReloadResponse) else fpb.ReloadResponse(ok=False, message=str(answer))
-            for answer in tried
-        ]
-        return fpb.ReloadResponse(
+        answers = [answer if isinstance(answer, Reloaded) else Reloaded(ok=False, message=str(answer)) for answer in tried]
+        return Reloaded(
             ok=all(answer.ok for answer in answers),
             message="; ".join(f"{link.address}: {answer.message}" for link, answer in zip(links, answers, strict=True)),
-            variants=sorted({v for answer in answers for v in answer.variants}),
+            variants=tuple(sorted({v for answer in answers for v in answer.variants})),
         )
 
     async def learn_now(self) -> None:

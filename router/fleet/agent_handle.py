@@ -21,7 +21,6 @@ from stratus.errors import DeadlineExceeded
 from stratus.families.agent_hello import FamilyUnavailable, HardwareSaid, VariantServed
 from stratus.obs.stats import LatencySummary, LatencyWindow, RateMeter, ServiceCurve, SizeWindow
 from stratus.tiers import Tier
-from stratus.wire import fleet_pb2 as fpb
 from stratus.wire import inference_pb2 as pb
 
 # Most items one agent may say it runs as one batch (a Hello's max_batch is clamped to it).
@@ -129,7 +128,7 @@ class AgentHandle:
         the link at a time: a caller that comes while one runs waits for the same answer."""
         waiter: asyncio.Future[str] = asyncio.get_running_loop().create_future()
         if not self.reloads:
-            self.work.outbox.put_nowait(fpb.RouterMessage(reload=fpb.Reload()))
+            self.work.ask_reload()
         self.reloads.append(waiter)
         try:
             async with asyncio.timeout(timeout_s):

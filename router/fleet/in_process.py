@@ -31,9 +31,10 @@ from router.backends.base import RanHere
 from router.fleet.agent_handle import AgentHandle, State
 from router.fleet.registry import FleetRegistry
 from stratus.convert.errors import error_label
-from stratus.convert.fleet import heartbeat_from_wire, heartbeat_to_wire
+from stratus.convert.fleet import chunk_from_wire, heartbeat_from_wire, heartbeat_to_wire
 from stratus.convert.hello import hello_from_wire, hello_to_wire
 from stratus.convert.tensors import Tensors
+from stratus.convert.work import result_from_wire
 from stratus.datatypes import Array
 from stratus.errors import DeadlineExceeded, StratusError
 from stratus.execution.describe import Introduction, heartbeat, hello
@@ -233,8 +234,8 @@ class InProcessAgent:
     async def _to_router(self, handle: AgentHandle) -> None:
         registry = self.registry
         handlers: dict[str, Callable[[fpb.AgentMessage], None]] = {
-            "result": lambda m: registry.result(handle, m.result),
-            "chunk": lambda m: registry.chunk(handle, m.chunk),
+            "result": lambda m: registry.result(handle, result_from_wire(m.result, f"agent {handle.id}")),
+            "chunk": lambda m: registry.chunk(handle, m.chunk.request_id, chunk_from_wire(m.chunk)),
             "heartbeat": lambda m: registry.heartbeat(handle, heartbeat_from_wire(m.heartbeat)),
             "draining": lambda m: registry.draining(handle),
             "hello": lambda m: registry.reannounce(handle, hello_from_wire(m.hello)),

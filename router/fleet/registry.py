@@ -30,15 +30,16 @@ from router.fleet.states import AgentStates
 from router.fleet.watchers import Watchers
 from router.policy import FleetSnapshot
 from stratus.convert.hardware import describe as describe_hardware
+from stratus.convert.work import WorkResult
 from stratus.errors import AlreadyHeld, InvalidInput, NotFound
 from stratus.families.agent_hello import AgentHello
 from stratus.families.description import FamilyDescription
+from stratus.families.generation import Chunk
 from stratus.obs.metrics import RouterMetrics
 from stratus.obs.stats import LoadReport
 from stratus.sched.batching import DEFAULT_MAX_DELAY_S
 from stratus.serving.auth import POOL_PREFIX
 from stratus.tiers import Tier
-from stratus.wire import fleet_pb2 as fpb
 
 log = logging.getLogger("stratus.registry")
 
@@ -216,12 +217,12 @@ class FleetRegistry:
         return self.states.forget(agent_id)
 
     # -- work ------------------------------------------------------------------------------
-    def result(self, handle: AgentHandle, result: fpb.Result) -> None:
+    def result(self, handle: AgentHandle, result: WorkResult) -> None:
         if handle.work.result(result):
-            handle.completions.add(max(1, len(result.confidences)))
+            handle.completions.add(result.items)
 
-    def chunk(self, handle: AgentHandle, chunk: fpb.Chunk) -> None:
-        handle.work.chunk(chunk)
+    def chunk(self, handle: AgentHandle, request_id: str, chunk: Chunk) -> None:
+        handle.work.chunk(request_id, chunk)
 
     def _work_settings(self, handle: AgentHandle) -> WorkSettings:
         metrics = self.metrics

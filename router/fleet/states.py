@@ -21,7 +21,6 @@ from router.fleet.family_book import FamilyBook
 from router.fleet.index import AgentIndex
 from stratus.errors import ConfigError, NotFound
 from stratus.obs.stats import LoadReport
-from stratus.wire import fleet_pb2 as fpb
 
 log = logging.getLogger("stratus.registry")
 
@@ -147,7 +146,7 @@ class AgentStates:
 
     def drain(self, agent_id: str) -> AgentHandle:
         handle = self.check_mark(agent_id, "drained")
-        handle.work.outbox.put_nowait(fpb.RouterMessage(drain=fpb.Drain(reason="drained by operator")))
+        handle.work.ask_drain("drained by operator")
         handle.operator_drained = True
         self.draining(handle)
         return handle
@@ -197,12 +196,11 @@ class AgentStates:
             return
         log.info("fleet of %d agents: heartbeats every %.1f s (was %.1f s)", self._linked, pace, self.pace_s)
         slower, self.pace_s = pace > self.pace_s, pace
-        message = fpb.RouterMessage(pace=fpb.Pace(heartbeat_interval_s=pace))
         now = self._clock()
         for handle in self._agents.values():
             if handle.state == State.LOST:
                 continue
-            handle.work.outbox.put_nowait(message)
+            handle.work.set_pace(pace)
             handle.heartbeat_s = pace
             if not slower:  # time silence from the new pace, not from the old, longer gap
                 handle.last_heartbeat = max(handle.last_heartbeat, now)

@@ -61,7 +61,12 @@ def status_for(code: int) -> grpc.StatusCode:
 
 def error_label(error: StratusError) -> str:
     """A metric's label for an error: its status, in lower case (``invalid_argument``)."""
-    return status_code(error).name.lower()
+    return status_label(status_code(error))
+
+
+def status_label(code: grpc.StatusCode) -> str:
+    """A metric's label for a status (an agent's failed Work counts under its code's)."""
+    return code.name.lower()
 
 
 def error_from_status(code: grpc.StatusCode, message: str) -> StratusError:
@@ -94,11 +99,6 @@ def error_to_wire(exc: BaseException) -> fpb.Error:
 def error_from_wire(error: fpb.Error, peer: str) -> StratusError:
     """An agent's ``fpb.Error`` as the error it names, the message prefixed with ``peer``."""
     return error_from_status(status_for(error.code), f"{peer}: {error.message}")
-
-
-def wire_error_label(error: fpb.Error) -> str:
-    """A metric's label for an error an agent sends: like :func:`error_label`."""
-    return status_for(error.code).name.lower()
 
 
 def stream_error(request: Addressed, exc: BaseException) -> pb.ModelStreamInferResponse:

@@ -28,6 +28,7 @@ from stratus.convert.hello import hello_from_wire
 from stratus.convert.parameters import RequestOptions
 from stratus.convert.tensors import Tensors
 from stratus.convert.text import prompt_request
+from stratus.convert.work import result_from_wire
 from stratus.errors import ConfigError
 from stratus.families.audit import AuditSpec
 from stratus.families.generation import Chunk, GenerationParams, Token
@@ -376,7 +377,7 @@ async def answer_work(registry: FleetRegistry, name: str, classes: list[int], se
         )
         codec.encode_response_outputs(result.response, {"probabilities": scores(classes)})
         result.confidences.extend([0.9] * len(classes))
-        registry.result(handle, result)
+        registry.result(handle, result_from_wire(result, f"agent {name}"))
 
 
 def test_without_a_cloud_audits_go_to_an_idle_top_tier_agent() -> None:

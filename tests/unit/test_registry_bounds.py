@@ -17,6 +17,7 @@ from router.fleet.states import FORGET_LOST_S
 from router.fleet.watchers import MAX_OPERATOR_WATCHERS, MAX_WATCHERS, MAX_WATCHERS_PER_ADDRESS
 from stratus.convert.fleet import heartbeat_from_wire
 from stratus.convert.hello import hello_from_wire
+from stratus.convert.work import WorkResult, result_from_wire
 from stratus.errors import InvalidInput, Overloaded
 from stratus.obs.stats import LatencySummary
 from stratus.tiers import Tier
@@ -85,11 +86,11 @@ def test_a_declared_capacity_is_earned_by_serving_it_and_lost_by_missing_deadlin
     handle = registry().register(hello_from_wire(greedy), peer="t")
     assert handle.work.batcher.slots == FIRST_WINDOW
     for _ in range(100):
-        handle.work.learnt(fpb.Result(variant="digits-small"), 1.0, saturated=False)
+        handle.work.learnt(WorkResult(request_id="r", variant="digits-small"), 1.0, saturated=False)
     assert handle.capacity == FIRST_WINDOW, "answers while slots stood idle prove nothing"
     answers = 0
     while handle.capacity == FIRST_WINDOW:
-        handle.work.learnt(fpb.Result(variant="digits-small"), 1.0, saturated=True)
+        handle.work.learnt(WorkResult(request_id="r", variant="digits-small"), 1.0, saturated=True)
         answers += 1
     assert FIRST_WINDOW <= answers <= 2 * FIRST_WINDOW  # about a window's worth for one more slot
     assert handle.capacity == FIRST_WINDOW + 1 and handle.work.batcher.slots == FIRST_WINDOW + 1
@@ -102,7 +103,7 @@ def test_a_declared_capacity_is_earned_by_serving_it_and_lost_by_missing_deadlin
     small.capacity = 2
     honest = registry().register(hello_from_wire(small), peer="t")
     for _ in range(1000):
-        honest.work.learnt(fpb.Result(variant="digits-small"), 1.0, saturated=True)
+        honest.work.learnt(WorkResult(request_id="r", variant="digits-small"), 1.0, saturated=True)
     assert honest.capacity == 2, "never past what it declared"
 
 
@@ -111,7 +112,7 @@ def test_reported_confidences_are_clamped_to_what_the_policy_compares() -> None:
     result = fpb.Result(request_id="r1", variant="digits-small", confidences=[math.nan, 7.0, -1.0, 0.5])
     result.response.outputs.add(name="probabilities", datatype="FP32", shape=[4, 1])
     result.response.raw_output_contents.append(b"\0" * 16)
-    (part,) = split_result(handle.id, result, [4])
+    (part,) = split_result(handle.id, result_from_wire(result, "agent d1"), [4])
     assert part.confidences == (0.0, 1.0, 0.0, 0.5)
 
 
@@ -291,7 +292,7 @@ def test_an_agent_earns_patience_by_what_it_is_measured_to_take_never_by_what_it
     assert handle.cost_ms("digits-small", 1) == 5_000.0  # the policy reads the report ...
     assert handle.patience_ms("digits-small", 1) == PATIENCE_FLOOR_MS  # ... patience does not
     for _ in range(20):
-        handle.learn(fpb.Result(variant="digits-small", batch_size=8, service_ms=400.0), 401.0)
+        handle.learn(WorkResult(request_id="r", variant="digits-small", batch_size=8, service_ms=400.0), 401.0)
     assert handle.patience_ms("digits-small", 8) == pytest.approx(PATIENCE_FACTOR * (handle.rtt_ms + 400.0), rel=0.05)
 
 

@@ -31,11 +31,12 @@ from router.dataplane import RouterDataPlane
 from router.fleet.agent_handle import AgentHandle
 from router.fleet.registry import FleetRegistry
 from stratus.convert import codec
-from stratus.convert.fleet import heartbeat_from_wire
+from stratus.convert.fleet import chunk_from_wire, heartbeat_from_wire
 from stratus.convert.hello import hello_from_wire
 from stratus.convert.inference import InferRequest, InferResult, TextRequest
 from stratus.convert.parameters import CONFIDENCE, VARIANT, RequestOptions, Served, set_parameter
 from stratus.convert.text import prompt_request, text_result
+from stratus.convert.work import result_from_wire
 from stratus.errors import StratusError
 from stratus.families.generation import (
     COMPLETION_TOKENS,
@@ -176,7 +177,7 @@ class FakeAgent:
         elif behaviour.hold_after is not None:
             await asyncio.Event().wait()
         self.clock.advance(behaviour.latency_ms)
-        self.registry.result(self.handle, self._result(work))
+        self.registry.result(self.handle, result_from_wire(self._result(work), f"agent {self.handle.id}"))  # as a link reads it
 
     async def _generate(self, work: fpb.Work) -> None:
         for sent, tokens in enumerate(self.behaviour.chunks):
@@ -185,7 +186,7 @@ class FakeAgent:
             text = "".join(t for t, _ in tokens)
             message = fpb.Chunk(request_id=work.request_id, text=text, logprobs=[lp for _, lp in tokens])
             message.margins.extend([math.nan] * len(tokens))
-            self.registry.chunk(self.handle, message)
+            self.registry.chunk(self.handle, work.request_id, chunk_from_wire(message))
             await asyncio.sleep(0)  # as a link would: the router reads each chunk apart
 
     def _result(self, work: fpb.Work) -> fpb.Result:

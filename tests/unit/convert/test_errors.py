@@ -17,9 +17,9 @@ from stratus.convert.errors import (
     error_to_wire,
     http_status,
     status_for,
+    status_label,
     stream_error,
     wire_error,
-    wire_error_label,
 )
 from stratus.families.sampling import FieldError
 from stratus.wire import inference_pb2 as pb
@@ -60,7 +60,7 @@ def test_an_agents_error_comes_back_as_the_one_it_raised(
 def test_an_agents_unexpected_failure_is_internal_and_fails_over() -> None:
     sent = error_to_wire(ZeroDivisionError("division by zero"))
     assert (sent.code, sent.message) == (13, "ZeroDivisionError: division by zero")
-    assert wire_error_label(sent) == "internal"
+    assert status_label(status_for(sent.code)) == "internal"
     back = error_from_wire(sent, "agent a1")
     assert type(back) is errors.Unavailable
     assert str(back) == "agent a1: ZeroDivisionError: division by zero (INTERNAL)"
@@ -68,7 +68,7 @@ def test_an_agents_unexpected_failure_is_internal_and_fails_over() -> None:
 
 def test_a_cancelled_work_is_labelled_cancelled() -> None:
     sent = wire_error(grpc.StatusCode.CANCELLED, "cancelled by the router")
-    assert (sent.code, wire_error_label(sent)) == (1, "cancelled")
+    assert (sent.code, status_label(status_for(sent.code))) == (1, "cancelled")
     assert type(error_from_wire(sent, "agent a1")) is errors.Unavailable
 
 
