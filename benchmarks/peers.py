@@ -90,7 +90,7 @@ def stratus_in_process(log_dir: Path, tree: Path | None = None) -> Iterator[Stac
         ["router", "--listen", "127.0.0.1:0", "--no-advertise", "--models", str(MODELS),
          "--local-tier", "edge", *local_flags(), *QUIET],
         role=f"router-local{'-' + tree.name if tree else ''}", log_dir=log_dir,
-        env={"PYTHONPATH": str(tree)} if tree else None,
+        env={"PYTHONPATH": str(tree)} if tree else None, cwd=tree,
     )  # fmt: skip
     try:
         wait_for_agents(router.address, 1)

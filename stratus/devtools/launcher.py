@@ -76,6 +76,7 @@ def launch(
     timeout: float = 120.0,
     module: str = "stratus.cli",
     python: Sequence[str] | None = None,
+    cwd: Path | None = None,
 ) -> Launched:
     """Start ``python -m MODULE ARGS`` (``stratus ARGS`` by default) and wait for its READY
     line, or its death, with its log.
@@ -83,6 +84,8 @@ def launch(
     ``python`` is the command that runs Python: this interpreter by default, or one that runs
     it elsewhere (``scripts/arm64_env.py``: an emulated aarch64 chroot); it must exec Python in
     the end, so that the process started is the one that takes SIGTERM and gives the exit code.
+    ``cwd``: where it runs; ``python -m`` imports from there before ``PYTHONPATH``, so another
+    checkout's code runs only from its own folder.
     """
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"{role}.log"
@@ -96,6 +99,7 @@ def launch(
             stderr=log_file,
             text=True,
             env=child_env,
+            cwd=cwd,
             start_new_session=True,
         )
     launched = Launched(role=role, args=list(args), process=process, log_path=log_path)

@@ -67,3 +67,19 @@ def test_only_the_parent_named_is_watched() -> None:
     assert asyncio.run(watches({PARENT_PID_ENV: str(os.getppid())}))
     assert not asyncio.run(watches({PARENT_PID_ENV: str(os.getpid())}))  # inherited from further up
     assert not asyncio.run(watches({}))
+
+
+def test_another_checkouts_code_runs_from_its_own_folder(tmp_path: Path) -> None:
+    """``python -m`` imports from its working folder before PYTHONPATH: benchmarks/peers.py's
+    --baseline-tree ran this checkout's router under another's name until it was given ``cwd``."""
+    tree = tmp_path / "tree"
+    (tree / "stratus").mkdir(parents=True)
+    (tree / "stratus" / "__init__.py").write_text("")
+    (tree / "stratus" / "cli.py").write_text(
+        "import time\nprint('STRATUS READY the-other-tree', flush=True)\ntime.sleep(600)\n"
+    )
+    other = launch([], role="other", log_dir=tmp_path, env={"PYTHONPATH": str(tree)}, cwd=tree, timeout=30)
+    try:
+        assert other.address == "the-other-tree"
+    finally:
+        other.kill()
