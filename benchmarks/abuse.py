@@ -57,6 +57,7 @@ from abuse_membership import (  # noqa: E402
     f12_hello_flood,
     f13_silent_streams,
     f16_watchers,
+    n2_insider_router,
     n3_black_hole,
 )
 from abuse_requests import (  # noqa: E402
@@ -116,6 +117,7 @@ ATTACKS: tuple[Attack, ...] = (
     Attack("F18", "huge empty shape", f18_huge_shape),
     Attack("F21", "huge budget", f21_huge_budget),
     Attack("N1", "silent inference streams", n1_silent_inference_streams),
+    Attack("N2", "agent key serving as a router", n2_insider_router),
     Attack("N3", "black hole declaring 1,024", n3_black_hole),
     Attack("F16", "Watch flood", f16_watchers),
     Attack("F12", "Hello flood", f12_hello_flood),

@@ -4,6 +4,8 @@ conflicting family, Drain/Reload loops and Watch floods."""
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
@@ -11,7 +13,7 @@ from typing import Any
 
 import grpc
 import numpy as np
-from abuse_fleet import HELLO_TIMEOUT_S, aio, role_args
+from abuse_fleet import HELLO_TIMEOUT_S, MODELS, aio, role_args
 from abuse_kit import (
     Context,
     Outcome,
@@ -240,3 +242,41 @@ async def f16_watchers(ctx: Context) -> Outcome:
         await asyncio.gather(*(watch() for _ in range(80)))
     return Outcome(f"80 watchers x {ctx.duration_s:g} s, include_agents",
                    f"{codes(tally)}; {events} events, {received / 2**20:.1f} MiB")  # fmt: skip
+
+
+async def n2_insider_router(ctx: Context) -> Outcome:
+    """security2 N2 at full strength: a stolen agent key from the fleet's own CA (device-2's),
+    serving as a router; a real device-1 with its own certificate and the fleet's CA is pointed at
+    it for the window, as zeroconf or a poisoned --router would point it. Every agent certificate
+    once named every host, so the handshake passed and the fake took device-1's Hello and token.
+    Leaves now carry their own role's name, and an agent dials a router only by the router's: the
+    handshake fails before a byte of Hello is sent."""
+    fleet = ctx.fleet
+    pki = fleet.log_dir / "n2-pki"
+    made = await asyncio.to_thread(
+        subprocess.run, [sys.executable, "-m", "stratus.cli", "certs", "--out", str(pki)], capture_output=True
+    )
+    if made.returncode != 0:
+        return Outcome("insider router", f"stratus certs failed: {made.stderr.decode()[-200:]}")
+
+    def tls(stem: str) -> list[str]:
+        return ["--tls-cert", str(pki / f"{stem}.pem"), "--tls-key", str(pki / f"{stem}.key"), "--tls-ca", str(pki / "ca.pem")]
+
+    insider = await asyncio.to_thread(
+        launch, ["router", "--listen", "127.0.0.1:0", "--no-advertise", *tls("agent-device-2")],
+        role="n2-insider-router", log_dir=fleet.log_dir,
+    )  # fmt: skip
+    fleet.extra.append(insider)
+    victim = await asyncio.to_thread(
+        launch, ["agent", "--tier", "device", "--models", str(MODELS), "--variants", "digits-small",
+                 "--router", insider.address, "--name", "device-1", *tls("agent-device-1")],
+        role="n2-victim-device-1", log_dir=fleet.log_dir,
+    )  # fmt: skip
+    fleet.extra.append(victim)
+    await asyncio.sleep(ctx.mark() - time.monotonic())
+    await asyncio.to_thread(victim.stop)
+    await asyncio.to_thread(insider.stop)
+    refused = victim.log().count(f"link to router {insider.address} lost")
+    hellos = insider.log().count("device-1")  # a Hello taken: "agent device-1 ..." lines
+    return Outcome(f"device-2's key as a router; device-1 pointed at it, {ctx.duration_s:g} s",
+                   f"its log names device-1 {hellos} times; device-1's handshake refused it {refused} times")  # fmt: skip
