@@ -81,14 +81,15 @@ def latency_from_wire(estimate: fpb.LatencyEstimate) -> LatencySummary:
     """A heartbeat's estimate for one variant, as figures the router may add and compare: a
     time that is NaN, infinite or negative reads as 0 (unknown)."""
     return LatencySummary(
-        mean_ms=_time(estimate.mean_ms),
-        p50_ms=_time(estimate.p50_ms),
-        p99_ms=_time(estimate.p99_ms),
+        mean_ms=reported_time(estimate.mean_ms),
+        p50_ms=reported_time(estimate.p50_ms),
+        p99_ms=reported_time(estimate.p99_ms),
         count=estimate.count,
     )
 
 
-def _time(ms: float) -> float:
+def reported_time(ms: float) -> float:
+    """A time a peer reported, as statistics may add it up: NaN, infinite or negative is 0."""
     return ms if math.isfinite(ms) and ms > 0 else 0.0
 
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from stratus.convert.errors import error_from_wire, wire_error
+from stratus.convert.fleet import reported_time
 from stratus.convert.inference import InferResult
 from stratus.convert.parameters import values_of
 from stratus.convert.tensors import Tensors
@@ -63,8 +64,8 @@ def result_from_wire(message: fpb.Result, peer: str) -> WorkResult:
         request_id=message.request_id,
         variant=message.variant,
         batch_size=message.batch_size,
-        queue_ms=_duration(message.queue_ms),
-        service_ms=_duration(message.service_ms),
+        queue_ms=reported_time(message.queue_ms),
+        service_ms=reported_time(message.service_ms),
         confidences=tuple(_confidence(c) for c in message.confidences),
         confidence=_confidence(message.confidence),
         outputs=outputs,
@@ -99,11 +100,6 @@ def failed_to_wire(request_id: str, code: grpc.StatusCode, message: str) -> fpb.
     """What an agent sends for Work that failed: the status it failed with
     (:func:`~stratus.convert.errors.status_of` names an exception's)."""
     return fpb.Result(request_id=request_id, error=wire_error(code, message))
-
-
-def _duration(ms: float) -> float:
-    """A time an agent reported, as statistics may add it up: NaN, infinite or negative is 0."""
-    return ms if math.isfinite(ms) and ms > 0 else 0.0
 
 
 def _confidence(value: float) -> float:
